@@ -1,0 +1,42 @@
+"""`swarmlm server --model DIR --blocks START:END --initial-peers ADDR ...`"""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("server", help="serve a range of the model's blocks")
+    p.add_argument("--model", required=True, help="checkpoint directory (config.json + safetensors)")
+    p.add_argument("--blocks", help="half-open range START:END; omit to let the server choose")
+    p.add_argument("--num-blocks", type=int, help="with no --blocks: how many blocks to take (default: from memory)")
+    p.add_argument("--placement", default="petals", choices=["petals", "cg-bprr"],
+                   help="with no --blocks: how to choose the range")
+    p.add_argument("--initial-peers", nargs="*", default=[], help="DHT multiaddrs (none: no swarm, direct use)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--announce-host", help="address others dial, if not --host")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for compute")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--cache-mb", type=int, default=256, help="attention-cache budget across sessions, MiB")
+    p.add_argument("--memory-mb", type=int, help="memory budget for weights + caches when choosing --num-blocks")
+    p.add_argument("--max-sessions", type=int, default=64)
+    p.add_argument("--max-length", type=int, default=2048, help="longest session accepted, tokens")
+    p.add_argument("--idle-timeout", type=float, default=120.0, help="close sessions idle this long, seconds")
+    p.add_argument("--dht-prefix", help="DHT namespace (default: the model directory's name)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, wait this long for sessions")
+
+
+def run(args: argparse.Namespace) -> int:
+    from swarmlm.config import ServerConfig
+    from swarmlm.server.server import run_server
+    from swarmlm.types import BlockRange
+
+    config = ServerConfig(
+        model_dir=args.model, blocks=BlockRange.parse(args.blocks) if args.blocks else None,
+        initial_peers=tuple(args.initial_peers), host=args.host, port=args.port, announce_host=args.announce_host,
+        threads=args.threads, dtype=args.dtype, num_blocks=args.num_blocks, placement=args.placement,
+        memory_bytes=args.memory_mb << 20 if args.memory_mb else None, cache_bytes=args.cache_mb << 20,
+        max_sessions=args.max_sessions, max_length_tokens=args.max_length,
+        session_idle_timeout_s=args.idle_timeout, dht_prefix=args.dht_prefix,
+    )
+    return run_server(config, drain_timeout_s=args.drain_timeout)

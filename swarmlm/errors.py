@@ -1,0 +1,50 @@
+"""The few errors a swarmlm user sees. Capacity limits are typed refusals, not crashes."""
+from __future__ import annotations
+
+
+class SwarmError(Exception):
+    """Base of every swarmlm error."""
+
+
+class InvalidRequest(SwarmError, ValueError):
+    """A request is malformed (shape, dtype, length, size). Nothing was changed."""
+
+
+class CapacityExceeded(SwarmError):
+    """A server refused work it has no room for (cache budget, session count). Try another server or later."""
+
+
+class UnknownSession(SwarmError, KeyError):
+    """The session id is not open on this server (never opened, closed, or expired)."""
+
+
+class MissingBlocks(SwarmError):
+    """No live server covers some blocks of the model."""
+
+    def __init__(self, missing: list[int], detail: str = "") -> None:
+        self.missing = missing
+        ranges = _compress(missing)
+        super().__init__(f"no server in the swarm serves blocks {ranges}" + (f" ({detail})" if detail else ""))
+
+
+class ServerFailed(SwarmError):
+    """A server of the route stopped answering or returned an error; the session may fail over."""
+
+    def __init__(self, server_id: str, reason: str) -> None:
+        self.server_id = server_id
+        super().__init__(f"server {server_id} failed: {reason}")
+
+
+class PlanningError(SwarmError, ValueError):
+    """A topology or placement request cannot be satisfied (unknown names, not enough memory, uncovered blocks)."""
+
+
+def _compress(blocks: list[int]) -> str:
+    """[0,1,2,5] -> '0-2, 5'."""
+    out: list[str] = []
+    for b in sorted(set(blocks)):
+        if out and b == int(out[-1].split("-")[-1]) + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{b}"
+        else:
+            out.append(str(b))
+    return ", ".join(out)

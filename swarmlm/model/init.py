@@ -1,0 +1,44 @@
+"""`swarmlm model init`: a randomly initialised checkpoint with a real architecture and a working tokenizer."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from swarmlm.model.family import FAMILIES
+from swarmlm.model.presets import get_preset
+from swarmlm.model.tokenizer import BOS_ID, EOS_ID, PAD_ID, save_tokenizer
+
+
+def init_checkpoint(
+    preset_name: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str = "1GB",
+) -> Path:
+    """Write `config.json`, safetensors shards (+ index when sharded) and the tokenizer to out_dir."""
+    preset = get_preset(preset_name)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = FAMILIES[preset.family].config_class(
+        **preset.config, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config.pad_token_id = PAD_ID
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+    save_tokenizer(min(preset.tokenizer_vocab, config.vocab_size), out)
+    (out / "swarmlm.json").write_text(json.dumps({"preset": preset_name, "seed": seed, "dtype": str(dtype)}))
+    return out
+
+
+def default_checkpoint(preset_name: str = "bloomz-560m", seed: int = 0, cache_dir: Path | None = None) -> Path:
+    """The checkpoint `swarmlm demo` uses, created once and cached."""
+    cache_dir = cache_dir or Path.home() / ".cache" / "swarmlm" / "checkpoints"
+    path = cache_dir / f"{preset_name}-seed{seed}"
+    if not (path / "swarmlm.json").is_file():  # written last: a half-written directory is redone
+        init_checkpoint(preset_name, path, seed=seed)
+    return path

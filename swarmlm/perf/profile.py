@@ -1,0 +1,107 @@
+"""A server measures its own per-block compute times at start-up (cached on disk), to announce and to plan with.
+
+Fits the performance model's ComputeProfile: prefill seconds per block = a * tokens + b (two lengths, least
+squares over repeats), decode seconds per block per token (median of single-token steps).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from swarmlm.perf.model import ComputeProfile
+from swarmlm.server.stage import Stage
+from swarmlm.types import BlockRange
+
+PROFILE_VERSION = 1
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def profile_key(stage: Stage, threads: int) -> str:
+    """Same model shapes, dtype, threads, span length and machine -> same profile."""
+    parts = [
+        json.dumps(stage.config.to_dict(), sort_keys=True, default=str), str(stage.dtype), str(threads),
+        str(stage.blocks.length), _cpu_name(), torch.__version__, str(PROFILE_VERSION),
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
+
+
+def measure(stage: Stage, lengths: tuple[int, int] = (16, 128), decode_steps: int = 8, repeats: int = 3) -> ComputeProfile:
+    blocks = stage.blocks
+    n = blocks.length
+    h = stage.hidden_size
+    gen = torch.Generator().manual_seed(0)
+
+    def prefill_s(tokens: int) -> float:
+        x = torch.randn(1, tokens, h, generator=gen)
+        t0 = time.perf_counter()
+        stage.forward(blocks, x, torch.ones(1, tokens, dtype=torch.long))
+        return time.perf_counter() - t0
+
+    prefill_s(lengths[0])  # warm-up (allocations, lazy init)
+    xs, ys = [], []
+    for _ in range(repeats):
+        for tokens in lengths:
+            xs.append(tokens)
+            ys.append(prefill_s(tokens) / n)
+    a, b = _fit_line(xs, ys)
+
+    state = stage.new_state(blocks, 1)
+    stage.step(state, torch.randn(1, lengths[0], h, generator=gen), torch.ones(1, lengths[0], dtype=torch.long))
+    one = torch.ones(1, 1, dtype=torch.long)
+    times = []
+    for _ in range(decode_steps + 1):
+        x = torch.randn(1, 1, h, generator=gen)
+        t0 = time.perf_counter()
+        stage.step(state, x, one)
+        times.append(time.perf_counter() - t0)
+    decode = statistics.median(times[1:]) / n
+    return ComputeProfile(prefill_a_s=max(a, 0.0), prefill_b_s=max(b, 0.0), decode_s=decode)
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    return a, my - a * mx
+
+
+def cached_profile(stage: Stage, threads: int, cache_dir: str | Path | None = None, refresh: bool = False) -> ComputeProfile:
+    cache_dir = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "swarmlm" / "profiles"
+    path = cache_dir / f"{profile_key(stage, threads)}.json"
+    if path.is_file() and not refresh:
+        try:
+            return ComputeProfile(**json.loads(path.read_text()))
+        except (ValueError, TypeError):
+            pass  # a corrupt cache entry is measured again
+    torch.set_num_threads(threads)
+    profile = measure(stage)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"prefill_a_s": profile.prefill_a_s, "prefill_b_s": profile.prefill_b_s,
+                               "decode_s": profile.decode_s}))
+    tmp.replace(path)
+    return profile
+
+
+def profile_model(model_dir: str, blocks: BlockRange | None, dtype: str, threads: int,
+                  cache_dir: str | None = None, refresh: bool = False) -> ComputeProfile:
+    from swarmlm.model.checkpoint import load_config
+
+    if blocks is None:
+        blocks = BlockRange(0, int(load_config(model_dir).num_hidden_layers))
+    return cached_profile(Stage(model_dir, blocks, dtype), threads, cache_dir, refresh)

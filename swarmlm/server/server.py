@@ -1,0 +1,162 @@
+"""A swarm server: load blocks, measure them, serve them over gRPC, announce them in the DHT.
+
+Shutdown on SIGTERM/SIGINT is graceful: the server withdraws its records (no new routes reach it), refuses new
+sessions, waits for open sessions to finish (up to `drain_timeout_s`), then stops.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+
+import grpc
+import torch
+
+from swarmlm import __version__
+from swarmlm.config import ServerConfig
+from swarmlm.perf.profile import cached_profile
+from swarmlm.server.scheduler import Scheduler
+from swarmlm.server.service import ServerStats, SwarmService
+from swarmlm.server.stage import Stage
+from swarmlm.swarm.records import OFFLINE, ONLINE, ServerRecord
+from swarmlm.types import BlockRange
+from swarmlm.wire import swarm_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class Server:
+    def __init__(self, config: ServerConfig, drain_timeout_s: float = 30.0) -> None:
+        self.config = config
+        self.drain_timeout_s = drain_timeout_s
+        self.dht = None
+        self.prefix = None
+        self.stage: Stage | None = None
+        self.service: SwarmService | None = None
+        self.address = ""
+        self.server_id = config.server_id or ""
+        self._stopping = threading.Event()
+        self._draining = False
+
+    # ---- start-up -----------------------------------------------------------------------------------
+    def _start_dht(self) -> None:
+        from swarmlm.swarm.dht import default_prefix, start_dht
+
+        self.prefix = self.config.dht_prefix or default_prefix(self.config.model_dir)
+        if self.config.initial_peers:
+            self.dht = start_dht(self.config.initial_peers, host=self.config.host)
+            self.server_id = self.server_id or self.dht.peer_id.to_base58()
+
+    def _choose_blocks(self) -> BlockRange:
+        if self.config.blocks is not None:
+            return self.config.blocks
+        from swarmlm.server.placement import choose_blocks
+
+        return choose_blocks(self.config, self.dht, self.prefix)
+
+    def record(self, state: str = ONLINE) -> ServerRecord:
+        info = self.service.info()
+        stage = self.stage
+        return ServerRecord(
+            server_id=self.server_id, address=self.address, start=stage.blocks.start, end=stage.blocks.end,
+            state=state, decode_s=info.decode_s_per_block, prefill_a_s=info.prefill_a_s,
+            prefill_b_s=info.prefill_b_s, cache_bytes_free=info.cache_bytes_free,
+            cache_bytes_total=info.cache_bytes_total,
+            session_bytes_per_block_token=stage.cache_bytes(1, 1, 1), active_sessions=info.active_sessions,
+            queue_length=info.queue_length, max_length=info.max_length, version=__version__,
+        )
+
+    def _announce_loop(self) -> None:
+        from swarmlm.swarm.dht import announce
+
+        while not self._stopping.is_set():
+            try:
+                announce(self.dht, self.prefix, self.record(), self.config.record_ttl_s)
+            except Exception as exc:  # a missed refresh is retried; the record lives for ttl
+                log.warning("announce failed: %s", exc)
+            self._stopping.wait(self.config.announce_period_s)
+
+    async def serve(self) -> None:
+        cfg = self.config
+        torch.set_num_threads(cfg.threads)
+        self._start_dht()
+        blocks = self._choose_blocks()
+        self.stage = Stage(cfg.model_dir, blocks, cfg.dtype)
+        profile = cached_profile(self.stage, cfg.threads, cfg.profile_cache_dir)
+        stats = ServerStats(
+            server_id=self.server_id, model=self.prefix or "", decode_s_per_block=profile.decode_s,
+            prefill_a_s=profile.prefill_a_s, prefill_b_s=profile.prefill_b_s,
+        )
+        scheduler = Scheduler(cfg.threads)
+        self.service = SwarmService(cfg, self.stage, scheduler, stats)
+        server = grpc.aio.server(options=grpc_options(cfg.max_message_bytes))
+        pb_grpc.add_SwarmServicer_to_server(self.service, server)
+        port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if port == 0:
+            raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
+        self.address = f"{cfg.announce_host or cfg.host}:{port}"
+        if not self.server_id:
+            self.server_id = self.address
+            stats.server_id = self.server_id
+        await server.start()
+        expire_task = asyncio.create_task(self.service.expire_loop())
+        announcer = None
+        if self.dht is not None:
+            announcer = threading.Thread(target=self._announce_loop, name="swarmlm-announce", daemon=True)
+            announcer.start()
+        self._print_ready(profile)
+
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await self._drain(announcer)
+        expire_task.cancel()
+        await server.stop(grace=2.0)
+        scheduler.stop()
+        if self.dht is not None:
+            self.dht.shutdown()
+
+    async def _drain(self, announcer: threading.Thread | None) -> None:
+        """Withdraw from the swarm, then let open sessions finish."""
+        self._stopping.set()
+        self.service.accepting = False
+        if announcer is not None:
+            announcer.join(timeout=5)
+            from swarmlm.swarm.dht import announce
+
+            try:
+                announce(self.dht, self.prefix, self.record(OFFLINE), self.config.record_ttl_s)
+            except Exception as exc:
+                log.warning("withdrawal failed: %s", exc)
+        deadline = time.monotonic() + self.drain_timeout_s
+        while self.service.sessions.sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+
+    def _print_ready(self, profile) -> None:
+        # one JSON line on stdout: launchers (demo, tests, bench) wait for it
+        print(json.dumps({
+            "event": "ready", "server_id": self.server_id, "address": self.address,
+            "blocks": [self.stage.blocks.start, self.stage.blocks.end],
+            "decode_s_per_block": profile.decode_s, "prefill_a_s": profile.prefill_a_s,
+            "prefill_b_s": profile.prefill_b_s,
+        }), flush=True)
+
+
+def run_server(config: ServerConfig, drain_timeout_s: float = 30.0) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    asyncio.run(Server(config, drain_timeout_s).serve())
+    return 0

@@ -1,0 +1,79 @@
+"""Plain data exchanged between components: block ranges, spans, routes.
+
+Block ranges are half-open `[start, end)` and count from 0 everywhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, order=True)
+class BlockRange:
+    start: int  # first block served
+    end: int  # one past the last block served
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end:
+            raise ValueError(f"block range [{self.start}, {self.end}) is empty or negative")
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    def contains(self, other: "BlockRange") -> bool:
+        return self.start <= other.start and other.end <= self.end
+
+    @classmethod
+    def parse(cls, text: str) -> "BlockRange":
+        """'3:7' -> [3, 7)."""
+        try:
+            start, end = (int(part) for part in text.split(":"))
+        except ValueError as exc:
+            raise ValueError(f"block range must look like START:END, got {text!r}") from exc
+        return cls(start, end)
+
+    def __str__(self) -> str:
+        return f"[{self.start}, {self.end})"
+
+
+@dataclass(frozen=True)
+class Span:
+    """One hop of a route: `server_id` runs blocks `[start, end)`; `address` is where to reach it (host:port)."""
+
+    server_id: str
+    start: int
+    end: int
+    address: str = ""
+
+    @property
+    def blocks(self) -> BlockRange:
+        return BlockRange(self.start, self.end)
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Route:
+    """An ordered chain of spans that together cover blocks [0, num_blocks) without gaps or overlaps."""
+
+    spans: tuple[Span, ...]
+    estimated_s: float = 0.0  # the router's estimate of one decode step along this route
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        for prev, nxt in zip(self.spans, self.spans[1:]):
+            if prev.end != nxt.start:
+                raise ValueError(f"route has a gap or overlap between {prev} and {nxt}")
+
+    @property
+    def start(self) -> int:
+        return self.spans[0].start if self.spans else 0
+
+    @property
+    def end(self) -> int:
+        return self.spans[-1].end if self.spans else 0
+
+    def describe(self) -> str:
+        return " -> ".join(f"{s.server_id}[{s.start}:{s.end})" for s in self.spans)

@@ -1,0 +1,60 @@
+"""Tensors <-> wire messages. Raw bytes + dtype + shape; every field a peer sends is checked before use."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from swarmlm.errors import InvalidRequest
+from swarmlm.wire import swarm_pb2 as pb
+
+# dtype name -> (torch dtype, bytes per value)
+WIRE_DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "float32": (torch.float32, 4),
+    "float16": (torch.float16, 2),
+    "bfloat16": (torch.bfloat16, 2),
+    "int64": (torch.int64, 8),
+    "int32": (torch.int32, 4),
+    "uint8": (torch.uint8, 1),
+    "bool": (torch.bool, 1),
+}
+_NAMES = {dt: name for name, (dt, _) in WIRE_DTYPES.items()}
+MAX_RANK = 4
+
+
+def encode(tensor: torch.Tensor) -> pb.Tensor:
+    tensor = tensor.detach().contiguous().cpu()
+    name = _NAMES.get(tensor.dtype)
+    if name is None:
+        raise InvalidRequest(f"dtype {tensor.dtype} cannot be sent")
+    # bfloat16 has no numpy twin: reinterpret its bits as int16 to get the raw bytes
+    raw = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
+    return pb.Tensor(data=raw.numpy().tobytes(), dtype=name, shape=list(tensor.shape))
+
+
+def decode(msg: pb.Tensor, what: str = "tensor", max_elements: int = 1 << 28) -> torch.Tensor:
+    """A torch tensor from a peer's message, or InvalidRequest saying what is wrong with it."""
+    if msg.dtype not in WIRE_DTYPES:
+        raise InvalidRequest(f"{what}: unknown dtype {msg.dtype!r}; expected one of {', '.join(WIRE_DTYPES)}")
+    dtype, itemsize = WIRE_DTYPES[msg.dtype]
+    shape = tuple(msg.shape)
+    if not 1 <= len(shape) <= MAX_RANK or any(d < 0 for d in shape):
+        raise InvalidRequest(f"{what}: bad shape {list(shape)}")
+    count = math.prod(shape)
+    if count > max_elements:
+        raise InvalidRequest(f"{what}: {count} elements exceed the limit of {max_elements}")
+    if len(msg.data) != count * itemsize:
+        raise InvalidRequest(
+            f"{what}: {len(msg.data)} bytes do not match shape {list(shape)} of {msg.dtype} ({count * itemsize} bytes)"
+        )
+    if msg.dtype == "bfloat16":
+        array = np.frombuffer(msg.data, dtype=np.int16).reshape(shape)
+        return torch.from_numpy(array.copy()).view(torch.bfloat16)
+    np_dtype = np.bool_ if msg.dtype == "bool" else np.dtype(msg.dtype)
+    # copy: frombuffer views the immutable message bytes, and torch wants writable memory
+    return torch.from_numpy(np.frombuffer(msg.data, dtype=np_dtype).reshape(shape).copy())
+
+
+def is_set(msg: pb.Tensor) -> bool:
+    return bool(msg.dtype) or len(msg.shape) > 0

@@ -1,0 +1,149 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("data", "dtype", "shape")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Timing(_message.Message):
+    __slots__ = ("queued_s", "compute_s", "decode_s", "encode_s")
+    QUEUED_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_S_FIELD_NUMBER: _ClassVar[int]
+    queued_s: float
+    compute_s: float
+    decode_s: float
+    encode_s: float
+    def __init__(self, queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., encode_s: _Optional[float] = ...) -> None: ...
+
+class Error(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class OpenSession(_message.Message):
+    __slots__ = ("start_block", "end_block", "batch_size", "max_length")
+    START_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    END_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    start_block: int
+    end_block: int
+    batch_size: int
+    max_length: int
+    def __init__(self, start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_length: _Optional[int] = ...) -> None: ...
+
+class InferenceStep(_message.Message):
+    __slots__ = ("hidden", "attention_mask", "step_id")
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    hidden: Tensor
+    attention_mask: Tensor
+    step_id: int
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., step_id: _Optional[int] = ...) -> None: ...
+
+class InferenceRequest(_message.Message):
+    __slots__ = ("session_id", "open", "step")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    open: OpenSession
+    step: InferenceStep
+    def __init__(self, session_id: _Optional[str] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., step: _Optional[_Union[InferenceStep, _Mapping]] = ...) -> None: ...
+
+class InferenceReply(_message.Message):
+    __slots__ = ("session_id", "hidden", "timing", "step_id", "position", "error")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    hidden: Tensor
+    timing: Timing
+    step_id: int
+    position: int
+    error: Error
+    def __init__(self, session_id: _Optional[str] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., step_id: _Optional[int] = ..., position: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("start_block", "end_block", "hidden", "attention_mask")
+    START_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    END_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
+    start_block: int
+    end_block: int
+    hidden: Tensor
+    attention_mask: Tensor
+    def __init__(self, start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ForwardReply(_message.Message):
+    __slots__ = ("hidden", "timing")
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    hidden: Tensor
+    timing: Timing
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoReply(_message.Message):
+    __slots__ = ("server_id", "model", "start_block", "end_block", "num_blocks", "hidden_size", "dtype", "cache_bytes_total", "cache_bytes_free", "active_sessions", "queue_length", "max_length", "max_batch", "max_message_bytes", "decode_s_per_block", "prefill_a_s", "prefill_b_s", "version")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    START_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    END_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FREE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_A_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_B_S_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    model: str
+    start_block: int
+    end_block: int
+    num_blocks: int
+    hidden_size: int
+    dtype: str
+    cache_bytes_total: int
+    cache_bytes_free: int
+    active_sessions: int
+    queue_length: int
+    max_length: int
+    max_batch: int
+    max_message_bytes: int
+    decode_s_per_block: float
+    prefill_a_s: float
+    prefill_b_s: float
+    version: str
+    def __init__(self, server_id: _Optional[str] = ..., model: _Optional[str] = ..., start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., cache_bytes_total: _Optional[int] = ..., cache_bytes_free: _Optional[int] = ..., active_sessions: _Optional[int] = ..., queue_length: _Optional[int] = ..., max_length: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., decode_s_per_block: _Optional[float] = ..., prefill_a_s: _Optional[float] = ..., prefill_b_s: _Optional[float] = ..., version: _Optional[str] = ...) -> None: ...
