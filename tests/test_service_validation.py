@@ -1,0 +1,132 @@
+"""Malformed requests sent straight to a server process get clear errors; the server and other sessions go on."""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from swarmlm.swarm.local import LocalSwarm
+from swarmlm.types import BlockRange
+from swarmlm.wire import codec
+from swarmlm.wire import swarm_pb2 as pb
+from tests.swarm_helpers import RawStream, stub
+
+pytestmark = pytest.mark.slow
+H = 64  # tiny-bloom hidden size
+
+
+@pytest.fixture(scope="module")
+def server(tiny_bloom):
+    # no DHT: a lone server reached by address; small limits so they can be hit cheaply
+    with LocalSwarm(tiny_bloom, with_dht=False,
+                    server_args=["--max-message-mb", "1", "--max-length", "64", "--cache-mb", "1",
+                                 "--idle-timeout", "3"]) as swarm:
+        swarm.start([BlockRange(1, 4)])
+        yield swarm.servers[0].address
+
+
+def open_session(address: str, start=1, end=4, batch=1, max_length=32) -> tuple[RawStream, pb.InferenceReply]:
+    s = RawStream(address)
+    reply = s.send(pb.InferenceRequest(open=pb.OpenSession(start_block=start, end_block=end, batch_size=batch,
+                                                           max_length=max_length)))
+    return s, reply
+
+
+def step(hidden: torch.Tensor, mask: torch.Tensor | None = None) -> pb.InferenceRequest:
+    return pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(hidden),
+                                                     attention_mask=codec.encode(mask) if mask is not None else None))
+
+
+def test_bad_steps_are_refused_and_the_session_survives(server):
+    s, opened = open_session(server)
+    assert opened.session_id
+    x = torch.randn(1, 5, H)
+    ok = s.send(step(x))
+    assert not ok.HasField("error") and ok.position == 5
+    expected_next = None
+    bad_requests = {
+        "bytes do not match": pb.InferenceRequest(step=pb.InferenceStep(hidden=pb.Tensor(
+            data=b"\0" * 10, dtype="float32", shape=[1, 1, H]))),
+        "unknown dtype": pb.InferenceRequest(step=pb.InferenceStep(hidden=pb.Tensor(
+            data=b"\0" * 4 * H, dtype="complex64", shape=[1, 1, H]))),
+        "hidden size 32": step(torch.randn(1, 1, 32)),
+        "expected shape": step(torch.randn(1, H)),
+        "batch 2": step(torch.randn(2, 1, H)),
+        "max_length": step(torch.randn(1, 40, H)),
+        "NaN": step(torch.full((1, 1, H), float("nan"))),
+        "values must be 0 or 1": step(torch.randn(1, 1, H), torch.tensor([[7]])),
+        "not a float": step(torch.ones(1, 1, H, dtype=torch.long)),
+    }
+    for needle, request in bad_requests.items():
+        reply = s.send(request)
+        assert reply.HasField("error"), needle
+        assert needle in reply.error.message, (needle, reply.error.message)
+        assert reply.position == 5  # nothing changed
+    # the session is intact: its next step continues at position 5 and matches a fresh session's output
+    y = torch.randn(1, 1, H)
+    after = s.send(step(y))
+    assert not after.HasField("error") and after.position == 6
+    fresh, _ = open_session(server)
+    fresh.send(step(x))
+    again = fresh.send(step(y))
+    assert torch.allclose(codec.decode(after.hidden), codec.decode(again.hidden))
+    s.close()
+    fresh.close()
+
+
+def test_protocol_errors_get_grpc_status(server):
+    for request, code in [
+        (pb.InferenceRequest(session_id="no-such-session", step=pb.InferenceStep()), grpc.StatusCode.NOT_FOUND),
+        (pb.InferenceRequest(step=pb.InferenceStep()), grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.InferenceRequest(open=pb.OpenSession(start_block=0, end_block=4, batch_size=1, max_length=8)),
+         grpc.StatusCode.INVALID_ARGUMENT),  # block 0 is not served here
+        (pb.InferenceRequest(open=pb.OpenSession(start_block=1, end_block=4, batch_size=1, max_length=999)),
+         grpc.StatusCode.INVALID_ARGUMENT),  # over the server's max length
+        (pb.InferenceRequest(open=pb.OpenSession(start_block=1, end_block=4, batch_size=60, max_length=64)),
+         grpc.StatusCode.RESOURCE_EXHAUSTED),  # cache budget: 2*3*60*64*64*4 bytes > 1 MiB
+    ]:
+        s = RawStream(server)
+        with pytest.raises(grpc.RpcError) as err:
+            s.send(request)
+        assert err.value.code() == code, (request, err.value.details())
+        assert err.value.details()
+        s.close()
+
+
+def test_oversized_message_is_refused(server):
+    s, _ = open_session(server)
+    with pytest.raises(grpc.RpcError) as err:
+        s.send(step(torch.randn(1, 5000, H)))  # 1.3 MB > the 1 MiB limit
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    s.close()
+
+
+def test_forward_validates_and_computes(server):
+    client = stub(server)
+    with pytest.raises(grpc.RpcError) as err:
+        client.Forward(pb.ForwardRequest(start_block=1, end_block=4, hidden=codec.encode(torch.randn(1, 3, 7))))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "hidden size" in err.value.details()
+    reply = client.Forward(pb.ForwardRequest(start_block=2, end_block=4, hidden=codec.encode(torch.randn(2, 3, H))))
+    assert list(codec.decode(reply.hidden).shape) == [2, 3, H] and reply.timing.compute_s > 0
+
+
+def test_sessions_release_cache_and_idle_sessions_expire(server):
+    client = stub(server)
+    base = client.Info(pb.InfoRequest())
+    s, _ = open_session(server)
+    during = client.Info(pb.InfoRequest())
+    assert during.cache_bytes_free < base.cache_bytes_free and during.active_sessions == base.active_sessions + 1
+    s.close()  # a clean end of stream closes the session
+    import time
+
+    deadline = time.time() + 5
+    while client.Info(pb.InfoRequest()).active_sessions != base.active_sessions and time.time() < deadline:
+        time.sleep(0.1)
+    assert client.Info(pb.InfoRequest()).cache_bytes_free == base.cache_bytes_free
+    # a stream that goes silent: the session is closed after the idle timeout (3 s here)
+    s2, _ = open_session(server)
+    time.sleep(4.5)
+    assert client.Info(pb.InfoRequest()).active_sessions == base.active_sessions
+    with pytest.raises(grpc.RpcError):
+        s2.send(step(torch.randn(1, 1, H)))
+    s2.close()
