@@ -15,6 +15,7 @@ def add_parser(sub) -> None:
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     init.add_argument("--max-shard-size", default="1GB")
+    init.add_argument("--layers", type=int, help="override the preset's number of blocks")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,6 +23,6 @@ def run(args: argparse.Namespace) -> int:
     from swarmlm.model.init import init_checkpoint
 
     out = init_checkpoint(args.preset, args.out, seed=args.seed, dtype=parse_dtype(args.dtype),
-                          max_shard_size=args.max_shard_size)
+                          max_shard_size=args.max_shard_size, num_layers=args.layers)
     print(out)
     return 0

@@ -24,6 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-message-mb", type=int, default=64, help="largest gRPC message accepted, MiB")
     p.add_argument("--idle-timeout", type=float, default=120.0, help="close sessions idle this long, seconds")
     p.add_argument("--dht-prefix", help="DHT namespace (default: the model directory's name)")
+    p.add_argument("--rebalance-period", type=float, default=30.0,
+                   help="with no --blocks: check every this many seconds whether moving helps the swarm (0 = never)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, wait this long for sessions")
 
 
@@ -40,4 +42,4 @@ def run(args: argparse.Namespace) -> int:
         max_sessions=args.max_sessions, max_length_tokens=args.max_length,
         session_idle_timeout_s=args.idle_timeout, max_message_bytes=args.max_message_mb << 20, dht_prefix=args.dht_prefix,
     )
-    return run_server(config, drain_timeout_s=args.drain_timeout)
+    return run_server(config, drain_timeout_s=args.drain_timeout, rebalance_period_s=args.rebalance_period)

@@ -58,9 +58,21 @@ class InferenceSession:
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def open(self) -> "InferenceSession":
+        """Route and open a stream on every span; a server that fails to open is banned and routed around."""
         t0 = time.perf_counter()
-        route = self.remote.route(0, self.remote.num_blocks, self.l_in_hint, self.l_out_hint, self.batch, self.max_length)
-        self.spans = self.remote.loop.run(self._open_spans(route.spans))
+        attempts = 0
+        while True:
+            route = self.remote.route(0, self.remote.num_blocks, self.l_in_hint, self.l_out_hint, self.batch,
+                                      self.max_length, refresh=attempts > 0)
+            try:
+                self.spans = self.remote.loop.run(self._open_spans(route.spans))
+                break
+            except ServerFailed as exc:
+                attempts += 1
+                if attempts > self.remote.config.max_retries:
+                    raise
+                log.warning("could not open a session: %s; routing around it", exc)
+                self.remote.view.ban(exc.server_id)
         self.route = route
         self.open_s = time.perf_counter() - t0
         return self

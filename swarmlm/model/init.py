@@ -18,14 +18,16 @@ def init_checkpoint(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     max_shard_size: str = "1GB",
+    num_layers: int | None = None,
 ) -> Path:
     """Write `config.json`, safetensors shards (+ index when sharded) and the tokenizer to out_dir."""
     preset = get_preset(preset_name)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = FAMILIES[preset.family].config_class(
-        **preset.config, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
-    )
+    shape = dict(preset.config)
+    if num_layers is not None:  # same family and widths, another depth (e.g. 24 tiny blocks for placement tests)
+        shape["n_layer" if preset.family == "bloom" else "num_hidden_layers"] = num_layers
+    config = FAMILIES[preset.family].config_class(**shape, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config.pad_token_id = PAD_ID

@@ -38,26 +38,32 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 class Server:
-    def __init__(self, config: ServerConfig, drain_timeout_s: float = 30.0) -> None:
+    def __init__(self, config: ServerConfig, drain_timeout_s: float = 30.0, rebalance_period_s: float = 30.0) -> None:
         self.config = config
         self.drain_timeout_s = drain_timeout_s
+        self.rebalance_period_s = rebalance_period_s
         self.dht = None
         self.prefix = None
         self.stage: Stage | None = None
         self.service: SwarmService | None = None
         self.address = ""
         self.server_id = config.server_id or ""
+        self.subkey: str | None = None
         self._stopping = threading.Event()
-        self._draining = False
+        self._moving = threading.Lock()  # the announcer stays quiet while the server changes its blocks
 
     # ---- start-up -----------------------------------------------------------------------------------
     def _start_dht(self) -> None:
-        from swarmlm.swarm.dht import default_prefix, start_dht
+        from hivemind.dht.crypto import RSASignatureValidator
+
+        from swarmlm.swarm.dht import default_prefix, owner_subkey, start_dht
 
         self.prefix = self.config.dht_prefix or default_prefix(self.config.model_dir)
         if self.config.initial_peers:
-            self.dht = start_dht(self.config.initial_peers, host=self.config.host)
+            validator = RSASignatureValidator()  # this process's key: it signs every record we announce
+            self.dht = start_dht(self.config.initial_peers, host=self.config.host, validator=validator)
             self.server_id = self.server_id or self.dht.peer_id.to_base58()
+            self.subkey = owner_subkey(self.server_id, validator)
 
     def _choose_blocks(self) -> BlockRange:
         if self.config.blocks is not None:
@@ -83,7 +89,8 @@ class Server:
 
         while not self._stopping.is_set():
             try:
-                announce(self.dht, self.prefix, self.record(), self.config.record_ttl_s)
+                with self._moving:
+                    announce(self.dht, self.prefix, self.record(), self.config.record_ttl_s, subkey=self.subkey)
             except Exception as exc:  # a missed refresh is retried; the record lives for ttl
                 log.warning("announce failed: %s", exc)
             self._stopping.wait(self.config.announce_period_s)
@@ -117,12 +124,17 @@ class Server:
             announcer = threading.Thread(target=self._announce_loop, name="swarmlm-announce", daemon=True)
             announcer.start()
         self._print_ready(profile)
+        rebalancer = None
+        if self.dht is not None and cfg.blocks is None and self.rebalance_period_s > 0:
+            rebalancer = asyncio.create_task(self._rebalance_loop())
 
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        if rebalancer is not None:
+            rebalancer.cancel()
         await self._drain(announcer)
         expire_task.cancel()
         await server.stop(grace=2.0)
@@ -139,12 +151,54 @@ class Server:
             from swarmlm.swarm.dht import announce
 
             try:
-                announce(self.dht, self.prefix, self.record(OFFLINE), self.config.record_ttl_s)
+                announce(self.dht, self.prefix, self.record(OFFLINE), self.config.record_ttl_s, subkey=self.subkey)
             except Exception as exc:
                 log.warning("withdrawal failed: %s", exc)
         deadline = time.monotonic() + self.drain_timeout_s
         while self.service.sessions.sessions and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
+
+    async def _rebalance_loop(self) -> None:
+        """Every period: would moving raise the swarm's weakest block throughput enough? Then move."""
+        from swarmlm.server.placement import model_spec, should_move
+        from swarmlm.swarm.dht import fetch_records
+
+        loop = asyncio.get_running_loop()
+        model = await loop.run_in_executor(None, model_spec, self.config)
+        while True:
+            await asyncio.sleep(self.rebalance_period_s)
+            try:
+                records = await loop.run_in_executor(None, fetch_records, self.dht, self.prefix, range(model.num_blocks))
+                target = should_move(self.config, self.record(), records, model)
+                if target is not None:
+                    await self._move(target)
+            except Exception:
+                log.exception("rebalancing check failed; staying")
+
+    async def _move(self, blocks: BlockRange) -> None:
+        """Serve `blocks` instead: withdraw, hand open sessions back to their clients' failover, reload, announce."""
+        from swarmlm.swarm.dht import announce
+
+        log.info("rebalancing: moving from %s to %s", self.stage.blocks, blocks)
+        loop = asyncio.get_running_loop()
+        with self._moving:
+            self.service.accepting = False
+            await loop.run_in_executor(None, lambda: announce(
+                self.dht, self.prefix, self.record(OFFLINE), self.config.record_ttl_s, subkey=self.subkey))
+            deadline = time.monotonic() + min(self.drain_timeout_s, 5.0)
+            while self.service.sessions.sessions and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            for sid in list(self.service.sessions.sessions):  # their next step fails: clients fail over
+                self.service.sessions.close(sid)
+            stage = await loop.run_in_executor(None, Stage, self.config.model_dir, blocks, self.config.dtype)
+            profile = await loop.run_in_executor(
+                None, cached_profile, stage, self.config.threads, self.config.profile_cache_dir)
+            self.stage = self.service.stage = stage
+            self.service.stats.decode_s_per_block = profile.decode_s
+            self.service.stats.prefill_a_s, self.service.stats.prefill_b_s = profile.prefill_a_s, profile.prefill_b_s
+            self.service.accepting = True
+        print(json.dumps({"event": "moved", "server_id": self.server_id, "blocks": [blocks.start, blocks.end]}),
+              flush=True)
 
     def _print_ready(self, profile) -> None:
         # one JSON line on stdout: launchers (demo, tests, bench) wait for it
@@ -156,7 +210,7 @@ class Server:
         }), flush=True)
 
 
-def run_server(config: ServerConfig, drain_timeout_s: float = 30.0) -> int:
+def run_server(config: ServerConfig, drain_timeout_s: float = 30.0, rebalance_period_s: float = 30.0) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(Server(config, drain_timeout_s).serve())
+    asyncio.run(Server(config, drain_timeout_s, rebalance_period_s).serve())
     return 0

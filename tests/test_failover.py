@@ -1,0 +1,115 @@
+"""Generation survives servers dying mid-answer: same tokens as an undisturbed run (every block served twice)."""
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.swarm.local import LocalSwarm
+from swarmlm.types import BlockRange
+
+pytestmark = pytest.mark.slow
+RANGES = [BlockRange(0, 2), BlockRange(2, 4), BlockRange(4, 6)]
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_bloom):
+    with LocalSwarm(tiny_bloom, server_args=["--drain-timeout", "60"]) as swarm:
+        swarm.start(RANGES + RANGES)
+        client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers,
+                                                             ban_base_s=30.0)
+        yield swarm, client
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_bloom):
+    ref = AutoModelForCausalLM.from_pretrained(tiny_bloom).eval()
+    ids = AutoTokenizer.from_pretrained(tiny_bloom)("the quick brown fox", return_tensors="pt").input_ids
+    with torch.no_grad():
+        # min_new_tokens keeps eos from ending the run early, as the manual loop below never stops at eos
+        want = ref.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    return ids, want[0, ids.shape[1]:].tolist()
+
+
+def restore(swarm: LocalSwarm) -> None:
+    """Restart dead servers so that every block is served twice again."""
+    for server in list(swarm.servers):
+        if not server.alive:
+            swarm.servers.remove(server)
+            swarm.start_server(BlockRange(*server.ready["blocks"]))
+
+
+def greedy_with_disruptions(swarm, client, ids, disruptions: dict[int, tuple[int, int]]) -> tuple[list[int], list]:
+    """Greedy decoding step by step; at token n, send signal sig to the server of the route's span `position`."""
+    tokens, records = [], []
+    with client.inference_session(max_length=ids.shape[1] + NEW_TOKENS) as session:
+        logits = client.step_logits(session, ids)
+        for n in range(NEW_TOKENS):
+            if n in disruptions:
+                position, sig = disruptions[n]
+                victim_id = session.spans[position if position >= 0 else len(session.spans) + position].span.server_id
+                victim = next(s for s in swarm.servers if s.server_id == victim_id)
+                swarm.kill(victim, sig)
+                if sig == signal.SIGKILL:
+                    victim.proc.wait(10)
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(int(nxt))
+            if n + 1 < NEW_TOKENS:
+                logits = client.step_logits(session, nxt)
+        records = session.steps
+    return tokens, records
+
+
+@pytest.mark.parametrize("position", [0, -1, 1], ids=["first-block", "last-block", "middle-block"])
+def test_sigkill_mid_generation_gives_the_same_tokens(swarm, reference, position):
+    swarm_, client = swarm
+    restore(swarm_)
+    ids, want = reference
+    got, steps = greedy_with_disruptions(swarm_, client, ids, {10: (position, signal.SIGKILL)})
+    assert got == want
+    assert sum(s.failovers for s in steps) == 1
+
+
+def test_two_failures_in_one_generation(swarm, reference):
+    swarm_, client = swarm
+    restore(swarm_)
+    client.remote.view.bans.clear()
+    ids, want = reference
+    got, steps = greedy_with_disruptions(swarm_, client, ids, {10: (0, signal.SIGKILL), 25: (-1, signal.SIGKILL)})
+    assert got == want
+    assert sum(s.failovers for s in steps) == 2
+
+
+def test_sigterm_drains_without_losing_the_session(swarm, reference):
+    swarm_, client = swarm
+    restore(swarm_)
+    ids, want = reference
+    alive_before = {s.server_id for s in swarm_.servers if s.alive}
+    got, steps = greedy_with_disruptions(swarm_, client, ids, {10: (1, signal.SIGTERM)})
+    assert got == want
+    assert sum(s.failovers for s in steps) == 0  # the draining server finished the session itself
+    # once its last session closed, the server exits cleanly on its own
+    stopped = [s for s in swarm_.servers if s.server_id in alive_before and s.proc.poll() is not None]
+    deadline = time.time() + 20
+    while not stopped and time.time() < deadline:
+        time.sleep(0.2)
+        stopped = [s for s in swarm_.servers if s.server_id in alive_before and s.proc.poll() is not None]
+    assert len(stopped) == 1 and stopped[0].proc.returncode == 0
+
+
+def test_no_replacement_gives_a_clear_error(tiny_bloom):
+    from swarmlm.errors import MissingBlocks
+
+    with LocalSwarm(tiny_bloom) as swarm:
+        swarm.start([BlockRange(0, 3)])
+        client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers,
+                                                             wait_for_blocks_s=2.0)
+        with pytest.raises(MissingBlocks, match="3-5"):
+            client.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2)
+        client.close()
