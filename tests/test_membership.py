@@ -1,0 +1,129 @@
+"""Honest, living membership: signed records, fast expiry, servers that place and re-place themselves."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils.crypto import RSAPrivateKey
+
+from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.model.init import init_checkpoint
+from swarmlm.swarm.dht import announce, default_prefix, fetch_records, owner_subkey, start_dht, visible_addrs
+from swarmlm.swarm.local import LocalSwarm
+from swarmlm.swarm.records import ServerRecord
+from swarmlm.types import BlockRange
+
+
+def test_forged_and_unsigned_records_are_rejected():
+    boot = start_dht()
+    peers = visible_addrs(boot)
+    owner = RSASignatureValidator(RSAPrivateKey())
+    honest = start_dht(peers, validator=owner)
+    attacker = start_dht(peers, validator=RSASignatureValidator(RSAPrivateKey()))
+    reader = start_dht(peers, client_mode=True)
+    try:
+        real = ServerRecord(server_id="srvA", address="127.0.0.1:5000", start=0, end=2, decode_s=0.01)
+        assert announce(honest, "m", real, 30, subkey=owner_subkey("srvA", owner))
+        # the attacker overwrites srvA's record with a newer one pointing elsewhere: its signature does not match
+        forged = ServerRecord(server_id="srvA", address="127.0.0.2:6666", start=0, end=2, decode_s=1e-9)
+        assert not announce(attacker, "m", forged, 60, subkey=owner_subkey("srvA", owner))
+        # an unsigned record is stored by the DHT but ignored by readers
+        announce(attacker, "m", ServerRecord(server_id="srvB", address="127.0.0.2:6666", start=0, end=2), 60,
+                 subkey="srvB")
+        # a record signed by the attacker's own key cannot claim another server's id either
+        announce(attacker, "m", ServerRecord(server_id="srvA", address="127.0.0.2:1", start=0, end=2), 60,
+                 subkey="srvC" + owner_subkey("", RSASignatureValidator(RSAPrivateKey())))
+        seen = fetch_records(reader, "m", range(2))
+        assert set(seen) == {"srvA"} and seen["srvA"].address == "127.0.0.1:5000"
+    finally:
+        for d in (boot, honest, attacker, reader):
+            d.shutdown()
+
+
+@pytest.mark.slow
+def test_dead_server_leaves_routes_within_seconds(tiny_bloom):
+    with LocalSwarm(tiny_bloom) as swarm:
+        swarm.start([BlockRange(0, 6), BlockRange(0, 6)])
+        reader = start_dht(swarm.initial_peers, client_mode=True)
+        prefix = default_prefix(tiny_bloom)
+        try:
+            assert len(fetch_records(reader, prefix, range(6))) == 2
+            victim = swarm.servers[0]
+            swarm.kill(victim, signal.SIGKILL)
+            t0 = time.time()
+            while victim.server_id in fetch_records(reader, prefix, range(6)):
+                assert time.time() - t0 < 12, "a dead server's record outlived its TTL"
+                time.sleep(0.25)
+            gone_after = time.time() - t0
+            # a clean shutdown withdraws the record at once
+            other = swarm.servers[1]
+            swarm.kill(other, signal.SIGTERM)
+            t1 = time.time()
+            while other.server_id in fetch_records(reader, prefix, range(6)):
+                assert time.time() - t1 < 5, "SIGTERM did not withdraw the record"
+                time.sleep(0.1)
+        finally:
+            reader.shutdown()
+    assert gone_after < 12
+
+
+@pytest.fixture(scope="module")
+def bloom24(tmp_path_factory) -> str:
+    return str(init_checkpoint("tiny-bloom", tmp_path_factory.mktemp("bloom24"), seed=3, num_layers=24))
+
+
+@pytest.mark.slow
+def test_servers_without_ranges_fill_the_least_covered_blocks(bloom24):
+    with LocalSwarm(bloom24) as swarm:
+        swarm.start_dht()
+        ranges = []
+        for _ in range(3):  # one after another, each sees the ones before it in the DHT
+            server = swarm.start_server(None, extra=["--num-blocks", "8"])
+            ranges.append(tuple(server.ready["blocks"]))
+            time.sleep(1.0)
+        covered = sorted(b for s, e in ranges for b in range(s, e))
+        assert covered == list(range(24)), ranges
+
+
+@pytest.mark.slow
+def test_rebalancing_covers_blocks_a_dead_server_left(tiny_bloom):
+    with LocalSwarm(tiny_bloom) as swarm:
+        swarm.start_dht()
+        swarm.start_server(BlockRange(0, 3))
+        lost = swarm.start_server(BlockRange(3, 6))
+        time.sleep(1.0)
+        mover = swarm.start_server(None, extra=["--num-blocks", "3", "--rebalance-period", "1"])
+        assert mover.ready["blocks"] == [0, 3]  # blocks 3-5 were covered, ties go to the first window
+        swarm.kill(lost, signal.SIGKILL)
+        reader = start_dht(swarm.initial_peers, client_mode=True)
+        try:
+            deadline = time.time() + 40
+            while True:
+                records = fetch_records(reader, default_prefix(tiny_bloom), range(6))
+                if records.get(mover.server_id) and records[mover.server_id].start == 3:
+                    break
+                assert time.time() < deadline, f"the server did not move: {records}"
+                time.sleep(0.5)
+        finally:
+            reader.shutdown()
+        client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers)
+        out = client.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3)
+        assert out.shape == (1, 6)
+        client.close()
+
+
+@pytest.mark.slow
+def test_concurrent_sessions_spread_over_replicas(tiny_bloom):
+    with LocalSwarm(tiny_bloom) as swarm:
+        swarm.start([BlockRange(0, 6), BlockRange(0, 6)])
+        client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers)
+        sessions = [client.inference_session(max_length=32).open() for _ in range(4)]
+        used = [s.route_spans()[0].server_id for s in sessions]
+        for s in sessions:
+            s.close()
+        client.close()
+    assert sorted(used.count(sid) for sid in set(used)) == [2, 2], used
