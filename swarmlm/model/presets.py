@@ -30,6 +30,13 @@ PRESETS: dict[str, ModelPreset] = {
                 tie_word_embeddings=False,
             ),
         ),
+        # Between the two: compute dominates a step (profiles, benchmarks) yet it loads in a second.
+        ModelPreset(
+            "small-bloom",
+            "bloom",
+            dict(vocab_size=4096, hidden_size=512, n_layer=8, n_head=8),
+            tokenizer_vocab=1024,
+        ),
         # The real BLOOMZ-560M shapes: 24 blocks, d_model 1024, 16 heads, vocabulary 250,880.
         ModelPreset(
             "bloomz-560m",
