@@ -25,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from swarmlm.client.model import DistributedModelForCausalLM
     from swarmlm.model.checkpoint import load_config
@@ -32,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from swarmlm.swarm.local import LocalSwarm, even_split
 
     console = Console()
+    hf_logging.disable_progress_bar()  # our own status lines say what is loading
     torch.set_num_threads(args.threads)
     with console.status(f"preparing the {args.preset} checkpoint (cached after the first run)"):
         model_dir = args.model or str(default_checkpoint(args.preset))
@@ -43,14 +45,16 @@ def run(args: argparse.Namespace) -> int:
         with console.status(f"starting a DHT and {args.servers} servers: {', '.join(map(str, ranges))}"):
             t0 = time.perf_counter()
             swarm.start(ranges)
-            console.print(f"swarm ready in {time.perf_counter() - t0:.1f} s; DHT at {swarm.initial_peers[0]}")
+            console.print(f"swarm ready in {time.perf_counter() - t0:.1f} s", soft_wrap=True)
+            console.print(f"DHT: {swarm.initial_peers[0]}", soft_wrap=True)
         model = DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers,
                                                             threads=args.threads)
         with console.status("loading the same model locally in plain transformers"):
             local = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         table = Table(title=f"{args.preset}: swarm of {args.servers} vs one process ({args.max_new_tokens} new tokens)")
-        for col in ("prompt", "route", "TTFT s", "swarm tok/s", "local tok/s", "same tokens"):
+        for col in ("prompt", "TTFT s", "swarm tok/s", "local tok/s", "same tokens"):
             table.add_column(col)
+        routes = set()
         for prompt in DEMO_PROMPTS:
             ids = tokenizer(prompt, return_tensors="pt").input_ids
             out = model.generate(ids, max_new_tokens=args.max_new_tokens)
@@ -62,10 +66,12 @@ def run(args: argparse.Namespace) -> int:
             n = out.shape[1] - ids.shape[1]
             same = torch.equal(out, want)
             console.print(f"[bold]{prompt}[/bold] -> {tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)!r}")
-            table.add_row(prompt[:32], " -> ".join(r.split("[")[0][-6:] + "[" + r.split("[")[1] for r in stats.route),
-                          f"{stats.ttft_s:.3f}", f"{stats.tokens_per_s:.1f}", f"{n / local_s:.1f}",
+            routes.add(" -> ".join(f"{r.split('[')[0][-8:]}[{r.split('[')[1]}" for r in stats.route))
+            table.add_row(prompt, f"{stats.ttft_s:.3f}", f"{stats.tokens_per_s:.1f}", f"{n / local_s:.1f}",
                           "yes" if same else "[red]NO[/red]")
         console.print(table)
+        for route in sorted(routes):
+            console.print(f"route (server id suffix[blocks]): {route}")
         console.print("random weights: the text is noise; what matters is that the swarm gives the local model's tokens")
         model.close()
     except KeyboardInterrupt:
