@@ -1,0 +1,173 @@
+"""The namespaces testbed: accuracy, server-to-server links, cleanup (also when interrupted), fallback.
+
+These need root and iproute2, as CI has. Without them they fail with NetemUnavailable saying why;
+the fallback path is tested on purpose by faking the missing rights.
+"""
+import logging
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from swarmlm.bench.netem import (LinkProfile, NetemUnavailable, Testbed, cleanup_leftovers, leftovers, measure_rtt,
+                                 preset, start_probe_server)
+from swarmlm.bench.netem import netns as netns_module
+from swarmlm.bench.netem.netns import HostNamespaces
+from swarmlm.bench.netem.accuracy import check_testbed
+from swarmlm.bench.netem.probe import measure_bandwidth
+
+PROFILES = {"lan": preset("lan"), "wan": preset("wan"), "custom": LinkProfile(rtt_s=0.020, rate_bps=100e6)}
+
+
+def _system_state(tag: str) -> str:
+    """Everything of a testbed that `ip` can still see: namespaces, links, qdiscs."""
+    out = [subprocess.run(cmd, capture_output=True, text=True).stdout
+           for cmd in (["ip", "netns", "list"], ["ip", "-o", "link", "show"], ["tc", "qdisc", "show"])]
+    return "\n".join(line for text in out for line in text.splitlines() if tag in line)
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_namespaces_testbed_follows_the_profile(name):
+    profile = PROFILES[name]
+    with Testbed(2, profile, mode="namespaces") as tb:
+        assert tb.mode == "namespaces" and tb.exec_prefix(1)[:3] == ["ip", "netns", "exec"]
+        assert _system_state(tb.tag)  # the namespaces and veths exist while it runs
+        check = check_testbed(tb, host=1)
+        assert check.rtt_error < 0.10, (check.rtt, profile)
+        assert check.rate_error < 0.10, (check.up, check.down, profile)
+        tag = tb.tag
+    assert _system_state(tag) == ""
+
+
+def test_profile_changes_what_the_client_measures():
+    """The direct host address is the undelayed path; only `expose` adds the profile's delay."""
+    with Testbed(1, preset("wan"), mode="namespaces") as tb:
+        proc, port = start_probe_server(tb.host_ip(0), 0, tb.exec_prefix(0))
+        direct = measure_rtt(f"{tb.host_ip(0)}:{port}", samples=20).median_s
+        exposed = measure_rtt(tb.expose(0, port), samples=10).median_s
+        goodput = measure_bandwidth(f"{tb.host_ip(0)}:{port}", 6 << 20, "down").bits_per_s
+    assert direct < 0.002 and 0.045 < exposed < 0.055
+    assert goodput < 110e6  # tbf limits the host's access link even on the direct path
+
+
+def test_server_to_server_through_expose_and_everything_removed():
+    """Host 0 reaches host 1's exposed address with the pair's own link; on exit nothing of it is left."""
+    client_link, pair_link = LinkProfile(rtt_s=0.004, rate_bps=1e9), LinkProfile(rtt_s=0.030, rate_bps=1e9)
+    links = [[client_link] * 3 for _ in range(3)]
+    links[1][2] = links[2][1] = pair_link
+    from swarmlm.bench.netem import LinkMatrix
+
+    with Testbed(2, LinkMatrix(2, tuple(map(tuple, links))), mode="namespaces") as tb:
+        server = tb.spawn(1, [sys.executable, "-c", "from swarmlm.bench.netem.probe import main; main()",
+                              "--host", tb.host_ip(1), "--port", "7311"], stdout=subprocess.PIPE, text=True)
+        assert server.stdout.readline().startswith("probe listening")
+        address = tb.expose(1, 7311)
+        assert address == f"{tb.announce_host(1)}:7311"  # same port: a server can announce its relay front
+        from_client = measure_rtt(address, samples=20).median_s
+        measure = f"from swarmlm.bench.netem import measure_rtt; print(measure_rtt({address!r}, samples=10).median_s)"
+        from_host0 = float(subprocess.run(tb.exec_prefix(0) + [sys.executable, "-c", measure],
+                                          capture_output=True, text=True, check=True).stdout)
+        pids_in_ns = subprocess.run(["ip", "netns", "pids", tb._hosts.netns(1)], capture_output=True, text=True).stdout
+        assert str(server.pid) in pids_in_ns.split()
+        tag, relay_pid = tb.tag, tb._relay.pid
+    assert abs(from_client - 0.004) < 0.0006 and abs(from_host0 - 0.030) < 0.003
+    assert server.poll() is not None and _gone(relay_pid)
+    assert _system_state(tag) == "" and not [x for x in leftovers() if tag in x]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        subprocess.run(["kill", "-0", str(pid)], check=True, capture_output=True)
+        return False
+    except subprocess.CalledProcessError:
+        return True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_interrupted_setup_leaves_nothing(sig):
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import time
+        from swarmlm.bench.netem import Testbed, preset
+        with Testbed(6, preset("lan"), mode="namespaces"):
+            print("ready", flush=True)
+            time.sleep(60)
+    """)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tag = f"slm-{child.pid}"
+    deadline = time.monotonic() + 10
+    while tag not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout:
+        assert time.monotonic() < deadline and child.poll() is None, child.communicate()
+        time.sleep(0.002)
+    child.send_signal(sig)  # the first namespace exists: set-up is under way
+    out, err = child.communicate(timeout=20)
+    assert "ready" not in out, "the signal came too late to interrupt the set-up"
+    assert child.returncode != 0
+    assert _system_state(f"slm-{child.pid}") == "" and _system_state(f"slm{child.pid}") == "", err
+
+
+def test_leftovers_of_a_killed_testbed_are_removed_by_the_next_one():
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import subprocess, sys, time
+        from swarmlm.bench.netem import Testbed, preset
+        with Testbed(2, preset("lan"), mode="namespaces") as tb:
+            tb.spawn(0, ["sleep", "60"])
+            print(tb.tag, tb._relay.pid, flush=True)
+            time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    tag, relay_pid = child.stdout.readline().split()
+    child.kill()  # no cleanup can run
+    child.wait()
+    assert _system_state(tag)  # left behind, with a `sleep` still inside a namespace
+    removed = cleanup_leftovers()
+    assert any(tag in name for name in removed)
+    assert _system_state(tag) == ""
+    deadline = time.monotonic() + 5
+    while not _gone(int(relay_pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(int(relay_pid))
+
+
+def test_fallback_to_relay_only_without_rights(monkeypatch, caplog):
+    monkeypatch.setattr(netns_module, "namespaces_unsupported_reason", lambda: "not running as root (faked)")
+    with pytest.raises(NetemUnavailable, match="namespaces mode is unavailable: not running as root"):
+        with Testbed(1, preset("lan"), mode="namespaces"):
+            pass
+    with caplog.at_level(logging.WARNING, logger="swarmlm.bench.netem"):
+        with Testbed(1, LinkProfile(rtt_s=0.010), mode="auto") as tb:
+            assert tb.mode == "relay-only" and "faked" in tb.fallback_reason
+            proc, port = start_probe_server(tb.host_ip(0), 0, tb.exec_prefix(0))
+            try:
+                assert abs(measure_rtt(tb.expose(0, port), samples=10).median_s - 0.010) < 0.001
+            finally:
+                proc.kill()
+                proc.wait()
+    assert "falling back to relay-only" in caplog.text
+
+
+def test_failure_midway_through_namespace_setup_is_undone(monkeypatch):
+    """A command failing for host 1 (after host 0 was built) falls back in auto mode and raises otherwise."""
+    real_build_host = HostNamespaces.build_host
+
+    def failing_build_host(self, i, bridge, rate_bps):
+        if i == 1:
+            netns_module.run(["ip", "link", "set", "slm-no-such-device", "up"])
+        real_build_host(self, i, bridge, rate_bps)
+
+    monkeypatch.setattr(HostNamespaces, "build_host", failing_build_host)
+    with Testbed(2, preset("lan"), mode="auto") as tb:
+        assert tb.mode == "relay-only" and "slm-no-such-device" in tb.fallback_reason
+        assert _system_state(tb.tag) == ""  # host 0's namespace and the bridge are gone already
+    tb = Testbed(2, preset("lan"), mode="namespaces")
+    with pytest.raises(NetemUnavailable, match="slm-no-such-device"):
+        tb.__enter__()
+    assert _system_state(tb.tag) == ""
+
+
+def test_two_testbeds_at_once_get_separate_subnets_and_names():
+    with Testbed(1, preset("lan"), mode="namespaces") as a, Testbed(1, preset("lan"), mode="namespaces") as b:
+        assert a.tag != b.tag
+        assert a.host_ip(0).rsplit(".", 2)[0:2] != b.host_ip(0).rsplit(".", 2)[0:2]  # different /24s
+        tags = (a.tag, b.tag)
+    assert all(_system_state(tag) == "" for tag in tags)
