@@ -103,7 +103,7 @@ def generate_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         unfinished = torch.ones(batch, dtype=torch.long)
         step_ids, step_mask = input_ids, mask
         for n in range(cfg.max_new_tokens):
-            logits = model.step_logits(session, step_ids, step_mask, stats)
+            logits = model.step_logits(session, step_ids, step_mask, stats, last_only=True)
             t0 = time.perf_counter()
             next_tokens = select_next(logits[:, -1, :], ids, cfg, warpers, generator)
             if len(cfg.eos_token_id):

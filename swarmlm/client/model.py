@@ -58,14 +58,15 @@ class DistributedModelForCausalLM:
         return InferenceSession(self.remote, batch_size, max_length, l_in_hint, l_out_hint)
 
     def step_logits(self, session: InferenceSession, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                    stats: GenerationStats | None = None) -> torch.Tensor:
-        """New tokens [B, T] -> logits [B, T, V], keeping the session's caches on the servers."""
+                    stats: GenerationStats | None = None, last_only: bool = False) -> torch.Tensor:
+        """New tokens [B, T] -> logits [B, T, V] ([B, 1, V] with last_only), keeping the session's caches on the
+        servers. Generation needs only the last position: with a 250k vocabulary the head is the costly part."""
         t0 = time.perf_counter()
         hidden = self.embed(input_ids)
         t1 = time.perf_counter()
         out = session.step(hidden, attention_mask)
         t2 = time.perf_counter()
-        logits = self.head(out)
+        logits = self.head(out[:, -1:] if last_only else out)
         if stats is not None:
             stats.embed_s += t1 - t0
             stats.head_s += time.perf_counter() - t2
