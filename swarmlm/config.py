@@ -23,6 +23,11 @@ class ServerConfig:
     max_sessions: int = 64  # open sessions at once
     max_length_tokens: int = 2048  # longest session (prompt + generated) accepted
     max_batch: int = 64  # sequences in one session
+    # continuous batching: one compute round takes queued steps of all sessions up to this many tokens (rows x new
+    # tokens; a decode step of a batch-1 session is 1). Larger: more decode steps share a forward and prefill
+    # chunks join rounds sooner; smaller: a round (so the wait for the next token) is shorter.
+    max_batch_tokens: int = 512
+    max_prefill_skips: int = 2  # rounds the oldest prefill that does not fit the budget may be passed over
     max_message_bytes: int = 64 << 20  # largest gRPC message accepted or sent
     session_idle_timeout_s: float = 120.0  # a session with no step for this long is closed
     announce_period_s: float = 2.0  # how often the DHT record is refreshed
@@ -36,9 +41,12 @@ class ServerConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
-        for name in ("cache_bytes", "max_sessions", "max_length_tokens", "max_batch", "max_message_bytes"):
+        for name in ("cache_bytes", "max_sessions", "max_length_tokens", "max_batch", "max_message_bytes",
+                     "max_batch_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_prefill_skips < 0:
+            raise ValueError(f"max_prefill_skips must be >= 0, got {self.max_prefill_skips}")
         if self.record_ttl_s <= self.announce_period_s:
             raise ValueError(
                 f"record_ttl_s ({self.record_ttl_s}) must exceed announce_period_s ({self.announce_period_s})"
@@ -64,6 +72,14 @@ class ClientConfig:
     ban_max_s: float = 60.0
     routing: str = "waiting-aware"  # "shortest" | "waiting-aware"
     max_message_bytes: int = 64 << 20
+    # Chunked prefill and decode-first transmission (swarmlm/client/chunking.py, transmission.py).
+    prefill_chunk_tokens: int | None = None  # tokens per prefill message: None = auto (link + compute), 0 = one message
+    chunk_min_tokens: int = 16  # bounds of the automatic size: smaller chunks cost more per-message overhead,
+    chunk_max_tokens: int = 256  # larger ones hold a slow link (and the decodes behind them) for longer
+    decode_first: bool = True  # decode messages pass waiting prefill chunks on each link (False: arrival order)
+    max_decode_burst: int = 8  # decode messages in a row that may pass a waiting prefill chunk (fairness)
+    prefill_window: int = 2  # with chunking: prefill chunks per link written and not yet answered
+    assumed_bandwidth_bps: float = 1e9  # a link's bandwidth until the client has measured it (bits per second)
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -71,3 +87,11 @@ class ClientConfig:
             raise ValueError(f"routing must be 'shortest' or 'waiting-aware', got {self.routing!r}")
         if self.threads < 1 or self.max_retries < 0:
             raise ValueError("threads must be >= 1 and max_retries >= 0")
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 0:
+            raise ValueError(f"prefill_chunk_tokens must be None (auto), 0 (off) or positive, got {self.prefill_chunk_tokens}")
+        if not 1 <= self.chunk_min_tokens <= self.chunk_max_tokens:
+            raise ValueError(f"need 1 <= chunk_min_tokens ({self.chunk_min_tokens}) <= chunk_max_tokens ({self.chunk_max_tokens})")
+        if self.max_decode_burst < 1 or self.prefill_window < 1:
+            raise ValueError(f"max_decode_burst ({self.max_decode_burst}) and prefill_window ({self.prefill_window}) must be >= 1")
+        if self.assumed_bandwidth_bps <= 0:
+            raise ValueError(f"assumed_bandwidth_bps must be > 0, got {self.assumed_bandwidth_bps}")

@@ -6,6 +6,7 @@ import logging
 import time
 
 from swarmlm.client.router import SwarmView, choose_route
+from swarmlm.client.transmission import transmission_policy
 from swarmlm.client.transport import Channels, LoopThread, info
 from swarmlm.config import ClientConfig
 from swarmlm.errors import MissingBlocks
@@ -23,7 +24,7 @@ class RemoteSequence:
         self.num_blocks = num_blocks
         self.prefix = prefix
         self.loop = LoopThread.get()
-        self.channels = Channels(config.max_message_bytes)
+        self.channels = Channels(config.max_message_bytes, transmission_policy(config), config.assumed_bandwidth_bps)
         self.view = SwarmView(config)
         self.dht = None
         if config.initial_peers:

@@ -1,17 +1,25 @@
-"""An inference session through a chain of servers, with failover.
+"""An inference session through a chain of servers, with failover and pipelined chunked prefill.
 
-Per span of the route the session keeps what it has sent (hidden states and padding masks): when a server fails,
-the broken span is re-routed (only that part of the chain), the history is replayed to the replacement so it
-rebuilds its attention caches, and the step goes on. The answer is the same as if nothing had happened.
+A step's tokens are split into chunks (chunking.py: one chunk for a decode step or a short prompt). Every span has
+a sender and a receiver task: the sender writes chunk k as soon as the previous span has answered it, the receiver
+reads the answers in order and hands them on, so chunk k is on server 2 while chunk k+1 is still on server 1.
+
+Per span of the route the session keeps what it has sent and got answered (hidden states and padding masks): when
+a server fails, the broken span is re-routed (only that part of the chain), the history is replayed to the
+replacement so it rebuilds its attention caches, and the step goes on from the chunks each span has answered. A
+healthy span left with chunks written but not answered (its cache state unknown to us) is reopened and replayed
+the same way. The answer is the same as if nothing had happened.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from swarmlm.client.chunking import ChunkRule, chunk_tokens_for_hop, split
 from swarmlm.client.remote import RemoteSequence
 from swarmlm.client.transport import HopTiming, SpanStream
 from swarmlm.errors import InvalidRequest, ServerFailed
@@ -40,6 +48,21 @@ class StepRecord:
     hops: list[HopTiming]
     failovers: int = 0
     failover_s: float = 0.0  # re-routing, reopening and replay
+    chunks: int = 1  # messages the step's tokens were split into
+    reopened: int = 0  # healthy spans reopened because a failure elsewhere left them mid-step
+
+
+@dataclass
+class _Hop:
+    """One span's part of one step: chunks written to it, and its outputs in order (None: answered in a replay)."""
+
+    span: SpanSession
+    outputs: list[torch.Tensor | None] = field(default_factory=list)
+    written: int = 0  # chunks fully written
+
+    @property
+    def answered(self) -> int:
+        return len(self.outputs)
 
 
 class InferenceSession:
@@ -121,38 +144,115 @@ class InferenceSession:
         mask = torch.ones(hidden.shape[:2], dtype=torch.long) if mask is None else mask.to(torch.long)
         return self.remote.loop.run(self._step(hidden, mask))
 
+    def chunk_tokens(self, hidden: torch.Tensor) -> int:
+        """Tokens per message for this step (see chunking.py): fixed, off (0), or the largest of the hops' sizes."""
+        cfg = self.remote.config
+        tokens = hidden.shape[1]
+        if tokens == 1 or cfg.prefill_chunk_tokens == 0:
+            return tokens
+        if cfg.prefill_chunk_tokens is not None:
+            return min(cfg.prefill_chunk_tokens, tokens)
+        rule = ChunkRule(min_tokens=cfg.chunk_min_tokens, max_tokens=cfg.chunk_max_tokens)
+        bytes_per_token = hidden.shape[0] * hidden.shape[2] * hidden.element_size()
+        sizes = []
+        for s in self.spans:
+            est = self.remote.channels.bandwidth(s.span.address)
+            if est.rtt_s is None and s.span.server_id in self.remote.view.rtt_s:
+                est.rtt_s = self.remote.view.rtt_s[s.span.server_id]  # base cost, until a decode step measures it
+            record = self.remote.view.records.get(s.span.server_id)
+            a = record.prefill_a_s * s.span.length * hidden.shape[0] if record else 0.0
+            b = record.prefill_b_s * s.span.length if record else 0.0
+            sizes.append(chunk_tokens_for_hop(rule, bytes_per_token, est.bandwidth_bps, a, b))
+        return min(max(sizes), tokens)
+
     async def _step(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
-        record = StepRecord(tokens=hidden.shape[1], wall_s=0.0, hops=[])
-        i = 0
-        while i < len(self.spans):
-            span = self.spans[i]
-            try:
-                out, timing = await span.stream.step(hidden, mask)
-            except ServerFailed as exc:
-                f0 = time.perf_counter()
-                await self._failover(i, exc, record)
-                record.failover_s += time.perf_counter() - f0
-                continue  # retry this position of the chain with its replacement
-            span.history.append((hidden, mask))
-            record.hops.append(timing)
-            hidden = out
-            i += 1
+        chunks = split(hidden, mask, self.chunk_tokens(hidden))
+        record = StepRecord(tokens=hidden.shape[1], wall_s=0.0, hops=[], chunks=len(chunks))
+        hops = [_Hop(s) for s in self.spans]
+        while True:
+            broken = await self._pipeline(hops, chunks, record)
+            if not broken:
+                break
+            f0 = time.perf_counter()
+            for i in sorted(broken, reverse=True):  # from the end, so earlier indices stay valid
+                hops[i:i + 1] = await self._replace(hops[i], broken[i], record)
+                self.spans = [h.span for h in hops]
+            record.failover_s += time.perf_counter() - f0
+        assert all(h.answered == len(chunks) for h in hops)
         record.wall_s = time.perf_counter() - t0
         self.steps.append(record)
-        return hidden
+        return hops[-1].outputs[0] if len(chunks) == 1 else torch.cat(hops[-1].outputs, dim=1)
 
-    async def _failover(self, i: int, exc: ServerFailed, record: StepRecord) -> None:
-        """Replace span i by a new chain over the same blocks; bounded attempts, each failure banned."""
-        broken = self.spans[i]
+    async def _pipeline(self, hops: list[_Hop], chunks: list[tuple[torch.Tensor, torch.Tensor]],
+                        record: StepRecord) -> dict[int, ServerFailed | None]:
+        """Push every chunk through every hop, pipelined. Returns the hops to replace: failed (their error) or
+        left with unanswered chunks by a failure elsewhere (None); empty when the step is complete."""
+        progress = asyncio.Condition()  # notified whenever a hop writes or answers a chunk
+
+        def source(i: int, k: int) -> torch.Tensor:
+            return chunks[k][0] if i == 0 else hops[i - 1].outputs[k]
+
+        async def send(i: int) -> None:
+            hop = hops[i]
+            while hop.written < len(chunks):
+                k = hop.written
+                if i > 0:
+                    async with progress:
+                        await progress.wait_for(lambda: hops[i - 1].answered > k)
+                await hop.span.stream.send(source(i, k), chunks[k][1])
+                hop.written = k + 1
+                async with progress:
+                    progress.notify_all()
+
+        async def receive(i: int) -> None:
+            hop = hops[i]
+            while hop.answered < len(chunks):
+                k = hop.answered
+                async with progress:
+                    await progress.wait_for(lambda: hop.written > k)
+                out, timing = await hop.span.stream.receive()
+                hop.span.history.append((source(i, k), chunks[k][1]))
+                hop.outputs.append(out)
+                record.hops.append(timing)
+                async with progress:
+                    progress.notify_all()
+
+        tasks = {asyncio.ensure_future(f(i)): i for i in range(len(hops)) for f in (send, receive)}
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        broken: dict[int, ServerFailed | None] = {}
+        for t, i in tasks.items():
+            exc = None if t.cancelled() else t.exception()
+            if isinstance(exc, ServerFailed):
+                broken[i] = exc
+            elif exc is not None:
+                raise exc
+        for i, hop in enumerate(hops):
+            if i not in broken and hop.span.stream.unanswered:  # written, not answered: cache state unknown
+                broken[i] = None
+        return broken
+
+    async def _replace(self, hop: _Hop, exc: ServerFailed | None, record: StepRecord) -> list[_Hop]:
+        """A new chain over the hop's blocks, its caches rebuilt from the span's history; bounded attempts, each
+        failed server banned. The new hops carry on from the chunks the old one answered."""
+        broken = hop.span
         await self._close_spans([broken])
         loop = self.remote.loop.loop
         while True:
-            record.failovers += 1
-            if record.failovers > self.remote.config.max_retries:
-                raise exc
-            self.remote.view.ban(exc.server_id)
-            log.warning("failover: %s; re-routing blocks [%d, %d)", exc, broken.span.start, broken.span.end)
+            if exc is None:
+                record.reopened += 1
+                log.info("reopening blocks [%d, %d) left mid-step", broken.span.start, broken.span.end)
+            else:
+                record.failovers += 1
+                if record.failovers > self.remote.config.max_retries:
+                    raise exc
+                self.remote.view.ban(exc.server_id)
+                log.warning("failover: %s; re-routing blocks [%d, %d)", exc, broken.span.start, broken.span.end)
             # route the broken part again from a fresh view of the swarm (blocking DHT reads go to a thread)
             route = await loop.run_in_executor(None, self._reroute, broken.span)
             try:
@@ -166,8 +266,10 @@ class InferenceSession:
                 await self._close_spans(replacement)
                 exc = again
                 continue
-            self.spans[i:i + 1] = replacement
-            return
+            done = hop.answered
+            hops = [_Hop(s, [None] * done, written=done) for s in replacement]
+            hops[-1].outputs = list(hop.outputs)  # the chain's answers so far are the broken span's
+            return hops
 
     def _reroute(self, span: Span) -> Route:
         return self.remote.route(span.start, span.end, self.l_in_hint, self.l_out_hint, self.batch,

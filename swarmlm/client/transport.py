@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, TypeVar
@@ -11,6 +12,8 @@ from typing import Any, Awaitable, Callable, TypeVar
 import grpc
 import torch
 
+from swarmlm.client.chunking import BandwidthEstimate
+from swarmlm.client.transmission import Kind, Links, LinkScheduler, TransmissionPolicy
 from swarmlm.errors import InvalidRequest, ServerFailed
 from swarmlm.types import Span
 from swarmlm.wire import codec
@@ -46,11 +49,25 @@ class LoopThread:
 
 
 class Channels:
-    """One grpc.aio channel per address, created on the loop thread."""
+    """Per address: one grpc.aio channel (created on the loop thread), its transmission scheduler (which message
+    is written next) and what its link was measured to carry."""
 
-    def __init__(self, max_message_bytes: int) -> None:
+    def __init__(self, max_message_bytes: int, policy: TransmissionPolicy | None = None,
+                 assumed_bandwidth_bps: float = 1e9) -> None:
         self.max_message_bytes = max_message_bytes
         self._stubs: dict[str, pb_grpc.SwarmStub] = {}
+        self.links = Links(policy or TransmissionPolicy())
+        self.assumed_bandwidth_bps = assumed_bandwidth_bps
+        self._bandwidth: dict[str, BandwidthEstimate] = {}
+
+    def link(self, address: str) -> LinkScheduler:
+        return self.links.get(address)
+
+    def bandwidth(self, address: str) -> BandwidthEstimate:
+        est = self._bandwidth.get(address)
+        if est is None:
+            est = self._bandwidth[address] = BandwidthEstimate(self.assumed_bandwidth_bps)
+        return est
 
     def stub(self, address: str) -> pb_grpc.SwarmStub:
         stub = self._stubs.get(address)
@@ -87,8 +104,31 @@ def _failed(span: Span, exc: BaseException) -> ServerFailed:
     return ServerFailed(span.server_id, f"{type(exc).__name__}: {exc}")
 
 
+@dataclass
+class _Sent:
+    """A step written on the stream whose reply has not been read yet."""
+
+    kind: Kind
+    tokens: int
+    request_bytes: int
+    encode_s: float
+    clean: bool  # nothing else of this client was in flight on the link: its timing measures the link
+    written_s: float = 0.0  # perf_counter when the write returned (0 while writing)
+
+
+def _raise_if_cancelling() -> None:
+    """grpc.aio raises CancelledError on every operation of a call cancelled elsewhere (an interrupted read):
+    that is a broken stream. Only a cancellation of the running task itself is passed on as one."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 class SpanStream:
-    """A session on one server: an open bidirectional stream; steps go in order."""
+    """A session on one server: an open bidirectional stream; steps go in order.
+
+    `send` and `receive` are separate so a prefill's chunks can be pipelined: chunk k+1 is written while chunk k is
+    computed, and replies are read in order by another task. Every write waits for its turn on the link."""
 
     def __init__(self, channels: Channels, span: Span, timeout_s: float) -> None:
         self.channels = channels
@@ -98,6 +138,16 @@ class SpanStream:
         self.session_id = ""
         self.position = 0
         self._step_id = 0
+        self._pending: deque[_Sent] = deque()  # written (or being written), reply not read yet; in order
+        self._last_reply_s = 0.0
+
+    @property
+    def link(self) -> LinkScheduler:
+        return self.channels.link(self.span.address)
+
+    @property
+    def unanswered(self) -> int:
+        return len(self._pending)
 
     async def open(self, batch: int, max_length: int) -> None:
         try:
@@ -112,19 +162,42 @@ class SpanStream:
             raise ServerFailed(self.span.server_id, "stream closed while opening a session")
         self.session_id = reply.session_id
 
-    async def step(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, HopTiming]:
+    async def send(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Write one step (hidden [B, T, H], mask [B, T]) when the link scheduler gives it its turn."""
         t0 = time.perf_counter()
         self._step_id += 1
         request = pb.InferenceRequest(step=pb.InferenceStep(
             hidden=codec.encode(hidden), step_id=self._step_id,
             attention_mask=codec.encode(mask) if mask is not None else pb.Tensor()))
-        t1 = time.perf_counter()
+        sent = _Sent(Kind.DECODE if hidden.shape[1] == 1 else Kind.PREFILL, tokens=hidden.shape[1],
+                     request_bytes=len(request.step.hidden.data), encode_s=time.perf_counter() - t0, clean=False)
+        link = self.link
+        async with link.turn(sent.kind):
+            sent.clean = link.in_flight == 1 and not self._pending
+            self._pending.append(sent)  # from here the link counts it until its reply or close()
+            try:
+                await self.call.write(request)
+            except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
+                raise _failed(self.span, exc) from exc
+            except asyncio.CancelledError as exc:
+                _raise_if_cancelling()
+                raise ServerFailed(self.span.server_id, "stream cancelled") from exc
+            sent.written_s = time.perf_counter()
+
+    async def receive(self) -> tuple[torch.Tensor, HopTiming]:
+        """The reply to the oldest unanswered step."""
+        if not self._pending:
+            raise RuntimeError("receive() without a step sent")
         try:
-            await self.call.write(request)
             reply = await asyncio.wait_for(self.call.read(), self.timeout_s)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, OSError, asyncio.InvalidStateError) as exc:
             raise _failed(self.span, exc) from exc
+        except asyncio.CancelledError as exc:
+            _raise_if_cancelling()
+            raise ServerFailed(self.span.server_id, "stream cancelled") from exc
         t2 = time.perf_counter()
+        sent = self._pending.popleft()
+        self.link.answered(sent.kind)
         if reply is grpc.aio.EOF:
             raise ServerFailed(self.span.server_id, "stream closed by the server")
         if reply.HasField("error"):
@@ -133,18 +206,35 @@ class SpanStream:
         t3 = time.perf_counter()
         self.position = reply.position
         tm = reply.timing
-        return out, HopTiming(
-            self.span.server_id, wall_s=t2 - t1, queued_s=tm.queued_s, compute_s=tm.compute_s,
-            server_io_s=tm.decode_s + tm.encode_s, client_io_s=(t1 - t0) + (t3 - t2), tokens=hidden.shape[1],
+        # a pipelined chunk waits at the server until the previous one is answered: its wall time starts then
+        started = max(sent.written_s or t2, self._last_reply_s)
+        self._last_reply_s = t2
+        timing = HopTiming(
+            self.span.server_id, wall_s=t2 - started, queued_s=tm.queued_s, compute_s=tm.compute_s,
+            server_io_s=tm.decode_s + tm.encode_s, client_io_s=sent.encode_s + (t3 - t2), tokens=sent.tokens,
         )
+        if sent.clean:
+            self.channels.bandwidth(self.span.address).observe(
+                sent.request_bytes + len(reply.hidden.data), timing.network_s)
+        return out, timing
+
+    async def step(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, HopTiming]:
+        """One step, written and answered (nothing else of this stream in flight)."""
+        await self.send(hidden, mask)
+        return await self.receive()
 
     async def close(self) -> None:
+        while self._pending:  # never answered: free their places on the link
+            self.link.answered(self._pending.popleft().kind)
         if self.call is not None:
             try:
                 await self.call.done_writing()  # a clean end: the server closes the session now
                 await asyncio.wait_for(self.call.read(), 2.0)  # its end of stream
-            except Exception:
-                pass  # already broken: the server expires the session on its own
+            except (Exception, asyncio.CancelledError):
+                # already broken, or cancelled by an interrupted read (grpc.aio then raises CancelledError on
+                # every operation): the server expires the session on its own. A cancellation of *this* task
+                # still propagates.
+                _raise_if_cancelling()
             self.call.cancel()
             self.call = None
 

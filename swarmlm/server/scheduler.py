@@ -1,35 +1,120 @@
-"""The queue of compute work from all sessions, run one job at a time on a dedicated thread.
+"""The queue of compute work from all sessions, run in rounds on one dedicated thread (continuous batching).
 
-Jobs carry a priority (lower runs first; ties in arrival order): decode steps go ahead of prefills so one long
-prompt cannot stall everyone's next token. Every job reports how long it waited and how long it ran.
+Whenever the thread is free it plans a round from everything queued (`plan_round`), within a token budget
+(`max_batch_tokens`, counting rows x new tokens):
+1. decode steps (one new token) in arrival order; steps with equal batch keys (same sub-range, same token count)
+   run as ONE batched forward;
+2. then prefill work in arrival order while it fits in what is left of the budget; equal-shaped prefill chunks of
+   different sessions batch too. The oldest prefill that does not fit is passed over at most `max_prefill_skips`
+   rounds, then runs anyway: a steady stream of decodes cannot starve it, and a prompt larger than the whole
+   budget still runs.
+A round runs its decode batches before its prefills, so a long prompt delays everyone's next token by at most one
+round. Steps that arrive while a round computes form the next round: batching costs no added wait.
+
+Every job reports how long it waited and how long it ran; a job computed in a batch reports the batch's forward
+time (the members shared it) and the batch size.
 """
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import torch
+
+from swarmlm.server.stage import SpanState, Stage, StepRequest
 
 DECODE, PREFILL = 0, 1  # priorities
 
 
 @dataclass(frozen=True)
 class JobTiming:
-    queued_s: float
-    compute_s: float
+    queued_s: float  # from submission to the start of the forward that ran the job
+    compute_s: float  # that forward's time; for a batch, the whole batch's (the same for every member)
+    batch_size: int = 1  # jobs computed by that forward
+
+
+@dataclass(frozen=True)
+class Batchable:
+    """Work that may share a forward with other items of the same key: `run_batch(items)` returns their results
+    in order."""
+
+    run_batch: Callable[[list[Any]], list[Any]]
+    key: Hashable  # items batch together only with equal keys (and equal run_batch)
+    item: Any
+    member: Hashable  # who the item belongs to: one item per member per round (a session's steps are ordered)
+
+
+@dataclass(eq=False)
+class Job:
+    priority: int  # DECODE or PREFILL
+    tokens: int  # rows x new tokens: the job's share of a round's budget
+    enqueued_s: float
+    future: Future
+    fn: Callable[[], Any] | None = None  # an opaque job, always run alone...
+    work: Batchable | None = None  # ...or a batchable one
+    skipped: int = 0  # rounds this job was passed over as the oldest prefill
+
+    @property
+    def group_key(self) -> Hashable:
+        return ("batch", self.work.run_batch, self.work.key) if self.work is not None else ("alone", id(self))
+
+    @property
+    def member(self) -> Hashable:
+        return self.work.member if self.work is not None else ("alone", id(self))
+
+
+def plan_round(queue: list[Job], max_tokens: int, max_prefill_skips: int) -> list[list[Job]]:
+    """Choose the next round's jobs from `queue` (arrival order) as groups to run in order, one forward each.
+
+    Decodes first, then prefills, all within `max_tokens` (a round always takes at least one job). Updates the
+    oldest prefill's `skipped` count when it is passed over. Does not remove anything from `queue`."""
+    groups: dict[Hashable, list[Job]] = {}
+    members: set[Hashable] = set()
+    used = 0
+
+    def take(job: Job) -> None:
+        nonlocal used
+        groups.setdefault(job.group_key, []).append(job)
+        members.add(job.member)
+        used += job.tokens
+
+    for job in queue:
+        if job.priority != DECODE or job.member in members:
+            continue
+        if used and used + job.tokens > max_tokens:
+            break  # in arrival order: a later, smaller decode does not overtake this one
+        take(job)
+    oldest = True
+    for job in queue:
+        if job.priority != PREFILL or job.member in members:
+            continue
+        if used == 0 or used + job.tokens <= max_tokens:
+            take(job)
+        elif oldest and job.skipped >= max_prefill_skips:
+            take(job)  # waited long enough: runs even though the round goes over budget
+            break
+        else:
+            if oldest:
+                job.skipped += 1
+            break  # prefills keep arrival order: none overtakes the one that did not fit
+        oldest = False
+    return list(groups.values())
 
 
 class Scheduler:
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, max_batch_tokens: int = 512, max_prefill_skips: int = 2) -> None:
+        if max_batch_tokens < 1 or max_prefill_skips < 0:
+            raise ValueError(
+                f"max_batch_tokens must be >= 1 and max_prefill_skips >= 0, got {max_batch_tokens}, {max_prefill_skips}"
+            )
         self.threads = threads
-        self._heap: list[tuple[int, int, float, Callable[[], Any], Future]] = []
-        self._counter = itertools.count()
+        self.max_batch_tokens = max_batch_tokens
+        self.max_prefill_skips = max_prefill_skips
+        self._queue: list[Job] = []  # arrival order
         self._cv = threading.Condition()
         self._stopped = False
         self._worker = threading.Thread(target=self._run, name="swarmlm-compute", daemon=True)
@@ -37,35 +122,79 @@ class Scheduler:
 
     @property
     def queue_length(self) -> int:
-        return len(self._heap)
+        return len(self._queue)
 
-    async def submit(self, fn: Callable[[], Any], priority: int = DECODE) -> tuple[Any, JobTiming]:
-        future: Future = Future()
+    async def submit(self, fn: Callable[[], Any], priority: int = DECODE, tokens: int = 1) -> tuple[Any, JobTiming]:
+        """Run `fn` alone (never batched); `tokens` is its size within a round's budget."""
+        return await self._submit(Job(priority, tokens, 0.0, Future(), fn=fn))
+
+    async def submit_batchable(self, work: Batchable, priority: int, tokens: int) -> tuple[Any, JobTiming]:
+        return await self._submit(Job(priority, tokens, 0.0, Future(), work=work))
+
+    async def submit_step(
+        self, stage: Stage, state: SpanState, hidden: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, JobTiming]:
+        """One session's step on `stage`: batched with other sessions' steps of the same shape."""
+        request = StepRequest(state, hidden, mask)
+        priority = DECODE if hidden.shape[1] == 1 else PREFILL
+        work = Batchable(stage.step_batch, request.batch_key, request, member=id(state))
+        return await self.submit_batchable(work, priority, request.tokens)
+
+    async def _submit(self, job: Job) -> tuple[Any, JobTiming]:
         with self._cv:
             if self._stopped:
                 raise RuntimeError("scheduler is stopped")
-            heapq.heappush(self._heap, (priority, next(self._counter), time.perf_counter(), fn, future))
+            job.enqueued_s = time.perf_counter()
+            self._queue.append(job)
             self._cv.notify()
-        return await asyncio.wrap_future(future)
+        return await asyncio.wrap_future(job.future)
 
     def _run(self) -> None:
         torch.set_num_threads(self.threads)  # this thread does all compute: set its threads explicitly
         while True:
             with self._cv:
-                while not self._heap and not self._stopped:
+                while not self._queue and not self._stopped:
                     self._cv.wait()
-                if self._stopped and not self._heap:
+                if self._stopped and not self._queue:
                     return
-                _, _, enqueued, fn, future = heapq.heappop(self._heap)
-            if not future.set_running_or_notify_cancel():
-                continue
-            started = time.perf_counter()
-            try:
-                result = fn()
-            except BaseException as exc:  # the caller decides; the worker keeps serving
-                future.set_exception(exc)
-                continue
-            future.set_result((result, JobTiming(started - enqueued, time.perf_counter() - started)))
+                groups = plan_round(self._queue, self.max_batch_tokens, self.max_prefill_skips)
+                chosen = {id(job) for group in groups for job in group}
+                self._queue = [job for job in self._queue if id(job) not in chosen]
+            for group in groups:
+                self._run_group(group)
+
+    def _run_group(self, group: list[Job]) -> None:
+        group = [job for job in group if job.future.set_running_or_notify_cancel()]  # drop cancelled callers
+        if not group:
+            return
+        started = time.perf_counter()
+        if group[0].fn is not None:
+            self._finish(group[0], group[0].fn, started)
+            return
+        work = group[0].work
+        try:
+            results = work.run_batch([job.work.item for job in group])
+        except BaseException as exc:  # the caller decides; the worker keeps serving
+            if len(group) == 1:
+                group[0].future.set_exception(exc)
+                return
+            # a failed batch changed no session (steps commit only on success): run each alone, so only the
+            # step that fails on its own reports an error
+            for job in group:
+                self._finish(job, lambda job=job: job.work.run_batch([job.work.item])[0], time.perf_counter())
+            return
+        compute_s = time.perf_counter() - started
+        for job, result in zip(group, results):
+            job.future.set_result((result, JobTiming(started - job.enqueued_s, compute_s, len(group))))
+
+    @staticmethod
+    def _finish(job: Job, fn: Callable[[], Any], started: float) -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # the caller decides; the worker keeps serving
+            job.future.set_exception(exc)
+            return
+        job.future.set_result((result, JobTiming(started - job.enqueued_s, time.perf_counter() - started)))
 
     def stop(self) -> None:
         with self._cv:

@@ -16,7 +16,7 @@ import torch
 from swarmlm import __version__
 from swarmlm.config import ServerConfig
 from swarmlm.errors import CapacityExceeded, InvalidRequest, UnknownSession
-from swarmlm.server.scheduler import DECODE, PREFILL, Scheduler
+from swarmlm.server.scheduler import PREFILL, Scheduler
 from swarmlm.server.sessions import Session, SessionTable
 from swarmlm.server.stage import Stage
 from swarmlm.types import BlockRange
@@ -185,9 +185,8 @@ class SwarmService(pb_grpc.SwarmServicer):
         except UnknownSession as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
         decoded = time.perf_counter()
-        priority = DECODE if hidden.shape[1] == 1 else PREFILL
-        try:
-            out, timing = await self.scheduler.submit(lambda: self.stage.step(session.state, hidden, mask), priority)
+        try:  # batched with other sessions' steps of the same shape; decode steps go first
+            out, timing = await self.scheduler.submit_step(self.stage, session.state, hidden, mask)
         except Exception as exc:  # unexpected: this session's cache may be half-updated, so it is closed
             log.exception("step failed")
             self.sessions.close(sid)
@@ -213,7 +212,9 @@ class SwarmService(pb_grpc.SwarmServicer):
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         decoded = time.perf_counter()
-        out, timing = await self.scheduler.submit(lambda: self.stage.forward(blocks, hidden, mask), PREFILL)
+        out, timing = await self.scheduler.submit(
+            lambda: self.stage.forward(blocks, hidden, mask), PREFILL, tokens=hidden.shape[0] * hidden.shape[1]
+        )
         encode_start = time.perf_counter()
         reply = codec.encode(out.to(hidden.dtype))
         return pb.ForwardReply(

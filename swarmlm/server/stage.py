@@ -1,25 +1,17 @@
-"""The stage: pure compute over this server's blocks. No networking, no bookkeeping beyond a session's cache."""
+"""The stage: pure compute over this server's blocks. No networking, no bookkeeping beyond a session's cache.
+
+`step` runs one session; `step_batch` runs steps of several sessions (same sub-range, same number of new tokens)
+as one forward, each session's result the same as when it runs alone (see swarmlm/server/batching.py).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicCache
 
 from swarmlm.model.checkpoint import load_blocks, parse_dtype
+from swarmlm.server.batching import Member, SpanCache, StepCache, left_pad
 from swarmlm.types import BlockRange
-
-
-class SpanCache(DynamicCache):
-    """A DynamicCache for blocks [first, ...) of the server: block modules number layers from the server's first
-    block, the cache from the session's first block, so transformers' "past length of layer 0" is right."""
-
-    def __init__(self, offset: int) -> None:
-        super().__init__()
-        self.offset = offset
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        return super().update(key_states, value_states, layer_idx - self.offset, *args, **kwargs)
 
 
 @dataclass
@@ -33,6 +25,24 @@ class SpanState:
     @property
     def position(self) -> int:
         return int(self.mask.shape[1])
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One session's step: new tokens' hidden states [B, T, H] and their padding mask [B, T]."""
+
+    state: SpanState
+    hidden: torch.Tensor
+    mask: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        return int(self.hidden.shape[0] * self.hidden.shape[1])  # rows x new tokens: the step's compute size
+
+    @property
+    def batch_key(self) -> tuple[int, int, int]:
+        # steps batch together when they run the same blocks on the same number of new tokens
+        return (self.state.blocks.start, self.state.blocks.end, int(self.hidden.shape[1]))
 
 
 class Stage:
@@ -52,22 +62,41 @@ class Stage:
         # keys + values for every block, sequence and position the session may reach
         return 2 * num_blocks * batch * max_length * self.kv_dim * self.dtype.itemsize
 
-    def new_state(self, blocks: BlockRange, batch: int) -> SpanState:
+    def new_state(self, blocks: BlockRange, batch: int, max_length: int | None = None) -> SpanState:
+        """max_length: tokens the session may reach, if known: its cache never grows past them."""
         assert self.blocks.contains(blocks)
-        return SpanState(blocks, SpanCache(blocks.start - self.blocks.start), torch.zeros(batch, 0, dtype=torch.long))
+        return SpanState(blocks, SpanCache(blocks.length, max_length), torch.zeros(batch, 0, dtype=torch.long))
 
-    @torch.inference_mode()
     def step(self, state: SpanState, hidden: torch.Tensor, new_mask: torch.Tensor) -> torch.Tensor:
         """Run the session's blocks on new tokens; append to its cache and mask. hidden: [B, T, H]."""
-        mask = torch.cat([state.mask, new_mask.to(torch.long)], dim=1)
-        local = slice(state.blocks.start - self.blocks.start, state.blocks.end - self.blocks.start)
-        out = self.adapter.forward_span(
-            self.config, self.modules[local], hidden.to(self.dtype), state.cache, mask
-        )
-        state.mask = mask  # only after success: a failed step leaves the mask as it was
-        return out
+        return self.step_batch([StepRequest(state, hidden, new_mask)])[0]
 
     @torch.inference_mode()
+    def step_batch(self, requests: list[StepRequest]) -> list[torch.Tensor]:
+        """Run several sessions' steps as one forward; outputs in request order, each [B_i, T, H].
+
+        All requests run the same sub-range on the same number of new tokens (equal `batch_key`), each session at
+        most once. Caches and masks change only if the whole forward succeeds."""
+        first = requests[0]
+        assert all(r.batch_key == first.batch_key for r in requests), "only steps with equal batch_key batch"
+        assert len({id(r.state) for r in requests}) == len(requests), "a session appears twice in one batch"
+        masks = [torch.cat([r.state.mask, r.mask.to(torch.long)], dim=1) for r in requests]
+        members, row = [], 0
+        for r in requests:
+            members.append(Member(r.state.cache, slice(row, row + r.hidden.shape[0])))
+            row += r.hidden.shape[0]
+        cache = StepCache(members, offset=first.state.blocks.start - self.blocks.start)
+        t = first.hidden.shape[1]
+        mask = masks[0] if len(requests) == 1 else left_pad(masks, cache.past + t)  # [sum B, past + T]
+        hidden = torch.cat([r.hidden for r in requests], dim=0).to(self.dtype)  # [sum B, T, H]
+        local = slice(first.state.blocks.start - self.blocks.start, first.state.blocks.end - self.blocks.start)
+        out = self.adapter.forward_span(self.config, self.modules[local], hidden, cache, mask)
+        # only after success: a failed forward leaves every session's committed length and mask as they were
+        cache.commit(t)
+        for r, m in zip(requests, masks):
+            r.state.mask = m
+        return [out[m.rows] for m in members]
+
     def forward(self, blocks: BlockRange, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Stateless forward of whole sequences (no cache kept)."""
         state = self.new_state(blocks, hidden.shape[0])

@@ -1,0 +1,189 @@
+"""Continuous batching: decode throughput of N concurrent sessions on one server vs the same sessions one after
+another.
+
+Two levels, side by side in one run (modes alternate within every repeat, so machine noise hits all of them alike;
+medians over repeats):
+- stage: one process, a Stage holding every block; N sessions stepped one at a time (`step`) vs as one batch
+  (`step_batch`).
+- swarm: one real server process (LocalSwarm) and the real client; N sessions one after another vs N sessions
+  from N threads at once, against a server with batching (default --max-batch-tokens) and one with batching off
+  (--max-batch-tokens 1: same concurrency, one step per forward). Decode steps send the embedding of a fixed
+  token through the client's session and skip the client's LM head: with bloomz-560m's 250,880-token vocabulary
+  the head costs the client about as much as the server's 24 blocks, and this measures the server.
+
+Sessions have different prompt lengths (8 + 3 i tokens), so batches mix past lengths. Usage:
+
+    .venv/bin/python benchmarks/batching_bench.py [--presets tiny-bloom,bloomz-560m] [--sessions 1,4,16]
+        [--repeats 3] [--tokens 8] [--levels stage,swarm]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.model.checkpoint import load_config
+from swarmlm.model.init import default_checkpoint
+from swarmlm.server.stage import Stage, StepRequest
+from swarmlm.swarm.local import LocalSwarm
+from swarmlm.types import BlockRange
+
+TOKEN = 42  # the token every decode step feeds (its embedding; the next token does not matter for throughput)
+
+
+def prompt_len(i: int) -> int:
+    return 8 + 3 * i
+
+
+# ---- stage level -------------------------------------------------------------------------------------------------
+@torch.inference_mode()
+def stage_tokens_per_s(stage: Stage, n: int, tokens: int, batched: bool) -> float:
+    h = stage.hidden_size
+    gen = torch.Generator().manual_seed(n)
+    states = [stage.new_state(stage.blocks, 1) for _ in range(n)]
+    for i, s in enumerate(states):
+        stage.step(s, torch.randn(1, prompt_len(i), h, generator=gen), torch.ones(1, prompt_len(i), dtype=torch.long))
+    one = torch.ones(1, 1, dtype=torch.long)
+    xs = [[torch.randn(1, 1, h, generator=gen) for _ in states] for _ in range(tokens)]
+    t0 = time.perf_counter()
+    for step in xs:
+        if batched:
+            stage.step_batch([StepRequest(s, x, one) for s, x in zip(states, step)])
+        else:
+            for s, x in zip(states, step):
+                stage.step(s, x, one)
+    return n * tokens / (time.perf_counter() - t0)
+
+
+def run_stage(model_dir: str, ns: list[int], repeats: int, tokens: int, blocks: int | None = None) -> dict:
+    stage = Stage(model_dir, BlockRange(0, blocks or int(load_config(model_dir).num_hidden_layers)))
+    stage_tokens_per_s(stage, 2, 2, True)  # warm-up
+    rows = {}
+    for n in ns:
+        samples: dict[str, list[float]] = {"one_after_another": [], "batched": []}
+        for r in range(repeats):
+            modes = ["one_after_another", "batched"] if r % 2 == 0 else ["batched", "one_after_another"]
+            for mode in modes:
+                samples[mode].append(stage_tokens_per_s(stage, n, tokens, mode == "batched"))
+        rows[n] = _summary(samples, "one_after_another")
+    return rows
+
+
+# ---- swarm level -------------------------------------------------------------------------------------------------
+def _session_decode(client: DistributedModelForCausalLM, i: int, tokens: int, barrier: threading.Barrier | None,
+                    spans: list) -> None:
+    prompt = torch.full((1, prompt_len(i)), TOKEN)
+    with client.inference_session(max_length=prompt_len(i) + tokens) as session:
+        session.step(client.embed(prompt))
+        x = client.embed(torch.tensor([[TOKEN]]))
+        if barrier is not None:
+            barrier.wait()  # every session has its prefill done: only decode steps are timed
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            session.step(x)
+        spans.append((t0, time.perf_counter()))
+
+
+def swarm_tokens_per_s(client: DistributedModelForCausalLM, n: int, tokens: int, concurrent: bool) -> float:
+    spans: list[tuple[float, float]] = []
+    if not concurrent:
+        for i in range(n):
+            _session_decode(client, i, tokens, None, spans)
+        return n * tokens / sum(end - start for start, end in spans)
+    barrier = threading.Barrier(n)
+    threads = [threading.Thread(target=_session_decode, args=(client, i, tokens, barrier, spans)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(spans) == n, "a session failed"
+    return n * tokens / (max(end for _, end in spans) - min(start for start, _ in spans))
+
+
+def run_swarm(model_dir: str, ns: list[int], repeats: int, tokens: int, blocks: int | None = None,
+              unbatched: bool = True) -> dict:
+    num_blocks = int(load_config(model_dir).num_hidden_layers)
+    assert blocks in (None, num_blocks), "the swarm level serves every block (the client needs a full route)"
+    swarms, clients = {}, {}
+    try:
+        servers = [("batching", [])] + ([("no_batching", ["--max-batch-tokens", "1"])] if unbatched else [])
+        for name, args in servers:
+            swarms[name] = LocalSwarm(model_dir, threads=1, with_dht=False,
+                                      server_args=["--max-sessions", "64", *args]).start([BlockRange(0, num_blocks)])
+            clients[name] = DistributedModelForCausalLM.from_pretrained(
+                model_dir, servers=swarms[name].addresses, routing="shortest")
+            swarm_tokens_per_s(clients[name], 2, 2, True)  # warm up channels and the server
+        rows = {}
+        for n in ns:
+            samples: dict[str, list[float]] = {"one_after_another": [], "concurrent_batched": []}
+            if unbatched:
+                samples["concurrent_no_batching"] = []
+            for r in range(repeats):
+                modes = list(samples) if r % 2 == 0 else list(reversed(samples))
+                for mode in modes:
+                    client = clients["no_batching" if mode == "concurrent_no_batching" else "batching"]
+                    samples[mode].append(swarm_tokens_per_s(client, n, tokens, mode != "one_after_another"))
+            rows[n] = _summary(samples, "one_after_another")
+        return rows
+    finally:
+        for c in clients.values():
+            c.close()
+        for s in swarms.values():
+            s.stop()
+
+
+def _summary(samples: dict[str, list[float]], base: str) -> dict:
+    med = {mode: statistics.median(v) for mode, v in samples.items()}
+    # ratios per repeat (modes of one repeat ran back to back), then their median: robust to drifting load
+    ratios = {mode: statistics.median(a / b for a, b in zip(v, samples[base])) for mode, v in samples.items()
+              if mode != base}
+    return {"tokens_per_s": med, "speedup": ratios, "samples": samples}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default="tiny-bloom,bloomz-560m")
+    parser.add_argument("--sessions", default="1,4,16")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=8, help="decode steps per session per measurement")
+    parser.add_argument("--levels", default="stage,swarm")
+    parser.add_argument("--no-unbatched", action="store_true",
+                        help="swarm level: skip the second server with batching off (saves its memory)")
+    parser.add_argument("--stage-blocks", type=int, help="stage level: hold only the first N blocks (less memory)")
+    parser.add_argument("--out", default="docs/results/batching.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ns = [int(x) for x in args.sessions.split(",")]
+    results = {"machine": f"{platform.machine()} {os.cpu_count()} cores, 1 torch thread per process",
+               "load_avg_at_start": os.getloadavg(), "stage_blocks": args.stage_blocks, "repeats": args.repeats, "tokens": args.tokens, "presets": {}}
+    for preset in args.presets.split(","):
+        model_dir = str(default_checkpoint(preset))
+        results["presets"][preset] = {}
+        for level in args.levels.split(","):
+            if level == "stage":
+                rows = run_stage(model_dir, ns, args.repeats, args.tokens, args.stage_blocks)
+            else:
+                rows = run_swarm(model_dir, ns, args.repeats, args.tokens, unbatched=not args.no_unbatched)
+            results["presets"][preset][level] = rows
+            print(f"\n{preset}, {level} level (tokens/s, median of {args.repeats}; speedup = median per-repeat ratio)")
+            modes = list(next(iter(rows.values()))["tokens_per_s"])
+            print("| sessions | " + " | ".join(modes) + " | " + " | ".join(f"x {m}" for m in modes[1:]) + " |")
+            print("|---" * (2 * len(modes)) + "|")
+            for n, row in rows.items():
+                cells = [f"{row['tokens_per_s'][m]:.1f}" for m in modes] + [f"{row['speedup'][m]:.2f}" for m in modes[1:]]
+                print(f"| {n} | " + " | ".join(cells) + " |", flush=True)
+    results["load_avg_at_end"] = os.getloadavg()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Chunked prefill: how many prompt tokens go in one message, and what the link to each server can carry.
+
+A step's tokens run causally on top of the server's cache, so a prefill sent as consecutive steps of c tokens
+gives exactly the result of one step. Small chunks let decode messages pass between them on the link (see
+transmission.py), let the server start on the first chunk while the rest arrive, and let the client forward chunk k
+to the next server while chunk k+1 is still on the previous one. But every chunk costs a fixed amount (the
+server's per-step overhead, a gRPC message, the client's relay), so chunks should not be smaller than needed.
+
+The rule (per hop; the route uses the largest of its hops' sizes, so no hop pays more than its bound):
+    beta  = seconds per token on the link      = bytes per token * 8 / measured bandwidth
+    a     = seconds per token on the server    = announced prefill slope * blocks * batch
+    fixed = seconds per chunk on the server    = announced prefill intercept * blocks + message_overhead_s
+    c     = fixed / max(beta - a, overhead_fraction * a)          clamped to [min_tokens, max_tokens]
+When the link is slower than the server (beta > a), c is the smallest chunk whose transfer covers its compute,
+fixed cost included: transfer(c) = compute(c), so the server never waits on a chunk's overhead while the link
+is the bottleneck, and no chunk occupies the link longer than needed. When the server is the slower one, the
+link never holds the server up, and c is the smallest chunk whose fixed cost is at most `overhead_fraction` of its
+compute.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ChunkRule:
+    min_tokens: int = 16  # below this, per-message costs dominate whatever the link
+    max_tokens: int = 256  # above this, a chunk holds a slow link for long (256 tokens of a 4 KB state = 1 MB)
+    overhead_fraction: float = 0.1  # on a compute-bound hop: a chunk's fixed cost at most this share of its compute
+    message_overhead_s: float = 1e-3  # per message: gRPC framing, the client's parse/relay, event-loop wake-ups
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"need 1 <= min_tokens ({self.min_tokens}) <= max_tokens ({self.max_tokens})")
+        if not 0 < self.overhead_fraction <= 1:
+            raise ValueError(f"overhead_fraction must be in (0, 1], got {self.overhead_fraction}")
+        if self.message_overhead_s < 0:
+            raise ValueError(f"message_overhead_s must be >= 0, got {self.message_overhead_s}")
+
+
+def chunk_tokens_for_hop(rule: ChunkRule, bytes_per_token: int, bandwidth_bps: float, compute_s_per_token: float,
+                         compute_fixed_s: float) -> int:
+    """The rule above for one hop. compute_s_per_token and compute_fixed_s are the whole span's (all its blocks)."""
+    beta = bytes_per_token * 8 / bandwidth_bps if bandwidth_bps > 0 else math.inf
+    a = max(compute_s_per_token, 1e-9)
+    fixed = compute_fixed_s + rule.message_overhead_s
+    gap = max(beta - a, rule.overhead_fraction * a)
+    c = math.ceil(fixed / gap) if math.isfinite(gap) else rule.min_tokens
+    return int(min(max(c, rule.min_tokens), rule.max_tokens))
+
+
+def split(hidden: torch.Tensor, mask: torch.Tensor, chunk_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """hidden: [B, T, H], mask: [B, T] -> consecutive pieces of at most chunk_tokens tokens (views, no copies)."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    t = hidden.shape[1]
+    return [(hidden[:, i:i + chunk_tokens], mask[:, i:i + chunk_tokens]) for i in range(0, t, chunk_tokens)]
+
+
+class BandwidthEstimate:
+    """What one link carries, from the client's own step timings (no extra probe traffic).
+
+    A sample is a step whose request was written when nothing else of this client was in flight on the link:
+    its network time (wall minus the server's queueing, compute and (de)serialising) is the RTT plus the request
+    and reply bytes over the bandwidth. Only messages big enough for the transfer to show above the RTT's noise
+    count; the estimate is the median of the recent ones. Until there is one, `default_bps` is assumed.
+    """
+
+    def __init__(self, default_bps: float, min_bytes: int = 32 << 10, window: int = 16) -> None:
+        self.default_bps = default_bps
+        self.min_bytes = min_bytes
+        self._samples: deque[float] = deque(maxlen=window)
+        self.rtt_s: float | None = None  # smallest network time of a small message: the path's base cost
+
+    def observe(self, bytes_total: int, network_s: float) -> None:
+        if bytes_total < self.min_bytes:
+            if self.rtt_s is None or network_s < self.rtt_s:
+                self.rtt_s = network_s
+            return
+        transfer_s = network_s - (self.rtt_s or 0.0)
+        if transfer_s <= 1e-4:  # within noise of the base cost: the link is much faster than this message shows
+            return
+        self._samples.append(bytes_total * 8 / transfer_s)
+
+    @property
+    def measured(self) -> bool:
+        return bool(self._samples)
+
+    @property
+    def bandwidth_bps(self) -> float:
+        return statistics.median(self._samples) if self._samples else self.default_bps

@@ -1,0 +1,283 @@
+"""Continuous batching: steps of different sessions computed as one forward give each session what it gets alone;
+the scheduler runs decode steps first, within a token budget, and never starves a prefill."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import Future
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from swarmlm.model.checkpoint import load_client_modules
+from swarmlm.server.batching import SpanCache
+from swarmlm.server.scheduler import DECODE, PREFILL, Batchable, Job, Scheduler, plan_round
+from swarmlm.server.stage import Stage, StepRequest
+from swarmlm.types import BlockRange
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    # tiny models: threads only add contention (the machine runs other jobs too)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+PROMPTS = ["the quick brown fox jumps over the lazy dog", "hello", "a b c", "write a short poem about the sea"]
+
+
+# ---- the stage: batched == alone ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=["bloom", "llama"])
+def family(request, checkpoints):
+    path = checkpoints[request.param]
+    _, _, client = load_client_modules(path)
+    return path, Stage(path, BlockRange(0, 6)), client, AutoTokenizer.from_pretrained(path)
+
+
+def _embed(client, ids):
+    h = client.embed(ids)
+    return client.embed_norm(h) if client.embed_norm is not None else h
+
+
+@torch.no_grad()
+def test_batched_greedy_decode_equals_each_session_alone_and_transformers(family):
+    """Sessions with different past lengths, batch sizes and left padding: greedy tokens identical, hidden states
+    within 1e-4, whether stepped alone or batched; and both equal plain transformers' generate()."""
+    path, stage, client, tok = family
+    # session 0: two padded rows; sessions 1-3: one row each, prompts of different lengths
+    encs = [tok(PROMPTS[:2], return_tensors="pt", padding=True)] + [tok(p, return_tensors="pt") for p in PROMPTS[2:]]
+    encs.append(tok(PROMPTS[1], return_tensors="pt"))
+    assert (encs[0].attention_mask == 0).any(), "the test needs a padded row"
+    new_tokens = 6
+    results = {}
+    for mode in ("alone", "batched"):
+        states = [stage.new_state(stage.blocks, e.input_ids.shape[0]) for e in encs]
+        hiddens = [stage.step(s, _embed(client, e.input_ids), e.attention_mask) for s, e in zip(states, encs)]
+        tokens = [[] for _ in encs]
+        outs = []
+        for _ in range(new_tokens):
+            nxt = [client.lm_head(client.final_norm(h[:, -1:])).argmax(-1) for h in hiddens]  # [B_i, 1]
+            for got, n in zip(tokens, nxt):
+                got.append(n)
+            steps = [StepRequest(s, _embed(client, n), torch.ones_like(n)) for s, n in zip(states, nxt)]
+            hiddens = [stage.step_batch([r])[0] for r in steps] if mode == "alone" else stage.step_batch(steps)
+            outs.append(hiddens)
+        results[mode] = ([torch.cat(t, 1) for t in tokens], outs)
+        assert [s.position for s in states] == [e.input_ids.shape[1] + new_tokens for e in encs]
+    for a, b in zip(results["alone"][0], results["batched"][0]):
+        assert torch.equal(a, b)
+    diff = max((a - b).abs().max().item() for sa, sb in zip(*[results[m][1] for m in results]) for a, b in zip(sa, sb))
+    assert diff < 1e-4
+    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    for e, got in zip(encs, results["batched"][0]):
+        want = ref.generate(e.input_ids, attention_mask=e.attention_mask, max_new_tokens=new_tokens, do_sample=False)
+        assert torch.equal(want[:, e.input_ids.shape[1]:], got)
+
+
+@torch.no_grad()
+def test_batched_prefill_chunks_on_a_sub_range_equal_alone(family):
+    """Equal-length chunks of sessions with different pasts, on blocks [1, 4) of a [0, 6) stage, batch exactly."""
+    _, stage, _, _ = family
+    gen = torch.Generator().manual_seed(3)
+    h = stage.hidden_size
+    pasts = [0, 4, 9]
+    pads = [torch.tensor([[0, 0, 1, 1, 1]]), torch.ones(1, 5, dtype=torch.long), torch.tensor([[1, 1, 1, 1, 1]])]
+    sub = BlockRange(1, 4)
+    pairs = []
+    for past in pasts:
+        a, b = stage.new_state(sub, 1), stage.new_state(sub, 1)
+        if past:
+            x = torch.randn(1, past, h, generator=gen)
+            stage.step(a, x, torch.ones(1, past, dtype=torch.long))
+            stage.step(b, x, torch.ones(1, past, dtype=torch.long))
+        pairs.append((a, b))
+    for _ in range(2):  # two rounds of 5-token chunks, then a decode round
+        xs = [torch.randn(1, 5, h, generator=gen) for _ in pasts]
+        alone = [stage.step(a, x, m) for (a, _), x, m in zip(pairs, xs, pads)]
+        batched = stage.step_batch([StepRequest(b, x, m) for (_, b), x, m in zip(pairs, xs, pads)])
+        for got, want, m in zip(batched, alone, pads):
+            real = m[0].bool()  # outputs at padded positions are never read by anyone
+            assert (got[:, real] - want[:, real]).abs().max().item() < 1e-4
+    xs = [torch.randn(1, 1, h, generator=gen) for _ in pasts]
+    one = torch.ones(1, 1, dtype=torch.long)
+    alone = [stage.step(a, x, one) for (a, _), x in zip(pairs, xs)]
+    batched = stage.step_batch([StepRequest(b, x, one) for (_, b), x in zip(pairs, xs)])
+    assert max((g - w).abs().max().item() for g, w in zip(batched, alone)) < 1e-4
+    assert [b.position for _, b in pairs] == [p + 11 for p in pasts]
+
+
+@torch.no_grad()
+def test_a_failed_batch_changes_no_session(tiny_bloom, monkeypatch):
+    stage = Stage(tiny_bloom, BlockRange(0, 3))
+    h = stage.hidden_size
+    gen = torch.Generator().manual_seed(1)
+    states, reference = [], []  # the same sessions twice: one pair sees a failure, the other never does
+    for past in (3, 5):
+        x = torch.randn(1, past, h, generator=gen)
+        for group in (states, reference):
+            group.append(stage.new_state(stage.blocks, 1))
+            stage.step(group[-1], x, torch.ones(1, past, dtype=torch.long))
+    before = [(s.position, s.cache.length) for s in states]
+    xs = [torch.randn(1, 1, h, generator=gen) for _ in states]
+    one = torch.ones(1, 1, dtype=torch.long)
+
+    def boom(*args, **kwargs):  # the last block fails after blocks 0 and 1 wrote their new K/V
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(stage.modules[-1], "forward", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        stage.step_batch([StepRequest(s, x, one) for s, x in zip(states, xs)])
+    assert [(s.position, s.cache.length) for s in states] == before
+    monkeypatch.undo()
+    retried = stage.step_batch([StepRequest(s, x, one) for s, x in zip(states, xs)])
+    want = stage.step_batch([StepRequest(s, x, one) for s, x in zip(reference, xs)])
+    for got, expected in zip(retried, want):
+        assert torch.equal(got, expected)
+
+
+def test_cache_grows_by_doubling_up_to_the_sessions_max_length():
+    cache = SpanCache(num_layers=2, max_length=11)
+    kv = torch.randn(1, 2, 5, 4)  # [B, heads, T, head_dim]
+    cache.write(1, kv, kv)
+    cache.commit(5)
+    capacities = []
+    for _ in range(6):
+        one = torch.randn(1, 2, 1, 4)
+        end = cache.write(0, one, one)
+        cache.write(1, one, one)
+        cache.commit(1)
+        capacities.append(cache.capacity)
+    assert capacities == [10, 10, 10, 10, 10, 11]  # doubled once, then capped at max_length
+    keys, _ = cache.view(1, end)
+    assert keys.shape == (1, 2, 11, 4) and torch.equal(keys[:, :, :5], kv)  # growth kept what was written
+
+
+# ---- round planning (pure) ---------------------------------------------------------------------------------------
+def _job(priority: int, tokens: int, key="k", member=None) -> Job:
+    member = member if member is not None else object()
+    return Job(priority, tokens, 0.0, Future(), work=Batchable(_noop, key, None, member))
+
+
+def _noop(items):
+    return items
+
+
+def test_round_runs_decodes_first_grouped_by_key_then_prefills():
+    p = _job(PREFILL, 4, key="p")
+    d1, d2, d3 = _job(DECODE, 1, "x"), _job(DECODE, 1, "y"), _job(DECODE, 1, "x")
+    assert plan_round([p, d1, d2, d3], max_tokens=100, max_prefill_skips=2) == [[d1, d3], [d2], [p]]
+
+
+def test_round_respects_the_token_budget_in_arrival_order():
+    decodes = [_job(DECODE, 1) for _ in range(5)]
+    big = _job(DECODE, 3)
+    p = _job(PREFILL, 2, key="p")
+    assert plan_round(decodes + [p], max_tokens=3, max_prefill_skips=2) == [decodes[:3]]
+    assert p.skipped == 1
+    # a decode that does not fit stops the round: the smaller one behind it does not overtake it
+    assert plan_round([decodes[0], big, decodes[1]], max_tokens=3, max_prefill_skips=2) == [[decodes[0]]]
+    # a job larger than the whole budget still runs, alone
+    assert plan_round([big], max_tokens=2, max_prefill_skips=2) == [[big]]
+
+
+def test_a_session_runs_at_most_one_step_per_round():
+    member = object()
+    a, b = _job(DECODE, 1, member=member), _job(DECODE, 1, member=member)
+    assert plan_round([a, b], max_tokens=10, max_prefill_skips=2) == [[a]]
+
+
+@pytest.mark.parametrize("max_skips", [0, 1, 2, 5])
+def test_prefill_is_never_starved_by_a_stream_of_decodes(max_skips):
+    """Fairness bound: with the budget always full of decodes, the oldest prefill runs in round max_skips + 1."""
+    prefill, later = _job(PREFILL, 8, key="p"), _job(PREFILL, 1, key="p")
+    for round_no in range(1, 100):
+        queue = [_job(DECODE, 1) for _ in range(4)] + [prefill, later]
+        groups = plan_round(queue, max_tokens=4, max_prefill_skips=max_skips)
+        ran = [job for group in groups for job in group]
+        assert later not in ran or prefill in ran, "a later prefill overtook the oldest one"
+        if prefill in ran:
+            break
+        assert len(ran) == 4  # decodes only, the budget is full
+    assert round_no == max_skips + 1
+    assert ran[:4] == queue[:4]  # even then, the round's decodes run first
+
+
+# ---- the scheduler thread with a real stage -----------------------------------------------------------------------
+def test_scheduler_batches_concurrent_decode_steps(tiny_llama):
+    stage = Stage(tiny_llama, BlockRange(0, 6))
+    h = stage.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    pasts = [2, 7, 4, 11]
+    alone_states = [stage.new_state(stage.blocks, 1) for _ in pasts]
+    states = [stage.new_state(stage.blocks, 1) for _ in pasts]
+    for a, s, past in zip(alone_states, states, pasts):
+        x = torch.randn(1, past, h, generator=gen)
+        stage.step(a, x, torch.ones(1, past, dtype=torch.long))
+        stage.step(s, x, torch.ones(1, past, dtype=torch.long))
+    xs = [torch.randn(1, 1, h, generator=gen) for _ in pasts]
+    one = torch.ones(1, 1, dtype=torch.long)
+    want = [stage.step(a, x, one) for a, x in zip(alone_states, xs)]
+    prompt_state = stage.new_state(stage.blocks, 1)
+    scheduler = Scheduler(threads=1, max_batch_tokens=64)
+    hold = threading.Event()
+    order: list[str] = []
+
+    async def main():
+        blocker = asyncio.ensure_future(scheduler.submit(lambda: hold.wait(10)))
+        await asyncio.sleep(0.05)  # the worker is now busy: what follows queues up and forms one round
+
+        async def step(name, state, x, mask):
+            out = await scheduler.submit_step(stage, state, x, mask)
+            order.append(name)
+            return out
+
+        prefill = asyncio.ensure_future(step("prefill", prompt_state, torch.randn(1, 6, h), torch.ones(1, 6, dtype=torch.long)))
+        decodes = [asyncio.ensure_future(step(f"d{i}", s, x, one)) for i, (s, x) in enumerate(zip(states, xs))]
+        await asyncio.sleep(0.05)
+        assert scheduler.queue_length == 5
+        hold.set()
+        await blocker
+        return await asyncio.gather(*decodes), await prefill
+
+    try:
+        decoded, (_, prefill_timing) = asyncio.run(main())
+    finally:
+        scheduler.stop()
+    assert order[-1] == "prefill"  # queued first, run after the decode batch
+    for (out, timing), expected in zip(decoded, want):
+        assert timing.batch_size == 4 and timing.compute_s > 0 and timing.queued_s > 0
+        assert (out - expected).abs().max().item() < 1e-4
+    assert len({t.compute_s for _, t in decoded}) == 1  # each member reports the batch's compute time
+    assert prefill_timing.batch_size == 1 and prompt_state.position == 6
+
+
+def test_a_failing_item_fails_alone():
+    def run_batch(items):
+        if "bad" in items:
+            raise ValueError("bad item")
+        return [f"{i}!" for i in items]
+
+    scheduler = Scheduler(threads=1)
+    hold = threading.Event()
+
+    async def main():
+        blocker = asyncio.ensure_future(scheduler.submit(lambda: hold.wait(10)))
+        await asyncio.sleep(0.05)
+        jobs = [
+            asyncio.ensure_future(scheduler.submit_batchable(Batchable(run_batch, "k", item, item), DECODE, 1))
+            for item in ("a", "bad", "c")
+        ]
+        await asyncio.sleep(0.05)
+        hold.set()
+        await blocker
+        return await asyncio.gather(*jobs, return_exceptions=True)
+
+    try:
+        a, bad, c = asyncio.run(main())
+    finally:
+        scheduler.stop()
+    assert a[0] == "a!" and c[0] == "c!"
+    assert isinstance(bad, ValueError)

@@ -1,0 +1,126 @@
+"""The benchmark against real server processes (tiny BLOOM): same tokens under every strategy, a decomposition
+that adds up, telemetry for every process, the CLI's results, and a network profile that really applies."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from swarmlm.bench.runner import BenchConfig, start_swarm
+from swarmlm.bench.strategies import STRATEGIES, StrategyConfig, run_strategy
+from swarmlm.bench.telemetry import TelemetrySampler
+from swarmlm.bench.workload import builtin_prompts, poisson_arrivals, tokenize
+from swarmlm.cli.main import main as cli_main
+from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.swarm.local import LocalSwarm, even_split
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def client(tiny_bloom):
+    with LocalSwarm(tiny_bloom) as swarm:
+        swarm.start(even_split(6, 3))
+        model = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers)
+        yield model
+        model.close()
+
+
+@pytest.fixture(scope="module")
+def requests(tiny_bloom):
+    return tokenize(builtin_prompts(), AutoTokenizer.from_pretrained(tiny_bloom), max_new_tokens=8, limit=9)
+
+
+@pytest.fixture(scope="module")
+def reference(client, requests):
+    """Plain sequential greedy generation, one prompt at a time, through the client's own generate()."""
+    out = {}
+    for r in requests:
+        ids = torch.tensor([r.input_ids])
+        new = client.generate(ids, max_new_tokens=r.max_new_tokens)[0, ids.shape[1]:].tolist()
+        out[r.request_id] = tuple(new[:new.index(2) + 1] if 2 in new else new)  # eos id 2 ends a row
+    return out
+
+
+@pytest.mark.parametrize("cfg", [StrategyConfig(n) for n in STRATEGIES] + [
+    StrategyConfig("pipelined", in_flight=5), StrategyConfig("microbatched", micro_batches=2, micro_batch_size=3),
+    StrategyConfig("sequential", head_last_only=False)], ids=lambda c: f"{c.label(3)}-{c.head_last_only}")
+def test_every_strategy_gives_the_sequential_greedy_tokens(client, requests, reference, cfg):
+    records = run_strategy(client, requests, cfg, route_servers=3)
+    assert [r.request_id for r in records] == [r.request_id for r in requests]
+    assert all(r.error is None for r in records)
+    assert {r.request_id: r.tokens for r in records} == reference
+    if cfg.name == "microbatched":
+        assert {r.batch_size for r in records} >= {cfg.micro_batch_size}
+    else:
+        assert {r.batch_size for r in records} == {1}
+    for r in records:  # every request's parts, each from its own clocks, add up to its response time
+        d = r.decomposition
+        assert d.measured_s == pytest.approx(r.response_s)
+        assert d.residual_fraction < 0.05, d.to_dict()
+        assert min(d.parts().values()) >= 0 and d.computation_s > 0 and d.communication_s > 0
+        assert 0 < r.ttft_s < r.response_s and r.payload_sent_bytes > r.payload_received_bytes > 0
+
+
+def test_open_loop_arrivals_wait_at_the_client_and_count_as_queueing(client, requests):
+    arriving = poisson_arrivals(requests[:4], rate_per_s=2.0, seed=5)
+    t0 = time.perf_counter()
+    records = run_strategy(client, arriving, StrategyConfig("sequential"), route_servers=3)
+    assert time.perf_counter() - t0 >= arriving[-1].arrival_s
+    for req, rec in zip(arriving, records):
+        assert rec.arrival_s == pytest.approx(req.arrival_s, abs=0.05)
+        assert rec.decomposition.detail_s["client_queue"] >= 0 and rec.decomposition.residual_fraction < 0.05
+
+
+def test_cli_bench_writes_results_with_telemetry_for_every_process(tiny_bloom, tmp_path):
+    out = tmp_path / "out"
+    code = cli_main(["bench", "--model", tiny_bloom, "--servers", "1,2", "--strategies", "sequential,pipelined",
+                     "--prompts", "builtin", "--limit", "5", "--max-new-tokens", "4", "--out", str(out)])
+    assert code == 0
+    doc = json.loads((out / "results.json").read_text())
+    runs = doc["runs"]
+    assert [(r["servers"], r["strategy"]) for r in runs] == [(1, "sequential"), (1, "pipelined"), (2, "sequential"),
+                                                              (2, "pipelined")]
+    for r in runs:
+        assert set(r["decomposition_s"]) == {"computation", "communication", "queueing", "orchestration"}
+        assert r["throughput_tokens_per_s"] > 0 and r["mean_response_s"] > 0 and len(r["requests"]) == 5
+        assert {"response_s", "ttft_s", "generated_tokens"} <= set(r["requests"][0])
+        assert abs(r["decomposition_residual_s"]) < 0.05 * r["decomposition_measured_s"]
+        expected = {"client", "dht", "system"} | {f"server{i}" for i in range(r["servers"])}
+        assert set(r["telemetry"]) == expected  # a sample of every process inside every run's window
+        assert all(r["telemetry"][f"server{i}"]["median_rtt_s"] for i in range(r["servers"]))
+        assert r["network_tx_bytes"] >= r["payload_bytes"] > 0  # TCP carries at least the tensors
+    assert runs[0]["speedup_throughput"] == pytest.approx(1.0)
+    for name in ("report.md", "runs.csv", "requests.csv", "telemetry.csv", "throughput_vs_n.png",
+                 "response_vs_n.png", "decomposition.png", "telemetry.png", "network_bytes_vs_n.png"):
+        assert (out / name).stat().st_size > 0, name
+
+
+def _info_rtts(swarm, seconds: float = 6.0) -> list[float]:
+    with TelemetrySampler(swarm.tracked, interval_s=0.25) as sampler:
+        time.sleep(seconds)
+    return [s.rtt_s for s in sampler.samples if s.name == "server0" and s.rtt_s is not None]
+
+
+def test_network_profile_changes_measured_rtt_and_bandwidth(tiny_bloom, tmp_path):
+    """The same one-server swarm on loopback and behind a 40 ms / 20 Mbit/s profile file."""
+    topo = tmp_path / "topo.json"
+    topo.write_text(json.dumps({"servers": [{"name": "s", "cluster": "site", "count": 1}],
+                                "clients": [{"name": "c", "cluster": "site"}],
+                                "clusters": {"intra_rtt_s": 0.040, "intra_bandwidth_bps": 20e6}}))
+    base = dict(model_dir=tiny_bloom, servers=(1,), strategies=(StrategyConfig("sequential"),))
+    with start_swarm(BenchConfig(**base), 1, 6) as swarm:
+        loopback = _info_rtts(swarm)
+    with start_swarm(BenchConfig(**base, network=str(topo)), 1, 6) as swarm:
+        emulated = _info_rtts(swarm)
+        info = swarm.network_info
+    assert loopback and emulated
+    # A busy machine only ever adds time, so the fastest round trips are the path's: loopback well under the
+    # profile, and never below the profile's 40 ms when it applies.
+    assert min(loopback) < 0.030 and min(emulated) > 0.038, (loopback, emulated)
+    assert 0.038 < info["measured_rtt_s"] < 0.120, info  # netem's own echo probe (median), same relay
+    for key in ("measured_up_bps", "measured_down_bps"):  # goodput: 20 Mbit/s minus headers, never above
+        assert 0.7 * 20e6 < info[key] < 1.02 * 20e6, info

@@ -1,0 +1,175 @@
+"""Chunked prefill: the size rule, the bandwidth estimate, and a chunked, pipelined prefill through real servers
+giving the logits of one big step (also across a server dying mid-prefill)."""
+from __future__ import annotations
+
+import math
+import signal
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from swarmlm.client.chunking import BandwidthEstimate, ChunkRule, chunk_tokens_for_hop, split
+from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.client.transport import SpanStream
+from swarmlm.swarm.local import LocalSwarm, even_split
+from swarmlm.types import BlockRange
+
+# ---- the size rule ------------------------------------------------------------------------------------------
+
+
+def test_link_bound_hop_gets_transfer_equal_to_compute():
+    rule = ChunkRule(min_tokens=1, max_tokens=10_000, message_overhead_s=0.0)
+    # 16 KB per token over 100 Mbit/s: 1.31 ms per token on the link; 0.3 ms per token + 20 ms per chunk on the server
+    c = chunk_tokens_for_hop(rule, 16 << 10, 100e6, 0.3e-3, 20e-3)
+    transfer = c * (16 << 10) * 8 / 100e6
+    compute = 0.3e-3 * c + 20e-3
+    assert transfer >= compute and transfer - compute < (16 << 10) * 8 / 100e6  # equal to within one token
+    # a slower link needs smaller chunks to keep transfer = compute
+    assert chunk_tokens_for_hop(rule, 16 << 10, 20e6, 0.3e-3, 20e-3) < c
+
+
+def test_compute_bound_hop_bounds_the_fixed_cost_share():
+    rule = ChunkRule(min_tokens=1, max_tokens=10_000, overhead_fraction=0.1, message_overhead_s=1e-3)
+    c = chunk_tokens_for_hop(rule, 256, 10e9, 1e-3, 4e-3)  # a fast link: the server is the bottleneck
+    assert c == math.ceil((4e-3 + 1e-3) / (0.1 * 1e-3))
+    assert (4e-3 + 1e-3) <= 0.1 * 1e-3 * c
+
+
+def test_bounds_and_unknown_bandwidth():
+    rule = ChunkRule(min_tokens=16, max_tokens=64)
+    assert chunk_tokens_for_hop(rule, 1 << 20, 1e6, 1e-6, 0.0) == 16  # tiny: clamped up to the minimum
+    assert chunk_tokens_for_hop(rule, 4, 1e12, 1e-3, 1.0) == 64  # huge: clamped down to the maximum
+    assert chunk_tokens_for_hop(rule, 4, 0.0, 1e-3, 0.0) == 16
+    with pytest.raises(ValueError):
+        ChunkRule(min_tokens=10, max_tokens=5)
+
+
+def test_split_is_exact_and_covers_everything():
+    hidden, mask = torch.randn(2, 37, 8), torch.randint(0, 2, (2, 37))
+    pieces = split(hidden, mask, 10)
+    assert [h.shape[1] for h, _ in pieces] == [10, 10, 10, 7]
+    assert torch.equal(torch.cat([h for h, _ in pieces], 1), hidden)
+    assert torch.equal(torch.cat([m for _, m in pieces], 1), mask)
+    assert len(split(hidden, mask, 100)) == 1
+
+
+def test_bandwidth_estimate_from_step_timings():
+    est = BandwidthEstimate(default_bps=1e9)
+    assert est.bandwidth_bps == 1e9 and not est.measured
+    est.observe(2_000, 0.020)  # a decode step: the base round trip
+    est.observe(1_000, 0.021)
+    assert est.rtt_s == 0.020
+    for _ in range(5):
+        est.observe(1_250_000, 0.020 + 0.100)  # 10 Mbit in 100 ms beyond the base cost
+    est.observe(1_250_000, 0.020 + 0.500)  # one disturbed sample does not move the median
+    assert est.measured and est.bandwidth_bps == pytest.approx(100e6)
+
+
+# ---- through real servers -----------------------------------------------------------------------------------
+
+PROMPT_TOKENS = 45
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_bloom):
+    with LocalSwarm(tiny_bloom) as swarm:
+        ranges = even_split(6, 3)
+        swarm.start(ranges + ranges)  # every block twice: a failed server has a replacement
+        ref = AutoModelForCausalLM.from_pretrained(tiny_bloom).eval()
+        yield tiny_bloom, swarm, ref
+
+
+def _client(path, swarm, **kw) -> DistributedModelForCausalLM:
+    return DistributedModelForCausalLM.from_pretrained(path, initial_peers=swarm.initial_peers, ban_base_s=30.0, **kw)
+
+
+@pytest.mark.slow
+def test_chunked_prefill_gives_the_logits_of_one_step_and_is_pipelined(swarm, monkeypatch):
+    path, swarm_, ref = swarm
+    ids = torch.randint(3, 500, (2, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding in the second row
+    events: list[tuple[str, str, float]] = []
+    send, receive = SpanStream.send, SpanStream.receive
+
+    async def logged_send(self, hidden, m):
+        await send(self, hidden, m)
+        events.append((self.span.server_id, "send", time.perf_counter()))
+
+    async def logged_receive(self):
+        out = await receive(self)
+        events.append((self.span.server_id, "recv", time.perf_counter()))
+        return out
+
+    monkeypatch.setattr(SpanStream, "send", logged_send)
+    monkeypatch.setattr(SpanStream, "receive", logged_receive)
+    chunked, whole = _client(path, swarm_, prefill_chunk_tokens=8), _client(path, swarm_, prefill_chunk_tokens=0)
+    try:
+        results = {}
+        for name, client in (("whole", whole), ("chunked", chunked)):
+            events.clear()
+            with client.inference_session(max_length=PROMPT_TOKENS + 3, batch_size=2) as session:
+                logits = [client.step_logits(session, ids, mask)]
+                nxt = logits[0][:, -1:].argmax(-1)
+                logits.append(client.step_logits(session, nxt))
+                results[name] = logits
+                record = session.steps[0]
+                route = [s.span.server_id for s in session.spans]
+        assert record.chunks == math.ceil(PROMPT_TOKENS / 8) and len(record.hops) == 3 * record.chunks
+        real = mask.bool()  # outputs at padding positions mean nothing (fully masked attention rows)
+        assert (results["chunked"][0] - results["whole"][0])[real].abs().max().item() < 1e-5
+        assert (results["chunked"][1] - results["whole"][1]).abs().max().item() < 1e-5
+        with torch.no_grad():
+            want = ref(ids, attention_mask=mask).logits
+        assert (results["chunked"][0] - want)[real].abs().max().item() < 1e-4
+        # pipelining: the second server got its first chunk before the first server answered its last one
+        first_send_2 = min(t for sid, kind, t in events if sid == route[1] and kind == "send")
+        last_recv_1 = max(t for sid, kind, t in events if sid == route[0] and kind == "recv")
+        assert first_send_2 < last_recv_1
+    finally:
+        chunked.close()
+        whole.close()
+
+
+@pytest.mark.slow
+def test_server_dying_mid_prefill_keeps_the_logits_exact(swarm, monkeypatch):
+    """The middle server is killed when its third chunk's answer is due: it is replaced and replayed; the other
+    servers, left with chunks written but unanswered, are reopened and replayed; the logits do not change."""
+    path, swarm_, ref = swarm
+    for server in list(swarm_.servers):  # earlier tests may have killed some: every block twice again
+        if not server.alive:
+            swarm_.servers.remove(server)
+            swarm_.start_server(BlockRange(*server.ready["blocks"]))
+    ids = torch.randint(3, 500, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(1))
+    client = _client(path, swarm_, prefill_chunk_tokens=6)
+    receive = SpanStream.receive
+    state = {"victim": None, "seen": 0, "killed": False}
+
+    async def dying_receive(self):
+        if self.span.server_id == state["victim"] and not state["killed"]:
+            state["seen"] += 1
+            if state["seen"] == 3:
+                state["killed"] = True
+                victim = next(s for s in swarm_.servers if s.server_id == self.span.server_id)
+                swarm_.kill(victim, signal.SIGKILL)
+                victim.proc.wait(10)
+        return await receive(self)
+
+    monkeypatch.setattr(SpanStream, "receive", dying_receive)
+    try:
+        with client.inference_session(max_length=PROMPT_TOKENS + 2) as session:
+            state["victim"] = session.spans[1].span.server_id
+            got = client.step_logits(session, ids)
+            nxt = got[:, -1:].argmax(-1)
+            got_next = client.step_logits(session, nxt)
+            record = session.steps[0]
+        assert state["killed"] and record.failovers == 1
+        with torch.no_grad():
+            want = ref(ids).logits
+            want_next = ref(torch.cat([ids, nxt], 1)).logits[:, -1:]
+        assert (got - want).abs().max().item() < 1e-4
+        assert (got_next - want_next).abs().max().item() < 1e-4
+    finally:
+        client.close()
