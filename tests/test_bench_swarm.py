@@ -78,7 +78,7 @@ def test_open_loop_arrivals_wait_at_the_client_and_count_as_queueing(client, req
 def test_cli_bench_writes_results_with_telemetry_for_every_process(tiny_bloom, tmp_path):
     out = tmp_path / "out"
     code = cli_main(["bench", "--model", tiny_bloom, "--servers", "1,2", "--strategies", "sequential,pipelined",
-                     "--prompts", "builtin", "--limit", "5", "--max-new-tokens", "4", "--out", str(out)])
+                     "--prompts", "builtin", "--limit", "12", "--max-new-tokens", "16", "--out", str(out)])
     assert code == 0
     doc = json.loads((out / "results.json").read_text())
     runs = doc["runs"]
@@ -86,7 +86,7 @@ def test_cli_bench_writes_results_with_telemetry_for_every_process(tiny_bloom, t
                                                               (2, "pipelined")]
     for r in runs:
         assert set(r["decomposition_s"]) == {"computation", "communication", "queueing", "orchestration"}
-        assert r["throughput_tokens_per_s"] > 0 and r["mean_response_s"] > 0 and len(r["requests"]) == 5
+        assert r["throughput_tokens_per_s"] > 0 and r["mean_response_s"] > 0 and len(r["requests"]) == 12
         assert {"response_s", "ttft_s", "generated_tokens"} <= set(r["requests"][0])
         assert abs(r["decomposition_residual_s"]) < 0.05 * r["decomposition_measured_s"]
         expected = {"client", "dht", "system"} | {f"server{i}" for i in range(r["servers"])}

@@ -263,11 +263,13 @@ def summarize(samples: Sequence[Sample], t_from: float, t_to: float) -> dict[str
             continue
         inside = inside or after[:1]  # a run shorter than one interval: the next sample speaks for it
         # byte counters are cumulative: from the last sample before the window to the first one after it
-        start, end = (before[-1] if before else inside[0]), (after[0] if after else inside[-1])
+        # (with no sample before the window, the sampler's own start is the baseline: counters are relative to it)
+        end = after[0] if after else inside[-1]
+        start_tx, start_rx = (before[-1].tx_bytes, before[-1].rx_bytes) if before else (0, 0)
         rtts = sorted(s.rtt_s for s in inside if s.rtt_s is not None)
         out[name] = ProcessSummary(
             name=name, samples=len(inside), mean_cpu_percent=sum(s.cpu_percent for s in inside) / len(inside),
-            max_rss_bytes=max(s.rss_bytes for s in inside), tx_bytes=end.tx_bytes - start.tx_bytes,
-            rx_bytes=end.rx_bytes - start.rx_bytes, median_rtt_s=rtts[len(rtts) // 2] if rtts else None,
+            max_rss_bytes=max(s.rss_bytes for s in inside), tx_bytes=end.tx_bytes - start_tx,
+            rx_bytes=end.rx_bytes - start_rx, median_rtt_s=rtts[len(rtts) // 2] if rtts else None,
         )
     return out

@@ -95,7 +95,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         if not 1 <= msg.max_length <= self.config.max_length_tokens:
             raise InvalidRequest(f"max_length must be in [1, {self.config.max_length_tokens}], got {msg.max_length}")
         nbytes = self.stage.cache_bytes(blocks.length, msg.batch_size, msg.max_length)
-        state = self.stage.new_state(blocks, msg.batch_size)
+        state = self.stage.new_state(blocks, msg.batch_size, msg.max_length)
         return self.sessions.open(state, msg.batch_size, msg.max_length, nbytes)
 
     # ---- RPCs -------------------------------------------------------------------------------------------
@@ -187,7 +187,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         decoded = time.perf_counter()
         try:  # batched with other sessions' steps of the same shape; decode steps go first
             out, timing = await self.scheduler.submit_step(self.stage, session.state, hidden, mask)
-        except Exception as exc:  # unexpected: this session's cache may be half-updated, so it is closed
+        except Exception as exc:  # unexpected (a bug or an OOM): close the session rather than trust it
             log.exception("step failed")
             self.sessions.close(sid)
             await context.abort(grpc.StatusCode.INTERNAL, f"step failed, session closed: {exc}")
