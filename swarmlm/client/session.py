@@ -39,6 +39,22 @@ class SpanSession:
         return sum(h.shape[1] for h, _ in self.history)
 
 
+class _Progress:
+    """Wake every waiter when the pipeline moves. An Event per generation rather than asyncio.Condition, whose
+    wait() re-acquires its lock on cancellation and, on Python 3.11, can leave a cancelled pipeline hanging."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait_for(self, predicate) -> None:
+        while not predicate():  # no await between the check and the wait: no wake-up is missed
+            await self._event.wait()
+
+
 @dataclass
 class StepRecord:
     """One step through the whole chain: what each hop cost, and failovers."""
@@ -188,7 +204,7 @@ class InferenceSession:
                         record: StepRecord) -> dict[int, ServerFailed | None]:
         """Push every chunk through every hop, pipelined. Returns the hops to replace: failed (their error) or
         left with unanswered chunks by a failure elsewhere (None); empty when the step is complete."""
-        progress = asyncio.Condition()  # notified whenever a hop writes or answers a chunk
+        progress = _Progress()  # notified whenever a hop writes or answers a chunk
 
         def source(i: int, k: int) -> torch.Tensor:
             return chunks[k][0] if i == 0 else hops[i - 1].outputs[k]
@@ -198,25 +214,21 @@ class InferenceSession:
             while hop.written < len(chunks):
                 k = hop.written
                 if i > 0:
-                    async with progress:
-                        await progress.wait_for(lambda: hops[i - 1].answered > k)
+                    await progress.wait_for(lambda: hops[i - 1].answered > k)
                 await hop.span.stream.send(source(i, k), chunks[k][1])
                 hop.written = k + 1
-                async with progress:
-                    progress.notify_all()
+                progress.notify()
 
         async def receive(i: int) -> None:
             hop = hops[i]
             while hop.answered < len(chunks):
                 k = hop.answered
-                async with progress:
-                    await progress.wait_for(lambda: hop.written > k)
+                await progress.wait_for(lambda: hop.written > k)
                 out, timing = await hop.span.stream.receive()
                 hop.span.history.append((source(i, k), chunks[k][1]))
                 hop.outputs.append(out)
                 record.hops.append(timing)
-                async with progress:
-                    progress.notify_all()
+                progress.notify()
 
         tasks = {asyncio.ensure_future(f(i)): i for i in range(len(hops)) for f in (send, receive)}
         try:
