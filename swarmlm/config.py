@@ -73,7 +73,9 @@ class ClientConfig:
     routing: str = "waiting-aware"  # "shortest" | "waiting-aware"
     max_message_bytes: int = 64 << 20
     # Chunked prefill and decode-first transmission (swarmlm/client/chunking.py, transmission.py).
-    prefill_chunk_tokens: int | None = None  # tokens per prefill message: None = auto (link + compute), 0 = one message
+    # tokens per prefill message: None = auto (link + compute), 0 = one message. Off by default: no gain measured
+    # yet (docs/RESULTS-molink.md) and its failover path has an intermittent hang under investigation.
+    prefill_chunk_tokens: int | None = 0
     chunk_min_tokens: int = 16  # bounds of the automatic size: smaller chunks cost more per-message overhead,
     chunk_max_tokens: int = 256  # larger ones hold a slow link (and the decodes behind them) for longer
     decode_first: bool = True  # decode messages pass waiting prefill chunks on each link (False: arrival order)

@@ -57,10 +57,17 @@ class ServerProcess:
 _LIVE: set[subprocess.Popen] = set()
 
 
+def _kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal the process and everything it started (its DHT child, p2pd): each runs in its own session."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _kill_all() -> None:
     for p in list(_LIVE):
-        if p.poll() is None:
-            p.kill()
+        _kill_group(p)
 
 
 atexit.register(_kill_all)
@@ -153,7 +160,10 @@ class LocalSwarm:
         return self
 
     def kill(self, server: ServerProcess, sig: int = signal.SIGKILL) -> None:
-        if server.alive:
+        """SIGKILL takes the server's whole process group (as a machine dying would); SIGTERM asks it to stop."""
+        if sig == signal.SIGKILL:
+            _kill_group(server.proc)
+        elif server.alive:
             server.proc.send_signal(sig)
 
     def stop(self, timeout_s: float = 15.0) -> None:
@@ -168,6 +178,7 @@ class LocalSwarm:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+            _kill_group(p)  # whatever it left behind in its group (a forked DHT process, p2pd)
             _LIVE.discard(p)
             if p.stdout:
                 p.stdout.close()
