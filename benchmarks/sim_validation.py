@@ -1,11 +1,12 @@
 """Does the simulator predict the real swarm? The same small scenario, run for real and simulated.
 
 Real: small-bloom (8 blocks, d_model 512) on N loopback server processes (even split, 1 thread each), a fixed
-workload of sequential requests through the real client. Simulated: the same placement and workload, with
-each server's compute profile as the server itself measured and announced it at start-up, and the client<->server
-RTT the client measures with its Info probe. The BPRR performance model has no term for the client's own compute
-(embeddings, final norm, LM head, sampling): it is profiled separately on the client, once, and added to the
-prediction. Usage:
+workload of sequential requests through the real client. Simulated: the same placement and workload through the
+simulator, with each server's compute profile as the server measured and announced it at start-up, and two
+calibrated costs from a run before the measured one: per hop, what a decode step costs besides compute (wire, gRPC,
+(de)serialisation, scheduling: the BPRR model's per-token round trip t_cj), and the client's own time per step
+(embeddings, head, sampling, hand-offs), for which the BPRR model has no term. What is predicted is the composition:
+the fitted compute model through the route plus those costs. Usage:
 
     .venv/bin/python benchmarks/sim_validation.py [--servers 2] [--requests 8] [--input 32] [--output 16]
 """
@@ -22,25 +23,13 @@ import torch
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.model.checkpoint import load_config
 from swarmlm.model.init import default_checkpoint
-from swarmlm.perf.model import ComputeProfile
+from swarmlm.perf.profile import profile_model
 from swarmlm.planner.plan import Plan
 from swarmlm.planner.topology import parse_topology
 from swarmlm.sim.arrivals import SimRequest
 from swarmlm.sim.scenario import simulate_scenario
 from swarmlm.swarm.local import LocalSwarm, even_split
 from swarmlm.types import Span
-
-
-def client_compute_s(client: DistributedModelForCausalLM, tokens: int, repeats: int = 15) -> float:
-    """Embeddings for `tokens` new tokens + head and sampling of the last one: the client's part of a step."""
-    ids = torch.randint(5, 100, (1, tokens))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        h = client.embed(ids)
-        client.head(h[:, -1:]).argmax(-1)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def real_run(client, n_requests: int, l_in: int, l_out: int) -> list[dict]:
@@ -57,10 +46,29 @@ def real_run(client, n_requests: int, l_in: int, l_out: int) -> list[dict]:
     return records
 
 
+def calibrate(client, n: int, l_in: int) -> tuple[dict[str, float], float, float]:
+    """From a calibration run (not the measured one): per server, t_cj as the BPRR model means it — what a decode
+    step costs per hop besides the blocks' compute (wire, gRPC, (de)serialisation, scheduling); and the client's
+    own time per prefill and per decode step outside the hops (embeddings, head, sampling, handing steps to the
+    I/O thread), which the BPRR model has no term for."""
+    per_server: dict[str, list[float]] = {}
+    prefill_client, decode_client = [], []
+    for i in range(n):
+        ids = torch.randint(5, 1000, (1, l_in), generator=torch.Generator().manual_seed(1000 + i))
+        client.generate(ids, max_new_tokens=8)
+        st = client.last_stats
+        in_hops = [sum(h.wall_s + h.client_io_s for h in step.hops) for step in st.steps]
+        prefill_client.append(st.ttft_s - in_hops[0])
+        decode_client.append((st.total_s - st.ttft_s) / (st.new_tokens - 1) - statistics.fmean(in_hops[1:]))
+        for step in st.steps[1:]:  # decode steps only
+            for h in step.hops:
+                per_server.setdefault(h.server_id, []).append(h.wall_s - h.compute_s - h.queued_s + h.client_io_s)
+    rtt = {sid: statistics.median(v) for sid, v in per_server.items()}
+    return rtt, statistics.median(prefill_client), statistics.median(decode_client)
+
+
 def simulate(swarm: LocalSwarm, client, num_blocks: int, n_requests: int, l_in: int, l_out: int,
-             client_prefill_s: float, client_decode_s: float) -> list[dict]:
-    client.remote.refresh()
-    view = client.remote.view
+             client_prefill_s: float, client_decode_s: float, rtt_s: dict[str, float]) -> list[dict]:
     servers = []
     for s in swarm.servers:
         r = s.ready
@@ -69,7 +77,7 @@ def simulate(swarm: LocalSwarm, client, num_blocks: int, n_requests: int, l_in: 
     doc = {
         "model": {"num_blocks": num_blocks, "block_bytes": 1e6, "cache_bytes_per_session_block": 1e6},
         "servers": servers, "clients": [{"name": "client"}],
-        "rtt_s": {"client": {s.server_id: view.rtt_s[s.server_id] for s in swarm.servers}},
+        "rtt_s": {"client": {s.server_id: rtt_s[s.server_id] for s in swarm.servers}},
         "workload": {"input_tokens": l_in, "output_tokens": l_out, "concurrency": 1},
     }
     topology = parse_topology(doc)
@@ -101,14 +109,18 @@ def main() -> None:
     torch.set_num_threads(1)
     model_dir = str(default_checkpoint(args.preset))
     num_blocks = int(load_config(model_dir).num_hidden_layers)
+    ranges = even_split(num_blocks, args.servers)
+    for r in ranges:  # profile each span alone first: N servers profiling at once on 2 cores would slow each other
+        profile_model(model_dir, r, "float32", 1, refresh=True)
     with LocalSwarm(model_dir, threads=1) as swarm:
-        swarm.start(even_split(num_blocks, args.servers))
+        swarm.start(ranges)
         client = DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers,
                                                              routing="shortest")
         real_run(client, 2, args.input, 4)  # warm-up: channels, allocator
+        # calibration, before the measured run: the client's own compute and the per-hop cost of a step
+        rtt, cp, cd = calibrate(client, 5, args.input)
         real = real_run(client, args.requests, args.input, args.output)
-        cp, cd = client_compute_s(client, args.input), client_compute_s(client, 1)
-        sim = simulate(swarm, client, num_blocks, args.requests, args.input, args.output, cp, cd)
+        sim = simulate(swarm, client, num_blocks, args.requests, args.input, args.output, cp, cd, rtt)
         client.close()
     rows = {}
     print(f"{args.preset}, {args.servers} servers, {args.requests} sequential requests of {args.input} in / "
@@ -121,6 +133,7 @@ def main() -> None:
         print(f"| {key} | {m * 1e3:.2f} ms | {p * 1e3:.2f} ms | {(p - m) / m:+.1%} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "client_prefill_s": cp, "client_decode_s": cd,
+                                          "hop_overhead_s": rtt,
                                           "metrics": rows}, indent=2))
 
 

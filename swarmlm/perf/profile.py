@@ -18,7 +18,7 @@ from swarmlm.perf.model import ComputeProfile
 from swarmlm.server.stage import Stage
 from swarmlm.types import BlockRange
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # bump when the measurement changes: cached profiles are redone
 
 
 def _cpu_name() -> str:
@@ -52,13 +52,11 @@ def measure(stage: Stage, lengths: tuple[int, int] = (16, 128), decode_steps: in
         stage.forward(blocks, x, torch.ones(1, tokens, dtype=torch.long))
         return time.perf_counter() - t0
 
-    prefill_s(lengths[0])  # warm-up (allocations, lazy init)
-    xs, ys = [], []
-    for _ in range(repeats):
-        for tokens in lengths:
-            xs.append(tokens)
-            ys.append(prefill_s(tokens) / n)
-    a, b = _fit_line(xs, ys)
+    for tokens in lengths:  # warm-up: first calls at a new size allocate, and would skew the fit
+        prefill_s(tokens)
+    # the median per length is robust to a burst of load elsewhere; two points define the line
+    medians = [statistics.median(prefill_s(tokens) / n for _ in range(repeats)) for tokens in lengths]
+    a, b = _fit_line(list(lengths), medians)
 
     state = stage.new_state(blocks, 1)
     stage.step(state, torch.randn(1, lengths[0], h, generator=gen), torch.ones(1, lengths[0], dtype=torch.long))
