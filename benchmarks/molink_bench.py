@@ -38,6 +38,8 @@ VARIANTS = {  # name -> ClientConfig overrides
     "chunking": dict(prefill_chunk_tokens=None, decode_first=False),
     "decode-first": dict(prefill_chunk_tokens=0, decode_first=True),
     "both": dict(prefill_chunk_tokens=None, decode_first=True),
+    "push": dict(prefill_chunk_tokens=0, decode_first=False, push=True),  # server-to-server push alone
+    "all": dict(prefill_chunk_tokens=None, decode_first=True, push=True),
 }
 
 
@@ -135,7 +137,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4, help="blocks in the model (same widths as the preset)")
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--networks", default="100mbit-20ms,1gbit-1ms")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default="baseline,chunking,decode-first,both")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=8, help="per round and variant")
     ap.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second")

@@ -74,7 +74,7 @@ class ClientConfig:
     max_message_bytes: int = 64 << 20
     # Chunked prefill and decode-first transmission (swarmlm/client/chunking.py, transmission.py).
     # tokens per prefill message: None = auto (link + compute), 0 = one message. Off by default: no gain measured
-    # yet (docs/RESULTS-molink.md) and its failover path has an intermittent hang under investigation.
+    # yet on this project's CPU swarms (docs/RESULTS-molink.md).
     prefill_chunk_tokens: int | None = 0
     chunk_min_tokens: int = 16  # bounds of the automatic size: smaller chunks cost more per-message overhead,
     chunk_max_tokens: int = 256  # larger ones hold a slow link (and the decodes behind them) for longer
@@ -82,6 +82,9 @@ class ClientConfig:
     max_decode_burst: int = 8  # decode messages in a row that may pass a waiting prefill chunk (fairness)
     prefill_window: int = 2  # with chunking: prefill chunks per link written and not yet answered
     assumed_bandwidth_bps: float = 1e9  # a link's bandwidth until the client has measured it (bits per second)
+    # server-to-server push (swarmlm/server/push.py): each server sends its output straight to the next one, a
+    # token crosses N + 1 links instead of 2N; the client still gets every output (for failover)
+    push: bool = False
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:

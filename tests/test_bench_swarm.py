@@ -47,13 +47,19 @@ def reference(client, requests):
 
 @pytest.mark.parametrize("cfg", [StrategyConfig(n) for n in STRATEGIES] + [
     StrategyConfig("pipelined", in_flight=5), StrategyConfig("microbatched", micro_batches=2, micro_batch_size=3),
+    StrategyConfig("microbatched", micro_batches="auto"),
     StrategyConfig("sequential", head_last_only=False)], ids=lambda c: f"{c.label(3)}-{c.head_last_only}")
 def test_every_strategy_gives_the_sequential_greedy_tokens(client, requests, reference, cfg):
-    records = run_strategy(client, requests, cfg, route_servers=3)
+    decisions: list[dict] = []
+    records = run_strategy(client, requests, cfg, route_servers=3, decisions=decisions)
     assert [r.request_id for r in records] == [r.request_id for r in requests]
     assert all(r.error is None for r in records)
     assert {r.request_id: r.tokens for r in records} == reference
-    if cfg.name == "microbatched":
+    if cfg.auto:  # MoLink's rule chose every batch's split, from measured times once it had them
+        assert len(decisions) == -(-len(requests) // 6) and decisions[0]["reason"] == "no measurement yet"
+        assert all(d["t_comp_s"] > 0 and d["t_trans_s"] > 0 and 1 <= d["micro_batches"] <= d["requests"]
+                   for d in decisions[1:])
+    elif cfg.name == "microbatched":
         assert {r.batch_size for r in records} >= {cfg.micro_batch_size}
     else:
         assert {r.batch_size for r in records} == {1}

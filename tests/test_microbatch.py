@@ -56,3 +56,43 @@ def test_helper_units():
     assert decode_time_fn(0.002, 3)(5) == pytest.approx(0.006)
     with pytest.raises(ValueError):
         transfer_time_fn(64, 4, 0.0)
+
+
+# ---- the rule fed by measurements ------------------------------------------------------------------------------
+
+from types import SimpleNamespace  # noqa: E402
+
+from swarmlm.client.microbatch import MicroBatchPlanner  # noqa: E402
+
+
+def _step(compute_s: float, network_s: float, tokens: int = 1):
+    hop = SimpleNamespace(compute_s=compute_s, network_s=network_s)
+    return SimpleNamespace(tokens=tokens, hops=[hop, SimpleNamespace(compute_s=compute_s / 2, network_s=0.0)],
+                           failovers=0)
+
+
+def test_planner_falls_back_until_it_has_measured_a_decode_step():
+    planner = MicroBatchPlanner(bytes_per_row=4096, profile_decode_s=0.01, bandwidth_bps=lambda: 1e9)
+    assert planner.choose(8, fallback=3) == 3 and planner.choose(2, fallback=3) == 2
+    planner.observe(2, [_step(0.02, 0.001, tokens=40)])  # a prefill teaches nothing about decode
+    assert not planner.samples
+
+
+def test_planner_fits_compute_per_batch_size_from_the_slowest_hop():
+    planner = MicroBatchPlanner(bytes_per_row=4096, profile_decode_s=0.010, bandwidth_bps=lambda: 1e9)
+    planner.observe(4, [_step(0.016, 0.002)] * 5)  # slowest hop: 16 ms at 4 rows; profile: 10 ms at 1 row
+    assert planner.decode_time(1) == pytest.approx(0.010, rel=0.05)
+    assert planner.decode_time(4) == pytest.approx(0.016, rel=0.05)
+    assert planner.decode_time(7) == pytest.approx(0.022, rel=0.05)  # 2 ms per added row
+    assert planner.transfer_time(4) == pytest.approx(0.002)
+    assert planner.transfer_time(5) == pytest.approx(0.002 + 4096 * 8 / 1e9)
+
+
+def test_planner_splits_finer_when_the_measured_link_is_slow():
+    fast = MicroBatchPlanner(bytes_per_row=4096, profile_decode_s=0.02, bandwidth_bps=lambda: 1e9)
+    slow = MicroBatchPlanner(bytes_per_row=4096, profile_decode_s=0.02, bandwidth_bps=lambda: 1e9)
+    fast.observe(2, [_step(0.03, 0.001)] * 3)
+    slow.observe(2, [_step(0.03, 0.060)] * 3)  # 60 ms on the wire per step: more micro-batches cover it
+    b_fast, b_slow = fast.choose(24, fallback=2), slow.choose(24, fallback=2)
+    assert b_fast == 3 and b_slow > b_fast
+    assert slow.decisions[-1]["t_trans_s"] == pytest.approx(0.060, rel=0.01)

@@ -46,6 +46,7 @@ class BenchConfig:
     warmup_requests: int = 1  # per swarm, not recorded
     telemetry_interval_s: float = 1.0
     log_dir: str | None = None  # server logs (default: a temporary directory per swarm)
+    push: bool = False  # server-to-server push (ClientConfig.push)
 
     def __post_init__(self) -> None:
         if not self.servers or any(n < 1 for n in self.servers) or len(set(self.servers)) != len(self.servers):
@@ -160,7 +161,7 @@ def run_swarm_size(cfg: BenchConfig, n: int, requests: Sequence[Request], num_bl
     with start_swarm(cfg, n, num_blocks) as swarm:
         model = DistributedModelForCausalLM.from_pretrained(
             cfg.model_dir, initial_peers=swarm.initial_peers, servers=swarm.server_addresses,
-            threads=cfg.client_threads)
+            threads=cfg.client_threads, push=cfg.push)
         try:
             warm = StrategyConfig("sequential", ignore_eos=cfg.strategies[0].ignore_eos)
             for r in list(requests)[:cfg.warmup_requests]:
@@ -174,13 +175,17 @@ def run_swarm_size(cfg: BenchConfig, n: int, requests: Sequence[Request], num_bl
                         progress(f"N={n} {label}", 0)
                     load = os.getloadavg()[0]
                     t_from = sampler.now()
+                    decisions: list[dict] = []
                     records = run_strategy(model, requests, strategy, route_servers,
                                            on_records=(lambda recs, lb=label: progress(f"N={n} {lb}", len(recs)))
-                                           if progress else None)
+                                           if progress else None, decisions=decisions)
                     t_to = sampler.now()
                     sampler.wait_past(t_to, timeout_s=4 * cfg.telemetry_interval_s + 5)  # the window's last sample
                     runs.append(summarise_run(n, strategy, label, records, sampler.samples, t_from, t_to,
                                               cfg.network, swarm.network_info, route, load))
+                    runs[-1]["push"] = cfg.push
+                    if strategy.auto:
+                        runs[-1]["micro_batch_decisions"] = decisions
             telemetry = {"servers": n, "columns": SAMPLE_COLUMNS, "rows": [s.to_row() for s in sampler.samples],
                          "windows": [{"strategy": r["strategy"], "t_from": r["window_s"][0],
                                       "t_to": r["window_s"][1]} for r in runs]}
@@ -197,9 +202,11 @@ def summarise_run(n: int, strategy: StrategyConfig, label: str, records: list[Re
     tel = summarize(samples, t_from, t_to)
     procs = {k: v for k, v in tel.items() if k != "system"}
     return {
-        "servers": n, "strategy": strategy.name, "strategy_label": label, "network": network,
+        "servers": n, "strategy": "microbatched-auto" if strategy.auto else strategy.name, "strategy_label": label,
+        "network": network,
         "network_info": network_info, "in_flight": strategy.workers(len(route.spans)),
-        "micro_batch_size": strategy.micro_batch_size if strategy.name == "microbatched" else 1,
+        "micro_batch_size": strategy.micro_batch_size if strategy.name == "microbatched" and not strategy.auto else
+        (max((r.batch_size for r in records), default=1) if strategy.auto else 1),
         "route": [f"{s.server_id[:16]}[{s.start}:{s.end})" for s in route.spans],
         "requests_count": tot.requests, "failed": tot.failed, "generated_tokens": tot.generated_tokens,
         "makespan_s": tot.makespan_s, "throughput_tokens_per_s": tot.throughput_tokens_per_s,

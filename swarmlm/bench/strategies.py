@@ -10,6 +10,9 @@ at a time, each job is one inference session through the whole chain. What diffe
   microbatched  batches of M x b requests, each split  the M micro-batches of a batch start back to back so they
                 into M batched sessions of b rows      occupy different stages at once; the next batch starts when
                                                        the whole batch is done (default M = servers, b = 2)
+  microbatched  M = "auto": MoLink's micro-batch extension. Each batch (servers x b requests) is split into the
+   (auto)       number of micro-batches MoLink's rule chooses from the measured decode compute and transfer times
+                (client/microbatch.py), re-evaluated for every batch as the measurements change
 
 The workers are threads of one client process; the LM head and embeddings release the GIL inside torch, and the
 client's gRPC I/O runs on its own event-loop thread, so K sessions really overlap. Every job returns one
@@ -17,6 +20,7 @@ client's gRPC I/O runs on its own event-loop thread, so K sessions really overla
 """
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -28,6 +32,7 @@ import torch
 from swarmlm.bench.decomposition import Decomposition, decompose
 from swarmlm.bench.workload import Request
 from swarmlm.client.generate import GenerationStats, SamplingConfig, generate_tokens
+from swarmlm.client.microbatch import MicroBatchPlanner
 from swarmlm.client.session import InferenceSession
 
 StrategyName = Literal["sequential", "pipelined", "microbatched"]
@@ -38,7 +43,8 @@ STRATEGIES: tuple[StrategyName, ...] = ("sequential", "pipelined", "microbatched
 class StrategyConfig:
     name: StrategyName
     in_flight: int | None = None  # pipelined: K sessions at once; None = number of servers in the route
-    micro_batches: int | None = None  # microbatched: M micro-batches per batch; None = number of servers in the route
+    # microbatched: M micro-batches per batch; None = number of servers in the route; "auto" = MoLink's rule
+    micro_batches: int | Literal["auto"] | None = None
     micro_batch_size: int = 2  # microbatched: requests (rows) per micro-batch, i.e. per batched session
     head_last_only: bool = True  # LM head on the last position only (what generate() does); False = on every
     #                              prompt position too, as the client did before (to measure what that costs)
@@ -49,8 +55,11 @@ class StrategyConfig:
             raise ValueError(f"unknown strategy {self.name!r}; known: {', '.join(STRATEGIES)}")
         for what in ("in_flight", "micro_batches"):
             value = getattr(self, what)
-            if value is not None and value < 1:
-                raise ValueError(f"{what} must be >= 1, got {value}")
+            if value == "auto" and what == "micro_batches":
+                continue
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{what} must be an integer >= 1{' or auto' if what == 'micro_batches' else ''},"
+                                 f" got {value!r}")
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.name != "pipelined" and self.in_flight is not None:
@@ -62,11 +71,19 @@ class StrategyConfig:
             return 1
         if self.name == "pipelined":
             return self.in_flight or route_servers
+        if self.micro_batches == "auto":  # requests in flight as with M = servers; their split is chosen
+            return route_servers
         return self.micro_batches or route_servers
+
+    @property
+    def auto(self) -> bool:
+        return self.name == "microbatched" and self.micro_batches == "auto"
 
     def label(self, route_servers: int) -> str:
         if self.name == "pipelined":
             return f"pipelined(K={self.workers(route_servers)})"
+        if self.auto:
+            return f"microbatched(M=auto,n={route_servers * self.micro_batch_size})"
         if self.name == "microbatched":
             return f"microbatched(M={self.workers(route_servers)},b={self.micro_batch_size})"
         return self.name
@@ -163,8 +180,10 @@ def _payload_bytes(steps, batch: int, hidden_size: int, itemsize: int) -> tuple[
     return sent, received
 
 
-def run_job(model, requests: Sequence[Request], cfg: StrategyConfig, t_run0: float) -> list[RequestRecord]:
-    """One inference session for `requests` (one row each); records clocked from the run's start t_run0."""
+def run_job(model, requests: Sequence[Request], cfg: StrategyConfig, t_run0: float,
+            on_steps: Callable[[int, list], None] | None = None) -> list[RequestRecord]:
+    """One inference session for `requests` (one row each); records clocked from the run's start t_run0.
+    `on_steps(rows, steps)` sees the session's step records (the micro-batch planner learns from them)."""
     arrival = max(r.arrival_s for r in requests) if requests[0].arrival_s is not None else None
     t_start = time.perf_counter()
     t_from = t_run0 + arrival if arrival is not None else t_start  # response time counts from here
@@ -187,6 +206,8 @@ def run_job(model, requests: Sequence[Request], cfg: StrategyConfig, t_run0: flo
                 for r in requests]
     close_error = _close_quietly(session)
     t_end = time.perf_counter()
+    if on_steps is not None:
+        on_steps(batch, session.steps)
     parts = decompose(t_end - t_from, session.open_s, t_end - t_closing, client_wait, stats, session.call_s,
                       session.steps)
     sent, received = _payload_bytes(session.steps, batch, int(model.config.hidden_size),
@@ -230,7 +251,7 @@ OnRecords = Callable[[list[RequestRecord]], None]
 
 
 def _drain(model, jobs: Sequence[Sequence[Request]], workers: int, cfg: StrategyConfig, t_run0: float,
-           on_records: OnRecords | None) -> list[RequestRecord]:
+           on_records: OnRecords | None, on_steps: Callable[[int, list], None] | None = None) -> list[RequestRecord]:
     """Run jobs with `workers` threads, each taking the next job when free; open-loop jobs wait for arrival."""
     todo: queue.SimpleQueue = queue.SimpleQueue()
     for job in jobs:
@@ -250,7 +271,7 @@ def _drain(model, jobs: Sequence[Sequence[Request]], workers: int, cfg: Strategy
                 if wait > 0:
                     time.sleep(wait)
             try:
-                records = run_job(model, job, cfg, t_run0)
+                records = run_job(model, job, cfg, t_run0, on_steps)
             except BaseException as exc:  # a bug, not a failed request: stop and re-raise in the caller
                 crashed.append(exc)
                 return
@@ -270,9 +291,23 @@ def _drain(model, jobs: Sequence[Sequence[Request]], workers: int, cfg: Strategy
     return results
 
 
+def micro_batch_planner(model) -> MicroBatchPlanner:
+    """MoLink's rule for this client: its hidden size and dtype, the slowest span's announced decode profile, the
+    slowest measured link."""
+    remote = model.remote
+    route = remote.route(0, remote.num_blocks, 16, 16)
+    profile = max((remote.view.records[s.server_id].decode_s * s.length
+                   for s in route.spans if s.server_id in remote.view.records), default=0.0)
+    bytes_per_row = int(model.config.hidden_size) * torch.empty((), dtype=model.dtype).element_size()
+    addresses = [s.address for s in route.spans]
+    return MicroBatchPlanner(bytes_per_row, profile,
+                             lambda: min(remote.channels.bandwidth(a).bandwidth_bps for a in addresses))
+
+
 def run_strategy(model, requests: Sequence[Request], cfg: StrategyConfig, route_servers: int,
-                 on_records: OnRecords | None = None) -> list[RequestRecord]:
-    """Run the whole workload; returns one record per request, in request order."""
+                 on_records: OnRecords | None = None, decisions: list | None = None) -> list[RequestRecord]:
+    """Run the whole workload; returns one record per request, in request order. With M = auto, `decisions`
+    receives what the micro-batch rule chose for each batch and from which times."""
     if not requests:
         return []
     workers = cfg.workers(route_servers)
@@ -281,11 +316,19 @@ def run_strategy(model, requests: Sequence[Request], cfg: StrategyConfig, route_
         records = _drain(model, [[r] for r in requests], workers, cfg, t_run0, on_records)
     else:
         size = workers * cfg.micro_batch_size
+        planner = micro_batch_planner(model) if cfg.auto else None
         records = []
         for i in range(0, len(requests), size):
             group = requests[i:i + size]
-            micro = [group[j:j + cfg.micro_batch_size] for j in range(0, len(group), cfg.micro_batch_size)]
-            records += _drain(model, micro, workers, cfg, t_run0, on_records)  # the batch ends before the next
+            if planner is None:
+                rows = cfg.micro_batch_size
+            else:  # MoLink: the number of micro-batches from the latest measurements
+                rows = math.ceil(len(group) / planner.choose(len(group), fallback=route_servers))
+            micro = [group[j:j + rows] for j in range(0, len(group), rows)]
+            records += _drain(model, micro, len(micro), cfg, t_run0, on_records,  # the batch ends before the next
+                              planner.observe if planner else None)
+        if planner is not None and decisions is not None:
+            decisions += planner.decisions
     records.sort(key=lambda rec: rec.request_id)
     return records
 

@@ -14,25 +14,53 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _micro_batches(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
+def strategy_configs(text: str, in_flight: int | None, micro_batches: int | str | None, **common) -> tuple:
+    """'sequential,pipelined:3,microbatched:auto' -> StrategyConfigs; a :VALUE overrides the flag for its entry."""
+    from swarmlm.bench.strategies import StrategyConfig
+
+    out = []
+    for token in (t.strip() for t in text.split(",") if t.strip()):
+        name, _, value = token.partition(":")
+        k = int(value) if value and name == "pipelined" else (in_flight if name == "pipelined" else None)
+        m = (_micro_batches(value) if value else micro_batches) if name == "microbatched" else None
+        if value and name not in ("pipelined", "microbatched"):
+            raise ValueError(f"{name} takes no :VALUE (got {token!r})")
+        out.append(StrategyConfig(name, in_flight=k, micro_batches=m, **common))
+    return tuple(out)
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="the scaling study: N servers x execution strategies, measured and reported")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory")
     src.add_argument("--preset", help="a model preset (e.g. bloomz-560m): a random-weight checkpoint, cached")
     p.add_argument("--servers", type=_ints, default=(1, 2, 4), help="swarm sizes, e.g. 1,2,4 or 1-6")
-    p.add_argument("--strategies", default="sequential,pipelined,microbatched")
+    p.add_argument("--strategies", default="sequential,pipelined,microbatched",
+                   help="comma-separated; NAME:VALUE sets pipelined's K or microbatched's M for that entry, "
+                        "e.g. microbatched:4 or microbatched:auto (MoLink's micro-batch rule)")
     p.add_argument("--prompts", default="builtin", help="'builtin', a text file (one per line) or JSONL")
     p.add_argument("--limit", type=int, help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=10, help="per prompt unless the JSONL says otherwise")
     p.add_argument("--poisson-rate", type=float, help="open loop: Poisson arrivals at this many requests/s")
     p.add_argument("--in-flight", type=int, help="pipelined: K sessions at once (default: servers in the route)")
-    p.add_argument("--micro-batches", type=int, help="microbatched: M micro-batches (default: servers in the route)")
+    p.add_argument("--micro-batches", type=_micro_batches,
+                   help="microbatched: M micro-batches, or 'auto' for MoLink's rule (default: servers in the route)")
     p.add_argument("--micro-batch-size", type=int, default=2, help="microbatched: prompts per micro-batch")
     p.add_argument("--full-prefill-head", action="store_true",
                    help="run the LM head on every prompt position (the client's step_logits) instead of the last")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
     p.add_argument("--network", default="loopback", help="loopback | lan | wan | a topology file")
     p.add_argument("--netem-mode", default="auto", choices=["auto", "namespaces", "relay-only"])
+    p.add_argument("--push", action="store_true", help="server-to-server push (N + 1 hops per token, not 2N)")
     p.add_argument("--server-threads", type=int, default=1)
     p.add_argument("--client-threads", type=int, default=1)
     p.add_argument("--out", default="bench-out", help="results directory")
@@ -55,14 +83,12 @@ def run(args: argparse.Namespace) -> int:
         model_dir = str(default_checkpoint(args.preset))
     else:
         model_dir = args.model
-    strategies = tuple(
-        StrategyConfig(name.strip(), in_flight=args.in_flight if name.strip() == "pipelined" else None,
-                       micro_batches=args.micro_batches, micro_batch_size=args.micro_batch_size,
-                       head_last_only=not args.full_prefill_head, ignore_eos=args.ignore_eos)
-        for name in args.strategies.split(",") if name.strip())
+    strategies = strategy_configs(args.strategies, args.in_flight, args.micro_batches,
+                                  micro_batch_size=args.micro_batch_size, head_last_only=not args.full_prefill_head,
+                                  ignore_eos=args.ignore_eos)
     config = BenchConfig(model_dir=model_dir, servers=args.servers, strategies=strategies, network=args.network,
                          netem_mode=args.netem_mode, server_threads=args.server_threads,
-                         client_threads=args.client_threads, log_dir=f"{args.out}/logs")
+                         client_threads=args.client_threads, log_dir=f"{args.out}/logs", push=args.push)
     requests = tokenize(prompt_source(args.prompts), AutoTokenizer.from_pretrained(model_dir), args.max_new_tokens,
                         args.limit)
     if args.poisson_rate:

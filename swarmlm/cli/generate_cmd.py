@@ -21,6 +21,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--routing", default="waiting-aware", choices=["shortest", "waiting-aware"])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--push", action="store_true",
+                   help="servers push each output straight to the next server of the route (N + 1 hops, not 2N)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--input-ids must be comma-separated integers, got {args.input_ids!r}")
     model = DistributedModelForCausalLM.from_pretrained(
         args.model, initial_peers=args.initial_peers, servers=args.servers, routing=args.routing,
-        threads=args.threads,
+        threads=args.threads, push=args.push,
     )
     try:
         out = model.generate(

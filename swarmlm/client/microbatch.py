@@ -15,6 +15,7 @@ enough compute to cover it. Re-evaluate it as requests arrive and finish (it is 
 from __future__ import annotations
 
 import math
+import threading
 from typing import Callable
 
 OVERHEAD_S = 5e-3  # MoLink's ~5 ms added to both times: scheduling, kernel launches, message handling
@@ -53,3 +54,63 @@ def decode_time_fn(decode_s_per_block: float, blocks: int, per_sequence_s: float
     """A simple profile: a decode step of the stage's blocks costs the announced per-block time, plus an optional
     per-sequence increment (CPU decode grows with the batch; a GPU's barely does)."""
     return lambda batch: blocks * (decode_s_per_block + per_sequence_s * max(batch - 1, 0))
+
+
+class MicroBatchPlanner:
+    """MoLink's rule fed by what the client measures, re-evaluated for every new group of requests.
+
+    T_comp(size): a line a + c * size fitted to the slowest stage's compute time of recent decode steps (from the
+    servers' per-step timings) and the servers' announced batch-1 decode profile. T_trans(size): the median network
+    time of the slowest hop of those steps (propagation, gRPC and the transfer of that step's rows), plus the
+    extra bytes of a larger micro-batch over the measured bandwidth. Until a decode step has been seen, `choose`
+    returns the fallback (the route's depth, as without the extension)."""
+
+    def __init__(self, bytes_per_row: int, profile_decode_s: float, bandwidth_bps: Callable[[], float],
+                 max_b: int = 10, window: int = 256) -> None:
+        self.bytes_per_row = bytes_per_row  # one token's hidden states for one sequence
+        self.profile_decode_s = profile_decode_s  # slowest span, batch 1 (announced); 0 = unknown
+        self.bandwidth_bps = bandwidth_bps
+        self.max_b = max_b
+        self.window = window
+        self.samples: list[tuple[int, float, float]] = []  # (rows, slowest compute_s, slowest network_s)
+        self.decisions: list[dict] = []
+        self._lock = threading.Lock()  # sessions finish on several worker threads
+
+    def observe(self, rows: int, steps) -> None:
+        """Decode steps (one token) of a finished session of `rows` sequences: their slowest hop's times."""
+        new = [(rows, max(h.compute_s for h in step.hops), max(h.network_s for h in step.hops))
+               for step in steps if step.tokens == 1 and step.hops and not step.failovers]
+        with self._lock:
+            self.samples = (self.samples + new)[-self.window:]
+
+    def decode_time(self, size: int) -> float:
+        points = [(r, c) for r, c, _ in self.samples]
+        if self.profile_decode_s > 0:
+            points.append((1, self.profile_decode_s))
+        xs = {x for x, _ in points}
+        if len(xs) < 2:  # one batch size seen: assume time proportional to rows (CPU decode, the pessimistic case)
+            x0 = sum(x for x, _ in points) / len(points)
+            return sum(y for _, y in points) / len(points) * size / x0
+        n = len(points)
+        mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+        slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+        return max(my + max(slope, 0.0) * (size - mx), 1e-6)
+
+    def transfer_time(self, size: int) -> float:
+        nets = sorted(n for _, _, n in self.samples)
+        rows = sorted(r for r, _, _ in self.samples)
+        median_net, median_rows = nets[len(nets) // 2], rows[len(rows) // 2]
+        extra = max(size - median_rows, 0) * self.bytes_per_row * 8 / self.bandwidth_bps()
+        return median_net + extra
+
+    def choose(self, n_requests: int, fallback: int) -> int:
+        if not self.samples:
+            b = max(1, min(fallback, n_requests))
+            self.decisions.append({"requests": n_requests, "micro_batches": b, "reason": "no measurement yet"})
+            return b
+        b = min(choose_num_microbatches(n_requests, self.decode_time, self.transfer_time, max_b=self.max_b),
+                n_requests)
+        size = math.ceil(n_requests / b)
+        self.decisions.append({"requests": n_requests, "micro_batches": b, "t_comp_s": self.decode_time(size),
+                               "t_trans_s": self.transfer_time(size)})
+        return b

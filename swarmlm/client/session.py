@@ -24,6 +24,7 @@ from swarmlm.client.remote import RemoteSequence
 from swarmlm.client.transport import HopTiming, SpanStream
 from swarmlm.errors import InvalidRequest, ServerFailed
 from swarmlm.types import Route, Span
+from swarmlm.wire import swarm_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +42,28 @@ class SpanSession:
 
 class _Progress:
     """Wake every waiter when the pipeline moves. An Event per generation rather than asyncio.Condition, whose
-    wait() re-acquires its lock on cancellation and, on Python 3.11, can leave a cancelled pipeline hanging."""
+    wait() re-acquires its lock on cancellation and, on Python 3.11, can leave a cancelled pipeline hanging.
+    `stop()` ends every wait: a task that missed its cancellation (a race in some awaitables) stops at its next
+    wait instead of waiting forever for a pipeline that is gone."""
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
+        self.stopped = False
 
     def notify(self) -> None:
         self._event.set()
         self._event = asyncio.Event()
 
+    def stop(self) -> None:
+        self.stopped = True
+        self.notify()
+
     async def wait_for(self, predicate) -> None:
-        while not predicate():  # no await between the check and the wait: no wake-up is missed
+        while True:  # no await between the checks and the wait: no wake-up is missed
+            if self.stopped:
+                raise asyncio.CancelledError("the pipeline stopped")
+            if predicate():
+                return
             await self._event.wait()
 
 
@@ -74,11 +86,20 @@ class _Hop:
 
     span: SpanSession
     outputs: list[torch.Tensor | None] = field(default_factory=list)
-    written: int = 0  # chunks fully written
+    written: int = 0  # chunks written (or awaited from a push by the previous server) whose reply may be read
+    base_id: int = 0  # the step id chunk 0 takes on this hop's stream (chunk k: base_id + k)
+
+    def __post_init__(self) -> None:
+        self.base_id = self.span.stream.next_step_id - self.written
 
     @property
     def answered(self) -> int:
         return len(self.outputs)
+
+    @property
+    def claimed(self) -> int:
+        """Chunks that have a step id on this hop's stream: being written, written, or awaited from a push."""
+        return self.span.stream.next_step_id - self.base_id
 
 
 class InferenceSession:
@@ -206,24 +227,45 @@ class InferenceSession:
         left with unanswered chunks by a failure elsewhere (None); empty when the step is complete."""
         progress = _Progress()  # notified whenever a hop writes or answers a chunk
 
+        push = self.remote.config.push
+
         def source(i: int, k: int) -> torch.Tensor:
             return chunks[k][0] if i == 0 else hops[i - 1].outputs[k]
+
+        def push_chain(i: int, k: int) -> list[pb.PushTarget]:
+            """Server-to-server push (server/push.py): the hops after hop i that have nothing of chunk k yet await
+            it from the previous server (they take its next step id now, so their replies can be read as soon as
+            they come); the server of hop i is told to push on to them."""
+            targets: list[pb.PushTarget] = []
+            for h in hops[i + 1:] if push else ():
+                if h.claimed != k:  # a chunk of it is still to be sent by us: the push chain stops here
+                    break
+                h.span.stream.expect(chunks[k][0].shape[1])
+                h.written = k + 1
+                targets.append(pb.PushTarget(address=h.span.span.address, session_id=h.span.stream.session_id,
+                                             step_id=h.base_id + k))
+            return targets
 
         async def send(i: int) -> None:
             hop = hops[i]
             while hop.written < len(chunks):
                 k = hop.written
-                if i > 0:
-                    await progress.wait_for(lambda: hops[i - 1].answered > k)
-                await hop.span.stream.send(source(i, k), chunks[k][1])
-                hop.written = k + 1
+                if i > 0:  # its input is the previous hop's output, unless that server pushes it here
+                    await progress.wait_for(lambda: hops[i - 1].answered > k or hop.claimed > k)
+                if hop.claimed > k:
+                    continue  # awaited from a push (written advanced with it)
+                targets = push_chain(i, k)
+                await hop.span.stream.send(source(i, k), chunks[k][1], targets)
+                hop.written = max(hop.written, k + 1)
                 progress.notify()
 
         async def receive(i: int) -> None:
             hop = hops[i]
             while hop.answered < len(chunks):
                 k = hop.answered
-                await progress.wait_for(lambda: hop.written > k)
+                # its input (the previous hop's output) is recorded with its output. Pushed, that output still
+                # comes first: a server replies before it pushes
+                await progress.wait_for(lambda: hop.written > k and (i == 0 or hops[i - 1].answered > k))
                 out, timing = await hop.span.stream.receive()
                 hop.span.history.append((source(i, k), chunks[k][1]))
                 hop.outputs.append(out)
@@ -234,6 +276,7 @@ class InferenceSession:
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         finally:
+            progress.stop()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

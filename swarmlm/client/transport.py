@@ -91,6 +91,7 @@ class HopTiming:
     server_io_s: float  # server: parsing + validating + serialising
     client_io_s: float  # client: serialising the request + parsing the reply
     tokens: int
+    pushed: bool = False  # the server pushed its output on to the next server of the route
 
     @property
     def network_s(self) -> float:
@@ -114,6 +115,8 @@ class _Sent:
     encode_s: float
     clean: bool  # nothing else of this client was in flight on the link: its timing measures the link
     written_s: float = 0.0  # perf_counter when the write returned (0 while writing)
+    on_link: bool = True  # False: pushed here by the previous server, not written by this client
+    step_id: int = 0
 
 
 def _raise_if_cancelling() -> None:
@@ -149,12 +152,25 @@ class SpanStream:
     def unanswered(self) -> int:
         return len(self._pending)
 
+    @property
+    def next_step_id(self) -> int:
+        """Every step of this stream takes the next id, written here or pushed here by another server."""
+        return self._step_id + 1
+
+    def expect(self, tokens: int) -> None:
+        """Await the reply to a step the previous server pushed to this session (it takes the next id)."""
+        self._step_id += 1
+        kind = Kind.DECODE if tokens == 1 else Kind.PREFILL
+        self._pending.append(_Sent(kind, tokens, 0, 0.0, clean=False, written_s=time.perf_counter(), on_link=False,
+                                   step_id=self._step_id))
+
     async def open(self, batch: int, max_length: int) -> None:
         try:
             self.call = self.channels.stub(self.span.address).Inference()
             await self.call.write(pb.InferenceRequest(open=pb.OpenSession(
                 start_block=self.span.start, end_block=self.span.end, batch_size=batch, max_length=max_length)))
-            reply = await asyncio.wait_for(self.call.read(), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                reply = await self.call.read()
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, OSError) as exc:
             await self.close()
             raise _failed(self.span, exc) from exc
@@ -162,19 +178,22 @@ class SpanStream:
             raise ServerFailed(self.span.server_id, "stream closed while opening a session")
         self.session_id = reply.session_id
 
-    async def send(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """Write one step (hidden [B, T, H], mask [B, T]) when the link scheduler gives it its turn."""
+    async def send(self, hidden: torch.Tensor, mask: torch.Tensor | None, push: list[pb.PushTarget] = ()) -> None:
+        """Write one step (hidden [B, T, H], mask [B, T]) when the link scheduler gives it its turn; `push`: the
+        rest of the route, for the server to push its output on (server/push.py)."""
         t0 = time.perf_counter()
         self._step_id += 1
         request = pb.InferenceRequest(step=pb.InferenceStep(
-            hidden=codec.encode(hidden), step_id=self._step_id,
+            hidden=codec.encode(hidden), step_id=self._step_id, push=push,
             attention_mask=codec.encode(mask) if mask is not None else pb.Tensor()))
         sent = _Sent(Kind.DECODE if hidden.shape[1] == 1 else Kind.PREFILL, tokens=hidden.shape[1],
-                     request_bytes=len(request.step.hidden.data), encode_s=time.perf_counter() - t0, clean=False)
+                     request_bytes=len(request.step.hidden.data), encode_s=time.perf_counter() - t0, clean=False,
+                     on_link=False, step_id=self._step_id)
+        self._pending.append(sent)  # its place among the replies is taken with its id, before its turn on the link
         link = self.link
         async with link.turn(sent.kind):
-            sent.clean = link.in_flight == 1 and not self._pending
-            self._pending.append(sent)  # from here the link counts it until its reply or close()
+            sent.on_link = True  # from here the link counts it until its reply or close()
+            sent.clean = link.in_flight == 1 and len(self._pending) == 1
             try:
                 await self.call.write(request)
             except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
@@ -189,7 +208,10 @@ class SpanStream:
         if not self._pending:
             raise RuntimeError("receive() without a step sent")
         try:
-            reply = await asyncio.wait_for(self.call.read(), self.timeout_s)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation that comes as the read
+            # completes, and a cancelled pipeline task would then run on and wait forever
+            async with asyncio.timeout(self.timeout_s):
+                reply = await self.call.read()
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, OSError, asyncio.InvalidStateError) as exc:
             raise _failed(self.span, exc) from exc
         except asyncio.CancelledError as exc:
@@ -197,11 +219,14 @@ class SpanStream:
             raise ServerFailed(self.span.server_id, "stream cancelled") from exc
         t2 = time.perf_counter()
         sent = self._pending.popleft()
-        self.link.answered(sent.kind)
+        if sent.on_link:
+            self.link.answered(sent.kind)
         if reply is grpc.aio.EOF:
             raise ServerFailed(self.span.server_id, "stream closed by the server")
         if reply.HasField("error"):
             raise InvalidRequest(f"{self.span.server_id}: {reply.error.message}")
+        if reply.step_id != sent.step_id:
+            raise ServerFailed(self.span.server_id, f"reply to step {reply.step_id}, expected step {sent.step_id}")
         out = codec.decode(reply.hidden, "reply hidden")
         t3 = time.perf_counter()
         self.position = reply.position
@@ -212,6 +237,7 @@ class SpanStream:
         timing = HopTiming(
             self.span.server_id, wall_s=t2 - started, queued_s=tm.queued_s, compute_s=tm.compute_s,
             server_io_s=tm.decode_s + tm.encode_s, client_io_s=sent.encode_s + (t3 - t2), tokens=sent.tokens,
+            pushed=reply.pushed,
         )
         if sent.clean:
             self.channels.bandwidth(self.span.address).observe(
@@ -225,11 +251,14 @@ class SpanStream:
 
     async def close(self) -> None:
         while self._pending:  # never answered: free their places on the link
-            self.link.answered(self._pending.popleft().kind)
+            sent = self._pending.popleft()
+            if sent.on_link:
+                self.link.answered(sent.kind)
         if self.call is not None:
             try:
                 await self.call.done_writing()  # a clean end: the server closes the session now
-                await asyncio.wait_for(self.call.read(), 2.0)  # its end of stream
+                async with asyncio.timeout(2.0):
+                    await self.call.read()  # its end of stream
             except (Exception, asyncio.CancelledError):
                 # already broken, or cancelled by an interrupted read (grpc.aio then raises CancelledError on
                 # every operation): the server expires the session on its own. A cancellation of *this* task

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import statistics
 import time
@@ -89,7 +90,7 @@ def cached_profile(stage: Stage, threads: int, cache_dir: str | Path | None = No
     torch.set_num_threads(threads)
     profile = measure(stage)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # servers profiling the same shapes at once each write their own
     tmp.write_text(json.dumps({"prefill_a_s": profile.prefill_a_s, "prefill_b_s": profile.prefill_b_s,
                                "decode_s": profile.decode_s}))
     tmp.replace(path)

@@ -138,6 +138,7 @@ class Server:
         await self._drain(announcer)
         expire_task.cancel()
         await server.stop(grace=2.0)
+        await self.service.pusher.close()
         scheduler.stop()
         if self.dht is not None:
             self.dht.shutdown()

@@ -16,6 +16,7 @@ import torch
 from swarmlm import __version__
 from swarmlm.config import ServerConfig
 from swarmlm.errors import CapacityExceeded, InvalidRequest, UnknownSession
+from swarmlm.server.push import Pusher, StepOrder, check_targets
 from swarmlm.server.scheduler import PREFILL, Scheduler
 from swarmlm.server.sessions import Session, SessionTable
 from swarmlm.server.stage import Stage
@@ -25,6 +26,10 @@ from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+INBOX_SIZE = 8  # steps of one session waiting to run; a full inbox holds the client's stream and pushers back
+PUSH_WAIT_S = 30.0  # how long a push may wait for room in a session's inbox
+_END = object()  # the client half-closed its stream
+_BROKEN = object()  # the client's stream broke
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MASK_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.bool)
 
@@ -48,6 +53,9 @@ class SwarmService(pb_grpc.SwarmServicer):
         self.stats = stats
         self.sessions = SessionTable(config.cache_bytes, config.max_sessions)
         self.attached: set[str] = set()  # sessions held by a live stream
+        self.inboxes: dict[str, asyncio.Queue] = {}  # per attached session: its steps, from the stream and pushes
+        self.pusher = Pusher(config.max_message_bytes)
+        self._pushes: dict[str, asyncio.Task] = {}  # per session: its latest push (pushes of a session go in order)
         self.accepting = True  # False while draining for shutdown: new sessions go elsewhere
         self.num_model_blocks = int(stage.config.num_hidden_layers)
 
@@ -100,23 +108,41 @@ class SwarmService(pb_grpc.SwarmServicer):
 
     # ---- RPCs -------------------------------------------------------------------------------------------
     async def Inference(self, request_iterator, context: grpc.aio.ServicerContext):
+        """One session. Its steps come from this stream and from pushes (an inbox merges them); `StepOrder` runs
+        each step id once, in order; every reply goes back on this stream."""
         session: Session | None = None
         clean_end = False
+        reader: asyncio.Task | None = None
         try:
             first = await self._next(request_iterator)
             if first is None:
                 return
             session = await self._attach(first, context)
-            pending = first if first.WhichOneof("kind") == "step" else None
-            if pending is None:
+            inbox: asyncio.Queue = asyncio.Queue(maxsize=INBOX_SIZE)
+            self.inboxes[session.session_id] = inbox
+            if first.WhichOneof("kind") == "step":
+                order = StepOrder(last_id=max(first.step.step_id - 1, 0))
+                inbox.put_nowait(first)
+            else:
+                order = StepOrder()
                 yield pb.InferenceReply(session_id=session.session_id, position=session.state.position)
+            reader = asyncio.ensure_future(self._read(request_iterator, inbox))
             while True:
-                request = pending or await self._next(request_iterator)
-                pending = None
-                if request is None:
-                    clean_end = True
+                async with asyncio.timeout(self.config.session_idle_timeout_s):  # (wait_for may drop a cancellation)
+                    request = await inbox.get()
+                if request is _END or request is _BROKEN:
+                    clean_end = request is _END
                     return
-                yield await self._step(session, request, context)
+                try:
+                    ready = order.admit(request)
+                except InvalidRequest as exc:
+                    yield self._refused(session, request.step.step_id, exc)
+                    continue
+                for step in ready:
+                    reply = await self._step(session, step, context)
+                    yield reply  # first: pushing on is not on the way of this reply
+                    if reply.pushed:
+                        self._push_after(session.session_id, reply, step)
         except asyncio.TimeoutError:
             if session is not None:
                 self.sessions.close(session.session_id)
@@ -125,16 +151,44 @@ class SwarmService(pb_grpc.SwarmServicer):
                 f"no message for {self.config.session_idle_timeout_s} s: session closed",
             )
         finally:
+            if reader is not None:
+                reader.cancel()
             if session is not None:
                 self.attached.discard(session.session_id)
+                self.inboxes.pop(session.session_id, None)
                 if clean_end:
                     self.sessions.close(session.session_id)
 
+    @staticmethod
+    async def _read(request_iterator, inbox: asyncio.Queue) -> None:
+        """The client's messages into the inbox; a full inbox holds the stream back (HTTP/2 flow control)."""
+        try:
+            async for request in request_iterator:
+                await inbox.put(request)
+        except Exception:  # a broken stream: the session stays for a resume until its idle timeout
+            await inbox.put(_BROKEN)
+            return
+        await inbox.put(_END)
+
+    async def Push(self, request: pb.PushRequest, context) -> pb.PushReply:
+        """A step pushed by the previous server of a route; accepted only into a session a client's stream holds
+        (its reply has to go somewhere). Validated like any step when its turn comes."""
+        inbox = self.inboxes.get(request.session_id)
+        if inbox is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no stream holds session {request.session_id[:80]!r} here")
+        if request.step.step_id == 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a pushed step needs a nonzero step id")
+        try:  # a full inbox holds the pusher back, as a full stream holds the client back
+            async with asyncio.timeout(PUSH_WAIT_S):
+                await inbox.put(pb.InferenceRequest(session_id=request.session_id, step=request.step))
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the session has too many steps waiting")
+        return pb.PushReply()
+
     async def _next(self, request_iterator) -> pb.InferenceRequest | None:
         try:
-            return await asyncio.wait_for(
-                request_iterator.__anext__(), timeout=self.config.session_idle_timeout_s
-            )
+            async with asyncio.timeout(self.config.session_idle_timeout_s):
+                return await request_iterator.__anext__()
         except StopAsyncIteration:
             return None
 
@@ -177,11 +231,9 @@ class SwarmService(pb_grpc.SwarmServicer):
                     f"step of {hidden.shape[1]} tokens would exceed the session's max_length {session.max_length}"
                     f" (it holds {session.state.position})"
                 )
+            check_targets(request.step.push)
         except InvalidRequest as exc:
-            return pb.InferenceReply(
-                session_id=sid, step_id=step_id, position=session.state.position,
-                error=pb.Error(code="INVALID_ARGUMENT", message=str(exc)),
-            )
+            return self._refused(session, step_id, exc)
         except UnknownSession as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
         decoded = time.perf_counter()
@@ -193,12 +245,39 @@ class SwarmService(pb_grpc.SwarmServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"step failed, session closed: {exc}")
         encode_start = time.perf_counter()
         reply_hidden = codec.encode(out.to(hidden.dtype))
+        encode_s = time.perf_counter() - encode_start
         return pb.InferenceReply(
             session_id=sid, step_id=step_id, hidden=reply_hidden, position=session.state.position,
+            pushed=len(request.step.push) > 0,
             timing=pb.Timing(
-                queued_s=timing.queued_s, compute_s=timing.compute_s, decode_s=decoded - started,
-                encode_s=time.perf_counter() - encode_start,
+                queued_s=timing.queued_s, compute_s=timing.compute_s, decode_s=decoded - started, encode_s=encode_s,
             ),
+        )
+
+    def _push_after(self, sid: str, reply: pb.InferenceReply, request: pb.InferenceRequest) -> None:
+        """Push a step's output on to the next server, after this session's earlier pushes (in step order). A push
+        that fails is logged: the client's stream to that server then breaks or times out, and its failover
+        re-sends the step."""
+        targets = list(request.step.push)
+        previous = self._pushes.get(sid)
+
+        async def push() -> None:
+            if previous is not None:
+                await asyncio.gather(previous, return_exceptions=True)
+            if not await self.pusher.push(targets[0], reply.hidden, request.step.attention_mask, targets[1:]):
+                log.warning("push of step %d of session %s to %s failed", request.step.step_id, sid,
+                            targets[0].address)
+            if self._pushes.get(sid) is task:
+                del self._pushes[sid]
+
+        task = asyncio.ensure_future(push())
+        self._pushes[sid] = task
+
+    @staticmethod
+    def _refused(session: Session, step_id: int, exc: Exception) -> pb.InferenceReply:
+        return pb.InferenceReply(
+            session_id=session.session_id, step_id=step_id, position=session.state.position,
+            error=pb.Error(code="INVALID_ARGUMENT", message=str(exc)),
         )
 
     async def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardReply:

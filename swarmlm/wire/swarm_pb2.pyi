@@ -48,15 +48,27 @@ class OpenSession(_message.Message):
     max_length: int
     def __init__(self, start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_length: _Optional[int] = ...) -> None: ...
 
+class PushTarget(_message.Message):
+    __slots__ = ("address", "session_id", "step_id")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    session_id: str
+    step_id: int
+    def __init__(self, address: _Optional[str] = ..., session_id: _Optional[str] = ..., step_id: _Optional[int] = ...) -> None: ...
+
 class InferenceStep(_message.Message):
-    __slots__ = ("hidden", "attention_mask", "step_id")
+    __slots__ = ("hidden", "attention_mask", "step_id", "push")
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
     hidden: Tensor
     attention_mask: Tensor
     step_id: int
-    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., step_id: _Optional[int] = ...) -> None: ...
+    push: _containers.RepeatedCompositeFieldContainer[PushTarget]
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., step_id: _Optional[int] = ..., push: _Optional[_Iterable[_Union[PushTarget, _Mapping]]] = ...) -> None: ...
 
 class InferenceRequest(_message.Message):
     __slots__ = ("session_id", "open", "step")
@@ -69,20 +81,34 @@ class InferenceRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., step: _Optional[_Union[InferenceStep, _Mapping]] = ...) -> None: ...
 
 class InferenceReply(_message.Message):
-    __slots__ = ("session_id", "hidden", "timing", "step_id", "position", "error")
+    __slots__ = ("session_id", "hidden", "timing", "step_id", "position", "error", "pushed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     hidden: Tensor
     timing: Timing
     step_id: int
     position: int
     error: Error
-    def __init__(self, session_id: _Optional[str] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., step_id: _Optional[int] = ..., position: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    pushed: bool
+    def __init__(self, session_id: _Optional[str] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., step_id: _Optional[int] = ..., position: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., pushed: _Optional[bool] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("session_id", "step")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    step: InferenceStep
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[_Union[InferenceStep, _Mapping]] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ForwardRequest(_message.Message):
     __slots__ = ("start_block", "end_block", "hidden", "attention_mask")

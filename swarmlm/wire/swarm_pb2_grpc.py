@@ -49,6 +49,11 @@ class SwarmStub:
                 request_serializer=swarmlm_dot_wire_dot_swarm__pb2.InfoRequest.SerializeToString,
                 response_deserializer=swarmlm_dot_wire_dot_swarm__pb2.InfoReply.FromString,
                 _registered_method=True)
+        self.Push = channel.unary_unary(
+                '/swarmlm.Swarm/Push',
+                request_serializer=swarmlm_dot_wire_dot_swarm__pb2.PushRequest.SerializeToString,
+                response_deserializer=swarmlm_dot_wire_dot_swarm__pb2.PushReply.FromString,
+                _registered_method=True)
 
 
 class SwarmServicer:
@@ -72,6 +77,12 @@ class SwarmServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Push(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SwarmServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_SwarmServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=swarmlm_dot_wire_dot_swarm__pb2.InfoRequest.FromString,
                     response_serializer=swarmlm_dot_wire_dot_swarm__pb2.InfoReply.SerializeToString,
+            ),
+            'Push': grpc.unary_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=swarmlm_dot_wire_dot_swarm__pb2.PushRequest.FromString,
+                    response_serializer=swarmlm_dot_wire_dot_swarm__pb2.PushReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +188,33 @@ class Swarm:
             '/swarmlm.Swarm/Info',
             swarmlm_dot_wire_dot_swarm__pb2.InfoRequest.SerializeToString,
             swarmlm_dot_wire_dot_swarm__pb2.InfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Push(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmlm.Swarm/Push',
+            swarmlm_dot_wire_dot_swarm__pb2.PushRequest.SerializeToString,
+            swarmlm_dot_wire_dot_swarm__pb2.PushReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -219,13 +220,28 @@ def _pairs(nested: Any, where: str) -> dict[frozenset[str], float]:
     return {frozenset((str(a), str(b))): float(v) for a, row in nested.items() for b, v in row.items()}
 
 
+_INLINE = re.compile(r"^(?P<rtt>\d+(\.\d+)?)ms(/(?P<rate>\d+(\.\d+)?)(?P<unit>[kmg])bit)?$")
+
+
+def inline_profile(spec: str) -> LinkProfile | None:
+    """'20ms' or '20ms/100mbit': every link with that RTT (and rate); None if `spec` is not of that form."""
+    m = _INLINE.match(spec.strip().lower())
+    if m is None:
+        return None
+    rate = float(m["rate"]) * {"k": 1e3, "m": 1e6, "g": 1e9}[m["unit"]] if m["rate"] else None
+    return LinkProfile(rtt_s=float(m["rtt"]) / 1e3, rate_bps=rate)
+
+
 def network_for(spec: str, n_hosts: int) -> LinkMatrix:
-    """The benchmark's `--network` value: a preset name, or a topology file whose first `n_hosts` servers are
-    the hosts and whose first client is the client."""
+    """The benchmark's `--network` value: a preset name, an inline profile ('20ms', '20ms/100mbit'), or a topology
+    file whose first `n_hosts` servers are the hosts and whose first client is the client."""
     if spec in PRESETS:
         return LinkMatrix.uniform(n_hosts, PRESETS[spec])
+    if (inline := inline_profile(spec)) is not None:
+        return LinkMatrix.uniform(n_hosts, inline)
     if not Path(spec).is_file():
-        raise ValueError(f"--network {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a file")
+        raise ValueError(f"--network {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}), an inline profile "
+                         f"('20ms', '20ms/100mbit') nor a file")
     links = load_named_links(spec)
     if len(links.servers) < n_hosts or not links.clients:
         raise ValueError(f"{spec}: need {n_hosts} servers and a client, found {len(links.servers)} servers and "

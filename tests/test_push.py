@@ -1,0 +1,219 @@
+"""Server-to-server push: outputs go straight to the next server, results stay exact, failures stay recoverable."""
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.errors import InvalidRequest
+from swarmlm.server.push import MAX_AHEAD, StepOrder, check_targets
+from swarmlm.swarm.local import LocalSwarm
+from swarmlm.types import BlockRange
+from swarmlm.wire import codec
+from swarmlm.wire import swarm_pb2 as pb
+from swarmlm.wire import swarm_pb2_grpc as pb_grpc
+
+RANGES = [BlockRange(0, 2), BlockRange(2, 4), BlockRange(4, 6)]
+
+
+# ---- the rules, without a network ------------------------------------------------------------------------------
+
+def step(step_id: int) -> pb.InferenceRequest:
+    return pb.InferenceRequest(step=pb.InferenceStep(step_id=step_id))
+
+
+def test_step_order_takes_each_id_once_and_in_order():
+    order = StepOrder()
+    assert [r.step.step_id for r in order.admit(step(1))] == [1]
+    assert order.admit(step(1)) == []  # the other copy
+    assert order.admit(step(3)) == []  # ahead of its turn: held
+    assert order.admit(step(3)) == []  # and its copy too
+    assert [r.step.step_id for r in order.admit(step(2))] == [2, 3]
+    assert order.admit(step(2)) == [] and order.last_id == 3
+    assert [r.step.step_id for r in order.admit(step(0))] == [0]  # no id: arrival order, no dedup
+
+
+def test_step_order_bounds_what_it_holds():
+    order = StepOrder()
+    for i in range(MAX_AHEAD):
+        assert order.admit(step(i + 2)) == []
+    with pytest.raises(InvalidRequest, match="ahead"):
+        order.admit(step(MAX_AHEAD + 2))
+    assert len(order.admit(step(1))) == MAX_AHEAD + 1
+
+
+@pytest.mark.parametrize("target, message", [
+    (pb.PushTarget(address="nohost", session_id="ab", step_id=1), "host:port"),
+    (pb.PushTarget(address="a b:1", session_id="ab", step_id=1), "host:port"),
+    (pb.PushTarget(address="h:99999", session_id="ab", step_id=1), "host:port"),
+    (pb.PushTarget(address="h:1", session_id="../x", step_id=1), "session id"),
+    (pb.PushTarget(address="h:1", session_id="ab", step_id=0), "nonzero"),
+])
+def test_bad_push_targets_are_refused(target, message):
+    with pytest.raises(InvalidRequest, match=message):
+        check_targets([target])
+
+
+def test_push_targets_are_bounded():
+    with pytest.raises(InvalidRequest, match="limit"):
+        check_targets([pb.PushTarget(address="h:1", session_id="ab", step_id=1)] * 65)
+
+
+# ---- a real swarm ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def swarm(tiny_bloom):
+    with LocalSwarm(tiny_bloom) as swarm:
+        swarm.start(RANGES + RANGES)  # every block twice: failover has somewhere to go
+        client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers,
+                                                             push=True, ban_base_s=60.0)
+        ref = AutoModelForCausalLM.from_pretrained(tiny_bloom).eval()
+        yield swarm, client, ref
+        client.close()
+
+
+def _ids(path: str, text: str = "the quick brown fox jumps over") -> torch.Tensor:
+    return AutoTokenizer.from_pretrained(path)(text, return_tensors="pt").input_ids
+
+
+@pytest.mark.slow
+def test_pushed_route_gives_the_local_logits_and_skips_the_client(swarm, tiny_bloom):
+    _, client, ref = swarm
+    ids = _ids(tiny_bloom)
+    written_before = {a: l.stats.written.copy() for a, l in client.remote.channels.links.items()}
+    with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + 10) as session:
+        assert len(session.spans) == 3
+        got = client.step_logits(session, ids)
+        assert (got - ref(ids).logits).abs().max().item() < 1e-4
+        for _ in range(10):
+            nxt = got[:, -1:].argmax(-1)
+            ids = torch.cat([ids, nxt], 1)
+            got = client.step_logits(session, nxt)
+            assert (got - ref(ids).logits[:, -1:]).abs().max().item() < 1e-4
+        for record in session.steps:  # every server but the last pushed its output on
+            assert [h.pushed for h in record.hops] == [True, True, False]
+        first, later = session.spans[0].span.address, [s.span.address for s in session.spans[1:]]
+    written = {a: {k: n - written_before.get(a, {}).get(k, 0) for k, n in l.stats.written.items()}
+               for a, l in client.remote.channels.links.items()}
+    assert sum(written[first].values()) == 11  # the client wrote only to the first server...
+    assert all(sum(written.get(a, {}).values()) == 0 for a in later)  # ...never to the others
+
+
+@pytest.mark.slow
+def test_pushed_chunked_prefill_is_exact(swarm, tiny_bloom):
+    _, client, ref = swarm
+    ids = _ids(tiny_bloom, "one two three four five six seven eight nine ten eleven twelve")
+    chunked = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm[0].initial_peers,
+                                                          push=True, prefill_chunk_tokens=3)
+    try:
+        with torch.no_grad(), chunked.inference_session(max_length=ids.shape[1] + 1) as session:
+            got = chunked.step_logits(session, ids)
+            assert session.steps[0].chunks > 2
+            assert (got - ref(ids).logits).abs().max().item() < 1e-4
+    finally:
+        chunked.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("position", [0, 1, 2])
+def test_a_server_dying_on_a_pushed_route_loses_nothing(swarm, tiny_bloom, position):
+    local, client, ref = swarm
+    ids = _ids(tiny_bloom, "the quick brown fox")
+    with torch.no_grad():
+        want = ref.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)[0, ids.shape[1]:].tolist()
+    tokens = []
+    with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + 20) as session:
+        logits = client.step_logits(session, ids)
+        for n in range(20):
+            if n == 5:
+                victim_id = session.spans[position].span.server_id
+                victim = next(s for s in local.servers if s.server_id == victim_id)
+                local.kill(victim, signal.SIGKILL)
+                victim.proc.wait(10)
+            nxt = logits[:, -1:].argmax(-1)
+            tokens.append(int(nxt))
+            logits = client.step_logits(session, nxt)
+        assert sum(r.failovers for r in session.steps) >= 1
+    assert tokens == want
+    for server in list(local.servers):  # restore: every block served twice again
+        if not server.alive:
+            local.servers.remove(server)
+            local.start_server(BlockRange(*server.ready["blocks"]))
+
+
+# ---- the protocol, by hand -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_servers(tiny_bloom):
+    with LocalSwarm(tiny_bloom, with_dht=False) as swarm:
+        started = [swarm.start_server(r, wait=False) for r in RANGES[:2]]
+        swarm.wait_ready(started)
+        yield [s.address for s in started]
+
+
+async def _open(stub, blocks: BlockRange):
+    call = stub.Inference()
+    await call.write(pb.InferenceRequest(open=pb.OpenSession(start_block=blocks.start, end_block=blocks.end,
+                                                             batch_size=1, max_length=32)))
+    reply = await call.read()
+    return call, reply.session_id
+
+
+def _step(hidden: torch.Tensor, step_id: int, push=()) -> pb.InferenceRequest:
+    return pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(hidden), step_id=step_id, push=push))
+
+
+@pytest.mark.slow
+def test_push_protocol_dedup_and_refusals(two_servers):
+    a, b = two_servers
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(a) as ca, grpc.aio.insecure_channel(b) as cb:
+            sa, sb = pb_grpc.SwarmStub(ca), pb_grpc.SwarmStub(cb)
+            call_a, _ = await _open(sa, RANGES[0])
+            call_b, sid_b = await _open(sb, RANGES[1])
+            x = torch.randn(1, 4, 64)
+            # a session nobody holds: A replies (it pushes after its reply), the push fails there, B sees nothing
+            await call_a.write(_step(x, 1, [pb.PushTarget(address=b, session_id="0" * 32, step_id=1)]))
+            r1 = await call_a.read()
+            assert r1.pushed and not r1.HasField("error") and r1.position == 4
+            # a malformed target: refused before any compute, the session is unchanged
+            await call_a.write(_step(x[:, :1], 2, [pb.PushTarget(address="not an address", session_id=sid_b,
+                                                                 step_id=1)]))
+            r2 = await call_a.read()
+            assert r2.HasField("error") and r2.position == 4
+            # the real thing: A pushes its output into B's session; B answers on B's stream unasked
+            y = torch.randn(1, 1, 64)
+            await call_a.write(_step(y, 3, [pb.PushTarget(address=b, session_id=sid_b, step_id=1)]))
+            r3 = await call_a.read()
+            assert r3.pushed and r3.position == 5
+            rb = await asyncio.wait_for(call_b.read(), 10)
+            assert rb.step_id == 1 and rb.position == 1  # B's first step: the failed push left nothing
+            alone = await sb.Forward(pb.ForwardRequest(start_block=2, end_block=4, hidden=r3.hidden))
+            assert torch.allclose(codec.decode(rb.hidden, "h"), codec.decode(alone.hidden, "h"), atol=1e-5)
+            # the client's own copy of step 1 is a duplicate: no reply; step 2 is answered next
+            await call_b.write(_step(codec.decode(r3.hidden, "h"), 1))
+            await call_b.write(_step(codec.decode(r3.hidden, "h"), 2))
+            rb2 = await asyncio.wait_for(call_b.read(), 10)
+            assert rb2.step_id == 2 and rb2.position == 2
+            # a push into a session without a stream, or without an id: refused with a status
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await sb.Push(pb.PushRequest(session_id="f" * 32, step=pb.InferenceStep(step_id=1)))
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await sb.Push(pb.PushRequest(session_id=sid_b, step=pb.InferenceStep(step_id=0)))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            # a pushed step that is garbage gets an error reply on B's stream; B's session is unchanged
+            await sb.Push(pb.PushRequest(session_id=sid_b, step=pb.InferenceStep(
+                step_id=3, hidden=pb.Tensor(data=b"xx", dtype="float32", shape=[1, 1, 64]))))
+            rb3 = await asyncio.wait_for(call_b.read(), 10)
+            assert rb3.HasField("error") and rb3.step_id == 3 and rb3.position == 2
+            for call in (call_a, call_b):
+                await call.done_writing()
+
+    asyncio.run(scenario())
