@@ -20,3 +20,30 @@ def tiny_llama(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def checkpoints(tiny_bloom, tiny_llama) -> dict[str, str]:
     return {"bloom": tiny_bloom, "llama": tiny_llama}
+
+
+def _dump_client_tasks(signum, frame) -> None:
+    """`kill -USR1 <pytest pid>`: every asyncio task of the client's loop, with its stack, to stderr (to find
+    where a hung test waits; py-spy sees only the idle loop)."""
+    import asyncio
+    import sys
+
+    from swarmlm.client.transport import LoopThread
+
+    loop_thread = LoopThread._instance
+    if loop_thread is None:
+        return
+
+    def dump() -> None:
+        out = sys.__stderr__  # not pytest's capture
+        for task in asyncio.all_tasks(loop_thread.loop):
+            print(f"--- {task!r}", file=out)
+            task.print_stack(file=out)
+        out.flush()
+
+    loop_thread.loop.call_soon_threadsafe(dump)
+
+
+import signal as _signal  # noqa: E402
+
+_signal.signal(_signal.SIGUSR1, _dump_client_tasks)

@@ -1,6 +1,7 @@
 """Generation survives servers dying mid-answer: same tokens as an undisturbed run (every block served twice)."""
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 
@@ -101,6 +102,40 @@ def test_sigterm_drains_without_losing_the_session(swarm, reference):
         time.sleep(0.2)
         stopped = [s for s in swarm_.servers if s.server_id in alive_before and s.proc.poll() is not None]
     assert len(stopped) == 1 and stopped[0].proc.returncode == 0
+
+
+def test_a_lost_reply_is_caught_by_the_stall_watchdog(swarm, reference, monkeypatch):
+    """A reply that never comes and no error anywhere (a wait nothing will end): after a step timeout of no
+    progress, the unfinished hops are reopened and replayed; the tokens do not change."""
+    from swarmlm.client.transport import SpanStream
+
+    swarm_, _ = swarm
+    restore(swarm_)
+    ids, want = reference
+    client = DistributedModelForCausalLM.from_pretrained(swarm_.model_dir, initial_peers=swarm_.initial_peers,
+                                                         step_timeout_s=3.0)
+    receive, lost = SpanStream.receive, {"done": False}
+
+    async def losing_receive(self):
+        if not lost["done"] and self.position >= ids.shape[1] + 4:  # a decode step, a few tokens in
+            lost["done"] = True
+            await asyncio.Event().wait()  # never set: this reply is lost, nothing raises
+        return await receive(self)
+
+    monkeypatch.setattr(SpanStream, "receive", losing_receive)
+    try:
+        with client.inference_session(max_length=ids.shape[1] + 12) as session:
+            logits = client.step_logits(session, ids)
+            tokens = []
+            for _ in range(10):
+                nxt = logits[:, -1].argmax(-1, keepdim=True)
+                tokens.append(int(nxt))
+                logits = client.step_logits(session, nxt)
+            stalls = sum(s.stalls for s in session.steps)
+    finally:
+        client.close()
+    assert lost["done"] and stalls == 1
+    assert tokens == want[:10]
 
 
 def test_no_replacement_gives_a_clear_error(tiny_bloom):

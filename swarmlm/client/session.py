@@ -49,8 +49,10 @@ class _Progress:
     def __init__(self) -> None:
         self._event = asyncio.Event()
         self.stopped = False
+        self.generation = 0  # notifications so far: the pipeline's progress, for the stall watchdog
 
     def notify(self) -> None:
+        self.generation += 1
         self._event.set()
         self._event = asyncio.Event()
 
@@ -78,6 +80,7 @@ class StepRecord:
     failover_s: float = 0.0  # re-routing, reopening and replay
     chunks: int = 1  # messages the step's tokens were split into
     reopened: int = 0  # healthy spans reopened because a failure elsewhere left them mid-step
+    stalls: int = 0  # times the whole step made no progress for a step timeout (then every unfinished hop reopens)
 
 
 @dataclass
@@ -252,8 +255,9 @@ class InferenceSession:
                 k = hop.written
                 if i > 0:  # its input is the previous hop's output, unless that server pushes it here
                     await progress.wait_for(lambda: hops[i - 1].answered > k or hop.claimed > k)
-                if hop.claimed > k:
-                    continue  # awaited from a push (written advanced with it)
+                if hop.claimed > k:  # awaited from a push (push_chain advanced written with it)
+                    hop.written = max(hop.written, k + 1)
+                    continue
                 targets = push_chain(i, k)
                 await hop.span.stream.send(source(i, k), chunks[k][1], targets)
                 hop.written = max(hop.written, k + 1)
@@ -273,14 +277,24 @@ class InferenceSession:
                 progress.notify()
 
         tasks = {asyncio.ensure_future(f(i)): i for i in range(len(hops)) for f in (send, receive)}
+        stalled = False
         try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            stalled = await self._watch(tasks, progress)
         finally:
             progress.stop()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         broken: dict[int, ServerFailed | None] = {}
+        if stalled:  # nothing moved for a whole step timeout: every hop not done is reopened and replayed
+            record.stalls += 1
+            log.warning("step stalled for %.0f s; hops (written, answered, unanswered, link in flight): %s",
+                        self.remote.config.step_timeout_s,
+                        [(h.written, h.answered, h.span.stream.unanswered, h.span.stream.link.in_flight)
+                         for h in hops])
+            if record.stalls > self.remote.config.max_retries:
+                raise ServerFailed(hops[0].span.span.server_id, "the step stalled on every attempt")
+            return {i: None for i, h in enumerate(hops) if h.answered < len(chunks)}
         for t, i in tasks.items():
             exc = None if t.cancelled() else t.exception()
             if isinstance(exc, ServerFailed):
@@ -291,6 +305,19 @@ class InferenceSession:
             if i not in broken and hop.span.stream.unanswered:  # written, not answered: cache state unknown
                 broken[i] = None
         return broken
+
+    async def _watch(self, tasks: dict, progress: _Progress) -> bool:
+        """Wait until every task is done or one fails; True if the pipeline made no progress for a whole step
+        timeout. Every wait in the pipeline is bounded on its own; this bounds the whole, whatever was missed."""
+        seen = progress.generation
+        while True:
+            done, _ = await asyncio.wait(tasks, timeout=self.remote.config.step_timeout_s,
+                                         return_when=asyncio.FIRST_EXCEPTION)
+            if len(done) == len(tasks) or any(t.exception() for t in done if not t.cancelled()):
+                return False
+            if progress.generation == seen:
+                return True
+            seen = progress.generation
 
     async def _replace(self, hop: _Hop, exc: ServerFailed | None, record: StepRecord) -> list[_Hop]:
         """A new chain over the hop's blocks, its caches rebuilt from the span's history; bounded attempts, each

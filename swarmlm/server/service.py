@@ -113,6 +113,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         session: Session | None = None
         clean_end = False
         reader: asyncio.Task | None = None
+        ended = asyncio.Event()  # the client half-closed its stream
         try:
             first = await self._next(request_iterator)
             if first is None:
@@ -126,7 +127,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             else:
                 order = StepOrder()
                 yield pb.InferenceReply(session_id=session.session_id, position=session.state.position)
-            reader = asyncio.ensure_future(self._read(request_iterator, inbox))
+            reader = asyncio.ensure_future(self._read(request_iterator, inbox, ended))
             while True:
                 async with asyncio.timeout(self.config.session_idle_timeout_s):  # (wait_for may drop a cancellation)
                     request = await inbox.get()
@@ -156,11 +157,11 @@ class SwarmService(pb_grpc.SwarmServicer):
             if session is not None:
                 self.attached.discard(session.session_id)
                 self.inboxes.pop(session.session_id, None)
-                if clean_end:
+                if clean_end or ended.is_set():
                     self.sessions.close(session.session_id)
 
     @staticmethod
-    async def _read(request_iterator, inbox: asyncio.Queue) -> None:
+    async def _read(request_iterator, inbox: asyncio.Queue, ended: asyncio.Event) -> None:
         """The client's messages into the inbox; a full inbox holds the stream back (HTTP/2 flow control)."""
         try:
             async for request in request_iterator:
@@ -168,6 +169,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         except Exception:  # a broken stream: the session stays for a resume until its idle timeout
             await inbox.put(_BROKEN)
             return
+        ended.set()  # a clean end, even if the call is cancelled before the handler reads it
         await inbox.put(_END)
 
     async def Push(self, request: pb.PushRequest, context) -> pb.PushReply:
