@@ -26,31 +26,17 @@ OWNER = "[owner:"  # hivemind's marker of a protected (signed) subkey
 
 def start_dht(
     initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0, client_mode: bool = False,
-    validator: RSASignatureValidator | None = None, ready_timeout_s: float = 60.0, attempts: int = 3,
+    validator: RSASignatureValidator | None = None,
 ) -> hivemind.DHT:
-    """A DHT node that signs the records it owns and rejects records whose signature does not match.
-
-    hivemind runs the node in a forked process. Forked from a process whose other threads hold locks (gRPC's
-    threads, once a client has talked to servers), the child can deadlock before it is ready; so it gets
-    `ready_timeout_s`, and a node that is not ready by then is killed and started again."""
-    for attempt in range(1, attempts + 1):
-        dht = hivemind.DHT(
-            initial_peers=list(initial_peers),
-            host_maddrs=[f"/ip4/{host}/tcp/{port}"],
-            client_mode=client_mode,
-            start=False,
-            record_validators=[validator or RSASignatureValidator()],
-        )
-        dht.run_in_background(await_ready=False)
-        try:
-            dht.wait_until_ready(timeout=ready_timeout_s)
-            return dht
-        except TimeoutError:
-            log.warning("DHT node not ready after %.0f s (attempt %d of %d); starting it again",
-                        ready_timeout_s, attempt, attempts)
-            dht.kill()
-            dht.join(5)
-    raise RuntimeError(f"the DHT node did not become ready in {attempts} attempts of {ready_timeout_s:.0f} s")
+    """A DHT node that signs the records it owns and rejects records whose signature does not match."""
+    return hivemind.DHT(
+        initial_peers=list(initial_peers),
+        host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+        client_mode=client_mode,
+        start=True,
+        await_ready=True,
+        record_validators=[validator or RSASignatureValidator()],
+    )
 
 
 def owner_subkey(server_id: str, validator: RSASignatureValidator | None = None) -> str:
