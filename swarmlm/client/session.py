@@ -229,7 +229,6 @@ class InferenceSession:
         """Push every chunk through every hop, pipelined. Returns the hops to replace: failed (their error) or
         left with unanswered chunks by a failure elsewhere (None); empty when the step is complete."""
         progress = _Progress()  # notified whenever a hop writes or answers a chunk
-
         push = self.remote.config.push
 
         def source(i: int, k: int) -> torch.Tensor:
