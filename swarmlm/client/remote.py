@@ -28,9 +28,10 @@ class RemoteSequence:
         self.view = SwarmView(config)
         self.dht = None
         if config.initial_peers:
-            from swarmlm.swarm.dht import start_dht
+            from swarmlm.swarm.dht_thread import ThreadDHT
 
-            self.dht = start_dht(config.initial_peers, client_mode=True)
+            # in-process, not hivemind's forked DHT: a fork beside the client's gRPC threads can hang
+            self.dht = ThreadDHT(config.initial_peers, client_mode=True)
 
     def refresh(self) -> None:
         """Re-read who serves what, and measure the RTT to servers not measured yet."""

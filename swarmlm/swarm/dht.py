@@ -10,9 +10,13 @@ import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
+from swarmlm.swarm.dht_thread import ThreadDHT
 from swarmlm.swarm.records import OFFLINE, ServerRecord, block_key
 
 log = logging.getLogger(__name__)
+
+# a server's forked DHT process, or a client's in-process node: the same calls
+AnyDHT = hivemind.DHT | ThreadDHT
 
 
 def default_prefix(model_dir: str | Path) -> str:
@@ -44,11 +48,11 @@ def owner_subkey(server_id: str, validator: RSASignatureValidator | None = None)
     return server_id + (validator or RSASignatureValidator()).local_public_key.decode()
 
 
-def visible_addrs(dht: hivemind.DHT) -> list[str]:
+def visible_addrs(dht: AnyDHT) -> list[str]:
     return [str(a) for a in dht.get_visible_maddrs()]
 
 
-def announce(dht: hivemind.DHT, prefix: str, record: ServerRecord, ttl_s: float, timeout_s: float = 10.0,
+def announce(dht: AnyDHT, prefix: str, record: ServerRecord, ttl_s: float, timeout_s: float = 10.0,
              subkey: str | None = None) -> bool:
     """Store the (signed) record under every block it serves; True if every store was accepted."""
     expiration = get_dht_time() + ttl_s
@@ -62,7 +66,7 @@ def announce(dht: hivemind.DHT, prefix: str, record: ServerRecord, ttl_s: float,
 
 
 def fetch_records(
-    dht: hivemind.DHT, prefix: str, blocks: Iterable[int], timeout_s: float = 10.0
+    dht: AnyDHT, prefix: str, blocks: Iterable[int], timeout_s: float = 10.0
 ) -> dict[str, ServerRecord]:
     """Online servers with a valid, unexpired record on any of `blocks`, by server id (newest record wins)."""
     futures = {b: dht.get(block_key(prefix, b), latest=True, return_future=True) for b in blocks}
