@@ -13,6 +13,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.model.init import init_checkpoint
 from swarmlm.swarm.dht import announce, default_prefix, fetch_records, owner_subkey, start_dht, visible_addrs
+from swarmlm.swarm.dht_thread import ThreadDHT
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.swarm.records import ServerRecord
 from swarmlm.types import BlockRange
@@ -24,7 +25,7 @@ def test_forged_and_unsigned_records_are_rejected():
     owner = RSASignatureValidator(RSAPrivateKey())
     honest = start_dht(peers, validator=owner)
     attacker = start_dht(peers, validator=RSASignatureValidator(RSAPrivateKey()))
-    reader = start_dht(peers, client_mode=True)
+    reader = ThreadDHT(peers, client_mode=True)  # what clients run: a node in this process, no fork
     try:
         real = ServerRecord(server_id="srvA", address="127.0.0.1:5000", start=0, end=2, decode_s=0.01)
         assert announce(honest, "m", real, 30, subkey=owner_subkey("srvA", owner))
@@ -42,6 +43,31 @@ def test_forged_and_unsigned_records_are_rejected():
     finally:
         for d in (boot, honest, attacker, reader):
             d.shutdown()
+
+
+def test_in_process_dht_stores_reads_and_leaves_no_daemon():
+    """A client's ThreadDHT is a full node (it can announce, too) and its shutdown stops its p2pd daemon."""
+    import psutil
+
+    def daemons() -> set[int]:  # direct children: boot's daemon is a child of boot's forked process
+        return {c.pid for c in psutil.Process().children() if "p2pd" in c.name()}
+
+    before = daemons()
+    boot = start_dht()
+    node = ThreadDHT(visible_addrs(boot), client_mode=False)
+    try:
+        assert len(daemons() - before) == 1  # the node's own daemon
+        record = ServerRecord(server_id="srvT", address="127.0.0.1:5001", start=0, end=3)
+        assert announce(node, "t", record, 30)
+        assert fetch_records(node, "t", range(3))["srvT"] == record
+    finally:
+        node.shutdown()
+        node.shutdown()  # twice is harmless
+        boot.shutdown()
+    deadline = time.time() + 10
+    while daemons() - before and time.time() < deadline:
+        time.sleep(0.1)
+    assert not daemons() - before
 
 
 @pytest.mark.slow
