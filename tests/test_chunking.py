@@ -67,6 +67,19 @@ def test_bandwidth_estimate_from_step_timings():
     assert est.measured and est.bandwidth_bps == pytest.approx(100e6)
 
 
+def test_large_messages_outweigh_a_burst_of_small_ones():
+    """A token bucket lets a short prompt's 64 KB through at once (it reads as 10x the link); the few large
+    messages, which are what chunking is about, decide the estimate."""
+    est = BandwidthEstimate(default_bps=1e9)
+    est.observe(2_000, 0.020)
+    for _ in range(20):
+        est.observe(64_000, 0.020 + 0.0017)  # ~300 Mbit/s: through the shaper's burst
+    assert est.bandwidth_bps == pytest.approx(64_000 * 8 / 0.0017)
+    for _ in range(2):
+        est.observe(1_500_000, 0.020 + 0.600)  # 20 Mbit/s: the link's real pace
+    assert est.bandwidth_bps == pytest.approx(20e6)
+
+
 # ---- through real servers -----------------------------------------------------------------------------------
 
 PROMPT_TOKENS = 45
@@ -173,3 +186,33 @@ def test_server_dying_mid_prefill_keeps_the_logits_exact(swarm, monkeypatch):
         assert (got_next - want_next).abs().max().item() < 1e-4
     finally:
         client.close()
+
+
+@pytest.mark.slow
+def test_bandwidth_estimate_reads_a_rate_limited_link(tiny_bloom):
+    """Through a real server behind a 20 Mbit/s tbf link, the client's estimate is the link's rate, not faster,
+    although short prompts (whose messages pass in the shaper's burst) outnumber the long ones (the plain median
+    of per-message rates read 230-350 Mbit/s on such a link in the MoLink benchmark)."""
+    from swarmlm.bench.netem import LinkProfile, Testbed
+    from swarmlm.config import ClientConfig
+
+    with Testbed(1, LinkProfile(rtt_s=0.010, rate_bps=20e6), mode="namespaces") as tb, \
+            LocalSwarm(tiny_bloom, with_dht=False) as local:
+        port = 40490
+        server = local.start_server(BlockRange(0, 6), extra=["--port", str(port)], wait=False,
+                                    prefix=tb.exec_prefix(0), host=tb.host_ip(0))
+        local.wait_ready([server])
+        address = tb.expose(0, port)
+        client = DistributedModelForCausalLM(tiny_bloom, ClientConfig(servers=(address,), prefill_chunk_tokens=0))
+        try:
+            gen = torch.Generator().manual_seed(0)
+            # 80 tokens x 64 fp32 values each way: 40 KB per prefill (within tbf's burst); 400 tokens: 200 KB
+            for length in [80] * 8 + [400] * 3:
+                with client.inference_session(max_length=length + 1) as session:
+                    client.step_logits(session, torch.randint(3, 500, (1, length), generator=gen))
+            est = client.remote.channels.bandwidth(address)
+        finally:
+            client.close()
+    assert est.measured
+    # what the whole path delivers (gRPC, serialisation) may be below the line rate, never far above it
+    assert 5e6 < est.bandwidth_bps < 24e6, est.bandwidth_bps

@@ -20,7 +20,6 @@ compute.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -68,13 +67,15 @@ class BandwidthEstimate:
     A sample is a step whose request was written when nothing else of this client was in flight on the link:
     its network time (wall minus the server's queueing, compute and (de)serialising) is the RTT plus the request
     and reply bytes over the bandwidth. Only messages big enough for the transfer to show above the RTT's noise
-    count; the estimate is the median of the recent ones. Until there is one, `default_bps` is assumed.
+    count. The estimate is the byte-weighted median of the recent samples' rates: a shaper's burst (a token
+    bucket lets its first tens of KB through at once) makes a short prompt's 64 KB look ten times faster than the
+    link, and it is the large messages whose pace the chunk rule needs. Until there is a sample, `default_bps`.
     """
 
-    def __init__(self, default_bps: float, min_bytes: int = 32 << 10, window: int = 16) -> None:
+    def __init__(self, default_bps: float, min_bytes: int = 32 << 10, window: int = 64) -> None:
         self.default_bps = default_bps
         self.min_bytes = min_bytes
-        self._samples: deque[float] = deque(maxlen=window)
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)  # (bytes, bits per second)
         self.rtt_s: float | None = None  # smallest network time of a small message: the path's base cost
 
     def observe(self, bytes_total: int, network_s: float) -> None:
@@ -85,7 +86,7 @@ class BandwidthEstimate:
         transfer_s = network_s - (self.rtt_s or 0.0)
         if transfer_s <= 1e-4:  # within noise of the base cost: the link is much faster than this message shows
             return
-        self._samples.append(bytes_total * 8 / transfer_s)
+        self._samples.append((bytes_total, bytes_total * 8 / transfer_s))
 
     @property
     def measured(self) -> bool:
@@ -93,4 +94,11 @@ class BandwidthEstimate:
 
     @property
     def bandwidth_bps(self) -> float:
-        return statistics.median(self._samples) if self._samples else self.default_bps
+        if not self._samples:
+            return self.default_bps
+        half, seen = sum(b for b, _ in self._samples) / 2, 0
+        for nbytes, rate in sorted(self._samples, key=lambda s: s[1]):
+            seen += nbytes
+            if seen >= half:
+                return rate
+        raise AssertionError("unreachable: the weights sum to more than half of themselves")

@@ -114,7 +114,7 @@ class _Sent:
     request_bytes: int
     encode_s: float
     clean: bool  # nothing else of this client was in flight on the link: its timing measures the link
-    written_s: float = 0.0  # perf_counter when the write returned (0 while writing)
+    written_s: float = 0.0  # perf_counter when its write began (0 before its turn on the link)
     on_link: bool = True  # False: pushed here by the previous server, not written by this client
     step_id: int = 0
 
@@ -194,6 +194,9 @@ class SpanStream:
         async with link.turn(sent.kind):
             sent.on_link = True  # from here the link counts it until its reply or close()
             sent.clean = link.in_flight == 1 and len(self._pending) == 1
+            # the hop's time starts with the write, not when it returns: gRPC's write waits for HTTP/2 flow
+            # control, so a large message is mostly across the link by then (and would read as a fast link)
+            sent.written_s = time.perf_counter()
             try:
                 await self.call.write(request)
             except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
@@ -201,7 +204,6 @@ class SpanStream:
             except asyncio.CancelledError as exc:
                 _raise_if_cancelling()
                 raise ServerFailed(self.span.server_id, "stream cancelled") from exc
-            sent.written_s = time.perf_counter()
 
     async def receive(self) -> tuple[torch.Tensor, HopTiming]:
         """The reply to the oldest unanswered step."""
