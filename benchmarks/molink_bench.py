@@ -151,7 +151,8 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = str(init_checkpoint(args.preset, Path("out/checkpoints") / f"{args.preset}-{args.layers}l", seed=0, num_layers=args.layers))
+    model_dir = str(init_checkpoint(args.preset, Path("out/checkpoints") / f"{args.preset}-{args.layers}l", seed=0,
+                                    num_layers=args.layers))
     variants = args.variants.split(",")
     report = {"args": vars(args), "networks": {}}
     for network in args.networks.split(","):
@@ -172,8 +173,8 @@ def main() -> None:
                     print(f"[{network}] round {k} {v:13s} ttft p50 {s['ttft_p50_s']:.3f}s  tpot p50 "
                           f"{s['tpot_p50_s'] * 1e3:.1f}ms p90 {s['tpot_p90_s'] * 1e3:.1f}ms  "
                           f"{s['throughput_tok_s']:.1f} tok/s", flush=True)
-            bw = {v: {a: (c.remote.channels.bandwidth(a).bandwidth_bps, c.remote.channels.bandwidth(a).measured)
-                      for a in addresses} for v, c in clients.items()}
+            estimates = {v: {a: c.remote.channels.bandwidth(a) for a in addresses} for v, c in clients.items()}
+            bw = {v: {a: (e.bandwidth_bps, e.measured) for a, e in per.items()} for v, per in estimates.items()}
             links = {v: {a: asdict(l.stats) | {"written": {k.value: n for k, n in l.stats.written.items()}}
                          for a, l in c.remote.channels.links.items()} for v, c in clients.items()}
             report["networks"][network] = {"info": info, "bandwidth_estimates": bw, "links": links,

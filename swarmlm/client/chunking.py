@@ -96,9 +96,10 @@ class BandwidthEstimate:
     def bandwidth_bps(self) -> float:
         if not self._samples:
             return self.default_bps
-        half, seen = sum(b for b, _ in self._samples) / 2, 0
-        for nbytes, rate in sorted(self._samples, key=lambda s: s[1]):
+        ranked = sorted(self._samples, key=lambda s: s[1])
+        half, seen = sum(b for b, _ in ranked) / 2, 0
+        for nbytes, rate in ranked:
             seen += nbytes
             if seen >= half:
-                return rate
-        raise AssertionError("unreachable: the weights sum to more than half of themselves")
+                break
+        return rate

@@ -54,20 +54,18 @@ class ThreadDHT:
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the node (and its p2pd daemon), then the loop and its thread; safe to call twice."""
-        if not self.loop.is_closed() and self.loop.is_running():
-            if self.node is not None:
-                try:
-                    self._call(self.node.shutdown()).result(timeout_s)
-                except Exception:
-                    pass  # a node that cannot stop cleanly still loses its loop below
-                self.node = None
-            try:  # handlers still in flight are cancelled, not destroyed pending with the loop
-                self._call(_cancel_all()).result(timeout_s)
+        if self.loop.is_closed():
+            return
+        stops = [self.node.shutdown()] if self.node is not None else []
+        self.node = None
+        for coro in stops + [_cancel_all()]:  # in-flight handlers are cancelled, not destroyed with the loop
+            try:
+                self._call(coro).result(timeout_s)
             except Exception:
-                pass
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout_s)
-        if not self.loop.is_running() and not self.loop.is_closed():
+                pass  # a node that cannot stop cleanly still loses its loop below
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout_s)
+        if not self.loop.is_running():
             self.loop.close()
 
 
