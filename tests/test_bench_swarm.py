@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from swarmlm.bench.runner import BenchConfig, start_swarm
-from swarmlm.bench.strategies import STRATEGIES, StrategyConfig, run_strategy
+from swarmlm.bench.strategies import STRATEGIES, StrategyConfig, run_strategy, split_evenly
 from swarmlm.bench.telemetry import TelemetrySampler
 from swarmlm.bench.workload import builtin_prompts, poisson_arrivals, tokenize
 from swarmlm.cli.main import main as cli_main
@@ -59,6 +59,10 @@ def test_every_strategy_gives_the_sequential_greedy_tokens(client, requests, ref
         assert len(decisions) == -(-len(requests) // 6) and decisions[0]["reason"] == "no measurement yet"
         assert all(d["t_comp_s"] > 0 and d["t_trans_s"] > 0 and 1 <= d["micro_batches"] <= d["requests"]
                    for d in decisions[1:])
+        for i, d in enumerate(decisions):  # and the batch ran as exactly that many micro-batches
+            parts = split_evenly(range(d["requests"]), d["micro_batches"])
+            assert sorted(r.batch_size for r in records[6 * i:6 * (i + 1)]) == sorted(
+                len(p) for p in parts for _ in p)
     elif cfg.name == "microbatched":
         assert {r.batch_size for r in records} >= {cfg.micro_batch_size}
     else:

@@ -9,7 +9,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from swarmlm.bench.decomposition import decompose, mean_decomposition
-from swarmlm.bench.strategies import StrategyConfig
+from swarmlm.bench.strategies import StrategyConfig, split_evenly
 from swarmlm.bench.telemetry import Sample, parse_ss, summarize
 from swarmlm.bench.workload import (LengthSpec, PromptSpec, builtin_prompts, fixed_length, load_prompt_file,
                                     poisson_arrivals, synthetic, tokenize)
@@ -125,3 +125,10 @@ def test_summarize_takes_byte_deltas_across_the_window():
     assert s.mean_cpu_percent == pytest.approx(52.5) and s.median_rtt_s == 0.002
     short = summarize(rows, 2.2, 2.4)["server0"]  # shorter than one interval: the next sample speaks for it
     assert short.samples == 1 and short.tx_bytes == 1000
+
+
+def test_split_evenly_gives_exactly_the_asked_number_of_near_equal_parts():
+    assert [len(p) for p in split_evenly(list(range(8)), 7)] == [2, 1, 1, 1, 1, 1, 1]
+    assert split_evenly([1, 2, 3, 4, 5], 2) == [[1, 2, 3], [4, 5]]
+    assert split_evenly([1, 2], 5) == [[1], [2]]  # never an empty micro-batch
+    assert split_evenly([1, 2, 3], 0) == [[1, 2, 3]]

@@ -20,7 +20,6 @@ client's gRPC I/O runs on its own event-loop thread, so K sessions really overla
 """
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -304,6 +303,15 @@ def micro_batch_planner(model) -> MicroBatchPlanner:
                              lambda: min(remote.channels.bandwidth(a).bandwidth_bps for a in addresses))
 
 
+def split_evenly(items: Sequence, parts: int) -> list[list]:
+    """Exactly min(parts, len(items)) consecutive slices whose sizes differ by at most one (8 in 7 -> 2,1,1,1,1,1,1;
+    a fixed rows-per-slice of ceil(8 / 7) = 2 would give 4 slices, not the 7 the rule asked for)."""
+    parts = max(1, min(parts, len(items)))
+    q, r = divmod(len(items), parts)
+    bounds = [i * q + min(i, r) for i in range(parts + 1)]
+    return [list(items[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
 def run_strategy(model, requests: Sequence[Request], cfg: StrategyConfig, route_servers: int,
                  on_records: OnRecords | None = None, decisions: list | None = None) -> list[RequestRecord]:
     """Run the whole workload; returns one record per request, in request order. With M = auto, `decisions`
@@ -321,10 +329,9 @@ def run_strategy(model, requests: Sequence[Request], cfg: StrategyConfig, route_
         for i in range(0, len(requests), size):
             group = requests[i:i + size]
             if planner is None:
-                rows = cfg.micro_batch_size
+                micro = [group[j:j + cfg.micro_batch_size] for j in range(0, len(group), cfg.micro_batch_size)]
             else:  # MoLink: the number of micro-batches from the latest measurements
-                rows = math.ceil(len(group) / planner.choose(len(group), fallback=route_servers))
-            micro = [group[j:j + rows] for j in range(0, len(group), rows)]
+                micro = split_evenly(group, planner.choose(len(group), fallback=route_servers))
             records += _drain(model, micro, len(micro), cfg, t_run0, on_records,  # the batch ends before the next
                               planner.observe if planner else None)
         if planner is not None and decisions is not None:
