@@ -73,9 +73,10 @@ class ClientConfig:
     routing: str = "waiting-aware"  # "shortest" | "waiting-aware"
     max_message_bytes: int = 64 << 20
     # Chunked prefill and decode-first transmission (swarmlm/client/chunking.py, transmission.py).
-    # tokens per prefill message: None = auto (link + compute), 0 = one message. Off by default: no gain measured
-    # yet on this project's CPU swarms (docs/RESULTS-molink.md).
-    prefill_chunk_tokens: int | None = 0
+    # tokens per prefill message: None = auto (link + compute), 0 = one message. Auto by default: -10..-45 % time
+    # per output token where long prompts meet decodes on 20 Mbit/s-1 Gbit/s links, neutral on loopback
+    # (docs/RESULTS-molink.md).
+    prefill_chunk_tokens: int | None = None
     chunk_min_tokens: int = 16  # bounds of the automatic size: smaller chunks cost more per-message overhead,
     chunk_max_tokens: int = 256  # larger ones hold a slow link (and the decodes behind them) for longer
     decode_first: bool = True  # decode messages pass waiting prefill chunks on each link (False: arrival order)
@@ -100,3 +101,19 @@ class ClientConfig:
             raise ValueError(f"max_decode_burst ({self.max_decode_burst}) and prefill_window ({self.prefill_window}) must be >= 1")
         if self.assumed_bandwidth_bps <= 0:
             raise ValueError(f"assumed_bandwidth_bps must be > 0, got {self.assumed_bandwidth_bps}")
+
+
+def parse_prefill_chunks(text: str) -> int | None:
+    """A CLI's --prefill-chunks: 'auto' (None: sized to the link and the servers), 'off' (0) or tokens per chunk."""
+    if text == "auto":
+        return None
+    if text == "off":
+        return 0
+    try:
+        tokens = int(text)
+    except ValueError:
+        tokens = -1
+    if tokens < 1:
+        raise ValueError(f"--prefill-chunks must be 'auto', 'off' or a positive number of tokens, got {text!r}")
+    return tokens
+

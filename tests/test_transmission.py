@@ -159,3 +159,19 @@ def test_policy_from_client_config():
     assert (off.decode_first, off.prefill_window) == (False, None)  # whole prompts are never held back
     with pytest.raises(ValueError):
         ClientConfig(prefill_chunk_tokens=-1)
+
+
+def test_chunking_is_on_by_default_and_the_cli_spelling_maps_to_the_config():
+    import argparse
+
+    from swarmlm.cli.args import add_prefill_chunks
+    from swarmlm.config import ClientConfig
+
+    assert ClientConfig().prefill_chunk_tokens is None  # auto: measured to help on slow links, neutral on loopback
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_prefill_chunks(p)
+    assert [p.parse_args(a).prefill_chunks for a in ([], ["--prefill-chunks", "auto"], ["--prefill-chunks", "off"],
+                                                     ["--prefill-chunks", "32"])] == [None, None, 0, 32]
+    for bad in ("0", "-4", "lots"):
+        with pytest.raises(argparse.ArgumentError, match="auto"):
+            p.parse_args(["--prefill-chunks", bad])

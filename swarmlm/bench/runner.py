@@ -47,6 +47,7 @@ class BenchConfig:
     telemetry_interval_s: float = 1.0
     log_dir: str | None = None  # server logs (default: a temporary directory per swarm)
     push: bool = False  # server-to-server push (ClientConfig.push)
+    prefill_chunk_tokens: int | None = None  # ClientConfig.prefill_chunk_tokens: None = auto, 0 = off
 
     def __post_init__(self) -> None:
         if not self.servers or any(n < 1 for n in self.servers) or len(set(self.servers)) != len(self.servers):
@@ -161,7 +162,7 @@ def run_swarm_size(cfg: BenchConfig, n: int, requests: Sequence[Request], num_bl
     with start_swarm(cfg, n, num_blocks) as swarm:
         model = DistributedModelForCausalLM.from_pretrained(
             cfg.model_dir, initial_peers=swarm.initial_peers, servers=swarm.server_addresses,
-            threads=cfg.client_threads, push=cfg.push)
+            threads=cfg.client_threads, push=cfg.push, prefill_chunk_tokens=cfg.prefill_chunk_tokens)
         try:
             warm = StrategyConfig("sequential", ignore_eos=cfg.strategies[0].ignore_eos)
             for r in list(requests)[:cfg.warmup_requests]:
@@ -184,6 +185,7 @@ def run_swarm_size(cfg: BenchConfig, n: int, requests: Sequence[Request], num_bl
                     runs.append(summarise_run(n, strategy, label, records, sampler.samples, t_from, t_to,
                                               cfg.network, swarm.network_info, route, load))
                     runs[-1]["push"] = cfg.push
+                    runs[-1]["prefill_chunk_tokens"] = cfg.prefill_chunk_tokens
                     if strategy.auto:
                         runs[-1]["micro_batch_decisions"] = decisions
             telemetry = {"servers": n, "columns": SAMPLE_COLUMNS, "rows": [s.to_row() for s in sampler.samples],

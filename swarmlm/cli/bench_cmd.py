@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from swarmlm.cli.args import add_prefill_chunks
+
 
 def _ints(text: str) -> tuple[int, ...]:
     """'1,2,4' or '1-6' or '1-3,6' -> (1, 2, 4) ..."""
@@ -61,6 +63,7 @@ def add_parser(sub) -> None:
     p.add_argument("--network", default="loopback", help="loopback | lan | wan | a topology file")
     p.add_argument("--netem-mode", default="auto", choices=["auto", "namespaces", "relay-only"])
     p.add_argument("--push", action="store_true", help="server-to-server push (N + 1 hops per token, not 2N)")
+    add_prefill_chunks(p)
     p.add_argument("--server-threads", type=int, default=1)
     p.add_argument("--client-threads", type=int, default=1)
     p.add_argument("--out", default="bench-out", help="results directory")
@@ -88,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
                                   ignore_eos=args.ignore_eos)
     config = BenchConfig(model_dir=model_dir, servers=args.servers, strategies=strategies, network=args.network,
                          netem_mode=args.netem_mode, server_threads=args.server_threads,
-                         client_threads=args.client_threads, log_dir=f"{args.out}/logs", push=args.push)
+                         client_threads=args.client_threads, log_dir=f"{args.out}/logs", push=args.push,
+                         prefill_chunk_tokens=args.prefill_chunks)
     requests = tokenize(prompt_source(args.prompts), AutoTokenizer.from_pretrained(model_dir), args.max_new_tokens,
                         args.limit)
     if args.poisson_rate:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from swarmlm.cli.args import add_prefill_chunks
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text through the swarm")
@@ -23,6 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--push", action="store_true",
                    help="servers push each output straight to the next server of the route (N + 1 hops, not 2N)")
+    add_prefill_chunks(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -42,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--input-ids must be comma-separated integers, got {args.input_ids!r}")
     model = DistributedModelForCausalLM.from_pretrained(
         args.model, initial_peers=args.initial_peers, servers=args.servers, routing=args.routing,
-        threads=args.threads, push=args.push,
+        threads=args.threads, push=args.push, prefill_chunk_tokens=args.prefill_chunks,
     )
     try:
         out = model.generate(
