@@ -6,8 +6,9 @@ medians over repeats):
 - stage: one process, a Stage holding every block; N sessions stepped one at a time (`step`) vs as one batch
   (`step_batch`).
 - swarm: one real server process (LocalSwarm) and the real client; N sessions one after another vs N sessions
-  from N threads at once, against a server with batching (default --max-batch-tokens) and one with batching off
-  (--max-batch-tokens 1: same concurrency, one step per forward). Decode steps send the embedding of a fixed
+  from N threads at once, against a server with batching (defaults), one that batches without waiting for
+  stragglers (--batch-wait 0) and one with batching off (--max-batch-tokens 1: same concurrency, one step per
+  forward). Decode steps send the embedding of a fixed
   token through the client's session and skip the client's LM head: with bloomz-560m's 250,880-token vocabulary
   the head costs the client about as much as the server's 24 blocks, and this measures the server.
 
@@ -114,7 +115,8 @@ def run_swarm(model_dir: str, ns: list[int], repeats: int, tokens: int, blocks: 
     assert blocks in (None, num_blocks), "the swarm level serves every block (the client needs a full route)"
     swarms, clients = {}, {}
     try:
-        servers = [("batching", [])] + ([("no_batching", ["--max-batch-tokens", "1"])] if unbatched else [])
+        servers = [("batching", []), ("no_wait", ["--batch-wait", "0"])] + (
+            [("no_batching", ["--max-batch-tokens", "1"])] if unbatched else [])
         for name, args in servers:
             swarms[name] = LocalSwarm(model_dir, threads=1, with_dht=False,
                                       server_args=["--max-sessions", "64", *args]).start([BlockRange(0, num_blocks)])
@@ -123,13 +125,15 @@ def run_swarm(model_dir: str, ns: list[int], repeats: int, tokens: int, blocks: 
             swarm_tokens_per_s(clients[name], 2, 2, True)  # warm up channels and the server
         rows = {}
         for n in ns:
-            samples: dict[str, list[float]] = {"one_after_another": [], "concurrent_batched": []}
+            samples: dict[str, list[float]] = {"one_after_another": [], "concurrent_batched": [],
+                                               "concurrent_batched_no_wait": []}
             if unbatched:
                 samples["concurrent_no_batching"] = []
             for r in range(repeats):
                 modes = list(samples) if r % 2 == 0 else list(reversed(samples))
                 for mode in modes:
-                    client = clients["no_batching" if mode == "concurrent_no_batching" else "batching"]
+                    client = clients[{"concurrent_no_batching": "no_batching",
+                                      "concurrent_batched_no_wait": "no_wait"}.get(mode, "batching")]
                     samples[mode].append(swarm_tokens_per_s(client, n, tokens, mode != "one_after_another"))
             rows[n] = _summary(samples, "one_after_another")
         return rows

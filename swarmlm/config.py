@@ -28,6 +28,10 @@ class ServerConfig:
     # chunks join rounds sooner; smaller: a round (so the wait for the next token) is shorter.
     max_batch_tokens: int = 512
     max_prefill_skips: int = 2  # rounds the oldest prefill that does not fit the budget may be passed over
+    # before a round, wait up to this fraction of the last decode forward (and at most max_batch_wait_s) for that
+    # forward's sessions to send their next step, so sessions in lockstep share one forward (0 = never wait)
+    batch_wait: float = 0.05
+    max_batch_wait_s: float = 0.01
     max_message_bytes: int = 64 << 20  # largest gRPC message accepted or sent
     session_idle_timeout_s: float = 120.0  # a session with no step for this long is closed
     announce_period_s: float = 2.0  # how often the DHT record is refreshed
@@ -47,6 +51,9 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_prefill_skips < 0:
             raise ValueError(f"max_prefill_skips must be >= 0, got {self.max_prefill_skips}")
+        if self.batch_wait < 0 or self.max_batch_wait_s < 0:
+            raise ValueError(f"batch_wait and max_batch_wait_s must be >= 0, got {self.batch_wait}, "
+                             f"{self.max_batch_wait_s}")
         if self.record_ttl_s <= self.announce_period_s:
             raise ValueError(
                 f"record_ttl_s ({self.record_ttl_s}) must exceed announce_period_s ({self.announce_period_s})"

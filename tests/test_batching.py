@@ -3,7 +3,9 @@ the scheduler runs decode steps first, within a token budget, and never starves 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import threading
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -281,3 +283,51 @@ def test_a_failing_item_fails_alone():
         scheduler.stop()
     assert a[0] == "a!" and c[0] == "c!"
     assert isinstance(bad, ValueError)
+
+
+def _lockstep(scheduler: Scheduler, sessions: int, rounds: int, return_s) -> list[list[int]]:
+    """`sessions` clients in lockstep: each waits `return_s(i)` after its reply (its round trip) and sends its next
+    step; a forward takes 20 ms. Returns the batch sizes each session saw, in order."""
+    def forward(items):
+        time.sleep(0.02)
+        return list(items)
+
+    seen: list[list[int]] = [[] for _ in range(sessions)]
+
+    async def session(i: int) -> None:
+        for _ in range(rounds):
+            _, timing = await scheduler.submit_batchable(Batchable(forward, "decode", i, member=i), DECODE, 1)
+            seen[i].append(timing.batch_size)
+            await asyncio.sleep(return_s(i))
+
+    async def main() -> None:
+        await asyncio.gather(*(session(i) for i in range(sessions)))
+
+    try:
+        asyncio.run(main())
+    finally:
+        scheduler.stop()
+    return seen
+
+
+def test_sessions_in_lockstep_share_a_forward_when_the_server_waits_for_stragglers():
+    staggered = lambda i: 0.001 * (i + 1)  # replies come back 1-4 ms apart, well within the wait
+    without = _lockstep(Scheduler(threads=1, batch_wait=0), 4, 12, staggered)
+    with_wait = _lockstep(Scheduler(threads=1, batch_wait=0.5, max_batch_wait_s=0.01), 4, 12, staggered)
+    assert statistics.median(b for s in without for b in s[2:]) < 4  # the first back runs alone: rounds of 1 + 3
+    assert all(b == 4 for s in with_wait for b in s[2:])  # every round holds all four
+    pair = _lockstep(Scheduler(threads=1, batch_wait=0), 2, 8, staggered)
+    assert all(b == 1 for s in pair for b in s[1:])  # two sessions alternate alone, never batched
+    pair = _lockstep(Scheduler(threads=1, batch_wait=0.5, max_batch_wait_s=0.01), 2, 8, staggered)
+    assert all(b == 2 for s in pair for b in s)
+
+
+def test_a_lone_session_never_waits_and_fruitless_waits_stop():
+    scheduler = Scheduler(threads=1, batch_wait=100.0, max_batch_wait_s=1.0)  # a wrong wait would cost 1 s
+    t0 = time.perf_counter()
+    _lockstep(scheduler, 1, 10, lambda i: 0.0)
+    assert time.perf_counter() - t0 < 5.0  # 10 forwards of 20 ms, no waits
+    # two sessions coming back too late for the wait (a slow link): after 4 waits that gathered nobody, none more
+    scheduler = Scheduler(threads=1, batch_wait=0.1, max_batch_wait_s=0.002)
+    _lockstep(scheduler, 2, 20, lambda i: 0.03 * i)
+    assert scheduler._fruitless >= 4 and scheduler._skipped_waits > 0

@@ -101,6 +101,19 @@ def test_decomposition_parts_come_from_their_own_clocks():
     assert m.computation_s == pytest.approx(d.computation_s) and m.measured_s == 2.0
 
 
+
+def test_overlapping_hops_of_a_pipelined_prefill_share_the_steps_wall():
+    stats = SimpleNamespace(embed_s=0.0, head_s=0.0, sample_s=0.0)
+    # 2 chunks through 2 spans, pipelined: the four hops' clocks add up to 0.8 s within a 0.5 s step
+    hops = [_hop(0.2, 0.02, 0.15, 0.01, 0.0) for _ in range(4)]
+    d = decompose(measured_s=0.5, open_s=0.0, close_s=0.0, client_wait_s=0.0, stats=stats, call_s=[0.5],
+                  steps=[SimpleNamespace(wall_s=0.5, failover_s=0.0, hops=hops)])
+    assert min(d.parts().values()) >= 0 and d.detail_s["hop_gaps"] == pytest.approx(0.0)
+    assert d.detail_s["overlap"] == pytest.approx(0.3) and d.accounted_s == pytest.approx(0.5)
+    assert d.computation_s / d.communication_s == pytest.approx(0.6 / (4 * 0.03))  # shares kept
+    assert d.queueing_s == pytest.approx(0.08 * 0.5 / 0.8)
+
+
 SS_OUTPUT = """\
 ESTAB 0      0      127.0.0.1:40100 127.0.0.1:51234 users:(("python",pid=111,fd=7))
 \t cubic wscale:7,7 rto:204 rtt:0.1/0.05 bytes_sent:5000 bytes_acked:4800 bytes_received:900 segs_out:10

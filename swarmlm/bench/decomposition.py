@@ -14,6 +14,11 @@ Every part is read from a clock that brackets exactly that activity; none is "th
 
 `measured_s` is the request's response time on its own clock; `residual_s` = measured - the four parts is what no
 clock covers (the generation loop's bookkeeping between timers) and is reported, never folded into a part.
+
+A chunked prefill is pipelined: chunk k runs on server 2 while chunk k+1 runs on server 1, so its hops' clocks add
+up to more than the step's wall. Such a step's wall is shared among its hops' activities in proportion to their
+clocks (each hop-derived part scaled by wall / sum of hop times), and what was removed is reported as
+`detail_s["overlap"]` (time that two hops spent at once).
 Server and client run on one machine here, so their clocks tick at the same rate (CLOCK_MONOTONIC).
 """
 from __future__ import annotations
@@ -62,21 +67,28 @@ def decompose(measured_s: float, open_s: float, close_s: float, client_wait_s: f
     d: dict[str, float] = dict.fromkeys((
         "server_compute", "client_embed", "client_head", "client_sample", "transfer", "server_serialise",
         "client_serialise", "server_queue", "client_queue", "open", "close", "failover", "dispatch", "hop_gaps",
+        "overlap",
     ), 0.0)
+    hop_parts = ("server_compute", "server_queue", "server_serialise", "client_serialise", "transfer")
     d["client_embed"], d["client_head"], d["client_sample"] = stats.embed_s, stats.head_s, stats.sample_s
     d["client_queue"], d["open"], d["close"] = client_wait_s, open_s, close_s
     for call, step in zip(call_s, steps):
-        in_hops = 0.0
+        h = dict.fromkeys(hop_parts, 0.0)
         for hop in step.hops:
-            d["server_compute"] += hop.compute_s
-            d["server_queue"] += hop.queued_s
-            d["server_serialise"] += hop.server_io_s
-            d["client_serialise"] += hop.client_io_s
+            h["server_compute"] += hop.compute_s
+            h["server_queue"] += hop.queued_s
+            h["server_serialise"] += hop.server_io_s
+            h["client_serialise"] += hop.client_io_s
             # the client's round trip minus the server's own time inside it: bytes on the wire and their delivery
-            d["transfer"] += hop.wall_s - hop.queued_s - hop.compute_s - hop.server_io_s
-            in_hops += hop.wall_s + hop.client_io_s
+            h["transfer"] += hop.wall_s - hop.queued_s - hop.compute_s - hop.server_io_s
+        in_hops = sum(h.values())  # = the hops' wall + client_io
+        wall = step.wall_s - step.failover_s
+        scale = wall / in_hops if in_hops > wall > 0 else 1.0  # < 1 only where hops overlapped (pipelined chunks)
+        for k, v in h.items():
+            d[k] += v * scale
+        d["overlap"] += in_hops * (1 - scale)
         d["failover"] += step.failover_s
-        d["hop_gaps"] += step.wall_s - step.failover_s - in_hops  # the session's loop between hops (and failed tries)
+        d["hop_gaps"] += wall - in_hops * scale  # the session's loop between hops (and failed tries)
         d["dispatch"] += call - step.wall_s  # sync caller -> I/O loop thread -> back
     return Decomposition(
         computation_s=d["server_compute"] + d["client_embed"] + d["client_head"] + d["client_sample"],

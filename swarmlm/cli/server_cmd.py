@@ -25,6 +25,9 @@ def add_parser(sub) -> None:
                    help="continuous batching: tokens (rows x new tokens) one compute round may take across sessions")
     p.add_argument("--max-prefill-skips", type=int, default=2,
                    help="rounds the oldest prefill that does not fit --max-batch-tokens may wait before it runs anyway")
+    p.add_argument("--batch-wait", type=float, default=0.05,
+                   help="before a round, wait up to this fraction of the last decode forward (max 10 ms) for its "
+                        "sessions' next steps, so sessions in lockstep share a forward (0 = never)")
     p.add_argument("--max-message-mb", type=int, default=64, help="largest gRPC message accepted, MiB")
     p.add_argument("--idle-timeout", type=float, default=120.0, help="close sessions idle this long, seconds")
     p.add_argument("--dht-prefix", help="DHT namespace (default: the model directory's name)")
@@ -44,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads, dtype=args.dtype, num_blocks=args.num_blocks, placement=args.placement,
         memory_bytes=args.memory_mb << 20 if args.memory_mb else None, cache_bytes=args.cache_mb << 20,
         max_sessions=args.max_sessions, max_length_tokens=args.max_length,
-        max_batch_tokens=args.max_batch_tokens, max_prefill_skips=args.max_prefill_skips,
+        max_batch_tokens=args.max_batch_tokens, max_prefill_skips=args.max_prefill_skips, batch_wait=args.batch_wait,
         session_idle_timeout_s=args.idle_timeout, max_message_bytes=args.max_message_mb << 20, dht_prefix=args.dht_prefix,
     )
     return run_server(config, drain_timeout_s=args.drain_timeout, rebalance_period_s=args.rebalance_period)

@@ -9,7 +9,14 @@ Whenever the thread is free it plans a round from everything queued (`plan_round
    rounds, then runs anyway: a steady stream of decodes cannot starve it, and a prompt larger than the whole
    budget still runs.
 A round runs its decode batches before its prefills, so a long prompt delays everyone's next token by at most one
-round. Steps that arrive while a round computes form the next round: batching costs no added wait.
+round. Steps that arrive while a round computes form the next round.
+
+Sessions in lockstep reach a free server one by one: the first would run alone while the others, a client round
+trip behind, form the round after (4 sessions settle into rounds of 1 and 3, and on CPU a 3-row forward costs
+nearly 3 one-row ones; 2 sessions alternate alone forever). So before a round, the worker waits briefly for the
+sessions of the last two decode rounds that are not back yet: at most `batch_wait` x the last decode forward's
+time (and `max_batch_wait_s`). A lone session never waits; when waits stop gathering anyone (e.g. sessions come
+back over slow links), they stop, and are retried now and then.
 
 Every job reports how long it waited and how long it ran; a job computed in a batch reports the batch's forward
 time (the members shared it) and the batch size.
@@ -19,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
@@ -106,14 +114,23 @@ def plan_round(queue: list[Job], max_tokens: int, max_prefill_skips: int) -> lis
 
 
 class Scheduler:
-    def __init__(self, threads: int, max_batch_tokens: int = 512, max_prefill_skips: int = 2) -> None:
+    def __init__(self, threads: int, max_batch_tokens: int = 512, max_prefill_skips: int = 2,
+                 batch_wait: float = 0.05, max_batch_wait_s: float = 0.01) -> None:
         if max_batch_tokens < 1 or max_prefill_skips < 0:
             raise ValueError(
                 f"max_batch_tokens must be >= 1 and max_prefill_skips >= 0, got {max_batch_tokens}, {max_prefill_skips}"
             )
+        if batch_wait < 0 or max_batch_wait_s < 0:
+            raise ValueError(f"batch_wait and max_batch_wait_s must be >= 0, got {batch_wait}, {max_batch_wait_s}")
         self.threads = threads
         self.max_batch_tokens = max_batch_tokens
         self.max_prefill_skips = max_prefill_skips
+        self.batch_wait = batch_wait  # fraction of the last decode forward's time
+        self.max_batch_wait_s = max_batch_wait_s
+        self._recent: deque[set[Hashable]] = deque(maxlen=2)  # members of the last two rounds' decode forwards
+        self._last_decode_s = 0.0  # the last round's decode compute time
+        self._fruitless = 0  # consecutive waits that gathered nobody
+        self._skipped_waits = 0  # waits skipped since the last try
         self._queue: list[Job] = []  # arrival order
         self._cv = threading.Condition()
         self._stopped = False
@@ -157,11 +174,43 @@ class Scheduler:
                     self._cv.wait()
                 if self._stopped and not self._queue:
                     return
+                self._wait_for_stragglers()
                 groups = plan_round(self._queue, self.max_batch_tokens, self.max_prefill_skips)
                 chosen = {id(job) for group in groups for job in group}
                 self._queue = [job for job in self._queue if id(job) not in chosen]
+            decode, decode_s = set(), 0.0
             for group in groups:
+                started = time.perf_counter()
                 self._run_group(group)
+                if group[0].priority == DECODE and group[0].work is not None:
+                    decode |= {job.member for job in group}
+                    decode_s += time.perf_counter() - started
+            if decode:
+                self._recent.append(decode)
+                self._last_decode_s = decode_s
+
+    def _wait_for_stragglers(self) -> None:
+        """(Holding the lock.) Give the recent decode rounds' sessions that are not queued yet a moment to arrive."""
+        expected = set().union(*self._recent)
+        if self.batch_wait == 0 or len(expected) < 2:
+            return
+        if not any(job.priority == DECODE for job in self._queue):
+            return  # nothing is decoding: prefill work goes at once
+
+        def missing() -> set[Hashable]:
+            return expected - {job.member for job in self._queue}
+
+        before = len(missing())
+        if before == 0:
+            return
+        if self._fruitless >= 4 and self._skipped_waits < 32:
+            self._skipped_waits += 1  # waits have not paid lately
+            return
+        self._skipped_waits = 0
+        deadline = time.perf_counter() + min(self.max_batch_wait_s, self.batch_wait * self._last_decode_s)
+        while not self._stopped and missing() and (left := deadline - time.perf_counter()) > 0:
+            self._cv.wait(left)
+        self._fruitless = 0 if len(missing()) < before else self._fruitless + 1
 
     def _run_group(self, group: list[Job]) -> None:
         group = [job for job in group if job.future.set_running_or_notify_cancel()]  # drop cancelled callers

@@ -106,7 +106,8 @@ class Server:
             server_id=self.server_id, model=self.prefix or "", decode_s_per_block=profile.decode_s,
             prefill_a_s=profile.prefill_a_s, prefill_b_s=profile.prefill_b_s,
         )
-        scheduler = Scheduler(cfg.threads, cfg.max_batch_tokens, cfg.max_prefill_skips)
+        scheduler = Scheduler(cfg.threads, cfg.max_batch_tokens, cfg.max_prefill_skips, cfg.batch_wait,
+                              cfg.max_batch_wait_s)
         self.service = SwarmService(cfg, self.stage, scheduler, stats)
         server = grpc.aio.server(options=grpc_options(cfg.max_message_bytes))
         pb_grpc.add_SwarmServicer_to_server(self.service, server)
