@@ -72,6 +72,7 @@ def test_concurrent_sessions_are_isolated(swarm):
     prompts = ["one two three", "the sky is blue", "a", "write a short poem about the sea"]
     alone = [client.generate(tok(p, return_tensors="pt").input_ids, max_new_tokens=8) for p in prompts]
     results: list = [None] * 4
+    batches: list[int] = []
     barrier = threading.Barrier(4)
 
     def run(i: int) -> None:
@@ -79,6 +80,7 @@ def test_concurrent_sessions_are_isolated(swarm):
         with client.inference_session(max_length=ids.shape[1] + 8) as session:
             barrier.wait()  # all four sessions open at once, their steps interleave on the servers
             results[i] = client.generate(ids, max_new_tokens=8, session=session)
+            batches.extend(h.batch_size for step in session.steps for h in step.hops)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
     for t in threads:
@@ -87,3 +89,5 @@ def test_concurrent_sessions_are_isolated(swarm):
         t.join(120)
     for got, want in zip(results, alone):
         assert torch.equal(got, want)
+    # the servers report how many steps shared each forward: some of these did, never more than the sessions
+    assert 1 <= min(batches) and max(batches) <= 4 and max(batches) > 1, batches

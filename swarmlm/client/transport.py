@@ -21,6 +21,7 @@ from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
+MAX_REPORTED_BATCH = 1 << 16  # a server's batch size is only reported; a larger claim is clamped, not trusted
 
 
 class LoopThread:
@@ -92,6 +93,7 @@ class HopTiming:
     client_io_s: float  # client: serialising the request + parsing the reply
     tokens: int
     pushed: bool = False  # the server pushed its output on to the next server of the route
+    batch_size: int = 1  # steps (of all sessions) that shared the server's forward
 
     @property
     def network_s(self) -> float:
@@ -239,7 +241,7 @@ class SpanStream:
         timing = HopTiming(
             self.span.server_id, wall_s=t2 - started, queued_s=tm.queued_s, compute_s=tm.compute_s,
             server_io_s=tm.decode_s + tm.encode_s, client_io_s=sent.encode_s + (t3 - t2), tokens=sent.tokens,
-            pushed=reply.pushed,
+            pushed=reply.pushed, batch_size=max(1, min(tm.batch_size, MAX_REPORTED_BATCH)),
         )
         if sent.clean:
             self.channels.bandwidth(self.span.address).observe(

@@ -253,6 +253,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             pushed=len(request.step.push) > 0,
             timing=pb.Timing(
                 queued_s=timing.queued_s, compute_s=timing.compute_s, decode_s=decoded - started, encode_s=encode_s,
+                batch_size=timing.batch_size,
             ),
         )
 
@@ -301,7 +302,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         return pb.ForwardReply(
             hidden=reply,
             timing=pb.Timing(queued_s=timing.queued_s, compute_s=timing.compute_s, decode_s=decoded - started,
-                             encode_s=time.perf_counter() - encode_start),
+                             encode_s=time.perf_counter() - encode_start, batch_size=timing.batch_size),
         )
 
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoReply:

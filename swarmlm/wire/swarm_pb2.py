@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18swarmlm/wire/swarm.proto\x12\x07swarmlm\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"Q\n\x06Timing\x12\x10\n\x08queued_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x03 \x01(\x01\x12\x10\n\x08\x65ncode_s\x18\x04 \x01(\x01\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"]\n\x0bOpenSession\x12\x13\n\x0bstart_block\x18\x01 \x01(\r\x12\x11\n\tend_block\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x12\n\nmax_length\x18\x04 \x01(\r\"B\n\nPushTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07step_id\x18\x03 \x01(\x04\"\x8d\x01\n\rInferenceStep\x12\x1f\n\x06hidden\x18\x01 \x01(\x0b\x32\x0f.swarmlm.Tensor\x12\'\n\x0e\x61ttention_mask\x18\x02 \x01(\x0b\x32\x0f.swarmlm.Tensor\x12\x0f\n\x07step_id\x18\x03 \x01(\x04\x12!\n\x04push\x18\x04 \x03(\x0b\x32\x13.swarmlm.PushTarget\"|\n\x10InferenceRequest\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12$\n\x04open\x18\x01 \x01(\x0b\x32\x14.swarmlm.OpenSessionH\x00\x12&\n\x04step\x18\x02 \x01(\x0b\x32\x16.swarmlm.InferenceStepH\x00\x42\x06\n\x04kind\"\xb8\x01\n\x0eInferenceReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1f\n\x06hidden\x18\x02 \x01(\x0b\x32\x0f.swarmlm.Tensor\x12\x1f\n\x06timing\x18\x03 \x01(\x0b\x32\x0f.swarmlm.Timing\x12\x0f\n\x07step_id\x18\x04 \x01(\x04\x12\x10\n\x08position\x18\x05 \x01(\r\x12\x1d\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x0e.swarmlm.Error\x12\x0e\n\x06pushed\x18\x07 \x01(\x08\"G\n\x0bPushRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12$\n\x04step\x18\x02 \x01(\x0b\x32\x16.swarmlm.InferenceStep\"\x0b\n\tPushReply\"\x82\x01\n\x0e\x46orwardRequest\x12\x13\n\x0bstart_block\x18\x01 \x01(\r\x12\x11\n\tend_block\x18\x02 \x01(\r\x12\x1f\n\x06hidden\x18\x03 \x01(\x0b\x32\x0f.swarmlm.Tensor\x12\'\n\x0e\x61ttention_mask\x18\x04 \x01(\x0b\x32\x0f.swarmlm.Tensor\"P\n\x0c\x46orwardReply\x12\x1f\n\x06hidden\x18\x01 \x01(\x0b\x32\x0f.swarmlm.Tensor\x12\x1f\n\x06timing\x18\x02 \x01(\x0b\x32\x0f.swarmlm.Timing\"\r\n\x0bInfoRequest\"\x8a\x03\n\tInfoReply\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0bstart_block\x18\x03 \x01(\r\x12\x11\n\tend_block\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x19\n\x11\x63\x61\x63he_bytes_total\x18\x08 \x01(\x04\x12\x18\n\x10\x63\x61\x63he_bytes_free\x18\t \x01(\x04\x12\x17\n\x0f\x61\x63tive_sessions\x18\n \x01(\r\x12\x14\n\x0cqueue_length\x18\x0b \x01(\r\x12\x12\n\nmax_length\x18\x0c \x01(\r\x12\x11\n\tmax_batch\x18\r \x01(\r\x12\x19\n\x11max_message_bytes\x18\x0e \x01(\x04\x12\x1a\n\x12\x64\x65\x63ode_s_per_block\x18\x0f \x01(\x01\x12\x13\n\x0bprefill_a_s\x18\x10 \x01(\x01\x12\x13\n\x0bprefill_b_s\x18\x11 \x01(\x01\x12\x0f\n\x07version\x18\x12 \x01(\t2\xeb\x01\n\x05Swarm\x12\x43\n\tInference\x12\x19.swarmlm.InferenceRequest\x1a\x17.swarmlm.InferenceReply(\x01\x30\x01\x12\x39\n\x07\x46orward\x12\x17.swarmlm.ForwardRequest\x1a\x15.swarmlm.ForwardReply\x12\x30\n\x04Info\x12\x14.swarmlm.InfoRequest\x1a\x12.swarmlm.InfoReply\x12\x30\n\x04Push\x12\x14.swarmlm.PushRequest\x1a\x12.swarmlm.PushReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18swarmlm/wire/swarm.proto\x12\x07swarmlm\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"e\n\x06Timing\x12\x10\n\x08queued_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x03 \x01(\x01\x12\x10\n\x08\x65ncode_s\x18\x04 \x01(\x01\x12\x12\n\nbatch_size\x18\x05 \x01(\r\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"]\n\x0bOpenSession\x12\x13\n\x0bstart_block\x18\x01 \x01(\r\x12\x11\n\tend_block\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x12\n\nmax_length\x18\x04 \x01(\r\"B\n\nPushTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0f\n\x07step_id\x18\x03 \x01(\x04\"\x8d\x01\n\rInferenceStep\x12\x1f\n\x06hidden\x18\x01 \x01(\x0b\x32\x0f.swarmlm.Tensor\x12\'\n\x0e\x61ttention_mask\x18\x02 \x01(\x0b\x32\x0f.swarmlm.Tensor\x12\x0f\n\x07step_id\x18\x03 \x01(\x04\x12!\n\x04push\x18\x04 \x03(\x0b\x32\x13.swarmlm.PushTarget\"|\n\x10InferenceRequest\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12$\n\x04open\x18\x01 \x01(\x0b\x32\x14.swarmlm.OpenSessionH\x00\x12&\n\x04step\x18\x02 \x01(\x0b\x32\x16.swarmlm.InferenceStepH\x00\x42\x06\n\x04kind\"\xb8\x01\n\x0eInferenceReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1f\n\x06hidden\x18\x02 \x01(\x0b\x32\x0f.swarmlm.Tensor\x12\x1f\n\x06timing\x18\x03 \x01(\x0b\x32\x0f.swarmlm.Timing\x12\x0f\n\x07step_id\x18\x04 \x01(\x04\x12\x10\n\x08position\x18\x05 \x01(\r\x12\x1d\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x0e.swarmlm.Error\x12\x0e\n\x06pushed\x18\x07 \x01(\x08\"G\n\x0bPushRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12$\n\x04step\x18\x02 \x01(\x0b\x32\x16.swarmlm.InferenceStep\"\x0b\n\tPushReply\"\x82\x01\n\x0e\x46orwardRequest\x12\x13\n\x0bstart_block\x18\x01 \x01(\r\x12\x11\n\tend_block\x18\x02 \x01(\r\x12\x1f\n\x06hidden\x18\x03 \x01(\x0b\x32\x0f.swarmlm.Tensor\x12\'\n\x0e\x61ttention_mask\x18\x04 \x01(\x0b\x32\x0f.swarmlm.Tensor\"P\n\x0c\x46orwardReply\x12\x1f\n\x06hidden\x18\x01 \x01(\x0b\x32\x0f.swarmlm.Tensor\x12\x1f\n\x06timing\x18\x02 \x01(\x0b\x32\x0f.swarmlm.Timing\"\r\n\x0bInfoRequest\"\x8a\x03\n\tInfoReply\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0bstart_block\x18\x03 \x01(\r\x12\x11\n\tend_block\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x19\n\x11\x63\x61\x63he_bytes_total\x18\x08 \x01(\x04\x12\x18\n\x10\x63\x61\x63he_bytes_free\x18\t \x01(\x04\x12\x17\n\x0f\x61\x63tive_sessions\x18\n \x01(\r\x12\x14\n\x0cqueue_length\x18\x0b \x01(\r\x12\x12\n\nmax_length\x18\x0c \x01(\r\x12\x11\n\tmax_batch\x18\r \x01(\r\x12\x19\n\x11max_message_bytes\x18\x0e \x01(\x04\x12\x1a\n\x12\x64\x65\x63ode_s_per_block\x18\x0f \x01(\x01\x12\x13\n\x0bprefill_a_s\x18\x10 \x01(\x01\x12\x13\n\x0bprefill_b_s\x18\x11 \x01(\x01\x12\x0f\n\x07version\x18\x12 \x01(\t2\xeb\x01\n\x05Swarm\x12\x43\n\tInference\x12\x19.swarmlm.InferenceRequest\x1a\x17.swarmlm.InferenceReply(\x01\x30\x01\x12\x39\n\x07\x46orward\x12\x17.swarmlm.ForwardRequest\x1a\x15.swarmlm.ForwardReply\x12\x30\n\x04Info\x12\x14.swarmlm.InfoRequest\x1a\x12.swarmlm.InfoReply\x12\x30\n\x04Push\x12\x14.swarmlm.PushRequest\x1a\x12.swarmlm.PushReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,31 +34,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSOR']._serialized_start=37
   _globals['_TENSOR']._serialized_end=89
   _globals['_TIMING']._serialized_start=91
-  _globals['_TIMING']._serialized_end=172
-  _globals['_ERROR']._serialized_start=174
-  _globals['_ERROR']._serialized_end=212
-  _globals['_OPENSESSION']._serialized_start=214
-  _globals['_OPENSESSION']._serialized_end=307
-  _globals['_PUSHTARGET']._serialized_start=309
-  _globals['_PUSHTARGET']._serialized_end=375
-  _globals['_INFERENCESTEP']._serialized_start=378
-  _globals['_INFERENCESTEP']._serialized_end=519
-  _globals['_INFERENCEREQUEST']._serialized_start=521
-  _globals['_INFERENCEREQUEST']._serialized_end=645
-  _globals['_INFERENCEREPLY']._serialized_start=648
-  _globals['_INFERENCEREPLY']._serialized_end=832
-  _globals['_PUSHREQUEST']._serialized_start=834
-  _globals['_PUSHREQUEST']._serialized_end=905
-  _globals['_PUSHREPLY']._serialized_start=907
-  _globals['_PUSHREPLY']._serialized_end=918
-  _globals['_FORWARDREQUEST']._serialized_start=921
-  _globals['_FORWARDREQUEST']._serialized_end=1051
-  _globals['_FORWARDREPLY']._serialized_start=1053
-  _globals['_FORWARDREPLY']._serialized_end=1133
-  _globals['_INFOREQUEST']._serialized_start=1135
-  _globals['_INFOREQUEST']._serialized_end=1148
-  _globals['_INFOREPLY']._serialized_start=1151
-  _globals['_INFOREPLY']._serialized_end=1545
-  _globals['_SWARM']._serialized_start=1548
-  _globals['_SWARM']._serialized_end=1783
+  _globals['_TIMING']._serialized_end=192
+  _globals['_ERROR']._serialized_start=194
+  _globals['_ERROR']._serialized_end=232
+  _globals['_OPENSESSION']._serialized_start=234
+  _globals['_OPENSESSION']._serialized_end=327
+  _globals['_PUSHTARGET']._serialized_start=329
+  _globals['_PUSHTARGET']._serialized_end=395
+  _globals['_INFERENCESTEP']._serialized_start=398
+  _globals['_INFERENCESTEP']._serialized_end=539
+  _globals['_INFERENCEREQUEST']._serialized_start=541
+  _globals['_INFERENCEREQUEST']._serialized_end=665
+  _globals['_INFERENCEREPLY']._serialized_start=668
+  _globals['_INFERENCEREPLY']._serialized_end=852
+  _globals['_PUSHREQUEST']._serialized_start=854
+  _globals['_PUSHREQUEST']._serialized_end=925
+  _globals['_PUSHREPLY']._serialized_start=927
+  _globals['_PUSHREPLY']._serialized_end=938
+  _globals['_FORWARDREQUEST']._serialized_start=941
+  _globals['_FORWARDREQUEST']._serialized_end=1071
+  _globals['_FORWARDREPLY']._serialized_start=1073
+  _globals['_FORWARDREPLY']._serialized_end=1153
+  _globals['_INFOREQUEST']._serialized_start=1155
+  _globals['_INFOREQUEST']._serialized_end=1168
+  _globals['_INFOREPLY']._serialized_start=1171
+  _globals['_INFOREPLY']._serialized_end=1565
+  _globals['_SWARM']._serialized_start=1568
+  _globals['_SWARM']._serialized_end=1803
 # @@protoc_insertion_point(module_scope)
