@@ -80,7 +80,7 @@ def run_stage(model_dir: str, ns: list[int], repeats: int, tokens: int, blocks: 
 
 # ---- swarm level -------------------------------------------------------------------------------------------------
 def _session_decode(client: DistributedModelForCausalLM, i: int, tokens: int, barrier: threading.Barrier | None,
-                    spans: list) -> None:
+                    spans: list, batches: list[int]) -> None:
     prompt = torch.full((1, prompt_len(i)), TOKEN)
     with client.inference_session(max_length=prompt_len(i) + tokens) as session:
         session.step(client.embed(prompt))
@@ -91,16 +91,21 @@ def _session_decode(client: DistributedModelForCausalLM, i: int, tokens: int, ba
         for _ in range(tokens):
             session.step(x)
         spans.append((t0, time.perf_counter()))
+        batches.extend(h.batch_size for step in session.steps[-tokens:] for h in step.hops)  # as the server saw it
 
 
-def swarm_tokens_per_s(client: DistributedModelForCausalLM, n: int, tokens: int, concurrent: bool) -> float:
+def swarm_tokens_per_s(client: DistributedModelForCausalLM, n: int, tokens: int, concurrent: bool,
+                       batches: list[int] | None = None) -> float:
+    """Decode tokens/s of n sessions; `batches` receives the batch size the server reported for every step."""
     spans: list[tuple[float, float]] = []
+    batches = [] if batches is None else batches
     if not concurrent:
         for i in range(n):
-            _session_decode(client, i, tokens, None, spans)
+            _session_decode(client, i, tokens, None, spans, batches)
         return n * tokens / sum(end - start for start, end in spans)
     barrier = threading.Barrier(n)
-    threads = [threading.Thread(target=_session_decode, args=(client, i, tokens, barrier, spans)) for i in range(n)]
+    threads = [threading.Thread(target=_session_decode, args=(client, i, tokens, barrier, spans, batches))
+               for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
@@ -129,13 +134,16 @@ def run_swarm(model_dir: str, ns: list[int], repeats: int, tokens: int, blocks: 
                                                "concurrent_batched_no_wait": []}
             if unbatched:
                 samples["concurrent_no_batching"] = []
+            batches: dict[str, list[int]] = {mode: [] for mode in samples}
             for r in range(repeats):
                 modes = list(samples) if r % 2 == 0 else list(reversed(samples))
                 for mode in modes:
                     client = clients[{"concurrent_no_batching": "no_batching",
                                       "concurrent_batched_no_wait": "no_wait"}.get(mode, "batching")]
-                    samples[mode].append(swarm_tokens_per_s(client, n, tokens, mode != "one_after_another"))
+                    samples[mode].append(swarm_tokens_per_s(client, n, tokens, mode != "one_after_another",
+                                                            batches[mode]))
             rows[n] = _summary(samples, "one_after_another")
+            rows[n]["mean_server_batch"] = {mode: statistics.mean(b) for mode, b in batches.items()}
         return rows
     finally:
         for c in clients.values():
@@ -184,6 +192,10 @@ def main() -> None:
             for n, row in rows.items():
                 cells = [f"{row['tokens_per_s'][m]:.1f}" for m in modes] + [f"{row['speedup'][m]:.2f}" for m in modes[1:]]
                 print(f"| {n} | " + " | ".join(cells) + " |", flush=True)
+            if level == "swarm":  # how many steps shared a forward, as the server reported it
+                print("mean server batch: " + "; ".join(
+                    f"{n} sessions " + ", ".join(f"{m} {v:.2f}" for m, v in row["mean_server_batch"].items())
+                    for n, row in rows.items()))
     results["load_avg_at_end"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
