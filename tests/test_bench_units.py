@@ -145,3 +145,19 @@ def test_split_evenly_gives_exactly_the_asked_number_of_near_equal_parts():
     assert split_evenly([1, 2, 3, 4, 5], 2) == [[1, 2, 3], [4, 5]]
     assert split_evenly([1, 2], 5) == [[1], [2]]  # never an empty micro-batch
     assert split_evenly([1, 2, 3], 0) == [[1, 2, 3]]
+
+
+def test_run_totals_give_ttft_and_per_token_percentiles_over_requests():
+    from swarmlm.bench.strategies import RequestRecord, totals
+
+    def rec(i: int, ttft: float, per_token: float, error: str | None = None) -> RequestRecord:
+        response = ttft + 4 * per_token  # 5 generated tokens
+        return RequestRecord(i, 8, 5, (1,) * 5, 0.0, 0.0, response, ttft, response, 1, 0, 0,
+                             decomposition=None, error=error)
+
+    records = [rec(i, ttft=0.1 * (i + 1), per_token=0.01 * (i + 1)) for i in range(10)]
+    records.append(rec(10, ttft=99.0, per_token=99.0, error="failed"))  # a failed request counts in neither
+    t = totals(records)
+    assert t.p50_ttft_s == pytest.approx(0.55) and t.p90_ttft_s == pytest.approx(0.91)
+    assert t.p50_per_token_s == pytest.approx(0.055) and t.p90_per_token_s == pytest.approx(0.091)
+    assert t.failed == 1 and t.mean_ttft_s == pytest.approx(0.55)

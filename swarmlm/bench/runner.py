@@ -214,6 +214,8 @@ def summarise_run(n: int, strategy: StrategyConfig, label: str, records: list[Re
         "makespan_s": tot.makespan_s, "throughput_tokens_per_s": tot.throughput_tokens_per_s,
         "mean_response_s": tot.mean_response_s, "mean_ttft_s": tot.mean_ttft_s,
         "mean_per_token_s": tot.mean_per_token_s, "efficiency_s_per_token": tot.efficiency_s_per_token,
+        "p50_ttft_s": tot.p50_ttft_s, "p90_ttft_s": tot.p90_ttft_s, "p50_per_token_s": tot.p50_per_token_s,
+        "p90_per_token_s": tot.p90_per_token_s,
         "speedup_throughput": None, "speedup_response": None,  # filled once N = 1 is known
         "decomposition_s": dec.parts(), "decomposition_residual_s": dec.residual_s,
         "decomposition_measured_s": dec.measured_s, "decomposition_detail_s": dec.detail_s,

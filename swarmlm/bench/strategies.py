@@ -353,6 +353,11 @@ class RunTotals:
     mean_ttft_s: float
     mean_per_token_s: float
     efficiency_s_per_token: float  # token-normalised: mean over requests of response time / generated tokens
+    # percentiles over requests: time to first token, and time per output token after the first (TPOT)
+    p50_ttft_s: float = 0.0
+    p90_ttft_s: float = 0.0
+    p50_per_token_s: float = 0.0
+    p90_per_token_s: float = 0.0
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
 
@@ -369,4 +374,16 @@ def totals(records: Sequence[RequestRecord]) -> RunTotals:
         mean_response_s=sum(r.response_s for r in ok) / n, mean_ttft_s=sum(r.ttft_s for r in ok) / n,
         mean_per_token_s=sum(r.per_token_s for r in ok) / n,
         efficiency_s_per_token=sum(r.response_s / max(r.generated_tokens, 1) for r in ok) / n,
+        p50_ttft_s=_percentile([r.ttft_s for r in ok], 50), p90_ttft_s=_percentile([r.ttft_s for r in ok], 90),
+        p50_per_token_s=_percentile([r.per_token_s for r in ok], 50),
+        p90_per_token_s=_percentile([r.per_token_s for r in ok], 90),
     )
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default), without numpy for a handful of values."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
