@@ -147,9 +147,15 @@ def test_concurrent_sessions_spread_over_replicas(tiny_bloom):
     with LocalSwarm(tiny_bloom) as swarm:
         swarm.start([BlockRange(0, 6), BlockRange(0, 6)])
         client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers)
+        deadline = time.monotonic() + 30
+        while len(client.remote.view.usable()) < 2:  # either server alone covers the model: wait to see both
+            assert time.monotonic() < deadline, "the second replica never appeared in the DHT"
+            time.sleep(0.5)
+            client.remote.refresh()
         sessions = [client.inference_session(max_length=32).open() for _ in range(4)]
         used = [s.route_spans()[0].server_id for s in sessions]
+        rtts = dict(client.remote.view.rtt_s)
         for s in sessions:
             s.close()
         client.close()
-    assert sorted(used.count(sid) for sid in set(used)) == [2, 2], used
+    assert sorted(used.count(sid) for sid in set(used)) == [2, 2], (used, rtts)
