@@ -3,6 +3,7 @@
 A step's tokens are split into chunks (chunking.py: one chunk for a decode step or a short prompt). Every span has
 a sender and a receiver task: the sender writes chunk k as soon as the previous span has answered it, the receiver
 reads the answers in order and hands them on, so chunk k is on server 2 while chunk k+1 is still on server 1.
+A step of one chunk that is not pushed (every decode step) simply goes hop after hop in the step's own task.
 
 Per span of the route the session keeps what it has sent and got answered (hidden states and padding masks): when
 a server fails, the broken span is re-routed (only that part of the chain), the history is replayed to the
@@ -106,6 +107,8 @@ class _Hop:
 
 
 class InferenceSession:
+    one_message_fast_path = True  # False: every step through the task pipeline (benchmarks compare the two)
+
     def __init__(self, remote: RemoteSequence, batch: int, max_length: int, l_in_hint: int = 16,
                  l_out_hint: int = 16) -> None:
         self.remote = remote
@@ -228,8 +231,10 @@ class InferenceSession:
                         record: StepRecord) -> dict[int, ServerFailed | None]:
         """Push every chunk through every hop, pipelined. Returns the hops to replace: failed (their error) or
         left with unanswered chunks by a failure elsewhere (None); empty when the step is complete."""
-        progress = _Progress()  # notified whenever a hop writes or answers a chunk
         push = self.remote.config.push
+        if self.one_message_fast_path and len(chunks) == 1 and not push:
+            return await self._one_message(hops, chunks[0], record)
+        progress = _Progress()  # notified whenever a hop writes or answers a chunk
 
         def source(i: int, k: int) -> torch.Tensor:
             return chunks[k][0] if i == 0 else hops[i - 1].outputs[k]
@@ -285,15 +290,8 @@ class InferenceSession:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         broken: dict[int, ServerFailed | None] = {}
-        if stalled:  # nothing moved for a whole step timeout: every hop not done is reopened and replayed
-            record.stalls += 1
-            log.warning("step stalled for %.0f s; hops (written, answered, unanswered, link in flight): %s",
-                        self.remote.config.step_timeout_s,
-                        [(h.written, h.answered, h.span.stream.unanswered, h.span.stream.link.in_flight)
-                         for h in hops])
-            if record.stalls > self.remote.config.max_retries:
-                raise ServerFailed(hops[0].span.span.server_id, "the step stalled on every attempt")
-            return {i: None for i, h in enumerate(hops) if h.answered < len(chunks)}
+        if stalled:
+            return self._stalled(hops, len(chunks), record)
         for t, i in tasks.items():
             exc = None if t.cancelled() else t.exception()
             if isinstance(exc, ServerFailed):
@@ -304,6 +302,40 @@ class InferenceSession:
             if i not in broken and hop.span.stream.unanswered:  # written, not answered: cache state unknown
                 broken[i] = None
         return broken
+
+    async def _one_message(self, hops: list[_Hop], chunk: tuple[torch.Tensor, torch.Tensor],
+                           record: StepRecord) -> dict[int, ServerFailed | None]:
+        """`_pipeline` for a step that is one message per hop and not pushed (every decode step, short prompts): hop
+        after hop in this task. Same outcomes, without two tasks, their events and wake-ups per hop."""
+        hidden, mask = chunk
+        for i, hop in enumerate(hops):
+            if hop.answered:
+                continue  # answered before a failure further on
+            x = hidden if i == 0 else hops[i - 1].outputs[0]
+            try:
+                async with asyncio.timeout(self.remote.config.step_timeout_s):  # the pipeline's no-progress bound
+                    if not hop.written:
+                        await hop.span.stream.send(x, mask)
+                        hop.written = 1
+                    out, timing = await hop.span.stream.receive()
+            except ServerFailed as exc:
+                return {i: exc}  # hops before it answered, hops after it have nothing written
+            except TimeoutError:
+                return self._stalled(hops, 1, record)
+            hop.span.history.append((x, mask))
+            hop.outputs.append(out)
+            record.hops.append(timing)
+        return {}
+
+    def _stalled(self, hops: list[_Hop], n_chunks: int, record: StepRecord) -> dict[int, ServerFailed | None]:
+        """Nothing moved for a whole step timeout: every hop not done is reopened and replayed."""
+        record.stalls += 1
+        log.warning("step stalled for %.0f s; hops (written, answered, unanswered, link in flight): %s",
+                    self.remote.config.step_timeout_s,
+                    [(h.written, h.answered, h.span.stream.unanswered, h.span.stream.link.in_flight) for h in hops])
+        if record.stalls > self.remote.config.max_retries:
+            raise ServerFailed(hops[0].span.span.server_id, "the step stalled on every attempt")
+        return {i: None for i, h in enumerate(hops) if h.answered < n_chunks}
 
     async def _watch(self, tasks: dict, progress: _Progress) -> bool:
         """Wait until every task is done or one fails; True if the pipeline made no progress for a whole step
