@@ -108,19 +108,3 @@ class ClientConfig:
             raise ValueError(f"max_decode_burst ({self.max_decode_burst}) and prefill_window ({self.prefill_window}) must be >= 1")
         if self.assumed_bandwidth_bps <= 0:
             raise ValueError(f"assumed_bandwidth_bps must be > 0, got {self.assumed_bandwidth_bps}")
-
-
-def parse_prefill_chunks(text: str) -> int | None:
-    """A CLI's --prefill-chunks: 'auto' (None: sized to the link and the servers), 'off' (0) or tokens per chunk."""
-    if text == "auto":
-        return None
-    if text == "off":
-        return 0
-    try:
-        tokens = int(text)
-    except ValueError:
-        tokens = -1
-    if tokens < 1:
-        raise ValueError(f"--prefill-chunks must be 'auto', 'off' or a positive number of tokens, got {text!r}")
-    return tokens
-

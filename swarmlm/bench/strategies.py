@@ -33,6 +33,7 @@ from swarmlm.bench.workload import Request
 from swarmlm.client.generate import GenerationStats, SamplingConfig, generate_tokens
 from swarmlm.client.microbatch import MicroBatchPlanner
 from swarmlm.client.session import InferenceSession
+from swarmlm.sim.metrics import percentile
 
 StrategyName = Literal["sequential", "pipelined", "microbatched"]
 STRATEGIES: tuple[StrategyName, ...] = ("sequential", "pipelined", "microbatched")
@@ -374,16 +375,7 @@ def totals(records: Sequence[RequestRecord]) -> RunTotals:
         mean_response_s=sum(r.response_s for r in ok) / n, mean_ttft_s=sum(r.ttft_s for r in ok) / n,
         mean_per_token_s=sum(r.per_token_s for r in ok) / n,
         efficiency_s_per_token=sum(r.response_s / max(r.generated_tokens, 1) for r in ok) / n,
-        p50_ttft_s=_percentile([r.ttft_s for r in ok], 50), p90_ttft_s=_percentile([r.ttft_s for r in ok], 90),
-        p50_per_token_s=_percentile([r.per_token_s for r in ok], 50),
-        p90_per_token_s=_percentile([r.per_token_s for r in ok], 90),
+        p50_ttft_s=percentile([r.ttft_s for r in ok], 50), p90_ttft_s=percentile([r.ttft_s for r in ok], 90),
+        p50_per_token_s=percentile([r.per_token_s for r in ok], 50),
+        p90_per_token_s=percentile([r.per_token_s for r in ok], 90),
     )
-
-
-def _percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between the closest ranks (numpy's default), without numpy for a handful of values."""
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)

@@ -5,13 +5,14 @@ import argparse
 
 
 def prefill_chunks(text: str) -> int | None:
-    """--prefill-chunks auto|off|TOKENS -> ClientConfig.prefill_chunk_tokens (None, 0 or TOKENS)."""
-    from swarmlm.config import parse_prefill_chunks
-
-    try:
-        return parse_prefill_chunks(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    """--prefill-chunks auto|off|TOKENS -> ClientConfig.prefill_chunk_tokens (None: sized to the link and the
+    servers, 0: one message, or tokens per chunk)."""
+    if text in ("auto", "off"):
+        return None if text == "auto" else 0
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(
+            f"--prefill-chunks must be 'auto', 'off' or a positive number of tokens, got {text!r}")
+    return int(text)
 
 
 def add_prefill_chunks(p: argparse.ArgumentParser) -> None:
