@@ -208,6 +208,22 @@ def test_prefill_is_never_starved_by_a_stream_of_decodes(max_skips):
 
 
 # ---- the scheduler thread with a real stage -----------------------------------------------------------------------
+async def _until(condition, timeout_s: float = 60.0) -> None:
+    """Poll (a busy machine may take a while to run the worker thread) instead of sleeping a guessed time."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+def _blocker(hold: threading.Event, running: threading.Event):
+    """A job that keeps the worker thread busy until `hold` is set; `running` tells it has started."""
+    def block() -> None:
+        running.set()
+        hold.wait(120)
+    return block
+
+
 def test_scheduler_batches_concurrent_decode_steps(tiny_llama):
     stage = Stage(tiny_llama, BlockRange(0, 6))
     h = stage.hidden_size
@@ -224,12 +240,12 @@ def test_scheduler_batches_concurrent_decode_steps(tiny_llama):
     want = [stage.step(a, x, one) for a, x in zip(alone_states, xs)]
     prompt_state = stage.new_state(stage.blocks, 1)
     scheduler = Scheduler(threads=1, max_batch_tokens=64)
-    hold = threading.Event()
+    hold, running = threading.Event(), threading.Event()
     order: list[str] = []
 
     async def main():
-        blocker = asyncio.ensure_future(scheduler.submit(lambda: hold.wait(10)))
-        await asyncio.sleep(0.05)  # the worker is now busy: what follows queues up and forms one round
+        blocker = asyncio.ensure_future(scheduler.submit(_blocker(hold, running)))
+        await _until(running.is_set)  # the worker is now busy: what follows queues up, one round
 
         async def step(name, state, x, mask):
             out = await scheduler.submit_step(stage, state, x, mask)
@@ -238,8 +254,7 @@ def test_scheduler_batches_concurrent_decode_steps(tiny_llama):
 
         prefill = asyncio.ensure_future(step("prefill", prompt_state, torch.randn(1, 6, h), torch.ones(1, 6, dtype=torch.long)))
         decodes = [asyncio.ensure_future(step(f"d{i}", s, x, one)) for i, (s, x) in enumerate(zip(states, xs))]
-        await asyncio.sleep(0.05)
-        assert scheduler.queue_length == 5
+        await _until(lambda: scheduler.queue_length == 5)
         hold.set()
         await blocker
         return await asyncio.gather(*decodes), await prefill
@@ -263,16 +278,16 @@ def test_a_failing_item_fails_alone():
         return [f"{i}!" for i in items]
 
     scheduler = Scheduler(threads=1)
-    hold = threading.Event()
+    hold, running = threading.Event(), threading.Event()
 
     async def main():
-        blocker = asyncio.ensure_future(scheduler.submit(lambda: hold.wait(10)))
-        await asyncio.sleep(0.05)
+        blocker = asyncio.ensure_future(scheduler.submit(_blocker(hold, running)))
+        await _until(running.is_set)
         jobs = [
             asyncio.ensure_future(scheduler.submit_batchable(Batchable(run_batch, "k", item, item), DECODE, 1))
             for item in ("a", "bad", "c")
         ]
-        await asyncio.sleep(0.05)
+        await _until(lambda: scheduler.queue_length == 3)  # one round: the three share a forward that fails
         hold.set()
         await blocker
         return await asyncio.gather(*jobs, return_exceptions=True)
@@ -285,17 +300,19 @@ def test_a_failing_item_fails_alone():
     assert isinstance(bad, ValueError)
 
 
-def _lockstep(scheduler: Scheduler, sessions: int, rounds: int, return_s) -> list[list[int]]:
+def _lockstep(scheduler: Scheduler, sessions: int, rounds, return_s) -> list[list[int]]:
     """`sessions` clients in lockstep: each waits `return_s(i)` after its reply (its round trip) and sends its next
-    step; a forward takes 20 ms. Returns the batch sizes each session saw, in order."""
+    step, `rounds` steps (or `rounds[i]` for session i); a forward takes 20 ms. Returns the batch sizes each
+    session saw, in order."""
     def forward(items):
         time.sleep(0.02)
         return list(items)
 
     seen: list[list[int]] = [[] for _ in range(sessions)]
+    steps = [rounds] * sessions if isinstance(rounds, int) else list(rounds)
 
     async def session(i: int) -> None:
-        for _ in range(rounds):
+        for _ in range(steps[i]):
             _, timing = await scheduler.submit_batchable(Batchable(forward, "decode", i, member=i), DECODE, 1)
             seen[i].append(timing.batch_size)
             await asyncio.sleep(return_s(i))
@@ -310,24 +327,50 @@ def _lockstep(scheduler: Scheduler, sessions: int, rounds: int, return_s) -> lis
     return seen
 
 
+def _straggler_waits(scheduler: Scheduler) -> list[float]:
+    """Records the timeout of every timed wait of the worker: those are its waits for stragglers (an idle worker
+    waits without a timeout)."""
+    waits: list[float] = []
+    cv, real_wait = scheduler._cv, scheduler._cv.wait
+
+    def wait(timeout=None):
+        if timeout is not None:
+            waits.append(timeout)
+        return real_wait(timeout)
+
+    cv.wait = wait  # the worker looks the method up on each call
+    return waits
+
+
+# The wait's bounds below are generous (up to 2 s where the product waits 10 ms): stragglers come back within
+# 10-40 ms, so how long a busy machine delays a thread does not decide which rounds form. The product's own
+# setting is measured in benchmarks/batching_bench.py.
+WAIT = dict(batch_wait=100.0, max_batch_wait_s=2.0)
+
+
 def test_sessions_in_lockstep_share_a_forward_when_the_server_waits_for_stragglers():
-    staggered = lambda i: 0.001 * (i + 1)  # replies come back 1-4 ms apart, well within the wait
+    staggered = lambda i: 0.01 * (i + 1)  # replies come back 10-40 ms apart (a forward takes 20 ms)
+    with_wait = _lockstep(Scheduler(threads=1, **WAIT), 4, 12, staggered)
+    assert all(b == 4 for s in with_wait for b in s[3:]), with_wait  # once in step, every round holds all four
+    pair = _lockstep(Scheduler(threads=1, **WAIT), 2, 8, staggered)
+    assert all(b == 2 for s in pair for b in s[2:]), pair
+    # without the wait the same sessions do not fill the rounds: the first back runs alone
     without = _lockstep(Scheduler(threads=1, batch_wait=0), 4, 12, staggered)
-    with_wait = _lockstep(Scheduler(threads=1, batch_wait=0.5, max_batch_wait_s=0.01), 4, 12, staggered)
-    assert statistics.median(b for s in without for b in s[2:]) < 4  # the first back runs alone: rounds of 1 + 3
-    assert all(b == 4 for s in with_wait for b in s[2:])  # every round holds all four
+    assert statistics.mean(b for s in without for b in s[3:]) < 4, without
     pair = _lockstep(Scheduler(threads=1, batch_wait=0), 2, 8, staggered)
-    assert all(b == 1 for s in pair for b in s[1:])  # two sessions alternate alone, never batched
-    pair = _lockstep(Scheduler(threads=1, batch_wait=0.5, max_batch_wait_s=0.01), 2, 8, staggered)
-    assert all(b == 2 for s in pair for b in s)
+    assert any(b == 1 for s in pair for b in s[2:]), pair
 
 
 def test_a_lone_session_never_waits_and_fruitless_waits_stop():
-    scheduler = Scheduler(threads=1, batch_wait=100.0, max_batch_wait_s=1.0)  # a wrong wait would cost 1 s
-    t0 = time.perf_counter()
+    scheduler = Scheduler(threads=1, **WAIT)
+    waits = _straggler_waits(scheduler)
     _lockstep(scheduler, 1, 10, lambda i: 0.0)
-    assert time.perf_counter() - t0 < 5.0  # 10 forwards of 20 ms, no waits
-    # two sessions coming back too late for the wait (a slow link): after 4 waits that gathered nobody, none more
+    assert waits == []  # nobody to wait for
+    # session 1 comes back 250 ms after its reply, far too late for a 2 ms wait (a slow link), while session 0
+    # steps on: each round of session 1 is followed by two fruitless waits for it (it stays among the last two
+    # rounds' sessions); after 4 waits that gathered nobody, none more for 32 rounds
     scheduler = Scheduler(threads=1, batch_wait=0.1, max_batch_wait_s=0.002)
-    _lockstep(scheduler, 2, 20, lambda i: 0.03 * i)
-    assert scheduler._fruitless >= 4 and scheduler._skipped_waits > 0
+    waits = _straggler_waits(scheduler)
+    seen = _lockstep(scheduler, 2, [100, 6], lambda i: 0.25 * i)
+    assert scheduler._fruitless >= 4 and scheduler._skipped_waits > 0, (seen, waits)
+    assert 4 <= len(waits) < 12, waits  # without the rule: two per round of session 1 (and more after session 0 ends)
