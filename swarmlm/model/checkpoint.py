@@ -1,11 +1,13 @@
-"""Local Hugging Face checkpoints (`config.json` + `*.safetensors`, sharded or not).
+"""Hugging Face checkpoints (`config.json` + `*.safetensors`, sharded or not), from a directory or a hub id.
 
 A server reads only the tensors of its block range, a client only embeddings, norms and head: nothing else of
-the model is ever materialised.
+the model is ever materialised, and with a hub id only the shards holding those tensors are downloaded.
+Every loader takes a directory, a hub id (`org/name[@revision]`) or a resolved `ModelSource`.
 """
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -13,25 +15,60 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from swarmlm.model.family import ClientModules, FamilyAdapter, family_for
+from swarmlm.model.families import ClientModules, FamilyAdapter, family_for
+from swarmlm.model.source import ModelSource, resolve
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ModelRef = str | Path | ModelSource  # a directory, a hub id, or either resolved
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str, model: ModelRef | None = None) -> torch.dtype:
+    """A dtype name; "auto" needs the model: its checkpoint's own dtype (see auto_dtype)."""
+    if name == "auto":
+        if model is None:
+            raise ValueError('dtype "auto" means the checkpoint\'s own dtype: give the model too')
+        return auto_dtype(load_config(model))
     try:
         return DTYPES[name]
     except KeyError:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}") from None
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {name!r}") from None
 
 
-def load_config(model_dir: str | Path) -> PretrainedConfig:
-    model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir} has no config.json: not a checkpoint directory")
-    config = AutoConfig.from_pretrained(model_dir)
-    # The mask format must be the one the block modules expect: BLOOM adds a float mask (eager), Llama runs SDPA.
-    config._attn_implementation = "eager" if config.model_type == "bloom" else "sdpa"
+def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype:
+    """What the checkpoint stores (config's `dtype`, formerly `torch_dtype`); float32 when it does not say."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(value, str):
+        value = getattr(torch, value, torch.float32)
+    return value if value in DTYPES.values() else torch.float32
+
+
+_warned: set[int] = set()
+
+
+def auto_dtype(config: PretrainedConfig) -> torch.dtype:
+    """The checkpoint's dtype, except half precision on a CPU-only machine runs as float32: bf16 prefill is 4-7x
+    slower than fp32 on these CPUs, fp16 slower still. Asking for bfloat16 explicitly keeps it."""
+    stored = checkpoint_dtype(config)
+    if stored in (torch.bfloat16, torch.float16) and not torch.cuda.is_available():
+        if id(config) not in _warned:
+            _warned.add(id(config))
+            log.warning("the checkpoint is %s; running it as float32 on this CPU (half precision is several times "
+                        "slower here); pass --dtype %s to keep it", str(stored).removeprefix("torch."),
+                        str(stored).removeprefix("torch."))
+        return torch.float32
+    return stored
+
+
+def load_config(model: ModelRef) -> PretrainedConfig:
+    source = resolve(model)
+    config_file = source.optional_file("config.json")
+    if config_file is None:
+        raise FileNotFoundError(f"{source.name} has no config.json: not a checkpoint directory")
+    config = AutoConfig.from_pretrained(config_file.parent)
+    # the kernels the block modules run are the ones transformers' AutoModel picks for the family
+    family_for(config).configure(config)
     return config
 
 
@@ -40,31 +77,43 @@ def num_blocks(config: PretrainedConfig) -> int:
 
 
 class TensorIndex:
-    """Which safetensors file holds which tensor; reads single tensors without loading whole files."""
+    """Which safetensors file holds which tensor; reads single tensors without loading whole files.
 
-    def __init__(self, model_dir: str | Path) -> None:
-        self.model_dir = Path(model_dir)
-        index = self.model_dir / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {k: self.model_dir / v for k, v in weight_map.items()}
+    For a hub id, `files` points into the local cache snapshot, and a shard is downloaded only when `read`
+    first needs one of its tensors."""
+
+    def __init__(self, model: ModelRef) -> None:
+        self.source = resolve(model)
+        index = self.source.optional_file("model.safetensors.index.json")
+        if index is not None:
+            self.model_dir = index.parent
+            self.shard_of: dict[str, str] = json.loads(index.read_text())["weight_map"]
         else:
-            single = self.model_dir / "model.safetensors"
-            if not single.is_file():
-                raise FileNotFoundError(f"{self.model_dir} has neither model.safetensors nor its index")
+            single = self.source.optional_file("model.safetensors")
+            if single is None:
+                raise FileNotFoundError(f"{self.source.name} has neither model.safetensors nor its index")
+            self.model_dir = single.parent
             with safe_open(single, framework="pt") as f:
-                self.files = {k: single for k in f.keys()}
+                self.shard_of = {k: "model.safetensors" for k in f.keys()}
+        self.files = {k: self.model_dir / v for k, v in self.shard_of.items()}
+
+    def path(self, key: str) -> Path:
+        """The shard holding `key`, downloaded first if it is not local."""
+        return self.source.file(self.shard_of[key])
 
     def find(self, candidates: list[str]) -> str | None:
         return next((c for c in candidates if c in self.files), None)
 
+    def keys_under(self, prefix: str) -> list[str]:
+        return sorted(k for k in self.shard_of if k.startswith(prefix))
+
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        by_file: dict[Path, list[str]] = {}
+        by_file: dict[str, list[str]] = {}
         for key in keys:
-            by_file.setdefault(self.files[key], []).append(key)
+            by_file.setdefault(self.shard_of[key], []).append(key)
         out: dict[str, torch.Tensor] = {}
-        for path, names in by_file.items():
-            with safe_open(path, framework="pt") as f:
+        for filename, names in by_file.items():
+            with safe_open(self.source.file(filename), framework="pt") as f:
                 for name in names:
                     out[name] = f.get_tensor(name)
         return out
@@ -72,47 +121,54 @@ class TensorIndex:
     def stack_prefix(self, adapter: FamilyAdapter) -> str:
         for prefix in adapter.stack_prefixes:
             probe = prefix + adapter.block_prefix().format(0)
-            if any(k.startswith(probe) for k in self.files):
+            if any(k.startswith(probe) for k in self.shard_of):
                 return prefix
-        raise ValueError(f"{self.model_dir}: no tensors of block 0 under {adapter.stack_prefixes}")
+        raise ValueError(f"{self.source.name}: no tensors of block 0 under {adapter.stack_prefixes}")
+
+
+def _dtype(dtype: torch.dtype | str, config: PretrainedConfig) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return auto_dtype(config) if dtype == "auto" else parse_dtype(dtype)
 
 
 def load_blocks(
-    model_dir: str | Path, start: int, end: int, dtype: torch.dtype = torch.float32
+    model: ModelRef, start: int, end: int, dtype: torch.dtype | str = torch.float32
 ) -> tuple[PretrainedConfig, FamilyAdapter, nn.ModuleList]:
-    """Blocks [start, end) of the checkpoint, numbered locally 0..end-start-1."""
-    config = load_config(model_dir)
+    """Blocks [start, end) of the checkpoint; their caches use layers 0..end-start-1."""
+    config = load_config(model)
     if not 0 <= start < end <= num_blocks(config):
         raise ValueError(f"blocks [{start}, {end}) outside the model's [0, {num_blocks(config)})")
+    dtype = _dtype(dtype, config)
     adapter = family_for(config)
-    index = TensorIndex(model_dir)
+    index = TensorIndex(model)
     prefix = index.stack_prefix(adapter)
     blocks = nn.ModuleList()
     for local, global_idx in enumerate(range(start, end)):
         block_prefix = prefix + adapter.block_prefix().format(global_idx)
-        keys = [k for k in index.files if k.startswith(block_prefix)]
-        tensors = index.read(keys)
+        tensors = index.read(index.keys_under(block_prefix))
         with torch.device("meta"):  # no random init of weights we are about to replace
-            block = adapter.build_block(config, local)
-        state = {k[len(block_prefix):]: v.to(dtype) for k, v in tensors.items()}
+            block = adapter.build_block(config, global_idx, cache_idx=local)
+        state = adapter.convert_block_state({k[len(block_prefix):]: v.to(dtype) for k, v in tensors.items()})
         block.load_state_dict(state, strict=True, assign=True)
         blocks.append(block.eval().requires_grad_(False))
     return config, adapter, blocks
 
 
 def load_client_modules(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32
+    model: ModelRef, dtype: torch.dtype | str = torch.float32
 ) -> tuple[PretrainedConfig, FamilyAdapter, ClientModules]:
-    config = load_config(model_dir)
+    config = load_config(model)
+    dtype = _dtype(dtype, config)
     adapter = family_for(config)
-    index = TensorIndex(model_dir)
+    index = TensorIndex(model)
     prefix = index.stack_prefix(adapter)
     wanted: dict[str, str] = {}
     for name, candidates in adapter.client_tensor_names(config).items():
         full = [c[1:] if c.startswith("/") else prefix + c for c in candidates]
         found = index.find(full)
         if found is None:
-            raise ValueError(f"{model_dir}: none of {full} found for {name}")
+            raise ValueError(f"{index.source.name}: none of {full} found for {name}")
         wanted[name] = found
     tensors = index.read(sorted(set(wanted.values())))
     return config, adapter, adapter.build_client(config, {n: tensors[k].to(dtype) for n, k in wanted.items()})

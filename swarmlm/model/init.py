@@ -27,12 +27,16 @@ def init_checkpoint(
     shape = dict(preset.config)
     if num_layers is not None:  # same family and widths, another depth (e.g. 24 tiny blocks for placement tests)
         shape["n_layer" if preset.family == "bloom" else "num_hidden_layers"] = num_layers
-    config = FAMILIES[preset.family].config_class(**shape, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    if preset.llama3_tokens:  # no pad id, a list of eos ids
+        tokens = dict(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, PAD_ID], pad_token_id=None)
+    else:
+        tokens = dict(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    config = FAMILIES[preset.family].config_class(**shape, **tokens)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.generation_config.pad_token_id = PAD_ID
+    model.generation_config.pad_token_id = tokens["pad_token_id"]
     model.save_pretrained(out, max_shard_size=max_shard_size)
-    save_tokenizer(min(preset.tokenizer_vocab, config.vocab_size), out)
+    save_tokenizer(min(preset.tokenizer_vocab, config.vocab_size), out, pad=not preset.llama3_tokens)
     (out / "swarmlm.json").write_text(json.dumps({"preset": preset_name, "seed": seed, "dtype": str(dtype)}))
     return out
 

@@ -37,7 +37,7 @@ Throughput is the number of tokens generated per second; latency is the time a u
 """.strip()
 
 
-def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+def train_tokenizer(vocab_size: int, pad: bool = True) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -53,12 +53,12 @@ def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         unk_token="<unk>",
         bos_token="<s>",
         eos_token="</s>",
-        pad_token="<pad>",
+        pad_token="<pad>" if pad else None,  # Llama-3 style tokenizers have none
         padding_side="left",  # decoder-only generation pads on the left
     )
 
 
-def save_tokenizer(vocab_size: int, out_dir: Path) -> PreTrainedTokenizerFast:
-    tokenizer = train_tokenizer(vocab_size)
+def save_tokenizer(vocab_size: int, out_dir: Path, pad: bool = True) -> PreTrainedTokenizerFast:
+    tokenizer = train_tokenizer(vocab_size, pad)
     tokenizer.save_pretrained(out_dir)
     return tokenizer

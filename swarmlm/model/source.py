@@ -1,0 +1,119 @@
+"""Where a model's files come from: a local directory, or a hub id resolved the way transformers resolves it.
+
+A hub id (`org/name`, optionally `org/name@revision`) is looked up in the local Hugging Face cache first
+(`HF_HOME` / `HF_HUB_CACHE`, the layout `hub/models--org--name/snapshots/<commit>/...`); with `HF_HUB_OFFLINE=1`
+nothing else is tried. Online, a missing file is downloaded on first use, one file at a time, so a process fetches
+only what it reads: a server its config, tokenizer and the shards holding its blocks; a client the shards with
+the embeddings, final norm and head (see TensorIndex in checkpoint.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    HFValidationError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.file_download import _CACHED_NO_EXIST
+from huggingface_hub.utils import validate_repo_id
+
+# what AutoTokenizer / GenerationConfig may read; each is optional
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja",
+)
+
+
+class ModelNotFound(FileNotFoundError):
+    """The name is neither a checkpoint directory nor a model the hub (or its local cache) has."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str  # as the user gave it
+    directory: Path | None = None  # a local checkpoint directory, or
+    repo_id: str | None = None  # a hub id
+    revision: str | None = None  # branch, tag or commit (None = main)
+
+    @property
+    def is_hub(self) -> bool:
+        return self.repo_id is not None
+
+    def file(self, filename: str) -> Path:
+        """A file of the checkpoint, downloaded if needed and allowed; FileNotFoundError if it has none."""
+        path = self.optional_file(filename)
+        if path is None and self.is_hub and constants.HF_HUB_OFFLINE:
+            raise FileNotFoundError(
+                f"{self.name}: {filename} is not in the local HF cache ({constants.HF_HUB_CACHE}); "
+                "set HF_HUB_OFFLINE=0 to download it"
+            )
+        if path is None:
+            raise FileNotFoundError(f"{self.name} has no {filename}")
+        return path
+
+    def optional_file(self, filename: str) -> Path | None:
+        if self.directory is not None:
+            path = self.directory / filename
+            return path if path.is_file() else None
+        return self._hub_file(filename)
+
+    def is_local(self, filename: str) -> bool:
+        """True if reading the file needs no download."""
+        if self.directory is not None:
+            return (self.directory / filename).is_file()
+        return isinstance(try_to_load_from_cache(self.repo_id, filename, revision=self.revision), str)
+
+    def snapshot_dir(self, files: tuple[str, ...] = ("config.json",) + TOKENIZER_FILES) -> Path:
+        """A directory AutoConfig / AutoTokenizer can read, holding (at least) the given files when they exist."""
+        if self.directory is not None:
+            return self.directory
+        found = [p for p in (self.optional_file(f) for f in files) if p is not None]
+        return found[0].parent if found else self.file("config.json").parent
+
+    def _hub_file(self, filename: str) -> Path | None:
+        cached = try_to_load_from_cache(self.repo_id, filename, revision=self.revision)
+        if isinstance(cached, str):
+            return Path(cached)
+        if cached is _CACHED_NO_EXIST:  # the hub said before that this file does not exist
+            return None
+        if constants.HF_HUB_OFFLINE:
+            if filename == "config.json":  # nothing of this model is cached
+                raise ModelNotFound(
+                    f"{self.name}: not a directory and not in the local HF cache ({constants.HF_HUB_CACHE}); "
+                    "set HF_HUB_OFFLINE=0 to download it"
+                )
+            return None  # offline, an uncached optional file counts as absent (a required one fails in file())
+        try:
+            return Path(hf_hub_download(self.repo_id, filename, revision=self.revision))
+        except EntryNotFoundError:
+            return None
+        except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
+            raise ModelNotFound(f"{self.name}: not a directory and not a model on the hub ({exc})") from None
+        except (LocalEntryNotFoundError, OSError) as exc:  # no network, hub down...
+            raise ModelNotFound(
+                f"{self.name}: not a directory, not in the local HF cache ({constants.HF_HUB_CACHE}) and the hub "
+                f"could not be reached: {exc}"
+            ) from None
+
+
+def resolve(name_or_path: str | Path | ModelSource, revision: str | None = None) -> ModelSource:
+    """A directory if one exists at that path, else a hub id (`org/name` or `org/name@revision`)."""
+    if isinstance(name_or_path, ModelSource):
+        return name_or_path
+    name = str(name_or_path)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return ModelSource(name, directory=path)
+    repo_id, _, at_revision = name.partition("@")
+    if isinstance(name_or_path, Path) or name.startswith((".", "/", "~")) or path.exists():
+        raise ModelNotFound(f"{name}: not a checkpoint directory")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise ModelNotFound(f"{name}: not a directory and not a hub id (org/name)") from None
+    return ModelSource(name, repo_id=repo_id, revision=revision or at_revision or None)
