@@ -16,6 +16,8 @@ VERBS = {
     "plan": "plan_cmd",
     "simulate": "simulate_cmd",
     "bench": "bench_cmd",
+    "api": "api_cmd",
+    "status": "status_cmd",
 }
 
 

@@ -1,0 +1,274 @@
+"""One request's generation through the swarm: a session per choice, one token per step, OpenAI's sampling.
+
+The swarm calls block (the client's gRPC loop runs on its own thread), so every step runs in a thread pool:
+many requests proceed at once, each with its own session, and the servers batch their steps together. A
+choice's session is closed as soon as it ends, fails, or its client goes away (the task is cancelled; the
+close waits for the step in flight, then ends the server streams).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import AsyncIterator, Sequence
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from swarmlm.api.metrics import GatewayMetrics
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int  # new tokens at most (finish_reason "length" when reached)
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # 0 = greedy
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the generated tokens
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    top_logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's and k alternatives
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (0 <= self.temperature and 0 <= self.top_p <= 1):
+            raise ValueError(f"temperature ({self.temperature}) must be >= 0 and top_p ({self.top_p}) in [0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_p == 0
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """logit[j] -= frequency * count[j] + presence * (count[j] > 0), counting generated tokens only."""
+
+    def __init__(self, prompt_tokens: int, presence: float, frequency: float) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.presence = presence
+        self.frequency = frequency
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        generated = input_ids[:, self.prompt_tokens:]
+        if generated.shape[1] == 0:
+            return scores
+        counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+@dataclass(frozen=True)
+class Token:
+    id: int
+    logprob: float  # the model's log-probability of this token (before penalties and temperature)
+    top: tuple[tuple[int, float], ...] = ()  # the k most likely tokens and their log-probabilities
+
+
+class ChoiceDecoder:
+    """One choice's session, stepped one token at a time from a worker thread."""
+
+    def __init__(self, model, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        self.model = model
+        self.params = params
+        self.ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # [1, L + generated]
+        self.prompt_tokens = len(prompt_ids)
+        self.session = None
+        self.closed = False
+        self.lock = threading.Lock()  # a close waits for the step in flight
+        self.generator = torch.Generator()
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+        self.processors = LogitsProcessorList()
+        if params.presence_penalty or params.frequency_penalty:
+            self.processors.append(OpenAIPenalties(self.prompt_tokens, params.presence_penalty, params.frequency_penalty))
+        if not params.greedy:
+            if params.temperature != 1.0:
+                self.processors.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_p < 1.0:
+                self.processors.append(TopPLogitsWarper(params.top_p))
+
+    def step(self) -> Token:
+        with self.lock:
+            if self.closed:
+                raise asyncio.CancelledError("choice closed")
+            if self.session is None:  # prefill: open the session and send the whole prompt
+                self.session = self.model.inference_session(
+                    max_length=self.prompt_tokens + self.params.max_tokens, batch_size=1,
+                    l_in_hint=self.prompt_tokens, l_out_hint=self.params.max_tokens,
+                ).open()
+                step_ids = self.ids
+            else:
+                step_ids = self.ids[:, -1:]
+            logits = self.model.step_logits(self.session, step_ids, None, last_only=True)[:, -1, :].float()  # [1, V]
+            token = self._choose(logits)
+            self.ids = torch.cat([self.ids, torch.tensor([[token.id]])], dim=1)
+            return token
+
+    @torch.inference_mode()
+    def _choose(self, logits: torch.Tensor) -> Token:
+        scores = self.processors(self.ids, logits) if len(self.processors) else logits
+        if self.params.greedy:
+            next_id = int(scores.argmax(dim=-1))
+        else:
+            probs = torch.softmax(scores, dim=-1)
+            next_id = int(torch.multinomial(probs, 1, generator=self.generator))
+        if self.params.top_logprobs is None:
+            return Token(next_id, 0.0)
+        logprobs = torch.log_softmax(logits, dim=-1)[0]
+        top: tuple = ()
+        if self.params.top_logprobs:
+            values, indices = logprobs.topk(self.params.top_logprobs)
+            top = tuple(zip(indices.tolist(), values.tolist()))
+        return Token(next_id, float(logprobs[next_id]), top)
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            if self.session is not None:
+                self.session.close()
+
+
+class StopText:
+    """The decoded text of the generated tokens, released only up to what can no longer turn into a stop string
+    (or an incomplete UTF-8 character); truncated at the first stop string."""
+
+    def __init__(self, tokenizer, stops: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stops = tuple(stops)
+        self.ids: list[int] = []
+        self.released = 0  # characters handed out so far
+        self.text = ""
+        self.stopped = False
+
+    def add(self, token_id: int) -> str:
+        """The new text this token releases (may be empty)."""
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped, text = True, text[:cut]
+            hold = 0
+        else:
+            hold = self._held_back(text)
+        self.text = text
+        end = max(len(text) - hold, self.released)
+        delta, self.released = text[self.released:end], end
+        return delta
+
+    def flush(self) -> str:
+        """At the end: whatever was held back."""
+        delta, self.released = self.text[self.released:], len(self.text)
+        return delta
+
+    def _held_back(self, text: str) -> int:
+        if text.endswith("\ufffd"):  # a multi-byte character split across tokens
+            return 1
+        return max((n for s in self.stops for n in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:n])), default=0)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Generated text of one choice; `token` is None for the text released at the end."""
+
+    index: int
+    text: str
+    token: Token | None
+
+
+@dataclass(frozen=True)
+class Finish:
+    index: int
+    reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Engine:
+    """Holds the swarm client and the worker threads that drive its sessions."""
+
+    def __init__(self, model, tokenizer, metrics: GatewayMetrics, max_workers: int = 64) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="swarmlm-api")
+        self.eos = set(model.eos_token_id)
+
+    async def run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def choice(self, index: int, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[Piece | Finish]:
+        decoder = ChoiceDecoder(self.model, prompt_ids, params)
+        text = StopText(self.tokenizer, params.stop)
+        t0 = time.perf_counter()
+        first_s = 0.0
+        generated = 0
+        reason = "length"
+        try:
+            while generated < params.max_tokens:
+                token = await self.run(decoder.step)
+                generated += 1
+                if generated == 1:
+                    first_s = time.perf_counter() - t0
+                self.metrics.token()
+                if token.id in self.eos:
+                    reason = "stop"
+                    break
+                yield Piece(index, text.add(token.id), token)
+                if text.stopped:
+                    reason = "stop"
+                    break
+        finally:
+            # shielded: a cancelled request still closes its session (the close waits for the step in flight)
+            await asyncio.shield(self.run(decoder.close))
+        rest = text.flush()
+        if rest:
+            yield Piece(index, rest, None)
+        total_s = time.perf_counter() - t0
+        self.metrics.finished(first_s, (total_s - first_s) / (generated - 1) if generated > 1 else None)
+        yield Finish(index, reason, len(prompt_ids), generated)
+
+    async def merged(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int) -> AsyncIterator[Piece | Finish]:
+        """Every choice (n per prompt, run concurrently) as its events come; choice i of a seeded request uses
+        seed + i so the choices differ and repeat."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def drive(index: int, ids: Sequence[int]) -> None:
+            p = params if params.seed is None else replace(params, seed=params.seed + index)
+            try:
+                async for event in self.choice(index, ids, p):
+                    await queue.put(event)
+            except Exception as exc:  # handed to the consumer, which raises it
+                await queue.put(exc)
+                return
+            await queue.put(done)
+
+        tasks = [asyncio.create_task(drive(i * n + j, ids)) for i, ids in enumerate(prompts) for j in range(n)]
+        self.metrics.request_started()
+        try:
+            remaining = len(tasks)
+            while remaining:
+                event = await queue.get()
+                if event is done:
+                    remaining -= 1
+                elif isinstance(event, BaseException):
+                    raise event
+                else:
+                    yield event
+        finally:
+            self.metrics.request_ended()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,69 @@
+"""`swarmlm api --model NAME_OR_DIR --initial-peers ADDR [--host H] [--port P] [--api-key K]`: an OpenAI-compatible
+HTTP gateway to the swarm, with a live monitor page at `/` (docs/API.md)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from swarmlm.cli.args import add_swarm_key
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("api", help="serve the swarm's model over OpenAI's HTTP API, with a monitor page")
+    p.add_argument("--model", required=True, help="checkpoint directory or model id (the client loads embeddings + head)")
+    p.add_argument("--served-model-name", help="the model id clients send (default: --model as given)")
+    p.add_argument("--initial-peers", nargs="*", default=[])
+    p.add_argument("--servers", nargs="*", default=[], help="direct host:port list instead of a DHT")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 = any free port (printed in the ready line)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--max-streams-per-client", type=int, default=32,
+                   help="concurrent generation requests per API key (or client IP); more get 429")
+    p.add_argument("--wait-for-blocks", type=float, default=30.0,
+                   help="seconds a request waits for missing blocks to appear before a 503")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for the embeddings and LM head")
+    p.add_argument("--log-level", default="warning")
+    add_swarm_key(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    import socket
+
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from swarmlm.api.app import GatewayConfig, create_app
+    from swarmlm.client.model import DistributedModelForCausalLM
+    from swarmlm.errors import SwarmAccessDenied
+
+    config = GatewayConfig(model_name=args.served_model_name or args.model,
+                           api_key=args.api_key, max_streams_per_client=args.max_streams_per_client)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = DistributedModelForCausalLM.from_pretrained(
+        args.model, initial_peers=args.initial_peers, servers=args.servers, threads=args.threads,
+        wait_for_blocks_s=args.wait_for_blocks, swarm_key=args.swarm_key,
+    )
+    try:
+        model.remote.refresh()  # learn the swarm before the first request (routing reuses this view)
+    except SwarmAccessDenied:  # a private swarm whose key we lack: nothing will ever work
+        model.close()
+        raise
+    except Exception as exc:  # an empty or unreachable swarm is reported per request (503), not fatal
+        print(f"swarm not readable yet: {exc}", file=sys.stderr)
+    app = create_app(model, tokenizer, config)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    sock.listen(1024)  # connections wait in the backlog until uvicorn accepts them
+    host, port = sock.getsockname()[:2]
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+    # one JSON line for scripts and tests (the port when --port 0), then a line for people
+    print(json.dumps({"event": "ready", "url": f"http://{host}:{port}", "model": config.model_name}), flush=True)
+    print(f"OpenAI API at http://{host}:{port}/v1 (model {config.model_name!r}); monitor at http://{host}:{port}/",
+          file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        model.close()
+    return 0
