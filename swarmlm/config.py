@@ -34,6 +34,14 @@ class ServerConfig:
     max_batch_wait_s: float = 0.01
     max_message_bytes: int = 64 << 20  # largest gRPC message accepted or sent
     session_idle_timeout_s: float = 120.0  # a session with no step for this long is closed
+    # Limits against greedy or hostile peers (docs/FAILURES.md, "Bounded resources"). A peer is a remote host.
+    open_idle_timeout_s: float = 10.0  # a session whose first step has not run this long after its open is closed
+    resume_grace_s: float = 5.0  # a session whose stream broke is closed unless resumed (with its secret) this soon
+    max_sessions_per_peer: int = 32  # open sessions one host may hold here
+    max_peer_bytes_in_flight: int = 256 << 20  # request bytes of one host received and not yet answered
+    max_concurrent_rpcs: int = 256  # gRPC calls at once (streams included); more are refused RESOURCE_EXHAUSTED
+    max_request_tokens: int = 32768  # rows x new tokens of one step or Forward (B=16 x 2048)
+    max_attention_cost: int = 1 << 26  # rows x new tokens x context of one request (B x T^2: 16 x 2048^2)
     announce_period_s: float = 2.0  # how often the DHT record is refreshed
     record_ttl_s: float = 8.0  # DHT records expire this long after their last refresh
     dht_prefix: str | None = None  # DHT key namespace (default: from the model directory's name)
@@ -46,7 +54,8 @@ class ServerConfig:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         for name in ("cache_bytes", "max_sessions", "max_length_tokens", "max_batch", "max_message_bytes",
-                     "max_batch_tokens"):
+                     "max_batch_tokens", "max_sessions_per_peer", "max_peer_bytes_in_flight", "max_concurrent_rpcs",
+                     "max_request_tokens", "max_attention_cost", "open_idle_timeout_s", "session_idle_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_prefill_skips < 0:
@@ -54,6 +63,8 @@ class ServerConfig:
         if self.batch_wait < 0 or self.max_batch_wait_s < 0:
             raise ValueError(f"batch_wait and max_batch_wait_s must be >= 0, got {self.batch_wait}, "
                              f"{self.max_batch_wait_s}")
+        if self.resume_grace_s < 0:
+            raise ValueError(f"resume_grace_s must be >= 0, got {self.resume_grace_s}")
         if self.record_ttl_s <= self.announce_period_s:
             raise ValueError(
                 f"record_ttl_s ({self.record_ttl_s}) must exceed announce_period_s ({self.announce_period_s})"

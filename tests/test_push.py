@@ -161,7 +161,7 @@ async def _open(stub, blocks: BlockRange):
     await call.write(pb.InferenceRequest(open=pb.OpenSession(start_block=blocks.start, end_block=blocks.end,
                                                              batch_size=1, max_length=32)))
     reply = await call.read()
-    return call, reply.session_id
+    return call, reply.session_id, reply.session_secret
 
 
 def _step(hidden: torch.Tensor, step_id: int, push=()) -> pb.InferenceRequest:
@@ -175,21 +175,23 @@ def test_push_protocol_dedup_and_refusals(two_servers):
     async def scenario():
         async with grpc.aio.insecure_channel(a) as ca, grpc.aio.insecure_channel(b) as cb:
             sa, sb = pb_grpc.SwarmStub(ca), pb_grpc.SwarmStub(cb)
-            call_a, _ = await _open(sa, RANGES[0])
-            call_b, sid_b = await _open(sb, RANGES[1])
+            call_a, _, _ = await _open(sa, RANGES[0])
+            call_b, sid_b, secret_b = await _open(sb, RANGES[1])
             x = torch.randn(1, 4, 64)
             # a session nobody holds: A replies (it pushes after its reply), the push fails there, B sees nothing
-            await call_a.write(_step(x, 1, [pb.PushTarget(address=b, session_id="0" * 32, step_id=1)]))
+            await call_a.write(_step(x, 1, [pb.PushTarget(address=b, session_id="0" * 32, step_id=1,
+                                                                  secret=b"s" * 16)]))
             r1 = await call_a.read()
             assert r1.pushed and not r1.HasField("error") and r1.position == 4
             # a malformed target: refused before any compute, the session is unchanged
             await call_a.write(_step(x[:, :1], 2, [pb.PushTarget(address="not an address", session_id=sid_b,
-                                                                 step_id=1)]))
+                                                                 step_id=1, secret=secret_b)]))
             r2 = await call_a.read()
             assert r2.HasField("error") and r2.position == 4
             # the real thing: A pushes its output into B's session; B answers on B's stream unasked
             y = torch.randn(1, 1, 64)
-            await call_a.write(_step(y, 3, [pb.PushTarget(address=b, session_id=sid_b, step_id=1)]))
+            await call_a.write(_step(y, 3, [pb.PushTarget(address=b, session_id=sid_b, step_id=1,
+                                                          secret=secret_b)]))
             r3 = await call_a.read()
             assert r3.pushed and r3.position == 5
             rb = await asyncio.wait_for(call_b.read(), 10)
@@ -206,10 +208,13 @@ def test_push_protocol_dedup_and_refusals(two_servers):
                 await sb.Push(pb.PushRequest(session_id="f" * 32, step=pb.InferenceStep(step_id=1)))
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await sb.Push(pb.PushRequest(session_id=sid_b, step=pb.InferenceStep(step_id=0)))
+                await sb.Push(pb.PushRequest(session_id=sid_b, secret=secret_b, step=pb.InferenceStep(step_id=0)))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.aio.AioRpcError) as e:  # the id alone is not enough
+                await sb.Push(pb.PushRequest(session_id=sid_b, step=pb.InferenceStep(step_id=3)))
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
             # a pushed step that is garbage gets an error reply on B's stream; B's session is unchanged
-            await sb.Push(pb.PushRequest(session_id=sid_b, step=pb.InferenceStep(
+            await sb.Push(pb.PushRequest(session_id=sid_b, secret=secret_b, step=pb.InferenceStep(
                 step_id=3, hidden=pb.Tensor(data=b"xx", dtype="float32", shape=[1, 1, 64]))))
             rb3 = await asyncio.wait_for(call_b.read(), 10)
             assert rb3.HasField("error") and rb3.step_id == 3 and rb3.position == 2

@@ -114,6 +114,9 @@ def test_sessions_release_cache_and_idle_sessions_expire(server):
     client = stub(server)
     base = client.Info(pb.InfoRequest())
     s, _ = open_session(server)
+    opened = client.Info(pb.InfoRequest())  # an open reserves no cache: its first step does
+    assert opened.cache_bytes_free == base.cache_bytes_free and opened.active_sessions == base.active_sessions + 1
+    assert not s.send(step(torch.randn(1, 1, H))).HasField("error")
     during = client.Info(pb.InfoRequest())
     assert during.cache_bytes_free < base.cache_bytes_free and during.active_sessions == base.active_sessions + 1
     s.close()  # a clean end of stream closes the session

@@ -30,6 +30,13 @@ def add_parser(sub) -> None:
                         "sessions' next steps, so sessions in lockstep share a forward (0 = never)")
     p.add_argument("--max-message-mb", type=int, default=64, help="largest gRPC message accepted, MiB")
     p.add_argument("--idle-timeout", type=float, default=120.0, help="close sessions idle this long, seconds")
+    # limits against greedy or hostile peers (docs/FAILURES.md); a peer is a remote host
+    p.add_argument("--open-idle-timeout", type=float, default=10.0,
+                   help="close a session whose first step has not run this long after its open, seconds")
+    p.add_argument("--resume-grace", type=float, default=5.0,
+                   help="close a session whose stream broke unless it is resumed (with its secret) this soon, seconds")
+    p.add_argument("--max-sessions-per-peer", type=int, default=32, help="open sessions one host may hold")
+    p.add_argument("--max-concurrent-rpcs", type=int, default=256, help="gRPC calls at once (streams included)")
     p.add_argument("--dht-prefix", help="DHT namespace (default: the model directory's name)")
     p.add_argument("--rebalance-period", type=float, default=30.0,
                    help="with no --blocks: check every this many seconds whether moving helps the swarm (0 = never)")
@@ -48,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
         memory_bytes=args.memory_mb << 20 if args.memory_mb else None, cache_bytes=args.cache_mb << 20,
         max_sessions=args.max_sessions, max_length_tokens=args.max_length,
         max_batch_tokens=args.max_batch_tokens, max_prefill_skips=args.max_prefill_skips, batch_wait=args.batch_wait,
-        session_idle_timeout_s=args.idle_timeout, max_message_bytes=args.max_message_mb << 20, dht_prefix=args.dht_prefix,
+        session_idle_timeout_s=args.idle_timeout, open_idle_timeout_s=args.open_idle_timeout,
+        resume_grace_s=args.resume_grace, max_sessions_per_peer=args.max_sessions_per_peer,
+        max_concurrent_rpcs=args.max_concurrent_rpcs, max_message_bytes=args.max_message_mb << 20, dht_prefix=args.dht_prefix,
     )
     return run_server(config, drain_timeout_s=args.drain_timeout, rebalance_period_s=args.rebalance_period)

@@ -250,7 +250,7 @@ class InferenceSession:
                 h.span.stream.expect(chunks[k][0].shape[1])
                 h.written = k + 1
                 targets.append(pb.PushTarget(address=h.span.span.address, session_id=h.span.stream.session_id,
-                                             step_id=h.base_id + k))
+                                             step_id=h.base_id + k, secret=h.span.stream.session_secret))
             return targets
 
         async def send(i: int) -> None:

@@ -141,6 +141,7 @@ class SpanStream:
         self.timeout_s = timeout_s
         self.call = None
         self.session_id = ""
+        self.session_secret = b""
         self.position = 0
         self._step_id = 0
         self._pending: deque[_Sent] = deque()  # written (or being written), reply not read yet; in order
@@ -179,6 +180,7 @@ class SpanStream:
         if reply is grpc.aio.EOF:
             raise ServerFailed(self.span.server_id, "stream closed while opening a session")
         self.session_id = reply.session_id
+        self.session_secret = reply.session_secret  # push needs it: handed to the servers of this route only
 
     async def send(self, hidden: torch.Tensor, mask: torch.Tensor | None, push: list[pb.PushTarget] = ()) -> None:
         """Write one step (hidden [B, T, H], mask [B, T]) when the link scheduler gives it its turn; `push`: the

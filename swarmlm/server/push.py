@@ -10,17 +10,26 @@ failover re-sends the step from the inputs it kept.
 
 A step can thus reach a server twice (a pushed copy and the client's own, after a failover). Step ids make that
 harmless: `StepOrder` takes each id once and in order, and a duplicate gets no reply.
+
+Trust: a push carries the target session's secret (the client hands it to the servers of its route), so a stranger
+who only knows a session id cannot push into it. A server dials only servers of its swarm (`TargetCheck`): with a
+DHT, addresses announced for the block after the session's span; without one (direct --servers mode), addresses
+that answer Info as a server of the same model serving that block, probed at most once per `ttl_s` each and at
+most `max_probes_per_min` in all, so a client cannot use a server to scan a network.
 """
 from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections import OrderedDict
+from typing import Awaitable, Callable
 
 import grpc
 
 from swarmlm.client.transmission import Kind, Links, TransmissionPolicy
 from swarmlm.errors import InvalidRequest
+from swarmlm.server.sessions import SECRET_BYTES
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 
@@ -42,6 +51,61 @@ def check_targets(targets) -> None:
             raise InvalidRequest(f"push: {t.session_id[:80]!r} is not a session id")
         if t.step_id == 0:
             raise InvalidRequest("push: a pushed step needs a nonzero step id")
+        if len(t.secret) != SECRET_BYTES:
+            raise InvalidRequest(f"push: a target needs its session's {SECRET_BYTES}-byte secret")
+
+
+Directory = Callable[[int], Awaitable[set[str]]]  # addresses of servers announced for a block
+Probe = Callable[[str], Awaitable["pb.InfoReply | None"]]  # a server's Info, or None if it does not answer
+
+
+class TargetCheck:
+    """Which addresses this server pushes to (see the module's docstring). Answers are cached per (address,
+    block) for `ttl_s`."""
+
+    def __init__(self, directory: Directory | None, probe: Probe, serves: Callable[[pb.InfoReply, int], bool],
+                 ttl_s: float = 30.0, max_probes_per_min: int = 30) -> None:
+        self.directory = directory
+        self.probe = probe
+        self.serves = serves  # does this Info describe a server of our model that serves the block?
+        self.ttl_s = ttl_s
+        self.max_probes_per_min = max_probes_per_min
+        self._known: dict[tuple[str, int], tuple[bool, float]] = {}  # -> (allowed, until)
+        self._probes: list[float] = []  # times of recent probes
+        self._lookups: dict[int, tuple[set[str], float]] = {}  # block -> (announced addresses, when)
+
+    async def allowed(self, address: str, block: int) -> bool:
+        now = time.monotonic()
+        known = self._known.get((address, block))
+        if known is not None and known[1] > now:
+            return known[0]
+        if self.directory is not None:
+            ok = address in await self._announced(block, now)
+        else:
+            ok = await self._probe(address, block, now)
+        if len(self._known) > 4096:  # bounded: forget everything rather than grow
+            self._known.clear()
+        self._known[(address, block)] = (ok, now + self.ttl_s)
+        return ok
+
+    async def _announced(self, block: int, now: float) -> set[str]:
+        cached = self._lookups.get(block)
+        if cached is not None and now - cached[1] < 1.0:  # at most one DHT lookup per block per second
+            return cached[0]
+        try:
+            addresses = await self.directory(block)
+        except Exception:  # the DHT did not answer: nothing is known to be announced
+            addresses = set()
+        self._lookups[block] = (addresses, now)
+        return addresses
+
+    async def _probe(self, address: str, block: int, now: float) -> bool:
+        self._probes = [t for t in self._probes if now - t < 60.0]
+        if len(self._probes) >= self.max_probes_per_min:
+            return False
+        self._probes.append(now)
+        info = await self.probe(address)
+        return info is not None and self.serves(info, block)
 
 
 class StepOrder:
@@ -50,6 +114,10 @@ class StepOrder:
     def __init__(self, last_id: int = 0) -> None:
         self.last_id = last_id
         self._ahead: dict[int, pb.InferenceRequest] = {}
+
+    def holds(self, request: pb.InferenceRequest) -> bool:
+        """Is `request` waiting here for an earlier id?"""
+        return any(held is request for held in self._ahead.values())
 
     def admit(self, request: pb.InferenceRequest) -> list[pb.InferenceRequest]:
         """The steps that may run now, in order (none for a duplicate or a step ahead of its turn)."""
@@ -100,7 +168,7 @@ class Pusher:
     async def push(self, target: pb.PushTarget, hidden: pb.Tensor, mask: pb.Tensor,
                    rest: list[pb.PushTarget]) -> bool:
         """Deliver one output to `target` (which pushes it on to `rest`). True when the target accepted it."""
-        request = pb.PushRequest(session_id=target.session_id, step=pb.InferenceStep(
+        request = pb.PushRequest(session_id=target.session_id, secret=target.secret, step=pb.InferenceStep(
             hidden=hidden, attention_mask=mask, step_id=target.step_id, push=rest))
         kind = Kind.DECODE if len(hidden.shape) == 3 and hidden.shape[1] == 1 else Kind.PREFILL
         link = self.links.get(target.address)
@@ -118,6 +186,13 @@ class Pusher:
         finally:
             if call is not None:
                 link.answered(kind)
+
+    async def info(self, address: str, timeout_s: float = 2.0) -> pb.InfoReply | None:
+        """The Info of the server at `address`, or None if nothing there answers as one."""
+        try:
+            return await self._stub(address).Info(pb.InfoRequest(), timeout=timeout_s)
+        except (grpc.aio.AioRpcError, OSError, ValueError):
+            return None
 
     async def close(self) -> None:
         for channel, _ in self._channels.values():

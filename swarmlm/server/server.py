@@ -84,6 +84,14 @@ class Server:
             queue_length=info.queue_length, max_length=info.max_length, version=__version__,
         )
 
+    async def _announced(self, block: int) -> set[str]:
+        """Addresses of the servers announced in the DHT for `block`."""
+        from swarmlm.swarm.dht import fetch_records
+
+        records = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: fetch_records(self.dht, self.prefix, [block], swarm_key=self.config.swarm_key))
+        return {r.address for r in records.values() if r.start <= block < r.end}
+
     def _announce_loop(self) -> None:
         from swarmlm.swarm.dht import announce
 
@@ -109,7 +117,10 @@ class Server:
         scheduler = Scheduler(cfg.threads, cfg.max_batch_tokens, cfg.max_prefill_skips, cfg.batch_wait,
                               cfg.max_batch_wait_s)
         self.service = SwarmService(cfg, self.stage, scheduler, stats)
-        server = grpc.aio.server(options=grpc_options(cfg.max_message_bytes))
+        if self.dht is not None:  # pushes go only to servers announced for the next block (server/push.py)
+            self.service.targets.directory = self._announced
+        server = grpc.aio.server(options=grpc_options(cfg.max_message_bytes),
+                                 maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
         pb_grpc.add_SwarmServicer_to_server(self.service, server)
         port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if port == 0:

@@ -1,12 +1,17 @@
 """The gRPC service: decode and validate what a peer sends, hand compute to the scheduler, encode the reply.
 
-Bad input gets a clear error and changes nothing: steps are fully validated before any compute, and a session's
-cache and mask only change when its step succeeds.
+Bad input gets a clear error and changes nothing: steps are fully validated before any compute (shapes and costs
+from the message header, before any tensor is decoded), and a session's cache and mask only change when its step
+succeeds. Every limit is a ServerConfig setting (docs/FAILURES.md, "Bounded resources"). Refusals of unary calls
+are returned, not raised, so no traceback keeps a refused request's buffers alive.
 """
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import gc
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -16,10 +21,10 @@ import torch
 from swarmlm import __version__
 from swarmlm.config import ServerConfig
 from swarmlm.errors import CapacityExceeded, InvalidRequest, UnknownSession
-from swarmlm.server.push import Pusher, StepOrder, check_targets
-from swarmlm.server.scheduler import PREFILL, Scheduler
-from swarmlm.server.sessions import Session, SessionTable
-from swarmlm.server.stage import Stage
+from swarmlm.server.push import Pusher, StepOrder, TargetCheck, check_targets
+from swarmlm.server.scheduler import JobTiming, Scheduler
+from swarmlm.server.sessions import PeerBytes, Session, SessionTable
+from swarmlm.server.stage import SpanState, Stage
 from swarmlm.types import BlockRange
 from swarmlm.wire import codec
 from swarmlm.wire import swarm_pb2 as pb
@@ -28,8 +33,10 @@ from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 INBOX_SIZE = 8  # steps of one session waiting to run; a full inbox holds the client's stream and pushers back
 PUSH_WAIT_S = 30.0  # how long a push may wait for room in a session's inbox
+TRIM_BYTES = 16 << 20  # after refusing a request this large, hand freed memory back to the OS (at most 1/s)
 _END = object()  # the client half-closed its stream
 _BROKEN = object()  # the client's stream broke
+_EXPIRED = object()  # the expiry loop closed the session
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MASK_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.bool)
 
@@ -45,19 +52,65 @@ class ServerStats:
     prefill_b_s: float = 0.0
 
 
+def peer_host(context) -> str:
+    """The remote host of a call ("ipv4:1.2.3.4:5678" -> "1.2.3.4"): quotas count per host, not per connection."""
+    peer = context.peer() or "unknown"
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rsplit(":", 1)[0].strip("[]")
+    return peer
+
+
+def _payload_bytes(step: pb.InferenceStep) -> int:
+    """The bytes a step's tensors declare (from their headers: nothing is copied); 0 if a header is invalid."""
+    total = 0
+    for msg in (step.hidden, step.attention_mask):
+        try:
+            _, shape = codec.header(msg) if codec.is_set(msg) else (None, ())
+        except InvalidRequest:
+            continue
+        total += math.prod(shape) * codec.WIRE_DTYPES[msg.dtype][1] if shape else 0
+    return total
+
+
+class _Trimmer:
+    """Return freed heap to the OS after a large refusal: glibc keeps freed blocks of the arena a thread used, and
+    the refused messages of a loop were measured to stack up there (docs/FAILURES.md)."""
+
+    def __init__(self) -> None:
+        try:
+            self._libc = ctypes.CDLL("libc.so.6")
+        except OSError:  # not glibc: nothing to trim
+            self._libc = None
+        self._last = 0.0
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now - self._last < 1.0:
+            return
+        self._last = now
+        gc.collect()
+        if self._libc is not None:
+            self._libc.malloc_trim(0)
+
+
 class SwarmService(pb_grpc.SwarmServicer):
     def __init__(self, config: ServerConfig, stage: Stage, scheduler: Scheduler, stats: ServerStats) -> None:
         self.config = config
         self.stage = stage
         self.scheduler = scheduler
         self.stats = stats
-        self.sessions = SessionTable(config.cache_bytes, config.max_sessions)
+        self.sessions = SessionTable(config.cache_bytes, config.max_sessions, config.max_sessions_per_peer)
+        self.load = PeerBytes(config.max_peer_bytes_in_flight)
         self.attached: set[str] = set()  # sessions held by a live stream
         self.inboxes: dict[str, asyncio.Queue] = {}  # per attached session: its steps, from the stream and pushes
         self.pusher = Pusher(config.max_message_bytes)
+        # where pushes may go; server.py gives it the DHT's directory when there is a DHT
+        self.targets = TargetCheck(None, self.pusher.info, self._serves)
         self._pushes: dict[str, asyncio.Task] = {}  # per session: its latest push (pushes of a session go in order)
         self.accepting = True  # False while draining for shutdown: new sessions go elsewhere
         self.num_model_blocks = int(stage.config.num_hidden_layers)
+        self._trim = _Trimmer()
 
     # ---- validation -------------------------------------------------------------------------------------
     def _check_range(self, start: int, end: int) -> BlockRange:
@@ -65,85 +118,135 @@ class SwarmService(pb_grpc.SwarmServicer):
             raise InvalidRequest(f"blocks [{start}, {end}) are not inside this server's {self.stage.blocks}")
         return BlockRange(start, end)
 
-    def _hidden(self, msg: pb.Tensor, batch: int | None) -> torch.Tensor:
-        hidden = codec.decode(msg, "hidden", max_elements=self.config.max_message_bytes // 2)
-        if hidden.dtype not in FLOAT_DTYPES:
-            raise InvalidRequest(f"hidden: dtype {hidden.dtype} is not a float type")
-        if hidden.dim() != 3:
-            raise InvalidRequest(f"hidden: expected shape [batch, tokens, {self.stage.hidden_size}], got {list(hidden.shape)}")
-        b, t, h = hidden.shape
+    def _check_shape(self, msg: pb.Tensor, batch: int | None, past: int, max_length: int) -> tuple[int, int]:
+        """Rows and new tokens of a request's hidden states, from the header alone; every size and cost limit."""
+        cfg = self.config
+        dtype, shape = codec.header(msg, "hidden", max_elements=cfg.max_message_bytes // 2)
+        if dtype not in FLOAT_DTYPES:
+            raise InvalidRequest(f"hidden: dtype {dtype} is not a float type")
+        if len(shape) != 3:
+            raise InvalidRequest(f"hidden: expected shape [batch, tokens, {self.stage.hidden_size}], got {list(shape)}")
+        b, t, h = shape
         if h != self.stage.hidden_size:
             raise InvalidRequest(f"hidden: hidden size {h} does not match the model's {self.stage.hidden_size}")
         if t < 1 or b < 1:
-            raise InvalidRequest(f"hidden: empty shape {list(hidden.shape)}")
+            raise InvalidRequest(f"hidden: empty shape {list(shape)}")
         if batch is not None and b != batch:
             raise InvalidRequest(f"hidden: batch {b} does not match the session's batch {batch}")
-        if b > self.config.max_batch:
-            raise InvalidRequest(f"hidden: batch {b} exceeds the limit of {self.config.max_batch}")
+        if b > cfg.max_batch:
+            raise InvalidRequest(f"hidden: batch {b} exceeds the limit of {cfg.max_batch}")
+        if past + t > max_length:
+            raise InvalidRequest(f"step of {t} tokens would exceed the max_length {max_length} (it holds {past})")
+        if b * t > cfg.max_request_tokens:
+            raise InvalidRequest(f"hidden: {b} x {t} tokens exceed the limit of {cfg.max_request_tokens}")
+        if b * t * (past + t) > cfg.max_attention_cost:
+            raise InvalidRequest(
+                f"hidden: attention cost {b} x {t} x {past + t} exceeds the limit of {cfg.max_attention_cost}")
+        return b, t
+
+    def _decode(self, hidden_msg: pb.Tensor, mask_msg: pb.Tensor, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensors of a request whose header passed `_check_shape`."""
+        if codec.is_set(mask_msg):  # the mask's header too, before anything is decoded
+            mask_dtype, mask_shape = codec.header(mask_msg, "attention_mask", max_elements=b * t)
+            if mask_dtype not in MASK_DTYPES or mask_shape != (b, t):
+                raise InvalidRequest(
+                    f"attention_mask: expected an integer [{b}, {t}] tensor, got {mask_dtype} {list(mask_shape)}")
+        hidden = codec.decode(hidden_msg, "hidden", max_elements=b * t * self.stage.hidden_size)
         if not torch.isfinite(hidden).all():
             raise InvalidRequest("hidden: contains NaN or infinite values")
-        return hidden
-
-    def _mask(self, msg: pb.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        b, t, _ = hidden.shape
-        if not codec.is_set(msg):
-            return torch.ones(b, t, dtype=torch.long)
-        mask = codec.decode(msg, "attention_mask", max_elements=b * t)
-        if mask.dtype not in MASK_DTYPES or tuple(mask.shape) != (b, t):
-            raise InvalidRequest(f"attention_mask: expected an integer [{b}, {t}] tensor, got {mask.dtype} {list(mask.shape)}")
-        mask = mask.to(torch.long)
+        if not codec.is_set(mask_msg):
+            return hidden, torch.ones(b, t, dtype=torch.long)
+        mask = codec.decode(mask_msg, "attention_mask", max_elements=b * t).to(torch.long)
         if ((mask != 0) & (mask != 1)).any():
             raise InvalidRequest("attention_mask: values must be 0 or 1")
-        return mask
+        return hidden, mask
 
-    def _open(self, msg: pb.OpenSession) -> Session:
+    def _open(self, msg: pb.OpenSession, owner: str) -> Session:
         blocks = self._check_range(msg.start_block, msg.end_block)
         if not 1 <= msg.batch_size <= self.config.max_batch:
             raise InvalidRequest(f"batch_size must be in [1, {self.config.max_batch}], got {msg.batch_size}")
         if not 1 <= msg.max_length <= self.config.max_length_tokens:
             raise InvalidRequest(f"max_length must be in [1, {self.config.max_length_tokens}], got {msg.max_length}")
         nbytes = self.stage.cache_bytes(blocks.length, msg.batch_size, msg.max_length)
-        state = self.stage.new_state(blocks, msg.batch_size, msg.max_length)
-        return self.sessions.open(state, msg.batch_size, msg.max_length, nbytes)
+        state = self.stage.new_state(blocks, msg.batch_size, msg.max_length)  # no cache allocated until a step
+        return self.sessions.open(owner, state, msg.batch_size, msg.max_length, nbytes)
+
+    def _serves(self, info: pb.InfoReply, block: int) -> bool:
+        """Does a push target's Info describe a server of this model serving `block`? (no-DHT mode)"""
+        return (info.model == self.stats.model and info.num_blocks == self.num_model_blocks
+                and info.hidden_size == self.stage.hidden_size and info.start_block <= block < info.end_block)
+
+    # ---- compute ----------------------------------------------------------------------------------------
+    async def _compute(self, state: SpanState, hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, JobTiming]:
+        """Run new tokens in slices of at most one scheduler round (max_batch_tokens rows x tokens): a long prefill
+        is split, so decode steps of other sessions run between its slices (the scheduler puts decodes first)."""
+        rows, tokens = hidden.shape[:2]
+        size = max(1, self.config.max_batch_tokens // rows)
+        outs, queued, compute, batch = [], 0.0, 0.0, 1
+        for start in range(0, tokens, size):
+            out, timing = await self.scheduler.submit_step(
+                self.stage, state, hidden[:, start:start + size], mask[:, start:start + size])
+            outs.append(out)
+            queued, compute = queued + timing.queued_s, compute + timing.compute_s
+            batch = max(batch, timing.batch_size)
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), JobTiming(queued, compute, batch)
+
+    def _refused_large(self, nbytes: int) -> None:
+        if nbytes >= TRIM_BYTES:
+            self._trim()
 
     # ---- RPCs -------------------------------------------------------------------------------------------
     async def Inference(self, request_iterator, context: grpc.aio.ServicerContext):
         """One session. Its steps come from this stream and from pushes (an inbox merges them); `StepOrder` runs
         each step id once, in order; every reply goes back on this stream."""
+        peer = peer_host(context)
         session: Session | None = None
         clean_end = False
         reader: asyncio.Task | None = None
         ended = asyncio.Event()  # the client half-closed its stream
+        charges: dict[int, tuple[pb.InferenceRequest, str, int]] = {}  # bytes in flight, per waiting request
         try:
             first = await self._next(request_iterator)
             if first is None:
                 return
-            session = await self._attach(first, context)
+            session = await self._attach(first, peer, context)
+            sid = session.session_id
             inbox: asyncio.Queue = asyncio.Queue(maxsize=INBOX_SIZE)
-            self.inboxes[session.session_id] = inbox
+            self.inboxes[sid] = inbox
             if first.WhichOneof("kind") == "step":
                 order = StepOrder(last_id=max(first.step.step_id - 1, 0))
+                await self._charge(charges, first, peer, _payload_bytes(first.step))
                 inbox.put_nowait(first)
             else:
                 order = StepOrder()
-                yield pb.InferenceReply(session_id=session.session_id, position=session.state.position)
-            reader = asyncio.ensure_future(self._read(request_iterator, inbox, ended))
+                yield pb.InferenceReply(session_id=sid, position=session.state.position,
+                                        session_secret=session.secret)  # only ever on the opener's stream
+            reader = asyncio.ensure_future(self._read(request_iterator, inbox, ended, peer, charges))
             while True:
                 async with asyncio.timeout(self.config.session_idle_timeout_s):  # (wait_for may drop a cancellation)
                     request = await inbox.get()
                 if request is _END or request is _BROKEN:
                     clean_end = request is _END
                     return
+                if request is _EXPIRED:
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        f"session closed: no step within {self.config.open_idle_timeout_s} s of its "
+                                        f"open, or idle for {self.config.session_idle_timeout_s} s")
                 try:
                     ready = order.admit(request)
                 except InvalidRequest as exc:
-                    yield self._refused(session, request.step.step_id, exc)
+                    ready, refusal = [], self._refused(session, request.step.step_id, exc)
+                    self._release(charges, request)
+                    yield refusal
                     continue
+                if not order.holds(request) and all(step is not request for step in ready):
+                    self._release(charges, request)  # the other copy of a step already taken
                 for step in ready:
                     reply = await self._step(session, step, context)
+                    self._release(charges, step)
                     yield reply  # first: pushing on is not on the way of this reply
                     if reply.pushed:
-                        self._push_after(session.session_id, reply, step)
+                        self._push_after(sid, reply, step)
         except asyncio.TimeoutError:
             if session is not None:
                 self.sessions.close(session.session_id)
@@ -154,19 +257,36 @@ class SwarmService(pb_grpc.SwarmServicer):
         finally:
             if reader is not None:
                 reader.cancel()
+            for request, owner, nbytes in charges.values():
+                self.load.release(owner, nbytes)
+            charges.clear()
             if session is not None:
                 self.attached.discard(session.session_id)
                 self.inboxes.pop(session.session_id, None)
                 if clean_end or ended.is_set():
                     self.sessions.close(session.session_id)
+                else:  # broken: closed after the resume grace unless its owner resumes it
+                    self.sessions.detach(session.session_id)
 
-    @staticmethod
-    async def _read(request_iterator, inbox: asyncio.Queue, ended: asyncio.Event) -> None:
-        """The client's messages into the inbox; a full inbox holds the stream back (HTTP/2 flow control)."""
+    async def _charge(self, charges: dict, request: pb.InferenceRequest, peer: str, nbytes: int) -> None:
+        await self.load.add(peer, nbytes)
+        charges[id(request)] = (request, peer, nbytes)
+
+    def _release(self, charges: dict, request: pb.InferenceRequest) -> None:
+        charge = charges.pop(id(request), None)
+        if charge is not None:
+            self.load.release(charge[1], charge[2])
+
+    async def _read(self, request_iterator, inbox: asyncio.Queue, ended: asyncio.Event, peer: str,
+                    charges: dict) -> None:
+        """The client's messages into the inbox. A full inbox, or a peer with too many bytes in flight, holds the
+        stream back (HTTP/2 flow control)."""
         try:
             async for request in request_iterator:
+                if request.WhichOneof("kind") == "step":
+                    await self._charge(charges, request, peer, _payload_bytes(request.step))
                 await inbox.put(request)
-        except Exception:  # a broken stream: the session stays for a resume until its idle timeout
+        except Exception:  # a broken stream: the session waits for a resume, for the grace only
             await inbox.put(_BROKEN)
             return
         ended.set()  # a clean end, even if the call is cancelled before the handler reads it
@@ -174,45 +294,68 @@ class SwarmService(pb_grpc.SwarmServicer):
 
     async def Push(self, request: pb.PushRequest, context) -> pb.PushReply:
         """A step pushed by the previous server of a route; accepted only into a session a client's stream holds
-        (its reply has to go somewhere). Validated like any step when its turn comes."""
+        (its reply has to go somewhere), and only with that session's secret. Validated like any step when its turn
+        comes."""
+        session = self.sessions.sessions.get(request.session_id)
         inbox = self.inboxes.get(request.session_id)
-        if inbox is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no stream holds session {request.session_id[:80]!r} here")
+        if session is None or inbox is None:
+            return self._fail(context, grpc.StatusCode.NOT_FOUND,
+                              f"no stream holds session {request.session_id[:80]!r} here", pb.PushReply())
+        if not session.owned_by(request.secret):
+            return self._fail(context, grpc.StatusCode.PERMISSION_DENIED,
+                              "a push must carry the session's secret", pb.PushReply())
         if request.step.step_id == 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a pushed step needs a nonzero step id")
+            return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "a pushed step needs a nonzero step id",
+                              pb.PushReply())
+        peer, nbytes = peer_host(context), _payload_bytes(request.step)
+        if not self.load.try_add(peer, nbytes):
+            return self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"peer {peer} has {self.config.max_peer_bytes_in_flight} bytes in flight here",
+                              pb.PushReply())
+        step = pb.InferenceRequest(session_id=request.session_id, step=request.step)
         try:  # a full inbox holds the pusher back, as a full stream holds the client back
             async with asyncio.timeout(PUSH_WAIT_S):
-                await inbox.put(pb.InferenceRequest(session_id=request.session_id, step=request.step))
+                await inbox.put(step)
         except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the session has too many steps waiting")
+            self.load.release(peer, nbytes)
+            return self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "the session has too many steps waiting",
+                              pb.PushReply())
+        # the charge travels with the step: the session's handler releases it when the step has run
+        self.load.release(peer, nbytes)
         return pb.PushReply()
 
     async def _next(self, request_iterator) -> pb.InferenceRequest | None:
         try:
-            async with asyncio.timeout(self.config.session_idle_timeout_s):
+            async with asyncio.timeout(self.config.open_idle_timeout_s):
                 return await request_iterator.__anext__()
         except StopAsyncIteration:
             return None
 
-    async def _attach(self, first: pb.InferenceRequest, context) -> Session:
+    async def _attach(self, first: pb.InferenceRequest, peer: str, context) -> Session:
         kind = first.WhichOneof("kind")
+        code, message = None, ""
         try:
             if kind == "open":
                 if not self.accepting:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
-                session = self._open(first.open)
+                    raise CapacityExceeded("server is shutting down")
+                session = self._open(first.open, peer)
             elif kind == "step" and first.session_id:
                 session = self.sessions.get(first.session_id)
-                if session.session_id in self.attached:
+                if not session.owned_by(first.secret):
+                    code, message = grpc.StatusCode.PERMISSION_DENIED, "resuming a session needs its secret"
+                elif session.session_id in self.attached:
                     raise InvalidRequest(f"session {first.session_id} is held by another stream")
             else:
                 raise InvalidRequest("the first message of a stream must open a session or name an open one")
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
         except CapacityExceeded as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            code, message = grpc.StatusCode.UNAVAILABLE if not self.accepting else grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
         except UnknownSession as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+            code, message = grpc.StatusCode.NOT_FOUND, str(exc.args[0])
+        if code is not None:
+            await context.abort(code, message)
+        session.detached_s = None
         self.attached.add(session.session_id)
         return session
 
@@ -220,31 +363,48 @@ class SwarmService(pb_grpc.SwarmServicer):
         sid = session.session_id
         step_id = request.step.step_id
         started = time.perf_counter()
+        error, nbytes = None, 0
         try:
             if request.session_id and request.session_id != sid:
-                raise InvalidRequest(f"this stream holds session {sid}, not {request.session_id}")
+                raise InvalidRequest(f"this stream holds session {sid}, not {request.session_id[:80]}")
             if request.WhichOneof("kind") != "step":
                 raise InvalidRequest("a session is already open on this stream: expected a step")
             self.sessions.get(sid)  # refreshes last use; raises if expired meanwhile
-            hidden = self._hidden(request.step.hidden, session.batch)
-            mask = self._mask(request.step.attention_mask, hidden)
-            if session.state.position + hidden.shape[1] > session.max_length:
-                raise InvalidRequest(
-                    f"step of {hidden.shape[1]} tokens would exceed the session's max_length {session.max_length}"
-                    f" (it holds {session.state.position})"
-                )
-            check_targets(request.step.push)
+            step = request.step
+            b, t = self._check_shape(step.hidden, session.batch, session.state.position, session.max_length)
+            nbytes = b * t * self.stage.hidden_size
+            if step.push:
+                check_targets(step.push)
+                nxt = session.state.blocks.end
+                if not await self.targets.allowed(step.push[0].address, nxt):
+                    raise InvalidRequest(f"push: {step.push[0].address[:80]!r} is not a server of this swarm "
+                                         f"serving block {nxt}")
+            hidden, mask = self._decode(step.hidden, step.attention_mask, b, t)
         except InvalidRequest as exc:
-            return self._refused(session, step_id, exc)
+            error = exc
         except UnknownSession as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        if error is not None:
+            self._refused_large(nbytes)
+            return self._refused(session, step_id, error)
         decoded = time.perf_counter()
+        if not session.stepped:  # the cache is reserved at the first step, not at open
+            try:
+                self.sessions.reserve(session)
+            except CapacityExceeded as exc:
+                error = exc
+            if error is not None:
+                self.sessions.close(sid)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"session closed: {error}")
         try:  # batched with other sessions' steps of the same shape; decode steps go first
-            out, timing = await self.scheduler.submit_step(self.stage, session.state, hidden, mask)
+            out, timing = await self._compute(session.state, hidden, mask)
         except Exception as exc:  # unexpected (a bug or an OOM): close the session rather than trust it
             log.exception("step failed")
+            error = exc
+        if error is not None:
             self.sessions.close(sid)
-            await context.abort(grpc.StatusCode.INTERNAL, f"step failed, session closed: {exc}")
+            await context.abort(grpc.StatusCode.INTERNAL, f"step failed, session closed: {error}")
+        session.stepped = True
         encode_start = time.perf_counter()
         reply_hidden = codec.encode(out.to(hidden.dtype))
         encode_s = time.perf_counter() - encode_start
@@ -283,27 +443,57 @@ class SwarmService(pb_grpc.SwarmServicer):
             error=pb.Error(code="INVALID_ARGUMENT", message=str(exc)),
         )
 
+    @staticmethod
+    def _fail(context, code: grpc.StatusCode, message: str, reply):
+        """A unary call's refusal, returned rather than raised (an exception's traceback would keep the request's
+        frame, and its buffers, alive until the garbage collector runs)."""
+        context.set_code(code)
+        context.set_details(message)
+        return reply
+
     async def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardReply:
+        """Stateless: whole sequences through a sub-range, computed in slices through a temporary cache."""
         started = time.perf_counter()
+        peer, error, nbytes = peer_host(context), None, 0
         try:
             blocks = self._check_range(request.start_block, request.end_block)
-            hidden = self._hidden(request.hidden, None)
-            mask = self._mask(request.attention_mask, hidden)
-            if hidden.shape[1] > self.config.max_length_tokens:
-                raise InvalidRequest(f"{hidden.shape[1]} tokens exceed the limit of {self.config.max_length_tokens}")
+            b, t = self._check_shape(request.hidden, None, 0, self.config.max_length_tokens)
+            nbytes = b * t * self.stage.hidden_size
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        decoded = time.perf_counter()
-        out, timing = await self.scheduler.submit(
-            lambda: self.stage.forward(blocks, hidden, mask), PREFILL, tokens=hidden.shape[0] * hidden.shape[1]
-        )
-        encode_start = time.perf_counter()
-        reply = codec.encode(out.to(hidden.dtype))
-        return pb.ForwardReply(
-            hidden=reply,
-            timing=pb.Timing(queued_s=timing.queued_s, compute_s=timing.compute_s, decode_s=decoded - started,
-                             encode_s=time.perf_counter() - encode_start, batch_size=timing.batch_size),
-        )
+            error = str(exc)
+        if error is not None:
+            self._refused_large(request.hidden.ByteSize() if codec.is_set(request.hidden) else 0)
+            return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, error, pb.ForwardReply())
+        if not self.load.try_add(peer, nbytes):
+            self._refused_large(nbytes)
+            return self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"peer {peer} has {self.config.max_peer_bytes_in_flight} bytes in flight here",
+                              pb.ForwardReply())
+        try:
+            try:
+                hidden, mask = self._decode(request.hidden, request.attention_mask, b, t)
+            except InvalidRequest as exc:
+                error = str(exc)
+            if error is not None:
+                self._refused_large(nbytes)
+                return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, error, pb.ForwardReply())
+            decoded = time.perf_counter()
+            try:
+                out, timing = await self._compute(self.stage.new_state(blocks, b, t), hidden, mask)
+            except Exception as exc:  # unexpected (a bug or an OOM)
+                log.exception("forward failed")
+                error = f"forward failed: {exc}"
+            if error is not None:
+                return self._fail(context, grpc.StatusCode.INTERNAL, error, pb.ForwardReply())
+            encode_start = time.perf_counter()
+            reply = codec.encode(out.to(hidden.dtype))
+            return pb.ForwardReply(
+                hidden=reply,
+                timing=pb.Timing(queued_s=timing.queued_s, compute_s=timing.compute_s, decode_s=decoded - started,
+                                 encode_s=time.perf_counter() - encode_start, batch_size=timing.batch_size),
+            )
+        finally:
+            self.load.release(peer, nbytes)
 
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoReply:
         return self.info()
@@ -318,11 +508,19 @@ class SwarmService(pb_grpc.SwarmServicer):
             max_length=self.config.max_length_tokens, max_batch=self.config.max_batch,
             max_message_bytes=self.config.max_message_bytes, decode_s_per_block=self.stats.decode_s_per_block,
             prefill_a_s=self.stats.prefill_a_s, prefill_b_s=self.stats.prefill_b_s, version=__version__,
+            session_bytes_per_block_token=self.stage.cache_bytes(1, 1, 1),
         )
 
-    async def expire_loop(self, period_s: float = 1.0) -> None:
+    async def expire_loop(self, period_s: float = 0.5) -> None:
+        cfg = self.config
         while True:
             await asyncio.sleep(period_s)
-            for sid in self.sessions.expire(self.config.session_idle_timeout_s):
+            for sid in self.sessions.expire(cfg.session_idle_timeout_s, cfg.open_idle_timeout_s, cfg.resume_grace_s):
                 self.attached.discard(sid)
+                inbox = self.inboxes.get(sid)
+                if inbox is not None:  # its stream ends too (a full inbox: its next step finds no session)
+                    try:
+                        inbox.put_nowait(_EXPIRED)
+                    except asyncio.QueueFull:
+                        pass
                 log.info("session %s expired", sid)

@@ -1,30 +1,53 @@
-"""Open sessions and the attention-cache budget. Running out of room is an expected refusal, not a crash."""
+"""Open sessions, who holds them, and the attention-cache budget. Running out of room is an expected refusal.
+
+A session belongs to its opener: the open reply carries a random 128-bit secret, sent only on the opener's stream;
+push and resume must show it. A session costs no cache until its first step runs (then its whole reservation for
+`max_length` tokens is taken), so opening sessions is cheap and cannot lock the cache; opens that never step expire
+within seconds. Per-peer quotas (a peer is a remote host) bound what one host can hold: sessions, and request bytes
+received and not yet answered.
+"""
 from __future__ import annotations
 
+import asyncio
+import hmac
+import secrets
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 
 from swarmlm.errors import CapacityExceeded, UnknownSession
 from swarmlm.server.stage import SpanState
 
+SECRET_BYTES = 16  # 128 bits
+
 
 @dataclass
 class Session:
     session_id: str
+    secret: bytes
+    owner: str  # the host that opened it (quotas count per host)
     state: SpanState
     batch: int
     max_length: int
-    reserved_bytes: int
+    needed_bytes: int  # cache for max_length tokens, reserved at the first step
+    reserved_bytes: int = 0
+    stepped: bool = False  # a step has run (an open that never steps expires after open_idle_timeout_s)
+    opened_s: float = field(default_factory=time.monotonic)
     last_used_s: float = field(default_factory=time.monotonic)
+    detached_s: float | None = None  # when its stream broke; None while a stream holds it (or before)
+
+    def owned_by(self, secret: bytes) -> bool:
+        return hmac.compare_digest(self.secret, bytes(secret))
 
 
 class SessionTable:
-    """Sessions by id, with cache bytes reserved up front for each session's max length."""
+    """Sessions by id; cache bytes are reserved for a session's max length when its first step runs."""
 
-    def __init__(self, cache_bytes: int, max_sessions: int) -> None:
+    def __init__(self, cache_bytes: int, max_sessions: int, max_sessions_per_peer: int | None = None) -> None:
         self.cache_bytes = cache_bytes
         self.max_sessions = max_sessions
+        self.max_sessions_per_peer = max_sessions_per_peer or max_sessions
         self.sessions: dict[str, Session] = {}
 
     @property
@@ -35,31 +58,88 @@ class SessionTable:
     def free_bytes(self) -> int:
         return self.cache_bytes - self.reserved_bytes
 
-    def open(self, state: SpanState, batch: int, max_length: int, nbytes: int) -> Session:
+    def held_by(self, owner: str) -> int:
+        return sum(1 for s in self.sessions.values() if s.owner == owner)
+
+    def open(self, owner: str, state: SpanState, batch: int, max_length: int, nbytes: int) -> Session:
         if len(self.sessions) >= self.max_sessions:
             raise CapacityExceeded(f"server has {len(self.sessions)} sessions open, the limit is {self.max_sessions}")
-        if nbytes > self.free_bytes:
-            raise CapacityExceeded(
-                f"session needs {nbytes} bytes of attention cache; {self.free_bytes} of {self.cache_bytes} are free"
-            )
-        session = Session(uuid.uuid4().hex, state, batch, max_length, nbytes)
+        if self.held_by(owner) >= self.max_sessions_per_peer:
+            raise CapacityExceeded(f"peer {owner} holds {self.max_sessions_per_peer} sessions here, the per-peer limit")
+        if nbytes > self.cache_bytes:
+            raise CapacityExceeded(f"session needs {nbytes} bytes of attention cache; the server has {self.cache_bytes}")
+        session = Session(uuid.uuid4().hex, secrets.token_bytes(SECRET_BYTES), owner, state, batch, max_length, nbytes)
         self.sessions[session.session_id] = session
         return session
+
+    def reserve(self, session: Session) -> None:
+        """Take the session's cache reservation (at its first step); CapacityExceeded if it does not fit."""
+        if session.reserved_bytes:
+            return
+        if session.needed_bytes > self.free_bytes:
+            raise CapacityExceeded(
+                f"session needs {session.needed_bytes} bytes of attention cache; {self.free_bytes} of "
+                f"{self.cache_bytes} are free"
+            )
+        session.reserved_bytes = session.needed_bytes
 
     def get(self, session_id: str) -> Session:
         try:
             session = self.sessions[session_id]
         except KeyError:
-            raise UnknownSession(f"session {session_id!r} is not open on this server") from None
+            raise UnknownSession(f"session {session_id[:80]!r} is not open on this server") from None
         session.last_used_s = time.monotonic()
         return session
 
     def close(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)  # frees its cache tensors and its reservation
 
-    def expire(self, idle_timeout_s: float) -> list[str]:
+    def detach(self, session_id: str) -> None:
+        """Its stream broke: it is closed after the resume grace unless a stream resumes it."""
+        session = self.sessions.get(session_id)
+        if session is not None:
+            session.detached_s = time.monotonic()
+
+    def expire(self, idle_timeout_s: float, open_idle_timeout_s: float, resume_grace_s: float) -> list[str]:
+        """Close sessions idle too long, opened and never stepped too long, or detached past the grace."""
         now = time.monotonic()
-        stale = [sid for sid, s in self.sessions.items() if now - s.last_used_s > idle_timeout_s]
-        for sid in stale:
+
+        def stale(s: Session) -> bool:
+            return (now - s.last_used_s > idle_timeout_s
+                    or (not s.stepped and now - s.opened_s > open_idle_timeout_s)
+                    or (s.detached_s is not None and now - s.detached_s > resume_grace_s))
+
+        gone = [sid for sid, s in self.sessions.items() if stale(s)]
+        for sid in gone:
             self.close(sid)
-        return stale
+        return gone
+
+
+class PeerBytes:
+    """Request bytes per peer received and not yet answered. One message alone always fits (gRPC bounds its size);
+    beyond `limit`, streams wait (HTTP/2 flow control holds the sender back) and unary calls are refused."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held: Counter[str] = Counter()
+        self._freed = asyncio.Condition()
+
+    def try_add(self, peer: str, nbytes: int) -> bool:
+        if self.held[peer] and self.held[peer] + nbytes > self.limit:
+            return False
+        self.held[peer] += nbytes
+        return True
+
+    async def add(self, peer: str, nbytes: int) -> None:
+        async with self._freed:
+            await self._freed.wait_for(lambda: self.try_add(peer, nbytes))
+
+    def release(self, peer: str, nbytes: int) -> None:
+        self.held[peer] -= nbytes
+        if self.held[peer] <= 0:
+            del self.held[peer]
+        asyncio.ensure_future(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._freed:
+            self._freed.notify_all()

@@ -33,27 +33,35 @@ def encode(tensor: torch.Tensor) -> pb.Tensor:
     return pb.Tensor(data=raw.numpy().tobytes(), dtype=name, shape=list(tensor.shape))
 
 
+def header(msg: pb.Tensor, what: str = "tensor", max_elements: int = 1 << 28) -> tuple[torch.dtype, tuple[int, ...]]:
+    """dtype and shape from a peer's message, checked before its data is touched (nothing is allocated here)."""
+    if msg.dtype not in WIRE_DTYPES:
+        raise InvalidRequest(f"{what}: unknown dtype {msg.dtype[:40]!r}; expected one of {', '.join(WIRE_DTYPES)}")
+    shape = tuple(msg.shape)
+    if not 1 <= len(shape) <= MAX_RANK or any(not 0 <= d <= max_elements for d in shape):
+        raise InvalidRequest(f"{what}: bad shape {list(shape)[:MAX_RANK + 1]}")
+    # zero-sized dims count as 1: a zero-element tensor with absurd dims is refused here, not by numpy later
+    if math.prod(max(d, 1) for d in shape) > max_elements:
+        raise InvalidRequest(f"{what}: shape {list(shape)} exceeds the limit of {max_elements} elements")
+    return WIRE_DTYPES[msg.dtype][0], shape
+
+
 def decode(msg: pb.Tensor, what: str = "tensor", max_elements: int = 1 << 28) -> torch.Tensor:
     """A torch tensor from a peer's message, or InvalidRequest saying what is wrong with it."""
-    if msg.dtype not in WIRE_DTYPES:
-        raise InvalidRequest(f"{what}: unknown dtype {msg.dtype!r}; expected one of {', '.join(WIRE_DTYPES)}")
-    dtype, itemsize = WIRE_DTYPES[msg.dtype]
-    shape = tuple(msg.shape)
-    if not 1 <= len(shape) <= MAX_RANK or any(d < 0 for d in shape):
-        raise InvalidRequest(f"{what}: bad shape {list(shape)}")
+    _, shape = header(msg, what, max_elements)
+    itemsize = WIRE_DTYPES[msg.dtype][1]
     count = math.prod(shape)
-    if count > max_elements:
-        raise InvalidRequest(f"{what}: {count} elements exceed the limit of {max_elements}")
-    if len(msg.data) != count * itemsize:
+    data = msg.data  # (each read of a bytes field copies it: read it once)
+    if len(data) != count * itemsize:
         raise InvalidRequest(
-            f"{what}: {len(msg.data)} bytes do not match shape {list(shape)} of {msg.dtype} ({count * itemsize} bytes)"
+            f"{what}: {len(data)} bytes do not match shape {list(shape)} of {msg.dtype} ({count * itemsize} bytes)"
         )
     if msg.dtype == "bfloat16":
-        array = np.frombuffer(msg.data, dtype=np.int16).reshape(shape)
+        array = np.frombuffer(data, dtype=np.int16).reshape(shape)
         return torch.from_numpy(array.copy()).view(torch.bfloat16)
     np_dtype = np.bool_ if msg.dtype == "bool" else np.dtype(msg.dtype)
     # copy: frombuffer views the immutable message bytes, and torch wants writable memory
-    return torch.from_numpy(np.frombuffer(msg.data, dtype=np_dtype).reshape(shape).copy())
+    return torch.from_numpy(np.frombuffer(data, dtype=np_dtype).reshape(shape).copy())
 
 
 def is_set(msg: pb.Tensor) -> bool:

@@ -51,14 +51,16 @@ class OpenSession(_message.Message):
     def __init__(self, start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_length: _Optional[int] = ...) -> None: ...
 
 class PushTarget(_message.Message):
-    __slots__ = ("address", "session_id", "step_id")
+    __slots__ = ("address", "session_id", "step_id", "secret")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     address: str
     session_id: str
     step_id: int
-    def __init__(self, address: _Optional[str] = ..., session_id: _Optional[str] = ..., step_id: _Optional[int] = ...) -> None: ...
+    secret: bytes
+    def __init__(self, address: _Optional[str] = ..., session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., secret: _Optional[bytes] = ...) -> None: ...
 
 class InferenceStep(_message.Message):
     __slots__ = ("hidden", "attention_mask", "step_id", "push")
@@ -73,17 +75,19 @@ class InferenceStep(_message.Message):
     def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., step_id: _Optional[int] = ..., push: _Optional[_Iterable[_Union[PushTarget, _Mapping]]] = ...) -> None: ...
 
 class InferenceRequest(_message.Message):
-    __slots__ = ("session_id", "open", "step")
+    __slots__ = ("session_id", "open", "step", "secret")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     open: OpenSession
     step: InferenceStep
-    def __init__(self, session_id: _Optional[str] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., step: _Optional[_Union[InferenceStep, _Mapping]] = ...) -> None: ...
+    secret: bytes
+    def __init__(self, session_id: _Optional[str] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., step: _Optional[_Union[InferenceStep, _Mapping]] = ..., secret: _Optional[bytes] = ...) -> None: ...
 
 class InferenceReply(_message.Message):
-    __slots__ = ("session_id", "hidden", "timing", "step_id", "position", "error", "pushed")
+    __slots__ = ("session_id", "hidden", "timing", "step_id", "position", "error", "pushed", "session_secret")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +95,7 @@ class InferenceReply(_message.Message):
     POSITION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PUSHED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     hidden: Tensor
     timing: Timing
@@ -98,15 +103,18 @@ class InferenceReply(_message.Message):
     position: int
     error: Error
     pushed: bool
-    def __init__(self, session_id: _Optional[str] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., step_id: _Optional[int] = ..., position: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., pushed: _Optional[bool] = ...) -> None: ...
+    session_secret: bytes
+    def __init__(self, session_id: _Optional[str] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., step_id: _Optional[int] = ..., position: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., pushed: _Optional[bool] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("session_id", "step")
+    __slots__ = ("session_id", "step", "secret")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: InferenceStep
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[_Union[InferenceStep, _Mapping]] = ...) -> None: ...
+    secret: bytes
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[_Union[InferenceStep, _Mapping]] = ..., secret: _Optional[bytes] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ()
@@ -133,11 +141,13 @@ class ForwardReply(_message.Message):
     def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("server_id", "model", "start_block", "end_block", "num_blocks", "hidden_size", "dtype", "cache_bytes_total", "cache_bytes_free", "active_sessions", "queue_length", "max_length", "max_batch", "max_message_bytes", "decode_s_per_block", "prefill_a_s", "prefill_b_s", "version")
+    __slots__ = ("server_id", "model", "start_block", "end_block", "num_blocks", "hidden_size", "dtype", "cache_bytes_total", "cache_bytes_free", "active_sessions", "queue_length", "max_length", "max_batch", "max_message_bytes", "decode_s_per_block", "prefill_a_s", "prefill_b_s", "version", "session_bytes_per_block_token", "fingerprint", "quant", "weight_bytes", "public_key", "signature", "signed_address")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +166,13 @@ class InfoReply(_message.Message):
     PREFILL_A_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_B_S_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_BYTES_PER_BLOCK_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    QUANT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     model: str
     start_block: int
@@ -174,4 +191,11 @@ class InfoReply(_message.Message):
     prefill_a_s: float
     prefill_b_s: float
     version: str
-    def __init__(self, server_id: _Optional[str] = ..., model: _Optional[str] = ..., start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., cache_bytes_total: _Optional[int] = ..., cache_bytes_free: _Optional[int] = ..., active_sessions: _Optional[int] = ..., queue_length: _Optional[int] = ..., max_length: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., decode_s_per_block: _Optional[float] = ..., prefill_a_s: _Optional[float] = ..., prefill_b_s: _Optional[float] = ..., version: _Optional[str] = ...) -> None: ...
+    session_bytes_per_block_token: int
+    fingerprint: str
+    quant: str
+    weight_bytes: int
+    public_key: bytes
+    signature: bytes
+    signed_address: str
+    def __init__(self, server_id: _Optional[str] = ..., model: _Optional[str] = ..., start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., cache_bytes_total: _Optional[int] = ..., cache_bytes_free: _Optional[int] = ..., active_sessions: _Optional[int] = ..., queue_length: _Optional[int] = ..., max_length: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., decode_s_per_block: _Optional[float] = ..., prefill_a_s: _Optional[float] = ..., prefill_b_s: _Optional[float] = ..., version: _Optional[str] = ..., session_bytes_per_block_token: _Optional[int] = ..., fingerprint: _Optional[str] = ..., quant: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., signed_address: _Optional[str] = ...) -> None: ...
