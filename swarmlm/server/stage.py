@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from swarmlm.model.checkpoint import load_blocks, parse_dtype
+from swarmlm.model.quant import Quant, check_quant, quantize_linears, weight_bytes
 from swarmlm.server.batching import Member, SpanCache, StepCache, left_pad
 from swarmlm.types import BlockRange
 
@@ -46,17 +47,20 @@ class StepRequest:
 
 
 class Stage:
-    def __init__(self, model_dir: str, blocks: BlockRange, dtype: str = "float32") -> None:
+    def __init__(self, model_dir: str, blocks: BlockRange, dtype: str = "float32", quant: Quant = "none") -> None:
         self.blocks = blocks
-        self.dtype = parse_dtype(dtype)
+        self.dtype = parse_dtype(dtype, model_dir)  # "auto": the checkpoint's own (fp32 for bf16 on CPU)
+        self.quant = check_quant(quant, self.dtype)
         self.config, self.adapter, self.modules = load_blocks(model_dir, blocks.start, blocks.end, self.dtype)
+        quantize_linears(self.modules, self.quant)  # before profiling: the announced speed is the quantized one
+        self.weight_bytes = weight_bytes(self.modules)  # what the blocks hold in memory (announced)
         self.hidden_size = int(self.config.hidden_size)
 
     @property
     def kv_dim(self) -> int:
-        """Width of one block's key (or value) per token: hidden size, or fewer with grouped-query attention."""
-        heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
-        return int(heads * (self.config.hidden_size // self.config.num_attention_heads))
+        """Width of one block's key (or value) per token: hidden size, or fewer with grouped-query attention (the
+        family knows: explicit head_dim in Qwen3 / Gemma 2, Falcon's multi-query)."""
+        return self.adapter.kv_dim(self.config)
 
     def cache_bytes(self, num_blocks: int, batch: int, max_length: int) -> int:
         # keys + values for every block, sequence and position the session may reach
