@@ -35,6 +35,18 @@ class ServerFailed(SwarmError):
         super().__init__(f"server {server_id} failed: {reason}")
 
 
+class ServerHung(ServerFailed):
+    """A server is alive (its stream did not break) but sent no reply within its hang timeout: a failure of it."""
+
+    def __init__(self, server_id: str, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        super().__init__(server_id, f"hung: no reply within {timeout_s:.1f} s")
+
+
+class SwarmAccessDenied(SwarmError):
+    """This peer lacks what the swarm requires (a private swarm's key): nothing will work until it has it."""
+
+
 class PlanningError(SwarmError, ValueError):
     """A topology or placement request cannot be satisfied (unknown names, not enough memory, uncovered blocks)."""
 

@@ -1,17 +1,25 @@
-"""Swarm membership on hivemind's DHT: servers announce one small record per block; clients read them."""
+"""Swarm membership on hivemind's DHT: servers announce one small record per block; clients read them.
+
+What a record must be to count (checked by every swarmlm DHT node when it stores or returns one, and again by
+`fetch_records`): signed by the key in its subkey (hivemind's RSASignatureValidator), under the id that key hashes to
+(swarm/identity.py), expiring at most MAX_RECORD_TTL_S ahead, and in a private swarm carrying a valid swarm-key MAC
+(swarm/private.py). A peer can thus add records under its own id only; whether such a server is any good is the
+client's connect check."""
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.utils import get_dht_time
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarmlm.swarm.dht_thread import ThreadDHT
-from swarmlm.swarm.records import OFFLINE, ServerRecord, block_key
+from swarmlm.swarm.identity import id_of
+from swarmlm.swarm.private import MAC_FIELD, mac_ok, refuse_keyless, with_mac
+from swarmlm.swarm.records import MAX_CLOCK_SKEW_S, MAX_RECORD_TTL_S, OFFLINE, ServerRecord, block_key
 
 log = logging.getLogger(__name__)
 
@@ -20,26 +28,76 @@ AnyDHT = hivemind.DHT | ThreadDHT
 
 
 def default_prefix(model_dir: str | Path) -> str:
-    """DHT namespace from the checkpoint directory's name (servers and clients of one model agree on it)."""
-    name = Path(model_dir).resolve().name
-    return re.sub(r"[^A-Za-z0-9_-]", "-", name) or "model"
+    """DHT namespace from the model's identity (hub id, or a hash of a directory's config.json): servers and
+    clients of one model agree on it whatever the path (swarmlm/model/identity.py)."""
+    from swarmlm.model.identity import dht_prefix
+
+    return dht_prefix(model_dir)
 
 
 OWNER = "[owner:"  # hivemind's marker of a protected (signed) subkey
 
 
+def split_owner(subkey: str) -> tuple[str, bytes | None]:
+    """'ID[owner:KEY]' -> ('ID', b'KEY'); (subkey, None) for an unprotected subkey."""
+    owner_id, marker, rest = subkey.partition(OWNER)
+    if not marker or not rest.endswith("]"):
+        return subkey, None
+    return owner_id, rest[:-1].encode()
+
+
+class SwarmRecordValidator(RecordValidatorBase):
+    """swarmlm's rules for every DHT record, on top of hivemind's signature check (which runs first and strips
+    the signature): expiration within MAX_RECORD_TTL_S, the id before an owner marker is that key's id, and in a
+    private swarm a valid swarm-key MAC. A node refuses to store a record that fails them, and a reader drops a
+    peer's answer that contains one."""
+
+    def __init__(self, swarm_key: bytes | None = None) -> None:
+        self.swarm_key = swarm_key
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.expiration_time > get_dht_time() + MAX_RECORD_TTL_S + MAX_CLOCK_SKEW_S:
+            return False
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey) if record.subkey else None
+        except Exception:
+            return False
+        if isinstance(subkey, str):
+            owner_id, public_key = split_owner(subkey)
+            if public_key is not None and id_of(public_key) != owner_id:
+                return False
+        if self.swarm_key is None:
+            return True
+        try:
+            value = MSGPackSerializer.loads(record.value)
+        except Exception:
+            return False
+        return mac_ok(self.swarm_key, subkey if isinstance(subkey, str) else "", record.expiration_time, value)
+
+    @property
+    def priority(self) -> int:
+        return 5  # below RSASignatureValidator's 10: it sees the value with the signature already checked and stripped
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return False
+
+
+def validators(signer: RSASignatureValidator | None = None, swarm_key: bytes | None = None) -> list[RecordValidatorBase]:
+    return [signer or RSASignatureValidator(), SwarmRecordValidator(swarm_key)]
+
+
 def start_dht(
     initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0, client_mode: bool = False,
-    validator: RSASignatureValidator | None = None,
+    validator: RSASignatureValidator | None = None, swarm_key: bytes | None = None,
 ) -> hivemind.DHT:
-    """A DHT node that signs the records it owns and rejects records whose signature does not match."""
+    """A DHT node that signs the records it owns and refuses records that break swarmlm's rules (see above)."""
     return hivemind.DHT(
         initial_peers=list(initial_peers),
         host_maddrs=[f"/ip4/{host}/tcp/{port}"],
         client_mode=client_mode,
         start=True,
         await_ready=True,
-        record_validators=[validator or RSASignatureValidator()],
+        record_validators=validators(validator, swarm_key),
     )
 
 
@@ -53,12 +111,15 @@ def visible_addrs(dht: AnyDHT) -> list[str]:
 
 
 def announce(dht: AnyDHT, prefix: str, record: ServerRecord, ttl_s: float, timeout_s: float = 10.0,
-             subkey: str | None = None) -> bool:
+             subkey: str | None = None, swarm_key: bytes | None = None) -> bool:
     """Store the (signed) record under every block it serves; True if every store was accepted."""
+    if not 0 < ttl_s <= MAX_RECORD_TTL_S:
+        raise ValueError(f"record ttl must be in (0, {MAX_RECORD_TTL_S}] s, got {ttl_s}")
     expiration = get_dht_time() + ttl_s
     subkey = subkey or owner_subkey(record.server_id)
+    value = with_mac(swarm_key, subkey, expiration, record.to_dict())
     futures = [
-        dht.store(block_key(prefix, b), record.to_dict(), expiration_time=expiration, subkey=subkey,
+        dht.store(block_key(prefix, b), value, expiration_time=expiration, subkey=subkey,
                   return_future=True)
         for b in range(record.start, record.end)
     ]
@@ -66,11 +127,16 @@ def announce(dht: AnyDHT, prefix: str, record: ServerRecord, ttl_s: float, timeo
 
 
 def fetch_records(
-    dht: AnyDHT, prefix: str, blocks: Iterable[int], timeout_s: float = 10.0
+    dht: AnyDHT, prefix: str, blocks: Iterable[int], timeout_s: float = 10.0, swarm_key: bytes | None = None,
 ) -> dict[str, ServerRecord]:
-    """Online servers with a valid, unexpired record on any of `blocks`, by server id (newest record wins)."""
+    """Online servers with a valid, unexpired record on any of `blocks`, by server id (newest record wins).
+
+    A record counts only if its subkey's key hashes to its id and its expiration is within MAX_RECORD_TTL_S (the DHT
+    checked the signature by that key); with `swarm_key`, only if its MAC is valid too. Without a key, records
+    carrying a MAC mean the swarm is private: SwarmAccessDenied."""
     futures = {b: dht.get(block_key(prefix, b), latest=True, return_future=True) for b in blocks}
     found: dict[str, tuple[float, ServerRecord]] = {}
+    refused = ""  # records we cannot read: the swarm is private and we lack (the right) key
     now = get_dht_time()
     for block, future in futures.items():
         try:
@@ -81,19 +147,42 @@ def fetch_records(
         if entry is None or not isinstance(entry.value, dict):
             continue
         for subkey, item in entry.value.items():
-            # only signed records count: the DHT checked the signature against the key in the subkey
-            owner_id, marker, _ = str(subkey).partition(OWNER)
-            if not marker:
-                log.debug("dropped an unsigned record under block %d", block)
+            why = _why_dropped(str(subkey), item.value, item.expiration_time, block, now, swarm_key)
+            if why is not None:
+                refused = why if why.startswith(("private", "wrong")) else refused
+                log.debug("dropped a record under block %d: %s", block, why)
                 continue
-            try:
-                record = ServerRecord.from_dict(item.value)
-            except ValueError as exc:
-                log.debug("dropped a malformed record under block %d: %s", block, exc)
-                continue
-            if item.expiration_time < now or record.server_id != owner_id or not record.start <= block < record.end:
-                continue
+            record = ServerRecord.from_dict(item.value)
             prev = found.get(record.server_id)
             if prev is None or item.expiration_time > prev[0]:
                 found[record.server_id] = (item.expiration_time, record)
+    if refused and not found:
+        raise refuse_keyless(f"the DHT namespace {prefix!r}" + (" (our swarm key is not its key)"
+                                                                if refused.startswith("wrong") else ""))
     return {sid: rec for sid, (_, rec) in found.items() if rec.state != OFFLINE}
+
+
+def _why_dropped(subkey: str, value, expiration_time: float, block: int, now: float,
+                 swarm_key: bytes | None) -> str | None:
+    """Why a record does not count, or None. "private...": it carries a swarm-key MAC and we have no key;
+    "wrong...": its MAC does not verify with our key."""
+    owner_id, public_key = split_owner(subkey)
+    if public_key is None:
+        return "unsigned"
+    if id_of(public_key) != owner_id:
+        return "its id is not its key's"
+    if not now <= expiration_time <= now + MAX_RECORD_TTL_S + MAX_CLOCK_SKEW_S:
+        return "expired or expiring too far ahead"
+    if swarm_key is None and isinstance(value, dict) and MAC_FIELD in value:
+        return "private"
+    if swarm_key is not None and not mac_ok(swarm_key, subkey, expiration_time, value):
+        return "wrong swarm-key MAC" if isinstance(value, dict) and MAC_FIELD in value else "no swarm-key MAC"
+    try:
+        record = ServerRecord.from_dict(value)
+    except ValueError as exc:
+        return f"malformed: {exc}"
+    if record.server_id != owner_id:
+        return "written under another id"
+    if not record.start <= block < record.end:
+        return "outside its range"
+    return None

@@ -21,7 +21,9 @@ class ThreadDHT:
 
     def __init__(self, initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0,
                  client_mode: bool = True, validator: RSASignatureValidator | None = None,
-                 start_timeout_s: float = 60.0) -> None:
+                 start_timeout_s: float = 60.0, swarm_key: bytes | None = None) -> None:
+        from swarmlm.swarm.dht import validators  # (that module imports this one)
+
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="swarmlm-dht", daemon=True)
         self.thread.start()
@@ -29,7 +31,7 @@ class ThreadDHT:
         create = DHTNode.create(
             initial_peers=list(initial_peers), client_mode=client_mode,
             host_maddrs=[f"/ip4/{host}/tcp/{port}"],
-            record_validator=CompositeValidator([validator or RSASignatureValidator()]),
+            record_validator=CompositeValidator(validators(validator, swarm_key)),
         )
         try:
             self.node = self._call(create).result(start_timeout_s)

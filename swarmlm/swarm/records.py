@@ -8,6 +8,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 ONLINE, OFFLINE = "online", "offline"
+QUANT_NAMES = ("none", "int8")  # weight quantization a server may announce (swarmlm/model/quant.py)
+# A record lives at most this long after its writer's last store: swarmlm DHT nodes refuse, and readers drop, a record
+# whose expiration lies further ahead (the writer chooses its expiration; a rogue would choose "in a year"). Servers'
+# record_ttl_s must fit under it. MAX_CLOCK_SKEW_S is the slack for peers whose clocks run ahead.
+MAX_RECORD_TTL_S = 60.0
+MAX_CLOCK_SKEW_S = 5.0
 _ADDRESS = re.compile(r"^[A-Za-z0-9.\-\[\]:]{1,200}:\d{1,5}$")
 
 
@@ -28,6 +34,9 @@ class ServerRecord:
     queue_length: int = 0
     max_length: int = 0
     version: str = ""
+    fingerprint: str = ""  # the weights of [start, end) (swarmlm/model/identity.py); clients compare their own
+    quant: str = "none"  # weights of the linear layers: "none" | "int8" (swarmlm/model/quant.py)
+    weight_bytes: int = 0  # bytes the served blocks' weights take in memory (0 = not announced)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -60,7 +69,26 @@ class ServerRecord:
             raise ValueError(f"record address {record.address!r} is not host:port")
         if record.state not in (ONLINE, OFFLINE):
             raise ValueError(f"record state {record.state!r}")
+        if record.quant not in QUANT_NAMES:
+            raise ValueError(f"record quant {record.quant!r}")
         return record
+
+
+def record_from_info(info, address: str, state: str = ONLINE) -> ServerRecord:
+    """The one conversion between a server's `Info` reply (pb.InfoReply) and what it announces: the server
+    builds its DHT record with it, a client with a fixed server list reads its servers with it. Validated as
+    a DHT record is (a peer's reply is not trusted)."""
+    return ServerRecord.from_dict({
+        "server_id": info.server_id, "address": address, "start": info.start_block, "end": info.end_block,
+        "state": state, "decode_s": info.decode_s_per_block, "prefill_a_s": info.prefill_a_s,
+        "prefill_b_s": info.prefill_b_s, "cache_bytes_free": info.cache_bytes_free,
+        "cache_bytes_total": info.cache_bytes_total,
+        "session_bytes_per_block_token": info.session_bytes_per_block_token,
+        "active_sessions": info.active_sessions, "queue_length": info.queue_length, "max_length": info.max_length,
+        "version": info.version,
+        "fingerprint": info.fingerprint,
+        "quant": info.quant or "none", "weight_bytes": info.weight_bytes,  # (older servers send no quant)
+    })
 
 
 def block_key(prefix: str, block: int) -> str:
