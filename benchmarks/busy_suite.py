@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/busy_suite.py                       # `make test`'s command, 5 runs
     .venv/bin/python benchmarks/busy_suite.py --runs 3 tests/test_batching.py tests/test_netem_testbed.py
+    .venv/bin/python benchmarks/busy_suite.py --runs 10 tests/test_batching.py -k lockstep
     .venv/bin/python benchmarks/busy_suite.py --hogs 0 --runs 1     # the same without the hog, for comparison
 
 The hog is one Python busy-loop process per core (no stress-ng needed), started before the first run and stopped
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="busy-loop processes, one per core by default; 0 for none")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per run (default 3600)")
     parser.add_argument("--log-dir", default=None, help="where each run's output goes (default: a temp dir)")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)  # pytest options (-k, -m ...) pass through
+    args.selection += extra
     if args.runs < 1 or args.hogs < 0:
         parser.error("--runs must be >= 1 and --hogs >= 0")
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="swarmlm-busy-suite-"))

@@ -74,5 +74,6 @@ def test_milp_json_is_clean_on_the_real_stdout(topo_file):
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-m", "swarmlm.cli.main", "plan", "--topology", str(topo_file),
-                          "--algorithm", "milp", "--json"], capture_output=True, text=True, timeout=120, check=True)
+                          "--algorithm", "milp", "--time-limit", "300", "--json"], capture_output=True, text=True,
+                         timeout=600, check=True)
     assert json.loads(out.stdout)["gap"] == pytest.approx(0.0, abs=1e-6)
