@@ -1,55 +1,117 @@
-"""`DistributedModelForCausalLM`: the client's embeddings and LM head around the swarm's blocks."""
+"""`DistributedModelForCausalLM`: the client's embeddings and LM head around the swarm's blocks.
+
+It is a transformers `GenerationMixin` model: `generate()` is transformers' own, driving a `RemoteCache` (the swarm
+session) through `forward()`, which embeds only the tokens the session has not seen, steps them through the
+servers and applies the head (on the last position only while generating: at a 250k vocabulary the head is the
+costly part of the client).
+"""
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Sequence
 
 import torch
+from torch import nn
+from transformers import GenerationConfig
+from transformers.generation.utils import GenerationMixin
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from swarmlm.client.generate import GenerationStats, SamplingConfig, generate_tokens
+from swarmlm.client.generate import GenerationStats, RemoteCache
 from swarmlm.client.remote import RemoteSequence
 from swarmlm.client.session import InferenceSession
 from swarmlm.config import ClientConfig
 from swarmlm.errors import InvalidRequest
 from swarmlm.model.checkpoint import load_client_modules, parse_dtype
+from swarmlm.model.identity import WeightsCheck
+from swarmlm.model.quant import quantize_client_modules
+from swarmlm.model.source import resolve
 from swarmlm.swarm.dht import default_prefix
 
 
-class DistributedModelForCausalLM:
+def _generation_config(model_dir: str, config) -> GenerationConfig:
+    """generation_config.json's defaults when the checkpoint has one, else the model config's, as transformers."""
+    found = resolve(model_dir).optional_file("generation_config.json")  # a directory or a hub id
+    if found is not None:
+        return GenerationConfig.from_pretrained(found.parent)
+    return GenerationConfig.from_model_config(config)
+
+
+class DistributedModelForCausalLM(nn.Module, GenerationMixin):
+    main_input_name = "input_ids"
+    _is_stateful = False
+
     def __init__(self, model_dir: str | Path, config: ClientConfig) -> None:
+        super().__init__()
         self.model_dir = str(model_dir)
         self.client_config = config
         torch.set_num_threads(config.threads)
-        self.dtype = parse_dtype(config.dtype)
-        self.config, self.adapter, self.modules = load_client_modules(model_dir, self.dtype)
+        self.dtype = parse_dtype(config.dtype, model_dir)  # "auto": the checkpoint's own (fp32 for bf16 on CPU)
+        self.config, self.adapter, self.client_modules = load_client_modules(model_dir, self.dtype)
+        quantize_client_modules(self.client_modules, config.quant, self.dtype)  # int8 head + embeddings (or none)
+        self.generation_config = _generation_config(self.model_dir, self.config)
         self.num_blocks = int(self.config.num_hidden_layers)
         self.remote = RemoteSequence(config, self.num_blocks, config.dht_prefix or default_prefix(model_dir))
-        gen = getattr(self.config, "eos_token_id", None)
-        self.eos_token_id: tuple[int, ...] = tuple(gen if isinstance(gen, list) else [gen] if gen is not None else [])
-        self.pad_token_id = getattr(self.config, "pad_token_id", None)
+        self.remote.weights_check = WeightsCheck(model_dir)  # refuse servers of other weights under this name
+        eos = self.generation_config.eos_token_id
+        self.eos_token_id: tuple[int, ...] = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.pad_token_id = self.generation_config.pad_token_id
         self.last_stats: GenerationStats | None = None
-        self.last_session: InferenceSession | None = None
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, initial_peers: Sequence[str] = (), servers: Sequence[str] = (),
+    def from_pretrained(cls, name_or_path: str | Path, initial_peers: Sequence[str] = (), servers: Sequence[str] = (),
+                        dtype: str = "float32", dht_prefix: str | None = None, revision: str | None = None,
                         **kwargs) -> "DistributedModelForCausalLM":
-        """Load the client's modules from a local checkpoint; find servers through the DHT or a fixed list."""
+        """The client's modules from a checkpoint; servers found through the DHT (`initial_peers`) or a fixed
+        `servers` list (host:port). Other keyword arguments are ClientConfig fields."""
         if not initial_peers and not servers:
             raise ValueError("give initial_peers (a DHT address) or servers (host:port list)")
-        return cls(model_dir, ClientConfig(initial_peers=tuple(initial_peers), servers=tuple(servers), **kwargs))
+        if revision is not None and Path(name_or_path).is_dir():
+            raise ValueError(f"revision={revision!r} applies to hub ids, but {name_or_path} is a local directory")
+        config = ClientConfig(initial_peers=tuple(initial_peers), servers=tuple(servers), dtype=dtype,
+                              dht_prefix=dht_prefix, **kwargs)
+        return cls(name_or_path, config)
+
+    # ---- what GenerationMixin asks of a model ----------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")  # the client's embeddings and head run on the CPU
+
+    @classmethod
+    def can_generate(cls) -> bool:
+        return True
+
+    @classmethod
+    def is_remote_code(cls) -> bool:
+        return False
+
+    def get_experts_implementation(self) -> dict[str, str | None]:
+        return {"": None}  # no experts on the client: mixture-of-experts layers run on the servers
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length) -> None:
+        """transformers reserves a cache here: our session holds prompt + new tokens but the last one."""
+        cache = model_kwargs.get("cache")
+        if cache is None:
+            return  # use_cache=False: every step is a one-shot session over the whole sequence
+        if not isinstance(cache, RemoteCache):
+            raise InvalidRequest("the swarm keeps the attention caches: pass no cache= (or session=) to generate()")
+        if cache.session is None:
+            cache.max_length = max_cache_length
 
     # ---- the client's own compute ------------------------------------------------------------------------
     @torch.inference_mode()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size:
             raise InvalidRequest(f"token ids must be in [0, {self.config.vocab_size})")
-        hidden = self.modules.embed(input_ids)
-        return self.modules.embed_norm(hidden) if self.modules.embed_norm is not None else hidden
+        hidden = self.client_modules.embed(input_ids)
+        norm = self.client_modules.embed_norm
+        return norm(hidden) if norm is not None else hidden
 
     @torch.inference_mode()
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.modules.lm_head(self.modules.final_norm(hidden.to(self.dtype)))
+        return self.client_modules.lm_head(self.client_modules.final_norm(hidden.to(self.dtype)))
 
     # ---- through the swarm ---------------------------------------------------------------------------------
     def inference_session(self, max_length: int, batch_size: int = 1, l_in_hint: int = 16,
@@ -61,36 +123,96 @@ class DistributedModelForCausalLM:
                     stats: GenerationStats | None = None, last_only: bool = False) -> torch.Tensor:
         """New tokens [B, T] -> logits [B, T, V] ([B, 1, V] with last_only), keeping the session's caches on the
         servers. Generation needs only the last position: with a 250k vocabulary the head is the costly part."""
+        return self._logits(session, input_ids, attention_mask, slice(-1, None) if last_only else slice(None), stats)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cache: RemoteCache | None = None, use_cache: bool | None = None, logits_to_keep: int = 0,
+                **kwargs) -> CausalLMOutputWithPast:
+        """input_ids [B, T]: tokens the session has not seen (all of them without a cache); attention_mask
+        [B, past + T] as transformers keeps it (1 = token, 0 = left padding). logits_to_keep: the last N positions
+        only (0 = all). Without a cache, a one-shot session over the whole sequence."""
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise InvalidRequest(f"input_ids must be [batch, tokens] with tokens >= 1, got {list(input_ids.shape)}")
+        batch, tokens = input_ids.shape
+        mask = attention_mask[:, -tokens:] if attention_mask is not None else None
+        keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
+        if cache is None:
+            with self.inference_session(max_length=tokens, batch_size=batch, l_in_hint=tokens,
+                                        l_out_hint=1) as session:
+                logits = self._logits(session, input_ids, mask, keep, None)
+            return CausalLMOutputWithPast(logits=logits)
+        cache.before_forward()
+        logits = self._logits(cache.session_for(batch, tokens), input_ids, mask, keep, cache.stats)
+        cache.after_forward()
+        return CausalLMOutputWithPast(logits=logits, cache=cache)
+
+    def _logits(self, session: InferenceSession, input_ids: torch.Tensor, mask: torch.Tensor | None, keep: slice,
+                stats: GenerationStats | None) -> torch.Tensor:
         t0 = time.perf_counter()
         hidden = self.embed(input_ids)
         t1 = time.perf_counter()
-        out = session.step(hidden, attention_mask)
+        out = session.step(hidden, mask)[:, keep]
         t2 = time.perf_counter()
-        logits = self.head(out[:, -1:] if last_only else out)
+        logits = self.head(out)
         if stats is not None:
             stats.embed_s += t1 - t0
             stats.head_s += time.perf_counter() - t2
         return logits
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits for whole sequences [B, T] -> [B, T, V] (a one-step session)."""
-        with self.inference_session(max_length=input_ids.shape[1], batch_size=input_ids.shape[0],
-                                    l_in_hint=input_ids.shape[1], l_out_hint=1) as session:
-            return self.step_logits(session, input_ids, attention_mask)
-
-    __call__ = forward
-
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
-                 do_sample: bool = False, temperature: float = 1.0, top_k: int | None = 50, top_p: float = 1.0,
-                 generator: torch.Generator | None = None, session: InferenceSession | None = None) -> torch.Tensor:
-        """Same core arguments and return value as `transformers`' generate(): prompt + new tokens."""
-        cfg = SamplingConfig(
-            max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-            eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
-        )
-        ids, stats = generate_tokens(self, input_ids, attention_mask, cfg, generator, session)
-        self.last_stats = stats
-        return ids
+    @torch.no_grad()
+    def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, *,
+                 session: InferenceSession | None = None, generator: torch.Generator | None = None,
+                 stats: GenerationStats | None = None, **kwargs):
+        """transformers' `generate()` through the swarm. Extra arguments: `session`, an open session to run in
+        (it stays open); `generator`, a torch.Generator for sampling (otherwise torch's global one, as
+        transformers); `stats`, a GenerationStats filled in place (also kept as `model.last_stats`)."""
+        checked, _ = self._prepare_generation_config(generation_config, **kwargs)
+        if checked.num_beams > 1:
+            raise InvalidRequest(f"num_beams={checked.num_beams}: beam search needs caches the servers can reorder "
+                                 "between beams, which the swarm does not do; use greedy or sampling")
+        if kwargs.get("assistant_model") is not None or checked.prompt_lookup_num_tokens:
+            raise InvalidRequest("assisted decoding needs caches the servers can roll back, which the swarm does not do")
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        remote = RemoteCache(self, session, stats) if checked.use_cache else None
+        if remote is not None:
+            remote.stats.prompt_tokens = int(ids.shape[1]) if ids is not None else 0
+            kwargs["cache"] = remote
+        out = None
+        try:
+            with _sampling_rng(generator):
+                out = super().generate(inputs, generation_config, **kwargs)
+        finally:
+            if remote is not None:
+                sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+                self.last_stats = remote.finish(sequences)
+        return out
 
     def close(self) -> None:
         self.remote.close()
+
+
+@contextlib.contextmanager
+def _sampling_rng(generator: torch.Generator | None):
+    """transformers samples with torch's global generator: run it from `generator`'s state, then hand the advanced
+    state back to `generator` and restore the global one."""
+    if generator is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(generator.get_state())
+        try:
+            yield
+        finally:
+            generator.set_state(torch.get_rng_state())
+
+
+class AutoDistributedModelForCausalLM:
+    """As transformers' AutoModelForCausalLM: `from_pretrained` reads the family from config.json. One client class
+    serves every family (the family adapters differ on the servers), so this returns a DistributedModelForCausalLM."""
+
+    def __init__(self) -> None:
+        raise EnvironmentError("use AutoDistributedModelForCausalLM.from_pretrained(name_or_path, initial_peers=...)")
+
+    @staticmethod
+    def from_pretrained(name_or_path: str | Path, *args, **kwargs) -> DistributedModelForCausalLM:
+        return DistributedModelForCausalLM.from_pretrained(name_or_path, *args, **kwargs)

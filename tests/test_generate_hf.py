@@ -1,0 +1,165 @@
+"""generate() is transformers' own: every option gives what AutoModelForCausalLM.generate gives on the same
+checkpoint, through 2 server processes (tiny BLOOM and tiny Llama)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, TextIteratorStreamer
+
+from swarmlm import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
+from swarmlm.errors import InvalidRequest
+from swarmlm.swarm.local import LocalSwarm, even_split
+
+pytestmark = pytest.mark.slow
+PROMPT = "the quick brown fox jumps over"
+
+
+@pytest.fixture(scope="module", params=["bloom", "llama"])
+def swarm(request, checkpoints):
+    path = checkpoints[request.param]
+    with LocalSwarm(path) as swarm:
+        swarm.start(even_split(6, 2))
+        model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=swarm.initial_peers)
+        ref = AutoModelForCausalLM.from_pretrained(path).eval()
+        tok = AutoTokenizer.from_pretrained(path)
+        yield model, ref, tok
+        model.close()
+
+
+def both(model, ref, ids, seed: int | None = None, **kwargs):
+    """The same generate() call on the swarm and on plain transformers (the same seed before each)."""
+    out = []
+    for m in (model, ref):
+        if seed is not None:
+            torch.manual_seed(seed)
+        with torch.no_grad():
+            out.append(m.generate(ids, **kwargs))
+    return out
+
+
+def ids_of(tok, text: str = PROMPT) -> torch.Tensor:
+    return tok(text, return_tensors="pt").input_ids
+
+
+@pytest.mark.parametrize("kwargs", [
+    {},
+    {"repetition_penalty": 1.5},
+    {"no_repeat_ngram_size": 2},
+    {"min_new_tokens": 10},
+    {"do_sample": True, "top_k": 20, "temperature": 0.8},
+    {"do_sample": True, "top_p": 0.9, "num_return_sequences": 2},
+], ids=["greedy", "repetition_penalty", "no_repeat_ngram", "min_new_tokens", "sampling", "sampling-2-sequences"])
+def test_generate_equals_transformers(swarm, kwargs):
+    model, ref, tok = swarm
+    got, want = both(model, ref, ids_of(tok), seed=7, max_new_tokens=10, **kwargs)
+    assert torch.equal(got, want)
+    assert model.last_stats.new_tokens == got.shape[1] - ids_of(tok).shape[1] and model.last_stats.ttft_s > 0
+
+
+def test_stop_strings_and_eos_lists(swarm):
+    model, ref, tok = swarm
+    ids = ids_of(tok)
+    free = model.generate(ids, max_new_tokens=10)[0, ids.shape[1]:]
+    # stop at a string the free run produces in the middle, and at a token it produces (eos given as a list)
+    stop = tok.decode(free[4:5]).strip() or tok.decode(free[4:5])
+    got, want = both(model, ref, ids, max_new_tokens=10, stop_strings=[stop], tokenizer=tok)
+    assert torch.equal(got, want)  # (whether it stops early depends on how transformers maps this tokenizer)
+    got, want = both(model, ref, ids, max_new_tokens=10, eos_token_id=[int(free[4]), 1])
+    assert torch.equal(got, want) and got.shape[1] <= ids.shape[1] + 5
+
+
+def test_missing_pad_id_falls_back_to_eos(swarm):
+    model, ref, tok = swarm
+    enc = tok(["hello", PROMPT], return_tensors="pt", padding=True, padding_side="left")
+    free = model.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=8)
+    eos = int(free[0, enc.input_ids.shape[1] + 1])  # row 0 ends early, row 1 goes on: row 0 is padded
+    saved = model.generation_config.pad_token_id, ref.generation_config.pad_token_id
+    model.generation_config.pad_token_id = ref.generation_config.pad_token_id = None
+    try:
+        got, want = both(model, ref, enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=8,
+                         eos_token_id=eos)
+    finally:
+        model.generation_config.pad_token_id, ref.generation_config.pad_token_id = saved
+    assert torch.equal(got, want)
+
+
+def test_batch_of_prompts_with_left_padding(swarm):
+    model, ref, tok = swarm
+    enc = tok(["hello", PROMPT], return_tensors="pt", padding=True, padding_side="left")
+    assert enc.attention_mask[0, 0] == 0  # the short prompt is padded
+    got, want = both(model, ref, enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=10)
+    assert torch.equal(got, want)
+
+
+def test_scores_and_dict_output(swarm):
+    model, ref, tok = swarm
+    got, want = both(model, ref, ids_of(tok), max_new_tokens=6, return_dict_in_generate=True, output_scores=True,
+                     output_logits=True, repetition_penalty=1.3)
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.scores) == len(want.scores) == 6
+    for a, b in zip(got.scores + got.logits, want.scores + want.logits):
+        assert (a - b).abs().max().item() < 1e-4
+    assert got.cache.session.closed  # the session generate() opened is closed when it returns
+
+
+def test_streamer_sees_the_output(swarm):
+    model, _, tok = swarm
+    ids = ids_of(tok)
+    streamer = TextIteratorStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(out=model.generate(ids, max_new_tokens=10,
+                                                                               streamer=streamer)))
+    thread.start()
+    text = "".join(streamer)
+    thread.join(60)
+    assert text == tok.decode(result["out"][0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_generation_config_json_defaults(swarm):
+    """generation_config.json's values are generate()'s defaults, as in transformers."""
+    model, ref, tok = swarm
+    saved = model.generation_config.no_repeat_ngram_size, ref.generation_config.no_repeat_ngram_size
+    model.generation_config.no_repeat_ngram_size = ref.generation_config.no_repeat_ngram_size = 1
+    try:
+        got, want = both(model, ref, ids_of(tok), max_new_tokens=8)
+    finally:
+        model.generation_config.no_repeat_ngram_size, ref.generation_config.no_repeat_ngram_size = saved
+    assert torch.equal(got, want) and len(set(got[0, -8:].tolist())) == 8
+
+
+def test_forward_gives_the_local_logits(swarm):
+    model, ref, tok = swarm
+    enc = tok(["hello", PROMPT], return_tensors="pt", padding=True, padding_side="left")
+    got = model(enc.input_ids, attention_mask=enc.attention_mask)
+    with torch.no_grad():
+        want = ref(enc.input_ids, attention_mask=enc.attention_mask).logits
+    real = enc.attention_mask.bool()  # padded positions' outputs are not compared
+    assert (got.logits - want)[real].abs().max().item() < 1e-4
+
+
+def test_beam_search_is_refused_clearly(swarm):
+    model, _, tok = swarm
+    with pytest.raises(InvalidRequest, match="beam"):
+        model.generate(ids_of(tok), max_new_tokens=4, num_beams=2)
+
+
+class _Boom(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        raise RuntimeError("boom")
+
+
+def test_the_session_closes_when_generate_raises(swarm, monkeypatch):
+    model, _, tok = swarm
+    opened = []
+    real = DistributedModelForCausalLM.inference_session
+
+    def recording(self, *args, **kwargs):
+        opened.append(real(self, *args, **kwargs))
+        return opened[-1]
+
+    monkeypatch.setattr(DistributedModelForCausalLM, "inference_session", recording)
+    with pytest.raises(RuntimeError, match="boom"):
+        model.generate(ids_of(tok), max_new_tokens=4, stopping_criteria=[_Boom()])
+    assert len(opened) == 1 and opened[0].closed
