@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean chromium
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,7 +17,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/swarmlm demo
 
-test: $(STAMP)
+# headless Chromium for the monitor page's browser test (Debian's package), installed once when missing
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
+		|| echo "could not install chromium (not root?): tests/test_monitor_browser.py will fail"
+
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest -q -x --durations=15
 
 bench: $(STAMP)
