@@ -1,0 +1,102 @@
+"""Hidden states on the wire in fewer bytes: float16 / bfloat16, or 8-bit blockwise.
+
+    float32   4 bytes/value, exact
+    float16   2 bytes/value, |error| <= 2^-11 |x| (relative rounding); values beyond fp16's range go as float32
+    bfloat16  2 bytes/value, |error| <= 2^-8 |x|
+    int8      1.0625 bytes/value: blocks of 64 consecutive values (row-major), each sent as int8 q = round(x / s)
+              with s = absmax(block) / 127 (one float32 per block): |error| <= absmax(block) / 254
+
+The client chooses per link (`ClientConfig.wire_dtype`): "auto" keeps float32 (exact) on fast links (>= 500
+Mbit/s measured, loopback, or not measured yet), float16 down to 50 Mbit/s, int8 below. A server answers in the
+format of the request it answers (int8 in, int8 out), so one setting covers both directions of a hop.
+
+The int8 format is a `Tensor` message with dtype "int8_block64": `shape` is the tensor's, `data` the per-block
+float32 scales followed by the int8 values; a peer's message is checked (sizes, finite non-negative scales)
+before use, and decodes to float32.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from swarmlm.config import WIRE_DTYPE_NAMES  # "auto" + the formats below
+from swarmlm.errors import InvalidRequest
+from swarmlm.wire import swarm_pb2 as pb
+
+INT8_BLOCK = "int8_block64"
+BLOCK = 64  # values per scale: smaller blocks track outliers better, each costs 4 bytes of scale
+PACKED = {INT8_BLOCK: torch.float32}  # packed wire formats -> the dtype they decode to
+FAST_LINK_BPS = 500e6  # auto: at or above this, float32 (exact): the bytes saved cost less than the rounding
+SLOW_LINK_BPS = 50e6  # auto: below this, int8; in between, float16
+_FP16_MAX = 65504.0
+
+
+def check_wire_dtype(name: str) -> str:
+    if name not in WIRE_DTYPE_NAMES:
+        raise ValueError(f"wire_dtype must be one of {', '.join(WIRE_DTYPE_NAMES)}, got {name!r}")
+    return name
+
+
+def choose(setting: str, bandwidth_bps: float) -> str:
+    """The format for one link: the setting itself, or for "auto" the link's measured bandwidth decides."""
+    if check_wire_dtype(setting) != "auto":
+        return setting
+    if bandwidth_bps >= FAST_LINK_BPS:
+        return "float32"
+    return "float16" if bandwidth_bps >= SLOW_LINK_BPS else "int8"
+
+
+def packed_bytes(count: int) -> int:
+    return 4 * math.ceil(count / BLOCK) + count
+
+
+def pack_int8(tensor: torch.Tensor) -> pb.Tensor:
+    """Blockwise absmax int8 (see the module docstring)."""
+    flat = tensor.detach().float().reshape(-1)
+    count = flat.numel()
+    pad = (-count) % BLOCK
+    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, BLOCK)  # [n, 64]
+    scale = blocks.abs().amax(dim=1) / 127.0  # [n]
+    q = torch.round(blocks / scale.clamp(min=1e-30)[:, None]).clamp_(-127, 127).to(torch.int8)
+    data = scale.numpy().tobytes() + q.reshape(-1)[:count].numpy().tobytes()
+    return pb.Tensor(data=data, dtype=INT8_BLOCK, shape=list(tensor.shape))
+
+
+def unpack_int8(data: bytes, shape: tuple[int, ...], what: str = "tensor") -> torch.Tensor:
+    """float32 tensor of `shape` from a peer's int8_block64 bytes, or InvalidRequest."""
+    count = math.prod(shape)
+    blocks = math.ceil(count / BLOCK)
+    if len(data) != packed_bytes(count):
+        raise InvalidRequest(f"{what}: {len(data)} bytes do not match shape {list(shape)} of {INT8_BLOCK} "
+                             f"({packed_bytes(count)} bytes)")
+    scale = torch.from_numpy(np.frombuffer(data, dtype=np.float32, count=blocks).copy())
+    if not (torch.isfinite(scale).all() and (scale >= 0).all()):
+        raise InvalidRequest(f"{what}: {INT8_BLOCK} scales must be finite and non-negative")
+    q = torch.from_numpy(np.frombuffer(data, dtype=np.int8, offset=4 * blocks).copy()).float()
+    q = torch.nn.functional.pad(q, (0, blocks * BLOCK - count)).view(blocks, BLOCK)
+    return (q * scale[:, None]).reshape(-1)[:count].reshape(shape)
+
+
+def encode_hidden(hidden: torch.Tensor, wire_dtype: str) -> pb.Tensor:
+    """Hidden states as a `Tensor` message in `wire_dtype` (float32 | float16 | bfloat16 | int8)."""
+    from swarmlm.wire import codec  # (codec decodes the packed formats with this module: import at call time)
+
+    if wire_dtype == "int8":
+        return pack_int8(hidden)
+    if wire_dtype == "float16" and hidden.abs().max() > _FP16_MAX:
+        wire_dtype = "float32"  # out of fp16's range: exact rather than infinite
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(wire_dtype)
+    if dtype is None:
+        raise ValueError(f"cannot send hidden states as {wire_dtype!r}")
+    return codec.encode(hidden.to(dtype))
+
+
+def encode_like(hidden: torch.Tensor, request_dtype: str) -> pb.Tensor:
+    """A server's reply in the wire format of the request it answers (its `Tensor.dtype`)."""
+    if request_dtype == INT8_BLOCK:
+        return pack_int8(hidden)
+    if request_dtype == "float16":
+        return encode_hidden(hidden, "float16")
+    return encode_hidden(hidden, request_dtype if request_dtype in ("float32", "bfloat16") else "float32")

@@ -1,0 +1,106 @@
+"""Compressed hidden states on the wire (swarmlm/wire/compress.py): each format within its documented bound,
+float32 exact, peers' malformed packed tensors refused; through a real 2-server swarm against fp32 transformers."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.config import ClientConfig
+from swarmlm.errors import InvalidRequest
+from swarmlm.swarm.local import LocalSwarm, even_split
+from swarmlm.wire import codec, compress
+from swarmlm.wire import swarm_pb2 as pb
+
+# logits relative L2 against fp32 transformers through 2 servers (docs/PROTOCOL.md "Compressed hidden states")
+LOGITS_BOUND = {"float32": 1e-5, "float16": 0.005, "bfloat16": 0.03, "int8": 0.03}
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 64), (2, 7, 64), (3, 5, 100), (1, 1, 3)])
+def test_int8_blockwise_error_within_half_a_step(shape):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 5
+    x.view(-1)[0] = 300.0  # an outlier only widens its own block's step
+    msg = compress.pack_int8(x)
+    assert msg.dtype == compress.INT8_BLOCK and len(msg.data) == compress.packed_bytes(x.numel())
+    got = codec.decode(msg)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    flat, err = x.reshape(-1), (got - x).reshape(-1).abs()
+    for start in range(0, flat.numel(), compress.BLOCK):
+        block = slice(start, start + compress.BLOCK)
+        assert err[block].max() <= flat[block].abs().max() / 254 * (1 + 1e-5)
+
+
+def test_float_formats_and_range_fallback():
+    x = torch.randn(2, 3, 64)
+    assert torch.equal(codec.decode(compress.encode_hidden(x, "float32")), x)
+    half = codec.decode(compress.encode_hidden(x, "float16"))
+    assert half.dtype == torch.float16 and ((half.float() - x).abs() <= x.abs() * 2 ** -11 + 1e-7).all()
+    bf = codec.decode(compress.encode_hidden(x, "bfloat16"))
+    assert bf.dtype == torch.bfloat16 and ((bf.float() - x).abs() <= x.abs() * 2 ** -8 + 1e-7).all()
+    big = x * 1e5  # beyond fp16's range: sent exactly rather than as infinities
+    assert torch.equal(codec.decode(compress.encode_hidden(big, "float16")), big)
+    # a server answers in its request's format
+    for name in ("float32", "float16", "bfloat16", compress.INT8_BLOCK):
+        assert compress.encode_like(x, name).dtype == name
+
+
+def test_malformed_packed_tensors_are_refused():
+    good = compress.pack_int8(torch.randn(1, 2, 64))
+    short = pb.Tensor(data=good.data[:-1], dtype=good.dtype, shape=good.shape)
+    with pytest.raises(InvalidRequest, match="bytes"):
+        codec.decode(short)
+    for bad_scale in (np.nan, np.inf, -1.0):
+        scales = np.frombuffer(good.data[:8], dtype=np.float32).copy()
+        scales[0] = bad_scale
+        msg = pb.Tensor(data=scales.tobytes() + good.data[8:], dtype=good.dtype, shape=good.shape)
+        with pytest.raises(InvalidRequest, match="scales"):
+            codec.decode(msg)
+    with pytest.raises(InvalidRequest, match="shape"):
+        codec.header(pb.Tensor(data=b"", dtype=compress.INT8_BLOCK, shape=[1 << 40]))
+
+
+def test_auto_chooses_by_bandwidth_and_settings_are_checked():
+    assert compress.choose("auto", 10e9) == "float32"  # loopback / fast LAN: exact
+    assert compress.choose("auto", 100e6) == "float16"
+    assert compress.choose("auto", 10e6) == "int8"
+    assert compress.choose("int8", 10e9) == "int8"  # an explicit setting is kept
+    with pytest.raises(ValueError, match="wire_dtype"):
+        compress.choose("fp8", 1e9)
+    with pytest.raises(ValueError, match="wire_dtype"):
+        ClientConfig(wire_dtype="int4")
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_bloom):
+    with LocalSwarm(tiny_bloom, with_dht=False) as swarm:
+        swarm.start(even_split(6, 2))
+        yield tiny_bloom, swarm
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wire_dtype", ["float32", "float16", "bfloat16", "int8"])
+def test_swarm_logits_within_bound_per_wire_dtype(swarm, wire_dtype):
+    path, local = swarm
+    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    client = DistributedModelForCausalLM.from_pretrained(path, servers=local.addresses, wire_dtype=wire_dtype)
+    ids = torch.randint(0, 500, (2, 10), generator=torch.Generator().manual_seed(3))
+    try:
+        with client.inference_session(max_length=ids.shape[1] + 3, batch_size=2) as session:
+            got = client.step_logits(session, ids)
+            for step in range(4):
+                with torch.no_grad():
+                    want = ref(ids).logits[:, -got.shape[1]:]
+                err = float((got.float() - want).norm() / want.norm())
+                if wire_dtype == "float32":
+                    assert (got - want).abs().max().item() < 1e-4, step  # exact, as without compression
+                else:
+                    assert 0 < err < LOGITS_BOUND[wire_dtype], (step, err)
+                if step == 3:
+                    break
+                nxt = want[:, -1:].argmax(-1)
+                ids = torch.cat([ids, nxt], 1)
+                got = client.step_logits(session, nxt)
+    finally:
+        client.close()
