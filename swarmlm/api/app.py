@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
@@ -96,11 +97,17 @@ class ClosingStreamingResponse(StreamingResponse):
     """Closes the event generator as soon as the stream ends or the client goes away (not when it is collected),
     so the choices' sessions on the servers are closed at once."""
 
-    async def stream_response(self, send) -> None:
+    def __init__(self, content, on_close: Callable[[], None], **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().stream_response(send)
+            await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            self.on_close()  # first and synchronous: a cancelled scope cannot skip it
+            with anyio.CancelScope(shield=True):  # starlette cancels the response's scope on a disconnect
+                await self.body_iterator.aclose()
 
 
 def create_app(model, tokenizer, config: GatewayConfig) -> FastAPI:
@@ -198,7 +205,8 @@ def create_app(model, tokenizer, config: GatewayConfig) -> FastAPI:
                 await events.aclose()
                 release()
             return JSONResponse(render.whole(collected))
-        return ClosingStreamingResponse(_sse(request, events, first, render, release), media_type="text/event-stream",
+        return ClosingStreamingResponse(_sse(request, events, first, render, release), on_close=release,
+                                        media_type="text/event-stream",
                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.get("/health")
@@ -281,8 +289,9 @@ async def _sse(request: Request, events: AsyncIterator, first, render: "response
         yield _data(error_body(err.message, err.type, err.code))
         yield "data: [DONE]\n\n"
     finally:
-        await events.aclose()
         release()
+        with anyio.CancelScope(shield=True):
+            await events.aclose()
 
 
 async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:

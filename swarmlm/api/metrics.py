@@ -86,12 +86,22 @@ class GatewayMetrics:
             "tokens_per_s": sum(b.tokens for b in recent) / span_s,
             "ttft_s": _pcts(ttft),
             "tpot_s": _pcts(tpot),
-            "history": [
-                {"t": b.start_s, "tokens_per_s": b.tokens / self.bucket_s, "requests": b.requests,
-                 "ttft_p50_s": _num(percentile(b.ttft_s, 50)), "tpot_p50_s": _num(percentile(b.tpot_s, 50))}
-                for b in buckets
-            ],
+            "history": self._history(buckets, now),
         }
+
+    def _history(self, buckets: list[_Bucket], now: float) -> list[dict]:
+        """One point per bucket over the whole window, idle buckets included (0 tokens/s, no latency)."""
+        by_start = {b.start_s: b for b in buckets}
+        last = now - now % self.bucket_s
+        points = []
+        for k in range(self.buckets.maxlen - 1, -1, -1):
+            start = last - k * self.bucket_s
+            b = by_start.get(start) or _Bucket(start)
+            if start < self.started_s - self.bucket_s:
+                continue  # before the gateway started
+            points.append({"t": start, "tokens_per_s": b.tokens / self.bucket_s, "requests": b.requests,
+                           "ttft_p50_s": _num(percentile(b.ttft_s, 50)), "tpot_p50_s": _num(percentile(b.tpot_s, 50))})
+        return points
 
 
 def _num(v: float) -> float | None:

@@ -18,6 +18,9 @@ def add_parser(sub) -> None:
     p.add_argument("--model", help="use this checkpoint instead of a cached random one of --preset")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="torch threads per server and for the client")
+    p.add_argument("--api", action="store_true",
+                   help="then keep the swarm up behind the OpenAI-compatible gateway (swarmlm api) until Ctrl-C")
+    p.add_argument("--api-port", type=int, default=8000)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,9 +77,35 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"route (server id suffix[blocks]): {route}")
         console.print("random weights: the text is noise; what matters is that the swarm gives the local model's tokens")
         model.close()
+        if args.api:
+            serve_api(console, model_dir, swarm.initial_peers, args.api_port, args.threads)
+        else:
+            console.print("serve it: [bold]swarmlm demo --api[/bold] keeps this swarm up behind an OpenAI-compatible "
+                          "API and a monitor page (docs/API.md)", soft_wrap=True)
     except KeyboardInterrupt:
         console.print("interrupted: stopping the swarm")
         return 130
     finally:
         swarm.stop()
     return 0
+
+
+def serve_api(console, model_dir: str, initial_peers: list[str], port: int, threads: int) -> None:
+    """The gateway on the demo swarm until Ctrl-C, with the commands to try it."""
+    import time
+
+    from swarmlm.api.process import GatewayProcess
+
+    with console.status("starting the API gateway"):
+        gateway = GatewayProcess(model_dir, initial_peers, extra=["--port", str(port)], threads=threads).start()
+    try:
+        url = gateway.url
+        console.print(f"OpenAI-compatible API: {url}/v1   monitor: {url}/   (Ctrl-C stops everything)", soft_wrap=True)
+        console.print(f"""curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{{"model": "{model_dir}", \
+  "prompt": "What is the capital of France?", "max_tokens": 16, "temperature": 0}}'""", soft_wrap=True, markup=False)
+        console.print(f"swarmlm status --initial-peers {initial_peers[0]} --model {model_dir}", soft_wrap=True,
+                      markup=False)
+        while gateway.proc is not None and gateway.proc.poll() is None:
+            time.sleep(1)
+    finally:
+        gateway.stop()

@@ -91,6 +91,12 @@ function chart(canvas, series, colors, unit) {
       drawing = true;
     }
     ctx.stroke();
+    ctx.fillStyle = colors[i];  // dots too: a lone bucket with a value is still visible
+    for (const [t, v] of points) {
+      if (v === null || t < t0) continue;
+      const x = pad + ((t - t0) / 300) * (w - pad - 4), y = h - pad - (v / max) * (h - pad - 16);
+      ctx.fillRect(x - 2, y - 2, 4, 4);
+    }
   });
 }
 
@@ -98,7 +104,7 @@ function charts(data) {
   const hist = data.gateway.history;
   chart($("tps"), [hist.map((b) => [b.t, b.tokens_per_s])], ["#4c8bf5"], "tok/s");
   chart($("lat"), [hist.map((b) => [b.t, b.ttft_p50_s]), hist.map((b) => [b.t, b.tpot_p50_s])],
-        ["#e5484d", "#1a7f37"], "ms");
+        ["#e5484d", "#1a7f37"], "ms");  // red: time to first token, green: time per output token
 }
 
 async function refresh() {

@@ -1,0 +1,310 @@
+"""The OpenAI-compatible gateway against a real swarm (DHT + 2 server processes) and the real `swarmlm api`
+process, driven by the official `openai` client; texts checked against plain transformers on the same checkpoint."""
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2 as httpx  # what openai 3.x is built on
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from swarmlm.api.process import GatewayProcess
+from swarmlm.swarm.local import LocalSwarm, even_split
+from swarmlm.wire import swarm_pb2 as pb
+from tests.swarm_helpers import stub
+
+pytestmark = pytest.mark.slow
+KEY = "test-key"
+STREAM_LIMIT = 9  # per client: 8 concurrent streams pass, the 10th of 10 held open is refused
+PROMPTS = ["The quick brown fox", "What is the capital of France?", "Water boils at", "A spider has",
+           "The library opens at", "Machine learning models", "In 1969, astronauts", "Python is a"]
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_bloom):
+    s = LocalSwarm(tiny_bloom)
+    try:
+        s.start(even_split(6, 2))
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(swarm, tiny_bloom, tmp_path_factory):
+    g = GatewayProcess(tiny_bloom, swarm.initial_peers, log_path=tmp_path_factory.mktemp("api") / "api.err", extra=[
+        "--api-key", KEY, "--max-streams-per-client", str(STREAM_LIMIT), "--wait-for-blocks", "3",
+    ])
+    with g:
+        yield g
+
+
+@pytest.fixture(scope="module")
+def client(gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_bloom):
+    """Greedy text of plain transformers: the prompt tokenized as tokenizer(prompt) does, decoded without
+    special tokens; and the finish reason it implies."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bloom)
+    model = AutoModelForCausalLM.from_pretrained(tiny_bloom).eval()
+
+    def greedy(prompt: str, max_tokens: int) -> tuple[str, str]:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+        new = out[0, ids.shape[1]:]
+        reason = "stop" if len(new) < max_tokens or int(new[-1]) == tokenizer.eos_token_id else "length"
+        return tokenizer.decode(new, skip_special_tokens=True), reason
+
+    greedy.model, greedy.tokenizer = model, tokenizer
+    return greedy
+
+
+def _post(gateway, path: str, body, key: str | None = KEY, raw: bool = False) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if raw:
+        return httpx.post(f"{gateway.url}{path}", content=body, headers={**headers, "Content-Type": "application/json"},
+                          timeout=60)
+    return httpx.post(f"{gateway.url}{path}", json=body, headers=headers, timeout=60)
+
+
+def _assert_error(response: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and {"message", "type", "code"} <= set(body["error"]), body
+    assert body["error"]["message"] and "Traceback" not in body["error"]["message"]
+    if code is not None:
+        assert body["error"]["code"] == code, body
+    return body["error"]
+
+
+def _active_sessions(swarm) -> list[int]:
+    return [stub(s.address).Info(pb.InfoRequest(), timeout=10).active_sessions for s in swarm.servers if s.alive]
+
+
+# ---- completions and chat equal transformers -----------------------------------------------------------------
+def test_models_lists_the_model_as_named(client, tiny_bloom):
+    assert [m.id for m in client.models.list().data] == [tiny_bloom]
+
+
+def test_greedy_completions_equal_transformers(client, reference, tiny_bloom):
+    for prompt in PROMPTS[:3]:
+        want, reason = reference(prompt, 12)
+        got = client.completions.create(model=tiny_bloom, prompt=prompt, max_tokens=12, temperature=0)
+        assert got.choices[0].text == want
+        assert got.choices[0].finish_reason == reason
+        prompt_tokens = len(reference.tokenizer(prompt).input_ids)
+        assert got.usage.prompt_tokens == prompt_tokens and got.usage.completion_tokens == 12
+        assert got.usage.total_tokens == prompt_tokens + 12
+
+
+def test_greedy_chat_equals_transformers_on_the_fallback_template(client, reference, tiny_bloom):
+    # the tiny tokenizer has no chat template: "Role: content\n" per message, then "Assistant:" (docs/API.md)
+    messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Why is the sky blue?"}]
+    want, reason = reference("System: You are brief.\nUser: Why is the sky blue?\nAssistant:", 10)
+    got = client.chat.completions.create(model=tiny_bloom, messages=messages, max_tokens=10, temperature=0)
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want
+    assert got.choices[0].finish_reason == reason
+
+
+def test_stream_chunks_join_to_the_whole_text(client, tiny_bloom):
+    prompt = PROMPTS[1]
+    whole = client.completions.create(model=tiny_bloom, prompt=prompt, max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(model=tiny_bloom, prompt=prompt, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == 10  # the include_usage chunk
+
+    messages = [{"role": "user", "content": prompt}]
+    whole = client.chat.completions.create(model=tiny_bloom, messages=messages, max_tokens=10, temperature=0)
+    chunks = list(client.chat.completions.create(model=tiny_bloom, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_eight_concurrent_streams_each_equal_their_solo_result(client, tiny_bloom):
+    def solo(prompt: str) -> str:
+        return client.completions.create(model=tiny_bloom, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+
+    def streamed(prompt: str) -> str:
+        stream = client.completions.create(model=tiny_bloom, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+        return "".join(c.choices[0].text for c in stream if c.choices)
+
+    alone = [solo(p) for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(streamed, PROMPTS))
+    assert together == alone
+
+
+# ---- sampling options ----------------------------------------------------------------------------------------
+def test_stop_strings_truncate_and_finish_with_stop(client, tiny_bloom):
+    full = client.completions.create(model=tiny_bloom, prompt=PROMPTS[2], max_tokens=16, temperature=0).choices[0].text
+    assert len(full) >= 4
+    stop = full[2:4]
+    cut = full[:full.find(stop)]
+    got = client.completions.create(model=tiny_bloom, prompt=PROMPTS[2], max_tokens=16, temperature=0,
+                                    stop=[stop, "never-appears"])
+    assert (got.choices[0].text, got.choices[0].finish_reason) == (cut, "stop")
+    streamed = client.completions.create(model=tiny_bloom, prompt=PROMPTS[2], max_tokens=16, temperature=0,
+                                         stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cut
+
+
+def test_seeded_sampling_repeats_and_n_gives_distinct_seeded_choices(client, tiny_bloom):
+    kwargs = dict(model=tiny_bloom, prompt=PROMPTS[0], max_tokens=12, temperature=1.5, top_p=0.95, seed=7, n=3)
+    a = client.completions.create(**kwargs)
+    b = client.completions.create(**kwargs)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1  # choice i samples with seed + i
+    assert a.usage.completion_tokens == 36
+
+
+def test_frequency_and_presence_penalties_follow_openai_formula(client, reference, tiny_bloom):
+    model, tokenizer = reference.model, reference.tokenizer
+    prompt = PROMPTS[0]
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    n_prompt, freq, pres = ids.shape[1], 1.5, 0.5
+    with torch.inference_mode():
+        for _ in range(10):  # greedy on logits - freq * count - pres * (count > 0), counting generated tokens
+            logits = model(ids).logits[0, -1]
+            counts = torch.bincount(ids[0, n_prompt:], minlength=logits.shape[0]).float()
+            logits = logits - freq * counts - pres * (counts > 0).float()
+            ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
+    want = tokenizer.decode(ids[0, n_prompt:], skip_special_tokens=True)
+    got = client.completions.create(model=tiny_bloom, prompt=prompt, max_tokens=10, temperature=0,
+                                    frequency_penalty=freq, presence_penalty=pres)
+    assert got.choices[0].text == want
+    assert want != reference(prompt, 10)[0]  # the penalties changed something
+
+
+def test_logprobs_are_the_models_log_softmax(client, reference, tiny_bloom):
+    model, tokenizer = reference.model, reference.tokenizer
+    prompt = PROMPTS[3]
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(model(ids).logits[0, -1].float(), dim=-1)
+    top = logprobs.topk(3)
+    got = client.completions.create(model=tiny_bloom, prompt=prompt, max_tokens=3, temperature=0, logprobs=3)
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert lp.token_logprobs[0] == pytest.approx(float(top.values[0]), abs=1e-4)
+    assert list(lp.top_logprobs[0].values()) == pytest.approx(top.values.tolist(), abs=1e-4)
+
+    chat = client.chat.completions.create(model=tiny_bloom, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=2, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 2 and all(len(c.top_logprobs) == 2 for c in content)
+    assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)  # greedy: the top token
+
+
+# ---- errors ------------------------------------------------------------------------------------------------
+def test_invalid_requests_are_400_in_openai_schema(gateway, tiny_bloom):
+    base = {"model": tiny_bloom, "prompt": "Hi"}
+    _assert_error(_post(gateway, "/v1/completions", b'{"model": "x", "prompt": ', raw=True), 400)
+    _assert_error(_post(gateway, "/v1/completions", {**base, "max_tokens": "5"}), 400)
+    _assert_error(_post(gateway, "/v1/completions", {**base, "temperature": [1]}), 400)
+    _assert_error(_post(gateway, "/v1/completions", {**base, "max_tokens": 0}), 400)
+    _assert_error(_post(gateway, "/v1/completions", {**base, "max_tokens": 10**6}), 400, "context_length_exceeded")
+    _assert_error(_post(gateway, "/v1/completions", {**base, "prompt": ""}), 400)
+    _assert_error(_post(gateway, "/v1/completions", {"model": tiny_bloom}), 400)
+    _assert_error(_post(gateway, "/v1/chat/completions", {"model": tiny_bloom, "messages": []}), 400)
+    _assert_error(_post(gateway, "/v1/chat/completions", {"model": tiny_bloom, "messages": [{"role": "wizard",
+                                                                                            "content": "x"}]}), 400)
+    # unknown fields are ignored, as OpenAI does
+    ok = _post(gateway, "/v1/completions", {**base, "max_tokens": 2, "temperature": 0, "best_of_everything": True})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_api_key_and_model_errors(gateway, tiny_bloom):
+    body = {"model": tiny_bloom, "prompt": "Hi", "max_tokens": 2}
+    _assert_error(_post(gateway, "/v1/completions", body, key=None), 401, "invalid_api_key")
+    _assert_error(_post(gateway, "/v1/completions", body, key="wrong"), 401, "invalid_api_key")
+    _assert_error(_post(gateway, "/v1/completions", {**body, "model": "gpt-4"}), 404, "model_not_found")
+    _assert_error(_post(gateway, "/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user",
+                                                                                           "content": "x"}]}),
+                  404, "model_not_found")
+    _assert_error(httpx.get(f"{gateway.url}/v1/nothing", headers={"Authorization": f"Bearer {KEY}"}), 404)
+    assert httpx.get(f"{gateway.url}/v1/models").status_code == 401
+
+
+def test_disconnected_streams_close_their_sessions_and_the_stream_limit_holds(gateway, swarm, tiny_bloom):
+    assert _active_sessions(swarm) == [0, 0]
+    body = {"model": tiny_bloom, "prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    http = httpx.Client(timeout=60)
+    streams, readers = [], []
+    try:
+        for _ in range(STREAM_LIMIT):  # hold the client's limit of streams open, each past its first token
+            cm = http.stream("POST", f"{gateway.url}/v1/completions", json=body, headers=headers)
+            response = cm.__enter__()
+            streams.append(cm)
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            readers.append(lines)  # kept: a collected line iterator closes its response (a disconnect)
+            first = next(lines)
+            while not first.startswith("data: "):
+                first = next(lines)
+            assert first.startswith("data: {")
+        assert min(_active_sessions(swarm)) >= 1
+        _assert_error(_post(gateway, "/v1/completions", {**body, "stream": False, "max_tokens": 2}), 429,
+                      "too_many_streams")
+    finally:
+        for cm in streams:  # the client goes away mid-stream
+            cm.__exit__(None, None, None)
+        http.close()
+    deadline = time.monotonic() + 60
+    while _active_sessions(swarm) != [0, 0]:
+        assert time.monotonic() < deadline, f"sessions left open on the servers: {_active_sessions(swarm)}"
+        time.sleep(0.2)
+    # the limit was released with the streams
+    ok = _post(gateway, "/v1/completions", {**body, "stream": False, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+# ---- the swarm view ------------------------------------------------------------------------------------------
+def test_swarm_view_lists_servers_coverage_and_gateway_metrics(gateway, swarm):
+    view = httpx.get(f"{gateway.url}/v1/swarm", headers={"Authorization": f"Bearer {KEY}"}, timeout=60).json()
+    by_address = {s["address"]: s for s in view["servers"]}
+    assert set(by_address) == {s.address for s in swarm.servers}
+    assert sorted(s["blocks"] for s in view["servers"]) == [[0, 3], [3, 6]]
+    assert all(s["state"] == "online" and s["last_seen_s_ago"] is not None for s in view["servers"])
+    assert view["coverage"] == [1] * 6 and view["complete"] and view["missing_blocks"] == []
+    g = view["gateway"]
+    assert g["total_tokens"] > 0 and g["total_requests"] > 0 and g["ttft_s"]["p50"] > 0 and g["tpot_s"]["p90"] > 0
+    json.dumps(view, allow_nan=False)  # plain JSON for any client
+
+
+def test_status_command_prints_the_same_view(swarm, tiny_bloom, capsys, monkeypatch):
+    from swarmlm.cli.main import main
+
+    monkeypatch.setenv("COLUMNS", "200")  # rich's table width when stdout is not a terminal
+
+    assert main(["status", "--initial-peers", *swarm.initial_peers, "--model", tiny_bloom]) == 0
+    out = capsys.readouterr().out
+    for s in swarm.servers:
+        assert s.address in out
+    assert "[0, 3)" in out and "[3, 6)" in out and "every block is served" in out
+
+
+def test_uncovered_model_is_503_with_a_reason(gateway, swarm, tiny_bloom):
+    """Last in this module: it takes a server away."""
+    swarm.kill(swarm.servers[1])
+    body = {"model": tiny_bloom, "prompt": "Hi", "max_tokens": 2}
+    error = _assert_error(_post(gateway, "/v1/completions", body), 503)
+    assert error["code"] in ("missing_blocks", "swarm_unavailable") and "swarm" in error["message"]
+    stream = _post(gateway, "/v1/chat/completions", {"model": tiny_bloom, "stream": True, "max_tokens": 2,
+                                                     "messages": [{"role": "user", "content": "Hi"}]})
+    _assert_error(stream, 503)
