@@ -3,21 +3,26 @@
     the caller's session.step = server compute + server queue + server parse/serialise + wire and gRPC
                                 + client serialise/parse + the client's own work (between hops, hand-off to its loop)
 
-Usage: .venv/bin/python benchmarks/hop_breakdown.py [--servers N] [--preset tiny-bloom] [--ab ROUNDS]
+Usage: .venv/bin/python benchmarks/hop_breakdown.py [--servers N] [--preset tiny-bloom] [--ab ROUNDS --base REV]
 
---ab: the client's one-message fast path against the task pipeline every step used before, rounds alternating in
-one run (medians, and the median of per-round ratios).
+--ab: this tree against git revision REV (exported with `git archive`, client and servers both), rounds alternating
+in one run, each round a fresh swarm (medians, and the median of per-round ratios of the caller's step).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from swarmlm.client.model import DistributedModelForCausalLM
-from swarmlm.client.session import InferenceSession
 from swarmlm.model.checkpoint import load_config
 from swarmlm.model.init import default_checkpoint
 from swarmlm.swarm.local import LocalSwarm, even_split
@@ -57,30 +62,47 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--preset", default="tiny-bloom")
-    ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="fast path vs pipeline, alternating")
+    ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="this tree vs --base, alternating")
+    ap.add_argument("--base", default="HEAD", help="git revision to compare with (--ab)")
+    ap.add_argument("--json", action="store_true", help="one round (warm-up + 1 session), as JSON")
     args = ap.parse_args()
+    if args.ab:
+        return compare(args)
     torch.set_num_threads(1)
     model_dir = str(default_checkpoint(args.preset))
     with LocalSwarm(model_dir, threads=1, with_dht=False) as swarm:
         swarm.start(even_split(int(load_config(model_dir).num_hidden_layers), args.servers))
         client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses)
-        if not args.ab:
-            for part, ms in breakdown(client).items():
-                print(f"{part:36s} {ms:7.3f} ms")
+        if args.json:
+            breakdown(client, 1, 20)  # warm-up
+            print(json.dumps(breakdown(client, 1, 100)))
             return
-        breakdown(client, 1, 20)  # warm-up
-        runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+        for part, ms in breakdown(client).items():
+            print(f"{part:36s} {ms:7.3f} ms")
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Rounds alternating between this tree and the base revision, each a subprocess with its own swarm."""
+    repo = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as base:
+        archive = subprocess.run(["git", "archive", args.base], cwd=repo, check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", base], input=archive, check=True)
+        trees = {"this tree": str(repo), args.base: base}
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
         for r in range(args.ab):
-            for fast in (True, False) if r % 2 == 0 else (False, True):
-                InferenceSession.one_message_fast_path = fast
-                runs[fast].append(breakdown(client, 1, 100))
-        InferenceSession.one_message_fast_path = True
-        for part in runs[True][0]:
-            f, p = (statistics.median(run[part] for run in runs[m]) for m in (True, False))
-            print(f"{part:36s} fast path {f:7.3f} ms   pipeline {p:7.3f} ms")
-        key = "the caller's session.step"
-        ratio = statistics.median(a[key] / b[key] for a, b in zip(runs[True], runs[False]))
-        print(f"per-round ratio of the step, fast path / pipeline: {ratio:.3f}")
+            for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+                env = dict(os.environ, PYTHONPATH=trees[name])
+                out = subprocess.run([sys.executable, __file__, "--json", "--servers", str(args.servers), "--preset",
+                                      args.preset], env=env, cwd=trees[name], check=True, capture_output=True,
+                                     text=True).stdout
+                runs[name].append(json.loads(out.strip().splitlines()[-1]))
+    new, old = runs["this tree"], runs[args.base]
+    for part in new[0]:
+        a, b = statistics.median(run[part] for run in new), statistics.median(run[part] for run in old)
+        print(f"{part:36s} this tree {a:7.3f} ms   {args.base} {b:7.3f} ms")
+    key = "the caller's session.step"
+    ratio = statistics.median(a[key] / b[key] for a, b in zip(new, old))
+    print(f"per-round ratio of the step, this tree / {args.base}: {ratio:.3f}")
 
 
 if __name__ == "__main__":

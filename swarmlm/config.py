@@ -83,12 +83,17 @@ class ClientConfig:
     dtype: str = "float32"  # dtype of hidden states on the wire and of the client's modules
     threads: int = 1  # torch threads for the client's embeddings and LM head
     wait_for_blocks_s: float = 30.0  # how long to wait for missing blocks before failing
-    step_timeout_s: float = 60.0  # one step through one server
+    step_timeout_s: float = 60.0  # one step through one server, at most (see hang_factor)
+    # a server is hung (alive, not answering) when a step makes no progress there for hang_factor x its announced
+    # compute time for that step, plus hang_floor_s (at most step_timeout_s): it is banned and failed over
+    hang_factor: float = 20.0
+    hang_floor_s: float = 5.0
     connect_timeout_s: float = 5.0
     max_retries: int = 3  # failovers within one step before giving up
     ban_base_s: float = 2.0  # a failed server is avoided for this long, doubling on each repeat failure
     ban_max_s: float = 60.0
-    routing: str = "waiting-aware"  # "shortest" | "waiting-aware"
+    routing: str = "waiting-aware"  # "shortest" | "waiting-aware" (planner.routing.WaitingAwareRouter)
+    records_max_age_s: float = 2.0  # before routing a session, re-read the swarm (records, load) if older than this
     max_message_bytes: int = 64 << 20
     # Chunked prefill and decode-first transmission (swarmlm/client/chunking.py, transmission.py).
     # tokens per prefill message: None = auto (link + compute), 0 = one message. Auto by default: -10..-45 % time
@@ -104,13 +109,17 @@ class ClientConfig:
     # server-to-server push (swarmlm/server/push.py): each server sends its output straight to the next one, a
     # token crosses N + 1 links instead of 2N; the client still gets every output (for failover)
     push: bool = False
-    extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.routing not in ("shortest", "waiting-aware"):
             raise ValueError(f"routing must be 'shortest' or 'waiting-aware', got {self.routing!r}")
         if self.threads < 1 or self.max_retries < 0:
             raise ValueError("threads must be >= 1 and max_retries >= 0")
+        if not (self.step_timeout_s > 0 and self.hang_factor > 0 and self.hang_floor_s > 0):
+            raise ValueError(f"step_timeout_s ({self.step_timeout_s}), hang_factor ({self.hang_factor}) and "
+                             f"hang_floor_s ({self.hang_floor_s}) must be > 0")
+        if self.records_max_age_s < 0:
+            raise ValueError(f"records_max_age_s must be >= 0, got {self.records_max_age_s}")
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 0:
             raise ValueError(f"prefill_chunk_tokens must be None (auto), 0 (off) or positive, got {self.prefill_chunk_tokens}")
         if not 1 <= self.chunk_min_tokens <= self.chunk_max_tokens:

@@ -4,7 +4,21 @@ Block ranges are half-open `[start, end)` and count from 0 everywhere.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import enum
+from dataclasses import dataclass
+
+
+class StepKind(enum.Enum):
+    """What a step is, for everything that orders steps (the client's and a pushing server's link schedulers, the
+    server's compute rounds): decode steps go first."""
+
+    DECODE = "decode"  # one new token per sequence: small, latency-critical
+    PREFILL = "prefill"  # several tokens: a prompt, a chunk of one, or a failover replay
+
+    @classmethod
+    def of(cls, tokens: int) -> "StepKind":
+        """The kind of a step carrying `tokens` new tokens per sequence."""
+        return cls.DECODE if tokens == 1 else cls.PREFILL
 
 
 @dataclass(frozen=True, order=True)
@@ -59,8 +73,6 @@ class Route:
     """An ordered chain of spans that together cover blocks [0, num_blocks) without gaps or overlaps."""
 
     spans: tuple[Span, ...]
-    estimated_s: float = 0.0  # the router's estimate of one decode step along this route
-    notes: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
         for prev, nxt in zip(self.spans, self.spans[1:]):

@@ -116,11 +116,11 @@ def test_a_lost_reply_is_caught_by_the_stall_watchdog(swarm, reference, monkeypa
                                                          step_timeout_s=3.0)
     receive, lost = SpanStream.receive, {"done": False}
 
-    async def losing_receive(self):
+    async def losing_receive(self, *args):
         if not lost["done"] and self.position >= ids.shape[1] + 4:  # a decode step, a few tokens in
             lost["done"] = True
             await asyncio.Event().wait()  # never set: this reply is lost, nothing raises
-        return await receive(self)
+        return await receive(self, *args)
 
     monkeypatch.setattr(SpanStream, "receive", losing_receive)
     try:

@@ -6,18 +6,19 @@ import asyncio
 
 import pytest
 
-from swarmlm.client.transmission import Kind, LinkScheduler, TransmissionPolicy
+from swarmlm.types import StepKind
+from swarmlm.wire.links import LinkScheduler, TransmissionPolicy
 
-D, P = Kind.DECODE, Kind.PREFILL
+D, P = StepKind.DECODE, StepKind.PREFILL
 
 
-async def _write_order(link: LinkScheduler, kinds: list[Kind], answer_prefill: bool = True) -> list[int]:
+async def _write_order(link: LinkScheduler, kinds: list[StepKind], answer_prefill: bool = True) -> list[int]:
     """Queue messages (all before the first write finishes) and return the order they were written in.
     Prefill replies arrive right after their write when answer_prefill (the window never fills)."""
     order: list[int] = []
     hold = asyncio.Event()
 
-    async def one(i: int, kind: Kind) -> None:
+    async def one(i: int, kind: StepKind) -> None:
         async with link.turn(kind):
             order.append(i)
             if i == 0:
@@ -62,7 +63,7 @@ def test_decode_burst_limit_only_counts_when_a_chunk_could_go():
         async with link.turn(P):  # one chunk in flight: the window (1) is full until it is answered
             log.append("p0")
 
-        async def msg(name: str, kind: Kind) -> None:
+        async def msg(name: str, kind: StepKind) -> None:
             async with link.turn(kind):
                 log.append(name)
             if kind is D:
@@ -108,7 +109,7 @@ def test_without_decode_first_a_held_chunk_blocks_the_decodes_behind_it():
     async def run() -> None:
         written: list[str] = []
 
-        async def msg(name: str, kind: Kind) -> None:
+        async def msg(name: str, kind: StepKind) -> None:
             async with link.turn(kind):
                 written.append(name)
 

@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from swarmlm.perf.profile import profile_model
+    from swarmlm.server.server import profile_model
     from swarmlm.types import BlockRange
 
     torch.set_num_threads(args.threads)

@@ -1,16 +1,22 @@
-"""The client's handle on the swarm: discovery (DHT or a fixed server list), RTT probes, routing with waits."""
+"""The client's handle on the swarm: discovery (DHT or a fixed server list), RTT probes, routing (client/router.py:
+the planner's WS-RR fed from what this client sees), and waiting for missing blocks."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from typing import Callable
 
-from swarmlm.client.router import SwarmView, choose_route
+import grpc
+
+from swarmlm.client.router import LiveRouter, SwarmView
 from swarmlm.client.transmission import transmission_policy
 from swarmlm.client.transport import Channels, LoopThread, info
 from swarmlm.config import ClientConfig
-from swarmlm.errors import MissingBlocks
-from swarmlm.swarm.records import ServerRecord
+from swarmlm.errors import MissingBlocks, SwarmAccessDenied
+from swarmlm.swarm.identity import new_nonce, verify_info
+from swarmlm.swarm.private import client_interceptors
+from swarmlm.swarm.records import ServerRecord, record_from_info
 from swarmlm.types import Route
 
 log = logging.getLogger(__name__)
@@ -24,76 +30,112 @@ class RemoteSequence:
         self.num_blocks = num_blocks
         self.prefix = prefix
         self.loop = LoopThread.get()
-        self.channels = Channels(config.max_message_bytes, transmission_policy(config), config.assumed_bandwidth_bps)
+        self.channels = Channels(config.max_message_bytes, transmission_policy(config), config.assumed_bandwidth_bps,
+                                 interceptors=client_interceptors(config.swarm_key))
+        self.channels.wire_dtype = config.wire_dtype  # hidden states' wire format per link (wire/compress.py)
+        # the connect check (swarm/identity.py): (server id, address) pairs that failed it are never routed to
+        self.rejected: dict[tuple[str, str], str] = {}
+        # (start, end, announced fingerprint) -> why refused or None; set by the client model from its checkpoint
+        self.weights_check: Callable[[int, int, str], str | None] | None = None
         self.view = SwarmView(config)
+        self.router = LiveRouter(self.view, num_blocks)
         self.dht = None
         if config.initial_peers:
             from swarmlm.swarm.dht_thread import ThreadDHT
 
             # in-process, not hivemind's forked DHT: a fork beside the client's gRPC threads can hang
-            self.dht = ThreadDHT(config.initial_peers, client_mode=True)
+            self.dht = ThreadDHT(config.initial_peers, client_mode=True, swarm_key=config.swarm_key)
 
     def refresh(self) -> None:
         """Re-read who serves what, and measure the RTT to servers not measured yet."""
         if self.dht is not None:
             from swarmlm.swarm.dht import fetch_records
 
-            records = fetch_records(self.dht, self.prefix, range(self.num_blocks))
+            records = fetch_records(self.dht, self.prefix, range(self.num_blocks), swarm_key=self.config.swarm_key)
         else:
             records = self.loop.run(self._direct_records())
-        self.view.update(records)
+        if self.weights_check is not None:  # other weights under this model's name: refused (model/identity.py)
+            self._check_weights(records)
+            records = {sid: r for sid, r in records.items() if (sid, r.address) not in self.rejected}
         unmeasured = [r for sid, r in records.items() if sid not in self.view.rtt_s]
-        if unmeasured:
+        if unmeasured:  # measured (and checked) before they enter the view: an impostor is never routed to
             self.loop.run(self._measure(unmeasured))
+        self.view.update({sid: r for sid, r in records.items() if (sid, r.address) not in self.rejected})
+
+    def _check_weights(self, records: dict[str, ServerRecord]) -> None:
+        for sid, r in records.items():
+            if (sid, r.address) not in self.rejected and (why := self.weights_check(r.start, r.end, r.fingerprint)):
+                log.warning("server %s at %s is refused: %s", sid, r.address, why)
+                self.rejected[(sid, r.address)] = why
 
     async def _direct_records(self) -> dict[str, ServerRecord]:
         """Without a DHT: ask each configured server for its info."""
+        nonce = new_nonce()
         replies = await asyncio.gather(
-            *(info(self.channels, a, self.config.connect_timeout_s) for a in self.config.servers),
+            *(info(self.channels, a, self.config.connect_timeout_s, nonce) for a in self.config.servers),
             return_exceptions=True,
         )
         records: dict[str, ServerRecord] = {}
         for address, reply in zip(self.config.servers, replies):
             if isinstance(reply, BaseException):
+                _raise_if_private(address, reply)
                 log.warning("server %s did not answer: %s", address, reply)
                 continue
             i, rtt = reply
-            records[i.server_id] = ServerRecord(
-                server_id=i.server_id, address=address, start=i.start_block, end=i.end_block,
-                decode_s=i.decode_s_per_block, prefill_a_s=i.prefill_a_s, prefill_b_s=i.prefill_b_s,
-                cache_bytes_free=i.cache_bytes_free, cache_bytes_total=i.cache_bytes_total,
-                active_sessions=i.active_sessions, queue_length=i.queue_length, max_length=i.max_length,
-            )
+            why = verify_info(i, nonce)  # its id is its key's, and it holds that key
+            if why is not None:
+                log.warning("server %s fails the connect check, excluded: %s", address, why)
+                continue
+            try:
+                records[i.server_id] = record_from_info(i, address)
+            except ValueError as exc:
+                log.warning("server %s sent a malformed Info: %s", address, exc)
+                continue
             self.view.rtt_s[i.server_id] = rtt
         return records
 
     async def _measure(self, records: list[ServerRecord]) -> None:
         async def probe(r: ServerRecord) -> None:
             try:
-                await info(self.channels, r.address, self.config.connect_timeout_s)  # connect + warm up
+                # connect + warm up + the connect check: the server proves it holds the key of the id it was
+                # announced with, at the address announced (a record pointing elsewhere fails)
+                nonce = new_nonce()
+                reply, _ = await info(self.channels, r.address, self.config.connect_timeout_s, nonce)
+                # (and signs the weights fingerprint its record announces, which weights_check accepted)
+                why = verify_info(reply, nonce, r.server_id, r.address, fingerprint=r.fingerprint or None)
+                if why is not None:
+                    log.warning("server %s at %s fails the connect check, excluded: %s", r.server_id, r.address, why)
+                    if len(self.rejected) > 4096:  # bounded: forget old verdicts rather than grow
+                        self.rejected.clear()
+                    self.rejected[(r.server_id, r.address)] = why
+                    self.view.ban(r.server_id)
+                    return
                 rtts = []
                 for _ in range(3):
                     _, rtt = await info(self.channels, r.address, self.config.connect_timeout_s)
                     rtts.append(rtt)
                 self.view.rtt_s[r.server_id] = sorted(rtts)[1]
             except Exception as exc:
+                if _is_unauthenticated(exc):
+                    denied.append((r.address, exc))
                 log.warning("server %s did not answer an RTT probe: %s", r.server_id, exc)
                 self.view.ban(r.server_id)
 
+        denied: list[tuple[str, BaseException]] = []
         await asyncio.gather(*(probe(r) for r in records))
+        if denied and len(denied) == len(records):  # a private swarm and we lack its key: nothing will work
+            _raise_if_private(*denied[0])
 
     def route(self, start: int, end: int, l_in: int, l_out: int, batch: int = 1, max_length: int = 0,
               refresh: bool = False) -> Route:
-        """A chain over blocks [start, end); waits up to wait_for_blocks_s for missing blocks to appear."""
+        """A chain over blocks [start, end); waits up to wait_for_blocks_s for missing blocks to appear. The swarm is
+        read again first if asked, or if the last read is older than records_max_age_s (load changes)."""
         deadline = time.monotonic() + self.config.wait_for_blocks_s
-        if refresh or not self.view.records:
+        if refresh or not self.view.records or time.monotonic() - self.view.read_s > self.config.records_max_age_s:
             self.refresh()
         while True:
             try:
-                return choose_route(
-                    self.view, start, end, l_in, l_out, batch, max_length,
-                    waiting_aware=self.config.routing == "waiting-aware",
-                )
+                return self.router.route(start, end, l_in, l_out, batch, max_length)
             except MissingBlocks as exc:
                 if time.monotonic() >= deadline:
                     raise MissingBlocks(exc.missing, f"waited {self.config.wait_for_blocks_s:.0f} s") from None
@@ -104,3 +146,13 @@ class RemoteSequence:
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+
+
+def _is_unauthenticated(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def _raise_if_private(address: str, exc: BaseException) -> None:
+    """A server that refuses us UNAUTHENTICATED belongs to a private swarm whose key we lack (server/auth.py)."""
+    if _is_unauthenticated(exc):
+        raise SwarmAccessDenied(f"server {address} refused this client: {exc.details()}") from None

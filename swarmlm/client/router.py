@@ -1,24 +1,32 @@
-"""Which servers a session goes through: the swarm as the client sees it, and the choice of a chain.
+"""Which servers a session goes through. The choice itself is the planner's `WaitingAwareRouter` (BPRR's WS-RR,
+the code the simulator runs); this module only feeds it what this client sees of the swarm:
 
-Costs come from the shared performance model (announced compute profiles + RTTs this client measured); the
-chain is the planner's shortest path, plus, with waiting-aware routing, each server's wait for free cache and
-the load of sessions already running there (announced, and this client's own).
+* servers and their compute profiles, from the DHT records (or `Info` replies of a fixed server list);
+* links: the RTTs this client measured (remote.py probes them);
+* slots: a server's cache, in sessions of this request's size (blocks x batch x tokens x the server's announced
+  per-token session bytes): total from `cache_bytes_total`, free from `cache_bytes_free`;
+* load: the sessions it announced running (or queued), or at least this client's own, admitted when opened;
+* bans: servers that failed lately are left out for a while (bounded exponential backoff).
+
+`routing="shortest"` is the baseline: the same router on hop costs alone (no waits, no load).
 """
 from __future__ import annotations
 
-import logging
+import math
+import threading
 import time
 from dataclasses import dataclass, field
 
 from swarmlm.config import ClientConfig
 from swarmlm.errors import MissingBlocks
 from swarmlm.perf.model import ComputeProfile, Network, PerfModel
-from swarmlm.planner.routing import shortest_route
+from swarmlm.planner.routing import WaitingAwareRouter
 from swarmlm.swarm.records import ServerRecord
 from swarmlm.types import BlockRange, Route, Span
 
-log = logging.getLogger(__name__)
 CLIENT = "client"  # this client's node name in the performance model
+DEFAULT_RTT_S = 0.005  # a server's RTT until a probe has measured it
+UNKNOWN_SLOTS = 1 << 30  # a server that does not announce its cache size: never waited for
 
 
 @dataclass
@@ -35,12 +43,13 @@ class SwarmView:
     records: dict[str, ServerRecord] = field(default_factory=dict)
     rtt_s: dict[str, float] = field(default_factory=dict)  # server id -> measured round trip
     bans: dict[str, Ban] = field(default_factory=dict)
-    local_sessions: dict[str, int] = field(default_factory=dict)  # server id -> this client's open sessions
-    refreshed_s: float = 0.0
+    read_s: float = -math.inf  # time.monotonic() of the last read of the records
 
     def update(self, records: dict[str, ServerRecord]) -> None:
+        if self.config.require_full_precision:  # quantized servers (model/quant.py) are left out of every route
+            records = {sid: r for sid, r in records.items() if r.quant == "none"}
         self.records = records
-        self.refreshed_s = time.monotonic()
+        self.read_s = time.monotonic()
 
     def ban(self, server_id: str) -> float:
         """Avoid a failed server, longer each time it fails again (bounded exponential backoff)."""
@@ -50,54 +59,87 @@ class SwarmView:
         self.bans[server_id] = Ban(time.monotonic() + duration, failures)
         return duration
 
-    def usable(self) -> dict[str, ServerRecord]:
+    def banned(self) -> frozenset[str]:
         now = time.monotonic()
-        return {sid: r for sid, r in self.records.items() if sid not in self.bans or self.bans[sid].until_s <= now}
+        return frozenset(sid for sid, b in self.bans.items() if b.until_s > now)
+
+    def usable(self) -> dict[str, ServerRecord]:
+        banned = self.banned()
+        return {sid: r for sid, r in self.records.items() if sid not in banned}
 
 
-def perf_model(view: SwarmView, records: dict[str, ServerRecord], default_rtt_s: float = 0.005) -> PerfModel:
-    network = Network(default_rtt_s=default_rtt_s)
-    for sid in records:
-        if sid in view.rtt_s:
-            network.set_link(CLIENT, sid, view.rtt_s[sid])
-    profiles = {
-        sid: ComputeProfile(prefill_a_s=r.prefill_a_s, prefill_b_s=r.prefill_b_s, decode_s=r.decode_s)
-        for sid, r in records.items()
-    }
-    return PerfModel(profiles, network)
+def slots(record: ServerRecord, session_bytes: int) -> tuple[int, int]:
+    """(total, free) slots of a server in block-sessions of `session_bytes` per block."""
+    if not (record.cache_bytes_total and session_bytes):
+        return UNKNOWN_SLOTS, UNKNOWN_SLOTS
+    return record.cache_bytes_total // session_bytes, record.cache_bytes_free // session_bytes
 
 
-def choose_route(
-    view: SwarmView, start: int, end: int, l_in: int, l_out: int, batch: int = 1, max_length: int = 0,
-    waiting_aware: bool = True, exclude: frozenset[str] = frozenset(),
-) -> Route:
-    """The cheapest chain covering blocks [start, end) with the servers this client may use."""
-    records = {sid: r for sid, r in view.usable().items() if sid not in exclude and r.start < end and r.end > start}
-    # clip to the window and shift it to start at 0, the shape the planner's router works on
-    ranges = {sid: BlockRange(max(r.start, start) - start, min(r.end, end) - start) for sid, r in records.items()}
-    perf = perf_model(view, records)
-    need_tokens = max(max_length, l_in + l_out)
+class LiveRouter:
+    """The planner's WaitingAwareRouter kept in step with the client's SwarmView, plus this client's sessions."""
 
-    def cost(_prev: str | None, sid: str, s: int, e: int) -> float:
-        k = e - s
-        hop = perf.hop_cost_s(CLIENT, sid, k, l_in, l_out)
-        if not waiting_aware:
-            return hop
-        r = records[sid]
-        # sessions already running there share its compute (announced by the server, plus our own not yet seen)
-        load = r.active_sessions + view.local_sessions.get(sid, 0)
-        compute = k * (r.prefill_a_s * l_in + r.prefill_b_s + (l_out - 1) * r.decode_s)
-        wait = 0.0
-        need = r.session_bytes_per_block_token * k * batch * need_tokens
-        if r.cache_bytes_total and need > r.cache_bytes_free:
-            # no room now: expect to wait about one request time for a session to finish there
-            wait = hop * (1 + load)
-        return hop + load * compute + wait
+    def __init__(self, view: SwarmView, num_blocks: int) -> None:
+        self.view = view
+        self.network = Network(default_rtt_s=DEFAULT_RTT_S)
+        self.perf = PerfModel({}, self.network)
+        self.router = WaitingAwareRouter(self.perf, num_blocks, shared_compute=True)
+        self._synced: dict[str, tuple] = {}  # server id -> what the router was last told about it
+        self._admitted = 0
+        # sessions open on the client's I/O thread, routes are chosen on the callers' threads: one at a time
+        self._lock = threading.Lock()
 
-    try:
-        spans = shortest_route(ranges, end - start, cost)
-    except MissingBlocks as exc:
-        raise MissingBlocks([b + start for b in exc.missing]) from None
-    spans = tuple(Span(s.server_id, s.start + start, s.end + start, records[s.server_id].address) for s in spans)
-    estimate = sum(perf.decode_hop_s(CLIENT, s.server_id, s.length) for s in spans)
-    return Route(spans, estimated_s=estimate)
+    def _sync(self, bytes_per_block_token: int) -> None:
+        """Tell the router what changed: servers gone or new, profiles, RTTs, slots and load."""
+        records = self.view.records
+        for sid in [s for s in self._synced if s not in records]:
+            self.router.remove_server(sid)
+            del self._synced[sid]
+        changed = False
+        for sid, r in records.items():
+            profile = ComputeProfile(prefill_a_s=r.prefill_a_s, prefill_b_s=r.prefill_b_s, decode_s=r.decode_s)
+            rtt = self.view.rtt_s.get(sid)
+            total, free = slots(r, r.session_bytes_per_block_token * bytes_per_block_token)
+            state = (profile, rtt, r.start, r.end, total)
+            if self._synced.get(sid) != state:
+                self.perf.set_profile(sid, profile)
+                if rtt is not None:
+                    self.network.set_link(CLIENT, sid, rtt)
+                self.router.set_server(sid, BlockRange(r.start, r.end), total)
+                self._synced[sid] = state
+                changed = True
+            self.router.set_load(sid, free, sessions=max(r.active_sessions, r.queue_length))
+        if changed:
+            self.router.refresh()
+
+    def route(self, start: int, end: int, l_in: int, l_out: int, batch: int = 1, max_length: int = 0) -> Route:
+        """The cheapest chain over blocks [start, end) with the servers this client may use."""
+        waiting_aware = self.view.config.routing == "waiting-aware"
+        window, exclude = BlockRange(start, end), self.view.banned()
+        with self._lock:
+            # a slot is one session of this request's size on one block: batch sequences x the tokens it may hold
+            self._sync(batch * max(max_length, l_in + l_out))
+            now = time.monotonic()
+            try:
+                hops = self.router.route(CLIENT, now, l_in, l_out, waiting_aware, window, exclude)
+            except MissingBlocks:
+                if not waiting_aware:
+                    raise
+                # every chain waits for cache that announced load holds, with no known end: take the shortest and
+                # let the servers' own admission decide (a refusal is routed around like a failure)
+                hops = self.router.route(CLIENT, now, l_in, l_out, False, window, exclude)
+            records = dict(self.view.records)
+        return Route(tuple(Span(s.server_id, s.start, s.end, records[s.server_id].address) for s in hops.spans))
+
+    def admit(self, spans: list[Span], l_in: int, l_out: int) -> str:
+        """Count a session this client opened on `spans` until `release` (the router's load and slots)."""
+        with self._lock:
+            self._admitted += 1
+            key = f"own-{self._admitted}"
+            known = [s for s in spans if s.server_id in self._synced]
+            until = time.monotonic() + self.perf.request_time_s(CLIENT, known, l_in, l_out)
+            self.router.admit(key, known, until)
+            return key
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            self.router.release(key)

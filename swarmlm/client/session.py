@@ -1,9 +1,17 @@
 """An inference session through a chain of servers, with failover and pipelined chunked prefill.
 
-A step's tokens are split into chunks (chunking.py: one chunk for a decode step or a short prompt). Every span has
-a sender and a receiver task: the sender writes chunk k as soon as the previous span has answered it, the receiver
-reads the answers in order and hands them on, so chunk k is on server 2 while chunk k+1 is still on server 1.
-A step of one chunk that is not pushed (every decode step) simply goes hop after hop in the step's own task.
+One step engine (`_attempt`): a step's tokens are split into chunks (chunking.py: one chunk for a decode step or a
+short prompt). Every span has a sender and a receiver: the sender writes chunk k as soon as the previous span has
+answered it, the receiver reads the answers in order and hands them on, so chunk k is on server 2 while chunk k+1
+is still on server 1. With several chunks (or push) they run as two tasks per span; a step of one chunk that is not
+pushed (every decode step) runs the same sender and receiver hop after hop in the step's own task, which saves
+the tasks and their wake-ups (benchmarks/hop_breakdown.py).
+
+One timeout policy. A server that is alive but does not answer (hung) is detected per reply: no reply within its
+hang timeout (its announced compute time for the step, times `hang_factor`, plus `hang_floor_s`, at most
+`step_timeout_s`) is a failure of that server, named, banned and failed over exactly as a crash. Behind it, a
+watchdog catches a step that makes no progress at all for longer than any reply may take (`watchdog_s`: a wait
+that no server is to blame for, e.g. a lost wake-up): its unfinished spans are reopened and replayed.
 
 Per span of the route the session keeps what it has sent and got answered (hidden states and padding masks): when
 a server fails, the broken span is re-routed (only that part of the chain), the history is replayed to the
@@ -23,7 +31,9 @@ import torch
 from swarmlm.client.chunking import ChunkRule, chunk_tokens_for_hop, split
 from swarmlm.client.remote import RemoteSequence
 from swarmlm.client.transport import HopTiming, SpanStream
-from swarmlm.errors import InvalidRequest, ServerFailed
+from swarmlm.config import ClientConfig
+from swarmlm.errors import InvalidRequest, ServerFailed, ServerHung
+from swarmlm.swarm.records import ServerRecord
 from swarmlm.types import Route, Span
 from swarmlm.wire import swarm_pb2 as pb
 
@@ -34,6 +44,7 @@ log = logging.getLogger(__name__)
 class SpanSession:
     span: Span
     stream: SpanStream
+    admission: str = ""  # this session's entry in the client's router (its load on the server), until closed
     history: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # inputs sent, in order
 
     @property
@@ -81,7 +92,8 @@ class StepRecord:
     failover_s: float = 0.0  # re-routing, reopening and replay
     chunks: int = 1  # messages the step's tokens were split into
     reopened: int = 0  # healthy spans reopened because a failure elsewhere left them mid-step
-    stalls: int = 0  # times the whole step made no progress for a step timeout (then every unfinished hop reopens)
+    stalls: int = 0  # times the whole step made no progress for watchdog_s (then every unfinished hop reopens)
+    hung: list[str] = field(default_factory=list)  # servers that did not answer within their hang timeout (banned)
 
 
 @dataclass
@@ -106,9 +118,24 @@ class _Hop:
         return self.span.stream.next_step_id - self.base_id
 
 
-class InferenceSession:
-    one_message_fast_path = True  # False: every step through the task pipeline (benchmarks compare the two)
+def hang_timeout_s(config: ClientConfig, record: ServerRecord | None, span: Span, rows: int, tokens: int) -> float:
+    """How long a reply of this span's server may take before the server counts as hung: its announced compute time
+    for `tokens` new tokens of `rows` sequences over the span's blocks, times hang_factor, plus hang_floor_s (load,
+    scheduling and the wire), at most step_timeout_s. A server that announces nothing gets the floor."""
+    compute = 0.0
+    if record is not None:
+        per_block = record.decode_s * rows if tokens == 1 else record.prefill_a_s * rows * tokens + record.prefill_b_s
+        compute = per_block * span.length
+    return min(config.step_timeout_s, config.hang_floor_s + config.hang_factor * compute)
 
+
+def watchdog_s(config: ClientConfig) -> float:
+    """No progress at all for this long stalls a step. Longer than any reply's own bound (step_timeout_s), so a
+    hung server is always caught first by its reply's timeout, and named."""
+    return config.step_timeout_s + config.hang_floor_s
+
+
+class InferenceSession:
     def __init__(self, remote: RemoteSequence, batch: int, max_length: int, l_in_hint: int = 16,
                  l_out_hint: int = 16) -> None:
         self.remote = remote
@@ -144,13 +171,15 @@ class InferenceSession:
         return self
 
     async def _open_spans(self, spans) -> list[SpanSession]:
+        cfg = self.remote.config
         opened: list[SpanSession] = []
         try:
             for span in spans:
-                stream = SpanStream(self.remote.channels, span, self.remote.config.step_timeout_s)
+                # an open computes nothing: a server that does not answer it within the hang floor is hung
+                stream = SpanStream(self.remote.channels, span, min(cfg.step_timeout_s, cfg.hang_floor_s))
                 await stream.open(self.batch, self.max_length)
-                self.remote.view.local_sessions[span.server_id] = self.remote.view.local_sessions.get(span.server_id, 0) + 1
-                opened.append(SpanSession(span, stream))
+                admission = self.remote.router.admit([span], self.l_in_hint, self.l_out_hint)
+                opened.append(SpanSession(span, stream, admission))
         except BaseException:
             await self._close_spans(opened)
             raise
@@ -159,8 +188,7 @@ class InferenceSession:
     async def _close_spans(self, spans: list[SpanSession]) -> None:
         for s in spans:
             await s.stream.close()
-            left = self.remote.view.local_sessions.get(s.span.server_id, 1) - 1
-            self.remote.view.local_sessions[s.span.server_id] = max(left, 0)
+            self.remote.router.release(s.admission)
 
     def close(self) -> None:
         if not self.closed:
@@ -214,7 +242,7 @@ class InferenceSession:
         record = StepRecord(tokens=hidden.shape[1], wall_s=0.0, hops=[], chunks=len(chunks))
         hops = [_Hop(s) for s in self.spans]
         while True:
-            broken = await self._pipeline(hops, chunks, record)
+            broken = await self._attempt(hops, chunks, record)
             if not broken:
                 break
             f0 = time.perf_counter()
@@ -227,13 +255,14 @@ class InferenceSession:
         self.steps.append(record)
         return hops[-1].outputs[0] if len(chunks) == 1 else torch.cat(hops[-1].outputs, dim=1)
 
-    async def _pipeline(self, hops: list[_Hop], chunks: list[tuple[torch.Tensor, torch.Tensor]],
-                        record: StepRecord) -> dict[int, ServerFailed | None]:
-        """Push every chunk through every hop, pipelined. Returns the hops to replace: failed (their error) or
-        left with unanswered chunks by a failure elsewhere (None); empty when the step is complete."""
+    def _hang_timeout_s(self, span: Span, rows: int, tokens: int) -> float:
+        return hang_timeout_s(self.remote.config, self.remote.view.records.get(span.server_id), span, rows, tokens)
+
+    async def _attempt(self, hops: list[_Hop], chunks: list[tuple[torch.Tensor, torch.Tensor]],
+                       record: StepRecord) -> dict[int, ServerFailed | None]:
+        """Push every chunk through every hop. Returns the hops to replace: failed (their error, a hung server's
+        included) or left with unanswered chunks by a failure elsewhere (None); empty when the step is complete."""
         push = self.remote.config.push
-        if self.one_message_fast_path and len(chunks) == 1 and not push:
-            return await self._one_message(hops, chunks[0], record)
         progress = _Progress()  # notified whenever a hop writes or answers a chunk
 
         def source(i: int, k: int) -> torch.Tensor:
@@ -274,75 +303,73 @@ class InferenceSession:
                 # its input (the previous hop's output) is recorded with its output. Pushed, that output still
                 # comes first: a server replies before it pushes
                 await progress.wait_for(lambda: hop.written > k and (i == 0 or hops[i - 1].answered > k))
-                out, timing = await hop.span.stream.receive()
+                x = chunks[k][0]
+                timeout = self._hang_timeout_s(hop.span.span, x.shape[0], x.shape[1])
+                out, timing = await hop.span.stream.receive(timeout)
                 hop.span.history.append((source(i, k), chunks[k][1]))
                 hop.outputs.append(out)
                 record.hops.append(timing)
                 progress.notify()
 
-        tasks = {asyncio.ensure_future(f(i)): i for i in range(len(hops)) for f in (send, receive)}
-        stalled = False
-        try:
-            stalled = await self._watch(tasks, progress)
-        finally:
-            progress.stop()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        failed: dict[int, BaseException] = {}
+        if len(chunks) == 1 and not push:
+            # one message per hop: the same sender and receiver, hop after hop in this task (no tasks to wake).
+            # The watchdog's rule per hop: no progress for watchdog_s
+            for i in range(len(hops)):
+                try:
+                    async with asyncio.timeout(watchdog_s(self.remote.config)):
+                        await send(i)
+                        await receive(i)
+                except TimeoutError:
+                    return self._stalled(hops, 1, record)
+                except ServerFailed as exc:
+                    failed[i] = exc  # hops before it answered, hops after it have nothing written
+                    break
+        else:
+            tasks = {asyncio.ensure_future(f(i)): i for i in range(len(hops)) for f in (send, receive)}
+            stalled = False
+            try:
+                stalled = await self._watch(tasks, progress)
+            finally:
+                progress.stop()
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            if stalled:
+                return self._stalled(hops, len(chunks), record)
+            for t, i in tasks.items():
+                exc = None if t.cancelled() else t.exception()
+                if exc is not None:
+                    failed.setdefault(i, exc)
         broken: dict[int, ServerFailed | None] = {}
-        if stalled:
-            return self._stalled(hops, len(chunks), record)
-        for t, i in tasks.items():
-            exc = None if t.cancelled() else t.exception()
-            if isinstance(exc, ServerFailed):
-                broken[i] = exc
-            elif exc is not None:
+        for i, exc in failed.items():
+            if not isinstance(exc, ServerFailed):
                 raise exc
+            broken[i] = exc
+            if isinstance(exc, ServerHung):
+                record.hung.append(exc.server_id)
         for i, hop in enumerate(hops):
             if i not in broken and hop.span.stream.unanswered:  # written, not answered: cache state unknown
                 broken[i] = None
         return broken
 
-    async def _one_message(self, hops: list[_Hop], chunk: tuple[torch.Tensor, torch.Tensor],
-                           record: StepRecord) -> dict[int, ServerFailed | None]:
-        """`_pipeline` for a step that is one message per hop and not pushed (every decode step, short prompts): hop
-        after hop in this task. Same outcomes, without two tasks, their events and wake-ups per hop."""
-        hidden, mask = chunk
-        for i, hop in enumerate(hops):
-            if hop.answered:
-                continue  # answered before a failure further on
-            x = hidden if i == 0 else hops[i - 1].outputs[0]
-            try:
-                async with asyncio.timeout(self.remote.config.step_timeout_s):  # the pipeline's no-progress bound
-                    if not hop.written:
-                        await hop.span.stream.send(x, mask)
-                        hop.written = 1
-                    out, timing = await hop.span.stream.receive()
-            except ServerFailed as exc:
-                return {i: exc}  # hops before it answered, hops after it have nothing written
-            except TimeoutError:
-                return self._stalled(hops, 1, record)
-            hop.span.history.append((x, mask))
-            hop.outputs.append(out)
-            record.hops.append(timing)
-        return {}
-
     def _stalled(self, hops: list[_Hop], n_chunks: int, record: StepRecord) -> dict[int, ServerFailed | None]:
         """Nothing moved for a whole step timeout: every hop not done is reopened and replayed."""
         record.stalls += 1
         log.warning("step stalled for %.0f s; hops (written, answered, unanswered, link in flight): %s",
-                    self.remote.config.step_timeout_s,
+                    watchdog_s(self.remote.config),
                     [(h.written, h.answered, h.span.stream.unanswered, h.span.stream.link.in_flight) for h in hops])
         if record.stalls > self.remote.config.max_retries:
-            raise ServerFailed(hops[0].span.span.server_id, "the step stalled on every attempt")
+            stuck = next(h for h in hops if h.answered < n_chunks)
+            raise ServerFailed(stuck.span.span.server_id, "the step stalled there on every attempt")
         return {i: None for i, h in enumerate(hops) if h.answered < n_chunks}
 
     async def _watch(self, tasks: dict, progress: _Progress) -> bool:
         """Wait until every task is done or one fails; True if the pipeline made no progress for a whole step
-        timeout. Every wait in the pipeline is bounded on its own; this bounds the whole, whatever was missed."""
+        timeout. Every reply is bounded on its own (the hang timeout); this bounds the whole, whatever was missed."""
         seen = progress.generation
         while True:
-            done, _ = await asyncio.wait(tasks, timeout=self.remote.config.step_timeout_s,
+            done, _ = await asyncio.wait(tasks, timeout=watchdog_s(self.remote.config),
                                          return_when=asyncio.FIRST_EXCEPTION)
             if len(done) == len(tasks) or any(t.exception() for t in done if not t.cancelled()):
                 return False
@@ -395,12 +422,9 @@ class InferenceSession:
         hidden = torch.cat([h for h, _ in history], dim=1)
         mask = torch.cat([m for _, m in history], dim=1)
         for span in spans:
-            out, _ = await span.stream.step(hidden, mask)
+            out, _ = await span.stream.step(hidden, mask, self._hang_timeout_s(span.span, *hidden.shape[:2]))
             span.history.append((hidden, mask))
             hidden = out
-
-    def describe(self) -> str:
-        return " -> ".join(f"{s.span.server_id[:12]}[{s.span.start}:{s.span.end})" for s in self.spans)
 
     def route_spans(self) -> list[Span]:
         return [s.span for s in self.spans]

@@ -7,18 +7,19 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 import grpc
 import torch
 
 from swarmlm.client.chunking import BandwidthEstimate
-from swarmlm.client.transmission import Kind, Links, LinkScheduler, TransmissionPolicy
-from swarmlm.errors import InvalidRequest, ServerFailed
-from swarmlm.types import Span
-from swarmlm.wire import codec
+from swarmlm.errors import InvalidRequest, ServerFailed, ServerHung
+from swarmlm.types import Span, StepKind
+from swarmlm.wire import codec, compress
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
+from swarmlm.wire.channel import aio_channel
+from swarmlm.wire.links import Links, LinkScheduler, TransmissionPolicy
 
 T = TypeVar("T")
 MAX_REPORTED_BATCH = 1 << 16  # a server's batch size is only reported; a larger claim is clamped, not trusted
@@ -54,12 +55,14 @@ class Channels:
     is written next) and what its link was measured to carry."""
 
     def __init__(self, max_message_bytes: int, policy: TransmissionPolicy | None = None,
-                 assumed_bandwidth_bps: float = 1e9) -> None:
+                 assumed_bandwidth_bps: float = 1e9, interceptors: Sequence = ()) -> None:
         self.max_message_bytes = max_message_bytes
+        self.interceptors = interceptors  # a private swarm's token on every call (swarm/private.py)
         self._stubs: dict[str, pb_grpc.SwarmStub] = {}
         self.links = Links(policy or TransmissionPolicy())
         self.assumed_bandwidth_bps = assumed_bandwidth_bps
         self._bandwidth: dict[str, BandwidthEstimate] = {}
+        self.wire_dtype = "float32"  # ClientConfig.wire_dtype: hidden states' format, "auto" = per link
 
     def link(self, address: str) -> LinkScheduler:
         return self.links.get(address)
@@ -70,13 +73,16 @@ class Channels:
             est = self._bandwidth[address] = BandwidthEstimate(self.assumed_bandwidth_bps)
         return est
 
+    def wire_dtype_for(self, address: str) -> str:
+        """The hidden states' wire format towards `address` (wire/compress.py): fixed, or by its bandwidth."""
+        if self.wire_dtype != "auto":
+            return self.wire_dtype
+        return compress.choose("auto", self.bandwidth(address).bandwidth_bps)
+
     def stub(self, address: str) -> pb_grpc.SwarmStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=[
-                ("grpc.max_receive_message_length", self.max_message_bytes),
-                ("grpc.max_send_message_length", self.max_message_bytes),
-            ])
+            channel = aio_channel(address, self.max_message_bytes, self.interceptors)
             stub = self._stubs[address] = pb_grpc.SwarmStub(channel)
         return stub
 
@@ -111,7 +117,7 @@ def _failed(span: Span, exc: BaseException) -> ServerFailed:
 class _Sent:
     """A step written on the stream whose reply has not been read yet."""
 
-    kind: Kind
+    kind: StepKind
     tokens: int
     request_bytes: int
     encode_s: float
@@ -163,7 +169,7 @@ class SpanStream:
     def expect(self, tokens: int) -> None:
         """Await the reply to a step the previous server pushed to this session (it takes the next id)."""
         self._step_id += 1
-        kind = Kind.DECODE if tokens == 1 else Kind.PREFILL
+        kind = StepKind.of(tokens)
         self._pending.append(_Sent(kind, tokens, 0, 0.0, clean=False, written_s=time.perf_counter(), on_link=False,
                                    step_id=self._step_id))
 
@@ -188,9 +194,10 @@ class SpanStream:
         t0 = time.perf_counter()
         self._step_id += 1
         request = pb.InferenceRequest(step=pb.InferenceStep(
-            hidden=codec.encode(hidden), step_id=self._step_id, push=push,
+            hidden=compress.encode_hidden(hidden, self.channels.wire_dtype_for(self.span.address)),
+            step_id=self._step_id, push=push,
             attention_mask=codec.encode(mask) if mask is not None else pb.Tensor()))
-        sent = _Sent(Kind.DECODE if hidden.shape[1] == 1 else Kind.PREFILL, tokens=hidden.shape[1],
+        sent = _Sent(StepKind.of(hidden.shape[1]), tokens=hidden.shape[1],
                      request_bytes=len(request.step.hidden.data), encode_s=time.perf_counter() - t0, clean=False,
                      on_link=False, step_id=self._step_id)
         self._pending.append(sent)  # its place among the replies is taken with its id, before its turn on the link
@@ -209,16 +216,20 @@ class SpanStream:
                 _raise_if_cancelling()
                 raise ServerFailed(self.span.server_id, "stream cancelled") from exc
 
-    async def receive(self) -> tuple[torch.Tensor, HopTiming]:
-        """The reply to the oldest unanswered step."""
+    async def receive(self, timeout_s: float | None = None) -> tuple[torch.Tensor, HopTiming]:
+        """The reply to the oldest unanswered step. No reply within `timeout_s` (default: the stream's) is a failure
+        of this server: it is alive (the stream did not break) but not answering."""
         if not self._pending:
             raise RuntimeError("receive() without a step sent")
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation that comes as the read
             # completes, and a cancelled pipeline task would then run on and wait forever
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(timeout_s):
                 reply = await self.call.read()
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError, OSError, asyncio.InvalidStateError) as exc:
+        except asyncio.TimeoutError as exc:
+            raise ServerHung(self.span.server_id, timeout_s) from exc
+        except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
             raise _failed(self.span, exc) from exc
         except asyncio.CancelledError as exc:
             _raise_if_cancelling()
@@ -250,10 +261,11 @@ class SpanStream:
                 sent.request_bytes + len(reply.hidden.data), timing.network_s)
         return out, timing
 
-    async def step(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, HopTiming]:
+    async def step(self, hidden: torch.Tensor, mask: torch.Tensor | None,
+                   timeout_s: float | None = None) -> tuple[torch.Tensor, HopTiming]:
         """One step, written and answered (nothing else of this stream in flight)."""
         await self.send(hidden, mask)
-        return await self.receive()
+        return await self.receive(timeout_s)
 
     async def close(self) -> None:
         while self._pending:  # never answered: free their places on the link
@@ -274,8 +286,10 @@ class SpanStream:
             self.call = None
 
 
-async def info(channels: Channels, address: str, timeout_s: float = 5.0) -> tuple[pb.InfoReply, float]:
-    """The server's info and the round trip of asking for it."""
+async def info(channels: Channels, address: str, timeout_s: float = 5.0,
+               nonce: bytes = b"") -> tuple[pb.InfoReply, float]:
+    """The server's info and the round trip of asking for it; with a `nonce` the server signs its reply (the
+    connect check, swarm/identity.py)."""
     t0 = time.perf_counter()
-    reply = await channels.stub(address).Info(pb.InfoRequest(), timeout=timeout_s)
+    reply = await channels.stub(address).Info(pb.InfoRequest(nonce=nonce), timeout=timeout_s)
     return reply, time.perf_counter() - t0

@@ -176,10 +176,6 @@ class Network:
         self._bw[a, b] = self._bw[b, a] = float(bandwidth_bps)
         self.version += 1
 
-    def set_cluster(self, node: str, cluster: str) -> None:
-        self._cluster[node] = cluster
-        self.version += 1
-
     @classmethod
     def from_matrix(cls, rtt_s: Mapping[str, Mapping[str, float]],
                     bandwidth_bps: Mapping[str, Mapping[str, float]] | None = None,

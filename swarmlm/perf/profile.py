@@ -2,23 +2,28 @@
 
 Fits the performance model's ComputeProfile: prefill seconds per block = a * tokens + b (two lengths, least
 squares over repeats), decode seconds per block per token (median of single-token steps).
+
+perf sits below server in the layering (docs/ARCHITECTURE.md): what is measured is described by the `Measurable`
+protocol, which the server's `Stage` satisfies; the server builds the stage and hands it in.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from swarmlm.perf.model import ComputeProfile
-from swarmlm.server.stage import Stage
 from swarmlm.types import BlockRange
 
+log = logging.getLogger(__name__)
 PROFILE_VERSION = 2  # bump when the measurement changes: cached profiles are redone
 
 
@@ -32,16 +37,34 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def profile_key(stage: Stage, threads: int) -> str:
+class Measurable(Protocol):
+    """The compute a profile measures: a span of blocks, run stateless (prefill) or in a session (decode)."""
+
+    blocks: BlockRange
+    config: Any  # the model's transformers config (its shapes key the cache)
+    dtype: torch.dtype
+    hidden_size: int
+
+    def forward(self, blocks: BlockRange, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor: ...
+
+    def new_state(self, blocks: BlockRange, batch: int) -> Any: ...
+
+    def step(self, state: Any, hidden: torch.Tensor, new_mask: torch.Tensor) -> torch.Tensor: ...
+
+
+def profile_key(stage: Measurable, threads: int) -> str:
     """Same model shapes, dtype, threads, span length and machine -> same profile."""
     parts = [
         json.dumps(stage.config.to_dict(), sort_keys=True, default=str), str(stage.dtype), str(threads),
         str(stage.blocks.length), _cpu_name(), torch.__version__, str(PROFILE_VERSION),
     ]
+    quant = getattr(stage, "quant", "none")  # int8 weights run other kernels; "none" keeps the older keys valid
+    if quant != "none":
+        parts.append(f"quant={quant}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 
-def measure(stage: Stage, lengths: tuple[int, int] = (16, 128), decode_steps: int = 8, repeats: int = 3) -> ComputeProfile:
+def measure(stage: Measurable, lengths: tuple[int, int] = (16, 128), decode_steps: int = 8, repeats: int = 3) -> ComputeProfile:
     blocks = stage.blocks
     n = blocks.length
     h = stage.hidden_size
@@ -79,7 +102,7 @@ def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return a, my - a * mx
 
 
-def cached_profile(stage: Stage, threads: int, cache_dir: str | Path | None = None, refresh: bool = False) -> ComputeProfile:
+def cached_profile(stage: Measurable, threads: int, cache_dir: str | Path | None = None, refresh: bool = False) -> ComputeProfile:
     cache_dir = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "swarmlm" / "profiles"
     path = cache_dir / f"{profile_key(stage, threads)}.json"
     if path.is_file() and not refresh:
@@ -88,7 +111,12 @@ def cached_profile(stage: Stage, threads: int, cache_dir: str | Path | None = No
         except (ValueError, TypeError):
             pass  # a corrupt cache entry is measured again
     torch.set_num_threads(threads)
+    log.info("measuring compute: prefill at 16 and 128 tokens, 8 decode steps (cached for the next start in %s)",
+             cache_dir)
+    t0 = time.perf_counter()
     profile = measure(stage)
+    log.info("measured in %.1f s: decode %.2f ms/token per block, prefill %.3f ms/token + %.2f ms per block",
+             time.perf_counter() - t0, profile.decode_s * 1e3, profile.prefill_a_s * 1e3, profile.prefill_b_s * 1e3)
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # servers profiling the same shapes at once each write their own
     tmp.write_text(json.dumps({"prefill_a_s": profile.prefill_a_s, "prefill_b_s": profile.prefill_b_s,
@@ -96,11 +124,3 @@ def cached_profile(stage: Stage, threads: int, cache_dir: str | Path | None = No
     tmp.replace(path)
     return profile
 
-
-def profile_model(model_dir: str, blocks: BlockRange | None, dtype: str, threads: int,
-                  cache_dir: str | None = None, refresh: bool = False) -> ComputeProfile:
-    from swarmlm.model.checkpoint import load_config
-
-    if blocks is None:
-        blocks = BlockRange(0, int(load_config(model_dir).num_hidden_layers))
-    return cached_profile(Stage(model_dir, blocks, dtype), threads, cache_dir, refresh)

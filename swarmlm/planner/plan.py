@@ -108,9 +108,6 @@ def petals_hop_cost(router: WaitingAwareRouter, client: str) -> HopCost:
     return cost
 
 
-_petals_cost = petals_hop_cost  # old name, kept for callers that looked it up before it was public
-
-
 def make_plan(topology: Topology, algorithm: Algorithm, routing: Routing | None = None, *,
               concurrency: int | None = None, options: PlacementOptions = PlacementOptions()) -> Plan:
     """Place blocks with `algorithm`, route R requests with `routing` (default: petals routing for petals,

@@ -5,8 +5,11 @@ Hop i -> j is feasible iff j.start <= i.end < j.end: j holds the first block i h
 is reached. Two routers share that graph:
 
 * `shortest_route(ranges, num_blocks, hop_cost)` -- static costs (planner, the paper's step 5).
-* `WaitingAwareRouter` -- WS-RR: adds each server's earliest free-slot time to the hop cost. Used by the
-  live client (servers announce slots) and by the simulator (it admits/releases sessions as events fire).
+* `WaitingAwareRouter` -- WS-RR: adds each server's earliest free-slot time to the hop cost. The one router of
+  the live client (client/router.py feeds it announced records, measured RTTs and its own sessions) and of the
+  simulator (sim/routers.py: it admits/releases sessions as events fire). With `shared_compute=True` (the live
+  client: CPU servers share one compute thread between sessions) a hop's compute cost also grows with the
+  sessions running there; the simulator leaves it off because its servers' step times do not grow with load.
 
 Public API (stable; the simulator and the client call it):
 
@@ -14,11 +17,11 @@ Public API (stable; the simulator and the client call it):
     shortest_route(ranges, num_blocks, hop_cost, exact_prev=False) -> list[Span]   # raises MissingBlocks
     HopGraph(ranges, num_blocks).shortest(hop_cost)            # same, graph built once for many routes
     RoutedHops(spans, start_times_s)                          # NamedTuple, unpacks as (spans, start_times)
-    router = WaitingAwareRouter(perf, num_blocks)
+    router = WaitingAwareRouter(perf, num_blocks, shared_compute=False)
     router.set_server(server_id, block_range, total_slots)    # (re)announce; slots are block-sessions
-    router.set_load(server_id, free_slots)                    # live: announced free slots (no completion times)
+    router.set_load(server_id, free_slots, sessions=None)     # live: announced free slots and running sessions
     router.remove_server(server_id)
-    router.route(client, now_s, l_in, l_out) -> RoutedHops
+    router.route(client, now_s, l_in, l_out, waiting_aware=True, window=None, exclude=()) -> RoutedHops
     router.admit(session_id, spans, until_s)                  # reserve k slots per hop until until_s
     router.release(session_id)                                # free them (finished early / failed)
     router.expire(now_s) -> list[str]                         # drop sessions whose until_s <= now_s
@@ -226,6 +229,7 @@ class _ServerState:
     block_range: BlockRange
     total_slots: int  # block-sessions of attention cache: one session running k blocks here takes k slots
     announced_free: int | None = None  # live swarm: free slots the server announced (overrides our count)
+    announced_sessions: int = 0  # live swarm: sessions the server announced running (ours included, once seen)
     running: dict[str, tuple[float, int]] = field(default_factory=dict)  # session -> (until_s, slots)
     used: int = 0  # sum of slots in `running`, kept incrementally
 
@@ -237,6 +241,10 @@ class _ServerState:
         entry = self.running.pop(session_id, None)
         if entry is not None:
             self.used -= entry[1]
+
+    def sessions(self) -> int:
+        """Sessions sharing this server's compute: what it announced, or at least the ones we admitted."""
+        return max(self.announced_sessions, len(self.running))
 
     def free_slots(self) -> int:
         mine = self.total_slots - self.used
@@ -262,19 +270,25 @@ class WaitingAwareRouter:
 
     Time is whatever clock the caller uses (simulated seconds or time.monotonic()); the router never reads
     a clock. It keeps one record per admitted session; callers must `release` or `expire` them.
+
+    shared_compute: a server's sessions share its compute (a CPU server runs them on one thread, batching
+    gains little: docs/RESULTS-batching.md), so with WS-RR a hop's per-block cost is multiplied by 1 + the
+    sessions running there (processor sharing). Off, the paper's model: step times do not depend on load.
     """
 
-    def __init__(self, perf: PerfModel, num_blocks: int) -> None:
+    def __init__(self, perf: PerfModel, num_blocks: int, shared_compute: bool = False) -> None:
         self.perf = perf
         self.num_blocks = num_blocks
+        self.shared_compute = shared_compute
         self._servers: dict[str, _ServerState] = {}
         self._sessions: dict[str, tuple[float, list[str]]] = {}  # session -> (until_s, servers it holds)
-        self._graph: HopGraph | None = None  # rebuilt after any change of ranges
+        # hop graphs by (window, excluded servers): rebuilt after any change of ranges
+        self._graphs: dict[tuple[tuple[int, int], frozenset[str]], HopGraph] = {}
         self._costs: dict[tuple[str, int, int], tuple[dict[str, float], dict[str, float]]] = {}  # affine hop costs
 
     def refresh(self) -> None:
-        """Forget cached hop graph and hop costs (call after changing perf profiles or RTTs)."""
-        self._graph = None
+        """Forget cached hop graphs and hop costs (call after changing perf profiles or RTTs)."""
+        self._graphs.clear()
         self._costs.clear()
 
     # -- swarm state --------------------------------------------------------------------------------------
@@ -290,9 +304,13 @@ class WaitingAwareRouter:
         self._servers[server_id] = state
         self.refresh()
 
-    def set_load(self, server_id: str, free_slots: int) -> None:
-        """Live swarm: the server's announced free slots (includes other clients' sessions we cannot see)."""
-        self._servers[server_id].announced_free = max(0, int(free_slots))
+    def set_load(self, server_id: str, free_slots: int, sessions: int | None = None) -> None:
+        """Live swarm: the server's announced free slots (includes other clients' sessions we cannot see) and,
+        with shared_compute, the sessions it runs."""
+        state = self._servers[server_id]
+        state.announced_free = max(0, int(free_slots))
+        if sessions is not None:
+            state.announced_sessions = max(0, int(sessions))
 
     def remove_server(self, server_id: str) -> None:
         self._servers.pop(server_id, None)
@@ -309,10 +327,25 @@ class WaitingAwareRouter:
         return self._servers[server_id].earliest_start_s(slots, now_s)
 
     # -- routing ------------------------------------------------------------------------------------------
-    def graph(self) -> HopGraph:
-        if self._graph is None:
-            self._graph = HopGraph(self.ranges, self.num_blocks)
-        return self._graph
+    def graph(self, window: BlockRange | None = None, exclude: frozenset[str] = frozenset()) -> HopGraph:
+        """The hop graph over blocks `window` (default: the whole model), shifted to start at 0, without the
+        servers in `exclude`. Raises MissingBlocks (in model block numbers) if they leave blocks uncovered."""
+        key = ((window.start, window.end) if window else (0, self.num_blocks), exclude)
+        graph = self._graphs.get(key)
+        if graph is None:
+            w = BlockRange(*key[0])
+            ranges = {sid: BlockRange(max(st.block_range.start, w.start) - w.start,
+                                      min(st.block_range.end, w.end) - w.start)
+                      for sid, st in self._servers.items()
+                      if sid not in exclude and st.block_range.start < w.end and st.block_range.end > w.start}
+            try:
+                graph = HopGraph(ranges, w.length)
+            except MissingBlocks as exc:
+                raise MissingBlocks([b + w.start for b in exc.missing]) from None
+            if len(self._graphs) > 64:  # a live client's bans come and go: keep the cache small
+                self._graphs.clear()
+            self._graphs[key] = graph
+        return graph
 
     def hop_costs(self, client: str, l_in: int, l_out: int) -> tuple[dict[str, float], dict[str, float]]:
         """BPRR hop cost of every server for this client as fixed + per_block * k (it is affine in k)."""
@@ -322,19 +355,27 @@ class WaitingAwareRouter:
             self._costs[key] = ({s: t[0] for s, t in terms.items()}, {s: t[1] for s, t in terms.items()})
         return self._costs[key]
 
-    def route(self, client: str, now_s: float, l_in: int, l_out: int, waiting_aware: bool = True) -> RoutedHops:
-        """Cheapest chain for one new request; edge cost = (start - now) + BPRR hop cost.
+    def route(self, client: str, now_s: float, l_in: int, l_out: int, waiting_aware: bool = True,
+              window: BlockRange | None = None, exclude: frozenset[str] = frozenset()) -> RoutedHops:
+        """Cheapest chain for one new request; edge cost = (start - now) + BPRR hop cost (+ shared compute).
 
         waiting_aware=False routes on hop costs alone (plain shortest path) but still reports start times.
-        Raises MissingBlocks if the servers do not cover the model.
+        window: route only blocks [window.start, window.end) (a failover re-routes one broken span); exclude:
+        servers not to use. Raises MissingBlocks if the servers do not cover the blocks, or if every chain
+        waits forever (announced load with no known end).
         """
         fixed, per_block = self.hop_costs(client, l_in, l_out)
+        graph = self.graph(window, exclude)
         if waiting_aware:
+            if self.shared_compute:
+                per_block = {sid: c * (1 + self._servers[sid].sessions()) for sid, c in per_block.items()}
             free = {sid: st.free_slots() for sid, st in self._servers.items()}
             wait = lambda sid, k: self._servers[sid].earliest_start_s(k, now_s) - now_s  # noqa: E731
-            spans = self.graph().shortest_affine(fixed, per_block, free, wait)
+            spans = graph.shortest_affine(fixed, per_block, free, wait)
         else:
-            spans = self.graph().shortest_affine(fixed, per_block)
+            spans = graph.shortest_affine(fixed, per_block)
+        shift = window.start if window else 0
+        spans = [Span(s.server_id, s.start + shift, s.end + shift) for s in spans] if shift else spans
         starts = [self._servers[s.server_id].earliest_start_s(s.length, now_s) for s in spans]
         return RoutedHops(spans, starts)
 

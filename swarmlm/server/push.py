@@ -23,15 +23,17 @@ import asyncio
 import re
 import time
 from collections import OrderedDict
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 import grpc
 
-from swarmlm.client.transmission import Kind, Links, TransmissionPolicy
 from swarmlm.errors import InvalidRequest
+from swarmlm.types import StepKind
 from swarmlm.server.sessions import SECRET_BYTES
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
+from swarmlm.wire.channel import aio_channel
+from swarmlm.wire.links import Links, TransmissionPolicy
 
 MAX_PUSH_TARGETS = 64  # the rest of a route: more servers than any route has
 MAX_AHEAD = 8  # steps a session holds while waiting for an earlier id
@@ -142,8 +144,9 @@ class StepOrder:
 class Pusher:
     """Outgoing pushes: one channel per target address, writes ordered decode-first per link (as the client's)."""
 
-    def __init__(self, max_message_bytes: int, timeout_s: float = 10.0) -> None:
+    def __init__(self, max_message_bytes: int, timeout_s: float = 10.0, interceptors: Sequence = ()) -> None:
         self.max_message_bytes = max_message_bytes
+        self.interceptors = interceptors  # a private swarm's token on every push (swarm/private.py)
         self.timeout_s = timeout_s
         self.links = Links(TransmissionPolicy(prefill_window=None))
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, pb_grpc.SwarmStub]] = OrderedDict()
@@ -157,10 +160,7 @@ class Pusher:
         if len(self._channels) >= MAX_CHANNELS:
             _, (old, _) = self._channels.popitem(last=False)
             asyncio.ensure_future(old.close())
-        channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", self.max_message_bytes),
-            ("grpc.max_send_message_length", self.max_message_bytes),
-        ])
+        channel = aio_channel(address, self.max_message_bytes, self.interceptors)
         stub = pb_grpc.SwarmStub(channel)
         self._channels[address] = (channel, stub)
         return stub
@@ -170,7 +170,7 @@ class Pusher:
         """Deliver one output to `target` (which pushes it on to `rest`). True when the target accepted it."""
         request = pb.PushRequest(session_id=target.session_id, secret=target.secret, step=pb.InferenceStep(
             hidden=hidden, attention_mask=mask, step_id=target.step_id, push=rest))
-        kind = Kind.DECODE if len(hidden.shape) == 3 and hidden.shape[1] == 1 else Kind.PREFILL
+        kind = StepKind.of(hidden.shape[1] if len(hidden.shape) == 3 else 0)
         link = self.links.get(target.address)
         call = None
         try:

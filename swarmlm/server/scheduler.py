@@ -34,8 +34,9 @@ from typing import Any, Callable, Hashable
 import torch
 
 from swarmlm.server.stage import SpanState, Stage, StepRequest
+from swarmlm.types import StepKind
 
-DECODE, PREFILL = 0, 1  # priorities
+DECODE, PREFILL = StepKind.DECODE, StepKind.PREFILL  # priorities: decode steps first (one spelling: StepKind)
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class Batchable:
 
 @dataclass(eq=False)
 class Job:
-    priority: int  # DECODE or PREFILL
+    priority: StepKind  # DECODE or PREFILL
     tokens: int  # rows x new tokens: the job's share of a round's budget
     enqueued_s: float
     future: Future
@@ -141,11 +142,11 @@ class Scheduler:
     def queue_length(self) -> int:
         return len(self._queue)
 
-    async def submit(self, fn: Callable[[], Any], priority: int = DECODE, tokens: int = 1) -> tuple[Any, JobTiming]:
+    async def submit(self, fn: Callable[[], Any], priority: StepKind = DECODE, tokens: int = 1) -> tuple[Any, JobTiming]:
         """Run `fn` alone (never batched); `tokens` is its size within a round's budget."""
         return await self._submit(Job(priority, tokens, 0.0, Future(), fn=fn))
 
-    async def submit_batchable(self, work: Batchable, priority: int, tokens: int) -> tuple[Any, JobTiming]:
+    async def submit_batchable(self, work: Batchable, priority: StepKind, tokens: int) -> tuple[Any, JobTiming]:
         return await self._submit(Job(priority, tokens, 0.0, Future(), work=work))
 
     async def submit_step(
@@ -153,7 +154,7 @@ class Scheduler:
     ) -> tuple[torch.Tensor, JobTiming]:
         """One session's step on `stage`: batched with other sessions' steps of the same shape."""
         request = StepRequest(state, hidden, mask)
-        priority = DECODE if hidden.shape[1] == 1 else PREFILL
+        priority = StepKind.of(hidden.shape[1])
         work = Batchable(stage.step_batch, request.batch_key, request, member=id(state))
         return await self.submit_batchable(work, priority, request.tokens)
 

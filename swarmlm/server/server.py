@@ -16,25 +16,18 @@ import time
 import grpc
 import torch
 
-from swarmlm import __version__
 from swarmlm.config import ServerConfig
+from swarmlm.perf.model import ComputeProfile
 from swarmlm.perf.profile import cached_profile
 from swarmlm.server.scheduler import Scheduler
 from swarmlm.server.service import ServerStats, SwarmService
 from swarmlm.server.stage import Stage
-from swarmlm.swarm.records import OFFLINE, ONLINE, ServerRecord
+from swarmlm.swarm.records import OFFLINE, ONLINE, ServerRecord, record_from_info
 from swarmlm.types import BlockRange
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
+from swarmlm.wire.channel import server_options
 
 log = logging.getLogger(__name__)
-
-
-def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.so_reuseport", 0),
-    ]
 
 
 class Server:
@@ -73,16 +66,7 @@ class Server:
         return choose_blocks(self.config, self.dht, self.prefix)
 
     def record(self, state: str = ONLINE) -> ServerRecord:
-        info = self.service.info()
-        stage = self.stage
-        return ServerRecord(
-            server_id=self.server_id, address=self.address, start=stage.blocks.start, end=stage.blocks.end,
-            state=state, decode_s=info.decode_s_per_block, prefill_a_s=info.prefill_a_s,
-            prefill_b_s=info.prefill_b_s, cache_bytes_free=info.cache_bytes_free,
-            cache_bytes_total=info.cache_bytes_total,
-            session_bytes_per_block_token=stage.cache_bytes(1, 1, 1), active_sessions=info.active_sessions,
-            queue_length=info.queue_length, max_length=info.max_length, version=__version__,
-        )
+        return record_from_info(self.service.info(), self.address, state)
 
     async def _announced(self, block: int) -> set[str]:
         """Addresses of the servers announced in the DHT for `block`."""
@@ -119,7 +103,7 @@ class Server:
         self.service = SwarmService(cfg, self.stage, scheduler, stats)
         if self.dht is not None:  # pushes go only to servers announced for the next block (server/push.py)
             self.service.targets.directory = self._announced
-        server = grpc.aio.server(options=grpc_options(cfg.max_message_bytes),
+        server = grpc.aio.server(options=server_options(cfg.max_message_bytes),
                                  maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
         pb_grpc.add_SwarmServicer_to_server(self.service, server)
         port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
@@ -221,6 +205,16 @@ class Server:
             "decode_s_per_block": profile.decode_s, "prefill_a_s": profile.prefill_a_s,
             "prefill_b_s": profile.prefill_b_s,
         }), flush=True)
+
+
+def profile_model(model_dir: str, blocks: BlockRange | None, dtype: str, threads: int,
+                  cache_dir: str | None = None, refresh: bool = False) -> ComputeProfile:
+    """The compute profile a server over `blocks` (default: all) would announce (cached on disk)."""
+    from swarmlm.model.checkpoint import load_config
+
+    if blocks is None:
+        blocks = BlockRange(0, int(load_config(model_dir).num_hidden_layers))
+    return cached_profile(Stage(model_dir, blocks, dtype), threads, cache_dir, refresh)
 
 
 def run_server(config: ServerConfig, drain_timeout_s: float = 30.0, rebalance_period_s: float = 30.0) -> int:

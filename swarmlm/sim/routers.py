@@ -1,7 +1,10 @@
-"""The seam between the simulator and the planner's routing code (the same code the live client runs).
+"""The seam between the simulator and the planner's routing code, the code the live client runs too.
 
 The simulator never routes by itself: `PlannerRouter` asks `swarmlm.planner.routing` for every route and tells
-its `WaitingAwareRouter` when sessions start and end, exactly as the client does with real servers.
+its `WaitingAwareRouter` when sessions start and end. The live client routes with the same class
+(client/router.py), fed from announced records and measured RTTs, admitting and releasing its own sessions the
+same way; it turns on `shared_compute` (CPU servers slow down with the sessions they run), which stays off here
+because the simulated servers' step times do not depend on load (docs/SIMULATOR.md, "What it leaves out").
 `SimRouter` is the small protocol the session events need, so a test can plug in a fixed route.
 
 Two speed-ups, both exact, because routing, not the event loop, is the cost of a 1,000-server run
@@ -13,20 +16,16 @@ Two speed-ups, both exact, because routing, not the event loop, is the cost of a
 """
 from __future__ import annotations
 
-from typing import Callable, Literal, Protocol
+from typing import Literal, Protocol
 
 from swarmlm.perf.model import PerfModel
-from swarmlm.planner import plan as planner_plan
-from swarmlm.planner.routing import HopCost, WaitingAwareRouter
+from swarmlm.planner.plan import petals_hop_cost
+from swarmlm.planner.routing import WaitingAwareRouter
 from swarmlm.sim.arrivals import SimRequest
 from swarmlm.types import BlockRange, Route
 
 RoutingMode = Literal["shortest", "waiting-aware", "petals"]
 ROUTING_MODES: tuple[str, ...] = ("shortest", "waiting-aware", "petals")
-
-# Petals' routing cost lives in the planner (plan.py); it is not public yet, so look it up by either name.
-_petals_cost: Callable[[WaitingAwareRouter, str], HopCost] | None = (
-    getattr(planner_plan, "petals_hop_cost", None) or getattr(planner_plan, "_petals_cost", None))
 
 
 class SimRouter(Protocol):
@@ -95,8 +94,6 @@ class PlannerRouter:
     def __init__(self, router: WaitingAwareRouter, mode: RoutingMode, fast_path: bool = True) -> None:
         if mode not in ROUTING_MODES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_MODES)}, got {mode!r}")
-        if mode == "petals" and _petals_cost is None:
-            raise ValueError("the planner exposes no Petals routing cost (plan.petals_hop_cost)")
         self.router = router
         self.mode = mode
         self.fast_path = fast_path
@@ -122,8 +119,7 @@ class PlannerRouter:
 
     def choose(self, req: SimRequest, now_s: float) -> Route:
         if self.mode == "petals":
-            assert _petals_cost is not None
-            return Route(tuple(self.router.graph().shortest(_petals_cost(self.router, req.client_id))))
+            return Route(tuple(self.router.graph().shortest(petals_hop_cost(self.router, req.client_id))))
         static = self._shortest(req, now_s)
         if self.mode == "shortest":
             return static

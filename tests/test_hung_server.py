@@ -1,0 +1,71 @@
+"""A hung server (alive, its stream open, never answering) is named, banned and failed over like a crash: SIGSTOP the
+second server of the route mid-generation, with a replica of its blocks up; the tokens equal plain transformers'."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.swarm.local import LocalSwarm
+from swarmlm.types import BlockRange
+
+pytestmark = pytest.mark.slow
+NEW_TOKENS = 16
+STOP_AT = 6  # the token at which the route's second server stops answering
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_bloom):
+    # blocks [3, 6) twice: the stopped server has a replica; [0, 3) once, so the first hop is never the culprit
+    with LocalSwarm(tiny_bloom) as swarm:
+        swarm.start([BlockRange(0, 3), BlockRange(3, 6), BlockRange(3, 6)])
+        client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers,
+                                                             ban_base_s=60.0, ban_max_s=60.0)
+        deadline = time.monotonic() + 60
+        while len(client.remote.view.records) < 3:  # the failover needs the replica in the client's view
+            assert time.monotonic() < deadline, "the replica never appeared in the DHT"
+            time.sleep(0.5)
+            client.remote.refresh()
+        yield swarm, client
+        client.close()
+
+
+def test_sigstop_mid_generation_names_and_bans_the_stopped_server(swarm, tiny_bloom):
+    swarm_, client = swarm
+    ids = AutoTokenizer.from_pretrained(tiny_bloom)("the quick brown fox", return_tensors="pt").input_ids
+    ref = AutoModelForCausalLM.from_pretrained(tiny_bloom).eval()
+    with torch.no_grad():
+        want = ref.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    want = want[0, ids.shape[1]:].tolist()
+
+    stopped = None
+    tokens = []
+    try:
+        with client.inference_session(max_length=ids.shape[1] + NEW_TOKENS) as session:
+            logits = client.step_logits(session, ids)
+            for n in range(NEW_TOKENS):
+                if n == STOP_AT:
+                    victim_id = session.spans[1].span.server_id
+                    stopped = next(s for s in swarm_.servers if s.server_id == victim_id)
+                    os.kill(stopped.proc.pid, signal.SIGSTOP)  # alive, its connections open, silent
+                nxt = logits[:, -1].argmax(-1, keepdim=True)
+                tokens.append(int(nxt))
+                if n + 1 < NEW_TOKENS:
+                    logits = client.step_logits(session, nxt)
+            steps = list(session.steps)
+            final_route = [s.server_id for s in session.route_spans()]
+    finally:
+        if stopped is not None:
+            os.kill(stopped.proc.pid, signal.SIGCONT)
+    assert stopped is not None
+    assert tokens == want
+    hung = [sid for s in steps for sid in s.hung]
+    assert hung == [stopped.server_id]  # named: the stopped server, not the first hop
+    assert sum(s.failovers for s in steps) == 1 and sum(s.stalls for s in steps) == 0
+    assert stopped.server_id in client.remote.view.banned()
+    assert stopped.server_id not in final_route

@@ -1,0 +1,90 @@
+"""No import runs back up the floors of docs/ARCHITECTURE.md ("Layering"): every swarmlm module imports only
+modules on its own floor or below. Checked on the source with `ast`, function-level imports included."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import swarmlm
+
+ROOT = Path(swarmlm.__file__).parent
+# lowest first; packages on one floor may import each other
+FLOORS: list[set[str]] = [
+    {"", "types", "errors", "config"},  # "" = the package root (its version string, lazy names)
+    {"wire"},
+    {"model"},
+    {"perf"},
+    {"planner"},
+    {"sim", "server", "swarm"},
+    {"client"},
+    {"bench", "api"},
+    {"cli"},
+]
+
+
+def floor_of(module: str) -> int:
+    """swarmlm.a.b -> the floor of its top package `a` (swarmlm.types -> "types", swarmlm -> "")."""
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else ""
+    for floor, names in enumerate(FLOORS):
+        if top in names:
+            return floor
+    raise AssertionError(f"{module}: its package {top!r} is on no floor; add it to docs/ARCHITECTURE.md and here")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    module = module_name(path)
+    return imports_in(path.read_text(), module if path.name == "__init__.py" else module.rpartition(".")[0])
+
+
+def imports_in(source: str, package: str) -> list[tuple[int, str]]:
+    """(line, imported swarmlm module) for every import statement of a module of `package`."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "swarmlm"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] == "swarmlm":
+                found.append((node.lineno, target))
+    return found
+
+
+def test_floor_of_knows_the_layout():
+    assert floor_of("swarmlm") == floor_of("swarmlm.types") == 0
+    assert floor_of("swarmlm.perf.profile") < floor_of("swarmlm.server.stage")
+    assert floor_of("swarmlm.wire.links") < floor_of("swarmlm.server.push") < floor_of("swarmlm.client.session")
+    assert floor_of("swarmlm.sim.routers") == floor_of("swarmlm.server.push")
+
+
+def test_a_back_import_is_found_wherever_it_hides():
+    """The check itself can fail: upward imports, absolute, relative or inside a function, are all found."""
+    source = ("import torch\nfrom swarmlm.types import Span\nfrom ..server.stage import Stage\n"
+              "def f():\n    import swarmlm.client.session\n")
+    found = imports_in(source, "swarmlm.perf")
+    assert found == [(2, "swarmlm.types"), (3, "swarmlm.server.stage"), (5, "swarmlm.client.session")]
+    assert [floor_of(m) > floor_of("swarmlm.perf.profile") for _, m in found] == [False, True, True]
+
+
+def test_no_import_runs_back_up():
+    violations = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.name.endswith("_pb2.py") or path.name.endswith("_pb2_grpc.py"):
+            continue  # generated
+        here = module_name(path)
+        for line, target in imports_of(path):
+            if floor_of(target) > floor_of(here):
+                violations.append(f"{path.relative_to(ROOT.parent)}:{line} ({here}) imports {target}")
+    assert not violations, "imports that run back up the floors:\n" + "\n".join(violations)
