@@ -70,15 +70,16 @@ class Fingerprints:
     def block(self, block: int) -> bytes:
         if block not in self._blocks:
             prefix, keys = self.block_keys(block)
-            digest = hashlib.sha256()
             by_file: dict[str, list[str]] = {}
             for key in keys:
                 by_file.setdefault(self.index.shard_of[key], []).append(key)
-            for filename in sorted(by_file):
+            summaries: dict[str, bytes] = {}
+            for filename, names in by_file.items():
                 with safe_open(self.source.file(filename), framework="pt") as f:
-                    for key in by_file[filename]:
-                        digest.update(_tensor_summary(key[len(prefix):], f.get_slice(key)))
-            self._blocks[block] = digest.digest()
+                    for key in names:
+                        summaries[key] = _tensor_summary(key[len(prefix):], f.get_slice(key))
+            # in key order: the same weights sharded differently give the same fingerprint
+            self._blocks[block] = hashlib.sha256(b"".join(summaries[k] for k in sorted(summaries))).digest()
         return self._blocks[block]
 
     def range(self, start: int, end: int) -> str:

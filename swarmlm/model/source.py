@@ -13,9 +13,10 @@ from pathlib import Path
 
 from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
 from huggingface_hub.errors import (
-    EntryNotFoundError,
+    GatedRepoError,
     HFValidationError,
     LocalEntryNotFoundError,
+    RemoteEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
@@ -90,8 +91,10 @@ class ModelSource:
             return None  # offline, an uncached optional file counts as absent (a required one fails in file())
         try:
             return Path(hf_hub_download(self.repo_id, filename, revision=self.revision))
-        except EntryNotFoundError:
+        except RemoteEntryNotFoundError:  # the repo has no such file
             return None
+        except GatedRepoError:
+            raise ModelNotFound(f"{self.name} is gated on the hub: accept its terms and log in (HF_TOKEN)") from None
         except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
             raise ModelNotFound(f"{self.name}: not a directory and not a model on the hub ({exc})") from None
         except (LocalEntryNotFoundError, OSError) as exc:  # no network, hub down...

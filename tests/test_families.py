@@ -1,0 +1,82 @@
+"""Every family through 2 server processes equals plain transformers (fp32), each loaded by hub id from an offline
+HF cache: logits of `model(ids)` for a left-padded batch of 2, and greedy generation. The split [0, 1) + [1, 4)
+puts global block 1 first on the second server (Gemma 2's and Qwen2's per-layer attention types must follow the
+global index); prompt + generation outrun the 8-token sliding windows of tiny-mistral, -qwen2 and -gemma2.
+BLOOM and Llama: tests/test_swarm_exact.py (1-3 servers)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from huggingface_hub import constants
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.model.init import init_checkpoint
+from swarmlm.model.presets import PRESETS
+from swarmlm.swarm.local import LocalSwarm
+from swarmlm.types import BlockRange
+from tests.hub_layout import add_to_hub_cache
+
+pytestmark = pytest.mark.slow
+FAMILY_PRESETS = ["tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-falcon",
+                  "tiny-gemma2"]
+PROMPTS = ["the quick brown fox jumps over the lazy dog while the farmer watches", "hello"]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def offline_hub(tmp_path_factory):
+    """Every preset as hub repo `swarmlm-tests/<preset>` in a fresh HF cache; offline, for this process (the
+    library reads huggingface_hub's constants) and the servers it starts (they read the environment)."""
+    root = tmp_path_factory.mktemp("hf-home")
+    cache = root / "hub"
+    for preset in FAMILY_PRESETS:
+        src = init_checkpoint(preset, root / "src" / preset, seed=3, max_shard_size="100KB")
+        add_to_hub_cache(cache, f"swarmlm-tests/{preset}", src)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HOME", str(root))
+        mp.setenv("HF_HUB_CACHE", str(cache))
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(constants, "HF_HUB_CACHE", str(cache))
+        mp.setattr(constants, "HF_HUB_OFFLINE", True)
+        yield cache
+
+
+@pytest.fixture(scope="module", params=FAMILY_PRESETS)
+def swarm(request, offline_hub):
+    preset = request.param
+    repo = f"swarmlm-tests/{preset}"
+    snapshot = next((offline_hub / f"models--swarmlm-tests--{preset}" / "snapshots").iterdir())
+    with LocalSwarm(repo, with_dht=False) as swarm:
+        swarm.start([BlockRange(0, 1), BlockRange(1, 4)])
+        client = DistributedModelForCausalLM.from_pretrained(repo, servers=swarm.addresses)
+        ref = AutoModelForCausalLM.from_pretrained(snapshot).eval()
+        tok = AutoTokenizer.from_pretrained(snapshot)
+        if tok.pad_token is None:  # Llama-3 style: no pad token; pad with eos as transformers users do
+            tok.pad_token = tok.eos_token
+        yield preset, client, ref, tok
+        client.close()
+
+
+def test_forward_logits_of_a_padded_batch_equal_transformers(swarm):
+    preset, client, ref, tok = swarm
+    assert client.config.model_type == PRESETS[preset].family
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    assert enc.attention_mask[1, 0] == 0, "the short prompt is left-padded"
+    out = client(enc.input_ids, attention_mask=enc.attention_mask)
+    got = out.logits if hasattr(out, "logits") else out
+    with torch.no_grad():
+        want = ref(input_ids=enc.input_ids, attention_mask=enc.attention_mask).logits
+    real = enc.attention_mask.bool()  # padded positions' logits are meaningless on both sides
+    assert (got[real] - want[real]).abs().max().item() < 1e-4
+
+
+def test_greedy_generation_of_a_padded_batch_equals_transformers(swarm):
+    _, client, ref, tok = swarm
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    got = client.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=NEW_TOKENS)
+    with torch.no_grad():
+        want = ref.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=NEW_TOKENS,
+                            do_sample=False)
+    got = got.sequences if hasattr(got, "sequences") else got
+    assert torch.equal(got, want)
