@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from swarmlm.swarm.records import MAX_RECORD_TTL_S
 from swarmlm.types import BlockRange
 
 
@@ -45,7 +46,10 @@ class ServerConfig:
     announce_period_s: float = 2.0  # how often the DHT record is refreshed
     record_ttl_s: float = 8.0  # DHT records expire this long after their last refresh
     dht_prefix: str | None = None  # DHT key namespace (default: from the model directory's name)
-    server_id: str | None = None  # default: the DHT peer id
+    # the server's key pair (swarm/identity.py): its id is derived from the public key. A PEM file, created (0600) if
+    # absent, keeps the id across restarts; None = a fresh key (and id) per process
+    identity_file: str | None = None
+    swarm_key: bytes | None = field(default=None, repr=False)  # a private swarm's shared secret (swarm/private.py)
     profile_cache_dir: str | None = None  # where start-up profiles are cached (None = ~/.cache/swarmlm)
 
     def __post_init__(self) -> None:
@@ -65,9 +69,10 @@ class ServerConfig:
                              f"{self.max_batch_wait_s}")
         if self.resume_grace_s < 0:
             raise ValueError(f"resume_grace_s must be >= 0, got {self.resume_grace_s}")
-        if self.record_ttl_s <= self.announce_period_s:
+        if not self.announce_period_s < self.record_ttl_s <= MAX_RECORD_TTL_S:
             raise ValueError(
-                f"record_ttl_s ({self.record_ttl_s}) must exceed announce_period_s ({self.announce_period_s})"
+                f"record_ttl_s ({self.record_ttl_s}) must exceed announce_period_s ({self.announce_period_s}) and be "
+                f"at most MAX_RECORD_TTL_S ({MAX_RECORD_TTL_S})"
             )
         if self.blocks is None and self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
@@ -109,6 +114,7 @@ class ClientConfig:
     # server-to-server push (swarmlm/server/push.py): each server sends its output straight to the next one, a
     # token crosses N + 1 links instead of 2N; the client still gets every output (for failover)
     push: bool = False
+    swarm_key: bytes | None = field(default=None, repr=False)  # a private swarm's shared secret (swarm/private.py)
 
     def __post_init__(self) -> None:
         if self.routing not in ("shortest", "waiting-aware"):

@@ -14,6 +14,7 @@ from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.model.init import init_checkpoint
 from swarmlm.swarm.dht import announce, default_prefix, fetch_records, owner_subkey, start_dht, visible_addrs
 from swarmlm.swarm.dht_thread import ThreadDHT
+from swarmlm.swarm.identity import Identity
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.swarm.records import ServerRecord
 from swarmlm.types import BlockRange
@@ -22,24 +23,25 @@ from swarmlm.types import BlockRange
 def test_forged_and_unsigned_records_are_rejected():
     boot = start_dht()
     peers = visible_addrs(boot)
-    owner = RSASignatureValidator(RSAPrivateKey())
+    owner_key = Identity.generate()  # a server id is its key's (swarm/identity.py)
+    owner, srv_a = owner_key.validator, owner_key.server_id
     honest = start_dht(peers, validator=owner)
     attacker = start_dht(peers, validator=RSASignatureValidator(RSAPrivateKey()))
     reader = ThreadDHT(peers, client_mode=True)  # what clients run: a node in this process, no fork
     try:
-        real = ServerRecord(server_id="srvA", address="127.0.0.1:5000", start=0, end=2, decode_s=0.01)
-        assert announce(honest, "m", real, 30, subkey=owner_subkey("srvA", owner))
+        real = ServerRecord(server_id=srv_a, address="127.0.0.1:5000", start=0, end=2, decode_s=0.01)
+        assert announce(honest, "m", real, 30, subkey=owner_subkey(srv_a, owner))
         # the attacker overwrites srvA's record with a newer one pointing elsewhere: its signature does not match
-        forged = ServerRecord(server_id="srvA", address="127.0.0.2:6666", start=0, end=2, decode_s=1e-9)
-        assert not announce(attacker, "m", forged, 60, subkey=owner_subkey("srvA", owner))
+        forged = ServerRecord(server_id=srv_a, address="127.0.0.2:6666", start=0, end=2, decode_s=1e-9)
+        assert not announce(attacker, "m", forged, 60, subkey=owner_subkey(srv_a, owner))
         # an unsigned record is stored by the DHT but ignored by readers
         announce(attacker, "m", ServerRecord(server_id="srvB", address="127.0.0.2:6666", start=0, end=2), 60,
                  subkey="srvB")
         # a record signed by the attacker's own key cannot claim another server's id either
-        announce(attacker, "m", ServerRecord(server_id="srvA", address="127.0.0.2:1", start=0, end=2), 60,
+        announce(attacker, "m", ServerRecord(server_id=srv_a, address="127.0.0.2:1", start=0, end=2), 60,
                  subkey="srvC" + owner_subkey("", RSASignatureValidator(RSAPrivateKey())))
         seen = fetch_records(reader, "m", range(2))
-        assert set(seen) == {"srvA"} and seen["srvA"].address == "127.0.0.1:5000"
+        assert set(seen) == {srv_a} and seen[srv_a].address == "127.0.0.1:5000"
     finally:
         for d in (boot, honest, attacker, reader):
             d.shutdown()
@@ -57,9 +59,10 @@ def test_in_process_dht_stores_reads_and_leaves_no_daemon():
     node = ThreadDHT(visible_addrs(boot), client_mode=False)
     try:
         assert len(daemons() - before) == 1  # the node's own daemon
-        record = ServerRecord(server_id="srvT", address="127.0.0.1:5001", start=0, end=3)
+        me = Identity(RSAPrivateKey.process_wide())  # the node's default signing key
+        record = ServerRecord(server_id=me.server_id, address="127.0.0.1:5001", start=0, end=3)
         assert announce(node, "t", record, 30)
-        assert fetch_records(node, "t", range(3))["srvT"] == record
+        assert fetch_records(node, "t", range(3))[me.server_id] == record
     finally:
         node.shutdown()
         node.shutdown()  # twice is harmless

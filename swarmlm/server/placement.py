@@ -96,7 +96,7 @@ def choose_blocks(config: ServerConfig, dht, prefix: str) -> BlockRange:
     from swarmlm.swarm.dht import fetch_records
 
     model = model_spec(config)
-    records = fetch_records(dht, prefix, range(model.num_blocks)) if dht is not None else {}
+    records = fetch_records(dht, prefix, range(model.num_blocks), swarm_key=config.swarm_key) if dht is not None else {}
     blocks = choose_blocks_from(config, records, model)
     log.info("chose blocks %s (%s) from %d servers in the swarm", blocks, config.placement, len(records))
     return blocks

@@ -21,7 +21,9 @@ from swarmlm.perf.model import ComputeProfile
 from swarmlm.perf.profile import cached_profile
 from swarmlm.server.scheduler import Scheduler
 from swarmlm.server.service import ServerStats, SwarmService
+from swarmlm.server.auth import server_interceptors
 from swarmlm.server.stage import Stage
+from swarmlm.swarm.identity import Identity
 from swarmlm.swarm.records import OFFLINE, ONLINE, ServerRecord, record_from_info
 from swarmlm.types import BlockRange
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
@@ -40,23 +42,29 @@ class Server:
         self.stage: Stage | None = None
         self.service: SwarmService | None = None
         self.address = ""
-        self.server_id = config.server_id or ""
+        self.identity = Identity.load_or_create(config.identity_file)  # its id is derived from its public key
+        self.server_id = self.identity.server_id
         self.subkey: str | None = None
         self._stopping = threading.Event()
         self._moving = threading.Lock()  # the announcer stays quiet while the server changes its blocks
 
     # ---- start-up -----------------------------------------------------------------------------------
     def _start_dht(self) -> None:
-        from hivemind.dht.crypto import RSASignatureValidator
+        from swarmlm.swarm.dht import default_prefix, fetch_records, owner_subkey, start_dht
 
-        from swarmlm.swarm.dht import default_prefix, owner_subkey, start_dht
-
-        self.prefix = self.config.dht_prefix or default_prefix(self.config.model_dir)
-        if self.config.initial_peers:
-            validator = RSASignatureValidator()  # this process's key: it signs every record we announce
-            self.dht = start_dht(self.config.initial_peers, host=self.config.host, validator=validator)
-            self.server_id = self.server_id or self.dht.peer_id.to_base58()
+        cfg = self.config
+        self.prefix = cfg.dht_prefix or default_prefix(cfg.model_dir)
+        if cfg.initial_peers:
+            validator = self.identity.validator  # our key: it signs every record we announce
+            self.dht = start_dht(cfg.initial_peers, host=cfg.host, validator=validator, swarm_key=cfg.swarm_key)
             self.subkey = owner_subkey(self.server_id, validator)
+            if cfg.blocks is not None:  # (choosing blocks reads the swarm's records anyway)
+                try:  # without the key, a private swarm's records stop us here: SwarmAccessDenied
+                    fetch_records(self.dht, self.prefix, range(cfg.blocks.start, cfg.blocks.end),
+                                  swarm_key=cfg.swarm_key)
+                except BaseException:
+                    self.dht.shutdown()
+                    raise
 
     def _choose_blocks(self) -> BlockRange:
         if self.config.blocks is not None:
@@ -82,7 +90,8 @@ class Server:
         while not self._stopping.is_set():
             try:
                 with self._moving:
-                    announce(self.dht, self.prefix, self.record(), self.config.record_ttl_s, subkey=self.subkey)
+                    announce(self.dht, self.prefix, self.record(), self.config.record_ttl_s, subkey=self.subkey,
+                             swarm_key=self.config.swarm_key)
             except Exception as exc:  # a missed refresh is retried; the record lives for ttl
                 log.warning("announce failed: %s", exc)
             self._stopping.wait(self.config.announce_period_s)
@@ -103,16 +112,16 @@ class Server:
         self.service = SwarmService(cfg, self.stage, scheduler, stats)
         if self.dht is not None:  # pushes go only to servers announced for the next block (server/push.py)
             self.service.targets.directory = self._announced
+        self.service.identity = self.identity  # signs the clients' connect checks (Info with a nonce)
         server = grpc.aio.server(options=server_options(cfg.max_message_bytes),
+                                 interceptors=server_interceptors(cfg.swarm_key),  # a private swarm's gate
                                  maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
         pb_grpc.add_SwarmServicer_to_server(self.service, server)
         port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if port == 0:
             raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
         self.address = f"{cfg.announce_host or cfg.host}:{port}"
-        if not self.server_id:
-            self.server_id = self.address
-            stats.server_id = self.server_id
+        self.service.address = self.address
         await server.start()
         expire_task = asyncio.create_task(self.service.expire_loop())
         announcer = None
@@ -148,7 +157,8 @@ class Server:
             from swarmlm.swarm.dht import announce
 
             try:
-                announce(self.dht, self.prefix, self.record(OFFLINE), self.config.record_ttl_s, subkey=self.subkey)
+                announce(self.dht, self.prefix, self.record(OFFLINE), self.config.record_ttl_s, subkey=self.subkey,
+                         swarm_key=self.config.swarm_key)
             except Exception as exc:
                 log.warning("withdrawal failed: %s", exc)
         deadline = time.monotonic() + self.drain_timeout_s
@@ -165,7 +175,8 @@ class Server:
         while True:
             await asyncio.sleep(self.rebalance_period_s)
             try:
-                records = await loop.run_in_executor(None, fetch_records, self.dht, self.prefix, range(model.num_blocks))
+                records = await loop.run_in_executor(None, lambda: fetch_records(
+                    self.dht, self.prefix, range(model.num_blocks), swarm_key=self.config.swarm_key))
                 target = should_move(self.config, self.record(), records, model)
                 if target is not None:
                     await self._move(target)
@@ -181,7 +192,8 @@ class Server:
         with self._moving:
             self.service.accepting = False
             await loop.run_in_executor(None, lambda: announce(
-                self.dht, self.prefix, self.record(OFFLINE), self.config.record_ttl_s, subkey=self.subkey))
+                self.dht, self.prefix, self.record(OFFLINE), self.config.record_ttl_s, subkey=self.subkey,
+                swarm_key=self.config.swarm_key))
             deadline = time.monotonic() + min(self.drain_timeout_s, 5.0)
             while self.service.sessions.sessions and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)

@@ -25,6 +25,8 @@ from swarmlm.server.push import Pusher, StepOrder, TargetCheck, check_targets
 from swarmlm.server.scheduler import JobTiming, Scheduler
 from swarmlm.server.sessions import PeerBytes, Session, SessionTable
 from swarmlm.server.stage import SpanState, Stage
+from swarmlm.swarm.identity import Identity, sign_info
+from swarmlm.swarm.private import client_interceptors
 from swarmlm.types import BlockRange
 from swarmlm.wire import codec
 from swarmlm.wire import swarm_pb2 as pb
@@ -104,7 +106,9 @@ class SwarmService(pb_grpc.SwarmServicer):
         self.load = PeerBytes(config.max_peer_bytes_in_flight)
         self.attached: set[str] = set()  # sessions held by a live stream
         self.inboxes: dict[str, asyncio.Queue] = {}  # per attached session: its steps, from the stream and pushes
-        self.pusher = Pusher(config.max_message_bytes)
+        self.pusher = Pusher(config.max_message_bytes, interceptors=client_interceptors(config.swarm_key))
+        self.identity: Identity | None = None  # set by server.py, with the address it announces
+        self.address = ""
         # where pushes may go; server.py gives it the DHT's directory when there is a DHT
         self.targets = TargetCheck(None, self.pusher.info, self._serves)
         self._pushes: dict[str, asyncio.Task] = {}  # per session: its latest push (pushes of a session go in order)
@@ -496,7 +500,10 @@ class SwarmService(pb_grpc.SwarmServicer):
             self.load.release(peer, nbytes)
 
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoReply:
-        return self.info()
+        reply = self.info()
+        if self.identity is not None:  # the connect check: sign the client's nonce with our key (swarm/identity.py)
+            sign_info(self.identity, reply, request.nonce, self.address)
+        return reply
 
     def info(self) -> pb.InfoReply:
         return pb.InfoReply(

@@ -28,6 +28,9 @@ class ThreadDHT:
         self.thread = threading.Thread(target=self.loop.run_forever, name="swarmlm-dht", daemon=True)
         self.thread.start()
         self.node: DHTNode | None = None
+        # A client-mode node stores nothing for others: it checks swarm-key MACs in fetch_records, not here, so a
+        # record with a wrong MAC tells it the swarm is private (and does not hide the rest of that peer's answer)
+        swarm_key = None if client_mode else swarm_key
         create = DHTNode.create(
             initial_peers=list(initial_peers), client_mode=client_mode,
             host_maddrs=[f"/ip4/{host}/tcp/{port}"],

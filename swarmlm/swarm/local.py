@@ -75,12 +75,15 @@ atexit.register(_kill_all)
 
 class LocalSwarm:
     def __init__(self, model_dir: str | Path, threads: int = 1, log_dir: str | Path | None = None,
-                 server_args: Sequence[str] = (), start_timeout_s: float = 180.0, with_dht: bool = True) -> None:
+                 server_args: Sequence[str] = (), start_timeout_s: float = 180.0, with_dht: bool = True,
+                 swarm_key_file: str | Path | None = None) -> None:
         self.model_dir = str(model_dir)
         self.threads = threads
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="swarmlm-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.server_args = list(server_args)
+        # a private swarm: the DHT node and every server get the key (swarm/private.py)
+        self.key_args = ["--swarm-key", str(swarm_key_file)] if swarm_key_file else []
+        self.server_args = [*self.key_args, *server_args]
         self.start_timeout_s = start_timeout_s
         self.with_dht = with_dht
         self.dht_proc: subprocess.Popen | None = None
@@ -102,7 +105,7 @@ class LocalSwarm:
     def start_dht(self) -> None:
         addr_file = self.log_dir / "dht.addr"
         addr_file.unlink(missing_ok=True)
-        self.dht_proc, log = self._spawn(["dht", "--addr-file", str(addr_file)], "dht")
+        self.dht_proc, log = self._spawn(["dht", "--addr-file", str(addr_file), *self.key_args], "dht")
         deadline = time.monotonic() + self.start_timeout_s
         while not addr_file.is_file():
             if self.dht_proc.poll() is not None or time.monotonic() > deadline:
