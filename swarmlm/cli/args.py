@@ -18,3 +18,27 @@ def prefill_chunks(text: str) -> int | None:
 def add_prefill_chunks(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunks", type=prefill_chunks, default=None, metavar="auto|off|TOKENS",
                    help="prompt tokens per prefill message (default auto: sized to the measured link and servers)")
+
+
+SWARM_KEY_ENV = "SWARMLM_SWARM_KEY_FILE"
+
+
+def swarm_key_file(path: str) -> bytes | None:
+    """--swarm-key FILE -> the key's bytes (swarm/private.py); an empty value means an open swarm."""
+    if not path:
+        return None
+    from swarmlm.swarm.private import load_swarm_key
+
+    try:
+        return load_swarm_key(path)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_swarm_key(p: argparse.ArgumentParser) -> None:
+    """The private-swarm flag of every verb that talks to the swarm (dest: args.swarm_key, bytes or None)."""
+    import os
+
+    p.add_argument("--swarm-key", type=swarm_key_file, default=os.environ.get(SWARM_KEY_ENV), metavar="FILE",
+                   help=f"a private swarm's shared key (default: ${SWARM_KEY_ENV}; none = an open swarm). "
+                        "`swarmlm dht --new-swarm-key FILE` creates one")

@@ -6,6 +6,8 @@ import signal
 import threading
 from pathlib import Path
 
+from swarmlm.cli.args import add_swarm_key
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("dht", help="start a DHT bootstrap node and print its address")
@@ -13,12 +15,24 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--initial-peers", nargs="*", default=[])
     p.add_argument("--addr-file", help="also write the address here (one per line)")
+    add_swarm_key(p)
+    p.add_argument("--new-swarm-key", metavar="FILE",
+                   help="create a new private swarm's key in FILE (mode 0600) and start this node with it")
 
 
 def run(args: argparse.Namespace) -> int:
     from swarmlm.swarm.dht import start_dht, visible_addrs
 
-    dht = start_dht(args.initial_peers, host=args.host, port=args.port)
+    swarm_key = args.swarm_key
+    if args.new_swarm_key:
+        from swarmlm.swarm.private import create_swarm_key
+
+        try:
+            swarm_key = create_swarm_key(args.new_swarm_key)
+        except OSError as exc:
+            raise SystemExit(f"swarmlm dht: cannot create {args.new_swarm_key}: {exc.strerror}") from None
+    # with a swarm key this node stores and serves only records that carry its MAC (swarm/private.py)
+    dht = start_dht(args.initial_peers, host=args.host, port=args.port, swarm_key=swarm_key)
     addrs = visible_addrs(dht)
     if args.addr_file:
         tmp = Path(args.addr_file + ".tmp")

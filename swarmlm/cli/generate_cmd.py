@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from swarmlm.cli.args import add_prefill_chunks
+from swarmlm.cli.args import add_prefill_chunks, add_swarm_key
 
 
 def add_parser(sub) -> None:
@@ -26,6 +26,7 @@ def add_parser(sub) -> None:
     p.add_argument("--push", action="store_true",
                    help="servers push each output straight to the next server of the route (N + 1 hops, not 2N)")
     add_prefill_chunks(p)
+    add_swarm_key(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -46,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     model = DistributedModelForCausalLM.from_pretrained(
         args.model, initial_peers=args.initial_peers, servers=args.servers, routing=args.routing,
         threads=args.threads, push=args.push, prefill_chunk_tokens=args.prefill_chunks,
+        swarm_key=args.swarm_key,
     )
     try:
         out = model.generate(

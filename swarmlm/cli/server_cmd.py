@@ -3,11 +3,17 @@ from __future__ import annotations
 
 import argparse
 
+from swarmlm.cli.args import add_swarm_key
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("server", help="serve a range of the model's blocks")
     p.add_argument("--model", required=True, help="checkpoint directory (config.json + safetensors)")
     p.add_argument("--blocks", help="half-open range START:END; omit to let the server choose")
+    p.add_argument("--identity", metavar="FILE",
+                   help="the server's private key (PEM; created 0600 if absent): keeps its id across restarts "
+                        "(default: a fresh key and id per run)")
+    add_swarm_key(p)
     p.add_argument("--num-blocks", type=int, help="with no --blocks: how many blocks to take (default: from memory)")
     p.add_argument("--placement", default="petals", choices=["petals", "cg-bprr"],
                    help="with no --blocks: how to choose the range")
@@ -58,5 +64,6 @@ def run(args: argparse.Namespace) -> int:
         session_idle_timeout_s=args.idle_timeout, open_idle_timeout_s=args.open_idle_timeout,
         resume_grace_s=args.resume_grace, max_sessions_per_peer=args.max_sessions_per_peer,
         max_concurrent_rpcs=args.max_concurrent_rpcs, max_message_bytes=args.max_message_mb << 20, dht_prefix=args.dht_prefix,
+        identity_file=args.identity, swarm_key=args.swarm_key,
     )
     return run_server(config, drain_timeout_s=args.drain_timeout, rebalance_period_s=args.rebalance_period)
