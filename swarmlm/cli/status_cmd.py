@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from swarmlm.cli.args import add_swarm_key
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("status", help="show the swarm's servers, their blocks, load and coverage")
@@ -13,6 +15,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", required=True,
                    help="checkpoint directory or model id: it names the model's records in the DHT")
     p.add_argument("--json", action="store_true", help="print the view as JSON (as GET /v1/swarm)")
+    add_swarm_key(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -23,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from swarmlm.client.model import DistributedModelForCausalLM
 
     model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers,
-                                                        servers=args.servers)
+                                                        servers=args.servers, swarm_key=args.swarm_key)
     try:
         view = SwarmWatcher(model.remote).read()
     finally:
