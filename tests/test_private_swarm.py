@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.errors import SwarmAccessDenied
-from swarmlm.swarm.dht import announce, fetch_records
+from swarmlm.swarm.dht import announce, default_prefix, fetch_records
 from swarmlm.swarm.dht_thread import ThreadDHT
 from swarmlm.swarm.identity import Identity
 from swarmlm.swarm.local import LocalSwarm
@@ -111,7 +111,7 @@ def test_a_server_without_the_key_is_refused_and_cannot_announce(swarm, tiny_blo
     keyless = ThreadDHT(swarm.initial_peers, client_mode=False)
     member = ThreadDHT(swarm.initial_peers, client_mode=True, swarm_key=load_swarm_key(key_file))
     try:
-        prefix = DistributedModelForCausalLM.from_pretrained(tiny_bloom, servers=["127.0.0.1:1"]).remote.prefix
+        prefix = default_prefix(tiny_bloom)
         announce(keyless, prefix, ServerRecord(server_id=me.server_id, address="127.0.0.1:9", start=0, end=6), 30)
         seen = fetch_records(member, prefix, range(6), swarm_key=load_swarm_key(key_file))
         assert set(seen) == {swarm.servers[0].server_id}
