@@ -99,7 +99,8 @@ class GatewayMetrics:
             b = by_start.get(start) or _Bucket(start)
             if start < self.started_s - self.bucket_s:
                 continue  # before the gateway started
-            points.append({"t": start, "tokens_per_s": b.tokens / self.bucket_s, "requests": b.requests,
+            width_s = self.bucket_s if k else max(now - start, 1.0)  # the current bucket is still filling
+            points.append({"t": start, "tokens_per_s": b.tokens / width_s, "requests": b.requests,
                            "ttft_p50_s": _num(percentile(b.ttft_s, 50)), "tpot_p50_s": _num(percentile(b.tpot_s, 50))})
         return points
 
