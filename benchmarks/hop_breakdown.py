@@ -5,6 +5,10 @@
 
 Usage: .venv/bin/python benchmarks/hop_breakdown.py [--servers N] [--preset tiny-bloom] [--ab ROUNDS --base REV]
 
+--local: also the same blocks in this process (a Stage: what a swarm of one process would compute), and the
+client's embeddings and LM head per token, in rounds alternating with the swarm's: where a BLOOMZ token's time
+goes, swarm vs one process (`--preset bloomz-560m --servers 1 --local`).
+
 --ab: this tree against git revision REV (exported with `git archive`, client and servers both), rounds alternating
 in one run, each round a fresh swarm (medians, and the median of per-round ratios of the caller's step).
 """
@@ -58,6 +62,26 @@ def breakdown(client: DistributedModelForCausalLM, sessions: int = 4, steps: int
     return {k: statistics.median(r[k] for r in rows) * 1000 for k in rows[0]}
 
 
+def local_parts(client: DistributedModelForCausalLM, stage, steps: int = 50) -> dict[str, float]:
+    """Median milliseconds per decode token: the same blocks in this process, and the client's embed and head."""
+    from swarmlm.types import BlockRange
+
+    blocks = BlockRange(0, stage.blocks.end)
+    state = stage.new_state(blocks, 1, len(PROMPT) + steps + 1)
+    stage.step(state, client.embed(torch.tensor([PROMPT])), torch.ones(1, len(PROMPT), dtype=torch.long))
+    one, rows = torch.ones(1, 1, dtype=torch.long), []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        x = client.embed(torch.tensor([[5]]))
+        t1 = time.perf_counter()
+        out = stage.step(state, x, one)
+        t2 = time.perf_counter()
+        client.head(out)
+        t3 = time.perf_counter()
+        rows.append({"local: the same blocks in-process": t2 - t1, "client embed": t1 - t0, "client LM head": t3 - t2})
+    return {k: statistics.median(r[k] for r in rows) * 1000 for k in rows[0]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", type=int, default=2)
@@ -65,6 +89,8 @@ def main() -> None:
     ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="this tree vs --base, alternating")
     ap.add_argument("--base", default="HEAD", help="git revision to compare with (--ab)")
     ap.add_argument("--json", action="store_true", help="one round (warm-up + 1 session), as JSON")
+    ap.add_argument("--local", action="store_true", help="also the same blocks in this process + the client's head")
+    ap.add_argument("--rounds", type=int, default=4, help="sessions of 100 steps (with --local: alternating)")
     args = ap.parse_args()
     if args.ab:
         return compare(args)
@@ -77,8 +103,24 @@ def main() -> None:
             breakdown(client, 1, 20)  # warm-up
             print(json.dumps(breakdown(client, 1, 100)))
             return
-        for part, ms in breakdown(client).items():
+        if not args.local:
+            for part, ms in breakdown(client, args.rounds).items():
+                print(f"{part:36s} {ms:7.3f} ms")
+            return
+        from swarmlm.server.stage import Stage
+        from swarmlm.types import BlockRange
+
+        stage = Stage(model_dir, BlockRange(0, int(load_config(model_dir).num_hidden_layers)))
+        rounds = []
+        for _ in range(args.rounds):  # alternating: machine noise hits both alike
+            rounds.append({**breakdown(client, 1, 50), **local_parts(client, stage, 50)})
+        med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+        for part, ms in med.items():
             print(f"{part:36s} {ms:7.3f} ms")
+        swarm = med["the caller's session.step"] + med["client embed"] + med["client LM head"]
+        local = med["local: the same blocks in-process"] + med["client embed"] + med["client LM head"]
+        print(f"{'token through the swarm (embed+step+head)':36s} {swarm:7.3f} ms")
+        print(f"{'token in one process (embed+blocks+head)':36s} {local:7.3f} ms   swarm/local {swarm / local:.3f}x")
 
 
 def compare(args: argparse.Namespace) -> None:

@@ -1,9 +1,15 @@
 """Per-token decode latency through N = 1, 2, 4 loopback servers against the same model in one process.
 
-Side by side in one run: the swarms for every N are up at once and the rounds interleave local / N=1 / N=2 / N=4,
-so machine noise hits all of them alike; medians over rounds. Usage:
+Side by side in one run: the swarms for every N are up at once and the rounds interleave local / N=1 / N=2 / N=4
+(and, with --int8 N..., int8 swarms: servers --quant int8 and the client's head + embeddings in int8), so machine
+noise hits all of them alike; medians over rounds. Usage:
 
     .venv/bin/python benchmarks/overhead.py [--presets tiny-bloom,bloomz-560m] [--rounds 5] [--tokens 32]
+        [--int8 1,2] [--accuracy-prompts 8]
+
+--int8 also reports each server's weight bytes and resident memory (fp32 vs int8 swarms of the same N), and with
+--accuracy-prompts K, int8 against fp32 over K prompts: the prompt's logits' relative L2 and how many of the first
+32 greedy tokens agree (up to the first difference).
 """
 from __future__ import annotations
 
@@ -57,30 +63,67 @@ def swarm_per_token_s(client: DistributedModelForCausalLM, tokens: int) -> tuple
     return statistics.median(times), statistics.median(hop_overheads)
 
 
-def run_preset(preset: str, ns: list[int], rounds: int, tokens: int) -> dict:
+PROMPTS = [list(range(10 + 7 * k, 26 + 7 * k)) for k in range(16)]  # 16-token prompts for the accuracy check
+
+
+def _server_memory(swarm: LocalSwarm, client: DistributedModelForCausalLM) -> list[dict]:
+    import psutil
+
+    records = {r.address: r for r in client.remote.view.records.values()}
+    out = []
+    for s in swarm.servers:
+        r = records.get(s.address)
+        out.append({"blocks": [r.start, r.end] if r else None, "quant": r.quant if r else None,
+                    "weight_bytes": r.weight_bytes if r else None, "rss_bytes": psutil.Process(s.proc.pid).memory_info().rss})
+    return out
+
+
+def _accuracy(fp32: DistributedModelForCausalLM, int8: DistributedModelForCausalLM, prompts: int) -> dict:
+    """int8 swarm vs fp32 swarm: prompt logits' relative L2, and greedy agreement on the first 32 new tokens."""
+    rel, agree = [], []
+    for ids in PROMPTS[:prompts]:
+        x = torch.tensor([ids])
+        a, b = fp32(x).logits, int8(x).logits
+        rel.append(float((b - a).norm() / a.norm()))
+        ga = fp32.generate(x, max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+        gb = int8.generate(x, max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+        same = next((i for i, (p, q) in enumerate(zip(ga, gb)) if p != q), min(len(ga), len(gb)))
+        agree.append(same)
+    return {"prompts": prompts, "logits_rel_l2_median": statistics.median(rel), "logits_rel_l2_max": max(rel),
+            "greedy_tokens_agreeing": agree, "all_32_agree": sum(a >= 32 for a in agree)}
+
+
+def run_preset(preset: str, ns: list[int], rounds: int, tokens: int, int8_ns: list[int] = (),
+               accuracy_prompts: int = 0) -> dict:
     model_dir = str(default_checkpoint(preset))
     num_blocks = int(load_config(model_dir).num_hidden_layers)
     torch.set_num_threads(1)
     local = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    setups = [(f"N={n}", n, "none") for n in ns] + [(f"N={n} int8", n, "int8") for n in int8_ns]
     swarms, clients = {}, {}
+    extra: dict = {}
     try:
-        for n in ns:
-            swarms[n] = LocalSwarm(model_dir, threads=1).start(even_split(num_blocks, n))
+        for name, n, quant in setups:
+            swarms[name] = LocalSwarm(model_dir, threads=1, server_args=["--quant", quant]).start(
+                even_split(num_blocks, n))
             # a direct server list: the same chain every time, no DHT in the measured path
-            clients[n] = DistributedModelForCausalLM.from_pretrained(
-                model_dir, servers=swarms[n].addresses, routing="shortest")
-            swarm_per_token_s(clients[n], 4)  # warm up channels
+            clients[name] = DistributedModelForCausalLM.from_pretrained(
+                model_dir, servers=swarms[name].addresses, routing="shortest", quant=quant)
+            swarm_per_token_s(clients[name], 4)  # warm up channels
         local_per_token_s(local, 4)
-        samples: dict[str, list[float]] = {"local": []}
-        overheads: dict[int, list[float]] = {n: [] for n in ns}
-        for n in ns:
-            samples[f"N={n}"] = []
+        samples: dict[str, list[float]] = {"local": [], **{name: [] for name, _, _ in setups}}
+        overheads: dict[str, list[float]] = {name: [] for name, _, _ in setups}
         for _ in range(rounds):
             samples["local"].append(local_per_token_s(local, tokens))
-            for n in ns:
-                step, hop = swarm_per_token_s(clients[n], tokens)
-                samples[f"N={n}"].append(step)
-                overheads[n].append(hop)
+            for name, _, _ in setups:
+                step, hop = swarm_per_token_s(clients[name], tokens)
+                samples[name].append(step)
+                overheads[name].append(hop)
+        if int8_ns:
+            extra["memory"] = {name: _server_memory(swarms[name], clients[name]) for name, _, _ in setups}
+            n = int8_ns[0]
+            if accuracy_prompts and f"N={n}" in clients:
+                extra["accuracy"] = _accuracy(clients[f"N={n}"], clients[f"N={n} int8"], accuracy_prompts)
     finally:
         for c in clients.values():
             c.close()
@@ -88,38 +131,49 @@ def run_preset(preset: str, ns: list[int], rounds: int, tokens: int) -> dict:
             s.stop()
     base = statistics.median(samples["local"])
     rows = {"local": {"per_token_ms": base * 1e3}}
-    for n in ns:
-        med = statistics.median(samples[f"N={n}"])
-        rows[f"N={n}"] = {
+    for name, n, _ in setups:
+        med = statistics.median(samples[name])
+        rows[name] = {
             "per_token_ms": med * 1e3,
+            "vs_local": med / base,
             "added_ms": (med - base) * 1e3,
             "added_per_hop_ms": (med - base) * 1e3 / n,
-            "hop_overhead_ms": statistics.median(overheads[n]) * 1e3,  # wire + gRPC + (de)serialisation per hop
+            "hop_overhead_ms": statistics.median(overheads[name]) * 1e3,  # wire + gRPC + (de)serialisation per hop
         }
-    return rows
+    return {"rows": rows, **extra}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default="tiny-bloom,bloomz-560m")
     parser.add_argument("--servers", default="1,2,4")
+    parser.add_argument("--int8", default="", help="swarm sizes to run with int8 servers + head as well, e.g. 1,2")
+    parser.add_argument("--accuracy-prompts", type=int, default=0, help="int8 vs fp32 on this many prompts")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--out", default="docs/results/overhead.json")
     args = parser.parse_args()
-    ns = [int(x) for x in args.servers.split(",")]
+    ns = [int(x) for x in args.servers.split(",") if x]
+    int8_ns = [int(x) for x in args.int8.split(",") if x]
     results = {"machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} thread",
                "cores": __import__("os").cpu_count(), "rounds": args.rounds, "tokens": args.tokens, "presets": {}}
     for preset in args.presets.split(","):
-        results["presets"][preset] = run_preset(preset, ns, args.rounds, args.tokens)
+        res = results["presets"][preset] = run_preset(preset, ns, args.rounds, args.tokens, int8_ns,
+                                                      args.accuracy_prompts)
         print(f"\n{preset} (median of {args.rounds} rounds x {args.tokens} decode steps, 1 thread per process)")
-        print("| setup | ms/token | added vs local | added per hop | per-hop wire+gRPC |")
-        print("|---|---|---|---|---|")
-        for name, row in results["presets"][preset].items():
-            print(f"| {name} | {row['per_token_ms']:.2f} | {row.get('added_ms', 0):+.2f} | "
+        print("| setup | ms/token | vs local | added vs local | added per hop | per-hop wire+gRPC |")
+        print("|---|---|---|---|---|---|")
+        for name, row in res["rows"].items():
+            print(f"| {name} | {row['per_token_ms']:.2f} | {row.get('vs_local', 1.0):.3f}x | {row.get('added_ms', 0):+.2f} | "
                   f"{row.get('added_per_hop_ms', 0):+.2f} | {row.get('hop_overhead_ms', 0):.2f} |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+        for name, servers in res.get("memory", {}).items():
+            print(f"memory {name}: " + "; ".join(
+                f"blocks {m['blocks']} {m['quant']}: weights {m['weight_bytes'] / 2**20:.0f} MiB, "
+                f"RSS {m['rss_bytes'] / 2**20:.0f} MiB" for m in servers))
+        if "accuracy" in res:
+            print("accuracy int8 vs fp32:", json.dumps(res["accuracy"]))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2))  # after each preset: a partial run is kept
 
 
 if __name__ == "__main__":
