@@ -1,6 +1,7 @@
 """The delaying relay on its own, and the relay-only testbed (no rights needed)."""
 import os
 import random
+import statistics
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from swarmlm.bench.netem import (DirectionSpec, LinkProfile, ListenSpec, RelayPr
                                  preset, start_probe_server)
 from swarmlm.bench.netem.accuracy import check_testbed
 from swarmlm.bench.netem.probe import _connect, _recv_exact
+from tests.swarm_helpers import assert_delay_applies, assert_faster_than, assert_link_follows
 
 PROFILES = {"lan": preset("lan"), "wan": preset("wan"), "custom": LinkProfile(rtt_s=0.020, rate_bps=100e6)}
 
@@ -47,7 +49,7 @@ def test_jitter_varies_delay_but_keeps_bytes_in_order_over_many_connections(echo
         address = _relayed(relay, echo_port, DirectionSpec(delay_s=0.002, jitter_s=0.0015))
         rtt = measure_rtt(address, samples=60)
         assert rtt.p90_s - rtt.p10_s > 0.001, rtt  # uniform +-1.5 ms each way really spreads the RTT
-        assert 0.003 < rtt.median_s < 0.006, rtt
+        assert_delay_applies(rtt, 0.004)
 
         def roundtrip(seed: int) -> bool:
             payload = random.Random(seed).randbytes(150_000)
@@ -63,13 +65,21 @@ def test_jitter_varies_delay_but_keeps_bytes_in_order_over_many_connections(echo
 
 
 def test_loss_becomes_retransmission_delay(echo_port):
+    """Lost packets arrive 15 ms late instead of never. Beside the lossy link, the same link without loss is
+    measured in alternating rounds: what a busy host adds shows in both, what the loss adds only in one."""
     with RelayProcess() as relay:
-        lossy = DirectionSpec(delay_s=0.001, loss=0.1, retransmit_s=0.015)
-        rtt_ms = [x * 1e3 for x in _rtts(_relayed(relay, echo_port, lossy), 150)]
-    late = sum(t > 10 for t in rtt_ms)
-    # each 64-byte message is one packet: P(either direction lost) = 1 - 0.9^2 = 19%, i.e. ~28 of 150
-    assert 12 <= late <= 50, sorted(rtt_ms)
-    assert sorted(rtt_ms)[len(rtt_ms) // 2] < 5
+        lossy = _relayed(relay, echo_port, DirectionSpec(delay_s=0.001, loss=0.1, retransmit_s=0.015))
+        clean = _relayed(relay, echo_port, DirectionSpec(delay_s=0.001))
+        rtt_ms: dict[str, list[float]] = {"lossy": [], "clean": []}
+        for _ in range(5):
+            for name, address in (("lossy", lossy), ("clean", clean)):
+                rtt_ms[name] += [x * 1e3 for x in _rtts(address, 30)]
+    late = {name: sum(t >= 17 for t in times) for name, times in rtt_ms.items()}  # 15 ms on top of the 2 ms RTT
+    # each 64-byte message is one packet: P(either direction lost) = 1 - 0.9^2 = 19%, i.e. ~28 of 150 (a busy host
+    # makes messages late on both links: never fewer than the lost ones, not many more than the clean link's)
+    assert late["lossy"] >= 12 and late["lossy"] <= late["clean"] + 50, late
+    # most messages pay no retransmission: the lossy link's median is the clean one's
+    assert statistics.median(rtt_ms["lossy"]) < statistics.median(rtt_ms["clean"]) + 10, rtt_ms
 
 
 def _rtts(address: str, n: int) -> list[float]:
@@ -95,13 +105,13 @@ def test_grpc_streams_pass_through_with_the_delay():
     try:
         with RelayProcess() as relay, grpc.insecure_channel(_relayed(relay, port, DirectionSpec(delay_s=0.010))) as ch:
             echo = ch.unary_unary("/netem.Test/Echo", identity, identity)
-            assert echo(b"warm-up", timeout=10) == b"warm-up"
+            assert echo(b"warm-up", timeout=60) == b"warm-up"
             start = time.monotonic()
-            assert echo(b"x" * 100_000, timeout=10) == b"x" * 100_000
-            assert 0.020 <= time.monotonic() - start < 0.060  # one RTT of 20 ms, plus framing
+            assert echo(b"x" * 100_000, timeout=60) == b"x" * 100_000
+            assert time.monotonic() - start >= 0.020  # at least one RTT of 20 ms (a busy machine only adds)
             stream = ch.stream_stream("/netem.Test/Stream", identity, identity)
             messages = [bytes([i]) * 1000 for i in range(50)]
-            assert list(stream(iter(messages), timeout=10)) == messages
+            assert list(stream(iter(messages), timeout=60)) == messages
     finally:
         server.stop(0)
 
@@ -122,7 +132,7 @@ def test_relay_process_exits_on_close_and_with_its_parent():
     assert _alive(relay_pid)
     parent.send_signal(signal.SIGKILL)
     parent.wait()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while _alive(relay_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(relay_pid)
@@ -141,9 +151,7 @@ def test_relay_only_testbed_follows_the_profile(name):
     profile = PROFILES[name]
     with Testbed(2, profile, mode="relay-only") as tb:
         assert tb.mode == "relay-only" and tb.exec_prefix(0) == []
-        check = check_testbed(tb, host=1)
-        assert check.rtt_error < 0.10, (check.rtt, profile)
-        assert check.rate_error < 0.10, (check.up, check.down, profile)
+        assert_link_follows(check_testbed(tb, host=1))
         relay_pid = tb._relay.pid
     assert not _alive(relay_pid)
 
@@ -154,12 +162,14 @@ def test_relay_only_server_to_server_links_use_their_own_profile():
         proc, port = start_probe_server(tb.host_ip(1), 0)
         try:
             assert tb.expose(1, port) == f"{tb.announce_host(1)}:{port}"
-            from_client = measure_rtt(tb.expose(1, port), samples=10).median_s
-            from_host0 = measure_rtt(tb.expose(1, port, src=0), samples=10).median_s
+            from_client = measure_rtt(tb.expose(1, port), samples=10)
+            from_host0 = measure_rtt(tb.expose(1, port, src=0), samples=10)
         finally:
             proc.kill()
             proc.wait()
-    assert abs(from_client - 0.002) < 0.0005 and abs(from_host0 - 0.030) < 0.003
+    assert_delay_applies(from_client, 0.002)
+    assert_faster_than(from_client, 0.030)  # not through the pair's 30 ms link
+    assert_delay_applies(from_host0, 0.030)  # the pair's own link, not the client's 2 ms one
 
 
 def _matrix_with_slow_pair(fast: LinkProfile, slow: LinkProfile):
