@@ -56,7 +56,7 @@ def key_file(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def swarm(tiny_bloom, key_file):
     with LocalSwarm(tiny_bloom, swarm_key_file=key_file) as swarm:
-        swarm.start([BlockRange(0, 6)])
+        swarm.start([BlockRange(0, 3), BlockRange(3, 6)])
         yield swarm
 
 
@@ -68,11 +68,22 @@ def test_holders_of_the_key_generate_exactly(swarm, tiny_bloom, key_file):
         want = ref.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
     client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers,
                                                          swarm_key=load_swarm_key(key_file))
+    pushing = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers,
+                                                          swarm_key=load_swarm_key(key_file), push=True)
     try:
         out = client.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        assert out[0, ids.shape[1]:].tolist() == want[0, ids.shape[1]:].tolist()
+        # server-to-server pushes carry the key too: the first server's output reaches the second directly
+        with torch.no_grad(), pushing.inference_session(max_length=ids.shape[1] + 4) as session:
+            got = pushing.step_logits(session, ids)
+            for _ in range(3):
+                got = pushing.step_logits(session, got[:, -1:].argmax(-1))
+            assert [len(step.hops) for step in session.steps] == [2] * 4
+            assert all([h.pushed for h in step.hops] == [True, False] and step.failovers == step.stalls == 0
+                       for step in session.steps)
     finally:
         client.close()
-    assert out[0, ids.shape[1]:].tolist() == want[0, ids.shape[1]:].tolist()
+        pushing.close()
 
 
 @pytest.mark.slow
@@ -114,7 +125,7 @@ def test_a_server_without_the_key_is_refused_and_cannot_announce(swarm, tiny_blo
         prefix = default_prefix(tiny_bloom)
         announce(keyless, prefix, ServerRecord(server_id=me.server_id, address="127.0.0.1:9", start=0, end=6), 30)
         seen = fetch_records(member, prefix, range(6), swarm_key=load_swarm_key(key_file))
-        assert set(seen) == {swarm.servers[0].server_id}
+        assert set(seen) == {s.server_id for s in swarm.servers[:2]}  # (not the refused stranger)
     finally:
         member.shutdown()
         keyless.shutdown()
