@@ -134,7 +134,7 @@ def test_a_server_dying_on_a_pushed_route_loses_nothing(swarm, tiny_bloom, posit
                 victim_id = session.spans[position].span.server_id
                 victim = next(s for s in local.servers if s.server_id == victim_id)
                 local.kill(victim, signal.SIGKILL)
-                victim.proc.wait(10)
+                victim.proc.wait(60)
             nxt = logits[:, -1:].argmax(-1)
             tokens.append(int(nxt))
             logits = client.step_logits(session, nxt)
@@ -194,14 +194,14 @@ def test_push_protocol_dedup_and_refusals(two_servers):
                                                           secret=secret_b)]))
             r3 = await call_a.read()
             assert r3.pushed and r3.position == 5
-            rb = await asyncio.wait_for(call_b.read(), 10)
+            rb = await asyncio.wait_for(call_b.read(), 60)
             assert rb.step_id == 1 and rb.position == 1  # B's first step: the failed push left nothing
             alone = await sb.Forward(pb.ForwardRequest(start_block=2, end_block=4, hidden=r3.hidden))
             assert torch.allclose(codec.decode(rb.hidden, "h"), codec.decode(alone.hidden, "h"), atol=1e-5)
             # the client's own copy of step 1 is a duplicate: no reply; step 2 is answered next
             await call_b.write(_step(codec.decode(r3.hidden, "h"), 1))
             await call_b.write(_step(codec.decode(r3.hidden, "h"), 2))
-            rb2 = await asyncio.wait_for(call_b.read(), 10)
+            rb2 = await asyncio.wait_for(call_b.read(), 60)
             assert rb2.step_id == 2 and rb2.position == 2
             # a push into a session without a stream, or without an id: refused with a status
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -216,7 +216,7 @@ def test_push_protocol_dedup_and_refusals(two_servers):
             # a pushed step that is garbage gets an error reply on B's stream; B's session is unchanged
             await sb.Push(pb.PushRequest(session_id=sid_b, secret=secret_b, step=pb.InferenceStep(
                 step_id=3, hidden=pb.Tensor(data=b"xx", dtype="float32", shape=[1, 1, 64]))))
-            rb3 = await asyncio.wait_for(call_b.read(), 10)
+            rb3 = await asyncio.wait_for(call_b.read(), 60)
             assert rb3.HasField("error") and rb3.step_id == 3 and rb3.position == 2
             for call in (call_a, call_b):
                 await call.done_writing()
