@@ -42,3 +42,44 @@ def add_swarm_key(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swarm-key", type=swarm_key_file, default=os.environ.get(SWARM_KEY_ENV), metavar="FILE",
                    help=f"a private swarm's shared key (default: ${SWARM_KEY_ENV}; none = an open swarm). "
                         "`swarmlm dht --new-swarm-key FILE` creates one")
+
+
+def add_model(p: argparse.ArgumentParser, required: bool = True, dht: bool = True) -> None:
+    """The model flags of every verb that loads one: --model (directory or hub id), --revision, --dtype, and
+    --dht-prefix for the verbs that join a swarm."""
+    from swarmlm.config import DTYPE_NAMES
+
+    p.add_argument("--model", required=required, metavar="DIR|ORG/NAME",
+                   help="checkpoint directory, or hub id (from the local Hugging Face cache, else downloaded)")
+    p.add_argument("--revision", help="with a hub id: branch, tag or commit (default main)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
+                   help="weights and compute (default auto: the checkpoint's own; half precision runs as float32 "
+                        "on a CPU, where it is several times slower)")
+    if dht:
+        p.add_argument("--dht-prefix", help="DHT namespace (default: the model's identity, the same for every copy)")
+
+
+def model_ref(args: argparse.Namespace) -> str:
+    """--model with --revision folded in (`org/name@revision`), as every loader takes it; a path that is not a
+    directory fails here, before the slow imports."""
+    from pathlib import Path
+
+    path = Path(args.model).expanduser()
+    looks_like_path = args.model.startswith((".", "/", "~")) or path.exists()
+    if looks_like_path and not path.is_dir():
+        raise FileNotFoundError(f"{args.model}: not a checkpoint directory")
+    if getattr(args, "revision", None) is None:
+        return args.model
+    if path.is_dir():
+        raise ValueError(f"--revision applies to hub ids, but {args.model} is a local directory")
+    return f"{args.model}@{args.revision}"
+
+
+def block_range(text: str):
+    """--blocks START:END -> BlockRange (checked by argparse: a bad range fails before anything loads)."""
+    from swarmlm.types import BlockRange
+
+    try:
+        return BlockRange.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

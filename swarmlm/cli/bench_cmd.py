@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from swarmlm.cli.args import add_prefill_chunks
+from swarmlm.cli.args import add_prefill_chunks, model_ref
+from swarmlm.config import DTYPE_NAMES
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -43,8 +44,11 @@ def strategy_configs(text: str, in_flight: int | None, micro_batches: int | str 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="the scaling study: N servers x execution strategies, measured and reported")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="checkpoint directory")
+    src.add_argument("--model", metavar="DIR|ORG/NAME", help="checkpoint directory or hub id")
     src.add_argument("--preset", help="a model preset (e.g. bloomz-560m): a random-weight checkpoint, cached")
+    p.add_argument("--revision", help="with a hub id: branch, tag or commit (default main)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
+                   help="weights and compute on servers and client (default auto: the checkpoint's own)")
     p.add_argument("--servers", type=_ints, default=(1, 2, 4), help="swarm sizes, e.g. 1,2,4 or 1-6")
     p.add_argument("--strategies", default="sequential,pipelined,microbatched",
                    help="comma-separated; NAME:VALUE sets pipelined's K or microbatched's M for that entry, "
@@ -65,6 +69,10 @@ def add_parser(sub) -> None:
     p.add_argument("--push", action="store_true", help="server-to-server push (N + 1 hops per token, not 2N)")
     add_prefill_chunks(p)
     p.add_argument("--server-threads", type=int, default=1)
+    p.add_argument("--quant", default="none", choices=["none", "int8"],
+                   help="int8 weights in the servers' blocks and the client's head + embeddings (model/quant.py)")
+    p.add_argument("--wire-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "int8"],
+                   help="hidden states on the wire (wire/compress.py); auto: float32 on fast links, smaller on slow")
     p.add_argument("--client-threads", type=int, default=1)
     p.add_argument("--out", default="bench-out", help="results directory")
     p.add_argument("--title", help="report title")
@@ -85,16 +93,17 @@ def run(args: argparse.Namespace) -> int:
 
         model_dir = str(default_checkpoint(args.preset))
     else:
-        model_dir = args.model
+        model_dir = model_ref(args)
     strategies = strategy_configs(args.strategies, args.in_flight, args.micro_batches,
                                   micro_batch_size=args.micro_batch_size, head_last_only=not args.full_prefill_head,
                                   ignore_eos=args.ignore_eos)
     config = BenchConfig(model_dir=model_dir, servers=args.servers, strategies=strategies, network=args.network,
                          netem_mode=args.netem_mode, server_threads=args.server_threads,
                          client_threads=args.client_threads, log_dir=f"{args.out}/logs", push=args.push,
-                         prefill_chunk_tokens=args.prefill_chunks)
-    requests = tokenize(prompt_source(args.prompts), AutoTokenizer.from_pretrained(model_dir), args.max_new_tokens,
-                        args.limit)
+                         prefill_chunk_tokens=args.prefill_chunks, quant=args.quant, wire_dtype=args.wire_dtype,
+                         dtype=args.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(args.model or model_dir, revision=args.revision)
+    requests = tokenize(prompt_source(args.prompts), tokenizer, args.max_new_tokens, args.limit)
     if args.poisson_rate:
         requests = poisson_arrivals(requests, args.poisson_rate)
     title = args.title or f"swarmlm bench: {model_dir.rstrip('/').split('/')[-1]}, {args.network}"

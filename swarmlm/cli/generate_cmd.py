@@ -1,70 +1,89 @@
-"""`swarmlm generate --model DIR --initial-peers ADDR (--prompt TEXT | --input-ids 1,2,3) --max-new-tokens N [--json]`"""
+"""`swarmlm generate --model DIR|ORG/NAME --initial-peers ADDR (--prompt TEXT | --input-ids 1,2,3) --max-new-tokens N
+[--json]`: transformers' generate() through the swarm; the text streams to stdout as it is generated."""
 from __future__ import annotations
 
 import argparse
 import json
 
-from swarmlm.cli.args import add_prefill_chunks, add_swarm_key
+from swarmlm.cli.args import add_model, add_prefill_chunks, add_swarm_key, model_ref
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text through the swarm")
-    p.add_argument("--model", required=True, help="checkpoint directory (the client loads embeddings + head)")
+    add_model(p)  # the client loads embeddings, norms and head only
     p.add_argument("--initial-peers", nargs="*", default=[])
     p.add_argument("--servers", nargs="*", default=[], help="direct host:port list instead of a DHT")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--input-ids", help="comma-separated token ids")
     p.add_argument("--max-new-tokens", type=int, default=20)
-    p.add_argument("--do-sample", action="store_true")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    # unset options take the checkpoint's generation_config.json, as transformers' generate() does
+    p.add_argument("--do-sample", action="store_true", default=None)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--repetition-penalty", type=float)
+    p.add_argument("--stop", action="append", metavar="TEXT", help="stop when the output contains TEXT (repeatable)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--wait-for-blocks", type=float, default=30.0, metavar="SECONDS",
+                   help="how long to wait for servers of missing blocks before giving up")
     p.add_argument("--routing", default="waiting-aware", choices=["shortest", "waiting-aware"])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--push", action="store_true",
                    help="servers push each output straight to the next server of the route (N + 1 hops, not 2N)")
     add_prefill_chunks(p)
     add_swarm_key(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--quant", default="none", choices=["none", "int8"],
+                   help="the client's LM head and embeddings in int8 (swarmlm/model/quant.py)")
+    p.add_argument("--require-full-precision", action="store_true",
+                   help="route only through servers that announce full-precision weights (quant none)")
+    p.add_argument("--wire-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "int8"],
+                   help="hidden states on the wire (wire/compress.py); auto: float32 on fast links, smaller on slow")
+    p.add_argument("--json", action="store_true", help="print one JSON object (no streaming)")
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
+    model_name = model_ref(args)  # a bad path fails before the slow imports
     import torch
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, TextStreamer
 
     from swarmlm.client.model import DistributedModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, revision=args.revision)
     if args.prompt is not None:
         input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     else:
         try:
             input_ids = torch.tensor([[int(t) for t in args.input_ids.split(",")]])
         except ValueError:
-            raise SystemExit(f"--input-ids must be comma-separated integers, got {args.input_ids!r}")
+            raise ValueError(f"--input-ids must be comma-separated integers, got {args.input_ids!r}") from None
     model = DistributedModelForCausalLM.from_pretrained(
-        args.model, initial_peers=args.initial_peers, servers=args.servers, routing=args.routing,
-        threads=args.threads, push=args.push, prefill_chunk_tokens=args.prefill_chunks,
-        swarm_key=args.swarm_key,
+        model_name, initial_peers=args.initial_peers, servers=args.servers, dtype=args.dtype,
+        dht_prefix=args.dht_prefix, routing=args.routing, threads=args.threads, push=args.push,
+        prefill_chunk_tokens=args.prefill_chunks, wait_for_blocks_s=args.wait_for_blocks,
+        swarm_key=args.swarm_key, quant=args.quant, require_full_precision=args.require_full_precision,
+        wire_dtype=args.wire_dtype,
     )
+    options = {k: v for k, v in {"do_sample": args.do_sample, "temperature": args.temperature, "top_k": args.top_k,
+                                 "top_p": args.top_p, "repetition_penalty": args.repetition_penalty,
+                                 "stop_strings": args.stop}.items() if v is not None}
+    streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     try:
-        out = model.generate(
-            input_ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, generator=torch.Generator().manual_seed(args.seed),
-        )
+        out = model.generate(input_ids, max_new_tokens=args.max_new_tokens, tokenizer=tokenizer, streamer=streamer,
+                             generator=torch.Generator().manual_seed(args.seed), **options)
     finally:
         model.close()
     new = out[0, input_ids.shape[1]:].tolist()
-    text = tokenizer.decode(new, skip_special_tokens=True)
     stats = model.last_stats
     if args.json:
         print(json.dumps({
-            "token_ids": new, "text": text, "ttft_s": stats.ttft_s, "tokens_per_s": stats.tokens_per_s,
-            "total_s": stats.total_s, "route": stats.route, "prompt_tokens": stats.prompt_tokens,
+            "token_ids": new, "text": tokenizer.decode(new, skip_special_tokens=True), "ttft_s": stats.ttft_s,
+            "tokens_per_s": stats.tokens_per_s, "total_s": stats.total_s, "route": stats.route,
+            "prompt_tokens": stats.prompt_tokens,
         }))
     else:
-        print(text)
-        print(f"[route {' -> '.join(stats.route)} | ttft {stats.ttft_s:.3f} s | {stats.tokens_per_s:.1f} tokens/s]")
+        print(f"[route {' -> '.join(stats.route)} | ttft {stats.ttft_s:.3f} s | {stats.tokens_per_s:.1f} tokens/s]",
+              file=sys.stderr)
     return 0

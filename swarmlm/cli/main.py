@@ -1,46 +1,124 @@
-"""`swarmlm VERB ...`: one thin module per verb in swarmlm/cli/, each with `add_parser(sub)` and `run(args) -> int`."""
+"""`swarmlm VERB ...`: one thin module per verb in swarmlm/cli/, each with `add_parser(sub)` and `run(args) -> int`.
+
+Errors a user can fix (a bad path, range or flag, peers that cannot be reached, blocks nobody serves) print one
+line and exit 2; `--log-level debug` shows the traceback instead.
+"""
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
-# verb -> module in swarmlm.cli; imported only when used, so `swarmlm plan` does not load torch.
-VERBS = {
-    "model": "model_cmd",
-    "dht": "dht_cmd",
-    "server": "server_cmd",
-    "generate": "generate_cmd",
-    "demo": "demo_cmd",
-    "profile": "profile_cmd",
-    "plan": "plan_cmd",
-    "simulate": "simulate_cmd",
-    "bench": "bench_cmd",
-    "api": "api_cmd",
-    "status": "status_cmd",
+from swarmlm import __version__
+
+# verb -> (module in swarmlm.cli, one line for --help). Only the verb being run is imported, so `swarmlm --help`
+# and `swarmlm plan` do not load torch.
+VERBS: dict[str, tuple[str, str]] = {
+    "model": ("model_cmd", "create model checkpoints (random weights, real architectures)"),
+    "dht": ("dht_cmd", "start a DHT bootstrap node and print its address"),
+    "server": ("server_cmd", "serve a range of the model's blocks"),
+    "generate": ("generate_cmd", "generate text through the swarm"),
+    "api": ("api_cmd", "serve the swarm's model over OpenAI's HTTP API, with a monitor page"),
+    "status": ("status_cmd", "show the swarm's servers, their blocks, load and coverage"),
+    "demo": ("demo_cmd", "start a local swarm, generate through it, compare with a local run"),
+    "profile": ("profile_cmd", "measure per-block prefill and decode times (what servers announce)"),
+    "plan": ("plan_cmd", "plan block placement and routes for a topology file"),
+    "simulate": ("simulate_cmd", "simulate a deployment: placement, routing, waiting, latencies"),
+    "bench": ("bench_cmd", "the scaling study: N servers x execution strategies, measured and reported"),
 }
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_LOG_LEVEL = {"server": "info", "dht": "info"}  # long-running verbs say what they do; others stay quiet
+
+
+def _verb(argv: list[str]) -> str | None:
+    """The first word that is not a global option or its value."""
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--log-level":
+            skip = True
+        elif not arg.startswith("-"):
+            return arg
+    return None
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one line (argparse's default prints the whole usage first); subcommands inherit the class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser(verb: str | None) -> argparse.ArgumentParser:
+    parser = _Parser(prog="swarmlm", description="Run one language model across many small machines.")
+    parser.add_argument("--version", action="version", version=f"swarmlm {__version__}")
+    parser.add_argument("--log-level", dest="global_log_level", choices=LOG_LEVELS,
+                        help="log verbosity (default: info for server and dht, warning otherwise); "
+                             "debug also shows tracebacks")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", title="commands")
+    for name, (module, description) in VERBS.items():
+        if name != verb:
+            sub.add_parser(name, help=description)  # listed by --help without importing its module
+            continue
+        importlib.import_module(f"swarmlm.cli.{module}").add_parser(sub)
+        p = sub.choices[name]
+        if not any("--log-level" in a.option_strings for a in p._actions):  # api has its own (uvicorn's)
+            p.add_argument("--log-level", dest="global_log_level", choices=LOG_LEVELS, default=argparse.SUPPRESS,
+                           help="as the global --log-level")
+    return parser
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # hivemind logs through its own handler: same threshold
+    logging.getLogger("hivemind").setLevel(max(logging.getLevelName(level.upper()), logging.WARNING))
+
+
+def user_error(exc: BaseException) -> str | None:
+    """One line for an error the user can fix, or None for a bug (which keeps its traceback)."""
+    from swarmlm.errors import MissingBlocks, SwarmError
+
+    name = type(exc).__name__
+    if isinstance(exc, MissingBlocks) and "unreachable" not in str(exc):
+        return f"{exc}: start servers for them, or check --initial-peers and --dht-prefix"
+    if name == "P2PDaemonError" or "bootstrap peers" in str(exc):
+        return f"cannot join the swarm through --initial-peers (connection refused or unreachable): {exc}"
+    if isinstance(exc, ConnectionRefusedError):
+        return f"connection refused: {exc}"
+    if isinstance(exc, (SwarmError, FileNotFoundError, NotADirectoryError, PermissionError, ValueError,
+                        ConnectionError, TimeoutError)):
+        return str(exc) or name
+    if name in ("OSError", "EnvironmentError", "HFValidationError", "RepositoryNotFoundError",
+                "LocalEntryNotFoundError", "RevisionNotFoundError"):
+        return str(exc).splitlines()[0] if str(exc) else name
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="swarmlm", description=__doc__)
-    sub = parser.add_subparsers(dest="verb", metavar="VERB")
-    verb = next((a for a in argv if not a.startswith("-")), None)
-    modules = {}
-    for name, module in VERBS.items():
-        if verb is None or verb == name:  # import only what is needed (help lists all)
-            try:
-                modules[name] = importlib.import_module(f"swarmlm.cli.{module}")
-            except ModuleNotFoundError as exc:
-                if exc.name != f"swarmlm.cli.{module}":
-                    raise
-                continue
-            modules[name].add_parser(sub)
+    verb = _verb(argv)
+    if verb is not None and verb not in VERBS:
+        verb = None  # argparse names the valid choices
+    parser = build_parser(verb)
     args = parser.parse_args(argv)
-    if args.verb is None or args.verb not in modules:
+    if args.verb is None:
         parser.print_help()
         return 2
-    return int(modules[args.verb].run(args) or 0)
+    level = getattr(args, "global_log_level", None) or DEFAULT_LOG_LEVEL.get(args.verb, "warning")
+    _setup_logging(level)
+    module = importlib.import_module(f"swarmlm.cli.{VERBS[args.verb][0]}")
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        message = user_error(exc)
+        if message is None or level == "debug":
+            raise
+        print(f"swarmlm {args.verb}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -61,17 +61,16 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, initial_peers: Sequence[str] = (), servers: Sequence[str] = (),
-                        dtype: str = "float32", dht_prefix: str | None = None, revision: str | None = None,
+                        dtype: str = "auto", dht_prefix: str | None = None, revision: str | None = None,
                         **kwargs) -> "DistributedModelForCausalLM":
-        """The client's modules from a checkpoint; servers found through the DHT (`initial_peers`) or a fixed
-        `servers` list (host:port). Other keyword arguments are ClientConfig fields."""
+        """The client's modules from a checkpoint directory or hub id (`org/name`, at `revision`); servers found
+        through the DHT (`initial_peers`) or a fixed `servers` list (host:port). dtype "auto" is the checkpoint's
+        own; dht_prefix None is the model's identity. Other keyword arguments are ClientConfig fields."""
         if not initial_peers and not servers:
             raise ValueError("give initial_peers (a DHT address) or servers (host:port list)")
-        if revision is not None and Path(name_or_path).is_dir():
-            raise ValueError(f"revision={revision!r} applies to hub ids, but {name_or_path} is a local directory")
         config = ClientConfig(initial_peers=tuple(initial_peers), servers=tuple(servers), dtype=dtype,
                               dht_prefix=dht_prefix, **kwargs)
-        return cls(name_or_path, config)
+        return cls(with_revision(name_or_path, revision), config)
 
     # ---- what GenerationMixin asks of a model ----------------------------------------------------------------
     @property
@@ -204,6 +203,18 @@ def _sampling_rng(generator: torch.Generator | None):
             yield
         finally:
             generator.set_state(torch.get_rng_state())
+
+
+def with_revision(name_or_path: str | Path, revision: str | None) -> str:
+    """`org/name` + revision -> `org/name@revision` (how every loader takes a pinned hub id)."""
+    name = str(name_or_path)
+    if revision is None:
+        return name
+    if Path(name).expanduser().is_dir():
+        raise ValueError(f"revision {revision!r} applies to hub ids, but {name} is a local directory")
+    if "@" in name:
+        raise ValueError(f"{name} already names a revision; revision={revision!r} too")
+    return f"{name}@{revision}"
 
 
 class AutoDistributedModelForCausalLM:

@@ -1,0 +1,111 @@
+"""The command line as a user meets it: --version, --help listing every verb without torch, one-line errors with
+exit code 2 (a traceback only with --log-level debug), a server that says what it is doing while it starts."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from swarmlm import __version__
+from swarmlm.cli.main import VERBS, main
+from swarmlm.swarm.local import LocalSwarm
+from swarmlm.types import BlockRange
+
+
+def swarmlm(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "swarmlm.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def last_line(done: subprocess.CompletedProcess) -> str:
+    return done.stderr.strip().splitlines()[-1]
+
+
+def test_version():
+    done = swarmlm("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"swarmlm {__version__}"
+
+
+def test_help_lists_every_verb_without_loading_torch():
+    code = ("import sys, contextlib, io\nfrom swarmlm.cli.main import main\nout = io.StringIO()\n"
+            "with contextlib.redirect_stdout(out):\n    try: main(['--help'])\n    except SystemExit: pass\n"
+            "print(out.getvalue()); print('torch loaded:', 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for verb in VERBS:
+        assert f"\n    {verb} " in done.stdout, verb
+    assert "torch loaded: False" in done.stdout
+
+
+@pytest.mark.parametrize("verb", list(VERBS))
+def test_every_verb_has_help(verb):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
+        main([verb, "--help"])
+    assert exit_.value.code == 0 and f"swarmlm {verb}" in out.getvalue()
+
+
+def test_bad_path_is_one_line_and_exit_2(tmp_path):
+    done = swarmlm("server", "--model", str(tmp_path / "nope"), "--blocks", "0:3")
+    assert done.returncode == 2 and done.stderr.strip() == f"swarmlm server: error: {tmp_path / 'nope'}: not a checkpoint directory"
+
+
+def test_debug_log_level_shows_the_traceback(tmp_path):
+    done = swarmlm("--log-level", "debug", "server", "--model", str(tmp_path / "nope"), "--blocks", "0:3")
+    assert done.returncode != 0 and "Traceback" in done.stderr and "FileNotFoundError" in done.stderr
+
+
+@pytest.mark.parametrize("blocks", ["5:2", "a:b", "3"])
+def test_bad_block_range(tiny_bloom, blocks):
+    done = swarmlm("server", "--model", tiny_bloom, "--blocks", blocks)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert "--blocks" in done.stderr and "Traceback" not in done.stderr
+
+
+# (in-process: these get as far as loading torch and the model, which a subprocess pays for again)
+def test_blocks_outside_the_model(tiny_bloom, capsys):
+    assert main(["profile", "--model", tiny_bloom, "--blocks", "0:99"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "swarmlm profile: error: blocks [0, 99) outside the model's [0, 6)")
+
+
+def test_unknown_family(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    assert main(["profile", "--model", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "swarmlm profile: error: model type 'gpt2' is not supported; supported: ")
+
+
+def test_revision_of_a_directory_is_refused(tiny_bloom):
+    done = swarmlm("generate", "--model", tiny_bloom, "--revision", "main", "--servers", "127.0.0.1:1",
+                   "--input-ids", "1")
+    assert done.returncode == 2 and "--revision applies to hub ids" in last_line(done)
+
+
+@pytest.mark.slow
+def test_refused_connection_is_named(tiny_bloom):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = swarmlm("generate", "--model", tiny_bloom, "--servers", f"127.0.0.1:{port}", "--wait-for-blocks", "1",
+                   "--input-ids", "1,2")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert last_line(done).startswith("swarmlm generate: error: ") and "connection refused" in last_line(done)
+
+
+@pytest.mark.slow
+def test_blocks_nobody_serves_are_named_and_the_server_reports_progress(tiny_bloom):
+    with LocalSwarm(tiny_bloom) as swarm:
+        swarm.start([BlockRange(0, 3)])
+        done = swarmlm("generate", "--model", tiny_bloom, "--initial-peers", *swarm.initial_peers,
+                       "--wait-for-blocks", "1", "--input-ids", "1,2")
+        log = swarm.servers[0].log_path.read_text()
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "no server in the swarm serves blocks 3-5" in last_line(done) and "refused" not in last_line(done)
+    for step in ("loading blocks [0, 3)", "block 2 loaded (3 of 3)", "compute", "serving blocks [0, 3) at"):
+        assert step in log, (step, log[-2000:])
