@@ -64,17 +64,23 @@ def stage_tokens_per_s(stage: Stage, n: int, tokens: int, batched: bool) -> floa
     return n * tokens / (time.perf_counter() - t0)
 
 
-def run_stage(model_dir: str, ns: list[int], repeats: int, tokens: int, blocks: int | None = None) -> dict:
-    stage = Stage(model_dir, BlockRange(0, blocks or int(load_config(model_dir).num_hidden_layers)))
-    stage_tokens_per_s(stage, 2, 2, True)  # warm-up
+def run_stage(model_dir: str, ns: list[int], repeats: int, tokens: int, blocks: int | None = None,
+              quants: tuple[str, ...] = ("none",)) -> dict:
+    """Per quantization (model/quant.py; "int8 batched" etc.), speedups against the first one's one-after-another."""
+    span = BlockRange(0, blocks or int(load_config(model_dir).num_hidden_layers))
+    stages = {q: Stage(model_dir, span, quant=q) for q in quants}
+    for stage in stages.values():
+        stage_tokens_per_s(stage, 2, 2, True)  # warm-up
+    prefix = {q: "" if q == "none" else f"{q} " for q in quants}
     rows = {}
     for n in ns:
-        samples: dict[str, list[float]] = {"one_after_another": [], "batched": []}
+        modes = [(q, batched) for q in quants for batched in (False, True)]
+        name = {m: prefix[m[0]] + ("batched" if m[1] else "one_after_another") for m in modes}
+        samples: dict[str, list[float]] = {name[m]: [] for m in modes}
         for r in range(repeats):
-            modes = ["one_after_another", "batched"] if r % 2 == 0 else ["batched", "one_after_another"]
-            for mode in modes:
-                samples[mode].append(stage_tokens_per_s(stage, n, tokens, mode == "batched"))
-        rows[n] = _summary(samples, "one_after_another")
+            for m in (modes if r % 2 == 0 else modes[::-1]):  # alternating order: drifting load hits all alike
+                samples[name[m]].append(stage_tokens_per_s(stages[m[0]], n, tokens, m[1]))
+        rows[n] = _summary(samples, name[modes[0]])
     return rows
 
 
@@ -170,6 +176,7 @@ def main() -> None:
     parser.add_argument("--no-unbatched", action="store_true",
                         help="swarm level: skip the second server with batching off (saves its memory)")
     parser.add_argument("--stage-blocks", type=int, help="stage level: hold only the first N blocks (less memory)")
+    parser.add_argument("--quant", default="none", help="stage level: weight quantizations side by side, e.g. none,int8")
     parser.add_argument("--out", default="docs/results/batching.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -181,7 +188,8 @@ def main() -> None:
         results["presets"][preset] = {}
         for level in args.levels.split(","):
             if level == "stage":
-                rows = run_stage(model_dir, ns, args.repeats, args.tokens, args.stage_blocks)
+                rows = run_stage(model_dir, ns, args.repeats, args.tokens, args.stage_blocks,
+                                 tuple(args.quant.split(",")))
             else:
                 rows = run_swarm(model_dir, ns, args.repeats, args.tokens, unbatched=not args.no_unbatched)
             results["presets"][preset][level] = rows
