@@ -80,3 +80,21 @@ def test_greedy_generation_of_a_padded_batch_equals_transformers(swarm):
                             do_sample=False)
     got = got.sequences if hasattr(got, "sequences") else got
     assert torch.equal(got, want)
+
+
+def test_llama3_tokens_no_pad_id_and_an_eos_list_end_rows_as_transformers(swarm):
+    preset, client, ref, tok = swarm
+    if preset != "tiny-llama3":
+        pytest.skip("Llama-3 style tokens: tiny-llama3 only")
+    assert client.config.pad_token_id is None and len(client.config.eos_token_id) == 2
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    args = dict(attention_mask=enc.attention_mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    with torch.no_grad():
+        free = ref.generate(enc.input_ids, **args)
+        # row 0's third new token becomes an end-of-sequence id: row 0 ends early, the other row goes on
+        eos = [client.config.eos_token_id[0], int(free[0, enc.input_ids.shape[1] + 2])]
+        want = ref.generate(enc.input_ids, eos_token_id=eos, **args)
+    got = client.generate(enc.input_ids, eos_token_id=eos, **args)
+    got = got.sequences if hasattr(got, "sequences") else got
+    assert torch.equal(got, want)
+    assert (want[0, enc.input_ids.shape[1] + 3:] == eos[0]).all()  # no pad id: finished rows get eos[0]

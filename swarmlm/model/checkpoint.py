@@ -44,7 +44,7 @@ def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype:
     return value if value in DTYPES.values() else torch.float32
 
 
-_warned: set[int] = set()
+_warned: set[str] = set()  # checkpoints already reported (one line per process, not per load)
 
 
 def auto_dtype(config: PretrainedConfig) -> torch.dtype:
@@ -52,8 +52,8 @@ def auto_dtype(config: PretrainedConfig) -> torch.dtype:
     slower than fp32 on these CPUs, fp16 slower still. Asking for bfloat16 explicitly keeps it."""
     stored = checkpoint_dtype(config)
     if stored in (torch.bfloat16, torch.float16) and not torch.cuda.is_available():
-        if id(config) not in _warned:
-            _warned.add(id(config))
+        if config.name_or_path not in _warned:
+            _warned.add(config.name_or_path)
             log.warning("the checkpoint is %s; running it as float32 on this CPU (half precision is several times "
                         "slower here); pass --dtype %s to keep it", str(stored).removeprefix("torch."),
                         str(stored).removeprefix("torch."))
@@ -152,6 +152,7 @@ def load_blocks(
         state = adapter.convert_block_state({k[len(block_prefix):]: v.to(dtype) for k, v in tensors.items()})
         block.load_state_dict(state, strict=True, assign=True)
         blocks.append(block.eval().requires_grad_(False))
+        log.info("block %d loaded (%d of %d)", global_idx, local + 1, end - start)  # a server's start-up progress
     return config, adapter, blocks
 
 

@@ -114,15 +114,21 @@ class WeightsCheck:
 
     def __init__(self, model: ModelRef) -> None:
         self.fingerprints = Fingerprints(model)
-        self._unverifiable: set[tuple[int, int]] = set()
+        self._verdicts: dict[tuple[int, int, str], str | None] = {}  # called on every refresh of the swarm view
 
     def __call__(self, start: int, end: int, fingerprint: str) -> str | None:
+        key = (start, end, fingerprint)
+        if key not in self._verdicts:
+            if len(self._verdicts) > 4096:  # bounded: peers choose what they announce
+                self._verdicts.clear()
+            self._verdicts[key] = self._check(start, end, fingerprint)
+        return self._verdicts[key]
+
+    def _check(self, start: int, end: int, fingerprint: str) -> str | None:
         if not 0 <= start < end <= self.fingerprints.num_blocks:
             return f"it serves blocks [{start}, {end}), outside this model's [0, {self.fingerprints.num_blocks})"
         if not self.fingerprints.available(start, end):
-            if (start, end) not in self._unverifiable:
-                self._unverifiable.add((start, end))
-                log.info("weights of blocks [%d, %d) not checked: their shards are not local", start, end)
+            log.info("weights of blocks [%d, %d) not checked: their shards are not local", start, end)
             return None
         want = self.fingerprints.range(start, end)
         if fingerprint != want:
