@@ -20,13 +20,12 @@ from swarmlm.config import ServerConfig
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.perf.profile import cached_profile
 from swarmlm.server.scheduler import Scheduler
-from swarmlm.server.service import ServerStats, SwarmService
+from swarmlm.server.service import ServerStats, SwarmService, add_to_server
 from swarmlm.server.auth import server_interceptors
 from swarmlm.server.stage import Stage
 from swarmlm.swarm.identity import Identity
 from swarmlm.swarm.records import OFFLINE, ONLINE, ServerRecord, record_from_info
 from swarmlm.types import BlockRange
-from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.channel import server_options
 
 log = logging.getLogger(__name__)
@@ -116,7 +115,7 @@ class Server:
         server = grpc.aio.server(options=server_options(cfg.max_message_bytes),
                                  interceptors=server_interceptors(cfg.swarm_key),  # a private swarm's gate
                                  maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
-        pb_grpc.add_SwarmServicer_to_server(self.service, server)
+        add_to_server(self.service, server)  # (bytes that do not parse: INVALID_ARGUMENT)
         port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if port == 0:
             raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")

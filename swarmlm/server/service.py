@@ -39,6 +39,7 @@ TRIM_BYTES = 16 << 20  # after refusing a request this large, hand freed memory 
 _END = object()  # the client half-closed its stream
 _BROKEN = object()  # the client's stream broke
 _EXPIRED = object()  # the expiry loop closed the session
+UNPARSABLE = object()  # what a message that does not parse becomes (see add_to_server)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MASK_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.bool)
 
@@ -94,6 +95,29 @@ class _Trimmer:
         gc.collect()
         if self._libc is not None:
             self._libc.malloc_trim(0)
+
+
+def add_to_server(service: "SwarmService", server) -> None:
+    """Register the service like the generated add_SwarmServicer_to_server, except that bytes which do not parse
+    reach the handlers as UNPARSABLE and get INVALID_ARGUMENT (gRPC's own deserialization failure is UNKNOWN)."""
+
+    def parse(message_type):
+        def parse_or_mark(data: bytes):
+            try:
+                return message_type.FromString(data)
+            except Exception:  # DecodeError, or anything else a hostile byte string provokes
+                return UNPARSABLE
+        return parse_or_mark
+
+    handlers = {
+        "Inference": grpc.stream_stream_rpc_method_handler(
+            service.Inference, parse(pb.InferenceRequest), pb.InferenceReply.SerializeToString),
+        "Forward": grpc.unary_unary_rpc_method_handler(
+            service.Forward, parse(pb.ForwardRequest), pb.ForwardReply.SerializeToString),
+        "Info": grpc.unary_unary_rpc_method_handler(service.Info, parse(pb.InfoRequest), pb.InfoReply.SerializeToString),
+        "Push": grpc.unary_unary_rpc_method_handler(service.Push, parse(pb.PushRequest), pb.PushReply.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("swarmlm.Swarm", handlers),))
 
 
 class SwarmService(pb_grpc.SwarmServicer):
@@ -213,6 +237,8 @@ class SwarmService(pb_grpc.SwarmServicer):
             first = await self._next(request_iterator)
             if first is None:
                 return
+            if first is UNPARSABLE:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the message does not parse")
             session = await self._attach(first, peer, context)
             sid = session.session_id
             inbox: asyncio.Queue = asyncio.Queue(maxsize=INBOX_SIZE)
@@ -232,6 +258,9 @@ class SwarmService(pb_grpc.SwarmServicer):
                 if request is _END or request is _BROKEN:
                     clean_end = request is _END
                     return
+                if request is UNPARSABLE:
+                    yield self._refused(session, 0, InvalidRequest("a message does not parse; it was dropped"))
+                    continue
                 if request is _EXPIRED:
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                         f"session closed: no step within {self.config.open_idle_timeout_s} s of its "
@@ -287,7 +316,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         stream back (HTTP/2 flow control)."""
         try:
             async for request in request_iterator:
-                if request.WhichOneof("kind") == "step":
+                if request is not UNPARSABLE and request.WhichOneof("kind") == "step":
                     await self._charge(charges, request, peer, _payload_bytes(request.step))
                 await inbox.put(request)
         except Exception:  # a broken stream: the session waits for a resume, for the grace only
@@ -300,6 +329,8 @@ class SwarmService(pb_grpc.SwarmServicer):
         """A step pushed by the previous server of a route; accepted only into a session a client's stream holds
         (its reply has to go somewhere), and only with that session's secret. Validated like any step when its turn
         comes."""
+        if request is UNPARSABLE:
+            return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse", pb.PushReply())
         session = self.sessions.sessions.get(request.session_id)
         inbox = self.inboxes.get(request.session_id)
         if session is None or inbox is None:
@@ -457,6 +488,8 @@ class SwarmService(pb_grpc.SwarmServicer):
 
     async def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardReply:
         """Stateless: whole sequences through a sub-range, computed in slices through a temporary cache."""
+        if request is UNPARSABLE:
+            return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse", pb.ForwardReply())
         started = time.perf_counter()
         peer, error, nbytes = peer_host(context), None, 0
         try:
@@ -466,7 +499,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         except InvalidRequest as exc:
             error = str(exc)
         if error is not None:
-            self._refused_large(request.hidden.ByteSize() if codec.is_set(request.hidden) else 0)
+            self._refused_large(TRIM_BYTES if codec.is_set(request.hidden) else 0)  # (its size: unknown, costly)
             return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, error, pb.ForwardReply())
         if not self.load.try_add(peer, nbytes):
             self._refused_large(nbytes)
@@ -500,6 +533,8 @@ class SwarmService(pb_grpc.SwarmServicer):
             self.load.release(peer, nbytes)
 
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoReply:
+        if request is UNPARSABLE:
+            return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse", pb.InfoReply())
         reply = self.info()
         if self.identity is not None:  # the connect check: sign the client's nonce with our key (swarm/identity.py)
             sign_info(self.identity, reply, request.nonce, self.address)

@@ -1,0 +1,418 @@
+"""Every attack of issue 14 (resources part) replayed heavy against a real server process, with an honest client.
+
+Per attack: the server stays alive, the honest client's greedy tokens equal plain transformers' after the attack
+(polled: the time to recover is from the attack's end to the first correct generation), the server's RSS before,
+after and at its peak (psutil, sampled every 20 ms). The table goes to docs/FAILURES.md and docs/RESULTS.md.
+
+    .venv/bin/python benchmarks/attacks.py [--only NAME ...] [--model tiny-bloom]
+
+The light versions of the same cases run in tests/test_attacks.py and tests/test_fuzz_rpc.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import grpc
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from swarmlm.model.init import init_checkpoint  # noqa: E402
+from swarmlm.swarm.local import LocalSwarm  # noqa: E402
+from swarmlm.types import BlockRange  # noqa: E402
+from swarmlm.wire import codec  # noqa: E402
+from swarmlm.wire import swarm_pb2 as pb  # noqa: E402
+from swarmlm.wire import swarm_pb2_grpc as pb_grpc  # noqa: E402
+
+MB = 1 << 20
+PROMPT = "the quick brown fox jumps over"
+NEW_TOKENS = 8
+
+
+@dataclass
+class Outcome:
+    attack: str
+    tried: int  # requests / streams the attack sent
+    alive: bool
+    honest_correct: bool
+    rss_before_mb: float
+    rss_after_mb: float
+    rss_peak_mb: float
+    recover_s: float  # attack end -> first correct honest generation
+    note: str = ""
+
+
+class RssSampler:
+    """The peak RSS of a process, sampled on a thread."""
+
+    def __init__(self, pid: int, period_s: float = 0.02) -> None:
+        self.proc = psutil.Process(pid)
+        self.period_s = period_s
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def rss(self) -> int:
+        return self.proc.memory_info().rss
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, self.rss())
+            except psutil.Error:
+                return
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> "RssSampler":
+        self.peak = self.rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class Honest:
+    """A client of the swarm generating greedily; its tokens are compared with plain transformers'."""
+
+    def __init__(self, model_dir: str, address: str) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from swarmlm.client.model import DistributedModelForCausalLM
+
+        self.ids = AutoTokenizer.from_pretrained(model_dir)(PROMPT, return_tensors="pt").input_ids
+        ref = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        with torch.no_grad():
+            self.want = ref.generate(self.ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                     do_sample=False)[0, self.ids.shape[1]:].tolist()
+        self.client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=[address], ban_base_s=0.1,
+                                                                  ban_max_s=0.2, step_timeout_s=60.0)
+
+    def tokens(self, step_latencies: list[float] | None = None) -> list[int]:
+        out, ids = [], self.ids
+        with torch.no_grad(), self.client.inference_session(max_length=ids.shape[1] + NEW_TOKENS) as session:
+            logits = self.client.step_logits(session, ids)
+            for _ in range(NEW_TOKENS):
+                nxt = logits[:, -1:].argmax(-1)
+                out.append(int(nxt))
+                t0 = time.perf_counter()
+                logits = self.client.step_logits(session, nxt)
+                if step_latencies is not None:
+                    step_latencies.append(time.perf_counter() - t0)
+        return out
+
+    def correct(self) -> bool:
+        try:
+            return self.tokens() == self.want
+        except Exception:
+            return False
+
+    def recover(self, deadline_s: float = 120.0) -> float:
+        """Seconds until a generation is correct (inf if never within the deadline)."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < deadline_s:
+            if self.correct():
+                return time.monotonic() - t0
+            time.sleep(0.2)
+        return float("inf")
+
+
+def stub(address: str, max_mb: int = 256) -> tuple[grpc.Channel, pb_grpc.SwarmStub]:
+    channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", max_mb * MB),
+                                                      ("grpc.max_receive_message_length", max_mb * MB)])
+    return channel, pb_grpc.SwarmStub(channel)
+
+
+class Stream:
+    """A raw Inference stream: requests in, replies out (sync gRPC)."""
+
+    def __init__(self, st: pb_grpc.SwarmStub) -> None:
+        self.requests: queue.Queue = queue.Queue()
+        self.replies = st.Inference(iter(self.requests.get, None), timeout=600)
+
+    def send(self, request: pb.InferenceRequest) -> pb.InferenceReply:
+        self.requests.put(request)
+        return next(self.replies)
+
+    def drop(self) -> None:
+        self.replies.cancel()  # a broken stream, not a clean end
+
+
+def open_msg(start: int, end: int, batch: int = 1, max_length: int = 64) -> pb.InferenceRequest:
+    return pb.InferenceRequest(open=pb.OpenSession(start_block=start, end_block=end, batch_size=batch,
+                                                   max_length=max_length))
+
+
+# ---- the attacks: each returns how many requests it sent and a note --------------------------------------------
+
+def slot_exhaustion(ctx) -> tuple[int, str]:
+    """64 opens, a garbage step on each, then every stream dropped (as a client that dies)."""
+    channel, st = stub(ctx.address)
+    streams, refused = [], 0
+    for _ in range(64):
+        s = Stream(st)
+        try:
+            s.send(open_msg(0, ctx.blocks))
+            s.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=pb.Tensor(data=os.urandom(40), dtype="float32",
+                                                                              shape=[1, 1, 10]))))
+            streams.append(s)
+        except grpc.RpcError:
+            refused += 1
+    for s in streams:
+        s.drop()
+    channel.close()
+    return 64, f"{refused} opens refused (per-peer quota)"
+
+
+def silent_opens(ctx) -> tuple[int, str]:
+    """64 opens held open without a step; the honest client is polled while they are still held."""
+    channel, st = stub(ctx.address)
+    streams, refused = [], 0
+    for _ in range(64):
+        s = Stream(st)
+        try:
+            s.send(open_msg(0, ctx.blocks))
+            streams.append(s)
+        except grpc.RpcError:
+            refused += 1
+    ctx.hold = (channel, streams)  # released after the recovery poll
+    return 64, f"{refused} opens refused (per-peer quota); the rest held during the poll"
+
+
+def big_reservations(ctx) -> tuple[int, str]:
+    """2 opens of batch 64 x 2048 tokens (and 2 of 16 x 2048 that fit the cache), held without a step."""
+    channel, st = stub(ctx.address)
+    streams, refused = [], 0
+    for batch in (64, 64, 16, 16):
+        s = Stream(st)
+        try:
+            s.send(open_msg(0, ctx.blocks, batch=batch, max_length=2048))
+            streams.append(s)
+        except grpc.RpcError:
+            refused += 1
+    ctx.hold = (channel, streams)
+    return 4, f"{refused} of 4 refused at open (more than the whole cache); none reserves cache before a step"
+
+
+def oversized_loop(ctx, concurrent: int = 1, count: int = 24) -> tuple[int, str]:
+    """`count` Forward messages of 61 MiB that the server refuses, `concurrent` at a time."""
+    channel, st = stub(ctx.address)
+    tokens = (61 * MB) // (4 * ctx.hidden)
+    msg = pb.ForwardRequest(start_block=0, end_block=ctx.blocks, hidden=pb.Tensor(
+        data=bytes(tokens * ctx.hidden * 4), dtype="float32", shape=[1, tokens, ctx.hidden]))
+    codes: dict[str, int] = {}
+
+    def one() -> None:
+        try:
+            st.Forward(msg, timeout=120)
+            code = "OK"
+        except grpc.RpcError as exc:
+            code = exc.code().name
+        codes[code] = codes.get(code, 0) + 1
+
+    for start in range(0, count, concurrent):
+        threads = [threading.Thread(target=one) for _ in range(min(concurrent, count - start))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    channel.close()
+    return count, ", ".join(f"{n} x {c}" for c, n in sorted(codes.items()))
+
+
+def oversized_concurrent(ctx) -> tuple[int, str]:
+    return oversized_loop(ctx, concurrent=16, count=16)
+
+
+def big_forward(ctx) -> tuple[int, str]:
+    """One valid Forward of B=16 x 2048 tokens while the honest client decodes: its slowest step is reported."""
+    channel, st = stub(ctx.address)
+    x = torch.randn(16, 2048, ctx.hidden)
+    result: dict = {}
+
+    def forward() -> None:
+        t0 = time.perf_counter()
+        try:
+            st.Forward(pb.ForwardRequest(start_block=0, end_block=ctx.blocks, hidden=codec.encode(x)), timeout=600)
+            result["code"] = "OK"
+        except grpc.RpcError as exc:
+            result["code"] = exc.code().name
+        result["s"] = time.perf_counter() - t0
+
+    t = threading.Thread(target=forward)
+    t.start()
+    time.sleep(0.5)  # the Forward is in the server
+    latencies: list[float] = []
+    steps_ok = ctx.honest.tokens(latencies) == ctx.honest.want
+    t.join()
+    channel.close()
+    return 1, (f"Forward {result.get('code')} in {result.get('s', 0):.1f} s; honest session during it: "
+               f"{'correct' if steps_ok else 'WRONG'}, slowest decode step {max(latencies):.2f} s")
+
+
+def stranger(ctx) -> tuple[int, str]:
+    """A stranger who knows a live session's id pushes into it, resumes it, and ends the resumed stream (close)."""
+    channel, st = stub(ctx.address)
+    owner = Stream(st)
+    opened = owner.send(open_msg(0, ctx.blocks))
+    sid = opened.session_id
+    x, y = torch.randn(1, 3, ctx.hidden), torch.randn(1, 1, ctx.hidden)
+    owner.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(x), step_id=1)))
+    codes = []
+    for attempt in range(20):
+        try:
+            st.Push(pb.PushRequest(session_id=sid, secret=os.urandom(16), step=pb.InferenceStep(
+                hidden=codec.encode(torch.randn(1, 1, ctx.hidden)), step_id=2)), timeout=10)
+            codes.append("OK")
+        except grpc.RpcError as exc:
+            codes.append(exc.code().name)
+        s = Stream(st)
+        try:
+            s.send(pb.InferenceRequest(session_id=sid, secret=os.urandom(16), step=pb.InferenceStep(
+                hidden=codec.encode(y), step_id=2)))
+            codes.append("OK")
+        except grpc.RpcError as exc:
+            codes.append(exc.code().name)
+        s.requests.put(None)
+    got = owner.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(y), step_id=2)))
+    fresh = Stream(st)
+    fresh.send(open_msg(0, ctx.blocks))
+    fresh.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(x))))
+    want = fresh.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(y))))
+    same = torch.equal(codec.decode(got.hidden), codec.decode(want.hidden)) and got.position == 4
+    for s in (owner, fresh):
+        s.requests.put(None)
+    channel.close()
+    accepted = codes.count("OK")
+    return len(codes), f"{accepted} of {len(codes)} accepted; owner's output unchanged: {same}"
+
+
+def zero_element(ctx) -> tuple[int, str]:
+    """Zero-element tensors with huge dims, to Forward and into a session; the session must not leak."""
+    channel, st = stub(ctx.address)
+    before = st.Info(pb.InfoRequest()).active_sessions
+    shapes = [[0, 1 << 40, ctx.hidden], [0, 1 << 62, 1 << 62], [1 << 31, 0, 1 << 40], [0, 0, 0]]
+    codes = []
+    for shape in shapes:
+        try:
+            st.Forward(pb.ForwardRequest(start_block=0, end_block=ctx.blocks,
+                                         hidden=pb.Tensor(dtype="float32", shape=shape)), timeout=10)
+            codes.append("OK")
+        except grpc.RpcError as exc:
+            codes.append(exc.code().name)
+        s = Stream(st)
+        s.send(open_msg(0, ctx.blocks))
+        reply = s.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=pb.Tensor(dtype="float32", shape=shape))))
+        codes.append("error reply" if reply.HasField("error") else "OK")
+        s.requests.put(None)
+    deadline = time.monotonic() + 30
+    while st.Info(pb.InfoRequest()).active_sessions != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    leaked = st.Info(pb.InfoRequest()).active_sessions - before
+    channel.close()
+    return len(codes), f"{', '.join(sorted(set(codes)))}; sessions leaked: {leaked}"
+
+
+def fuzz(ctx, count: int = 2000, seed: int = 0) -> tuple[int, str]:
+    """Random bytes and random protobuf fields into every RPC."""
+    from tests.test_fuzz_rpc import fuzz_all  # one fuzzer, light in the tests and heavy here
+
+    codes = fuzz_all(ctx.address, count, seed, ctx.hidden, ctx.blocks)
+    return count, ", ".join(f"{n} x {c}" for c, n in sorted(codes.items()))
+
+
+ATTACKS: dict[str, Callable] = {
+    "slot exhaustion (64 opens + garbage, dropped)": slot_exhaustion,
+    "silent opens (64 held, no step)": silent_opens,
+    "big reservations (2 x 64x2048 + 2 x 16x2048)": big_reservations,
+    "oversized loop (24 x 61 MiB Forward)": oversized_loop,
+    "oversized at once (16 x 61 MiB Forward)": oversized_concurrent,
+    "big Forward (B=16 x 2048)": big_forward,
+    "stranger push / resume / close": stranger,
+    "zero-element huge dims": zero_element,
+    "fuzz (random bytes + fields, every RPC)": fuzz,
+}
+
+
+class Context:
+    def __init__(self, address: str, hidden: int, blocks: int, honest: Honest) -> None:
+        self.address, self.hidden, self.blocks, self.honest = address, hidden, blocks, honest
+        self.hold = None
+
+
+def run(model_dir: str, only: list[str], threads: int) -> list[Outcome]:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    blocks, hidden = int(cfg.num_hidden_layers), int(cfg.hidden_size)
+    outcomes = []
+    with LocalSwarm(model_dir, threads=threads, with_dht=False,
+                    server_args=["--open-idle-timeout", "10", "--resume-grace", "5"]) as swarm:
+        server = swarm.start_server(BlockRange(0, blocks))
+        honest = Honest(model_dir, server.address)
+        assert honest.correct(), "the honest client is wrong before any attack"
+        for name, attack in ATTACKS.items():
+            if only and not any(o in name for o in only):
+                continue
+            ctx = Context(server.address, hidden, blocks, honest)
+            with RssSampler(server.proc.pid) as rss:
+                before = rss.rss()
+                tried, note = attack(ctx)
+                recover = honest.recover()
+                if ctx.hold is not None:  # attacks that hold streams let go only now
+                    channel, streams = ctx.hold
+                    for s in streams:
+                        s.drop()
+                    channel.close()
+                time.sleep(1.0)
+                after = rss.rss()
+            outcome = Outcome(name, tried, server.alive, recover != float("inf"), before / MB, after / MB,
+                              rss.peak / MB, recover, note)
+            print(json.dumps(asdict(outcome)), flush=True)
+            outcomes.append(outcome)
+        honest.client.close()
+    return outcomes
+
+
+def table(outcomes: list[Outcome]) -> str:
+    lines = ["| attack | tried | server alive | honest client correct | RSS before / after / peak (MB) | "
+             "recovered after | notes |", "|---|---|---|---|---|---|---|"]
+    for o in outcomes:
+        lines.append(f"| {o.attack} | {o.tried} | {'yes' if o.alive else 'NO'} | "
+                     f"{'yes' if o.honest_correct else 'NO'} | {o.rss_before_mb:.0f} / {o.rss_after_mb:.0f} / "
+                     f"{o.rss_peak_mb:.0f} | {o.recover_s:.1f} s | {o.note} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny-bloom", help="a preset name (written to a temp dir) or a directory")
+    ap.add_argument("--only", nargs="*", default=[], help="substrings of attack names to run")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", help="write the outcomes as JSON here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = args.model
+    if not Path(model_dir).is_dir():
+        model_dir = str(init_checkpoint(args.model, Path(tempfile.mkdtemp()) / args.model, seed=1))
+    outcomes = run(model_dir, args.only, args.threads)
+    print(table(outcomes))
+    if args.out:
+        Path(args.out).write_text(json.dumps([asdict(o) for o in outcomes], indent=1))
+
+
+if __name__ == "__main__":
+    random.seed(0)
+    main()

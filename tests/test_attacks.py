@@ -1,0 +1,283 @@
+"""The attacks of issue 14 (resources and session ownership), light, against a real server process; after each the
+server is alive and an honest client's greedy tokens equal plain transformers'. Heavy versions with RSS and
+recovery times: benchmarks/attacks.py. No wall-clock assertions: waits poll with generous deadlines."""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.model.checkpoint import load_config
+from swarmlm.server.stage import Stage
+from swarmlm.swarm.local import LocalSwarm
+from swarmlm.types import BlockRange
+from swarmlm.wire import codec
+from swarmlm.wire import swarm_pb2 as pb
+from swarmlm.wire import swarm_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+# long enough that the prefill is computed in slices (--max-batch-tokens 32)
+PROMPT = "the quick brown fox jumps over the lazy dog " * 5
+NEW_TOKENS = 6
+DEADLINE_S = 90.0  # generous: the machine may be busy
+
+
+@pytest.fixture(scope="module")
+def attack_server(tiny_bloom):
+    """A lone server of the whole model, reached by address; short expiries so the tests wait little."""
+    blocks = int(AutoConfig.from_pretrained(tiny_bloom).num_hidden_layers)
+    args = ["--max-message-mb", "8", "--open-idle-timeout", "3", "--resume-grace", "2", "--max-batch-tokens", "32",
+            "--max-sessions-per-peer", "32"]
+    with LocalSwarm(tiny_bloom, with_dht=False, server_args=args) as swarm:
+        server = swarm.start_server(BlockRange(0, blocks))
+        yield server.address, int(load_config(tiny_bloom).hidden_size), blocks
+
+
+class Honest:
+    def __init__(self, model_dir: str, address: str) -> None:
+        self.ids = AutoTokenizer.from_pretrained(model_dir)(PROMPT, return_tensors="pt").input_ids
+        ref = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        with torch.no_grad():
+            self.want = ref.generate(self.ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                     do_sample=False)[0, self.ids.shape[1]:].tolist()
+        self.client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=[address], ban_base_s=0.1,
+                                                                  ban_max_s=0.2)
+
+    def tokens(self) -> list[int]:
+        out, ids = [], self.ids
+        with torch.no_grad(), self.client.inference_session(max_length=ids.shape[1] + NEW_TOKENS) as session:
+            logits = self.client.step_logits(session, ids)
+            for _ in range(NEW_TOKENS):
+                nxt = logits[:, -1:].argmax(-1)
+                out.append(int(nxt))
+                logits = self.client.step_logits(session, nxt)
+        return out
+
+    def poll_correct(self, deadline_s: float = DEADLINE_S) -> bool:
+        """True once a generation gives the reference tokens (failures meanwhile are retried)."""
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            try:
+                if self.tokens() == self.want:
+                    return True
+            except Exception:
+                pass
+            time.sleep(0.2)
+        return False
+
+
+@pytest.fixture(scope="module")
+def honest(tiny_bloom, attack_server):
+    h = Honest(tiny_bloom, attack_server[0])
+    yield h
+    h.client.close()
+
+
+class Stream:
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)])
+        self.stub = pb_grpc.SwarmStub(self.channel)
+        self.requests: queue.Queue = queue.Queue()
+        self.replies = self.stub.Inference(iter(self.requests.get, None), timeout=120)
+
+    def send(self, request: pb.InferenceRequest) -> pb.InferenceReply:
+        self.requests.put(request)
+        return next(self.replies)
+
+    def end(self) -> None:  # a clean end of stream
+        self.requests.put(None)
+        self.channel.close()
+
+    def drop(self) -> None:  # a broken stream (the client died)
+        self.replies.cancel()
+        self.channel.close()
+
+
+def _open(address: str, blocks: int, batch: int = 1, max_length: int = 64) -> tuple[Stream, pb.InferenceReply]:
+    s = Stream(address)
+    return s, s.send(pb.InferenceRequest(open=pb.OpenSession(start_block=0, end_block=blocks, batch_size=batch,
+                                                             max_length=max_length)))
+
+
+def _step(x: torch.Tensor, step_id: int = 0, push=()) -> pb.InferenceRequest:
+    return pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(x), step_id=step_id, push=push))
+
+
+def _info(address: str) -> pb.InfoReply:
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.SwarmStub(channel).Info(pb.InfoRequest(), timeout=30)
+
+
+def _poll(condition, deadline_s: float = DEADLINE_S) -> bool:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_honest_client_is_exact_with_sliced_prefill(attack_server, honest):
+    assert honest.ids.shape[1] > 32  # more than one scheduler round: the prefill runs in slices
+    assert honest.tokens() == honest.want
+
+
+def test_slot_exhaustion_by_opens_and_garbage_then_honest_client_recovers(attack_server, honest):
+    address, hidden, blocks = attack_server
+    streams, refused = [], 0
+    for _ in range(64):
+        try:
+            s, opened = _open(address, blocks)
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "per-peer" in exc.details()
+            refused += 1
+            continue
+        garbage = s.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=pb.Tensor(
+            data=os.urandom(40), dtype="float32", shape=[1, 1, 10]))))
+        assert garbage.HasField("error") and garbage.position == 0
+        streams.append(s)
+    assert refused == 64 - 32  # one host holds at most --max-sessions-per-peer sessions
+    assert _info(address).cache_bytes_free == _info(address).cache_bytes_total  # opens reserve no cache
+    for s in streams:  # the attacker dies: its streams break
+        s.drop()
+    assert _poll(lambda: _info(address).active_sessions == 0)  # closed after the resume grace
+    assert honest.poll_correct()
+
+
+def test_silent_opens_expire_while_their_streams_stay_open(attack_server, honest):
+    address, hidden, blocks = attack_server
+    held = [_open(address, blocks)[0] for _ in range(32)]  # the peer's whole quota, never stepped
+    assert _poll(lambda: _info(address).active_sessions == 0)  # --open-idle-timeout 3
+    with pytest.raises(grpc.RpcError) as err:  # their streams were ended by the server
+        next(held[0].replies)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert honest.poll_correct()  # while the attacker's connections are still up
+    for s in held:
+        s.drop()
+
+
+def test_huge_reservations_are_refused_or_reserve_nothing(attack_server, honest):
+    address, hidden, blocks = attack_server
+    with pytest.raises(grpc.RpcError) as err:  # more than the whole cache: refused at open
+        _open(address, blocks, batch=64, max_length=2048)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    held = [_open(address, blocks, batch=16, max_length=2048)[0] for _ in range(2)]  # fit, but reserve nothing yet
+    info = _info(address)
+    assert info.active_sessions == 2 and info.cache_bytes_free == info.cache_bytes_total
+    assert honest.poll_correct()
+    for s in held:
+        s.end()
+
+
+def test_a_stranger_with_the_session_id_cannot_push_resume_or_close(attack_server):
+    address, hidden, blocks = attack_server
+    owner, opened = _open(address, blocks)
+    assert len(opened.session_secret) == 16
+    sid = opened.session_id
+    x, y = torch.randn(1, 3, hidden), torch.randn(1, 1, hidden)
+    assert owner.send(_step(x, 1)).position == 3
+    with grpc.insecure_channel(address) as channel:
+        stranger = pb_grpc.SwarmStub(channel)
+        for secret in (b"", os.urandom(16)):
+            with pytest.raises(grpc.RpcError) as err:
+                stranger.Push(pb.PushRequest(session_id=sid, secret=secret, step=pb.InferenceStep(
+                    hidden=codec.encode(torch.randn(1, 1, hidden)), step_id=2)), timeout=30)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            # resume (and, by ending the resumed stream cleanly, close): refused, nothing attached
+            s = Stream(address)
+            with pytest.raises(grpc.RpcError) as err:
+                s.send(pb.InferenceRequest(session_id=sid, secret=secret, step=pb.InferenceStep(
+                    hidden=codec.encode(y), step_id=2)))
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            s.end()
+    # a push target outside the swarm: refused before any compute (no dial to arbitrary addresses)
+    bad = owner.send(_step(y, 2, [pb.PushTarget(address="127.0.0.1:9", session_id="ab", step_id=1,
+                                                secret=os.urandom(16))]))
+    assert bad.HasField("error") and "not a server of this swarm" in bad.error.message and bad.position == 3
+    got = owner.send(_step(y, 3))  # (the refused step took id 2)
+    fresh, _ = _open(address, blocks)
+    fresh.send(_step(x))
+    want = fresh.send(_step(y))
+    assert got.position == 4 and torch.equal(codec.decode(got.hidden), codec.decode(want.hidden))
+    owner.end()
+    fresh.end()
+
+
+def test_zero_element_tensors_with_huge_dims_are_clean_refusals(attack_server):
+    address, hidden, blocks = attack_server
+    before = _info(address).active_sessions
+    with grpc.insecure_channel(address) as channel:
+        st = pb_grpc.SwarmStub(channel)
+        for shape in ([0, 1 << 40, hidden], [0, 1 << 62, 1 << 62], [1 << 31, 0, 1 << 40], [0, 0, 0]):
+            with pytest.raises(grpc.RpcError) as err:
+                st.Forward(pb.ForwardRequest(start_block=0, end_block=blocks,
+                                             hidden=pb.Tensor(dtype="float32", shape=shape)), timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, shape
+            s, _ = _open(address, blocks)
+            reply = s.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=pb.Tensor(dtype="float32", shape=shape))))
+            assert reply.HasField("error") and reply.position == 0
+            assert not s.send(_step(torch.randn(1, 2, hidden))).HasField("error")  # the session still works
+            s.end()
+    assert _poll(lambda: _info(address).active_sessions == before)  # nothing leaked
+
+
+def test_oversized_and_too_costly_requests_are_refused(attack_server, honest):
+    address, hidden, blocks = attack_server
+    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+        st = pb_grpc.SwarmStub(channel)
+        for _ in range(3):  # over --max-message-mb 8: gRPC refuses it before the service sees it
+            with pytest.raises(grpc.RpcError) as err:
+                st.Forward(pb.ForwardRequest(start_block=0, end_block=blocks, hidden=pb.Tensor(
+                    data=bytes(9 << 20), dtype="float32", shape=[1, (9 << 20) // (4 * hidden), hidden])), timeout=60)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for shape, needle in (([17, 2048, hidden], "limit of 32768"), ([1, 4096, hidden], "max_length")):
+            with pytest.raises(grpc.RpcError) as err:  # refused from the header: the tensor is never decoded
+                st.Forward(pb.ForwardRequest(start_block=0, end_block=blocks, hidden=pb.Tensor(
+                    data=b"", dtype="float16", shape=shape)), timeout=60)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.value.details()
+    assert honest.poll_correct()
+
+
+def test_forward_in_slices_equals_one_forward(attack_server, tiny_bloom):
+    address, hidden, blocks = attack_server
+    torch.manual_seed(0)
+    x = torch.randn(2, 100, hidden)  # 200 rows x tokens: 7 slices of 16 tokens at --max-batch-tokens 32
+    with grpc.insecure_channel(address) as channel:
+        reply = pb_grpc.SwarmStub(channel).Forward(pb.ForwardRequest(start_block=0, end_block=blocks,
+                                                                     hidden=codec.encode(x)), timeout=120)
+    stage = Stage(tiny_bloom, BlockRange(0, blocks))
+    want = stage.forward(stage.blocks, x, torch.ones(2, 100, dtype=torch.long))  # one forward, no slices
+    assert (codec.decode(reply.hidden) - want).abs().max().item() < 1e-4
+
+
+def test_decode_steps_are_not_stuck_behind_a_long_forward(attack_server, honest):
+    """While one long Forward runs (in slices), honest sessions prefill and decode: whole generations fit inside it."""
+    address, hidden, blocks = attack_server
+    result: dict = {}
+
+    def forward() -> None:
+        x = torch.randn(16, 512, hidden).half()
+        with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+            reply = pb_grpc.SwarmStub(channel).Forward(pb.ForwardRequest(start_block=0, end_block=blocks,
+                                                                         hidden=codec.encode(x)), timeout=600)
+        result["end"] = time.monotonic()
+        t = reply.timing  # the server's own time for it: it began no earlier than this before its end
+        result["start"] = result["end"] - (t.decode_s + t.queued_s + t.compute_s + t.encode_s)
+
+    thread = threading.Thread(target=forward)
+    thread.start()
+    generations = []  # (start, end) of each honest generation, all correct
+    while thread.is_alive():
+        t0 = time.monotonic()
+        assert honest.tokens() == honest.want
+        generations.append((t0, time.monotonic()))
+    thread.join()
+    inside = [g for g in generations if result["start"] <= g[0] and g[1] <= result["end"]]
+    assert inside, (generations, result)  # ordering, not a duration: decodes ran between the Forward's slices

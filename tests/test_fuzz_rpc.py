@@ -1,0 +1,106 @@
+"""Random bytes and random protobuf fields into every RPC (Inference, Forward, Info, Push): the server stays alive,
+answers every call with a status (never UNKNOWN: no exception escapes a handler), and an honest client stays exact.
+Seeded and bounded; benchmarks/attacks.py runs the same fuzzer heavier."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import grpc
+import pytest
+
+from swarmlm.wire import codec
+from tests.test_attacks import attack_server, honest  # noqa: F401  (fixtures: one server for this module)
+from swarmlm.wire import swarm_pb2 as pb
+
+RPCS = ("Inference", "Forward", "Info", "Push")
+
+
+def _tensor(rng: random.Random, hidden: int) -> pb.Tensor:
+    dtype = rng.choice([*codec.WIRE_DTYPES, "", "complex64", "x" * 300])
+    dims = [0, 1, 2, 3, 7, hidden, 2048, 1 << 31, 1 << 62, -1, -(1 << 63)]
+    shape = [rng.choice(dims) for _ in range(rng.randint(0, 5))]
+    size = rng.choice([0, 1, 4, 4 * hidden, 8 * hidden, rng.randint(0, 1 << 14)])
+    return pb.Tensor(data=rng.randbytes(size), dtype=dtype, shape=shape)
+
+
+def _target(rng: random.Random, address: str) -> pb.PushTarget:
+    return pb.PushTarget(address=rng.choice([address, "127.0.0.1:1", "x" * 300, "", "[::1]:9", "10.0.0.1:80"]),
+                         session_id=rng.choice(["", "ab", "f" * 32, "../x", "z" * 100]),
+                         step_id=rng.choice([0, 1, 2, 1 << 63]), secret=rng.randbytes(rng.choice([0, 16, 17])))
+
+
+def _step(rng: random.Random, hidden: int, address: str) -> pb.InferenceStep:
+    return pb.InferenceStep(hidden=_tensor(rng, hidden), attention_mask=_tensor(rng, hidden) if rng.random() < 0.3
+                            else None, step_id=rng.choice([0, 1, 2, 5, 1 << 63]),
+                            push=[_target(rng, address) for _ in range(rng.choice([0, 0, 1, 2, 70]))])
+
+
+def _inference_request(rng: random.Random, hidden: int, blocks: int, address: str) -> pb.InferenceRequest:
+    if rng.random() < 0.4:
+        return pb.InferenceRequest(open=pb.OpenSession(
+            start_block=rng.choice([0, 1, blocks, 1 << 31]), end_block=rng.choice([0, 1, blocks, blocks + 1]),
+            batch_size=rng.choice([0, 1, 2, 64, 1 << 31]), max_length=rng.choice([0, 1, 64, 2048, 1 << 31])))
+    return pb.InferenceRequest(session_id=rng.choice(["", "f" * 32, "x" * 500]), secret=rng.randbytes(16),
+                               step=_step(rng, hidden, address))
+
+
+def _call(channel: grpc.Channel, rng: random.Random, rpc: str, hidden: int, blocks: int, address: str) -> str:
+    raw = rng.random() < 0.3  # random bytes instead of a message
+    path = f"/swarmlm.Swarm/{rpc}"
+    kind = "raw " if raw else ""
+    try:
+        if rpc == "Inference":
+            if raw:
+                requests = [rng.randbytes(rng.randint(0, 256)) for _ in range(rng.randint(1, 3))]
+                call = channel.stream_stream(path)(iter(requests), timeout=30)
+            else:
+                requests = [_inference_request(rng, hidden, blocks, address) for _ in range(rng.randint(1, 4))]
+                call = channel.stream_stream(path, request_serializer=pb.InferenceRequest.SerializeToString,
+                                             response_deserializer=pb.InferenceReply.FromString)(
+                    iter(requests), timeout=30)
+            for _ in call:  # the stream ends cleanly after the last request: its session (if any) closes
+                pass
+            return kind + "OK"
+        if raw:
+            channel.unary_unary(path)(rng.randbytes(rng.randint(0, 512)), timeout=30)
+            return kind + "OK"
+        if rpc == "Forward":
+            msg = pb.ForwardRequest(start_block=rng.choice([0, 1, blocks]), end_block=rng.choice([0, blocks, 99]),
+                                    hidden=_tensor(rng, hidden),
+                                    attention_mask=_tensor(rng, hidden) if rng.random() < 0.3 else None)
+            reply_type = pb.ForwardReply
+        elif rpc == "Push":
+            msg = pb.PushRequest(session_id=rng.choice(["", "f" * 32]), secret=rng.randbytes(16),
+                                 step=_step(rng, hidden, address))
+            reply_type = pb.PushReply
+        else:
+            msg = pb.InfoRequest()
+            reply_type = pb.InfoReply
+        channel.unary_unary(path, request_serializer=type(msg).SerializeToString,
+                            response_deserializer=reply_type.FromString)(msg, timeout=30)
+        return "OK"
+    except grpc.RpcError as exc:
+        return kind + exc.code().name
+
+
+def fuzz_all(address: str, count: int, seed: int, hidden: int, blocks: int) -> Counter:
+    """`count` random calls spread over every RPC; the status codes they got ("raw X": random bytes got X)."""
+    rng = random.Random(seed)
+    codes: Counter = Counter()
+    with grpc.insecure_channel(address) as channel:
+        for i in range(count):
+            codes[_call(channel, rng, RPCS[i % len(RPCS)], hidden, blocks, address)] += 1
+    return codes
+
+
+@pytest.mark.slow
+def test_fuzzing_every_rpc_leaves_the_server_serving_exactly(attack_server, honest):
+    address, hidden, blocks = attack_server
+    codes = fuzz_all(address, count=240, seed=14, hidden=hidden, blocks=blocks)
+    assert sum(codes.values()) == 240
+    # every refusal is a deliberate status: an exception escaping a handler would be UNKNOWN, and so would bytes
+    # that do not parse if gRPC parsed them itself (the service parses them: INVALID_ARGUMENT)
+    deliberate = {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED"}
+    assert set(codes) <= deliberate | {"raw " + c for c in deliberate}, codes
+    assert honest.poll_correct()  # the server is alive and computes exactly
