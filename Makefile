@@ -4,15 +4,20 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean chromium
+.PHONY: demo test bench clean chromium lock
 
-$(STAMP): pyproject.toml
+# Exact versions from requirements.lock (pyproject.toml holds the compatible ranges), then swarmlm itself with
+# no further resolution. The lock pins torch==2.13.0, which the CPU wheel on disk satisfies (no CUDA build).
+$(STAMP): pyproject.toml requirements.lock
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# the CPU build of torch lies on disk: install it first, pinned, so nothing pulls a CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -r requirements.lock
+	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)
+
+# after changing dependencies in pyproject.toml and installing them into .venv: write the lock from the venv
+lock:
+	$(BIN)/python .ci/lock.py > requirements.lock
 
 demo: $(STAMP)
 	$(BIN)/swarmlm demo

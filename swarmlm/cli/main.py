@@ -28,6 +28,9 @@ VERBS: dict[str, tuple[str, str]] = {
     "bench": ("bench_cmd", "the scaling study: N servers x execution strategies, measured and reported"),
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# optional packages -> the extra that installs them (pyproject.toml)
+EXTRAS = {"matplotlib": "bench", "networkx": "sim", "scipy": "sim", "highspy": "sim", "fastapi": "api",
+          "uvicorn": "api", "pydantic": "api"}
 DEFAULT_LOG_LEVEL = {"server": "info", "dht": "info"}  # long-running verbs say what they do; others stay quiet
 
 
@@ -81,6 +84,9 @@ def user_error(exc: BaseException) -> str | None:
     from swarmlm.errors import MissingBlocks, SwarmError
 
     name = type(exc).__name__
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] in EXTRAS:
+        package = exc.name.split(".")[0]
+        return f"this needs the optional package {package}: pip install 'swarmlm[{EXTRAS[package]}]'"
     if isinstance(exc, MissingBlocks) and "unreachable" not in str(exc):
         return f"{exc}: start servers for them, or check --initial-peers and --dht-prefix"
     if name == "P2PDaemonError" or "bootstrap peers" in str(exc):
