@@ -4,7 +4,6 @@ with other weights under the same name is refused by clients."""
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import shutil
 import time
@@ -171,35 +170,34 @@ def test_identity_is_the_config_not_the_path_and_fingerprints_are_the_weights(ch
 
 @pytest.mark.slow
 def test_copies_serve_one_swarm_and_other_weights_are_refused(checkpoints):
+    """Three servers in one DHT: blocks [0, 2) from `first`, [2, 4) from an identical copy under another name,
+    and all blocks from a checkpoint with the same config but other weights (same identity, same prefix)."""
     first, second, other = checkpoints["first"], checkpoints["second"], checkpoints["other"]
     with contextlib.ExitStack() as stack:
         swarm = stack.enter_context(LocalSwarm(first))
         swarm.start_dht()
-        swarm.start_server(BlockRange(0, 2), wait=False)
         copy = stack.enter_context(LocalSwarm(second, with_dht=False))  # same DHT, another directory name
-        copy.initial_peers = swarm.initial_peers
+        impostor = stack.enter_context(LocalSwarm(other, with_dht=False))
+        copy.initial_peers = impostor.initial_peers = swarm.initial_peers
+        swarm.start_server(BlockRange(0, 2), wait=False)
         copy.start_server(BlockRange(2, 4), wait=False)
-        swarm.wait_ready(swarm.servers)
-        copy.wait_ready(copy.servers)
+        bad = impostor.start_server(BlockRange(0, 4), wait=False)
+        for s in (swarm, copy, impostor):
+            s.wait_ready(s.servers)
         client = DistributedModelForCausalLM.from_pretrained(first, initial_peers=swarm.initial_peers)
         stack.callback(client.close)
+        deadline = time.monotonic() + 120
+        while not any(sid == bad.server_id for sid, _ in client.remote.rejected):  # once its record is read
+            assert time.monotonic() < deadline, "the server with other weights was never seen and refused"
+            client.remote.refresh()
+            time.sleep(0.5)
+        why = next(w for (sid, _), w in client.remote.rejected.items() if sid == bad.server_id)
+        assert "other weights" in why
+        assert bad.server_id not in client.remote.view.records
+
         ref = AutoModelForCausalLM.from_pretrained(first).eval()
         ids = AutoTokenizer.from_pretrained(first)("the quick brown fox", return_tensors="pt").input_ids
         want = ref.generate(ids, max_new_tokens=6, do_sample=False)
         got = client.generate(ids, max_new_tokens=6)
-        assert torch.equal(got.sequences if hasattr(got, "sequences") else got, want)  # through both copies
-
-        impostor = stack.enter_context(LocalSwarm(other, with_dht=False))
-        impostor.initial_peers = swarm.initial_peers
-        bad = impostor.start_server(BlockRange(0, 4))
-        deadline = time.monotonic() + 120
-        while not any(sid == bad.server_id for sid, _ in client.remote.rejected):  # its record reaches the DHT
-            assert time.monotonic() < deadline, "the server with other weights was never seen and refused"
-            time.sleep(0.5)
-            client.remote.refresh()
-        why = next(w for (sid, _), w in client.remote.rejected.items() if sid == bad.server_id)
-        assert "other weights" in why
-        assert bad.server_id not in client.remote.view.records
-        got = client.generate(ids, max_new_tokens=6)
+        # the impostor refused, the only chain is [0, 2) from `first` + [2, 4) from the copy: one swarm
         assert torch.equal(got.sequences if hasattr(got, "sequences") else got, want)
-        assert json.loads(json.dumps(client.remote.rejected[next(k for k in client.remote.rejected)]))  # a str
