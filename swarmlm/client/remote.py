@@ -38,6 +38,7 @@ class RemoteSequence:
         # (start, end, announced fingerprint) -> why refused or None; set by the client model from its checkpoint
         self.weights_check: Callable[[int, int, str], str | None] | None = None
         self.view = SwarmView(config)
+        self.unreachable: dict[str, str] = {}  # --servers addresses that did not answer -> why (for the error)
         self.router = LiveRouter(self.view, num_blocks)
         self.dht = None
         if config.initial_peers:
@@ -79,9 +80,11 @@ class RemoteSequence:
         for address, reply in zip(self.config.servers, replies):
             if isinstance(reply, BaseException):
                 _raise_if_private(address, reply)
-                log.warning("server %s did not answer: %s", address, reply)
+                self.unreachable[address] = _why_unreachable(reply)
+                log.warning("server %s did not answer: %s", address, self.unreachable[address])
                 continue
-            i, rtt = reply
+            self.unreachable.pop(address, None)
+            i, _ = reply
             why = verify_info(i, nonce)  # its id is its key's, and it holds that key
             if why is not None:
                 log.warning("server %s fails the connect check, excluded: %s", address, why)
@@ -91,7 +94,6 @@ class RemoteSequence:
             except ValueError as exc:
                 log.warning("server %s sent a malformed Info: %s", address, exc)
                 continue
-            self.view.rtt_s[i.server_id] = rtt
         return records
 
     async def _measure(self, records: list[ServerRecord]) -> None:
@@ -114,7 +116,9 @@ class RemoteSequence:
                 for _ in range(3):
                     _, rtt = await info(self.channels, r.address, self.config.connect_timeout_s)
                     rtts.append(rtt)
-                self.view.rtt_s[r.server_id] = sorted(rtts)[1]
+                # the least of the probes: a busy host only adds delay (event loops, scheduling), and the route
+                # cost weighs the RTT l_out times, so a probe's noise would otherwise choose the replica
+                self.view.rtt_s[r.server_id] = min(rtts)
             except Exception as exc:
                 if _is_unauthenticated(exc):
                     denied.append((r.address, exc))
@@ -138,7 +142,9 @@ class RemoteSequence:
                 return self.router.route(start, end, l_in, l_out, batch, max_length)
             except MissingBlocks as exc:
                 if time.monotonic() >= deadline:
-                    raise MissingBlocks(exc.missing, f"waited {self.config.wait_for_blocks_s:.0f} s") from None
+                    down = ", ".join(f"{a} ({why})" for a, why in self.unreachable.items())  # "refused" vs nobody
+                    raise MissingBlocks(exc.missing, f"waited {self.config.wait_for_blocks_s:.0f} s"
+                                        + (f"; unreachable: {down}" if down else "")) from None
             time.sleep(0.5)
             self.refresh()
 
@@ -146,6 +152,14 @@ class RemoteSequence:
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+
+
+def _why_unreachable(exc: BaseException) -> str:
+    """A connect failure in a few words ("connection refused", "DEADLINE_EXCEEDED", ...)."""
+    text = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+    if "refused" in (text or "").lower():
+        return "connection refused"
+    return exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else f"{type(exc).__name__}: {exc}"
 
 
 def _is_unauthenticated(exc: BaseException) -> bool:

@@ -1,0 +1,104 @@
+"""The live client routes with the planner's WaitingAwareRouter (WS-RR), fed from the servers' Info: it spreads
+concurrent sessions by load (its own, and what servers announce), where shortest-latency routing does not."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.client.router import UNKNOWN_SLOTS
+from swarmlm.client.transport import info
+from swarmlm.planner.routing import WaitingAwareRouter
+from swarmlm.swarm.local import LocalSwarm
+from swarmlm.types import BlockRange
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_bloom):
+    with LocalSwarm(tiny_bloom, with_dht=False) as swarm:
+        # one after the other: the second reads the first's cached profile, so both announce the same speed
+        swarm.start_server(BlockRange(0, 6))
+        swarm.start_server(BlockRange(0, 6))
+        yield swarm
+
+
+def client_for(swarm: LocalSwarm, addresses: list[str], **kwargs) -> DistributedModelForCausalLM:
+    """A client whose view of the links is even: the same RTT to both replicas (loopback RTTs measured on a busy
+    machine differ by tens of ms at random, and l_out x RTT would then decide). Load is what these tests vary."""
+    kwargs.setdefault("records_max_age_s", 600.0)  # no re-read between the sessions of a test: a still view
+    client = DistributedModelForCausalLM.from_pretrained(swarm.model_dir, servers=addresses, **kwargs)
+    client.remote.refresh()
+    for sid in client.remote.view.records:
+        client.remote.view.rtt_s[sid] = 0.001
+    return client
+
+
+def first_server(session) -> str:
+    return session.route_spans()[0].server_id
+
+
+def test_the_router_is_the_planners_ws_rr_fed_from_info(replicas):
+    client = client_for(replicas, replicas.addresses)
+    try:
+        client.remote.refresh()
+        assert isinstance(client.remote.router.router, WaitingAwareRouter)
+        records = client.remote.view.records
+        assert len(records) == 2
+        for r in records.values():  # slots come from the announced cache and per-token session bytes
+            assert r.session_bytes_per_block_token > 0 and r.cache_bytes_total > 0
+        client.remote.route(0, 6, 16, 16, max_length=64)
+        for sid in records:
+            assert 0 < client.remote.router.router.free_slots(sid) < UNKNOWN_SLOTS
+    finally:
+        client.close()
+
+
+def test_concurrent_sessions_spread_by_the_clients_own_load(replicas):
+    client = client_for(replicas, replicas.addresses)
+    sessions = []
+    try:
+        sessions = [client.inference_session(max_length=32).open() for _ in range(4)]
+        used = [first_server(s) for s in sessions]
+    finally:
+        for s in sessions:
+            s.close()
+        client.close()
+    assert sorted(used.count(sid) for sid in set(used)) == [2, 2], used
+
+
+def test_announced_load_steers_a_new_client_and_shortest_ignores_it(replicas):
+    probe = client_for(replicas, replicas.addresses)
+    with probe.inference_session(max_length=32) as s:
+        preferred = first_server(s)  # where an idle swarm sends a session
+    probe.close()
+    busy = next(p for p in replicas.servers if p.server_id == preferred)
+    other = next(p for p in replicas.servers if p.server_id != preferred)
+    pinned = client_for(replicas, [busy.address])  # another user's sessions, on the preferred server only
+    held = [pinned.inference_session(max_length=32).open() for _ in range(2)]
+    wa = client_for(replicas, replicas.addresses)
+    shortest = client_for(replicas, replicas.addresses, routing="shortest")
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # wait until the server announces them (Info)
+            reply, _ = wa.remote.loop.run(info(wa.remote.channels, busy.address))
+            if reply.active_sessions >= 2:
+                break
+            assert time.monotonic() < deadline, "the held sessions never showed in the server's Info"
+            time.sleep(0.2)
+        wa.remote.refresh()
+        with wa.inference_session(max_length=32) as s:
+            assert first_server(s) == other.server_id  # WS-RR: the idle replica
+        shortest.remote.refresh()
+        both = [shortest.inference_session(max_length=32).open() for _ in range(2)]
+        used = [first_server(s) for s in both]
+        for s in both:
+            s.close()
+        assert used[0] == used[1], used  # shortest latency: neither its own nor the announced load counts
+    finally:
+        for s in held:
+            s.close()
+        for c in (pinned, wa, shortest):
+            c.close()
