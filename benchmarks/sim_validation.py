@@ -6,7 +6,11 @@ simulator, with each server's compute profile as the server measured and announc
 calibrated costs from a run before the measured one: per hop, what a decode step costs besides compute (wire, gRPC,
 (de)serialisation, scheduling: the BPRR model's per-token round trip t_cj), and the client's own time per step
 (embeddings, head, sampling, hand-offs), for which the BPRR model has no term. What is predicted is the composition:
-the fitted compute model through the route plus those costs. Usage:
+the fitted compute model through the route plus those costs.
+
+Routing is the same code on both sides: the client routes with `planner.routing.WaitingAwareRouter` (client/router.py)
+as the simulator does (sim/routers.py); here both with `routing="shortest"` over one even split, so both take the one
+chain there is. Routing under load, where WS-RR and shortest differ, is benchmarks/routing_bench.py. Usage:
 
     .venv/bin/python benchmarks/sim_validation.py [--servers 2] [--requests 8] [--input 32] [--output 16]
 """
