@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' names in config.layer_types
 
@@ -101,9 +101,6 @@ class FamilyAdapter(ABC):
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return int((getattr(config, "num_key_value_heads", None) or heads) * head_dim)
-
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache()
 
 
 FAMILIES: dict[str, FamilyAdapter] = {}
