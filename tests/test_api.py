@@ -115,6 +115,19 @@ def test_greedy_chat_equals_transformers_on_the_fallback_template(client, refere
     assert got.choices[0].finish_reason == reason
 
 
+def test_a_tokenizer_chat_template_is_used_when_there_is_one(tiny_bloom):
+    from swarmlm.api.prompts import encode_chat
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bloom)
+    tokenizer.chat_template = ("{% for m in messages %}<s>{{ m.role }}\n{{ m.content }}</s>{% endfor %}"
+                               "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+    messages = [("system", "Be brief."), ("user", "Hello")]
+    want = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+    assert encode_chat(tokenizer, messages) == list(want)
+    assert encode_chat(tokenizer, messages)[0] == tokenizer.bos_token_id  # the template's own special tokens
+
+
 def test_stream_chunks_join_to_the_whole_text(client, tiny_bloom):
     prompt = PROMPTS[1]
     whole = client.completions.create(model=tiny_bloom, prompt=prompt, max_tokens=10, temperature=0)

@@ -1,9 +1,9 @@
 """One request's generation through the swarm: a session per choice, one token per step, OpenAI's sampling.
 
-The swarm calls block (the client's gRPC loop runs on its own thread), so every step runs in a thread pool:
-many requests proceed at once, each with its own session, and the servers batch their steps together. A
-choice's session is closed as soon as it ends, fails, or its client goes away (the task is cancelled; the
-close waits for the step in flight, then ends the server streams).
+The swarm calls block (the client's gRPC loop runs on its own thread), so each choice runs its whole token loop on
+a worker thread and hands its events to the request's asyncio queue: many requests proceed at once, each with
+its own session, and the servers batch their steps together. A choice's session is closed as soon as it ends,
+fails, or its client goes away (checked between tokens; the step in flight finishes first).
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ class ChoiceDecoder:
     def step(self) -> Token:
         with self.lock:
             if self.closed:
-                raise asyncio.CancelledError("choice closed")
+                raise RuntimeError("this choice was closed")
             if self.session is None:  # prefill: open the session and send the whole prompt
                 self.session = self.model.inference_session(
                     max_length=self.prompt_tokens + self.params.max_tokens, batch_size=1,
@@ -205,16 +205,17 @@ class Engine:
     async def run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def choice(self, index: int, prompt_ids: Sequence[int], params: SamplingParams) -> AsyncIterator[Piece | Finish]:
+    def _generate(self, index: int, prompt_ids: Sequence[int], params: SamplingParams, emit, stop: threading.Event) -> None:
+        """One choice, start to end, on a worker thread. The next step leaves as soon as a token is chosen: the
+        event loop (HTTP, JSON) never sits between two steps, so concurrent choices stay in step and the servers
+        batch them. `stop` (the client went away) is checked between tokens."""
         decoder = ChoiceDecoder(self.model, prompt_ids, params)
         text = StopText(self.tokenizer, params.stop)
         t0 = time.perf_counter()
-        first_s = 0.0
-        generated = 0
-        reason = "length"
+        first_s, generated, reason = 0.0, 0, "length"
         try:
-            while generated < params.max_tokens:
-                token = await self.run(decoder.step)
+            while generated < params.max_tokens and not stop.is_set():
+                token = decoder.step()
                 generated += 1
                 if generated == 1:
                     first_s = time.perf_counter() - t0
@@ -222,53 +223,57 @@ class Engine:
                 if token.id in self.eos:
                     reason = "stop"
                     break
-                yield Piece(index, text.add(token.id), token)
+                emit(Piece(index, text.add(token.id), token))
                 if text.stopped:
                     reason = "stop"
                     break
+            decoder.close()  # before the end is announced: a finished request holds no session
+            if stop.is_set():
+                return
+            rest = text.flush()
+            if rest:
+                emit(Piece(index, rest, None))
+            total_s = time.perf_counter() - t0
+            self.metrics.finished(first_s, (total_s - first_s) / (generated - 1) if generated > 1 else None)
+            emit(Finish(index, reason, len(prompt_ids), generated))
+        except Exception as exc:  # handed to the request, which raises it
+            emit(exc)
         finally:
-            # shielded: a cancelled request still closes its session (the close waits for the step in flight)
-            await asyncio.shield(self.run(decoder.close))
-        rest = text.flush()
-        if rest:
-            yield Piece(index, rest, None)
-        total_s = time.perf_counter() - t0
-        self.metrics.finished(first_s, (total_s - first_s) / (generated - 1) if generated > 1 else None)
-        yield Finish(index, reason, len(prompt_ids), generated)
+            decoder.close()
 
     async def merged(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int) -> AsyncIterator[Piece | Finish]:
-        """Every choice (n per prompt, run concurrently) as its events come; choice i of a seeded request uses
-        seed + i so the choices differ and repeat."""
+        """Every choice (n per prompt, each its own session, run concurrently) as its events come; choice i of a
+        seeded request uses seed + i so the choices differ and repeat. Closing this generator (the client went
+        away) stops every choice after its step in flight and closes its session."""
+        loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        done = object()
+        stop = threading.Event()
 
-        async def drive(index: int, ids: Sequence[int]) -> None:
-            p = params if params.seed is None else replace(params, seed=params.seed + index)
+        def emit(event) -> None:
             try:
-                async for event in self.choice(index, ids, p):
-                    await queue.put(event)
-            except Exception as exc:  # handed to the consumer, which raises it
-                await queue.put(exc)
-                return
-            await queue.put(done)
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+            except RuntimeError:  # the loop is gone (shutdown): nobody is listening any more
+                stop.set()
 
-        tasks = [asyncio.create_task(drive(i * n + j, ids)) for i, ids in enumerate(prompts) for j in range(n)]
+        futures = []
+        for i, ids in enumerate(prompts):
+            for j in range(n):
+                index = i * n + j
+                p = params if params.seed is None else replace(params, seed=params.seed + index)
+                futures.append(loop.run_in_executor(self.pool, self._generate, index, ids, p, emit, stop))
         self.metrics.request_started()
         try:
-            remaining = len(tasks)
+            remaining = len(futures)
             while remaining:
                 event = await queue.get()
-                if event is done:
-                    remaining -= 1
-                elif isinstance(event, BaseException):
+                if isinstance(event, BaseException):
                     raise event
-                else:
-                    yield event
+                if isinstance(event, Finish):
+                    remaining -= 1
+                yield event
         finally:
+            stop.set()
             self.metrics.request_ended()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
