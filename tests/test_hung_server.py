@@ -69,3 +69,20 @@ def test_sigstop_mid_generation_names_and_bans_the_stopped_server(swarm, tiny_bl
     assert sum(s.failovers for s in steps) == 1 and sum(s.stalls for s in steps) == 0
     assert stopped.server_id in client.remote.view.banned()
     assert stopped.server_id not in final_route
+
+
+def test_the_hang_timeout_follows_the_announced_speed():
+    """Floor + factor x announced compute for the step over the span, capped by step_timeout_s."""
+    from swarmlm.client.session import hang_timeout_s, watchdog_s
+    from swarmlm.config import ClientConfig
+    from swarmlm.swarm.records import ServerRecord
+    from swarmlm.types import Span
+
+    cfg = ClientConfig(hang_factor=10.0, hang_floor_s=5.0, step_timeout_s=60.0)
+    rec = ServerRecord("s", "127.0.0.1:1", 0, 4, decode_s=0.01, prefill_a_s=0.001, prefill_b_s=0.02)
+    span = Span("s", 0, 4)
+    assert hang_timeout_s(cfg, rec, span, rows=1, tokens=1) == pytest.approx(5.0 + 10 * 0.01 * 4)
+    assert hang_timeout_s(cfg, rec, span, rows=2, tokens=100) == pytest.approx(5.0 + 10 * (0.001 * 200 + 0.02) * 4)
+    assert hang_timeout_s(cfg, rec, span, rows=64, tokens=2048) == 60.0  # capped
+    assert hang_timeout_s(cfg, None, span, rows=1, tokens=1) == 5.0  # nothing announced: the floor
+    assert watchdog_s(cfg) > 60.0  # behind every reply's own bound
