@@ -10,7 +10,8 @@ One RSA key (the one hivemind's `RSASignatureValidator` signs DHT records with) 
   signature (`verify_info`) before it opens a session there. A record pointing at someone else's address, or a
   server answering for an id that is not its own, fails the check.
 
-Ids: "Qm" + base58 of a sha2-256 multihash of the key's OpenSSH encoding (the libp2p shape, over another key encoding).
+Ids: base58 of the sha2-256 multihash of the key's OpenSSH encoding, so they start with "Qm" (the shape of libp2p's
+RSA peer ids, which hash a protobuf encoding of the key instead).
 """
 from __future__ import annotations
 
