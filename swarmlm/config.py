@@ -3,8 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from swarmlm.swarm.records import MAX_RECORD_TTL_S
+from swarmlm.swarm.records import MAX_RECORD_TTL_S, QUANT_NAMES
 from swarmlm.types import BlockRange
+
+# "auto" = the checkpoint's own dtype, except half-precision checkpoints run as float32 on a CPU (several times
+# faster there); see swarmlm/model/checkpoint.py auto_dtype
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+WIRE_DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16", "int8")  # as swarmlm/wire/compress.py
 
 
 @dataclass(frozen=True)
@@ -16,7 +21,10 @@ class ServerConfig:
     port: int = 0  # 0 = any free port
     announce_host: str | None = None  # address others should dial (behind a relay or NAT); default = host
     threads: int = 1  # torch threads for compute; set explicitly, never left to torch's default
-    dtype: str = "float32"
+    dtype: str = "auto"  # weights and compute: "auto" or one of DTYPE_NAMES
+    # weights of the linear layers: "none" (dtype) or "int8" (per-row int8, 1/4 of fp32's bytes, ~0.4 % relative
+    # error per layer; swarmlm/model/quant.py). Announced: clients may refuse quantized servers.
+    quant: str = "none"
     num_blocks: int | None = None  # with blocks=None: how many blocks to take (None = from the memory budget)
     placement: str = "petals"  # how to choose a range when blocks=None: "petals" | "cg-bprr"
     memory_bytes: int | None = None  # budget for weights + caches when choosing num_blocks (None = 40% of RAM)
@@ -39,6 +47,7 @@ class ServerConfig:
     open_idle_timeout_s: float = 10.0  # a session whose first step has not run this long after its open is closed
     resume_grace_s: float = 5.0  # a session whose stream broke is closed unless resumed (with its secret) this soon
     max_sessions_per_peer: int = 32  # open sessions one host may hold here
+    max_peer_cache_fraction: float = 0.5  # share of cache_bytes the sessions of one host may reserve
     max_peer_bytes_in_flight: int = 256 << 20  # request bytes of one host received and not yet answered
     max_concurrent_rpcs: int = 256  # gRPC calls at once (streams included); more are refused RESOURCE_EXHAUSTED
     max_request_tokens: int = 32768  # rows x new tokens of one step or Forward (B=16 x 2048)
@@ -53,6 +62,10 @@ class ServerConfig:
     profile_cache_dir: str | None = None  # where start-up profiles are cached (None = ~/.cache/swarmlm)
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.quant not in QUANT_NAMES:
+            raise ValueError(f"quant must be one of {', '.join(QUANT_NAMES)}, got {self.quant!r}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if not 0 <= self.port < 65536:
@@ -69,6 +82,8 @@ class ServerConfig:
                              f"{self.max_batch_wait_s}")
         if self.resume_grace_s < 0:
             raise ValueError(f"resume_grace_s must be >= 0, got {self.resume_grace_s}")
+        if not 0 < self.max_peer_cache_fraction <= 1:
+            raise ValueError(f"max_peer_cache_fraction must be in (0, 1], got {self.max_peer_cache_fraction}")
         if not self.announce_period_s < self.record_ttl_s <= MAX_RECORD_TTL_S:
             raise ValueError(
                 f"record_ttl_s ({self.record_ttl_s}) must exceed announce_period_s ({self.announce_period_s}) and be "
@@ -85,7 +100,12 @@ class ClientConfig:
     initial_peers: tuple[str, ...] = ()
     dht_prefix: str | None = None  # default: from the model directory's name
     servers: tuple[str, ...] = ()  # direct server addresses (host:port), bypassing the DHT
-    dtype: str = "float32"  # dtype of hidden states on the wire and of the client's modules
+    dtype: str = "auto"  # dtype of hidden states on the wire and of the client's modules (DTYPE_NAMES)
+    quant: str = "none"  # the client's LM head and embeddings: "none" or "int8" (swarmlm/model/quant.py)
+    require_full_precision: bool = False  # route only through servers announcing quant "none"
+    # hidden states on the wire (swarmlm/wire/compress.py): "float32" (exact), "float16", "bfloat16", "int8"
+    # (blockwise), or "auto": float32 on fast links (>= 500 Mbit/s, or not measured yet), float16, int8 below 50
+    wire_dtype: str = "auto"
     threads: int = 1  # torch threads for the client's embeddings and LM head
     wait_for_blocks_s: float = 30.0  # how long to wait for missing blocks before failing
     step_timeout_s: float = 60.0  # one step through one server, at most (see hang_factor)
@@ -117,8 +137,14 @@ class ClientConfig:
     swarm_key: bytes | None = field(default=None, repr=False)  # a private swarm's shared secret (swarm/private.py)
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.quant not in QUANT_NAMES:
+            raise ValueError(f"quant must be one of {', '.join(QUANT_NAMES)}, got {self.quant!r}")
         if self.routing not in ("shortest", "waiting-aware"):
             raise ValueError(f"routing must be 'shortest' or 'waiting-aware', got {self.routing!r}")
+        if self.wire_dtype not in WIRE_DTYPE_NAMES:
+            raise ValueError(f"wire_dtype must be one of {', '.join(WIRE_DTYPE_NAMES)}, got {self.wire_dtype!r}")
         if self.threads < 1 or self.max_retries < 0:
             raise ValueError("threads must be >= 1 and max_retries >= 0")
         if not (self.step_timeout_s > 0 and self.hang_factor > 0 and self.hang_floor_s > 0):

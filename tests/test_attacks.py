@@ -168,10 +168,20 @@ def test_huge_reservations_are_refused_or_reserve_nothing(attack_server, honest)
     with pytest.raises(grpc.RpcError) as err:  # more than the whole cache: refused at open
         _open(address, blocks, batch=64, max_length=2048)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    held = [_open(address, blocks, batch=16, max_length=2048)[0] for _ in range(2)]  # fit, but reserve nothing yet
+    with pytest.raises(grpc.RpcError) as err:  # more than one peer's share of the cache (half): refused too
+        _open(address, blocks, batch=24, max_length=2048)  # 151 MB of 256 MiB
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "per-peer" in err.value.details()
+    held = [_open(address, blocks, batch=12, max_length=2048)[0] for _ in range(2)]  # 75 MB each: reserve nothing yet
     info = _info(address)
     assert info.active_sessions == 2 and info.cache_bytes_free == info.cache_bytes_total
     assert honest.poll_correct()
+    # stepped, they reserve: the second would take this peer past its share, so it is closed, the first stays
+    x = torch.randn(12, 1, hidden)
+    assert not held[0].send(_step(x)).HasField("error")
+    with pytest.raises(grpc.RpcError) as err:
+        held[1].send(_step(x))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "per-peer" in err.value.details()
+    assert honest.poll_correct()  # the other half of the cache is the other peers' (here: the same host's client)
     for s in held:
         s.end()
 

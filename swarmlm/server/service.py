@@ -21,6 +21,7 @@ import torch
 from swarmlm import __version__
 from swarmlm.config import ServerConfig
 from swarmlm.errors import CapacityExceeded, InvalidRequest, UnknownSession
+from swarmlm.model.identity import range_fingerprint
 from swarmlm.server.push import Pusher, StepOrder, TargetCheck, check_targets
 from swarmlm.server.scheduler import JobTiming, Scheduler
 from swarmlm.server.sessions import PeerBytes, Session, SessionTable
@@ -28,7 +29,7 @@ from swarmlm.server.stage import SpanState, Stage
 from swarmlm.swarm.identity import Identity, sign_info
 from swarmlm.swarm.private import client_interceptors
 from swarmlm.types import BlockRange
-from swarmlm.wire import codec
+from swarmlm.wire import codec, compress
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 
@@ -72,7 +73,7 @@ def _payload_bytes(step: pb.InferenceStep) -> int:
             _, shape = codec.header(msg) if codec.is_set(msg) else (None, ())
         except InvalidRequest:
             continue
-        total += math.prod(shape) * codec.WIRE_DTYPES[msg.dtype][1] if shape else 0
+        total += math.prod(shape) * codec.WIRE_DTYPES.get(msg.dtype, (None, 1))[1] if shape else 0  # packed: ~1
     return total
 
 
@@ -126,7 +127,8 @@ class SwarmService(pb_grpc.SwarmServicer):
         self.stage = stage
         self.scheduler = scheduler
         self.stats = stats
-        self.sessions = SessionTable(config.cache_bytes, config.max_sessions, config.max_sessions_per_peer)
+        self.sessions = SessionTable(config.cache_bytes, config.max_sessions, config.max_sessions_per_peer,
+                                     int(config.cache_bytes * config.max_peer_cache_fraction))
         self.load = PeerBytes(config.max_peer_bytes_in_flight)
         self.attached: set[str] = set()  # sessions held by a live stream
         self.inboxes: dict[str, asyncio.Queue] = {}  # per attached session: its steps, from the stream and pushes
@@ -441,7 +443,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"step failed, session closed: {error}")
         session.stepped = True
         encode_start = time.perf_counter()
-        reply_hidden = codec.encode(out.to(hidden.dtype))
+        reply_hidden = compress.encode_like(out, step.hidden.dtype)  # in the request's wire format (wire/compress.py)
         encode_s = time.perf_counter() - encode_start
         return pb.InferenceReply(
             session_id=sid, step_id=step_id, hidden=reply_hidden, position=session.state.position,
@@ -523,7 +525,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             if error is not None:
                 return self._fail(context, grpc.StatusCode.INTERNAL, error, pb.ForwardReply())
             encode_start = time.perf_counter()
-            reply = codec.encode(out.to(hidden.dtype))
+            reply = compress.encode_like(out, request.hidden.dtype)  # in the request's wire format
             return pb.ForwardReply(
                 hidden=reply,
                 timing=pb.Timing(queued_s=timing.queued_s, compute_s=timing.compute_s, decode_s=decoded - started,
@@ -544,13 +546,17 @@ class SwarmService(pb_grpc.SwarmServicer):
         return pb.InfoReply(
             server_id=self.stats.server_id, model=self.stats.model,
             start_block=self.stage.blocks.start, end_block=self.stage.blocks.end,
-            num_blocks=self.num_model_blocks, hidden_size=self.stage.hidden_size, dtype=self.config.dtype,
+            num_blocks=self.num_model_blocks, hidden_size=self.stage.hidden_size,
+            dtype=str(self.stage.dtype).removeprefix("torch."),  # what "auto" resolved to
             cache_bytes_total=self.sessions.cache_bytes, cache_bytes_free=self.sessions.free_bytes,
             active_sessions=len(self.sessions.sessions), queue_length=self.scheduler.queue_length,
             max_length=self.config.max_length_tokens, max_batch=self.config.max_batch,
             max_message_bytes=self.config.max_message_bytes, decode_s_per_block=self.stats.decode_s_per_block,
             prefill_a_s=self.stats.prefill_a_s, prefill_b_s=self.stats.prefill_b_s, version=__version__,
             session_bytes_per_block_token=self.stage.cache_bytes(1, 1, 1),
+            # the weights of the served range, for clients to compare with their own (model/identity.py)
+            fingerprint=range_fingerprint(self.config.model_dir, self.stage.blocks.start, self.stage.blocks.end),
+            quant=self.stage.quant, weight_bytes=self.stage.weight_bytes,  # int8 weights: announced, and their size
         )
 
     async def expire_loop(self, period_s: float = 0.5) -> None:

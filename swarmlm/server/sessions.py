@@ -44,10 +44,12 @@ class Session:
 class SessionTable:
     """Sessions by id; cache bytes are reserved for a session's max length when its first step runs."""
 
-    def __init__(self, cache_bytes: int, max_sessions: int, max_sessions_per_peer: int | None = None) -> None:
+    def __init__(self, cache_bytes: int, max_sessions: int, max_sessions_per_peer: int | None = None,
+                 max_peer_cache_bytes: int | None = None) -> None:
         self.cache_bytes = cache_bytes
         self.max_sessions = max_sessions
         self.max_sessions_per_peer = max_sessions_per_peer or max_sessions
+        self.max_peer_cache_bytes = max_peer_cache_bytes or cache_bytes  # what one host's sessions may reserve
         self.sessions: dict[str, Session] = {}
 
     @property
@@ -66,8 +68,9 @@ class SessionTable:
             raise CapacityExceeded(f"server has {len(self.sessions)} sessions open, the limit is {self.max_sessions}")
         if self.held_by(owner) >= self.max_sessions_per_peer:
             raise CapacityExceeded(f"peer {owner} holds {self.max_sessions_per_peer} sessions here, the per-peer limit")
-        if nbytes > self.cache_bytes:
-            raise CapacityExceeded(f"session needs {nbytes} bytes of attention cache; the server has {self.cache_bytes}")
+        if nbytes > self.max_peer_cache_bytes:
+            raise CapacityExceeded(f"session needs {nbytes} bytes of attention cache, over the per-peer limit of "
+                                   f"{self.max_peer_cache_bytes} (the server has {self.cache_bytes})")
         session = Session(uuid.uuid4().hex, secrets.token_bytes(SECRET_BYTES), owner, state, batch, max_length, nbytes)
         self.sessions[session.session_id] = session
         return session
@@ -80,6 +83,12 @@ class SessionTable:
             raise CapacityExceeded(
                 f"session needs {session.needed_bytes} bytes of attention cache; {self.free_bytes} of "
                 f"{self.cache_bytes} are free"
+            )
+        held = sum(s.reserved_bytes for s in self.sessions.values() if s.owner == session.owner)
+        if held + session.needed_bytes > self.max_peer_cache_bytes:
+            raise CapacityExceeded(
+                f"session needs {session.needed_bytes} bytes of attention cache; peer {session.owner} holds {held} "
+                f"of its per-peer limit {self.max_peer_cache_bytes}"
             )
         session.reserved_bytes = session.needed_bytes
 
