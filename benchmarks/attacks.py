@@ -203,7 +203,7 @@ def big_reservations(ctx) -> tuple[int, str]:
         except grpc.RpcError:
             refused += 1
     ctx.hold = (channel, streams)
-    return 4, f"{refused} of 4 refused at open (more than the whole cache); none reserves cache before a step"
+    return 4, f"{refused} of 4 refused at open (more than a host's share of the cache); none reserves cache before a step"
 
 
 def oversized_loop(ctx, concurrent: int = 1, count: int = 24) -> tuple[int, str]:
