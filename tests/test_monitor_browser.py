@@ -87,20 +87,31 @@ class _Cells(HTMLParser):
 
 
 @pytest.fixture(scope="module")
-def swarm(tiny_bloom):
-    s = LocalSwarm(tiny_bloom)
+def stack(tiny_bloom, tmp_path_factory):
+    """A DHT, 2 servers and the gateway, the gateway starting while the servers load (both take seconds)."""
+    swarm = LocalSwarm(tiny_bloom)
+    gateway = None
     try:
-        s.start(even_split(6, 2))
-        yield s
+        swarm.start_dht()
+        servers = [swarm.start_server(r, wait=False) for r in even_split(6, 2)]
+        gateway = GatewayProcess(tiny_bloom, swarm.initial_peers, log_path=tmp_path_factory.mktemp("api") / "api.err")
+        gateway.start()
+        swarm.wait_ready(servers)
+        yield swarm, gateway
     finally:
-        s.stop()
+        if gateway is not None:
+            gateway.stop()
+        swarm.stop()
 
 
 @pytest.fixture(scope="module")
-def gateway(swarm, tiny_bloom, tmp_path_factory):
-    g = GatewayProcess(tiny_bloom, swarm.initial_peers, log_path=tmp_path_factory.mktemp("api") / "api.err")
-    with g:
-        yield g
+def swarm(stack) -> LocalSwarm:
+    return stack[0]
+
+
+@pytest.fixture(scope="module")
+def gateway(stack) -> GatewayProcess:
+    return stack[1]
 
 
 def test_monitor_page_shows_every_server_and_its_blocks(gateway, swarm, tiny_bloom, tmp_path):

@@ -88,7 +88,8 @@ class ChoiceDecoder:
             self.generator.seed()
         self.processors = LogitsProcessorList()
         if params.presence_penalty or params.frequency_penalty:
-            self.processors.append(OpenAIPenalties(self.prompt_tokens, params.presence_penalty, params.frequency_penalty))
+            self.processors.append(
+                OpenAIPenalties(self.prompt_tokens, params.presence_penalty, params.frequency_penalty))
         if not params.greedy:
             if params.temperature != 1.0:
                 self.processors.append(TemperatureLogitsWarper(params.temperature))
@@ -205,7 +206,8 @@ class Engine:
     async def run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    def _generate(self, index: int, prompt_ids: Sequence[int], params: SamplingParams, emit, stop: threading.Event) -> None:
+    def _generate(self, index: int, prompt_ids: Sequence[int], params: SamplingParams, emit,
+                  stop: threading.Event) -> None:
         """One choice, start to end, on a worker thread. The next step leaves as soon as a token is chosen: the
         event loop (HTTP, JSON) never sits between two steps, so concurrent choices stay in step and the servers
         batch them. `stop` (the client went away) is checked between tokens."""
@@ -241,7 +243,8 @@ class Engine:
         finally:
             decoder.close()
 
-    async def merged(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int) -> AsyncIterator[Piece | Finish]:
+    async def merged(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                     n: int) -> AsyncIterator[Piece | Finish]:
         """Every choice (n per prompt, each its own session, run concurrently) as its events come; choice i of a
         seeded request uses seed + i so the choices differ and repeat. Closing this generator (the client went
         away) stops every choice after its step in flight and closes its session."""

@@ -11,7 +11,8 @@ from swarmlm.cli.args import add_swarm_key
 
 def add_parser(sub) -> None:
     p = sub.add_parser("api", help="serve the swarm's model over OpenAI's HTTP API, with a monitor page")
-    p.add_argument("--model", required=True, help="checkpoint directory or model id (the client loads embeddings + head)")
+    p.add_argument("--model", required=True,
+                   help="checkpoint directory or model id (the client loads embeddings + head)")
     p.add_argument("--served-model-name", help="the model id clients send (default: --model as given)")
     p.add_argument("--initial-peers", nargs="*", default=[])
     p.add_argument("--servers", nargs="*", default=[], help="direct host:port list instead of a DHT")
@@ -24,6 +25,12 @@ def add_parser(sub) -> None:
                    help="seconds a request waits for missing blocks to appear before a 503")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the embeddings and LM head")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--quant", default="none", choices=["none", "int8"],
+                   help="the LM head and embeddings in int8 (swarmlm/model/quant.py)")
+    p.add_argument("--require-full-precision", action="store_true",
+                   help="route only through servers that announce full-precision weights (quant none)")
+    p.add_argument("--wire-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "int8"],
+                   help="hidden states on the wire (wire/compress.py); auto: float32 on fast links, smaller on slow")
     add_swarm_key(p)
 
 
@@ -42,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = DistributedModelForCausalLM.from_pretrained(
         args.model, initial_peers=args.initial_peers, servers=args.servers, threads=args.threads,
-        wait_for_blocks_s=args.wait_for_blocks, swarm_key=args.swarm_key,
+        wait_for_blocks_s=args.wait_for_blocks, swarm_key=args.swarm_key, quant=args.quant,
+        require_full_precision=args.require_full_precision, wire_dtype=args.wire_dtype,
     )
     try:
         model.remote.refresh()  # learn the swarm before the first request (routing reuses this view)
