@@ -3,6 +3,7 @@ server is alive and an honest client's greedy tokens equal plain transformers'. 
 recovery times: benchmarks/attacks.py. No wall-clock assertions: waits poll with generous deadlines."""
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import threading
@@ -14,15 +15,17 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.errors import CapacityExceeded, InvalidRequest
 from swarmlm.model.checkpoint import load_config
-from swarmlm.server.stage import Stage
+from swarmlm.server.push import TargetCheck
+from swarmlm.server.sessions import SessionTable
+from swarmlm.server.stage import SpanState, Stage
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
 from swarmlm.wire import codec
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 
-pytestmark = pytest.mark.slow
 # long enough that the prefill is computed in slices (--max-batch-tokens 32)
 PROMPT = "the quick brown fox jumps over the lazy dog " * 5
 NEW_TOKENS = 6
@@ -124,11 +127,82 @@ def _poll(condition, deadline_s: float = DEADLINE_S) -> bool:
     return False
 
 
+# ---- the rules, without a network ------------------------------------------------------------------------------
+
+def test_tensor_headers_are_checked_before_any_data():
+    for shape in ([0, 1 << 40, 64], [0, 1 << 62, 1 << 62], [1 << 31, 0, 1 << 40], [-1, 2], [], [1] * 5):
+        with pytest.raises(InvalidRequest):
+            codec.header(pb.Tensor(dtype="float32", shape=shape), max_elements=1 << 20)
+    assert codec.header(pb.Tensor(dtype="float32", shape=[0, 3]))[1] == (0, 3)  # zero-sized, plausible: fine
+
+
+def test_sessions_reserve_at_the_first_step_within_quotas():
+    table = SessionTable(cache_bytes=100, max_sessions=4, max_sessions_per_peer=2, max_peer_cache_bytes=60)
+    state = lambda: SpanState(BlockRange(0, 1), None, torch.zeros(1, 0, dtype=torch.long))  # noqa: E731
+    a = table.open("1.2.3.4", state(), 1, 8, nbytes=40)
+    b = table.open("1.2.3.4", state(), 1, 8, nbytes=40)
+    assert table.free_bytes == 100  # nothing reserved by an open
+    with pytest.raises(CapacityExceeded, match="per-peer"):
+        table.open("1.2.3.4", state(), 1, 8, nbytes=1)  # a third session of that host
+    with pytest.raises(CapacityExceeded, match="per-peer"):
+        table.open("5.6.7.8", state(), 1, 8, nbytes=61)  # more than one host's share of the cache
+    table.reserve(a)
+    with pytest.raises(CapacityExceeded, match="per-peer"):
+        table.reserve(b)  # 40 + 40 > 60 for that host
+    other = table.open("5.6.7.8", state(), 1, 8, nbytes=60)
+    table.reserve(other)
+    assert table.free_bytes == 0
+    assert a.owned_by(a.secret) and not a.owned_by(b.secret) and not a.owned_by(b"")
+    # expiry: b never stepped; a and other did
+    a.stepped = other.stepped = True
+    b.opened_s -= 11
+    assert table.expire(idle_timeout_s=120, open_idle_timeout_s=10, resume_grace_s=5) == [b.session_id]
+    table.detach(a.session_id)
+    a.detached_s -= 6
+    assert table.expire(idle_timeout_s=120, open_idle_timeout_s=10, resume_grace_s=5) == [a.session_id]
+    assert list(table.sessions) == [other.session_id]
+
+
+def test_push_targets_only_to_announced_or_verified_servers():
+    announced = {"10.0.0.2:5000"}
+    probes: list[str] = []
+
+    async def directory(block: int) -> set[str]:
+        return announced if block == 3 else set()
+
+    async def probe(address: str):
+        probes.append(address)
+        return pb.InfoReply(model="m", start_block=3, end_block=6) if address == "10.0.0.3:5000" else None
+
+    def serves(info, block):
+        return info.model == "m" and info.start_block <= block < info.end_block
+
+    async def scenario():
+        with_dht = TargetCheck(directory, probe, serves)
+        assert await with_dht.allowed("10.0.0.2:5000", 3)
+        assert not await with_dht.allowed("10.0.0.2:5000", 4)  # announced, but not for that block
+        assert not await with_dht.allowed("10.0.0.9:22", 3)
+        assert probes == []  # with a DHT nothing is dialed to check
+        direct = TargetCheck(None, probe, serves, max_probes_per_min=3)
+        assert await direct.allowed("10.0.0.3:5000", 3) and await direct.allowed("10.0.0.3:5000", 3)
+        assert probes == ["10.0.0.3:5000"]  # cached
+        assert not await direct.allowed("10.0.0.3:5000", 7)  # answers, but does not serve that block
+        assert not await direct.allowed("10.0.0.4:80", 3)
+        assert not await direct.allowed("10.0.0.5:80", 3)  # over the probe budget: refused without dialing
+        assert probes == ["10.0.0.3:5000", "10.0.0.3:5000", "10.0.0.4:80"]
+
+    asyncio.run(scenario())
+
+
+# ---- a real server ---------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
 def test_honest_client_is_exact_with_sliced_prefill(attack_server, honest):
     assert honest.ids.shape[1] > 32  # more than one scheduler round: the prefill runs in slices
     assert honest.tokens() == honest.want
 
 
+@pytest.mark.slow
 def test_slot_exhaustion_by_opens_and_garbage_then_honest_client_recovers(attack_server, honest):
     address, hidden, blocks = attack_server
     streams, refused = [], 0
@@ -151,6 +225,7 @@ def test_slot_exhaustion_by_opens_and_garbage_then_honest_client_recovers(attack
     assert honest.poll_correct()
 
 
+@pytest.mark.slow
 def test_silent_opens_expire_while_their_streams_stay_open(attack_server, honest):
     address, hidden, blocks = attack_server
     held = [_open(address, blocks)[0] for _ in range(32)]  # the peer's whole quota, never stepped
@@ -163,6 +238,7 @@ def test_silent_opens_expire_while_their_streams_stay_open(attack_server, honest
         s.drop()
 
 
+@pytest.mark.slow
 def test_huge_reservations_are_refused_or_reserve_nothing(attack_server, honest):
     address, hidden, blocks = attack_server
     with pytest.raises(grpc.RpcError) as err:  # more than the whole cache: refused at open
@@ -186,6 +262,7 @@ def test_huge_reservations_are_refused_or_reserve_nothing(attack_server, honest)
         s.end()
 
 
+@pytest.mark.slow
 def test_a_stranger_with_the_session_id_cannot_push_resume_or_close(attack_server):
     address, hidden, blocks = attack_server
     owner, opened = _open(address, blocks)
@@ -220,6 +297,7 @@ def test_a_stranger_with_the_session_id_cannot_push_resume_or_close(attack_serve
     fresh.end()
 
 
+@pytest.mark.slow
 def test_zero_element_tensors_with_huge_dims_are_clean_refusals(attack_server):
     address, hidden, blocks = attack_server
     before = _info(address).active_sessions
@@ -238,6 +316,7 @@ def test_zero_element_tensors_with_huge_dims_are_clean_refusals(attack_server):
     assert _poll(lambda: _info(address).active_sessions == before)  # nothing leaked
 
 
+@pytest.mark.slow
 def test_oversized_and_too_costly_requests_are_refused(attack_server, honest):
     address, hidden, blocks = attack_server
     with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
@@ -255,6 +334,7 @@ def test_oversized_and_too_costly_requests_are_refused(attack_server, honest):
     assert honest.poll_correct()
 
 
+@pytest.mark.slow
 def test_forward_in_slices_equals_one_forward(attack_server, tiny_bloom):
     address, hidden, blocks = attack_server
     torch.manual_seed(0)
@@ -267,6 +347,7 @@ def test_forward_in_slices_equals_one_forward(attack_server, tiny_bloom):
     assert (codec.decode(reply.hidden) - want).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 def test_decode_steps_are_not_stuck_behind_a_long_forward(attack_server, honest):
     """While one long Forward runs (in slices), honest sessions prefill and decode: whole generations fit inside it."""
     address, hidden, blocks = attack_server
