@@ -221,7 +221,7 @@ def test_slot_exhaustion_by_opens_and_garbage_then_honest_client_recovers(attack
     assert _info(address).cache_bytes_free == _info(address).cache_bytes_total  # opens reserve no cache
     for s in streams:  # the attacker dies: its streams break
         s.drop()
-    assert _poll(lambda: _info(address).active_sessions == 0)  # closed after the resume grace
+    assert _poll(lambda: _info(address).active_sessions == 0)  # a cancelled stream ends: its session closes
     assert honest.poll_correct()
 
 
