@@ -2,6 +2,8 @@
 checkpoint, through 2 server processes (tiny BLOOM and tiny Llama)."""
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 
 import pytest
@@ -117,16 +119,23 @@ def test_streamer_sees_the_output(swarm):
     assert text == tok.decode(result["out"][0, ids.shape[1]:], skip_special_tokens=True)
 
 
-def test_generation_config_json_defaults(swarm):
-    """generation_config.json's values are generate()'s defaults, as in transformers."""
+def test_generation_config_json_defaults(swarm, tmp_path):
+    """A checkpoint's generation_config.json gives generate()'s defaults, as in transformers (here a copy of the
+    checkpoint with its own file: the same model identity, so the same swarm)."""
     model, ref, tok = swarm
-    saved = model.generation_config.no_repeat_ngram_size, ref.generation_config.no_repeat_ngram_size
-    model.generation_config.no_repeat_ngram_size = ref.generation_config.no_repeat_ngram_size = 1
+    copy = tmp_path / "copy"
+    shutil.copytree(model.model_dir, copy)
+    config = json.loads((copy / "generation_config.json").read_text())
+    (copy / "generation_config.json").write_text(json.dumps({**config, "no_repeat_ngram_size": 1,
+                                                             "max_new_tokens": 7}))
+    peers = model.client_config.initial_peers
+    other = DistributedModelForCausalLM.from_pretrained(copy, initial_peers=peers)
     try:
-        got, want = both(model, ref, ids_of(tok), max_new_tokens=8)
+        got, want = both(other, AutoModelForCausalLM.from_pretrained(copy).eval(), ids_of(tok))
     finally:
-        model.generation_config.no_repeat_ngram_size, ref.generation_config.no_repeat_ngram_size = saved
-    assert torch.equal(got, want) and len(set(got[0, -8:].tolist())) == 8
+        other.close()
+    assert torch.equal(got, want) and got.shape[1] == ids_of(tok).shape[1] + 7
+    assert len(set(got[0, -7:].tolist())) == 7
 
 
 def test_forward_gives_the_local_logits(swarm):
