@@ -1,0 +1,185 @@
+"""WS-RR (the client's WaitingAwareRouter) vs shortest-latency routing under load, real and simulated.
+
+Two replicas of the whole model (small-bloom, loopback, no DHT: the clients read the servers' Info), 1 torch thread
+each and the same announced profile (B reads the profile A measured): A already carries `--background` sessions
+generating all along (another client pinned to A), B is idle. (Replicas of 1 vs 2 threads do not differ in speed on
+this 2-core machine shared by other work: 2 threads measured 16x slower per block than 1.) Then `--clients`
+clients, each its own client object (own router, seeing the others only through the servers' announced load),
+arrive `--gap` s apart and each generate `--output` tokens. Per routing mode: mean per-token time (end-to-end / tokens) of those clients, and the
+share of them each replica served. Rounds alternate the modes (medians over rounds).
+
+Simulated: the same topology (both replicas with the profiles they announced, the RTTs the clients measured, the
+same arrivals, the background sessions as long requests that can only reach A) through the simulator's
+`simulate_scenario` (what `swarmlm simulate` runs) with the fixed placement, under both routing modes.
+
+    .venv/bin/python benchmarks/routing_bench.py [--clients 8] [--background 4] [--rounds 2] [--output 32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.client.transport import info
+from swarmlm.model.checkpoint import load_config
+from swarmlm.model.init import default_checkpoint
+from swarmlm.planner.plan import Plan
+from swarmlm.planner.topology import parse_topology
+from swarmlm.sim.arrivals import SimRequest
+from swarmlm.sim.scenario import simulate_scenario
+from swarmlm.swarm.local import LocalSwarm
+from swarmlm.types import BlockRange, Span
+
+MODES = ("shortest", "waiting-aware")
+
+
+def background(model_dir: str, address: str, sessions: int, stop: threading.Event) -> list[threading.Thread]:
+    """`sessions` generations in a loop on one server until `stop` (a client that can only reach it)."""
+    client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=[address])
+
+    def loop(seed: int) -> None:
+        ids = torch.randint(5, 1000, (1, 16), generator=torch.Generator().manual_seed(seed))
+        while not stop.is_set():
+            client.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(sessions)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def wait_for_load(client: DistributedModelForCausalLM, address: str, sessions: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        reply, _ = client.remote.loop.run(info(client.remote.channels, address))
+        if reply.active_sessions >= sessions:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"the background sessions never showed on {address}")
+
+
+def one_round(model_dir: str, clients: list[DistributedModelForCausalLM], gap_s: float, l_in: int,
+              l_out: int) -> list[dict]:
+    """Every client arrives `gap_s` after the previous one and generates once; per client: time per token, replica."""
+    results: list[dict] = [{} for _ in clients]
+
+    def run(i: int, client: DistributedModelForCausalLM) -> None:
+        ids = torch.randint(5, 1000, (1, l_in), generator=torch.Generator().manual_seed(100 + i))
+        t0 = time.perf_counter()
+        out = client.generate(ids, max_new_tokens=l_out, min_new_tokens=l_out, do_sample=False)
+        e2e = time.perf_counter() - t0
+        assert out.shape[1] == l_in + l_out
+        route = client.last_stats.route
+        results[i] = {"per_token_s": e2e / l_out, "server": route[0].split("[")[0], "hops": len(route)}
+
+    threads = []
+    for i, client in enumerate(clients):
+        t = threading.Thread(target=run, args=(i, client))
+        t.start()
+        threads.append(t)
+        time.sleep(gap_s)
+    for t in threads:
+        t.join()
+    return results
+
+
+def simulate(servers: dict[str, dict], rtt_s: dict[str, float], num_blocks: int, n_clients: int, gap_s: float,
+             l_in: int, l_out: int, n_background: int, mode: str) -> list[dict]:
+    names = list(servers)
+    doc = {
+        "model": {"num_blocks": num_blocks, "block_bytes": 1e6, "cache_bytes_per_session_block": 1e6},
+        "servers": [{"name": n, "memory_bytes": 64e9, "tau_prefill_s": [r["prefill_a_s"], r["prefill_b_s"]],
+                     "tau_decode_s": r["decode_s_per_block"]} for n, r in servers.items()],
+        "clients": [{"name": "client"}, {"name": "background"}],
+        # the background client reaches only A (B is 1,000 s away): its sessions load A, as in the real run
+        "rtt_s": {"client": {n: rtt_s.get(n, 0.001) for n in names},
+                  "background": {names[0]: rtt_s.get(names[0], 0.001), names[1]: 1000.0}},
+        "workload": {"input_tokens": l_in, "output_tokens": l_out, "concurrency": n_clients},
+    }
+    topology = parse_topology(doc)
+    plan = Plan("fixed", mode, n_clients, {n: BlockRange(0, num_blocks) for n in names},
+                {"client": [Span(names[0], 0, num_blocks)]}, 0.0, 0.0, 0.0, 0.0, 0.0)
+    requests = [SimRequest(1000 + i, "background", 0.0, l_in, 100 * l_out) for i in range(n_background)]
+    requests += [SimRequest(i, "client", 1.0 + i * gap_s, l_in, l_out) for i in range(n_clients)]
+    result = simulate_scenario(topology, "cg-bprr", mode, requests=requests, plan=plan)  # type: ignore[arg-type]
+    return [{"per_token_s": r.per_token_s, "server": r.route.split("[")[0]}
+            for r in result.sim.records if r.client_id == "client"]
+
+
+def summary(rows: list[dict], names: dict[str, str]) -> dict:
+    share = {label: sum(r["server"] == sid for r in rows) / len(rows) for sid, label in names.items()}
+    return {"mean_per_token_ms": 1e3 * statistics.fmean(r["per_token_s"] for r in rows), "share": share}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="small-bloom")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--background", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--gap", type=float, default=0.3, help="seconds between two clients' arrivals")
+    ap.add_argument("--input", type=int, default=16)
+    ap.add_argument("--output", type=int, default=32)
+    ap.add_argument("--out", default="docs/results/routing_bench.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model_dir = str(default_checkpoint(args.preset))
+    num_blocks = int(load_config(model_dir).num_hidden_layers)
+    with LocalSwarm(model_dir, threads=1, with_dht=False) as swarm:
+        a = swarm.start_server(BlockRange(0, num_blocks))
+        b = swarm.start_server(BlockRange(0, num_blocks))  # after A: it reads A's cached profile
+        names = {a.server_id: f"A ({args.background} sessions running)", b.server_id: "B (idle)"}
+        stop = threading.Event()
+        bg = background(model_dir, a.address, args.background, stop)
+        clients = {mode: [DistributedModelForCausalLM.from_pretrained(model_dir, servers=[a.address, b.address],
+                                                                      routing=mode) for _ in range(args.clients)]
+                   for mode in MODES}
+        try:
+            for c in clients["shortest"] + clients["waiting-aware"]:  # warm-up: channels, RTT probes
+                c.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2)
+            wait_for_load(clients["shortest"][0], a.address, args.background)
+            real: dict[str, list[list[dict]]] = {m: [] for m in MODES}
+            for r in range(args.rounds):
+                for mode in MODES if r % 2 == 0 else MODES[::-1]:
+                    real[mode].append(one_round(model_dir, clients[mode], args.gap, args.input, args.output))
+                    print(mode, summary(real[mode][-1], names), flush=True)
+            rtt = dict(clients["waiting-aware"][0].remote.view.rtt_s)
+        finally:
+            stop.set()
+            for t in bg:
+                t.join(60)
+            for c in clients["shortest"] + clients["waiting-aware"]:
+                c.close()
+        ready = {s.server_id: s.ready for s in (a, b)}
+    report: dict = {"args": vars(args), "profiles": ready, "rtt_s": rtt, "real": {}, "simulated": {}}
+    for mode in MODES:
+        rounds = [summary(rows, names) for rows in real[mode]]
+        report["real"][mode] = {
+            "mean_per_token_ms": statistics.median(x["mean_per_token_ms"] for x in rounds),
+            "share": {label: statistics.median(x["share"][label] for x in rounds) for label in names.values()},
+            "rounds": rounds,
+        }
+        sim = simulate(ready, rtt, num_blocks, args.clients, args.gap, args.input, args.output, args.background, mode)
+        report["simulated"][mode] = summary(sim, names)
+    print(f"{args.preset}: A = {args.background} background sessions, B idle (1 thread each); "
+          f"{args.clients} clients {args.gap} s apart, {args.input} in / {args.output} out; medians of "
+          f"{args.rounds} rounds")
+    print("| routing | real ms/token | real share A / B | simulated ms/token | simulated share A / B |")
+    print("|---|---|---|---|---|")
+    for mode in MODES:
+        re_, si = report["real"][mode], report["simulated"][mode]
+        la, lb = names.values()
+        print(f"| {mode} | {re_['mean_per_token_ms']:.1f} | {re_['share'][la]:.0%} / {re_['share'][lb]:.0%} | "
+              f"{si['mean_per_token_ms']:.1f} | {si['share'][la]:.0%} / {si['share'][lb]:.0%} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
