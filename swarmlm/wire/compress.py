@@ -6,8 +6,8 @@
     int8      1.0625 bytes/value: blocks of 64 consecutive values (row-major), each sent as int8 q = round(x / s)
               with s = absmax(block) / 127 (one float32 per block): |error| <= absmax(block) / 254
 
-The client chooses per link (`ClientConfig.wire_dtype`): "auto" keeps float32 (exact) on fast links (>= 500
-Mbit/s measured, loopback, or not measured yet), float16 down to 50 Mbit/s, int8 below. A server answers in the
+The client chooses per link (`ClientConfig.wire_dtype`): "auto" keeps float32 (exact) on loopback addresses and
+fast links (>= 500 Mbit/s measured, or not measured yet), float16 down to 50 Mbit/s, int8 below. A server answers in the
 format of the request it answers (int8 in, int8 out), so one setting covers both directions of a hop.
 
 The int8 format is a `Tensor` message with dtype "int8_block64": `shape` is the tensor's, `data` the per-block
@@ -39,11 +39,18 @@ def check_wire_dtype(name: str) -> str:
     return name
 
 
-def choose(setting: str, bandwidth_bps: float) -> str:
-    """The format for one link: the setting itself, or for "auto" the link's measured bandwidth decides."""
+def is_loopback(address: str) -> bool:
+    """host:port on this machine (a busy machine's loopback can measure slow, and must stay exact)."""
+    host = address.rsplit(":", 1)[0].strip("[]").lower()
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def choose(setting: str, bandwidth_bps: float, address: str = "") -> str:
+    """The format for one link: the setting itself, or for "auto" float32 on loopback, else the link's measured
+    bandwidth decides."""
     if check_wire_dtype(setting) != "auto":
         return setting
-    if bandwidth_bps >= FAST_LINK_BPS:
+    if bandwidth_bps >= FAST_LINK_BPS or is_loopback(address):
         return "float32"
     return "float16" if bandwidth_bps >= SLOW_LINK_BPS else "int8"
 
