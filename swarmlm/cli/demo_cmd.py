@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import time
 
 DEMO_PROMPTS = [
@@ -23,6 +24,10 @@ def add_parser(sub) -> None:
     p.add_argument("--api-port", type=int, default=8000)
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
@@ -36,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from swarmlm.swarm.local import LocalSwarm, even_split
 
     console = Console()
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the swarm as Ctrl-C does (never leaves servers behind)
     hf_logging.disable_progress_bar()  # our own status lines say what is loading
     torch.set_num_threads(args.threads)
     with console.status(f"preparing the {args.preset} checkpoint (cached after the first run)"):
