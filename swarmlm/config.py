@@ -3,8 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from swarmlm.swarm.records import MAX_RECORD_TTL_S, QUANT_NAMES
 from swarmlm.types import BlockRange
+
+QUANT_NAMES = ("none", "int8")  # weight quantization a server may announce (swarmlm/model/quant.py)
+# A DHT record lives at most this long after its writer's last store (swarm/records.py): servers' record_ttl_s must
+# fit under it. Defined here, with the settings it bounds: config sits below swarm in the layering.
+MAX_RECORD_TTL_S = 60.0
 
 # "auto" = the checkpoint's own dtype, except half-precision checkpoints run as float32 on a CPU (several times
 # faster there); see swarmlm/model/checkpoint.py auto_dtype
@@ -104,7 +108,8 @@ class ClientConfig:
     quant: str = "none"  # the client's LM head and embeddings: "none" or "int8" (swarmlm/model/quant.py)
     require_full_precision: bool = False  # route only through servers announcing quant "none"
     # hidden states on the wire (swarmlm/wire/compress.py): "float32" (exact), "float16", "bfloat16", "int8"
-    # (blockwise), or "auto": float32 on fast links (>= 500 Mbit/s, or not measured yet), float16, int8 below 50
+    # (blockwise), or "auto": float32 on loopback and fast links (>= 500 Mbit/s, or not measured yet), float16,
+    # int8 below 50 Mbit/s
     wire_dtype: str = "auto"
     threads: int = 1  # torch threads for the client's embeddings and LM head
     wait_for_blocks_s: float = 30.0  # how long to wait for missing blocks before failing

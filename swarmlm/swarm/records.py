@@ -7,12 +7,13 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from swarmlm.config import MAX_RECORD_TTL_S, QUANT_NAMES  # noqa: F401 (read from here by dht.py and tests)
+
 ONLINE, OFFLINE = "online", "offline"
-QUANT_NAMES = ("none", "int8")  # weight quantization a server may announce (swarmlm/model/quant.py)
 # A record lives at most this long after its writer's last store: swarmlm DHT nodes refuse, and readers drop, a record
 # whose expiration lies further ahead (the writer chooses its expiration; a rogue would choose "in a year"). Servers'
-# record_ttl_s must fit under it. MAX_CLOCK_SKEW_S is the slack for peers whose clocks run ahead.
-MAX_RECORD_TTL_S = 60.0
+# record_ttl_s must fit under it (MAX_RECORD_TTL_S, in config.py). MAX_CLOCK_SKEW_S is the slack for peers whose
+# clocks run ahead.
 MAX_CLOCK_SKEW_S = 5.0
 _ADDRESS = re.compile(r"^[A-Za-z0-9.\-\[\]:]{1,200}:\d{1,5}$")
 
