@@ -30,7 +30,7 @@ import torch
 
 from swarmlm.bench.decomposition import Decomposition, decompose
 from swarmlm.bench.workload import Request
-from swarmlm.client.generate import GenerationStats, SamplingConfig, generate_tokens
+from swarmlm.client.generate import GenerationStats
 from swarmlm.client.microbatch import MicroBatchPlanner
 from swarmlm.client.session import InferenceSession
 from swarmlm.sim.metrics import percentile
@@ -140,23 +140,6 @@ class TimedSession(InferenceSession):
             self.call_s.append(time.perf_counter() - t0)
 
 
-class _HeadPolicy:
-    """The client's model as generate_tokens() sees it, with the LM head on the last position or on all of them.
-
-    generate() asks for the last position only (all that greedy and sampled decoding read); `last_only=False`
-    reproduces a client that projects every prompt position onto the 250,880-word vocabulary at prefill
-    (~35x a decode step's head for a 35-token prompt), to measure what that costs.
-    """
-
-    def __init__(self, model, last_only: bool) -> None:
-        self.model = model
-        self.last_only = last_only
-
-    def step_logits(self, session, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                    stats: GenerationStats | None = None, last_only: bool = True) -> torch.Tensor:
-        return self.model.step_logits(session, input_ids, attention_mask, stats, last_only=self.last_only)
-
-
 # ---- one job: one session for one or more requests ------------------------------------------------------
 
 def _batch(requests: Sequence[Request], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,12 +176,16 @@ def run_job(model, requests: Sequence[Request], cfg: StrategyConfig, t_run0: flo
     batch, length = ids.shape
     max_new = max(r.max_new_tokens for r in requests)
     eos = () if cfg.ignore_eos else model.eos_token_id
-    sampling = SamplingConfig(max_new_tokens=max_new, eos_token_id=eos, pad_token_id=pad_id)
     session = TimedSession(model.remote, batch, length + max_new, length, max_new)
     try:
         session.open()
         t_gen = time.perf_counter()
-        out, stats = generate_tokens(_HeadPolicy(model, cfg.head_last_only), ids, mask, sampling, None, session)
+        stats = GenerationStats()
+        # greedy, transformers' generate() in our session; the LM head on the last position (logits_to_keep=1, what
+        # generate() asks for) or on every prompt position too (0), to measure what that costs
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, session=session,
+                             stats=stats, logits_to_keep=1 if cfg.head_last_only else 0,
+                             **({"eos_token_id": None} if cfg.ignore_eos else {}))
         t_closing = time.perf_counter()
     except Exception as exc:  # one failed request is a result, not the end of the benchmark
         _close_quietly(session)  # a broken session may not close cleanly either; the request failed already
