@@ -7,7 +7,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Awaitable, Sequence, TypeVar
 
 import grpc
 import torch
