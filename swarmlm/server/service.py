@@ -357,7 +357,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             self.load.release(peer, nbytes)
             return self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "the session has too many steps waiting",
                               pb.PushReply())
-        # the charge travels with the step: the session's handler releases it when the step has run
+        # counted while it waits for room; once queued, the inbox bound (INBOX_SIZE steps) holds it
         self.load.release(peer, nbytes)
         return pb.PushReply()
 
