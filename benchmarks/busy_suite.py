@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=5, help="how many times to run the tests (default 5)")
     parser.add_argument("--hogs", type=int, default=os.cpu_count() or 2,
                         help="busy-loop processes, one per core by default; 0 for none")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per run (default 3600)")
+    parser.add_argument("--timeout", type=float, default=10800.0, help="seconds allowed per run (default 3 h)")
     parser.add_argument("--log-dir", default=None, help="where each run's output goes (default: a temp dir)")
     args, extra = parser.parse_known_args(argv)  # pytest options (-k, -m ...) pass through
     args.selection += extra

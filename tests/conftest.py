@@ -47,3 +47,86 @@ def _dump_client_tasks(signum, frame) -> None:
 import signal as _signal  # noqa: E402
 
 _signal.signal(_signal.SIGUSR1, _dump_client_tasks)
+
+
+# ---- nothing left behind ------------------------------------------------------------------------------------------
+import os as _os  # noqa: E402
+import tempfile as _tempfile  # noqa: E402
+import time as _time  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temp_files_under_pytest(tmp_path_factory):
+    """Temp files of the tests and of the processes they start (LocalSwarm's logs, multiprocessing's dirs) go under
+    pytest's base temp dir, which pytest prunes itself (it keeps the last 3 runs): a run adds nothing to /tmp."""
+    tmp = tmp_path_factory.mktemp("tmp", numbered=False)
+    old_env, old_dir = _os.environ.get("TMPDIR"), _tempfile.tempdir
+    _os.environ["TMPDIR"], _tempfile.tempdir = str(tmp), str(tmp)
+    started = _time.time()
+    yield
+    _tempfile.tempdir = old_dir
+    if old_env is None:
+        _os.environ.pop("TMPDIR", None)
+    else:
+        _os.environ["TMPDIR"] = old_env
+    _remove_stale_p2pd_sockets(since=started)
+
+
+def _remove_stale_p2pd_sockets(since: float) -> None:
+    """hivemind puts each p2pd daemon's socket in /tmp whatever TMPDIR says, and a daemon stopped by SIGKILL (a
+    server killed on purpose, a process group's last cleanup) leaves it there. Remove those made during this run
+    that nothing listens on any more; a live daemon's (ours or anyone's) accepts the connection and stays."""
+    import glob
+    import socket
+
+    for path in glob.glob("/tmp/hivemind-p2pd-*.sock"):
+        try:
+            if _os.stat(path).st_mtime < since:
+                continue
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            probe.settimeout(2.0)
+            try:
+                probe.connect(path)
+            except ConnectionRefusedError:
+                _os.unlink(path)
+            finally:
+                probe.close()
+        except OSError:
+            continue
+
+
+def _leftover_children() -> list:
+    """Live processes this pytest process started (directly or not) that are still running, but the interpreter's
+    own helpers, which live as long as we do (multiprocessing's resource tracker, torch's shared-memory manager)."""
+    import psutil
+
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            cmdline = " ".join(child.cmdline())
+            if child.status() == psutil.STATUS_ZOMBIE or "resource_tracker" in cmdline or "torch_shm_manager" in cmdline:
+                continue
+            found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_processes_left_behind(request):
+    """Every test module stops every process it started (servers, DHT nodes and their p2pd daemons, relays,
+    probes): checked when the module ends, with time for processes that are already exiting."""
+    before = {p.pid for p in _leftover_children()}
+    yield
+    deadline = _time.monotonic() + 60
+    while (left := [p for p in _leftover_children() if p.pid not in before]) and _time.monotonic() < deadline:
+        _time.sleep(0.5)
+    if left:
+        described = []
+        for p in left:
+            try:
+                described.append(f"{p.pid}: {' '.join(p.cmdline())[:200]}")
+                p.kill()  # so that later modules do not inherit them
+            except Exception:
+                pass
+        pytest.fail(f"{request.module.__name__} left processes running:\n" + "\n".join(described), pytrace=False)

@@ -71,23 +71,29 @@ def test_concurrent_sessions_are_isolated(swarm):
     tok = AutoTokenizer.from_pretrained(path)
     prompts = ["one two three", "the sky is blue", "a", "write a short poem about the sea"]
     alone = [client.generate(tok(p, return_tensors="pt").input_ids, max_new_tokens=8) for p in prompts]
-    results: list = [None] * 4
     batches: list[int] = []
-    barrier = threading.Barrier(4)
+    # Whether two sessions' steps meet on a server is up to thread scheduling: a few tries give them the chance
+    # (each try checks the tokens too); one shared forward is all that is asked.
+    for attempt in range(5):
+        results: list = [None] * 4
+        barrier = threading.Barrier(4)
 
-    def run(i: int) -> None:
-        ids = tok(prompts[i], return_tensors="pt").input_ids
-        with client.inference_session(max_length=ids.shape[1] + 8) as session:
-            barrier.wait()  # all four sessions open at once, their steps interleave on the servers
-            results[i] = client.generate(ids, max_new_tokens=8, session=session)
-            batches.extend(h.batch_size for step in session.steps for h in step.hops)
+        def run(i: int) -> None:
+            ids = tok(prompts[i], return_tensors="pt").input_ids
+            with client.inference_session(max_length=ids.shape[1] + 8) as session:
+                barrier.wait()  # all four sessions open at once, their steps interleave on the servers
+                results[i] = client.generate(ids, max_new_tokens=8, session=session)
+                batches.extend(h.batch_size for step in session.steps for h in step.hops)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    for got, want in zip(results, alone):
-        assert torch.equal(got, want)
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not any(t.is_alive() for t in threads), "a session did not finish"
+        for got, want in zip(results, alone):
+            assert torch.equal(got, want)
+        if max(batches) > 1:
+            break
     # the servers report how many steps shared each forward: some of these did, never more than the sessions
     assert 1 <= min(batches) and max(batches) <= 4 and max(batches) > 1, batches
