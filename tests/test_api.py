@@ -270,8 +270,12 @@ def test_disconnected_streams_close_their_sessions_and_the_stream_limit_holds(ga
     headers = {"Authorization": f"Bearer {KEY}"}
     http = httpx.Client(timeout=60)
     streams, readers = [], []
+    solo = _post(gateway, "/v1/completions", {**body, "stream": False, "max_tokens": 4}).json()["choices"][0]["text"]
     try:
-        for _ in range(STREAM_LIMIT):  # hold the client's limit of streams open, each past its first token
+        for i in range(STREAM_LIMIT):  # hold the client's limit of streams open, each past its first token, unread
+            if i == STREAM_LIMIT - 1:  # 8 streams nobody reads do not stall another request
+                ok = _post(gateway, "/v1/completions", {**body, "stream": False, "max_tokens": 4})
+                assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == solo, ok.text
             cm = http.stream("POST", f"{gateway.url}/v1/completions", json=body, headers=headers)
             response = cm.__enter__()
             streams.append(cm)

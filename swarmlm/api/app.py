@@ -5,6 +5,7 @@ GET / (the monitor page), GET /health. Errors use OpenAI's schema (schemas.error
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections import defaultdict
@@ -115,7 +116,13 @@ def create_app(model, tokenizer, config: GatewayConfig) -> FastAPI:
     engine = Engine(model, tokenizer, metrics)
     watcher = SwarmWatcher(model.remote)
     limits = ClientLimits(config.max_streams_per_client)
-    app = FastAPI(title="swarmlm", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        engine.close()
+
+    app = FastAPI(title="swarmlm", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.watcher = engine, metrics, watcher
 
     @app.exception_handler(ApiError)
@@ -254,10 +261,6 @@ def create_app(model, tokenizer, config: GatewayConfig) -> FastAPI:
         if name not in files:
             raise ApiError(404, f"no static file {name!r}", "invalid_request_error", "not_found")
         return FileResponse(STATIC / name, media_type=files[name])
-
-    @app.on_event("shutdown")
-    async def _shutdown() -> None:
-        engine.close()
 
     return app
 
