@@ -109,3 +109,14 @@ def test_blocks_nobody_serves_are_named_and_the_server_reports_progress(tiny_blo
     assert "no server in the swarm serves blocks 3-5" in last_line(done) and "refused" not in last_line(done)
     for step in ("loading blocks [0, 3)", "block 2 loaded (3 of 3)", "compute", "serving blocks [0, 3) at"):
         assert step in log, (step, log[-2000:])
+
+
+@pytest.mark.slow
+def test_unreachable_initial_peers_are_named(tiny_bloom):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    peer = f"/ip4/127.0.0.1/tcp/{port}/p2p/12D3KooWHVRnpBpA3ZfXBqBJVrA32NntLPDwd4v814FbXaKdnesZ"
+    done = swarmlm("generate", "--model", tiny_bloom, "--initial-peers", peer, "--input-ids", "1,2")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert last_line(done).startswith("swarmlm generate: error: cannot join the swarm through --initial-peers")

@@ -77,6 +77,8 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # hivemind logs through its own handler: same threshold
     logging.getLogger("hivemind").setLevel(max(logging.getLevelName(level.upper()), logging.WARNING))
+    if level != "debug":  # a DHT that failed to start leaves asyncio complaining at exit, after our one line
+        logging.getLogger("asyncio").setLevel(logging.ERROR)
 
 
 def user_error(exc: BaseException) -> str | None:
