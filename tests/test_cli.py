@@ -120,3 +120,12 @@ def test_unreachable_initial_peers_are_named(tiny_bloom):
     done = swarmlm("generate", "--model", tiny_bloom, "--initial-peers", peer, "--input-ids", "1,2")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert last_line(done).startswith("swarmlm generate: error: cannot join the swarm through --initial-peers")
+
+
+def test_top_level_api_is_lazy():
+    code = ("import sys, swarmlm\nassert 'torch' not in sys.modules\n"
+            "from swarmlm import AutoDistributedModelForCausalLM, DistributedModelForCausalLM\n"
+            "assert AutoDistributedModelForCausalLM.from_pretrained and DistributedModelForCausalLM.generate\n"
+            "print(swarmlm.__version__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == __version__, done.stderr[-2000:]
