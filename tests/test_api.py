@@ -243,6 +243,7 @@ def test_invalid_requests_are_400_in_openai_schema(gateway, tiny_bloom):
     _assert_error(_post(gateway, "/v1/completions", {**base, "max_tokens": 0}), 400)
     _assert_error(_post(gateway, "/v1/completions", {**base, "max_tokens": 10**6}), 400, "context_length_exceeded")
     _assert_error(_post(gateway, "/v1/completions", {**base, "prompt": ""}), 400)
+    _assert_error(_post(gateway, "/v1/completions", {**base, "prompt": ["Hi", ""]}), 400)
     _assert_error(_post(gateway, "/v1/completions", {"model": tiny_bloom}), 400)
     _assert_error(_post(gateway, "/v1/chat/completions", {"model": tiny_bloom, "messages": []}), 400)
     _assert_error(_post(gateway, "/v1/chat/completions", {"model": tiny_bloom, "messages": [{"role": "wizard",

@@ -177,7 +177,7 @@ def create_app(model, tokenizer, config: GatewayConfig) -> FastAPI:
     def sampling(req, prompts: list[list[int]], max_tokens: int | None, top_logprobs: int | None) -> SamplingParams:
         context = context_tokens()
         longest = max(len(p) for p in prompts)
-        if longest == 0:
+        if min(len(p) for p in prompts) == 0:  # nothing to prefill from (a model needs at least one token)
             raise ApiError(400, "the prompt is empty", "invalid_request_error", "invalid_request", "prompt")
         room = context - longest
         if room < 1:
