@@ -396,17 +396,48 @@ def table(outcomes: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
+def slice_cost(model_dir: str, repeats: int = 3) -> None:
+    """In-process: a Forward in one piece vs in slices of one scheduler round (512 tokens / rows), as the server
+    computes it; median seconds and the largest difference of the outputs."""
+    import statistics
+
+    from transformers import AutoConfig
+
+    from swarmlm.server.stage import Stage
+
+    stage = Stage(model_dir, BlockRange(0, int(AutoConfig.from_pretrained(model_dir).num_hidden_layers)))
+    for rows, tokens in ((16, 512), (16, 2048)):
+        x = torch.randn(rows, tokens, stage.hidden_size)
+        mask = torch.ones(rows, tokens, dtype=torch.long)
+        times: dict[str, list[float]] = {"one piece": [], "sliced": []}
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            whole = stage.forward(stage.blocks, x, mask)
+            times["one piece"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            state, size = stage.new_state(stage.blocks, rows, tokens), max(1, 512 // rows)
+            sliced = torch.cat([stage.step(state, x[:, i:i + size], mask[:, i:i + size])
+                                for i in range(0, tokens, size)], dim=1)
+            times["sliced"].append(time.perf_counter() - t0)
+        print(json.dumps({"rows": rows, "tokens": tokens, **{k: statistics.median(v) for k, v in times.items()},
+                          "max_abs_diff": (whole - sliced).abs().max().item()}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny-bloom", help="a preset name (written to a temp dir) or a directory")
     ap.add_argument("--only", nargs="*", default=[], help="substrings of attack names to run")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", help="write the outcomes as JSON here")
+    ap.add_argument("--slice-cost", action="store_true", help="only: a Forward in one piece vs in slices, in-process")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = args.model
     if not Path(model_dir).is_dir():
         model_dir = str(init_checkpoint(args.model, Path(tempfile.mkdtemp()) / args.model, seed=1))
+    if args.slice_cost:
+        slice_cost(model_dir)
+        return
     outcomes = run(model_dir, args.only, args.threads)
     print(table(outcomes))
     if args.out:
