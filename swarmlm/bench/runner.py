@@ -48,6 +48,9 @@ class BenchConfig:
     log_dir: str | None = None  # server logs (default: a temporary directory per swarm)
     push: bool = False  # server-to-server push (ClientConfig.push)
     prefill_chunk_tokens: int | None = None  # ClientConfig.prefill_chunk_tokens: None = auto, 0 = off
+    quant: str = "none"  # servers' blocks and the client's head + embeddings: "none" | "int8" (model/quant.py)
+    wire_dtype: str = "auto"  # ClientConfig.wire_dtype: hidden states on the wire (wire/compress.py)
+    dtype: str = "auto"  # weights and compute on servers and client (config.DTYPE_NAMES)
 
     def __post_init__(self) -> None:
         if not self.servers or any(n < 1 for n in self.servers) or len(set(self.servers)) != len(self.servers):
@@ -112,7 +115,8 @@ def start_swarm(cfg: BenchConfig, n: int, num_blocks: int) -> Iterator[Swarm]:
     ranges = even_split(num_blocks, n)
     client = Tracked("client", os.getpid())
     if cfg.network == LOOPBACK:
-        with LocalSwarm(cfg.model_dir, threads=cfg.server_threads, log_dir=log_dir) as local:
+        with LocalSwarm(cfg.model_dir, threads=cfg.server_threads, log_dir=log_dir,
+                        server_args=["--quant", cfg.quant, "--dtype", cfg.dtype]) as local:
             local.start(ranges)
             tracked = [client] + [Tracked(f"server{i}", s.proc.pid, address=s.address)
                                   for i, s in enumerate(local.servers)]
@@ -122,7 +126,8 @@ def start_swarm(cfg: BenchConfig, n: int, num_blocks: int) -> Iterator[Swarm]:
     from swarmlm.bench.netem import Testbed
 
     with Testbed(n, link_matrix(cfg.network, n), mode=cfg.netem_mode) as tb:
-        with LocalSwarm(cfg.model_dir, threads=cfg.server_threads, log_dir=log_dir, with_dht=False) as local:
+        with LocalSwarm(cfg.model_dir, threads=cfg.server_threads, log_dir=log_dir, with_dht=False,
+                        server_args=["--quant", cfg.quant, "--dtype", cfg.dtype]) as local:
             started = [local.start_server(r, extra=["--port", str(_BASE_PORT + i)], wait=False,
                                           prefix=tb.exec_prefix(i), host=tb.host_ip(i))
                        for i, r in enumerate(ranges)]
@@ -162,7 +167,8 @@ def run_swarm_size(cfg: BenchConfig, n: int, requests: Sequence[Request], num_bl
     with start_swarm(cfg, n, num_blocks) as swarm:
         model = DistributedModelForCausalLM.from_pretrained(
             cfg.model_dir, initial_peers=swarm.initial_peers, servers=swarm.server_addresses,
-            threads=cfg.client_threads, push=cfg.push, prefill_chunk_tokens=cfg.prefill_chunk_tokens)
+            threads=cfg.client_threads, push=cfg.push, prefill_chunk_tokens=cfg.prefill_chunk_tokens,
+            quant=cfg.quant, wire_dtype=cfg.wire_dtype, dtype=cfg.dtype)
         try:
             warm = StrategyConfig("sequential", ignore_eos=cfg.strategies[0].ignore_eos)
             for r in list(requests)[:cfg.warmup_requests]:
@@ -243,9 +249,9 @@ def add_speedups(runs: list[dict]) -> None:
 def run_bench(cfg: BenchConfig, requests: Sequence[Request], progress: Progress | None = None,
               on_swarm_done: Callable[[BenchResult], None] | None = None) -> BenchResult:
     """Every N in turn (a fresh swarm each); `on_swarm_done` sees the partial result after each N."""
-    from transformers import AutoConfig
+    from swarmlm.model.checkpoint import load_config  # a directory or a hub id
 
-    num_blocks = int(AutoConfig.from_pretrained(cfg.model_dir).num_hidden_layers)
+    num_blocks = int(load_config(cfg.model_dir).num_hidden_layers)
     too_many = [n for n in cfg.servers if n > num_blocks]
     if too_many:
         raise ValueError(f"cannot split {num_blocks} blocks over {too_many} servers")

@@ -77,7 +77,7 @@ class Channels:
         """The hidden states' wire format towards `address` (wire/compress.py): fixed, or by its bandwidth."""
         if self.wire_dtype != "auto":
             return self.wire_dtype
-        return compress.choose("auto", self.bandwidth(address).bandwidth_bps)
+        return compress.choose("auto", self.bandwidth(address).bandwidth_bps, address)
 
     def stub(self, address: str) -> pb_grpc.SwarmStub:
         stub = self._stubs.get(address)

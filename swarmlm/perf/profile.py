@@ -107,7 +107,9 @@ def cached_profile(stage: Measurable, threads: int, cache_dir: str | Path | None
     path = cache_dir / f"{profile_key(stage, threads)}.json"
     if path.is_file() and not refresh:
         try:
-            return ComputeProfile(**json.loads(path.read_text()))
+            profile = ComputeProfile(**json.loads(path.read_text()))
+            log.info("compute profile from %s (measured on an earlier start)", path)
+            return profile
         except (ValueError, TypeError):
             pass  # a corrupt cache entry is measured again
     torch.set_num_threads(threads)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 
 import psutil
 from safetensors import safe_open
@@ -16,6 +15,7 @@ from safetensors import safe_open
 from swarmlm.config import ServerConfig
 from swarmlm.model.checkpoint import TensorIndex, load_config, parse_dtype
 from swarmlm.model.family import family_for
+from swarmlm.model.quant import tensor_bytes
 from swarmlm.perf.model import ComputeProfile, ModelSpec, ServerSpec
 from swarmlm.planner.placement import blocks_for_concurrency, choose_range, lexicographic_window, petals_num_blocks
 from swarmlm.swarm.records import ServerRecord
@@ -31,14 +31,14 @@ def model_spec(config: ServerConfig) -> ModelSpec:
     adapter = family_for(cfg)
     index = TensorIndex(config.model_dir)
     prefix = index.stack_prefix(adapter) + adapter.block_prefix().format(0)
-    itemsize = parse_dtype(config.dtype).itemsize
-    elements = 0
-    for key, path in index.files.items():
+    itemsize = parse_dtype(config.dtype, config.model_dir).itemsize
+    nbytes = 0
+    for key in index.files:
         if key.startswith(prefix):
-            with safe_open(path, framework="pt") as f:
-                elements += math.prod(f.get_slice(key).get_shape())
+            with safe_open(index.path(key), framework="pt") as f:  # (a hub id: fetched if not cached)
+                nbytes += tensor_bytes(f.get_slice(key).get_shape(), itemsize, config.quant)  # int8: ~1/4
     spec = ModelSpec.from_config(cfg, l_in_max=0, l_max=config.max_length_tokens, dtype_bytes=itemsize)
-    return dataclasses.replace(spec, block_bytes=float(elements * itemsize))  # measured, not estimated
+    return dataclasses.replace(spec, block_bytes=float(nbytes))  # measured, not estimated
 
 
 def memory_budget(config: ServerConfig) -> float:
@@ -47,7 +47,8 @@ def memory_budget(config: ServerConfig) -> float:
 
 def _spec(record: ServerRecord, model: ModelSpec) -> ServerSpec:
     profile = ComputeProfile(record.prefill_a_s, record.prefill_b_s, record.decode_s)
-    memory = model.block_bytes * (record.end - record.start) + record.cache_bytes_total
+    # a server that announces its weights' size (int8 ones are ~1/4 of fp32) is taken at its word
+    memory = (record.weight_bytes or model.block_bytes * (record.end - record.start)) + record.cache_bytes_total
     return ServerSpec(name=record.server_id, memory_bytes=memory, profile=profile)
 
 

@@ -100,7 +100,11 @@ class Server:
         torch.set_num_threads(cfg.threads)
         self._start_dht()
         blocks = self._choose_blocks()
-        self.stage = Stage(cfg.model_dir, blocks, cfg.dtype)
+        log.info("loading blocks %s of %s (dtype %s)", blocks, cfg.model_dir, cfg.dtype)  # minutes for big models
+        t0 = time.perf_counter()
+        self.stage = Stage(cfg.model_dir, blocks, cfg.dtype, cfg.quant)
+        log.info("loaded %d blocks in %.1f s (%.0f MiB)", blocks.length, time.perf_counter() - t0,
+                 self.stage.weight_bytes / 2**20)
         profile = cached_profile(self.stage, cfg.threads, cfg.profile_cache_dir)
         stats = ServerStats(
             server_id=self.server_id, model=self.prefix or "", decode_s_per_block=profile.decode_s,
@@ -128,6 +132,7 @@ class Server:
             announcer = threading.Thread(target=self._announce_loop, name="swarmlm-announce", daemon=True)
             announcer.start()
         self._print_ready(profile)
+        log.info("serving blocks %s at %s", blocks, self.address)
         rebalancer = None
         if self.dht is not None and cfg.blocks is None and self.rebalance_period_s > 0:
             rebalancer = asyncio.create_task(self._rebalance_loop())
@@ -198,7 +203,8 @@ class Server:
                 await asyncio.sleep(0.1)
             for sid in list(self.service.sessions.sessions):  # their next step fails: clients fail over
                 self.service.sessions.close(sid)
-            stage = await loop.run_in_executor(None, Stage, self.config.model_dir, blocks, self.config.dtype)
+            stage = await loop.run_in_executor(
+                None, Stage, self.config.model_dir, blocks, self.config.dtype, self.config.quant)
             profile = await loop.run_in_executor(
                 None, cached_profile, stage, self.config.threads, self.config.profile_cache_dir)
             self.stage = self.service.stage = stage
@@ -219,13 +225,13 @@ class Server:
 
 
 def profile_model(model_dir: str, blocks: BlockRange | None, dtype: str, threads: int,
-                  cache_dir: str | None = None, refresh: bool = False) -> ComputeProfile:
+                  cache_dir: str | None = None, refresh: bool = False, quant: str = "none") -> ComputeProfile:
     """The compute profile a server over `blocks` (default: all) would announce (cached on disk)."""
     from swarmlm.model.checkpoint import load_config
 
     if blocks is None:
         blocks = BlockRange(0, int(load_config(model_dir).num_hidden_layers))
-    return cached_profile(Stage(model_dir, blocks, dtype), threads, cache_dir, refresh)
+    return cached_profile(Stage(model_dir, blocks, dtype, quant), threads, cache_dir, refresh)
 
 
 def run_server(config: ServerConfig, drain_timeout_s: float = 30.0, rebalance_period_s: float = 30.0) -> int:
