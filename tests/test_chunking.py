@@ -96,7 +96,9 @@ def swarm(tiny_bloom):
 
 
 def _client(path, swarm, **kw) -> DistributedModelForCausalLM:
-    return DistributedModelForCausalLM.from_pretrained(path, initial_peers=swarm.initial_peers, ban_base_s=30.0, **kw)
+    # float32 on the wire: these tests check chunking's exactness, not compression's bounds (test_wire_compress.py)
+    return DistributedModelForCausalLM.from_pretrained(path, initial_peers=swarm.initial_peers, ban_base_s=30.0,
+                                                       wire_dtype="float32", **kw)
 
 
 @pytest.mark.slow
@@ -220,7 +222,8 @@ def test_bandwidth_estimate_reads_a_rate_limited_link(tiny_bloom):
                                     prefix=tb.exec_prefix(0), host=tb.host_ip(0))
         local.wait_ready([server])
         address = tb.expose(0, port)
-        client = DistributedModelForCausalLM(tiny_bloom, ClientConfig(servers=(address,), prefill_chunk_tokens=0))
+        client = DistributedModelForCausalLM(tiny_bloom, ClientConfig(servers=(address,), prefill_chunk_tokens=0,
+                                                                wire_dtype="float32"))  # the link's own rate
         try:
             gen = torch.Generator().manual_seed(0)
             # 80 tokens x 64 fp32 values each way: 40 KB per prefill (within tbf's burst); 400 tokens: 200 KB
