@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from swarmlm.api.process import GatewayProcess
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.model.checkpoint import load_config
-from swarmlm.model.init import default_checkpoint
+from swarmlm.model.random_checkpoint import default_checkpoint
 from swarmlm.sim.metrics import percentile
 from swarmlm.swarm.local import LocalSwarm, even_split
 

@@ -28,7 +28,7 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from swarmlm.model.init import init_checkpoint  # noqa: E402
+from swarmlm.model.random_checkpoint import init_checkpoint  # noqa: E402
 from swarmlm.swarm.local import LocalSwarm  # noqa: E402
 from swarmlm.types import BlockRange  # noqa: E402
 from swarmlm.wire import codec  # noqa: E402

@@ -32,7 +32,7 @@ import torch
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.model.checkpoint import load_config
-from swarmlm.model.init import default_checkpoint
+from swarmlm.model.random_checkpoint import default_checkpoint
 from swarmlm.server.stage import Stage, StepRequest
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange

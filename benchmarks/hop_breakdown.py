@@ -28,7 +28,7 @@ import torch
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.model.checkpoint import load_config
-from swarmlm.model.init import default_checkpoint
+from swarmlm.model.random_checkpoint import default_checkpoint
 from swarmlm.swarm.local import LocalSwarm, even_split
 
 PROMPT = list(range(10, 26))

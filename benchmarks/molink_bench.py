@@ -24,7 +24,7 @@ import torch
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.config import ClientConfig
-from swarmlm.model.init import init_checkpoint
+from swarmlm.model.random_checkpoint import init_checkpoint
 from swarmlm.swarm.local import LocalSwarm, even_split
 
 NETWORKS = {  # name -> (rtt_s, rate_bps); "loopback" = no emulation

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from swarmlm.model.init import init_checkpoint
+from swarmlm.model.random_checkpoint import init_checkpoint
 from swarmlm.perf.profile import measure
 from swarmlm.server.stage import Stage
 from swarmlm.types import BlockRange

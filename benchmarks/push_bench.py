@@ -26,7 +26,7 @@ from swarmlm.bench.netem.profile import inline_profile
 from swarmlm.bench.runner import BenchConfig, start_swarm
 from swarmlm.bench.strategies import StrategyConfig
 from swarmlm.client.model import DistributedModelForCausalLM
-from swarmlm.model.init import init_checkpoint
+from swarmlm.model.random_checkpoint import init_checkpoint
 
 MODES = {"relay": False, "push": True}
 

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from swarmlm.client.model import DistributedModelForCausalLM
-from swarmlm.client.transport import info
+from swarmlm.client.streams import info
 from swarmlm.model.checkpoint import load_config
-from swarmlm.model.init import default_checkpoint
+from swarmlm.model.random_checkpoint import default_checkpoint
 from swarmlm.planner.plan import Plan
 from swarmlm.planner.topology import parse_topology
 from swarmlm.sim.arrivals import SimRequest

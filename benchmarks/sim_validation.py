@@ -26,7 +26,7 @@ import torch
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.model.checkpoint import load_config
-from swarmlm.model.init import default_checkpoint
+from swarmlm.model.random_checkpoint import default_checkpoint
 from swarmlm.server.server import profile_model
 from swarmlm.planner.plan import Plan
 from swarmlm.planner.topology import parse_topology

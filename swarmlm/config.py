@@ -43,7 +43,7 @@ class ServerConfig:
     max_prefill_skips: int = 2  # rounds the oldest prefill that does not fit the budget may be passed over
     # before a round, wait up to this fraction of the last decode forward (and at most max_batch_wait_s) for that
     # forward's sessions to send their next step, so sessions in lockstep share one forward (0 = never wait)
-    batch_wait: float = 0.05
+    batch_wait_fraction: float = 0.05
     max_batch_wait_s: float = 0.01
     max_message_bytes: int = 64 << 20  # largest gRPC message accepted or sent
     session_idle_timeout_s: float = 120.0  # a session with no step for this long is closed
@@ -81,8 +81,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_prefill_skips < 0:
             raise ValueError(f"max_prefill_skips must be >= 0, got {self.max_prefill_skips}")
-        if self.batch_wait < 0 or self.max_batch_wait_s < 0:
-            raise ValueError(f"batch_wait and max_batch_wait_s must be >= 0, got {self.batch_wait}, "
+        if self.batch_wait_fraction < 0 or self.max_batch_wait_s < 0:
+            raise ValueError(f"batch_wait_fraction and max_batch_wait_s must be >= 0, got {self.batch_wait_fraction}, "
                              f"{self.max_batch_wait_s}")
         if self.resume_grace_s < 0:
             raise ValueError(f"resume_grace_s must be >= 0, got {self.resume_grace_s}")
@@ -125,7 +125,7 @@ class ClientConfig:
     routing: str = "waiting-aware"  # "shortest" | "waiting-aware" (planner.routing.WaitingAwareRouter)
     records_max_age_s: float = 2.0  # before routing a session, re-read the swarm (records, load) if older than this
     max_message_bytes: int = 64 << 20
-    # Chunked prefill and decode-first transmission (swarmlm/client/chunking.py, transmission.py).
+    # Chunked prefill and decode-first transmission (swarmlm/client/chunking.py, swarmlm/wire/links.py).
     # tokens per prefill message: None = auto (link + compute), 0 = one message. Auto by default: -10..-45 % time
     # per output token where long prompts meet decodes on 20 Mbit/s-1 Gbit/s links, neutral on loopback
     # (docs/RESULTS-molink.md).

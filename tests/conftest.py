@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarmlm.model.init import init_checkpoint
+from swarmlm.model.random_checkpoint import init_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +28,7 @@ def _dump_client_tasks(signum, frame) -> None:
     import asyncio
     import sys
 
-    from swarmlm.client.transport import LoopThread
+    from swarmlm.client.streams import LoopThread
 
     loop_thread = LoopThread._instance
     if loop_thread is None:

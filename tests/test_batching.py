@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swarmlm.model.checkpoint import load_client_modules
-from swarmlm.server.batching import SpanCache
+from swarmlm.server.kv_cache import SpanCache
 from swarmlm.server.scheduler import DECODE, PREFILL, Batchable, Job, Scheduler, plan_round
 from swarmlm.server.stage import Stage, StepRequest
 from swarmlm.types import BlockRange
@@ -345,7 +345,7 @@ def _straggler_waits(scheduler: Scheduler) -> list[float]:
 # The wait's bounds below are generous (up to 2 s where the product waits 10 ms): stragglers come back within
 # 10-40 ms, so how long a busy machine delays a thread does not decide which rounds form. The product's own
 # setting is measured in benchmarks/batching_bench.py.
-WAIT = dict(batch_wait=100.0, max_batch_wait_s=2.0)
+WAIT = dict(batch_wait_fraction=100.0, max_batch_wait_s=2.0)
 
 
 def test_sessions_in_lockstep_share_a_forward_when_the_server_waits_for_stragglers():
@@ -355,9 +355,9 @@ def test_sessions_in_lockstep_share_a_forward_when_the_server_waits_for_straggle
     pair = _lockstep(Scheduler(threads=1, **WAIT), 2, 8, staggered)
     assert all(b == 2 for s in pair for b in s[2:]), pair
     # without the wait the same sessions do not fill the rounds: the first back runs alone
-    without = _lockstep(Scheduler(threads=1, batch_wait=0), 4, 12, staggered)
+    without = _lockstep(Scheduler(threads=1, batch_wait_fraction=0), 4, 12, staggered)
     assert statistics.mean(b for s in without for b in s[3:]) < 4, without
-    pair = _lockstep(Scheduler(threads=1, batch_wait=0), 2, 8, staggered)
+    pair = _lockstep(Scheduler(threads=1, batch_wait_fraction=0), 2, 8, staggered)
     assert any(b == 1 for s in pair for b in s[2:]), pair
 
 
@@ -369,7 +369,7 @@ def test_a_lone_session_never_waits_and_fruitless_waits_stop():
     # session 1 comes back 250 ms after its reply, far too late for a 2 ms wait (a slow link), while session 0
     # steps on: each round of session 1 is followed by two fruitless waits for it (it stays among the last two
     # rounds' sessions); after 4 waits that gathered nobody, none more for 32 rounds
-    scheduler = Scheduler(threads=1, batch_wait=0.1, max_batch_wait_s=0.002)
+    scheduler = Scheduler(threads=1, batch_wait_fraction=0.1, max_batch_wait_s=0.002)
     waits = _straggler_waits(scheduler)
     seen = _lockstep(scheduler, 2, [100, 6], lambda i: 0.25 * i)
     assert scheduler._fruitless >= 4 and scheduler._skipped_waits > 0, (seen, waits)

@@ -13,7 +13,7 @@ from swarmlm.bench.strategies import StrategyConfig, split_evenly
 from swarmlm.bench.telemetry import Sample, parse_ss, summarize
 from swarmlm.bench.workload import (LengthSpec, PromptSpec, builtin_prompts, fixed_length, load_prompt_file,
                                     poisson_arrivals, synthetic, tokenize)
-from swarmlm.client.transport import HopTiming
+from swarmlm.client.streams import HopTiming
 from swarmlm.model.tokenizer import save_tokenizer
 
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from swarmlm.client.chunking import BandwidthEstimate, ChunkRule, chunk_tokens_for_hop, split
 from swarmlm.client.model import DistributedModelForCausalLM
-from swarmlm.client.transport import SpanStream
+from swarmlm.client.streams import SpanStream
 from swarmlm.swarm.local import LocalSwarm, even_split
 from swarmlm.types import BlockRange
 

@@ -107,7 +107,7 @@ def test_sigterm_drains_without_losing_the_session(swarm, reference):
 def test_a_lost_reply_is_caught_by_the_stall_watchdog(swarm, reference, monkeypatch):
     """A reply that never comes and no error anywhere (a wait nothing will end): after a step timeout of no
     progress, the unfinished hops are reopened and replayed; the tokens do not change."""
-    from swarmlm.client.transport import SpanStream
+    from swarmlm.client.streams import SpanStream
 
     swarm_, _ = swarm
     restore(swarm_)

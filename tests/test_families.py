@@ -11,7 +11,7 @@ from huggingface_hub import constants
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swarmlm.client.model import DistributedModelForCausalLM
-from swarmlm.model.init import init_checkpoint
+from swarmlm.model.random_checkpoint import init_checkpoint
 from swarmlm.model.presets import PRESETS
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange

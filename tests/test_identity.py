@@ -16,7 +16,7 @@ from hivemind.utils import get_dht_time
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swarmlm.client.model import DistributedModelForCausalLM
-from swarmlm.model.init import init_checkpoint
+from swarmlm.model.random_checkpoint import init_checkpoint
 from swarmlm.swarm.dht import announce, fetch_records, owner_subkey, start_dht, visible_addrs
 from swarmlm.swarm.dht_thread import ThreadDHT
 from swarmlm.swarm.identity import Identity, id_of, new_nonce, sign_info, verify_info

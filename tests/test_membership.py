@@ -11,7 +11,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarmlm.client.model import DistributedModelForCausalLM
-from swarmlm.model.init import init_checkpoint
+from swarmlm.model.random_checkpoint import init_checkpoint
 from swarmlm.swarm.dht import announce, default_prefix, fetch_records, owner_subkey, start_dht, visible_addrs
 from swarmlm.swarm.dht_thread import ThreadDHT
 from swarmlm.swarm.identity import Identity

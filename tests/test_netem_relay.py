@@ -13,7 +13,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from swarmlm.bench.netem import (DirectionSpec, LinkProfile, ListenSpec, RelayProcess, Route, Testbed, measure_rtt,
+from swarmlm.bench.netem import (DirectionSpec, LinkProfile, ListenSpec, RelayProcess, RelayRoute, Testbed, measure_rtt,
                                  preset, start_probe_server)
 from swarmlm.bench.netem.accuracy import check_testbed
 from swarmlm.bench.netem.probe import _connect, _recv_exact
@@ -31,7 +31,7 @@ def echo_port():
 
 
 def _relayed(relay: RelayProcess, port: int, forward: DirectionSpec, backward: DirectionSpec | None = None) -> str:
-    routes = {"*": Route(forward, backward or forward)}
+    routes = {"*": RelayRoute(forward, backward or forward)}
     host, relay_port = relay.listen(ListenSpec("127.0.0.1", 0, "127.0.0.1", port, routes))
     return f"{host}:{relay_port}"
 
@@ -140,7 +140,7 @@ def test_relay_process_exits_on_close_and_with_its_parent():
 
 def test_listen_errors_are_reported():
     with RelayProcess() as relay:
-        spec = ListenSpec("127.0.0.1", 0, "127.0.0.1", 9, {"*": Route(DirectionSpec(0.0), DirectionSpec(0.0))})
+        spec = ListenSpec("127.0.0.1", 0, "127.0.0.1", 9, {"*": RelayRoute(DirectionSpec(0.0), DirectionSpec(0.0))})
         _, port = relay.listen(spec)
         with pytest.raises(OSError, match="Address already in use"):
             relay.listen(ListenSpec("127.0.0.1", port, "127.0.0.1", 9, spec.routes))

@@ -8,7 +8,7 @@ import pytest
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.client.router import UNKNOWN_SLOTS
-from swarmlm.client.transport import info
+from swarmlm.client.streams import info
 from swarmlm.planner.routing import WaitingAwareRouter
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange

@@ -8,7 +8,7 @@ import pytest
 
 from swarmlm.perf.model import ComputeProfile, Network, PerfModel
 from swarmlm.sim.arrivals import SimRequest
-from swarmlm.sim.cluster import Cluster, ServerConfig, SimServer, slots_from_memory
+from swarmlm.sim.cluster import Cluster, SimServerConfig, SimServer, slots_from_memory
 from swarmlm.sim.engine import Engine
 from swarmlm.sim.routers import FixedRouter
 from swarmlm.sim.session import ClientBehaviour
@@ -59,7 +59,7 @@ def test_engine_refuses_events_in_the_past_and_stops_at_until():
 def test_slots_from_memory_and_refusal_is_not_an_exception():
     assert slots_from_memory(10e9, 1e9, 0.5e9, 4) == 12  # (10 - 4) / 0.5
     assert slots_from_memory(3e9, 1e9, 1e9, 4) == 0
-    server = SimServer(ServerConfig("s", 0, 2, slots=3))
+    server = SimServer(SimServerConfig("s", 0, 2, slots=3))
     assert server.try_allocate(2, 0.0) and not server.try_allocate(2, 1.0)  # refusal: False, state unchanged
     assert server.used == 2 and server.free == 1
     server.release(2, 2.0)
@@ -68,7 +68,7 @@ def test_slots_from_memory_and_refusal_is_not_an_exception():
 
 
 def test_cluster_allocation_is_all_or_nothing():
-    cluster = Cluster([ServerConfig("a", 0, 2, 2), ServerConfig("b", 2, 4, 1)])
+    cluster = Cluster([SimServerConfig("a", 0, 2, 2), SimServerConfig("b", 2, 4, 1)])
     assert cluster.allocate([("a", 2), ("b", 2)], 0.0) == "b"
     assert cluster.servers["a"].used == 0  # nothing held after a refusal
     assert cluster.allocate([("a", 2), ("b", 1)], 0.0) is None
@@ -89,7 +89,7 @@ def _two_server_setup():
     net.set_link("c", "B", 0.020, bandwidth_bps=8e6)
     perf = PerfModel({"A": ComputeProfile(0.001, 0.010, 0.005), "B": ComputeProfile(0.0, 0.020, 0.002)}, net,
                      hidden_bytes_per_token=1000)
-    servers = [ServerConfig("A", 0, 2, slots=2), ServerConfig("B", 2, 4, slots=4)]
+    servers = [SimServerConfig("A", 0, 2, slots=2), SimServerConfig("B", 2, 4, slots=4)]
     route = Route((Span("A", 0, 2), Span("B", 2, 4)))
     requests = [SimRequest(i, "c", t, 10, 3) for i, t in enumerate((0.0, 0.05, 0.1))]
     return servers, perf, FixedRouter(route), requests
@@ -157,7 +157,7 @@ class _PerRequestRouter:
 def test_queue_passes_freed_slots_on_when_the_woken_waiter_is_blocked_elsewhere():
     net = Network(default_rtt_s=0.01)
     perf = PerfModel({s: ComputeProfile(0.0, 0.01, 0.005) for s in "ADBC"}, net)
-    servers = [ServerConfig(s, a, a + 2, slots=2) for s, a in (("A", 0), ("D", 0), ("B", 2), ("C", 2))]
+    servers = [SimServerConfig(s, a, a + 2, slots=2) for s, a in (("A", 0), ("D", 0), ("B", 2), ("C", 2))]
 
     def route(first: str, second: str) -> Route:
         return Route((Span(first, 0, 2), Span(second, 2, 4)))

@@ -151,12 +151,12 @@ def test_policy_bounds():
 
 
 def test_policy_from_client_config():
-    from swarmlm.client.transmission import transmission_policy
+    from swarmlm.wire.links import TransmissionPolicy
     from swarmlm.config import ClientConfig
 
-    on = transmission_policy(ClientConfig(prefill_chunk_tokens=None, decode_first=True, max_decode_burst=3, prefill_window=4))
+    on = TransmissionPolicy.for_client(ClientConfig(prefill_chunk_tokens=None, decode_first=True, max_decode_burst=3, prefill_window=4))
     assert (on.decode_first, on.max_decode_burst, on.prefill_window) == (True, 3, 4)
-    off = transmission_policy(ClientConfig(prefill_chunk_tokens=0, decode_first=False))
+    off = TransmissionPolicy.for_client(ClientConfig(prefill_chunk_tokens=0, decode_first=False))
     assert (off.decode_first, off.prefill_window) == (False, None)  # whole prompts are never held back
     with pytest.raises(ValueError):
         ClientConfig(prefill_chunk_tokens=-1)

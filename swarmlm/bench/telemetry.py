@@ -114,7 +114,7 @@ class TelemetrySampler:
         self.stop()
 
     def start(self) -> None:
-        from swarmlm.client.transport import Channels, LoopThread
+        from swarmlm.client.streams import Channels, LoopThread
 
         self._loop, self._channels = LoopThread.get(), Channels(4 << 20)
         self.t0 = time.perf_counter()  # after the imports: the first sample comes one interval from now
@@ -217,7 +217,7 @@ class TelemetrySampler:
         return totals
 
     def _rtts(self) -> dict[str, float]:
-        from swarmlm.client.transport import info
+        from swarmlm.client.streams import info
 
         targets = [t for t in self.tracked if t.address]
         if not targets:

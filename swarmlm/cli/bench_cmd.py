@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from swarmlm.bench.workload import poisson_arrivals, prompt_source, tokenize
 
     if args.preset:
-        from swarmlm.model.init import default_checkpoint
+        from swarmlm.model.random_checkpoint import default_checkpoint
 
         model_dir = str(default_checkpoint(args.preset))
     else:

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
 
     from swarmlm.client.model import DistributedModelForCausalLM
     from swarmlm.model.checkpoint import load_config
-    from swarmlm.model.init import default_checkpoint
+    from swarmlm.model.random_checkpoint import default_checkpoint
     from swarmlm.swarm.local import LocalSwarm, even_split
 
     console = Console()

@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from swarmlm.model.checkpoint import parse_dtype
-    from swarmlm.model.init import init_checkpoint
+    from swarmlm.model.random_checkpoint import init_checkpoint
 
     out = init_checkpoint(args.preset, args.out, seed=args.seed, dtype=parse_dtype(args.dtype),
                           max_shard_size=args.max_shard_size, num_layers=args.layers)

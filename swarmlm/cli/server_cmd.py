@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads, dtype=args.dtype, num_blocks=args.num_blocks, placement=args.placement,
         memory_bytes=args.memory_mb << 20 if args.memory_mb else None, cache_bytes=args.cache_mb << 20,
         max_sessions=args.max_sessions, max_length_tokens=args.max_length,
-        max_batch_tokens=args.max_batch_tokens, max_prefill_skips=args.max_prefill_skips, batch_wait=args.batch_wait,
+        max_batch_tokens=args.max_batch_tokens, max_prefill_skips=args.max_prefill_skips, batch_wait_fraction=args.batch_wait,
         session_idle_timeout_s=args.idle_timeout, open_idle_timeout_s=args.open_idle_timeout,
         resume_grace_s=args.resume_grace, max_sessions_per_peer=args.max_sessions_per_peer,
         max_concurrent_rpcs=args.max_concurrent_rpcs, max_message_bytes=args.max_message_mb << 20, dht_prefix=args.dht_prefix,

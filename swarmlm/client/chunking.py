@@ -2,7 +2,7 @@
 
 A step's tokens run causally on top of the server's cache, so a prefill sent as consecutive steps of c tokens
 gives exactly the result of one step. Small chunks let decode messages pass between them on the link (see
-transmission.py), let the server start on the first chunk while the rest arrive, and let the client forward chunk k
+wire/links.py), let the server start on the first chunk while the rest arrive, and let the client forward chunk k
 to the next server while chunk k+1 is still on the previous one. But every chunk costs a fixed amount (the
 server's per-step overhead, a gRPC message, the client's relay), so chunks should not be smaller than needed.
 

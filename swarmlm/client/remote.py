@@ -10,14 +10,14 @@ from typing import Callable
 import grpc
 
 from swarmlm.client.router import LiveRouter, SwarmView
-from swarmlm.client.transmission import transmission_policy
-from swarmlm.client.transport import Channels, LoopThread, info
+from swarmlm.client.streams import Channels, LoopThread, info
 from swarmlm.config import ClientConfig
 from swarmlm.errors import MissingBlocks, SwarmAccessDenied
 from swarmlm.swarm.identity import new_nonce, verify_info
 from swarmlm.swarm.private import client_interceptors
 from swarmlm.swarm.records import ServerRecord, record_from_info
 from swarmlm.types import Route
+from swarmlm.wire.links import TransmissionPolicy
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class RemoteSequence:
         self.num_blocks = num_blocks
         self.prefix = prefix
         self.loop = LoopThread.get()
-        self.channels = Channels(config.max_message_bytes, transmission_policy(config), config.assumed_bandwidth_bps,
+        self.channels = Channels(config.max_message_bytes, TransmissionPolicy.for_client(config), config.assumed_bandwidth_bps,
                                  interceptors=client_interceptors(config.swarm_key))
         self.channels.wire_dtype = config.wire_dtype  # hidden states' wire format per link (wire/compress.py)
         # the connect check (swarm/identity.py): (server id, address) pairs that failed it are never routed to

@@ -30,7 +30,7 @@ import torch
 
 from swarmlm.client.chunking import ChunkRule, chunk_tokens_for_hop, split
 from swarmlm.client.remote import RemoteSequence
-from swarmlm.client.transport import HopTiming, SpanStream
+from swarmlm.client.streams import HopTiming, SpanStream
 from swarmlm.config import ClientConfig
 from swarmlm.errors import InvalidRequest, ServerFailed, ServerHung
 from swarmlm.swarm.records import ServerRecord

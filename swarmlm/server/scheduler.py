@@ -14,7 +14,7 @@ round. Steps that arrive while a round computes form the next round.
 Sessions in lockstep reach a free server one by one: the first would run alone while the others, a client round
 trip behind, form the round after (4 sessions settle into rounds of 1 and 3, and on CPU a 3-row forward costs
 nearly 3 one-row ones; 2 sessions alternate alone forever). So before a round, the worker waits briefly for the
-sessions of the last two decode rounds that are not back yet: at most `batch_wait` x the last decode forward's
+sessions of the last two decode rounds that are not back yet: at most `batch_wait_fraction` x the last decode forward's
 time (and `max_batch_wait_s`). A lone session never waits; when waits stop gathering anyone (e.g. sessions come
 back over slow links), they stop, and are retried now and then.
 
@@ -116,17 +116,17 @@ def plan_round(queue: list[Job], max_tokens: int, max_prefill_skips: int) -> lis
 
 class Scheduler:
     def __init__(self, threads: int, max_batch_tokens: int = 512, max_prefill_skips: int = 2,
-                 batch_wait: float = 0.05, max_batch_wait_s: float = 0.01) -> None:
+                 batch_wait_fraction: float = 0.05, max_batch_wait_s: float = 0.01) -> None:
         if max_batch_tokens < 1 or max_prefill_skips < 0:
             raise ValueError(
                 f"max_batch_tokens must be >= 1 and max_prefill_skips >= 0, got {max_batch_tokens}, {max_prefill_skips}"
             )
-        if batch_wait < 0 or max_batch_wait_s < 0:
-            raise ValueError(f"batch_wait and max_batch_wait_s must be >= 0, got {batch_wait}, {max_batch_wait_s}")
+        if batch_wait_fraction < 0 or max_batch_wait_s < 0:
+            raise ValueError(f"batch_wait_fraction and max_batch_wait_s must be >= 0, got {batch_wait_fraction}, {max_batch_wait_s}")
         self.threads = threads
         self.max_batch_tokens = max_batch_tokens
         self.max_prefill_skips = max_prefill_skips
-        self.batch_wait = batch_wait  # fraction of the last decode forward's time
+        self.batch_wait_fraction = batch_wait_fraction  # fraction of the last decode forward's time
         self.max_batch_wait_s = max_batch_wait_s
         self._recent: deque[set[Hashable]] = deque(maxlen=2)  # members of the last two rounds' decode forwards
         self._last_decode_s = 0.0  # the last round's decode compute time
@@ -193,7 +193,7 @@ class Scheduler:
     def _wait_for_stragglers(self) -> None:
         """(Holding the lock.) Give the recent decode rounds' sessions that are not queued yet a moment to arrive."""
         expected = set().union(*self._recent)
-        if self.batch_wait == 0 or len(expected) < 2:
+        if self.batch_wait_fraction == 0 or len(expected) < 2:
             return
         if not any(job.priority == DECODE for job in self._queue):
             return  # nothing is decoding: prefill work goes at once
@@ -208,7 +208,7 @@ class Scheduler:
             self._skipped_waits += 1  # waits have not paid lately
             return
         self._skipped_waits = 0
-        deadline = time.perf_counter() + min(self.max_batch_wait_s, self.batch_wait * self._last_decode_s)
+        deadline = time.perf_counter() + min(self.max_batch_wait_s, self.batch_wait_fraction * self._last_decode_s)
         while not self._stopped and missing() and (left := deadline - time.perf_counter()) > 0:
             self._cv.wait(left)
         self._fruitless = 0 if len(missing()) < before else self._fruitless + 1

@@ -110,7 +110,7 @@ class Server:
             server_id=self.server_id, model=self.prefix or "", decode_s_per_block=profile.decode_s,
             prefill_a_s=profile.prefill_a_s, prefill_b_s=profile.prefill_b_s,
         )
-        scheduler = Scheduler(cfg.threads, cfg.max_batch_tokens, cfg.max_prefill_skips, cfg.batch_wait,
+        scheduler = Scheduler(cfg.threads, cfg.max_batch_tokens, cfg.max_prefill_skips, cfg.batch_wait_fraction,
                               cfg.max_batch_wait_s)
         self.service = SwarmService(cfg, self.stage, scheduler, stats)
         if self.dht is not None:  # pushes go only to servers announced for the next block (server/push.py)

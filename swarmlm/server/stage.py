@@ -1,7 +1,7 @@
 """The stage: pure compute over this server's blocks. No networking, no bookkeeping beyond a session's cache.
 
 `step` runs one session; `step_batch` runs steps of several sessions (same sub-range, same number of new tokens)
-as one forward, each session's result the same as when it runs alone (see swarmlm/server/batching.py).
+as one forward, each session's result the same as when it runs alone (see swarmlm/server/kv_cache.py).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from swarmlm.model.checkpoint import load_blocks, parse_dtype
 from swarmlm.model.quant import Quant, check_quant, quantize_linears, weight_bytes
-from swarmlm.server.batching import Member, SpanCache, StepCache, left_pad
+from swarmlm.server.kv_cache import Member, SpanCache, StepCache, left_pad
 from swarmlm.types import BlockRange
 
 

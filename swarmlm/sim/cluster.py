@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from swarmlm.sim.metrics import ServerRecord
+from swarmlm.sim.metrics import ServerUsage
 
 
 def slots_from_memory(memory_bytes: float, block_bytes: float, cache_bytes: float, blocks: int) -> int:
@@ -25,7 +25,7 @@ def slots_from_memory(memory_bytes: float, block_bytes: float, cache_bytes: floa
 
 
 @dataclass(frozen=True)
-class ServerConfig:
+class SimServerConfig:
     server_id: str
     start: int  # first block served
     end: int  # one past the last block served
@@ -44,7 +44,7 @@ class SimServer:
     __slots__ = ("cfg", "used", "active", "waiters", "pending", "sessions", "compute_s", "busy_s", "slot_s",
                  "peak", "_last_s")
 
-    def __init__(self, cfg: ServerConfig) -> None:
+    def __init__(self, cfg: SimServerConfig) -> None:
         self.cfg = cfg
         self.used = 0  # slots held now
         self.active = 0  # sessions holding slots now
@@ -87,17 +87,17 @@ class SimServer:
         self.used -= slots
         self.active -= 1
 
-    def record(self, end_s: float) -> ServerRecord:
+    def record(self, end_s: float) -> ServerUsage:
         self._advance(end_s)
         c = self.cfg
-        return ServerRecord(c.server_id, c.start, c.end, c.slots, self.sessions, self.compute_s, self.busy_s,
+        return ServerUsage(c.server_id, c.start, c.end, c.slots, self.sessions, self.compute_s, self.busy_s,
                             self.slot_s, self.peak)
 
 
 class Cluster:
     """All simulated servers by id; allocation of a whole route is all-or-nothing (no partial holds, no deadlock)."""
 
-    def __init__(self, servers: list[ServerConfig]) -> None:
+    def __init__(self, servers: list[SimServerConfig]) -> None:
         ids = [s.server_id for s in servers]
         if len(set(ids)) != len(ids):
             raise ValueError(f"duplicate server ids in {ids}")
@@ -124,5 +124,5 @@ class Cluster:
         for sid, k in needs:
             self.servers[sid].release(k, now_s)
 
-    def records(self, end_s: float) -> list[ServerRecord]:
+    def records(self, end_s: float) -> list[ServerUsage]:
         return [s.record(end_s) for s in self.servers.values()]

@@ -23,7 +23,7 @@ STATUS_TIMEOUT = "timeout"  # gave up waiting for cache slots after the client's
 
 
 @dataclass(frozen=True)
-class RequestRecord:
+class RequestOutcome:
     request_id: int
     client_id: str
     status: str  # STATUS_DONE | STATUS_TIMEOUT
@@ -48,7 +48,7 @@ class RequestRecord:
 
 
 @dataclass(frozen=True)
-class ServerRecord:
+class ServerUsage:
     server_id: str
     start: int  # first block served
     end: int  # one past the last block
@@ -71,7 +71,7 @@ def _stats(values: Sequence[float]) -> dict[str, float]:
     return {"mean": mean, "p50": percentile(finite, 50), "p90": percentile(finite, 90), "p99": percentile(finite, 99)}
 
 
-def summarize(records: Sequence[RequestRecord], servers: Sequence[ServerRecord], end_time_s: float) -> dict:
+def summarize(records: Sequence[RequestOutcome], servers: Sequence[ServerUsage], end_time_s: float) -> dict:
     """The headline numbers plus per-server utilisation; flat keys first so `--json` stays easy to read."""
     done = [r for r in records if r.status == STATUS_DONE]
     duration = max(end_time_s, 1e-12)
@@ -106,7 +106,7 @@ def summarize(records: Sequence[RequestRecord], servers: Sequence[ServerRecord],
     return out
 
 
-def _server_summary(s: ServerRecord, duration: float) -> dict:
+def _server_summary(s: ServerUsage, duration: float) -> dict:
     return {
         "server_id": s.server_id,
         "blocks": f"{s.start}:{s.end}",
@@ -137,14 +137,14 @@ def to_json(summary: dict) -> str:
     return json.dumps(_jsonable(summary), indent=2, allow_nan=False)
 
 
-def write_outputs(out_dir: str | Path, records: Sequence[RequestRecord], summary: dict) -> list[Path]:
+def write_outputs(out_dir: str | Path, records: Sequence[RequestOutcome], summary: dict) -> list[Path]:
     """requests.csv, servers.csv and summary.json under `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     req_path, srv_path, sum_path = out / "requests.csv", out / "servers.csv", out / "summary.json"
     with req_path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow([fl.name for fl in fields(RequestRecord)])
+        w.writerow([fl.name for fl in fields(RequestOutcome)])
         for r in records:
             w.writerow(list(asdict(r).values()))
     with srv_path.open("w", newline="") as f:

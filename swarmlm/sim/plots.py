@@ -11,7 +11,7 @@ matplotlib.use("Agg")  # files only: no display on servers and in CI
 import matplotlib.pyplot as plt  # noqa: E402  (backend must be chosen first)
 import numpy as np  # noqa: E402
 
-from swarmlm.sim.metrics import STATUS_DONE, RequestRecord  # noqa: E402
+from swarmlm.sim.metrics import STATUS_DONE, RequestOutcome  # noqa: E402
 
 
 def _cdf(ax, values: Sequence[float], label: str) -> None:
@@ -20,7 +20,7 @@ def _cdf(ax, values: Sequence[float], label: str) -> None:
         ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post", label=label)
 
 
-def plot_latencies(records: Sequence[RequestRecord], path: Path, title: str = "") -> Path:
+def plot_latencies(records: Sequence[RequestOutcome], path: Path, title: str = "") -> Path:
     done = [r for r in records if r.status == STATUS_DONE]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, key, label in zip(axes, ("per_token_s", "ttft_s", "wait_s"),
@@ -55,7 +55,7 @@ def plot_servers(servers: Sequence[dict], path: Path, title: str = "", max_bars:
     return path
 
 
-def plot_run(records: Sequence[RequestRecord], summary: dict, out_dir: str | Path, title: str = "") -> list[Path]:
+def plot_run(records: Sequence[RequestOutcome], summary: dict, out_dir: str | Path, title: str = "") -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     return [plot_latencies(records, out / "latency_cdf.png", title),

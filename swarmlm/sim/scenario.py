@@ -18,7 +18,7 @@ from swarmlm.planner.placement import PlacementOptions, cache_slots
 from swarmlm.planner.plan import Plan, make_plan
 from swarmlm.planner.topology import Topology
 from swarmlm.sim.arrivals import ArrivalSpec, SimRequest, generate
-from swarmlm.sim.cluster import ServerConfig
+from swarmlm.sim.cluster import SimServerConfig
 from swarmlm.sim.routers import PlannerRouter, RoutingMode
 from swarmlm.sim.session import ClientBehaviour
 from swarmlm.sim.simulator import SimResult, run_simulation
@@ -56,10 +56,10 @@ def default_arrivals(topology: Topology, count: int | None = None, duration_s: f
                        input_tokens=wl.input_tokens, output_tokens=wl.output_tokens)
 
 
-def build_servers(topology: Topology, plan: Plan) -> list[ServerConfig]:
+def build_servers(topology: Topology, plan: Plan) -> list[SimServerConfig]:
     """One simulated server per placed server; slots by the planner's memory rule (what its router assumes)."""
     specs = {s.name: s for s in topology.servers}
-    return [ServerConfig(name, rng.start, rng.end, cache_slots(specs[name].memory_bytes, topology.model, rng.length))
+    return [SimServerConfig(name, rng.start, rng.end, cache_slots(specs[name].memory_bytes, topology.model, rng.length))
             for name, rng in sorted(plan.placement.items())]
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Iterable, Literal
 
 from swarmlm.errors import SwarmError
 from swarmlm.sim.arrivals import SimRequest
-from swarmlm.sim.metrics import STATUS_DONE, STATUS_TIMEOUT, RequestRecord
+from swarmlm.sim.metrics import STATUS_DONE, STATUS_TIMEOUT, RequestOutcome
 from swarmlm.types import Route
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 WaitMode = Literal["backoff", "queue"]
 
-# Session.phase: a wake-up or timeout that finds the session in another phase is stale and does nothing
+# SimSession.phase: a wake-up or timeout that finds the session in another phase is stale and does nothing
 WAITING, QUEUED, RUNNING, ENDED = range(4)
 
 
@@ -54,7 +54,7 @@ class ClientBehaviour:
         return min(self.retry_initial_s * 2.0 ** min(attempts - 1, 60), self.retry_max_s)
 
 
-class Session:
+class SimSession:
     """Mutable per-request state; touched only by this module's events and SimState.admit/finish."""
 
     __slots__ = ("req", "phase", "attempts", "queued_at", "route", "needs", "admitted_s", "first_s", "step_s",
@@ -87,7 +87,7 @@ class Arrive:
     req: SimRequest
 
     def handle(self, state: "SimState") -> Iterable:
-        return attempt(state, Session(self.req), self.time_s)
+        return attempt(state, SimSession(self.req), self.time_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +95,7 @@ class Retry:
     """Try again: after a backoff delay, or woken from `woken_from`'s queue with `need` slots promised there."""
 
     time_s: float
-    session: Session
+    session: SimSession
     woken_from: str = ""
     need: int = 0
 
@@ -111,7 +111,7 @@ class Retry:
 @dataclass(frozen=True, slots=True)
 class Timeout:
     time_s: float
-    session: Session
+    session: SimSession
 
     def handle(self, state: "SimState") -> Iterable:
         s = self.session
@@ -128,7 +128,7 @@ class Token:
     """Token number `index` (1-based) reaches the client; the first one comes out of prefill."""
 
     time_s: float
-    session: Session
+    session: SimSession
     index: int
 
     def handle(self, state: "SimState") -> Iterable:
@@ -146,7 +146,7 @@ class Token:
         return (Token(s.first_s + self.index * s.step_s, s, self.index + 1),)
 
 
-def attempt(state: "SimState", s: Session, now_s: float) -> Iterable:
+def attempt(state: "SimState", s: SimSession, now_s: float) -> Iterable:
     s.attempts += 1
     try:
         route = state.router.choose(s.req, now_s)
@@ -161,7 +161,7 @@ def attempt(state: "SimState", s: Session, now_s: float) -> Iterable:
     return _wait(state, s, now_s, blocked, dict(needs)[blocked])
 
 
-def _wait(state: "SimState", s: Session, now_s: float, blocked: str, need: int = 0) -> list:
+def _wait(state: "SimState", s: SimSession, now_s: float, blocked: str, need: int = 0) -> list:
     """Refused by `blocked` ("" = no route at all), which lacked `need` slots: queue there or back off.
 
     The one Timeout is armed at the first refusal; a session admitted before it fires makes it stale."""
@@ -176,11 +176,11 @@ def _wait(state: "SimState", s: Session, now_s: float, blocked: str, need: int =
     return out
 
 
-def make_record(s: Session, status: str, end_s: float) -> RequestRecord:
+def make_record(s: SimSession, status: str, end_s: float) -> RequestOutcome:
     r = s.req
     done = status == STATUS_DONE
     route = s.route if done else None
-    return RequestRecord(
+    return RequestOutcome(
         request_id=r.request_id,
         client_id=r.client_id,
         status=status,

@@ -11,11 +11,11 @@ from typing import Callable, Sequence
 
 from swarmlm.perf.model import PerfModel
 from swarmlm.sim.arrivals import SimRequest
-from swarmlm.sim.cluster import Cluster, ServerConfig
+from swarmlm.sim.cluster import Cluster, SimServerConfig
 from swarmlm.sim.engine import Engine
-from swarmlm.sim.metrics import STATUS_DONE, RequestRecord, ServerRecord, summarize
+from swarmlm.sim.metrics import STATUS_DONE, RequestOutcome, ServerUsage, summarize
 from swarmlm.sim.routers import SimRouter
-from swarmlm.sim.session import (ENDED, QUEUED, RUNNING, WAITING, Arrive, ClientBehaviour, Retry, Session, Token,
+from swarmlm.sim.session import (ENDED, QUEUED, RUNNING, WAITING, Arrive, ClientBehaviour, Retry, SimSession, Token,
                                  make_record)
 from swarmlm.types import Route
 
@@ -30,12 +30,12 @@ class SimState:
         self.router = router
         self.behaviour = behaviour
         self.token_events = token_events
-        self.records: list[RequestRecord] = []
+        self.records: list[RequestOutcome] = []
         self.running = 0  # sessions holding slots now
         self.peak_running = 0
 
     # -- called by session events ------------------------------------------------------------------------
-    def admit(self, s: Session, route: Route, needs: list[tuple[str, int]], now_s: float) -> tuple[Token]:
+    def admit(self, s: SimSession, route: Route, needs: list[tuple[str, int]], now_s: float) -> tuple[Token]:
         """Slots are held: compute the prefill and decode step times from the PerfModel and start prefill."""
         req, perf, client = s.req, self.perf, s.req.client_id
         s.phase, s.route, s.needs, s.admitted_s = RUNNING, route, needs, now_s
@@ -55,7 +55,7 @@ class SimState:
         self.peak_running = max(self.peak_running, self.running)
         return (Token(first_s, s, 1),)
 
-    def finish(self, s: Session, now_s: float) -> list[Retry]:
+    def finish(self, s: SimSession, now_s: float) -> list[Retry]:
         """Last token delivered: free the slots, tell the router, wake whoever queued on those servers."""
         self.cluster.release(s.needs, now_s)
         self.router.released(s.req, now_s)
@@ -68,7 +68,7 @@ class SimState:
         return wake
 
     # -- queue mode: FIFO per server, woken only as far as the free slots go --------------------------------
-    def enqueue(self, s: Session, server_id: str, need: int) -> None:
+    def enqueue(self, s: SimSession, server_id: str, need: int) -> None:
         s.phase, s.queued_at = QUEUED, server_id
         self.cluster.servers[server_id].waiters.append((s, need))
 
@@ -94,7 +94,7 @@ class SimState:
         self.cluster.servers[server_id].pending -= need
         return self.pump(server_id, now_s)
 
-    def unqueue(self, s: Session, now_s: float) -> list[Retry]:
+    def unqueue(self, s: SimSession, now_s: float) -> list[Retry]:
         """A queued session gives up: leave the queue; if it was the head, the next ones may fit now."""
         waiters = self.cluster.servers[s.queued_at].waiters
         for i, (waiter, _) in enumerate(waiters):
@@ -103,21 +103,21 @@ class SimState:
                 return self.pump(s.queued_at, now_s) if i == 0 else []
         raise AssertionError(f"request {s.req.request_id} is not in the queue of {s.queued_at}")
 
-    def record(self, s: Session, status: str, end_s: float) -> None:
+    def record(self, s: SimSession, status: str, end_s: float) -> None:
         self.records.append(make_record(s, status, end_s))
 
 
 @dataclass(frozen=True)
 class SimResult:
-    records: tuple[RequestRecord, ...]  # one per request, in request-id order
-    servers: tuple[ServerRecord, ...]
+    records: tuple[RequestOutcome, ...]  # one per request, in request-id order
+    servers: tuple[ServerUsage, ...]
     summary: dict  # metrics.summarize(...) plus engine statistics
     events: int  # events handled
     wall_s: float  # real seconds the run took
 
 
 def run_simulation(
-    servers: Sequence[ServerConfig],
+    servers: Sequence[SimServerConfig],
     perf: PerfModel,
     router: SimRouter,
     requests: Sequence[SimRequest],
@@ -148,7 +148,7 @@ def run_simulation(
     return SimResult(records, server_records, summary, stats.events, time.perf_counter() - wall0)
 
 
-def _check_invariants(state: SimState, requests: Sequence[SimRequest], records: tuple[RequestRecord, ...]) -> None:
+def _check_invariants(state: SimState, requests: Sequence[SimRequest], records: tuple[RequestOutcome, ...]) -> None:
     """No request lost or duplicated; every slot returned; nobody left waiting."""
     ids = [r.request_id for r in records]
     expected = sorted(r.request_id for r in requests)

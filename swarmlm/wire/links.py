@@ -1,6 +1,6 @@
 """Decode-first transmission: which message is written next on each link (one link = one server address).
 
-Used by the client (client/transport.py, policy from its config in client/transmission.py) and by a server pushing
+Used by the client (client/streams.py, policy from its config: `TransmissionPolicy.for_client`) and by a server pushing
 outputs on to the next server (server/push.py): both write steps of many sessions to one peer.
 
 All sessions' messages to one server share one gRPC channel, one TCP connection, one emulated or real link. Bytes
@@ -44,6 +44,14 @@ class TransmissionPolicy:
             raise ValueError(f"max_decode_burst must be >= 1, got {self.max_decode_burst}")
         if self.prefill_window is not None and self.prefill_window < 1:
             raise ValueError(f"prefill_window must be >= 1 or None, got {self.prefill_window}")
+
+    @classmethod
+    def for_client(cls, config) -> "TransmissionPolicy":
+        """From a ClientConfig. Without chunking a prefill is one message and nothing holds it back (the window paces
+        chunks only), so chunking off + decode-first off is the plain arrival-order client."""
+        chunking = config.prefill_chunk_tokens != 0
+        return cls(decode_first=config.decode_first, max_decode_burst=config.max_decode_burst,
+                   prefill_window=config.prefill_window if chunking else None)
 
 
 @dataclass

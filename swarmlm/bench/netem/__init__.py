@@ -3,13 +3,13 @@ from swarmlm.bench.netem.probe import (BandwidthStats, RttStats, measure_bandwid
                                        start_probe_server)
 from swarmlm.bench.netem.profile import (CLIENT, PRESETS, LinkMatrix, LinkProfile, NamedLinks, load_named_links,
                                          network_for, preset)
-from swarmlm.bench.netem.relay import DirectionSpec, ListenSpec, RelayProcess, Route
+from swarmlm.bench.netem.relay import DirectionSpec, ListenSpec, RelayProcess, RelayRoute
 from swarmlm.bench.netem.netns import NetemUnavailable, cleanup_leftovers, leftovers, namespaces_unsupported_reason
 from swarmlm.bench.netem.testbed import Mode, Testbed
 
 __all__ = [
     "BandwidthStats", "CLIENT", "DirectionSpec", "LinkMatrix", "LinkProfile", "ListenSpec", "Mode", "NamedLinks",
-    "NetemUnavailable", "PRESETS", "RelayProcess", "Route", "RttStats", "Testbed", "cleanup_leftovers", "leftovers",
+    "NetemUnavailable", "PRESETS", "RelayProcess", "RelayRoute", "RttStats", "Testbed", "cleanup_leftovers", "leftovers",
     "load_named_links", "measure_bandwidth", "measure_rtt", "namespaces_unsupported_reason", "network_for", "preset",
     "probe_server_argv", "start_probe_server",
 ]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from swarmlm.bench.netem.probe import BandwidthStats, RttStats, measure_bandwidth, measure_rtt, start_probe_server
 from swarmlm.bench.netem.profile import CLIENT, PRESETS, LinkProfile
-from swarmlm.bench.netem.relay import DirectionSpec, ListenSpec, RelayProcess, Route
+from swarmlm.bench.netem.relay import DirectionSpec, ListenSpec, RelayProcess, RelayRoute
 from swarmlm.bench.netem.testbed import Mode, Testbed
 
 
@@ -70,7 +70,7 @@ def relay_overhead(nbytes: int = 200 << 20) -> RelayOverhead:
     try:
         with RelayProcess() as relay:
             zero = DirectionSpec(delay_s=0.0)
-            host, relay_port = relay.listen(ListenSpec("127.0.0.1", 0, "127.0.0.1", port, {"*": Route(zero, zero)}))
+            host, relay_port = relay.listen(ListenSpec("127.0.0.1", 0, "127.0.0.1", port, {"*": RelayRoute(zero, zero)}))
             direct, relayed = f"127.0.0.1:{port}", f"{host}:{relay_port}"
             rtts = [measure_rtt(a, samples=500).median_s for a in (direct, relayed)]
             rates = [min(measure_bandwidth(a, nbytes, d).bits_per_s for d in ("up", "down")) for a in (direct, relayed)]

@@ -69,7 +69,7 @@ class DirectionSpec:
 
 
 @dataclass(frozen=True)
-class Route:
+class RelayRoute:
     forward: DirectionSpec  # accepted peer -> target
     backward: DirectionSpec  # target -> accepted peer
 
@@ -80,7 +80,7 @@ class ListenSpec:
     listen_port: int  # 0 = any free port
     target_host: str
     target_port: int
-    routes: Mapping[str, Route]  # by the accepted peer's IP, so one address serves many sources; "*" = default
+    routes: Mapping[str, RelayRoute]  # by the accepted peer's IP, so one address serves many sources; "*" = default
     buffer_bytes: int = 4 << 20  # bytes held per direction before reading stops (TCP back-pressure)
 
     def __post_init__(self) -> None:
@@ -95,7 +95,7 @@ class ListenSpec:
     @classmethod
     def from_json(cls, text: str) -> "ListenSpec":
         raw = json.loads(text)
-        routes = {ip: Route(DirectionSpec(**r["forward"]), DirectionSpec(**r["backward"]))
+        routes = {ip: RelayRoute(DirectionSpec(**r["forward"]), DirectionSpec(**r["backward"]))
                   for ip, r in raw.pop("routes").items()}
         return cls(routes=routes, **raw)
 

@@ -30,7 +30,7 @@ from swarmlm.bench.netem import netns
 from swarmlm.bench.netem.netns import MAX_HOSTS, HostNamespaces, NetemUnavailable, cleanup_leftovers, leftovers
 from swarmlm.bench.netem.probe import measure_rtt, start_probe_server
 from swarmlm.bench.netem.profile import CLIENT, LinkMatrix, LinkProfile
-from swarmlm.bench.netem.relay import DirectionSpec, ListenSpec, RelayProcess, Route
+from swarmlm.bench.netem.relay import DirectionSpec, ListenSpec, RelayProcess, RelayRoute
 
 Mode = Literal["auto", "namespaces", "relay-only"]
 log = logging.getLogger("swarmlm.bench.netem")
@@ -193,7 +193,7 @@ class Testbed:
         proc, port = start_probe_server(self.host_ip(0), 0, self.exec_prefix(0))
         try:
             d = DirectionSpec(delay_s=_CALIBRATION_ONE_WAY_S)
-            spec = ListenSpec(self.announce_host(0), 0, self.host_ip(0), port, {"*": Route(d, d)})
+            spec = ListenSpec(self.announce_host(0), 0, self.host_ip(0), port, {"*": RelayRoute(d, d)})
             host, relay_port = self._relay.listen(spec)
             rtt_s = measure_rtt(f"{host}:{relay_port}", samples=100).p25_s  # other load only ever adds
         finally:
@@ -218,8 +218,8 @@ class Testbed:
                              rate_bps=rate if rate is not None and rate < self._path_cap_bps(src, dst) else None,
                              loss=link.loss, retransmit_s=link.rtt_s, link_id=f"{src}>{dst}")
 
-    def _route(self, src: int, dst: int) -> Route:
-        return Route(forward=self._direction(src, dst), backward=self._direction(dst, src))
+    def _route(self, src: int, dst: int) -> RelayRoute:
+        return RelayRoute(forward=self._direction(src, dst), backward=self._direction(dst, src))
 
     def _listen(self, i: int, port: int, src: int) -> str:
         if self.mode == "namespaces":
