@@ -1,7 +1,9 @@
 """Helpers for tests that talk to real server processes."""
 from __future__ import annotations
 
+import contextlib
 import queue
+from typing import Iterator, Sequence
 
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
@@ -58,3 +60,25 @@ def assert_link_follows(check) -> None:
     if expected is not None and check.up is not None:
         for measured in (check.up, check.down):
             assert 0.25 * expected < measured.bits_per_s < 1.1 * expected, (check.up, check.down, check.profile)
+
+
+@contextlib.contextmanager
+def gateway_stack(model_dir: str, log_dir, extra: Sequence[str] = ()) -> Iterator[tuple]:
+    """A DHT, 2 servers and the `swarmlm api` gateway, the gateway starting while the servers load (both take
+    seconds); everything stopped on exit. Yields (LocalSwarm, GatewayProcess)."""
+    from swarmlm.api.process import GatewayProcess
+    from swarmlm.swarm.local import LocalSwarm, even_split
+
+    swarm = LocalSwarm(model_dir)
+    gateway = None
+    try:
+        swarm.start_dht()
+        servers = [swarm.start_server(r, wait=False) for r in even_split(6, 2)]
+        gateway = GatewayProcess(model_dir, swarm.initial_peers, log_path=log_dir / "api.err", extra=extra)
+        gateway.start()
+        swarm.wait_ready(servers)
+        yield swarm, gateway
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        swarm.stop()

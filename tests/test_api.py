@@ -13,9 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swarmlm.api.process import GatewayProcess
-from swarmlm.swarm.local import LocalSwarm, even_split
+from swarmlm.swarm.local import LocalSwarm
 from swarmlm.wire import swarm_pb2 as pb
-from tests.swarm_helpers import stub
+from tests.swarm_helpers import gateway_stack, stub
 
 pytestmark = pytest.mark.slow
 KEY = "test-key"
@@ -27,21 +27,10 @@ PROMPTS = ["The quick brown fox", "What is the capital of France?", "Water boils
 @pytest.fixture(scope="module")
 def stack(tiny_bloom, tmp_path_factory):
     """A DHT, 2 servers and the gateway, the gateway starting while the servers load (both take seconds)."""
-    swarm = LocalSwarm(tiny_bloom)
-    gateway = None
-    try:
-        swarm.start_dht()
-        servers = [swarm.start_server(r, wait=False) for r in even_split(6, 2)]
-        gateway = GatewayProcess(tiny_bloom, swarm.initial_peers, log_path=tmp_path_factory.mktemp("api") / "api.err",
-                                 extra=["--api-key", KEY, "--max-streams-per-client", str(STREAM_LIMIT),
-                                        "--wait-for-blocks", "3"])
-        gateway.start()
-        swarm.wait_ready(servers)
-        yield swarm, gateway
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        swarm.stop()
+    with gateway_stack(tiny_bloom, tmp_path_factory.mktemp("api"),
+                       extra=["--api-key", KEY, "--max-streams-per-client", str(STREAM_LIMIT),
+                              "--wait-for-blocks", "3"]) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ import httpx2 as httpx
 import pytest
 
 from swarmlm.api.process import GatewayProcess
-from swarmlm.swarm.local import LocalSwarm, even_split
+from swarmlm.swarm.local import LocalSwarm
+from tests.swarm_helpers import gateway_stack
 
 pytestmark = pytest.mark.slow
 DOCS_IMG = Path(__file__).resolve().parents[1] / "docs" / "img" / "monitor.png"
@@ -88,20 +89,9 @@ class _Cells(HTMLParser):
 
 @pytest.fixture(scope="module")
 def stack(tiny_bloom, tmp_path_factory):
-    """A DHT, 2 servers and the gateway, the gateway starting while the servers load (both take seconds)."""
-    swarm = LocalSwarm(tiny_bloom)
-    gateway = None
-    try:
-        swarm.start_dht()
-        servers = [swarm.start_server(r, wait=False) for r in even_split(6, 2)]
-        gateway = GatewayProcess(tiny_bloom, swarm.initial_peers, log_path=tmp_path_factory.mktemp("api") / "api.err")
-        gateway.start()
-        swarm.wait_ready(servers)
-        yield swarm, gateway
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        swarm.stop()
+    """A DHT, 2 servers and the gateway (tests/swarm_helpers.py), one for the module."""
+    with gateway_stack(tiny_bloom, tmp_path_factory.mktemp("api")) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")

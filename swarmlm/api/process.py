@@ -1,17 +1,17 @@
 """`swarmlm api` as a child process (for `swarmlm demo --api`, the tests and the benchmark), always stopped."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
 from typing import Sequence
+
+from swarmlm.swarm.local import read_ready_line
 
 
 class GatewayProcess:
@@ -27,21 +27,7 @@ class GatewayProcess:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=open(self.log_path, "w"),
                                      stdin=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
-        ready: dict = {}
-
-        def read() -> None:
-            for line in self.proc.stdout:
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    continue
-                if msg.get("event") == "ready":
-                    ready.update(msg)
-                    return
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        reader.join(timeout_s)
+        ready = read_ready_line(self.proc.stdout, timeout_s)
         if not ready:
             self.stop()
             raise RuntimeError(f"the gateway did not start: {' '.join(self.args)}\n{self.log_path.read_text()[-3000:]}")

@@ -34,6 +34,26 @@ def even_split(num_blocks: int, servers: int) -> list[BlockRange]:
     return ranges
 
 
+def read_ready_line(stdout, timeout_s: float) -> dict:
+    """The first JSON line with event=ready a child prints (servers, the API gateway), or {} after timeout_s."""
+    result: dict = {}
+
+    def read() -> None:
+        for line in stdout:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(msg, dict) and msg.get("event") == "ready":
+                result.update(msg)
+                return
+
+    reader = threading.Thread(target=read, daemon=True)  # a thread: stdout has no read timeout
+    reader.start()
+    reader.join(timeout_s)
+    return result
+
+
 @dataclass
 class ServerProcess:
     proc: subprocess.Popen
@@ -131,21 +151,7 @@ class LocalSwarm:
     def wait_ready(self, servers: Sequence[ServerProcess]) -> None:
         deadline = time.monotonic() + self.start_timeout_s
         for server in servers:
-            result: dict = {}
-
-            def read(s: ServerProcess = server) -> None:
-                for line in s.proc.stdout:  # the first JSON line with event=ready
-                    try:
-                        msg = json.loads(line)
-                    except ValueError:
-                        continue
-                    if msg.get("event") == "ready":
-                        result.update(msg)
-                        return
-
-            reader = threading.Thread(target=read, daemon=True)
-            reader.start()
-            reader.join(max(deadline - time.monotonic(), 0.1))
+            result = read_ready_line(server.proc.stdout, max(deadline - time.monotonic(), 0.1))
             if not result:
                 err = server.log_path.read_text()[-3000:] if server.log_path else ""
                 raise RuntimeError(f"server did not become ready: {' '.join(server.args)}\n{err}")
