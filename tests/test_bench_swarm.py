@@ -103,7 +103,9 @@ def test_cli_bench_writes_results_with_telemetry_for_every_process(tiny_bloom, t
         assert set(r["decomposition_s"]) == {"computation", "communication", "queueing", "orchestration"}
         assert r["throughput_tokens_per_s"] > 0 and r["mean_response_s"] > 0 and len(r["requests"]) == 12
         assert {"response_s", "ttft_s", "generated_tokens"} <= set(r["requests"][0])
-        assert abs(r["decomposition_residual_s"]) < 0.05 * r["decomposition_measured_s"]
+        # a part left out (computation, the wire) would be a third of the time or more; a busy machine's stalls
+        # between two clocks are a few per cent (7 % seen beside two busy-loops), so the bound is 15 %
+        assert abs(r["decomposition_residual_s"]) < 0.15 * r["decomposition_measured_s"]
         expected = {"client", "dht", "system"} | {f"server{i}" for i in range(r["servers"])}
         assert set(r["telemetry"]) == expected  # a sample of every process inside every run's window
         assert all(r["telemetry"][f"server{i}"]["median_rtt_s"] for i in range(r["servers"]))
