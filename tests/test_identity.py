@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.model.random_checkpoint import init_checkpoint
-from swarmlm.swarm.dht import announce, fetch_records, owner_subkey, start_dht, visible_addrs
+from swarmlm.swarm.dht import announce, fetch_records, owner_subkey, visible_addrs
 from swarmlm.swarm.dht_thread import ThreadDHT
 from swarmlm.swarm.identity import Identity, id_of, new_nonce, sign_info, verify_info
 from swarmlm.swarm.local import LocalSwarm
@@ -75,7 +75,7 @@ def test_connect_check_accepts_only_the_key_holder_at_its_address():
 
 def test_forged_records_and_far_expirations_change_nothing():
     victim, attacker = Identity.generate(), Identity.generate()
-    boot = start_dht()
+    boot = ThreadDHT(client_mode=False)  # in-process: no fork beside earlier tests' gRPC threads
     peers = visible_addrs(boot)
     honest = ThreadDHT(peers, client_mode=False, validator=victim.validator)
     rogue = RawDHT(peers, attacker)

@@ -12,7 +12,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.model.random_checkpoint import init_checkpoint
-from swarmlm.swarm.dht import announce, default_prefix, fetch_records, owner_subkey, start_dht, visible_addrs
+from swarmlm.swarm.dht import announce, default_prefix, fetch_records, owner_subkey, visible_addrs
 from swarmlm.swarm.dht_thread import ThreadDHT
 from swarmlm.swarm.identity import Identity
 from swarmlm.swarm.local import LocalSwarm
@@ -21,12 +21,14 @@ from swarmlm.types import BlockRange
 
 
 def test_forged_and_unsigned_records_are_rejected():
-    boot = start_dht()
+    # every node in this process (ThreadDHT): forking hivemind's DHT beside the client's live gRPC threads of earlier
+    # tests can crash the child (a segfault seen on a busy machine)
+    boot = ThreadDHT(client_mode=False)
     peers = visible_addrs(boot)
     owner_key = Identity.generate()  # a server id is its key's (swarm/identity.py)
     owner, srv_a = owner_key.validator, owner_key.server_id
-    honest = start_dht(peers, validator=owner)
-    attacker = start_dht(peers, validator=RSASignatureValidator(RSAPrivateKey()))
+    honest = ThreadDHT(peers, client_mode=False, validator=owner)
+    attacker = ThreadDHT(peers, client_mode=False, validator=RSASignatureValidator(RSAPrivateKey()))
     reader = ThreadDHT(peers, client_mode=True)  # what clients run: a node in this process, no fork
     try:
         real = ServerRecord(server_id=srv_a, address="127.0.0.1:5000", start=0, end=2, decode_s=0.01)
@@ -55,10 +57,10 @@ def test_in_process_dht_stores_reads_and_leaves_no_daemon():
         return {c.pid for c in psutil.Process().children() if "p2pd" in c.name()}
 
     before = daemons()
-    boot = start_dht()
+    boot = ThreadDHT(client_mode=False)  # in-process too (no fork beside earlier tests' gRPC threads)
     node = ThreadDHT(visible_addrs(boot), client_mode=False)
     try:
-        assert len(daemons() - before) == 1  # the node's own daemon
+        assert len(daemons() - before) == 2  # boot's and the node's own daemons
         me = Identity(RSAPrivateKey.process_wide())  # the node's default signing key
         record = ServerRecord(server_id=me.server_id, address="127.0.0.1:5001", start=0, end=3)
         assert announce(node, "t", record, 30)
@@ -77,7 +79,7 @@ def test_in_process_dht_stores_reads_and_leaves_no_daemon():
 def test_dead_server_leaves_routes_within_seconds(tiny_bloom):
     with LocalSwarm(tiny_bloom) as swarm:
         swarm.start([BlockRange(0, 6), BlockRange(0, 6)])
-        reader = start_dht(swarm.initial_peers, client_mode=True)
+        reader = ThreadDHT(swarm.initial_peers, client_mode=True)  # what clients run (no fork)
         prefix = default_prefix(tiny_bloom)
         try:
             assert len(fetch_records(reader, prefix, range(6))) == 2
