@@ -34,6 +34,7 @@ from swarmlm.types import BlockRange  # noqa: E402
 from swarmlm.wire import codec  # noqa: E402
 from swarmlm.wire import swarm_pb2 as pb  # noqa: E402
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc  # noqa: E402
+from swarmlm.wire.channel import sync_channel  # noqa: E402
 
 MB = 1 << 20
 PROMPT = "the quick brown fox jumps over"
@@ -130,8 +131,7 @@ class Honest:
 
 
 def stub(address: str, max_mb: int = 256) -> tuple[grpc.Channel, pb_grpc.SwarmStub]:
-    channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", max_mb * MB),
-                                                      ("grpc.max_receive_message_length", max_mb * MB)])
+    channel = sync_channel(address, max_mb * MB)
     return channel, pb_grpc.SwarmStub(channel)
 
 
@@ -157,19 +157,26 @@ def open_msg(start: int, end: int, batch: int = 1, max_length: int = 64) -> pb.I
 
 # ---- the attacks: each returns how many requests it sent and a note --------------------------------------------
 
-def slot_exhaustion(ctx) -> tuple[int, str]:
-    """64 opens, a garbage step on each, then every stream dropped (as a client that dies)."""
+def _open_many(ctx, count: int, garbage: bool) -> tuple[grpc.Channel, list, int]:
+    """`count` session opens from one host, each followed by a garbage step if asked: (channel, streams, refused)."""
     channel, st = stub(ctx.address)
     streams, refused = [], 0
-    for _ in range(64):
+    for _ in range(count):
         s = Stream(st)
         try:
             s.send(open_msg(0, ctx.blocks))
-            s.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=pb.Tensor(data=os.urandom(40), dtype="float32",
-                                                                              shape=[1, 1, 10]))))
+            if garbage:
+                s.send(pb.InferenceRequest(step=pb.InferenceStep(
+                    hidden=pb.Tensor(data=os.urandom(40), dtype="float32", shape=[1, 1, 10]))))
             streams.append(s)
         except grpc.RpcError:
             refused += 1
+    return channel, streams, refused
+
+
+def slot_exhaustion(ctx) -> tuple[int, str]:
+    """64 opens, a garbage step on each, then every stream dropped (as a client that dies)."""
+    channel, streams, refused = _open_many(ctx, 64, garbage=True)
     for s in streams:
         s.drop()
     channel.close()
@@ -178,15 +185,7 @@ def slot_exhaustion(ctx) -> tuple[int, str]:
 
 def silent_opens(ctx) -> tuple[int, str]:
     """64 opens held open without a step; the honest client is polled while they are still held."""
-    channel, st = stub(ctx.address)
-    streams, refused = [], 0
-    for _ in range(64):
-        s = Stream(st)
-        try:
-            s.send(open_msg(0, ctx.blocks))
-            streams.append(s)
-        except grpc.RpcError:
-            refused += 1
+    channel, streams, refused = _open_many(ctx, 64, garbage=False)
     ctx.hold = (channel, streams)  # released after the recovery poll
     return 64, f"{refused} opens refused (per-peer quota); the rest held during the poll"
 

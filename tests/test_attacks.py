@@ -25,6 +25,7 @@ from swarmlm.types import BlockRange
 from swarmlm.wire import codec
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
+from swarmlm.wire.channel import sync_channel
 
 # long enough that the prefill is computed in slices (--max-batch-tokens 32)
 PROMPT = "the quick brown fox jumps over the lazy dog " * 5
@@ -85,7 +86,7 @@ def honest(tiny_bloom, attack_server):
 
 class Stream:
     def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)])
+        self.channel = sync_channel(address, 64 << 20)
         self.stub = pb_grpc.SwarmStub(self.channel)
         self.requests: queue.Queue = queue.Queue()
         self.replies = self.stub.Inference(iter(self.requests.get, None), timeout=120)
@@ -319,7 +320,7 @@ def test_zero_element_tensors_with_huge_dims_are_clean_refusals(attack_server):
 @pytest.mark.slow
 def test_oversized_and_too_costly_requests_are_refused(attack_server, honest):
     address, hidden, blocks = attack_server
-    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+    with sync_channel(address, 64 << 20) as channel:
         st = pb_grpc.SwarmStub(channel)
         for _ in range(3):  # over --max-message-mb 8: gRPC refuses it before the service sees it
             with pytest.raises(grpc.RpcError) as err:
@@ -355,7 +356,7 @@ def test_decode_steps_are_not_stuck_behind_a_long_forward(attack_server, honest)
 
     def forward() -> None:
         x = torch.randn(16, 512, hidden).half()
-        with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+        with sync_channel(address, 64 << 20) as channel:
             reply = pb_grpc.SwarmStub(channel).Forward(pb.ForwardRequest(start_block=0, end_block=blocks,
                                                                          hidden=codec.encode(x)), timeout=600)
         result["end"] = time.monotonic()

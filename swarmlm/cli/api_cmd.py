@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from swarmlm.cli.args import add_swarm_key
+from swarmlm.cli.args import add_client_precision, add_swarm_key
 
 
 def add_parser(sub) -> None:
@@ -25,12 +25,7 @@ def add_parser(sub) -> None:
                    help="seconds a request waits for missing blocks to appear before a 503")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the embeddings and LM head")
     p.add_argument("--log-level", default="warning")
-    p.add_argument("--quant", default="none", choices=["none", "int8"],
-                   help="the LM head and embeddings in int8 (swarmlm/model/quant.py)")
-    p.add_argument("--require-full-precision", action="store_true",
-                   help="route only through servers that announce full-precision weights (quant none)")
-    p.add_argument("--wire-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "int8"],
-                   help="hidden states on the wire (wire/compress.py); auto: float32 on fast links, smaller on slow")
+    add_client_precision(p)
     add_swarm_key(p)
 
 

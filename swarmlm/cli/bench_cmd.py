@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from swarmlm.cli.args import add_prefill_chunks, model_ref
-from swarmlm.config import DTYPE_NAMES
+from swarmlm.config import DTYPE_NAMES, QUANT_NAMES, WIRE_DTYPE_NAMES
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -69,9 +69,9 @@ def add_parser(sub) -> None:
     p.add_argument("--push", action="store_true", help="server-to-server push (N + 1 hops per token, not 2N)")
     add_prefill_chunks(p)
     p.add_argument("--server-threads", type=int, default=1)
-    p.add_argument("--quant", default="none", choices=["none", "int8"],
+    p.add_argument("--quant", default="none", choices=QUANT_NAMES,
                    help="int8 weights in the servers' blocks and the client's head + embeddings (model/quant.py)")
-    p.add_argument("--wire-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "int8"],
+    p.add_argument("--wire-dtype", default="auto", choices=WIRE_DTYPE_NAMES,
                    help="hidden states on the wire (wire/compress.py); auto: float32 on fast links, smaller on slow")
     p.add_argument("--client-threads", type=int, default=1)
     p.add_argument("--out", default="bench-out", help="results directory")

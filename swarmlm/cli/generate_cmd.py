@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from swarmlm.cli.args import add_model, add_prefill_chunks, add_swarm_key, model_ref
+from swarmlm.cli.args import add_client_precision, add_model, add_prefill_chunks, add_swarm_key, model_ref
 
 
 def add_parser(sub) -> None:
@@ -33,12 +33,7 @@ def add_parser(sub) -> None:
                    help="servers push each output straight to the next server of the route (N + 1 hops, not 2N)")
     add_prefill_chunks(p)
     add_swarm_key(p)
-    p.add_argument("--quant", default="none", choices=["none", "int8"],
-                   help="the client's LM head and embeddings in int8 (swarmlm/model/quant.py)")
-    p.add_argument("--require-full-precision", action="store_true",
-                   help="route only through servers that announce full-precision weights (quant none)")
-    p.add_argument("--wire-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "int8"],
-                   help="hidden states on the wire (wire/compress.py); auto: float32 on fast links, smaller on slow")
+    add_client_precision(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (no streaming)")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from swarmlm.cli.args import add_model, add_swarm_key, block_range, model_ref
+from swarmlm.config import QUANT_NAMES
 
 
 def add_parser(sub) -> None:
@@ -22,7 +23,7 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--announce-host", help="address others dial, if not --host")
     p.add_argument("--threads", type=int, default=1, help="torch threads for compute")
-    p.add_argument("--quant", default="none", choices=["none", "int8"],
+    p.add_argument("--quant", default="none", choices=QUANT_NAMES,
                    help="int8: the blocks' linear layers quantized on load (~1/4 of fp32's weight memory, faster "
                         "decode on CPU, ~1 %% logits error; needs float32; announced to clients)")
     p.add_argument("--cache-mb", type=int, default=256, help="attention-cache budget across sessions, MiB")
