@@ -5,12 +5,15 @@ each and the same announced profile (B reads the profile A measured): A already 
 generating all along (another client pinned to A), B is idle. (Replicas of 1 vs 2 threads do not differ in speed on
 this 2-core machine shared by other work: 2 threads measured 16x slower per block than 1.) Then `--clients`
 clients, each its own client object (own router, seeing the others only through the servers' announced load),
-arrive `--gap` s apart and each generate `--output` tokens. Per routing mode: mean per-token time (end-to-end / tokens) of those clients, and the
-share of them each replica served. Rounds alternate the modes (medians over rounds).
+arrive `--gap` s apart and each generate `--output` tokens. Per routing mode: mean per-token time (end-to-end / tokens) of those clients, the
+share of them each replica served, and the mean per-token time of the clients on each replica. Per client the
+JSON also keeps what its router believed each replica ran when it chose (`seen`: the announced Info sessions, or
+its own) and the load average. Rounds alternate the modes (medians over rounds).
 
-Simulated: the same topology (both replicas with the profiles they announced, the RTTs the clients measured, the
-same arrivals, the background sessions as long requests that can only reach A) through the simulator's
-`simulate_scenario` (what `swarmlm simulate` runs) with the fixed placement, under both routing modes.
+Simulated: the same topology (both replicas with the profiles they announced, including the contention f(b) they
+measured, the RTTs the clients measured, the same arrivals, the background sessions as long requests that can
+only reach A) through the simulator's `simulate_scenario` (what `swarmlm simulate` runs) with the fixed
+placement, under both routing modes.
 
     .venv/bin/python benchmarks/routing_bench.py [--clients 8] [--background 4] [--rounds 2] [--output 32]
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import threading
 import time
@@ -64,9 +68,25 @@ def wait_for_load(client: DistributedModelForCausalLM, address: str, sessions: i
     raise RuntimeError(f"the background sessions never showed on {address}")
 
 
-def one_round(model_dir: str, clients: list[DistributedModelForCausalLM], gap_s: float, l_in: int,
-              l_out: int) -> list[dict]:
-    """Every client arrives `gap_s` after the previous one and generates once; per client: time per token, replica."""
+def remember_view(client: DistributedModelForCausalLM) -> dict:
+    """Wrap the client's router so the sessions it believed each server ran, when it last chose, are kept."""
+    live, seen = client.remote.router, {}
+    choose = live.route
+
+    def route(*args, **kwargs):
+        spans = choose(*args, **kwargs)
+        seen.clear()
+        seen.update({sid: st.sessions() for sid, st in live.router._servers.items()})
+        return spans
+
+    live.route = route
+    return seen
+
+
+def one_round(model_dir: str, clients: list[DistributedModelForCausalLM], views: list[dict], gap_s: float,
+              l_in: int, l_out: int) -> list[dict]:
+    """Every client arrives `gap_s` after the previous one and generates once; per client: time per token, replica,
+    and the sessions per server its router saw when it chose."""
     results: list[dict] = [{} for _ in clients]
 
     def run(i: int, client: DistributedModelForCausalLM) -> None:
@@ -76,7 +96,8 @@ def one_round(model_dir: str, clients: list[DistributedModelForCausalLM], gap_s:
         e2e = time.perf_counter() - t0
         assert out.shape[1] == l_in + l_out
         route = client.last_stats.route
-        results[i] = {"per_token_s": e2e / l_out, "server": route[0].split("[")[0], "hops": len(route)}
+        results[i] = {"per_token_s": e2e / l_out, "server": route[0].split("[")[0], "hops": len(route),
+                      "arrival_s": i * gap_s, "seen": dict(views[i])}
 
     threads = []
     for i, client in enumerate(clients):
@@ -95,7 +116,9 @@ def simulate(servers: dict[str, dict], rtt_s: dict[str, float], num_blocks: int,
     doc = {
         "model": {"num_blocks": num_blocks, "block_bytes": 1e6, "cache_bytes_per_session_block": 1e6},
         "servers": [{"name": n, "memory_bytes": 64e9, "tau_prefill_s": [r["prefill_a_s"], r["prefill_b_s"]],
-                     "tau_decode_s": r["decode_s_per_block"]} for n, r in servers.items()],
+                     "tau_decode_s": r["decode_s_per_block"],
+                     "tau_decode_rows_s": [r["decode_4rows_s_per_block"], r["decode_16rows_s_per_block"]]}
+                    for n, r in servers.items()],
         "clients": [{"name": "client"}, {"name": "background"}],
         # the background client reaches only A (B is 1,000 s away): its sessions load A, as in the real run
         "rtt_s": {"client": {n: rtt_s.get(n, 0.001) for n in names},
@@ -114,7 +137,15 @@ def simulate(servers: dict[str, dict], rtt_s: dict[str, float], num_blocks: int,
 
 def summary(rows: list[dict], names: dict[str, str]) -> dict:
     share = {label: sum(r["server"] == sid for r in rows) / len(rows) for sid, label in names.items()}
-    return {"mean_per_token_ms": 1e3 * statistics.fmean(r["per_token_s"] for r in rows), "share": share}
+    by_replica = {label: [1e3 * r["per_token_s"] for r in rows if r["server"] == sid] for sid, label in names.items()}
+    return {"mean_per_token_ms": 1e3 * statistics.fmean(r["per_token_s"] for r in rows), "share": share,
+            "per_token_ms_by_replica": {k: statistics.fmean(v) if v else None for k, v in by_replica.items()},
+            "clients": rows}
+
+
+def median_of(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 def main() -> None:
@@ -140,6 +171,8 @@ def main() -> None:
         clients = {mode: [DistributedModelForCausalLM.from_pretrained(model_dir, servers=[a.address, b.address],
                                                                       routing=mode) for _ in range(args.clients)]
                    for mode in MODES}
+        views = {mode: [remember_view(c) for c in clients[mode]] for mode in MODES}
+        loads: list[tuple[float, float, float]] = [os.getloadavg()]
         try:
             for c in clients["shortest"] + clients["waiting-aware"]:  # warm-up: channels, RTT probes
                 c.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2)
@@ -147,9 +180,17 @@ def main() -> None:
             real: dict[str, list[list[dict]]] = {m: [] for m in MODES}
             for r in range(args.rounds):
                 for mode in MODES if r % 2 == 0 else MODES[::-1]:
-                    real[mode].append(one_round(model_dir, clients[mode], args.gap, args.input, args.output))
-                    print(mode, summary(real[mode][-1], names), flush=True)
-            rtt = dict(clients["waiting-aware"][0].remote.view.rtt_s)
+                    rows = one_round(model_dir, clients[mode], views[mode], args.gap, args.input, args.output)
+                    loads.append(os.getloadavg())
+                    for row in rows:
+                        row["seen"] = {names[sid][0]: n for sid, n in row["seen"].items()}
+                    real[mode].append(rows)
+                    s = summary(rows, names)
+                    print(mode, f"{s['mean_per_token_ms']:.1f} ms/token", s["share"], s["per_token_ms_by_replica"],
+                          f"load {loads[-1][0]:.1f}", flush=True)
+            # each client measured its own RTTs: the simulated client takes their medians
+            rtt = {sid: statistics.median(c.remote.view.rtt_s[sid] for m in MODES for c in clients[m]
+                                          if sid in c.remote.view.rtt_s) for sid in names}
         finally:
             stop.set()
             for t in bg:
@@ -157,12 +198,15 @@ def main() -> None:
             for c in clients["shortest"] + clients["waiting-aware"]:
                 c.close()
         ready = {s.server_id: s.ready for s in (a, b)}
-    report: dict = {"args": vars(args), "profiles": ready, "rtt_s": rtt, "real": {}, "simulated": {}}
+    report: dict = {"args": vars(args), "profiles": ready, "rtt_s": rtt, "load_average": loads, "real": {},
+                    "simulated": {}}
     for mode in MODES:
         rounds = [summary(rows, names) for rows in real[mode]]
         report["real"][mode] = {
             "mean_per_token_ms": statistics.median(x["mean_per_token_ms"] for x in rounds),
             "share": {label: statistics.median(x["share"][label] for x in rounds) for label in names.values()},
+            "per_token_ms_by_replica": {label: median_of([x["per_token_ms_by_replica"][label] for x in rounds])
+                                        for label in names.values()},
             "rounds": rounds,
         }
         sim = simulate(ready, rtt, num_blocks, args.clients, args.gap, args.input, args.output, args.background, mode)
@@ -170,13 +214,18 @@ def main() -> None:
     print(f"{args.preset}: A = {args.background} background sessions, B idle (1 thread each); "
           f"{args.clients} clients {args.gap} s apart, {args.input} in / {args.output} out; medians of "
           f"{args.rounds} rounds")
-    print("| routing | real ms/token | real share A / B | simulated ms/token | simulated share A / B |")
-    print("|---|---|---|---|---|")
+    print("| routing | real ms/token | real share A / B | real ms/token on A / B | simulated ms/token | "
+          "simulated share A / B | simulated ms/token on A / B |")
+    print("|---|---|---|---|---|---|---|")
+    ms = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     for mode in MODES:
         re_, si = report["real"][mode], report["simulated"][mode]
         la, lb = names.values()
+        rb, sb = re_["per_token_ms_by_replica"], si["per_token_ms_by_replica"]
         print(f"| {mode} | {re_['mean_per_token_ms']:.1f} | {re_['share'][la]:.0%} / {re_['share'][lb]:.0%} | "
-              f"{si['mean_per_token_ms']:.1f} | {si['share'][la]:.0%} / {si['share'][lb]:.0%} |")
+              f"{ms(rb[la])} / {ms(rb[lb])} | {si['mean_per_token_ms']:.1f} | "
+              f"{si['share'][la]:.0%} / {si['share'][lb]:.0%} | {ms(sb[la])} / {ms(sb[lb])} |")
+    print("load average (1 min) over the run:", " ".join(f"{x[0]:.1f}" for x in loads))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
 

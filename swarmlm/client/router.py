@@ -1,7 +1,9 @@
 """Which servers a session goes through. The choice itself is the planner's `WaitingAwareRouter` (BPRR's WS-RR,
 the code the simulator runs); this module only feeds it what this client sees of the swarm:
 
-* servers and their compute profiles, from the DHT records (or `Info` replies of a fixed server list);
+* servers and their compute profiles, from the DHT records (or `Info` replies of a fixed server list), with the
+  contention each announces (a decode forward of 4 and 16 rows: the router's and the simulator's f(b)); a server
+  that announces none is taken to share its compute without batching gains (f(b) = b, the cautious bound);
 * links: the RTTs this client measured (remote.py probes them);
 * slots: a server's cache, in sessions of this request's size (blocks x batch x tokens x the server's announced
   per-token session bytes): total from `cache_bytes_total`, free from `cache_bytes_free`;
@@ -75,6 +77,14 @@ def slots(record: ServerRecord, session_bytes: int) -> tuple[int, int]:
     return record.cache_bytes_total // session_bytes, record.cache_bytes_free // session_bytes
 
 
+def profile_of(record: ServerRecord) -> ComputeProfile:
+    """The announced compute profile; without an announced contention, the no-batching bound f(b) = b."""
+    if record.decode_4rows_s > 0 and record.decode_16rows_s > 0:
+        return ComputeProfile(record.prefill_a_s, record.prefill_b_s, record.decode_s, record.decode_4rows_s,
+                              record.decode_16rows_s)
+    return ComputeProfile.no_batching(record.prefill_a_s, record.prefill_b_s, record.decode_s)
+
+
 class LiveRouter:
     """The planner's WaitingAwareRouter kept in step with the client's SwarmView, plus this client's sessions."""
 
@@ -82,7 +92,7 @@ class LiveRouter:
         self.view = view
         self.network = Network(default_rtt_s=DEFAULT_RTT_S)
         self.perf = PerfModel({}, self.network)
-        self.router = WaitingAwareRouter(self.perf, num_blocks, shared_compute=True)
+        self.router = WaitingAwareRouter(self.perf, num_blocks)
         self._synced: dict[str, tuple] = {}  # server id -> what the router was last told about it
         self._admitted = 0
         # sessions open on the client's I/O thread, routes are chosen on the callers' threads: one at a time
@@ -96,7 +106,7 @@ class LiveRouter:
             del self._synced[sid]
         changed = False
         for sid, r in records.items():
-            profile = ComputeProfile(prefill_a_s=r.prefill_a_s, prefill_b_s=r.prefill_b_s, decode_s=r.decode_s)
+            profile = profile_of(r)
             rtt = self.view.rtt_s.get(sid)
             total, free = slots(r, r.session_bytes_per_block_token * bytes_per_block_token)
             state = (profile, rtt, r.start, r.end, total)

@@ -10,6 +10,11 @@ BPRR model (arXiv 2512.21884, section "performance models"), all times in second
 The client relays hidden states between consecutive servers (as Petals does), so only client<->server links
 matter: tI_cj = RTT_cj + 2 * l_in * h / bw_cj and t_cj = RTT_cj + 2 * h / bw_cj, h = hidden bytes per token
 (0 by default: the paper's RTTs already include the small per-token payload).
+
+Compute contention (our addition; the paper measured GPU servers, whose step time does not grow with load): a server
+running b sessions at once steps each of them in tau_j * f_j(b) per block, f_j(b) = the cost of one batched decode
+forward of b rows over one of 1 row (`ComputeProfile.load_factor`), piecewise linear through the rows a server's
+profile measured (1, 4 and 16: `CONTENTION_ROWS`). A profile without those measurements has f = 1 (the paper).
 """
 from __future__ import annotations
 
@@ -26,21 +31,61 @@ def _check_nonneg(owner: str, **values: float) -> None:
             raise ValueError(f"{owner}.{name} must be a finite number >= 0, got {value!r}")
 
 
+CONTENTION_ROWS = (4, 16)  # decode rows (concurrent sessions) at which a profile measures a batched forward
+
+
 @dataclass(frozen=True)
 class ComputeProfile:
-    """Per-block compute time of one server, fitted from measurements (linear in blocks and in l_in)."""
+    """Per-block compute time of one server, fitted from measurements (linear in blocks and in l_in), and how a
+    decode step slows down with the sessions the server runs at once (`load_factor`)."""
 
     prefill_a_s: float  # seconds per block per prompt token
     prefill_b_s: float  # seconds per block per prompt (fixed part)
-    decode_s: float  # seconds per block per generated token
+    decode_s: float  # seconds per block per generated token, one session alone
+    # seconds per block of ONE decode forward of 4 / 16 rows (CONTENTION_ROWS), i.e. 4 / 16 sessions batched
+    # together; 0 = not measured (the paper's model: step time independent of load)
+    decode_4rows_s: float = 0.0
+    decode_16rows_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_nonneg("ComputeProfile", prefill_a_s=self.prefill_a_s, prefill_b_s=self.prefill_b_s,
-                      decode_s=self.decode_s)
+                      decode_s=self.decode_s, decode_4rows_s=self.decode_4rows_s,
+                      decode_16rows_s=self.decode_16rows_s)
+        if (self.decode_4rows_s > 0) != (self.decode_16rows_s > 0):
+            raise ValueError("ComputeProfile: decode_4rows_s and decode_16rows_s are measured together (both > 0 or "
+                             f"both 0), got {self.decode_4rows_s} and {self.decode_16rows_s}")
 
     def prefill_s(self, l_in: int) -> float:
         """Seconds to run one block over a prompt of `l_in` tokens."""
         return self.prefill_a_s * l_in + self.prefill_b_s
+
+    @property
+    def contended(self) -> bool:
+        """True if step times grow with the sessions the server runs (f is not 1 everywhere)."""
+        return self.decode_s > 0 and self.decode_4rows_s > 0
+
+    def load_factor(self, sessions: int) -> float:
+        """f(b): a step's compute with `sessions` (b) running at once over one session's alone, f(1) = 1.
+
+        Piecewise linear through (1, 1), (4, f4), (16, f16), the measured cost of one forward of that many rows
+        over one row (the sessions' steps batched; sessions out of lockstep wait for each other's rounds on top,
+        which this leaves out), extended past 16 with the last segment's slope. Clamped so that noise in the
+        measurement cannot make more sessions cheaper (f non-decreasing) or worse than no batching (f(b) <= b).
+        """
+        if sessions <= 1 or not self.contended:
+            return 1.0
+        (r1, r2) = CONTENTION_ROWS
+        f1 = min(max(self.decode_4rows_s / self.decode_s, 1.0), float(r1))
+        f2 = min(max(self.decode_16rows_s / self.decode_s, f1), float(r2))
+        if sessions <= r1:
+            return 1.0 + (f1 - 1.0) * (sessions - 1) / (r1 - 1)
+        return min(f1 + (f2 - f1) * (sessions - r1) / (r2 - r1), float(sessions))
+
+    @classmethod
+    def no_batching(cls, prefill_a_s: float, prefill_b_s: float, decode_s: float) -> "ComputeProfile":
+        """A profile whose sessions share the compute without any batching gain: f(b) = b."""
+        r1, r2 = CONTENTION_ROWS
+        return cls(prefill_a_s, prefill_b_s, decode_s, r1 * decode_s, r2 * decode_s)
 
 
 @dataclass(frozen=True)
@@ -294,11 +339,19 @@ class PerfModel:
         return rtt + (2 * 8.0 * nbytes / bw if nbytes and math.isfinite(bw) else 0.0)
 
     # -- hops ---------------------------------------------------------------------------------------------
-    def prefill_hop_s(self, client: str, server: str, blocks: int, l_in: int) -> float:
-        return self.round_trip_s(client, server, l_in) + blocks * self.profiles[server].prefill_s(l_in)
+    def prefill_hop_s(self, client: str, server: str, blocks: int, l_in: int, sessions: int = 1) -> float:
+        """The prompt through k blocks of `server` while it runs `sessions` sessions (this one included)."""
+        profile = self.profiles[server]
+        return self.round_trip_s(client, server, l_in) + blocks * profile.prefill_s(l_in) * profile.load_factor(sessions)
 
-    def decode_hop_s(self, client: str, server: str, blocks: int) -> float:
-        return self.round_trip_s(client, server, 1) + blocks * self.profiles[server].decode_s
+    def decode_hop_s(self, client: str, server: str, blocks: int, sessions: int = 1) -> float:
+        """One token through k blocks of `server` while it runs `sessions` sessions (this one included)."""
+        profile = self.profiles[server]
+        return self.round_trip_s(client, server, 1) + blocks * profile.decode_s * profile.load_factor(sessions)
+
+    def load_factor(self, server: str, sessions: int) -> float:
+        """f(b) of `server`: its compute with `sessions` running at once over one session's alone."""
+        return self.profiles[server].load_factor(sessions)
 
     def hop_cost_s(self, client: str, server: str, blocks: int, l_in: int, l_out: int) -> float:
         """BPRR edge weight: (tI + (l_out-1) t) + (tauI + (l_out-1) tau) * k."""
@@ -307,7 +360,8 @@ class PerfModel:
 
     def hop_cost_terms(self, client: str, server: str, l_in: int, l_out: int) -> tuple[float, float]:
         """The hop cost is affine in the block count k: (fixed_s, per_block_s) with cost = fixed + per_block * k.
-        fixed = tI + (l_out-1) t (links), per_block = tauI(l_in) + (l_out-1) tau (compute). Memoised: the
+        fixed = tI + (l_out-1) t (links), per_block = tauI(l_in) + (l_out-1) tau (compute, one session alone: a
+        router multiplies it by `load_factor(server, b)` for a server running b sessions). Memoised: the
         planner asks for every (client, server) pair, sometimes twice."""
         if self._terms_version != self.network.version:
             self._terms.clear()

@@ -1,7 +1,8 @@
 """A server measures its own per-block compute times at start-up (cached on disk), to announce and to plan with.
 
 Fits the performance model's ComputeProfile: prefill seconds per block = a * tokens + b (two lengths, least
-squares over repeats), decode seconds per block per token (median of single-token steps).
+squares over repeats), decode seconds per block per token (median of single-token steps), and the same decode
+step with 4 and 16 rows (sessions batched in one forward: the compute-contention term f(b) of perf/model.py).
 
 perf sits below server in the layering (docs/ARCHITECTURE.md): what is measured is described by the `Measurable`
 protocol, which the server's `Stage` satisfies; the server builds the stage and hands it in.
@@ -20,11 +21,11 @@ from typing import Any, Protocol
 
 import torch
 
-from swarmlm.perf.model import ComputeProfile
+from swarmlm.perf.model import CONTENTION_ROWS, ComputeProfile
 from swarmlm.types import BlockRange
 
 log = logging.getLogger(__name__)
-PROFILE_VERSION = 2  # bump when the measurement changes: cached profiles are redone
+PROFILE_VERSION = 3  # bump when the measurement changes: cached profiles are redone
 
 
 def _cpu_name() -> str:
@@ -82,17 +83,25 @@ def measure(stage: Measurable, lengths: tuple[int, int] = (16, 128), decode_step
     medians = [statistics.median(prefill_s(tokens) / n for _ in range(repeats)) for tokens in lengths]
     a, b = _fit_line(list(lengths), medians)
 
-    state = stage.new_state(blocks, 1)
-    stage.step(state, torch.randn(1, lengths[0], h, generator=gen), torch.ones(1, lengths[0], dtype=torch.long))
-    one = torch.ones(1, 1, dtype=torch.long)
-    times = []
+    # decode with 1, 4 and 16 rows after a short prompt; one step of each size in turn, so that a change of the
+    # machine's load during the measurement shifts all three alike and their ratios (f(b)) stay meaningful
+    sizes = (1, *CONTENTION_ROWS)
+    states = []
+    for rows in sizes:
+        state = stage.new_state(blocks, rows)
+        stage.step(state, torch.randn(rows, lengths[0], h, generator=gen),
+                   torch.ones(rows, lengths[0], dtype=torch.long))
+        states.append(state)
+    times: list[list[float]] = [[] for _ in sizes]
     for _ in range(decode_steps + 1):
-        x = torch.randn(1, 1, h, generator=gen)
-        t0 = time.perf_counter()
-        stage.step(state, x, one)
-        times.append(time.perf_counter() - t0)
-    decode = statistics.median(times[1:]) / n
-    return ComputeProfile(prefill_a_s=max(a, 0.0), prefill_b_s=max(b, 0.0), decode_s=decode)
+        for rows, state, out in zip(sizes, states, times):
+            x = torch.randn(rows, 1, h, generator=gen)
+            t0 = time.perf_counter()
+            stage.step(state, x, torch.ones(rows, 1, dtype=torch.long))
+            out.append(time.perf_counter() - t0)
+    decode, d4, d16 = (statistics.median(t[1:]) / n for t in times)  # the first step of each warms up
+    return ComputeProfile(prefill_a_s=max(a, 0.0), prefill_b_s=max(b, 0.0), decode_s=decode,
+                          decode_4rows_s=d4, decode_16rows_s=d16)
 
 
 def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -113,16 +122,18 @@ def cached_profile(stage: Measurable, threads: int, cache_dir: str | Path | None
         except (ValueError, TypeError):
             pass  # a corrupt cache entry is measured again
     torch.set_num_threads(threads)
-    log.info("measuring compute: prefill at 16 and 128 tokens, 8 decode steps (cached for the next start in %s)",
-             cache_dir)
+    log.info("measuring compute: prefill at 16 and 128 tokens, 8 decode steps of 1, 4 and 16 rows (cached for the "
+             "next start in %s)", cache_dir)
     t0 = time.perf_counter()
     profile = measure(stage)
-    log.info("measured in %.1f s: decode %.2f ms/token per block, prefill %.3f ms/token + %.2f ms per block",
-             time.perf_counter() - t0, profile.decode_s * 1e3, profile.prefill_a_s * 1e3, profile.prefill_b_s * 1e3)
+    log.info("measured in %.1f s: decode %.2f ms/token per block (f(4) = %.2f, f(16) = %.2f), prefill %.3f ms/token "
+             "+ %.2f ms per block", time.perf_counter() - t0, profile.decode_s * 1e3, profile.load_factor(4),
+             profile.load_factor(16), profile.prefill_a_s * 1e3, profile.prefill_b_s * 1e3)
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # servers profiling the same shapes at once each write their own
     tmp.write_text(json.dumps({"prefill_a_s": profile.prefill_a_s, "prefill_b_s": profile.prefill_b_s,
-                               "decode_s": profile.decode_s}))
+                               "decode_s": profile.decode_s, "decode_4rows_s": profile.decode_4rows_s,
+                               "decode_16rows_s": profile.decode_16rows_s}))
     tmp.replace(path)
     return profile
 

@@ -7,9 +7,9 @@ is reached. Two routers share that graph:
 * `shortest_route(ranges, num_blocks, hop_cost)` -- static costs (planner, the paper's step 5).
 * `WaitingAwareRouter` -- WS-RR: adds each server's earliest free-slot time to the hop cost. The one router of
   the live client (client/router.py feeds it announced records, measured RTTs and its own sessions) and of the
-  simulator (sim/routers.py: it admits/releases sessions as events fire). With `shared_compute=True` (the live
-  client: CPU servers share one compute thread between sessions) a hop's compute cost also grows with the
-  sessions running there; the simulator leaves it off because its servers' step times do not grow with load.
+  simulator (sim/routers.py: it admits/releases sessions as events fire). A hop's compute cost also grows with
+  the sessions running on its server, by the performance model's f(b) (`ComputeProfile.load_factor`, the
+  formula the simulated servers step with); profiles without a contention measurement keep f = 1 (the paper).
 
 Public API (stable; the simulator and the client call it):
 
@@ -17,7 +17,7 @@ Public API (stable; the simulator and the client call it):
     shortest_route(ranges, num_blocks, hop_cost, exact_prev=False) -> list[Span]   # raises MissingBlocks
     HopGraph(ranges, num_blocks).shortest(hop_cost)            # same, graph built once for many routes
     RoutedHops(spans, start_times_s)                          # NamedTuple, unpacks as (spans, start_times)
-    router = WaitingAwareRouter(perf, num_blocks, shared_compute=False)
+    router = WaitingAwareRouter(perf, num_blocks)
     router.set_server(server_id, block_range, total_slots)    # (re)announce; slots are block-sessions
     router.set_load(server_id, free_slots, sessions=None)     # live: announced free slots and running sessions
     router.remove_server(server_id)
@@ -271,15 +271,15 @@ class WaitingAwareRouter:
     Time is whatever clock the caller uses (simulated seconds or time.monotonic()); the router never reads
     a clock. It keeps one record per admitted session; callers must `release` or `expire` them.
 
-    shared_compute: a server's sessions share its compute (a CPU server runs them on one thread, batching
-    gains little: docs/RESULTS-batching.md), so with WS-RR a hop's per-block cost is multiplied by 1 + the
-    sessions running there (processor sharing). Off, the paper's model: step times do not depend on load.
+    Compute contention: with WS-RR a hop's per-block cost is multiplied by f(b + 1), b the sessions running on
+    its server (`PerfModel.load_factor`: a CPU server's step grows with the sessions it batches; f = 1 for
+    profiles without that measurement, the paper's GPU servers). The new session pays for the load it finds,
+    not for what it adds to the others' steps (WS-RR is the client's own cheapest route).
     """
 
-    def __init__(self, perf: PerfModel, num_blocks: int, shared_compute: bool = False) -> None:
+    def __init__(self, perf: PerfModel, num_blocks: int) -> None:
         self.perf = perf
         self.num_blocks = num_blocks
-        self.shared_compute = shared_compute
         self._servers: dict[str, _ServerState] = {}
         self._sessions: dict[str, tuple[float, list[str]]] = {}  # session -> (until_s, servers it holds)
         # hop graphs by (window, excluded servers): rebuilt after any change of ranges
@@ -306,7 +306,7 @@ class WaitingAwareRouter:
 
     def set_load(self, server_id: str, free_slots: int, sessions: int | None = None) -> None:
         """Live swarm: the server's announced free slots (includes other clients' sessions we cannot see) and,
-        with shared_compute, the sessions it runs."""
+        the sessions it runs (their compute contention)."""
         state = self._servers[server_id]
         state.announced_free = max(0, int(free_slots))
         if sessions is not None:
@@ -357,7 +357,7 @@ class WaitingAwareRouter:
 
     def route(self, client: str, now_s: float, l_in: int, l_out: int, waiting_aware: bool = True,
               window: BlockRange | None = None, exclude: frozenset[str] = frozenset()) -> RoutedHops:
-        """Cheapest chain for one new request; edge cost = (start - now) + BPRR hop cost (+ shared compute).
+        """Cheapest chain for one new request; edge cost = (start - now) + BPRR hop cost with compute x f(load).
 
         waiting_aware=False routes on hop costs alone (plain shortest path) but still reports start times.
         window: route only blocks [window.start, window.end) (a failover re-routes one broken span); exclude:
@@ -367,8 +367,7 @@ class WaitingAwareRouter:
         fixed, per_block = self.hop_costs(client, l_in, l_out)
         graph = self.graph(window, exclude)
         if waiting_aware:
-            if self.shared_compute:
-                per_block = {sid: c * (1 + self._servers[sid].sessions()) for sid, c in per_block.items()}
+            per_block = self.loaded_per_block(per_block)
             free = {sid: st.free_slots() for sid, st in self._servers.items()}
             wait = lambda sid, k: self._servers[sid].earliest_start_s(k, now_s) - now_s  # noqa: E731
             spans = graph.shortest_affine(fixed, per_block, free, wait)
@@ -378,6 +377,15 @@ class WaitingAwareRouter:
         spans = [Span(s.server_id, s.start + shift, s.end + shift) for s in spans] if shift else spans
         starts = [self._servers[s.server_id].earliest_start_s(s.length, now_s) for s in spans]
         return RoutedHops(spans, starts)
+
+    def loaded_per_block(self, per_block: Mapping[str, float]) -> dict[str, float]:
+        """Each server's per-block hop cost for one more session: x f(sessions running there + 1)."""
+        f = self.perf.load_factor
+        return {sid: c * f(sid, 1 + self._servers[sid].sessions()) for sid, c in per_block.items()}
+
+    def contended(self) -> bool:
+        """True if some server's step time grows with its load (then load, not only slots, steers WS-RR)."""
+        return any(self.perf.profiles[sid].contended for sid in self._servers)
 
     # -- sessions -----------------------------------------------------------------------------------------
     def admit(self, session_id: str, spans: list[Span], until_s: float) -> None:

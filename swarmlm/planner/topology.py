@@ -143,13 +143,24 @@ def _parse_servers(raw: Any, model: ModelSpec) -> list[ServerSpec]:
     for i, entry in enumerate(raw):
         where = f"servers[{i}]"
         e = _obj(entry, where)
-        _keys(e, where, {"name", "memory_bytes", "tau_prefill_s", "tau_decode_s"}, {"cluster", "count"})
+        _keys(e, where, {"name", "memory_bytes", "tau_prefill_s", "tau_decode_s"},
+              {"cluster", "count", "tau_decode_rows_s"})
         label = f"{where} ({e['name']})"
         tp = e["tau_prefill_s"]
         if not isinstance(tp, (list, tuple)) or len(tp) != 2:
             raise PlanningError(f"{label}.tau_prefill_s must be [a, b] (a*l_in + b seconds per block), got {tp!r}")
-        profile = ComputeProfile(_num(tp[0], f"{label}.tau_prefill_s[0]"), _num(tp[1], f"{label}.tau_prefill_s[1]"),
-                                 _num(e["tau_decode_s"], f"{label}.tau_decode_s"))
+        # optional compute contention (perf.model.CONTENTION_ROWS): one decode forward of 4 and of 16 rows
+        rows = e.get("tau_decode_rows_s", [0.0, 0.0])
+        if not isinstance(rows, (list, tuple)) or len(rows) != 2:
+            raise PlanningError(f"{label}.tau_decode_rows_s must be [t4, t16] (seconds per block of one decode "
+                                f"forward of 4 and of 16 sessions), got {rows!r}")
+        times = (_num(tp[0], f"{label}.tau_prefill_s[0]"), _num(tp[1], f"{label}.tau_prefill_s[1]"),
+                 _num(e["tau_decode_s"], f"{label}.tau_decode_s"), _num(rows[0], f"{label}.tau_decode_rows_s[0]"),
+                 _num(rows[1], f"{label}.tau_decode_rows_s[1]"))
+        try:
+            profile = ComputeProfile(*times)
+        except ValueError as exc:  # the numbers passed _num: only one of the two contention times is 0
+            raise PlanningError(f"{label}.tau_decode_rows_s: {exc}") from None
         memory = _num(e["memory_bytes"], f"{label}.memory_bytes", 0, strict=True)
         need = model.block_bytes + model.cache_bytes_per_session_block
         if memory < need:

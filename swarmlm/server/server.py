@@ -109,6 +109,7 @@ class Server:
         stats = ServerStats(
             server_id=self.server_id, model=self.prefix or "", decode_s_per_block=profile.decode_s,
             prefill_a_s=profile.prefill_a_s, prefill_b_s=profile.prefill_b_s,
+            decode_4rows_s_per_block=profile.decode_4rows_s, decode_16rows_s_per_block=profile.decode_16rows_s,
         )
         scheduler = Scheduler(cfg.threads, cfg.max_batch_tokens, cfg.max_prefill_skips, cfg.batch_wait_fraction,
                               cfg.max_batch_wait_s)
@@ -210,6 +211,8 @@ class Server:
             self.stage = self.service.stage = stage
             self.service.stats.decode_s_per_block = profile.decode_s
             self.service.stats.prefill_a_s, self.service.stats.prefill_b_s = profile.prefill_a_s, profile.prefill_b_s
+            self.service.stats.decode_4rows_s_per_block = profile.decode_4rows_s
+            self.service.stats.decode_16rows_s_per_block = profile.decode_16rows_s
             self.service.accepting = True
         print(json.dumps({"event": "moved", "server_id": self.server_id, "blocks": [blocks.start, blocks.end]}),
               flush=True)
@@ -220,7 +223,8 @@ class Server:
             "event": "ready", "server_id": self.server_id, "address": self.address,
             "blocks": [self.stage.blocks.start, self.stage.blocks.end],
             "decode_s_per_block": profile.decode_s, "prefill_a_s": profile.prefill_a_s,
-            "prefill_b_s": profile.prefill_b_s,
+            "prefill_b_s": profile.prefill_b_s, "decode_4rows_s_per_block": profile.decode_4rows_s,
+            "decode_16rows_s_per_block": profile.decode_16rows_s,
         }), flush=True)
 
 

@@ -54,6 +54,8 @@ class ServerStats:
     decode_s_per_block: float = 0.0
     prefill_a_s: float = 0.0
     prefill_b_s: float = 0.0
+    decode_4rows_s_per_block: float = 0.0  # one decode forward of 4 / 16 rows: compute contention (perf/model.py)
+    decode_16rows_s_per_block: float = 0.0
 
 
 def peer_host(context) -> str:
@@ -553,6 +555,8 @@ class SwarmService(pb_grpc.SwarmServicer):
             max_length=self.config.max_length_tokens, max_batch=self.config.max_batch,
             max_message_bytes=self.config.max_message_bytes, decode_s_per_block=self.stats.decode_s_per_block,
             prefill_a_s=self.stats.prefill_a_s, prefill_b_s=self.stats.prefill_b_s, version=__version__,
+            decode_4rows_s_per_block=self.stats.decode_4rows_s_per_block,
+            decode_16rows_s_per_block=self.stats.decode_16rows_s_per_block,
             session_bytes_per_block_token=self.stage.cache_bytes(1, 1, 1),
             # the weights of the served range, for clients to compare with their own (model/identity.py)
             fingerprint=range_fingerprint(self.config.model_dir, self.stage.blocks.start, self.stage.blocks.end),

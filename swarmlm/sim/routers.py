@@ -3,8 +3,8 @@
 The simulator never routes by itself: `PlannerRouter` asks `swarmlm.planner.routing` for every route and tells
 its `WaitingAwareRouter` when sessions start and end. The live client routes with the same class
 (client/router.py), fed from announced records and measured RTTs, admitting and releasing its own sessions the
-same way; it turns on `shared_compute` (CPU servers slow down with the sessions they run), which stays off here
-because the simulated servers' step times do not depend on load (docs/SIMULATOR.md, "What it leaves out").
+same way. Both price a hop's compute at the load the new session finds (the performance model's f(b)), the same
+formula the simulated servers step with (sim/simulator.py).
 `SimRouter` is the small protocol the session events need, so a test can plug in a fixed route.
 
 Two speed-ups, both exact, because routing, not the event loop, is the cost of a 1,000-server run
@@ -13,6 +13,8 @@ Two speed-ups, both exact, because routing, not the event loop, is the cost of a
 - waiting-aware fast path: if every hop of the static shortest route p* has free slots now, p* is also the
   WS-RR route: WS-RR cost(p) = static(p) + waits(p) >= static(p) >= static(p*) = WS-RR cost(p*). The full
   WS-RR search runs only when p* would wait (equal-cost ties may resolve differently; both are optimal).
+  Exact only when load does not change compute (f = 1): with contended servers (CPU profiles) every WS-RR
+  route is a full search.
 """
 from __future__ import annotations
 
@@ -61,18 +63,18 @@ class MemoPerfModel(PerfModel):
         self._decode: dict[tuple, float] = {}
         self._hop: dict[tuple, float] = {}
 
-    def prefill_hop_s(self, client: str, server: str, blocks: int, l_in: int) -> float:
-        key = (client, server, blocks, l_in)
+    def prefill_hop_s(self, client: str, server: str, blocks: int, l_in: int, sessions: int = 1) -> float:
+        key = (client, server, blocks, l_in, sessions)
         v = self._prefill.get(key)
         if v is None:
-            v = self._prefill[key] = super().prefill_hop_s(client, server, blocks, l_in)
+            v = self._prefill[key] = super().prefill_hop_s(client, server, blocks, l_in, sessions)
         return v
 
-    def decode_hop_s(self, client: str, server: str, blocks: int) -> float:
-        key = (client, server, blocks)
+    def decode_hop_s(self, client: str, server: str, blocks: int, sessions: int = 1) -> float:
+        key = (client, server, blocks, sessions)
         v = self._decode.get(key)
         if v is None:
-            v = self._decode[key] = super().decode_hop_s(client, server, blocks)
+            v = self._decode[key] = super().decode_hop_s(client, server, blocks, sessions)
         return v
 
     def hop_cost_s(self, client: str, server: str, blocks: int, l_in: int, l_out: int) -> float:
@@ -96,7 +98,8 @@ class PlannerRouter:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_MODES)}, got {mode!r}")
         self.router = router
         self.mode = mode
-        self.fast_path = fast_path
+        # the shortcut assumes WS-RR cost >= static cost only through waits: not so when load raises compute
+        self.fast_path = fast_path and not router.contended()
         self._static: dict[tuple[str, int, int], Route] = {}
         self.full_searches = 0  # WS-RR searches that the fast path could not avoid (reported in the summary)
 

@@ -8,9 +8,10 @@ Events (each returns the events it causes):
         admitted -> Token 1 after the prefill through every hop -> Token 2 ... -> the last Token releases the slots
 
 Fidelity: a step's time through the route is computed analytically from the PerfModel (sum over hops of the
-client<->server round trip with the hidden-state bytes, plus k blocks of compute). Servers do not queue compute:
-concurrent sessions are batched and a step's time does not depend on how many there are (the paper's measured
-property, and what PerfModel predicts). Contention is for cache slots only, which is what limits a GPU server.
+client<->server round trip with the hidden-state bytes, plus k blocks of compute at the server's load factor
+f(b), b = the sessions holding slots there now). With the paper's GPU profiles f = 1: a step's time does not
+depend on load, contention is for cache slots only, and the step is computed once per session. With CPU
+profiles (f measured, `ComputeProfile.load_factor`) every token's step is timed at the load of its moment.
 """
 from __future__ import annotations
 
@@ -139,6 +140,10 @@ class Token:
         l_out = s.req.output_tokens
         if self.index >= l_out:
             return state.finish(s, self.time_s)
+        if state.contended:
+            # the servers' load changes between tokens: time the next step at today's load
+            s.step_s = state.step_s(s)
+            return (Token(self.time_s + s.step_s, s, self.index + 1),)
         if not state.token_events:
             # one event for the whole decode: same times as per-token events, since nothing interrupts a step
             return (Token(s.first_s + (l_out - 1) * s.step_s, s, l_out),)

@@ -31,29 +31,40 @@ class SimState:
         self.behaviour = behaviour
         self.token_events = token_events
         self.records: list[RequestOutcome] = []
+        # some server's step time grows with the sessions it runs (PerfModel.load_factor): decode steps are then
+        # timed one by one, each at the load of the moment, instead of once per session
+        self.contended = any(perf.profiles[sid].contended for sid in cluster.servers)
         self.running = 0  # sessions holding slots now
         self.peak_running = 0
 
     # -- called by session events ------------------------------------------------------------------------
     def admit(self, s: SimSession, route: Route, needs: list[tuple[str, int]], now_s: float) -> tuple[Token]:
-        """Slots are held: compute the prefill and decode step times from the PerfModel and start prefill."""
+        """Slots are held: compute the prefill and decode step times from the PerfModel and start prefill.
+
+        Each hop runs at its server's load now (the sessions holding slots there, this one included); with
+        contended servers the decode step is timed again at every token (`step_s`)."""
         req, perf, client = s.req, self.perf, s.req.client_id
         s.phase, s.route, s.needs, s.admitted_s = RUNNING, route, needs, now_s
         l_in, l_out = req.input_tokens, req.output_tokens
         ttft = 0.0
-        step = 0.0
         for span in route.spans:
             k = span.length
-            ttft += perf.prefill_hop_s(client, span.server_id, k, l_in)
-            step += perf.decode_hop_s(client, span.server_id, k)
+            ttft += perf.prefill_hop_s(client, span.server_id, k, l_in, self.cluster.servers[span.server_id].active)
             prof = perf.profiles[span.server_id]
+            # one session's own compute (batch-1 rates): what utilisation counts
             self.cluster.servers[span.server_id].compute_s += k * (prof.prefill_s(l_in) + (l_out - 1) * prof.decode_s)
-        s.step_s = step
+        step = s.step_s = self.step_s(s)
         first_s = now_s + ttft
         self.router.admitted(req, route, now_s, first_s + (l_out - 1) * step)
         self.running += 1
         self.peak_running = max(self.peak_running, self.running)
         return (Token(first_s, s, 1),)
+
+    def step_s(self, s: SimSession) -> float:
+        """One decode step of `s` through its route at every hop server's current load."""
+        servers, client = self.cluster.servers, s.req.client_id
+        return sum(self.perf.decode_hop_s(client, span.server_id, span.length, servers[span.server_id].active)
+                   for span in s.route.spans)
 
     def finish(self, s: SimSession, now_s: float) -> list[Retry]:
         """Last token delivered: free the slots, tell the router, wake whoever queued on those servers."""
@@ -128,11 +139,13 @@ def run_simulation(
     """Simulate every request to completion (or timeout). `on_progress(finished, total)` is called now and then.
 
     token_events=False schedules one event for a whole decode instead of one per token; the results are
-    identical (nothing can interrupt a step in this model), it only saves time on huge runs.
+    identical (nothing can interrupt a step in this model), it only saves time on huge runs. With contended
+    servers (profiles with a load factor) it is ignored: each step's time depends on the load of its moment.
     """
     wall0 = time.perf_counter()
     cluster = Cluster(list(servers))
     state = SimState(cluster, perf, router, behaviour, token_events)
+    state.token_events = token_events or state.contended
     engine: Engine[SimState] = Engine(state)
     engine.schedule_all(Arrive(r.arrival_s, r) for r in requests)
     progress = None if on_progress is None else (lambda _events, _t: on_progress(len(state.records), len(requests)))

@@ -38,6 +38,9 @@ class ServerRecord:
     fingerprint: str = ""  # the weights of [start, end) (swarmlm/model/identity.py); clients compare their own
     quant: str = "none"  # weights of the linear layers: "none" | "int8" (swarmlm/model/quant.py)
     weight_bytes: int = 0  # bytes the served blocks' weights take in memory (0 = not announced)
+    # per block, one decode forward of 4 / 16 rows: how its steps slow down with its sessions (0 = not announced)
+    decode_4rows_s: float = 0.0
+    decode_16rows_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,6 +92,7 @@ def record_from_info(info, address: str, state: str = ONLINE) -> ServerRecord:
         "version": info.version,
         "fingerprint": info.fingerprint,
         "quant": info.quant or "none", "weight_bytes": info.weight_bytes,  # (older servers send no quant)
+        "decode_4rows_s": info.decode_4rows_s_per_block, "decode_16rows_s": info.decode_16rows_s_per_block,
     })
 
 
