@@ -10,6 +10,9 @@ share of them each replica served, and the mean per-token time of the clients on
 JSON also keeps what its router believed each replica ran when it chose (`seen`: the announced Info sessions, or
 its own) and the load average. Rounds alternate the modes (medians over rounds).
 
+`--pin` runs A on CPU 0 and B on CPU 1 (taskset), so the replicas do not share compute, as on two machines; without
+it both servers (and the clients' process) share the host's 2 cores, which the simulator does not model.
+
 Simulated: the same topology (both replicas with the profiles they announced, including the contention f(b) they
 measured, the RTTs the clients measured, the same arrivals, the background sessions as long requests that can
 only reach A) through the simulator's `simulate_scenario` (what `swarmlm simulate` runs) with the fixed
@@ -95,9 +98,17 @@ def one_round(model_dir: str, clients: list[DistributedModelForCausalLM], views:
         out = client.generate(ids, max_new_tokens=l_out, min_new_tokens=l_out, do_sample=False)
         e2e = time.perf_counter() - t0
         assert out.shape[1] == l_in + l_out
-        route = client.last_stats.route
+        stats = client.last_stats
+        route = stats.route
+        # the servers' side of each decode step (waiting for the compute thread + the forward that ran it) and the
+        # client's own compute per token (embeddings, LM head, sampling): where the per-token time goes
+        hops = [h for step in stats.steps if step.tokens == 1 for h in step.hops]
         results[i] = {"per_token_s": e2e / l_out, "server": route[0].split("[")[0], "hops": len(route),
-                      "arrival_s": i * gap_s, "seen": dict(views[i])}
+                      "arrival_s": i * gap_s, "seen": dict(views[i]),
+                      "server_step_s": statistics.median(h.queued_s + h.compute_s for h in hops),
+                      "server_queued_s": statistics.median(h.queued_s for h in hops),
+                      "server_batch": statistics.fmean(h.batch_size for h in hops),
+                      "client_compute_per_token_s": (stats.embed_s + stats.head_s + stats.sample_s) / l_out}
 
     threads = []
     for i, client in enumerate(clients):
@@ -131,15 +142,27 @@ def simulate(servers: dict[str, dict], rtt_s: dict[str, float], num_blocks: int,
     requests = [SimRequest(1000 + i, "background", 0.0, l_in, 100 * l_out) for i in range(n_background)]
     requests += [SimRequest(i, "client", 1.0 + i * gap_s, l_in, l_out) for i in range(n_clients)]
     result = simulate_scenario(topology, "cg-bprr", mode, requests=requests, plan=plan)  # type: ignore[arg-type]
-    return [{"per_token_s": r.per_token_s, "server": r.route.split("[")[0]}
-            for r in result.sim.records if r.client_id == "client"]
+    rows = []
+    for r in result.sim.records:
+        if r.client_id == "client":
+            server = r.route.split("[")[0]
+            # a simulated decode step is the link's RTT + the server's compute at its load
+            rows.append({"per_token_s": r.per_token_s, "server": server,
+                         "server_step_s": r.decode_per_token_s - rtt_s.get(server, 0.001)})
+    return rows
 
 
 def summary(rows: list[dict], names: dict[str, str]) -> dict:
     share = {label: sum(r["server"] == sid for r in rows) / len(rows) for sid, label in names.items()}
-    by_replica = {label: [1e3 * r["per_token_s"] for r in rows if r["server"] == sid] for sid, label in names.items()}
+    def by_replica(key: str) -> dict:
+        out = {}
+        for sid, label in names.items():
+            values = [1e3 * r[key] for r in rows if r["server"] == sid and key in r]
+            out[label] = statistics.fmean(values) if values else None
+        return out
+
     return {"mean_per_token_ms": 1e3 * statistics.fmean(r["per_token_s"] for r in rows), "share": share,
-            "per_token_ms_by_replica": {k: statistics.fmean(v) if v else None for k, v in by_replica.items()},
+            "per_token_ms_by_replica": by_replica("per_token_s"), "server_step_ms_by_replica": by_replica("server_step_s"),
             "clients": rows}
 
 
@@ -158,13 +181,17 @@ def main() -> None:
     ap.add_argument("--input", type=int, default=16)
     ap.add_argument("--output", type=int, default=32)
     ap.add_argument("--out", default="docs/results/routing_bench.json")
+    ap.add_argument("--pin", action="store_true",
+                    help="run A on CPU 0 and B on CPU 1 (taskset): replicas that do not share compute, as two "
+                         "machines would (the simulator's servers never do); the clients' process runs on both")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model_dir = str(default_checkpoint(args.preset))
     num_blocks = int(load_config(model_dir).num_hidden_layers)
     with LocalSwarm(model_dir, threads=1, with_dht=False) as swarm:
-        a = swarm.start_server(BlockRange(0, num_blocks))
-        b = swarm.start_server(BlockRange(0, num_blocks))  # after A: it reads A's cached profile
+        pin = (["taskset", "-c", "0"], ["taskset", "-c", "1"]) if args.pin else ((), ())
+        a = swarm.start_server(BlockRange(0, num_blocks), prefix=pin[0])
+        b = swarm.start_server(BlockRange(0, num_blocks), prefix=pin[1])  # after A: it reads A's cached profile
         names = {a.server_id: f"A ({args.background} sessions running)", b.server_id: "B (idle)"}
         stop = threading.Event()
         bg = background(model_dir, a.address, args.background, stop)
@@ -207,24 +234,40 @@ def main() -> None:
             "share": {label: statistics.median(x["share"][label] for x in rounds) for label in names.values()},
             "per_token_ms_by_replica": {label: median_of([x["per_token_ms_by_replica"][label] for x in rounds])
                                         for label in names.values()},
+            "server_step_ms_by_replica": {label: median_of([x["server_step_ms_by_replica"][label] for x in rounds])
+                                          for label in names.values()},
             "rounds": rounds,
         }
         sim = simulate(ready, rtt, num_blocks, args.clients, args.gap, args.input, args.output, args.background, mode)
         report["simulated"][mode] = summary(sim, names)
-    print(f"{args.preset}: A = {args.background} background sessions, B idle (1 thread each); "
+    # what the model leaves out: per token, everything but the servers' side of a step (the client's compute and
+    # Python, gRPC, the host's other work), median over every client of both modes. Added to each link's RTT, the
+    # simulator then models only the servers (profiles with f(b)) and the routers: the "calibrated" prediction
+    rows = [row for mode in MODES for rnd in real[mode] for row in rnd]
+    outside_s = statistics.median(r["per_token_s"] - r["server_step_s"] for r in rows)
+    report["outside_servers_ms_per_token"] = 1e3 * outside_s
+    report["client_compute_ms_per_token"] = 1e3 * statistics.median(r["client_compute_per_token_s"] for r in rows)
+    report["calibrated"] = {}
+    for mode in MODES:
+        sim = simulate(ready, {sid: v + outside_s for sid, v in rtt.items()}, num_blocks, args.clients, args.gap,
+                       args.input, args.output, args.background, mode)
+        report["calibrated"][mode] = summary(sim, names)
+    print(f"{args.preset}: A = {args.background} background sessions, B idle (1 thread each"
+          f"{', pinned to CPU 0 / 1' if args.pin else ', same 2 cores'}); "
           f"{args.clients} clients {args.gap} s apart, {args.input} in / {args.output} out; medians of "
           f"{args.rounds} rounds")
-    print("| routing | real ms/token | real share A / B | real ms/token on A / B | simulated ms/token | "
-          "simulated share A / B | simulated ms/token on A / B |")
-    print("|---|---|---|---|---|---|---|")
+    print("| routing | run | ms/token | share A / B | ms/token on A / B | server part of a step on A / B (ms) |")
+    print("|---|---|---|---|---|---|")
     ms = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    la, lb = names.values()
     for mode in MODES:
-        re_, si = report["real"][mode], report["simulated"][mode]
-        la, lb = names.values()
-        rb, sb = re_["per_token_ms_by_replica"], si["per_token_ms_by_replica"]
-        print(f"| {mode} | {re_['mean_per_token_ms']:.1f} | {re_['share'][la]:.0%} / {re_['share'][lb]:.0%} | "
-              f"{ms(rb[la])} / {ms(rb[lb])} | {si['mean_per_token_ms']:.1f} | "
-              f"{si['share'][la]:.0%} / {si['share'][lb]:.0%} | {ms(sb[la])} / {ms(sb[lb])} |")
+        for kind in ("real", "simulated", "calibrated"):
+            x = report[kind][mode]
+            pb_, sb_ = x["per_token_ms_by_replica"], x["server_step_ms_by_replica"]
+            print(f"| {mode} | {kind} | {x['mean_per_token_ms']:.1f} | {x['share'][la]:.0%} / {x['share'][lb]:.0%} | "
+                  f"{ms(pb_[la])} / {ms(pb_[lb])} | {ms(sb_[la])} / {ms(sb_[lb])} |")
+    print(f"outside the servers per token (median): {report['outside_servers_ms_per_token']:.1f} ms, of which the "
+          f"client's compute {report['client_compute_ms_per_token']:.1f} ms")
     print("load average (1 min) over the run:", " ".join(f"{x[0]:.1f}" for x in loads))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))

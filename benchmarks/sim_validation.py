@@ -10,7 +10,9 @@ the fitted compute model through the route plus those costs.
 
 Routing is the same code on both sides: the client routes with `planner.routing.WaitingAwareRouter` (client/router.py)
 as the simulator does (sim/routers.py); here both with `routing="shortest"` over one even split, so both take the one
-chain there is. Routing under load, where WS-RR and shortest differ, is benchmarks/routing_bench.py. Usage:
+chain there is. Requests run one at a time, so the servers' compute contention (f(b), perf/model.py) stays at
+f(1) = 1 on both sides. Routing under load, where WS-RR and shortest differ and contention matters, is
+benchmarks/routing_bench.py (it reports real vs simulated shares and times per replica). Usage:
 
     .venv/bin/python benchmarks/sim_validation.py [--servers 2] [--requests 8] [--input 32] [--output 16]
 """
@@ -76,8 +78,10 @@ def simulate(swarm: LocalSwarm, client, num_blocks: int, n_requests: int, l_in: 
     servers = []
     for s in swarm.servers:
         r = s.ready
+        # the whole announced profile, contention included (one request at a time here: f(1) = 1 applies)
         servers.append({"name": s.server_id, "memory_bytes": 64e9,
-                        "tau_prefill_s": [r["prefill_a_s"], r["prefill_b_s"]], "tau_decode_s": r["decode_s_per_block"]})
+                        "tau_prefill_s": [r["prefill_a_s"], r["prefill_b_s"]], "tau_decode_s": r["decode_s_per_block"],
+                        "tau_decode_rows_s": [r["decode_4rows_s_per_block"], r["decode_16rows_s_per_block"]]})
     doc = {
         "model": {"num_blocks": num_blocks, "block_bytes": 1e6, "cache_bytes_per_session_block": 1e6},
         "servers": servers, "clients": [{"name": "client"}],
