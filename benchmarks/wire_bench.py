@@ -47,19 +47,31 @@ def one_request(model: DistributedModelForCausalLM, ids: torch.Tensor, new_token
     out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, stats=stats)
     channels = model.remote.channels
     hidden = int(model.config.hidden_size)
-    # what this client sends to each server now: the setting, or auto's choice from the link's measured bandwidth
-    dtype_of = {sid: channels.wire_dtype_for(r.address) for sid, r in model.remote.view.records.items()}
-    sent = sum(2 * wire_bytes(hop.tokens * ids.shape[0] * hidden, dtype_of.get(hop.server_id, "float32"))
-               for step in stats.steps for hop in step.hops)  # request + reply of every hop
+    address = {sid: r.address for sid, r in model.remote.view.records.items()}
+
+    def dtype(server_id: str, values: int) -> str:
+        """What this client sends that server now: the setting, or auto's choice by the link's measured bandwidth
+        and the message's size."""
+        return channels.wire_dtype_for(address[server_id], 4 * values) if server_id in address else "float32"
+
+    sent = sum(2 * wire_bytes(n, dtype(hop.server_id, n))  # request + reply of every hop
+               for step in stats.steps for hop in step.hops for n in [hop.tokens * ids.shape[0] * hidden])
+    prompt_values = ids.numel() * hidden
     decode_s = stats.total_s - stats.ttft_s
     return {
         "ttft_s": stats.ttft_s, "open_s": stats.open_s, "tpot_s": decode_s / (stats.new_tokens - 1),
         "new_tokens": stats.new_tokens, "tokens": out[0, ids.shape[1]:].tolist(), "hidden_bytes": sent,
-        "chosen": dtype_of,
+        "chosen": {"prompt": {sid: dtype(sid, prompt_values) for sid in address},
+                   "decode": {sid: dtype(sid, ids.shape[0] * hidden) for sid in address}},
         "measured_bps": {r.address: channels.bandwidth(r.address).bandwidth_bps
                          if channels.bandwidth(r.address).measured else None
                          for r in model.remote.view.records.values()},
     }
+
+
+def _chosen(rec: dict) -> str:
+    """'prompt: float16, decode: float32' (the formats over all servers)."""
+    return ", ".join(f"{kind}: {'/'.join(sorted(set(by_server.values())))}" for kind, by_server in rec["chosen"].items())
 
 
 def main() -> None:
@@ -103,8 +115,7 @@ def main() -> None:
                         rec.update(round=r, prompt=p)
                         samples[d].append(rec)
                         print(f"round {r} prompt {p} {d:9s} TTFT {rec['ttft_s'] * 1e3:8.1f} ms  "
-                              f"TPOT {rec['tpot_s'] * 1e3:7.1f} ms  chose {sorted(set(rec['chosen'].values()))}",
-                              flush=True)
+                              f"TPOT {rec['tpot_s'] * 1e3:7.1f} ms  sends {_chosen(rec)}", flush=True)
                 load.append(os.getloadavg())
         finally:
             for c in clients.values():
@@ -118,7 +129,7 @@ def main() -> None:
             "tpot_ms": statistics.median(s["tpot_s"] for s in recs) * 1e3,
             "open_ms": statistics.median(s["open_s"] for s in recs) * 1e3,
             "hidden_bytes_per_request": statistics.median(s["hidden_bytes"] for s in recs),
-            "chosen": sorted({c for s in recs for c in s["chosen"].values()}),
+            "chosen": sorted({_chosen(s) for s in recs}),
             "measured_mbps": sorted({round(v / 1e6, 1) for s in recs for v in s["measured_bps"].values() if v}),
             # greedy tokens against the float32 client's for the same prompt and round
             "same_tokens_as_float32": sum(s["tokens"] == ref.get((s["round"], s["prompt"])) for s in recs)
@@ -132,13 +143,13 @@ def main() -> None:
     print(f"\n{args.preset}, N={args.servers}, --network {args.network} ({network_info.get('mode')}), "
           f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, medians of {args.rounds} rounds x "
           f"{args.prompts} prompts; load {load[0][0]:.2f} -> {load[-1][0]:.2f}")
-    print("| wire dtype | TTFT ms | vs float32 | TPOT ms | vs float32 | hidden bytes/request | auto chose | "
+    print("| wire dtype | TTFT ms | vs float32 | TPOT ms | vs float32 | hidden bytes/request | sent as | "
           "same tokens as float32 |")
     print("|---|---|---|---|---|---|---|---|")
     for d, row in rows.items():
         vs = (lambda k: f"{row[k] / base[k]:.3f}x") if base else (lambda k: "-")
         print(f"| {d} | {row['ttft_ms']:.0f} | {vs('ttft_ms')} | {row['tpot_ms']:.1f} | {vs('tpot_ms')} | "
-              f"{row['hidden_bytes_per_request'] / 2**20:.2f} MiB | {','.join(row['chosen'])} | "
+              f"{row['hidden_bytes_per_request'] / 2**20:.2f} MiB | {'; '.join(row['chosen'])} | "
               f"{row['same_tokens_as_float32']}/{row['requests']} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2, default=str))

@@ -75,6 +75,36 @@ def test_auto_chooses_by_bandwidth_and_settings_are_checked():
         ClientConfig(wire_dtype="int4")
 
 
+def test_auto_keeps_messages_that_cross_the_link_fast_exact():
+    decode, prefill = 4 * 1024, 4 * 1024 * 256  # float32 bytes of one token / 256 tokens of a 1024-wide state
+    assert compress.choose("auto", 100e6, "10.0.0.2:4000", decode) == "float32"  # 0.33 ms on the link
+    assert compress.choose("auto", 100e6, "10.0.0.2:4000", prefill) == "float16"
+    assert compress.choose("auto", 10e6, "10.0.0.2:4000", decode) == "int8"  # 3.3 ms: worth packing
+    assert compress.choose("float16", 100e6, "10.0.0.2:4000", decode) == "float16"  # an explicit setting is kept
+
+
+def test_a_client_switches_to_compression_once_it_measures_a_slow_link():
+    """Channels.wire_dtype_for under auto: float32 until the link is measured, then by the measured rate (the
+    estimate is fed what SpanStream.receive feeds it: a message's bytes and its network time)."""
+    from swarmlm.client.streams import Channels
+
+    channels = Channels(max_message_bytes=1 << 20)
+    channels.wire_dtype = "auto"
+    address, prefill = "10.0.0.2:4000", 4 * 1024 * 256
+    assert channels.wire_dtype_for(address, prefill) == "float32"  # not measured yet: assumed fast
+    link = channels.bandwidth(address)
+    link.observe(8 << 10, 0.050)  # a decode step: the path's 50 ms round trip
+    for _ in range(3):
+        link.observe(2 * prefill, 0.050 + 2 * prefill * 8 / 90e6)  # 2 MB at 90 Mbit/s on top of it
+    assert 80e6 < link.bandwidth_bps < 100e6
+    assert channels.wire_dtype_for(address, prefill) == "float16"
+    assert channels.wire_dtype_for(address, 4 * 1024) == "float32"  # a decode step stays exact
+    for _ in range(4):  # the link slows down to 5 Mbit/s: the byte-weighted median follows
+        link.observe(2 * prefill, 0.050 + 2 * prefill * 8 / 5e6)
+    assert channels.wire_dtype_for(address, prefill) == "int8"
+    assert channels.wire_dtype_for("127.0.0.1:4000", prefill) == "float32"  # loopback: exact
+
+
 @pytest.fixture(scope="module")
 def swarm(tiny_bloom):
     with LocalSwarm(tiny_bloom, with_dht=False) as swarm:

@@ -73,11 +73,12 @@ class Channels:
             est = self._bandwidth[address] = BandwidthEstimate(self.assumed_bandwidth_bps)
         return est
 
-    def wire_dtype_for(self, address: str) -> str:
-        """The hidden states' wire format towards `address` (wire/compress.py): fixed, or by its bandwidth."""
+    def wire_dtype_for(self, address: str, float32_bytes: int | None = None) -> str:
+        """The hidden states' wire format towards `address` for a message of `float32_bytes` (as float32; None: a
+        large one) (wire/compress.py): fixed, or by the link's bandwidth and the message's size."""
         if self.wire_dtype != "auto":
             return self.wire_dtype
-        return compress.choose("auto", self.bandwidth(address).bandwidth_bps, address)
+        return compress.choose("auto", self.bandwidth(address).bandwidth_bps, address, float32_bytes)
 
     def stub(self, address: str) -> pb_grpc.SwarmStub:
         stub = self._stubs.get(address)
@@ -194,7 +195,7 @@ class SpanStream:
         t0 = time.perf_counter()
         self._step_id += 1
         request = pb.InferenceRequest(step=pb.InferenceStep(
-            hidden=compress.encode_hidden(hidden, self.channels.wire_dtype_for(self.span.address)),
+            hidden=compress.encode_hidden(hidden, self.channels.wire_dtype_for(self.span.address, 4 * hidden.numel())),
             step_id=self._step_id, push=push,
             attention_mask=codec.encode(mask) if mask is not None else pb.Tensor()))
         sent = _Sent(StepKind.of(hidden.shape[1]), tokens=hidden.shape[1],

@@ -6,9 +6,12 @@
     int8      1.0625 bytes/value: blocks of 64 consecutive values (row-major), each sent as int8 q = round(x / s)
               with s = absmax(block) / 127 (one float32 per block): |error| <= absmax(block) / 254
 
-The client chooses per link (`ClientConfig.wire_dtype`): "auto" keeps float32 (exact) on loopback addresses and
-fast links (>= 500 Mbit/s measured, or not measured yet), float16 down to 50 Mbit/s, int8 below. A server answers in the
-format of the request it answers (int8 in, int8 out), so one setting covers both directions of a hop.
+The client chooses per link and message (`ClientConfig.wire_dtype`): "auto" keeps float32 (exact) on loopback
+addresses, on fast links (>= 500 Mbit/s measured, or not measured yet) and for messages whose float32 bytes cross
+the link in under 1 ms at its measured rate (a decode step's few KB: compressing them saves less than that, while
+packing and unpacking cost both ends ~0.1-0.5 ms here, benchmarks/wire_bench.py); otherwise float16 down to
+50 Mbit/s, int8 below. A server answers in the format of the request it answers (int8 in, int8 out), so one choice
+covers both directions of a hop.
 
 The int8 format is a `Tensor` message with dtype "int8_block64": `shape` is the tensor's, `data` the per-block
 float32 scales followed by the int8 values; a peer's message is checked (sizes, finite non-negative scales)
@@ -30,6 +33,7 @@ BLOCK = 64  # values per scale: smaller blocks track outliers better, each costs
 PACKED = {INT8_BLOCK: torch.float32}  # packed wire formats -> the dtype they decode to
 FAST_LINK_BPS = 500e6  # auto: at or above this, float32 (exact): the bytes saved cost less than the rounding
 SLOW_LINK_BPS = 50e6  # auto: below this, int8; in between, float16
+MIN_SAVING_S = 1e-3  # auto: a message whose float32 bytes take less than this on the link goes as float32
 _FP16_MAX = 65504.0
 
 
@@ -45,12 +49,15 @@ def is_loopback(address: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def choose(setting: str, bandwidth_bps: float, address: str = "") -> str:
-    """The format for one link: the setting itself, or for "auto" float32 on loopback, else the link's measured
-    bandwidth decides."""
+def choose(setting: str, bandwidth_bps: float, address: str = "", float32_bytes: int | None = None) -> str:
+    """The format for one message (of `float32_bytes` as float32; None: a large one) on one link: the setting
+    itself, or for "auto" float32 on loopback, fast links and messages that cross the link fast anyway, else the
+    link's measured bandwidth decides."""
     if check_wire_dtype(setting) != "auto":
         return setting
     if bandwidth_bps >= FAST_LINK_BPS or is_loopback(address):
+        return "float32"
+    if float32_bytes is not None and float32_bytes * 8 / bandwidth_bps < MIN_SAVING_S:
         return "float32"
     return "float16" if bandwidth_bps >= SLOW_LINK_BPS else "int8"
 
