@@ -68,6 +68,7 @@ def test_auto_chooses_by_bandwidth_and_settings_are_checked():
     assert compress.choose("auto", 10e6, "127.0.0.1:4000") == "float32"  # loopback stays exact, even measured slow
     assert compress.choose("auto", 10e6, "[::1]:4000") == "float32"
     assert compress.choose("auto", 10e6, "10.0.0.2:4000") == "int8"
+    assert compress.choose("auto", 10e6, "127.214.20.1:4000") == "int8"  # netem relay-only: an emulated slow link
     assert compress.choose("int8", 10e9, "127.0.0.1:4000") == "int8"  # an explicit setting is kept
     with pytest.raises(ValueError, match="wire_dtype"):
         compress.choose("fp8", 1e9)

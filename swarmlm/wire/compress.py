@@ -44,9 +44,11 @@ def check_wire_dtype(name: str) -> str:
 
 
 def is_loopback(address: str) -> bool:
-    """host:port on this machine (a busy machine's loopback can measure slow, and must stay exact)."""
+    """host:port on this machine's loopback (a busy machine's loopback can measure slow, and must stay exact).
+    Only the usual loopback addresses: the netem testbed without namespaces emulates slow links on other 127.x
+    addresses (swarmlm/bench/netem), and those are measured like any link."""
     host = address.rsplit(":", 1)[0].strip("[]").lower()
-    return host in ("localhost", "::1") or host.startswith("127.")
+    return host in ("localhost", "::1", "127.0.0.1")
 
 
 def choose(setting: str, bandwidth_bps: float, address: str = "", float32_bytes: int | None = None) -> str:
