@@ -84,6 +84,13 @@ def test_auto_keeps_messages_that_cross_the_link_fast_exact():
     assert compress.choose("float16", 100e6, "10.0.0.2:4000", decode) == "float16"  # an explicit setting is kept
 
 
+def test_bytes_per_value_match_the_encoded_messages():
+    hidden = torch.randn(2, 64, 96)
+    for wire_dtype in ("float32", "float16", "bfloat16", "int8"):
+        data = compress.encode_hidden(hidden, wire_dtype).data
+        assert len(data) == hidden.numel() * compress.bytes_per_value(wire_dtype), wire_dtype
+
+
 def test_a_client_switches_to_compression_once_it_measures_a_slow_link():
     """Channels.wire_dtype_for under auto: float32 until the link is measured, then by the measured rate (the
     estimate is fed what SpanStream.receive feeds it: a message's bytes and its network time)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ from swarmlm.config import ClientConfig
 from swarmlm.errors import InvalidRequest, ServerFailed, ServerHung
 from swarmlm.swarm.records import ServerRecord
 from swarmlm.types import Route, Span
+from swarmlm.wire import compress
 from swarmlm.wire import swarm_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -224,9 +226,11 @@ class InferenceSession:
         if cfg.prefill_chunk_tokens is not None:
             return min(cfg.prefill_chunk_tokens, tokens)
         rule = ChunkRule(min_tokens=cfg.chunk_min_tokens, max_tokens=cfg.chunk_max_tokens)
-        bytes_per_token = hidden.shape[0] * hidden.shape[2] * hidden.element_size()
         sizes = []
         for s in self.spans:
+            # in the format this link's messages go in (wire/compress.py), not the client's dtype
+            wire = self.remote.channels.wire_dtype_for(s.span.address, 4 * hidden.numel())
+            bytes_per_token = math.ceil(hidden.shape[0] * hidden.shape[2] * compress.bytes_per_value(wire))
             est = self.remote.channels.bandwidth(s.span.address)
             if est.rtt_s is None and s.span.server_id in self.remote.view.rtt_s:
                 est.rtt_s = self.remote.view.rtt_s[s.span.server_id]  # base cost, until a decode step measures it

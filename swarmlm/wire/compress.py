@@ -64,6 +64,11 @@ def choose(setting: str, bandwidth_bps: float, address: str = "", float32_bytes:
     return "float16" if bandwidth_bps >= SLOW_LINK_BPS else "int8"
 
 
+def bytes_per_value(wire_dtype: str) -> float:
+    """What one hidden-state value costs on the wire in this format (the int8 format's scales included)."""
+    return {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "int8": packed_bytes(BLOCK) / BLOCK}[wire_dtype]
+
+
 def packed_bytes(count: int) -> int:
     return 4 * math.ceil(count / BLOCK) + count
 
