@@ -18,6 +18,7 @@ from swarmlm.swarm.identity import Identity
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.swarm.records import ServerRecord
 from swarmlm.types import BlockRange
+from tests.swarm_helpers import even_out_view
 
 
 def test_forged_and_unsigned_records_are_rejected():
@@ -170,12 +171,15 @@ def test_concurrent_sessions_spread_over_replicas(tiny_bloom):
         swarm.start_dht()
         swarm.start_server(BlockRange(0, 6))
         swarm.start_server(BlockRange(0, 6))
-        client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers)
+        # a still view once both are seen (no re-read between the sessions), evened out: load alone decides
+        client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers,
+                                                             records_max_age_s=600.0)
         deadline = time.monotonic() + 120
         while len(client.remote.view.usable()) < 2:  # either server alone covers the model: wait to see both
             assert time.monotonic() < deadline, "the second replica never appeared in the DHT"
             time.sleep(0.5)
             client.remote.refresh()
+        even_out_view(client)
         sessions = [client.inference_session(max_length=32).open() for _ in range(4)]
         used = [s.route_spans()[0].server_id for s in sessions]
         rtts = dict(client.remote.view.rtt_s)
