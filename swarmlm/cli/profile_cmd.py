@@ -25,10 +25,12 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     prof = profile_model(model, args.blocks, args.dtype, args.threads, refresh=args.refresh)
     out = {"prefill_a_s": prof.prefill_a_s, "prefill_b_s": prof.prefill_b_s, "decode_s": prof.decode_s,
+           "decode_4rows_s": prof.decode_4rows_s, "decode_16rows_s": prof.decode_16rows_s,
            "threads": args.threads, "dtype": args.dtype}
     if args.json:
         print(json.dumps(out))
     else:
         print(f"per block: prefill = {prof.prefill_a_s * 1e3:.4f} ms/token * tokens + {prof.prefill_b_s * 1e3:.3f} ms;"
-              f" decode = {prof.decode_s * 1e3:.3f} ms/token ({args.threads} threads, {args.dtype})")
+              f" decode = {prof.decode_s * 1e3:.3f} ms/token ({args.threads} threads, {args.dtype}); with 4 / 16"
+              f" sessions a step costs {prof.load_factor(4):.2f} / {prof.load_factor(16):.2f}x one session's")
     return 0
