@@ -305,7 +305,7 @@ class WaitingAwareRouter:
         self.refresh()
 
     def set_load(self, server_id: str, free_slots: int, sessions: int | None = None) -> None:
-        """Live swarm: the server's announced free slots (includes other clients' sessions we cannot see) and,
+        """Live swarm: the server's announced free slots (includes other clients' sessions we cannot see) and
         the sessions it runs (their compute contention)."""
         state = self._servers[server_id]
         state.announced_free = max(0, int(free_slots))
