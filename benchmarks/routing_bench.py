@@ -14,7 +14,7 @@ its own) and the load average. Rounds alternate the modes (medians over rounds).
 it both servers (and the clients' process) share the host's 2 cores, which the simulator does not model.
 
 Simulated: the same topology (both replicas with the profiles they announced, including the contention f(b) they
-measured, the RTTs the clients measured, the same arrivals, the background sessions as long requests that can
+measured, each client with the RTTs it measured, the same arrivals, the background sessions as long requests that can
 only reach A) through the simulator's `simulate_scenario` (what `swarmlm simulate` runs) with the fixed
 placement, under both routing modes.
 
@@ -121,34 +121,39 @@ def one_round(model_dir: str, clients: list[DistributedModelForCausalLM], views:
     return results
 
 
-def simulate(servers: dict[str, dict], rtt_s: dict[str, float], num_blocks: int, n_clients: int, gap_s: float,
-             l_in: int, l_out: int, n_background: int, mode: str) -> list[dict]:
+def simulate(servers: dict[str, dict], client_rtts: list[dict[str, float]], num_blocks: int, gap_s: float,
+             l_in: int, l_out: int, n_background: int, mode: str, extra_s: float = 0.0) -> list[dict]:
+    """The real run's topology through the simulator: client i has the RTTs real client i measured (its shortest
+    route is the real one's), plus `extra_s` on every link (the calibrated run)."""
     names = list(servers)
+    n_clients = len(client_rtts)
+    rtts = [{n: rtt.get(n, 0.001) + extra_s for n in names} for rtt in client_rtts]
+    bg_rtt = statistics.median(r[names[0]] for r in rtts)
     doc = {
         "model": {"num_blocks": num_blocks, "block_bytes": 1e6, "cache_bytes_per_session_block": 1e6},
         "servers": [{"name": n, "memory_bytes": 64e9, "tau_prefill_s": [r["prefill_a_s"], r["prefill_b_s"]],
                      "tau_decode_s": r["decode_s_per_block"],
                      "tau_decode_rows_s": [r["decode_4rows_s_per_block"], r["decode_16rows_s_per_block"]]}
                     for n, r in servers.items()],
-        "clients": [{"name": "client"}, {"name": "background"}],
+        "clients": [{"name": f"c{i}"} for i in range(n_clients)] + [{"name": "background"}],
         # the background client reaches only A (B is 1,000 s away): its sessions load A, as in the real run
-        "rtt_s": {"client": {n: rtt_s.get(n, 0.001) for n in names},
-                  "background": {names[0]: rtt_s.get(names[0], 0.001), names[1]: 1000.0}},
+        "rtt_s": {**{f"c{i}": rtt for i, rtt in enumerate(rtts)},
+                  "background": {names[0]: bg_rtt, names[1]: 1000.0}},
         "workload": {"input_tokens": l_in, "output_tokens": l_out, "concurrency": n_clients},
     }
     topology = parse_topology(doc)
     plan = Plan("fixed", mode, n_clients, {n: BlockRange(0, num_blocks) for n in names},
-                {"client": [Span(names[0], 0, num_blocks)]}, 0.0, 0.0, 0.0, 0.0, 0.0)
+                {"c0": [Span(names[0], 0, num_blocks)]}, 0.0, 0.0, 0.0, 0.0, 0.0)
     requests = [SimRequest(1000 + i, "background", 0.0, l_in, 100 * l_out) for i in range(n_background)]
-    requests += [SimRequest(i, "client", 1.0 + i * gap_s, l_in, l_out) for i in range(n_clients)]
+    requests += [SimRequest(i, f"c{i}", 1.0 + i * gap_s, l_in, l_out) for i in range(n_clients)]
     result = simulate_scenario(topology, "cg-bprr", mode, requests=requests, plan=plan)  # type: ignore[arg-type]
     rows = []
-    for r in result.sim.records:
-        if r.client_id == "client":
+    for r in sorted(result.sim.records, key=lambda r: r.arrival_s):
+        if r.client_id != "background":
             server = r.route.split("[")[0]
             # a simulated decode step is the link's RTT + the server's compute at its load
             rows.append({"per_token_s": r.per_token_s, "server": server,
-                         "server_step_s": r.decode_per_token_s - rtt_s.get(server, 0.001)})
+                         "server_step_s": r.decode_per_token_s - rtts[r.request_id][server]})
     return rows
 
 
@@ -215,7 +220,8 @@ def main() -> None:
                     s = summary(rows, names)
                     print(mode, f"{s['mean_per_token_ms']:.1f} ms/token", s["share"], s["per_token_ms_by_replica"],
                           f"load {loads[-1][0]:.1f}", flush=True)
-            # each client measured its own RTTs: the simulated client takes their medians
+            # each client measured its own RTTs (shortest latency decides by them): kept per client
+            client_rtts = {m: [dict(c.remote.view.rtt_s) for c in clients[m]] for m in MODES}
             rtt = {sid: statistics.median(c.remote.view.rtt_s[sid] for m in MODES for c in clients[m]
                                           if sid in c.remote.view.rtt_s) for sid in names}
         finally:
@@ -225,8 +231,8 @@ def main() -> None:
             for c in clients["shortest"] + clients["waiting-aware"]:
                 c.close()
         ready = {s.server_id: s.ready for s in (a, b)}
-    report: dict = {"args": vars(args), "profiles": ready, "rtt_s": rtt, "load_average": loads, "real": {},
-                    "simulated": {}}
+    report: dict = {"args": vars(args), "profiles": ready, "rtt_s": rtt, "client_rtt_s": client_rtts,
+                    "load_average": loads, "real": {}, "simulated": {}}
     for mode in MODES:
         rounds = [summary(rows, names) for rows in real[mode]]
         report["real"][mode] = {
@@ -238,7 +244,7 @@ def main() -> None:
                                           for label in names.values()},
             "rounds": rounds,
         }
-        sim = simulate(ready, rtt, num_blocks, args.clients, args.gap, args.input, args.output, args.background, mode)
+        sim = simulate(ready, client_rtts[mode], num_blocks, args.gap, args.input, args.output, args.background, mode)
         report["simulated"][mode] = summary(sim, names)
     # what the model leaves out: per token, everything but the servers' side of a step (the client's compute and
     # Python, gRPC, the host's other work), median over every client of both modes. Added to each link's RTT, the
@@ -249,8 +255,8 @@ def main() -> None:
     report["client_compute_ms_per_token"] = 1e3 * statistics.median(r["client_compute_per_token_s"] for r in rows)
     report["calibrated"] = {}
     for mode in MODES:
-        sim = simulate(ready, {sid: v + outside_s for sid, v in rtt.items()}, num_blocks, args.clients, args.gap,
-                       args.input, args.output, args.background, mode)
+        sim = simulate(ready, client_rtts[mode], num_blocks, args.gap, args.input, args.output, args.background, mode,
+                       extra_s=outside_s)
         report["calibrated"][mode] = summary(sim, names)
     print(f"{args.preset}: A = {args.background} background sessions, B idle (1 thread each"
           f"{', pinned to CPU 0 / 1' if args.pin else ', same 2 cores'}); "
