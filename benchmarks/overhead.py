@@ -5,7 +5,10 @@ Side by side in one run: the swarms for every N are up at once and the rounds in
 noise hits all of them alike; medians over rounds. Usage:
 
     .venv/bin/python benchmarks/overhead.py [--presets tiny-bloom,bloomz-560m] [--rounds 5] [--tokens 32]
-        [--int8 1,2] [--accuracy-prompts 8]
+        [--int8 1,2] [--accuracy-prompts 8] [--push 2,4]
+
+--push N...: also swarms of N servers with server-to-server push (ClientConfig.push: each server sends its output
+straight on to the next, so a token is N + 1 messages instead of N round trips through the client).
 
 --int8 also reports each server's weight bytes and resident memory (fp32 vs int8 swarms of the same N), and with
 --accuracy-prompts K, int8 against fp32 over K prompts: the prompt's logits' relative L2 and how many of the first
@@ -94,12 +97,13 @@ def _accuracy(fp32: DistributedModelForCausalLM, int8: DistributedModelForCausal
 
 
 def run_preset(preset: str, ns: list[int], rounds: int, tokens: int, int8_ns: list[int] = (),
-               accuracy_prompts: int = 0) -> dict:
+               accuracy_prompts: int = 0, push_ns: list[int] = ()) -> dict:
     model_dir = str(default_checkpoint(preset))
     num_blocks = int(load_config(model_dir).num_hidden_layers)
     torch.set_num_threads(1)
     local = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    setups = [(f"N={n}", n, "none") for n in ns] + [(f"N={n} int8", n, "int8") for n in int8_ns]
+    setups = ([(f"N={n}", n, "none") for n in ns] + [(f"N={n} int8", n, "int8") for n in int8_ns]
+              + [(f"N={n} push", n, "none") for n in push_ns])
     swarms, clients = {}, {}
     extra: dict = {}
     try:
@@ -108,7 +112,7 @@ def run_preset(preset: str, ns: list[int], rounds: int, tokens: int, int8_ns: li
                 even_split(num_blocks, n))
             # a direct server list: the same chain every time, no DHT in the measured path
             clients[name] = DistributedModelForCausalLM.from_pretrained(
-                model_dir, servers=swarms[name].addresses, routing="shortest", quant=quant)
+                model_dir, servers=swarms[name].addresses, routing="shortest", quant=quant, push=name.endswith("push"))
             swarm_per_token_s(clients[name], 4)  # warm up channels
         local_per_token_s(local, 4)
         samples: dict[str, list[float]] = {"local": [], **{name: [] for name, _, _ in setups}}
@@ -148,6 +152,7 @@ def main() -> None:
     parser.add_argument("--presets", default="tiny-bloom,bloomz-560m")
     parser.add_argument("--servers", default="1,2,4")
     parser.add_argument("--int8", default="", help="swarm sizes to run with int8 servers + head as well, e.g. 1,2")
+    parser.add_argument("--push", default="", help="swarm sizes to run with server-to-server push as well, e.g. 4")
     parser.add_argument("--accuracy-prompts", type=int, default=0, help="int8 vs fp32 on this many prompts")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=32)
@@ -155,11 +160,12 @@ def main() -> None:
     args = parser.parse_args()
     ns = [int(x) for x in args.servers.split(",") if x]
     int8_ns = [int(x) for x in args.int8.split(",") if x]
+    push_ns = [int(x) for x in args.push.split(",") if x]
     results = {"machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} thread",
                "cores": __import__("os").cpu_count(), "rounds": args.rounds, "tokens": args.tokens, "presets": {}}
     for preset in args.presets.split(","):
         res = results["presets"][preset] = run_preset(preset, ns, args.rounds, args.tokens, int8_ns,
-                                                      args.accuracy_prompts)
+                                                      args.accuracy_prompts, push_ns)
         print(f"\n{preset} (median of {args.rounds} rounds x {args.tokens} decode steps, 1 thread per process)")
         print("| setup | ms/token | vs local | added vs local | added per hop | per-hop wire+gRPC |")
         print("|---|---|---|---|---|---|")
