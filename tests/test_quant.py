@@ -2,24 +2,29 @@
 announced to clients, refused by clients that require full precision; bad settings refused."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.config import ClientConfig, ServerConfig
 from swarmlm.errors import MissingBlocks
 from swarmlm.model.checkpoint import load_client_modules
-from swarmlm.model.quant import Int8Embedding, check_quant, quantize_client_modules, tensor_bytes
+from swarmlm.model.checkpoint import load_blocks
+from swarmlm.model.quant import (Int8Embedding, Int8Linear, check_quant, int32_accumulation, quantize_client_modules,
+                                 quantize_linears, tensor_bytes)
 from swarmlm.server.stage import Stage
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.swarm.records import ServerRecord, record_from_info
 from swarmlm.types import BlockRange
 from swarmlm.wire import swarm_pb2 as pb
 
-# docs/PERFORMANCE_MODEL.md "int8 weights": relative L2 of the logits against fp32, blocks + head in int8. Measured
-# 1.6 % (tiny-bloom), 3.8 % (tiny-llama); BLOOMZ-560M in docs/RESULTS-perf.md.
-LOGITS_REL_L2 = 0.06
+# docs/PERFORMANCE_MODEL.md "int8 weights": relative L2 of the logits against fp32, blocks + head in int8 (issue 16's
+# goal). Measured 1.0 % (tiny-bloom), 1.6 % (tiny-llama); BLOOMZ-560M 2.8 % (docs/RESULTS-perf.md).
+LOGITS_REL_L2 = 0.03
 
 
 def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -61,6 +66,71 @@ def test_int8_blocks_hold_under_a_third_of_fp32_bytes(tiny_bloom):
     # the placement's estimate from checkpoint shapes agrees with what the loaded blocks hold
     estimate = sum(tensor_bytes(tuple(p.shape), 4, "int8") for p in fp32.modules.state_dict().values())
     assert abs(estimate - int8.weight_bytes) < 0.05 * int8.weight_bytes
+
+
+def int8_linear(k: int, n: int, seed: int = 0) -> tuple[nn.Linear, nn.Module]:
+    gen = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(k, n)
+    nn.init.normal_(lin.weight, std=0.02, generator=gen)
+    return lin, quantize_linears(nn.Sequential(copy.deepcopy(lin)), "int8")
+
+
+def test_int8_linear_rows_keep_their_own_range():
+    lin, q = int8_linear(1024, 512)
+    assert isinstance(q[0], Int8Linear) and q[0].reduce_range == (not int32_accumulation())
+    gen = torch.Generator().manual_seed(1)
+    x = nn.functional.gelu(2 * torch.randn(16, 1024, generator=gen))  # a prompt's MLP input: mostly positive
+    x[3] *= 50  # one outlier token
+    with torch.no_grad():
+        want, got = lin(x), q(x)
+        # every token within ~1 % of fp32 (8-bit weights and activations), the outlier token does not coarsen others
+        per_row = (got - want).norm(dim=1) / want.norm(dim=1)
+        assert (per_row < 0.02).all(), per_row
+        # a row's result does not depend on the rows it is batched with (integer accumulation: exactly)
+        assert torch.equal(q(x[5:6]), got[5:6])
+        assert torch.equal(q(x[[7, 3, 5]])[2], got[5])
+        const = torch.full((1, 1024), 0.5)  # a constant row is exact up to float rounding, not a division by zero
+        assert rel_l2(q(const), lin(const)) < 0.01
+
+
+def test_int8_linear_does_not_saturate_on_extreme_inputs():
+    """8-bit activations are chosen only where the kernel accumulates in int32: a worst-case input (every activation
+    at the top of its range, every weight of a row at +127) gives the float result, not a clipped one."""
+    lin, _ = int8_linear(4096, 8)
+    with torch.no_grad():
+        lin.weight.fill_(0.02)
+        lin.weight[1::2] = -0.02
+        lin.bias.zero_()
+    q = quantize_linears(nn.Sequential(copy.deepcopy(lin)), "int8")
+    x = torch.ones(2, 4096)
+    x[:, 0] = -1.0  # the row's range is [-1, 1]: all other values quantize to the top code
+    with torch.no_grad():
+        want, got = lin(x), q(x)
+    assert rel_l2(got, want) < 0.01, (got[0, :2], want[0, :2])
+
+
+def _plain(value) -> list[torch.Tensor]:
+    """A state-dict entry as plain tensors (packed int8 weights as their int8 values and scales)."""
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _plain(v)]
+    if isinstance(value, torch.Tensor) and value.is_quantized:
+        return [value.int_repr(), value.q_per_channel_scales()]
+    return [value] if isinstance(value, torch.Tensor) else []
+
+
+def test_blocks_quantized_while_loading_equal_blocks_quantized_after(tiny_bloom):
+    """The server quantizes each block as it is read (its memory follows the int8 size): same result as before."""
+    _, _, loaded = load_blocks(tiny_bloom, 0, 3, quant="int8")
+    _, _, after = load_blocks(tiny_bloom, 0, 3)
+    quantize_linears(after, "int8")
+    assert not any(isinstance(m, nn.Linear) for m in loaded.modules())
+    assert sum(isinstance(m, Int8Linear) for m in loaded.modules()) == 12  # 4 linears per BLOOM block
+    a, b = loaded.state_dict(), after.state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        assert all(torch.equal(x, y) for x, y in zip(_plain(a[key]), _plain(b[key]), strict=True)), key
+    with pytest.raises(ValueError, match="float32"):
+        load_blocks(tiny_bloom, 0, 1, "bfloat16", quant="int8")
 
 
 def test_int8_embedding_rows_close_to_fp32(tiny_bloom):

@@ -16,6 +16,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from swarmlm.model.families import ClientModules, FamilyAdapter, family_for
+from swarmlm.model.quant import Quant, check_quant, quantize_linears
 from swarmlm.model.source import ModelSource, resolve
 
 log = logging.getLogger(__name__)
@@ -133,13 +134,18 @@ def _dtype(dtype: torch.dtype | str, config: PretrainedConfig) -> torch.dtype:
 
 
 def load_blocks(
-    model: ModelRef, start: int, end: int, dtype: torch.dtype | str = torch.float32
+    model: ModelRef, start: int, end: int, dtype: torch.dtype | str = torch.float32, quant: Quant = "none"
 ) -> tuple[PretrainedConfig, FamilyAdapter, nn.ModuleList]:
-    """Blocks [start, end) of the checkpoint; their caches use layers 0..end-start-1."""
+    """Blocks [start, end) of the checkpoint; their caches use layers 0..end-start-1.
+
+    With quant "int8" each block is quantized as soon as it is read, so at most one block is ever held in full
+    precision: the process's peak (and, since the allocator keeps freed heap, its resident) memory follows the
+    int8 size, not the checkpoint's."""
     config = load_config(model)
     if not 0 <= start < end <= num_blocks(config):
         raise ValueError(f"blocks [{start}, {end}) outside the model's [0, {num_blocks(config)})")
     dtype = _dtype(dtype, config)
+    check_quant(quant, dtype)
     adapter = family_for(config)
     index = TensorIndex(model)
     prefix = index.stack_prefix(adapter)
@@ -149,9 +155,14 @@ def load_blocks(
         tensors = index.read(index.keys_under(block_prefix))
         with torch.device("meta"):  # no random init of weights we are about to replace
             block = adapter.build_block(config, global_idx, cache_idx=local)
-        state = adapter.convert_block_state({k[len(block_prefix):]: v.to(dtype) for k, v in tensors.items()})
+        # safetensors' tensors are views of the file's mmap: a full-precision server keeps them so (pages shared by
+        # every process serving the file); to quantize, copy them, or the norms and biases left over would keep
+        # the whole mapping, and every weight page quantization read, resident
+        copy = quant != "none"
+        state = adapter.convert_block_state({k[len(block_prefix):]: v.to(dtype, copy=copy) for k, v in tensors.items()})
         block.load_state_dict(state, strict=True, assign=True)
-        blocks.append(block.eval().requires_grad_(False))
+        del tensors, state  # the block's own full-precision copy is the only one left ...
+        blocks.append(quantize_linears(block.eval().requires_grad_(False), quant))  # ... until this replaces it
         log.info("block %d loaded (%d of %d)", global_idx, local + 1, end - start)  # a server's start-up progress
     return config, adapter, blocks
 

@@ -1,12 +1,17 @@
 """int8 weights: a server's linear layers, the client's LM head and embeddings, quantized on load.
 
-Linear layers use PyTorch's own dynamic int8 quantization (`quantize_dynamic`, x86/fbgemm engine): weights int8
-with one scale per output row (symmetric), activations quantized per call (asymmetric uint8, one scale per
-tensor), int8 x int8 GEMM with int32 accumulation. Measured on this CPU it was the fastest maintained kernel at
-both decode (1 row) and prefill (128 rows) shapes: 0.36-0.72x fp32's time where the weight-only int8 kernels
-(aten._weight_int8pack_mm, torchao's Int8WeightOnly) were 1.3-35x SLOWER than fp32 (benchmarks/quant_bench.py,
-docs/RESULTS-perf.md). The cost is accuracy: ~2 % relative L2 per layer on random inputs (the activations'
-8 bits), against ~0.8 % for weight-only.
+Linear layers run PyTorch's dynamic int8 kernel (`quantized::linear_dynamic`, x86/fbgemm engine): weights int8
+with one scale per output row (symmetric), activations quantized per call to uint8, int8 x uint8 GEMM with int32
+accumulation. Measured on this CPU it was the fastest maintained kernel at both decode (1 row) and prefill (128
+rows) shapes: 0.36-0.72x fp32's time where the weight-only int8 kernels (aten._weight_int8pack_mm, torchao's
+Int8WeightOnly) were 1.3-35x SLOWER than fp32 (benchmarks/quant_bench.py, docs/RESULTS-perf.md).
+
+Two choices keep its accuracy (BLOOMZ-560M logits 4.8 % -> ~2.5 % relative L2 of fp32, docs/RESULTS-perf.md):
+- Full 8-bit activations where the CPU accumulates in int32 (AVX512-VNNI): torch's module asks the kernel for
+  7-bit ones (`reduce_range=True`), which only the older AVX2 path needs (its u8 x s8 pair sums saturate int16).
+- Every row (token) gets its own activation range: the kernel takes one range per call, so in a prompt one
+  outlier token would coarsen all the others, and in a batch one session would change another's result. Each row
+  is mapped affinely onto [-1, 1] before the call and back after (`W x = s W x' + c W 1`, exact for a linear map).
 
 Embeddings keep one int8 row per token with its own scale (a lookup dequantizes a handful of rows).
 
@@ -20,6 +25,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
 from swarmlm.config import QUANT_NAMES
 
@@ -60,12 +66,43 @@ class Int8Embedding(nn.Module):
         return rows.to(self.scale.dtype) * self.scale[ids].unsqueeze(-1)
 
 
+def int32_accumulation() -> bool:
+    """Does fbgemm accumulate int8 products in int32 on this CPU (AVX512-VNNI), so 8-bit activations cannot
+    saturate? Without VNNI its AVX2 kernel sums u8 x s8 pairs in int16, which 7-bit activations keep in range."""
+    return bool(torch.cpu._is_vnni_supported())
+
+
+class Int8Linear(DynamicLinear):
+    """torch's dynamic int8 linear with one activation range per row, 8-bit where the CPU allows (see above)."""
+
+    reduce_range = not int32_accumulation()  # 7-bit activations only where int16 sums could saturate
+
+    @classmethod
+    def from_float(cls, mod: nn.Module, use_precomputed_fake_quant: bool = False) -> "Int8Linear":
+        q = super().from_float(mod, use_precomputed_fake_quant)
+        qweight = q.weight()
+        q.set_weight_bias(qweight, None)  # the bias is added after the rows are mapped back
+        q.register_buffer("float_bias", None if mod.bias is None else mod.bias.detach().clone())
+        # sum over inputs of the int8 weights as the kernel sees them: the term a row's offset c contributes
+        q.register_buffer("weight_sum", qweight.dequantize().sum(dim=1))  # [out]
+        return q
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lo, hi = torch.aminmax(x, dim=-1, keepdim=True)
+        center, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_(min=1e-30)  # a constant row maps to zeros
+        y = torch.ops.quantized.linear_dynamic((x - center) / half, self._packed_params._packed_params,
+                                               reduce_range=self.reduce_range)
+        y = torch.addcmul(y * half, center, self.weight_sum)  # s W x' + c W 1
+        return y if self.float_bias is None else y + self.float_bias
+
+
 def _dynamic_int8(module: nn.Module) -> nn.Module:
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
     with warnings.catch_warnings():  # torch.ao.quantization announces its move to torchao; the kernels stay
         warnings.simplefilter("ignore")
-        return quantize_dynamic(module, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
+        return quantize_dynamic(module, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True,
+                                mapping={nn.Linear: Int8Linear})
 
 
 def quantize_linears(module: nn.Module, quant: Quant) -> nn.Module:
@@ -88,18 +125,16 @@ def quantize_client_modules(modules, quant: Quant, dtype: torch.dtype = torch.fl
 
 def tensor_bytes(shape: list[int] | tuple[int, ...], itemsize: int, quant: str) -> int:
     """Bytes a checkpoint tensor takes once loaded: with int8, a matrix (a linear weight) keeps one byte per value
-    plus a per-row scale and zero point; the rest (norms, biases) stays in the compute dtype."""
+    plus a per-row scale, zero point and weight sum; the rest (norms, biases) stays in the compute dtype."""
     values = math.prod(shape)
     if quant == "int8" and len(shape) == 2:
-        return values + 16 * int(shape[0])
+        return values + 20 * int(shape[0])
     return values * itemsize
 
 
 def weight_bytes(module: nn.Module) -> int:
     """Bytes of a module's weights in memory: parameters and buffers (each storage once), and the packed weights
     of dynamically quantized linears (which torch keeps outside parameters and buffers)."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
-
     seen, total = set(), 0
     for t in list(module.parameters()) + list(module.buffers()):
         key = t.untyped_storage().data_ptr()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from swarmlm.model.checkpoint import load_blocks, parse_dtype
-from swarmlm.model.quant import Quant, check_quant, quantize_linears, weight_bytes
+from swarmlm.model.quant import Quant, check_quant, weight_bytes
 from swarmlm.server.kv_cache import Member, SpanCache, StepCache, left_pad
 from swarmlm.types import BlockRange
 
@@ -51,8 +51,10 @@ class Stage:
         self.blocks = blocks
         self.dtype = parse_dtype(dtype, model_dir)  # "auto": the checkpoint's own (fp32 for bf16 on CPU)
         self.quant = check_quant(quant, self.dtype)
-        self.config, self.adapter, self.modules = load_blocks(model_dir, blocks.start, blocks.end, self.dtype)
-        quantize_linears(self.modules, self.quant)  # before profiling: the announced speed is the quantized one
+        # quantized block by block as they load (memory follows the int8 size), before profiling: the announced
+        # speed is the quantized one
+        self.config, self.adapter, self.modules = load_blocks(
+            model_dir, blocks.start, blocks.end, self.dtype, self.quant)
         self.weight_bytes = weight_bytes(self.modules)  # what the blocks hold in memory (announced)
         self.hidden_size = int(self.config.hidden_size)
 
