@@ -20,6 +20,7 @@ client's gRPC I/O runs on its own event-loop thread, so K sessions really overla
 """
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -34,6 +35,7 @@ from swarmlm.client.generate import GenerationStats
 from swarmlm.client.microbatch import MicroBatchPlanner
 from swarmlm.client.session import InferenceSession
 from swarmlm.sim.metrics import percentile
+from swarmlm.wire import compress
 
 StrategyName = Literal["sequential", "pipelined", "microbatched"]
 STRATEGIES: tuple[StrategyName, ...] = ("sequential", "pipelined", "microbatched")
@@ -153,13 +155,19 @@ def _batch(requests: Sequence[Request], pad_id: int) -> tuple[torch.Tensor, torc
     return ids, mask
 
 
-def _payload_bytes(steps, batch: int, hidden_size: int, itemsize: int) -> tuple[int, int]:
-    """Hidden states and masks (int64) on the wire, both ways, summed over hops: the tensors' raw bytes."""
+def _payload_bytes(model, steps, batch: int, hidden_size: int) -> tuple[int, int]:
+    """Hidden states and masks (int64) on the wire, both ways, summed over hops: the tensors' bytes in the format
+    each hop's link carries them (wire/compress.py: the client's setting, or auto's choice for that link and size)."""
+    channels, records = model.remote.channels, model.remote.view.records
     sent = received = 0
     for step in steps:
         for hop in step.hops:
-            sent += hop.tokens * batch * (hidden_size * itemsize + 8)
-            received += hop.tokens * batch * hidden_size * itemsize
+            values = hop.tokens * batch * hidden_size
+            record = records.get(hop.server_id)
+            wire = channels.wire_dtype_for(record.address, 4 * values) if record is not None else channels.wire_dtype
+            nbytes = math.ceil(values * compress.bytes_per_value(wire if wire != "auto" else "float32"))
+            sent += nbytes + hop.tokens * batch * 8
+            received += nbytes
     return sent, received
 
 
@@ -197,8 +205,7 @@ def run_job(model, requests: Sequence[Request], cfg: StrategyConfig, t_run0: flo
         on_steps(batch, session.steps)
     parts = decompose(t_end - t_from, session.open_s, t_end - t_closing, client_wait, stats, session.call_s,
                       session.steps)
-    sent, received = _payload_bytes(session.steps, batch, int(model.config.hidden_size),
-                                    torch.empty((), dtype=model.dtype).element_size())
+    sent, received = _payload_bytes(model, session.steps, batch, int(model.config.hidden_size))
     ttft = t_gen + stats.ttft_s - t_from
     records = []
     for row, r in enumerate(requests):
