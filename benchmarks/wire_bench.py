@@ -71,7 +71,8 @@ def one_request(model: DistributedModelForCausalLM, ids: torch.Tensor, new_token
 
 def _chosen(rec: dict) -> str:
     """'prompt: float16, decode: float32' (the formats over all servers)."""
-    return ", ".join(f"{kind}: {'/'.join(sorted(set(by_server.values())))}" for kind, by_server in rec["chosen"].items())
+    return ", ".join(f"{kind}: {'/'.join(sorted(set(by_server.values())))}"
+                     for kind, by_server in rec["chosen"].items())
 
 
 def main() -> None:
