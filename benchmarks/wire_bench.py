@@ -5,13 +5,14 @@ relay when we have the rights, as `swarmlm bench --network wan`) and one swarm o
 client per wire dtype (ClientConfig.wire_dtype). Rounds interleave the dtypes (their order rotates every round) so
 machine noise hits all alike; every client generates for the same prompts; medians over rounds x prompts.
 
-    .venv/bin/python benchmarks/wire_bench.py [--preset bloomz-560m] [--servers 2] [--network wan]
+    .venv/bin/python benchmarks/wire_bench.py [--preset bloomz-560m] [--servers 2] [--network wan|50ms/10mbit|FILE]
         [--wire-dtypes float32,float16,int8,auto] [--prompt-tokens 256] [--new-tokens 16] [--prompts 2] [--rounds 3]
 
 Per request: TTFT (generate()'s clock from the call to the first token: opening the streams, the prefill through
 the chain, the head), TPOT (the rest of the request per further token), and the hidden-state bytes the client
-wrote and read (the tensors' payload in the dtype sent). For `auto`: what it chose for each server's link and the
-bandwidth it measured there (client/chunking.py BandwidthEstimate).
+wrote and read (the tensors' payload in the dtype sent). What each client sends per link for a prompt and for a
+decode step (for `auto`: its choice by the link's measured bandwidth and the message's size), and the bandwidth it
+measured there (client/chunking.py BandwidthEstimate).
 """
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="bloomz-560m")
     ap.add_argument("--servers", type=int, default=2)
-    ap.add_argument("--network", default="wan", help="lan | wan | a topology file (swarmlm bench --network)")
+    ap.add_argument("--network", default="wan",
+                    help="lan | wan | '50ms/10mbit' | a topology file (as swarmlm bench --network)")
     ap.add_argument("--netem-mode", default="auto", choices=["auto", "namespaces", "relay-only"])
     ap.add_argument("--wire-dtypes", default="float32,float16,int8,auto")
     ap.add_argument("--prompt-tokens", type=int, default=256)
