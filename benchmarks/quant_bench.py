@@ -2,9 +2,12 @@
 
 Candidates, all measured side by side in one process (interleaved rounds, medians):
 - fp32           nn.Linear (the baseline)
-- dyn-qint8      torch.ao.quantization.quantize_dynamic, qint8 per-channel weights (fbgemm/x86 engine):
-                 activations quantized per call, int8 x int8 GEMM -- the fastest here at every shape, so it is what
-                 swarmlm/model/quant.py uses
+- dyn-qint8      torch.ao.quantization.quantize_dynamic as torch ships it, qint8 per-channel weights (fbgemm/x86
+                 engine): activations quantized per call to 7 bits (`reduce_range=True`), one range per call
+- dyn-8bit       the same kernel asked for 8-bit activations (`reduce_range=False`; safe where fbgemm accumulates
+                 in int32, AVX512-VNNI)
+- swarmlm        swarmlm/model/quant.py's Int8Linear: the same kernel, 8-bit activations where safe, one range
+                 per row (rows mapped to [-1, 1] and back) -- what servers and the client's head run
 - int8pack       torch.ops.aten._weight_int8pack_mm: int8 weight-only, per-channel scales, fp32 activations (the
                  CPU kernel behind torchao's int8 weight-only)
 - torchao-wo     torchao.quantize_(Int8WeightOnlyConfig()) (needs torchao)
@@ -41,6 +44,17 @@ def _dyn_qint8(lin: nn.Linear) -> nn.Module:
                                 dtype=torch.qint8)
 
 
+def _dyn_8bit(lin: nn.Linear):
+    packed = _dyn_qint8(lin)[0]._packed_params._packed_params
+    return lambda x: torch.ops.quantized.linear_dynamic(x, packed, reduce_range=False)
+
+
+def _swarmlm(lin: nn.Linear) -> nn.Module:
+    from swarmlm.model.quant import quantize_linears
+
+    return quantize_linears(nn.Sequential(copy.deepcopy(lin)), "int8")
+
+
 def _torchao(lin: nn.Linear, dynamic: bool) -> nn.Module:
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
 
@@ -65,24 +79,30 @@ def _dequant(lin: nn.Linear):
     return lambda x: nn.functional.linear(x, q.to(x.dtype) * scale[:, None], bias)
 
 
-def candidates(lin: nn.Linear) -> dict:
-    out = {"fp32": lin, "dyn-qint8": _dyn_qint8(lin), "int8pack": _int8pack(lin), "dequant": _dequant(lin)}
+def candidates(lin: nn.Linear, only: list[str] | None = None) -> dict:
+    out = {"fp32": lin, "dyn-qint8": _dyn_qint8(lin), "dyn-8bit": _dyn_8bit(lin), "swarmlm": _swarmlm(lin),
+           "int8pack": _int8pack(lin), "dequant": _dequant(lin)}
     try:
         out["torchao-wo"] = _torchao(lin, dynamic=False)
         out["torchao-dyn"] = _torchao(lin, dynamic=True)
     except ImportError:
         pass
-    return out
+    return {k: v for k, v in out.items() if only is None or k == "fp32" or k in only}
 
 
 @torch.inference_mode()
-def bench_shape(k: int, n: int, rows: int, rounds: int, reps: int) -> dict[str, dict[str, float]]:
+def bench_shape(k: int, n: int, rows: int, rounds: int, reps: int, only: list[str] | None = None
+                ) -> dict[str, dict[str, float]]:
     gen = torch.Generator().manual_seed(0)
     lin = nn.Linear(k, n, bias=n != 250880)
     nn.init.normal_(lin.weight, std=0.02, generator=gen)
     x = torch.randn(rows, k, generator=gen)
     ref = lin(x)
-    impls = candidates(lin)
+    # a prompt with one outlier token (x20): the error on the other tokens shows what one range per call costs
+    xo = x.clone()
+    xo[0] *= 20
+    ref_o = lin(xo)[1:]
+    impls = candidates(lin, only)
     times: dict[str, list[float]] = {name: [] for name in impls}
     for fn in impls.values():  # warm-up
         fn(x)
@@ -95,7 +115,8 @@ def bench_shape(k: int, n: int, rows: int, rounds: int, reps: int) -> dict[str, 
     out = {}
     for name, fn in impls.items():
         err = float((fn(x) - ref).norm() / ref.norm())
-        out[name] = {"ms": 1e3 * statistics.median(times[name]), "rel_l2": err}
+        err_o = float((fn(xo)[1:] - ref_o).norm() / ref_o.norm()) if rows > 1 else err
+        out[name] = {"ms": 1e3 * statistics.median(times[name]), "rel_l2": err, "rel_l2_outlier": err_o}
     return out
 
 
@@ -105,6 +126,7 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--only", nargs="+", help="candidates to run besides fp32 (default: all)")
     p.add_argument("--json", help="write results here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -113,9 +135,10 @@ def main() -> None:
         for shape in args.shapes:
             k, n = SHAPES[shape]
             reps = max(1, int(2e7 // (k * n * max(rows, 8))))  # ~equal work per timing
-            res = bench_shape(k, n, rows, args.rounds, reps)
+            res = bench_shape(k, n, rows, args.rounds, reps, args.only)
             base = res["fp32"]["ms"]
-            line = "  ".join(f"{name} {r['ms']:.3f}ms ({r['ms'] / base:.2f}x, err {r['rel_l2']:.1e})"
+            line = "  ".join(f"{name} {r['ms']:.3f}ms ({r['ms'] / base:.2f}x, err {r['rel_l2']:.1e}"
+                             + (f", outlier prompt {r['rel_l2_outlier']:.1e})" if rows > 1 else ")")
                              for name, r in res.items())
             print(f"rows={rows:<4d} {shape:9s} {line}", flush=True)
             results.append({"rows": rows, "shape": shape, "k": k, "n": n, **res})

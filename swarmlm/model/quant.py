@@ -11,7 +11,8 @@ Two choices keep its accuracy (BLOOMZ-560M logits 4.8 % -> ~2.5 % relative L2 of
   7-bit ones (`reduce_range=True`), which only the older AVX2 path needs (its u8 x s8 pair sums saturate int16).
 - Every row (token) gets its own activation range: the kernel takes one range per call, so in a prompt one
   outlier token would coarsen all the others, and in a batch one session would change another's result. Each row
-  is mapped affinely onto [-1, 1] before the call and back after (`W x = s W x' + c W 1`, exact for a linear map).
+  is mapped affinely onto [-1, 1] before the call and back after (`W x = s W x' + c W 1`, exact for a linear map);
+  a single row (a decode step) goes straight to the kernel, whose range is then that row's already.
 
 Embeddings keep one int8 row per token with its own scale (a lookup dequantizes a handful of rows).
 
@@ -80,20 +81,21 @@ class Int8Linear(DynamicLinear):
     @classmethod
     def from_float(cls, mod: nn.Module, use_precomputed_fake_quant: bool = False) -> "Int8Linear":
         q = super().from_float(mod, use_precomputed_fake_quant)
-        qweight = q.weight()
-        q.set_weight_bias(qweight, None)  # the bias is added after the rows are mapped back
-        q.register_buffer("float_bias", None if mod.bias is None else mod.bias.detach().clone())
         # sum over inputs of the int8 weights as the kernel sees them: the term a row's offset c contributes
-        q.register_buffer("weight_sum", qweight.dequantize().sum(dim=1))  # [out]
+        q.register_buffer("weight_sum", q.weight().dequantize().sum(dim=1))  # [out]
         return q
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self._packed_params._packed_params
+        if x.numel() == x.shape[-1]:  # one row: the kernel's range is already the row's own (and no extra ops)
+            return torch.ops.quantized.linear_dynamic(x, packed, reduce_range=self.reduce_range)
         lo, hi = torch.aminmax(x, dim=-1, keepdim=True)
         center, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_(min=1e-30)  # a constant row maps to zeros
-        y = torch.ops.quantized.linear_dynamic((x - center) / half, self._packed_params._packed_params,
-                                               reduce_range=self.reduce_range)
-        y = torch.addcmul(y * half, center, self.weight_sum)  # s W x' + c W 1
-        return y if self.float_bias is None else y + self.float_bias
+        y = torch.ops.quantized.linear_dynamic((x - center) / half, packed, reduce_range=self.reduce_range)
+        bias = self.bias()  # the kernel added it to the mapped rows: W x' + b
+        if bias is None:
+            return torch.addcmul(y * half, center, self.weight_sum)  # s W x' + c W 1
+        return torch.addcmul(torch.addcmul(bias, y - bias, half), center, self.weight_sum)
 
 
 def _dynamic_int8(module: nn.Module) -> nn.Module:
