@@ -112,6 +112,11 @@ class ClientConfig:
     # int8 below 50 Mbit/s
     wire_dtype: str = "auto"
     threads: int = 1  # torch threads for the client's embeddings and LM head
+    # concurrent sessions of one client process share ONE LM-head matmul (swarmlm/client/head_batcher.py): a call
+    # waits for the other recently seen sessions at most this fraction of the last head time (and
+    # max_head_batch_wait_s); a lone session never waits. 0 = every session runs its own head
+    head_batch_wait_fraction: float = 1.0
+    max_head_batch_wait_s: float = 1.0
     wait_for_blocks_s: float = 30.0  # how long to wait for missing blocks before failing
     step_timeout_s: float = 60.0  # one step through one server, at most (see hang_factor)
     # a server is hung (alive, not answering) when a step makes no progress there for hang_factor x its announced
@@ -152,6 +157,9 @@ class ClientConfig:
             raise ValueError(f"wire_dtype must be one of {', '.join(WIRE_DTYPE_NAMES)}, got {self.wire_dtype!r}")
         if self.threads < 1 or self.max_retries < 0:
             raise ValueError("threads must be >= 1 and max_retries >= 0")
+        if self.head_batch_wait_fraction < 0 or self.max_head_batch_wait_s < 0:
+            raise ValueError(f"head_batch_wait_fraction ({self.head_batch_wait_fraction}) and max_head_batch_wait_s "
+                             f"({self.max_head_batch_wait_s}) must be >= 0")
         if not (self.step_timeout_s > 0 and self.hang_factor > 0 and self.hang_floor_s > 0):
             raise ValueError(f"step_timeout_s ({self.step_timeout_s}), hang_factor ({self.hang_factor}) and "
                              f"hang_floor_s ({self.hang_floor_s}) must be > 0")

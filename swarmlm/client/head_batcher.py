@@ -1,0 +1,123 @@
+"""One LM head for the concurrent sessions of one client process.
+
+A client process often runs many sessions at once (threads each calling `generate()`, the API gateway's streams).
+Each step ends in the final norm + LM head, which at a 250k vocabulary reads a 1 GB matrix (fp32) per call: memory
+bound, so 8 rows cost about as much as one. Alone, each session's head would run on its own thread and they would
+share the CPU 8 ways; and because they finish one after another, their next steps reach the servers spread out
+and the servers cannot batch them either. Here the head calls that are in flight together run as ONE matmul.
+
+How calls meet: the first caller of a forming batch (the leader) waits until every session that took part in
+one of the last two batches (and is still open) has arrived, at most `wait_fraction` x the last batch's head time
+(and `max_wait_s`); then it computes the whole batch and hands each caller its rows. A lone session never waits:
+nobody else is expected. A session that stops calling drops out of the expected set after two batches.
+
+Why wait as long as a whole head: sessions that fell apart (into two groups, one at the head while the other is
+at the servers) would otherwise stay apart for good, and two heads of 4 rows cost the CPU about twice one head of 8.
+Waiting at most one head's time for the other group merges them in one step (measured: 8 threads' `generate()`
+settled into two alternating groups of 4 with a wait bounded by a tenth of the head time). Once together, sessions
+come back within milliseconds of each other (the servers batch their steps too) and the wait is that short.
+
+The head is row-wise (a norm over the hidden size, then a linear map), so each caller gets what it would get
+alone, up to the float rounding of a wider matmul.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+POLL_S = 0.005  # how often a waiting leader checks whether the sessions it waits for were closed
+
+@dataclass(eq=False)
+class _Call:
+    key: int  # id of the caller's session
+    hidden: torch.Tensor  # [..., H]
+    result: torch.Tensor | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+class HeadBatcher:
+    """`batcher(session, hidden)` == `head(hidden)`, computed together with other sessions' concurrent calls.
+
+    head: rows [N, H] -> [N, V], row-wise. session: any object with a `closed` attribute (an InferenceSession):
+    closed sessions are never waited for."""
+
+    def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], wait_fraction: float = 1.0,
+                 max_wait_s: float = 1.0) -> None:
+        if wait_fraction < 0 or max_wait_s < 0:
+            raise ValueError(f"wait_fraction and max_wait_s must be >= 0, got {wait_fraction}, {max_wait_s}")
+        self.head = head
+        self.wait_fraction = wait_fraction
+        self.max_wait_s = max_wait_s
+        self._cv = threading.Condition()
+        self._pending: list[_Call] = []  # the forming batch, arrival order; its first call leads it
+        self._sessions: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
+        self._recent: deque[set[int]] = deque(maxlen=2)  # sessions of the last two batches
+        self._last_s = 0.0  # the last batch's head time
+        self.batch_sizes: Counter[int] = Counter()  # sessions per computed batch -> batches (diagnostics)
+
+    def __call__(self, session: object, hidden: torch.Tensor) -> torch.Tensor:
+        call = _Call(id(session), hidden)
+        with self._cv:
+            self._sessions[call.key] = session
+            self._pending.append(call)
+            self._cv.notify_all()  # a waiting leader may have everyone now
+            deadline = time.perf_counter() + min(self.max_wait_s, self.wait_fraction * self._last_s)
+            while not call.done:
+                if self._pending and self._pending[0] is call and not self._missing(deadline):
+                    batch, self._pending = self._pending, []
+                    break
+                leading = self._pending and self._pending[0] is call
+                # a leader looks again every few ms: a session it waits for may close without calling
+                self._cv.wait(max(0.0, min(deadline - time.perf_counter(), POLL_S)) if leading else None)
+            else:
+                return self._result(call)
+        self._compute(batch)  # outside the lock: the next batch forms meanwhile
+        with self._cv:
+            self._recent.append({c.key for c in batch})
+            self.batch_sizes[len(batch)] += 1
+            self._cv.notify_all()
+        return self._result(call)
+
+    def _missing(self, deadline: float) -> bool:
+        """(Holding the lock, as a leader.) Is someone expected still to come, with time left to wait for them?"""
+        if time.perf_counter() >= deadline:
+            return False
+        here = {c.key for c in self._pending}
+        for key in set().union(*self._recent) - here:
+            session = self._sessions.get(key)
+            if session is not None and not getattr(session, "closed", False):
+                return True
+        return False
+
+    def _compute(self, batch: list[_Call]) -> None:
+        t0 = time.perf_counter()
+        try:
+            if len(batch) == 1:
+                outs = [self.head(batch[0].hidden)]
+            else:
+                width = batch[0].hidden.shape[-1]
+                rows = torch.cat([c.hidden.reshape(-1, width) for c in batch])
+                flat = self.head(rows)
+                sizes = [c.hidden[..., 0].numel() for c in batch]
+                outs = [o.reshape(*c.hidden.shape[:-1], o.shape[-1]) for c, o in zip(batch, flat.split(sizes))]
+            for c, o in zip(batch, outs):
+                c.result = o
+        except BaseException as exc:  # every caller of the batch sees the error
+            for c in batch:
+                c.error = exc
+        self._last_s = time.perf_counter() - t0
+        for c in batch:
+            c.done = True
+
+    @staticmethod
+    def _result(call: _Call) -> torch.Tensor:
+        if call.error is not None:
+            raise call.error
+        return call.result

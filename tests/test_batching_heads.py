@@ -1,0 +1,166 @@
+"""The client's LM head shared by concurrent sessions of one process (swarmlm/client/head_batcher.py): each caller
+gets what the head gives it alone, a lone session never waits, closed sessions are not waited for; 4 concurrent
+generate() calls through a real server give transformers' own tokens (tiny BLOOM and Llama)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from swarmlm.client.head_batcher import HeadBatcher
+from swarmlm.client.model import DistributedModelForCausalLM, lm_head
+from swarmlm.model.checkpoint import load_config
+from swarmlm.swarm.local import LocalSwarm
+from swarmlm.types import BlockRange
+
+FOREVER = dict(wait_fraction=1e9, max_wait_s=1e6)  # a wait that only an arrival (or a close) ends
+
+
+class Session:
+    closed = False
+
+
+def _head() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 300, bias=False)).eval().requires_grad_(False)
+
+
+def _in_threads(fn, n: int) -> None:
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a caller is stuck"
+
+
+def test_concurrent_callers_share_one_batch_and_get_their_own_rows():
+    head = _head()
+    batcher = HeadBatcher(head, **FOREVER)
+    sessions = [Session() for _ in range(4)]
+    xs = [[torch.randn(1, 1 + i % 2, 16) for _ in range(6)] for i in range(4)]  # rows of 1 and 2 tokens
+    got: dict[tuple[int, int], torch.Tensor] = {}
+    barrier = threading.Barrier(4)
+
+    def run(i: int) -> None:
+        barrier.wait()
+        for k, x in enumerate(xs[i]):
+            got[i, k] = batcher(sessions[i], x)
+            time.sleep(0.002)  # the step through the servers: the other threads' calls come in meanwhile
+        sessions[i].closed = True  # as generate() closes its session: the others stop waiting for it
+
+    _in_threads(run, 4)
+    for (i, k), out in got.items():
+        want = head(xs[i][k])
+        assert out.shape == want.shape
+        assert (out - want).abs().max().item() < 1e-5
+        assert torch.equal(out.argmax(-1), want.argmax(-1))
+    # once every session has been seen, a batch waits for all of them: after the first rounds, batches of 4
+    assert batcher.batch_sizes[4] >= 1, batcher.batch_sizes
+
+
+def test_a_lone_session_never_waits_and_a_closed_one_is_not_waited_for():
+    head = _head()
+    batcher = HeadBatcher(head, wait_fraction=1e9, max_wait_s=0.5)
+    a, b = Session(), Session()
+    done = []
+
+    def run(i: int) -> None:
+        for _ in range(4):  # both sessions become expected by every batch
+            done.append(batcher((a, b)[i], torch.randn(1, 1, 16)))
+            time.sleep(0.002)
+
+    _in_threads(run, 2)
+    assert max(batcher.batch_sizes) == 2, batcher.batch_sizes
+    batcher.max_wait_s = 1e6  # from now on only an arrival or a close ends a wait
+    a.closed = True  # as generate() closes its session when it ends
+    _in_threads(lambda i: done.append(batcher(b, torch.randn(1, 1, 16))), 1)  # a wait for `a` would never end
+    lone = HeadBatcher(head, **FOREVER)
+    s = Session()
+    _in_threads(lambda i: [done.append(lone(s, torch.randn(2, 1, 16))) for _ in range(3)], 1)
+    assert len(done) == 12 and set(lone.batch_sizes) == {1}
+
+
+def test_an_error_reaches_every_caller_of_the_batch_and_the_batcher_goes_on():
+    def head(x: torch.Tensor) -> torch.Tensor:
+        if x.isnan().any():
+            raise ValueError("not a number")
+        return x * 2
+
+    batcher = HeadBatcher(head, **FOREVER)
+    sessions = [Session(), Session()]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            batcher(sessions[i], torch.full((1, 1, 16), float("nan")) if i else torch.randn(1, 1, 16))
+        except ValueError as exc:
+            errors.append(exc)
+        finally:
+            sessions[i].closed = True
+
+    _in_threads(run, 2)
+    assert len(errors) in (1, 2)  # in one batch both fail; apart, only the bad one
+    x = torch.randn(1, 1, 16)
+    assert torch.equal(batcher(Session(), x), x * 2)
+
+
+@torch.inference_mode()
+def test_lm_head_as_weight_times_rows_equals_the_linear():
+    linear = torch.nn.Linear(64, 1000, bias=True)
+    for shape in [(1, 1, 64), (8, 64), (3, 2, 64)]:
+        x = torch.randn(*shape)
+        got, want = lm_head(linear, x), linear(x)
+        assert got.shape == want.shape and (got - want).abs().max().item() < 1e-5
+
+
+# ---- through a real server ----------------------------------------------------------------------------------------
+PROMPTS = ["one two three", "the sky is blue", "a", "write a short poem about the sea", "hello there"]
+
+
+@pytest.fixture(scope="module", params=["bloom", "llama"])
+def swarm(request, checkpoints):
+    path = checkpoints[request.param]
+    with LocalSwarm(path, with_dht=False) as swarm:
+        swarm.start([BlockRange(0, int(load_config(path).num_hidden_layers))])
+        # a head batch waits (up to 30 s) for every session recently seen: batching is certain, not up to timing
+        client = DistributedModelForCausalLM.from_pretrained(path, servers=swarm.addresses, routing="shortest",
+                                                             head_batch_wait_fraction=1e9, max_head_batch_wait_s=30)
+        ref = AutoModelForCausalLM.from_pretrained(path).eval()
+        yield path, client, ref
+        client.close()
+
+
+@pytest.mark.slow
+def test_concurrent_generations_share_heads_and_give_transformers_tokens(swarm):
+    path, client, ref = swarm
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = [tok(p, return_tensors="pt").input_ids for p in PROMPTS]
+    with torch.no_grad():
+        want = [ref.generate(x, max_new_tokens=10, do_sample=False) for x in ids]
+    before = sum(n for size, n in client.head_batcher.batch_sizes.items() if size > 1)
+    got: list = [None] * len(PROMPTS)
+    barrier = threading.Barrier(len(PROMPTS))
+
+    def run(i: int) -> None:
+        barrier.wait()
+        got[i] = client.generate(ids[i], max_new_tokens=10)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads), "a generation did not finish"
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    shared = sum(n for size, n in client.head_batcher.batch_sizes.items() if size > 1)
+    assert shared > before, client.head_batcher.batch_sizes  # heads of several sessions ran as one
+    # one after another: each alone (a finished session is closed, so nobody waits for it)
+    for x, w in zip(ids[:2], want):
+        assert torch.equal(client.generate(x, max_new_tokens=10), w)
