@@ -94,10 +94,13 @@ def test_interrupted_setup_leaves_nothing(sig):
     removes everything. The child announces that point and then builds on slowly, so the signal lands inside the
     set-up however long a busy machine takes to deliver it."""
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
-        import time
+        import signal, time
         from swarmlm.bench.netem import Testbed, preset
         from swarmlm.bench.netem import netns
 
+        # Ctrl-C as at a terminal: a run started in the background (nohup, `cmd &` in a script) inherits SIGINT
+        # ignored, and Python then installs no KeyboardInterrupt handler, so the signal would never arrive
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         real_run = netns.run
 
         def announced_run(argv):
