@@ -9,6 +9,9 @@ Usage: .venv/bin/python benchmarks/hop_breakdown.py [--servers N] [--preset tiny
 client's embeddings and LM head per token, in rounds alternating with the swarm's: where a BLOOMZ token's time
 goes, swarm vs one process (`--preset bloomz-560m --servers 1 --local`).
 
+--head-between: rounds alternating with and without the client's LM head between steps (a real token computes it
+there): what a long burst of compute between messages adds to each part.
+
 --ab: this tree against git revision REV (exported with `git archive`, client and servers both), rounds alternating
 in one run, each round a fresh swarm (medians, and the median of per-round ratios of the caller's step).
 """
@@ -34,8 +37,10 @@ from swarmlm.swarm.local import LocalSwarm, even_split
 PROMPT = list(range(10, 26))
 
 
-def breakdown(client: DistributedModelForCausalLM, sessions: int = 4, steps: int = 100) -> dict[str, float]:
-    """Median milliseconds per decode step, per part."""
+def breakdown(client: DistributedModelForCausalLM, sessions: int = 4, steps: int = 100,
+              head_between: bool = False) -> dict[str, float]:
+    """Median milliseconds per decode step, per part. `head_between`: the client computes its LM head on each
+    step's output before the next step, as every generated token does (a long burst of compute between messages)."""
     rows: list[dict[str, float]] = []
     for _ in range(sessions):
         with client.inference_session(max_length=len(PROMPT) + steps + 1) as session:
@@ -43,8 +48,10 @@ def breakdown(client: DistributedModelForCausalLM, sessions: int = 4, steps: int
             x = client.embed(torch.tensor([[5]]))
             for _ in range(steps):
                 t0 = time.perf_counter()
-                session.step(x)
+                out = session.step(x)
                 call = time.perf_counter() - t0
+                if head_between:
+                    client.head(out)
                 rec = session.steps[-1]
                 hops = rec.hops
                 wall, queued = sum(h.wall_s for h in hops), sum(h.queued_s for h in hops)
@@ -91,6 +98,9 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="one round (warm-up + 1 session), as JSON")
     ap.add_argument("--local", action="store_true", help="also the same blocks in this process + the client's head")
     ap.add_argument("--rounds", type=int, default=4, help="sessions of 100 steps (with --local: alternating)")
+    ap.add_argument("--head-between", action="store_true",
+                    help="the client's LM head between steps, as in generation (without --local: rounds alternate "
+                         "with and without it)")
     args = ap.parse_args()
     if args.ab:
         return compare(args)
@@ -102,6 +112,16 @@ def main() -> None:
         if args.json:
             breakdown(client, 1, 20)  # warm-up
             print(json.dumps(breakdown(client, 1, 100)))
+            return
+        if not args.local and args.head_between:
+            runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+            for r in range(args.rounds):  # alternating: machine noise hits both alike
+                for head in ((False, True) if r % 2 == 0 else (True, False)):
+                    runs[head].append(breakdown(client, 1, 50, head_between=head))
+            print(f"{'part':36s} {'no head':>9s} {'head between steps':>20s}")
+            for part in runs[False][0]:
+                a, b = (statistics.median(run[part] for run in runs[h]) for h in (False, True))
+                print(f"{part:36s} {a:9.3f} {b:20.3f} ms")
             return
         if not args.local:
             for part, ms in breakdown(client, args.rounds).items():
