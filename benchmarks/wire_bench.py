@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
