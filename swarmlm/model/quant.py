@@ -83,6 +83,8 @@ class Int8Linear(DynamicLinear):
         q = super().from_float(mod, use_precomputed_fake_quant)
         # sum over inputs of the int8 weights as the kernel sees them: the term a row's offset c contributes
         q.register_buffer("weight_sum", q.weight().dequantize().sum(dim=1))  # [out]
+        # the packed bias, kept at hand: the module's bias() unpacks the whole weight on every call
+        q.register_buffer("float_bias", q.bias())
         return q
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,7 +94,7 @@ class Int8Linear(DynamicLinear):
         lo, hi = torch.aminmax(x, dim=-1, keepdim=True)
         center, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_(min=1e-30)  # a constant row maps to zeros
         y = torch.ops.quantized.linear_dynamic((x - center) / half, packed, reduce_range=self.reduce_range)
-        bias = self.bias()  # the kernel added it to the mapped rows: W x' + b
+        bias = self.float_bias  # the kernel added it to the mapped rows: W x' + b
         if bias is None:
             return torch.addcmul(y * half, center, self.weight_sum)  # s W x' + c W 1
         return torch.addcmul(torch.addcmul(bias, y - bias, half), center, self.weight_sum)
@@ -148,5 +150,7 @@ def weight_bytes(module: nn.Module) -> int:
             w = m.weight()  # int8 values + per-row scales and zero points
             total += w.numel() + w.q_per_channel_scales().nbytes + w.q_per_channel_zero_points().nbytes
             b = m.bias()
-            total += 0 if b is None else b.nbytes
+            if b is not None and b.untyped_storage().data_ptr() not in seen:  # Int8Linear also keeps it as a buffer
+                seen.add(b.untyped_storage().data_ptr())
+                total += b.nbytes
     return total
