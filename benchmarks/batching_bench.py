@@ -12,10 +12,18 @@ medians over repeats):
   token through the client's session and skip the client's LM head: with bloomz-560m's 250,880-token vocabulary
   the head costs the client about as much as the server's 24 blocks, and this measures the server.
 
+- generate: what a user sees. Real greedy `generate()` calls WITH the client's LM head (bloomz-560m: a 250,880 x
+  1,024 matmul per token), against one server process holding every block of a checkpoint with the preset's
+  shapes and `--gen-blocks` blocks (default 4); per quantization (`--quant none,int8`: the server's `--quant` and
+  the client's `quant=`): N generations one after another, N at once from N threads of ONE client process (their
+  heads batched by client/head_batcher.py), and N at once from N separate client processes (each its own head;
+  only for N <= --max-processes, each process holds the client's embeddings + head: ~1 GB fp32). Tokens of every
+  mode are checked equal to one after another's. "x" = median per-repeat ratio of tokens/s to one after another.
+
 Sessions have different prompt lengths (8 + 3 i tokens), so batches mix past lengths. Usage:
 
     .venv/bin/python benchmarks/batching_bench.py [--presets tiny-bloom,bloomz-560m] [--sessions 1,4,16]
-        [--repeats 3] [--tokens 8] [--levels stage,swarm]
+        [--repeats 3] [--tokens 8] [--levels stage,swarm,generate] [--quant none,int8] [--gen-blocks 4]
 """
 from __future__ import annotations
 
@@ -24,15 +32,18 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
 
+from swarmlm.client.generate import GenerationStats
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.model.checkpoint import load_config
-from swarmlm.model.random_checkpoint import default_checkpoint
+from swarmlm.model.random_checkpoint import default_checkpoint, init_checkpoint
 from swarmlm.server.stage import Stage, StepRequest
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
@@ -158,6 +169,152 @@ def run_swarm(model_dir: str, ns: list[int], repeats: int, tokens: int, blocks: 
             s.stop()
 
 
+# ---- generate level ----------------------------------------------------------------------------------------------
+def gen_checkpoint(preset: str, blocks: int | None) -> str:
+    """The preset's checkpoint, or one with its shapes and only `blocks` blocks (created once, cached)."""
+    if blocks is None:
+        return str(default_checkpoint(preset))
+    path = Path.home() / ".cache" / "swarmlm" / "checkpoints" / f"{preset}-{blocks}blocks-seed0"
+    if not (path / "swarmlm.json").is_file():
+        init_checkpoint(preset, path, num_layers=blocks)
+    return str(path)
+
+
+def gen_prompt(i: int) -> torch.Tensor:
+    return torch.arange(5, 5 + prompt_len(i)).unsqueeze(0)  # token ids 5.. (any ids: random weights)
+
+
+def generate_one(client: DistributedModelForCausalLM, i: int, tokens: int) -> dict:
+    """One greedy generation of exactly `tokens` new tokens (no EOS stop); its tokens, clocks and server batches."""
+    stats = GenerationStats()
+    t0 = time.time()  # wall clock: comparable across processes
+    out = client.generate(gen_prompt(i), max_new_tokens=tokens, do_sample=False, eos_token_id=None, stats=stats)
+    t1 = time.time()
+    decode = [h.batch_size for step in stats.steps if step.tokens == 1 for h in step.hops]
+    return {"start": t0, "end": t1, "tokens": out[0].tolist(), "server_batches": decode, "head_s": stats.head_s}
+
+
+def worker_main(args) -> None:
+    """A client process of the `processes` mode: loads the client, then per line of stdin (a prompt index)
+    generates and prints one JSON line."""
+    torch.set_num_threads(1)
+    client = DistributedModelForCausalLM.from_pretrained(args.worker_model, servers=[args.worker_server],
+                                                         routing="shortest", quant=args.worker_quant)
+    generate_one(client, 0, 2)  # warm up
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        i, tokens = (int(x) for x in line.split())
+        print(json.dumps(generate_one(client, i, tokens)), flush=True)
+    client.close()
+
+
+class Workers:
+    """n client processes (started once, reused by every repeat)."""
+
+    def __init__(self, n: int, model_dir: str, server: str, quant: str) -> None:
+        cmd = [sys.executable, __file__, "--worker-model", model_dir, "--worker-server", server,
+               "--worker-quant", quant]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                      for _ in range(n)]
+        for p in self.procs:
+            line = p.stdout.readline()
+            if not line or not json.loads(line).get("ready"):
+                raise RuntimeError("a client process did not start")
+
+    def run(self, tokens: int) -> list[dict]:
+        for i, p in enumerate(self.procs):
+            p.stdin.write(f"{i} {tokens}\n")
+            p.stdin.flush()
+        return [json.loads(p.stdout.readline()) for p in self.procs]
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.stdin.close()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def gen_round(mode: str, client: DistributedModelForCausalLM, workers: Workers | None, n: int,
+              tokens: int) -> list[dict]:
+    if mode == "one_after_another":
+        return [generate_one(client, i, tokens) for i in range(n)]
+    if mode == "processes":
+        return workers.run(tokens)
+    results: list = [None] * n
+    barrier = threading.Barrier(n)
+
+    def run(i: int) -> None:
+        barrier.wait()
+        results[i] = generate_one(client, i, tokens)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r is not None for r in results), "a generation failed"
+    return results
+
+
+def run_generate(preset: str, ns: list[int], repeats: int, tokens: int, blocks: int | None,
+                 quants: tuple[str, ...], max_processes: int) -> dict:
+    model_dir = gen_checkpoint(preset, blocks)
+    num_blocks = int(load_config(model_dir).num_hidden_layers)
+    rows: dict = {}
+    for quant in quants:
+        with LocalSwarm(model_dir, threads=1, with_dht=False,
+                        server_args=["--max-sessions", "64", "--quant", quant]) as swarm:
+            swarm.start([BlockRange(0, num_blocks)])
+            client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses,
+                                                                 routing="shortest", quant=quant)
+            try:
+                gen_round("threads", client, None, 2, 2)  # warm up channels, server, head batcher
+                for n in ns:
+                    modes = ["one_after_another", "threads"] + (["processes"] if n <= max_processes else [])
+                    workers = Workers(n, model_dir, swarm.addresses[0], quant) if "processes" in modes else None
+                    try:
+                        samples = {m: [] for m in modes}
+                        server_batches = {m: [] for m in modes}
+                        head_batches = {m: [] for m in modes}
+                        reference = None
+                        for r in range(repeats):
+                            for mode in (modes if r % 2 == 0 else modes[::-1]):
+                                if client.head_batcher is not None:
+                                    client.head_batcher.batch_sizes.clear()
+                                res = gen_round(mode, client, workers, n, tokens)
+                                wall = max(x["end"] for x in res) - min(x["start"] for x in res)
+                                if mode == "one_after_another":
+                                    wall = sum(x["end"] - x["start"] for x in res)
+                                samples[mode].append(n * tokens / wall)
+                                server_batches[mode] += [b for x in res for b in x["server_batches"]]
+                                if client.head_batcher is not None and mode != "processes":
+                                    head_batches[mode] += [k for k, c in client.head_batcher.batch_sizes.items()
+                                                           for _ in range(c)]
+                                got = [x["tokens"] for x in res]
+                                assert all(len(t) == prompt_len(i) + tokens for i, t in enumerate(got)), \
+                                    "a generation stopped early"
+                                reference = reference or got
+                                assert got == reference, f"{mode}: tokens differ from the other modes'"
+                                print(f"  {quant} n={n} {mode} repeat {r}: {samples[mode][-1]:.2f} tok/s "
+                                      f"(load {os.getloadavg()[0]:.1f})", flush=True)
+                    finally:
+                        if workers is not None:
+                            workers.close()
+                    key = f"{quant} {n}"
+                    rows[key] = _summary(samples, "one_after_another")
+                    rows[key]["mean_server_batch"] = {m: statistics.mean(b) for m, b in server_batches.items() if b}
+                    rows[key]["mean_head_batch"] = {m: statistics.mean(b) for m, b in head_batches.items() if b}
+                    rows[key]["tokens_identical"] = True
+            finally:
+                client.close()
+    return rows
+
+
 def _summary(samples: dict[str, list[float]], base: str) -> dict:
     med = {mode: statistics.median(v) for mode, v in samples.items()}
     # ratios per repeat (modes of one repeat ran back to back), then their median: robust to drifting load
@@ -176,9 +333,20 @@ def main() -> None:
     parser.add_argument("--no-unbatched", action="store_true",
                         help="swarm level: skip the second server with batching off (saves its memory)")
     parser.add_argument("--stage-blocks", type=int, help="stage level: hold only the first N blocks (less memory)")
-    parser.add_argument("--quant", default="none", help="stage level: weight quantizations side by side, e.g. none,int8")
+    parser.add_argument("--quant", default="none",
+                        help="stage and generate levels: weight quantizations side by side, e.g. none,int8")
+    parser.add_argument("--gen-blocks", type=int, default=4,
+                        help="generate level: a checkpoint of the preset's shapes with this many blocks (0: all)")
+    parser.add_argument("--max-processes", type=int, default=8,
+                        help="generate level: the separate-processes mode only up to this many sessions (memory)")
     parser.add_argument("--out", default="docs/results/batching.json")
+    parser.add_argument("--worker-model", help=argparse.SUPPRESS)  # a client process of the generate level
+    parser.add_argument("--worker-server", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-quant", default="none", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker_model:
+        worker_main(args)
+        return
     torch.set_num_threads(1)
     ns = [int(x) for x in args.sessions.split(",")]
     results = {"machine": f"{platform.machine()} {os.cpu_count()} cores, 1 torch thread per process",
@@ -190,6 +358,9 @@ def main() -> None:
             if level == "stage":
                 rows = run_stage(model_dir, ns, args.repeats, args.tokens, args.stage_blocks,
                                  tuple(args.quant.split(",")))
+            elif level == "generate":
+                rows = run_generate(preset, ns, args.repeats, args.tokens, args.gen_blocks or None,
+                                    tuple(args.quant.split(",")), args.max_processes)
             else:
                 rows = run_swarm(model_dir, ns, args.repeats, args.tokens, unbatched=not args.no_unbatched)
             results["presets"][preset][level] = rows
@@ -198,8 +369,13 @@ def main() -> None:
             print("| sessions | " + " | ".join(modes) + " | " + " | ".join(f"x {m}" for m in modes[1:]) + " |")
             print("|---" * (2 * len(modes)) + "|")
             for n, row in rows.items():
-                cells = [f"{row['tokens_per_s'][m]:.1f}" for m in modes] + [f"{row['speedup'][m]:.2f}" for m in modes[1:]]
+                cells = [f"{row['tokens_per_s'].get(m, float('nan')):.2f}" for m in modes] + \
+                        [f"{row['speedup'].get(m, float('nan')):.2f}" for m in modes[1:]]
                 print(f"| {n} | " + " | ".join(cells) + " |", flush=True)
+            if level == "generate":
+                for n, row in rows.items():
+                    print(f"{n}: mean server batch (decode) {row['mean_server_batch']}, "
+                          f"mean head batch {row['mean_head_batch']}")
             if level == "swarm":  # how many steps shared a forward, as the server reported it
                 print("mean server batch: " + "; ".join(
                     f"{n} sessions " + ", ".join(f"{m} {v:.2f}" for m, v in row["mean_server_batch"].items())

@@ -7,7 +7,8 @@ share the CPU 8 ways; and because they finish one after another, their next step
 and the servers cannot batch them either. Here the head calls that are in flight together run as ONE matmul.
 
 How calls meet: the first caller of a forming batch (the leader) waits until every session that took part in
-one of the last two batches (and is still open) has arrived, at most `wait_fraction` x the last batch's head time
+one of the last two batches, or was announced (`expect`, when it opens) and has not called yet, and is still
+open, has arrived, at most `wait_fraction` x the last batch's head time
 (and `max_wait_s`); then it computes the whole batch and hands each caller its rows. A lone session never waits:
 nobody else is expected. A session that stops calling drops out of the expected set after two batches.
 
@@ -59,13 +60,23 @@ class HeadBatcher:
         self._pending: list[_Call] = []  # the forming batch, arrival order; its first call leads it
         self._sessions: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
         self._recent: deque[set[int]] = deque(maxlen=2)  # sessions of the last two batches
+        self._announced: dict[int, int] = {}  # opened, not called yet -> batches left to wait for them
         self._last_s = 0.0  # the last batch's head time
         self.batch_sizes: Counter[int] = Counter()  # sessions per computed batch -> batches (diagnostics)
+
+    def expect(self, session: object) -> None:
+        """A session opened and will call soon: batches wait for its first call too (for the next two batches at
+        most: a session that never calls the head is then forgotten). So sessions started together (their prefills
+        of different lengths end at different times) share heads from their first token on."""
+        with self._cv:
+            self._sessions[id(session)] = session
+            self._announced[id(session)] = 2
 
     def __call__(self, session: object, hidden: torch.Tensor) -> torch.Tensor:
         call = _Call(id(session), hidden)
         with self._cv:
             self._sessions[call.key] = session
+            self._announced.pop(call.key, None)
             self._pending.append(call)
             self._cv.notify_all()  # a waiting leader may have everyone now
             deadline = time.perf_counter() + min(self.max_wait_s, self.wait_fraction * self._last_s)
@@ -81,6 +92,7 @@ class HeadBatcher:
         self._compute(batch)  # outside the lock: the next batch forms meanwhile
         with self._cv:
             self._recent.append({c.key for c in batch})
+            self._announced = {key: left - 1 for key, left in self._announced.items() if left > 1}
             self.batch_sizes[len(batch)] += 1
             self._cv.notify_all()
         return self._result(call)
@@ -90,7 +102,7 @@ class HeadBatcher:
         if time.perf_counter() >= deadline:
             return False
         here = {c.key for c in self._pending}
-        for key in set().union(*self._recent) - here:
+        for key in set().union(*self._recent, self._announced) - here:
             session = self._sessions.get(key)
             if session is not None and not getattr(session, "closed", False):
                 return True

@@ -120,7 +120,10 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
     def inference_session(self, max_length: int, batch_size: int = 1, l_in_hint: int = 16,
                           l_out_hint: int = 16) -> InferenceSession:
         """`with model.inference_session(max_length=...) as s:` then `model.step_logits(s, ids)` per step."""
-        return InferenceSession(self.remote, batch_size, max_length, l_in_hint, l_out_hint)
+        session = InferenceSession(self.remote, batch_size, max_length, l_in_hint, l_out_hint)
+        if self.head_batcher is not None:
+            self.head_batcher.expect(session)  # its first head (after the prefill) may share a batch already
+        return session
 
     def step_logits(self, session: InferenceSession, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                     stats: GenerationStats | None = None, last_only: bool = False) -> torch.Tensor:

@@ -37,6 +37,11 @@ from swarmlm.server.stage import SpanState, Stage, StepRequest
 from swarmlm.types import StepKind
 
 DECODE, PREFILL = StepKind.DECODE, StepKind.PREFILL  # priorities: decode steps first (one spelling: StepKind)
+# after 4 waits for stragglers that gathered nobody, this many waits are skipped before one is tried again. Short:
+# sessions that arrive spread out at first (e.g. 8 client threads whose LM heads finish one after another) come
+# into step a few tokens later (the client batches their heads), and a wait that gathers them pays from then on;
+# 32 kept the waits off for a whole short generation (8 sessions x 8 tokens: rounds of 7 + 1 throughout)
+RETRY_WAIT_AFTER = 8
 
 
 @dataclass(frozen=True)
@@ -129,7 +134,7 @@ class Scheduler:
         self.batch_wait_fraction = batch_wait_fraction  # fraction of the last decode forward's time
         self.max_batch_wait_s = max_batch_wait_s
         self._recent: deque[set[Hashable]] = deque(maxlen=2)  # members of the last two rounds' decode forwards
-        self._last_decode_s = 0.0  # the last round's decode compute time
+        self._recent_decode_s: deque[float] = deque(maxlen=2)  # the last two decode rounds' compute times
         self._fruitless = 0  # consecutive waits that gathered nobody
         self._skipped_waits = 0  # waits skipped since the last try
         self._queue: list[Job] = []  # arrival order
@@ -188,7 +193,7 @@ class Scheduler:
                     decode_s += time.perf_counter() - started
             if decode:
                 self._recent.append(decode)
-                self._last_decode_s = decode_s
+                self._recent_decode_s.append(decode_s)
 
     def _wait_for_stragglers(self) -> None:
         """(Holding the lock.) Give the recent decode rounds' sessions that are not queued yet a moment to arrive."""
@@ -204,11 +209,13 @@ class Scheduler:
         before = len(missing())
         if before == 0:
             return
-        if self._fruitless >= 4 and self._skipped_waits < 32:
+        if self._fruitless >= 4 and self._skipped_waits < RETRY_WAIT_AFTER:
             self._skipped_waits += 1  # waits have not paid lately
             return
         self._skipped_waits = 0
-        deadline = time.perf_counter() + min(self.max_batch_wait_s, self.batch_wait_fraction * self._last_decode_s)
+        # the longer of the last two decode rounds: after a round split into many rows + a few, the few's short
+        # forward must not shorten the wait that would bring them back together
+        deadline = time.perf_counter() + min(self.max_batch_wait_s, self.batch_wait_fraction * max(self._recent_decode_s))
         while not self._stopped and missing() and (left := deadline - time.perf_counter()) > 0:
             self._cv.wait(left)
         self._fruitless = 0 if len(missing()) < before else self._fruitless + 1
