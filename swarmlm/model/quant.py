@@ -6,7 +6,7 @@ accumulation. Measured on this CPU it was the fastest maintained kernel at both 
 rows) shapes: 0.36-0.72x fp32's time where the weight-only int8 kernels (aten._weight_int8pack_mm, torchao's
 Int8WeightOnly) were 1.3-35x SLOWER than fp32 (benchmarks/quant_bench.py, docs/RESULTS-perf.md).
 
-Two choices keep its accuracy (BLOOMZ-560M logits 4.8 % -> ~2.5 % relative L2 of fp32, docs/RESULTS-perf.md):
+Two choices keep its accuracy (BLOOMZ-560M logits 4.8 % -> 2.8 % relative L2 of fp32, docs/RESULTS-perf.md):
 - Full 8-bit activations where the CPU accumulates in int32 (AVX512-VNNI): torch's module asks the kernel for
   7-bit ones (`reduce_range=True`), which only the older AVX2 path needs (its u8 x s8 pair sums saturate int16).
 - Every row (token) gets its own activation range: the kernel takes one range per call, so in a prompt one
