@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import queue
+import threading
 from typing import Iterator, Sequence
 
 from swarmlm.wire import swarm_pb2 as pb
@@ -93,3 +94,13 @@ def even_out_view(client) -> None:
     for sid, r in view.records.items():
         view.rtt_s[sid] = 0.001
         view.records[sid] = dataclasses.replace(r, decode_4rows_s=2 * r.decode_s, decode_16rows_s=4 * r.decode_s)
+
+
+def run_in_threads(fn, n: int, timeout_s: float = 300.0) -> None:
+    """fn(0) .. fn(n - 1) on n threads at once; fails if one is still running after the (generous) deadline."""
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not any(t.is_alive() for t in threads), "a thread did not finish"

@@ -15,6 +15,7 @@ from swarmlm.client.model import DistributedModelForCausalLM, lm_head
 from swarmlm.model.checkpoint import load_config
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
+from tests.swarm_helpers import run_in_threads
 
 FOREVER = dict(wait_fraction=1e9, max_wait_s=1e6)  # a wait that only an arrival (or a close) ends
 
@@ -26,15 +27,6 @@ class Session:
 def _head() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 300, bias=False)).eval().requires_grad_(False)
-
-
-def _in_threads(fn, n: int) -> None:
-    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a caller is stuck"
 
 
 def test_concurrent_callers_share_one_batch_and_get_their_own_rows():
@@ -52,7 +44,7 @@ def test_concurrent_callers_share_one_batch_and_get_their_own_rows():
             time.sleep(0.002)  # the step through the servers: the other threads' calls come in meanwhile
         sessions[i].closed = True  # as generate() closes its session: the others stop waiting for it
 
-    _in_threads(run, 4)
+    run_in_threads(run, 4, 60)
     for (i, k), out in got.items():
         want = head(xs[i][k])
         assert out.shape == want.shape
@@ -73,14 +65,14 @@ def test_a_lone_session_never_waits_and_a_closed_one_is_not_waited_for():
             done.append(batcher((a, b)[i], torch.randn(1, 1, 16)))
             time.sleep(0.002)
 
-    _in_threads(run, 2)
+    run_in_threads(run, 2, 60)
     assert max(batcher.batch_sizes) == 2, batcher.batch_sizes
     batcher.max_wait_s = 1e6  # from now on only an arrival or a close ends a wait
     a.closed = True  # as generate() closes its session when it ends
-    _in_threads(lambda i: done.append(batcher(b, torch.randn(1, 1, 16))), 1)  # a wait for `a` would never end
+    run_in_threads(lambda i: done.append(batcher(b, torch.randn(1, 1, 16))), 1, 60)  # a wait for `a` would never end
     lone = HeadBatcher(head, **FOREVER)
     s = Session()
-    _in_threads(lambda i: [done.append(lone(s, torch.randn(2, 1, 16))) for _ in range(3)], 1)
+    run_in_threads(lambda i: [done.append(lone(s, torch.randn(2, 1, 16))) for _ in range(3)], 1, 60)
     assert len(done) == 12 and set(lone.batch_sizes) == {1}
 
 
@@ -104,7 +96,7 @@ def test_an_error_reaches_every_caller_of_the_batch_and_the_batcher_goes_on():
         finally:
             sessions[i].closed = True
 
-    _in_threads(run, 2)
+    run_in_threads(run, 2, 60)
     assert len(errors) in (1, 2)  # in one batch both fail; apart, only the bad one
     x = torch.randn(1, 1, 16)
     assert torch.equal(batcher(Session(), x), x * 2)
@@ -151,12 +143,7 @@ def test_concurrent_generations_share_heads_and_give_transformers_tokens(swarm):
         barrier.wait()
         got[i] = client.generate(ids[i], max_new_tokens=10)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not any(t.is_alive() for t in threads), "a generation did not finish"
+    run_in_threads(run, len(PROMPTS))
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     shared = sum(n for size, n in client.head_batcher.batch_sizes.items() if size > 1)

@@ -2,7 +2,6 @@
 concurrent sessions by load (its own, and what servers announce), where shortest-latency routing does not."""
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import pytest
@@ -13,6 +12,7 @@ from swarmlm.client.streams import info
 from swarmlm.planner.routing import WaitingAwareRouter
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
+from tests.swarm_helpers import even_out_view
 
 pytestmark = pytest.mark.slow
 
@@ -35,14 +35,9 @@ def client_for(swarm: LocalSwarm, addresses: list[str], **kwargs) -> Distributed
 
 
 def refresh_even(client: DistributedModelForCausalLM) -> None:
-    """Read the servers' Info, then even out what would decide at random on a busy machine: the same RTT to both
-    replicas (loopback RTTs differ by tens of ms, and l_out x RTT would decide), and the same contention, a known
-    one (a tiny model's measured f(b) is ~1 within noise: its forward is mostly fixed overhead)."""
+    """Read the servers' Info, then even out RTTs and contention (swarm_helpers.even_out_view): load decides."""
     client.remote.refresh()
-    view = client.remote.view
-    for sid, r in view.records.items():
-        view.rtt_s[sid] = 0.001
-        view.records[sid] = dataclasses.replace(r, decode_4rows_s=2 * r.decode_s, decode_16rows_s=4 * r.decode_s)
+    even_out_view(client)
 
 
 def first_server(session) -> str:

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.swarm.local import LocalSwarm, even_split
+from tests.swarm_helpers import run_in_threads
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["the quick brown fox jumps over", "hello"]
@@ -85,12 +86,7 @@ def test_concurrent_sessions_are_isolated(swarm):
                 results[i] = client.generate(ids, max_new_tokens=8, session=session)
                 batches.extend(h.batch_size for step in session.steps for h in step.hops)
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert not any(t.is_alive() for t in threads), "a session did not finish"
+        run_in_threads(run, 4)
         for got, want in zip(results, alone):
             assert torch.equal(got, want)
         if max(batches) > 1:
