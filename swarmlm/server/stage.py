@@ -1,7 +1,9 @@
 """The stage: pure compute over this server's blocks. No networking, no bookkeeping beyond a session's cache.
 
 `step` runs one session; `step_batch` runs steps of several sessions (same sub-range, same number of new tokens)
-as one forward, each session's result the same as when it runs alone (see swarmlm/server/kv_cache.py).
+as one forward, each session's result the same as when it runs alone (see swarmlm/server/kv_cache.py) -- to float
+rounding, and with int8 weights to the rounding of one 8-bit activation range per row (a row stepped alone goes
+straight to the kernel; rows batched together are mapped to their own range: model/quant.py Int8Linear).
 """
 from __future__ import annotations
 
