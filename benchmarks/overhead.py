@@ -10,6 +10,11 @@ noise hits all of them alike; medians over rounds. Usage:
 --push N...: also swarms of N servers with server-to-server push (ClientConfig.push: each server sends its output
 straight on to the next, so a token is N + 1 messages instead of N round trips through the client).
 
+"local" is plain transformers with its weights copied into the process's memory, as swarmlm's servers and client
+hold theirs; "local mmap" is the same model as `from_pretrained` leaves it (weights as views of the safetensors
+file's mapping), which reads them ~1.5x slower on the machine we measured (docs/RESULTS-perf.md). The swarm is
+compared with "local", the faster of the two.
+
 --int8 also reports each server's weight bytes and resident memory (fp32 vs int8 swarms of the same N), and with
 --accuracy-prompts K, int8 against fp32 over K prompts: the prompt's logits' relative L2 and how many of the first
 32 greedy tokens agree (up to the first difference).
@@ -33,6 +38,15 @@ from swarmlm.model.random_checkpoint import default_checkpoint
 from swarmlm.swarm.local import LocalSwarm, even_split
 
 PROMPT = list(range(10, 26))  # 16 tokens
+
+
+def in_process_memory(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every weight copied out of the checkpoint file's mapping (tied weights stay tied: they are one
+    Parameter)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
+    return model
 
 
 @torch.inference_mode()
@@ -101,7 +115,8 @@ def run_preset(preset: str, ns: list[int], rounds: int, tokens: int, int8_ns: li
     model_dir = str(default_checkpoint(preset))
     num_blocks = int(load_config(model_dir).num_hidden_layers)
     torch.set_num_threads(1)
-    local = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    local = in_process_memory(AutoModelForCausalLM.from_pretrained(model_dir).eval())
+    local_mmap = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     setups = ([(f"N={n}", n, "none") for n in ns] + [(f"N={n} int8", n, "int8") for n in int8_ns]
               + [(f"N={n} push", n, "none") for n in push_ns])
     swarms, clients = {}, {}
@@ -115,10 +130,12 @@ def run_preset(preset: str, ns: list[int], rounds: int, tokens: int, int8_ns: li
                 model_dir, servers=swarms[name].addresses, routing="shortest", quant=quant, push=name.endswith("push"))
             swarm_per_token_s(clients[name], 4)  # warm up channels
         local_per_token_s(local, 4)
-        samples: dict[str, list[float]] = {"local": [], **{name: [] for name, _, _ in setups}}
+        local_per_token_s(local_mmap, 4)
+        samples: dict[str, list[float]] = {"local": [], "local mmap": [], **{name: [] for name, _, _ in setups}}
         overheads: dict[str, list[float]] = {name: [] for name, _, _ in setups}
         for _ in range(rounds):
             samples["local"].append(local_per_token_s(local, tokens))
+            samples["local mmap"].append(local_per_token_s(local_mmap, tokens))
             for name, _, _ in setups:
                 step, hop = swarm_per_token_s(clients[name], tokens)
                 samples[name].append(step)
@@ -135,6 +152,8 @@ def run_preset(preset: str, ns: list[int], rounds: int, tokens: int, int8_ns: li
             s.stop()
     base = statistics.median(samples["local"])
     rows = {"local": {"per_token_ms": base * 1e3}}
+    mmap_med = statistics.median(samples["local mmap"])
+    rows["local mmap"] = {"per_token_ms": mmap_med * 1e3, "vs_local": mmap_med / base}
     for name, n, _ in setups:
         med = statistics.median(samples[name])
         rows[name] = {

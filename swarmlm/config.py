@@ -29,6 +29,9 @@ class ServerConfig:
     # weights of the linear layers: "none" (dtype) or "int8" (per-row int8, 1/4 of fp32's bytes, ~1 % relative
     # error per layer, BLOOMZ-560M logits 2.8 %; swarmlm/model/quant.py). Announced: clients may refuse them.
     quant: str = "none"
+    # keep full-precision weights as views of the checkpoint file's mapping (pages shared by the host's servers of
+    # the same file) instead of copying them into the process: ~1.5x slower decode here (model/checkpoint.py)
+    mmap_weights: bool = False
     num_blocks: int | None = None  # with blocks=None: how many blocks to take (None = from the memory budget)
     placement: str = "petals"  # how to choose a range when blocks=None: "petals" | "cg-bprr"
     memory_bytes: int | None = None  # budget for weights + caches when choosing num_blocks (None = 40% of RAM)

@@ -58,3 +58,29 @@ def test_client_modules_tie_head_to_embeddings(tiny_bloom, tiny_llama):
     assert torch.equal(bloom.lm_head.weight, bloom.embed.weight)  # BLOOM ties them
     _, _, llama = load_client_modules(tiny_llama)
     assert not torch.equal(llama.lm_head.weight, llama.embed.weight)  # tiny-llama has its own head
+    assert bloom.lm_head.weight.data_ptr() == bloom.embed.weight.data_ptr()  # one tensor, copied once
+
+
+def _mapped_file(t: torch.Tensor) -> str | None:
+    """The file whose mapping holds `t`'s data, if any (Linux /proc/self/maps)."""
+    addr = t.untyped_storage().data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            lo, hi = (int(v, 16) for v in fields[0].split("-"))
+            if lo <= addr < hi:
+                return fields[5] if len(fields) > 5 and fields[5].startswith("/") else None
+    return None
+
+
+def test_weights_are_copied_out_of_the_file_unless_mmap_is_asked(tiny_bloom):
+    """Weights read from the safetensors file's mapping run slower here than from process memory; servers and
+    clients copy them, `mmap=True` keeps the shared mapping (and must still give the same weights)."""
+    _, _, copied = load_blocks(tiny_bloom, 0, 2)
+    _, _, mapped = load_blocks(tiny_bloom, 0, 2, mmap=True)
+    _, _, client = load_client_modules(tiny_bloom)
+    for name, weight in copied.named_parameters():
+        assert _mapped_file(weight) is None, name
+        assert torch.equal(weight, dict(mapped.named_parameters())[name])
+    assert any((_mapped_file(w) or "").endswith(".safetensors") for w in mapped.parameters())
+    assert _mapped_file(client.lm_head.weight) is None and _mapped_file(client.embed.weight) is None

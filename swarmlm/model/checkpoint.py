@@ -134,9 +134,15 @@ def _dtype(dtype: torch.dtype | str, config: PretrainedConfig) -> torch.dtype:
 
 
 def load_blocks(
-    model: ModelRef, start: int, end: int, dtype: torch.dtype | str = torch.float32, quant: Quant = "none"
+    model: ModelRef, start: int, end: int, dtype: torch.dtype | str = torch.float32, quant: Quant = "none",
+    mmap: bool = False,
 ) -> tuple[PretrainedConfig, FamilyAdapter, nn.ModuleList]:
     """Blocks [start, end) of the checkpoint; their caches use layers 0..end-start-1.
+
+    The weights are copied into the process's own memory, block by block. `mmap=True` keeps full-precision
+    weights as views of the safetensors file's mapping instead: its pages are shared by every process on the host
+    that serves the same file, but on this machine a decode step reads them ~1.5x slower (a memory-bound matmul
+    over file-backed pages; docs/RESULTS-perf.md, "weights in process memory").
 
     With quant "int8" each block is quantized as soon as it is read, so at most one block is ever held in full
     precision: the process's peak (and, since the allocator keeps freed heap, its resident) memory follows the
@@ -155,10 +161,9 @@ def load_blocks(
         tensors = index.read(index.keys_under(block_prefix))
         with torch.device("meta"):  # no random init of weights we are about to replace
             block = adapter.build_block(config, global_idx, cache_idx=local)
-        # safetensors' tensors are views of the file's mmap: a full-precision server keeps them so (pages shared by
-        # every process serving the file); to quantize, copy them, or the norms and biases left over would keep
-        # the whole mapping, and every weight page quantization read, resident
-        copy = quant != "none"
+        # safetensors' tensors are views of the file's mmap; to quantize, copy them too, or the norms and biases
+        # left over would keep the whole mapping, and every weight page quantization read, resident
+        copy = not mmap or quant != "none"
         state = adapter.convert_block_state({k[len(block_prefix):]: v.to(dtype, copy=copy) for k, v in tensors.items()})
         block.load_state_dict(state, strict=True, assign=True)
         del tensors, state  # the block's own full-precision copy is the only one left ...
@@ -182,5 +187,7 @@ def load_client_modules(
         if found is None:
             raise ValueError(f"{index.source.name}: none of {full} found for {name}")
         wanted[name] = found
-    tensors = index.read(sorted(set(wanted.values())))
-    return config, adapter, adapter.build_client(config, {n: tensors[k].to(dtype) for n, k in wanted.items()})
+    # copied out of the file's mapping, once per tensor (tied embeddings stay one tensor): the LM head is read
+    # whole every token, ~1.8x faster from process memory here (docs/RESULTS-perf.md, "weights in process memory")
+    tensors = {k: t.to(dtype, copy=True) for k, t in index.read(sorted(set(wanted.values()))).items()}
+    return config, adapter, adapter.build_client(config, {n: tensors[k] for n, k in wanted.items()})

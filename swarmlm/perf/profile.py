@@ -25,7 +25,7 @@ from swarmlm.perf.model import CONTENTION_ROWS, ComputeProfile
 from swarmlm.types import BlockRange
 
 log = logging.getLogger(__name__)
-PROFILE_VERSION = 3  # bump when the measurement changes: cached profiles are redone
+PROFILE_VERSION = 4  # bump when the measurement changes: cached profiles are redone
 
 
 def _cpu_name() -> str:
@@ -62,6 +62,8 @@ def profile_key(stage: Measurable, threads: int) -> str:
     quant = getattr(stage, "quant", "none")  # int8 weights run other kernels; "none" keeps the older keys valid
     if quant != "none":
         parts.append(f"quant={quant}")
+    if getattr(stage, "mmap", False):  # weights read from the file's mapping run slower (checkpoint.load_blocks)
+        parts.append("mmap")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 

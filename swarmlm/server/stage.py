@@ -49,14 +49,16 @@ class StepRequest:
 
 
 class Stage:
-    def __init__(self, model_dir: str, blocks: BlockRange, dtype: str = "float32", quant: Quant = "none") -> None:
+    def __init__(self, model_dir: str, blocks: BlockRange, dtype: str = "float32", quant: Quant = "none",
+                 mmap: bool = False) -> None:
         self.blocks = blocks
+        self.mmap = mmap  # weights left in the file's mapping (shared, slower; load_blocks)
         self.dtype = parse_dtype(dtype, model_dir)  # "auto": the checkpoint's own (fp32 for bf16 on CPU)
         self.quant = check_quant(quant, self.dtype)
         # quantized block by block as they load (memory follows the int8 size), before profiling: the announced
         # speed is the quantized one
         self.config, self.adapter, self.modules = load_blocks(
-            model_dir, blocks.start, blocks.end, self.dtype, self.quant)
+            model_dir, blocks.start, blocks.end, self.dtype, self.quant, mmap)
         self.weight_bytes = weight_bytes(self.modules)  # what the blocks hold in memory (announced)
         self.hidden_size = int(self.config.hidden_size)
 
