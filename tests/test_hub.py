@@ -16,6 +16,7 @@ from huggingface_hub import constants
 from huggingface_hub.errors import RemoteEntryNotFoundError
 from transformers import AutoModelForCausalLM, AutoTokenizer, FalconConfig, GPT2Config
 
+import swarmlm.model.checkpoint as checkpoint_module
 import swarmlm.model.source as source_module
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.config import ClientConfig, ServerConfig
@@ -130,16 +131,27 @@ def test_unsupported_models_are_refused_clearly():
         family_for(FalconConfig(alibi=True))
 
 
-def test_dtype_auto_is_the_checkpoints_own_but_bf16_runs_as_fp32_on_cpu(checkpoints, tmp_path, caplog):
+@pytest.mark.parametrize("bf16_units", [False, True], ids=["cpu-without-amx", "cpu-with-amx"])
+def test_dtype_auto_is_the_checkpoints_own_but_half_precision_follows_the_cpu(checkpoints, tmp_path, caplog,
+                                                                              monkeypatch, bf16_units):
+    # both branches on any machine: the CPU's answer and the absence of a GPU are set here, not read
+    monkeypatch.setattr(checkpoint_module, "cpu_has_bf16_matmul", lambda: bf16_units)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert parse_dtype("auto", checkpoints["first"]) == torch.float32
     bf16 = init_checkpoint("tiny-qwen3", tmp_path / "bf16", dtype=torch.bfloat16)
+    fp16 = init_checkpoint("tiny-qwen3", tmp_path / "fp16", dtype=torch.float16)
+    want = torch.bfloat16 if bf16_units else torch.float32  # bf16 kept only where the CPU multiplies it natively
     with caplog.at_level(logging.WARNING, logger="swarmlm.model.checkpoint"):
-        assert parse_dtype("auto", bf16) == torch.float32
-    assert "bfloat16" in caplog.text and "float32" in caplog.text  # the server says what it did
+        assert parse_dtype("auto", bf16) == want
+        assert ("bfloat16; running it as float32" in caplog.text) == (not bf16_units)  # the server says what it did
+        assert parse_dtype("auto", fp16) == torch.float32  # fp16 runs as fp32 on a CPU, AMX or not
+        assert "the checkpoint is float16; running it as float32" in caplog.text
     _, _, blocks = load_blocks(bf16, 0, 1, "auto")
-    assert next(blocks.parameters()).dtype == torch.float32
+    assert next(blocks.parameters()).dtype == want
     _, _, blocks = load_blocks(bf16, 0, 1, "bfloat16")  # asked explicitly: kept
     assert next(blocks.parameters()).dtype == torch.bfloat16
+    _, _, blocks = load_blocks(fp16, 0, 1, "float16")
+    assert next(blocks.parameters()).dtype == torch.float16
     with pytest.raises(ValueError, match="give the model"):
         parse_dtype("auto")
     with pytest.raises(ValueError, match="dtype must be one of auto"):

@@ -48,18 +48,39 @@ def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype:
 _warned: set[str] = set()  # checkpoints already reported (one line per process, not per load)
 
 
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (AMX tiles, as torch reports them).
+
+    With AMX, bf16 beats fp32 here (torch 2.13, one thread, BLOOMZ-560M, benchmarks/dtype_bench.py: 6 blocks'
+    100-token prefill 52 vs 130 ms, 8-row decode 30 vs 60 ms, 1-row 22 vs 23 ms, the 250,880 x 1,024 LM head at 8
+    rows 37 vs 121 ms; docs/RESULTS-perf.md "bf16 on CPUs with AMX"). Without AMX there are no bf16 matrix units and
+    fp32 stays the default (this project's earlier note had bf16 prefill 4-7x slower than fp32; setup not recorded).
+    torch's check is private: if it is missing or fails, assume no AMX."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    try:
+        return bool(amx is not None and torch.backends.mkldnn.is_available() and amx())
+    except Exception:  # a private API: if its contract changes, fall back to the safe answer
+        return False
+
+
 def auto_dtype(config: PretrainedConfig) -> torch.dtype:
-    """The checkpoint's dtype, except half precision on a CPU-only machine runs as float32: bf16 prefill is 4-7x
-    slower than fp32 on these CPUs, fp16 slower still. Asking for bfloat16 explicitly keeps it."""
+    """The checkpoint's dtype, except on a CPU-only machine: bfloat16 stays bfloat16 only where the CPU has bf16
+    matrix units (cpu_has_bf16_matmul); float16 always runs as float32: AMX's bf16 units do not take it, and its
+    gain is small and not everywhere (BLOOMZ-560M here: one-row decode 0.88x fp32's speed, 8 rows 1.4x, where bf16
+    gives 2x; docs/RESULTS-perf.md). Asking for the half dtype explicitly keeps it."""
     stored = checkpoint_dtype(config)
-    if stored in (torch.bfloat16, torch.float16) and not torch.cuda.is_available():
-        if config.name_or_path not in _warned:
-            _warned.add(config.name_or_path)
-            log.warning("the checkpoint is %s; running it as float32 on this CPU (half precision is several times "
-                        "slower here); pass --dtype %s to keep it", str(stored).removeprefix("torch."),
-                        str(stored).removeprefix("torch."))
-        return torch.float32
-    return stored
+    if stored not in (torch.bfloat16, torch.float16) or torch.cuda.is_available():
+        return stored
+    if stored == torch.bfloat16 and cpu_has_bf16_matmul():
+        return stored
+    name = str(stored).removeprefix("torch.")
+    if config.name_or_path not in _warned:
+        _warned.add(config.name_or_path)
+        why = ("torch reports no AMX bf16 units on this CPU; without them bf16 is usually slower than float32"
+               if stored == torch.bfloat16 else "float16 is not reliably faster than float32 on a CPU")
+        log.warning("the checkpoint is %s; running it as float32 on this CPU (%s); pass --dtype %s to keep it",
+                    name, why, name)
+    return torch.float32
 
 
 def load_config(model: ModelRef) -> PretrainedConfig:
