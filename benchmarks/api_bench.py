@@ -127,6 +127,7 @@ def main() -> None:
     ap.add_argument("--preset", default="small-bloom")
     ap.add_argument("--model", help="a checkpoint directory instead of --preset's cached one")
     ap.add_argument("--servers", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", help="servers', gateway's and python client's --dtype (e.g. bfloat16)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--rounds", type=int, default=3, help="A/B rounds per concurrency (medians reported)")
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -136,12 +137,14 @@ def main() -> None:
 
     model_dir = args.model or str(default_checkpoint(args.preset))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    swarm = LocalSwarm(model_dir)
+    swarm = LocalSwarm(model_dir, server_args=["--dtype", args.dtype])
     rows = []
     try:
         swarm.start(even_split(int(load_config(model_dir).num_hidden_layers), args.servers))
-        model = DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers)
-        with GatewayProcess(model_dir, swarm.initial_peers, extra=["--max-streams-per-client", "1024"]) as gateway:
+        model = DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers,
+                                                            dtype=args.dtype)
+        with GatewayProcess(model_dir, swarm.initial_peers,
+                            extra=["--max-streams-per-client", "1024", "--dtype", args.dtype]) as gateway:
             clients = [httpx.Client() for _ in range(max(args.concurrency))]
             warm = [PROMPTS[i % len(PROMPTS)] for i in range(len(clients))]
             run_python(model, tokenizer, warm[:2], 4)
@@ -165,7 +168,8 @@ def main() -> None:
         model.close()
     finally:
         swarm.stop()
-    print(f"\n{args.preset if not args.model else model_dir}, {args.servers} servers, {args.max_tokens} new tokens, "
+    print(f"\n{args.preset if not args.model else model_dir}, {args.servers} servers, dtype {args.dtype}, "
+          f"{args.max_tokens} new tokens, "
           f"{args.rounds} A/B rounds (medians)")
     print("| C | python tok/s | http tok/s | http/python | TTFT p50/p90 python (ms) | TTFT p50/p90 http (ms) "
           "| TPOT p50/p90 python (ms) | TPOT p50/p90 http (ms) |")

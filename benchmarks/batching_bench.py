@@ -170,6 +170,11 @@ def run_swarm(model_dir: str, ns: list[int], repeats: int, tokens: int, blocks: 
 
 
 # ---- generate level ----------------------------------------------------------------------------------------------
+# generate level --quant: the servers' and the client's (dtype, quant). bf16 runs the linear layers on the CPU's
+# AMX/AVX-512 bf16 units where it has them (8-row LM head ~3x faster than fp32's sgemm here; docs/RESULTS-batching.md)
+PRECISIONS = {"none": ("float32", "none"), "int8": ("float32", "int8"), "bf16": ("bfloat16", "none")}
+
+
 def gen_checkpoint(preset: str, blocks: int | None) -> str:
     """The preset's checkpoint, or one with its shapes and only `blocks` blocks (created once, cached)."""
     if blocks is None:
@@ -198,8 +203,9 @@ def worker_main(args) -> None:
     """A client process of the `processes` mode: loads the client, then per line of stdin (a prompt index)
     generates and prints one JSON line."""
     torch.set_num_threads(1)
+    dtype, quant = PRECISIONS[args.worker_quant]
     client = DistributedModelForCausalLM.from_pretrained(args.worker_model, servers=[args.worker_server],
-                                                         routing="shortest", quant=args.worker_quant)
+                                                         routing="shortest", quant=quant, dtype=dtype)
     generate_one(client, 0, 2)  # warm up
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -211,9 +217,9 @@ def worker_main(args) -> None:
 class Workers:
     """n client processes (started once, reused by every repeat)."""
 
-    def __init__(self, n: int, model_dir: str, server: str, quant: str) -> None:
+    def __init__(self, n: int, model_dir: str, server: str, precision: str) -> None:
         cmd = [sys.executable, __file__, "--worker-model", model_dir, "--worker-server", server,
-               "--worker-quant", quant]
+               "--worker-quant", precision]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         self.procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
                       for _ in range(n)]
@@ -266,17 +272,18 @@ def run_generate(preset: str, ns: list[int], repeats: int, tokens: int, blocks: 
     model_dir = gen_checkpoint(preset, blocks)
     num_blocks = int(load_config(model_dir).num_hidden_layers)
     rows: dict = {}
-    for quant in quants:
+    for precision in quants:
+        dtype, quant = PRECISIONS[precision]
         with LocalSwarm(model_dir, threads=1, with_dht=False,
-                        server_args=["--max-sessions", "64", "--quant", quant]) as swarm:
+                        server_args=["--max-sessions", "64", "--quant", quant, "--dtype", dtype]) as swarm:
             swarm.start([BlockRange(0, num_blocks)])
             client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses,
-                                                                 routing="shortest", quant=quant)
+                                                                 routing="shortest", quant=quant, dtype=dtype)
             try:
                 gen_round("threads", client, None, 2, 2)  # warm up channels, server, head batcher
                 for n in ns:
                     modes = ["one_after_another", "threads"] + (["processes"] if n <= max_processes else [])
-                    workers = Workers(n, model_dir, swarm.addresses[0], quant) if "processes" in modes else None
+                    workers = Workers(n, model_dir, swarm.addresses[0], precision) if "processes" in modes else None
                     try:
                         samples = {m: [] for m in modes}
                         server_batches = {m: [] for m in modes}
@@ -300,12 +307,12 @@ def run_generate(preset: str, ns: list[int], repeats: int, tokens: int, blocks: 
                                     "a generation stopped early"
                                 reference = reference or got
                                 assert got == reference, f"{mode}: tokens differ from the other modes'"
-                                print(f"  {quant} n={n} {mode} repeat {r}: {samples[mode][-1]:.2f} tok/s "
+                                print(f"  {precision} n={n} {mode} repeat {r}: {samples[mode][-1]:.2f} tok/s "
                                       f"(load {os.getloadavg()[0]:.1f})", flush=True)
                     finally:
                         if workers is not None:
                             workers.close()
-                    key = f"{quant} {n}"
+                    key = f"{precision} {n}"
                     rows[key] = _summary(samples, "one_after_another")
                     rows[key]["mean_server_batch"] = {m: statistics.mean(b) for m, b in server_batches.items() if b}
                     rows[key]["mean_head_batch"] = {m: statistics.mean(b) for m, b in head_batches.items() if b}
@@ -334,7 +341,8 @@ def main() -> None:
                         help="swarm level: skip the second server with batching off (saves its memory)")
     parser.add_argument("--stage-blocks", type=int, help="stage level: hold only the first N blocks (less memory)")
     parser.add_argument("--quant", default="none",
-                        help="stage and generate levels: weight quantizations side by side, e.g. none,int8")
+                        help="stage and generate levels: weight quantizations side by side, e.g. none,int8; the "
+                             "generate level also takes bf16 (servers' and client's dtype bfloat16)")
     parser.add_argument("--gen-blocks", type=int, default=4,
                         help="generate level: a checkpoint of the preset's shapes with this many blocks (0: all)")
     parser.add_argument("--max-processes", type=int, default=8,

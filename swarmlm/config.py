@@ -10,8 +10,8 @@ QUANT_NAMES = ("none", "int8")  # weight quantization a server may announce (swa
 # fit under it. Defined here, with the settings it bounds: config sits below swarm in the layering.
 MAX_RECORD_TTL_S = 60.0
 
-# "auto" = the checkpoint's own dtype, except half-precision checkpoints run as float32 on a CPU (several times
-# faster there); see swarmlm/model/checkpoint.py auto_dtype
+# "auto" = the checkpoint's own dtype, except on a CPU: float16 runs as float32, and bfloat16 too unless the CPU
+# has bf16 matmul units (AMX), where bf16 is faster; see swarmlm/model/checkpoint.py auto_dtype
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 WIRE_DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16", "int8")  # as swarmlm/wire/compress.py
 

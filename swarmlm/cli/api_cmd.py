@@ -10,6 +10,8 @@ from swarmlm.cli.args import add_client_precision, add_swarm_key
 
 
 def add_parser(sub) -> None:
+    from swarmlm.config import DTYPE_NAMES
+
     p = sub.add_parser("api", help="serve the swarm's model over OpenAI's HTTP API, with a monitor page")
     p.add_argument("--model", required=True,
                    help="checkpoint directory or model id (the client loads embeddings + head)")
@@ -24,6 +26,8 @@ def add_parser(sub) -> None:
     p.add_argument("--wait-for-blocks", type=float, default=30.0,
                    help="seconds a request waits for missing blocks to appear before a 503")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the embeddings and LM head")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
+                   help="the embeddings' and LM head's dtype (default auto: as the servers' auto)")
     p.add_argument("--log-level", default="warning")
     add_client_precision(p)
     add_swarm_key(p)
@@ -45,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     model = DistributedModelForCausalLM.from_pretrained(
         args.model, initial_peers=args.initial_peers, servers=args.servers, threads=args.threads,
         wait_for_blocks_s=args.wait_for_blocks, swarm_key=args.swarm_key, quant=args.quant,
-        require_full_precision=args.require_full_precision, wire_dtype=args.wire_dtype,
+        require_full_precision=args.require_full_precision, wire_dtype=args.wire_dtype, dtype=args.dtype,
     )
     try:
         model.remote.refresh()  # learn the swarm before the first request (routing reuses this view)

@@ -53,8 +53,8 @@ def add_model(p: argparse.ArgumentParser, required: bool = True, dht: bool = Tru
                    help="checkpoint directory, or hub id (from the local Hugging Face cache, else downloaded)")
     p.add_argument("--revision", help="with a hub id: branch, tag or commit (default main)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
-                   help="weights and compute (default auto: the checkpoint's own; half precision runs as float32 "
-                        "on a CPU, where it is several times slower)")
+                   help="weights and compute (default auto: the checkpoint's own; on a CPU float16 runs as float32, "
+                        "and bfloat16 too unless the CPU has AMX bf16 units)")
     if dht:
         p.add_argument("--dht-prefix", help="DHT namespace (default: the model's identity, the same for every copy)")
 

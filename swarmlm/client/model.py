@@ -48,7 +48,7 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         self.model_dir = str(model_dir)
         self.client_config = config
         torch.set_num_threads(config.threads)
-        self.dtype = parse_dtype(config.dtype, model_dir)  # "auto": the checkpoint's own (fp32 for bf16 on CPU)
+        self.dtype = parse_dtype(config.dtype, model_dir)  # "auto": the checkpoint's own (checkpoint.auto_dtype)
         self.config, self.adapter, self.client_modules = load_client_modules(model_dir, self.dtype)
         quantize_client_modules(self.client_modules, config.quant, self.dtype)  # int8 head + embeddings (or none)
         self.generation_config = _generation_config(self.model_dir, self.config)

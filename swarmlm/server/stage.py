@@ -53,7 +53,7 @@ class Stage:
                  mmap: bool = False) -> None:
         self.blocks = blocks
         self.mmap = mmap  # weights left in the file's mapping (shared, slower; load_blocks)
-        self.dtype = parse_dtype(dtype, model_dir)  # "auto": the checkpoint's own (fp32 for bf16 on CPU)
+        self.dtype = parse_dtype(dtype, model_dir)  # "auto": the checkpoint's own (checkpoint.auto_dtype)
         self.quant = check_quant(quant, self.dtype)
         # quantized block by block as they load (memory follows the int8 size), before profiling: the announced
         # speed is the quantized one
