@@ -5,7 +5,9 @@ message does to it (as a 24-block forward on the server and a 250k-row LM head o
     .venv/bin/python benchmarks/grpc_floor.py [--round-trips 50] [--rounds 2]
 
 Per round, side by side: no compute; a 1 GB memory sweep per side (torch sum, ~0.1-0.2 s here); 120 ms of
-in-cache compute per side (a 64x64 matmul loop); a 64 MB sweep. The server computes in a worker thread (as
+in-cache compute per side (a 64x64 matmul loop); a 64 MB sweep; no compute, both sides asleep for 120 ms
+(what a server waiting for its turn in a chain, or a client waiting for the chain, does); and, for comparison, a
+plain TCP socket echo (no gRPC, no asyncio) without and with the 120 ms of sleep. The server computes in a worker thread (as
 swarmlm's scheduler) before it replies and reports how long; the client computes before it writes. Reported: the
 median round trip minus the server's compute, i.e. what the gRPC + Python stack costs around the compute.
 """
@@ -15,6 +17,7 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
+import socket
 import statistics
 import struct
 import threading
@@ -23,7 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-BURSTS = {"none": 0, "1 GB sweep": 1024, "120 ms in-cache compute": -1, "64 MB sweep": 64}  # MB; -1: in-cache
+# MB swept; -1: in-cache compute, -2: no compute at all, both sides idle (asleep) 120 ms
+BURSTS = {"none": 0, "1 GB sweep": 1024, "120 ms in-cache compute": -1, "64 MB sweep": 64, "120 ms idle (sleep)": -2}
+IDLE_S = 0.12
 MESSAGE = b"x" * 4096
 
 
@@ -38,6 +43,8 @@ def _burst(mb: int):
     def run() -> None:
         if big is not None:
             big.sum()
+        elif mb == -2:
+            time.sleep(IDLE_S)
         elif mb < 0:
             t0 = time.perf_counter()
             while time.perf_counter() - t0 < 0.12:
@@ -107,6 +114,40 @@ def round_trip_ms(mb: int, round_trips: int) -> float:
         server.join(5)
 
 
+def _tcp_echo(port_queue) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port_queue.put(listener.getsockname()[1])
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while data := conn.recv(65536):
+        conn.sendall(data)
+
+
+def tcp_round_trip_ms(idle_s: float, round_trips: int) -> float:
+    """The same 4 KB round trip over a plain TCP socket (no gRPC, no asyncio), after `idle_s` of sleep: how much
+    of the cost after idling is the kernel's and how much the stack's above it."""
+    ctx = mp.get_context("spawn")
+    port_queue = ctx.Queue()
+    server = ctx.Process(target=_tcp_echo, args=(port_queue,), daemon=True)
+    server.start()
+    try:
+        with socket.create_connection(("127.0.0.1", port_queue.get(timeout=60))) as conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            times = []
+            for _ in range(round_trips + 5):
+                time.sleep(idle_s)
+                t0 = time.perf_counter()
+                conn.sendall(MESSAGE)
+                got = 0
+                while got < len(MESSAGE):
+                    got += len(conn.recv(65536))
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times[5:]) * 1e3
+    finally:
+        server.terminate()
+        server.join(5)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--round-trips", type=int, default=50)
@@ -121,6 +162,9 @@ def main() -> None:
     print("| compute before each message, per side | round trip minus the server's compute, ms (per round) |")
     print("|---|---|")
     for name, values in results.items():
+        print(f"| {name} | {' / '.join(f'{v:.2f}' for v in values)} |")
+    for name, idle_s in (("plain TCP socket, none", 0.0), ("plain TCP socket, 120 ms idle (sleep)", IDLE_S)):
+        values = [tcp_round_trip_ms(idle_s, args.round_trips) for _ in range(args.rounds)]
         print(f"| {name} | {' / '.join(f'{v:.2f}' for v in values)} |")
 
 
