@@ -304,8 +304,8 @@ class InferenceSession:
             hop = hops[i]
             while hop.answered < len(chunks):
                 k = hop.answered
-                # its input (the previous hop's output) is recorded with its output. Pushed, that output still
-                # comes first: a server replies before it pushes
+                # its input (the previous hop's output) is recorded with its output, so that reply is read first
+                # (pushed, the next server may answer before the client has read it: its reply waits in the stream)
                 await progress.wait_for(lambda: hop.written > k and (i == 0 or hops[i - 1].answered > k))
                 x = chunks[k][0]
                 timeout = self._hang_timeout_s(hop.span.span, x.shape[0], x.shape[1])

@@ -281,9 +281,9 @@ class SwarmService(pb_grpc.SwarmServicer):
                 for step in ready:
                     reply = await self._step(session, step, context)
                     self._release(charges, step)
-                    yield reply  # first: pushing on is not on the way of this reply
-                    if reply.pushed:
-                        self._push_after(sid, reply, step)
+                    if reply.pushed:  # before the reply: the next server waits for the push, the client does not
+                        self._push_after(sid, reply, step)  # wait for a middle server's reply
+                    yield reply
         except asyncio.TimeoutError:
             if session is not None:
                 self.sessions.close(session.session_id)
