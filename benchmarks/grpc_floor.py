@@ -7,9 +7,10 @@ message does to it (as a 24-block forward on the server and a 250k-row LM head o
 Per round, side by side: no compute; a 1 GB memory sweep per side (torch sum, ~0.1-0.2 s here); 120 ms of
 in-cache compute per side (a 64x64 matmul loop); a 64 MB sweep; no compute, both sides asleep for 120 ms
 (what a server waiting for its turn in a chain, or a client waiting for the chain, does); and, for comparison, a
-plain TCP socket echo (no gRPC, no asyncio) without and with the 120 ms of sleep. The server computes in a worker thread (as
-swarmlm's scheduler) before it replies and reports how long; the client computes before it writes. Reported: the
-median round trip minus the server's compute, i.e. what the gRPC + Python stack costs around the compute.
+plain TCP socket echo (no gRPC, no asyncio) without and with the 120 ms of sleep. The server computes in a
+worker thread (as swarmlm's scheduler) before it replies and reports how long; the client computes before it
+writes. Reported: the median round trip minus the server's compute, i.e. what the gRPC + Python stack costs
+around the compute.
 """
 from __future__ import annotations
 

@@ -6,12 +6,10 @@ import argparse
 import json
 import sys
 
-from swarmlm.cli.args import add_client_precision, add_swarm_key
+from swarmlm.cli.args import add_client_precision, add_dtype, add_swarm_key
 
 
 def add_parser(sub) -> None:
-    from swarmlm.config import DTYPE_NAMES
-
     p = sub.add_parser("api", help="serve the swarm's model over OpenAI's HTTP API, with a monitor page")
     p.add_argument("--model", required=True,
                    help="checkpoint directory or model id (the client loads embeddings + head)")
@@ -26,8 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--wait-for-blocks", type=float, default=30.0,
                    help="seconds a request waits for missing blocks to appear before a 503")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the embeddings and LM head")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
-                   help="the embeddings' and LM head's dtype (default auto: as the servers' auto)")
+    add_dtype(p, "the embeddings and LM head")
     p.add_argument("--log-level", default="warning")
     add_client_precision(p)
     add_swarm_key(p)

@@ -44,17 +44,22 @@ def add_swarm_key(p: argparse.ArgumentParser) -> None:
                         "`swarmlm dht --new-swarm-key FILE` creates one")
 
 
+def add_dtype(p: argparse.ArgumentParser, what: str = "weights and compute") -> None:
+    """--dtype: `what` runs in it."""
+    from swarmlm.config import DTYPE_NAMES
+
+    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
+                   help=f"{what} (default auto: the checkpoint's own; on a CPU float16 runs as float32, and "
+                        "bfloat16 too unless the CPU has AMX bf16 units)")
+
+
 def add_model(p: argparse.ArgumentParser, required: bool = True, dht: bool = True) -> None:
     """The model flags of every verb that loads one: --model (directory or hub id), --revision, --dtype, and
     --dht-prefix for the verbs that join a swarm."""
-    from swarmlm.config import DTYPE_NAMES
-
     p.add_argument("--model", required=required, metavar="DIR|ORG/NAME",
                    help="checkpoint directory, or hub id (from the local Hugging Face cache, else downloaded)")
     p.add_argument("--revision", help="with a hub id: branch, tag or commit (default main)")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
-                   help="weights and compute (default auto: the checkpoint's own; on a CPU float16 runs as float32, "
-                        "and bfloat16 too unless the CPU has AMX bf16 units)")
+    add_dtype(p)
     if dht:
         p.add_argument("--dht-prefix", help="DHT namespace (default: the model's identity, the same for every copy)")
 

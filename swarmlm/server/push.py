@@ -2,8 +2,9 @@
 
 Client-relayed, a token crosses 2N links through N servers (client -> s1 -> client -> s2 ...); pushed, N + 1
 (client -> s1 -> s2 -> ... -> client). With a step the client names the servers after this one that await it
-(address, its session there, the step id it takes there); the server starts pushing its output (the next server
-waits for it) before it replies to the client (which does not), to the first of them with the rest of the list, and so on down the chain. Every server still replies to the
+(address, its session there, the step id it takes there); the server pushes its output to the first of them with
+the rest of the list, and so on down the chain, starting each push before its reply to the client (the next server
+waits for the push; the client does not wait for a middle server's reply). Every server still replies to the
 client with its output: the client keeps each span's inputs for failover and reads every reply as soon as it
 comes. A push that fails is not retried: the client sees the next server's stream break or time out, and its
 failover re-sends the step from the inputs it kept.

@@ -215,7 +215,8 @@ class Scheduler:
         self._skipped_waits = 0
         # the longer of the last two decode rounds: after a round split into many rows + a few, the few's short
         # forward must not shorten the wait that would bring them back together
-        deadline = time.perf_counter() + min(self.max_batch_wait_s, self.batch_wait_fraction * max(self._recent_decode_s))
+        wait_s = min(self.max_batch_wait_s, self.batch_wait_fraction * max(self._recent_decode_s))
+        deadline = time.perf_counter() + wait_s
         while not self._stopped and missing() and (left := deadline - time.perf_counter()) > 0:
             self._cv.wait(left)
         self._fruitless = 0 if len(missing()) < before else self._fruitless + 1
