@@ -7,6 +7,9 @@ noise hits all of them alike; medians over rounds. Usage:
     .venv/bin/python benchmarks/overhead.py [--presets tiny-bloom,bloomz-560m] [--rounds 5] [--tokens 32]
         [--int8 1,2] [--accuracy-prompts 8] [--push 2,4]
 
+--handoff N...: also swarms of N servers whose lone decode steps go to the compute thread (`--inline-decode-max-ms
+0`: the hand-off the default skips, server/scheduler.py), side by side with the default.
+
 --push N...: also swarms of N servers with server-to-server push (ClientConfig.push: each server sends its output
 straight on to the next, so a token is N + 1 messages instead of N round trips through the client).
 
@@ -111,19 +114,20 @@ def _accuracy(fp32: DistributedModelForCausalLM, int8: DistributedModelForCausal
 
 
 def run_preset(preset: str, ns: list[int], rounds: int, tokens: int, int8_ns: list[int] = (),
-               accuracy_prompts: int = 0, push_ns: list[int] = ()) -> dict:
+               accuracy_prompts: int = 0, push_ns: list[int] = (), handoff_ns: list[int] = ()) -> dict:
     model_dir = str(default_checkpoint(preset))
     num_blocks = int(load_config(model_dir).num_hidden_layers)
     torch.set_num_threads(1)
     local = in_process_memory(AutoModelForCausalLM.from_pretrained(model_dir).eval())
     local_mmap = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     setups = ([(f"N={n}", n, "none") for n in ns] + [(f"N={n} int8", n, "int8") for n in int8_ns]
-              + [(f"N={n} push", n, "none") for n in push_ns])
+              + [(f"N={n} push", n, "none") for n in push_ns] + [(f"N={n} handoff", n, "none") for n in handoff_ns])
     swarms, clients = {}, {}
     extra: dict = {}
     try:
         for name, n, quant in setups:
-            swarms[name] = LocalSwarm(model_dir, threads=1, server_args=["--quant", quant]).start(
+            handoff = ["--inline-decode-max-ms", "0"] if name.endswith("handoff") else []
+            swarms[name] = LocalSwarm(model_dir, threads=1, server_args=["--quant", quant, *handoff]).start(
                 even_split(num_blocks, n))
             # a direct server list: the same chain every time, no DHT in the measured path
             clients[name] = DistributedModelForCausalLM.from_pretrained(
@@ -172,6 +176,8 @@ def main() -> None:
     parser.add_argument("--servers", default="1,2,4")
     parser.add_argument("--int8", default="", help="swarm sizes to run with int8 servers + head as well, e.g. 1,2")
     parser.add_argument("--push", default="", help="swarm sizes to run with server-to-server push as well, e.g. 4")
+    parser.add_argument("--handoff", default="",
+                        help="swarm sizes to run with lone decode steps handed to the compute thread as well, e.g. 4")
     parser.add_argument("--accuracy-prompts", type=int, default=0, help="int8 vs fp32 on this many prompts")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=32)
@@ -180,11 +186,12 @@ def main() -> None:
     ns = [int(x) for x in args.servers.split(",") if x]
     int8_ns = [int(x) for x in args.int8.split(",") if x]
     push_ns = [int(x) for x in args.push.split(",") if x]
+    handoff_ns = [int(x) for x in args.handoff.split(",") if x]
     results = {"machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} thread",
                "cores": __import__("os").cpu_count(), "rounds": args.rounds, "tokens": args.tokens, "presets": {}}
     for preset in args.presets.split(","):
         res = results["presets"][preset] = run_preset(preset, ns, args.rounds, args.tokens, int8_ns,
-                                                      args.accuracy_prompts, push_ns)
+                                                      args.accuracy_prompts, push_ns, handoff_ns)
         print(f"\n{preset} (median of {args.rounds} rounds x {args.tokens} decode steps, 1 thread per process)")
         print("| setup | ms/token | vs local | added vs local | added per hop | per-hop wire+gRPC |")
         print("|---|---|---|---|---|---|")

@@ -48,6 +48,9 @@ class ServerConfig:
     # forward's sessions to send their next step, so sessions in lockstep share one forward (0 = never wait)
     batch_wait_fraction: float = 0.05
     max_batch_wait_s: float = 0.01
+    # a lone session's decode step whose last forward took at most this long runs on the I/O loop's thread, without
+    # the two hand-offs to the compute thread and back (server/scheduler.py); it blocks the loop that long (0 = never)
+    inline_decode_max_s: float = 0.05
     max_message_bytes: int = 64 << 20  # largest gRPC message accepted or sent
     session_idle_timeout_s: float = 120.0  # a session with no step for this long is closed
     # Limits against greedy or hostile peers (docs/FAILURES.md, "Bounded resources"). A peer is a remote host.
@@ -87,6 +90,8 @@ class ServerConfig:
         if self.batch_wait_fraction < 0 or self.max_batch_wait_s < 0:
             raise ValueError(f"batch_wait_fraction and max_batch_wait_s must be >= 0, got {self.batch_wait_fraction}, "
                              f"{self.max_batch_wait_s}")
+        if self.inline_decode_max_s < 0:
+            raise ValueError(f"inline_decode_max_s must be >= 0, got {self.inline_decode_max_s}")
         if self.resume_grace_s < 0:
             raise ValueError(f"resume_grace_s must be >= 0, got {self.resume_grace_s}")
         if not 0 < self.max_peer_cache_fraction <= 1:

@@ -374,3 +374,57 @@ def test_a_lone_session_never_waits_and_fruitless_waits_stop():
     seen = _lockstep(scheduler, 2, [100, 6], lambda i: 0.25 * i)
     assert scheduler._fruitless >= 4 and scheduler._skipped_waits > 0, (seen, waits)
     assert 4 <= len(waits) < 12, waits  # without the rule: two per round of session 1 (and more after session 0 ends)
+
+
+def _threads_of(scheduler: Scheduler, plan: list[list[str]], forward_s: float = 0.0) -> list[list[tuple[str, int]]]:
+    """Runs rounds of decode steps: each round submits its members' items at once and waits for all of them.
+    Returns, per round, the thread each item's forward ran on and its batch size."""
+    def forward(items):
+        time.sleep(forward_s)
+        if any("bad" in item for item in items):
+            raise ValueError("bad item")
+        return [threading.current_thread().name] * len(items)
+
+    async def main():
+        out = []
+        for members in plan:
+            jobs = [scheduler.submit_batchable(Batchable(forward, "decode", m, member=m[0]), DECODE, 1)
+                    for m in members]
+            results = await asyncio.gather(*jobs, return_exceptions=True)
+            out.append([("error", 0) if isinstance(r, Exception) else (r[0], r[1].batch_size) for r in results])
+        return out
+
+    try:
+        return asyncio.run(main())
+    finally:
+        scheduler.stop()
+
+
+def test_a_lone_sessions_decode_steps_skip_the_hand_off_to_the_compute_thread():
+    main_thread = threading.current_thread().name  # asyncio.run's loop runs on it
+    rounds = _threads_of(scheduler := Scheduler(threads=1), [["a"]] * 5)
+    # the first step goes to the worker (no forward time known yet); once the last decode rounds held only this
+    # session and were short, its steps run on the caller's thread
+    assert [r[0][0] for r in rounds] == ["swarmlm-compute"] + [main_thread] * 4, rounds
+    assert scheduler.inline_runs == 4
+    # a second session: both go to the worker and share forwards; alone again, the first goes back to inline
+    plan = [["a"], ["a"], ["a", "b"], ["a", "b"], ["a", "b"], ["a"], ["a"], ["a"], ["a"]]
+    rounds = _threads_of(Scheduler(threads=1), plan)
+    # "a" comes first and runs inline ("b" is new); "b", queued meanwhile, goes to the worker
+    assert rounds[2] == [(main_thread, 1), ("swarmlm-compute", 1)], rounds
+    assert rounds[3] == rounds[4] == [("swarmlm-compute", 2)] * 2, rounds  # from then on they batch
+    assert rounds[5][0][0] == "swarmlm-compute"  # "b" is still among the last two rounds' sessions
+    assert rounds[-1][0][0] == main_thread, rounds
+    # a failing step inline fails alone and changes nothing for the next one
+    rounds = _threads_of(Scheduler(threads=1), [["a"], ["a"], ["abad"], ["a"]])
+    assert rounds[2] == [("error", 0)] and rounds[3] == [(main_thread, 1)], rounds
+
+
+def test_no_inline_decode_when_switched_off_or_when_a_forward_is_long():
+    off = _threads_of(Scheduler(threads=1, inline_decode_max_s=0), [["a"]] * 4)
+    assert all(r[0][0] == "swarmlm-compute" for r in off), off
+    # a forward longer than the limit would block the server's I/O loop that long: it stays on the worker
+    slow = _threads_of(Scheduler(threads=1, inline_decode_max_s=0.01), [["a"]] * 4, forward_s=0.05)
+    assert all(r[0][0] == "swarmlm-compute" for r in slow), slow
+    with pytest.raises(ValueError, match="inline_decode_max_s"):
+        Scheduler(threads=1, inline_decode_max_s=-1)

@@ -54,6 +54,7 @@ def test_bad_steps_are_refused_and_the_session_survives(server):
         "batch 2": step(torch.randn(2, 1, H)),
         "max_length": step(torch.randn(1, 40, H)),
         "NaN": step(torch.full((1, 1, H), float("nan"))),
+        "infinite": step(torch.full((1, 1, H), float("inf")).half()),
         "values must be 0 or 1": step(torch.randn(1, 1, H), torch.tensor([[7]])),
         "not a float": step(torch.ones(1, 1, H, dtype=torch.long)),
     }

@@ -145,3 +145,32 @@ def test_swarm_logits_within_bound_per_wire_dtype(swarm, wire_dtype):
                 got = client.step_logits(session, nxt)
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("wire_dtype", ["float32", "float16", "bfloat16", "int8"])
+def test_decode_refuses_non_finite_values_in_every_format(wire_dtype):
+    x = torch.randn(1, 3, 64)
+    assert torch.equal(codec.decode(compress.encode_hidden(x, wire_dtype), finite=True),
+                       codec.decode(compress.encode_hidden(x, wire_dtype)))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[0, 2, 5] = bad
+        msg = compress.encode_hidden(y, wire_dtype)
+        if wire_dtype == "int8":  # a non-finite value makes its block's scale non-finite: refused either way
+            with pytest.raises(InvalidRequest):
+                codec.decode(msg, finite=True)
+            continue
+        assert not torch.isfinite(codec.decode(msg)).all()  # decoded as sent without the check...
+        with pytest.raises(InvalidRequest, match="NaN or infinite"):
+            codec.decode(msg, "hidden", finite=True)  # ...refused with it
+
+
+def test_all_ones_recognises_only_integer_or_bool_tensors_of_ones():
+    for dtype in (torch.int64, torch.int32, torch.uint8, torch.bool):
+        assert codec.all_ones(codec.encode(torch.ones(2, 3, dtype=dtype)))
+        assert not codec.all_ones(codec.encode(torch.tensor([[1, 1, 0]], dtype=dtype)))
+    assert codec.all_ones(codec.encode(torch.ones(1, 5000, dtype=torch.long)))  # beyond the cached sizes
+    assert not codec.all_ones(codec.encode(torch.tensor([[1, 2, 1]])))
+    assert not codec.all_ones(codec.encode(torch.ones(1, 3)))  # floats are never a mask
+    # a message whose bytes do not match its shape is not "all ones"
+    assert not codec.all_ones(pb.Tensor(data=np.ones(2, dtype=np.int64).tobytes(), dtype="int64", shape=[1, 3]))

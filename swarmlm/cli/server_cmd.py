@@ -41,6 +41,9 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-wait", type=float, default=0.05,
                    help="before a round, wait up to this fraction of the last decode forward (max 10 ms) for its "
                         "sessions' next steps, so sessions in lockstep share a forward (0 = never)")
+    p.add_argument("--inline-decode-max-ms", type=float, default=50.0,
+                   help="a lone session's decode step whose forward takes at most this long runs on the server's I/O "
+                        "loop, without the hand-off to the compute thread (0 = never)")
     p.add_argument("--max-message-mb", type=int, default=64, help="largest gRPC message accepted, MiB")
     p.add_argument("--idle-timeout", type=float, default=120.0, help="close sessions idle this long, seconds")
     # limits against greedy or hostile peers (docs/FAILURES.md); a peer is a remote host
@@ -67,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         memory_bytes=args.memory_mb << 20 if args.memory_mb else None, cache_bytes=args.cache_mb << 20,
         max_sessions=args.max_sessions, max_length_tokens=args.max_length,
         max_batch_tokens=args.max_batch_tokens, max_prefill_skips=args.max_prefill_skips, batch_wait_fraction=args.batch_wait,
+        inline_decode_max_s=args.inline_decode_max_ms / 1000,
         session_idle_timeout_s=args.idle_timeout, open_idle_timeout_s=args.open_idle_timeout,
         resume_grace_s=args.resume_grace, max_sessions_per_peer=args.max_sessions_per_peer,
         max_concurrent_rpcs=args.max_concurrent_rpcs, max_message_bytes=args.max_message_mb << 20, dht_prefix=args.dht_prefix,

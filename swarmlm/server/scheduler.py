@@ -20,6 +20,13 @@ back over slow links), they stop, and are retried now and then.
 
 Every job reports how long it waited and how long it ran; a job computed in a batch reports the batch's forward
 time (the members shared it) and the batch size.
+
+A lone session's decode step runs on the caller's thread (the server's event loop) instead: when nothing is queued
+or running, the last two decode rounds held only that session, and its last forward took at most
+`inline_decode_max_s`. That saves the two thread hand-offs (loop -> compute thread -> loop) a hop otherwise pays,
+~0.3-0.5 ms after the idle wait every server of a chain has between its turns (docs/RESULTS-perf.md), while the
+loop is never blocked longer than one short forward; a second session's step, arriving meanwhile, is read after it
+and from then on both go to the compute thread and batch.
 """
 from __future__ import annotations
 
@@ -121,23 +128,29 @@ def plan_round(queue: list[Job], max_tokens: int, max_prefill_skips: int) -> lis
 
 class Scheduler:
     def __init__(self, threads: int, max_batch_tokens: int = 512, max_prefill_skips: int = 2,
-                 batch_wait_fraction: float = 0.05, max_batch_wait_s: float = 0.01) -> None:
+                 batch_wait_fraction: float = 0.05, max_batch_wait_s: float = 0.01,
+                 inline_decode_max_s: float = 0.05) -> None:
         if max_batch_tokens < 1 or max_prefill_skips < 0:
             raise ValueError(
                 f"max_batch_tokens must be >= 1 and max_prefill_skips >= 0, got {max_batch_tokens}, {max_prefill_skips}"
             )
         if batch_wait_fraction < 0 or max_batch_wait_s < 0:
             raise ValueError(f"batch_wait_fraction and max_batch_wait_s must be >= 0, got {batch_wait_fraction}, {max_batch_wait_s}")
+        if inline_decode_max_s < 0:
+            raise ValueError(f"inline_decode_max_s must be >= 0, got {inline_decode_max_s}")
         self.threads = threads
         self.max_batch_tokens = max_batch_tokens
         self.max_prefill_skips = max_prefill_skips
         self.batch_wait_fraction = batch_wait_fraction  # fraction of the last decode forward's time
         self.max_batch_wait_s = max_batch_wait_s
+        self.inline_decode_max_s = inline_decode_max_s  # 0 = every job goes to the compute thread
+        self.inline_runs = 0  # lone decode steps run on the caller's thread (see the module's docstring)
         self._recent: deque[set[Hashable]] = deque(maxlen=2)  # members of the last two rounds' decode forwards
         self._recent_decode_s: deque[float] = deque(maxlen=2)  # the last two decode rounds' compute times
         self._fruitless = 0  # consecutive waits that gathered nobody
         self._skipped_waits = 0  # waits skipped since the last try
         self._queue: list[Job] = []  # arrival order
+        self._running = False  # a round (on the worker) or an inline step (on the caller's thread) is computing
         self._cv = threading.Condition()
         self._stopped = False
         self._worker = threading.Thread(target=self._run, name="swarmlm-compute", daemon=True)
@@ -168,15 +181,37 @@ class Scheduler:
             if self._stopped:
                 raise RuntimeError("scheduler is stopped")
             job.enqueued_s = time.perf_counter()
-            self._queue.append(job)
-            self._cv.notify()
-        return await asyncio.wrap_future(job.future)
+            inline = self._lone_decode(job)
+            if inline:
+                self._running = True  # the worker starts no round meanwhile
+            else:
+                self._queue.append(job)
+                self._cv.notify()
+        if not inline:
+            return await asyncio.wrap_future(job.future)
+        started = time.perf_counter()
+        try:
+            self._run_group([job])
+        finally:
+            with self._cv:
+                self._running = False
+                self.inline_runs += 1
+                self._recent.append({job.member})
+                self._recent_decode_s.append(time.perf_counter() - started)
+                self._cv.notify()
+        return job.future.result()  # (raises the step's exception, as the worker's future would)
+
+    def _lone_decode(self, job: Job) -> bool:
+        """(Holding the lock.) Does `job` run on the caller's thread? See the module's docstring."""
+        return (job.priority == DECODE and job.work is not None and not self._queue and not self._running
+                and len(self._recent_decode_s) > 0 and max(self._recent_decode_s) <= self.inline_decode_max_s
+                and set().union(*self._recent) <= {job.member})
 
     def _run(self) -> None:
         torch.set_num_threads(self.threads)  # this thread does all compute: set its threads explicitly
         while True:
             with self._cv:
-                while not self._queue and not self._stopped:
+                while (not self._queue or self._running) and not self._stopped:
                     self._cv.wait()
                 if self._stopped and not self._queue:
                     return
@@ -184,6 +219,7 @@ class Scheduler:
                 groups = plan_round(self._queue, self.max_batch_tokens, self.max_prefill_skips)
                 chosen = {id(job) for group in groups for job in group}
                 self._queue = [job for job in self._queue if id(job) not in chosen]
+                self._running = True
             decode, decode_s = set(), 0.0
             for group in groups:
                 started = time.perf_counter()
@@ -191,9 +227,11 @@ class Scheduler:
                 if group[0].priority == DECODE and group[0].work is not None:
                     decode |= {job.member for job in group}
                     decode_s += time.perf_counter() - started
-            if decode:
-                self._recent.append(decode)
-                self._recent_decode_s.append(decode_s)
+            with self._cv:
+                self._running = False
+                if decode:
+                    self._recent.append(decode)
+                    self._recent_decode_s.append(decode_s)
 
     def _wait_for_stragglers(self) -> None:
         """(Holding the lock.) Give the recent decode rounds' sessions that are not queued yet a moment to arrive."""

@@ -79,6 +79,24 @@ def _payload_bytes(step: pb.InferenceStep) -> int:
     return total
 
 
+def decode_step(hidden_msg: pb.Tensor, mask_msg: pb.Tensor, b: int, t: int,
+                hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensors of a request whose header passed `SwarmService._check_shape`: hidden [b, t, hidden_size] (finite)
+    and its mask [b, t] (0 or 1; all ones when not sent)."""
+    if codec.is_set(mask_msg):  # the mask's header too, before anything is decoded
+        mask_dtype, mask_shape = codec.header(mask_msg, "attention_mask", max_elements=b * t)
+        if mask_dtype not in MASK_DTYPES or mask_shape != (b, t):
+            raise InvalidRequest(
+                f"attention_mask: expected an integer [{b}, {t}] tensor, got {mask_dtype} {list(mask_shape)}")
+    hidden = codec.decode(hidden_msg, "hidden", max_elements=b * t * hidden_size, finite=True)
+    if not codec.is_set(mask_msg) or codec.all_ones(mask_msg):  # (no padding: the usual case, checked cheaply)
+        return hidden, torch.ones(b, t, dtype=torch.long)
+    mask = codec.decode(mask_msg, "attention_mask", max_elements=b * t).to(torch.long)
+    if ((mask != 0) & (mask != 1)).any():
+        raise InvalidRequest("attention_mask: values must be 0 or 1")
+    return hidden, mask
+
+
 class _Trimmer:
     """Return freed heap to the OS after a large refusal: glibc keeps freed blocks of the arena a thread used, and
     the refused messages of a loop were measured to stack up there (docs/FAILURES.md)."""
@@ -175,23 +193,6 @@ class SwarmService(pb_grpc.SwarmServicer):
             raise InvalidRequest(
                 f"hidden: attention cost {b} x {t} x {past + t} exceeds the limit of {cfg.max_attention_cost}")
         return b, t
-
-    def _decode(self, hidden_msg: pb.Tensor, mask_msg: pb.Tensor, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tensors of a request whose header passed `_check_shape`."""
-        if codec.is_set(mask_msg):  # the mask's header too, before anything is decoded
-            mask_dtype, mask_shape = codec.header(mask_msg, "attention_mask", max_elements=b * t)
-            if mask_dtype not in MASK_DTYPES or mask_shape != (b, t):
-                raise InvalidRequest(
-                    f"attention_mask: expected an integer [{b}, {t}] tensor, got {mask_dtype} {list(mask_shape)}")
-        hidden = codec.decode(hidden_msg, "hidden", max_elements=b * t * self.stage.hidden_size)
-        if not torch.isfinite(hidden).all():
-            raise InvalidRequest("hidden: contains NaN or infinite values")
-        if not codec.is_set(mask_msg):
-            return hidden, torch.ones(b, t, dtype=torch.long)
-        mask = codec.decode(mask_msg, "attention_mask", max_elements=b * t).to(torch.long)
-        if ((mask != 0) & (mask != 1)).any():
-            raise InvalidRequest("attention_mask: values must be 0 or 1")
-        return hidden, mask
 
     def _open(self, msg: pb.OpenSession, owner: str) -> Session:
         blocks = self._check_range(msg.start_block, msg.end_block)
@@ -418,7 +419,7 @@ class SwarmService(pb_grpc.SwarmServicer):
                 if not await self.targets.allowed(step.push[0].address, nxt):
                     raise InvalidRequest(f"push: {step.push[0].address[:80]!r} is not a server of this swarm "
                                          f"serving block {nxt}")
-            hidden, mask = self._decode(step.hidden, step.attention_mask, b, t)
+            hidden, mask = decode_step(step.hidden, step.attention_mask, b, t, self.stage.hidden_size)
         except InvalidRequest as exc:
             error = exc
         except UnknownSession as exc:
@@ -512,7 +513,7 @@ class SwarmService(pb_grpc.SwarmServicer):
                               pb.ForwardReply())
         try:
             try:
-                hidden, mask = self._decode(request.hidden, request.attention_mask, b, t)
+                hidden, mask = decode_step(request.hidden, request.attention_mask, b, t, self.stage.hidden_size)
             except InvalidRequest as exc:
                 error = str(exc)
             if error is not None:

@@ -50,11 +50,12 @@ def header(msg: pb.Tensor, what: str = "tensor", max_elements: int = 1 << 28) ->
     return WIRE_DTYPES[msg.dtype][0], shape
 
 
-def decode(msg: pb.Tensor, what: str = "tensor", max_elements: int = 1 << 28) -> torch.Tensor:
-    """A torch tensor from a peer's message, or InvalidRequest saying what is wrong with it."""
+def decode(msg: pb.Tensor, what: str = "tensor", max_elements: int = 1 << 28, finite: bool = False) -> torch.Tensor:
+    """A torch tensor from a peer's message, or InvalidRequest saying what is wrong with it. `finite`: refuse NaN
+    and infinite values too."""
     _, shape = header(msg, what, max_elements)
     if msg.dtype == compress.INT8_BLOCK:
-        return compress.unpack_int8(msg.data, shape, what)
+        return _finite(compress.unpack_int8(msg.data, shape, what), what, finite)
     itemsize = WIRE_DTYPES[msg.dtype][1]
     count = math.prod(shape)
     data = msg.data  # (each read of a bytes field copies it: read it once)
@@ -64,10 +65,43 @@ def decode(msg: pb.Tensor, what: str = "tensor", max_elements: int = 1 << 28) ->
         )
     if msg.dtype == "bfloat16":
         array = np.frombuffer(data, dtype=np.int16).reshape(shape)
-        return torch.from_numpy(array.copy()).view(torch.bfloat16)
+        return _finite(torch.from_numpy(array.copy()).view(torch.bfloat16), what, finite)
     np_dtype = np.bool_ if msg.dtype == "bool" else np.dtype(msg.dtype)
+    array = np.frombuffer(data, dtype=np_dtype).reshape(shape)
+    # checked with numpy, before the copy: one call instead of torch's isfinite + all + item (a decode step's
+    # checks run right after the server slept, when every call costs ~10x: benchmarks/idle_cost.py)
+    if finite and np_dtype.kind == "f" and not np.isfinite(array).all():
+        raise InvalidRequest(f"{what}: contains NaN or infinite values")
     # copy: frombuffer views the immutable message bytes, and torch wants writable memory
-    return torch.from_numpy(np.frombuffer(data, dtype=np_dtype).reshape(shape).copy())
+    return torch.from_numpy(array.copy())
+
+
+def _finite(tensor: torch.Tensor, what: str, check: bool) -> torch.Tensor:
+    if check and not torch.isfinite(tensor).all():
+        raise InvalidRequest(f"{what}: contains NaN or infinite values")
+    return tensor
+
+
+def all_ones(msg: pb.Tensor) -> bool:
+    """Is this (header-checked) integer or bool tensor all ones? A byte comparison: the usual mask of a step without
+    padding is recognised without decoding it."""
+    if msg.dtype not in WIRE_DTYPES or msg.dtype.startswith(("float", "bfloat")):
+        return False
+    count = math.prod(msg.shape)
+    return msg.data == _ones_bytes(np.dtype(np.bool_ if msg.dtype == "bool" else msg.dtype).str, count)
+
+
+_ONES: dict[tuple[str, int], bytes] = {}
+
+
+def _ones_bytes(dtype: str, count: int) -> bytes:
+    if count > 1024:  # (only small masks recur: decode steps)
+        return np.ones(count, dtype=dtype).tobytes()
+    if (dtype, count) not in _ONES:
+        if len(_ONES) >= 64:  # a bound: odd shapes do not pile up
+            _ONES.clear()
+        _ONES[(dtype, count)] = np.ones(count, dtype=dtype).tobytes()
+    return _ONES[(dtype, count)]
 
 
 def is_set(msg: pb.Tensor) -> bool:
