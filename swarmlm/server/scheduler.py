@@ -194,10 +194,8 @@ class Scheduler:
             self._run_group([job])
         finally:
             with self._cv:
-                self._running = False
                 self.inline_runs += 1
-                self._recent.append({job.member})
-                self._recent_decode_s.append(time.perf_counter() - started)
+                self._round_done({job.member}, time.perf_counter() - started)
                 self._cv.notify()
         return job.future.result()  # (raises the step's exception, as the worker's future would)
 
@@ -228,10 +226,14 @@ class Scheduler:
                     decode |= {job.member for job in group}
                     decode_s += time.perf_counter() - started
             with self._cv:
-                self._running = False
-                if decode:
-                    self._recent.append(decode)
-                    self._recent_decode_s.append(decode_s)
+                self._round_done(decode, decode_s)
+
+    def _round_done(self, decode: set[Hashable], decode_s: float) -> None:
+        """(Holding the lock.) A round or an inline step ended; `decode`: the sessions its decode forwards ran."""
+        self._running = False
+        if decode:
+            self._recent.append(decode)
+            self._recent_decode_s.append(decode_s)
 
     def _wait_for_stragglers(self) -> None:
         """(Holding the lock.) Give the recent decode rounds' sessions that are not queued yet a moment to arrive."""

@@ -1,6 +1,7 @@
 """Tensors <-> wire messages. Raw bytes + dtype + shape; every field a peer sends is checked before use."""
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -66,20 +67,24 @@ def decode(msg: pb.Tensor, what: str = "tensor", max_elements: int = 1 << 28, fi
     if msg.dtype == "bfloat16":
         array = np.frombuffer(data, dtype=np.int16).reshape(shape)
         return _finite(torch.from_numpy(array.copy()).view(torch.bfloat16), what, finite)
-    np_dtype = np.bool_ if msg.dtype == "bool" else np.dtype(msg.dtype)
+    np_dtype = _np_dtype(msg.dtype)
     array = np.frombuffer(data, dtype=np_dtype).reshape(shape)
     # checked with numpy, before the copy: one call instead of torch's isfinite + all + item (a decode step's
     # checks run right after the server slept, when every call costs ~10x: benchmarks/idle_cost.py)
-    if finite and np_dtype.kind == "f" and not np.isfinite(array).all():
-        raise InvalidRequest(f"{what}: contains NaN or infinite values")
+    _finite(array, what, finite and np_dtype.kind == "f")
     # copy: frombuffer views the immutable message bytes, and torch wants writable memory
     return torch.from_numpy(array.copy())
 
 
-def _finite(tensor: torch.Tensor, what: str, check: bool) -> torch.Tensor:
-    if check and not torch.isfinite(tensor).all():
+def _np_dtype(name: str) -> np.dtype:
+    return np.dtype(np.bool_ if name == "bool" else name)
+
+
+def _finite(values, what: str, check: bool):
+    """`values` (a numpy array or a torch tensor), or InvalidRequest if `check` and any is NaN or infinite."""
+    if check and not (np.isfinite(values) if isinstance(values, np.ndarray) else torch.isfinite(values)).all():
         raise InvalidRequest(f"{what}: contains NaN or infinite values")
-    return tensor
+    return values
 
 
 def all_ones(msg: pb.Tensor) -> bool:
@@ -88,20 +93,14 @@ def all_ones(msg: pb.Tensor) -> bool:
     if msg.dtype not in WIRE_DTYPES or msg.dtype.startswith(("float", "bfloat")):
         return False
     count = math.prod(msg.shape)
-    return msg.data == _ones_bytes(np.dtype(np.bool_ if msg.dtype == "bool" else msg.dtype).str, count)
+    dtype = _np_dtype(msg.dtype).str
+    ones = _small_ones(dtype, count) if count <= 1024 else np.ones(count, dtype=dtype).tobytes()
+    return msg.data == ones
 
 
-_ONES: dict[tuple[str, int], bytes] = {}
-
-
-def _ones_bytes(dtype: str, count: int) -> bytes:
-    if count > 1024:  # (only small masks recur: decode steps)
-        return np.ones(count, dtype=dtype).tobytes()
-    if (dtype, count) not in _ONES:
-        if len(_ONES) >= 64:  # a bound: odd shapes do not pile up
-            _ONES.clear()
-        _ONES[(dtype, count)] = np.ones(count, dtype=dtype).tobytes()
-    return _ONES[(dtype, count)]
+@functools.lru_cache(maxsize=64)  # only small masks recur (decode steps); the bound keeps odd shapes from piling up
+def _small_ones(dtype: str, count: int) -> bytes:
+    return np.ones(count, dtype=dtype).tobytes()
 
 
 def is_set(msg: pb.Tensor) -> bool:
