@@ -38,12 +38,23 @@ def reference(tiny_bloom):
     return ids, want[0, ids.shape[1]:].tolist()
 
 
-def restore(swarm: LocalSwarm) -> None:
-    """Restart dead servers so that every block is served twice again."""
+def restore(swarm: LocalSwarm, client: DistributedModelForCausalLM) -> None:
+    """Restart dead servers so that every block is served twice again, and wait until the client sees the new ones
+    and no dead one: a killed server's DHT record outlives it by up to its TTL, and a test that clears the client's
+    bans would otherwise fail over to it (one failover more than the test counts)."""
+    started = set()
     for server in list(swarm.servers):
         if not server.alive:
             swarm.servers.remove(server)
-            swarm.start_server(BlockRange(*server.ready["blocks"]))
+            started.add(swarm.start_server(BlockRange(*server.ready["blocks"])).server_id)
+    deadline = time.monotonic() + 120
+    while True:
+        client.remote.refresh()
+        seen, alive = set(client.remote.view.records), {s.server_id for s in swarm.servers if s.alive}
+        if started <= seen <= alive:
+            return
+        assert time.monotonic() < deadline, (seen, alive, started)
+        time.sleep(0.5)
 
 
 def greedy_with_disruptions(swarm, client, ids, disruptions: dict[int, tuple[int, int]]) -> tuple[list[int], list]:
@@ -70,7 +81,7 @@ def greedy_with_disruptions(swarm, client, ids, disruptions: dict[int, tuple[int
 @pytest.mark.parametrize("position", [0, -1, 1], ids=["first-block", "last-block", "middle-block"])
 def test_sigkill_mid_generation_gives_the_same_tokens(swarm, reference, position):
     swarm_, client = swarm
-    restore(swarm_)
+    restore(swarm_, client)
     ids, want = reference
     got, steps = greedy_with_disruptions(swarm_, client, ids, {10: (position, signal.SIGKILL)})
     assert got == want
@@ -79,7 +90,7 @@ def test_sigkill_mid_generation_gives_the_same_tokens(swarm, reference, position
 
 def test_two_failures_in_one_generation(swarm, reference):
     swarm_, client = swarm
-    restore(swarm_)
+    restore(swarm_, client)
     client.remote.view.bans.clear()
     ids, want = reference
     got, steps = greedy_with_disruptions(swarm_, client, ids, {10: (0, signal.SIGKILL), 25: (-1, signal.SIGKILL)})
@@ -89,7 +100,7 @@ def test_two_failures_in_one_generation(swarm, reference):
 
 def test_sigterm_drains_without_losing_the_session(swarm, reference):
     swarm_, client = swarm
-    restore(swarm_)
+    restore(swarm_, client)
     ids, want = reference
     alive_before = {s.server_id for s in swarm_.servers if s.alive}
     got, steps = greedy_with_disruptions(swarm_, client, ids, {10: (1, signal.SIGTERM)})
@@ -109,8 +120,8 @@ def test_a_lost_reply_is_caught_by_the_stall_watchdog(swarm, reference, monkeypa
     progress, the unfinished hops are reopened and replayed; the tokens do not change."""
     from swarmlm.client.streams import SpanStream
 
-    swarm_, _ = swarm
-    restore(swarm_)
+    swarm_, shared_client = swarm
+    restore(swarm_, shared_client)
     ids, want = reference
     client = DistributedModelForCausalLM.from_pretrained(swarm_.model_dir, initial_peers=swarm_.initial_peers,
                                                          step_timeout_s=3.0)
