@@ -5,9 +5,12 @@ GET / (the monitor page), GET /health. Errors use OpenAI's schema (schemas.error
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
+import math
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +19,12 @@ from typing import AsyncIterator, Callable
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from swarmlm.api import responses
-from swarmlm.api.engine import Engine, SamplingParams
+from swarmlm.api.engine import Engine, RequestTimeout, SamplingParams
+from swarmlm.api.guard import LOCAL_HOSTS, RequestGuard
 from swarmlm.api.metrics import GatewayMetrics
 from swarmlm.api.prompts import encode_chat, encode_prompt
 from swarmlm.api.schemas import ChatRequest, CompletionRequest, error_body, new_id
@@ -35,8 +39,15 @@ STATIC = Path(__file__).parent / "static"
 class GatewayConfig:
     model_name: str  # the id clients send as "model" (as the user named it)
     api_key: str | None = None  # when set, every /v1 route needs "Authorization: Bearer <key>"
-    max_streams_per_client: int = 32  # concurrent generation requests per API key (or client IP without one)
+    max_streams_per_client: int = 32  # concurrent choices (sessions) per API key, or per client IP without one
+    max_choices_per_request: int = 16  # prompts x n of one request (each a session on every server of its route)
+    max_prompt_chars: int = 262_144  # characters of a request's prompts or messages, checked before tokenizing
+    max_body_bytes: int = 2 << 20  # a larger request body is refused (413) before it is read
+    body_timeout_s: float = 30.0  # a body must arrive within this (408)
+    request_timeout_s: float = 600.0  # a request still generating after this ends with 504 (the backstop)
+    allowed_hosts: tuple[str, ...] = LOCAL_HOSTS  # Host header names answered ("*": any)
     default_context_tokens: int = 2048  # when neither the model config nor the servers state a limit
+    view_refresh_s: float = 1.0  # a refused request re-reads the swarm at most this often
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -44,6 +55,17 @@ class GatewayConfig:
         if self.max_streams_per_client < 1 or self.default_context_tokens < 2:
             raise ValueError(f"max_streams_per_client ({self.max_streams_per_client}) must be >= 1 and "
                              f"default_context_tokens ({self.default_context_tokens}) >= 2")
+        if min(self.max_choices_per_request, self.max_prompt_chars, self.max_body_bytes) < 1:
+            raise ValueError(f"max_choices_per_request ({self.max_choices_per_request}), max_prompt_chars "
+                             f"({self.max_prompt_chars}) and max_body_bytes ({self.max_body_bytes}) must be >= 1")
+        if min(self.body_timeout_s, self.request_timeout_s) <= 0 or not self.allowed_hosts:
+            raise ValueError(f"body_timeout_s ({self.body_timeout_s}) and request_timeout_s "
+                             f"({self.request_timeout_s}) must be > 0 and allowed_hosts not empty")
+
+    @property
+    def choices_limit(self) -> int:
+        """Choices one request may ask for: it must fit the client's own limit too."""
+        return min(self.max_choices_per_request, self.max_streams_per_client)
 
 
 class ApiError(Exception):
@@ -62,6 +84,8 @@ def _swarm_error(exc: Exception) -> ApiError:
         return ApiError(400, str(exc), "invalid_request_error", "invalid_request")
     if isinstance(exc, MissingBlocks):
         return ApiError(503, f"the swarm cannot serve the model: {exc}", "service_unavailable", "missing_blocks")
+    if isinstance(exc, RequestTimeout):
+        return ApiError(504, str(exc), "timeout", "request_timeout")
     if isinstance(exc, (ServerFailed, CapacityExceeded)):
         return ApiError(503, f"the swarm cannot serve the request now: {exc}", "service_unavailable",
                         "swarm_unavailable")
@@ -70,24 +94,26 @@ def _swarm_error(exc: Exception) -> ApiError:
 
 
 class ClientLimits:
-    """Concurrent generation requests per client key."""
+    """Concurrent choices (sessions) per client key: a request holds one per choice until it ends."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.active: dict[str, int] = defaultdict(int)
 
-    def acquire(self, key: str) -> Callable[[], None]:
-        if self.active[key] >= self.limit:
-            raise ApiError(429, f"too many concurrent requests from this client (limit {self.limit})",
+    def acquire(self, key: str, choices: int = 1) -> Callable[[], None]:
+        if self.active[key] + choices > self.limit:
+            if not self.active[key]:
+                del self.active[key]
+            raise ApiError(429, f"too many concurrent requests from this client (limit {self.limit} choices)",
                            "rate_limit_error", "too_many_streams")
-        self.active[key] += 1
+        self.active[key] += choices
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                self.active[key] -= 1
+                self.active[key] -= choices
                 if not self.active[key]:
                     del self.active[key]
 
@@ -124,6 +150,9 @@ def create_app(model, tokenizer, config: GatewayConfig) -> FastAPI:
 
     app = FastAPI(title="swarmlm", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.watcher = engine, metrics, watcher
+    app.add_middleware(RequestGuard, allowed_hosts=config.allowed_hosts, api_key=config.api_key,
+                       max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s)
+    view_refresh = ViewRefresh(engine, model.remote, config.view_refresh_s)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -150,35 +179,32 @@ def create_app(model, tokenizer, config: GatewayConfig) -> FastAPI:
     async def _any(request: Request, exc: Exception) -> JSONResponse:
         return _error_response(_swarm_error(exc))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if config.api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
-                return _error_response(ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)",
-                                                "invalid_request_error", "invalid_api_key"))
-        return await call_next(request)
-
     def client_key(request: Request) -> str:
-        auth = request.headers.get("authorization", "")
-        return auth if auth else f"ip:{request.client.host if request.client else '?'}"
+        """What was verified: the API key (checked by RequestGuard) when one is configured, else the peer's
+        address."""
+        if config.api_key:
+            return "key"
+        return f"ip:{request.client.host if request.client else '?'}"
 
     def check_model(name: str) -> None:
-        if name != config.model_name:
-            raise ApiError(404, f"the model {name!r} does not exist; this gateway serves {config.model_name!r}",
+        if name != config.model_name:  # the served name is not repeated: it may be a local path
+            raise ApiError(404, "the model does not exist on this gateway (GET /v1/models lists it)",
                            "invalid_request_error", "model_not_found", "model")
 
     def context_tokens() -> int:
-        limits_ = [int(r.max_length) for r in model.remote.view.records.values() if r.max_length > 0]
-        limit = getattr(model.config, "max_position_embeddings", None)
-        if limit:
-            limits_.append(int(limit))
+        limit = served_context(model.remote.view, model.remote.num_blocks)
+        own = getattr(model.config, "max_position_embeddings", None)
+        limits_ = [n for n in (limit, own) if n]
         return min(limits_) if limits_ else config.default_context_tokens
 
-    def sampling(req, prompts: list[list[int]], max_tokens: int | None, top_logprobs: int | None) -> SamplingParams:
-        context = context_tokens()
+    async def sampling(req, prompts: list[list[int]], max_tokens: int | None,
+                       top_logprobs: int | None) -> SamplingParams:
         longest = max(len(p) for p in prompts)
         if min(len(p) for p in prompts) == 0:  # nothing to prefill from (a model needs at least one token)
             raise ApiError(400, "the prompt is empty", "invalid_request_error", "invalid_request", "prompt")
+        context = context_tokens()
+        if longest + (max_tokens or 1) > context and await view_refresh():  # refused only on a fresh view
+            context = context_tokens()
         room = context - longest
         if room < 1:
             raise ApiError(400, f"the prompt has {longest} tokens; the context holds {context}",
@@ -189,14 +215,25 @@ def create_app(model, tokenizer, config: GatewayConfig) -> FastAPI:
         return SamplingParams(
             max_tokens=max_tokens or room, temperature=req.temperature, top_p=req.top_p,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            stop=tuple(req.stop), seed=req.seed, top_logprobs=top_logprobs,
+            stop=tuple(req.stop), seed=req.generator_seed, top_logprobs=top_logprobs,
         )
 
+    def admit(request: Request, req, texts: list[str]) -> Callable[[], None]:
+        """Bounds checked before anything is tokenized or generated; the client's slots, one per choice."""
+        choices = len(texts) * req.n
+        if choices > config.choices_limit:
+            raise ApiError(400, f"the request asks for {choices} choices (prompts x n); at most "
+                                f"{config.choices_limit}", "invalid_request_error", "invalid_request", "n")
+        chars = sum(len(t) for t in texts)
+        if chars > config.max_prompt_chars:
+            raise ApiError(400, f"the prompt has {chars} characters; at most {config.max_prompt_chars}",
+                           "invalid_request_error", "context_length_exceeded", "prompt")
+        return limits.acquire(client_key(request), choices)
+
     async def generate(request: Request, req, prompts: list[list[int]], params: SamplingParams,
-                       render: responses.Renderer):
-        release = limits.acquire(client_key(request))
+                       render: responses.Renderer, release: Callable[[], None]):
         try:
-            events = engine.merged(prompts, params, req.n)
+            events = engine.merged(prompts, params, req.n, config.request_timeout_s)
             first = await _first(events)  # before the response starts: routing errors become proper statuses
         except BaseException as exc:
             release()
@@ -205,20 +242,34 @@ def create_app(model, tokenizer, config: GatewayConfig) -> FastAPI:
             raise _swarm_error(exc) from None
         if not req.stream:
             try:
-                collected = [first] + [e async for e in events] if first is not None else []
+                collected = await _collect(request, events, first)
             except Exception as exc:
                 raise _swarm_error(exc) from None
             finally:
-                await events.aclose()
                 release()
+            if collected is None:  # the client went away: nobody reads an answer
+                return Response(status_code=499)
             return JSONResponse(render.whole(collected))
         return ClosingStreamingResponse(_sse(request, events, first, render, release), on_close=release,
                                         media_type="text/event-stream",
                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    async def admitted(request: Request, req, texts: list[str], encode: Callable[[], list[list[int]]],
+                       max_tokens: int | None, top_logprobs: int | None, renderer: type, prefix: str):
+        """Admit, tokenize off the event loop (a long prompt must not stall /health), check, generate."""
+        release = admit(request, req, texts)
+        try:
+            prompts = await asyncio.to_thread(encode)
+            params = await sampling(req, prompts, max_tokens, top_logprobs)
+            render = renderer(new_id(prefix), config.model_name, tokenizer, req, prompts)
+        except BaseException:
+            release()
+            raise
+        return await generate(request, req, prompts, params, render, release)
+
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": config.model_name}
+        return {"status": "ok"}
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -232,19 +283,17 @@ def create_app(model, tokenizer, config: GatewayConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
-        prompts = [encode_prompt(tokenizer, p) for p in req.prompts]
-        params = sampling(req, prompts, req.max_tokens, req.logprobs)
-        render = responses.CompletionRenderer(new_id("cmpl"), config.model_name, tokenizer, req, prompts)
-        return await generate(request, req, prompts, params, render)
+        return await admitted(request, req, req.prompts, lambda: [encode_prompt(tokenizer, p) for p in req.prompts],
+                              req.max_tokens, req.logprobs, responses.CompletionRenderer, "cmpl")
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         check_model(req.model)
-        prompt = encode_chat(tokenizer, [(m.role, m.text) for m in req.messages])
+        messages = [(m.role, m.text) for m in req.messages]
         top = (req.top_logprobs or 0) if req.logprobs else None
-        params = sampling(req, [prompt], req.token_limit, top)
-        render = responses.ChatRenderer(new_id("chatcmpl"), config.model_name, tokenizer, req, [prompt])
-        return await generate(request, req, [prompt], params, render)
+        return await admitted(request, req, [text for _, text in messages],
+                              lambda: [encode_chat(tokenizer, messages)], req.token_limit, top,
+                              responses.ChatRenderer, "chatcmpl")
 
     @app.get("/v1/swarm")
     async def swarm() -> dict:
@@ -263,6 +312,61 @@ def create_app(model, tokenizer, config: GatewayConfig) -> FastAPI:
         return FileResponse(STATIC / name, media_type=files[name])
 
     return app
+
+
+def served_context(view, num_blocks: int) -> int | None:
+    """The longest context some route offers: per block the largest `max_length` among the servers that passed the
+    connect check (measured: a forged record for an address that never answered counts for nothing), then the
+    smallest over the blocks. None when no verified server states a limit."""
+    verified = [r for sid, r in view.records.items() if sid in view.rtt_s]
+    per_block = [max((r.max_length if r.max_length > 0 else math.inf for r in verified if r.start <= b < r.end),
+                     default=math.inf) for b in range(num_blocks)]
+    limit = min(per_block, default=math.inf)
+    return None if limit == math.inf else int(limit)
+
+
+class ViewRefresh:
+    """Re-reads the swarm (DHT records + connect checks) before a request is refused for its context, at most once
+    per `min_interval_s` however many requests are refused; True when the view was read again."""
+
+    def __init__(self, engine: Engine, remote, min_interval_s: float) -> None:
+        self.engine, self.remote, self.min_interval_s = engine, remote, min_interval_s
+        self.lock = asyncio.Lock()
+        self.last_s = -math.inf
+
+    async def __call__(self) -> bool:
+        async with self.lock:
+            if time.monotonic() - self.last_s < self.min_interval_s:
+                return False
+            try:
+                await self.engine.run(self.remote.refresh)
+            except Exception as exc:  # the DHT is unreachable: decide on the view we have
+                log.warning("could not re-read the swarm: %s", exc)
+            self.last_s = time.monotonic()
+            return True
+
+
+async def _collect(request: Request, events: AsyncIterator, first, poll_s: float = 0.5) -> list | None:
+    """A non-streaming request's events; None (every choice stopped, its sessions closed) if the client went
+    away meanwhile."""
+    async def read() -> list:
+        return [first] + [e async for e in events] if first is not None else []
+
+    task = asyncio.ensure_future(read())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        with anyio.CancelScope(shield=True):
+            await events.aclose()
 
 
 async def _first(events: AsyncIterator) -> object | None:

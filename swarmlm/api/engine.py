@@ -8,6 +8,7 @@ fails, or its client goes away (checked between tokens; the step in flight finis
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,11 @@ from transformers.generation.logits_process import (
 )
 
 from swarmlm.api.metrics import GatewayMetrics
+from swarmlm.api.schemas import SEED_RANGE
+
+
+class RequestTimeout(Exception):
+    """The request ran past its deadline (the backstop behind every other limit)."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +89,7 @@ class ChoiceDecoder:
         self.lock = threading.Lock()  # a close waits for the step in flight
         self.generator = torch.Generator()
         if params.seed is not None:
-            self.generator.manual_seed(params.seed)
+            self.generator.manual_seed(params.seed % SEED_RANGE)  # any integer: torch takes [0, 2**64)
         else:
             self.generator.seed()
         self.processors = LogitsProcessorList()
@@ -210,44 +216,52 @@ class Engine:
                   stop: threading.Event) -> None:
         """One choice, start to end, on a worker thread. The next step leaves as soon as a token is chosen: the
         event loop (HTTP, JSON) never sits between two steps, so concurrent choices stay in step and the servers
-        batch them. `stop` (the client went away) is checked between tokens."""
-        decoder = ChoiceDecoder(self.model, prompt_ids, params)
+        batch them. `stop` (the client went away, or the request's deadline passed) is checked between tokens.
+        Whatever fails here (building the decoder included) ends the request with that error."""
+        decoder = None
+        try:
+            decoder = ChoiceDecoder(self.model, prompt_ids, params)
+            self._decode(decoder, index, len(prompt_ids), params, emit, stop)
+        except BaseException as exc:  # handed to the request, which raises it
+            emit(exc if isinstance(exc, Exception) else RuntimeError(f"the choice ended: {type(exc).__name__}"))
+        finally:
+            if decoder is not None:
+                decoder.close()
+
+    def _decode(self, decoder: ChoiceDecoder, index: int, prompt_tokens: int, params: SamplingParams, emit,
+                stop: threading.Event) -> None:
         text = StopText(self.tokenizer, params.stop)
         t0 = time.perf_counter()
         first_s, generated, reason = 0.0, 0, "length"
-        try:
-            while generated < params.max_tokens and not stop.is_set():
-                token = decoder.step()
-                generated += 1
-                if generated == 1:
-                    first_s = time.perf_counter() - t0
-                self.metrics.token()
-                if token.id in self.eos:
-                    reason = "stop"
-                    break
-                emit(Piece(index, text.add(token.id), token))
-                if text.stopped:
-                    reason = "stop"
-                    break
-            decoder.close()  # before the end is announced: a finished request holds no session
-            if stop.is_set():
-                return
-            rest = text.flush()
-            if rest:
-                emit(Piece(index, rest, None))
-            total_s = time.perf_counter() - t0
-            self.metrics.finished(first_s, (total_s - first_s) / (generated - 1) if generated > 1 else None)
-            emit(Finish(index, reason, len(prompt_ids), generated))
-        except Exception as exc:  # handed to the request, which raises it
-            emit(exc)
-        finally:
-            decoder.close()
+        while generated < params.max_tokens and not stop.is_set():
+            token = decoder.step()
+            generated += 1
+            if generated == 1:
+                first_s = time.perf_counter() - t0
+            self.metrics.token()
+            if token.id in self.eos:
+                reason = "stop"
+                break
+            emit(Piece(index, text.add(token.id), token))
+            if text.stopped:
+                reason = "stop"
+                break
+        decoder.close()  # before the end is announced: a finished request holds no session
+        if stop.is_set():
+            return
+        rest = text.flush()
+        if rest:
+            emit(Piece(index, rest, None))
+        total_s = time.perf_counter() - t0
+        self.metrics.finished(first_s, (total_s - first_s) / (generated - 1) if generated > 1 else None)
+        emit(Finish(index, reason, prompt_tokens, generated))
 
-    async def merged(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                     n: int) -> AsyncIterator[Piece | Finish]:
+    async def merged(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int,
+                     timeout_s: float = math.inf) -> AsyncIterator[Piece | Finish]:
         """Every choice (n per prompt, each its own session, run concurrently) as its events come; choice i of a
         seeded request uses seed + i so the choices differ and repeat. Closing this generator (the client went
-        away) stops every choice after its step in flight and closes its session."""
+        away) stops every choice after its step in flight and closes its session; so does the deadline, which
+        raises RequestTimeout."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         stop = threading.Event()
@@ -258,17 +272,25 @@ class Engine:
             except RuntimeError:  # the loop is gone (shutdown): nobody is listening any more
                 stop.set()
 
-        futures = []
-        for i, ids in enumerate(prompts):
-            for j in range(n):
-                index = i * n + j
-                p = params if params.seed is None else replace(params, seed=params.seed + index)
-                futures.append(loop.run_in_executor(self.pool, self._generate, index, ids, p, emit, stop))
+        def lost(future) -> None:  # a choice that never ran (the pool shut down) still ends its request
+            if not future.cancelled() and future.exception() is not None:
+                emit(future.exception())
+
         self.metrics.request_started()
+        deadline = time.monotonic() + timeout_s
         try:
-            remaining = len(futures)
+            remaining = 0
+            for i, ids in enumerate(prompts):
+                for j in range(n):
+                    index = i * n + j
+                    p = params if params.seed is None else replace(params, seed=params.seed + index)
+                    self.pool.submit(self._generate, index, ids, p, emit, stop).add_done_callback(lost)
+                    remaining += 1
             while remaining:
-                event = await queue.get()
+                try:
+                    event = await asyncio.wait_for(queue.get(), max(deadline - time.monotonic(), 0.0))
+                except asyncio.TimeoutError:
+                    raise RequestTimeout(f"the request did not finish within {timeout_s:g} s") from None
                 if isinstance(event, BaseException):
                     raise event
                 if isinstance(event, Finish):

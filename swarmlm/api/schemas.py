@@ -9,7 +9,20 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_N = 16  # choices per request: each is a session on every server of its route
+MAX_PROMPTS = 16  # prompts per completion request (choices = prompts x n, bounded again by the gateway's config)
 MAX_STOP = 4  # as OpenAI
+MAX_STOP_CHARS = 256  # per stop string: each is searched in the text after every token
+MIN_TEMPERATURE = 0.01  # below it (and above 0) logits / temperature overflow: 0 is greedy
+SEED_RANGE = 2 ** 64  # torch generators take seeds in [0, 2**64): any integer is taken modulo this
+
+
+def _unicode(text: str) -> str:
+    """Text a tokenizer can read: JSON's \\ud800 escapes can carry lone surrogates, which are no UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the text is not valid Unicode (a lone surrogate)") from None
+    return text
 
 
 class _Request(BaseModel):
@@ -17,7 +30,7 @@ class _Request(BaseModel):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # 0 = greedy
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # 0 = greedy; else >= MIN_TEMPERATURE
     top_p: float = Field(default=1.0, ge=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
@@ -34,9 +47,21 @@ class _Request(BaseModel):
         stops = [] if v is None else [v] if isinstance(v, str) else v
         if len(stops) > MAX_STOP:
             raise ValueError(f"at most {MAX_STOP} stop sequences")
-        if any(s == "" for s in stops):
-            raise ValueError("stop sequences must not be empty")
-        return stops
+        if any(s == "" or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop sequences must have 1 to {MAX_STOP_CHARS} characters")
+        return [_unicode(s) for s in stops]
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if 0 < v < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return v
+
+    @property
+    def generator_seed(self) -> int | None:
+        """Any integer seed as a torch generator's seed."""
+        return None if self.seed is None else self.seed % SEED_RANGE
 
     @property
     def include_usage(self) -> bool:
@@ -51,9 +76,9 @@ class CompletionRequest(_Request):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v: str | list[str]) -> str | list[str]:
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt must not be an empty list")
-        return v
+        if isinstance(v, list) and not 1 <= len(v) <= MAX_PROMPTS:
+            raise ValueError(f"prompt must be a string or a list of 1 to {MAX_PROMPTS} strings")
+        return _unicode(v) if isinstance(v, str) else [_unicode(p) for p in v]
 
     @property
     def prompts(self) -> list[str]:
@@ -65,12 +90,22 @@ class TextPart(BaseModel):
     type: Literal["text"]
     text: str
 
+    @field_validator("text")
+    @classmethod
+    def _text(cls, v: str) -> str:
+        return _unicode(v)
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v):
+        return _unicode(v) if isinstance(v, str) else v
 
     @property
     def text(self) -> str:

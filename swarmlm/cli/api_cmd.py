@@ -20,7 +20,19 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="0 = any free port (printed in the ready line)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--max-streams-per-client", type=int, default=32,
-                   help="concurrent generation requests per API key (or client IP); more get 429")
+                   help="concurrent choices (sessions) per API key, or per client IP without one; more get 429")
+    p.add_argument("--max-choices-per-request", type=int, default=16, help="prompts x n of one request")
+    p.add_argument("--max-prompt-chars", type=int, default=262_144,
+                   help="characters of a request's prompts or messages (checked before tokenizing)")
+    p.add_argument("--max-body-bytes", type=int, default=2 << 20, help="larger request bodies get 413")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may generate before it ends with 504")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a request's headers before it is closed")
+    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request's body has to arrive (408)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="also answer requests whose Host header names NAME (repeatable; '*' = any). Default: "
+                        "localhost, 127.0.0.1, ::1 and --host when it is one address")
     p.add_argument("--wait-for-blocks", type=float, default=30.0,
                    help="seconds a request waits for missing blocks to appear before a 503")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the embeddings and LM head")
@@ -40,8 +52,15 @@ def run(args: argparse.Namespace) -> int:
     from swarmlm.client.model import DistributedModelForCausalLM
     from swarmlm.errors import SwarmAccessDenied
 
-    config = GatewayConfig(model_name=args.served_model_name or args.model,
-                           api_key=args.api_key, max_streams_per_client=args.max_streams_per_client)
+    from swarmlm.api.guard import LOCAL_HOSTS, header_deadline_protocol
+
+    own = () if args.host in ("0.0.0.0", "::", "") else (args.host,)
+    config = GatewayConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
+                           max_streams_per_client=args.max_streams_per_client,
+                           max_choices_per_request=args.max_choices_per_request,
+                           max_prompt_chars=args.max_prompt_chars, max_body_bytes=args.max_body_bytes,
+                           body_timeout_s=args.body_timeout, request_timeout_s=args.request_timeout,
+                           allowed_hosts=(*LOCAL_HOSTS, *own, *args.allow_host))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = DistributedModelForCausalLM.from_pretrained(
         args.model, initial_peers=args.initial_peers, servers=args.servers, threads=args.threads,
@@ -61,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     sock.bind((args.host, args.port))
     sock.listen(1024)  # connections wait in the backlog until uvicorn accepts them
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
+                                           http=header_deadline_protocol(args.header_timeout)))
     # one JSON line for scripts and tests (the port when --port 0), then a line for people
     print(json.dumps({"event": "ready", "url": f"http://{host}:{port}", "model": config.model_name}), flush=True)
     print(f"OpenAI API at http://{host}:{port}/v1 (model {config.model_name!r}); monitor at http://{host}:{port}/",

@@ -122,6 +122,7 @@ class RemoteSequence:
                 # the least of the probes: a busy host only adds delay (event loops, scheduling), and the route
                 # cost weighs the RTT l_out times, so a probe's noise would otherwise choose the replica
                 self.view.rtt_s[r.server_id] = min(rtts)
+                self.view.bans.pop(r.server_id, None)  # it answers again (a restarted server): route to it at once
             except Exception as exc:
                 if _is_unauthenticated(exc):
                     denied.append((r.address, exc))
@@ -144,12 +145,22 @@ class RemoteSequence:
             try:
                 return self.router.route(start, end, l_in, l_out, batch, max_length)
             except MissingBlocks as exc:
+                missing = exc.missing
                 if time.monotonic() >= deadline:
                     down = ", ".join(f"{a} ({why})" for a, why in self.unreachable.items())  # "refused" vs nobody
                     raise MissingBlocks(exc.missing, f"waited {self.config.wait_for_blocks_s:.0f} s"
                                         + (f"; unreachable: {down}" if down else "")) from None
             time.sleep(0.5)
             self.refresh()
+            self._recheck_banned(missing)
+
+    def _recheck_banned(self, missing) -> None:
+        """Banned servers that would serve missing blocks are asked again: one that passes the connect check
+        (restarted at its address) is routed to at once instead of after its ban."""
+        banned, blocks = self.view.banned(), set(missing)
+        retry = [r for sid, r in self.view.records.items() if sid in banned and blocks & set(range(r.start, r.end))]
+        if retry:
+            self.loop.run(self._measure(retry))
 
     def close(self) -> None:
         if self.dht is not None:

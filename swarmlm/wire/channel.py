@@ -24,8 +24,11 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[t
 def aio_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                 interceptors: Sequence = ()) -> grpc.aio.Channel:
     """`interceptors`: a private swarm's token on every call (swarm/private.client_interceptors)."""
-    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes),
-                                     interceptors=list(interceptors) or None)
+    # reconnect within a second once the address answers again (a restarted server), not after gRPC's default
+    # backoff, which grows to two minutes while the server is down
+    options = channel_options(max_message_bytes) + [("grpc.initial_reconnect_backoff_ms", 250),
+                                                     ("grpc.max_reconnect_backoff_ms", 1000)]
+    return grpc.aio.insecure_channel(address, options=options, interceptors=list(interceptors) or None)
 
 
 def sync_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:

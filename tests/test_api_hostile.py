@@ -1,0 +1,317 @@
+"""The gateway under hostile input (issue 28): one request never locks out, freezes or starves anyone else.
+
+A real swarm (DHT + 2 server processes with fixed ports and identities) and two real `swarmlm api` processes: `main`
+without an API key (clients are told apart by their address) and `strict` (an API key, one slot, a 1 s deadline).
+No wall-clock assertions: waits poll with generous deadlines; orderings are checked instead of durations."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from dataclasses import replace
+
+import httpx2 as httpx
+import pytest
+import torch
+from hivemind.utils import get_dht_time
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from swarmlm.api.process import GatewayProcess
+from swarmlm.swarm.dht import default_prefix, fetch_records, owner_subkey
+from swarmlm.swarm.dht_thread import ThreadDHT
+from swarmlm.swarm.identity import Identity
+from swarmlm.swarm.local import LocalSwarm, even_split
+from swarmlm.types import BlockRange
+from tests.swarm_helpers import stub
+from tests.test_identity import RawDHT
+from swarmlm.wire import swarm_pb2 as pb
+
+pytestmark = pytest.mark.slow
+torch.set_num_threads(1)
+KEY = "strict-key"
+LIMIT = 8  # main's slots (choices) per client
+CHOICES = 4  # main's choices per request
+PROMPT_CHARS = 300_000
+PROMPT = "The quick brown fox"
+MAIN_ARGS = ["--max-streams-per-client", str(LIMIT), "--max-choices-per-request", str(CHOICES),
+             "--max-prompt-chars", str(PROMPT_CHARS), "--max-body-bytes", str(1 << 20), "--header-timeout", "2",
+             "--body-timeout", "3", "--wait-for-blocks", "15"]
+STRICT_ARGS = ["--api-key", KEY, "--max-streams-per-client", "1", "--request-timeout", "1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_bloom, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hostile")
+    swarm = LocalSwarm(tiny_bloom, log_dir=tmp)
+    gateways = []
+    try:
+        swarm.start_dht()
+        servers = [swarm.start_server(r, wait=False, extra=["--port", str(_free_port()),
+                                                            "--identity", str(tmp / f"server{i}.pem")])
+                   for i, r in enumerate(even_split(6, 2))]
+        for name, extra in (("main", MAIN_ARGS), ("strict", STRICT_ARGS)):
+            gateways.append(GatewayProcess(tiny_bloom, swarm.initial_peers, log_path=tmp / f"{name}.err",
+                                           extra=extra).start())
+        swarm.wait_ready(servers)
+        yield swarm, *gateways
+    finally:
+        for g in gateways:
+            g.stop()
+        swarm.stop()
+
+
+@pytest.fixture(scope="module")
+def swarm(stack) -> LocalSwarm:
+    return stack[0]
+
+
+@pytest.fixture(scope="module")
+def main(stack) -> GatewayProcess:
+    return stack[1]
+
+
+@pytest.fixture(scope="module")
+def strict(stack) -> GatewayProcess:
+    return stack[2]
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny_bloom):
+    """Plain transformers' greedy text for a prompt."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bloom)
+    model = AutoModelForCausalLM.from_pretrained(tiny_bloom).eval()
+
+    def text(prompt: str, max_tokens: int) -> str:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+    return text
+
+
+def _post(gateway, body, path: str = "/v1/completions", headers: dict | None = None, raw: bytes | None = None,
+          timeout: float = 120) -> httpx.Response:
+    if raw is not None:
+        return httpx.post(f"{gateway.url}{path}", content=raw, timeout=timeout,
+                          headers={"Content-Type": "application/json", **(headers or {})})
+    return httpx.post(f"{gateway.url}{path}", json=body, headers=headers or {}, timeout=timeout)
+
+
+def _error(response: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    if code is not None:
+        assert body["error"]["code"] == code, body
+    return body["error"]
+
+
+def _sessions(swarm) -> list[int]:
+    return [stub(s.address).Info(pb.InfoRequest(), timeout=10).active_sessions for s in swarm.servers if s.alive]
+
+
+def _wait_sessions(swarm, want=(0, 0), deadline_s: float = 120) -> None:
+    deadline = time.monotonic() + deadline_s
+    while tuple(_sessions(swarm)) != tuple(want):
+        assert time.monotonic() < deadline, f"sessions left open on the servers: {_sessions(swarm)}"
+        time.sleep(0.2)
+
+
+def _open_stream(http: httpx.Client, gateway, body: dict, headers: dict | None = None):
+    """A stream held open past its first event: (context manager, line iterator) to close later."""
+    cm = http.stream("POST", f"{gateway.url}/v1/completions", json={**body, "stream": True}, headers=headers or {})
+    response = cm.__enter__()
+    assert response.status_code == 200, response.read()
+    lines = response.iter_lines()
+    while not next(lines).startswith("data: "):
+        pass
+    return cm, lines
+
+
+# ---- hole 1: seeds outside 64 bits; every worker failure ends its request and frees its slot --------------------
+def test_any_integer_seed_answers_and_frees_its_slots(main, tiny_bloom):
+    base = {"model": tiny_bloom, "prompt": PROMPT, "max_tokens": 4, "temperature": 1.0, "n": 2}
+    same = [_post(main, {**base, "seed": s}).json()["choices"] for s in (7, 2 ** 64 + 7)]
+    assert [c["text"] for c in same[0]] == [c["text"] for c in same[1]]  # seeds are taken modulo 2**64
+    for _ in range(3):  # 24 choices in all, 3 x the client's slots: a leaked slot would make a 429
+        for seed in (2 ** 64, 2 ** 64 - 1, -2 ** 63 - 1, 10 ** 40):
+            got = _post(main, {**base, "seed": seed})
+            assert got.status_code == 200 and len(got.json()["choices"]) == 2, got.text
+
+
+def test_a_request_past_its_deadline_ends_with_504_and_frees_its_slot(strict, tiny_bloom):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": tiny_bloom, "prompt": PROMPT, "max_tokens": 2000, "temperature": 0}
+    _error(_post(strict, body, headers=headers), 504, "request_timeout")
+    again = _post(strict, {**body, "max_tokens": 1}, headers=headers)
+    assert again.status_code in (200, 504), again.text  # not 429: the one slot was freed
+
+
+# ---- hole 2: a forged record does not set the context ----------------------------------------------------------
+def test_a_forged_unreachable_record_does_not_set_the_context(swarm, main, tiny_bloom, greedy):
+    reader = ThreadDHT(swarm.initial_peers)
+    attacker = Identity.generate()
+    raw = RawDHT(swarm.initial_peers, attacker)
+    try:
+        prefix = default_prefix(tiny_bloom)
+        honest = next(iter(fetch_records(reader, prefix, range(6)).values()))
+        forged = replace(honest, server_id=attacker.server_id, address="127.0.0.1:9", max_length=1)
+        raw.write(prefix, forged, owner_subkey(attacker.server_id, attacker.validator), get_dht_time() + 60)
+        want = greedy(PROMPT, 6)
+        for _ in range(3):  # the gateway re-reads the swarm between requests (records older than 2 s)
+            got = _post(main, {"model": tiny_bloom, "prompt": PROMPT, "max_tokens": 6, "temperature": 0})
+            assert got.status_code == 200 and got.json()["choices"][0]["text"] == want, got.text
+            time.sleep(2.5)
+    finally:
+        raw.shutdown()
+        reader.shutdown()
+
+
+# ---- hole 3: body size, characters before tokenizing, tokenizing off the event loop --------------------------
+def test_a_big_body_is_413_and_a_long_prompt_400_before_tokenizing(main, tiny_bloom):
+    error = _error(_post(main, None, raw=b'{"model": "x", "prompt": "' + b"a" * (2 << 20) + b'"}'), 413,
+                   "request_too_large")
+    assert "bytes" in error["message"]
+    error = _error(_post(main, {"model": tiny_bloom, "prompt": "a" * (PROMPT_CHARS + 1)}), 400,
+                   "context_length_exceeded")
+    assert "characters" in error["message"]  # refused by its length in characters, never tokenized
+
+
+def test_tokenizing_long_prompts_leaves_health_answering(main, tiny_bloom):
+    done: list[str] = []
+    body = {"model": tiny_bloom, "prompt": "hello world, " * (PROMPT_CHARS // 14)}  # ~1 s to tokenize each
+
+    def big(i: int) -> None:
+        _error(_post(main, body), 400, "context_length_exceeded")  # tokenized: far longer than the context
+        done.append(f"big{i}")
+
+    threads = [threading.Thread(target=big, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # both are being tokenized
+    assert httpx.get(f"{main.url}/health", timeout=120).status_code == 200
+    done.append("health")
+    for t in threads:
+        t.join(300)
+    assert done[0] == "health", done  # answered while the prompts were tokenized, not after
+
+
+# ---- hole 4: fan-out bounded and charged per choice ------------------------------------------------------------
+def test_fan_out_is_bounded_and_charged_to_the_client_per_choice(main, swarm, tiny_bloom):
+    base = {"model": tiny_bloom, "prompt": PROMPT, "max_tokens": 1000, "temperature": 0}
+    _error(_post(main, {**base, "prompt": ["a"] * 16, "n": 16}), 400)
+    _error(_post(main, {**base, "prompt": ["a", "b"], "n": 3}), 400, "invalid_request")  # 6 choices > 4
+    http = httpx.Client(timeout=120)
+    held = []
+    try:
+        for _ in range(LIMIT // CHOICES):  # the client's 8 slots, as 2 streams of 4 choices
+            held.append(_open_stream(http, main, {**base, "n": CHOICES}))
+        _error(_post(main, {**base, "max_tokens": 2}), 429, "too_many_streams")
+    finally:
+        for cm, _ in held:
+            cm.__exit__(None, None, None)
+        http.close()
+    _wait_sessions(swarm)
+    assert _post(main, {**base, "max_tokens": 2}).status_code == 200
+
+
+# ---- hole 5: limits keyed on what was verified; a gone client stops a non-streaming request -------------------
+def test_the_client_limit_is_keyed_on_the_peer_not_on_any_header(main, swarm, tiny_bloom):
+    base = {"model": tiny_bloom, "prompt": PROMPT, "max_tokens": 1000, "temperature": 0}
+    http = httpx.Client(timeout=120)
+    held = []
+    try:
+        for i in range(LIMIT):  # a new made-up Authorization header each time: still the same client
+            held.append(_open_stream(http, main, base, headers={"Authorization": f"Bearer made-up-{i}"}))
+        _error(_post(main, {**base, "max_tokens": 2}, headers={"Authorization": "Bearer one-more"}), 429,
+               "too_many_streams")
+    finally:
+        for cm, _ in held:
+            cm.__exit__(None, None, None)
+        http.close()
+    _wait_sessions(swarm)
+
+
+def test_a_client_that_goes_away_stops_its_non_streaming_request(main, swarm, tiny_bloom):
+    def tokens() -> int:
+        return httpx.get(f"{main.url}/v1/swarm", timeout=60).json()["gateway"]["total_tokens"]
+
+    _wait_sessions(swarm)
+    before = tokens()
+    body = json.dumps({"model": tiny_bloom, "prompt": PROMPT, "max_tokens": 2000, "temperature": 0}).encode()
+    host, port = main.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 120
+        while min(_sessions(swarm)) < 1:  # generating
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    _wait_sessions(swarm, deadline_s=600)  # the client went away: the sessions close (today: after 2000 tokens)
+    assert tokens() - before < 2000
+
+
+# ---- lesser items ---------------------------------------------------------------------------------------------
+def test_bad_text_and_sampling_values_are_400(main, tiny_bloom):
+    surrogate = b'{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 2}' % tiny_bloom.encode()
+    _error(_post(main, None, raw=surrogate), 400)
+    chat = b'{"model": "%s", "messages": [{"role": "user", "content": "\\udfff"}]}' % tiny_bloom.encode()
+    _error(_post(main, None, path="/v1/chat/completions", raw=chat), 400)
+    base = {"model": tiny_bloom, "prompt": PROMPT, "max_tokens": 2}
+    _error(_post(main, {**base, "temperature": 1e-300}), 400)
+    _error(_post(main, {**base, "stop": "x" * 300}), 400)
+    _error(_post(main, {**base, "stop": ["a", "b", "c", "d", "e"]}), 400)
+    assert _post(main, {**base, "temperature": 0.5, "stop": ["x" * 256]}).status_code == 200
+
+
+def test_slow_headers_and_bodies_are_cut_off(main):
+    host, port = main.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as s:  # slowloris: headers never end
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        for _ in range(3):
+            time.sleep(0.5)
+            try:
+                s.sendall(b"a")
+            except OSError:
+                break
+        assert s.recv(1024) == b""  # closed by the gateway (a timeout here means it held the connection)
+    with socket.create_connection((host, int(port)), timeout=60) as s:  # a body that never arrives
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"model\": ")
+        answer = s.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+
+
+def test_only_allowed_host_names_are_answered(main):
+    _error(httpx.get(f"{main.url}/health", headers={"Host": "evil.example"}, timeout=60), 400, "invalid_host")
+    _error(httpx.get(f"{main.url}/v1/models", headers={"Host": "evil.example:80"}, timeout=60), 400, "invalid_host")
+    port = main.url.rsplit(":", 1)[1]
+    assert httpx.get(f"{main.url}/health", headers={"Host": f"localhost:{port}"}, timeout=60).status_code == 200
+
+
+def test_public_answers_give_out_nothing_local(main, tiny_bloom):
+    assert tiny_bloom not in httpx.get(f"{main.url}/health", timeout=60).text
+    error = _error(_post(main, {"model": "gpt-4", "prompt": "Hi"}), 404, "model_not_found")
+    assert tiny_bloom not in error["message"]
+    assert tiny_bloom not in httpx.get(f"{main.url}/v1/nothing", timeout=60).text
+
+
+# ---- last: a restarted server (same port, same identity) is used as soon as it answers -----------------------
+def test_a_restarted_server_is_used_as_soon_as_it_answers(swarm, main, tiny_bloom, greedy):
+    body = {"model": tiny_bloom, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    dead = swarm.servers[1]
+    swarm.kill(dead)
+    for _ in range(2):  # failures while it is down: bans grow, the gRPC channel backs off
+        assert _post(main, body).status_code == 503
+    swarm.servers.remove(dead)
+    swarm.start_server(BlockRange(*dead.ready["blocks"]), extra=dead.args[dead.args.index("--port"):][:4])
+    got = _post(main, body)  # waits for missing blocks up to 15 s: the restarted server answers within that
+    assert got.status_code == 200 and got.json()["choices"][0]["text"] == greedy(PROMPT, 4), got.text
