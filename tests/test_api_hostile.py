@@ -14,6 +14,8 @@ from dataclasses import replace
 import httpx2 as httpx
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from hivemind.utils import get_dht_time
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -302,6 +304,88 @@ def test_public_answers_give_out_nothing_local(main, tiny_bloom):
     error = _error(_post(main, {"model": "gpt-4", "prompt": "Hi"}), 404, "model_not_found")
     assert tiny_bloom not in error["message"]
     assert tiny_bloom not in httpx.get(f"{main.url}/v1/nothing", timeout=60).text
+
+
+# ---- property-based fuzzing of the request schemas ------------------------------------------------------------
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                    max_leaves=12)
+TEXT = st.text(max_size=40) | st.sampled_from(["", "\ud800", "\udfff x", "a" * 300, "\x00", "\u202e"])
+# never absent or null: the default is the whole context (thousands of tokens per case)
+SMALL_TOKENS = st.integers(-2, 3) | st.sampled_from([10 ** 30, -2 ** 70, 2.5, "3", True, [], {}])
+
+
+def _value(schema: dict, defs: dict):
+    """A value for one property of the request's JSON schema (the one FastAPI's OpenAPI schema is built from):
+    mostly of a declared type, with edge values, sometimes any JSON at all."""
+    options = schema.get("anyOf", [schema])
+    strategies = []
+    for option in options:
+        if "$ref" in option:
+            strategies.append(_body(defs[option["$ref"].rsplit("/", 1)[1]], defs))
+        kind = option.get("type")
+        if kind == "integer":
+            strategies.append(st.integers(-3, 20) | st.sampled_from([2 ** 63, 2 ** 64, -2 ** 63 - 1, 10 ** 40]))
+        elif kind == "number":
+            strategies.append(st.floats(-3, 3) | st.sampled_from([1e-300, 5e-324, -0.0, 1e308, 2.0000001]))
+        elif kind == "string":
+            strategies.append(st.sampled_from(option["enum"]) if "enum" in option else TEXT)
+        elif kind == "boolean":
+            strategies.append(st.booleans())
+        elif kind == "array":
+            strategies.append(st.lists(_value(option.get("items", {}), defs), max_size=5))
+    return st.one_of([JSON] + strategies * 6)  # mostly the declared types: most cases pass validation
+
+
+def _body(schema: dict, defs: dict):
+    props = schema.get("properties", {})
+    return st.fixed_dictionaries({}, optional={name: _value(p, defs) for name, p in props.items()})
+
+
+def _requests(model: str):
+    """(path, body) pairs: bodies of CompletionRequest / ChatRequest's schemas; the model named right most of the
+    time and the token limits small (a fuzz case must stay cheap to generate)."""
+    from swarmlm.api.schemas import ChatRequest, CompletionRequest
+
+    def of(path: str, cls) -> st.SearchStrategy:
+        schema = cls.model_json_schema()
+        fixed = st.fixed_dictionaries({"model": st.just(model) | JSON, "max_tokens": SMALL_TOKENS},
+                                      optional={"max_completion_tokens": SMALL_TOKENS})
+        body = st.tuples(_body(schema, schema.get("$defs", {})), fixed).map(
+            lambda parts: {k: v for k, v in parts[0].items() if k != "max_completion_tokens"} | parts[1])
+        return st.tuples(st.just(path), body)
+
+    return of("/v1/completions", CompletionRequest) | of("/v1/chat/completions", ChatRequest)
+
+
+def _check_answer(response: httpx.Response, stream: bool) -> None:
+    assert response.status_code < 500, response.text
+    if response.status_code >= 400:
+        _error(response, response.status_code)
+    elif stream and response.headers["content-type"].startswith("text/event-stream"):
+        assert response.text.rstrip().endswith("data: [DONE]") and "server_error" not in response.text
+    else:
+        assert response.json()["choices"], response.text
+
+
+def test_fuzzed_requests_get_2xx_or_4xx_in_openai_schema(main, swarm, tiny_bloom):
+    http = httpx.Client(timeout=60)  # a hang fails the case
+
+    @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+              derandomize=True)
+    @given(_requests(tiny_bloom))
+    def case(request) -> None:
+        path, body = request
+        raw = json.dumps(body).encode()  # ensure_ascii: lone surrogates travel as \\udXXX escapes, as JSON allows
+        response = http.post(f"{main.url}{path}", content=raw, headers={"Content-Type": "application/json"})
+        _check_answer(response, body.get("stream") is True)
+
+    try:
+        case()
+    finally:
+        http.close()
+    assert httpx.get(f"{main.url}/health", timeout=60).status_code == 200
+    _wait_sessions(swarm)
 
 
 # ---- last: a restarted server (same port, same identity) is used as soon as it answers -----------------------
