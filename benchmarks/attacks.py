@@ -5,8 +5,10 @@ Per attack: the server stays alive, the honest client's greedy tokens equal plai
 after and at its peak (psutil, sampled every 20 ms). The table goes to docs/FAILURES.md and docs/RESULTS.md.
 
     .venv/bin/python benchmarks/attacks.py [--only NAME ...] [--model tiny-bloom]
+    .venv/bin/python benchmarks/attacks.py --gateway [--only NAME ...]   # the gateway's (benchmarks/gateway_attacks.py)
 
-The light versions of the same cases run in tests/test_attacks.py and tests/test_fuzz_rpc.py.
+The light versions of the same cases run in tests/test_attacks.py, tests/test_fuzz_rpc.py and
+tests/test_api_hostile.py.
 """
 from __future__ import annotations
 
@@ -429,6 +431,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", help="write the outcomes as JSON here")
     ap.add_argument("--slice-cost", action="store_true", help="only: a Forward in one piece vs in slices, in-process")
+    ap.add_argument("--gateway", action="store_true", help="the attacks on `swarmlm api` instead of a server's")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = args.model
@@ -436,6 +439,14 @@ def main() -> None:
         model_dir = str(init_checkpoint(args.model, Path(tempfile.mkdtemp()) / args.model, seed=1))
     if args.slice_cost:
         slice_cost(model_dir)
+        return
+    if args.gateway:
+        from benchmarks import gateway_attacks
+
+        outcomes = gateway_attacks.run(model_dir, args.only, args.threads)
+        print(gateway_attacks.table(outcomes))
+        if args.out:
+            Path(args.out).write_text(json.dumps([asdict(o) for o in outcomes], indent=1))
         return
     outcomes = run(model_dir, args.only, args.threads)
     print(table(outcomes))
