@@ -259,7 +259,7 @@ def create_app(model, tokenizer, config: GatewayConfig) -> FastAPI:
         """Admit, tokenize off the event loop (a long prompt must not stall /health), check, generate."""
         release = admit(request, req, texts)
         try:
-            prompts = await asyncio.to_thread(encode)
+            prompts = await engine.tokenize(encode, sum(len(t) for t in texts))
             params = await sampling(req, prompts, max_tokens, top_logprobs)
             render = renderer(new_id(prefix), config.model_name, tokenizer, req, prompts)
         except BaseException:

@@ -199,18 +199,30 @@ class Finish:
     completion_tokens: int
 
 
-class Engine:
-    """Holds the swarm client and the worker threads that drive its sessions."""
+LONG_TEXT_CHARS = 16_384  # a text this long takes milliseconds to tokenize (~5 us per character here) and MBs
 
-    def __init__(self, model, tokenizer, metrics: GatewayMetrics, max_workers: int = 64) -> None:
+
+class Engine:
+    """Holds the swarm client and the worker threads that drive its sessions and tokenize prompts."""
+
+    def __init__(self, model, tokenizer, metrics: GatewayMetrics, max_workers: int = 64,
+                 long_text_workers: int = 2) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="swarmlm-api")
+        # long prompts are tokenized at most this many at once (CPU and memory in proportion to their length);
+        # short ones never wait behind them
+        self.long_text_pool = ThreadPoolExecutor(max_workers=long_text_workers, thread_name_prefix="swarmlm-tok")
         self.eos = set(model.eos_token_id)
 
     async def run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def tokenize(self, encode, chars: int):
+        """encode() off the event loop: a long prompt must not stall /health or other requests."""
+        pool = self.long_text_pool if chars > LONG_TEXT_CHARS else None  # None: asyncio's default executor
+        return await asyncio.get_running_loop().run_in_executor(pool, encode)
 
     def _generate(self, index: int, prompt_ids: Sequence[int], params: SamplingParams, emit,
                   stop: threading.Event) -> None:
@@ -302,3 +314,4 @@ class Engine:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.long_text_pool.shutdown(wait=False, cancel_futures=True)
