@@ -88,7 +88,13 @@ def forged_record(ctx: Ctx) -> tuple[int, str]:
     raw = RawDHT(ctx.initial_peers, attacker)
     try:
         prefix = default_prefix(ctx.model)
-        honest = next(iter(fetch_records(reader, prefix, range(6)).values()))
+        records = {}
+        for _ in range(60):  # a node that just joined may not find the records at once
+            records = fetch_records(reader, prefix, range(6))
+            if records:
+                break
+            time.sleep(1)
+        honest = next(iter(records.values()))
         forged = replace(honest, server_id=attacker.server_id, address="127.0.0.1:9", max_length=1)
         raw.write(prefix, forged, owner_subkey(attacker.server_id, attacker.validator), get_dht_time() + 30)
         out = []

@@ -1,6 +1,7 @@
 """The attacks of issue 14 (resources and session ownership), light, against a real server process; after each the
 server is alive and an honest client's greedy tokens equal plain transformers'. Heavy versions with RSS and
-recovery times: benchmarks/attacks.py. No wall-clock assertions: waits poll with generous deadlines."""
+recovery times: benchmarks/attacks.py. No wall-clock assertions: waits poll with generous deadlines. The gateway's
+attacks (issue 28): tests/test_api_hostile.py, heavy in benchmarks/attacks.py --gateway."""
 from __future__ import annotations
 
 import asyncio
