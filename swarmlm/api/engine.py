@@ -23,6 +23,7 @@ from transformers.generation.logits_process import (
 )
 
 from swarmlm.api.metrics import GatewayMetrics
+from swarmlm.types import Span
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,10 @@ class ChoiceDecoder:
             self.ids = torch.cat([self.ids, torch.tensor([[token.id]])], dim=1)
             return token
 
+    def route(self) -> tuple[Span, ...]:
+        """The servers and blocks this choice went through (the last ones, after a failover)."""
+        return tuple(self.session.route_spans()) if self.session is not None else ()
+
     @torch.inference_mode()
     def _choose(self, logits: torch.Tensor) -> Token:
         scores = self.processors(self.ids, logits) if len(self.processors) else logits
@@ -191,6 +196,7 @@ class Finish:
     reason: str  # "stop" | "length"
     prompt_tokens: int
     completion_tokens: int
+    route: tuple[Span, ...] = ()  # the servers and blocks the choice went through
 
 
 class Engine:
@@ -237,7 +243,7 @@ class Engine:
                 emit(Piece(index, rest, None))
             total_s = time.perf_counter() - t0
             self.metrics.finished(first_s, (total_s - first_s) / (generated - 1) if generated > 1 else None)
-            emit(Finish(index, reason, len(prompt_ids), generated))
+            emit(Finish(index, reason, len(prompt_ids), generated, decoder.route()))
         except Exception as exc:  # handed to the request, which raises it
             emit(exc)
         finally:
