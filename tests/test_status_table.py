@@ -21,9 +21,9 @@ def _view() -> dict:
     """A swarm view as SwarmWatcher.read() returns it: 3 servers with long addresses over 30 blocks, one hole."""
     servers = []
     for i, (start, end) in enumerate([(0, 10), (10, 20), (10, 20)]):
-        servers.append({"id": f"12D3KooWServerIdentity{i:04d}xyz", "address": f"server-{i}.rack-7.example.internal:4{i}000",
-                        "blocks": [start, end], "state": "online", "active_sessions": i, "queue_length": 0,
-                        "cache_bytes_free": 3 << 28, "tokens_per_s": 41.5, "rtt_s": 0.0123})
+        servers.append({"id": f"12D3KooWServerIdentity{i:04d}xyz", "blocks": [start, end], "state": "online",
+                        "address": f"server-{i}.rack-7.example.internal:4{i}000", "active_sessions": i,
+                        "queue_length": 0, "cache_bytes_free": 3 << 28, "tokens_per_s": 41.5, "rtt_s": 0.0123})
     coverage = [1] * 10 + [2] * 10 + [0] * 10
     return {"num_blocks": NUM_BLOCKS, "servers": servers, "coverage": coverage,
             "missing_blocks": list(range(20, 30)), "complete": False}
