@@ -9,7 +9,9 @@ import time
 import pytest
 
 from swarmlm.config import ServerConfig
-from swarmlm.server.placement import ahead_of, block_throughput, choose_blocks_from, model_spec, settle, should_move
+from swarmlm.server.placement import (
+    ahead_of, block_throughput, choose_blocks, choose_blocks_from, model_spec, settle, should_move,
+)
 from swarmlm.swarm.records import JOINING, LOADING, ServerRecord
 from swarmlm.types import BlockRange
 
@@ -131,3 +133,11 @@ def test_without_settling_a_joiner_announces_its_first_choice_as_final(tiny_bloo
     assert settle(cfg, model_spec(cfg), me, board.fetch, board.announce) == BlockRange(2, 4)
     assert dataclasses.replace(board.records["m"], joined_at=0.0) == ServerRecord(
         server_id="m", address="h:1", start=2, end=4, state=LOADING)
+
+
+def test_a_given_range_is_announced_as_loading_before_it_loads(tiny_bloom):
+    cfg = ServerConfig(model_dir=tiny_bloom, blocks=BlockRange(2, 5), port=4321)
+    board = Board()
+    assert choose_blocks(cfg, dht=None, prefix="p", server_id="fixed", announce=board.announce) == BlockRange(2, 5)
+    record = board.records["fixed"]
+    assert (record.state, record.start, record.end, record.address) == (LOADING, 2, 5, "127.0.0.1:4321")

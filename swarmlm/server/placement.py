@@ -137,10 +137,18 @@ def settle(config: ServerConfig, model: ModelSpec, me: ServerRecord,
 
 def choose_blocks(config: ServerConfig, dht, prefix: str, server_id: str = "",
                   announce: Callable[[ServerRecord], None] | None = None) -> BlockRange:
-    """The range to load: alone (no DHT), from the swarm's records; in a swarm, settled with the other joiners
-    (`announce` stores a joining record)."""
+    """The range to load: --blocks as given; alone (no DHT), the first window; in a swarm, settled with the other
+    joiners. In a swarm (`announce` stores a record) the range is announced as loading before it loads, so servers
+    placing themselves meanwhile count it."""
     from swarmlm.swarm.dht import fetch_records
 
+    address = f"{config.announce_host or config.host}:{config.port}"  # (port 0: not known before loading)
+    me = ServerRecord(server_id=server_id, address=address, start=0, end=1, state=JOINING)
+    if config.blocks is not None:
+        if announce is not None:
+            announce(dataclasses.replace(me, start=config.blocks.start, end=config.blocks.end, state=LOADING,
+                                         joined_at=time.time()))
+        return config.blocks
     model = model_spec(config)
     if dht is None or announce is None:
         return choose_blocks_from(config, {}, model)
@@ -148,8 +156,6 @@ def choose_blocks(config: ServerConfig, dht, prefix: str, server_id: str = "",
     def fetch() -> dict[str, ServerRecord]:
         return fetch_records(dht, prefix, range(model.num_blocks), swarm_key=config.swarm_key, joining=True)
 
-    address = f"{config.announce_host or config.host}:{config.port}"  # (port 0: not known before loading)
-    me = ServerRecord(server_id=server_id, address=address, start=0, end=1, state=JOINING)
     blocks = settle(config, model, me, fetch, announce)
     log.info("chose blocks %s (%s)", blocks, config.placement)
     return blocks

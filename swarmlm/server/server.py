@@ -66,15 +66,13 @@ class Server:
                     raise
 
     def _choose_blocks(self) -> BlockRange:
-        if self.config.blocks is not None:
-            return self.config.blocks
         from swarmlm.server.placement import choose_blocks
 
         announce = self._announce_joining if self.dht is not None else None
         return choose_blocks(self.config, self.dht, self.prefix, self.server_id, announce)
 
     def _announce_joining(self, record: ServerRecord) -> None:
-        """A placed server's range while it loads: servers placing themselves see it (clients do not route to it)."""
+        """Its range before it serves (joining, loading): servers placing themselves see it, clients do not."""
         from swarmlm.swarm.dht import announce
 
         try:
