@@ -5,7 +5,7 @@
 "use strict";
 const key = new URLSearchParams(location.hash.slice(1)).get("key");
 const $ = (id) => document.getElementById(id);
-const history = []; // the conversation so far, [{role, content}]; the system prompt is added to each request
+const conversation = []; // the turns so far, [{role, content}]; the system prompt is added to each request
 let model = null; // the id the gateway serves (GET /v1/models)
 let running = null; // the AbortController of the answer being streamed
 
@@ -65,7 +65,7 @@ function requestBody() {
   const messages = [];
   const system = $("system").value.trim();
   if (system) messages.push({ role: "system", content: system });
-  messages.push(...history);
+  messages.push(...conversation);
   return {
     model, messages, stream: true, stream_options: { include_usage: true },
     temperature: Number($("temperature").value), top_p: Number($("top-p").value),
@@ -149,7 +149,7 @@ function setRunning(controller) {
 async function send() {
   const text = $("prompt").value.trim();
   if (!text || running || !model) return;
-  history.push({ role: "user", content: text });
+  conversation.push({ role: "user", content: text });
   const question = addMessage("user", text);
   $("prompt").value = "";
   status("");
@@ -173,10 +173,10 @@ async function send() {
   }
   const reply = answer.querySelector(".text").textContent;
   if (answer.dataset.state === "error" && !reply) { // nothing was answered: the question leaves the conversation
-    history.pop();
+    conversation.pop();
     question.classList.add("failed");
   } else {
-    history.push({ role: "assistant", content: reply }); // a stopped answer stays, as far as it went
+    conversation.push({ role: "assistant", content: reply }); // a stopped answer stays, as far as it went
   }
   showStats(answer, stats);
 }
@@ -193,7 +193,7 @@ $("prompt").addEventListener("keydown", (e) => {
 });
 $("stop").addEventListener("click", () => running && running.abort());
 $("clear").addEventListener("click", () => {
-  history.length = 0;
+  conversation.length = 0;
   $("messages").replaceChildren();
   status("");
 });
