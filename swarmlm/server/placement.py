@@ -112,17 +112,17 @@ def ahead_of(me: ServerRecord, records: dict[str, ServerRecord]) -> dict[str, Se
 
 
 def settle(config: ServerConfig, model: ModelSpec, me: ServerRecord,
-           fetch: Callable[[], dict[str, ServerRecord]], announce: Callable[[ServerRecord], None],
-           sleep: Callable[[float], None] = time.sleep) -> BlockRange:
+           fetch: Callable[[], dict[str, ServerRecord]], announce: Callable[[ServerRecord], None]) -> BlockRange:
     """Choose from every record seen and announce it as joining (`me`: id and address); then, every
     0.5-1.5 x config.join_settle_s (random: joiners' records land meanwhile), choose again among the servers ahead
-    of it, until none of them is still choosing; announce the final range as loading."""
+    of it, until none of them is still choosing; announce the final range as loading. A joiner ahead that never
+    settles (gone, or hostile) holds it JOIN_CHECKS checks at most."""
     blocks = choose_blocks_from(config, fetch(), model)
     # joined_at is taken as the record leaves: a joiner ahead of another is visible to it by its first re-check
     me = dataclasses.replace(me, start=blocks.start, end=blocks.end, state=JOINING, joined_at=time.time())
     for _ in range(JOIN_CHECKS if config.join_settle_s > 0 else 0):
         announce(me)
-        sleep(config.join_settle_s * random.uniform(0.5, 1.5))
+        time.sleep(config.join_settle_s * random.uniform(0.5, 1.5))
         ahead = ahead_of(me, fetch())
         blocks = choose_blocks_from(config, ahead, model)
         me = dataclasses.replace(me, start=blocks.start, end=blocks.end)

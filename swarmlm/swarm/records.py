@@ -9,9 +9,9 @@ from typing import Any
 
 from swarmlm.config import MAX_RECORD_TTL_S, QUANT_NAMES  # noqa: F401 (read from here by dht.py and tests)
 
-# online: serving; offline: withdrawn. Before it serves, a server placing itself announces its range as joining (still
-# choosing), then loading (chosen): never routed to, but other servers placing themselves count it, so servers that
-# start together spread out (server/placement.py)
+# online: serving; offline: withdrawn. Before it serves, a server announces its range as joining (still choosing its
+# blocks), then loading (chosen; at once with --blocks): never routed to, but servers placing themselves count it, so
+# servers that start together spread out (server/placement.py)
 ONLINE, OFFLINE, JOINING, LOADING = "online", "offline", "joining", "loading"
 # A record lives at most this long after its writer's last store: swarmlm DHT nodes refuse, and readers drop, a record
 # whose expiration lies further ahead (the writer chooses its expiration; a rogue would choose "in a year"). Servers'
