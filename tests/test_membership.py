@@ -163,14 +163,13 @@ def test_servers_without_ranges_fill_the_least_covered_blocks(bloom24):
 
 @pytest.mark.slow
 def test_servers_started_together_leave_no_hole(bloom24):
-    """Started at the same moment, none sees the others' records when it first chooses: each announces its range
-    before loading (--blocks: as loading; placing itself: as joining, re-checked against the servers that joined
-    before it; server/placement.py). No rebalancing (--rebalance-period 0): the ranges they load cover the model."""
+    """Started at the same moment, none sees the others' records when it first chooses: each announces its choice as
+    joining before loading and re-checks it against the servers that joined before it (server/placement.py).
+    No rebalancing (--rebalance-period 0): the ranges they load at once cover the model."""
     with LocalSwarm(bloom24) as swarm:
         swarm.start_dht()
-        servers = [swarm.start_server(BlockRange(0, 6), wait=False)]
-        servers += [swarm.start_server(None, extra=["--num-blocks", "6", "--rebalance-period", "0"], wait=False)
-                    for _ in range(3)]
+        servers = [swarm.start_server(None, extra=["--num-blocks", "8", "--rebalance-period", "0"], wait=False)
+                   for _ in range(3)]
         swarm.wait_ready(servers)
         ranges = [tuple(s.ready["blocks"]) for s in servers]
         covered = sorted(b for s, e in ranges for b in range(s, e))

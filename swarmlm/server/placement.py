@@ -126,7 +126,9 @@ def settle(config: ServerConfig, model: ModelSpec, me: ServerRecord,
         ahead = ahead_of(me, fetch())
         blocks = choose_blocks_from(config, ahead, model)
         me = dataclasses.replace(me, start=blocks.start, end=blocks.end)
-        if not any(r.state == JOINING for r in ahead.values()):
+        choosing = sum(r.state == JOINING for r in ahead.values())
+        log.info("joining: %s against %d servers ahead (%d still choosing)", blocks, len(ahead), choosing)
+        if not choosing:
             break
     else:
         if config.join_settle_s > 0:
