@@ -64,6 +64,9 @@ class ServerConfig:
     max_attention_cost: int = 1 << 26  # rows x new tokens x context of one request (B x T^2: 16 x 2048^2)
     announce_period_s: float = 2.0  # how often the DHT record is refreshed
     record_ttl_s: float = 8.0  # DHT records expire this long after their last refresh
+    # a server placing itself (blocks=None) announces its choice as joining, then re-checks it after 0.5-1.5x this
+    # against the servers that joined meanwhile, until it holds (server/placement.py; 0 = announce, no re-check)
+    join_settle_s: float = 1.0
     dht_prefix: str | None = None  # DHT key namespace (default: from the model directory's name)
     # the server's key pair (swarm/identity.py): its id is derived from the public key. A PEM file, created (0600) if
     # absent, keeps the id across restarts; None = a fresh key (and id) per process
@@ -92,6 +95,8 @@ class ServerConfig:
                              f"{self.max_batch_wait_s}")
         if self.inline_decode_max_s < 0:
             raise ValueError(f"inline_decode_max_s must be >= 0, got {self.inline_decode_max_s}")
+        if self.join_settle_s < 0:
+            raise ValueError(f"join_settle_s must be >= 0, got {self.join_settle_s}")
         if self.resume_grace_s < 0:
             raise ValueError(f"resume_grace_s must be >= 0, got {self.resume_grace_s}")
         if not 0 < self.max_peer_cache_fraction <= 1:

@@ -305,10 +305,8 @@ def test_swarm_view_lists_servers_coverage_and_gateway_metrics(gateway, swarm):
     json.dumps(view, allow_nan=False)  # plain JSON for any client
 
 
-def test_status_command_prints_the_same_view(swarm, tiny_bloom, capsys, monkeypatch):
+def test_status_command_prints_the_same_view(swarm, tiny_bloom, capsys):
     from swarmlm.cli.main import main
-
-    monkeypatch.setenv("COLUMNS", "200")  # rich's table width when stdout is not a terminal
 
     assert main(["status", "--initial-peers", *swarm.initial_peers, "--model", tiny_bloom]) == 0
     out = capsys.readouterr().out

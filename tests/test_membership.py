@@ -1,6 +1,7 @@
 """Honest, living membership: signed records, fast expiry, servers that place and re-place themselves."""
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 import time
@@ -16,7 +17,7 @@ from swarmlm.swarm.dht import announce, default_prefix, fetch_records, owner_sub
 from swarmlm.swarm.dht_thread import ThreadDHT
 from swarmlm.swarm.identity import Identity
 from swarmlm.swarm.local import LocalSwarm
-from swarmlm.swarm.records import ServerRecord
+from swarmlm.swarm.records import JOINING, LOADING, ONLINE, ServerRecord
 from swarmlm.types import BlockRange
 from tests.swarm_helpers import even_out_view
 
@@ -76,6 +77,30 @@ def test_in_process_dht_stores_reads_and_leaves_no_daemon():
     assert not daemons() - before
 
 
+def test_joining_and_loading_records_are_seen_by_placement_only():
+    """A server placing itself announces its range before it serves: clients (and push targets) never see it."""
+    boot = ThreadDHT(client_mode=False)
+    node = ThreadDHT(visible_addrs(boot), client_mode=False)
+    try:
+        me = Identity(RSAPrivateKey.process_wide())  # the node's default signing key
+        joining = ServerRecord(server_id=me.server_id, address="127.0.0.1:0", start=0, end=3, state=JOINING,
+                               joined_at=time.time())
+        assert announce(node, "j", joining, 30)
+        assert fetch_records(node, "j", range(3)) == {}
+        assert fetch_records(node, "j", range(3), joining=True) == {me.server_id: joining}
+        loading = dataclasses.replace(joining, start=1, end=3, state=LOADING)
+        assert announce(node, "j", loading, 31)  # its newest record wins, on every block it was announced on
+        assert fetch_records(node, "j", range(3), joining=True) == {me.server_id: loading}
+        online = dataclasses.replace(loading, address="127.0.0.1:5002", state=ONLINE)
+        assert announce(node, "j", online, 32)
+        assert fetch_records(node, "j", range(3)) == {me.server_id: online}
+        with pytest.raises(ValueError, match="state"):
+            ServerRecord.from_dict({**online.to_dict(), "state": "serving-soon"})
+    finally:
+        node.shutdown()
+        boot.shutdown()
+
+
 @pytest.mark.slow
 def test_dead_server_leaves_routes_within_seconds(tiny_bloom):
     with LocalSwarm(tiny_bloom) as swarm:
@@ -132,6 +157,21 @@ def test_servers_without_ranges_fill_the_least_covered_blocks(bloom24):
                 _until_seen(reader, bloom24, i + 1, 24)
         finally:
             reader.shutdown()
+        covered = sorted(b for s, e in ranges for b in range(s, e))
+        assert covered == list(range(24)), ranges
+
+
+@pytest.mark.slow
+def test_servers_started_together_leave_no_hole(bloom24):
+    """Started at the same moment, none sees the others' records when it first chooses: each announces its choice as
+    joining before loading and re-checks it against the servers that joined before it (server/placement.py).
+    No rebalancing (--rebalance-period 0): the ranges they load at once cover the model."""
+    with LocalSwarm(bloom24) as swarm:
+        swarm.start_dht()
+        servers = [swarm.start_server(None, extra=["--num-blocks", "8", "--rebalance-period", "0"], wait=False)
+                   for _ in range(3)]
+        swarm.wait_ready(servers)
+        ranges = [tuple(s.ready["blocks"]) for s in servers]
         covered = sorted(b for s, e in ranges for b in range(s, e))
         assert covered == list(range(24)), ranges
 

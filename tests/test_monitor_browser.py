@@ -17,17 +17,11 @@ import pytest
 
 from swarmlm.api.process import GatewayProcess
 from swarmlm.swarm.local import LocalSwarm
+from tests.cdp import chromium
 from tests.swarm_helpers import gateway_stack
 
 pytestmark = pytest.mark.slow
 DOCS_IMG = Path(__file__).resolve().parents[1] / "docs" / "img" / "monitor.png"
-
-
-def chromium() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None:
-        pytest.fail("headless Chromium is needed for the monitor test: `make chromium` (apt-get install chromium)")
-    return path
 
 
 def run_chromium(args: list[str], profile: Path, timeout_s: float = 120.0) -> subprocess.CompletedProcess:

@@ -1,9 +1,18 @@
 """A server without --blocks asks the planner, with the swarm's announced records, where to go."""
 from __future__ import annotations
 
+import dataclasses
+import random
+import threading
+import time
+
+import pytest
+
 from swarmlm.config import ServerConfig
-from swarmlm.server.placement import block_throughput, choose_blocks_from, model_spec, should_move
-from swarmlm.swarm.records import ServerRecord
+from swarmlm.server.placement import (
+    ahead_of, block_throughput, choose_blocks, choose_blocks_from, model_spec, settle, should_move,
+)
+from swarmlm.swarm.records import JOINING, LOADING, ServerRecord
 from swarmlm.types import BlockRange
 
 
@@ -45,3 +54,90 @@ def test_rebalancing_moves_only_for_a_real_gain(tiny_bloom):
     # balanced swarm: stay
     assert should_move(cfg, me, {"me": me, "a": rec("a", 3, 6)}, model) is None
     assert min(block_throughput({"me": me, "a": rec("a", 3, 6)}, 6)) > 0
+
+
+def test_a_joiner_yields_to_servers_that_serve_load_or_joined_before_it():
+    me = ServerRecord(server_id="m", address="h:1", start=0, end=1, state=JOINING, joined_at=10.0)
+    joiner = dict(address="h:1", start=0, end=1, state=JOINING)
+    records = {
+        "m": me, "serving": rec("serving", 0, 2),
+        "loading": ServerRecord(server_id="loading", address="h:1", start=0, end=1, state=LOADING, joined_at=20.0),
+        "earlier": ServerRecord(server_id="earlier", joined_at=5.0, **joiner),
+        "later": ServerRecord(server_id="later", joined_at=15.0, **joiner),
+        "a": ServerRecord(server_id="a", joined_at=10.0, **joiner),  # the same instant: the smaller id goes first
+        "z": ServerRecord(server_id="z", joined_at=10.0, **joiner),
+    }
+    assert set(ahead_of(me, records)) == {"serving", "loading", "earlier", "a"}
+
+
+def test_a_joiner_takes_the_typical_speed_until_it_measured_its_own():
+    records = {"a": rec("a", 0, 3, decode_s=0.01), "b": rec("b", 3, 6, decode_s=0.02),
+               "new": ServerRecord(server_id="new", address="h:1", start=0, end=6, state=JOINING)}
+    assert block_throughput(records, 6) == pytest.approx([100 + 75] * 3 + [50 + 75] * 3)
+
+
+class Board:
+    """The records joiners see, as the DHT shows them: a stored record becomes visible `delay_s` later (thread-safe)."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.stored: dict[str, list[tuple[float, ServerRecord]]] = {}  # server id -> (visible from, record)
+        self.lock = threading.Lock()
+
+    def fetch(self) -> dict[str, ServerRecord]:
+        now = time.monotonic()
+        with self.lock:
+            return {sid: [r for t, r in versions if t <= now][-1] for sid, versions in self.stored.items()
+                    if versions[0][0] <= now}
+
+    def announce(self, record: ServerRecord) -> None:
+        with self.lock:
+            self.stored.setdefault(record.server_id, []).append((time.monotonic() + self.delay_s, record))
+
+    @property
+    def records(self) -> dict[str, ServerRecord]:
+        with self.lock:
+            return {sid: versions[-1][1] for sid, versions in self.stored.items()}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_servers_placing_themselves_together_cover_the_model(tiny_bloom, seed):
+    """Three joiners that all first see an empty swarm (their records are not visible yet): each would take [0, 2);
+    settling, they cover [0, 6)."""
+    random.seed(seed)
+    cfg = ServerConfig(model_dir=tiny_bloom, blocks=None, num_blocks=2, join_settle_s=0.2)
+    model = model_spec(cfg)
+    board, chosen = Board(delay_s=0.02), {}  # records land well within the shortest pause (0.1 s)
+    start = threading.Barrier(3)
+
+    def join(name: str) -> None:
+        start.wait()  # all read the (empty) swarm at once
+        me = ServerRecord(server_id=name, address="h:1", start=0, end=1, state=JOINING)
+        chosen[name] = settle(cfg, model, me, board.fetch, board.announce)
+
+    threads = [threading.Thread(target=join, args=(name,)) for name in ("x", "y", "z")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(b for r in chosen.values() for b in range(r.start, r.end)) == list(range(6)), chosen
+    assert {r.state for r in board.records.values()} == {LOADING}  # every final choice announced as loading
+    assert {n: BlockRange(r.start, r.end) for n, r in board.records.items()} == chosen
+
+
+def test_without_settling_a_joiner_announces_its_first_choice_as_final(tiny_bloom):
+    cfg = ServerConfig(model_dir=tiny_bloom, blocks=None, num_blocks=2, join_settle_s=0)
+    board = Board()
+    board.announce(rec("a", 0, 2))
+    me = ServerRecord(server_id="m", address="h:1", start=0, end=1, state=JOINING)
+    assert settle(cfg, model_spec(cfg), me, board.fetch, board.announce) == BlockRange(2, 4)
+    assert dataclasses.replace(board.records["m"], joined_at=0.0) == ServerRecord(
+        server_id="m", address="h:1", start=2, end=4, state=LOADING)
+
+
+def test_a_given_range_is_announced_as_loading_before_it_loads(tiny_bloom):
+    cfg = ServerConfig(model_dir=tiny_bloom, blocks=BlockRange(2, 5), port=4321)
+    board = Board()
+    assert choose_blocks(cfg, dht=None, prefix="p", server_id="fixed", announce=board.announce) == BlockRange(2, 5)
+    record = board.records["fixed"]
+    assert (record.state, record.start, record.end, record.address) == (LOADING, 2, 5, "127.0.0.1:4321")

@@ -1,7 +1,8 @@
 """The OpenAI-compatible gateway: FastAPI routes around one swarm client (embeddings, head, tokenizer).
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/swarm,
-GET / (the monitor page), GET /health. Errors use OpenAI's schema (schemas.error_body); see docs/API.md.
+GET / (the monitor page), GET /chat (the chat page), GET /health. Errors use OpenAI's schema
+(schemas.error_body); see docs/API.md.
 """
 from __future__ import annotations
 
@@ -304,9 +305,14 @@ def create_app(model, tokenizer, config: GatewayConfig) -> FastAPI:
     async def monitor() -> FileResponse:
         return FileResponse(STATIC / "monitor.html", media_type="text/html")
 
+    @app.get("/chat")
+    async def chat_page() -> FileResponse:
+        return FileResponse(STATIC / "chat.html", media_type="text/html")
+
     @app.get("/static/{name}")
     async def static(name: str) -> FileResponse:
-        files = {"monitor.js": "text/javascript", "monitor.css": "text/css"}
+        files = {"monitor.js": "text/javascript", "monitor.css": "text/css", "chat.js": "text/javascript",
+                 "chat.css": "text/css"}
         if name not in files:
             raise ApiError(404, f"no static file {name!r}", "invalid_request_error", "not_found")
         return FileResponse(STATIC / name, media_type=files[name])

@@ -25,6 +25,7 @@ from transformers.generation.logits_process import (
 
 from swarmlm.api.metrics import GatewayMetrics
 from swarmlm.api.schemas import SEED_RANGE
+from swarmlm.types import Span
 
 
 class RequestTimeout(Exception):
@@ -119,6 +120,10 @@ class ChoiceDecoder:
             self.ids = torch.cat([self.ids, torch.tensor([[token.id]])], dim=1)
             return token
 
+    def route(self) -> tuple[Span, ...]:
+        """The servers and blocks this choice went through (the last ones, after a failover)."""
+        return tuple(self.session.route_spans()) if self.session is not None else ()
+
     @torch.inference_mode()
     def _choose(self, logits: torch.Tensor) -> Token:
         scores = self.processors(self.ids, logits) if len(self.processors) else logits
@@ -197,6 +202,7 @@ class Finish:
     reason: str  # "stop" | "length"
     prompt_tokens: int
     completion_tokens: int
+    route: tuple[Span, ...] = ()  # the servers and blocks the choice went through
 
 
 LONG_TEXT_CHARS = 16_384  # a text this long takes milliseconds to tokenize (~5 us per character here) and MBs
@@ -266,7 +272,7 @@ class Engine:
             emit(Piece(index, rest, None))
         total_s = time.perf_counter() - t0
         self.metrics.finished(first_s, (total_s - first_s) / (generated - 1) if generated > 1 else None)
-        emit(Finish(index, reason, prompt_tokens, generated))
+        emit(Finish(index, reason, prompt_tokens, generated, decoder.route()))
 
     async def merged(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int,
                      timeout_s: float = math.inf) -> AsyncIterator[Piece | Finish]:

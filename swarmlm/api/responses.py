@@ -1,4 +1,8 @@
-"""Engine events (Piece, Finish) -> OpenAI's response bodies and stream chunks, for completions and chat."""
+"""Engine events (Piece, Finish) -> OpenAI's response bodies and stream chunks, for completions and chat.
+
+One extension field: each finished choice (in the whole response, and in its finish chunk when streamed) carries
+`"swarmlm": {"route": [{"server_id", "address", "blocks": [start, end)}, ...]}`, the servers it went through.
+"""
 from __future__ import annotations
 
 from typing import Sequence
@@ -9,6 +13,12 @@ from swarmlm.api.schemas import now_s
 
 def model_card(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "swarmlm"}
+
+
+def swarm_extension(finish: Finish) -> dict:
+    """The non-OpenAI field of a finished choice: its route (clients that do not know it ignore it)."""
+    return {"route": [{"server_id": s.server_id, "address": s.address, "blocks": [s.start, s.end]}
+                      for s in finish.route]}
 
 
 class Renderer:
@@ -28,14 +38,18 @@ class Renderer:
     # ---- the whole response --------------------------------------------------------------------------------
     def whole(self, events: Sequence[Piece | Finish]) -> dict:
         pieces: dict[int, list[Piece]] = {i: [] for i in range(self.choices)}
-        reasons: dict[int, str] = {}
+        finishes: dict[int, Finish] = {}
         for e in events:
             if isinstance(e, Piece):
                 pieces[e.index].append(e)
             else:
-                reasons[e.index] = e.reason
+                finishes[e.index] = e
                 self.completion_tokens += e.completion_tokens
-        choices = [self.whole_choice(i, pieces[i], reasons.get(i, "length")) for i in range(self.choices)]
+        choices = []
+        for i in range(self.choices):
+            finish = finishes.get(i)
+            choices.append(self._finished(self.whole_choice(i, pieces[i], finish.reason if finish else "length"),
+                                          finish))
         return {"id": self.id, "object": self.object_whole, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
 
@@ -50,8 +64,12 @@ class Renderer:
     def chunk(self, event: Piece | Finish) -> list[dict]:
         if isinstance(event, Finish):
             self.completion_tokens += event.completion_tokens
-            return [self._chunk(self.finish_choice(event))]
+            return [self._chunk(self._finished(self.finish_choice(event), event))]
         return [self._chunk(self.piece_choice(event))]
+
+    @staticmethod
+    def _finished(choice: dict, finish: Finish | None) -> dict:
+        return {**choice, "swarmlm": swarm_extension(finish)} if finish is not None else choice
 
     def end(self) -> list[dict]:
         if not self.req.include_usage:

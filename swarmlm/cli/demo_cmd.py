@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             serve_api(console, model_dir, swarm.initial_peers, args.api_port, args.threads)
         else:
             console.print("serve it: [bold]swarmlm demo --api[/bold] keeps this swarm up behind an OpenAI-compatible "
-                          "API and a monitor page (docs/API.md)", soft_wrap=True)
+                          "API, a chat page and a monitor page (docs/API.md)", soft_wrap=True)
     except KeyboardInterrupt:
         console.print("interrupted: stopping the swarm")
         return 130
@@ -106,7 +106,8 @@ def serve_api(console, model_dir: str, initial_peers: list[str], port: int, thre
         gateway = GatewayProcess(model_dir, initial_peers, extra=["--port", str(port)], threads=threads).start()
     try:
         url = gateway.url
-        console.print(f"OpenAI-compatible API: {url}/v1   monitor: {url}/   (Ctrl-C stops everything)", soft_wrap=True)
+        console.print(f"OpenAI-compatible API: {url}/v1   chat: {url}/chat   monitor: {url}/   "
+                      "(Ctrl-C stops everything)", soft_wrap=True)
         console.print(f"""curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{{"model": "{model_dir}", \
   "prompt": "What is the capital of France?", "max_tokens": 16, "temperature": 0}}'""", soft_wrap=True, markup=False)
         console.print(f"swarmlm status --initial-peers {initial_peers[0]} --model {model_dir}", soft_wrap=True,

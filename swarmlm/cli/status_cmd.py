@@ -18,10 +18,10 @@ def add_parser(sub) -> None:
     add_swarm_key(p)
 
 
-def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
+PIPED_WIDTH = 1 << 14  # columns when the output is not a terminal: a row per line, no cell cut or wrapped
 
+
+def run(args: argparse.Namespace) -> int:
     from swarmlm.api.swarm_view import SwarmWatcher
     from swarmlm.client.model import DistributedModelForCausalLM
 
@@ -34,12 +34,26 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(view))
         return 0 if view["complete"] else 1
-    console = Console()
-    table = Table(title=f"{args.model}: {len(view['servers'])} servers, {view['num_blocks']} blocks")
+    return render(view, args.model, table_console())
+
+
+def table_console(file=None):
+    """A terminal's own width; piped or redirected (rich would assume 80 columns), wide enough for any table."""
+    from rich.console import Console
+
+    console = Console(file=file)
+    return console if console.is_terminal else Console(file=file, width=PIPED_WIDTH)
+
+
+def render(view: dict, model: str, console) -> int:
+    """The swarm view (SwarmWatcher.read) as a table and a coverage line; 0 if every block is served, else 1."""
+    from rich.table import Table
+
+    table = Table(title=f"{model}: {len(view['servers'])} servers, {view['num_blocks']} blocks")
     for col in ("server", "address", "blocks", "state", "sessions", "queue", "cache free MiB", "tokens/s", "RTT ms",
                 "coverage"):
         table.add_column(col, justify="right" if col in ("sessions", "queue", "cache free MiB", "tokens/s", "RTT ms")
-                         else "left")
+                         else "left", overflow="fold")  # a terminal narrower than the table: wrapped, never cut
     n = view["num_blocks"]
     for s in view["servers"]:
         start, end = s["blocks"]

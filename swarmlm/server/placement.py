@@ -3,11 +3,22 @@
 The swarm's state comes from the DHT records; the decision is the planner's (`petals`: the window whose sorted
 per-block throughput is smallest; `cg-bprr`: the window with the most uncovered demand). Block count: given,
 or from the memory budget (weights + attention caches).
+
+Servers that start together cannot see each other at first (a server announces itself once loaded), so each would
+take the same least-served window. A server placing itself therefore announces its choice at once as `joining`
+(never routed to), and re-checks it after a random pause against the records that appeared meanwhile: it yields to
+the servers that serve or load, and to those that joined before it, whose choices it waits for. Once none of those
+is still choosing, its choice is final: it announces it as `loading` and loads (`settle`). Joiners thus choose one
+after another, as if they had started one by one.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import random
+import statistics
+import time
+from typing import Callable
 
 import psutil
 from safetensors import safe_open
@@ -18,11 +29,12 @@ from swarmlm.model.family import family_for
 from swarmlm.model.quant import tensor_bytes
 from swarmlm.perf.model import ComputeProfile, ModelSpec, ServerSpec
 from swarmlm.planner.placement import blocks_for_concurrency, choose_range, lexicographic_window, petals_num_blocks
-from swarmlm.swarm.records import ServerRecord
+from swarmlm.swarm.records import JOINING, LOADING, ServerRecord
 from swarmlm.types import BlockRange
 
 log = logging.getLogger(__name__)
 REBALANCE_GAIN = 0.2  # move only if the swarm's weakest block gets this much more throughput (Petals: ~25%)
+JOIN_CHECKS = 8  # a joining server re-checks its choice at most this many times (~one per joiner ahead of it)
 
 
 def model_spec(config: ServerConfig) -> ModelSpec:
@@ -52,16 +64,15 @@ def _spec(record: ServerRecord, model: ModelSpec) -> ServerSpec:
     return ServerSpec(name=record.server_id, memory_bytes=memory, profile=profile)
 
 
-def _throughput(record: ServerRecord) -> float:
-    return 1.0 / record.decode_s if record.decode_s > 0 else 1e9
-
-
 def block_throughput(records: dict[str, ServerRecord], num_blocks: int) -> list[float]:
-    """Tokens/s the swarm can push through each block (sum over the servers holding it)."""
+    """Tokens/s the swarm can push through each block (sum over the servers holding it). A server that has not
+    measured itself yet (joining) counts as a typical one: the median of the others' speeds."""
+    known = [1.0 / r.decode_s for r in records.values() if r.decode_s > 0]
+    typical = statistics.median(known) if known else 1.0
     tput = [0.0] * num_blocks
     for r in records.values():
         for b in range(r.start, min(r.end, num_blocks)):
-            tput[b] += _throughput(r)
+            tput[b] += 1.0 / r.decode_s if r.decode_s > 0 else typical
     return tput
 
 
@@ -93,13 +104,62 @@ def choose_blocks_from(config: ServerConfig, records: dict[str, ServerRecord], m
     return choose_range(me, existing, model, "cg-bprr", concurrency=concurrency)
 
 
-def choose_blocks(config: ServerConfig, dht, prefix: str) -> BlockRange:
+def ahead_of(me: ServerRecord, records: dict[str, ServerRecord]) -> dict[str, ServerRecord]:
+    """The servers a joining one yields to: those serving or loading, and those that joined before it (same instant:
+    the smaller id). Every joiner orders the others the same way, so their choices settle one after another."""
+    return {sid: r for sid, r in records.items() if sid != me.server_id
+            and (r.state != JOINING or (r.joined_at, sid) < (me.joined_at, me.server_id))}
+
+
+def settle(config: ServerConfig, model: ModelSpec, me: ServerRecord,
+           fetch: Callable[[], dict[str, ServerRecord]], announce: Callable[[ServerRecord], None]) -> BlockRange:
+    """Choose from every record seen and announce it as joining (`me`: id and address); then, every
+    0.5-1.5 x config.join_settle_s (random: joiners' records land meanwhile), choose again among the servers ahead
+    of it, until none of them is still choosing; announce the final range as loading. A joiner ahead that never
+    settles (gone, or hostile) holds it JOIN_CHECKS checks at most."""
+    blocks = choose_blocks_from(config, fetch(), model)
+    # joined_at is taken as the record leaves: a joiner ahead of another is visible to it by its first re-check
+    me = dataclasses.replace(me, start=blocks.start, end=blocks.end, state=JOINING, joined_at=time.time())
+    for _ in range(JOIN_CHECKS if config.join_settle_s > 0 else 0):
+        announce(me)
+        time.sleep(config.join_settle_s * random.uniform(0.5, 1.5))
+        ahead = ahead_of(me, fetch())
+        blocks = choose_blocks_from(config, ahead, model)
+        me = dataclasses.replace(me, start=blocks.start, end=blocks.end)
+        choosing = sum(r.state == JOINING for r in ahead.values())
+        log.info("joining: %s against %d servers ahead (%d still choosing)", blocks, len(ahead), choosing)
+        if not choosing:
+            break
+    else:
+        if config.join_settle_s > 0:
+            log.info("joiners ahead still choosing after %d checks: taking %s", JOIN_CHECKS, blocks)
+    announce(dataclasses.replace(me, state=LOADING))
+    return blocks
+
+
+def choose_blocks(config: ServerConfig, dht, prefix: str, server_id: str = "",
+                  announce: Callable[[ServerRecord], None] | None = None) -> BlockRange:
+    """The range to load: --blocks as given; alone (no DHT), the first window; in a swarm, settled with the other
+    joiners. In a swarm (`announce` stores a record) the range is announced as loading before it loads, so servers
+    placing themselves meanwhile count it."""
     from swarmlm.swarm.dht import fetch_records
 
+    address = f"{config.announce_host or config.host}:{config.port}"  # (port 0: not known before loading)
+    me = ServerRecord(server_id=server_id, address=address, start=0, end=1, state=JOINING)
+    if config.blocks is not None:
+        if announce is not None:
+            announce(dataclasses.replace(me, start=config.blocks.start, end=config.blocks.end, state=LOADING,
+                                         joined_at=time.time()))
+        return config.blocks
     model = model_spec(config)
-    records = fetch_records(dht, prefix, range(model.num_blocks), swarm_key=config.swarm_key) if dht is not None else {}
-    blocks = choose_blocks_from(config, records, model)
-    log.info("chose blocks %s (%s) from %d servers in the swarm", blocks, config.placement, len(records))
+    if dht is None or announce is None:
+        return choose_blocks_from(config, {}, model)
+
+    def fetch() -> dict[str, ServerRecord]:
+        return fetch_records(dht, prefix, range(model.num_blocks), swarm_key=config.swarm_key, joining=True)
+
+    blocks = settle(config, model, me, fetch, announce)
+    log.info("chose blocks %s (%s)", blocks, config.placement)
     return blocks
 
 

@@ -66,11 +66,20 @@ class Server:
                     raise
 
     def _choose_blocks(self) -> BlockRange:
-        if self.config.blocks is not None:
-            return self.config.blocks
         from swarmlm.server.placement import choose_blocks
 
-        return choose_blocks(self.config, self.dht, self.prefix)
+        announce = self._announce_joining if self.dht is not None else None
+        return choose_blocks(self.config, self.dht, self.prefix, self.server_id, announce)
+
+    def _announce_joining(self, record: ServerRecord) -> None:
+        """Its range before it serves (joining, loading): servers placing themselves see it, clients do not."""
+        from swarmlm.swarm.dht import announce
+
+        try:
+            announce(self.dht, self.prefix, record, self.config.record_ttl_s, subkey=self.subkey,
+                     swarm_key=self.config.swarm_key)
+        except Exception as exc:  # placement goes on with what it sees; a lost record only costs a rebalance
+            log.warning("announcing the joining range failed: %s", exc)
 
     def record(self, state: str = ONLINE) -> ServerRecord:
         return record_from_info(self.service.info(), self.address, state)
@@ -180,8 +189,8 @@ class Server:
         while True:
             await asyncio.sleep(self.rebalance_period_s)
             try:
-                records = await loop.run_in_executor(None, lambda: fetch_records(
-                    self.dht, self.prefix, range(model.num_blocks), swarm_key=self.config.swarm_key))
+                records = await loop.run_in_executor(None, lambda: fetch_records(  # joiners count: no move onto them
+                    self.dht, self.prefix, range(model.num_blocks), swarm_key=self.config.swarm_key, joining=True))
                 target = should_move(self.config, self.record(), records, model)
                 if target is not None:
                     await self._move(target)

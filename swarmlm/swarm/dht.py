@@ -19,7 +19,9 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from swarmlm.swarm.dht_thread import ThreadDHT
 from swarmlm.swarm.identity import id_of
 from swarmlm.swarm.private import MAC_FIELD, mac_ok, refuse_keyless, with_mac
-from swarmlm.swarm.records import MAX_CLOCK_SKEW_S, MAX_RECORD_TTL_S, OFFLINE, ServerRecord, block_key
+from swarmlm.swarm.records import (
+    JOINING, LOADING, MAX_CLOCK_SKEW_S, MAX_RECORD_TTL_S, ONLINE, ServerRecord, block_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +130,10 @@ def announce(dht: AnyDHT, prefix: str, record: ServerRecord, ttl_s: float, timeo
 
 def fetch_records(
     dht: AnyDHT, prefix: str, blocks: Iterable[int], timeout_s: float = 10.0, swarm_key: bytes | None = None,
+    joining: bool = False,
 ) -> dict[str, ServerRecord]:
-    """Online servers with a valid, unexpired record on any of `blocks`, by server id (newest record wins).
+    """Online servers with a valid, unexpired record on any of `blocks`, by server id (newest record wins); with
+    `joining`, servers that are still joining or loading too (for placement: nothing is routed to them).
 
     A record counts only if its subkey's key hashes to its id and its expiration is within MAX_RECORD_TTL_S (the DHT
     checked the signature by that key); with `swarm_key`, only if its MAC is valid too. Without a key, records
@@ -159,7 +163,8 @@ def fetch_records(
     if refused and not found:
         raise refuse_keyless(f"the DHT namespace {prefix!r}" + (" (our swarm key is not its key)"
                                                                 if refused.startswith("wrong") else ""))
-    return {sid: rec for sid, (_, rec) in found.items() if rec.state != OFFLINE}
+    wanted = (ONLINE, JOINING, LOADING) if joining else (ONLINE,)
+    return {sid: rec for sid, (_, rec) in found.items() if rec.state in wanted}
 
 
 def _why_dropped(subkey: str, value, expiration_time: float, block: int, now: float,

@@ -9,7 +9,10 @@ from typing import Any
 
 from swarmlm.config import MAX_RECORD_TTL_S, QUANT_NAMES  # noqa: F401 (read from here by dht.py and tests)
 
-ONLINE, OFFLINE = "online", "offline"
+# online: serving; offline: withdrawn. Before it serves, a server announces its range as joining (still choosing its
+# blocks), then loading (chosen; at once with --blocks): never routed to, but servers placing themselves count it, so
+# servers that start together spread out (server/placement.py)
+ONLINE, OFFLINE, JOINING, LOADING = "online", "offline", "joining", "loading"
 # A record lives at most this long after its writer's last store: swarmlm DHT nodes refuse, and readers drop, a record
 # whose expiration lies further ahead (the writer chooses its expiration; a rogue would choose "in a year"). Servers'
 # record_ttl_s must fit under it (MAX_RECORD_TTL_S, in config.py). MAX_CLOCK_SKEW_S is the slack for peers whose
@@ -41,6 +44,7 @@ class ServerRecord:
     # per block, one decode forward of 4 / 16 rows: how its steps slow down with its sessions (0 = not announced)
     decode_4rows_s: float = 0.0
     decode_16rows_s: float = 0.0
+    joined_at: float = 0.0  # joining/loading: wall-clock s of its first joining record; orders joiners (who yields)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -71,7 +75,7 @@ class ServerRecord:
             raise ValueError(f"record range [{record.start}, {record.end}) is empty")
         if not _ADDRESS.match(record.address):
             raise ValueError(f"record address {record.address!r} is not host:port")
-        if record.state not in (ONLINE, OFFLINE):
+        if record.state not in (ONLINE, OFFLINE, JOINING, LOADING):
             raise ValueError(f"record state {record.state!r}")
         if record.quant not in QUANT_NAMES:
             raise ValueError(f"record quant {record.quant!r}")

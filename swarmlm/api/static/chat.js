@@ -1,0 +1,201 @@
+// The chat page: a conversation streamed through this gateway's own /v1/chat/completions (fetch + ReadableStream
+// over server-sent events). Stop aborts the fetch: the gateway sees the client go away and closes the sessions on
+// the servers. Model text only ever goes through textContent. No libraries (served offline by the gateway itself).
+// An API key can be given as #key=... in the URL, as for the monitor.
+"use strict";
+const key = new URLSearchParams(location.hash.slice(1)).get("key");
+const $ = (id) => document.getElementById(id);
+const conversation = []; // the turns so far, [{role, content}]; the system prompt is added to each request
+let model = null; // the id the gateway serves (GET /v1/models)
+let running = null; // the AbortController of the answer being streamed
+
+function el(tag, cls, text = "") {
+  const e = document.createElement(tag);
+  e.className = cls;
+  e.textContent = text;
+  return e;
+}
+
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  if (key) h.Authorization = `Bearer ${key}`;
+  return h;
+}
+
+function status(text) {
+  $("status").textContent = text;
+}
+
+async function errorText(response) {
+  try {
+    const body = await response.json();
+    return body.error ? body.error.message : `HTTP ${response.status}`;
+  } catch (e) {
+    return `HTTP ${response.status}`;
+  }
+}
+
+async function loadModel() {
+  try {
+    const r = await fetch("/v1/models", { headers: headers() });
+    if (!r.ok) throw new Error(await errorText(r));
+    model = (await r.json()).data[0].id;
+    $("model").textContent = model;
+    $("send").disabled = false;
+    status("");
+  } catch (e) {
+    status(`cannot reach the gateway: ${e.message} (retrying)`);
+    setTimeout(loadModel, 2000);
+  }
+}
+
+function addMessage(role, text) {
+  const box = el("div", `msg ${role}`);
+  box.append(el("div", "role", role === "user" ? "you" : "assistant"), el("div", "text", text));
+  if (role === "assistant") {
+    box.dataset.state = "streaming";
+    box.append(el("div", "meta"), el("div", "route"));
+  }
+  $("messages").append(box);
+  box.scrollIntoView({ block: "end" });
+  return box;
+}
+
+function requestBody() {
+  const messages = [];
+  const system = $("system").value.trim();
+  if (system) messages.push({ role: "system", content: system });
+  messages.push(...conversation);
+  return {
+    model, messages, stream: true, stream_options: { include_usage: true },
+    temperature: Number($("temperature").value), top_p: Number($("top-p").value),
+    max_tokens: Number($("max-tokens").value),
+  };
+}
+
+// Server-sent events: "data: {json}\n\n" ... "data: [DONE]\n\n"
+async function readEvents(body, onEvent) {
+  const reader = body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      for (const line of event.split("\n")) {
+        if (!line.startsWith("data: ")) continue;
+        if (line === "data: [DONE]") return;
+        onEvent(JSON.parse(line.slice(6)));
+      }
+    }
+  }
+}
+
+// One answer's clocks (ms, performance.now()) and what the gateway reported.
+function newStats() {
+  return { sent: performance.now(), first: null, last: null, chunks: 0, usage: null, route: null };
+}
+
+function onChunk(chunk, answer, stats) {
+  if (chunk.error) throw new Error(chunk.error.message);
+  if (chunk.usage) stats.usage = chunk.usage;
+  for (const choice of chunk.choices) {
+    const delta = choice.delta || {};
+    if (typeof delta.content === "string" && delta.role === undefined) { // a generated token's text (may be "")
+      const now = performance.now();
+      if (stats.first === null) stats.first = now;
+      stats.last = now;
+      stats.chunks += 1;
+      answer.querySelector(".text").textContent += delta.content;
+    }
+    if (choice.swarmlm) stats.route = choice.swarmlm.route;
+  }
+  showStats(answer, stats);
+}
+
+function showStats(answer, stats) {
+  const tokens = stats.usage ? stats.usage.completion_tokens : stats.chunks;
+  const parts = [`${tokens} tokens`];
+  if (stats.chunks > 1 && stats.last > stats.first) {
+    const perS = (stats.chunks - 1) / ((stats.last - stats.first) / 1000); // decode rate, after the first token
+    parts.push(`${perS.toFixed(1)} tokens/s`);
+    answer.dataset.tokensPerS = perS.toFixed(3);
+  }
+  if (stats.first !== null) {
+    const ttft = (stats.first - stats.sent) / 1000;
+    parts.push(`first token ${ttft.toFixed(2)} s`);
+    answer.dataset.ttftS = ttft.toFixed(3);
+  }
+  answer.dataset.tokens = tokens;
+  answer.querySelector(".meta").textContent = parts.join(" · ");
+  if (stats.route) {
+    answer.querySelector(".route").textContent = "route: " + stats.route
+      .map((s) => `${s.server_id.slice(-8)} ${s.address} [${s.blocks[0]}, ${s.blocks[1]})`).join(" → ");
+  }
+  answer.scrollIntoView({ block: "end" });
+}
+
+function setRunning(controller) {
+  running = controller;
+  $("send").disabled = controller !== null || model === null;
+  $("stop").disabled = controller === null;
+  $("clear").disabled = controller !== null;
+}
+
+async function send() {
+  const text = $("prompt").value.trim();
+  if (!text || running || !model) return;
+  conversation.push({ role: "user", content: text });
+  const question = addMessage("user", text);
+  $("prompt").value = "";
+  status("");
+  const answer = addMessage("assistant", "");
+  const stats = newStats();
+  const controller = new AbortController();
+  setRunning(controller);
+  try {
+    const r = await fetch("/v1/chat/completions", {
+      method: "POST", headers: headers(), body: JSON.stringify(requestBody()), signal: controller.signal,
+    });
+    if (!r.ok) throw new Error(await errorText(r));
+    await readEvents(r.body, (chunk) => onChunk(chunk, answer, stats));
+    answer.dataset.state = "done";
+  } catch (e) {
+    controller.abort(); // whatever went wrong, the gateway stops generating
+    answer.dataset.state = e.name === "AbortError" ? "stopped" : "error";
+    if (answer.dataset.state === "error") status(e.message);
+  } finally {
+    setRunning(null);
+  }
+  const reply = answer.querySelector(".text").textContent;
+  if (answer.dataset.state === "error" && !reply) { // nothing was answered: the question leaves the conversation
+    conversation.pop();
+    question.classList.add("failed");
+  } else {
+    conversation.push({ role: "assistant", content: reply }); // a stopped answer stays, as far as it went
+  }
+  showStats(answer, stats);
+}
+
+$("composer").addEventListener("submit", (e) => {
+  e.preventDefault();
+  send();
+});
+$("prompt").addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey) {
+    e.preventDefault();
+    send();
+  }
+});
+$("stop").addEventListener("click", () => running && running.abort());
+$("clear").addEventListener("click", () => {
+  conversation.length = 0;
+  $("messages").replaceChildren();
+  status("");
+});
+if (key) $("monitor-link").href = `/#key=${encodeURIComponent(key)}`;
+loadModel();

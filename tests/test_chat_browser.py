@@ -1,0 +1,121 @@
+"""The chat page in a real browser: headless Chromium (Debian's package; `make chromium`), driven through the
+DevTools protocol (tests/cdp.py), types into `/chat` of the real gateway against a live swarm (DHT + 2 servers):
+the streamed answer equals the API's greedy answer, and Stop ends the generation on the servers.
+
+SWARMLM_DOCS_SCREENSHOT=1 also writes a screenshot to docs/img/chat.png.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+import pytest
+
+from swarmlm.wire import swarm_pb2 as pb
+from tests.cdp import Browser
+from tests.swarm_helpers import gateway_stack, stub
+
+pytestmark = pytest.mark.slow
+KEY = "chat-key"
+DOCS_IMG = Path(__file__).resolve().parents[1] / "docs" / "img" / "chat.png"
+LAST_ANSWER = "document.querySelector('#messages .msg.assistant:last-child')"
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_bloom, tmp_path_factory):
+    with gateway_stack(tiny_bloom, tmp_path_factory.mktemp("chat"), extra=["--api-key", KEY]) as stack:
+        yield stack
+
+
+@pytest.fixture
+def page(stack, tmp_path):
+    """The chat page, opened with the API key in its URL, once it knows the model."""
+    with Browser(tmp_path / "profile") as browser:
+        browser.open(f"{stack[1].url}/chat#key={KEY}")
+        browser.wait_for("document.getElementById('model')?.textContent", what="the model name")
+        yield browser
+
+
+def _active_sessions(swarm) -> list[int]:
+    return [stub(s.address).Info(pb.InfoRequest(), timeout=10).active_sessions for s in swarm.servers]
+
+
+def _gateway_metrics(gateway) -> dict:
+    r = httpx.get(f"{gateway.url}/v1/swarm", headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    return r.json()["gateway"]
+
+
+def _ask(page: Browser, question: str, temperature: str, max_tokens: str, system: str = "") -> None:
+    page.type_into("#system", system)
+    page.type_into("#temperature", temperature)
+    page.type_into("#max-tokens", max_tokens)
+    page.type_into("#prompt", question)
+    page.click("#send")
+
+
+def test_streamed_answer_equals_the_greedy_api_answer(page, stack, tiny_bloom):
+    swarm, gateway = stack
+    system, question = "Answer in one word.", "What is the capital of France?"
+    _ask(page, question, temperature="0", max_tokens="12", system=system)
+    state = page.wait_for(f"{LAST_ANSWER}.dataset.state !== 'streaming' && {LAST_ANSWER}.dataset.state",
+                          what="the answer")
+    answer = page.eval(f"({{text: {LAST_ANSWER}.querySelector('.text').textContent, "
+                       f"route: {LAST_ANSWER}.querySelector('.route').textContent, "
+                       f"meta: {LAST_ANSWER}.querySelector('.meta').textContent, ...{LAST_ANSWER}.dataset}})")
+    assert state == "done", (answer, page.eval("document.getElementById('status').textContent"))
+
+    body = {"model": tiny_bloom, "temperature": 0, "max_tokens": 12,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert answer["text"] == choice["message"]["content"] and answer["text"], (answer, choice)
+    assert int(answer["tokens"]) == r.json()["usage"]["completion_tokens"]
+    assert float(answer["ttftS"]) > 0 and "first token" in answer["meta"]
+    # the route: every server, with its blocks, in the order of the chain (as the API reports it)
+    route = choice["swarmlm"]["route"]
+    assert [(s["address"], s["blocks"]) for s in route] == [(s.address, list(s.ready["blocks"])) for s in
+                                                            sorted(swarm.servers, key=lambda s: s.ready["blocks"])]
+    for s in route:
+        assert f"{s['address']} [{s['blocks'][0]}, {s['blocks'][1]})" in answer["route"], answer["route"]
+
+    # the next turn carries the conversation: the page sends the history, the API answers the same
+    page.type_into("#prompt", "And of Italy?")
+    page.click("#send")
+    page.wait_for(f"document.querySelectorAll('#messages .msg.assistant').length === 2 && "
+                  f"{LAST_ANSWER}.dataset.state === 'done'", what="the second answer")
+    second = page.eval(f"{LAST_ANSWER}.querySelector('.text').textContent")
+    body["messages"] += [{"role": "assistant", "content": answer["text"]}, {"role": "user", "content": "And of Italy?"}]
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=120)
+    assert second == r.json()["choices"][0]["message"]["content"]
+    if os.environ.get("SWARMLM_DOCS_SCREENSHOT") == "1":
+        DOCS_IMG.parent.mkdir(parents=True, exist_ok=True)
+        DOCS_IMG.write_bytes(base64.b64decode(page.call("Page.captureScreenshot", format="png")["data"]))
+
+
+def test_stop_ends_the_generation_on_the_servers(page, stack):
+    swarm, gateway = stack
+    assert _active_sessions(swarm) == [0, 0]
+    _ask(page, "Tell me a very long story.", temperature="0.7", max_tokens="1500")
+    page.wait_for(f"{LAST_ANSWER} && Number({LAST_ANSWER}.dataset.tokens) >= 3", what="a few streamed tokens")
+    assert min(_active_sessions(swarm)) == 1  # the answer's session is open on both servers
+    page.click("#stop")
+    state = page.wait_for(f"{LAST_ANSWER}.dataset.state !== 'streaming' && {LAST_ANSWER}.dataset.state")
+    assert state == "stopped"
+    deadline = time.monotonic() + 60
+    while _active_sessions(swarm) != [0, 0]:
+        assert time.monotonic() < deadline, f"sessions left open on the servers: {_active_sessions(swarm)}"
+        time.sleep(0.2)
+    metrics = _gateway_metrics(gateway)
+    assert metrics["active_requests"] == 0, metrics
+    time.sleep(1.0)  # and no token is generated any more
+    assert _gateway_metrics(gateway)["total_tokens"] == metrics["total_tokens"]
+    shown = int(page.eval(f"{LAST_ANSWER}.dataset.tokens"))
+    assert shown < 1500 and page.eval("document.getElementById('send').disabled") is False
+    assert json.loads(page.eval("JSON.stringify(document.getElementById('stop').disabled)")) is True
