@@ -40,7 +40,8 @@ class ServerConfig:
     threads: int = 1  # torch threads for compute; set explicitly, never left to torch's default
     dtype: str = "auto"  # weights and compute: "auto" or one of DTYPE_NAMES (a torch dtype is turned into its name)
     # weights of the linear layers: "none" (dtype) or "int8" (per-row int8, 1/4 of fp32's bytes, ~1 % relative
-    # error per layer, BLOOMZ-560M logits 2.8 %; swarmlm/model/quant.py). Announced: clients may refuse them.
+    # error per layer; BLOOMZ-560M logits 2.8 % on AVX512-VNNI CPUs, 4.1 % on AVX2-only ones: 7-bit activations,
+    # swarmlm/model/quant.py logits_error_bound). Announced: clients may refuse them.
     quant: str = "none"
     # keep full-precision weights as views of the checkpoint file's mapping (pages shared by the host's servers of
     # the same file) instead of copying them into the process: ~1.5x slower decode here (model/checkpoint.py)

@@ -9,6 +9,9 @@ Int8WeightOnly) were 1.3-35x SLOWER than fp32 (benchmarks/quant_bench.py, docs/R
 Two choices keep its accuracy (BLOOMZ-560M logits 4.8 % -> 2.8 % relative L2 of fp32, docs/RESULTS-perf.md):
 - Full 8-bit activations where the CPU accumulates in int32 (AVX512-VNNI): torch's module asks the kernel for
   7-bit ones (`reduce_range=True`), which only the older AVX2 path needs (its u8 x s8 pair sums saturate int16).
+  So the error depends on the CPU (logits_error_bound): 2.8 % with VNNI, 4.1 % on AVX2-only CPUs (and AVX512
+  ones without VNNI), measured with fbgemm's AVX2 kernels forced on a VNNI CPU. 8-bit activations with 7-bit
+  weights instead (pairs fit int16 too) measured 4.4 %.
 - Every row (token) gets its own activation range: the kernel takes one range per call, so in a prompt one
   outlier token would coarsen all the others, and in a batch one session would change another's result. Each row
   is mapped affinely onto [-1, 1] before the call and back after (`W x = s W x' + c W 1`, exact for a linear map),
@@ -74,6 +77,13 @@ def int32_accumulation() -> bool:
     swarmlm/machine.py fbgemm_isa), so 8-bit activations cannot saturate? Its AVX2 and AVX512 kernels sum pairs of
     u8 x s8 products in a saturating int16 first, which 7-bit activations (pairs <= 2 x 127 x 127) keep in range."""
     return fbgemm_isa().startswith("avx512_vnni")
+
+
+def logits_error_bound() -> float:
+    """What int8 (blocks + head) promises: relative L2 of a model's logits against fp32, on this CPU's kernels.
+    Measured on BLOOMZ-560M shapes (random weights, 16 prompts): 2.8 % with 8-bit activations (int32
+    accumulation), 4.1 % with 7-bit ones (benchmarks/int8_cpu_bench.py, docs/RESULTS-perf.md)."""
+    return 0.03 if int32_accumulation() else 0.045
 
 
 def map_rows_to_unit_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
