@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 
 from swarmlm.api.process import GatewayProcess
 from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.machine import machine_info
 from swarmlm.model.checkpoint import load_config
 from swarmlm.model.random_checkpoint import default_checkpoint
 from swarmlm.sim.metrics import percentile
@@ -182,7 +183,7 @@ def main() -> None:
               f"{ms('python_tpot_p90_s')} | {ms('http_tpot_p50_s')} / {ms('http_tpot_p90_s')} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"machine": machine_info(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

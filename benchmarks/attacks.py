@@ -30,6 +30,7 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from swarmlm.machine import machine_info  # noqa: E402
 from swarmlm.model.random_checkpoint import init_checkpoint  # noqa: E402
 from swarmlm.swarm.local import LocalSwarm  # noqa: E402
 from swarmlm.types import BlockRange  # noqa: E402
@@ -451,7 +452,8 @@ def main() -> None:
     outcomes = run(model_dir, args.only, args.threads)
     print(table(outcomes))
     if args.out:
-        Path(args.out).write_text(json.dumps([asdict(o) for o in outcomes], indent=1))
+        Path(args.out).write_text(json.dumps({"machine": machine_info(), "outcomes": [asdict(o) for o in outcomes]},
+                                             indent=1))
 
 
 if __name__ == "__main__":

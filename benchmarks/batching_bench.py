@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,7 @@ import torch
 
 from swarmlm.client.generate import GenerationStats
 from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.machine import machine_info
 from swarmlm.model.checkpoint import load_config
 from swarmlm.model.random_checkpoint import default_checkpoint, init_checkpoint
 from swarmlm.server.stage import Stage, StepRequest
@@ -357,7 +357,7 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     ns = [int(x) for x in args.sessions.split(",")]
-    results = {"machine": f"{platform.machine()} {os.cpu_count()} cores, 1 torch thread per process",
+    results = {"machine": machine_info(), "threads": "1 torch thread per process",
                "load_avg_at_start": os.getloadavg(), "stage_blocks": args.stage_blocks, "repeats": args.repeats, "tokens": args.tokens, "presets": {}}
     for preset in args.presets.split(","):
         model_dir = str(default_checkpoint(preset))

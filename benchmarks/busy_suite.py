@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="swarmlm-busy-suite-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     what = " ".join(args.selection) or "the whole suite"
+    machine = subprocess.run([sys.executable, "-c", "from swarmlm.machine import machine_line; print(machine_line())"],
+                             cwd=ROOT, capture_output=True, text=True).stdout.strip()  # as the tests will see it
+    print(f"machine: {machine}", flush=True)
     print(f"{what}: {args.runs} run(s) with {args.hogs} busy-loop process(es) on {os.cpu_count()} cores; "
           f"logs in {log_dir}", flush=True)
     hogs = start_hogs(args.hogs)

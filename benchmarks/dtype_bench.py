@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 
 from swarmlm.client.model import lm_head
+from swarmlm.machine import machine_info
 from swarmlm.model.checkpoint import DTYPES, cpu_has_bf16_matmul, load_client_modules
 from swarmlm.model.random_checkpoint import default_checkpoint
 from swarmlm.server.stage import SpanState, Stage
@@ -159,7 +159,7 @@ def main() -> None:
     res = run(args.preset, args.blocks, args.prompt, args.rows, args.rounds, args.decode_steps, dtypes, args.seed)
     env = {"date_utc": started.strftime("%Y-%m-%d %H:%M UTC"), "loadavg_before": load_before,
            "loadavg_after": os.getloadavg(), "torch": torch.__version__, "threads": args.threads,
-           "cpu_has_bf16_matmul": cpu_has_bf16_matmul(), "cpu": platform.processor() or platform.machine()}
+           "cpu_has_bf16_matmul": cpu_has_bf16_matmul(), "machine": machine_info()}
     report = {"preset": args.preset, "blocks": args.blocks, "prompt": args.prompt, "rows": args.rows,
               "rounds": args.rounds, "decode_steps": args.decode_steps, "dtypes": dtypes, "env": env, **res}
     print(json.dumps(env))

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.machine import machine_line
 from swarmlm.model.checkpoint import load_config
 from swarmlm.model.random_checkpoint import default_checkpoint
 from swarmlm.swarm.local import LocalSwarm, even_split
@@ -102,6 +103,7 @@ def main() -> None:
                     help="the client's LM head between steps, as in generation (without --local: rounds alternate "
                          "with and without it)")
     args = ap.parse_args()
+    print("machine:", machine_line(), flush=True)  # where the figures below come from
     if args.ab:
         return compare(args)
     torch.set_num_threads(1)

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from swarmlm.machine import machine_line
 from swarmlm.model.checkpoint import load_config
 from swarmlm.model.random_checkpoint import default_checkpoint
 from swarmlm.server.service import decode_step
@@ -59,6 +60,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
+    print("machine:", machine_line(), flush=True)  # where the figures below come from
     torch.set_num_threads(1)
     model_dir = str(default_checkpoint(args.preset))
     n = int(load_config(model_dir).num_hidden_layers)

@@ -24,6 +24,7 @@ import torch
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.config import ClientConfig
+from swarmlm.machine import machine_info
 from swarmlm.model.random_checkpoint import init_checkpoint
 from swarmlm.swarm.local import LocalSwarm, even_split
 
@@ -182,7 +183,7 @@ def main() -> None:
             for c in clients.values():
                 c.close()
         print_table(network, report["networks"][network]["summary"])
-    (out / "molink_bench.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "molink_bench.json").write_text(json.dumps({"machine": machine_info(), **report}, indent=1, default=str))
 
 
 def print_table(network: str, summary: dict) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.machine import machine_info
 from swarmlm.model.checkpoint import load_config
 from swarmlm.model.random_checkpoint import default_checkpoint
 from swarmlm.swarm.local import LocalSwarm, even_split
@@ -187,8 +187,7 @@ def main() -> None:
     int8_ns = [int(x) for x in args.int8.split(",") if x]
     push_ns = [int(x) for x in args.push.split(",") if x]
     handoff_ns = [int(x) for x in args.handoff.split(",") if x]
-    results = {"machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} thread",
-               "cores": __import__("os").cpu_count(), "rounds": args.rounds, "tokens": args.tokens, "presets": {}}
+    results = {"machine": machine_info(), "threads": "1 torch thread per process", "rounds": args.rounds, "tokens": args.tokens, "presets": {}}
     for preset in args.presets.split(","):
         res = results["presets"][preset] = run_preset(preset, ns, args.rounds, args.tokens, int8_ns,
                                                       args.accuracy_prompts, push_ns, handoff_ns)

@@ -26,6 +26,7 @@ from scipy.sparse.csgraph import dijkstra
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from swarmlm.errors import PlanningError  # noqa: E402
+from swarmlm.machine import machine_line  # noqa: E402
 from swarmlm.perf.model import ClientSpec, ComputeProfile, ModelSpec, Network, ServerSpec, Workload  # noqa: E402
 from swarmlm.planner.placement import PlacementOptions  # noqa: E402
 from swarmlm.planner.plan import Plan, make_plan, plan_concurrency  # noqa: E402
@@ -144,6 +145,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
+    print("machine:", machine_line(), flush=True)  # where the figures below come from
     seeds = 5 if args.quick else 20
     print("## Clustered (A100 cluster, MIG cluster, CPU clients; 5 ms / 100 ms RTT)\n")
     print("Cells: average per-token time (ms) / time to first token (s), predicted for R concurrent requests.\n")

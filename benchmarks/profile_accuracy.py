@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from swarmlm.machine import machine_line
 from swarmlm.model.random_checkpoint import init_checkpoint
 from swarmlm.perf.profile import measure
 from swarmlm.server.stage import Stage
@@ -35,6 +36,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tries", type=int, default=3)
     args = parser.parse_args()
+    print("machine:", machine_line(), flush=True)  # where the figures below come from
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         # wide enough that compute, not Python overhead, dominates a step

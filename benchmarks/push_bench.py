@@ -19,13 +19,13 @@ import statistics
 import time
 from pathlib import Path
 
-import psutil
 import torch
 
 from swarmlm.bench.netem.profile import inline_profile
 from swarmlm.bench.runner import BenchConfig, start_swarm
 from swarmlm.bench.strategies import StrategyConfig
 from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.machine import machine_info
 from swarmlm.model.random_checkpoint import init_checkpoint
 
 MODES = {"relay": False, "push": True}
@@ -71,8 +71,7 @@ def main() -> None:
     prompt = torch.randint(3, vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
     profile = inline_profile(args.network)
     one_way_s = profile.one_way_s if profile else None
-    report = {"args": vars(args), "machine": {"cpus": psutil.cpu_count(), "platform": platform.platform(),
-                                              "torch": torch.__version__}, "runs": []}
+    report = {"args": vars(args), "machine": machine_info() | {"platform": platform.platform()}, "runs": []}
     for n in (int(x) for x in args.servers.split(",")):
         cfg = BenchConfig(model_dir=model_dir, servers=(n,), strategies=(StrategyConfig("sequential"),),
                           network=args.network)

@@ -31,6 +31,8 @@ import warnings
 import torch
 from torch import nn
 
+from swarmlm.machine import machine_info
+
 SHAPES = {"qkv": (1024, 3072), "dense": (1024, 1024), "mlp_up": (1024, 4096), "mlp_down": (4096, 1024),
           "lm_head": (1024, 250880)}
 
@@ -144,7 +146,7 @@ def main() -> None:
             results.append({"rows": rows, "shape": shape, "k": k, "n": n, **res})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": args.threads, "torch": torch.__version__, "results": results}, f, indent=1)
+            json.dump({"threads": args.threads, "machine": machine_info(), "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import torch
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.client.streams import info
+from swarmlm.machine import machine_info
 from swarmlm.model.checkpoint import load_config
 from swarmlm.model.random_checkpoint import default_checkpoint
 from swarmlm.planner.plan import Plan
@@ -276,7 +277,7 @@ def main() -> None:
           f"client's compute {report['client_compute_ms_per_token']:.1f} ms")
     print("load average (1 min) over the run:", " ".join(f"{x[0]:.1f}" for x in loads))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    Path(args.out).write_text(json.dumps({"machine": machine_info(), **report}, indent=2))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from swarmlm.machine import machine_info  # noqa: E402
 from swarmlm.planner.topology import parse_topology  # noqa: E402
 from swarmlm.sim.arrivals import ArrivalSpec  # noqa: E402
 from swarmlm.sim.generators import PAPER_CLUSTERS, ClusterSpec, clustered_topology, random_geo_topology  # noqa: E402
@@ -69,7 +70,7 @@ def run_paper(requests: int, seeds: list[int], out: Path) -> list[dict]:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "paper.json").write_text(json.dumps(rows, indent=1))
+    (out / "paper.json").write_text(json.dumps({"machine": machine_info(), "rows": rows}, indent=1))
     print(paper_table(rows))
     return rows
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.machine import machine_info
 from swarmlm.model.checkpoint import load_config
 from swarmlm.model.random_checkpoint import default_checkpoint
 from swarmlm.server.server import profile_model
@@ -140,7 +141,7 @@ def main() -> None:
         rows[key] = {"measured": m, "simulated": p, "error": (p - m) / m}
         print(f"| {key} | {m * 1e3:.2f} ms | {p * 1e3:.2f} ms | {(p - m) / m:+.1%} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "client_prefill_s": cp, "client_decode_s": cd,
+    Path(args.out).write_text(json.dumps({"args": vars(args), "machine": machine_info(), "client_prefill_s": cp, "client_decode_s": cd,
                                           "hop_overhead_s": rtt,
                                           "metrics": rows}, indent=2))
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from swarmlm.bench.runner import BenchConfig, start_swarm
 from swarmlm.bench.strategies import StrategyConfig
 from swarmlm.client.generate import GenerationStats
 from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.machine import machine_info
 from swarmlm.model.checkpoint import load_config
 from swarmlm.model.presets import get_preset
 from swarmlm.model.random_checkpoint import default_checkpoint
@@ -138,7 +138,7 @@ def main() -> None:
             if ref else None, "requests": len(recs),
         }
     base = rows.get("float32")
-    result = {"machine": f"{platform.machine()} {os.cpu_count()} cores, 1 torch thread per process",
+    result = {"machine": machine_info(), "threads": "1 torch thread per process",
               "command": "benchmarks/wire_bench.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
                                                                  vars(args).items()),
               "load_avg_1_5_15": load, "network_info": network_info, "rows": rows, "samples": samples}

@@ -13,6 +13,19 @@ MAX_RECORD_TTL_S = 60.0
 # "auto" = the checkpoint's own dtype, except on a CPU: float16 runs as float32, and bfloat16 too unless the CPU
 # has bf16 matmul units (AMX), where bf16 is faster; see swarmlm/model/checkpoint.py auto_dtype
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+# other spellings transformers' from_pretrained takes for these: torch's own attribute names, and torch dtypes
+# (torch.float32, whose str is "torch.float32")
+DTYPE_ALIASES = {"float": "float32", "half": "float16"}
+
+
+def dtype_name(value: object) -> str:
+    """A dtype as transformers takes it ("auto", "float32", "torch.float32", "half", torch.float32...) -> its name
+    in DTYPE_NAMES; anything else is refused."""
+    name = (value if isinstance(value, str) else str(value)).removeprefix("torch.")
+    name = DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)} (or a torch dtype of these), got {value!r}")
+    return name
 WIRE_DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16", "int8")  # as swarmlm/wire/compress.py
 
 
@@ -25,9 +38,10 @@ class ServerConfig:
     port: int = 0  # 0 = any free port
     announce_host: str | None = None  # address others should dial (behind a relay or NAT); default = host
     threads: int = 1  # torch threads for compute; set explicitly, never left to torch's default
-    dtype: str = "auto"  # weights and compute: "auto" or one of DTYPE_NAMES
+    dtype: str = "auto"  # weights and compute: "auto" or one of DTYPE_NAMES (a torch dtype is turned into its name)
     # weights of the linear layers: "none" (dtype) or "int8" (per-row int8, 1/4 of fp32's bytes, ~1 % relative
-    # error per layer, BLOOMZ-560M logits 2.8 %; swarmlm/model/quant.py). Announced: clients may refuse them.
+    # error per layer; BLOOMZ-560M logits 2.8 % on AVX512-VNNI CPUs, 4.1 % on AVX2-only ones: 7-bit activations,
+    # swarmlm/model/quant.py logits_error_bound). Announced: clients may refuse them.
     quant: str = "none"
     # keep full-precision weights as views of the checkpoint file's mapping (pages shared by the host's servers of
     # the same file) instead of copying them into the process: ~1.5x slower decode here (model/checkpoint.py)
@@ -75,8 +89,7 @@ class ServerConfig:
     profile_cache_dir: str | None = None  # where start-up profiles are cached (None = ~/.cache/swarmlm)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))  # torch.float32 -> "float32" (or refused)
         if self.quant not in QUANT_NAMES:
             raise ValueError(f"quant must be one of {', '.join(QUANT_NAMES)}, got {self.quant!r}")
         if self.threads < 1:
@@ -117,7 +130,7 @@ class ClientConfig:
     initial_peers: tuple[str, ...] = ()
     dht_prefix: str | None = None  # default: from the model directory's name
     servers: tuple[str, ...] = ()  # direct server addresses (host:port), bypassing the DHT
-    dtype: str = "auto"  # dtype of hidden states on the wire and of the client's modules (DTYPE_NAMES)
+    dtype: str = "auto"  # dtype of hidden states on the wire and of the client's modules (DTYPE_NAMES, or a torch dtype)
     quant: str = "none"  # the client's LM head and embeddings: "none" or "int8" (swarmlm/model/quant.py)
     require_full_precision: bool = False  # route only through servers announcing quant "none"
     # hidden states on the wire (swarmlm/wire/compress.py): "float32" (exact), "float16", "bfloat16", "int8"
@@ -160,8 +173,7 @@ class ClientConfig:
     swarm_key: bytes | None = field(default=None, repr=False)  # a private swarm's shared secret (swarm/private.py)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))  # torch.float32 -> "float32" (or refused)
         if self.quant not in QUANT_NAMES:
             raise ValueError(f"quant must be one of {', '.join(QUANT_NAMES)}, got {self.quant!r}")
         if self.routing not in ("shortest", "waiting-aware"):

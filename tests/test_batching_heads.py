@@ -49,7 +49,11 @@ def test_concurrent_callers_share_one_batch_and_get_their_own_rows():
         want = head(xs[i][k])
         assert out.shape == want.shape
         assert (out - want).abs().max().item() < 1e-5
-        assert torch.equal(out.argmax(-1), want.argmax(-1))
+        # the same token wherever the top two logits are apart by more than the float rounding of batching (the
+        # matmul of 4 rows and of 1 may round differently: no CPU kernel promises the same bits across shapes)
+        top2 = want.topk(2, dim=-1).values
+        clear = top2[..., 0] - top2[..., 1] > 1e-4
+        assert torch.equal(out.argmax(-1)[clear], want.argmax(-1)[clear])
     # once every session has been seen, a batch waits for all of them: after the first rounds, batches of 4
     assert batcher.batch_sizes[4] >= 1, batcher.batch_sizes
 

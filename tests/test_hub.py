@@ -161,6 +161,29 @@ def test_dtype_auto_is_the_checkpoints_own_but_half_precision_follows_the_cpu(ch
     assert ClientConfig().dtype == ServerConfig(model_dir="x", blocks=None).dtype == "auto"
 
 
+def test_dtype_takes_what_transformers_takes(checkpoints):
+    """torch dtypes and their names, as transformers' from_pretrained takes them (issue 22: torch.float32 was
+    refused); anything else refused with the accepted values named."""
+    for given, name in [(torch.float32, "float32"), ("torch.bfloat16", "bfloat16"), ("half", "float16"),
+                        ("float", "float32"), (torch.float16, "float16"), ("auto", "auto")]:
+        assert ClientConfig(dtype=given).dtype == ServerConfig(model_dir="x", blocks=None, dtype=given).dtype == name
+    assert parse_dtype(torch.bfloat16) == parse_dtype("bfloat16") == torch.bfloat16
+    for bad in (torch.int8, torch.float64, "fp32", 3):
+        with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16, float16"):
+            ClientConfig(dtype=bad)
+    path = checkpoints["first"]
+    for kwargs, want in [(dict(dtype=torch.float32), torch.float32), (dict(torch_dtype=torch.bfloat16), torch.bfloat16),
+                         (dict(dtype="bfloat16", torch_dtype="bfloat16"), torch.bfloat16)]:
+        client = DistributedModelForCausalLM.from_pretrained(path, servers=["127.0.0.1:9"], **kwargs)  # no dial yet
+        try:
+            assert client.dtype == want and client.client_modules.lm_head.weight.dtype == want, kwargs
+        finally:
+            client.close()
+    with pytest.raises(ValueError, match="disagree"):
+        DistributedModelForCausalLM.from_pretrained(path, servers=["127.0.0.1:9"], dtype="float16",
+                                                    torch_dtype=torch.float32)
+
+
 # ---- identity and fingerprints ------------------------------------------------------------------------------------
 def test_identity_is_the_config_not_the_path_and_fingerprints_are_the_weights(checkpoints, tmp_path):
     first, second, resharded, other = (checkpoints[k] for k in ("first", "second", "resharded", "other"))

@@ -3,6 +3,9 @@ announced to clients, refused by clients that require full precision; bad settin
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,17 +17,19 @@ from swarmlm.config import ClientConfig, ServerConfig
 from swarmlm.errors import MissingBlocks
 from swarmlm.model.checkpoint import load_client_modules
 from swarmlm.model.checkpoint import load_blocks
-from swarmlm.model.quant import (Int8Embedding, Int8Linear, check_quant, int32_accumulation, quantize_client_modules,
-                                 quantize_linears, tensor_bytes)
+from swarmlm.model.quant import (Int8Embedding, Int8Linear, check_quant, int32_accumulation, logits_error_bound,
+                                 map_rows_to_unit_range, quantize_client_modules, quantize_linears, tensor_bytes)
 from swarmlm.server.stage import Stage
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.swarm.records import ServerRecord, record_from_info
 from swarmlm.types import BlockRange
 from swarmlm.wire import swarm_pb2 as pb
 
-# docs/PERFORMANCE_MODEL.md "int8 weights": relative L2 of the logits against fp32, blocks + head in int8 (issue 16's
-# goal). Measured 1.0 % (tiny-bloom), 1.6 % (tiny-llama); BLOOMZ-560M 2.8 % (docs/RESULTS-perf.md).
-LOGITS_REL_L2 = 0.03
+# docs/PERFORMANCE_MODEL.md "int8 weights": relative L2 of the logits against fp32, blocks + head in int8, what this
+# CPU's kernels promise: 3 % with int32 accumulation (AVX512-VNNI), 4.5 % with the AVX2 kernels' 7-bit activations.
+# Measured 1.0 / 1.3 % (tiny-bloom, VNNI / AVX2 kernels), 1.6 % (tiny-llama); BLOOMZ-560M 2.8 / 4.1 %
+# (docs/RESULTS-perf.md).
+LOGITS_REL_L2 = logits_error_bound()
 
 
 def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -83,15 +88,28 @@ def test_int8_linear_rows_keep_their_own_range():
     x[3] *= 50  # one outlier token
     with torch.no_grad():
         want, got = lin(x), q(x)
-        # every token within ~1 % of fp32 (8-bit weights and activations), the outlier token does not coarsen others
+        # every token within ~1 % of fp32 (8-bit weights and activations; 1.6 % with 7-bit ones where the kernel's
+        # int16 sums need them), the outlier token does not coarsen others
         per_row = (got - want).norm(dim=1) / want.norm(dim=1)
         assert (per_row < 0.02).all(), per_row
-        # a row's result does not depend on the rows it is batched with (integer accumulation: exactly) ...
-        assert torch.equal(q(x[[7, 3, 5]])[2], got[5])
-        # ... and alone (the kernel's own range for a single row) it differs only by rounding
-        assert rel_l2(q(x[5:6]), want[5:6]) < 0.02 and rel_l2(q(x[5:6]), got[5:6]) < 0.02
+        # the kernel sees the same range [-1, 1] in every call of several rows, whatever rows are in it: exactly,
+        # since it is our arithmetic (on any CPU) ...
+        for rows in (x, x[[7, 3, 5]], x[5:7]):
+            mapped, center, half = map_rows_to_unit_range(rows)
+            assert (mapped.amin(-1) == -1).all() and (mapped.amax(-1) == 1).all()
+            assert torch.allclose(center + half * mapped, rows, rtol=1e-6, atol=1e-6 * float(rows.abs().max()))
+        # ... so a row's result does not depend on the rows it is batched with. Within float rounding: the integer
+        # GEMM is exact, but neither fbgemm nor torch's float kernels promise the same bits across batch shapes and
+        # instruction sets. A range shared between rows would move a row by 1e-3 or more.
+        for batch in ([7, 3, 5], [5, 6], list(range(15, -1, -1))):
+            i = batch.index(5)
+            assert rel_l2(q(x[batch])[i], got[5]) < 1e-5, batch
+        # ... and alone (the kernel's own range for a single row, rounded on other steps) it is as close to fp32
+        assert rel_l2(q(x[5:6]), want[5:6]) < 0.02
         const = torch.full((1, 1024), 0.5)  # a constant row is exact up to float rounding, not a division by zero
         assert rel_l2(q(const), lin(const)) < 0.01
+        rows = torch.stack([const[0], x[0]])  # also beside another row, where it goes through the mapping
+        assert rel_l2(q(rows)[0], lin(rows)[0]) < 0.01
 
 
 def test_int8_linear_does_not_saturate_on_extreme_inputs():
@@ -108,6 +126,31 @@ def test_int8_linear_does_not_saturate_on_extreme_inputs():
     with torch.no_grad():
         want, got = lin(x), q(x)
     assert rel_l2(got, want) < 0.01, (got[0, :2], want[0, :2])
+
+
+# Settings that make this process run the kernels of a CPU with AVX2 and no AVX512 (AMD Zen 1-3, Intel before
+# Skylake-SP): fbgemm's int8 GEMM (pairs of u8 x s8 products summed in a saturating int16, so 7-bit activations),
+# torch's own vectorized ops, oneDNN and MKL. Each only narrows what the CPU has, so this works on any AVX2 CPU.
+AVX2_ONLY = {"FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+KERNEL_TESTS = "int8_linear or int8_logits_within_bound or int8_embedding"
+
+
+@pytest.mark.slow
+def test_int8_tests_pass_with_the_kernels_of_an_avx2_only_cpu(tmp_path):
+    """One machine checks both kinds of CPU: the int8 kernel tests again, in a process whose kernels are the AVX2
+    ones (libraries read these settings at start-up, hence a process). On an AVX2-only CPU it repeats the run."""
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
+        pytest.skip("not an x86 CPU with AVX2")
+    script = ("import sys, pytest; from swarmlm.machine import machine_line; from swarmlm.model.quant import Int8Linear;"
+              "print(machine_line(), 'reduce_range', Int8Linear.reduce_range, flush=True);"
+              f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--basetemp', {str(tmp_path)!r}, '-k', "
+              f"{KERNEL_TESTS!r}, {__file__!r}]))")
+    run = subprocess.run([sys.executable, "-c", script], env={**os.environ, **AVX2_ONLY, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=600)
+    head = run.stdout.splitlines()[0] if run.stdout else ""
+    assert "fbgemm avx2;" in head and "torch AVX2" in head and "reduce_range True" in head, run.stdout + run.stderr
+    assert run.returncode == 0 and " passed" in run.stdout and "failed" not in run.stdout, run.stdout[-3000:]
 
 
 def _plain(value) -> list[torch.Tensor]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 from swarmlm.bench.decomposition import PARTS
+from swarmlm.machine import machine_info, machine_line
 
 _RUN_COLUMNS = ["servers", "strategy", "strategy_label", "network", "in_flight", "requests_count", "failed",
                 "generated_tokens", "makespan_s", "throughput_tokens_per_s", "mean_response_s", "mean_ttft_s",
@@ -35,11 +36,13 @@ def config_dict(config) -> dict:
 
 
 def write_results(out_dir: str | Path, config, runs: Sequence[dict], telemetry: Sequence[dict],
-                  notes: dict | None = None) -> Path:
-    """results.json and the CSVs (safe to call after every N: each call rewrites them whole)."""
+                  notes: dict | None = None, machine: dict | None = None) -> Path:
+    """results.json and the CSVs (safe to call after every N: each call rewrites them whole). `machine`: where the
+    runs ran (default this machine, swarmlm/machine.py)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"config": config_dict(config), "notes": notes or {}, "runs": list(runs)}
+    doc = {"config": config_dict(config), "machine": machine or machine_info(), "notes": notes or {},
+           "runs": list(runs)}
     (out / "results.json").write_text(json.dumps(_compact(doc), indent=1))
     with open(out / "runs.csv", "w", newline="") as fh:
         w = csv.writer(fh)
@@ -210,6 +213,9 @@ def write_report(out_dir: str | Path, runs: Sequence[dict], title: str, intro: s
     lines = [f"# {title}", ""]
     if intro:
         lines += [intro, ""]
+    results = out / "results.json"
+    machine = json.loads(results.read_text()).get("machine") if results.exists() else None
+    lines += [f"Machine: {machine_line(machine) if machine else 'not recorded'}.", ""]
     lines += ["| N | strategy | requests | tokens/s | speed-up | mean response s | TTFT s | TTFT p50 / p90 s | "
               "TPOT p50 / p90 ms | s/token | compute | comm | queue | orch | residual | MB on the wire | "
               "CPU ours / machine % | load |",
@@ -293,14 +299,14 @@ def merge(out_dir: str | Path, sources: Sequence[str | Path]) -> tuple[list[dict
     add_speedups(runs)
     doc = json.loads((Path(sources[0]) / "results.json").read_text())
     notes = dict(doc.get("notes", {}), merged_from=[str(s) for s in sources])
-    _write_merged(out_dir, doc["config"], runs, telemetry, notes)
+    _write_merged(out_dir, doc["config"], runs, telemetry, notes, doc.get("machine"))
     return runs, telemetry
 
 
-def _write_merged(out_dir, config: dict, runs, telemetry, notes) -> None:
+def _write_merged(out_dir, config: dict, runs, telemetry, notes, machine: dict | None = None) -> None:
     """write_results takes the runner's dataclass; a loaded config is already a dict, so it is put back after."""
     out = Path(out_dir)
-    write_results(out, None, runs, telemetry, notes)
+    write_results(out, None, runs, telemetry, notes, machine)
     doc = json.loads((out / "results.json").read_text())
     doc["config"] = config
     (out / "results.json").write_text(json.dumps(_compact(doc), indent=1))

@@ -49,8 +49,9 @@ def add_dtype(p: argparse.ArgumentParser, what: str = "weights and compute") -> 
     from swarmlm.config import DTYPE_NAMES
 
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
-                   help=f"{what} (default auto: the checkpoint's own; on a CPU float16 runs as float32, and "
-                        "bfloat16 too unless the CPU has AMX bf16 units)")
+                   help=f"{what}: {', '.join(DTYPE_NAMES)} (default auto: the checkpoint's own; on a CPU float16 "
+                        "runs as float32, and bfloat16 too unless the CPU has AMX bf16 units). From Python, "
+                        "from_pretrained(dtype=) also takes torch.float32 etc., as transformers does")
 
 
 def add_model(p: argparse.ArgumentParser, required: bool = True, dht: bool = True) -> None:

@@ -22,7 +22,7 @@ from swarmlm.client.generate import GenerationStats, RemoteCache
 from swarmlm.client.head_batcher import HeadBatcher
 from swarmlm.client.remote import RemoteSequence
 from swarmlm.client.session import InferenceSession
-from swarmlm.config import ClientConfig
+from swarmlm.config import ClientConfig, dtype_name
 from swarmlm.errors import InvalidRequest
 from swarmlm.model.checkpoint import load_client_modules, parse_dtype
 from swarmlm.model.identity import WeightsCheck
@@ -65,13 +65,20 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, initial_peers: Sequence[str] = (), servers: Sequence[str] = (),
-                        dtype: str = "auto", dht_prefix: str | None = None, revision: str | None = None,
+                        dtype: str | torch.dtype = "auto", dht_prefix: str | None = None,
+                        revision: str | None = None, torch_dtype: str | torch.dtype | None = None,
                         **kwargs) -> "DistributedModelForCausalLM":
         """The client's modules from a checkpoint directory or hub id (`org/name`, at `revision`); servers found
-        through the DHT (`initial_peers`) or a fixed `servers` list (host:port). dtype "auto" is the checkpoint's
-        own; dht_prefix None is the model's identity. Other keyword arguments are ClientConfig fields."""
+        through the DHT (`initial_peers`) or a fixed `servers` list (host:port). dtype as transformers takes it:
+        "auto" (the checkpoint's own), "float32", "bfloat16", "float16" or the torch dtypes (`torch_dtype`, its
+        older name, too); dht_prefix None is the model's identity. Other keyword arguments are ClientConfig
+        fields."""
         if not initial_peers and not servers:
             raise ValueError("give initial_peers (a DHT address) or servers (host:port list)")
+        if torch_dtype is not None:
+            if dtype != "auto" and dtype_name(dtype) != dtype_name(torch_dtype):
+                raise ValueError(f"dtype={dtype!r} and torch_dtype={torch_dtype!r} disagree: give one")
+            dtype = torch_dtype
         config = ClientConfig(initial_peers=tuple(initial_peers), servers=tuple(servers), dtype=dtype,
                               dht_prefix=dht_prefix, **kwargs)
         return cls(with_revision(name_or_path, revision), config)

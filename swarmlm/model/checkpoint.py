@@ -15,6 +15,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from swarmlm.config import dtype_name
 from swarmlm.model.families import ClientModules, FamilyAdapter, family_for
 from swarmlm.model.quant import Quant, check_quant, quantize_linears
 from swarmlm.model.source import ModelSource, resolve
@@ -25,16 +26,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ModelRef = str | Path | ModelSource  # a directory, a hub id, or either resolved
 
 
-def parse_dtype(name: str, model: ModelRef | None = None) -> torch.dtype:
-    """A dtype name; "auto" needs the model: its checkpoint's own dtype (see auto_dtype)."""
+def parse_dtype(name: str | torch.dtype, model: ModelRef | None = None) -> torch.dtype:
+    """A dtype as transformers takes it (config.dtype_name: "float32", torch.float32...); "auto" needs the model:
+    its checkpoint's own dtype (see auto_dtype)."""
+    name = dtype_name(name)
     if name == "auto":
         if model is None:
             raise ValueError('dtype "auto" means the checkpoint\'s own dtype: give the model too')
         return auto_dtype(load_config(model))
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {name!r}") from None
+    return DTYPES[name]
 
 
 def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype:

@@ -9,9 +9,13 @@ Int8WeightOnly) were 1.3-35x SLOWER than fp32 (benchmarks/quant_bench.py, docs/R
 Two choices keep its accuracy (BLOOMZ-560M logits 4.8 % -> 2.8 % relative L2 of fp32, docs/RESULTS-perf.md):
 - Full 8-bit activations where the CPU accumulates in int32 (AVX512-VNNI): torch's module asks the kernel for
   7-bit ones (`reduce_range=True`), which only the older AVX2 path needs (its u8 x s8 pair sums saturate int16).
+  So the error depends on the CPU (logits_error_bound): 2.8 % with VNNI, 4.1 % on AVX2-only CPUs (and AVX512
+  ones without VNNI), measured with fbgemm's AVX2 kernels forced on a VNNI CPU. 8-bit activations with 7-bit
+  weights instead (pairs fit int16 too) measured 4.4 %.
 - Every row (token) gets its own activation range: the kernel takes one range per call, so in a prompt one
   outlier token would coarsen all the others, and in a batch one session would change another's result. Each row
-  is mapped affinely onto [-1, 1] before the call and back after (`W x = s W x' + c W 1`, exact for a linear map);
+  is mapped affinely onto [-1, 1] before the call and back after (`W x = s W x' + c W 1`, exact for a linear map),
+  its extremes set to exactly -1 and 1, so every call of several rows has the same range whatever rows it holds;
   a single row (a decode step) goes straight to the kernel, whose range is then that row's already.
 
 Embeddings keep one int8 row per token with its own scale (a lookup dequantizes a handful of rows).
@@ -29,6 +33,7 @@ from torch import nn
 from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
 from swarmlm.config import QUANT_NAMES
+from swarmlm.machine import fbgemm_isa
 
 Quant = Literal["none", "int8"]
 
@@ -68,15 +73,38 @@ class Int8Embedding(nn.Module):
 
 
 def int32_accumulation() -> bool:
-    """Does fbgemm accumulate int8 products in int32 on this CPU (AVX512-VNNI), so 8-bit activations cannot
-    saturate? Without VNNI its AVX2 kernel sums u8 x s8 pairs in int16, which 7-bit activations keep in range."""
-    return bool(torch.cpu._is_vnni_supported())
+    """Does fbgemm accumulate int8 products in int32 in this process (AVX512-VNNI, and not told to use less,
+    swarmlm/machine.py fbgemm_isa), so 8-bit activations cannot saturate? Its AVX2 and AVX512 kernels sum pairs of
+    u8 x s8 products in a saturating int16 first, which 7-bit activations (pairs <= 2 x 127 x 127) keep in range."""
+    return fbgemm_isa().startswith("avx512_vnni")
+
+
+def logits_error_bound() -> float:
+    """What int8 (blocks + head) promises: relative L2 of a model's logits against fp32, on this CPU's kernels.
+    Measured on BLOOMZ-560M shapes (random weights, 16 prompts): 2.8 % with 8-bit activations (int32
+    accumulation), 4.1 % with 7-bit ones (benchmarks/int8_cpu_bench.py, docs/RESULTS-perf.md)."""
+    return 0.03 if int32_accumulation() else 0.045
+
+
+def map_rows_to_unit_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (x', center, half) with x = center + half * x' and every row of x' spanning exactly [-1, 1].
+
+    Exactly: the kernel quantizes a call with the range of all its rows, so if one row's rounded extreme came out
+    as 0.99999994 and another's as 1.0, the rows batched together would change each other's quantization step (and
+    zero point: with 7-bit activations, 63.5 rounds either way). Each row's extremes are set to -1 and 1."""
+    hi, hi_at = x.max(dim=-1, keepdim=True)
+    lo, lo_at = x.min(dim=-1, keepdim=True)
+    center, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_(min=1e-30)  # a constant row maps to (nearly) zeros
+    mapped = ((x - center) / half).clamp_(-1.0, 1.0)
+    return mapped.scatter_(-1, hi_at, 1.0).scatter_(-1, lo_at, -1.0), center, half
 
 
 class Int8Linear(DynamicLinear):
     """torch's dynamic int8 linear with one activation range per row, 8-bit where the CPU allows (see above)."""
 
-    reduce_range = not int32_accumulation()  # 7-bit activations only where int16 sums could saturate
+    # 7-bit activations only where int16 sums could saturate. fbgemm fixes its instruction set at start-up, so
+    # this is decided once per process.
+    reduce_range = not int32_accumulation()
 
     @classmethod
     def from_float(cls, mod: nn.Module, use_precomputed_fake_quant: bool = False) -> "Int8Linear":
@@ -91,9 +119,8 @@ class Int8Linear(DynamicLinear):
         packed = self._packed_params._packed_params
         if x.numel() == x.shape[-1]:  # one row: the kernel's range is already the row's own (and no extra ops)
             return torch.ops.quantized.linear_dynamic(x, packed, reduce_range=self.reduce_range)
-        lo, hi = torch.aminmax(x, dim=-1, keepdim=True)
-        center, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_(min=1e-30)  # a constant row maps to zeros
-        y = torch.ops.quantized.linear_dynamic((x - center) / half, packed, reduce_range=self.reduce_range)
+        mapped, center, half = map_rows_to_unit_range(x)
+        y = torch.ops.quantized.linear_dynamic(mapped, packed, reduce_range=self.reduce_range)
         bias = self.float_bias  # the kernel added it to the mapped rows: W x' + b
         if bias is None:
             return torch.addcmul(y * half, center, self.weight_sum)  # s W x' + c W 1
