@@ -34,15 +34,15 @@ def run(args: argparse.Namespace) -> int:
     import socket
 
     import uvicorn
-    from transformers import AutoTokenizer
 
     from swarmlm.api.app import GatewayConfig, create_app
     from swarmlm.client.model import DistributedModelForCausalLM
+    from swarmlm.model.checkpoint import load_tokenizer
     from swarmlm.errors import SwarmAccessDenied
 
     config = GatewayConfig(model_name=args.served_model_name or args.model,
                            api_key=args.api_key, max_streams_per_client=args.max_streams_per_client)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = load_tokenizer(args.model)
     model = DistributedModelForCausalLM.from_pretrained(
         args.model, initial_peers=args.initial_peers, servers=args.servers, threads=args.threads,
         wait_for_blocks_s=args.wait_for_blocks, swarm_key=args.swarm_key, quant=args.quant,

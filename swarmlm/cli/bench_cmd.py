@@ -81,12 +81,12 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from transformers import AutoTokenizer
 
     from swarmlm.bench import report
     from swarmlm.bench.runner import BenchConfig, run_bench
     from swarmlm.bench.strategies import StrategyConfig
     from swarmlm.bench.workload import poisson_arrivals, prompt_source, tokenize
+    from swarmlm.model.checkpoint import load_tokenizer
 
     if args.preset:
         from swarmlm.model.random_checkpoint import default_checkpoint
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
                          client_threads=args.client_threads, log_dir=f"{args.out}/logs", push=args.push,
                          prefill_chunk_tokens=args.prefill_chunks, quant=args.quant, wire_dtype=args.wire_dtype,
                          dtype=args.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(args.model or model_dir, revision=args.revision)
+    tokenizer = load_tokenizer(model_dir)
     requests = tokenize(prompt_source(args.prompts), tokenizer, args.max_new_tokens, args.limit)
     if args.poisson_rate:
         requests = poisson_arrivals(requests, args.poisson_rate)
