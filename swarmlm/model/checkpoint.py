@@ -103,7 +103,7 @@ def load_tokenizer(model: ModelRef):
 
     source = resolve(model)
     if source.gguf is not None:
-        return AutoTokenizer.from_pretrained(source.gguf.parent, gguf_file=source.gguf.name)
+        return open_gguf(source.gguf).tokenizer()
     if source.directory is not None:
         return AutoTokenizer.from_pretrained(source.directory)
     return AutoTokenizer.from_pretrained(source.repo_id, revision=source.revision)

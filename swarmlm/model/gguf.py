@@ -3,8 +3,8 @@
 transformers loads a GGUF whole (`from_pretrained(dir, gguf_file=...)`): it dequantizes every tensor, renames it
 (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`, gguf-py's name map) and undoes llama.cpp's
 layout changes (its per-architecture TensorProcessor: Llama's q/k rotary permutation, BLOOM's fused qkv...).
-Here the same config, name map and processors are applied per tensor, to a memory-mapped file (gguf-py's
-GGUFReader): a server dequantizes only its blocks' tensors, a client only embeddings, final norm and head, so a
+Here the same config, name map and processors are applied per tensor, to the memory-mapped file (its tensor
+table: gguf_reader.py): a server dequantizes only its blocks' tensors, a client only embeddings, final norm and head, so a
 process's memory follows what it holds, not the file. The values are transformers' own, bit for bit.
 
 - identity: the architecture and a hash of the config and every tensor's name, type, shape and first/last bytes,
@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 log = logging.getLogger(__name__)
 SAMPLE_BYTES = 32  # raw bytes read at each end of every tensor for its fingerprint
-CONFIG_CACHE = Path.home() / ".cache" / "swarmlm" / "gguf-configs"  # transformers' config per GGUF content
+CONFIG_CACHE = Path.home() / ".cache" / "swarmlm" / "gguf-configs"  # transformers' config, tokenizer per GGUF content
 
 
 class GGUFError(ValueError):
@@ -46,14 +47,29 @@ class GGUFCheckpoint:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.reader = _reader(path)
-        self.architecture = _field(self.reader, "general.architecture") or "?"
+        fields, self.tensors = _table(path)
+        self.architecture = str(fields.get("general.architecture") or "?")
         self.config = _config(path, self.architecture)
-        self.tensors = {t.name: t for t in self.reader.tensors}
         self.processor = _processor(self.architecture, self.config)
         self.hf_to_gguf = _hf_names(self.config, self.processor, self.tensors)
         _check_quant_types(path, self.tensors.values())
         self.dequantized_bytes = 0  # float32 bytes materialised so far by read(): what this process took in
+
+    def tokenizer(self):
+        """transformers' tokenizer of the file (with its chat template), converted once per machine and kept."""
+        from transformers import AutoTokenizer
+
+        saved = CONFIG_CACHE / f"{_content_key(self.path)}-tokenizer"
+        if not (saved / "tokenizer_config.json").is_file():
+            tokenizer = AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
+            tmp = saved.with_name(f"{saved.name}.{os.getpid()}.tmp")
+            tokenizer.save_pretrained(tmp)
+            try:
+                os.replace(tmp, saved)
+            except OSError:  # another process saved it first
+                shutil.rmtree(tmp, ignore_errors=True)
+            return tokenizer
+        return AutoTokenizer.from_pretrained(saved)
 
     @property
     def name(self) -> str:
@@ -106,20 +122,13 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
     return _open(str(path), stat.st_size, stat.st_mtime_ns)
 
 
-def _reader(path: Path):
-    from gguf import GGUFReader
+def _table(path: Path):
+    from swarmlm.model.gguf_reader import read_table
 
     try:
-        return GGUFReader(path)  # memory-mapped: tensors are views of the file until dequantized
-    except Exception as exc:  # gguf-py raises ValueError, struct/numpy errors... on a bad or truncated file
+        return read_table(path)  # memory-mapped: tensors are views of the file until dequantized
+    except (ValueError, OSError) as exc:
         raise GGUFError(f"{path}: not a readable GGUF file (truncated or corrupt?): {exc}") from None
-
-
-def _field(reader, key: str) -> str | None:
-    from transformers.modeling_gguf_pytorch_utils import read_field
-
-    values = read_field(reader, key)
-    return str(values[0]) if values else None
 
 
 def _config(path: Path, architecture: str) -> PretrainedConfig:
