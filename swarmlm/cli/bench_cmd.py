@@ -44,7 +44,8 @@ def strategy_configs(text: str, in_flight: int | None, micro_batches: int | str 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="the scaling study: N servers x execution strategies, measured and reported")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", metavar="DIR|ORG/NAME", help="checkpoint directory or hub id")
+    src.add_argument("--model", metavar="DIR|FILE.gguf|NAME|ORG/NAME",
+                     help="checkpoint directory, GGUF file, catalog model (smollm2-135m-instruct) or hub id")
     src.add_argument("--preset", help="a model preset (e.g. bloomz-560m): a random-weight checkpoint, cached")
     p.add_argument("--revision", help="with a hub id: branch, tag or commit (default main)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
