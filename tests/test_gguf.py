@@ -98,3 +98,23 @@ def test_an_unknown_architecture_is_one_line_and_exit_2(tiny, tmp_path):
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "'nosucharch' is not one transformers reads" in lines[0], done.stderr
+
+
+def test_a_hub_snapshots_gguf_file_is_selected_by_gguf_file(tiny, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from swarmlm.client.model import gguf_in_snapshot
+    from tests.hub_layout import add_to_hub_cache
+
+    _, gguf = tiny
+    only_gguf = tmp_path / "repo"
+    only_gguf.mkdir()
+    shutil.copy(gguf, only_gguf / "tiny-llama.Q8_0.gguf")
+    cache = tmp_path / "hub"
+    add_to_hub_cache(cache, "someone/tiny-llama-GGUF", only_gguf)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    path = gguf_in_snapshot("someone/tiny-llama-GGUF", "tiny-llama.Q8_0.gguf")
+    assert path.endswith("tiny-llama.Q8_0.gguf") and model_identity(path) == model_identity(gguf)
+    with pytest.raises(FileNotFoundError, match="other.gguf"):
+        gguf_in_snapshot("someone/tiny-llama-GGUF", "other.gguf")

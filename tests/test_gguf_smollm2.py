@@ -70,3 +70,26 @@ def test_a_server_holds_memory_for_its_blocks_not_the_file(swarm):
     whole = local.start_server(BlockRange(0, NUM_BLOCKS))
     half = local.servers[0]
     assert _rss_bytes(whole.proc.pid) - _rss_bytes(half.proc.pid) > 0.5 * 15 * block_bytes
+
+
+def test_model_fetch_converts_the_gguf_into_a_checkpoint_with_the_same_outputs(swarm):
+    """`swarmlm model fetch` (cached per machine): a checkpoint directory every verb reads, whose model gives the
+    GGUF's logits, with the chat template and generation config."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, _, ref, tokenizer = swarm
+    done = subprocess.run([sys.executable, "-m", "swarmlm.cli.main", "model", "fetch", "smollm2-135m-instruct"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    checkpoint = Path(done.stdout.strip())
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {
+        p.name for p in checkpoint.iterdir()}
+    converted = load_tokenizer(checkpoint)
+    assert converted.chat_template == tokenizer.chat_template
+    ids = _chat(converted, QUESTIONS[0])["input_ids"]
+    assert torch.equal(ids, _chat(tokenizer, QUESTIONS[0])["input_ids"])
+    with torch.inference_mode():
+        got, want = load_transformers_model(checkpoint)(ids).logits, ref(ids).logits
+    assert (got - want).abs().max().item() < 1e-5
