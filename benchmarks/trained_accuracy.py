@@ -63,8 +63,8 @@ def accuracy(model_dir: str, n_prompts: int, servers: int, threads: int) -> None
     local = load_transformers_model(model_dir)
     refs = reference(local, prompts)
     lens = [p.shape[1] for p in prompts]
-    print(f"| servers --quant | client --quant | --wire-dtype | rel. L2 median | max | top-1 agree (of {NEW_TOKENS * len(prompts)}) "
-          f"| prompts with all {NEW_TOKENS} |")
+    print(f"| servers --quant | client --quant | --wire-dtype | rel. L2 median | max "
+          f"| top-1 agree (of {NEW_TOKENS * len(prompts)}) | prompts with all {NEW_TOKENS} |")
     print("|---|---|---|---|---|---|---|")
     for server_quant in ("none", "int8"):
         with LocalSwarm(model_dir, threads=threads, server_args=["--quant", server_quant]) as swarm:
@@ -106,8 +106,8 @@ def speed(model_dir: str, n_prompts: int, servers: int, threads: int) -> None:
             rows["one process"][0].append(ttft)
             rows["one process"][1].append((NEW_TOKENS - 1) / (total - ttft))
         client.close()
-    print(f"| | TTFT median s | tokens/s median | ({len(prompts)} chat prompts, {NEW_TOKENS} new tokens, {threads} thread"
-          f" per process, {servers} servers) |")
+    print(f"| | TTFT median s | tokens/s median | ({len(prompts)} chat prompts, {NEW_TOKENS} new tokens, "
+          f"{threads} thread per process, {servers} servers) |")
     print("|---|---|---|---|")
     for name, (ttft, tps) in rows.items():
         print(f"| {name} | {statistics.median(ttft):.3f} | {statistics.median(tps):.1f} | |")

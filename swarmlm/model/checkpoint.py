@@ -196,7 +196,8 @@ class GGUFTensorIndex(TensorIndex):
         return self.source.gguf
 
     def shape(self, key: str) -> list[int]:
-        return list(reversed([int(n) for n in self.gguf.tensors[self.gguf.hf_to_gguf[key]].shape]))  # GGUF: fastest axis first
+        dims = self.gguf.tensors[self.gguf.hf_to_gguf[key]].shape  # GGUF's order: the fastest axis first
+        return [int(n) for n in reversed(dims)]
 
     def is_local(self, key: str) -> bool:
         return True

@@ -4,8 +4,8 @@ transformers loads a GGUF whole (`from_pretrained(dir, gguf_file=...)`): it dequ
 (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`, gguf-py's name map) and undoes llama.cpp's
 layout changes (its per-architecture TensorProcessor: Llama's q/k rotary permutation, BLOOM's fused qkv...).
 Here the same config, name map and processors are applied per tensor, to the memory-mapped file (its tensor
-table: gguf_reader.py): a server dequantizes only its blocks' tensors, a client only embeddings, final norm and head, so a
-process's memory follows what it holds, not the file. The values are transformers' own, bit for bit.
+table: gguf_reader.py): a server dequantizes only its blocks' tensors, a client only embeddings, final norm and
+head, so a process's memory follows what it holds, not the file. The values are transformers' own, bit for bit.
 
 - identity: the architecture and a hash of the config and every tensor's name, type, shape and first/last bytes,
   so copies of one file meet in one swarm whatever their path (identity.py).
