@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-Q8_MATRICES = ("mlp.",)  # quantized to Q8_0 (rows are multiples of its 32-value blocks); the rest stays F32
+Q8_MATRICES = ("mlp.",)  # quantized (Q8_0: rows are multiples of its 32-value blocks); the rest stays F32
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -17,7 +17,9 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(checkpoint: str | Path, out: str | Path, architecture: str = "llama") -> Path:
+def write_tiny_gguf(checkpoint: str | Path, out: str | Path, architecture: str = "llama",
+                    mlp_type: str = "Q8_0") -> Path:
+    """`mlp_type`: the MLP matrices' type; one gguf-py cannot dequantize (Q8_1) gets zero bytes of its size."""
     import gguf
 
     checkpoint, out = Path(checkpoint), Path(out)
@@ -45,9 +47,13 @@ def write_tiny_gguf(checkpoint: str | Path, out: str | Path, architecture: str =
         elif "self_attn.k_proj" in hf_name:
             value = _permute(value, kv_heads)
         name = f"{names.get_name(stem)}.{suffix}"
-        if any(q in hf_name for q in Q8_MATRICES):
-            writer.add_tensor(name, gguf.quantize(value, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        qtype = gguf.GGMLQuantizationType[mlp_type]
+        if any(q in hf_name for q in Q8_MATRICES) and mlp_type == "Q8_0":
+            writer.add_tensor(name, gguf.quantize(value, qtype), raw_dtype=qtype)
+        elif any(q in hf_name for q in Q8_MATRICES):
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            raw = np.zeros((value.shape[0], value.shape[1] // block * type_size), dtype=np.uint8)
+            writer.add_tensor(name, raw, raw_dtype=qtype)
         else:
             writer.add_tensor(name, value)
     writer.write_header_to_file()

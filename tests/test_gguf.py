@@ -100,6 +100,15 @@ def test_an_unknown_architecture_is_one_line_and_exit_2(tiny, tmp_path):
     assert len(lines) == 1 and "'nosucharch' is not one transformers reads" in lines[0], done.stderr
 
 
+def test_a_quantization_type_gguf_py_cannot_dequantize_is_one_line_and_exit_2(tiny, tmp_path):
+    checkpoint, _ = tiny
+    odd = write_tiny_gguf(checkpoint, tmp_path / "q8_1.gguf", mlp_type="Q8_1")
+    done = _cli("profile", "--model", str(odd), "--blocks", "0:1")
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is Q8_1, a quantization type gguf-py cannot dequantize" in lines[0], done.stderr
+
+
 def test_a_hub_snapshots_gguf_file_is_selected_by_gguf_file(tiny, tmp_path, monkeypatch):
     from huggingface_hub import constants
 
