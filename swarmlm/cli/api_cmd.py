@@ -46,10 +46,10 @@ def run(args: argparse.Namespace) -> int:
     import socket
 
     import uvicorn
-    from transformers import AutoTokenizer
 
     from swarmlm.api.app import GatewayConfig, create_app
     from swarmlm.client.model import DistributedModelForCausalLM
+    from swarmlm.model.checkpoint import load_tokenizer
     from swarmlm.errors import SwarmAccessDenied
 
     from swarmlm.api.guard import LOCAL_HOSTS, header_deadline_protocol
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
                            max_prompt_chars=args.max_prompt_chars, max_body_bytes=args.max_body_bytes,
                            body_timeout_s=args.body_timeout, request_timeout_s=args.request_timeout,
                            allowed_hosts=(*LOCAL_HOSTS, *own, *args.allow_host))
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = load_tokenizer(args.model)
     model = DistributedModelForCausalLM.from_pretrained(
         args.model, initial_peers=args.initial_peers, servers=args.servers, threads=args.threads,
         wait_for_blocks_s=args.wait_for_blocks, swarm_key=args.swarm_key, quant=args.quant,

@@ -57,9 +57,11 @@ def add_dtype(p: argparse.ArgumentParser, what: str = "weights and compute") -> 
 def add_model(p: argparse.ArgumentParser, required: bool = True, dht: bool = True) -> None:
     """The model flags of every verb that loads one: --model (directory or hub id), --revision, --dtype, and
     --dht-prefix for the verbs that join a swarm."""
-    p.add_argument("--model", required=required, metavar="DIR|ORG/NAME",
-                   help="checkpoint directory, or hub id (from the local Hugging Face cache, else downloaded)")
+    p.add_argument("--model", required=required, metavar="DIR|FILE.gguf|NAME|ORG/NAME",
+                   help="checkpoint directory, GGUF file, a catalog model (smollm2-135m-instruct: fetched once), or "
+                        "hub id (from the local Hugging Face cache, else downloaded)")
     p.add_argument("--revision", help="with a hub id: branch, tag or commit (default main)")
+    p.add_argument("--gguf-file", help="with a hub id: the GGUF file of its snapshot to use")
     add_dtype(p)
     if dht:
         p.add_argument("--dht-prefix", help="DHT namespace (default: the model's identity, the same for every copy)")
@@ -72,8 +74,12 @@ def model_ref(args: argparse.Namespace) -> str:
 
     path = Path(args.model).expanduser()
     looks_like_path = args.model.startswith((".", "/", "~")) or path.exists()
-    if looks_like_path and not path.is_dir():
+    if looks_like_path and not path.is_dir() and not (path.is_file() and path.suffix.lower() == ".gguf"):
         raise FileNotFoundError(f"{args.model}: not a checkpoint directory")
+    if getattr(args, "gguf_file", None):
+        from swarmlm.client.model import gguf_in_snapshot
+
+        return gguf_in_snapshot(args.model, args.gguf_file, getattr(args, "revision", None))
     if getattr(args, "revision", None) is None:
         return args.model
     if path.is_dir():

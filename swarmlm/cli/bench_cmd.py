@@ -44,7 +44,8 @@ def strategy_configs(text: str, in_flight: int | None, micro_batches: int | str 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="the scaling study: N servers x execution strategies, measured and reported")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", metavar="DIR|ORG/NAME", help="checkpoint directory or hub id")
+    src.add_argument("--model", metavar="DIR|FILE.gguf|NAME|ORG/NAME",
+                     help="checkpoint directory, GGUF file, catalog model (smollm2-135m-instruct) or hub id")
     src.add_argument("--preset", help="a model preset (e.g. bloomz-560m): a random-weight checkpoint, cached")
     p.add_argument("--revision", help="with a hub id: branch, tag or commit (default main)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
@@ -81,12 +82,12 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from transformers import AutoTokenizer
 
     from swarmlm.bench import report
     from swarmlm.bench.runner import BenchConfig, run_bench
     from swarmlm.bench.strategies import StrategyConfig
     from swarmlm.bench.workload import poisson_arrivals, prompt_source, tokenize
+    from swarmlm.model.checkpoint import load_tokenizer
 
     if args.preset:
         from swarmlm.model.random_checkpoint import default_checkpoint
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
                          client_threads=args.client_threads, log_dir=f"{args.out}/logs", push=args.push,
                          prefill_chunk_tokens=args.prefill_chunks, quant=args.quant, wire_dtype=args.wire_dtype,
                          dtype=args.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(args.model or model_dir, revision=args.revision)
+    tokenizer = load_tokenizer(model_dir)
     requests = tokenize(prompt_source(args.prompts), tokenizer, args.max_new_tokens, args.limit)
     if args.poisson_rate:
         requests = poisson_arrivals(requests, args.poisson_rate)

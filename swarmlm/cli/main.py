@@ -15,7 +15,7 @@ from swarmlm import __version__
 # verb -> (module in swarmlm.cli, one line for --help). Only the verb being run is imported, so `swarmlm --help`
 # and `swarmlm plan` do not load torch.
 VERBS: dict[str, tuple[str, str]] = {
-    "model": ("model_cmd", "create model checkpoints (random weights, real architectures)"),
+    "model": ("model_cmd", "create model checkpoints (random weights, real architectures) or fetch a trained one"),
     "dht": ("dht_cmd", "start a DHT bootstrap node and print its address"),
     "server": ("server_cmd", "serve a range of the model's blocks"),
     "generate": ("generate_cmd", "generate text through the swarm"),

@@ -67,8 +67,9 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
     def from_pretrained(cls, name_or_path: str | Path, initial_peers: Sequence[str] = (), servers: Sequence[str] = (),
                         dtype: str | torch.dtype = "auto", dht_prefix: str | None = None,
                         revision: str | None = None, torch_dtype: str | torch.dtype | None = None,
-                        **kwargs) -> "DistributedModelForCausalLM":
-        """The client's modules from a checkpoint directory or hub id (`org/name`, at `revision`); servers found
+                        gguf_file: str | None = None, **kwargs) -> "DistributedModelForCausalLM":
+        """The client's modules from a checkpoint directory, a GGUF file (`x.gguf`, or `gguf_file` of a hub id's
+        snapshot), a catalog name (model/catalog.py) or hub id (`org/name`, at `revision`); servers found
         through the DHT (`initial_peers`) or a fixed `servers` list (host:port). dtype as transformers takes it:
         "auto" (the checkpoint's own), "float32", "bfloat16", "float16" or the torch dtypes (`torch_dtype`, its
         older name, too); dht_prefix None is the model's identity. Other keyword arguments are ClientConfig
@@ -81,6 +82,8 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
             dtype = torch_dtype
         config = ClientConfig(initial_peers=tuple(initial_peers), servers=tuple(servers), dtype=dtype,
                               dht_prefix=dht_prefix, **kwargs)
+        if gguf_file is not None:
+            return cls(gguf_in_snapshot(name_or_path, gguf_file, revision), config)
         return cls(with_revision(name_or_path, revision), config)
 
     # ---- what GenerationMixin asks of a model ----------------------------------------------------------------
@@ -242,6 +245,13 @@ def with_revision(name_or_path: str | Path, revision: str | None) -> str:
     if "@" in name:
         raise ValueError(f"{name} already names a revision; revision={revision!r} too")
     return f"{name}@{revision}"
+
+
+def gguf_in_snapshot(name_or_path: str | Path, gguf_file: str, revision: str | None = None) -> str:
+    """The path of a GGUF file in a checkpoint directory or a hub id's snapshot (downloaded if allowed)."""
+    if not gguf_file.lower().endswith(".gguf"):
+        raise ValueError(f"gguf_file must name a .gguf file, got {gguf_file!r}")
+    return str(resolve(with_revision(name_or_path, revision)).file(gguf_file))
 
 
 class AutoDistributedModelForCausalLM:

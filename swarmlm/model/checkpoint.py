@@ -17,6 +17,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from swarmlm.config import dtype_name
 from swarmlm.model.families import ClientModules, FamilyAdapter, family_for
+from swarmlm.model.gguf import GGUFCheckpoint, open_gguf
 from swarmlm.model.quant import Quant, check_quant, quantize_linears
 from swarmlm.model.source import ModelSource, resolve
 
@@ -85,6 +86,8 @@ def auto_dtype(config: PretrainedConfig) -> torch.dtype:
 
 def load_config(model: ModelRef) -> PretrainedConfig:
     source = resolve(model)
+    if source.gguf is not None:
+        return open_gguf(source.gguf).config  # configured for its family when parsed
     config_file = source.optional_file("config.json")
     if config_file is None:
         raise FileNotFoundError(f"{source.name} has no config.json: not a checkpoint directory")
@@ -92,6 +95,30 @@ def load_config(model: ModelRef) -> PretrainedConfig:
     # the kernels the block modules run are the ones transformers' AutoModel picks for the family
     family_for(config).configure(config)
     return config
+
+
+def load_tokenizer(model: ModelRef):
+    """The checkpoint's tokenizer (with its chat template): AutoTokenizer's, from the directory, hub id or GGUF."""
+    from transformers import AutoTokenizer
+
+    source = resolve(model)
+    if source.gguf is not None:
+        return open_gguf(source.gguf).tokenizer()
+    if source.directory is not None:
+        return AutoTokenizer.from_pretrained(source.directory)
+    return AutoTokenizer.from_pretrained(source.repo_id, revision=source.revision)
+
+
+def load_transformers_model(model: ModelRef, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The whole model in plain transformers, the reference a swarm's output is checked against."""
+    from transformers import AutoModelForCausalLM
+
+    source = resolve(model)
+    if source.gguf is not None:
+        where, extra = source.gguf.parent, {"gguf_file": source.gguf.name}
+    else:
+        where, extra = source.directory or source.repo_id, {"revision": source.revision} if source.is_hub else {}
+    return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **extra).eval()
 
 
 def num_blocks(config: PretrainedConfig) -> int:
@@ -123,6 +150,13 @@ class TensorIndex:
         """The shard holding `key`, downloaded first if it is not local."""
         return self.source.file(self.shard_of[key])
 
+    def shape(self, key: str) -> list[int]:
+        with safe_open(self.path(key), framework="pt") as f:  # (a hub id: fetched if not cached)
+            return list(f.get_slice(key).get_shape())
+
+    def is_local(self, key: str) -> bool:
+        return self.source.is_local(self.shard_of[key])
+
     def find(self, candidates: list[str]) -> str | None:
         return next((c for c in candidates if c in self.files), None)
 
@@ -146,6 +180,35 @@ class TensorIndex:
             if any(k.startswith(probe) for k in self.shard_of):
                 return prefix
         raise ValueError(f"{self.source.name}: no tensors of block 0 under {adapter.stack_prefixes}")
+
+
+class GGUFTensorIndex(TensorIndex):
+    """The same questions answered from a GGUF file: its tensors under their transformers names, each read (and
+    dequantized) on its own (model/gguf.py)."""
+
+    def __init__(self, model: ModelRef) -> None:
+        self.source = resolve(model)
+        self.gguf: GGUFCheckpoint = open_gguf(self.source.gguf)
+        self.shard_of = {k: self.source.gguf.name for k in self.gguf.keys()}
+        self.files = {k: self.source.gguf for k in self.shard_of}
+
+    def path(self, key: str) -> Path:
+        return self.source.gguf
+
+    def shape(self, key: str) -> list[int]:
+        dims = self.gguf.tensors[self.gguf.hf_to_gguf[key]].shape  # GGUF's order: the fastest axis first
+        return [int(n) for n in reversed(dims)]
+
+    def is_local(self, key: str) -> bool:
+        return True
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        return self.gguf.read(keys)
+
+
+def tensor_index(model: ModelRef) -> TensorIndex:
+    """Where the checkpoint's tensors are: safetensors files, or a GGUF."""
+    return GGUFTensorIndex(model) if resolve(model).gguf is not None else TensorIndex(model)
 
 
 def _dtype(dtype: torch.dtype | str, config: PretrainedConfig) -> torch.dtype:
@@ -174,7 +237,7 @@ def load_blocks(
     dtype = _dtype(dtype, config)
     check_quant(quant, dtype)
     adapter = family_for(config)
-    index = TensorIndex(model)
+    index = tensor_index(model)
     prefix = index.stack_prefix(adapter)
     blocks = nn.ModuleList()
     for local, global_idx in enumerate(range(start, end)):
@@ -199,7 +262,7 @@ def load_client_modules(
     config = load_config(model)
     dtype = _dtype(dtype, config)
     adapter = family_for(config)
-    index = TensorIndex(model)
+    index = tensor_index(model)
     prefix = index.stack_prefix(adapter)
     wanted: dict[str, str] = {}
     for name, candidates in adapter.client_tensor_names(config).items():

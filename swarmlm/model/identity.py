@@ -8,6 +8,7 @@
   (the first and last few elements of each tensor, read through safetensors slices: cheap for any size). A server
   announces the fingerprint of its range; a client computes the same for that range from its own checkpoint and
   refuses a server whose weights differ (another seed, a fine-tune, another dtype under the same name).
+- a GGUF file: both come from its config and its tensors' names, types, shapes and raw bytes (model/gguf.py).
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import re
 import torch
 from safetensors import safe_open
 
-from swarmlm.model.checkpoint import ModelRef, TensorIndex, load_config
+from swarmlm.model.checkpoint import GGUFTensorIndex, ModelRef, load_config, tensor_index
+from swarmlm.model.gguf import open_gguf
 from swarmlm.model.families import family_for
 from swarmlm.model.source import resolve
 
@@ -32,6 +34,8 @@ SAMPLE = 8  # elements read at each end of every tensor
 
 def model_identity(model: ModelRef) -> str:
     source = resolve(model)
+    if source.gguf is not None:
+        return open_gguf(source.gguf).identity()  # from its config and tensors: any copy of the file, any path
     if source.is_hub:
         return source.repo_id + (f"@{source.revision}" if source.revision not in (None, "main") else "")
     config = json.loads(source.file("config.json").read_text())
@@ -55,7 +59,7 @@ class Fingerprints:
         config = load_config(self.source)
         self.adapter = family_for(config)
         self.num_blocks = int(config.num_hidden_layers)
-        self.index = TensorIndex(self.source)
+        self.index = tensor_index(self.source)
         self.prefix = self.index.stack_prefix(self.adapter)
         self._blocks: dict[int, bytes] = {}
 
@@ -65,11 +69,14 @@ class Fingerprints:
 
     def available(self, start: int, end: int) -> bool:
         """True if the shards holding blocks [start, end) are local (a hub client may not have them)."""
-        return all(self.source.is_local(self.index.shard_of[k]) for b in range(start, end) for k in self.block_keys(b)[1])
+        return all(self.index.is_local(k) for b in range(start, end) for k in self.block_keys(b)[1])
 
     def block(self, block: int) -> bytes:
         if block not in self._blocks:
             prefix, keys = self.block_keys(block)
+            if isinstance(self.index, GGUFTensorIndex):  # raw (quantized) bytes: nothing dequantized
+                self._blocks[block] = hashlib.sha256(b"".join(self.index.gguf.summary(k) for k in keys)).digest()
+                return self._blocks[block]
             by_file: dict[str, list[str]] = {}
             for key in keys:
                 by_file.setdefault(self.index.shard_of[key], []).append(key)

@@ -40,6 +40,7 @@ class ModelSource:
     directory: Path | None = None  # a local checkpoint directory, or
     repo_id: str | None = None  # a hub id
     revision: str | None = None  # branch, tag or commit (None = main)
+    gguf: Path | None = None  # or a GGUF file (model/gguf.py): config, tokenizer and weights all in it
 
     @property
     def is_hub(self) -> bool:
@@ -58,6 +59,8 @@ class ModelSource:
         return path
 
     def optional_file(self, filename: str) -> Path | None:
+        if self.gguf is not None:
+            return None  # a GGUF holds no separate files
         if self.directory is not None:
             path = self.directory / filename
             return path if path.is_file() else None
@@ -65,6 +68,8 @@ class ModelSource:
 
     def is_local(self, filename: str) -> bool:
         """True if reading the file needs no download."""
+        if self.gguf is not None:
+            return True
         if self.directory is not None:
             return (self.directory / filename).is_file()
         return isinstance(try_to_load_from_cache(self.repo_id, filename, revision=self.revision), str)
@@ -105,16 +110,23 @@ class ModelSource:
 
 
 def resolve(name_or_path: str | Path | ModelSource, revision: str | None = None) -> ModelSource:
-    """A directory if one exists at that path, else a hub id (`org/name` or `org/name@revision`)."""
+    """A directory if one exists at that path, a GGUF file (`*.gguf`), a model of the catalog (model/catalog.py:
+    fetched and converted on first use), else a hub id (`org/name` or `org/name@revision`)."""
+    from swarmlm.model.catalog import CATALOG, fetch
+
     if isinstance(name_or_path, ModelSource):
         return name_or_path
     name = str(name_or_path)
     path = Path(name).expanduser()
     if path.is_dir():
         return ModelSource(name, directory=path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return ModelSource(name, gguf=path)
+    if name in CATALOG:
+        return ModelSource(name, directory=fetch(name))
     repo_id, _, at_revision = name.partition("@")
     if isinstance(name_or_path, Path) or name.startswith((".", "/", "~")) or path.exists():
-        raise ModelNotFound(f"{name}: not a checkpoint directory")
+        raise ModelNotFound(f"{name}: not a checkpoint directory nor a .gguf file")
     try:
         validate_repo_id(repo_id)
     except HFValidationError:

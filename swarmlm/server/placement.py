@@ -21,10 +21,9 @@ import time
 from typing import Callable
 
 import psutil
-from safetensors import safe_open
 
 from swarmlm.config import ServerConfig
-from swarmlm.model.checkpoint import TensorIndex, load_config, parse_dtype
+from swarmlm.model.checkpoint import load_config, parse_dtype, tensor_index
 from swarmlm.model.family import family_for
 from swarmlm.model.quant import tensor_bytes
 from swarmlm.perf.model import ComputeProfile, ModelSpec, ServerSpec
@@ -41,14 +40,13 @@ def model_spec(config: ServerConfig) -> ModelSpec:
     """Bytes of one block (from the checkpoint's tensor shapes) and of one session's cache in one block."""
     cfg = load_config(config.model_dir)
     adapter = family_for(cfg)
-    index = TensorIndex(config.model_dir)
+    index = tensor_index(config.model_dir)
     prefix = index.stack_prefix(adapter) + adapter.block_prefix().format(0)
     itemsize = parse_dtype(config.dtype, config.model_dir).itemsize
     nbytes = 0
     for key in index.files:
         if key.startswith(prefix):
-            with safe_open(index.path(key), framework="pt") as f:  # (a hub id: fetched if not cached)
-                nbytes += tensor_bytes(f.get_slice(key).get_shape(), itemsize, config.quant)  # int8: ~1/4
+            nbytes += tensor_bytes(index.shape(key), itemsize, config.quant)  # int8: ~1/4
     spec = ModelSpec.from_config(cfg, l_in_max=0, l_max=config.max_length_tokens, dtype_bytes=itemsize)
     return dataclasses.replace(spec, block_bytes=float(nbytes))  # measured, not estimated
 

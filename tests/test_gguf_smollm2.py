@@ -1,0 +1,95 @@
+"""A trained model through the swarm: SmolLM2-135M-Instruct's GGUF given as --model to 2 server processes (each
+dequantizes only its 15 blocks) answers chat-templated questions with the tokens and logits transformers gives when
+it loads the same GGUF file."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.model.checkpoint import load_tokenizer, load_transformers_model
+from swarmlm.swarm.local import LocalSwarm, even_split
+from swarmlm.types import BlockRange
+
+pytestmark = pytest.mark.slow
+QUESTIONS = ["What is the capital of France?", "Name a primary color."]
+NUM_BLOCKS = 30
+
+
+@pytest.fixture(scope="module")
+def swarm(smollm2_gguf):
+    torch.set_num_threads(1)
+    with LocalSwarm(smollm2_gguf) as swarm:
+        swarm.start(even_split(NUM_BLOCKS, 2))
+        client = DistributedModelForCausalLM.from_pretrained(smollm2_gguf, initial_peers=swarm.initial_peers)
+        yield swarm, client, load_transformers_model(smollm2_gguf), load_tokenizer(smollm2_gguf)
+        client.close()
+
+
+def _chat(tokenizer, question: str) -> dict:
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)
+
+
+def test_greedy_chat_answers_are_transformers_own(swarm):
+    _, client, ref, tokenizer = swarm
+    for question in QUESTIONS:
+        inputs = _chat(tokenizer, question)
+        got = client.generate(**inputs, max_new_tokens=12, do_sample=False)
+        with torch.inference_mode():
+            want = ref.generate(**inputs, max_new_tokens=12, do_sample=False)
+        assert torch.equal(got, want), (tokenizer.decode(got[0]), tokenizer.decode(want[0]))
+    answer = tokenizer.decode(got[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert answer.strip(), "a trained model answers"
+
+
+def test_logits_within_1e_4_prefill_and_decode(swarm):
+    _, client, ref, tokenizer = swarm
+    ids = _chat(tokenizer, QUESTIONS[0])["input_ids"]
+    with torch.inference_mode(), client.inference_session(max_length=ids.shape[1] + 4) as session:
+        got = client.step_logits(session, ids)
+        assert (got - ref(ids).logits).abs().max().item() < 1e-4
+        for _ in range(4):
+            ids = torch.cat([ids, got[:, -1:].argmax(-1)], 1)
+            got = client.step_logits(session, ids[:, -1:])
+            assert (got - ref(ids).logits[:, -1:]).abs().max().item() < 1e-4
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_server_holds_memory_for_its_blocks_not_the_file(swarm):
+    """A server of 15 blocks against one of all 30, both from the same GGUF: the difference is about 15 blocks of
+    float32 weights (14 MB each), far more than the half of it asked here."""
+    local, _, ref, _ = swarm
+    block_bytes = sum(v.nbytes for k, v in ref.state_dict().items() if k.startswith("model.layers.0."))
+    whole = local.start_server(BlockRange(0, NUM_BLOCKS))
+    half = local.servers[0]
+    assert _rss_bytes(whole.proc.pid) - _rss_bytes(half.proc.pid) > 0.5 * 15 * block_bytes
+
+
+def test_model_fetch_converts_the_gguf_into_a_checkpoint_with_the_same_outputs(swarm):
+    """`swarmlm model fetch` (cached per machine): a checkpoint directory every verb reads, whose model gives the
+    GGUF's logits, with the chat template and generation config."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, _, ref, tokenizer = swarm
+    done = subprocess.run([sys.executable, "-m", "swarmlm.cli.main", "model", "fetch", "smollm2-135m-instruct"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    checkpoint = Path(done.stdout.strip())
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {
+        p.name for p in checkpoint.iterdir()}
+    converted = load_tokenizer(checkpoint)
+    assert converted.chat_template == tokenizer.chat_template
+    ids = _chat(converted, QUESTIONS[0])["input_ids"]
+    assert torch.equal(ids, _chat(tokenizer, QUESTIONS[0])["input_ids"])
+    with torch.inference_mode():
+        got, want = load_transformers_model(checkpoint)(ids).logits, ref(ids).logits
+    assert (got - want).abs().max().item() < 1e-5
