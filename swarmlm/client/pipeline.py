@@ -26,21 +26,19 @@ import torch
 from swarmlm.client.streams import HopTiming, SpanStream
 from swarmlm.config import ClientConfig
 from swarmlm.errors import ServerFailed
-from swarmlm.swarm.records import ServerRecord
+from swarmlm.perf.model import ComputeProfile
 from swarmlm.types import Span
 from swarmlm.wire import swarm_pb2 as pb
 
 Chunk = tuple[torch.Tensor, torch.Tensor]  # hidden [B, T, H], padding mask [B, T]
 
 
-def hang_timeout_s(config: ClientConfig, record: ServerRecord | None, span: Span, rows: int, tokens: int) -> float:
+def hang_timeout_s(config: ClientConfig, profile: ComputeProfile | None, span: Span, rows: int, tokens: int) -> float:
     """How long a reply of this span's server may take before the server counts as hung: its announced compute time
-    for `tokens` new tokens of `rows` sequences over the span's blocks, times hang_factor, plus hang_floor_s (load,
-    scheduling and the wire), at most step_timeout_s. A server that announces nothing gets the floor."""
-    compute = 0.0
-    if record is not None:
-        per_block = record.decode_s * rows if tokens == 1 else record.prefill_a_s * rows * tokens + record.prefill_b_s
-        compute = per_block * span.length
+    for `tokens` new tokens of `rows` sequences over the span's blocks (perf: `ComputeProfile.step_s`), times
+    hang_factor, plus hang_floor_s (load, scheduling and the wire), at most step_timeout_s. A server that announces
+    nothing gets the floor."""
+    compute = profile.step_s(span.length, rows, tokens) if profile is not None else 0.0
     return min(config.step_timeout_s, config.hang_floor_s + config.hang_factor * compute)
 
 

@@ -17,11 +17,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarmlm.client.chunking import ChunkRule, chunk_tokens_for_hop, split
+from swarmlm.client.chunking import chunk_tokens_for_hop, split
 from swarmlm.client.pipeline import AttemptOutcome, Chunk, Hop, OpenSpan, StepPipeline, hang_timeout_s, watchdog_s
 from swarmlm.client.remote import RemoteSequence
+from swarmlm.client.router import profile_of
 from swarmlm.client.streams import HopTiming, SpanStream
 from swarmlm.errors import InvalidRequest, ServerFailed, ServerHung
+from swarmlm.perf.model import ComputeProfile
+from swarmlm.swarm.records import ServerRecord
 from swarmlm.types import Route, Span
 from swarmlm.wire import compress
 
@@ -53,7 +56,7 @@ class InferenceSession:
         self.l_out_hint = l_out_hint
         self.spans: list[OpenSpan] = []
         self.steps: list[StepRecord] = []
-        self.route: Route | None = None
+        self._profiles: dict[str, tuple[ServerRecord, ComputeProfile]] = {}  # server id -> (record, its profile)
         self.open_s = 0.0  # routing + opening streams
         self.closed = False
 
@@ -74,7 +77,6 @@ class InferenceSession:
                     raise
                 log.warning("could not open a session: %s; routing around it", exc)
                 self.remote.view.ban(exc.server_id)
-        self.route = route
         self.open_s = time.perf_counter() - t0
         return self
 
@@ -131,7 +133,6 @@ class InferenceSession:
             return tokens
         if cfg.prefill_chunk_tokens is not None:
             return min(cfg.prefill_chunk_tokens, tokens)
-        rule = ChunkRule(min_tokens=cfg.chunk_min_tokens, max_tokens=cfg.chunk_max_tokens)
         sizes = []
         for s in self.spans:
             # in the format this link's messages go in (wire/compress.py), not the client's dtype
@@ -140,10 +141,9 @@ class InferenceSession:
             est = self.remote.channels.bandwidth(s.span.address)
             if est.rtt_s is None and s.span.server_id in self.remote.view.rtt_s:
                 est.rtt_s = self.remote.view.rtt_s[s.span.server_id]  # base cost, until a decode step measures it
-            record = self.remote.view.records.get(s.span.server_id)
-            a = record.prefill_a_s * s.span.length * hidden.shape[0] if record else 0.0
-            b = record.prefill_b_s * s.span.length if record else 0.0
-            sizes.append(chunk_tokens_for_hop(rule, bytes_per_token, est.bandwidth_bps, a, b))
+            profile = self._profile(s.span)
+            a, b = profile.prefill_step_terms(s.span.length, hidden.shape[0]) if profile is not None else (0.0, 0.0)
+            sizes.append(chunk_tokens_for_hop(cfg.chunk_rule, bytes_per_token, est.bandwidth_bps, a, b))
         return min(max(sizes), tokens)
 
     async def _step(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -170,8 +170,18 @@ class InferenceSession:
         self.steps.append(record)
         return hops[-1].outputs[0] if len(chunks) == 1 else torch.cat(hops[-1].outputs, dim=1)
 
+    def _profile(self, span: Span) -> ComputeProfile | None:
+        """The span's server's announced compute profile (None: not announced), built once per record seen."""
+        record = self.remote.view.records.get(span.server_id)
+        if record is None:
+            return None
+        seen = self._profiles.get(span.server_id)
+        if seen is None or seen[0] is not record:
+            seen = self._profiles[span.server_id] = (record, profile_of(record))
+        return seen[1]
+
     def _hang_timeout_s(self, span: Span, rows: int, tokens: int) -> float:
-        return hang_timeout_s(self.remote.config, self.remote.view.records.get(span.server_id), span, rows, tokens)
+        return hang_timeout_s(self.remote.config, self._profile(span), span, rows, tokens)
 
     def _stalled(self, outcome: AttemptOutcome, hops: list[Hop], record: StepRecord) -> None:
         """Nothing moved for a whole watchdog_s: every hop not done is reopened and replayed, a bounded number of
@@ -234,4 +244,5 @@ class InferenceSession:
             hidden = out
 
     def route_spans(self) -> list[Span]:
+        """The route as it is now (after any failover)."""
         return [s.span for s in self.spans]

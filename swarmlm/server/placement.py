@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from swarmlm.config import ServerConfig
 from swarmlm.model.checkpoint import TensorIndex, load_config, parse_dtype
-from swarmlm.model.family import family_for
+from swarmlm.model.families import family_for
 from swarmlm.model.quant import tensor_bytes
 from swarmlm.perf.model import ComputeProfile, ModelSpec, ServerSpec
 from swarmlm.planner.placement import blocks_for_concurrency, choose_range, lexicographic_window, petals_num_blocks
