@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from swarmlm.client.generate import GenerationStats
+from swarmlm.client.remote_cache import GenerationStats
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.machine import machine_info
 from swarmlm.model.checkpoint import load_config
@@ -108,7 +108,7 @@ def _session_decode(client: DistributedModelForCausalLM, i: int, tokens: int, ba
         for _ in range(tokens):
             session.step(x)
         spans.append((t0, time.perf_counter()))
-        batches.extend(h.batch_size for step in session.steps[-tokens:] for h in step.hops)  # as the server saw it
+        batches.extend(h.batched_steps for step in session.steps[-tokens:] for h in step.hops)  # as the server saw it
 
 
 def swarm_tokens_per_s(client: DistributedModelForCausalLM, n: int, tokens: int, concurrent: bool,
@@ -195,7 +195,7 @@ def generate_one(client: DistributedModelForCausalLM, i: int, tokens: int) -> di
     t0 = time.time()  # wall clock: comparable across processes
     out = client.generate(gen_prompt(i), max_new_tokens=tokens, do_sample=False, eos_token_id=None, stats=stats)
     t1 = time.time()
-    decode = [h.batch_size for step in stats.steps if step.tokens == 1 for h in step.hops]
+    decode = [h.batched_steps for step in stats.steps if step.tokens == 1 for h in step.hops]
     return {"start": t0, "end": t1, "tokens": out[0].tolist(), "server_batches": decode, "head_s": stats.head_s}
 
 

@@ -108,7 +108,7 @@ def one_round(model_dir: str, clients: list[DistributedModelForCausalLM], views:
                       "arrival_s": i * gap_s, "seen": dict(views[i]),
                       "server_step_s": statistics.median(h.queued_s + h.compute_s for h in hops),
                       "server_queued_s": statistics.median(h.queued_s for h in hops),
-                      "server_batch": statistics.fmean(h.batch_size for h in hops),
+                      "server_batch": statistics.fmean(h.batched_steps for h in hops),
                       "client_compute_per_token_s": (stats.embed_s + stats.head_s + stats.sample_s) / l_out}
 
     threads = []

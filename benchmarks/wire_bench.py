@@ -26,7 +26,7 @@ import torch
 
 from swarmlm.bench.runner import BenchConfig, start_swarm
 from swarmlm.bench.strategies import StrategyConfig
-from swarmlm.client.generate import GenerationStats
+from swarmlm.client.remote_cache import GenerationStats
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.machine import machine_info
 from swarmlm.model.checkpoint import load_config

@@ -30,6 +30,70 @@ WIRE_DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16", "int8")  # as swar
 
 
 @dataclass(frozen=True)
+class StragglerWait:
+    """How long a batch about to run waits for members expected soon (the server's compute rounds,
+    server/scheduler.py; the client's LM heads, client/head_batcher.py): at most `fraction` x the last batch's
+    compute time and at most `max_s`, and only while someone expected is missing. A lone member never waits:
+    nobody else is expected."""
+
+    fraction: float  # of the last batch's compute time (0 = never wait)
+    max_s: float  # seconds, whatever the last batch took
+
+    def __post_init__(self) -> None:
+        if self.fraction < 0 or self.max_s < 0:
+            raise ValueError(f"a straggler wait's fraction ({self.fraction}) and max_s ({self.max_s}) must be >= 0")
+
+    def left_s(self, missing: int, last_batch_s: float, waited_s: float) -> float:
+        """Seconds more to wait, having waited `waited_s` already, with `missing` expected members not arrived:
+        0 = run the batch now."""
+        if missing <= 0:
+            return 0.0
+        return max(0.0, min(self.max_s, self.fraction * last_batch_s) - waited_s)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The server's compute rounds (server/scheduler.py)."""
+
+    # continuous batching: one compute round takes queued steps of all sessions up to this many tokens (rows x new
+    # tokens; a decode step of a batch-1 session is 1). Larger: more decode steps share a forward and prefill
+    # chunks join rounds sooner; smaller: a round (so the wait for the next token) is shorter.
+    max_batch_tokens: int = 512
+    max_prefill_skips: int = 2  # rounds the oldest prefill that does not fit the budget may be passed over
+    # before a round, wait for the last decode forwards' sessions to send their next step (of the longer of the last
+    # two decode forwards), so sessions in lockstep share one forward
+    batch_wait: StragglerWait = StragglerWait(fraction=0.05, max_s=0.01)
+    # a lone session's decode step whose last forward took at most this long runs on the I/O loop's thread, without
+    # the two hand-offs to the compute thread and back; it blocks the loop that long (0 = never)
+    inline_decode_max_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.max_batch_tokens < 1 or self.max_prefill_skips < 0:
+            raise ValueError(f"max_batch_tokens ({self.max_batch_tokens}) must be >= 1 and max_prefill_skips "
+                             f"({self.max_prefill_skips}) >= 0")
+        if self.inline_decode_max_s < 0:
+            raise ValueError(f"inline_decode_max_s must be >= 0, got {self.inline_decode_max_s}")
+
+
+@dataclass(frozen=True)
+class ChunkRule:
+    """The automatic prefill chunk size's bounds and costs (client/chunking.py)."""
+
+    min_tokens: int = 16  # below this, per-message costs dominate whatever the link
+    max_tokens: int = 256  # above this, a chunk holds a slow link for long (256 tokens of a 4 KB state = 1 MB)
+    overhead_fraction: float = 0.1  # on a compute-bound hop: a chunk's fixed cost at most this share of its compute
+    message_overhead_s: float = 1e-3  # per message: gRPC framing, the client's parse/relay, event-loop wake-ups
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"need 1 <= min_tokens ({self.min_tokens}) <= max_tokens ({self.max_tokens})")
+        if not 0 < self.overhead_fraction <= 1:
+            raise ValueError(f"overhead_fraction must be in (0, 1], got {self.overhead_fraction}")
+        if self.message_overhead_s < 0:
+            raise ValueError(f"message_overhead_s must be >= 0, got {self.message_overhead_s}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     model_dir: str
     blocks: BlockRange | None  # None: choose a range from what the swarm already covers
@@ -53,18 +117,7 @@ class ServerConfig:
     max_sessions: int = 64  # open sessions at once
     max_length_tokens: int = 2048  # longest session (prompt + generated) accepted
     max_batch: int = 64  # sequences in one session
-    # continuous batching: one compute round takes queued steps of all sessions up to this many tokens (rows x new
-    # tokens; a decode step of a batch-1 session is 1). Larger: more decode steps share a forward and prefill
-    # chunks join rounds sooner; smaller: a round (so the wait for the next token) is shorter.
-    max_batch_tokens: int = 512
-    max_prefill_skips: int = 2  # rounds the oldest prefill that does not fit the budget may be passed over
-    # before a round, wait up to this fraction of the last decode forward (and at most max_batch_wait_s) for that
-    # forward's sessions to send their next step, so sessions in lockstep share one forward (0 = never wait)
-    batch_wait_fraction: float = 0.05
-    max_batch_wait_s: float = 0.01
-    # a lone session's decode step whose last forward took at most this long runs on the I/O loop's thread, without
-    # the two hand-offs to the compute thread and back (server/scheduler.py); it blocks the loop that long (0 = never)
-    inline_decode_max_s: float = 0.05
+    scheduler: SchedulerConfig = SchedulerConfig()  # compute rounds: batching, straggler wait, inline decodes
     max_message_bytes: int = 64 << 20  # largest gRPC message accepted or sent
     session_idle_timeout_s: float = 120.0  # a session with no step for this long is closed
     # Limits against greedy or hostile peers (docs/FAILURES.md, "Bounded resources"). A peer is a remote host.
@@ -97,17 +150,10 @@ class ServerConfig:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         for name in ("cache_bytes", "max_sessions", "max_length_tokens", "max_batch", "max_message_bytes",
-                     "max_batch_tokens", "max_sessions_per_peer", "max_peer_bytes_in_flight", "max_concurrent_rpcs",
+                     "max_sessions_per_peer", "max_peer_bytes_in_flight", "max_concurrent_rpcs",
                      "max_request_tokens", "max_attention_cost", "open_idle_timeout_s", "session_idle_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_prefill_skips < 0:
-            raise ValueError(f"max_prefill_skips must be >= 0, got {self.max_prefill_skips}")
-        if self.batch_wait_fraction < 0 or self.max_batch_wait_s < 0:
-            raise ValueError(f"batch_wait_fraction and max_batch_wait_s must be >= 0, got {self.batch_wait_fraction}, "
-                             f"{self.max_batch_wait_s}")
-        if self.inline_decode_max_s < 0:
-            raise ValueError(f"inline_decode_max_s must be >= 0, got {self.inline_decode_max_s}")
         if self.join_settle_s < 0:
             raise ValueError(f"join_settle_s must be >= 0, got {self.join_settle_s}")
         if self.resume_grace_s < 0:
@@ -139,10 +185,8 @@ class ClientConfig:
     wire_dtype: str = "auto"
     threads: int = 1  # torch threads for the client's embeddings and LM head
     # concurrent sessions of one client process share ONE LM-head matmul (swarmlm/client/head_batcher.py): a call
-    # waits for the other recently seen sessions at most this fraction of the last head time (and
-    # max_head_batch_wait_s); a lone session never waits. 0 = every session runs its own head
-    head_batch_wait_fraction: float = 1.0
-    max_head_batch_wait_s: float = 1.0
+    # waits for the other recently seen sessions (of the last head time); fraction 0 = every session runs its own head
+    head_batch_wait: StragglerWait = StragglerWait(fraction=1.0, max_s=1.0)
     wait_for_blocks_s: float = 30.0  # how long to wait for missing blocks before failing
     step_timeout_s: float = 60.0  # one step through one server, at most (see hang_factor)
     # a server is hung (alive, not answering) when a step makes no progress there for hang_factor x its announced
@@ -161,8 +205,7 @@ class ClientConfig:
     # per output token where long prompts meet decodes on 20 Mbit/s-1 Gbit/s links, neutral on loopback
     # (docs/RESULTS-molink.md).
     prefill_chunk_tokens: int | None = None
-    chunk_min_tokens: int = 16  # bounds of the automatic size: smaller chunks cost more per-message overhead,
-    chunk_max_tokens: int = 256  # larger ones hold a slow link (and the decodes behind them) for longer
+    chunk_rule: ChunkRule = ChunkRule()  # the automatic size's bounds and costs
     decode_first: bool = True  # decode messages pass waiting prefill chunks on each link (False: arrival order)
     max_decode_burst: int = 8  # decode messages in a row that may pass a waiting prefill chunk (fairness)
     prefill_window: int = 2  # with chunking: prefill chunks per link written and not yet answered
@@ -182,9 +225,6 @@ class ClientConfig:
             raise ValueError(f"wire_dtype must be one of {', '.join(WIRE_DTYPE_NAMES)}, got {self.wire_dtype!r}")
         if self.threads < 1 or self.max_retries < 0:
             raise ValueError("threads must be >= 1 and max_retries >= 0")
-        if self.head_batch_wait_fraction < 0 or self.max_head_batch_wait_s < 0:
-            raise ValueError(f"head_batch_wait_fraction ({self.head_batch_wait_fraction}) and max_head_batch_wait_s "
-                             f"({self.max_head_batch_wait_s}) must be >= 0")
         if not (self.step_timeout_s > 0 and self.hang_factor > 0 and self.hang_floor_s > 0):
             raise ValueError(f"step_timeout_s ({self.step_timeout_s}), hang_factor ({self.hang_factor}) and "
                              f"hang_floor_s ({self.hang_floor_s}) must be > 0")
@@ -192,8 +232,6 @@ class ClientConfig:
             raise ValueError(f"records_max_age_s must be >= 0, got {self.records_max_age_s}")
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 0:
             raise ValueError(f"prefill_chunk_tokens must be None (auto), 0 (off) or positive, got {self.prefill_chunk_tokens}")
-        if not 1 <= self.chunk_min_tokens <= self.chunk_max_tokens:
-            raise ValueError(f"need 1 <= chunk_min_tokens ({self.chunk_min_tokens}) <= chunk_max_tokens ({self.chunk_max_tokens})")
         if self.max_decode_burst < 1 or self.prefill_window < 1:
             raise ValueError(f"max_decode_burst ({self.max_decode_burst}) and prefill_window ({self.prefill_window}) must be >= 1")
         if self.assumed_bandwidth_bps <= 0:

@@ -34,6 +34,19 @@ def stub(address: str) -> pb_grpc.SwarmStub:
     return pb_grpc.SwarmStub(sync_channel(address))
 
 
+def greedy_reference(model_dir: str, text: str, new_tokens: int):
+    """What a distributed run must reproduce: the prompt's ids [1, T] and plain transformers' greedy continuation
+    (`new_tokens` token ids; min_new_tokens too, so eos never ends it early: a manual step loop never stops there)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir)(text, return_tensors="pt").input_ids
+    ref = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        out = ref.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return ids, out[0, ids.shape[1]:].tolist()
+
+
 # ---- emulated links on a busy machine --------------------------------------------------------------------------
 # A busy machine only ever adds time: a delay the emulator applies is never missing from a measurement, and a rate
 # limit is never exceeded, while what the host adds on top varies with load (medians of +40 ms were seen on a 20 ms

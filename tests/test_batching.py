@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from swarmlm.config import SchedulerConfig, StragglerWait
 from swarmlm.model.checkpoint import load_client_modules
 from swarmlm.server.kv_cache import SpanCache
 from swarmlm.server.scheduler import DECODE, PREFILL, Batchable, Job, Scheduler, plan_round
@@ -216,12 +217,14 @@ async def _until(condition, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.005)
 
 
-def _blocker(hold: threading.Event, running: threading.Event):
-    """A job that keeps the worker thread busy until `hold` is set; `running` tells it has started."""
-    def block() -> None:
+def _blocker(hold: threading.Event, running: threading.Event) -> Batchable:
+    """Work that keeps the worker thread busy until `hold` is set; `running` tells it has started. Submitted as a
+    prefill, so no decode round is recorded for it."""
+    def block(items: list) -> list:
         running.set()
         hold.wait(120)
-    return block
+        return [None] * len(items)
+    return Batchable(block, "blocker", None, "blocker")
 
 
 def test_scheduler_batches_concurrent_decode_steps(tiny_llama):
@@ -239,12 +242,12 @@ def test_scheduler_batches_concurrent_decode_steps(tiny_llama):
     one = torch.ones(1, 1, dtype=torch.long)
     want = [stage.step(a, x, one) for a, x in zip(alone_states, xs)]
     prompt_state = stage.new_state(stage.blocks, 1)
-    scheduler = Scheduler(threads=1, max_batch_tokens=64)
+    scheduler = Scheduler(1, SchedulerConfig(max_batch_tokens=64))
     hold, running = threading.Event(), threading.Event()
     order: list[str] = []
 
     async def main():
-        blocker = asyncio.ensure_future(scheduler.submit(_blocker(hold, running)))
+        blocker = asyncio.ensure_future(scheduler.submit_batchable(_blocker(hold, running), PREFILL, 1))
         await _until(running.is_set)  # the worker is now busy: what follows queues up, one round
 
         async def step(name, state, x, mask):
@@ -265,10 +268,10 @@ def test_scheduler_batches_concurrent_decode_steps(tiny_llama):
         scheduler.stop()
     assert order[-1] == "prefill"  # queued first, run after the decode batch
     for (out, timing), expected in zip(decoded, want):
-        assert timing.batch_size == 4 and timing.compute_s > 0 and timing.queued_s > 0
+        assert timing.batched_steps == 4 and timing.compute_s > 0 and timing.queued_s > 0
         assert (out - expected).abs().max().item() < 1e-4
     assert len({t.compute_s for _, t in decoded}) == 1  # each member reports the batch's compute time
-    assert prefill_timing.batch_size == 1 and prompt_state.position == 6
+    assert prefill_timing.batched_steps == 1 and prompt_state.position == 6
 
 
 def test_a_failing_item_fails_alone():
@@ -277,11 +280,11 @@ def test_a_failing_item_fails_alone():
             raise ValueError("bad item")
         return [f"{i}!" for i in items]
 
-    scheduler = Scheduler(threads=1)
+    scheduler = Scheduler(1)
     hold, running = threading.Event(), threading.Event()
 
     async def main():
-        blocker = asyncio.ensure_future(scheduler.submit(_blocker(hold, running)))
+        blocker = asyncio.ensure_future(scheduler.submit_batchable(_blocker(hold, running), PREFILL, 1))
         await _until(running.is_set)
         jobs = [
             asyncio.ensure_future(scheduler.submit_batchable(Batchable(run_batch, "k", item, item), DECODE, 1))
@@ -314,7 +317,7 @@ def _lockstep(scheduler: Scheduler, sessions: int, rounds, return_s) -> list[lis
     async def session(i: int) -> None:
         for _ in range(steps[i]):
             _, timing = await scheduler.submit_batchable(Batchable(forward, "decode", i, member=i), DECODE, 1)
-            seen[i].append(timing.batch_size)
+            seen[i].append(timing.batched_steps)
             await asyncio.sleep(return_s(i))
 
     async def main() -> None:
@@ -345,31 +348,31 @@ def _straggler_waits(scheduler: Scheduler) -> list[float]:
 # The wait's bounds below are generous (up to 2 s where the product waits 10 ms): stragglers come back within
 # 10-40 ms, so how long a busy machine delays a thread does not decide which rounds form. The product's own
 # setting is measured in benchmarks/batching_bench.py.
-WAIT = dict(batch_wait_fraction=100.0, max_batch_wait_s=2.0)
+WAIT = SchedulerConfig(batch_wait=StragglerWait(fraction=100.0, max_s=2.0))
 
 
 def test_sessions_in_lockstep_share_a_forward_when_the_server_waits_for_stragglers():
     staggered = lambda i: 0.01 * (i + 1)  # replies come back 10-40 ms apart (a forward takes 20 ms)
-    with_wait = _lockstep(Scheduler(threads=1, **WAIT), 4, 12, staggered)
+    with_wait = _lockstep(Scheduler(1, WAIT), 4, 12, staggered)
     assert all(b == 4 for s in with_wait for b in s[3:]), with_wait  # once in step, every round holds all four
-    pair = _lockstep(Scheduler(threads=1, **WAIT), 2, 8, staggered)
+    pair = _lockstep(Scheduler(1, WAIT), 2, 8, staggered)
     assert all(b == 2 for s in pair for b in s[2:]), pair
     # without the wait the same sessions do not fill the rounds: the first back runs alone
-    without = _lockstep(Scheduler(threads=1, batch_wait_fraction=0), 4, 12, staggered)
+    without = _lockstep(Scheduler(1, SchedulerConfig(batch_wait=StragglerWait(0, 0.01))), 4, 12, staggered)
     assert statistics.mean(b for s in without for b in s[3:]) < 4, without
-    pair = _lockstep(Scheduler(threads=1, batch_wait_fraction=0), 2, 8, staggered)
+    pair = _lockstep(Scheduler(1, SchedulerConfig(batch_wait=StragglerWait(0, 0.01))), 2, 8, staggered)
     assert any(b == 1 for s in pair for b in s[2:]), pair
 
 
 def test_a_lone_session_never_waits_and_fruitless_waits_stop():
-    scheduler = Scheduler(threads=1, **WAIT)
+    scheduler = Scheduler(1, WAIT)
     waits = _straggler_waits(scheduler)
     _lockstep(scheduler, 1, 10, lambda i: 0.0)
     assert waits == []  # nobody to wait for
     # session 1 comes back 250 ms after its reply, far too late for a 2 ms wait (a slow link), while session 0
     # steps on: each round of session 1 is followed by two fruitless waits for it (it stays among the last two
     # rounds' sessions); after 4 waits that gathered nobody, none more for 32 rounds
-    scheduler = Scheduler(threads=1, batch_wait_fraction=0.1, max_batch_wait_s=0.002)
+    scheduler = Scheduler(1, SchedulerConfig(batch_wait=StragglerWait(fraction=0.1, max_s=0.002)))
     waits = _straggler_waits(scheduler)
     seen = _lockstep(scheduler, 2, [100, 6], lambda i: 0.25 * i)
     assert scheduler._fruitless >= 4 and scheduler._skipped_waits > 0, (seen, waits)
@@ -391,7 +394,7 @@ def _threads_of(scheduler: Scheduler, plan: list[list[str]], forward_s: float = 
             jobs = [scheduler.submit_batchable(Batchable(forward, "decode", m, member=m[0]), DECODE, 1)
                     for m in members]
             results = await asyncio.gather(*jobs, return_exceptions=True)
-            out.append([("error", 0) if isinstance(r, Exception) else (r[0], r[1].batch_size) for r in results])
+            out.append([("error", 0) if isinstance(r, Exception) else (r[0], r[1].batched_steps) for r in results])
         return out
 
     try:
@@ -402,29 +405,42 @@ def _threads_of(scheduler: Scheduler, plan: list[list[str]], forward_s: float = 
 
 def test_a_lone_sessions_decode_steps_skip_the_hand_off_to_the_compute_thread():
     main_thread = threading.current_thread().name  # asyncio.run's loop runs on it
-    rounds = _threads_of(scheduler := Scheduler(threads=1), [["a"]] * 5)
+    rounds = _threads_of(scheduler := Scheduler(1), [["a"]] * 5)
     # the first step goes to the worker (no forward time known yet); once the last decode rounds held only this
     # session and were short, its steps run on the caller's thread
     assert [r[0][0] for r in rounds] == ["swarmlm-compute"] + [main_thread] * 4, rounds
     assert scheduler.inline_runs == 4
     # a second session: both go to the worker and share forwards; alone again, the first goes back to inline
     plan = [["a"], ["a"], ["a", "b"], ["a", "b"], ["a", "b"], ["a"], ["a"], ["a"], ["a"]]
-    rounds = _threads_of(Scheduler(threads=1), plan)
+    rounds = _threads_of(Scheduler(1), plan)
     # "a" comes first and runs inline ("b" is new); "b", queued meanwhile, goes to the worker
     assert rounds[2] == [(main_thread, 1), ("swarmlm-compute", 1)], rounds
     assert rounds[3] == rounds[4] == [("swarmlm-compute", 2)] * 2, rounds  # from then on they batch
     assert rounds[5][0][0] == "swarmlm-compute"  # "b" is still among the last two rounds' sessions
     assert rounds[-1][0][0] == main_thread, rounds
     # a failing step inline fails alone and changes nothing for the next one
-    rounds = _threads_of(Scheduler(threads=1), [["a"], ["a"], ["abad"], ["a"]])
+    rounds = _threads_of(Scheduler(1), [["a"], ["a"], ["abad"], ["a"]])
     assert rounds[2] == [("error", 0)] and rounds[3] == [(main_thread, 1)], rounds
 
 
 def test_no_inline_decode_when_switched_off_or_when_a_forward_is_long():
-    off = _threads_of(Scheduler(threads=1, inline_decode_max_s=0), [["a"]] * 4)
+    off = _threads_of(Scheduler(1, SchedulerConfig(inline_decode_max_s=0)), [["a"]] * 4)
     assert all(r[0][0] == "swarmlm-compute" for r in off), off
     # a forward longer than the limit would block the server's I/O loop that long: it stays on the worker
-    slow = _threads_of(Scheduler(threads=1, inline_decode_max_s=0.01), [["a"]] * 4, forward_s=0.05)
+    slow = _threads_of(Scheduler(1, SchedulerConfig(inline_decode_max_s=0.01)), [["a"]] * 4, forward_s=0.05)
     assert all(r[0][0] == "swarmlm-compute" for r in slow), slow
     with pytest.raises(ValueError, match="inline_decode_max_s"):
-        Scheduler(threads=1, inline_decode_max_s=-1)
+        SchedulerConfig(inline_decode_max_s=-1)
+
+
+def test_one_straggler_wait_rule_for_server_rounds_and_client_heads():
+    """config.StragglerWait.left_s decides both waits (server/scheduler.py, client/head_batcher.py): no clock."""
+    wait = StragglerWait(fraction=0.5, max_s=0.01)
+    assert wait.left_s(missing=0, last_batch_s=1.0, waited_s=0.0) == 0.0  # everyone expected is here: run now
+    assert wait.left_s(missing=2, last_batch_s=0.004, waited_s=0.0) == pytest.approx(0.002)  # half the last batch
+    assert wait.left_s(missing=2, last_batch_s=0.004, waited_s=0.0015) == pytest.approx(0.0005)
+    assert wait.left_s(missing=2, last_batch_s=0.004, waited_s=0.003) == 0.0  # spent
+    assert wait.left_s(missing=1, last_batch_s=1.0, waited_s=0.0) == 0.01  # capped at max_s
+    assert StragglerWait(fraction=0.0, max_s=1.0).left_s(missing=3, last_batch_s=1.0, waited_s=0.0) == 0.0  # off
+    with pytest.raises(ValueError, match="must be >= 0"):
+        StragglerWait(fraction=-1.0, max_s=1.0)

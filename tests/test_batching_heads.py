@@ -12,12 +12,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swarmlm.client.head_batcher import HeadBatcher
 from swarmlm.client.model import DistributedModelForCausalLM, lm_head
+from swarmlm.config import StragglerWait
 from swarmlm.model.checkpoint import load_config
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
 from tests.swarm_helpers import run_in_threads
 
-FOREVER = dict(wait_fraction=1e9, max_wait_s=1e6)  # a wait that only an arrival (or a close) ends
+FOREVER = StragglerWait(fraction=1e9, max_s=1e6)  # a wait that only an arrival (or a close) ends
 
 
 class Session:
@@ -31,7 +32,7 @@ def _head() -> torch.nn.Module:
 
 def test_concurrent_callers_share_one_batch_and_get_their_own_rows():
     head = _head()
-    batcher = HeadBatcher(head, **FOREVER)
+    batcher = HeadBatcher(head, FOREVER)
     sessions = [Session() for _ in range(4)]
     xs = [[torch.randn(1, 1 + i % 2, 16) for _ in range(6)] for i in range(4)]  # rows of 1 and 2 tokens
     got: dict[tuple[int, int], torch.Tensor] = {}
@@ -60,7 +61,7 @@ def test_concurrent_callers_share_one_batch_and_get_their_own_rows():
 
 def test_a_lone_session_never_waits_and_a_closed_one_is_not_waited_for():
     head = _head()
-    batcher = HeadBatcher(head, wait_fraction=1e9, max_wait_s=0.5)
+    batcher = HeadBatcher(head, StragglerWait(fraction=1e9, max_s=0.5))
     a, b = Session(), Session()
     done = []
 
@@ -74,7 +75,7 @@ def test_a_lone_session_never_waits_and_a_closed_one_is_not_waited_for():
     batcher.max_wait_s = 1e6  # from now on only an arrival or a close ends a wait
     a.closed = True  # as generate() closes its session when it ends
     run_in_threads(lambda i: done.append(batcher(b, torch.randn(1, 1, 16))), 1, 60)  # a wait for `a` would never end
-    lone = HeadBatcher(head, **FOREVER)
+    lone = HeadBatcher(head, FOREVER)
     s = Session()
     run_in_threads(lambda i: [done.append(lone(s, torch.randn(2, 1, 16))) for _ in range(3)], 1, 60)
     assert len(done) == 12 and set(lone.batch_sizes) == {1}
@@ -86,7 +87,7 @@ def test_an_error_reaches_every_caller_of_the_batch_and_the_batcher_goes_on():
             raise ValueError("not a number")
         return x * 2
 
-    batcher = HeadBatcher(head, **FOREVER)
+    batcher = HeadBatcher(head, FOREVER)
     sessions = [Session(), Session()]
     errors: list[BaseException] = []
     barrier = threading.Barrier(2)
@@ -126,7 +127,7 @@ def swarm(request, checkpoints):
         swarm.start([BlockRange(0, int(load_config(path).num_hidden_layers))])
         # a head batch waits (up to 30 s) for every session recently seen: batching is certain, not up to timing
         client = DistributedModelForCausalLM.from_pretrained(path, servers=swarm.addresses, routing="shortest",
-                                                             head_batch_wait_fraction=1e9, max_head_batch_wait_s=30)
+                                                             head_batch_wait=StragglerWait(1e9, 30))
         ref = AutoModelForCausalLM.from_pretrained(path).eval()
         yield path, client, ref
         client.close()

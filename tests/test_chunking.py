@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from swarmlm.client.chunking import BandwidthEstimate, ChunkRule, chunk_tokens_for_hop, split
+from swarmlm.client.chunking import BandwidthEstimate, chunk_tokens_for_hop, split
+from swarmlm.config import ChunkRule
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.client.streams import SpanStream
 from swarmlm.swarm.local import LocalSwarm, even_split

@@ -7,11 +7,11 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
+from tests.swarm_helpers import greedy_reference
 
 pytestmark = pytest.mark.slow
 RANGES = [BlockRange(0, 2), BlockRange(2, 4), BlockRange(4, 6)]
@@ -30,12 +30,7 @@ def swarm(tiny_bloom):
 
 @pytest.fixture(scope="module")
 def reference(tiny_bloom):
-    ref = AutoModelForCausalLM.from_pretrained(tiny_bloom).eval()
-    ids = AutoTokenizer.from_pretrained(tiny_bloom)("the quick brown fox", return_tensors="pt").input_ids
-    with torch.no_grad():
-        # min_new_tokens keeps eos from ending the run early, as the manual loop below never stops at eos
-        want = ref.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-    return ids, want[0, ids.shape[1]:].tolist()
+    return greedy_reference(tiny_bloom, "the quick brown fox", NEW_TOKENS)
 
 
 def restore(swarm: LocalSwarm, client: DistributedModelForCausalLM) -> None:

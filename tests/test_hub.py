@@ -22,7 +22,7 @@ from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.config import ClientConfig, ServerConfig
 from swarmlm.model.checkpoint import TensorIndex, load_blocks, load_client_modules, load_config, parse_dtype
 from swarmlm.model.families import family_for
-from swarmlm.model.identity import Fingerprints, WeightsCheck, dht_prefix, model_identity
+from swarmlm.model.fingerprint import Fingerprints, WeightsCheck, dht_prefix, model_identity
 from swarmlm.model.random_checkpoint import init_checkpoint
 from swarmlm.model.source import ModelNotFound, resolve
 from swarmlm.swarm.dht import default_prefix

@@ -7,12 +7,11 @@ import signal
 import time
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
+from tests.swarm_helpers import greedy_reference
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 16
@@ -37,11 +36,7 @@ def swarm(tiny_bloom):
 
 def test_sigstop_mid_generation_names_and_bans_the_stopped_server(swarm, tiny_bloom):
     swarm_, client = swarm
-    ids = AutoTokenizer.from_pretrained(tiny_bloom)("the quick brown fox", return_tensors="pt").input_ids
-    ref = AutoModelForCausalLM.from_pretrained(tiny_bloom).eval()
-    with torch.no_grad():
-        want = ref.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-    want = want[0, ids.shape[1]:].tolist()
+    ids, want = greedy_reference(tiny_bloom, "the quick brown fox", NEW_TOKENS)
 
     stopped = None
     tokens = []
@@ -73,13 +68,13 @@ def test_sigstop_mid_generation_names_and_bans_the_stopped_server(swarm, tiny_bl
 
 def test_the_hang_timeout_follows_the_announced_speed():
     """Floor + factor x announced compute for the step over the span, capped by step_timeout_s."""
-    from swarmlm.client.session import hang_timeout_s, watchdog_s
+    from swarmlm.client.pipeline import hang_timeout_s, watchdog_s
     from swarmlm.config import ClientConfig
-    from swarmlm.swarm.records import ServerRecord
+    from swarmlm.perf.model import ComputeProfile
     from swarmlm.types import Span
 
     cfg = ClientConfig(hang_factor=10.0, hang_floor_s=5.0, step_timeout_s=60.0)
-    rec = ServerRecord("s", "127.0.0.1:1", 0, 4, decode_s=0.01, prefill_a_s=0.001, prefill_b_s=0.02)
+    rec = ComputeProfile(prefill_a_s=0.001, prefill_b_s=0.02, decode_s=0.01)
     span = Span("s", 0, 4)
     assert hang_timeout_s(cfg, rec, span, rows=1, tokens=1) == pytest.approx(5.0 + 10 * 0.01 * 4)
     assert hang_timeout_s(cfg, rec, span, rows=2, tokens=100) == pytest.approx(5.0 + 10 * (0.001 * 200 + 0.02) * 4)

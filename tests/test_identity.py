@@ -9,11 +9,9 @@ import threading
 from dataclasses import replace
 
 import pytest
-import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.model.random_checkpoint import init_checkpoint
@@ -24,6 +22,7 @@ from swarmlm.swarm.local import LocalSwarm
 from swarmlm.swarm.records import MAX_RECORD_TTL_S, ServerRecord, block_key
 from swarmlm.types import BlockRange
 from swarmlm.wire import swarm_pb2 as pb
+from tests.swarm_helpers import greedy_reference
 
 
 class RawDHT(ThreadDHT):
@@ -129,11 +128,7 @@ def swarm(tiny_bloom, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny_bloom):
-    ref = AutoModelForCausalLM.from_pretrained(tiny_bloom).eval()
-    ids = AutoTokenizer.from_pretrained(tiny_bloom)("a forged record", return_tensors="pt").input_ids
-    with torch.no_grad():
-        want = ref.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-    return ids, want[0, ids.shape[1]:].tolist()
+    return greedy_reference(tiny_bloom, "a forged record", NEW_TOKENS)
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarmlm.client.microbatch import choose_num_microbatches, decode_time_fn, transfer_time_fn
+from swarmlm.bench.microbatch import choose_num_microbatches, decode_time_fn, transfer_time_fn
 
 
 def test_one_or_two_requests():
@@ -62,7 +62,7 @@ def test_helper_units():
 
 from types import SimpleNamespace  # noqa: E402
 
-from swarmlm.client.microbatch import MicroBatchPlanner  # noqa: E402
+from swarmlm.bench.microbatch import MicroBatchPlanner  # noqa: E402
 
 
 def _step(compute_s: float, network_s: float, tokens: int = 1):

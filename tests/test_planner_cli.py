@@ -55,7 +55,7 @@ def test_plain_output_is_a_table(topo_file, capsys):
 def test_uncoverable_model_is_a_clear_error(tmp_path, capsys):
     path = tmp_path / "one.json"
     path.write_text(json.dumps(ISSUE_EXAMPLE))  # one server holds 3 of 6 blocks
-    assert main(["plan", "--topology", str(path), "--algorithm", "cg-bprr"]) == 1
+    assert main(["plan", "--topology", str(path), "--algorithm", "cg-bprr"]) == 2
     err = capsys.readouterr().err
     assert "cannot be covered" in err and "3 of 6 blocks" in err and "warning" in err
 
@@ -65,7 +65,7 @@ def test_bad_topology_is_a_clear_error(tmp_path, capsys):
     doc["servers"][0]["memory_bytes"] = -1
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(doc))
-    assert main(["plan", "--topology", str(path), "--algorithm", "petals"]) == 1
+    assert main(["plan", "--topology", str(path), "--algorithm", "petals"]) == 2
     assert "servers[0] (s1).memory_bytes" in capsys.readouterr().err
 
 

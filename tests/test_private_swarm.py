@@ -11,7 +11,6 @@ import grpc
 import pytest
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.errors import SwarmAccessDenied
@@ -24,6 +23,7 @@ from swarmlm.swarm.records import ServerRecord
 from swarmlm.types import BlockRange
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
+from tests.swarm_helpers import greedy_reference
 
 NEW_TOKENS = 6
 
@@ -62,17 +62,14 @@ def swarm(tiny_bloom, key_file):
 
 @pytest.mark.slow
 def test_holders_of_the_key_generate_exactly(swarm, tiny_bloom, key_file):
-    ref = AutoModelForCausalLM.from_pretrained(tiny_bloom).eval()
-    ids = AutoTokenizer.from_pretrained(tiny_bloom)("only members", return_tensors="pt").input_ids
-    with torch.no_grad():
-        want = ref.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    ids, want = greedy_reference(tiny_bloom, "only members", NEW_TOKENS)
     client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers,
                                                          swarm_key=load_swarm_key(key_file))
     pushing = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers,
                                                           swarm_key=load_swarm_key(key_file), push=True)
     try:
         out = client.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
-        assert out[0, ids.shape[1]:].tolist() == want[0, ids.shape[1]:].tolist()
+        assert out[0, ids.shape[1]:].tolist() == want
         # server-to-server pushes carry the key too: the first server's output reaches the second directly
         with torch.no_grad(), pushing.inference_session(max_length=ids.shape[1] + 4) as session:
             got = pushing.step_logits(session, ids)

@@ -41,9 +41,9 @@ def test_simulate_duration_petals_table_and_errors(tmp_path, capsys):
     topo = _topology(tmp_path)
     assert main(["simulate", "--topology", topo, "--algorithm", "petals", "--duration", "30"]) == 0
     assert "per-token time" in capsys.readouterr().out
-    assert main(["simulate", "--topology", str(tmp_path / "missing.json"), "--algorithm", "petals"]) == 1
+    assert main(["simulate", "--topology", str(tmp_path / "missing.json"), "--algorithm", "petals"]) == 2
     assert "error" in capsys.readouterr().err
-    assert main(["simulate", "--topology", topo, "--requests", "0"]) == 1
+    assert main(["simulate", "--topology", topo, "--requests", "0"]) == 2
     capsys.readouterr()
     trace = tmp_path / "trace.csv"
     trace.write_text("arrival_s,input_tokens,output_tokens\n0,20,4\n1.5,20,8\n")

@@ -9,7 +9,7 @@ import pytest
 from swarmlm.perf.model import ComputeProfile, Network, PerfModel
 from swarmlm.sim.arrivals import SimRequest
 from swarmlm.sim.cluster import Cluster, SimServerConfig, SimServer, slots_from_memory
-from swarmlm.sim.engine import Engine
+from swarmlm.sim.engine import EventLoop
 from swarmlm.sim.routers import FixedRouter
 from swarmlm.sim.session import ClientBehaviour
 from swarmlm.sim.simulator import run_simulation
@@ -30,7 +30,7 @@ class Ping:
 
 def test_engine_runs_events_in_time_then_fifo_order():
     log: list = []
-    eng = Engine(log)
+    eng = EventLoop(log)
     eng.schedule(Ping(2.0, "late"))
     eng.schedule(Ping(1.0, "a", then=((0.0, "a-now"), (0.5, "a-later"))))
     eng.schedule(Ping(1.0, "b"))
@@ -42,11 +42,11 @@ def test_engine_runs_events_in_time_then_fifo_order():
 
 def test_engine_refuses_events_in_the_past_and_stops_at_until():
     log: list = []
-    eng = Engine(log)
+    eng = EventLoop(log)
     eng.schedule(Ping(1.0, "a", then=((-0.5, "past"),)))
     with pytest.raises(ValueError, match="not in"):
         eng.run()
-    eng2 = Engine([])
+    eng2 = EventLoop([])
     for t in (1.0, 2.0, 3.0):
         eng2.schedule(Ping(t, str(t)))
     stats = eng2.run(until_s=2.5)

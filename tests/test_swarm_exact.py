@@ -84,7 +84,7 @@ def test_concurrent_sessions_are_isolated(swarm):
             with client.inference_session(max_length=ids.shape[1] + 8) as session:
                 barrier.wait()  # all four sessions open at once, their steps interleave on the servers
                 results[i] = client.generate(ids, max_new_tokens=8, session=session)
-                batches.extend(h.batch_size for step in session.steps for h in step.hops)
+                batches.extend(h.batched_steps for step in session.steps for h in step.hops)
 
         run_in_threads(run, 4)
         for got, want in zip(results, alone):

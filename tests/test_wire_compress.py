@@ -95,9 +95,9 @@ def test_a_client_switches_to_compression_once_it_measures_a_slow_link():
     """Channels.wire_dtype_for under auto: float32 until the link is measured, then by the measured rate (the
     estimate is fed what SpanStream.receive feeds it: a message's bytes and its network time)."""
     from swarmlm.client.streams import Channels
+    from swarmlm.config import ClientConfig
 
-    channels = Channels(max_message_bytes=1 << 20)
-    channels.wire_dtype = "auto"
+    channels = Channels(ClientConfig(max_message_bytes=1 << 20, wire_dtype="auto"))
     address, prefill = "10.0.0.2:4000", 4 * 1024 * 256
     assert channels.wire_dtype_for(address, prefill) == "float32"  # not measured yet: assumed fast
     link = channels.bandwidth(address)

@@ -12,7 +12,7 @@ at a time, each job is one inference session through the whole chain. What diffe
                                                        the whole batch is done (default M = servers, b = 2)
   microbatched  M = "auto": MoLink's micro-batch extension. Each batch (servers x b requests) is split into the
    (auto)       number of micro-batches MoLink's rule chooses from the measured decode compute and transfer times
-                (client/microbatch.py), re-evaluated for every batch as the measurements change
+                (bench/microbatch.py), re-evaluated for every batch as the measurements change
 
 The workers are threads of one client process; the LM head and embeddings release the GIL inside torch, and the
 client's gRPC I/O runs on its own event-loop thread, so K sessions really overlap. Every job returns one
@@ -31,8 +31,8 @@ import torch
 
 from swarmlm.bench.decomposition import Decomposition, decompose
 from swarmlm.bench.workload import Request
-from swarmlm.client.generate import GenerationStats
-from swarmlm.client.microbatch import MicroBatchPlanner
+from swarmlm.client.remote_cache import GenerationStats
+from swarmlm.bench.microbatch import MicroBatchPlanner
 from swarmlm.client.session import InferenceSession
 from swarmlm.sim.metrics import percentile
 from swarmlm.wire import compress

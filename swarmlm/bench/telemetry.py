@@ -115,8 +115,9 @@ class TelemetrySampler:
 
     def start(self) -> None:
         from swarmlm.client.streams import Channels, LoopThread
+        from swarmlm.config import ClientConfig
 
-        self._loop, self._channels = LoopThread.get(), Channels(4 << 20)
+        self._loop, self._channels = LoopThread.get(), Channels(ClientConfig(max_message_bytes=4 << 20))
         self.t0 = time.perf_counter()  # after the imports: the first sample comes one interval from now
         psutil.cpu_percent(None)
         self._base = self._bytes_by_name()  # counts start now, not when the sockets were opened

@@ -95,8 +95,7 @@ def user_error(exc: BaseException) -> str | None:
         return f"cannot join the swarm through --initial-peers (connection refused or unreachable): {exc}"
     if isinstance(exc, ConnectionRefusedError):
         return f"connection refused: {exc}"
-    if isinstance(exc, (SwarmError, FileNotFoundError, NotADirectoryError, PermissionError, ValueError,
-                        ConnectionError, TimeoutError)):
+    if isinstance(exc, (SwarmError, OSError, ValueError, TimeoutError)):  # OSError: a file, a port, a connection
         return str(exc) or name
     if name in ("OSError", "EnvironmentError", "HFValidationError", "RepositoryNotFoundError",
                 "LocalEntryNotFoundError", "RevisionNotFoundError"):

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from swarmlm.errors import PlanningError, SwarmError
+from swarmlm.errors import PlanningError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,17 +26,13 @@ def run(args: argparse.Namespace) -> int:
     from swarmlm.planner.plan import make_plan
     from swarmlm.planner.topology import load_topology
 
-    try:
-        topology = load_topology(args.topology)
-        for warning in topology.warnings:
-            print(f"swarmlm plan: warning: {warning}", file=sys.stderr)
-        if args.concurrency is not None and args.concurrency < 1:
-            raise PlanningError(f"--concurrency must be >= 1, got {args.concurrency}")
-        plan = make_plan(topology, args.algorithm, args.routing, concurrency=args.concurrency,
-                         options=PlacementOptions(seed=args.seed, time_limit_s=args.time_limit))
-    except (SwarmError, ValueError) as exc:
-        print(f"swarmlm plan: error: {exc}", file=sys.stderr)
-        return 1
+    topology = load_topology(args.topology)
+    for warning in topology.warnings:
+        print(f"swarmlm plan: warning: {warning}", file=sys.stderr)
+    if args.concurrency is not None and args.concurrency < 1:
+        raise PlanningError(f"--concurrency must be >= 1, got {args.concurrency}")
+    plan = make_plan(topology, args.algorithm, args.routing, concurrency=args.concurrency,
+                     options=PlacementOptions(seed=args.seed, time_limit_s=args.time_limit))
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
         return 0

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from swarmlm.cli.args import add_model, add_swarm_key, block_range, model_ref
-from swarmlm.config import QUANT_NAMES
+from swarmlm.config import QUANT_NAMES, SchedulerConfig
+
+SCHEDULER = SchedulerConfig()  # the flags' defaults
 
 
 def add_parser(sub) -> None:
@@ -34,14 +37,15 @@ def add_parser(sub) -> None:
     p.add_argument("--memory-mb", type=int, help="memory budget for weights + caches when choosing --num-blocks")
     p.add_argument("--max-sessions", type=int, default=64)
     p.add_argument("--max-length", type=int, default=2048, help="longest session accepted, tokens")
-    p.add_argument("--max-batch-tokens", type=int, default=512,
+    p.add_argument("--max-batch-tokens", type=int, default=SCHEDULER.max_batch_tokens,
                    help="continuous batching: tokens (rows x new tokens) one compute round may take across sessions")
-    p.add_argument("--max-prefill-skips", type=int, default=2,
+    p.add_argument("--max-prefill-skips", type=int, default=SCHEDULER.max_prefill_skips,
                    help="rounds the oldest prefill that does not fit --max-batch-tokens may wait before it runs anyway")
-    p.add_argument("--batch-wait", type=float, default=0.05,
-                   help="before a round, wait up to this fraction of the last decode forward (max 10 ms) for its "
+    p.add_argument("--batch-wait", type=float, default=SCHEDULER.batch_wait.fraction,
+                   help="before a round, wait up to this fraction of the last decode forward (max "
+                        f"{SCHEDULER.batch_wait.max_s * 1000:g} ms) for its "
                         "sessions' next steps, so sessions in lockstep share a forward (0 = never)")
-    p.add_argument("--inline-decode-max-ms", type=float, default=50.0,
+    p.add_argument("--inline-decode-max-ms", type=float, default=SCHEDULER.inline_decode_max_s * 1000,
                    help="a lone session's decode step whose forward takes at most this long runs on the server's I/O "
                         "loop, without the hand-off to the compute thread (0 = never)")
     p.add_argument("--max-message-mb", type=int, default=64, help="largest gRPC message accepted, MiB")
@@ -69,8 +73,10 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads, dtype=args.dtype, num_blocks=args.num_blocks, placement=args.placement,
         memory_bytes=args.memory_mb << 20 if args.memory_mb else None, cache_bytes=args.cache_mb << 20,
         max_sessions=args.max_sessions, max_length_tokens=args.max_length,
-        max_batch_tokens=args.max_batch_tokens, max_prefill_skips=args.max_prefill_skips, batch_wait_fraction=args.batch_wait,
-        inline_decode_max_s=args.inline_decode_max_ms / 1000,
+        scheduler=SchedulerConfig(
+            max_batch_tokens=args.max_batch_tokens, max_prefill_skips=args.max_prefill_skips,
+            batch_wait=replace(SCHEDULER.batch_wait, fraction=args.batch_wait),
+            inline_decode_max_s=args.inline_decode_max_ms / 1000),
         session_idle_timeout_s=args.idle_timeout, open_idle_timeout_s=args.open_idle_timeout,
         resume_grace_s=args.resume_grace, max_sessions_per_peer=args.max_sessions_per_peer,
         max_concurrent_rpcs=args.max_concurrent_rpcs, max_message_bytes=args.max_message_mb << 20, dht_prefix=args.dht_prefix,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from swarmlm.errors import SwarmError
 
 PROGRESS_MIN_REQUESTS = 500  # show a progress bar from this many requests on (short runs finish instantly)
 
@@ -47,31 +46,27 @@ def run(args: argparse.Namespace) -> int:
     from swarmlm.sim.scenario import default_arrivals, simulate_scenario
     from swarmlm.sim.session import ClientBehaviour
 
-    try:
-        if args.requests is not None and args.requests < 1:
-            raise ValueError(f"--requests must be >= 1, got {args.requests}")
-        topology = load_topology(args.topology)
-        for warning in topology.warnings:
-            print(f"swarmlm simulate: warning: {warning}", file=sys.stderr)
-        if args.rate is not None:
-            topology = dataclasses.replace(topology, workload=dataclasses.replace(topology.workload,
-                                                                                  arrival_rate=args.rate))
-        if args.trace:
-            wl = topology.workload
-            arrivals = ArrivalSpec("trace", trace_path=args.trace, input_tokens=wl.input_tokens,
-                                   output_tokens=wl.output_tokens)
-        else:
-            arrivals = default_arrivals(topology, args.requests, args.duration)
-        behaviour = ClientBehaviour(wait_mode=args.wait, timeout_s=args.timeout)
-        with _progress(enabled=not args.json) as on_progress:
-            result = simulate_scenario(topology, args.algorithm, args.routing, arrivals=arrivals, seed=args.seed,
-                                       behaviour=behaviour, concurrency=args.concurrency,
-                                       token_events=not args.coarse_decode, on_progress=on_progress,
-                                       placement_options=PlacementOptions(seed=args.seed,
-                                                                          time_limit_s=args.time_limit))
-    except (SwarmError, ValueError, OSError) as exc:
-        print(f"swarmlm simulate: error: {exc}", file=sys.stderr)
-        return 1
+    if args.requests is not None and args.requests < 1:
+        raise ValueError(f"--requests must be >= 1, got {args.requests}")
+    topology = load_topology(args.topology)
+    for warning in topology.warnings:
+        print(f"swarmlm simulate: warning: {warning}", file=sys.stderr)
+    if args.rate is not None:
+        topology = dataclasses.replace(topology, workload=dataclasses.replace(topology.workload,
+                                                                              arrival_rate=args.rate))
+    if args.trace:
+        wl = topology.workload
+        arrivals = ArrivalSpec("trace", trace_path=args.trace, input_tokens=wl.input_tokens,
+                               output_tokens=wl.output_tokens)
+    else:
+        arrivals = default_arrivals(topology, args.requests, args.duration)
+    behaviour = ClientBehaviour(wait_mode=args.wait, timeout_s=args.timeout)
+    with _progress(enabled=not args.json) as on_progress:
+        result = simulate_scenario(topology, args.algorithm, args.routing, arrivals=arrivals, seed=args.seed,
+                                   behaviour=behaviour, concurrency=args.concurrency,
+                                   token_events=not args.coarse_decode, on_progress=on_progress,
+                                   placement_options=PlacementOptions(seed=args.seed,
+                                                                      time_limit_s=args.time_limit))
     if args.out:
         _write_out(args.out, result)
     if args.json:

@@ -21,25 +21,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class ChunkRule:
-    min_tokens: int = 16  # below this, per-message costs dominate whatever the link
-    max_tokens: int = 256  # above this, a chunk holds a slow link for long (256 tokens of a 4 KB state = 1 MB)
-    overhead_fraction: float = 0.1  # on a compute-bound hop: a chunk's fixed cost at most this share of its compute
-    message_overhead_s: float = 1e-3  # per message: gRPC framing, the client's parse/relay, event-loop wake-ups
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"need 1 <= min_tokens ({self.min_tokens}) <= max_tokens ({self.max_tokens})")
-        if not 0 < self.overhead_fraction <= 1:
-            raise ValueError(f"overhead_fraction must be in (0, 1], got {self.overhead_fraction}")
-        if self.message_overhead_s < 0:
-            raise ValueError(f"message_overhead_s must be >= 0, got {self.message_overhead_s}")
+from swarmlm.config import ChunkRule
 
 
 def chunk_tokens_for_hop(rule: ChunkRule, bytes_per_token: int, bandwidth_bps: float, compute_s_per_token: float,

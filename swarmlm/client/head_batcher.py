@@ -8,8 +8,8 @@ and the servers cannot batch them either. Here the head calls that are in flight
 
 How calls meet: the first caller of a forming batch (the leader) waits until every session that took part in
 one of the last two batches, or was announced (`expect`, when it opens) and has not called yet, and is still
-open, has arrived, at most `wait_fraction` x the last batch's head time
-(and `max_wait_s`); then it computes the whole batch and hands each caller its rows. A lone session never waits:
+open, has arrived, at most `wait.fraction` x the last batch's head time
+(and `wait.max_s`: ClientConfig.head_batch_wait, config.StragglerWait, the rule the server's rounds wait by too); then it computes the whole batch and hands each caller its rows. A lone session never waits:
 nobody else is expected. A session that stops calling drops out of the expected set after two batches.
 
 Why wait as long as a whole head: sessions that fell apart (into two groups, one at the head while the other is
@@ -32,6 +32,8 @@ from typing import Callable
 
 import torch
 
+from swarmlm.config import StragglerWait
+
 POLL_S = 0.005  # how often a waiting leader checks whether the sessions it waits for were closed
 
 @dataclass(eq=False)
@@ -49,13 +51,9 @@ class HeadBatcher:
     head: rows [N, H] -> [N, V], row-wise. session: any object with a `closed` attribute (an InferenceSession):
     closed sessions are never waited for."""
 
-    def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], wait_fraction: float = 1.0,
-                 max_wait_s: float = 1.0) -> None:
-        if wait_fraction < 0 or max_wait_s < 0:
-            raise ValueError(f"wait_fraction and max_wait_s must be >= 0, got {wait_fraction}, {max_wait_s}")
+    def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], wait: StragglerWait) -> None:
         self.head = head
-        self.wait_fraction = wait_fraction
-        self.max_wait_s = max_wait_s
+        self.wait = wait  # ClientConfig.head_batch_wait
         self._cv = threading.Condition()
         self._pending: list[_Call] = []  # the forming batch, arrival order; its first call leads it
         self._sessions: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
@@ -79,14 +77,15 @@ class HeadBatcher:
             self._announced.pop(call.key, None)
             self._pending.append(call)
             self._cv.notify_all()  # a waiting leader may have everyone now
-            deadline = time.perf_counter() + min(self.max_wait_s, self.wait_fraction * self._last_s)
+            arrived, last_s = time.perf_counter(), self._last_s
             while not call.done:
-                if self._pending and self._pending[0] is call and not self._missing(deadline):
+                leading = self._pending and self._pending[0] is call
+                left = self.wait.left_s(self._missing(), last_s, time.perf_counter() - arrived) if leading else 0.0
+                if leading and left <= 0:
                     batch, self._pending = self._pending, []
                     break
-                leading = self._pending and self._pending[0] is call
                 # a leader looks again every few ms: a session it waits for may close without calling
-                self._cv.wait(max(0.0, min(deadline - time.perf_counter(), POLL_S)) if leading else None)
+                self._cv.wait(min(left, POLL_S) if leading else None)
             else:
                 return self._result(call)
         self._compute(batch)  # outside the lock: the next batch forms meanwhile
@@ -97,16 +96,12 @@ class HeadBatcher:
             self._cv.notify_all()
         return self._result(call)
 
-    def _missing(self, deadline: float) -> bool:
-        """(Holding the lock, as a leader.) Is someone expected still to come, with time left to wait for them?"""
-        if time.perf_counter() >= deadline:
-            return False
+    def _missing(self) -> int:
+        """(Holding the lock, as a leader.) Sessions expected in this batch, still open, that have not called."""
         here = {c.key for c in self._pending}
-        for key in set().union(*self._recent, self._announced) - here:
-            session = self._sessions.get(key)
-            if session is not None and not getattr(session, "closed", False):
-                return True
-        return False
+        expected = set().union(*self._recent, self._announced) - here
+        return sum(1 for key in expected
+                   if (s := self._sessions.get(key)) is not None and not getattr(s, "closed", False))
 
     def _compute(self, batch: list[_Call]) -> None:
         t0 = time.perf_counter()

@@ -18,14 +18,14 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from swarmlm.client.generate import GenerationStats, RemoteCache
+from swarmlm.client.remote_cache import GenerationStats, RemoteCache
 from swarmlm.client.head_batcher import HeadBatcher
 from swarmlm.client.remote import RemoteSequence
 from swarmlm.client.session import InferenceSession
 from swarmlm.config import ClientConfig, dtype_name
 from swarmlm.errors import InvalidRequest
 from swarmlm.model.checkpoint import load_client_modules, parse_dtype
-from swarmlm.model.identity import WeightsCheck
+from swarmlm.model.fingerprint import WeightsCheck
 from swarmlm.model.quant import quantize_client_modules
 from swarmlm.model.source import resolve
 from swarmlm.swarm.dht import default_prefix
@@ -60,8 +60,8 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         self.pad_token_id = self.generation_config.pad_token_id
         self.last_stats: GenerationStats | None = None
         # concurrent sessions' heads as one matmul (a lone session never waits); None: each runs its own
-        self.head_batcher = HeadBatcher(self.head, config.head_batch_wait_fraction, config.max_head_batch_wait_s) \
-            if config.head_batch_wait_fraction > 0 else None
+        self.head_batcher = HeadBatcher(self.head, config.head_batch_wait) \
+            if config.head_batch_wait.fraction > 0 else None
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, initial_peers: Sequence[str] = (), servers: Sequence[str] = (),

@@ -17,7 +17,6 @@ from swarmlm.swarm.identity import new_nonce, verify_info
 from swarmlm.swarm.private import client_interceptors
 from swarmlm.swarm.records import ServerRecord, record_from_info
 from swarmlm.types import Route
-from swarmlm.wire.links import TransmissionPolicy
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +29,7 @@ class RemoteSequence:
         self.num_blocks = num_blocks
         self.prefix = prefix
         self.loop = LoopThread.get()
-        self.channels = Channels(config.max_message_bytes, TransmissionPolicy.for_client(config), config.assumed_bandwidth_bps,
-                                 interceptors=client_interceptors(config.swarm_key))
-        self.channels.wire_dtype = config.wire_dtype  # hidden states' wire format per link (wire/compress.py)
+        self.channels = Channels(config, interceptors=client_interceptors(config.swarm_key))
         # the connect check (swarm/identity.py): (server id, address) pairs that failed it are never routed to
         self.rejected: dict[tuple[str, str], str] = {}
         # (start, end, announced fingerprint) -> why refused or None; set by the client model from its checkpoint
@@ -55,7 +52,7 @@ class RemoteSequence:
             records = fetch_records(self.dht, self.prefix, range(self.num_blocks), swarm_key=self.config.swarm_key)
         else:
             records = self.loop.run(self._direct_records())
-        if self.weights_check is not None:  # other weights under this model's name: refused (model/identity.py)
+        if self.weights_check is not None:  # other weights under this model's name: refused (model/fingerprint.py)
             self._check_weights(records)
             records = {sid: r for sid, r in records.items() if (sid, r.address) not in self.rejected}
         unmeasured = [r for sid, r in records.items() if sid not in self.view.rtt_s]

@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from swarmlm.client.chunking import BandwidthEstimate
+from swarmlm.config import ClientConfig
 from swarmlm.errors import InvalidRequest, ServerFailed, ServerHung
 from swarmlm.types import Span, StepKind
 from swarmlm.wire import codec, compress
@@ -54,15 +55,14 @@ class Channels:
     """Per address: one grpc.aio channel (created on the loop thread), its transmission scheduler (which message
     is written next) and what its link was measured to carry."""
 
-    def __init__(self, max_message_bytes: int, policy: TransmissionPolicy | None = None,
-                 assumed_bandwidth_bps: float = 1e9, interceptors: Sequence = ()) -> None:
-        self.max_message_bytes = max_message_bytes
+    def __init__(self, config: ClientConfig, interceptors: Sequence = ()) -> None:
+        self.max_message_bytes = config.max_message_bytes
         self.interceptors = interceptors  # a private swarm's token on every call (swarm/private.py)
         self._stubs: dict[str, pb_grpc.SwarmStub] = {}
-        self.links = Links(policy or TransmissionPolicy())
-        self.assumed_bandwidth_bps = assumed_bandwidth_bps
+        self.links = Links(TransmissionPolicy.for_client(config))
+        self.assumed_bandwidth_bps = config.assumed_bandwidth_bps
         self._bandwidth: dict[str, BandwidthEstimate] = {}
-        self.wire_dtype = "float32"  # ClientConfig.wire_dtype: hidden states' format, "auto" = per link
+        self.wire_dtype = config.wire_dtype  # hidden states' format, "auto" = per link (wire/compress.py)
 
     def link(self, address: str) -> LinkScheduler:
         return self.links.get(address)
@@ -100,7 +100,7 @@ class HopTiming:
     client_io_s: float  # client: serialising the request + parsing the reply
     tokens: int
     pushed: bool = False  # the server pushed its output on to the next server of the route
-    batch_size: int = 1  # steps (of all sessions) that shared the server's forward
+    batched_steps: int = 1  # steps (of all sessions) that shared the server's forward (the wire's Timing.batch_size)
 
     @property
     def network_s(self) -> float:
@@ -248,14 +248,14 @@ class SpanStream:
         out = codec.decode(reply.hidden, "reply hidden")
         t3 = time.perf_counter()
         self.position = reply.position
-        tm = reply.timing
+        tm = reply.timing  # (its decode_s: the server parsing the request, not a decode step)
         # a pipelined chunk waits at the server until the previous one is answered: its wall time starts then
         started = max(sent.written_s or t2, self._last_reply_s)
         self._last_reply_s = t2
         timing = HopTiming(
             self.span.server_id, wall_s=t2 - started, queued_s=tm.queued_s, compute_s=tm.compute_s,
             server_io_s=tm.decode_s + tm.encode_s, client_io_s=sent.encode_s + (t3 - t2), tokens=sent.tokens,
-            pushed=reply.pushed, batch_size=max(1, min(tm.batch_size, MAX_REPORTED_BATCH)),
+            pushed=reply.pushed, batched_steps=max(1, min(tm.batch_size, MAX_REPORTED_BATCH)),
         )
         if sent.clean:
             self.channels.bandwidth(self.span.address).observe(

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from swarmlm.model.family import FAMILIES
+from swarmlm.model.families import FAMILIES
 from swarmlm.model.presets import get_preset
 from swarmlm.model.tokenizer import BOS_ID, EOS_ID, PAD_ID, save_tokenizer
 

@@ -59,6 +59,15 @@ class ComputeProfile:
         """Seconds to run one block over a prompt of `l_in` tokens."""
         return self.prefill_a_s * l_in + self.prefill_b_s
 
+    def prefill_step_terms(self, blocks: int, rows: int) -> tuple[float, float]:
+        """A prefill step of `rows` sequences over `blocks` blocks: (seconds per new token, fixed seconds per step)."""
+        return self.prefill_a_s * rows * blocks, self.prefill_b_s * blocks
+
+    def step_s(self, blocks: int, rows: int, tokens: int) -> float:
+        """One step of `rows` x `tokens` new tokens over `blocks` blocks, alone (a decode's rows unbatched: a bound)."""
+        per_token, fixed = self.prefill_step_terms(blocks, rows)
+        return self.decode_s * rows * blocks if tokens == 1 else per_token * tokens + fixed
+
     @property
     def contended(self) -> bool:
         """True if step times grow with the sessions the server runs (f is not 1 everywhere)."""

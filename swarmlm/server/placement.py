@@ -24,7 +24,7 @@ import psutil
 
 from swarmlm.config import ServerConfig
 from swarmlm.model.checkpoint import load_config, parse_dtype, tensor_index
-from swarmlm.model.family import family_for
+from swarmlm.model.families import family_for
 from swarmlm.model.quant import tensor_bytes
 from swarmlm.perf.model import ComputeProfile, ModelSpec, ServerSpec
 from swarmlm.planner.placement import blocks_for_concurrency, choose_range, lexicographic_window, petals_num_blocks

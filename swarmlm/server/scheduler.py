@@ -14,8 +14,8 @@ round. Steps that arrive while a round computes form the next round.
 Sessions in lockstep reach a free server one by one: the first would run alone while the others, a client round
 trip behind, form the round after (4 sessions settle into rounds of 1 and 3, and on CPU a 3-row forward costs
 nearly 3 one-row ones; 2 sessions alternate alone forever). So before a round, the worker waits briefly for the
-sessions of the last two decode rounds that are not back yet: at most `batch_wait_fraction` x the last decode forward's
-time (and `max_batch_wait_s`). A lone session never waits; when waits stop gathering anyone (e.g. sessions come
+sessions of the last two decode rounds that are not back yet (`SchedulerConfig.batch_wait`, config.StragglerWait: at
+most a fraction of the longer of the last two decode forwards' times, and at most `max_s`). A lone session never waits; when waits stop gathering anyone (e.g. sessions come
 back over slow links), they stop, and are retried now and then.
 
 Every job reports how long it waited and how long it ran; a job computed in a batch reports the batch's forward
@@ -40,6 +40,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
+from swarmlm.config import SchedulerConfig
 from swarmlm.server.stage import SpanState, Stage, StepRequest
 from swarmlm.types import StepKind
 
@@ -55,7 +56,7 @@ RETRY_WAIT_AFTER = 8
 class JobTiming:
     queued_s: float  # from submission to the start of the forward that ran the job
     compute_s: float  # that forward's time; for a batch, the whole batch's (the same for every member)
-    batch_size: int = 1  # jobs computed by that forward
+    batched_steps: int = 1  # jobs computed by that forward (of all sessions)
 
 
 @dataclass(frozen=True)
@@ -75,17 +76,16 @@ class Job:
     tokens: int  # rows x new tokens: the job's share of a round's budget
     enqueued_s: float
     future: Future
-    fn: Callable[[], Any] | None = None  # an opaque job, always run alone...
-    work: Batchable | None = None  # ...or a batchable one
+    work: Batchable
     skipped: int = 0  # rounds this job was passed over as the oldest prefill
 
     @property
     def group_key(self) -> Hashable:
-        return ("batch", self.work.run_batch, self.work.key) if self.work is not None else ("alone", id(self))
+        return self.work.run_batch, self.work.key
 
     @property
     def member(self) -> Hashable:
-        return self.work.member if self.work is not None else ("alone", id(self))
+        return self.work.member
 
 
 def plan_round(queue: list[Job], max_tokens: int, max_prefill_skips: int) -> list[list[Job]]:
@@ -127,23 +127,9 @@ def plan_round(queue: list[Job], max_tokens: int, max_prefill_skips: int) -> lis
 
 
 class Scheduler:
-    def __init__(self, threads: int, max_batch_tokens: int = 512, max_prefill_skips: int = 2,
-                 batch_wait_fraction: float = 0.05, max_batch_wait_s: float = 0.01,
-                 inline_decode_max_s: float = 0.05) -> None:
-        if max_batch_tokens < 1 or max_prefill_skips < 0:
-            raise ValueError(
-                f"max_batch_tokens must be >= 1 and max_prefill_skips >= 0, got {max_batch_tokens}, {max_prefill_skips}"
-            )
-        if batch_wait_fraction < 0 or max_batch_wait_s < 0:
-            raise ValueError(f"batch_wait_fraction and max_batch_wait_s must be >= 0, got {batch_wait_fraction}, {max_batch_wait_s}")
-        if inline_decode_max_s < 0:
-            raise ValueError(f"inline_decode_max_s must be >= 0, got {inline_decode_max_s}")
+    def __init__(self, threads: int, config: SchedulerConfig = SchedulerConfig()) -> None:
         self.threads = threads
-        self.max_batch_tokens = max_batch_tokens
-        self.max_prefill_skips = max_prefill_skips
-        self.batch_wait_fraction = batch_wait_fraction  # fraction of the last decode forward's time
-        self.max_batch_wait_s = max_batch_wait_s
-        self.inline_decode_max_s = inline_decode_max_s  # 0 = every job goes to the compute thread
+        self.config = config
         self.inline_runs = 0  # lone decode steps run on the caller's thread (see the module's docstring)
         self._recent: deque[set[Hashable]] = deque(maxlen=2)  # members of the last two rounds' decode forwards
         self._recent_decode_s: deque[float] = deque(maxlen=2)  # the last two decode rounds' compute times
@@ -160,12 +146,10 @@ class Scheduler:
     def queue_length(self) -> int:
         return len(self._queue)
 
-    async def submit(self, fn: Callable[[], Any], priority: StepKind = DECODE, tokens: int = 1) -> tuple[Any, JobTiming]:
-        """Run `fn` alone (never batched); `tokens` is its size within a round's budget."""
-        return await self._submit(Job(priority, tokens, 0.0, Future(), fn=fn))
-
     async def submit_batchable(self, work: Batchable, priority: StepKind, tokens: int) -> tuple[Any, JobTiming]:
-        return await self._submit(Job(priority, tokens, 0.0, Future(), work=work))
+        """Run `work` in a round, batched with queued items of its key; `tokens` is its size within the round's
+        budget."""
+        return await self._submit(Job(priority, tokens, 0.0, Future(), work))
 
     async def submit_step(
         self, stage: Stage, state: SpanState, hidden: torch.Tensor, mask: torch.Tensor
@@ -201,8 +185,8 @@ class Scheduler:
 
     def _lone_decode(self, job: Job) -> bool:
         """(Holding the lock.) Does `job` run on the caller's thread? See the module's docstring."""
-        return (job.priority == DECODE and job.work is not None and not self._queue and not self._running
-                and len(self._recent_decode_s) > 0 and max(self._recent_decode_s) <= self.inline_decode_max_s
+        return (job.priority == DECODE and not self._queue and not self._running
+                and len(self._recent_decode_s) > 0 and max(self._recent_decode_s) <= self.config.inline_decode_max_s
                 and set().union(*self._recent) <= {job.member})
 
     def _run(self) -> None:
@@ -214,7 +198,7 @@ class Scheduler:
                 if self._stopped and not self._queue:
                     return
                 self._wait_for_stragglers()
-                groups = plan_round(self._queue, self.max_batch_tokens, self.max_prefill_skips)
+                groups = plan_round(self._queue, self.config.max_batch_tokens, self.config.max_prefill_skips)
                 chosen = {id(job) for group in groups for job in group}
                 self._queue = [job for job in self._queue if id(job) not in chosen]
                 self._running = True
@@ -222,7 +206,7 @@ class Scheduler:
             for group in groups:
                 started = time.perf_counter()
                 self._run_group(group)
-                if group[0].priority == DECODE and group[0].work is not None:
+                if group[0].priority == DECODE:
                     decode |= {job.member for job in group}
                     decode_s += time.perf_counter() - started
             with self._cv:
@@ -238,7 +222,7 @@ class Scheduler:
     def _wait_for_stragglers(self) -> None:
         """(Holding the lock.) Give the recent decode rounds' sessions that are not queued yet a moment to arrive."""
         expected = set().union(*self._recent)
-        if self.batch_wait_fraction == 0 or len(expected) < 2:
+        if self.config.batch_wait.fraction == 0 or len(expected) < 2:
             return
         if not any(job.priority == DECODE for job in self._queue):
             return  # nothing is decoding: prefill work goes at once
@@ -255,9 +239,11 @@ class Scheduler:
         self._skipped_waits = 0
         # the longer of the last two decode rounds: after a round split into many rows + a few, the few's short
         # forward must not shorten the wait that would bring them back together
-        wait_s = min(self.max_batch_wait_s, self.batch_wait_fraction * max(self._recent_decode_s))
-        deadline = time.perf_counter() + wait_s
-        while not self._stopped and missing() and (left := deadline - time.perf_counter()) > 0:
+        last_s, started = max(self._recent_decode_s), time.perf_counter()
+        while not self._stopped:
+            left = self.config.batch_wait.left_s(len(missing()), last_s, time.perf_counter() - started)
+            if left <= 0:
+                break
             self._cv.wait(left)
         self._fruitless = 0 if len(missing()) < before else self._fruitless + 1
 
@@ -266,9 +252,6 @@ class Scheduler:
         if not group:
             return
         started = time.perf_counter()
-        if group[0].fn is not None:
-            self._finish(group[0], group[0].fn, started)
-            return
         work = group[0].work
         try:
             results = work.run_batch([job.work.item for job in group])

@@ -120,8 +120,7 @@ class Server:
             prefill_a_s=profile.prefill_a_s, prefill_b_s=profile.prefill_b_s,
             decode_4rows_s_per_block=profile.decode_4rows_s, decode_16rows_s_per_block=profile.decode_16rows_s,
         )
-        scheduler = Scheduler(cfg.threads, cfg.max_batch_tokens, cfg.max_prefill_skips, cfg.batch_wait_fraction,
-                              cfg.max_batch_wait_s, cfg.inline_decode_max_s)
+        scheduler = Scheduler(cfg.threads, cfg.scheduler)
         self.service = SwarmService(cfg, self.stage, scheduler, stats)
         if self.dht is not None:  # pushes go only to servers announced for the next block (server/push.py)
             self.service.targets.directory = self._announced

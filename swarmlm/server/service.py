@@ -21,7 +21,7 @@ import torch
 from swarmlm import __version__
 from swarmlm.config import ServerConfig
 from swarmlm.errors import CapacityExceeded, InvalidRequest, UnknownSession
-from swarmlm.model.identity import range_fingerprint
+from swarmlm.model.fingerprint import range_fingerprint
 from swarmlm.server.push import Pusher, StepOrder, TargetCheck, check_targets
 from swarmlm.server.scheduler import JobTiming, Scheduler
 from swarmlm.server.sessions import PeerBytes, Session, SessionTable
@@ -214,14 +214,14 @@ class SwarmService(pb_grpc.SwarmServicer):
         """Run new tokens in slices of at most one scheduler round (max_batch_tokens rows x tokens): a long prefill
         is split, so decode steps of other sessions run between its slices (the scheduler puts decodes first)."""
         rows, tokens = hidden.shape[:2]
-        size = max(1, self.config.max_batch_tokens // rows)
+        size = max(1, self.config.scheduler.max_batch_tokens // rows)
         outs, queued, compute, batch = [], 0.0, 0.0, 1
         for start in range(0, tokens, size):
             out, timing = await self.scheduler.submit_step(
                 self.stage, state, hidden[:, start:start + size], mask[:, start:start + size])
             outs.append(out)
             queued, compute = queued + timing.queued_s, compute + timing.compute_s
-            batch = max(batch, timing.batch_size)
+            batch = max(batch, timing.batched_steps)
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), JobTiming(queued, compute, batch)
 
     def _refused_large(self, nbytes: int) -> None:
@@ -453,7 +453,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             pushed=len(request.step.push) > 0,
             timing=pb.Timing(
                 queued_s=timing.queued_s, compute_s=timing.compute_s, decode_s=decoded - started, encode_s=encode_s,
-                batch_size=timing.batch_size,
+                batch_size=timing.batched_steps,
             ),
         )
 
@@ -532,7 +532,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             return pb.ForwardReply(
                 hidden=reply,
                 timing=pb.Timing(queued_s=timing.queued_s, compute_s=timing.compute_s, decode_s=decoded - started,
-                                 encode_s=time.perf_counter() - encode_start, batch_size=timing.batch_size),
+                                 encode_s=time.perf_counter() - encode_start, batch_size=timing.batched_steps),
             )
         finally:
             self.load.release(peer, nbytes)
@@ -559,7 +559,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             decode_4rows_s_per_block=self.stats.decode_4rows_s_per_block,
             decode_16rows_s_per_block=self.stats.decode_16rows_s_per_block,
             session_bytes_per_block_token=self.stage.cache_bytes(1, 1, 1),
-            # the weights of the served range, for clients to compare with their own (model/identity.py)
+            # the weights of the served range, for clients to compare with their own (model/fingerprint.py)
             fingerprint=range_fingerprint(self.config.model_dir, self.stage.blocks.start, self.stage.blocks.end),
             quant=self.stage.quant, weight_bytes=self.stage.weight_bytes,  # int8 weights: announced, and their size
         )

@@ -31,7 +31,7 @@ class RunStats:
     stopped_early: bool  # True when `until_s` or `max_events` cut the run short
 
 
-class Engine(Generic[State]):
+class EventLoop(Generic[State]):
     """A heap of pending events and a clock. The state is opaque to the engine."""
 
     def __init__(self, state: State) -> None:

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 from swarmlm.perf.model import PerfModel
 from swarmlm.sim.arrivals import SimRequest
 from swarmlm.sim.cluster import Cluster, SimServerConfig
-from swarmlm.sim.engine import Engine
+from swarmlm.sim.engine import EventLoop
 from swarmlm.sim.metrics import STATUS_DONE, RequestOutcome, ServerUsage, summarize
 from swarmlm.sim.routers import SimRouter
 from swarmlm.sim.session import (ENDED, QUEUED, RUNNING, WAITING, Arrive, ClientBehaviour, Retry, SimSession, Token,
@@ -146,7 +146,7 @@ def run_simulation(
     cluster = Cluster(list(servers))
     state = SimState(cluster, perf, router, behaviour, token_events)
     state.token_events = token_events or state.contended
-    engine: Engine[SimState] = Engine(state)
+    engine: EventLoop[SimState] = EventLoop(state)
     engine.schedule_all(Arrive(r.arrival_s, r) for r in requests)
     progress = None if on_progress is None else (lambda _events, _t: on_progress(len(state.records), len(requests)))
     stats = engine.run(on_progress=progress)

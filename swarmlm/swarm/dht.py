@@ -31,8 +31,8 @@ AnyDHT = hivemind.DHT | ThreadDHT
 
 def default_prefix(model_dir: str | Path) -> str:
     """DHT namespace from the model's identity (hub id, or a hash of a directory's config.json): servers and
-    clients of one model agree on it whatever the path (swarmlm/model/identity.py)."""
-    from swarmlm.model.identity import dht_prefix
+    clients of one model agree on it whatever the path (swarmlm/model/fingerprint.py)."""
+    from swarmlm.model.fingerprint import dht_prefix
 
     return dht_prefix(model_dir)
 

@@ -38,7 +38,7 @@ class ServerRecord:
     queue_length: int = 0
     max_length: int = 0
     version: str = ""
-    fingerprint: str = ""  # the weights of [start, end) (swarmlm/model/identity.py); clients compare their own
+    fingerprint: str = ""  # the weights of [start, end) (swarmlm/model/fingerprint.py); clients compare their own
     quant: str = "none"  # weights of the linear layers: "none" | "int8" (swarmlm/model/quant.py)
     weight_bytes: int = 0  # bytes the served blocks' weights take in memory (0 = not announced)
     # per block, one decode forward of 4 / 16 rows: how its steps slow down with its sessions (0 = not announced)

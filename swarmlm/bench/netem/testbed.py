@@ -95,11 +95,6 @@ class Testbed:
             return self._hosts.host_ip(i)
         return f"127.213.{self._loopback_octet}.{i + 1}"
 
-    def root_ip(self, i: int) -> str:
-        """The root namespace (the client's side) as host i reaches it, e.g. for a DHT bootstrap peer."""
-        self._check_host(i)
-        return self._hosts.bridge_ip if self.mode == "namespaces" else "127.0.0.1"
-
     def announce_host(self, i: int) -> str:
         """Where the relay stands in for host i: a server on host i announces this (`--announce-host`)."""
         self._check_host(i)
