@@ -11,7 +11,7 @@ import torch
 
 from swarmlm.model.checkpoint import load_blocks, load_client_modules, load_config, load_transformers_model
 from swarmlm.model.gguf import GGUFError, open_gguf
-from swarmlm.model.identity import Fingerprints, model_identity
+from swarmlm.model.fingerprint import Fingerprints, model_identity
 from swarmlm.model.random_checkpoint import init_checkpoint
 from tests.gguf_fixtures import write_tiny_gguf
 
