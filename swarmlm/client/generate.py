@@ -112,7 +112,8 @@ class RemoteCache(Cache):
             return  # nothing held: nothing to select (as transformers' empty layers)
         if any(not 0 <= r < self.rows for r in rows) or not rows:
             raise InvalidRequest(f"cache rows {rows[:8]}... out of range: the cache holds {self.rows} rows")
-        self._edit(CacheOp(rows=tuple(rows)))
+        if rows != list(range(self.rows)):  # beam search often keeps its beams in place: nothing to send
+            self._edit(CacheOp(rows=tuple(rows)))
 
     def _edit(self, op: CacheOp) -> None:
         self.pending = op if self.pending is None else self.pending.then(op)

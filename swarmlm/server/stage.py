@@ -40,10 +40,11 @@ class SpanState:
         keep = self.position if op is None else op.kept(self.position)
         if keep == 0:
             return SpanState(self.blocks, self.cache.truncated(0), torch.zeros(rows, 0, dtype=torch.long))
-        if keep == self.position and (op is None or op.rows is None):
+        moved = op is not None and op.rows is not None and op.rows != tuple(range(self.rows))
+        if keep == self.position and not moved:
             return self
         cache, mask = self.cache.truncated(keep), self.mask[:, :keep]
-        if op.rows is not None:
+        if moved:  # (the identity, frequent in beam search, costs no copy)
             index = torch.tensor(op.rows, dtype=torch.long)
             cache, mask = cache.selected(index), mask[index]
         return SpanState(self.blocks, cache, mask)
