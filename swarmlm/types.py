@@ -7,6 +7,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from swarmlm.errors import InvalidRequest
+
 
 class StepKind(enum.Enum):
     """What a step is, for everything that orders steps (the client's and a pushing server's link schedulers, the
@@ -89,3 +91,51 @@ class Route:
 
     def describe(self) -> str:
         return " -> ".join(f"{s.server_id}[{s.start}:{s.end})" for s in self.spans)
+
+
+@dataclass(frozen=True)
+class CacheOp:
+    """An edit of a session's attention caches, applied before a step's tokens are written: keep the first
+    `truncate_to` tokens (None: all), and take rows `rows` (new row i = old row rows[i]; None: unchanged). The two
+    commute (one cuts positions, the other picks sequences), so an op is one of each at most."""
+
+    truncate_to: int | None = None  # tokens kept
+    rows: tuple[int, ...] | None = None  # old row of each new row; a row may appear several times (copies)
+
+    def __post_init__(self) -> None:
+        if self.truncate_to is not None and self.truncate_to < 0:
+            raise ValueError(f"truncate_to must be >= 0, got {self.truncate_to}")
+        if self.rows is not None and (not self.rows or min(self.rows) < 0):
+            raise ValueError(f"rows must be a non-empty list of row indices, got {self.rows}")
+
+    def then(self, later: "CacheOp") -> "CacheOp":
+        """This op followed by `later`, as one op."""
+        cuts = [t for t in (self.truncate_to, later.truncate_to) if t is not None]
+        rows = self.rows if later.rows is None else (
+            later.rows if self.rows is None else tuple(self.rows[i] for i in later.rows))
+        return CacheOp(min(cuts) if cuts else None, rows)
+
+    def kept(self, position: int) -> int:
+        """Tokens a session holding `position` keeps."""
+        return position if self.truncate_to is None else min(self.truncate_to, position)
+
+    def rows_after(self, rows: int) -> int:
+        return rows if self.rows is None else len(self.rows)
+
+    def check(self, position: int, rows: int, reserved_rows: int) -> tuple[int, int | None]:
+        """For a session holding `position` tokens in `rows` rows, with `reserved_rows` reserved at open: the tokens
+        kept, and the rows the step must then have (None: any up to `reserved_rows`, as the session holds nothing).
+        InvalidRequest when the op does not fit the session (the one rule of client and server)."""
+        if self.truncate_to is not None and self.truncate_to > position:
+            raise InvalidRequest(f"cache_op: truncate_to {self.truncate_to} is past the {position} tokens the "
+                                 "session holds")
+        kept = self.kept(position)
+        if self.rows is not None:
+            if kept == 0:
+                raise InvalidRequest("cache_op: rows of a session that holds no tokens (send the rows instead)")
+            if len(self.rows) > reserved_rows:
+                raise InvalidRequest(f"cache_op: {len(self.rows)} rows exceed the batch of {reserved_rows} reserved "
+                                     "at open")
+            if max(self.rows) >= rows:
+                raise InvalidRequest(f"cache_op: row {max(self.rows)} is out of range: the session has {rows} rows")
+        return kept, (self.rows_after(rows) if kept else None)

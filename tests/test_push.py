@@ -105,6 +105,21 @@ def test_pushed_route_gives_the_local_logits_and_skips_the_client(swarm, tiny_bl
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["beam search", "prompt lookup"])
+def test_cache_ops_travel_with_the_pushed_steps(swarm, tiny_bloom, mode):
+    """Each server pushes its step's cache op on with its output: the client writes only to the first server, and
+    the reorders / rollbacks reach every server of the route."""
+    _, client, ref = swarm
+    ids = _ids(tiny_bloom, "the quick brown fox the quick brown fox the")
+    args = dict(num_beams=3, num_return_sequences=2) if mode == "beam search" else dict(prompt_lookup_num_tokens=3)
+    with torch.no_grad():
+        want = ref.generate(ids, max_new_tokens=8, do_sample=False, **args)
+    got = client.generate(ids, max_new_tokens=8, do_sample=False, **args)
+    assert torch.equal(got, want)
+    assert all(h.pushed for record in client.last_stats.steps for h in record.hops[:-1])
+
+
+@pytest.mark.slow
 def test_pushed_chunked_prefill_is_exact(swarm, tiny_bloom):
     _, client, ref = swarm
     ids = _ids(tiny_bloom, "one two three four five six seven eight nine ten eleven twelve")

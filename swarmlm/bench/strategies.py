@@ -35,6 +35,7 @@ from swarmlm.client.remote_cache import GenerationStats
 from swarmlm.bench.microbatch import MicroBatchPlanner
 from swarmlm.client.session import InferenceSession
 from swarmlm.sim.metrics import percentile
+from swarmlm.types import CacheOp
 from swarmlm.wire import compress
 
 StrategyName = Literal["sequential", "pipelined", "microbatched"]
@@ -134,10 +135,10 @@ class TimedSession(InferenceSession):
         super().__init__(*args, **kwargs)
         self.call_s: list[float] = []
 
-    def step(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def step(self, hidden: torch.Tensor, mask: torch.Tensor | None = None, op: CacheOp | None = None) -> torch.Tensor:
         t0 = time.perf_counter()
         try:
-            return super().step(hidden, mask)
+            return super().step(hidden, mask, op)
         finally:
             self.call_s.append(time.perf_counter() - t0)
 
