@@ -248,7 +248,7 @@ def test_ops_compose_and_the_replay_history_follows_them():
 def test_remote_cache_records_transformers_edits_as_one_pending_op():
     from types import SimpleNamespace
 
-    from swarmlm.client.generate import RemoteCache
+    from swarmlm.client.remote_cache import RemoteCache
 
     cache = RemoteCache(model=None, session=SimpleNamespace(position=10, rows=3, max_length=32))
     cache.reorder_cache(torch.tensor([2, 0, 0]))
