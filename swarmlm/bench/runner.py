@@ -46,7 +46,7 @@ class BenchConfig:
     warmup_requests: int = 1  # per swarm, not recorded
     telemetry_interval_s: float = 1.0
     log_dir: str | None = None  # server logs (default: a temporary directory per swarm)
-    push: bool = False  # server-to-server push (ClientConfig.push)
+    push: str = "auto"  # server-to-server push (ClientConfig.push): "auto" | "on" | "off"
     prefill_chunk_tokens: int | None = None  # ClientConfig.prefill_chunk_tokens: None = auto, 0 = off
     quant: str = "none"  # servers' blocks and the client's head + embeddings: "none" | "int8" (model/quant.py)
     wire_dtype: str = "auto"  # ClientConfig.wire_dtype: hidden states on the wire (wire/compress.py)
@@ -191,6 +191,7 @@ def run_swarm_size(cfg: BenchConfig, n: int, requests: Sequence[Request], num_bl
                     runs.append(summarise_run(n, strategy, label, records, sampler.samples, t_from, t_to,
                                               cfg.network, swarm.network_info, route, load))
                     runs[-1]["push"] = cfg.push
+                    runs[-1]["pushed"] = model.remote.push(list(route.spans))  # what "auto" chose on this route
                     runs[-1]["prefill_chunk_tokens"] = cfg.prefill_chunk_tokens
                     if strategy.auto:
                         runs[-1]["micro_batch_decisions"] = decisions

@@ -20,6 +20,13 @@ def add_prefill_chunks(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens per prefill message (default auto: sized to the measured link and servers)")
 
 
+def add_push(p: argparse.ArgumentParser) -> None:
+    """--push auto|on|off -> ClientConfig.push (server-to-server push; auto: where the measured RTTs say it pays)."""
+    p.add_argument("--push", default="auto", choices=["auto", "on", "off"],
+                   help="servers push each output straight to the next server of the route (N + 1 links per token, "
+                        "not 2N); auto (default): on routes where the measured RTTs say it saves time")
+
+
 SWARM_KEY_ENV = "SWARMLM_SWARM_KEY_FILE"
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from swarmlm.cli.args import add_prefill_chunks, model_ref
+from swarmlm.cli.args import add_prefill_chunks, add_push, model_ref
 from swarmlm.config import DTYPE_NAMES, QUANT_NAMES, WIRE_DTYPE_NAMES
 
 
@@ -66,7 +66,7 @@ def add_parser(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
     p.add_argument("--network", default="loopback", help="loopback | lan | wan | a topology file")
     p.add_argument("--netem-mode", default="auto", choices=["auto", "namespaces", "relay-only"])
-    p.add_argument("--push", action="store_true", help="server-to-server push (N + 1 hops per token, not 2N)")
+    add_push(p)
     add_prefill_chunks(p)
     p.add_argument("--server-threads", type=int, default=1)
     p.add_argument("--quant", default="none", choices=QUANT_NAMES,

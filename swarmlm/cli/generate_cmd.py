@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from swarmlm.cli.args import add_client_precision, add_model, add_prefill_chunks, add_swarm_key, model_ref
+from swarmlm.cli.args import (add_client_precision, add_model, add_prefill_chunks, add_push, add_swarm_key,
+                              model_ref)
 
 
 def add_parser(sub) -> None:
@@ -29,8 +30,7 @@ def add_parser(sub) -> None:
                    help="how long to wait for servers of missing blocks before giving up")
     p.add_argument("--routing", default="waiting-aware", choices=["shortest", "waiting-aware"])
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--push", action="store_true",
-                   help="servers push each output straight to the next server of the route (N + 1 hops, not 2N)")
+    add_push(p)
     add_prefill_chunks(p)
     add_swarm_key(p)
     add_client_precision(p)

@@ -16,7 +16,7 @@ from swarmlm.errors import MissingBlocks, SwarmAccessDenied
 from swarmlm.swarm.identity import new_nonce, verify_info
 from swarmlm.swarm.private import client_interceptors
 from swarmlm.swarm.records import ServerRecord, record_from_info
-from swarmlm.types import Route
+from swarmlm.types import Route, Span
 from swarmlm.wire.links import TransmissionPolicy
 
 log = logging.getLogger(__name__)
@@ -150,6 +150,11 @@ class RemoteSequence:
                                         + (f"; unreachable: {down}" if down else "")) from None
             time.sleep(0.5)
             self.refresh()
+
+    def push(self, spans: list[Span]) -> bool:
+        """Server-to-server push on this route: ClientConfig.push "on" / "off", or "auto": where it pays."""
+        mode = self.config.push
+        return mode == "on" or (mode == "auto" and self.router.push_pays(spans))
 
     def close(self) -> None:
         if self.dht is not None:

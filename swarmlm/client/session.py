@@ -96,6 +96,7 @@ class StepRecord:
     reopened: int = 0  # healthy spans reopened because a failure elsewhere left them mid-step
     stalls: int = 0  # times the whole step made no progress for watchdog_s (then every unfinished hop reopens)
     hung: list[str] = field(default_factory=list)  # servers that did not answer within their hang timeout (banned)
+    pushed: bool = False  # server-to-server push on this step's route (ClientConfig.push, PerfModel.push_pays)
 
 
 @dataclass
@@ -266,7 +267,8 @@ class InferenceSession:
                        record: StepRecord) -> dict[int, ServerFailed | None]:
         """Push every chunk through every hop. Returns the hops to replace: failed (their error, a hung server's
         included) or left with unanswered chunks by a failure elsewhere (None); empty when the step is complete."""
-        push = self.remote.config.push
+        push = self.remote.push([h.span.span for h in hops])
+        record.pushed = push
         progress = _Progress()  # notified whenever a hop writes or answers a chunk
 
         def source(i: int, k: int) -> torch.Tensor:
