@@ -65,6 +65,11 @@ class ComputeProfile:
         """Seconds to run one block over a prompt of `l_in` tokens."""
         return self.prefill_a_s * l_in + self.prefill_b_s
 
+    def step_s(self, tokens: int) -> float:
+        """Seconds of one block for a step of `tokens` new tokens of one session past its cache (a speculative
+        pass): the first at the decode cost, each further one at the prompt's marginal cost (a_j)."""
+        return self.decode_s + self.prefill_a_s * (tokens - 1)
+
     @property
     def contended(self) -> bool:
         """True if step times grow with the sessions the server runs (f is not 1 everywhere)."""
@@ -403,6 +408,14 @@ class PerfModel:
         """One generated token through every hop (steady-state time per token); `push`: each server sends its
         output straight to the next one (server-to-server push, `push_saving_s`)."""
         step = sum(self.decode_hop_s(client, s.server_id, s.length) for s in spans)
+        return step - self.push_saving_s(client, spans) if push else step
+
+    def pass_s(self, client: str, spans: Sequence[Span], tokens: int, push: bool = False) -> float:
+        """One step of `tokens` new tokens (a speculative pass verifying tokens - 1 drafts) through every hop:
+        round trips with `tokens` hidden states plus compute (`ComputeProfile.step_s`); pass_s(..., 1) is the
+        decode step."""
+        step = sum(self.round_trip_s(client, s.server_id, tokens) + s.length * self.profiles[s.server_id].step_s(tokens)
+                   for s in spans)
         return step - self.push_saving_s(client, spans) if push else step
 
     # -- server-to-server push ------------------------------------------------------------------------------
