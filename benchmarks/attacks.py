@@ -324,6 +324,34 @@ def zero_element(ctx) -> tuple[int, str]:
     return len(codes), f"{', '.join(sorted(set(codes)))}; sessions leaked: {leaked}"
 
 
+def cache_ops(ctx, rounds: int = 200) -> tuple[int, str]:
+    """Hostile cache ops into a live session (truncations past what it holds, rows out of range or past the batch
+    reserved at open, 5000-row lists), between legal ones that copy one row to the 16 reserved and roll back."""
+    channel, st = stub(ctx.address)
+    s = Stream(st)
+    s.send(open_msg(0, ctx.blocks, batch=16, max_length=64))
+    s.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(torch.randn(1, 8, ctx.hidden)))))
+    hostile = [pb.CacheOp(truncate_to=(1 << 32) - 1), pb.CacheOp(rows=[1 << 31]), pb.CacheOp(rows=[0] * 17),
+               pb.CacheOp(rows=[0] * 5000), pb.CacheOp(truncate_to=0, rows=[0])]
+    refused = legal = 0
+    rng = random.Random(0)
+    for i in range(rounds):
+        if i % 2:
+            op, rows = hostile[rng.randrange(len(hostile))], 1
+        else:  # legal: back to the 8 prompt tokens, one row copied to all 16
+            op, rows = pb.CacheOp(truncate_to=8, rows=[0] * 16), 16
+        reply = s.send(pb.InferenceRequest(step=pb.InferenceStep(
+            hidden=codec.encode(torch.randn(rows, 1, ctx.hidden)), cache_op=op)))
+        refused += reply.HasField("error")
+        legal += not reply.HasField("error")
+        if not reply.HasField("error"):  # back to 1 row for the next hostile op
+            s.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(torch.randn(1, 1, ctx.hidden)),
+                                                             cache_op=pb.CacheOp(truncate_to=8, rows=[0]))))
+    s.requests.put(None)
+    channel.close()
+    return rounds, f"{refused} hostile refused, {legal} legal applied"
+
+
 def fuzz(ctx, count: int = 2000, seed: int = 0) -> tuple[int, str]:
     """Random bytes and random protobuf fields into every RPC."""
     from tests.test_fuzz_rpc import fuzz_all  # one fuzzer, light in the tests and heavy here
@@ -341,6 +369,7 @@ ATTACKS: dict[str, Callable] = {
     "big Forward (B=16 x 2048)": big_forward,
     "stranger push / resume / close": stranger,
     "zero-element huge dims": zero_element,
+    "hostile cache ops (200 steps, copies to 16 rows)": cache_ops,
     "fuzz (random bytes + fields, every RPC)": fuzz,
 }
 

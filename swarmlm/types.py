@@ -89,3 +89,33 @@ class Route:
 
     def describe(self) -> str:
         return " -> ".join(f"{s.server_id}[{s.start}:{s.end})" for s in self.spans)
+
+
+@dataclass(frozen=True)
+class CacheOp:
+    """An edit of a session's attention caches, applied before a step's tokens are written: keep the first
+    `truncate_to` tokens (None: all), and take rows `rows` (new row i = old row rows[i]; None: unchanged). The two
+    commute (one cuts positions, the other picks sequences), so an op is one of each at most."""
+
+    truncate_to: int | None = None  # tokens kept
+    rows: tuple[int, ...] | None = None  # old row of each new row; a row may appear several times (copies)
+
+    def __post_init__(self) -> None:
+        if self.truncate_to is not None and self.truncate_to < 0:
+            raise ValueError(f"truncate_to must be >= 0, got {self.truncate_to}")
+        if self.rows is not None and (not self.rows or min(self.rows) < 0):
+            raise ValueError(f"rows must be a non-empty list of row indices, got {self.rows}")
+
+    def then(self, later: "CacheOp") -> "CacheOp":
+        """This op followed by `later`, as one op."""
+        cuts = [t for t in (self.truncate_to, later.truncate_to) if t is not None]
+        rows = self.rows if later.rows is None else (
+            later.rows if self.rows is None else tuple(self.rows[i] for i in later.rows))
+        return CacheOp(min(cuts) if cuts else None, rows)
+
+    def kept(self, position: int) -> int:
+        """Tokens a session holding `position` keeps."""
+        return position if self.truncate_to is None else min(self.truncate_to, position)
+
+    def rows_after(self, rows: int) -> int:
+        return rows if self.rows is None else len(self.rows)

@@ -373,3 +373,28 @@ def test_decode_steps_are_not_stuck_behind_a_long_forward(attack_server, honest)
     thread.join()
     inside = [g for g in generations if result["start"] <= g[0] and g[1] <= result["end"]]
     assert inside, (generations, result)  # ordering, not a duration: decodes ran between the Forward's slices
+
+
+def test_hostile_cache_ops_are_refused_and_touch_no_other_session(attack_server, honest):
+    """Truncations past what a session holds, rows out of range, copies past the reserved batch, a huge row list:
+    clear refusals, the session unchanged; copies within the reservation take no more cache; others stay exact."""
+    address, hidden, blocks = attack_server
+    s, _ = _open(address, blocks, batch=4, max_length=16)
+    x = torch.randn(1, 5, hidden)
+    assert s.send(_step(x)).position == 5
+    free = _info(address).cache_bytes_free
+    y = torch.randn(1, 1, hidden)
+    hostile = [pb.CacheOp(truncate_to=(1 << 32) - 1), pb.CacheOp(truncate_to=6), pb.CacheOp(rows=[1 << 31]),
+               pb.CacheOp(rows=[0] * 5), pb.CacheOp(rows=[0] * 5000), pb.CacheOp(truncate_to=0, rows=[0]),
+               pb.CacheOp(rows=[(1 << 32) - 1] * 4)]
+    for op in hostile:
+        reply = s.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(y), cache_op=op)))
+        assert reply.HasField("error") and "cache_op" in reply.error.message and reply.position == 5, reply.error
+    # one prompt row copied to the 4 rows reserved at open: no cache beyond the reservation is taken
+    four = s.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(torch.randn(4, 1, hidden)),
+                                                            cache_op=pb.CacheOp(truncate_to=3, rows=[0] * 4))))
+    assert not four.HasField("error") and four.position == 4
+    assert _info(address).cache_bytes_free == free
+    s.end()
+    assert honest.poll_correct()
+

@@ -1,5 +1,5 @@
-"""Random bytes and random protobuf fields into every RPC (Inference, Forward, Info, Push): the server stays alive,
-answers every call with a status (never UNKNOWN: no exception escapes a handler), and an honest client stays exact.
+"""Random bytes and random protobuf fields into every RPC (Inference, Forward, Info, Push), and random cache ops into
+live sessions: the server stays alive, answers every call with a status (never UNKNOWN: no exception escapes a handler), and an honest client stays exact.
 Seeded and bounded; benchmarks/attacks.py runs the same fuzzer heavier."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections import Counter
 
 import grpc
 import pytest
+import torch
 
 from swarmlm.wire import codec
 from tests.test_attacks import attack_server, honest  # noqa: F401  (fixtures: one server for this module)
@@ -30,10 +31,21 @@ def _target(rng: random.Random, address: str) -> pb.PushTarget:
                          step_id=rng.choice([0, 1, 2, 1 << 63]), secret=rng.randbytes(rng.choice([0, 16, 17])))
 
 
+def _cache_op(rng: random.Random) -> pb.CacheOp | None:
+    if rng.random() < 0.5:
+        return None
+    values = [0, 1, 2, 5, 63, 64, 1 << 31, (1 << 32) - 1]
+    op = pb.CacheOp(rows=[rng.choice(values) for _ in range(rng.choice([0, 1, 2, 4, 65, 5000]))])
+    if rng.random() < 0.6:
+        op.truncate_to = rng.choice(values)
+    return op
+
+
 def _step(rng: random.Random, hidden: int, address: str) -> pb.InferenceStep:
     return pb.InferenceStep(hidden=_tensor(rng, hidden), attention_mask=_tensor(rng, hidden) if rng.random() < 0.3
                             else None, step_id=rng.choice([0, 1, 2, 5, 1 << 63]),
-                            push=[_target(rng, address) for _ in range(rng.choice([0, 0, 1, 2, 70]))])
+                            push=[_target(rng, address) for _ in range(rng.choice([0, 0, 1, 2, 70]))],
+                            cache_op=_cache_op(rng))
 
 
 def _inference_request(rng: random.Random, hidden: int, blocks: int, address: str) -> pb.InferenceRequest:
@@ -43,6 +55,19 @@ def _inference_request(rng: random.Random, hidden: int, blocks: int, address: st
             batch_size=rng.choice([0, 1, 2, 64, 1 << 31]), max_length=rng.choice([0, 1, 64, 2048, 1 << 31])))
     return pb.InferenceRequest(session_id=rng.choice(["", "f" * 32, "x" * 500]), secret=rng.randbytes(16),
                                step=_step(rng, hidden, address))
+
+
+def _live_session(rng: random.Random, hidden: int, blocks: int) -> list[pb.InferenceRequest]:
+    """A real session (open, a prefill of up to 3 rows) then steps of well-formed tensors with random cache ops."""
+    rows, tokens = rng.randint(1, 3), rng.randint(1, 6)
+    requests = [pb.InferenceRequest(open=pb.OpenSession(start_block=0, end_block=blocks, batch_size=rng.randint(1, 4),
+                                                        max_length=16)),
+                pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(torch.randn(rows, tokens, hidden))))]
+    for _ in range(rng.randint(1, 4)):
+        shape = (rng.choice([1, 2, 3, 4, 5]), rng.choice([1, 1, 2, 12]), hidden)
+        requests.append(pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(torch.randn(shape)),
+                                                                  cache_op=_cache_op(rng))))
+    return requests
 
 
 def _call(channel: grpc.Channel, rng: random.Random, rpc: str, hidden: int, blocks: int, address: str) -> str:
@@ -55,7 +80,8 @@ def _call(channel: grpc.Channel, rng: random.Random, rpc: str, hidden: int, bloc
                 requests = [rng.randbytes(rng.randint(0, 256)) for _ in range(rng.randint(1, 3))]
                 call = channel.stream_stream(path)(iter(requests), timeout=30)
             else:
-                requests = [_inference_request(rng, hidden, blocks, address) for _ in range(rng.randint(1, 4))]
+                requests = (_live_session(rng, hidden, blocks) if rng.random() < 0.3 else
+                            [_inference_request(rng, hidden, blocks, address) for _ in range(rng.randint(1, 4))])
                 call = channel.stream_stream(path, request_serializer=pb.InferenceRequest.SerializeToString,
                                              response_deserializer=pb.InferenceReply.FromString)(
                     iter(requests), timeout=30)

@@ -12,6 +12,11 @@ step writes its new K/V in place instead of concatenating the whole cache. A for
 
 New K/V are written past a session's committed length and only counted (`commit`) once the whole forward
 succeeded: a step that fails leaves every session's cache as it was.
+
+A step's cache op (types.CacheOp) edits a copy: `truncated` shares the buffers with a shorter committed length
+(the step then overwrites the cut tail in place: only a retry of the same op, which cuts it again, or a closed
+session ever follows a failed one), `selected` gathers the kept rows into new buffers. The session's cache is
+replaced by the edited one only when its step succeeds (server/stage.py).
 """
 from __future__ import annotations
 
@@ -50,6 +55,27 @@ class SpanCache:
 
     def commit(self, tokens: int) -> None:
         self.length += tokens
+
+    def truncated(self, length: int) -> "SpanCache":
+        """The first `length` tokens (<= self.length), on the same buffers."""
+        assert 0 <= length <= self.length
+        cut = SpanCache(self.num_layers, self.max_length)
+        if length:
+            cut.keys, cut.values, cut.length = self.keys, self.values, length
+        return cut
+
+    def selected(self, rows: torch.Tensor) -> "SpanCache":
+        """New row i = row rows[i], in new buffers of the same capacity (rows: int64 [B'], may repeat)."""
+        picked = SpanCache(self.num_layers, self.max_length)
+        picked.length = self.length
+        if self.keys is not None:
+            layers, _, heads, capacity, d = self.keys.shape
+            picked.keys = self.keys.new_empty(layers, len(rows), heads, capacity, d)
+            picked.values = self.values.new_empty(layers, len(rows), heads, capacity, d)
+            n = self.length  # only committed positions are copied; the rest is written before it is read
+            picked.keys[:, :, :, :n] = self.keys[:, rows, :, :n]
+            picked.values[:, :, :, :n] = self.values[:, rows, :, :n]
+        return picked
 
     def _grow(self, needed: int, like: torch.Tensor) -> None:
         # doubling keeps appends amortised O(1); the whole old buffer is copied, so K/V that earlier layers of the

@@ -167,10 +167,11 @@ class Pusher:
         return stub
 
     async def push(self, target: pb.PushTarget, hidden: pb.Tensor, mask: pb.Tensor,
-                   rest: list[pb.PushTarget]) -> bool:
-        """Deliver one output to `target` (which pushes it on to `rest`). True when the target accepted it."""
+                   rest: list[pb.PushTarget], op: pb.CacheOp | None = None) -> bool:
+        """Deliver one output to `target` (which pushes it on to `rest`), with the step's cache op: every span of a
+        session holds the same tokens and rows, so the op is the same there. True when the target accepted it."""
         request = pb.PushRequest(session_id=target.session_id, secret=target.secret, step=pb.InferenceStep(
-            hidden=hidden, attention_mask=mask, step_id=target.step_id, push=rest))
+            hidden=hidden, attention_mask=mask, step_id=target.step_id, push=rest, cache_op=op))
         kind = StepKind.of(hidden.shape[1] if len(hidden.shape) == 3 else 0)
         link = self.links.get(target.address)
         call = None

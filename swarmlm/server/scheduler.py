@@ -41,7 +41,7 @@ from typing import Any, Callable, Hashable
 import torch
 
 from swarmlm.server.stage import SpanState, Stage, StepRequest
-from swarmlm.types import StepKind
+from swarmlm.types import CacheOp, StepKind
 
 DECODE, PREFILL = StepKind.DECODE, StepKind.PREFILL  # priorities: decode steps first (one spelling: StepKind)
 # after 4 waits for stragglers that gathered nobody, this many waits are skipped before one is tried again. Short:
@@ -168,10 +168,10 @@ class Scheduler:
         return await self._submit(Job(priority, tokens, 0.0, Future(), work=work))
 
     async def submit_step(
-        self, stage: Stage, state: SpanState, hidden: torch.Tensor, mask: torch.Tensor
+        self, stage: Stage, state: SpanState, hidden: torch.Tensor, mask: torch.Tensor, op: CacheOp | None = None
     ) -> tuple[torch.Tensor, JobTiming]:
-        """One session's step on `stage`: batched with other sessions' steps of the same shape."""
-        request = StepRequest(state, hidden, mask)
+        """One session's step on `stage` (after its cache op): batched with other sessions' steps of the same shape."""
+        request = StepRequest(state, hidden, mask, op)
         priority = StepKind.of(hidden.shape[1])
         work = Batchable(stage.step_batch, request.batch_key, request, member=id(state))
         return await self.submit_batchable(work, priority, request.tokens)

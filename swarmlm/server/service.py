@@ -28,8 +28,8 @@ from swarmlm.server.sessions import PeerBytes, Session, SessionTable
 from swarmlm.server.stage import SpanState, Stage
 from swarmlm.swarm.identity import Identity, sign_info
 from swarmlm.swarm.private import client_interceptors
-from swarmlm.types import BlockRange
-from swarmlm.wire import codec, compress
+from swarmlm.types import BlockRange, CacheOp
+from swarmlm.wire import cache_op, codec, compress
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 
@@ -77,6 +77,24 @@ def _payload_bytes(step: pb.InferenceStep) -> int:
             continue
         total += math.prod(shape) * codec.WIRE_DTYPES.get(msg.dtype, (None, 1))[1] if shape else 0  # packed: ~1
     return total
+
+
+def check_cache_op(op: CacheOp | None, position: int, rows: int, reserved_rows: int) -> tuple[int, int | None]:
+    """Tokens a session holding `position` tokens in `rows` rows keeps after `op`, and the rows its step must have
+    (None: any up to `reserved_rows`, the batch reserved at open: the session then holds nothing)."""
+    if op is None:
+        return position, (rows if position else None)
+    if op.truncate_to is not None and op.truncate_to > position:
+        raise InvalidRequest(f"cache_op: truncate_to {op.truncate_to} is past the {position} tokens the session holds")
+    kept = op.kept(position)
+    if op.rows is not None:
+        if kept == 0:
+            raise InvalidRequest("cache_op: rows of a session that holds no tokens (send the rows instead)")
+        if len(op.rows) > reserved_rows:
+            raise InvalidRequest(f"cache_op: {len(op.rows)} rows exceed the batch of {reserved_rows} reserved at open")
+        if max(op.rows) >= rows:
+            raise InvalidRequest(f"cache_op: row {max(op.rows)} is out of range: the session has {rows} rows")
+    return kept, (op.rows_after(rows) if kept else None)
 
 
 def decode_step(hidden_msg: pb.Tensor, mask_msg: pb.Tensor, b: int, t: int,
@@ -210,15 +228,17 @@ class SwarmService(pb_grpc.SwarmServicer):
                 and info.hidden_size == self.stage.hidden_size and info.start_block <= block < info.end_block)
 
     # ---- compute ----------------------------------------------------------------------------------------
-    async def _compute(self, state: SpanState, hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, JobTiming]:
+    async def _compute(self, state: SpanState, hidden: torch.Tensor, mask: torch.Tensor,
+                       op: CacheOp | None = None) -> tuple[torch.Tensor, JobTiming]:
         """Run new tokens in slices of at most one scheduler round (max_batch_tokens rows x tokens): a long prefill
-        is split, so decode steps of other sessions run between its slices (the scheduler puts decodes first)."""
+        is split, so decode steps of other sessions run between its slices (the scheduler puts decodes first). The
+        cache op goes with the first slice."""
         rows, tokens = hidden.shape[:2]
         size = max(1, self.config.max_batch_tokens // rows)
         outs, queued, compute, batch = [], 0.0, 0.0, 1
         for start in range(0, tokens, size):
             out, timing = await self.scheduler.submit_step(
-                self.stage, state, hidden[:, start:start + size], mask[:, start:start + size])
+                self.stage, state, hidden[:, start:start + size], mask[:, start:start + size], op if start == 0 else None)
             outs.append(out)
             queued, compute = queued + timing.queued_s, compute + timing.compute_s
             batch = max(batch, timing.batch_size)
@@ -411,7 +431,11 @@ class SwarmService(pb_grpc.SwarmServicer):
                 raise InvalidRequest("a session is already open on this stream: expected a step")
             self.sessions.get(sid)  # refreshes last use; raises if expired meanwhile
             step = request.step
-            b, t = self._check_shape(step.hidden, session.batch, session.state.position, session.max_length)
+            op = cache_op.from_wire(step, self.config.max_batch)
+            past, rows = check_cache_op(op, session.state.position, session.state.rows, session.batch)
+            b, t = self._check_shape(step.hidden, rows, past, session.max_length)
+            if b > session.batch:
+                raise InvalidRequest(f"hidden: {b} rows exceed the batch of {session.batch} reserved at open")
             nbytes = b * t * self.stage.hidden_size
             if step.push:
                 check_targets(step.push)
@@ -437,7 +461,7 @@ class SwarmService(pb_grpc.SwarmServicer):
                 self.sessions.close(sid)
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"session closed: {error}")
         try:  # batched with other sessions' steps of the same shape; decode steps go first
-            out, timing = await self._compute(session.state, hidden, mask)
+            out, timing = await self._compute(session.state, hidden, mask, op)
         except Exception as exc:  # unexpected (a bug or an OOM): close the session rather than trust it
             log.exception("step failed")
             error = exc
@@ -467,7 +491,8 @@ class SwarmService(pb_grpc.SwarmServicer):
         async def push() -> None:
             if previous is not None:
                 await asyncio.gather(previous, return_exceptions=True)
-            if not await self.pusher.push(targets[0], reply.hidden, request.step.attention_mask, targets[1:]):
+            if not await self.pusher.push(targets[0], reply.hidden, request.step.attention_mask, targets[1:],
+                                          request.step.cache_op if request.step.HasField("cache_op") else None):
                 log.warning("push of step %d of session %s to %s failed", request.step.step_id, sid,
                             targets[0].address)
             if self._pushes.get(sid) is task:

@@ -14,7 +14,7 @@ import torch
 from swarmlm.model.checkpoint import load_blocks, parse_dtype
 from swarmlm.model.quant import Quant, check_quant, weight_bytes
 from swarmlm.server.kv_cache import Member, SpanCache, StepCache, left_pad
-from swarmlm.types import BlockRange
+from swarmlm.types import BlockRange, CacheOp
 
 
 @dataclass
@@ -29,14 +29,35 @@ class SpanState:
     def position(self) -> int:
         return int(self.mask.shape[1])
 
+    @property
+    def rows(self) -> int:
+        return int(self.mask.shape[0])
+
+    def edited(self, op: CacheOp | None, rows: int) -> "SpanState":
+        """The state a step with cache op `op` and `rows` rows starts from; `self` is not changed. An empty state
+        takes any number of rows (up to the session's reserved batch: the service checks); positions follow the
+        truncation, as every family derives them from the mask."""
+        keep = self.position if op is None else op.kept(self.position)
+        if keep == 0:
+            return SpanState(self.blocks, self.cache.truncated(0), torch.zeros(rows, 0, dtype=torch.long))
+        if keep == self.position and (op is None or op.rows is None):
+            return self
+        cache, mask = self.cache.truncated(keep), self.mask[:, :keep]
+        if op.rows is not None:
+            index = torch.tensor(op.rows, dtype=torch.long)
+            cache, mask = cache.selected(index), mask[index]
+        return SpanState(self.blocks, cache, mask)
+
 
 @dataclass(frozen=True)
 class StepRequest:
-    """One session's step: new tokens' hidden states [B, T, H] and their padding mask [B, T]."""
+    """One session's step: new tokens' hidden states [B, T, H] and their padding mask [B, T], written after the
+    cache op `op` (if any) edits the session's cache."""
 
     state: SpanState
     hidden: torch.Tensor
     mask: torch.Tensor
+    op: CacheOp | None = None
 
     @property
     def tokens(self) -> int:
@@ -77,23 +98,26 @@ class Stage:
         assert self.blocks.contains(blocks)
         return SpanState(blocks, SpanCache(blocks.length, max_length), torch.zeros(batch, 0, dtype=torch.long))
 
-    def step(self, state: SpanState, hidden: torch.Tensor, new_mask: torch.Tensor) -> torch.Tensor:
-        """Run the session's blocks on new tokens; append to its cache and mask. hidden: [B, T, H]."""
-        return self.step_batch([StepRequest(state, hidden, new_mask)])[0]
+    def step(self, state: SpanState, hidden: torch.Tensor, new_mask: torch.Tensor,
+             op: CacheOp | None = None) -> torch.Tensor:
+        """Run the session's blocks on new tokens after `op`; append to its cache and mask. hidden: [B, T, H]."""
+        return self.step_batch([StepRequest(state, hidden, new_mask, op)])[0]
 
     @torch.inference_mode()
     def step_batch(self, requests: list[StepRequest]) -> list[torch.Tensor]:
         """Run several sessions' steps as one forward; outputs in request order, each [B_i, T, H].
 
         All requests run the same sub-range on the same number of new tokens (equal `batch_key`), each session at
-        most once. Caches and masks change only if the whole forward succeeds."""
+        most once. Caches and masks (cache ops included) change only if the whole forward succeeds."""
         first = requests[0]
         assert all(r.batch_key == first.batch_key for r in requests), "only steps with equal batch_key batch"
         assert len({id(r.state) for r in requests}) == len(requests), "a session appears twice in one batch"
-        masks = [torch.cat([r.state.mask, r.mask.to(torch.long)], dim=1) for r in requests]
+        starts = [r.state.edited(r.op, int(r.hidden.shape[0])) for r in requests]
+        assert all(s.rows == r.hidden.shape[0] for s, r in zip(starts, requests)), "rows checked by the service"
+        masks = [torch.cat([s.mask, r.mask.to(torch.long)], dim=1) for s, r in zip(starts, requests)]
         members, row = [], 0
-        for r in requests:
-            members.append(Member(r.state.cache, slice(row, row + r.hidden.shape[0])))
+        for s, r in zip(starts, requests):
+            members.append(Member(s.cache, slice(row, row + r.hidden.shape[0])))
             row += r.hidden.shape[0]
         cache = StepCache(members, offset=first.state.blocks.start - self.blocks.start)
         t = first.hidden.shape[1]
@@ -103,8 +127,8 @@ class Stage:
         out = self.adapter.forward_span(self.config, self.modules[local], hidden, cache, mask)
         # only after success: a failed forward leaves every session's committed length and mask as they were
         cache.commit(t)
-        for r, m in zip(requests, masks):
-            r.state.mask = m
+        for r, m, member in zip(requests, masks, members):
+            r.state.cache, r.state.mask = member.cache, m
         return [out[m.rows] for m in members]
 
     def forward(self, blocks: BlockRange, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -62,17 +62,27 @@ class PushTarget(_message.Message):
     secret: bytes
     def __init__(self, address: _Optional[str] = ..., session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., secret: _Optional[bytes] = ...) -> None: ...
 
+class CacheOp(_message.Message):
+    __slots__ = ("truncate_to", "rows")
+    TRUNCATE_TO_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    truncate_to: int
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, truncate_to: _Optional[int] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class InferenceStep(_message.Message):
-    __slots__ = ("hidden", "attention_mask", "step_id", "push")
+    __slots__ = ("hidden", "attention_mask", "step_id", "push", "cache_op")
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
+    CACHE_OP_FIELD_NUMBER: _ClassVar[int]
     hidden: Tensor
     attention_mask: Tensor
     step_id: int
     push: _containers.RepeatedCompositeFieldContainer[PushTarget]
-    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., step_id: _Optional[int] = ..., push: _Optional[_Iterable[_Union[PushTarget, _Mapping]]] = ...) -> None: ...
+    cache_op: CacheOp
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., step_id: _Optional[int] = ..., push: _Optional[_Iterable[_Union[PushTarget, _Mapping]]] = ..., cache_op: _Optional[_Union[CacheOp, _Mapping]] = ...) -> None: ...
 
 class InferenceRequest(_message.Message):
     __slots__ = ("session_id", "open", "step", "secret")

@@ -53,8 +53,12 @@ class FalconAdapter(FamilyAdapter):
         return assign(mods, tensors)
 
     def kv_dim(self, config):
-        # FalconAttention: grouped KV heads with the new architecture or without multi-query, else one KV head
-        heads = config.num_kv_heads if (config.new_decoder_architecture or not config.multi_query) else 1
+        # what FalconAttention caches: the new architecture expands its grouped KV heads to every query head before
+        # the cache; otherwise num_kv_heads without multi-query, one head with it
+        if config.new_decoder_architecture:
+            heads = config.num_attention_heads
+        else:
+            heads = config.num_kv_heads if not config.multi_query else 1
         return int(heads * (config.hidden_size // config.num_attention_heads))
 
     def forward_span(self, config, blocks, hidden, cache, attention_mask, extra=None):
