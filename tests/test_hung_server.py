@@ -73,7 +73,7 @@ def test_sigstop_mid_generation_names_and_bans_the_stopped_server(swarm, tiny_bl
 
 def test_the_hang_timeout_follows_the_announced_speed():
     """Floor + factor x announced compute for the step over the span, capped by step_timeout_s."""
-    from swarmlm.client.session import hang_timeout_s, watchdog_s
+    from swarmlm.client.pipeline import hang_timeout_s, watchdog_s
     from swarmlm.config import ClientConfig
     from swarmlm.swarm.records import ServerRecord
     from swarmlm.types import Span

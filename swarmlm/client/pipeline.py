@@ -1,0 +1,266 @@
+"""The client's step engine: one attempt at carrying a step's chunks through every span of the route.
+
+A step's tokens are split into chunks (chunking.py: one chunk for a decode step or a short prompt). Every hop has a
+sender and a receiver: the sender writes chunk k as soon as the previous hop has answered it, the receiver reads
+the answers in order and hands them on, so chunk k is on server 2 while chunk k+1 is still on server 1. With
+several chunks (or push) they run as two tasks per hop (`pipelined`); a step of one chunk that is not pushed (every
+decode step) runs the same sender and receiver hop after hop in the caller's task (`hop_by_hop`), which saves the
+tasks and their wake-ups (benchmarks/hop_breakdown.py).
+
+Timers. A server that is alive but does not answer (hung) is detected per reply: no reply within its hang timeout
+(`hang_timeout_s`) is a failure of that server, named as any other. Behind it, a watchdog catches an attempt that
+makes no progress at all for longer than any reply may take (`watchdog_s`: a wait that no server is to blame for,
+e.g. a lost wake-up): the attempt ends `stalled`.
+
+An attempt never repairs anything: it returns an `AttemptOutcome` (complete, or which hops failed and which were
+left mid-step) and the session (session.py) re-routes, reopens and replays, then runs the next attempt.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from swarmlm.client.streams import HopTiming, SpanStream
+from swarmlm.config import ClientConfig
+from swarmlm.errors import ServerFailed
+from swarmlm.swarm.records import ServerRecord
+from swarmlm.types import Span
+from swarmlm.wire import swarm_pb2 as pb
+
+Chunk = tuple[torch.Tensor, torch.Tensor]  # hidden [B, T, H], padding mask [B, T]
+
+
+def hang_timeout_s(config: ClientConfig, record: ServerRecord | None, span: Span, rows: int, tokens: int) -> float:
+    """How long a reply of this span's server may take before the server counts as hung: its announced compute time
+    for `tokens` new tokens of `rows` sequences over the span's blocks, times hang_factor, plus hang_floor_s (load,
+    scheduling and the wire), at most step_timeout_s. A server that announces nothing gets the floor."""
+    compute = 0.0
+    if record is not None:
+        per_block = record.decode_s * rows if tokens == 1 else record.prefill_a_s * rows * tokens + record.prefill_b_s
+        compute = per_block * span.length
+    return min(config.step_timeout_s, config.hang_floor_s + config.hang_factor * compute)
+
+
+def watchdog_s(config: ClientConfig) -> float:
+    """No progress at all for this long stalls a step. Longer than any reply's own bound (step_timeout_s), so a
+    hung server is always caught first by its reply's timeout, and named."""
+    return config.step_timeout_s + config.hang_floor_s
+
+
+@dataclass
+class OpenSpan:
+    """A span of the route with its open stream: what the session keeps per span from step to step."""
+
+    span: Span
+    stream: SpanStream
+    admission: str = ""  # this session's entry in the client's router (its load on the server), until closed
+    history: list[Chunk] = field(default_factory=list)  # inputs sent and answered, in order (for a replay)
+
+    @property
+    def position(self) -> int:
+        return sum(h.shape[1] for h, _ in self.history)
+
+
+@dataclass
+class Hop:
+    """One open span's part of one step: chunks written to it, and its outputs in order (None: answered in a replay
+    to a replacement server)."""
+
+    open_span: OpenSpan
+    outputs: list[torch.Tensor | None] = field(default_factory=list)
+    written: int = 0  # chunks written (or awaited from a push by the previous server) whose reply may be read
+    base_id: int = 0  # the step id chunk 0 takes on this hop's stream (chunk k: base_id + k)
+
+    def __post_init__(self) -> None:
+        self.base_id = self.stream.next_step_id - self.written
+
+    @property
+    def span(self) -> Span:
+        return self.open_span.span
+
+    @property
+    def stream(self) -> SpanStream:
+        return self.open_span.stream
+
+    @property
+    def answered(self) -> int:
+        return len(self.outputs)
+
+    @property
+    def claimed(self) -> int:
+        """Chunks that have a step id on this hop's stream: being written, written, or awaited from a push."""
+        return self.stream.next_step_id - self.base_id
+
+
+@dataclass
+class AttemptOutcome:
+    """What one attempt did: replies read, and the hops the session must replace before the next attempt."""
+
+    timings: list[HopTiming]  # one per reply read, in the order read
+    failed: dict[int, ServerFailed]  # hop index -> its server's failure (a hung server's included)
+    unsettled: list[int]  # healthy hops left mid-step (their cache state unknown to us): reopen and replay
+    stalled: bool = False  # no progress for watchdog_s: every hop not done is in `unsettled`, none in `failed`
+
+    @property
+    def complete(self) -> bool:
+        return not self.failed and not self.unsettled
+
+    def to_replace(self) -> dict[int, ServerFailed | None]:
+        """Hop index -> why it is replaced: its server's failure, or None (left mid-step, reopened)."""
+        return {**{i: None for i in self.unsettled}, **self.failed}
+
+
+class _Progress:
+    """Wake every waiter when the pipeline moves. An Event per generation rather than asyncio.Condition, whose
+    wait() re-acquires its lock on cancellation and, on Python 3.11, can leave a cancelled pipeline hanging.
+    `stop()` ends every wait: a task that missed its cancellation (a race in some awaitables) stops at its next
+    wait instead of waiting forever for a pipeline that is gone."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self.stopped = False
+        self.generation = 0  # notifications so far: the pipeline's progress, for the stall watchdog
+
+    def notify(self) -> None:
+        self.generation += 1
+        self._event.set()
+        self._event = asyncio.Event()
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.notify()
+
+    async def wait_for(self, predicate) -> None:
+        while True:  # no await between the checks and the wait: no wake-up is missed
+            if self.stopped:
+                raise asyncio.CancelledError("the pipeline stopped")
+            if predicate():
+                return
+            await self._event.wait()
+
+
+class StepPipeline:
+    """One attempt at a step: every chunk through every hop, from where each hop left off (`Hop.written`,
+    `Hop.outputs`). `hang_timeout(span, rows, tokens)` bounds each reply (`hang_timeout_s`); `push`: servers push
+    each output on to the next hop (the session's choice for this route, RemoteSequence.push)."""
+
+    def __init__(self, hops: list[Hop], chunks: list[Chunk], config: ClientConfig,
+                 hang_timeout: Callable[[Span, int, int], float], push: bool = False) -> None:
+        self.hops = hops
+        self.chunks = chunks
+        self.push = push
+        self.watchdog_s = watchdog_s(config)
+        self.hang_timeout = hang_timeout
+        self.progress = _Progress()  # notified whenever a hop writes or answers a chunk
+        self.timings: list[HopTiming] = []
+
+    async def run(self) -> AttemptOutcome:
+        """Raises what is not a server's failure (e.g. InvalidRequest); a server's failure is in the outcome."""
+        if len(self.chunks) == 1 and not self.push:
+            failed, stalled = await self._hop_by_hop()
+        else:
+            failed, stalled = await self._pipelined()
+        if stalled:
+            unsettled = [i for i, h in enumerate(self.hops) if h.answered < len(self.chunks)]
+            return AttemptOutcome(self.timings, {}, unsettled, stalled=True)
+        for exc in failed.values():
+            if not isinstance(exc, ServerFailed):
+                raise exc
+        # written, not answered: the cache state of a healthy hop's server is unknown
+        unsettled = [i for i, h in enumerate(self.hops) if i not in failed and h.stream.unanswered]
+        return AttemptOutcome(self.timings, failed, unsettled)
+
+    # ---- the two ways to run the hops ---------------------------------------------------------------------
+    async def _hop_by_hop(self) -> tuple[dict[int, BaseException], bool]:
+        """One message per hop: the sender and receiver hop after hop in this task (no tasks to wake). The
+        watchdog's rule per hop: no progress for watchdog_s."""
+        for i in range(len(self.hops)):
+            try:
+                async with asyncio.timeout(self.watchdog_s):
+                    await self._send(i)
+                    await self._receive(i)
+            except TimeoutError:
+                return {}, True
+            except ServerFailed as exc:
+                return {i: exc}, False  # hops before it answered, hops after it have nothing written
+        return {}, False
+
+    async def _pipelined(self) -> tuple[dict[int, BaseException], bool]:
+        """A sender and a receiver task per hop; the first failure ends them all."""
+        tasks = {asyncio.ensure_future(f(i)): i for i in range(len(self.hops)) for f in (self._send, self._receive)}
+        try:
+            stalled = await self._watch(tasks)
+        finally:
+            self.progress.stop()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        failed: dict[int, BaseException] = {}
+        for t, i in tasks.items():
+            exc = None if t.cancelled() else t.exception()
+            if exc is not None:
+                failed.setdefault(i, exc)
+        return failed, stalled
+
+    async def _watch(self, tasks: dict) -> bool:
+        """Wait until every task is done or one fails; True if the pipeline made no progress for a whole
+        watchdog_s. Every reply is bounded on its own (the hang timeout); this bounds the whole, whatever was
+        missed."""
+        seen = self.progress.generation
+        while True:
+            done, _ = await asyncio.wait(tasks, timeout=self.watchdog_s, return_when=asyncio.FIRST_EXCEPTION)
+            if len(done) == len(tasks) or any(t.exception() for t in done if not t.cancelled()):
+                return False
+            if self.progress.generation == seen:
+                return True
+            seen = self.progress.generation
+
+    # ---- one hop's sender and receiver --------------------------------------------------------------------
+    def _source(self, i: int, k: int) -> torch.Tensor:
+        """Hop i's input for chunk k: the chunk itself, or the previous hop's output."""
+        return self.chunks[k][0] if i == 0 else self.hops[i - 1].outputs[k]
+
+    def _push_targets(self, i: int, k: int) -> list[pb.PushTarget]:
+        """Server-to-server push (server/push.py): the hops after hop i that have nothing of chunk k yet await it
+        from the previous server (they take their stream's next step id now, so their replies can be read as soon
+        as they come); the server of hop i is told to push on to them."""
+        targets: list[pb.PushTarget] = []
+        for hop in self.hops[i + 1:] if self.push else ():
+            if hop.claimed != k:  # a chunk of it is still to be sent by us: the push chain stops here
+                break
+            hop.stream.expect(self.chunks[k][0].shape[1])
+            hop.written = k + 1
+            targets.append(pb.PushTarget(address=hop.span.address, session_id=hop.stream.session_id,
+                                         step_id=hop.base_id + k, secret=hop.stream.session_secret))
+        return targets
+
+    async def _send(self, i: int) -> None:
+        hop = self.hops[i]
+        while hop.written < len(self.chunks):
+            k = hop.written
+            if i > 0:  # its input is the previous hop's output, unless that server pushes it here
+                await self.progress.wait_for(lambda: self.hops[i - 1].answered > k or hop.claimed > k)
+            if hop.claimed > k:  # awaited from a push (_push_targets advanced `written` with it)
+                hop.written = max(hop.written, k + 1)
+                continue
+            targets = self._push_targets(i, k)
+            await hop.stream.send(self._source(i, k), self.chunks[k][1], targets)
+            hop.written = max(hop.written, k + 1)
+            self.progress.notify()
+
+    async def _receive(self, i: int) -> None:
+        hop = self.hops[i]
+        while hop.answered < len(self.chunks):
+            k = hop.answered
+            # its input (the previous hop's output) is recorded with its output, so that reply is read first
+            # (pushed, the next server may answer before the client has read it: its reply waits in the stream)
+            await self.progress.wait_for(lambda: hop.written > k and (i == 0 or self.hops[i - 1].answered > k))
+            x = self.chunks[k][0]
+            out, timing = await hop.stream.receive(self.hang_timeout(hop.span, x.shape[0], x.shape[1]))
+            hop.open_span.history.append((self._source(i, k), self.chunks[k][1]))
+            hop.outputs.append(out)
+            self.timings.append(timing)
+            self.progress.notify()
