@@ -224,6 +224,7 @@ def summarise_run(n: int, strategy: StrategyConfig, label: str, records: list[Re
         "p50_ttft_s": tot.p50_ttft_s, "p90_ttft_s": tot.p90_ttft_s, "p50_per_token_s": tot.p50_per_token_s,
         "p90_per_token_s": tot.p90_per_token_s,
         "speedup_throughput": None, "speedup_response": None,  # filled once N = 1 is known
+        "speculative": strategy.speculative, **trips_per_token(ok),
         "decomposition_s": dec.parts(), "decomposition_residual_s": dec.residual_s,
         "decomposition_measured_s": dec.measured_s, "decomposition_detail_s": dec.detail_s,
         "payload_bytes": sum(r.payload_sent_bytes + r.payload_received_bytes for r in ok),
@@ -233,6 +234,19 @@ def summarise_run(n: int, strategy: StrategyConfig, label: str, records: list[Re
         "load_avg_1min_at_start": load_1min,
         "requests": [r.to_dict() for r in records],
     }
+
+
+def trips_per_token(records: list[RequestRecord]) -> dict:
+    """Tokens per pass through the route, client round trips per token (a relayed step makes one per hop, a pushed
+    one a single trip along the chain) and speculation's acceptance rate (drafts accepted / sent), over the run.
+    A batched session's passes and trips are in each of its rows' records, as its tokens are counted per row."""
+    tokens = sum(r.generated_tokens for r in records)
+    passes = sum(r.passes for r in records)
+    drafted = sum(r.drafted for r in records)  # one-row sessions only: batched ones do not speculate
+    accepted = sum(r.accepted for r in records)
+    return {"tokens_per_pass": tokens / passes if passes else 0.0,
+            "round_trips_per_token": sum(r.round_trips for r in records) / tokens if tokens else 0.0,
+            "acceptance_rate": accepted / drafted if drafted else None, "drafted_tokens": drafted}
 
 
 def add_speedups(runs: list[dict]) -> None:

@@ -156,6 +156,11 @@ class RemoteSequence:
         mode = self.config.push
         return mode == "on" or (mode == "auto" and self.router.push_pays(spans))
 
+    def pass_cost(self, spans: list[Span]) -> Callable[[int], float]:
+        """tokens -> predicted seconds of one step of that many tokens on this route (speculation's draft length)."""
+        push = self.push(spans)
+        return lambda tokens: self.router.pass_s(spans, tokens, push)
+
     def close(self) -> None:
         if self.dht is not None:
             self.dht.shutdown()
