@@ -34,6 +34,7 @@ from swarmlm.bench.workload import Request
 from swarmlm.client.generate import GenerationStats
 from swarmlm.client.microbatch import MicroBatchPlanner
 from swarmlm.client.session import InferenceSession
+from swarmlm.perf.speculation import MAX_DRAFT_TOKENS
 from swarmlm.sim.metrics import percentile
 from swarmlm.wire import compress
 
@@ -192,7 +193,8 @@ def run_job(model, requests: Sequence[Request], cfg: StrategyConfig, t_run0: flo
     batch, length = ids.shape
     max_new = max(r.max_new_tokens for r in requests)
     eos = () if cfg.ignore_eos else model.eos_token_id
-    session = TimedSession(model.remote, batch, length + max_new, length, max_new)
+    room = 0 if cfg.speculative == "off" else 2 * MAX_DRAFT_TOKENS + 1  # a pass's drafts, before their rollback
+    session = TimedSession(model.remote, batch, length + max_new + room, length, max_new)
     try:
         session.open()
         t_gen = time.perf_counter()

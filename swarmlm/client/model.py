@@ -215,12 +215,13 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         the new tokens and one pass's drafts."""
         prompt = ids[0].tolist()
         max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - len(prompt)
-        eos = config.eos_token_id if config.eos_token_id is not None else list(self.eos_token_id)
-        eos = tuple(eos if isinstance(eos, (list, tuple)) else [eos])
+        eos = config.eos_token_id  # the checkpoint's unless the caller set it (None: generate max_new tokens)
+        eos = () if eos is None else tuple(eos if isinstance(eos, (list, tuple)) else [eos])
         remote = RemoteCache(self, session, stats)
         remote.stats.prompt_tokens = len(prompt)
         decoder = SpeculativeDecoder(self, remote, config, mode, draft_model, generator)
-        remote.max_length = remote.max_length or len(prompt) + max_new + decoder.k_max  # room for one pass's drafts
+        # room for the new tokens and the drafts of a pass on top of the last pass's (held until the next step)
+        remote.max_length = remote.max_length or len(prompt) + max_new + 2 * decoder.k_max + 1
         new: list[int] = []
         try:
             if streamer is not None:

@@ -151,7 +151,9 @@ class SpeculativeDecoder:
 
     def _pass(self, context: list[int], last: int, room: int) -> list[int]:
         """One trip along the route: [last] + drafts; returns the tokens it yields (1 to k + 1)."""
-        k = self._draft_length(min(self.k_max, room - 1))
+        session = self.cache.session
+        held = max(session.position, len(context))  # before the pending truncation, if the session counts it so
+        k = self._draft_length(min(self.k_max, room - 1, session.max_length - held - 1))
         drafts, q = self._draft(context + [last], k)
         ids = torch.tensor([[last] + drafts])
         logits = self.model(input_ids=ids, cache=self.cache).logits[0]  # [k + 1, V]
