@@ -62,7 +62,7 @@ def run_n(args, n: int, num_blocks: int, prompt_sets: dict[str, list[torch.Tenso
     with start_swarm(cfg, n, num_blocks) as swarm:
         clients = {name: DistributedModelForCausalLM.from_pretrained(
             args.model, initial_peers=swarm.initial_peers, servers=swarm.server_addresses, push=push,
-            routing="shortest") for name, (push, _) in MODES.items()}
+            routing="shortest", wire_dtype="float32")  # exact hidden states: tokens comparable across clients for name, (push, _) in MODES.items()}
         try:
             for name, client in clients.items():  # warm-up (connections, RTT probes), not recorded
                 client.generate(prompt_sets["quoting"][0], max_new_tokens=4, do_sample=False)
