@@ -7,6 +7,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from swarmlm.errors import InvalidRequest
+
 
 class StepKind(enum.Enum):
     """What a step is, for everything that orders steps (the client's and a pushing server's link schedulers, the
@@ -119,3 +121,21 @@ class CacheOp:
 
     def rows_after(self, rows: int) -> int:
         return rows if self.rows is None else len(self.rows)
+
+    def check(self, position: int, rows: int, reserved_rows: int) -> tuple[int, int | None]:
+        """For a session holding `position` tokens in `rows` rows, with `reserved_rows` reserved at open: the tokens
+        kept, and the rows the step must then have (None: any up to `reserved_rows`, as the session holds nothing).
+        InvalidRequest when the op does not fit the session (the one rule of client and server)."""
+        if self.truncate_to is not None and self.truncate_to > position:
+            raise InvalidRequest(f"cache_op: truncate_to {self.truncate_to} is past the {position} tokens the "
+                                 "session holds")
+        kept = self.kept(position)
+        if self.rows is not None:
+            if kept == 0:
+                raise InvalidRequest("cache_op: rows of a session that holds no tokens (send the rows instead)")
+            if len(self.rows) > reserved_rows:
+                raise InvalidRequest(f"cache_op: {len(self.rows)} rows exceed the batch of {reserved_rows} reserved "
+                                     "at open")
+            if max(self.rows) >= rows:
+                raise InvalidRequest(f"cache_op: row {max(self.rows)} is out of range: the session has {rows} rows")
+        return kept, (self.rows_after(rows) if kept else None)

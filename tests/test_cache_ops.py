@@ -225,3 +225,42 @@ def test_a_pushed_step_carries_its_op_to_the_next_server(two_servers):
                 await call.done_writing()
 
     asyncio.run(scenario())
+
+
+# ---- the client's side, without a network ------------------------------------------------------------------------
+
+def test_ops_compose_and_the_replay_history_follows_them():
+    from swarmlm.client.pipeline import edited_history
+
+    first, then = CacheOp(truncate_to=5, rows=(1, 0, 0)), CacheOp(truncate_to=7, rows=(2, 0))
+    both = first.then(then)
+    assert both == CacheOp(truncate_to=5, rows=(0, 1))  # new row 0 = old row (1, 0, 0)[2] = 0
+    assert CacheOp(rows=(1, 0)).then(CacheOp(truncate_to=3)) == CacheOp(truncate_to=3, rows=(1, 0))
+    history = [(torch.arange(2 * 4).reshape(2, 4, 1).float(), torch.ones(2, 4, dtype=torch.long)),
+               (torch.arange(2 * 3).reshape(2, 3, 1).float() + 100, torch.ones(2, 3, dtype=torch.long))]
+    whole = torch.cat([h for h, _ in history], 1)
+    edited = edited_history(edited_history(history, first), then)
+    assert torch.equal(torch.cat([h for h, _ in edited], 1), whole[[0, 1], :5])
+    assert torch.equal(torch.cat([h for h, _ in edited_history(history, both)], 1), whole[[0, 1], :5])
+    assert edited_history(history, CacheOp(truncate_to=0)) == []
+
+
+def test_remote_cache_records_transformers_edits_as_one_pending_op():
+    from types import SimpleNamespace
+
+    from swarmlm.client.generate import RemoteCache
+
+    cache = RemoteCache(model=None, session=SimpleNamespace(position=10, rows=3, max_length=32))
+    cache.reorder_cache(torch.tensor([2, 0, 0]))
+    cache.crop(-3)  # transformers 5: a count of tokens to drop
+    cache.crop(0)  # nothing
+    assert cache.get_seq_length() == 7 and cache.rows == 3
+    cache.batch_select_indices(torch.tensor([1, 2]))
+    cache.batch_repeat_interleave(2)
+    assert cache.rows == 4
+    assert cache.take_pending() == CacheOp(truncate_to=7, rows=(0, 0, 0, 0))  # (2,0,0)[1]=0, [2]=0, each twice
+    assert cache.take_pending() is None and cache.get_seq_length() == 10
+    with pytest.raises(ValueError):
+        cache.crop(4)  # transformers 5 refuses a positive count too
+    with pytest.raises(ValueError, match="out of range"):
+        cache.reorder_cache(torch.tensor([0, 3, 1]))

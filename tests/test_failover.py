@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.swarm.local import LocalSwarm
@@ -147,6 +147,74 @@ def test_a_lost_reply_is_caught_by_the_stall_watchdog(swarm, reference, monkeypa
         client.close()
     assert lost["done"] and stalls == 1
     assert tokens == want[:10]
+
+
+def test_a_replacement_rebuilds_the_cache_that_ops_edited(swarm):
+    """Steps with reorders, copies and truncations, then a SIGKILL: the replacement's caches are rebuilt from the
+    edited history, so the next step (with its own op) equals a session fed the edited inputs with no op at all."""
+    from swarmlm.types import CacheOp
+
+    swarm_, client = swarm
+    restore(swarm_, client)
+    g = torch.Generator().manual_seed(3)
+    x = [torch.randn(rows, tokens, 64, generator=g) for rows, tokens in ((2, 6), (2, 3), (3, 1), (3, 2))]
+    ops = [None, None, CacheOp(truncate_to=7, rows=(1, 0, 1)), CacheOp(truncate_to=6, rows=(2, 0, 1))]
+    with client.inference_session(max_length=16, batch_size=3) as session:
+        for step, op in zip(x[:3], ops[:3]):
+            session.step(step, op=op)
+        victim = next(s for s in swarm_.servers if s.server_id == session.spans[1].span.server_id)
+        swarm_.kill(victim, signal.SIGKILL)
+        victim.proc.wait(60)
+        got = session.step(x[3], op=ops[3])
+        assert sum(s.failovers for s in session.steps) == 1 and session.position == 8 and session.rows == 3
+    # the same inputs, edited by hand: [prompt; first 1 of step 2] rows (1, 0, 1) + step 3, cut to 6, rows (2, 0, 1)
+    kept = torch.cat([x[0], x[1][:, :1]], 1)[[1, 0, 1]]
+    edited = torch.cat([kept, x[2]], 1)[[2, 0, 1], :6]
+    with client.inference_session(max_length=16, batch_size=3) as fresh:
+        want = fresh.step(torch.cat([edited, x[3]], 1))[:, -2:]
+    assert (got - want).abs().max().item() < 1e-4
+
+
+class KillAt(StoppingCriteria):
+    """Stops nothing; SIGKILLs the server of the session's span `position` when generate() has chosen `at` tokens
+    (its next forward, carrying a cache op, meets the dead server)."""
+
+    def __init__(self, swarm: LocalSwarm, session, at: int, position: int) -> None:
+        self.swarm, self.session, self.at, self.position, self.calls = swarm, session, at, position, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at:
+            victim_id = self.session.spans[self.position].span.server_id
+            victim = next(s for s in self.swarm.servers if s.server_id == victim_id)
+            self.swarm.kill(victim, signal.SIGKILL)
+            victim.proc.wait(60)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("mode", ["beam search", "prompt lookup"])
+def test_sigkill_during_beam_search_or_prompt_lookup_gives_the_same_tokens(swarm, tiny_bloom, mode):
+    """The replacement's caches are rebuilt from a history that followed every reorder and rollback."""
+    swarm_, client = swarm
+    restore(swarm_, client)
+    # beam search: beams swap places (rows (1, 0, 0)) at the 6th token on tiny-bloom, before the kill at the 7th;
+    # prompt lookup: a prompt that repeats itself (drafts found, rejected, rolled back)
+    if mode == "beam search":
+        text, at, rows = "the quick brown fox jumps over", 7, 3
+        args = dict(num_beams=3, num_return_sequences=2, length_penalty=0.8, max_new_tokens=10)
+    else:
+        text, at, rows = "the quick brown fox the quick brown fox the", 3, 1
+        args = dict(prompt_lookup_num_tokens=3, max_new_tokens=12)
+    ids = AutoTokenizer.from_pretrained(tiny_bloom)(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(tiny_bloom).eval().generate(ids, do_sample=False, **args)
+    with client.inference_session(max_length=ids.shape[1] + 16, batch_size=rows) as session:
+        kill = KillAt(swarm_, session, at=at, position=1)
+        got = client.generate(ids, do_sample=False, session=session, stopping_criteria=StoppingCriteriaList([kill]),
+                              **args)
+        failovers = sum(s.failovers for s in session.steps)
+    assert torch.equal(got, want)
+    assert kill.calls >= at and failovers == 1
 
 
 def test_no_replacement_gives_a_clear_error(tiny_bloom):

@@ -82,6 +82,36 @@ def test_greedy_generation_of_a_padded_batch_equals_transformers(swarm):
     assert torch.equal(got, want)
 
 
+CACHE_OP_MODES = {  # transformers' decoding modes that edit the cache (the servers' cache ops, issue 29)
+    "beam search": dict(num_beams=3, num_return_sequences=2, length_penalty=0.8, early_stopping=True),
+    "sampling, 3 sequences": dict(do_sample=True, num_return_sequences=3, top_k=20),
+    "prompt lookup": dict(prompt_lookup_num_tokens=3),
+    "assisted": dict(),  # a local draft model: see below
+}
+
+
+@pytest.mark.parametrize("mode", CACHE_OP_MODES)
+def test_decoding_that_edits_the_cache_equals_transformers(swarm, mode):
+    """Beam search reorders the servers' rows, sampling n sequences shares a prompt, prompt lookup and assisted
+    decoding roll rejected drafts back: the same tokens as transformers with its own cache."""
+    _, client, ref, tok = swarm
+    args = dict(CACHE_OP_MODES[mode], max_new_tokens=8)
+    if mode == "assisted":  # a plain local transformers model of the same vocabulary, other weights
+        torch.manual_seed(7)
+        args["assistant_model"] = type(ref)(ref.config).eval()
+    args.setdefault("do_sample", False)
+    # the padded batch for beam search and sampling; prompt lookup and assisted decoding take one sequence (one
+    # that repeats itself: prompt lookup finds drafts)
+    batched = mode in ("beam search", "sampling, 3 sequences")
+    enc = tok(PROMPTS if batched else [PROMPTS[0] + " the quick brown fox"], return_tensors="pt", padding=True)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        want = ref.generate(enc.input_ids, attention_mask=enc.attention_mask, **args)
+    torch.manual_seed(0)
+    got = client.generate(enc.input_ids, attention_mask=enc.attention_mask, **args)
+    assert torch.equal(got, want)
+
+
 def test_llama3_tokens_no_pad_id_and_an_eos_list_end_rows_as_transformers(swarm):
     preset, client, ref, tok = swarm
     if preset != "tiny-llama3":

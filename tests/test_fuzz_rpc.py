@@ -1,6 +1,6 @@
 """Random bytes and random protobuf fields into every RPC (Inference, Forward, Info, Push), and random cache ops into
-live sessions: the server stays alive, answers every call with a status (never UNKNOWN: no exception escapes a handler), and an honest client stays exact.
-Seeded and bounded; benchmarks/attacks.py runs the same fuzzer heavier."""
+live sessions: the server stays alive, answers every call with a status (never UNKNOWN: no exception escapes a
+handler), and an honest client stays exact. Seeded and bounded; benchmarks/attacks.py runs the same fuzzer heavier."""
 from __future__ import annotations
 
 import random

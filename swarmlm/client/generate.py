@@ -3,7 +3,9 @@
 `RemoteCache` is the swarm session as transformers' `generate()` sees a KV cache: the attention caches live on
 the servers, this object holds the session, how many tokens it has seen, and the client's clocks. With it,
 `DistributedModelForCausalLM.generate()` is transformers' own `GenerationMixin.generate` (every logits processor,
-stopping criterion and streamer).
+stopping criterion and streamer), beam search, assisted and prompt lookup decoding included: the cache's edits
+(`crop`, `reorder_cache`, `batch_select_indices`, `batch_repeat_interleave`) are recorded as one pending
+`CacheOp` that travels with the next step (docs/PROTOCOL.md, "Cache operations"): no round trip of their own.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from swarmlm.errors import InvalidRequest
+from swarmlm.types import CacheOp
 
 
 @dataclass
@@ -39,11 +42,12 @@ class GenerationStats:
 
 
 class RemoteCache(Cache):
-    """transformers' view of a swarm session: `get_seq_length()` is the tokens the servers hold.
+    """transformers' view of a swarm session: `get_seq_length()` is the tokens the servers hold (after the pending
+    edit).
 
     The session opens at the first forward (its batch is the rows transformers sends, its length what
     `generate()` reserves for the cache) unless the caller gave an open one; `finish()` closes only a session
-    this cache opened. The servers cannot reorder or fork their caches, so beam search is refused.
+    this cache opened. Edits of the cache are kept in `pending` until the next forward sends them with its step.
     """
 
     def __init__(self, model, session=None, stats: GenerationStats | None = None) -> None:
@@ -53,12 +57,14 @@ class RemoteCache(Cache):
         self.owned = session is None  # close() closes only a session we opened
         self.max_length: int | None = session.max_length if session is not None else None
         self.stats = stats if stats is not None else GenerationStats()
+        self.pending: CacheOp | None = None  # the edit the next step carries
         self.t_start = time.perf_counter()
         self.t_last_forward: float | None = None  # end of the previous forward: the time in between is sampling
 
     # ---- what transformers reads from a cache --------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.session.position if self.session is not None else 0
+        held = self.session.position if self.session is not None else 0
+        return held if self.pending is None else self.pending.kept(held)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self.max_length or -1
@@ -69,7 +75,7 @@ class RemoteCache(Cache):
 
     @property
     def is_sliding(self) -> list[bool]:
-        return [False]
+        return [False]  # the servers keep every token (sliding windows are masks there): crop can always go back
 
     @property
     def is_compileable(self) -> bool:
@@ -77,19 +83,45 @@ class RemoteCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        return False
+        return True
+
+    # ---- edits: recorded, sent with the next step --------------------------------------------------------------
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last -tokens_to_remove tokens (transformers 5: a count <= 0; a positive one is refused there)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
+        if tokens_to_remove < 0:
+            self._edit(CacheOp(truncate_to=max(self.get_seq_length() + tokens_to_remove, 0)))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise InvalidRequest("the swarm's servers cannot reorder their attention caches: no beam search")
-
-    def crop(self, max_length: int) -> None:
-        raise InvalidRequest("the swarm's servers cannot crop their attention caches")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise InvalidRequest("the swarm's servers cannot copy their attention caches across rows")
+        self._select(beam_idx.tolist())
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise InvalidRequest("the swarm's servers cannot select rows of their attention caches")
+        self._select(indices.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select([row for row in range(self.rows) for _ in range(repeats)])
+
+    @property
+    def rows(self) -> int:
+        """Sequences the cache holds after the pending edit."""
+        held = self.session.rows if self.session is not None else 0
+        return held if self.pending is None else self.pending.rows_after(held)
+
+    def _select(self, rows: list[int]) -> None:
+        if self.get_seq_length() == 0:
+            return  # nothing held: nothing to select (as transformers' empty layers)
+        if any(not 0 <= r < self.rows for r in rows) or not rows:
+            raise InvalidRequest(f"cache rows {rows[:8]}... out of range: the cache holds {self.rows} rows")
+        self._edit(CacheOp(rows=tuple(rows)))
+
+    def _edit(self, op: CacheOp) -> None:
+        self.pending = op if self.pending is None else self.pending.then(op)
+
+    def take_pending(self) -> CacheOp | None:
+        """The edit for the step about to run (and no more after it)."""
+        op, self.pending = self.pending, None
+        return op
 
     # ---- the session -----------------------------------------------------------------------------------------
     def session_for(self, batch: int, new_tokens: int):

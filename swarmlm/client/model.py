@@ -29,6 +29,7 @@ from swarmlm.model.checkpoint import load_client_modules, parse_dtype
 from swarmlm.model.identity import WeightsCheck
 from swarmlm.model.quant import quantize_client_modules
 from swarmlm.model.source import resolve
+from swarmlm.types import CacheOp
 from swarmlm.swarm.dht import default_prefix
 
 
@@ -95,14 +96,15 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length) -> None:
-        """transformers reserves a cache here: our session holds prompt + new tokens but the last one."""
+        """transformers reserves a cache here: our session holds prompt + new tokens but the last one; prompt lookup
+        verifies up to prompt_lookup_num_tokens drafts past that (its candidates are not capped by max_length)."""
         cache = model_kwargs.get("cache")
         if cache is None:
             return  # use_cache=False: every step is a one-shot session over the whole sequence
         if not isinstance(cache, RemoteCache):
             raise InvalidRequest("the swarm keeps the attention caches: pass no cache= (or session=) to generate()")
         if cache.session is None:
-            cache.max_length = max_cache_length
+            cache.max_length = max_cache_length + (generation_config.prompt_lookup_num_tokens or 0)
 
     # ---- the client's own compute ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -149,16 +151,17 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
                 logits = self._logits(session, input_ids, mask, keep, None)
             return CausalLMOutputWithPast(logits=logits)
         cache.before_forward()
-        logits = self._logits(cache.session_for(batch, tokens), input_ids, mask, keep, cache.stats)
+        session = cache.session_for(batch, tokens)
+        logits = self._logits(session, input_ids, mask, keep, cache.stats, cache.take_pending())
         cache.after_forward()
         return CausalLMOutputWithPast(logits=logits, cache=cache)
 
     def _logits(self, session: InferenceSession, input_ids: torch.Tensor, mask: torch.Tensor | None, keep: slice,
-                stats: GenerationStats | None) -> torch.Tensor:
+                stats: GenerationStats | None, op: CacheOp | None = None) -> torch.Tensor:
         t0 = time.perf_counter()
         hidden = self.embed(input_ids)
         t1 = time.perf_counter()
-        out = session.step(hidden, mask)[:, keep]
+        out = session.step(hidden, mask, op)[:, keep]
         t2 = time.perf_counter()
         logits = self.head_batcher(session, out) if self.head_batcher is not None else self.head(out)
         if stats is not None:
@@ -182,11 +185,6 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         if parse_mode(speculative) != 0 and ids is not None and self._can_speculate(checked, ids, kwargs):
             return self._speculative_generate(ids, checked, session, generator, stats, speculative, draft_model,
                                               kwargs.get("streamer"))
-        if checked.num_beams > 1:
-            raise InvalidRequest(f"num_beams={checked.num_beams}: beam search needs caches the servers can reorder "
-                                 "between beams, which the swarm does not do; use greedy or sampling")
-        if kwargs.get("assistant_model") is not None or checked.prompt_lookup_num_tokens:
-            raise InvalidRequest("assisted decoding needs caches the servers can roll back, which the swarm does not do")
         remote = RemoteCache(self, session, stats) if checked.use_cache else None
         if remote is not None:
             remote.stats.prompt_tokens = int(ids.shape[1]) if ids is not None else 0

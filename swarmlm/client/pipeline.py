@@ -27,7 +27,7 @@ from swarmlm.client.streams import HopTiming, SpanStream
 from swarmlm.config import ClientConfig
 from swarmlm.errors import ServerFailed
 from swarmlm.swarm.records import ServerRecord
-from swarmlm.types import Span
+from swarmlm.types import CacheOp, Span
 from swarmlm.wire import swarm_pb2 as pb
 
 Chunk = tuple[torch.Tensor, torch.Tensor]  # hidden [B, T, H], padding mask [B, T]
@@ -63,6 +63,30 @@ class OpenSpan:
     def position(self) -> int:
         return sum(h.shape[1] for h, _ in self.history)
 
+    @property
+    def rows(self) -> int:
+        """Sequences its server holds (0 while it holds no token)."""
+        return int(self.history[0][0].shape[0]) if self.history else 0
+
+    def edit(self, op: CacheOp) -> None:
+        """The history follows a cache op as the server's cache does, so a replay rebuilds the edited cache."""
+        self.history = edited_history(self.history, op)
+
+
+def edited_history(history: list[Chunk], op: CacheOp) -> list[Chunk]:
+    """The inputs a cache op keeps: their first op.truncate_to tokens, rows op.rows (new row i = old row rows[i])."""
+    keep = op.kept(sum(h.shape[1] for h, _ in history))
+    rows = torch.tensor(op.rows, dtype=torch.long) if op.rows is not None else None
+    edited, held = [], 0
+    for hidden, mask in history:
+        if held >= keep:
+            break
+        take = min(hidden.shape[1], keep - held)
+        hidden, mask = hidden[:, :take], mask[:, :take]
+        edited.append((hidden, mask) if rows is None else (hidden[rows], mask[rows]))
+        held += take
+    return edited
+
 
 @dataclass
 class Hop:
@@ -73,6 +97,7 @@ class Hop:
     outputs: list[torch.Tensor | None] = field(default_factory=list)
     written: int = 0  # chunks written (or awaited from a push by the previous server) whose reply may be read
     base_id: int = 0  # the step id chunk 0 takes on this hop's stream (chunk k: base_id + k)
+    op: CacheOp | None = None  # the step's cache edit, sent with chunk 0 (a replacement's replay holds it already)
 
     def __post_init__(self) -> None:
         self.base_id = self.stream.next_step_id - self.written
@@ -231,6 +256,8 @@ class StepPipeline:
         for hop in self.hops[i + 1:] if self.push else ():
             if hop.claimed != k:  # a chunk of it is still to be sent by us: the push chain stops here
                 break
+            if k == 0 and hop.op != self.hops[i].op:  # a pushed step carries its sender's cache op on
+                break
             hop.stream.expect(self.chunks[k][0].shape[1])
             hop.written = k + 1
             targets.append(pb.PushTarget(address=hop.span.address, session_id=hop.stream.session_id,
@@ -247,7 +274,7 @@ class StepPipeline:
                 hop.written = max(hop.written, k + 1)
                 continue
             targets = self._push_targets(i, k)
-            await hop.stream.send(self._source(i, k), self.chunks[k][1], targets)
+            await hop.stream.send(self._source(i, k), self.chunks[k][1], targets, hop.op if k == 0 else None)
             hop.written = max(hop.written, k + 1)
             self.progress.notify()
 

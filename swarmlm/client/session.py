@@ -22,7 +22,7 @@ from swarmlm.client.pipeline import AttemptOutcome, Chunk, Hop, OpenSpan, StepPi
 from swarmlm.client.remote import RemoteSequence
 from swarmlm.client.streams import HopTiming, SpanStream
 from swarmlm.errors import InvalidRequest, ServerFailed, ServerHung
-from swarmlm.types import Route, Span
+from swarmlm.types import CacheOp, Route, Span
 from swarmlm.wire import compress
 
 log = logging.getLogger(__name__)
@@ -114,15 +114,24 @@ class InferenceSession:
     def position(self) -> int:
         return self.spans[0].position if self.spans else 0
 
+    @property
+    def rows(self) -> int:
+        """Sequences the servers hold (0 while they hold no token; at most `batch`, reserved at open)."""
+        return self.spans[0].rows if self.spans else 0
+
     # ---- steps -------------------------------------------------------------------------------------------
-    def step(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden: [B, T, H] after the embeddings; mask: [B, T] of these tokens. Returns the last block's output."""
-        if hidden.dim() != 3 or hidden.shape[0] != self.batch:
-            raise InvalidRequest(f"expected hidden states [{self.batch}, T, H], got {list(hidden.shape)}")
-        if self.position + hidden.shape[1] > self.max_length:
-            raise InvalidRequest(f"session max_length {self.max_length} reached ({self.position} tokens held)")
+    def step(self, hidden: torch.Tensor, mask: torch.Tensor | None = None, op: CacheOp | None = None) -> torch.Tensor:
+        """hidden: [B, T, H] after the embeddings; mask: [B, T] of these tokens; op: a cache edit the servers apply
+        before them (types.CacheOp; B then follows its rows). Returns the last block's output."""
+        past, rows = (self.position, self.rows or None) if op is None else op.check(self.position, self.rows,
+                                                                                   self.batch)
+        if hidden.dim() != 3 or not (hidden.shape[0] == rows or rows is None and 1 <= hidden.shape[0] <= self.batch):
+            raise InvalidRequest(f"expected hidden states [{rows or f'1..{self.batch}'}, T, H], got "
+                                 f"{list(hidden.shape)}")
+        if past + hidden.shape[1] > self.max_length:
+            raise InvalidRequest(f"session max_length {self.max_length} reached ({past} tokens held)")
         mask = torch.ones(hidden.shape[:2], dtype=torch.long) if mask is None else mask.to(torch.long)
-        return self.remote.loop.run(self._step(hidden, mask))
+        return self.remote.loop.run(self._step(hidden, mask, op))
 
     def chunk_tokens(self, hidden: torch.Tensor) -> int:
         """Tokens per message for this step (see chunking.py): fixed, off (0), or the largest of the hops' sizes."""
@@ -147,11 +156,13 @@ class InferenceSession:
             sizes.append(chunk_tokens_for_hop(rule, bytes_per_token, est.bandwidth_bps, a, b))
         return min(max(sizes), tokens)
 
-    async def _step(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    async def _step(self, hidden: torch.Tensor, mask: torch.Tensor, op: CacheOp | None = None) -> torch.Tensor:
         t0 = time.perf_counter()
         chunks = split(hidden, mask, self.chunk_tokens(hidden))
         record = StepRecord(tokens=hidden.shape[1], wall_s=0.0, hops=[], chunks=len(chunks))
-        hops = [Hop(s) for s in self.spans]
+        for s in self.spans if op is not None else ():
+            s.edit(op)  # what a failover replays from now on (the op itself goes with each span's first chunk)
+        hops = [Hop(s, op=op) for s in self.spans]
         while True:
             record.pushed = self.remote.push([h.span for h in hops])  # ClientConfig.push; "auto": where it pays
             outcome = await StepPipeline(hops, chunks, self.remote.config, self._hang_timeout_s, record.pushed).run()

@@ -14,8 +14,8 @@ import torch
 
 from swarmlm.client.chunking import BandwidthEstimate
 from swarmlm.errors import InvalidRequest, ServerFailed, ServerHung
-from swarmlm.types import Span, StepKind
-from swarmlm.wire import codec, compress
+from swarmlm.types import CacheOp, Span, StepKind
+from swarmlm.wire import cache_op, codec, compress
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.channel import aio_channel
@@ -189,14 +189,16 @@ class SpanStream:
         self.session_id = reply.session_id
         self.session_secret = reply.session_secret  # push needs it: handed to the servers of this route only
 
-    async def send(self, hidden: torch.Tensor, mask: torch.Tensor | None, push: list[pb.PushTarget] = ()) -> None:
+    async def send(self, hidden: torch.Tensor, mask: torch.Tensor | None, push: list[pb.PushTarget] = (),
+                   op: CacheOp | None = None) -> None:
         """Write one step (hidden [B, T, H], mask [B, T]) when the link scheduler gives it its turn; `push`: the
-        rest of the route, for the server to push its output on (server/push.py)."""
+        rest of the route, for the server to push its output on (server/push.py); `op`: the cache edit the server
+        applies before the step's tokens (docs/PROTOCOL.md), pushed on with it."""
         t0 = time.perf_counter()
         self._step_id += 1
         request = pb.InferenceRequest(step=pb.InferenceStep(
             hidden=compress.encode_hidden(hidden, self.channels.wire_dtype_for(self.span.address, 4 * hidden.numel())),
-            step_id=self._step_id, push=push,
+            step_id=self._step_id, push=push, cache_op=cache_op.to_wire(op),
             attention_mask=codec.encode(mask) if mask is not None else pb.Tensor()))
         sent = _Sent(StepKind.of(hidden.shape[1]), tokens=hidden.shape[1],
                      request_bytes=len(request.step.hidden.data), encode_s=time.perf_counter() - t0, clean=False,
@@ -263,9 +265,9 @@ class SpanStream:
         return out, timing
 
     async def step(self, hidden: torch.Tensor, mask: torch.Tensor | None,
-                   timeout_s: float | None = None) -> tuple[torch.Tensor, HopTiming]:
+                   timeout_s: float | None = None, op: CacheOp | None = None) -> tuple[torch.Tensor, HopTiming]:
         """One step, written and answered (nothing else of this stream in flight)."""
-        await self.send(hidden, mask)
+        await self.send(hidden, mask, op=op)
         return await self.receive(timeout_s)
 
     async def close(self) -> None:

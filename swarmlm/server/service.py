@@ -80,21 +80,10 @@ def _payload_bytes(step: pb.InferenceStep) -> int:
 
 
 def check_cache_op(op: CacheOp | None, position: int, rows: int, reserved_rows: int) -> tuple[int, int | None]:
-    """Tokens a session holding `position` tokens in `rows` rows keeps after `op`, and the rows its step must have
-    (None: any up to `reserved_rows`, the batch reserved at open: the session then holds nothing)."""
+    """Tokens a session keeps after `op` and the rows its step must have (None: any up to the reserved batch)."""
     if op is None:
         return position, (rows if position else None)
-    if op.truncate_to is not None and op.truncate_to > position:
-        raise InvalidRequest(f"cache_op: truncate_to {op.truncate_to} is past the {position} tokens the session holds")
-    kept = op.kept(position)
-    if op.rows is not None:
-        if kept == 0:
-            raise InvalidRequest("cache_op: rows of a session that holds no tokens (send the rows instead)")
-        if len(op.rows) > reserved_rows:
-            raise InvalidRequest(f"cache_op: {len(op.rows)} rows exceed the batch of {reserved_rows} reserved at open")
-        if max(op.rows) >= rows:
-            raise InvalidRequest(f"cache_op: row {max(op.rows)} is out of range: the session has {rows} rows")
-    return kept, (op.rows_after(rows) if kept else None)
+    return op.check(position, rows, reserved_rows)
 
 
 def decode_step(hidden_msg: pb.Tensor, mask_msg: pb.Tensor, b: int, t: int,
@@ -237,8 +226,9 @@ class SwarmService(pb_grpc.SwarmServicer):
         size = max(1, self.config.max_batch_tokens // rows)
         outs, queued, compute, batch = [], 0.0, 0.0, 1
         for start in range(0, tokens, size):
+            piece = slice(start, start + size)
             out, timing = await self.scheduler.submit_step(
-                self.stage, state, hidden[:, start:start + size], mask[:, start:start + size], op if start == 0 else None)
+                self.stage, state, hidden[:, piece], mask[:, piece], op if start == 0 else None)
             outs.append(out)
             queued, compute = queued + timing.queued_s, compute + timing.compute_s
             batch = max(batch, timing.batch_size)
