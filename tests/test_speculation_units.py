@@ -36,6 +36,11 @@ def test_prompt_lookup_prefers_the_longest_then_the_latest_match():
     assert lookup.draft(ids(2, 3, 5, 3, 6, 9, 3), 2) == [6, 9]
 
 
+def test_prompt_lookup_in_a_repeating_tail_takes_a_match_with_k_tokens_after_it():
+    # the latest "1 2" is followed by only "1 2" before the end; an earlier one has the 4 tokens asked for
+    assert PromptLookup(max_ngram=2).draft(ids(1, 2, 1, 2, 1, 2, 1, 2), 4) == [1, 2, 1, 2]
+
+
 def test_prompt_lookup_without_a_match_drafts_nothing():
     lookup = PromptLookup()
     assert lookup.draft(ids(1, 2, 3, 4), 4) == []

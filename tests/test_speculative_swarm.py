@@ -15,7 +15,7 @@ from swarmlm.types import BlockRange
 torch.set_num_threads(1)
 
 # a prompt that quotes itself (prompt lookup finds matches at once) and an open-ended one
-PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [101, 7, 230, 42, 17, 3]]
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [101, 7, 230, 42, 17, 33]]  # no bos/eos/pad ids
 NEW_TOKENS = 24
 
 

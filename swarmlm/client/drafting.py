@@ -37,9 +37,12 @@ class PromptLookup:
         for n in range(min(self.max_ngram, total - 1), self.min_ngram - 1, -1):
             suffix = ids[total - n:]
             windows = ids[:total - 1].unfold(0, n, 1)  # [T - n, n]: every n-gram that has a token after it
-            hits = torch.nonzero((windows == suffix).all(dim=1)).flatten()
+            hits = torch.nonzero((windows == suffix).all(dim=1)).flatten() + n  # where each continuation starts
             if hits.numel():
-                start = int(hits[-1]) + n  # the latest occurrence: nearest text predicts best
+                # the latest occurrence (nearest text predicts best) that has k tokens after it, else the earliest:
+                # in a repeating tail the latest match's continuation runs into the end of the context
+                full = hits[hits + k <= total]
+                start = int(full[-1]) if full.numel() else int(hits[0])
                 return ids[start:start + k].tolist()
         return []
 

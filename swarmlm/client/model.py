@@ -201,7 +201,9 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
 
     def _can_speculate(self, config: GenerationConfig, ids: torch.Tensor, kwargs: dict) -> bool:
         mask = kwargs.get("attention_mask")
-        padded = mask is not None and bool((mask == 0).any())
+        pad = config.pad_token_id
+        # transformers infers a mask from pad tokens in the prompt when none is given: such prompts run plainly
+        padded = bool((mask == 0).any()) if mask is not None else pad is not None and bool((ids == pad).any())
         plain_only = {"logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "assistant_model"}
         return (config.use_cache and not padded and not (plain_only & {k for k, v in kwargs.items() if v})
                 and unsupported(config, int(ids.shape[0])) is None)
