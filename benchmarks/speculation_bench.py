@@ -60,9 +60,10 @@ def run_n(args, n: int, num_blocks: int, prompt_sets: dict[str, list[torch.Tenso
                       network=args.network, netem_mode=args.netem_mode)
     rows: dict = {}
     with start_swarm(cfg, n, num_blocks) as swarm:
+        # float32 on the wire (wire "auto" picks per measured link, so clients could differ): comparable tokens
         clients = {name: DistributedModelForCausalLM.from_pretrained(
             args.model, initial_peers=swarm.initial_peers, servers=swarm.server_addresses, push=push,
-            routing="shortest", wire_dtype="float32")  # exact hidden states: tokens comparable across clients for name, (push, _) in MODES.items()}
+            routing="shortest", wire_dtype="float32") for name, (push, _) in MODES.items()}
         try:
             for name, client in clients.items():  # warm-up (connections, RTT probes), not recorded
                 client.generate(prompt_sets["quoting"][0], max_new_tokens=4, do_sample=False)
