@@ -76,8 +76,10 @@ def run_n(args, n: int, num_blocks: int, prompt_sets: dict[str, list[torch.Tenso
                         for name in order:
                             spec = MODES[name][1] or args.speculative
                             client = clients[name]
-                            out = client.generate(ids, max_new_tokens=args.tokens, do_sample=False,
-                                                  eos_token_id=None, speculative=spec)
+                            # a mask: without one (and eos None) transformers would mask the template's
+                            # <|im_end|>, SmolLM2's pad token
+                            out = client.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.tokens,
+                                                  do_sample=False, eos_token_id=None, speculative=spec)
                             st = client.last_stats
                             results[name].append({
                                 "prompt": p, "round": r, "tokens": out[0, ids.shape[1]:].tolist(),

@@ -201,9 +201,12 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
 
     def _can_speculate(self, config: GenerationConfig, ids: torch.Tensor, kwargs: dict) -> bool:
         mask = kwargs.get("attention_mask")
-        pad = config.pad_token_id
-        # transformers infers a mask from pad tokens in the prompt when none is given: such prompts run plainly
-        padded = bool((mask == 0).any()) if mask is not None else pad is not None and bool((ids == pad).any())
+        pad, eos = config.pad_token_id, config.eos_token_id
+        eos = [] if eos is None else eos if isinstance(eos, (list, tuple)) else [eos]
+        # without a mask, transformers infers one from pad tokens in the prompt (unless pad is an eos token):
+        # such prompts run plainly
+        padded = bool((mask == 0).any()) if mask is not None else \
+            pad is not None and pad not in eos and bool((ids == pad).any())
         plain_only = {"logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "assistant_model"}
         return (config.use_cache and not padded and not (plain_only & {k for k, v in kwargs.items() if v})
                 and unsupported(config, int(ids.shape[0])) is None)
