@@ -208,7 +208,7 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         padded = bool((mask == 0).any()) if mask is not None else \
             pad is not None and pad not in eos and bool((ids == pad).any())
         plain_only = {"logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "assistant_model"}
-        return (config.use_cache and not padded and not (plain_only & {k for k, v in kwargs.items() if v})
+        return (config.use_cache and not padded and not any(kwargs.get(k) is not None for k in plain_only)
                 and unsupported(config, int(ids.shape[0])) is None)
 
     def _speculative_generate(self, ids: torch.Tensor, config: GenerationConfig, session: InferenceSession | None,
