@@ -46,8 +46,9 @@ def test_speculative_greedy_gives_plain_greedy_tokens(swarm, mode):
     _, client, ref, _ = swarm
     drafted = accepted = 0
     for prompt in PROMPTS:
-        out = client.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=0, do_sample=False,
-                              eos_token_id=None, speculative=mode)
+        out = client.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=NEW_TOKENS, min_new_tokens=0, do_sample=False, eos_token_id=None,
+                              speculative=mode)
         assert out[0, len(prompt):].tolist() == greedy(ref, prompt)
         spec = client.last_stats.speculation
         assert spec is not None and spec["tokens"] == NEW_TOKENS - 1  # the prefill chose the first token
