@@ -154,6 +154,8 @@ class RemoteSequence:
     def push(self, spans: list[Span]) -> bool:
         """Server-to-server push on this route: ClientConfig.push "on" / "off", or "auto": where it pays."""
         mode = self.config.push
+        if len(spans) < 2:  # nobody to push to
+            return False
         return mode == "on" or (mode == "auto" and self.router.push_pays(spans))
 
     def pass_cost(self, spans: list[Span]) -> Callable[[int], float]:
