@@ -35,10 +35,10 @@ NETWORKS = {  # name -> (rtt_s, rate_bps); "loopback" = no emulation
     "loopback": None,
 }
 VARIANTS = {  # name -> ClientConfig overrides
-    "baseline": dict(prefill_chunk_tokens=0, decode_first=False),
-    "chunking": dict(prefill_chunk_tokens=None, decode_first=False),
-    "decode-first": dict(prefill_chunk_tokens=0, decode_first=True),
-    "both": dict(prefill_chunk_tokens=None, decode_first=True),
+    "baseline": dict(prefill_chunk_tokens=0, decode_first=False, push=False),
+    "chunking": dict(prefill_chunk_tokens=None, decode_first=False, push=False),
+    "decode-first": dict(prefill_chunk_tokens=0, decode_first=True, push=False),
+    "both": dict(prefill_chunk_tokens=None, decode_first=True, push=False),
     "push": dict(prefill_chunk_tokens=0, decode_first=False, push=True),  # server-to-server push alone
     "all": dict(prefill_chunk_tokens=None, decode_first=True, push=True),
 }

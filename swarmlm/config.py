@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from swarmlm.types import BlockRange
 
@@ -27,6 +28,8 @@ def dtype_name(value: object) -> str:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)} (or a torch dtype of these), got {value!r}")
     return name
 WIRE_DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16", "int8")  # as swarmlm/wire/compress.py
+PushMode = Literal["auto", "on", "off"]  # ClientConfig.push
+PUSH_MODES: tuple[PushMode, ...] = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -211,8 +214,10 @@ class ClientConfig:
     prefill_window: int = 2  # with chunking: prefill chunks per link written and not yet answered
     assumed_bandwidth_bps: float = 1e9  # a link's bandwidth until the client has measured it (bits per second)
     # server-to-server push (swarmlm/server/push.py): each server sends its output straight to the next one, a
-    # token crosses N + 1 links instead of 2N; the client still gets every output (for failover)
-    push: bool = False
+    # token crosses N + 1 links instead of 2N; the client still gets every output (for failover). "auto": on the
+    # routes where the performance model predicts it saves time from the measured RTTs (PerfModel.push_pays);
+    # True / False are taken as "on" / "off"
+    push: PushMode = "auto"
     swarm_key: bytes | None = field(default=None, repr=False)  # a private swarm's shared secret (swarm/private.py)
 
     def __post_init__(self) -> None:
@@ -236,3 +241,7 @@ class ClientConfig:
             raise ValueError(f"max_decode_burst ({self.max_decode_burst}) and prefill_window ({self.prefill_window}) must be >= 1")
         if self.assumed_bandwidth_bps <= 0:
             raise ValueError(f"assumed_bandwidth_bps must be > 0, got {self.assumed_bandwidth_bps}")
+        if isinstance(self.push, bool):
+            object.__setattr__(self, "push", "on" if self.push else "off")
+        if self.push not in PUSH_MODES:
+            raise ValueError(f"push must be one of {', '.join(PUSH_MODES)} (or a bool), got {self.push!r}")

@@ -23,8 +23,8 @@ from swarmlm.machine import machine_info, machine_line
 _RUN_COLUMNS = ["servers", "strategy", "strategy_label", "network", "in_flight", "requests_count", "failed",
                 "generated_tokens", "makespan_s", "throughput_tokens_per_s", "mean_response_s", "mean_ttft_s",
                 "mean_per_token_s", "p50_ttft_s", "p90_ttft_s", "p50_per_token_s", "p90_per_token_s",
-                "efficiency_s_per_token", "speedup_throughput", "speedup_response",
-                "payload_bytes", "network_tx_bytes", "load_avg_1min_at_start"]
+                "efficiency_s_per_token", "speedup_throughput", "speedup_response", "speculative",
+                "tokens_per_pass", "round_trips_per_token", "acceptance_rate", "drafted_tokens", "payload_bytes", "network_tx_bytes", "load_avg_1min_at_start"]
 _REQUEST_COLUMNS = ["request_id", "input_tokens", "generated_tokens", "response_s", "ttft_s", "per_token_s",
                     "batch_size", "start_s", "end_s", "payload_sent_bytes", "payload_received_bytes", "error"]
 
@@ -208,6 +208,15 @@ def _pair(run: dict, key: str, scale: float, fmt: str) -> str:
     return f"{run[f'p50_{key}'] * scale:{fmt}} / {run[f'p90_{key}'] * scale:{fmt}}"
 
 
+def _trips(r: dict) -> str:
+    """tokens / pass | trips / token | acceptance (runs written before these existed: blanks)."""
+    if "tokens_per_pass" not in r:
+        return " | | "
+    acc, drafted = r.get("acceptance_rate"), r.get("drafted_tokens", 0)
+    accepted = "" if acc is None else f"{acc:.0%} of {drafted}"
+    return f"{r['tokens_per_pass']:.2f} | {r['round_trips_per_token']:.2f} | {accepted}"
+
+
 def write_report(out_dir: str | Path, runs: Sequence[dict], title: str, intro: str = "") -> Path:
     out = Path(out_dir)
     lines = [f"# {title}", ""]
@@ -217,9 +226,9 @@ def write_report(out_dir: str | Path, runs: Sequence[dict], title: str, intro: s
     machine = json.loads(results.read_text()).get("machine") if results.exists() else None
     lines += [f"Machine: {machine_line(machine) if machine else 'not recorded'}.", ""]
     lines += ["| N | strategy | requests | tokens/s | speed-up | mean response s | TTFT s | TTFT p50 / p90 s | "
-              "TPOT p50 / p90 ms | s/token | compute | comm | queue | orch | residual | MB on the wire | "
-              "CPU ours / machine % | load |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "TPOT p50 / p90 ms | s/token | compute | comm | queue | orch | residual | tokens / pass | trips / token | "
+              "accepted | MB on the wire | CPU ours / machine % | load |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(runs, key=lambda r: (r["strategy"], r["servers"])):
         d = r["decomposition_s"]
         sp = r.get("speedup_throughput")
@@ -229,12 +238,15 @@ def write_report(out_dir: str | Path, runs: Sequence[dict], title: str, intro: s
             f"{r['mean_response_s']:.2f} | {r['mean_ttft_s']:.2f} | {_pair(r, 'ttft_s', 1, '.2f')} | "
             f"{_pair(r, 'per_token_s', 1e3, '.1f')} | {r['efficiency_s_per_token']:.3f} | "
             f"{d['computation']:.2f} | {d['communication']:.2f} | {d['queueing']:.2f} | {d['orchestration']:.2f} | "
-            f"{r['decomposition_residual_s']:+.3f} | {r['network_tx_bytes'] / 1e6:.1f} | {_cpu(r)} | "
+            f"{r['decomposition_residual_s']:+.3f} | {_trips(r)} | {r['network_tx_bytes'] / 1e6:.1f} | {_cpu(r)} | "
             f"{r['load_avg_1min_at_start']:.1f} |")
     lines += ["", "TTFT: time to first token; TPOT: time per output token after the first (per request; p50 / p90 "
               "over requests); s/token: response time / generated tokens. Speed-up: throughput against N = 1 of the "
               "same strategy. Decomposition: mean seconds per request "
-              "(computation = server blocks + client embeddings/LM head/sampling). MB on the wire: TCP payload sent "
+              "(computation = server blocks + client embeddings/LM head/sampling). Tokens / pass: generated tokens per step "
+              "through the route (the prompt's included; > 1 with speculation); trips / token: client round trips per "
+              "token (a relayed step makes one per server, a pushed one a single trip along the chain); accepted: "
+              "speculation's drafts accepted / sent (--speculative). MB on the wire: TCP payload sent "
               "by all tracked processes during the run. CPU: mean over the run of the benchmark's own processes "
               "(client, servers, DHT, relay) against the whole machine, in % of one core. Load: the 1-minute load "
               "average as the run started.", ""]

@@ -46,7 +46,7 @@ class BenchConfig:
     warmup_requests: int = 1  # per swarm, not recorded
     telemetry_interval_s: float = 1.0
     log_dir: str | None = None  # server logs (default: a temporary directory per swarm)
-    push: bool = False  # server-to-server push (ClientConfig.push)
+    push: str = "auto"  # server-to-server push (ClientConfig.push): "auto" | "on" | "off"
     prefill_chunk_tokens: int | None = None  # ClientConfig.prefill_chunk_tokens: None = auto, 0 = off
     quant: str = "none"  # servers' blocks and the client's head + embeddings: "none" | "int8" (model/quant.py)
     wire_dtype: str = "auto"  # ClientConfig.wire_dtype: hidden states on the wire (wire/compress.py)
@@ -191,6 +191,7 @@ def run_swarm_size(cfg: BenchConfig, n: int, requests: Sequence[Request], num_bl
                     runs.append(summarise_run(n, strategy, label, records, sampler.samples, t_from, t_to,
                                               cfg.network, swarm.network_info, route, load))
                     runs[-1]["push"] = cfg.push
+                    runs[-1]["pushed"] = model.remote.push(list(route.spans))  # what "auto" chose on this route
                     runs[-1]["prefill_chunk_tokens"] = cfg.prefill_chunk_tokens
                     if strategy.auto:
                         runs[-1]["micro_batch_decisions"] = decisions
@@ -223,6 +224,7 @@ def summarise_run(n: int, strategy: StrategyConfig, label: str, records: list[Re
         "p50_ttft_s": tot.p50_ttft_s, "p90_ttft_s": tot.p90_ttft_s, "p50_per_token_s": tot.p50_per_token_s,
         "p90_per_token_s": tot.p90_per_token_s,
         "speedup_throughput": None, "speedup_response": None,  # filled once N = 1 is known
+        "speculative": strategy.speculative, **trips_per_token(ok),
         "decomposition_s": dec.parts(), "decomposition_residual_s": dec.residual_s,
         "decomposition_measured_s": dec.measured_s, "decomposition_detail_s": dec.detail_s,
         "payload_bytes": sum(r.payload_sent_bytes + r.payload_received_bytes for r in ok),
@@ -232,6 +234,19 @@ def summarise_run(n: int, strategy: StrategyConfig, label: str, records: list[Re
         "load_avg_1min_at_start": load_1min,
         "requests": [r.to_dict() for r in records],
     }
+
+
+def trips_per_token(records: list[RequestRecord]) -> dict:
+    """Tokens per pass through the route, client round trips per token (a relayed step makes one per hop, a pushed
+    one a single trip along the chain) and speculation's acceptance rate (drafts accepted / sent), over the run.
+    A batched session's passes and trips are in each of its rows' records, as its tokens are counted per row."""
+    tokens = sum(r.generated_tokens for r in records)
+    passes = sum(r.passes for r in records)
+    drafted = sum(r.drafted for r in records)  # one-row sessions only: batched ones do not speculate
+    accepted = sum(r.accepted for r in records)
+    return {"tokens_per_pass": tokens / passes if passes else 0.0,
+            "round_trips_per_token": sum(r.round_trips for r in records) / tokens if tokens else 0.0,
+            "acceptance_rate": accepted / drafted if drafted else None, "drafted_tokens": drafted}
 
 
 def add_speedups(runs: list[dict]) -> None:

@@ -34,6 +34,7 @@ from swarmlm.bench.workload import Request
 from swarmlm.client.remote_cache import GenerationStats
 from swarmlm.bench.microbatch import MicroBatchPlanner
 from swarmlm.client.session import InferenceSession
+from swarmlm.perf.speculation import MAX_DRAFT_TOKENS
 from swarmlm.sim.metrics import percentile
 from swarmlm.types import CacheOp
 from swarmlm.wire import compress
@@ -52,6 +53,9 @@ class StrategyConfig:
     head_last_only: bool = True  # LM head on the last position only (what generate() does); False = on every
     #                              prompt position too, as the client did before (to measure what that costs)
     ignore_eos: bool = False  # True: always generate max_new_tokens (fixed work per request)
+    # generate(speculative=...): "off", "auto" (draft length from the measured acceptance and route cost) or a fixed
+    # draft length (text); one-row sessions only (client/speculative.py), batched ones decode plainly
+    speculative: str = "off"
 
     def __post_init__(self) -> None:
         if self.name not in STRATEGIES:
@@ -109,6 +113,10 @@ class RequestRecord:
     decomposition: Decomposition
     route: tuple[str, ...] = ()
     error: str | None = None
+    passes: int = 0  # steps through the route, the prompt's included (its session's, shared by its rows)
+    round_trips: int = 0  # client round trips: a relayed step makes one per hop, a pushed step one along the chain
+    drafted: int = 0  # speculation: draft tokens sent, and of them accepted
+    accepted: int = 0
 
     @property
     def per_token_s(self) -> float:
@@ -125,6 +133,7 @@ class RequestRecord:
             "per_token_s": self.per_token_s, "batch_size": self.batch_size,
             "payload_sent_bytes": self.payload_sent_bytes, "payload_received_bytes": self.payload_received_bytes,
             "decomposition_s": self.decomposition.to_dict(), "route": list(self.route), "error": self.error,
+            "passes": self.passes, "round_trips": self.round_trips, "drafted": self.drafted, "accepted": self.accepted,
         }
 
 
@@ -138,7 +147,7 @@ class TimedSession(InferenceSession):
     def step(self, hidden: torch.Tensor, mask: torch.Tensor | None = None, op: CacheOp | None = None) -> torch.Tensor:
         t0 = time.perf_counter()
         try:
-            return super().step(hidden, mask, op)
+            return super().step(hidden, mask, op)  # op: a cache edit sent with the step (when there is one)
         finally:
             self.call_s.append(time.perf_counter() - t0)
 
@@ -185,7 +194,8 @@ def run_job(model, requests: Sequence[Request], cfg: StrategyConfig, t_run0: flo
     batch, length = ids.shape
     max_new = max(r.max_new_tokens for r in requests)
     eos = () if cfg.ignore_eos else model.eos_token_id
-    session = TimedSession(model.remote, batch, length + max_new, length, max_new)
+    room = 0 if cfg.speculative == "off" else 2 * MAX_DRAFT_TOKENS + 1  # a pass's drafts, before their rollback
+    session = TimedSession(model.remote, batch, length + max_new + room, length, max_new)
     try:
         session.open()
         t_gen = time.perf_counter()
@@ -194,7 +204,7 @@ def run_job(model, requests: Sequence[Request], cfg: StrategyConfig, t_run0: flo
         # generate() asks for) or on every prompt position too (0), to measure what that costs
         out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, session=session,
                              stats=stats, logits_to_keep=1 if cfg.head_last_only else 0,
-                             **({"eos_token_id": None} if cfg.ignore_eos else {}))
+                             speculative=cfg.speculative, **({"eos_token_id": None} if cfg.ignore_eos else {}))
         t_closing = time.perf_counter()
     except Exception as exc:  # one failed request is a result, not the end of the benchmark
         _close_quietly(session)  # a broken session may not close cleanly either; the request failed already
@@ -208,6 +218,8 @@ def run_job(model, requests: Sequence[Request], cfg: StrategyConfig, t_run0: flo
                       session.steps)
     sent, received = _payload_bytes(model, session.steps, batch, int(model.config.hidden_size))
     ttft = t_gen + stats.ttft_s - t_from
+    spec = stats.speculation or {}
+    round_trips = sum(1 if step.pushed else len({h.server_id for h in step.hops}) for step in session.steps)
     records = []
     for row, r in enumerate(requests):
         new = out[row, length:length + r.max_new_tokens].tolist()
@@ -220,7 +232,8 @@ def run_job(model, requests: Sequence[Request], cfg: StrategyConfig, t_run0: flo
             arrival_s=t_from - t_run0, start_s=t_start - t_run0, end_s=t_end - t_run0, ttft_s=ttft,
             response_s=t_end - t_from, batch_size=batch, payload_sent_bytes=sent // batch,
             payload_received_bytes=received // batch, decomposition=parts, route=tuple(stats.route),
-            error=close_error,
+            error=close_error, passes=len(session.steps), round_trips=round_trips,
+            drafted=spec.get("drafted", 0), accepted=spec.get("accepted", 0),
         ))
     return records
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from swarmlm.cli.args import add_client_precision, add_dtype, add_swarm_key
+from swarmlm.cli.args import add_client_precision, add_dtype, add_push, add_swarm_key
 
 
 def add_parser(sub) -> None:
@@ -39,6 +39,7 @@ def add_parser(sub) -> None:
     add_dtype(p, "the embeddings and LM head")
     p.add_argument("--log-level", default="warning")
     add_client_precision(p)
+    add_push(p)
     add_swarm_key(p)
 
 
@@ -66,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         args.model, initial_peers=args.initial_peers, servers=args.servers, threads=args.threads,
         wait_for_blocks_s=args.wait_for_blocks, swarm_key=args.swarm_key, quant=args.quant,
         require_full_precision=args.require_full_precision, wire_dtype=args.wire_dtype, dtype=args.dtype,
+        push=args.push,
     )
     try:
         model.remote.refresh()  # learn the swarm before the first request (routing reuses this view)

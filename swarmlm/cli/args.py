@@ -20,6 +20,27 @@ def add_prefill_chunks(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens per prefill message (default auto: sized to the measured link and servers)")
 
 
+def add_push(p: argparse.ArgumentParser) -> None:
+    """--push auto|on|off -> ClientConfig.push (server-to-server push; auto: where the measured RTTs say it pays)."""
+    p.add_argument("--push", default="auto", choices=["auto", "on", "off"],
+                   help="servers push each output straight to the next server of the route (N + 1 links per token, "
+                        "not 2N); auto (default): on routes where the measured RTTs say it saves time")
+
+
+def speculative(text: str) -> str:
+    """--speculative off|auto|K (client/speculative.py: parse_mode checks it again where it is used)."""
+    if text in ("off", "auto") or (text.isdigit() and 1 <= int(text) <= 16):
+        return text
+    raise argparse.ArgumentTypeError(f"--speculative must be 'off', 'auto' or a draft length 1..16, got {text!r}")
+
+
+def add_speculative(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", type=speculative, default="off", metavar="off|auto|K",
+                   help="speculative decoding (one sequence at a time): drafts by prompt lookup, verified by the "
+                        "swarm in one pass; auto: the draft length from the measured acceptance and the route's "
+                        "cost (0 where it does not pay), K: always K drafts (default off)")
+
+
 SWARM_KEY_ENV = "SWARMLM_SWARM_KEY_FILE"
 
 

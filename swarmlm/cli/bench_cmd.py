@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from swarmlm.cli.args import add_prefill_chunks, model_ref
+from swarmlm.cli.args import add_prefill_chunks, add_push, add_speculative, model_ref
 from swarmlm.config import DTYPE_NAMES, QUANT_NAMES, WIRE_DTYPE_NAMES
 
 
@@ -67,7 +67,8 @@ def add_parser(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
     p.add_argument("--network", default="loopback", help="loopback | lan | wan | a topology file")
     p.add_argument("--netem-mode", default="auto", choices=["auto", "namespaces", "relay-only"])
-    p.add_argument("--push", action="store_true", help="server-to-server push (N + 1 hops per token, not 2N)")
+    add_push(p)
+    add_speculative(p)
     add_prefill_chunks(p)
     p.add_argument("--server-threads", type=int, default=1)
     p.add_argument("--quant", default="none", choices=QUANT_NAMES,
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         model_dir = model_ref(args)
     strategies = strategy_configs(args.strategies, args.in_flight, args.micro_batches,
                                   micro_batch_size=args.micro_batch_size, head_last_only=not args.full_prefill_head,
-                                  ignore_eos=args.ignore_eos)
+                                  ignore_eos=args.ignore_eos, speculative=args.speculative)
     config = BenchConfig(model_dir=model_dir, servers=args.servers, strategies=strategies, network=args.network,
                          netem_mode=args.netem_mode, server_threads=args.server_threads,
                          client_threads=args.client_threads, log_dir=f"{args.out}/logs", push=args.push,

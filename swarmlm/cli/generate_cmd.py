@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from swarmlm.cli.args import add_client_precision, add_model, add_prefill_chunks, add_swarm_key, model_ref
+from swarmlm.cli.args import (add_client_precision, add_model, add_prefill_chunks, add_push, add_speculative, add_swarm_key,
+                              model_ref)
 
 
 def add_parser(sub) -> None:
@@ -29,8 +30,11 @@ def add_parser(sub) -> None:
                    help="how long to wait for servers of missing blocks before giving up")
     p.add_argument("--routing", default="waiting-aware", choices=["shortest", "waiting-aware"])
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--push", action="store_true",
-                   help="servers push each output straight to the next server of the route (N + 1 hops, not 2N)")
+    add_push(p)
+    add_speculative(p)
+    p.add_argument("--draft-model", metavar="DIR|ORG/NAME",
+                   help="with --speculative: draft with this small local model (same tokenizer) instead of prompt "
+                        "lookup")
     add_prefill_chunks(p)
     add_swarm_key(p)
     add_client_precision(p)
@@ -67,8 +71,14 @@ def run(args: argparse.Namespace) -> int:
                                  "stop_strings": args.stop}.items() if v is not None}
     streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     try:
+        draft = None
+        if args.draft_model:
+            from transformers import AutoModelForCausalLM
+
+            draft = AutoModelForCausalLM.from_pretrained(args.draft_model)
         out = model.generate(input_ids, max_new_tokens=args.max_new_tokens, tokenizer=tokenizer, streamer=streamer,
-                             generator=torch.Generator().manual_seed(args.seed), **options)
+                             generator=torch.Generator().manual_seed(args.seed), speculative=args.speculative,
+                             draft_model=draft, **options)
     finally:
         model.close()
     new = out[0, input_ids.shape[1]:].tolist()
@@ -77,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({
             "token_ids": new, "text": tokenizer.decode(new, skip_special_tokens=True), "ttft_s": stats.ttft_s,
             "tokens_per_s": stats.tokens_per_s, "total_s": stats.total_s, "route": stats.route,
-            "prompt_tokens": stats.prompt_tokens,
+            "prompt_tokens": stats.prompt_tokens, "speculation": stats.speculation,
         }))
     else:
         print(f"[route {' -> '.join(stats.route)} | ttft {stats.ttft_s:.3f} s | {stats.tokens_per_s:.1f} tokens/s]",

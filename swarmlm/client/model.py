@@ -22,6 +22,7 @@ from swarmlm.client.remote_cache import GenerationStats, RemoteCache
 from swarmlm.client.head_batcher import HeadBatcher
 from swarmlm.client.remote import RemoteSequence
 from swarmlm.client.session import InferenceSession
+from swarmlm.client.speculative import SpeculativeDecoder, SpeculativeMode, parse_mode, unsupported
 from swarmlm.config import ClientConfig, dtype_name
 from swarmlm.errors import InvalidRequest
 from swarmlm.model.checkpoint import load_client_modules, parse_dtype
@@ -181,12 +182,19 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
     @torch.no_grad()
     def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, *,
                  session: InferenceSession | None = None, generator: torch.Generator | None = None,
-                 stats: GenerationStats | None = None, **kwargs):
+                 stats: GenerationStats | None = None, speculative: SpeculativeMode = "off", draft_model=None,
+                 **kwargs):
         """transformers' `generate()` through the swarm. Extra arguments: `session`, an open session to run in
         (it stays open); `generator`, a torch.Generator for sampling (otherwise torch's global one, as
-        transformers); `stats`, a GenerationStats filled in place (also kept as `model.last_stats`)."""
+        transformers); `stats`, a GenerationStats filled in place (also kept as `model.last_stats`);
+        `speculative`: "auto" (draft length per pass from the measured acceptance and route cost), a fixed draft
+        length, or "off" (client/speculative.py), drafting by prompt lookup or with `draft_model` (a small local
+        transformers model of the same tokenizer). Options speculation does not cover run plainly."""
         checked, _ = self._prepare_generation_config(generation_config, **kwargs)
         ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if parse_mode(speculative) != 0 and ids is not None and self._can_speculate(checked, ids, kwargs):
+            return self._speculative_generate(ids, checked, session, generator, stats, speculative, draft_model,
+                                              kwargs.get("streamer"))
         remote = RemoteCache(self, session, stats) if checked.use_cache else None
         if remote is not None:
             remote.stats.prompt_tokens = int(ids.shape[1]) if ids is not None else 0
@@ -199,6 +207,45 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
             if remote is not None:
                 sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
                 self.last_stats = remote.finish(sequences)
+        return out
+
+    def _can_speculate(self, config: GenerationConfig, ids: torch.Tensor, kwargs: dict) -> bool:
+        mask = kwargs.get("attention_mask")
+        pad, eos = config.pad_token_id, config.eos_token_id
+        eos = [] if eos is None else eos if isinstance(eos, (list, tuple)) else [eos]
+        # without a mask, transformers infers one from pad tokens in the prompt (unless pad is an eos token):
+        # such prompts run plainly
+        padded = bool((mask == 0).any()) if mask is not None else \
+            pad is not None and pad not in eos and bool((ids == pad).any())
+        plain_only = {"logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "assistant_model"}
+        return (config.use_cache and not padded and not any(kwargs.get(k) is not None for k in plain_only)
+                and unsupported(config, int(ids.shape[0])) is None)
+
+    def _speculative_generate(self, ids: torch.Tensor, config: GenerationConfig, session: InferenceSession | None,
+                              generator: torch.Generator | None, stats: GenerationStats | None,
+                              mode: SpeculativeMode, draft_model, streamer) -> torch.Tensor:
+        """One sequence through client/speculative.py; the session (opened here unless given) holds the prompt,
+        the new tokens and one pass's drafts."""
+        prompt = ids[0].tolist()
+        max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - len(prompt)
+        eos = config.eos_token_id  # the checkpoint's unless the caller set it (None: generate max_new tokens)
+        eos = () if eos is None else tuple(eos if isinstance(eos, (list, tuple)) else [eos])
+        remote = RemoteCache(self, session, stats)
+        remote.stats.prompt_tokens = len(prompt)
+        decoder = SpeculativeDecoder(self, remote, config, mode, draft_model, generator)
+        # room for the new tokens and the drafts of a pass on top of the last pass's (held until the next step)
+        remote.max_length = remote.max_length or len(prompt) + max_new + 2 * decoder.k_max + 1
+        new: list[int] = []
+        try:
+            if streamer is not None:
+                streamer.put(ids[0])
+            new = decoder.generate(prompt, max_new, eos, streamer and (lambda t: streamer.put(torch.tensor(t))))
+            remote.stats.speculation = decoder.stats.to_dict()
+        finally:
+            if streamer is not None:
+                streamer.end()
+            out = torch.tensor([prompt + new])
+            self.last_stats = remote.finish(out)
         return out
 
     def close(self) -> None:

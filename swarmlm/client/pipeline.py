@@ -167,13 +167,14 @@ class _Progress:
 
 class StepPipeline:
     """One attempt at a step: every chunk through every hop, from where each hop left off (`Hop.written`,
-    `Hop.outputs`). `hang_timeout(span, rows, tokens)` bounds each reply (`hang_timeout_s`)."""
+    `Hop.outputs`). `hang_timeout(span, rows, tokens)` bounds each reply (`hang_timeout_s`); `push`: servers push
+    each output on to the next hop (the session's choice for this route, RemoteSequence.push)."""
 
     def __init__(self, hops: list[Hop], chunks: list[Chunk], config: ClientConfig,
-                 hang_timeout: Callable[[Span, int, int], float]) -> None:
+                 hang_timeout: Callable[[Span, int, int], float], push: bool = False) -> None:
         self.hops = hops
         self.chunks = chunks
-        self.push = config.push
+        self.push = push
         self.watchdog_s = watchdog_s(config)
         self.hang_timeout = hang_timeout
         self.progress = _Progress()  # notified whenever a hop writes or answers a chunk

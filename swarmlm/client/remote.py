@@ -16,7 +16,8 @@ from swarmlm.errors import MissingBlocks, SwarmAccessDenied
 from swarmlm.swarm.identity import new_nonce, verify_info
 from swarmlm.swarm.private import client_interceptors
 from swarmlm.swarm.records import ServerRecord, record_from_info
-from swarmlm.types import Route
+from swarmlm.types import Route, Span
+from swarmlm.wire.links import TransmissionPolicy
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,18 @@ class RemoteSequence:
         retry = [r for sid, r in self.view.records.items() if sid in banned and blocks & set(range(r.start, r.end))]
         if retry:
             self.loop.run(self._measure(retry))
+
+    def push(self, spans: list[Span]) -> bool:
+        """Server-to-server push on this route: ClientConfig.push "on" / "off", or "auto": where it pays."""
+        mode = self.config.push
+        if len(spans) < 2:  # nobody to push to
+            return False
+        return mode == "on" or (mode == "auto" and self.router.push_pays(spans))
+
+    def pass_cost(self, spans: list[Span]) -> Callable[[int], float]:
+        """tokens -> predicted seconds of one step of that many tokens on this route (speculation's draft length)."""
+        push = self.push(spans)
+        return lambda tokens: self.router.pass_s(spans, tokens, push)
 
     def close(self) -> None:
         if self.dht is not None:

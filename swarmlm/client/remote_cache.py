@@ -33,6 +33,7 @@ class GenerationStats:
     sample_s: float = 0.0  # between forwards: transformers' logits processors, sampling, stopping criteria
     route: list[str] = field(default_factory=list)
     steps: list = field(default_factory=list)  # the session's StepRecords: per-hop server and wire timings
+    speculation: dict | None = None  # speculative generation's passes, drafts, acceptance (SpeculationStats)
 
     @property
     def tokens_per_s(self) -> float:

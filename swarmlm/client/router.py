@@ -140,6 +140,16 @@ class LiveRouter:
             records = dict(self.view.records)
         return Route(tuple(Span(s.server_id, s.start, s.end, records[s.server_id].address) for s in hops.spans))
 
+    def push_pays(self, spans: list[Span]) -> bool:
+        """Whether server-to-server push saves time on `spans`, from the measured RTTs (PerfModel.push_pays)."""
+        with self._lock:
+            return self.perf.push_pays(CLIENT, spans)
+
+    def pass_s(self, spans: list[Span], tokens: int, push: bool) -> float:
+        """Predicted seconds of one step of `tokens` tokens along `spans` (PerfModel.pass_s)."""
+        with self._lock:
+            return self.perf.pass_s(CLIENT, spans, tokens, push)
+
     def admit(self, spans: list[Span], l_in: int, l_out: int) -> str:
         """Count a session this client opened on `spans` until `release` (the router's load and slots)."""
         with self._lock:

@@ -44,6 +44,7 @@ class StepRecord:
     reopened: int = 0  # healthy spans reopened because a failure elsewhere left them mid-step
     stalls: int = 0  # times the whole step made no progress for watchdog_s (then every unfinished hop reopens)
     hung: list[str] = field(default_factory=list)  # servers that did not answer within their hang timeout (banned)
+    pushed: bool = False  # server-to-server push on this step's route (ClientConfig.push, PerfModel.push_pays)
 
 
 class InferenceSession:
@@ -163,7 +164,8 @@ class InferenceSession:
             s.edit(op)  # what a failover replays from now on (the op itself goes with each span's first chunk)
         hops = [Hop(s, op=op) for s in self.spans]
         while True:
-            outcome = await StepPipeline(hops, chunks, self.remote.config, self._hang_timeout_s).run()
+            record.pushed = self.remote.push([h.span for h in hops])  # ClientConfig.push; "auto": where it pays
+            outcome = await StepPipeline(hops, chunks, self.remote.config, self._hang_timeout_s, record.pushed).run()
             record.hops.extend(outcome.timings)
             if outcome.complete:
                 break

@@ -31,6 +31,12 @@ def _check_nonneg(owner: str, **values: float) -> None:
             raise ValueError(f"{owner}.{name} must be a finite number >= 0, got {value!r}")
 
 
+# What one server-to-server push costs beyond the relayed message it replaces (its own unary RPC, handed to the
+# next server's session stream). Measured on loopback, where the links save nothing: 4 servers pushed 170.9 vs
+# 169.2 ms per token relayed (docs/RESULTS-perf.md), ~0.6 ms per push; rounded up so that push is chosen only
+# where the links clearly pay for it.
+PUSH_HOP_S = 0.001
+
 CONTENTION_ROWS = (4, 16)  # decode rows (concurrent sessions) at which a profile measures a batched forward
 
 
@@ -67,6 +73,11 @@ class ComputeProfile:
         """One step of `rows` x `tokens` new tokens over `blocks` blocks, alone (a decode's rows unbatched: a bound)."""
         per_token, fixed = self.prefill_step_terms(blocks, rows)
         return self.decode_s * rows * blocks if tokens == 1 else per_token * tokens + fixed
+
+    def extend_s(self, tokens: int) -> float:
+        """Seconds of one block for a step of `tokens` new tokens of one session past its cache (a speculative
+        pass): the first at the decode cost, each further one at the prompt's marginal cost (a_j)."""
+        return self.decode_s + self.prefill_a_s * (tokens - 1)
 
     @property
     def contended(self) -> bool:
@@ -300,6 +311,16 @@ class Network:
         cluster = self._cluster_link(a, b)
         return cluster[1] if cluster is not None else self._default_bw
 
+    def known_rtt_s(self, a: str, b: str) -> float | None:
+        """The RTT of a-b if a link or the cluster rule gives it (measured or from a topology), else None: the
+        default stands in for links nobody measured, which a decision may rather estimate its own way."""
+        if a == b:
+            return 0.0
+        rtt = self._rtt.get((a, b))
+        if rtt is None and (cluster := self._cluster_link(a, b)) is not None:
+            rtt = cluster[0]
+        return rtt
+
     def has_rtt(self, a: str, b: str) -> bool:
         try:
             self.link(a, b)
@@ -392,9 +413,46 @@ class PerfModel:
         """Time to first token: the prompt through every hop."""
         return sum(self.prefill_hop_s(client, s.server_id, s.length, l_in) for s in spans)
 
-    def decode_step_s(self, client: str, spans: Sequence[Span]) -> float:
-        """One generated token through every hop (steady-state time per token)."""
-        return sum(self.decode_hop_s(client, s.server_id, s.length) for s in spans)
+    def decode_step_s(self, client: str, spans: Sequence[Span], push: bool = False) -> float:
+        """One generated token through every hop (steady-state time per token); `push`: each server sends its
+        output straight to the next one (server-to-server push, `push_saving_s`)."""
+        step = sum(self.decode_hop_s(client, s.server_id, s.length) for s in spans)
+        return step - self.push_saving_s(client, spans) if push else step
+
+    def pass_s(self, client: str, spans: Sequence[Span], tokens: int, push: bool = False) -> float:
+        """One step of `tokens` new tokens (a speculative pass verifying tokens - 1 drafts) through every hop:
+        round trips with `tokens` hidden states plus compute (`ComputeProfile.step_s`); pass_s(..., 1) is the
+        decode step."""
+        step = sum(self.round_trip_s(client, s.server_id, tokens) + s.length * self.profiles[s.server_id].extend_s(tokens)
+                   for s in spans)
+        return step - self.push_saving_s(client, spans) if push else step
+
+    # -- server-to-server push ------------------------------------------------------------------------------
+    def push_saving_s(self, client: str, spans: Sequence[Span]) -> float:
+        """Seconds one decode token saves on `spans` when every server pushes its output to the next one.
+
+        Relayed, a token makes a round trip to every server: sum_j rt_cj(1). Pushed, it goes one way along the
+        chain, client -> s_1 -> ... -> s_N -> client, and each of the N - 1 pushes costs PUSH_HOP_S more than the
+        relayed message it replaces. A server-to-server RTT nobody measured is taken as the larger of the client's
+        RTTs to the two servers (the servers are no closer to each other than to the client: the cautious guess).
+        <= 0: push does not pay (always so for one server)."""
+        if len(spans) < 2:
+            return 0.0
+        ids = [s.server_id for s in spans]
+        h = self.hidden_bytes_per_token
+        relayed = sum(self.round_trip_s(client, sid, 1) for sid in ids)
+        pushed = self.transfer_s(client, ids[0], h) + self.transfer_s(ids[-1], client, h)
+        for a, b in zip(ids, ids[1:]):
+            rtt = self.network.known_rtt_s(a, b)
+            if rtt is None:
+                rtt = max(self.network.rtt_s(client, a), self.network.rtt_s(client, b))
+            bw = self.network.bandwidth_bps(a, b)
+            pushed += rtt / 2 + (8.0 * h / bw if h and math.isfinite(bw) else 0.0) + PUSH_HOP_S
+        return relayed - pushed
+
+    def push_pays(self, client: str, spans: Sequence[Span]) -> bool:
+        """The `push="auto"` rule: push where the model predicts it saves time per token."""
+        return self.push_saving_s(client, spans) > 0
 
     def request_time_s(self, client: str, spans: Sequence[Span], l_in: int, l_out: int) -> float:
         return self.ttft_s(client, spans, l_in) + (l_out - 1) * self.decode_step_s(client, spans)

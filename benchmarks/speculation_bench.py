@@ -1,0 +1,152 @@
+"""Plain vs server-to-server push vs push + speculative decoding: tokens/s of greedy generation, side by side in one run.
+
+For each N a fresh swarm (even split) on emulated hosts (netem testbed, `--network`, default wan: 50 ms RTT per
+link), three clients on it: plain (push off), push (on), push + speculation (`--speculative`, default auto:
+prompt-lookup drafts, the draft length from the measured acceptance and route cost). Every prompt runs through
+the three in turn (order rotating per round, so background load hits all alike); tokens must be identical.
+Two prompt sets: prompts that quote their input (repeat, correct, extract, continue a list) and open-ended ones,
+each chat-templated for the model.
+
+    .venv/bin/python benchmarks/speculation_bench.py --model ~/.cache/swarmlm/checkpoints/smollm2-135m-instruct \
+        --servers 1,2,4 --tokens 32 --rounds 1
+
+tokens/s = generated tokens / the generate() call's wall time (TTFT included), medians over the prompts x rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from swarmlm.bench.runner import BenchConfig, start_swarm
+from swarmlm.bench.strategies import StrategyConfig
+from swarmlm.client.model import DistributedModelForCausalLM
+
+QUOTING = [
+    "Repeat this sentence exactly, word for word: The quick brown fox jumps over the lazy dog near the old river bank.",
+    "Correct the spelling mistakes and give back the whole text: I beleive that the goverment shoud invest more in "
+    "publc transport and educaton.",
+    "From this list, write every item that is a fruit, one per line: apple, chair, banana, table, cherry, lamp, grape.",
+    "Continue the list with the next five entries: Monday, Tuesday, Wednesday,",
+]
+OPEN_ENDED = [
+    "Write a short poem about the sea.",
+    "Why is the sky blue? Explain briefly.",
+    "Give me three ideas for a weekend trip.",
+    "What makes a good teacher?",
+]
+MODES = {  # name -> (ClientConfig.push, generate(speculative=...))
+    "plain": ("off", "off"),
+    "push": ("on", "off"),
+    "push+spec": ("on", None),  # None: --speculative
+}
+
+
+def chat_ids(tokenizer, text: str) -> torch.Tensor:
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)["input_ids"]
+    return tokenizer(text, return_tensors="pt").input_ids
+
+
+def run_n(args, n: int, num_blocks: int, prompt_sets: dict[str, list[torch.Tensor]]) -> dict:
+    cfg = BenchConfig(model_dir=args.model, servers=(n,), strategies=(StrategyConfig("sequential"),),
+                      network=args.network, netem_mode=args.netem_mode)
+    rows: dict = {}
+    with start_swarm(cfg, n, num_blocks) as swarm:
+        # float32 on the wire (wire "auto" picks per measured link, so clients could differ): comparable tokens
+        clients = {name: DistributedModelForCausalLM.from_pretrained(
+            args.model, initial_peers=swarm.initial_peers, servers=swarm.server_addresses, push=push,
+            routing="shortest", wire_dtype="float32") for name, (push, _) in MODES.items()}
+        try:
+            for name, client in clients.items():  # warm-up (connections, RTT probes), not recorded
+                client.generate(prompt_sets["quoting"][0], max_new_tokens=4, do_sample=False)
+            for set_name, prompts in prompt_sets.items():
+                results = {name: [] for name in MODES}
+                order = list(MODES)
+                for r in range(args.rounds):
+                    for p, ids in enumerate(prompts):
+                        order = order[1:] + order[:1]
+                        for name in order:
+                            spec = MODES[name][1] or args.speculative
+                            client = clients[name]
+                            # a mask: without one (and eos None) transformers would mask the template's
+                            # <|im_end|>, SmolLM2's pad token
+                            out = client.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.tokens,
+                                                  do_sample=False, eos_token_id=None, speculative=spec)
+                            st = client.last_stats
+                            results[name].append({
+                                "prompt": p, "round": r, "tokens": out[0, ids.shape[1]:].tolist(),
+                                "tokens_per_s": st.new_tokens / st.total_s, "ttft_s": st.ttft_s,
+                                "passes": len(st.steps), "pushed": all(s.pushed for s in st.steps),
+                                "speculation": st.speculation})
+                rows[set_name] = summarise(results)
+        finally:
+            for client in clients.values():
+                client.close()
+    return {"servers": n, "network_info": swarm.network_info, "sets": rows}
+
+
+def summarise(results: dict[str, list[dict]]) -> dict:
+    plain = [x["tokens"] for x in results["plain"]]
+    out = {}
+    for name, items in results.items():
+        spec = [x["speculation"] for x in items if x["speculation"]]
+        drafted = sum(s["drafted"] for s in spec)
+        out[name] = {
+            "tokens_per_s_median": statistics.median(x["tokens_per_s"] for x in items),
+            "identical_to_plain": [x["tokens"] for x in items] == plain,
+            "pushed": all(x["pushed"] for x in items),
+            "tokens_per_pass": sum(len(x["tokens"]) for x in items) / sum(x["passes"] for x in items),
+            "acceptance_rate": sum(s["accepted"] for s in spec) / drafted if drafted else None,
+            "mean_k": statistics.mean(s["mean_k"] for s in spec) if spec else None,
+            "runs": items,
+        }
+    base = out["plain"]["tokens_per_s_median"]
+    for name in out:
+        out[name]["vs_plain"] = out[name]["tokens_per_s_median"] / base
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--servers", default="1,2,4")
+    ap.add_argument("--network", default="wan")
+    ap.add_argument("--netem-mode", default="auto")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--speculative", default="auto")
+    ap.add_argument("--out", default="docs/results/speculation")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    from transformers import AutoConfig
+
+    num_blocks = AutoConfig.from_pretrained(args.model).num_hidden_layers
+    sets = {"quoting": [chat_ids(tokenizer, t) for t in QUOTING],
+            "open-ended": [chat_ids(tokenizer, t) for t in OPEN_ENDED]}
+    results = {"args": vars(args), "cpu": platform.processor() or platform.machine(),
+               "load_avg": os.getloadavg(), "runs": []}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for n in (int(x) for x in args.servers.split(",")):
+        results["runs"].append(run_n(args, n, num_blocks, sets))
+        (out / "speculation_bench.json").write_text(json.dumps(results, indent=1))
+        for set_name, modes in results["runs"][-1]["sets"].items():
+            for name, m in modes.items():
+                acc = m["acceptance_rate"]
+                print(f"N={n} {set_name:10s} {name:9s} {m['tokens_per_s_median']:6.2f} tok/s "
+                      f"({m['vs_plain']:.2f}x plain) identical={m['identical_to_plain']} pushed={m['pushed']} "
+                      f"tokens/pass={m['tokens_per_pass']:.2f} acceptance={'' if acc is None else f'{acc:.2f}'} "
+                      f"mean k={m['mean_k']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

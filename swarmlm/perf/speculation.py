@@ -1,0 +1,86 @@
+"""How many tokens to draft per pass through the swarm: the draft length k that maximizes expected tokens per second.
+
+A speculative pass sends the last accepted token and k drafted tokens as one step of k + 1 tokens and gets the
+model's logits for every position: it yields the drafts the model accepts plus one token of its own (the
+correction at the first rejection, or the bonus after all k). With each draft accepted with probability a,
+independently (Leviathan et al. 2023, "Fast inference from transformers via speculative decoding"):
+
+    tokens per pass(k)  E(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)
+    time per pass(k)    T(k) = pass_s(k + 1) + k * draft_s      (the route: RTTs + compute of k + 1 tokens; drafting)
+    k*                  argmax over 0 <= k <= k_max of E(k) / T(k)
+
+k = 0 is plain decoding (one token per pass): where a pass costs mostly compute (one fast link, slow servers) or a
+is low, k* = 0 and speculation costs nothing. `pass_s` comes from the performance model the planner and the router
+use (`PerfModel.pass_s`), `a` from the session's own passes (`AcceptanceEstimate`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+MAX_DRAFT_TOKENS = 16  # the most drafts one pass may carry (k_max's upper bound)
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """E(k): tokens one pass with k drafts yields, each draft accepted with probability `acceptance`."""
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def choose_draft_length(acceptance: float, pass_s: Callable[[int], float], k_max: int, draft_s: float = 0.0) -> int:
+    """k* = argmax_k E(k) / (pass_s(k + 1) + k draft_s) over 0..k_max; the smallest k among equals (fewer tokens
+    sent, less cache to roll back). `pass_s(tokens)`: seconds of one pass of that many tokens through the route."""
+    if not 0.0 <= acceptance <= 1.0:
+        raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
+    if not 0 <= k_max <= MAX_DRAFT_TOKENS or draft_s < 0:
+        raise ValueError(f"need 0 <= k_max <= {MAX_DRAFT_TOKENS} and draft_s >= 0, got {k_max} and {draft_s}")
+    best_k, best_rate = 0, -math.inf
+    for k in range(k_max + 1):
+        seconds = pass_s(k + 1) + k * draft_s
+        if not seconds > 0:
+            raise ValueError(f"pass_s({k + 1}) + {k} * draft_s must be > 0, got {seconds}")
+        rate = expected_tokens(acceptance, k) / seconds
+        if rate > best_rate * (1 + 1e-9):
+            best_k, best_rate = k, rate
+    return best_k
+
+
+@dataclass
+class AcceptanceEstimate:
+    """A session's running estimate of the per-draft acceptance probability a.
+
+    A pass that proposed k drafts and had n accepted observed n acceptances and, if n < k, one rejection (the
+    drafts after it were never tried): a = accepted / tried is the maximum-likelihood estimate under the model
+    above. Counts decay by `decay` per pass, drafted or not, so the estimate follows the text (a quote, then free
+    prose) and drifts back to the prior while no drafts are tried: a session that chose k = 0 tries again later.
+    """
+
+    prior: float = 0.5  # a before any pass
+    prior_weight: float = 2.0  # the prior counts as this many tried drafts
+    decay: float = 0.9  # per pass: the estimate remembers ~1 / (1 - decay) passes
+    accepted: float = 0.0  # decayed counts
+    tried: float = 0.0
+    passes: int = 0  # undecayed totals, for reports
+    drafted: int = 0
+    accepted_total: int = 0
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.prior <= 1.0 and self.prior_weight > 0 and 0.0 < self.decay <= 1.0):
+            raise ValueError(f"need prior in [0, 1], prior_weight > 0 and decay in (0, 1], got {self.prior}, "
+                             f"{self.prior_weight} and {self.decay}")
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + self.prior * self.prior_weight) / (self.tried + self.prior_weight)
+
+    def update(self, proposed: int, accepted: int) -> None:
+        """One pass: `proposed` drafts sent, the first `accepted` of them accepted."""
+        if not 0 <= accepted <= proposed:
+            raise ValueError(f"need 0 <= accepted <= proposed, got {accepted} of {proposed}")
+        self.accepted = self.decay * self.accepted + accepted
+        self.tried = self.decay * self.tried + accepted + (1 if accepted < proposed else 0)
+        self.passes += 1
+        self.drafted += proposed
+        self.accepted_total += accepted
