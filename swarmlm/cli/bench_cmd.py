@@ -86,7 +86,6 @@ def run(args: argparse.Namespace) -> int:
 
     from swarmlm.bench import report
     from swarmlm.bench.runner import BenchConfig, run_bench
-    from swarmlm.bench.strategies import StrategyConfig
     from swarmlm.bench.workload import poisson_arrivals, prompt_source, tokenize
     from swarmlm.model.checkpoint import load_tokenizer
 

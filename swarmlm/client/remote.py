@@ -17,7 +17,6 @@ from swarmlm.swarm.identity import new_nonce, verify_info
 from swarmlm.swarm.private import client_interceptors
 from swarmlm.swarm.records import ServerRecord, record_from_info
 from swarmlm.types import Route, Span
-from swarmlm.wire.links import TransmissionPolicy
 
 log = logging.getLogger(__name__)
 
