@@ -352,25 +352,27 @@ class ViewRefresh:
             return True
 
 
-async def _collect(request: Request, events: AsyncIterator, first, poll_s: float = 0.5) -> list | None:
+async def _collect(request: Request, events: AsyncIterator, first) -> list | None:
     """A non-streaming request's events; None (every choice stopped, its sessions closed) if the client went
-    away meanwhile."""
+    away meanwhile. The disconnect is awaited, as starlette's streaming responses await it, not polled: a poll
+    (`is_disconnected()`, a receive cancelled before it starts) can take a stale wake-up for a message."""
     async def read() -> list:
         return [first] + [e async for e in events] if first is not None else []
 
-    task = asyncio.ensure_future(read())
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(read()), asyncio.ensure_future(gone())
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                return None
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return task.result() if task in done else None
     finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        for pending in (task, watch):
+            if not pending.done():
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
         with anyio.CancelScope(shield=True):
             await events.aclose()
 
