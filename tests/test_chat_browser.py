@@ -102,9 +102,16 @@ def test_streamed_answer_equals_the_greedy_api_answer(page, stack, tiny_bloom):
 def test_stop_ends_the_generation_on_the_servers(page, stack):
     swarm, gateway = stack
     assert _active_sessions(swarm) == [0, 0]
-    _ask(page, "Tell me a very long story.", temperature="0.7", max_tokens="1500")
-    page.wait_for(f"{LAST_ANSWER} && Number({LAST_ANSWER}.dataset.tokens) >= 3", what="a few streamed tokens")
-    assert min(_active_sessions(swarm)) == 1  # the answer's session is open on both servers
+    for attempt in range(6):
+        _ask(page, "Tell me a very long story.", temperature="0.7", max_tokens="1500")
+        page.wait_for(f"{LAST_ANSWER} && Number({LAST_ANSWER}.dataset.tokens) >= 3", what="a few streamed tokens")
+        if min(_active_sessions(swarm)) == 1:  # the answer's session is open on both servers
+            break
+        # random weights sample their end-of-text token now and then (1 in 512): then the answer ended by itself
+        state = page.wait_for(f"{LAST_ANSWER}.dataset.state !== 'streaming' && {LAST_ANSWER}.dataset.state")
+        assert state == "done" and int(page.eval(f"{LAST_ANSWER}.dataset.tokens")) < 1500, state
+    else:
+        pytest.fail("no answer was still streaming after 3 tokens in 6 attempts")
     page.click("#stop")
     state = page.wait_for(f"{LAST_ANSWER}.dataset.state !== 'streaming' && {LAST_ANSWER}.dataset.state")
     assert state == "stopped"
