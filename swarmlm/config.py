@@ -104,6 +104,10 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0 = any free port
     announce_host: str | None = None  # address others should dial (behind a relay or NAT); default = host
+    # how peers reach it (docs/PROTOCOL.md, "Servers behind NAT"): "auto" = a relay dials it back at start-up, and
+    # if that fails it is served through a relay (not with announce_host: the operator said where it is reached);
+    # "direct" = at its address; "relayed" = through a relay without the check
+    reachability: Literal["auto", "direct", "relayed"] = "auto"
     threads: int = 1  # torch threads for compute; set explicitly, never left to torch's default
     dtype: str = "auto"  # weights and compute: "auto" or one of DTYPE_NAMES (a torch dtype is turned into its name)
     # weights of the linear layers: "none" (dtype) or "int8" (per-row int8, 1/4 of fp32's bytes, ~1 % relative
@@ -172,6 +176,8 @@ class ServerConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.placement not in ("petals", "cg-bprr"):
             raise ValueError(f"placement must be 'petals' or 'cg-bprr', got {self.placement!r}")
+        if self.reachability not in ("auto", "direct", "relayed"):
+            raise ValueError(f"reachability must be 'auto', 'direct' or 'relayed', got {self.reachability!r}")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--initial-peers", nargs="*", default=[])
     p.add_argument("--addr-file", help="also write the address here (one per line)")
+    p.add_argument("--no-relay", action="store_true",
+                   help="answer dial-backs only: relay no server behind NAT (docs/PROTOCOL.md, Servers behind NAT)")
     add_swarm_key(p)
     p.add_argument("--new-swarm-key", metavar="FILE",
                    help="create a new private swarm's key in FILE (mode 0600) and start this node with it")
@@ -33,6 +35,9 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"swarmlm dht: cannot create {args.new_swarm_key}: {exc.strerror}") from None
     # with a swarm key this node stores and serves only records that carry its MAC (swarm/private.py)
     dht = start_dht(args.initial_peers, host=args.host, port=args.port, swarm_key=swarm_key)
+    from swarmlm.swarm.relay import start_relay
+
+    relay, _ = start_relay(dht, swarm_key, relaying=not args.no_relay)  # on the DHT's daemon: same address
     addrs = visible_addrs(dht)
     if args.addr_file:
         tmp = Path(args.addr_file + ".tmp")
@@ -43,5 +48,6 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    relay.shutdown()
     dht.shutdown()
     return 0

@@ -43,13 +43,19 @@ class RemoteSequence:
 
             # in-process, not hivemind's forked DHT: a fork beside the client's gRPC threads can hang
             self.dht = ThreadDHT(config.initial_peers, client_mode=True, swarm_key=config.swarm_key)
+        self.tunnels = None  # servers behind NAT, through their relays, on the DHT node's P2P daemon (swarm/reach.py)
+        if self.dht is not None:
+            from swarmlm.swarm.reach import Tunnels
+
+            self.tunnels = Tunnels(self.dht.node.p2p, self.dht.loop, config.swarm_key)
 
     def refresh(self) -> None:
         """Re-read who serves what, and measure the RTT to servers not measured yet."""
         if self.dht is not None:
             from swarmlm.swarm.dht import fetch_records
 
-            records = fetch_records(self.dht, self.prefix, range(self.num_blocks), swarm_key=self.config.swarm_key)
+            records = self._through_relays(
+                fetch_records(self.dht, self.prefix, range(self.num_blocks), swarm_key=self.config.swarm_key))
         else:
             records = self.loop.run(self._direct_records())
         if self.weights_check is not None:  # other weights under this model's name: refused (model/fingerprint.py)
@@ -59,6 +65,20 @@ class RemoteSequence:
         if unmeasured:  # measured (and checked) before they enter the view: an impostor is never routed to
             self.loop.run(self._measure(unmeasured))
         self.view.update({sid: r for sid, r in records.items() if (sid, r.address) not in self.rejected})
+
+    def _through_relays(self, records: dict[str, ServerRecord]) -> dict[str, ServerRecord]:
+        """Servers behind NAT are reached through the relay their record names; one that no relay takes cannot be
+        reached at all: left out, and named with the reason if blocks end up missing."""
+        usable = {}
+        for sid, r in records.items():
+            if r.relayed and not r.relay:
+                self.unreachable[f"{sid} ({r.address})"] = "behind NAT and no relay takes it"
+                continue
+            if r.relayed:
+                self.tunnels.add(r.address, r.relay)
+            self.unreachable.pop(f"{sid} ({r.address})", None)
+            usable[sid] = r
+        return usable
 
     def _check_weights(self, records: dict[str, ServerRecord]) -> None:
         for sid, r in records.items():
@@ -123,6 +143,9 @@ class RemoteSequence:
             except Exception as exc:
                 if _is_unauthenticated(exc):
                     denied.append((r.address, exc))
+                if r.relayed:  # (a dead relay, or one that does not take us: the error says so)
+                    why = self.tunnels.failures.get(r.address) or _why_unreachable(exc)
+                    self.unreachable[f"{r.server_id} ({r.address})"] = f"behind NAT, through its relay: {why}"
                 log.warning("server %s did not answer an RTT probe: %s", r.server_id, exc)
                 self.view.ban(r.server_id)
 
@@ -172,6 +195,8 @@ class RemoteSequence:
         return lambda tokens: self.router.pass_s(spans, tokens, push)
 
     def close(self) -> None:
+        if self.tunnels is not None:
+            self.tunnels.close()
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None

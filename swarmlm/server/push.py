@@ -40,7 +40,14 @@ MAX_PUSH_TARGETS = 64  # the rest of a route: more servers than any route has
 MAX_AHEAD = 8  # steps a session holds while waiting for an earlier id
 MAX_CHANNELS = 64  # open channels to push targets (least recently used closed first)
 _ADDRESS = re.compile(r"^[A-Za-z0-9.\-]{1,253}:[0-9]{1,5}$|^\[[0-9A-Fa-f:.]{2,45}\]:[0-9]{1,5}$")
+_P2P_ADDRESS = re.compile(r"^p2p/[1-9A-HJ-NP-Za-km-z]{40,60}$")  # a server behind NAT (swarm/records.py)
 _SESSION_ID = re.compile(r"^[0-9a-f]{1,64}$")
+
+
+def _address_ok(address: str) -> bool:
+    if _P2P_ADDRESS.match(address):
+        return True
+    return bool(_ADDRESS.match(address)) and 0 < int(address.rsplit(":", 1)[1]) < 65536
 
 
 def check_targets(targets) -> None:
@@ -48,8 +55,8 @@ def check_targets(targets) -> None:
     if len(targets) > MAX_PUSH_TARGETS:
         raise InvalidRequest(f"push: {len(targets)} targets exceed the limit of {MAX_PUSH_TARGETS}")
     for t in targets:
-        if not _ADDRESS.match(t.address) or not 0 < int(t.address.rsplit(":", 1)[1]) < 65536:
-            raise InvalidRequest(f"push: {t.address[:80]!r} is not a host:port address")
+        if not _address_ok(t.address):
+            raise InvalidRequest(f"push: {t.address[:80]!r} is not a host:port or p2p/<peer id> address")
         if not _SESSION_ID.match(t.session_id):
             raise InvalidRequest(f"push: {t.session_id[:80]!r} is not a session id")
         if t.step_id == 0:

@@ -37,6 +37,7 @@ class Server:
         self.drain_timeout_s = drain_timeout_s
         self.rebalance_period_s = rebalance_period_s
         self.dht = None
+        self.network = None  # in a swarm: reachability, relaying, tunnels to relayed servers (server/network.py)
         self.prefix = None
         self.stage: Stage | None = None
         self.service: SwarmService | None = None
@@ -54,8 +55,12 @@ class Server:
         cfg = self.config
         self.prefix = cfg.dht_prefix or default_prefix(cfg.model_dir)
         if cfg.initial_peers:
+            from swarmlm.server.network import ServerNetwork
+
+            self.network = ServerNetwork(cfg)  # behind NAT, its DHT node only asks (nobody could reach it)
             validator = self.identity.validator  # our key: it signs every record we announce
-            self.dht = start_dht(cfg.initial_peers, host=cfg.host, validator=validator, swarm_key=cfg.swarm_key)
+            self.dht = start_dht(cfg.initial_peers, host=cfg.host, validator=validator, swarm_key=cfg.swarm_key,
+                                 client_mode=self.network.relayed)
             self.subkey = owner_subkey(self.server_id, validator)
             if cfg.blocks is not None:  # (choosing blocks reads the swarm's records anyway)
                 try:  # without the key, a private swarm's records stop us here: SwarmAccessDenied
@@ -82,7 +87,8 @@ class Server:
             log.warning("announcing the joining range failed: %s", exc)
 
     def record(self, state: str = ONLINE) -> ServerRecord:
-        return record_from_info(self.service.info(), self.address, state)
+        relay = self.network.relay if self.network is not None else ""
+        return record_from_info(self.service.info(), self.address, state, relay)
 
     async def _announced(self, block: int) -> set[str]:
         """Addresses of the servers announced in the DHT for `block`."""
@@ -90,6 +96,7 @@ class Server:
 
         records = await asyncio.get_running_loop().run_in_executor(
             None, lambda: fetch_records(self.dht, self.prefix, [block], swarm_key=self.config.swarm_key))
+        self.network.learn(records.values())  # relayed ones: pushed to through their relays
         return {r.address for r in records.values() if r.start <= block < r.end}
 
     def _announce_loop(self) -> None:
@@ -129,12 +136,20 @@ class Server:
                                  interceptors=server_interceptors(cfg.swarm_key),  # a private swarm's gate
                                  maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
         add_to_server(self.service, server)  # (bytes that do not parse: INVALID_ARGUMENT)
-        port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        wanted = self.network.grpc_port() if self.network is not None else cfg.port
+        port = server.add_insecure_port(f"{cfg.host}:{wanted}")
         if port == 0:
-            raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
-        self.address = f"{cfg.announce_host or cfg.host}:{port}"
+            raise OSError(f"cannot listen on {cfg.host}:{wanted}")
+        local_port = port  # where relayed connections arrive (on loopback)
+        relayed = self.network is not None and self.network.relayed
+        if relayed and cfg.host not in ("127.0.0.1", "0.0.0.0"):
+            local_port = server.add_insecure_port("127.0.0.1:0")
+        self.address = (self.network.address(port) if self.network is not None
+                        else f"{cfg.announce_host or cfg.host}:{port}")
         self.service.address = self.address
         await server.start()
+        if relayed:
+            self.network.serve_relayed(local_port)
         expire_task = asyncio.create_task(self.service.expire_loop())
         announcer = None
         if self.dht is not None:
@@ -160,6 +175,8 @@ class Server:
         scheduler.stop()
         if self.dht is not None:
             self.dht.shutdown()
+        if self.network is not None:
+            self.network.close()
 
     async def _drain(self, announcer: threading.Thread | None) -> None:
         """Withdraw from the swarm, then let open sessions finish."""

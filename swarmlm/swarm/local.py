@@ -107,6 +107,7 @@ class LocalSwarm:
         self.start_timeout_s = start_timeout_s
         self.with_dht = with_dht
         self.dht_proc: subprocess.Popen | None = None
+        self.dht_nodes: list[subprocess.Popen] = []  # every `swarmlm dht` started (dht_proc is the first)
         self.initial_peers: list[str] = []
         self.servers: list[ServerProcess] = []
 
@@ -122,16 +123,22 @@ class LocalSwarm:
         _LIVE.add(proc)
         return proc, log
 
-    def start_dht(self) -> None:
-        addr_file = self.log_dir / "dht.addr"
+    def start_dht(self, host: str = "127.0.0.1") -> None:
+        self.dht_proc, self.initial_peers = self.spawn_dht("dht", host)
+
+    def spawn_dht(self, name: str, host: str = "127.0.0.1", extra: Sequence[str] = ()) -> tuple[subprocess.Popen, list[str]]:
+        """A `swarmlm dht` node (bootstrap and relay; another one with `extra` = ["--initial-peers", ...]):
+        its process and addresses; stopped with the swarm."""
+        addr_file = self.log_dir / f"{name}.addr"
         addr_file.unlink(missing_ok=True)
-        self.dht_proc, log = self._spawn(["dht", "--addr-file", str(addr_file), *self.key_args], "dht")
+        proc, log = self._spawn(["dht", "--host", host, "--addr-file", str(addr_file), *self.key_args, *extra], name)
         deadline = time.monotonic() + self.start_timeout_s
         while not addr_file.is_file():
-            if self.dht_proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"DHT did not start; see {log}:\n{log.read_text()[-2000:]}")
             time.sleep(0.1)
-        self.initial_peers = [line for line in addr_file.read_text().split() if line]
+        self.dht_nodes.append(proc)
+        return proc, [line for line in addr_file.read_text().split() if line]
 
     def start_server(self, blocks: BlockRange | None, extra: Sequence[str] = (), wait: bool = True,
                      prefix: Sequence[str] = (), host: str = "127.0.0.1") -> ServerProcess:
@@ -176,7 +183,7 @@ class LocalSwarm:
             server.proc.send_signal(sig)
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        procs = [s.proc for s in self.servers] + ([self.dht_proc] if self.dht_proc else [])
+        procs = [s.proc for s in self.servers] + self.dht_nodes
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

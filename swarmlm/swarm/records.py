@@ -19,12 +19,13 @@ ONLINE, OFFLINE, JOINING, LOADING = "online", "offline", "joining", "loading"
 # clocks run ahead.
 MAX_CLOCK_SKEW_S = 5.0
 _ADDRESS = re.compile(r"^[A-Za-z0-9.\-\[\]:]{1,200}:\d{1,5}$")
+_P2P_ADDRESS = re.compile(r"^p2p/[1-9A-HJ-NP-Za-km-z]{40,60}$")  # a server behind NAT: its libp2p peer id
 
 
 @dataclass(frozen=True)
 class ServerRecord:
     server_id: str
-    address: str  # host:port of the gRPC service
+    address: str  # host:port of the gRPC service; "p2p/<peer id>" behind NAT (reached through `relay`)
     start: int  # served blocks [start, end)
     end: int
     state: str = ONLINE
@@ -45,6 +46,12 @@ class ServerRecord:
     decode_4rows_s: float = 0.0
     decode_16rows_s: float = 0.0
     joined_at: float = 0.0  # joining/loading: wall-clock s of its first joining record; orders joiners (who yields)
+    relay: str = ""  # behind NAT: the relay it listens through (/ip4/A/tcp/P/p2p/ID); "" there = none takes it
+
+    @property
+    def relayed(self) -> bool:
+        """Behind NAT: reached only through its relay (swarm/reach.py), never at an IP address."""
+        return bool(_P2P_ADDRESS.match(self.address))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,8 +80,14 @@ class ServerRecord:
         record = cls(**kwargs)
         if not 0 <= record.start < record.end:
             raise ValueError(f"record range [{record.start}, {record.end}) is empty")
-        if not _ADDRESS.match(record.address):
-            raise ValueError(f"record address {record.address!r} is not host:port")
+        if not (_ADDRESS.match(record.address) or record.relayed):
+            raise ValueError(f"record address {record.address!r} is not host:port or p2p/<peer id>")
+        if record.relay:
+            if not record.relayed:
+                raise ValueError("record names a relay but has a direct address")
+            from swarmlm.swarm.p2p_link import parse_relay_addr
+
+            parse_relay_addr(record.relay)  # (ValueError)
         if record.state not in (ONLINE, OFFLINE, JOINING, LOADING):
             raise ValueError(f"record state {record.state!r}")
         if record.quant not in QUANT_NAMES:
@@ -82,7 +95,7 @@ class ServerRecord:
         return record
 
 
-def record_from_info(info, address: str, state: str = ONLINE) -> ServerRecord:
+def record_from_info(info, address: str, state: str = ONLINE, relay: str = "") -> ServerRecord:
     """The one conversion between a server's `Info` reply (pb.InfoReply) and what it announces: the server
     builds its DHT record with it, a client with a fixed server list reads its servers with it. Validated as
     a DHT record is (a peer's reply is not trusted)."""
@@ -97,6 +110,7 @@ def record_from_info(info, address: str, state: str = ONLINE) -> ServerRecord:
         "fingerprint": info.fingerprint,
         "quant": info.quant or "none", "weight_bytes": info.weight_bytes,  # (older servers send no quant)
         "decode_4rows_s": info.decode_4rows_s_per_block, "decode_16rows_s": info.decode_16rows_s_per_block,
+        "relay": relay,
     })
 
 

@@ -2,11 +2,36 @@
 largest message, and a server never shares its port with another process."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import grpc
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+# A server behind NAT is announced as "p2p/<libp2p peer id>" (docs/PROTOCOL.md, "Servers behind NAT"): channels to it
+# go to a local port whose connections the P2P layer relays (swarm/reach.py Tunnels registers them here)
+P2P_PREFIX = "p2p/"
+_p2p_endpoints: dict[str, Callable[[str], str]] = {}  # p2p address -> (address -> local host:port)
+
+
+def is_p2p_address(address: str) -> bool:
+    return address.startswith(P2P_PREFIX)
+
+
+def register_p2p_endpoint(address: str, endpoint: Callable[[str], str] | None) -> None:
+    """Where channels to a p2p address connect (None: forget it)."""
+    if endpoint is None:
+        _p2p_endpoints.pop(address, None)
+    else:
+        _p2p_endpoints[address] = endpoint
+
+
+def _target(address: str) -> str:
+    if not is_p2p_address(address):
+        return address
+    endpoint = _p2p_endpoints.get(address)
+    if endpoint is None:  # a channel that cannot connect: its calls fail UNAVAILABLE, as a dead server's
+        return "unix:/nonexistent/swarmlm-no-relay-route"
+    return endpoint(address)
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -28,8 +53,8 @@ def aio_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     # backoff, which grows to two minutes while the server is down
     options = channel_options(max_message_bytes) + [("grpc.initial_reconnect_backoff_ms", 250),
                                                      ("grpc.max_reconnect_backoff_ms", 1000)]
-    return grpc.aio.insecure_channel(address, options=options, interceptors=list(interceptors) or None)
+    return grpc.aio.insecure_channel(_target(address), options=options, interceptors=list(interceptors) or None)
 
 
 def sync_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+    return grpc.insecure_channel(_target(address), options=channel_options(max_message_bytes))

@@ -24,8 +24,8 @@ log = logging.getLogger("swarmlm.bench.netem")
 
 _SUBNET = ipaddress.ip_network("10.213.0.0/16")
 _LOCK_NAME = b"\0slm-netem-subnet-lock"  # abstract socket: no file to leave behind, freed when its owner dies
-_NETNS_RE = re.compile(r"^slm-(\d+)[a-z]-h\d+$")
-_LINK_RE = re.compile(r"^slm(\d+)[a-z](\d+|br)$")
+_NETNS_RE = re.compile(r"^slm-(\d+)[a-z]-[hr]\d+$")  # hosts; routers of nat.py
+_LINK_RE = re.compile(r"^slm(\d+)[a-z](\d+|br|r\d+)$")
 FRONT_OFFSET = 128  # in a /24: hosts at .2 .. .(n+1), relay fronts at .128 .. .(127+n)
 MAX_HOSTS = 120
 
