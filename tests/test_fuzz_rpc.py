@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from swarmlm.wire import codec
-from tests.test_attacks import attack_server, honest  # noqa: F401  (fixtures: one server for this module)
+from tests.test_attacks import attack_server, honest, relay_bed  # noqa: F401  (fixtures: one server for this module)
 from swarmlm.wire import swarm_pb2 as pb
 
 RPCS = ("Inference", "Forward", "Info", "Push")
@@ -26,7 +26,9 @@ def _tensor(rng: random.Random, hidden: int) -> pb.Tensor:
 
 
 def _target(rng: random.Random, address: str) -> pb.PushTarget:
-    return pb.PushTarget(address=rng.choice([address, "127.0.0.1:1", "x" * 300, "", "[::1]:9", "10.0.0.1:80"]),
+    return pb.PushTarget(address=rng.choice([address, "127.0.0.1:1", "x" * 300, "", "[::1]:9", "10.0.0.1:80",
+                                             "p2p/12D3KooWEat3ikUs8zTc2MPTy4pS4Q7UzYS5Micm32susyPnHjJX", "p2p/../x",
+                                             "p2p/" + "Q" * 61]),
                          session_id=rng.choice(["", "ab", "f" * 32, "../x", "z" * 100]),
                          step_id=rng.choice([0, 1, 2, 1 << 63]), secret=rng.randbytes(rng.choice([0, 16, 17])))
 
@@ -130,3 +132,15 @@ def test_fuzzing_every_rpc_leaves_the_server_serving_exactly(attack_server, hone
     deliberate = {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED"}
     assert set(codes) <= deliberate | {"raw " + c for c in deliberate}, codes
     assert honest.poll_correct()  # the server is alive and computes exactly
+
+
+@pytest.mark.slow
+def test_fuzzing_the_relay_leaves_it_relaying(relay_bed):
+    """Random bytes and malformed headers into every relay protocol (swarm/relay.py): each stream gets an ERR or
+    is closed, never an OK it should not get; the honest client still gets through."""
+    from swarmlm.bench import relay_attacks as ra
+
+    for seed in range(2):
+        answers = relay_bed.attack(ra.garbage, 30, seed)
+        assert all(a == "closed" or a.startswith(("ERR", "refused")) for a in answers), answers
+    assert relay_bed.honest_roundtrip()

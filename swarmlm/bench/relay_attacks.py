@@ -1,0 +1,183 @@
+"""Attacks on the relay (swarm/relay.py), light in tests/test_attacks.py and tests/test_fuzz_rpc.py, heavy in
+benchmarks/attacks.py: every protocol gets floods, garbage and lies; the relay must stay alive and keep relaying an
+honest server to an honest client (an echo behind a RelayListener, reached through Tunnels, all on loopback)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import threading
+from dataclasses import dataclass
+
+from swarmlm.swarm.p2p_link import LinkError, P2PNode, close, header, open_stream, read_header
+from swarmlm.swarm.private import make_token
+from swarmlm.swarm.reach import RelayListener, Tunnels
+from swarmlm.swarm.relay import (ACCEPT_PROTO, DIAL_PROTO, DIALBACK_PROTO, LISTEN_PROTO, RelayLimits,
+                                 RelayService)
+from swarmlm.wire.channel import P2P_PREFIX
+
+PROTOS = (LISTEN_PROTO, DIAL_PROTO, ACCEPT_PROTO, DIALBACK_PROTO)
+
+
+class _Echo:
+    """A TCP echo on loopback: the 'gRPC port' of the relayed server."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _echo(conn: socket.socket) -> None:
+        with conn:
+            while data := conn.recv(1 << 16):
+                conn.sendall(data)
+
+
+@dataclass
+class RelayBed:
+    """A relay, a relayed echo server and an honest client; `with RelayBed() as bed:`."""
+
+    swarm_key: bytes | None = None
+    limits: RelayLimits = RelayLimits(max_circuits_per_server=4, accept_timeout_s=2.0)
+
+    def __enter__(self) -> "RelayBed":
+        self.nodes = [P2PNode() for _ in range(3)]  # relay, server, client
+        self.relay_node, self.server_node, self.client_node = self.nodes
+        self.service = RelayService(self.relay_node, self.swarm_key, self.limits)
+        self.relay = str(self.relay_node.run(self.relay_node.p2p.get_visible_maddrs())[0])
+        self.echo = _Echo()
+        self.listener = RelayListener(self.server_node, [self.relay], self.echo.port, self.swarm_key)
+        self.address = P2P_PREFIX + self.server_node.peer_id
+        self.tunnels = Tunnels(self.client_node.p2p, self.client_node.loop, self.swarm_key)
+        self.tunnels.add(self.address, self.relay)
+        for _ in range(100):
+            if self.listener.relay:
+                break
+            threading.Event().wait(0.1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.tunnels.close()
+        self.echo.sock.close()
+        for node in self.nodes:
+            node.shutdown()
+
+    def honest_roundtrip(self, size: int = 100_000) -> bool:
+        """The honest client's bytes come back through the relay unchanged."""
+        host, port = self.tunnels.endpoint(self.address).split(":")
+        payload = os.urandom(size)
+        try:
+            with socket.create_connection((host, int(port)), timeout=10) as conn:
+                conn.settimeout(10)
+                conn.sendall(payload)
+                got = b""
+                while len(got) < size and (chunk := conn.recv(1 << 16)):
+                    got += chunk
+            return got == payload
+        except OSError:
+            return False
+
+    def attack(self, coro_fn, *args):
+        """Run an attack coroutine from a fresh attacker node (its own peer id), then stop that node."""
+        attacker = P2PNode()
+        try:
+            return attacker.run(coro_fn(self, attacker, *args), 120)
+        finally:
+            attacker.shutdown()
+
+
+async def _answer(bed: RelayBed, node: P2PNode, proto: str, data: bytes, timeout_s: float = 8.0) -> str:
+    """Send raw bytes on a fresh stream; the relay's answer ("OK ...", "ERR ..."), or "closed"."""
+    try:
+        _, reader, writer = await open_stream(node.p2p, bed.relay, proto)
+    except LinkError as exc:
+        return f"refused stream: {exc}"
+    try:
+        writer.write(data)
+        await writer.drain()
+        return " ".join(await read_header(reader, timeout_s))
+    except (LinkError, ConnectionError):
+        return "closed"
+    finally:
+        close(writer)
+
+
+async def header_flood(bed: RelayBed, node: P2PNode, streams: int = 8) -> list[str]:
+    """1 MiB without a newline on every protocol: each stream is closed, nothing is buffered past 512 bytes."""
+    return await asyncio.gather(*(_answer(bed, node, PROTOS[i % 4], b"A" * (1 << 20)) for i in range(streams)))
+
+
+async def garbage(bed: RelayBed, node: P2PNode, count: int = 40, seed: int = 0) -> list[str]:
+    """Random bytes and malformed headers (wrong word counts, non-ASCII, bad ids, bad ports) on every protocol."""
+    rng = random.Random(seed)
+    samples = [b"\n", b"DIAL\n", b"DIAL x y z w\n", b"LISTEN a b\n", b"ACCEPT\n", b"DIALBACK 99999 00 -\n",
+               b"DIALBACK 1 " + b"0" * 32 + b" - 10.0.0.1\n", "DIAL \u00e9 -\n".encode(), b"\xff\xfe\n",
+               b"DIAL 12D3KooWxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx -\n"]
+    answers = []
+    for _ in range(count):
+        data = rng.choice(samples) if rng.random() < 0.6 else rng.randbytes(rng.randint(0, 600))
+        answers.append(await _answer(bed, node, rng.choice(PROTOS), data, timeout_s=6.0))
+    return answers
+
+
+async def dial_unknown(bed: RelayBed, node: P2PNode, count: int = 8) -> list[str]:
+    """DIAL peers the relay does not relay (the attacker's own id among them)."""
+    ids = [node.peer_id] + [bed.relay_node.peer_id] * (count - 1)
+    return [await _answer(bed, node, DIAL_PROTO, header("DIAL", i, _tok(bed, DIAL_PROTO))) for i in ids]
+
+
+async def guess_cookies(bed: RelayBed, node: P2PNode, count: int = 16) -> list[str]:
+    """ACCEPT with guessed cookies (and would need the server's peer id besides)."""
+    return [await _answer(bed, node, ACCEPT_PROTO, header("ACCEPT", os.urandom(16).hex())) for _ in range(count)]
+
+
+async def exhaust_circuits(bed: RelayBed, node: P2PNode, extra: int = 4) -> list[str]:
+    """Hold max_circuits_per_server + extra circuits to the server open: the extra ones are refused; the held
+    ones are dropped at the end (after which the honest client must get through again)."""
+    held, answers = [], []
+    peer = bed.address[len(P2P_PREFIX):]
+    for _ in range(bed.limits.max_circuits_per_server + extra):
+        try:
+            _, reader, writer = await open_stream(node.p2p, bed.relay, DIAL_PROTO)
+            writer.write(header("DIAL", peer, _tok(bed, DIAL_PROTO)))
+            answers.append(" ".join(await read_header(reader)))
+            held.append(writer)
+        except (LinkError, ConnectionError) as exc:
+            answers.append(f"closed: {exc}")
+    for writer in held:
+        close(writer)
+    await asyncio.sleep(0.5)  # (the relay notices the closes)
+    return answers
+
+
+async def aim_dialback(bed: RelayBed, node: P2PNode) -> list[str]:
+    """Ask the relay to dial somewhere else: there is no field for a host; extra words are refused."""
+    nonce = os.urandom(16).hex()
+    return [await _answer(bed, node, DIALBACK_PROTO, header("DIALBACK", "9", nonce, _tok(bed, DIALBACK_PROTO),
+                                                           "10.0.0.1")),
+            await _answer(bed, node, DIALBACK_PROTO, header("DIALBACK", "0", nonce, _tok(bed, DIALBACK_PROTO)))]
+
+
+async def tokens_without_key(bed: RelayBed, node: P2PNode) -> list[str]:
+    """In a private swarm: no token, a wrong key's token, a replayed token, on every protocol that takes one."""
+    peer = bed.address[len(P2P_PREFIX):]
+    wrong = make_token(b"w" * 32, DIAL_PROTO)
+    replay = make_token(bed.swarm_key, DIAL_PROTO) if bed.swarm_key else "-"
+    answers = [await _answer(bed, node, DIAL_PROTO, header("DIAL", peer, t)) for t in ("-", wrong, replay, replay)]
+    answers.append(await _answer(bed, node, LISTEN_PROTO, header("LISTEN", "-")))
+    answers.append(await _answer(bed, node, DIALBACK_PROTO, header("DIALBACK", "9", os.urandom(16).hex(), "-")))
+    return answers
+
+
+def _tok(bed: RelayBed, proto: str) -> str:
+    return make_token(bed.swarm_key, proto) if bed.swarm_key else "-"
