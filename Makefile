@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean chromium lock
+.PHONY: demo test bench clean chromium nftables lock
 
 # Exact versions from requirements.lock (pyproject.toml holds the compatible ranges), then swarmlm itself with
 # no further resolution. The lock pins torch==2.13.0, which the CPU wheel on disk satisfies (no CUDA build).
@@ -27,7 +27,12 @@ chromium:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
 		|| echo "could not install chromium (not root?): tests/test_monitor_browser.py will fail"
 
-test: $(STAMP) chromium
+# nftables for the NAT testbed (tests/test_nat.py: a masquerading router in a network namespace), once when missing
+nftables:
+	@command -v nft >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq nftables >/dev/null; } \
+		|| echo "could not install nftables (not root?): tests/test_nat.py will be skipped"
+
+test: $(STAMP) chromium nftables
 	$(BIN)/python -m pytest -q -x --durations=15
 
 bench: $(STAMP)

@@ -73,6 +73,8 @@ def test_nated_servers_are_relayed_and_exact(home, tiny_bloom):
             assert {r.address for r in records.values()} == {s.ready["address"] for s in servers}
             assert all(r.relayed and r.relay == relay_addr for r in records.values())
             assert all(rtt > 0 for rtt in client.remote.view.rtt_s.values())  # measured through the relay
+            if push == "on":
+                _status_marks_relayed(client)
         finally:
             client.close()
 
@@ -143,3 +145,18 @@ def test_relay_killed_mid_generation_fails_over_exactly(home, tiny_bloom):
         assert all(r.relay in bootstrap for r in client.remote.view.records.values())  # moved on to A
     finally:
         client.close()
+
+
+def _status_marks_relayed(client) -> None:
+    """`swarmlm status` and the monitor's data (/v1/swarm) mark relayed servers, asked live through the relay."""
+    import io
+
+    from swarmlm.api.swarm_view import SwarmWatcher
+    from swarmlm.cli.status_cmd import render, table_console
+
+    view = SwarmWatcher(client.remote).read()
+    assert [s["state"] for s in view["servers"]] == ["online", "online"]  # (Info answered through the relay)
+    assert all(s["relayed"] and s["relay"] for s in view["servers"])
+    out = io.StringIO()
+    assert render(view, "tiny-bloom", table_console(out)) == 0
+    assert out.getvalue().count("(relayed)") == 2

@@ -52,6 +52,8 @@ class SwarmWatcher:
             servers.append({
                 "id": r.server_id,
                 "address": r.address,
+                "relayed": r.relayed,  # behind NAT, reached through `relay` (docs/PROTOCOL.md)
+                "relay": r.relay or None,
                 "blocks": [r.start, r.end],  # half-open [start, end)
                 "state": r.state if live is not None else UNREACHABLE,
                 "decode_s_per_block": r.decode_s,  # announced speed

@@ -60,7 +60,7 @@ def render(view: dict, model: str, console) -> int:
         bar = "." * start + "#" * (end - start) + "." * (n - end)
         state = s["state"] if s["state"] == "online" else f"[red]{s['state']}[/red]"
         table.add_row(
-            s["id"][-12:], s["address"], f"[{start}, {end})", state, str(s["active_sessions"]), str(s["queue_length"]),
+            s["id"][-12:], s["address"] + (" (relayed)" if s.get("relayed") else ""), f"[{start}, {end})", state, str(s["active_sessions"]), str(s["queue_length"]),
             f"{s['cache_bytes_free'] / 2**20:.1f}", f"{s['tokens_per_s']:.1f}" if s["tokens_per_s"] else "-",
             f"{s['rtt_s'] * 1000:.1f}" if s["rtt_s"] is not None else "-", bar,
         )

@@ -22,7 +22,6 @@ from swarmlm.swarm.relay import ACCEPT_PROTO, DIAL_PROTO, DIALBACK_PROTO, LISTEN
 from swarmlm.wire.channel import P2P_PREFIX, register_p2p_endpoint
 
 log = logging.getLogger(__name__)
-_WILDCARD = ("0.0.0.0", "", "::")
 
 
 def _token(swarm_key: bytes | None, proto: str) -> str:
@@ -32,7 +31,7 @@ def _token(swarm_key: bytes | None, proto: str) -> str:
 @dataclass(frozen=True)
 class Reach:
     direct: bool
-    host: str  # the host to announce when direct
+    host: str  # the host to announce when direct: the address the dial-back reached
     why: str  # one line for the log
 
 
@@ -66,8 +65,7 @@ async def check_reach(node: P2PNode, relays: list[str], sock: socket.socket, hos
                 await asyncio.wait_for(arrived.wait(), wait_s)
             except asyncio.TimeoutError:
                 return Reach(False, "", f"{seen_ip}:{port} is not reachable from outside (dial-back by {relay})")
-            announced = seen_ip if host in _WILDCARD else host  # (a wildcard listener: the address seen)
-            return Reach(True, announced, f"reachable at {seen_ip}:{port} (dial-back by {relay})")
+            return Reach(True, seen_ip, f"reachable at {seen_ip}:{port} (dial-back by {relay})")
         return Reach(True, host, "no relay answered a dial-back: assuming this server is reachable")
     finally:
         server.close()

@@ -59,7 +59,10 @@ function servers(data) {
   body.replaceChildren(...data.servers.map((s) => {
     const tr = el("tr", { "data-server": s.id });
     const cols = [
-      [short(s.id), { title: s.id }], [s.address], [`[${s.blocks[0]}, ${s.blocks[1]})`, { class: "blocks" }],
+      [short(s.id), { title: s.id }],
+      s.relayed ? [`${s.address} (relayed)`, { class: "relayed", title: `behind NAT, through relay ${s.relay || "(none)"}` }]
+        : [s.address],
+      [`[${s.blocks[0]}, ${s.blocks[1]})`, { class: "blocks" }],
       [s.state, { class: `state-${s.state}` }], [s.active_sessions], [s.queue_length],
       [`${mib(s.cache_bytes_free)} / ${mib(s.cache_bytes_total)}`], [fmt(s.tokens_per_s)], [ms(s.rtt_s)],
       [s.last_seen_s_ago === null ? "never" : `${s.last_seen_s_ago.toFixed(0)} s ago`],

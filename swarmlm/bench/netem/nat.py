@@ -6,7 +6,8 @@
                                  -- [host slm-<tag>-h<i>: veth0 10.213.L.(8i+2)/29, default via the router]
 
 A host behind a router connects out (its connections leave with the router's address) and nothing connects in:
-the router forwards only packets of connections its LAN opened (conntrack), and the LAN's /24 is unreachable from
+the router forwards only packets of connections its LAN opened (conntrack; and, for a home given a forwarded
+port, connections to that port: `forward`), and the LAN's /24 is unreachable from
 the root namespace (a route of type unreachable, removed with the rest). Everything is named with the tag (netns.py's rules, so `cleanup_leftovers` finds it) and
 removed on exit, with whatever runs inside.
 """
@@ -22,6 +23,14 @@ from swarmlm.bench.netem.netns import (NetemUnavailable, _free_subnet, _subnet_l
                                        kill_netns_processes, namespaces_unsupported_reason, run)
 
 _serial = iter(range(10**6))
+_FORWARD = """
+table ip slm_fwd {{
+    chain prerouting {{
+        type nat hook prerouting priority dstnat; policy accept;
+        iifname "wan0" tcp dport {port} dnat to {host}
+    }}
+}}
+"""
 _RULES = """
 table ip slm_nat {
     chain postrouting {
@@ -31,6 +40,7 @@ table ip slm_nat {
     chain forward {
         type filter hook forward priority filter; policy drop;
         ct state established,related accept
+        ct status dnat accept
         iifname "lan0" oifname "wan0" accept
     }
     chain input {
@@ -56,10 +66,12 @@ class NatTestbed:
 
     __test__ = False
 
-    def __init__(self, n_behind: int) -> None:
-        if not 1 <= n_behind <= 30:
-            raise ValueError(f"n_behind must be in [1, 30], got {n_behind}")
-        self.n_behind = n_behind
+    def __init__(self, n_behind: int, forward: dict[int, int] | None = None, extra_ips: int = 0) -> None:
+        """forward {i: port}: router i forwards that TCP port to its host (a home with port forwarding: reachable);
+        extra_ips: more addresses of the root namespace on the bridge (`extra_ip(k)`, e.g. for delaying proxies)."""
+        if not 1 <= n_behind <= 30 or not 0 <= extra_ips <= 50:
+            raise ValueError(f"n_behind must be in [1, 30] and extra_ips in [0, 50], got {n_behind}, {extra_ips}")
+        self.n_behind, self.forward, self.extra_ips = n_behind, dict(forward or {}), extra_ips
         self.tag = f"{os.getpid()}{chr(ord('n') + next(_serial) % 12)}"
         self.wan: ipaddress.IPv4Network | None = None
         self.lan: ipaddress.IPv4Network | None = None
@@ -73,6 +85,9 @@ class NatTestbed:
 
     def router_ip(self, i: int) -> str:
         return str(self.wan[10 + i])
+
+    def extra_ip(self, k: int) -> str:
+        return str(self.wan[200 + k])
 
     def host_ip(self, i: int) -> str:
         return str(self.lan[8 * i + 2])
@@ -107,6 +122,8 @@ class NatTestbed:
             run(["ip", "link", "add", bridge, "type", "bridge", "forward_delay", "0", "stp_state", "0"])
             run(["ip", "link", "set", bridge, "addrgenmode", "none"])
             run(["ip", "addr", "add", f"{self.public_ip}/24", "dev", bridge])
+            for k in range(self.extra_ips):
+                run(["ip", "addr", "add", f"{self.extra_ip(k)}/32", "dev", bridge])
             self.lan = _free_subnet()
             # a placeholder address keeps the LAN /24 ours while the lock is free (no route: a /32 on the bridge)
             run(["ip", "addr", "add", f"{self.lan[255 - 1]}/32", "dev", bridge])
@@ -135,8 +152,18 @@ class NatTestbed:
         run(["ip", "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
         nft = subprocess.run(["ip", "netns", "exec", router, "nft", "-f", "-"], input=_RULES,
                              capture_output=True, text=True)
+        if nft.returncode == 0 and i in self.forward:
+            rules = _FORWARD.format(port=self.forward[i], host=self.host_ip(i))
+            nft = subprocess.run(["ip", "netns", "exec", router, "nft", "-f", "-"], input=rules,
+                                 capture_output=True, text=True)
         if nft.returncode != 0:
             raise NetemUnavailable(f"nft in {router} failed: {nft.stderr.strip()}")
+
+    def wan_bytes(self, i: int) -> int:
+        """Bytes through router i's internet side so far, both directions (what its host's traffic costs)."""
+        out = subprocess.run(["ip", "netns", "exec", f"slm-{self.tag}-r{i}", "cat", "/sys/class/net/wan0/statistics/"
+                              "rx_bytes", "/sys/class/net/wan0/statistics/tx_bytes"], capture_output=True, text=True)
+        return sum(int(x) for x in out.stdout.split())
 
     def close(self) -> list[str]:
         """Stop what runs inside, delete links and namespaces (the routers' rules go with them); returns errors."""
