@@ -48,7 +48,8 @@ def home(tiny_bloom, tiny_llama, tmp_path_factory):
 def _client(path, bootstrap, key, **kw):
     from swarmlm.swarm.private import load_swarm_key
 
-    return DistributedModelForCausalLM.from_pretrained(path, initial_peers=bootstrap, swarm_key=load_swarm_key(key), **kw)
+    return DistributedModelForCausalLM.from_pretrained(path, initial_peers=bootstrap, swarm_key=load_swarm_key(key),
+                                                       **kw)
 
 
 def test_nothing_connects_in(home):

@@ -2,7 +2,7 @@
 
 In a swarm (initial peers given) a server runs one P2P daemon of its own (its DHT's lives in hivemind's child
 process): it asks a relay to dial its port back before it joins, listens through a relay if that failed, and
-reaches relayed servers it pushes to. The port is held by a plain socket from the check until gRPC takes it."""
+reaches relayed servers it pushes to. The dial-back reaches a plain socket on the port gRPC takes afterwards."""
 from __future__ import annotations
 
 import logging
@@ -23,8 +23,7 @@ class ServerNetwork:
         self.node = P2PNode(host=config.host)
         self.tunnels = Tunnels(self.node.p2p, self.node.loop, config.swarm_key)
         self.listener: RelayListener | None = None
-        self._sock: socket.socket | None = socket.create_server((config.host, config.port))
-        self.port = self._sock.getsockname()[1]
+        self.port = config.port  # (0: gRPC picks one, unless the check below picked it)
         try:
             self.reach = self._decide()
         except BaseException:
@@ -42,8 +41,11 @@ class ServerNetwork:
             return Reach(True, cfg.announce_host or cfg.host, "direct (as configured)")
         if cfg.reachability == "relayed":
             return Reach(False, "", "relayed (as configured)")
-        sock, self._sock = self._sock, None  # check_reach serves the dial-back on it, then closes it
+        # the port gRPC will take, listened on for the dial-back and closed again before the DHT forks its child
+        # (a forked child would keep the socket and the port)
+        sock = socket.create_server((cfg.host, cfg.port))
         sock.setblocking(False)
+        self.port = sock.getsockname()[1]
         return self.node.run(check_reach(self.node, self.relays, sock, cfg.host, cfg.swarm_key), 60)
 
     @property
@@ -51,10 +53,7 @@ class ServerNetwork:
         return not self.reach.direct
 
     def grpc_port(self) -> int:
-        """The port gRPC listens on: the one checked (the holding socket is closed first)."""
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        """The port gRPC listens on: the one checked (or the configured one)."""
         return self.port
 
     def address(self, port: int) -> str:
@@ -76,9 +75,6 @@ class ServerNetwork:
                 self.tunnels.add(r.address, r.relay)
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
         if self.listener is not None:
             self.listener.stop()
         self.tunnels.close()

@@ -126,7 +126,8 @@ class LocalSwarm:
     def start_dht(self, host: str = "127.0.0.1") -> None:
         self.dht_proc, self.initial_peers = self.spawn_dht("dht", host)
 
-    def spawn_dht(self, name: str, host: str = "127.0.0.1", extra: Sequence[str] = ()) -> tuple[subprocess.Popen, list[str]]:
+    def spawn_dht(self, name: str, host: str = "127.0.0.1",
+                  extra: Sequence[str] = ()) -> tuple[subprocess.Popen, list[str]]:
         """A `swarmlm dht` node (bootstrap and relay; another one with `extra` = ["--initial-peers", ...]):
         its process and addresses; stopped with the swarm."""
         addr_file = self.log_dir / f"{name}.addr"

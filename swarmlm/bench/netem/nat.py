@@ -7,9 +7,9 @@
 
 A host behind a router connects out (its connections leave with the router's address) and nothing connects in:
 the router forwards only packets of connections its LAN opened (conntrack; and, for a home given a forwarded
-port, connections to that port: `forward`), and the LAN's /24 is unreachable from
-the root namespace (a route of type unreachable, removed with the rest). Everything is named with the tag (netns.py's rules, so `cleanup_leftovers` finds it) and
-removed on exit, with whatever runs inside.
+port, connections to that port: `forward`), and the LAN's /24 is unreachable from the root namespace (a route of
+type unreachable, removed with the rest). Everything is named with the tag (netns.py's rules, so
+`cleanup_leftovers` finds it) and removed on exit, with whatever runs inside.
 """
 from __future__ import annotations
 
