@@ -7,7 +7,10 @@ the relay); home 2 holds a tiny-Llama server whose only peer does not relay (--n
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +26,19 @@ from tests.swarm_helpers import greedy_reference
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(nat_unsupported_reason() is not None, reason=f"{nat_unsupported_reason()}")]
 PROMPT = "the quick brown fox jumps over"
+FORWARDED = 43161  # home 3's router forwards this port to its host: a home server that is reachable
+
+
+@dataclass
+class Home:
+    nat: NatTestbed
+    bootstrap: list[str]  # A: the DHT (and a relay) the clients know
+    relay: subprocess.Popen  # R: the relay the NATed servers use first
+    relay_addr: str
+    key: Path  # the private swarm's key file
+    servers: list  # homes 0 and 1: BLOOM [0, 3) and [3, 6), relayed
+    unrelayed: object  # home 2: Llama [0, 6), no relay takes it
+    forwarded: object  # home 3: BLOOM [0, 6) under its own DHT prefix, port forwarded: direct
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +46,7 @@ def home(tiny_bloom, tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("nat")
     key = tmp / "swarm.key"
     create_swarm_key(key)
-    with NatTestbed(3) as nat, LocalSwarm(tiny_bloom, log_dir=tmp / "logs", swarm_key_file=key) as swarm:
+    with NatTestbed(4, forward={3: FORWARDED}) as nat, LocalSwarm(tiny_bloom, log_dir=tmp / "logs", swarm_key_file=key) as swarm:
         swarm.start_dht(host=nat.public_ip)
         bootstrap = swarm.initial_peers
         relay, relay_addrs = swarm.spawn_dht("relay", nat.public_ip, ["--initial-peers", *bootstrap])
@@ -41,8 +57,11 @@ def home(tiny_bloom, tiny_llama, tmp_path_factory):
         swarm.initial_peers = lone
         swarm.model_dir = tiny_llama
         unrelayed = swarm.start_server(BlockRange(0, 6), wait=False, prefix=nat.exec_prefix(2), host=nat.host_ip(2))
-        swarm.wait_ready(servers + [unrelayed])
-        yield nat, swarm, bootstrap, relay, relay_addrs[0], key, servers, unrelayed
+        swarm.initial_peers = bootstrap
+        forwarded = swarm.start_server(BlockRange(0, 6), wait=False, prefix=nat.exec_prefix(3), host="0.0.0.0",
+                                       extra=["--port", str(FORWARDED), "--dht-prefix", "forwarded-home"])
+        swarm.wait_ready(servers + [unrelayed, forwarded])
+        yield Home(nat, bootstrap, relay, relay_addrs[0], key, servers, unrelayed, forwarded)
 
 
 def _client(path, bootstrap, key, **kw):
@@ -53,8 +72,8 @@ def _client(path, bootstrap, key, **kw):
 
 
 def test_nothing_connects_in(home):
-    nat, _, _, _, _, _, servers, _ = home
-    port = servers[0].ready["address"]  # p2p/<peer id>: what it announces is no IP address at all
+    nat = home.nat
+    port = home.servers[0].ready["address"]  # p2p/<peer id>: what it announces is no IP address at all
     assert port.startswith("p2p/")
     with pytest.raises(OSError):  # its LAN is not routed here (no packet leaves: an unreachable route)
         socket.create_connection((nat.host_ip(0), 1), timeout=2)
@@ -62,8 +81,14 @@ def test_nothing_connects_in(home):
         socket.create_connection((nat.router_ip(0), 22), timeout=2)
 
 
+def test_a_home_with_a_forwarded_port_is_found_reachable(home):
+    """The dial-back reaches it through its router: it announces the router's address (the one the relay saw),
+    not its LAN address, and serves directly."""
+    assert home.forwarded.ready["address"] == f"{home.nat.router_ip(3)}:{FORWARDED}"
+
+
 def test_nated_servers_are_relayed_and_exact(home, tiny_bloom):
-    _, _, bootstrap, _, relay_addr, key, servers, _ = home
+    bootstrap, relay_addr, key, servers = home.bootstrap, home.relay_addr, home.key, home.servers
     ids, want = greedy_reference(tiny_bloom, PROMPT, 12)
     for push in ("off", "on"):  # on: server 0 pushes to server 1 through the relay
         client = _client(tiny_bloom, bootstrap, key, push=push)
@@ -87,8 +112,8 @@ def test_a_stranger_cannot_use_the_relay(home):
     from tests.swarm_helpers import stub
     from swarmlm.wire import swarm_pb2 as pb
 
-    _, _, _, _, relay_addr, key, servers, _ = home
-    address = servers[0].ready["address"]
+    relay_addr, key = home.relay_addr, home.key
+    address = home.servers[0].ready["address"]
     node = P2PNode()
     try:
         for swarm_key, allowed in ((None, False), (b"0" * 32, False), (load_swarm_key(key), True)):
@@ -110,9 +135,8 @@ def test_a_stranger_cannot_use_the_relay(home):
 
 
 def test_unrelayable_server_is_never_routed_and_the_error_says_why(home, tiny_llama):
-    _, _, bootstrap, _, _, key, _, unrelayed = home
-    assert unrelayed.ready["address"].startswith("p2p/")
-    client = _client(tiny_llama, bootstrap, key, wait_for_blocks_s=2.0)
+    assert home.unrelayed.ready["address"].startswith("p2p/")
+    client = _client(tiny_llama, home.bootstrap, home.key, wait_for_blocks_s=2.0)
     try:
         with pytest.raises(MissingBlocks, match="behind NAT and no relay takes it"):
             client.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)
@@ -121,9 +145,9 @@ def test_unrelayable_server_is_never_routed_and_the_error_says_why(home, tiny_ll
 
 
 def test_relay_killed_mid_generation_fails_over_exactly(home, tiny_bloom):
-    _, _, bootstrap, relay, _, key, _, _ = home
+    bootstrap, relay = home.bootstrap, home.relay
     ids, want = greedy_reference(tiny_bloom, PROMPT, 24)
-    client = _client(tiny_bloom, bootstrap, key, push="on")
+    client = _client(tiny_bloom, bootstrap, home.key, push="on")
     killed = threading.Event()
 
     class KillRelay:  # a transformers streamer: after a few tokens, the relay dies (the servers move to A)
