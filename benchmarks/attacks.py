@@ -6,6 +6,7 @@ after and at its peak (psutil, sampled every 20 ms). The table goes to docs/FAIL
 
     .venv/bin/python benchmarks/attacks.py [--only NAME ...] [--model tiny-bloom]
     .venv/bin/python benchmarks/attacks.py --gateway [--only NAME ...]   # the gateway's (benchmarks/gateway_attacks.py)
+    .venv/bin/python benchmarks/attacks.py --relay     # the relay's (servers behind NAT, swarmlm/bench/relay_attacks.py)
 
 The light versions of the same cases run in tests/test_attacks.py, tests/test_fuzz_rpc.py and
 tests/test_api_hostile.py.
@@ -427,6 +428,34 @@ def table(outcomes: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
+def relay_run() -> list[dict]:
+    """The relay's attacks, heavy (swarmlm/bench/relay_attacks.py): each answer counted; the relay's RSS and the
+    honest client's round trip after each."""
+    from collections import Counter
+
+    from swarmlm.bench import relay_attacks as ra
+
+    heavy = [("header flood (64 streams x 1 MiB)", ra.header_flood, 64), ("garbage (600 streams)", ra.garbage, 600),
+             ("dial unknown servers (64)", ra.dial_unknown, 64), ("guessed cookies (256)", ra.guess_cookies, 256),
+             ("circuit exhaustion (cap + 32)", ra.exhaust_circuits, 32), ("aimed dial-backs", ra.aim_dialback, None),
+             ("no / wrong / replayed tokens", ra.tokens_without_key, None)]
+    results = []
+    with ra.RelayBed(swarm_key=b"k" * 32) as bed:
+        sampler = RssSampler(os.getpid())  # the relay, its server and client share this process (p2pd apart)
+        with sampler as rss:
+            for name, attack, scale in heavy:
+                t0 = time.perf_counter()
+                answers = bed.attack(attack, *([scale] if scale is not None else []))
+                kinds = Counter(a.split(" ")[0] + (" " + a.split(" ")[1] if a.startswith("ERR") else "")
+                                for a in answers)
+                result = {"attack": name, "tried": len(answers), "answers": dict(kinds),
+                          "s": round(time.perf_counter() - t0, 2), "honest_ok": bed.honest_roundtrip(),
+                          "rss_mb": round(rss.rss() / MB)}
+                print(json.dumps(result), flush=True)
+                results.append(result)
+    return results
+
+
 def slice_cost(model_dir: str, repeats: int = 3) -> None:
     """In-process: a Forward in one piece vs in slices of one scheduler round (512 tokens / rows), as the server
     computes it; median seconds and the largest difference of the outputs."""
@@ -462,6 +491,7 @@ def main() -> None:
     ap.add_argument("--out", help="write the outcomes as JSON here")
     ap.add_argument("--slice-cost", action="store_true", help="only: a Forward in one piece vs in slices, in-process")
     ap.add_argument("--gateway", action="store_true", help="the attacks on `swarmlm api` instead of a server's")
+    ap.add_argument("--relay", action="store_true", help="the attacks on the relay (servers behind NAT)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = args.model
@@ -469,6 +499,11 @@ def main() -> None:
         model_dir = str(init_checkpoint(args.model, Path(tempfile.mkdtemp()) / args.model, seed=1))
     if args.slice_cost:
         slice_cost(model_dir)
+        return
+    if args.relay:
+        results = relay_run()
+        if args.out:
+            Path(args.out).write_text(json.dumps({"machine": machine_info(), "relay": results}, indent=1))
         return
     if args.gateway:
         from benchmarks import gateway_attacks

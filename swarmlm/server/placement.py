@@ -136,13 +136,14 @@ def settle(config: ServerConfig, model: ModelSpec, me: ServerRecord,
 
 
 def choose_blocks(config: ServerConfig, dht, prefix: str, server_id: str = "",
-                  announce: Callable[[ServerRecord], None] | None = None) -> BlockRange:
+                  announce: Callable[[ServerRecord], None] | None = None, address: str | None = None) -> BlockRange:
     """The range to load: --blocks as given; alone (no DHT), the first window; in a swarm, settled with the other
     joiners. In a swarm (`announce` stores a record) the range is announced as loading before it loads, so servers
     placing themselves meanwhile count it."""
     from swarmlm.swarm.dht import fetch_records
 
-    address = f"{config.announce_host or config.host}:{config.port}"  # (port 0: not known before loading)
+    # (port 0: not known before loading; a server behind NAT: its p2p address, server/network.py)
+    address = address or f"{config.announce_host or config.host}:{config.port}"
     me = ServerRecord(server_id=server_id, address=address, start=0, end=1, state=JOINING)
     if config.blocks is not None:
         if announce is not None:

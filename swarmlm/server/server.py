@@ -74,7 +74,8 @@ class Server:
         from swarmlm.server.placement import choose_blocks
 
         announce = self._announce_joining if self.dht is not None else None
-        return choose_blocks(self.config, self.dht, self.prefix, self.server_id, announce)
+        address = self.network.address(self.network.port) if self.network is not None else None
+        return choose_blocks(self.config, self.dht, self.prefix, self.server_id, announce, address)
 
     def _announce_joining(self, record: ServerRecord) -> None:
         """Its range before it serves (joining, loading): servers placing themselves see it, clients do not."""

@@ -19,7 +19,7 @@ from swarmlm.swarm.p2p_link import (LinkError, P2PNode, close, expect_ok, header
                                     read_header, splice)
 from swarmlm.swarm.private import make_token
 from swarmlm.swarm.relay import ACCEPT_PROTO, DIAL_PROTO, DIALBACK_PROTO, LISTEN_PROTO
-from swarmlm.wire.channel import P2P_PREFIX, register_p2p_endpoint
+from swarmlm.wire.channel import P2P_PREFIX, forget_p2p_endpoint, register_p2p_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +173,6 @@ class Tunnels:
 
     def close(self) -> None:
         for address in self.relays:
-            register_p2p_endpoint(address, None)
+            forget_p2p_endpoint(address, self.endpoint)
         for server in self._servers:
             self.loop.call_soon_threadsafe(server.close)

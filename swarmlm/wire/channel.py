@@ -17,12 +17,15 @@ def is_p2p_address(address: str) -> bool:
     return address.startswith(P2P_PREFIX)
 
 
-def register_p2p_endpoint(address: str, endpoint: Callable[[str], str] | None) -> None:
-    """Where channels to a p2p address connect (None: forget it)."""
-    if endpoint is None:
-        _p2p_endpoints.pop(address, None)
-    else:
-        _p2p_endpoints[address] = endpoint
+def register_p2p_endpoint(address: str, endpoint: Callable[[str], str]) -> None:
+    """Where new channels to a p2p address connect (the latest registration wins)."""
+    _p2p_endpoints[address] = endpoint
+
+
+def forget_p2p_endpoint(address: str, endpoint: Callable[[str], str]) -> None:
+    """Undo `register_p2p_endpoint`, unless another registration has replaced it since."""
+    if _p2p_endpoints.get(address) == endpoint:
+        del _p2p_endpoints[address]
 
 
 def _target(address: str) -> str:
