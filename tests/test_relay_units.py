@@ -1,0 +1,94 @@
+"""Servers behind NAT, the parts without processes: records, push targets, relay addresses, header lines, the
+channel registry (swarm/records.py, server/push.py, swarm/p2p_link.py, wire/channel.py)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from swarmlm.errors import InvalidRequest
+from swarmlm.server.push import check_targets
+from swarmlm.swarm.p2p_link import LinkError, header, loopback_for, parse_relay_addr, read_header
+from swarmlm.swarm.records import ServerRecord
+from swarmlm.wire import swarm_pb2 as pb
+from swarmlm.wire.channel import _target, forget_p2p_endpoint, register_p2p_endpoint
+
+PEER = "12D3KooWEat3ikUs8zTc2MPTy4pS4Q7UzYS5Micm32susyPnHjJX"
+RELAY = f"/ip4/10.213.0.1/tcp/4001/p2p/{PEER}"
+
+
+def _record(**kw) -> dict:
+    return {"server_id": "Qm1", "address": f"p2p/{PEER}", "start": 0, "end": 2, **kw}
+
+
+def test_a_relayed_record_carries_its_peer_id_and_relay():
+    r = ServerRecord.from_dict(_record(relay=RELAY))
+    assert r.relayed and r.relay == RELAY
+    assert ServerRecord.from_dict(_record()).relayed  # no relay takes it: still relayed, and unreachable
+    assert not ServerRecord.from_dict(_record(address="10.0.0.1:5")).relayed
+
+
+@pytest.mark.parametrize("bad", [
+    _record(address="10.0.0.1:5", relay=RELAY),  # a relay but a direct address
+    _record(relay="/ip4/10.0.0.1/tcp/1"),  # no peer id
+    _record(relay="/ip4/999.0.0.1/tcp/1/p2p/" + PEER),
+    _record(relay="/dns/evil.example/tcp/1/p2p/" + PEER),
+    _record(address="p2p/../etc"),
+    _record(address="p2p/" + "Q" * 80),
+])
+def test_malformed_relayed_records_are_refused(bad):
+    with pytest.raises(ValueError):
+        ServerRecord.from_dict(bad)
+
+
+def test_push_targets_may_be_p2p_addresses():
+    good = pb.PushTarget(address=f"p2p/{PEER}", session_id="ab", step_id=1, secret=b"x" * 16)
+    check_targets([good])
+    for bad in ("p2p/../x", "p2p/", f"p2p/{PEER}:1", "p2p/" + "1" * 70):
+        with pytest.raises(InvalidRequest, match="p2p/<peer id>"):
+            check_targets([pb.PushTarget(address=bad, session_id="ab", step_id=1, secret=b"x" * 16)])
+
+
+def test_relay_addresses_split_into_transport_and_peer():
+    maddr, peer = parse_relay_addr(RELAY)
+    assert str(maddr) == "/ip4/10.213.0.1/tcp/4001" and peer.to_base58() == PEER
+    for bad in ("", "/ip4/1.2.3.4/tcp/0/p2p/" + PEER, "/ip4/1.2.3.4/tcp/1/p2p/xyz", RELAY + "/p2p-circuit"):
+        with pytest.raises(ValueError):
+            parse_relay_addr(bad)
+
+
+def test_loopback_sources_differ_per_peer():
+    a, b = loopback_for(PEER), loopback_for(PEER[:-1] + "Y")
+    assert a.startswith("127.") and a != b and a == loopback_for(PEER)
+
+
+def _read(data: bytes, eof: bool = True, timeout_s: float = 0.2) -> list[str]:
+    async def go():
+        reader = asyncio.StreamReader(limit=1 << 16)
+        reader.feed_data(data)
+        if eof:
+            reader.feed_eof()
+        return await read_header(reader, timeout_s)
+    return asyncio.run(go())
+
+
+def test_header_lines_are_bounded_and_checked():
+    assert _read(header("DIAL", PEER, "-")) == ["DIAL", PEER, "-"]
+    for data, why in ((b"A" * 600 + b"\n", "too long"), (b"\xff\n", "not ASCII"), (b"a  b\n", "malformed"),
+                      (b"", "ended before"), (b"DIAL", "cut short")):
+        with pytest.raises(LinkError, match=why):
+            _read(data)
+    with pytest.raises(LinkError, match="in time"):
+        _read(b"DIAL x", eof=False)
+
+
+def test_channels_to_p2p_addresses_go_where_their_tunnel_says():
+    address = f"p2p/{PEER}"
+    assert _target(address).startswith("unix:/nonexistent")  # no route: calls fail UNAVAILABLE, as a dead server's
+    first, second = (lambda a: "127.0.0.1:1"), (lambda a: "127.0.0.1:2")
+    register_p2p_endpoint(address, first)
+    register_p2p_endpoint(address, second)
+    forget_p2p_endpoint(address, first)  # replaced since: kept
+    assert _target(address) == "127.0.0.1:2"
+    forget_p2p_endpoint(address, second)
+    assert _target(address).startswith("unix:/nonexistent") and _target("10.0.0.1:5") == "10.0.0.1:5"
