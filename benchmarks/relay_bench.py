@@ -11,6 +11,7 @@ internet side: gRPC, HTTP/2, libp2p's TLS and muxing, the DHT), and the time fro
 token served to a client. Repeated with alternating order; medians. The machine is shared: ratios side by side.
 
     .venv/bin/python benchmarks/relay_bench.py [--preset tiny-bloom] [--profile wan] [--tokens 32] [--repeats 3]
+        [--relay-far]   # the relay far from the client too: its two legs each cross the profile's link
 """
 from __future__ import annotations
 
@@ -67,8 +68,10 @@ def run(args) -> dict:
         dht = swarm.initial_peers[0]
         relay_port, relay_id = dht.split("/")[4], dht.split("/")[6]
         # the relay's far side: home 0's connections cross the wan link, the client's (from here) do not
+        # (--relay-far: the client's connections cross a wan link to the relay too)
         _, front = proxy.listen(ListenSpec(nat.extra_ip(0), 0, nat.public_ip, int(relay_port),
-                                           {nat.router_ip(0): _route(profile, True), "*": _route(profile, False)}))
+                                           {nat.router_ip(0): _route(profile, True),
+                                            "*": _route(profile, args.relay_far)}))
         proxy.listen(ListenSpec(nat.extra_ip(1), PORT, nat.router_ip(1), PORT, {"*": _route(profile, True)}))
         swarm.initial_peers = [f"/ip4/{nat.extra_ip(0)}/tcp/{front}/p2p/{relay_id}"]
         started = time.monotonic()
@@ -105,7 +108,7 @@ def run(args) -> dict:
     med = {k: statistics.median(v) for k, v in per_token.items()}
     med_bytes = {k: statistics.median(v) for k, v in bytes_per_token.items()}
     return {
-        "preset": args.preset, "profile": args.profile, "profile_rtt_ms": profile.rtt_s * 1000,
+        "preset": args.preset, "profile": args.profile, "relay_far": args.relay_far, "profile_rtt_ms": profile.rtt_s * 1000,
         "tokens": args.tokens, "repeats": args.repeats, "exact": exact, "relayed_record": relay_record.address,
         "decode_ms_per_token": {k: round(v * 1000, 2) for k, v in med.items()},
         "relayed_over_direct": round(med["relayed"] / med["direct"], 3),
@@ -125,6 +128,8 @@ def main() -> None:
     p.add_argument("--profile", default="wan")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--relay-far", action="store_true",
+                   help="the relay is far from the client too (a wan link on each side of it)")
     p.add_argument("--out", help="also write the result as JSON here")
     args = p.parse_args()
     result = run(args)
