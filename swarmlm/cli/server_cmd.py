@@ -25,6 +25,9 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--announce-host", help="address others dial, if not --host")
+    p.add_argument("--reachability", default="auto", choices=["auto", "direct", "relayed"],
+                   help="auto: a relay dials this server back at start-up, and if that fails it is served through a "
+                        "relay (behind NAT); direct / relayed: no check (docs/PROTOCOL.md, Servers behind NAT)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for compute")
     p.add_argument("--quant", default="none", choices=QUANT_NAMES,
                    help="int8: the blocks' linear layers quantized on load (~1/4 of fp32's weight memory, faster "
@@ -70,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(
         model_dir=model, blocks=args.blocks,
         initial_peers=tuple(args.initial_peers), host=args.host, port=args.port, announce_host=args.announce_host,
+        reachability=args.reachability,
         threads=args.threads, dtype=args.dtype, num_blocks=args.num_blocks, placement=args.placement,
         memory_bytes=args.memory_mb << 20 if args.memory_mb else None, cache_bytes=args.cache_mb << 20,
         max_sessions=args.max_sessions, max_length_tokens=args.max_length,
