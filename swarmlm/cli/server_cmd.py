@@ -18,6 +18,9 @@ def add_parser(sub) -> None:
                    help="the server's private key (PEM; created 0600 if absent): keeps its id across restarts "
                         "(default: a fresh key and id per run)")
     add_swarm_key(p)
+    p.add_argument("--reachability", default="auto", choices=["auto", "direct", "relayed"],
+                   help="auto: a relay dials this server back at start-up, and if that fails it is served through a "
+                        "relay (behind NAT); direct / relayed: no check (docs/PROTOCOL.md, Servers behind NAT)")
     p.add_argument("--num-blocks", type=int, help="with no --blocks: how many blocks to take (default: from memory)")
     p.add_argument("--placement", default="petals", choices=["petals", "cg-bprr"],
                    help="with no --blocks: how to choose the range")
@@ -25,9 +28,6 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--announce-host", help="address others dial, if not --host")
-    p.add_argument("--reachability", default="auto", choices=["auto", "direct", "relayed"],
-                   help="auto: a relay dials this server back at start-up, and if that fails it is served through a "
-                        "relay (behind NAT); direct / relayed: no check (docs/PROTOCOL.md, Servers behind NAT)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for compute")
     p.add_argument("--quant", default="none", choices=QUANT_NAMES,
                    help="int8: the blocks' linear layers quantized on load (~1/4 of fp32's weight memory, faster "
