@@ -137,19 +137,10 @@ class Server:
                                  interceptors=server_interceptors(cfg.swarm_key),  # a private swarm's gate
                                  maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
         add_to_server(self.service, server)  # (bytes that do not parse: INVALID_ARGUMENT)
-        wanted = self.network.grpc_port() if self.network is not None else cfg.port
-        port = server.add_insecure_port(f"{cfg.host}:{wanted}")
-        if port == 0:
-            raise OSError(f"cannot listen on {cfg.host}:{wanted}")
-        local_port = port  # where relayed connections arrive (on loopback)
-        relayed = self.network is not None and self.network.relayed
-        if relayed and cfg.host not in ("127.0.0.1", "0.0.0.0"):
-            local_port = server.add_insecure_port("127.0.0.1:0")
-        self.address = (self.network.address(port) if self.network is not None
-                        else f"{cfg.announce_host or cfg.host}:{port}")
+        local_port = self._listen(server)
         self.service.address = self.address
         await server.start()
-        if relayed:
+        if self.network is not None and self.network.relayed:  # behind NAT: relayed connections to local_port
             self.network.serve_relayed(local_port)
         expire_task = asyncio.create_task(self.service.expire_loop())
         announcer = None
@@ -178,6 +169,19 @@ class Server:
             self.dht.shutdown()
         if self.network is not None:
             self.network.close()
+
+    def _listen(self, server: grpc.aio.Server) -> int:
+        """gRPC's ports; sets the address to announce. Returns the port relayed connections arrive at (loopback)."""
+        cfg = self.config
+        wanted = self.network.grpc_port() if self.network is not None else cfg.port
+        port = server.add_insecure_port(f"{cfg.host}:{wanted}")
+        if port == 0:
+            raise OSError(f"cannot listen on {cfg.host}:{wanted}")
+        self.address = (self.network.address(port) if self.network is not None
+                        else f"{cfg.announce_host or cfg.host}:{port}")
+        if self.network is not None and self.network.relayed and cfg.host not in ("127.0.0.1", "0.0.0.0"):
+            return server.add_insecure_port("127.0.0.1:0")
+        return port
 
     async def _drain(self, announcer: threading.Thread | None) -> None:
         """Withdraw from the swarm, then let open sessions finish."""

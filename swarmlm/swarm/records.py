@@ -29,6 +29,7 @@ class ServerRecord:
     start: int  # served blocks [start, end)
     end: int
     state: str = ONLINE
+    relay: str = ""  # behind NAT: the relay it listens through (/ip4/A/tcp/P/p2p/ID); "" there = none takes it
     decode_s: float = 0.0  # measured seconds per block per decode token
     prefill_a_s: float = 0.0  # per block: prefill seconds = a * tokens + b
     prefill_b_s: float = 0.0
@@ -46,15 +47,14 @@ class ServerRecord:
     decode_4rows_s: float = 0.0
     decode_16rows_s: float = 0.0
     joined_at: float = 0.0  # joining/loading: wall-clock s of its first joining record; orders joiners (who yields)
-    relay: str = ""  # behind NAT: the relay it listens through (/ip4/A/tcp/P/p2p/ID); "" there = none takes it
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
     @property
     def relayed(self) -> bool:
         """Behind NAT: reached only through its relay (swarm/reach.py), never at an IP address."""
         return bool(_P2P_ADDRESS.match(self.address))
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     @classmethod
     def from_dict(cls, value: Any) -> "ServerRecord":
@@ -101,7 +101,7 @@ def record_from_info(info, address: str, state: str = ONLINE, relay: str = "") -
     a DHT record is (a peer's reply is not trusted)."""
     return ServerRecord.from_dict({
         "server_id": info.server_id, "address": address, "start": info.start_block, "end": info.end_block,
-        "state": state, "decode_s": info.decode_s_per_block, "prefill_a_s": info.prefill_a_s,
+        "state": state, "relay": relay, "decode_s": info.decode_s_per_block, "prefill_a_s": info.prefill_a_s,
         "prefill_b_s": info.prefill_b_s, "cache_bytes_free": info.cache_bytes_free,
         "cache_bytes_total": info.cache_bytes_total,
         "session_bytes_per_block_token": info.session_bytes_per_block_token,
@@ -110,7 +110,6 @@ def record_from_info(info, address: str, state: str = ONLINE, relay: str = "") -
         "fingerprint": info.fingerprint,
         "quant": info.quant or "none", "weight_bytes": info.weight_bytes,  # (older servers send no quant)
         "decode_4rows_s": info.decode_4rows_s_per_block, "decode_16rows_s": info.decode_16rows_s_per_block,
-        "relay": relay,
     })
 
 
