@@ -129,6 +129,52 @@ def _poll(condition, deadline_s: float = DEADLINE_S) -> bool:
     return False
 
 
+# ---- the relay (servers behind NAT, swarm/relay.py): floods, garbage, lies; heavy in benchmarks/attacks.py ----
+@pytest.fixture(scope="module")
+def relay_bed():
+    from swarmlm.bench.relay_attacks import RelayBed
+
+    with RelayBed(swarm_key=b"k" * 32) as bed:
+        assert bed.listener.relay and bed.honest_roundtrip()
+        yield bed
+
+
+@pytest.mark.slow
+def test_relay_refuses_floods_guesses_and_lies_and_keeps_relaying(relay_bed):
+    from swarmlm.bench import relay_attacks as ra
+
+    bed = relay_bed
+    flood = bed.attack(ra.header_flood)
+    assert all(a == "closed" or a.startswith("ERR") for a in flood), flood
+    assert all(a.startswith("ERR") for a in bed.attack(ra.dial_unknown)), "dialed a server that is not relayed"
+    assert all(a.startswith("ERR unknown_connection") for a in bed.attack(ra.guess_cookies))
+    aimed = bed.attack(ra.aim_dialback)
+    assert aimed[0].startswith("ERR") and aimed[1].startswith("ERR"), aimed  # no host field; port 0 refused
+    assert bed.honest_roundtrip()
+
+
+@pytest.mark.slow
+def test_relay_caps_circuits_per_server_then_serves_again(relay_bed):
+    from swarmlm.bench import relay_attacks as ra
+
+    answers = relay_bed.attack(ra.exhaust_circuits)
+    cap = relay_bed.limits.max_circuits_per_server
+    assert answers[:cap] == ["OK"] * cap and all("too_many" in a for a in answers[cap:]), answers
+    assert relay_bed.honest_roundtrip()  # the held circuits were dropped: room again
+
+
+@pytest.mark.slow
+def test_relay_of_a_private_swarm_needs_a_fresh_token(relay_bed):
+    from swarmlm.bench import relay_attacks as ra
+
+    no_token, wrong, fresh, replayed, listen, dialback = relay_bed.attack(ra.tokens_without_key)
+    assert fresh == "OK", fresh
+    for refused in (no_token, wrong, replayed, listen, dialback):
+        assert refused.startswith("ERR this_relay_belongs_to_a_private_swarm"), refused
+    assert "replayed" in replayed and "wrong" in wrong
+    assert relay_bed.honest_roundtrip()
+
+
 # ---- the rules, without a network ------------------------------------------------------------------------------
 
 def test_tensor_headers_are_checked_before_any_data():
@@ -400,48 +446,3 @@ def test_hostile_cache_ops_are_refused_and_touch_no_other_session(attack_server,
     assert honest.poll_correct()
 
 
-
-# ---- the relay (servers behind NAT, swarm/relay.py): floods, garbage, lies; heavy in benchmarks/attacks.py ----
-@pytest.fixture(scope="module")
-def relay_bed():
-    from swarmlm.bench.relay_attacks import RelayBed
-
-    with RelayBed(swarm_key=b"k" * 32) as bed:
-        assert bed.listener.relay and bed.honest_roundtrip()
-        yield bed
-
-
-@pytest.mark.slow
-def test_relay_refuses_floods_guesses_and_lies_and_keeps_relaying(relay_bed):
-    from swarmlm.bench import relay_attacks as ra
-
-    bed = relay_bed
-    flood = bed.attack(ra.header_flood)
-    assert all(a == "closed" or a.startswith("ERR") for a in flood), flood
-    assert all(a.startswith("ERR") for a in bed.attack(ra.dial_unknown)), "dialed a server that is not relayed"
-    assert all(a.startswith("ERR unknown_connection") for a in bed.attack(ra.guess_cookies))
-    aimed = bed.attack(ra.aim_dialback)
-    assert aimed[0].startswith("ERR") and aimed[1].startswith("ERR"), aimed  # no host field; port 0 refused
-    assert bed.honest_roundtrip()
-
-
-@pytest.mark.slow
-def test_relay_caps_circuits_per_server_then_serves_again(relay_bed):
-    from swarmlm.bench import relay_attacks as ra
-
-    answers = relay_bed.attack(ra.exhaust_circuits)
-    cap = relay_bed.limits.max_circuits_per_server
-    assert answers[:cap] == ["OK"] * cap and all("too_many" in a for a in answers[cap:]), answers
-    assert relay_bed.honest_roundtrip()  # the held circuits were dropped: room again
-
-
-@pytest.mark.slow
-def test_relay_of_a_private_swarm_needs_a_fresh_token(relay_bed):
-    from swarmlm.bench import relay_attacks as ra
-
-    no_token, wrong, fresh, replayed, listen, dialback = relay_bed.attack(ra.tokens_without_key)
-    assert fresh == "OK", fresh
-    for refused in (no_token, wrong, replayed, listen, dialback):
-        assert refused.startswith("ERR this_relay_belongs_to_a_private_swarm"), refused
-    assert "replayed" in replayed and "wrong" in wrong
-    assert relay_bed.honest_roundtrip()

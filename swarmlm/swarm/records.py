@@ -19,7 +19,6 @@ ONLINE, OFFLINE, JOINING, LOADING = "online", "offline", "joining", "loading"
 # clocks run ahead.
 MAX_CLOCK_SKEW_S = 5.0
 _ADDRESS = re.compile(r"^[A-Za-z0-9.\-\[\]:]{1,200}:\d{1,5}$")
-_P2P_ADDRESS = re.compile(r"^p2p/[1-9A-HJ-NP-Za-km-z]{40,60}$")  # a server behind NAT: its libp2p peer id
 
 
 @dataclass(frozen=True)
@@ -93,6 +92,9 @@ class ServerRecord:
         if record.quant not in QUANT_NAMES:
             raise ValueError(f"record quant {record.quant!r}")
         return record
+
+
+_P2P_ADDRESS = re.compile(r"^p2p/[1-9A-HJ-NP-Za-km-z]{40,60}$")  # a server behind NAT: its libp2p peer id
 
 
 def record_from_info(info, address: str, state: str = ONLINE, relay: str = "") -> ServerRecord:
