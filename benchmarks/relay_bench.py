@@ -73,7 +73,8 @@ def run(args) -> dict:
                                            {nat.router_ip(0): _route(profile, True),
                                             "*": _route(profile, args.relay_far)}))
         proxy.listen(ListenSpec(nat.extra_ip(1), PORT, nat.router_ip(1), PORT, {"*": _route(profile, True)}))
-        swarm.initial_peers = [f"/ip4/{nat.extra_ip(0)}/tcp/{front}/p2p/{relay_id}"]
+        relay_far_addr = f"/ip4/{nat.extra_ip(0)}/tcp/{front}/p2p/{relay_id}"
+        swarm.initial_peers = [relay_far_addr]
         started = time.monotonic()
         relayed = swarm.start_server(BlockRange(0, n_blocks), wait=False, prefix=nat.exec_prefix(0),
                                      host=nat.host_ip(0), extra=["--dht-prefix", "bench-relayed"])
@@ -87,8 +88,11 @@ def run(args) -> dict:
             ready[name] = time.monotonic() - started
         for name in ("relayed", "direct"):  # a new client: DHT read, connect check, RTT probes, first token
             t0 = time.monotonic()
+            # (--relay-far: the relayed client knows the relay by its far address only; with a direct connection
+            # to the same peer, libp2p would carry the relayed streams on that one)
+            peers = [relay_far_addr] if args.relay_far and name == "relayed" else [dht]
             clients[name] = DistributedModelForCausalLM.from_pretrained(
-                model, initial_peers=[dht], dht_prefix=f"bench-{name}", push="off")
+                model, initial_peers=peers, dht_prefix=f"bench-{name}", push="off")
             _generate(clients[name], 1)
             usable[name] = ready[name] + time.monotonic() - t0
         per_token = {"relayed": [], "direct": []}
