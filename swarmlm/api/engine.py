@@ -25,6 +25,8 @@ from transformers.generation.logits_process import (
 
 from swarmlm.api.metrics import GatewayMetrics
 from swarmlm.api.schemas import SEED_RANGE
+from swarmlm.client.remote_cache import RemoteCache
+from swarmlm.client.speculative import SpeculativeDecoder, SpeculativeMode, parse_mode
 from swarmlm.types import Span
 
 
@@ -78,14 +80,19 @@ class Token:
 
 
 class ChoiceDecoder:
-    """One choice's session, stepped one token at a time from a worker thread."""
+    """One choice's session, stepped from a worker thread: one token per step, or with `speculative` (client/
+    speculative.py) 1 to k + 1 tokens per pass (prompt-lookup drafts, verified so that greedy output is plain
+    greedy's and sampled output follows the same distribution; a seed then draws a different, equally likely text)."""
 
-    def __init__(self, model, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    def __init__(self, model, prompt_ids: Sequence[int], params: SamplingParams,
+                 speculative: SpeculativeMode = "off") -> None:
         self.model = model
         self.params = params
         self.ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # [1, L + generated]
         self.prompt_tokens = len(prompt_ids)
         self.session = None
+        self.speculative = speculative if parse_mode(speculative) != 0 else None
+        self.speculator: SpeculativeDecoder | None = None  # with `speculative`, from the prompt's step on
         self.closed = False
         self.lock = threading.Lock()  # a close waits for the step in flight
         self.generator = torch.Generator()
@@ -103,7 +110,9 @@ class ChoiceDecoder:
             if params.top_p < 1.0:
                 self.processors.append(TopPLogitsWarper(params.top_p))
 
-    def step(self) -> Token:
+    @torch.no_grad()
+    def step(self) -> list[Token]:
+        """The next tokens: one per step, or those a speculative pass yields (at most the max_tokens left)."""
         with self.lock:
             if self.closed:
                 raise RuntimeError("this choice was closed")
@@ -112,13 +121,27 @@ class ChoiceDecoder:
                     max_length=self.prompt_tokens + self.params.max_tokens, batch_size=1,
                     l_in_hint=self.prompt_tokens, l_out_hint=self.params.max_tokens,
                 ).open()
+                if self.speculative is not None:
+                    self.speculator = SpeculativeDecoder(self.model, RemoteCache(self.model, self.session),
+                                                         self.processors, not self.params.greedy, self.speculative,
+                                                         generator=self.generator)
+                    ids, logits = self.speculator.start(self.ids[0].tolist())
+                    return self._taken(ids, logits)
                 step_ids = self.ids
+            elif self.speculator is not None:
+                ids, logits = self.speculator.advance(self.params.max_tokens - (self.ids.shape[1] - self.prompt_tokens))
+                return self._taken(ids, logits)
             else:
                 step_ids = self.ids[:, -1:]
             logits = self.model.step_logits(self.session, step_ids, None, last_only=True)[:, -1, :].float()  # [1, V]
             token = self._choose(logits)
             self.ids = torch.cat([self.ids, torch.tensor([[token.id]])], dim=1)
-            return token
+            return [token]
+
+    def _taken(self, ids: list[int], logits: torch.Tensor) -> list[Token]:
+        """A speculative pass's tokens, each with the logits [V] of its position (for logprobs)."""
+        self.ids = torch.cat([self.ids, torch.tensor([ids])], dim=1)
+        return [self._token(t, row[None].float()) for t, row in zip(ids, logits)]
 
     def route(self) -> tuple[Span, ...]:
         """The servers and blocks this choice went through (the last ones, after a failover)."""
@@ -132,6 +155,10 @@ class ChoiceDecoder:
         else:
             probs = torch.softmax(scores, dim=-1)
             next_id = int(torch.multinomial(probs, 1, generator=self.generator))
+        return self._token(next_id, logits)
+
+    def _token(self, next_id: int, logits: torch.Tensor) -> Token:
+        """The chosen token with the log-probabilities asked for, from its position's logits [1, V]."""
         if self.params.top_logprobs is None:
             return Token(next_id, 0.0)
         logprobs = torch.log_softmax(logits, dim=-1)[0]
@@ -212,8 +239,9 @@ class Engine:
     """Holds the swarm client and the worker threads that drive its sessions and tokenize prompts."""
 
     def __init__(self, model, tokenizer, metrics: GatewayMetrics, max_workers: int = 64,
-                 long_text_workers: int = 2) -> None:
+                 long_text_workers: int = 2, speculative: SpeculativeMode = "off") -> None:
         self.model = model
+        self.speculative = speculative  # every choice's (ChoiceDecoder): "off", "auto" or a fixed draft length
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="swarmlm-api")
@@ -238,7 +266,7 @@ class Engine:
         Whatever fails here (building the decoder included) ends the request with that error."""
         decoder = None
         try:
-            decoder = ChoiceDecoder(self.model, prompt_ids, params)
+            decoder = ChoiceDecoder(self.model, prompt_ids, params, self.speculative)
             self._decode(decoder, index, len(prompt_ids), params, emit, stop)
         except BaseException as exc:  # handed to the request, which raises it
             emit(exc if isinstance(exc, Exception) else RuntimeError(f"the choice ended: {type(exc).__name__}"))
@@ -251,19 +279,21 @@ class Engine:
         text = StopText(self.tokenizer, params.stop)
         t0 = time.perf_counter()
         first_s, generated, reason = 0.0, 0, "length"
-        while generated < params.max_tokens and not stop.is_set():
-            token = decoder.step()
-            generated += 1
-            if generated == 1:
-                first_s = time.perf_counter() - t0
-            self.metrics.token()
-            if token.id in self.eos:
-                reason = "stop"
-                break
-            emit(Piece(index, text.add(token.id), token))
-            if text.stopped:
-                reason = "stop"
-                break
+        while generated < params.max_tokens and not stop.is_set() and reason == "length":
+            for token in decoder.step():  # several per step when speculating: the same checks for each
+                generated += 1
+                if generated == 1:
+                    first_s = time.perf_counter() - t0
+                self.metrics.token()
+                if token.id in self.eos:
+                    reason = "stop"
+                    break
+                emit(Piece(index, text.add(token.id), token))
+                if text.stopped:
+                    reason = "stop"
+                    break
+                if generated == params.max_tokens:
+                    break
         decoder.close()  # before the end is announced: a finished request holds no session
         if stop.is_set():
             return

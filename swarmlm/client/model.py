@@ -232,7 +232,7 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         eos = () if eos is None else tuple(eos if isinstance(eos, (list, tuple)) else [eos])
         remote = RemoteCache(self, session, stats)
         remote.stats.prompt_tokens = len(prompt)
-        decoder = SpeculativeDecoder(self, remote, config, mode, draft_model, generator)
+        decoder = SpeculativeDecoder.for_config(self, remote, config, mode, draft_model, generator)
         # room for the new tokens and the drafts of a pass on top of the last pass's (held until the next step)
         remote.max_length = remote.max_length or len(prompt) + max_new + 2 * decoder.k_max + 1
         new: list[int] = []

@@ -127,15 +127,17 @@ def processors_of(config: GenerationConfig) -> LogitsProcessorList:
 
 
 class SpeculativeDecoder:
-    """One sequence's speculative generation in an open session (batch 1)."""
+    """One sequence's speculative generation in an open session (batch 1): `start` (the prompt), then `advance`
+    (one pass) until the caller has enough; `generate` is that loop. `processors` score each position given the
+    tokens before it (transformers' LogitsProcessorList); `do_sample` False is greedy."""
 
-    def __init__(self, model, cache, config: GenerationConfig, mode: SpeculativeMode = "auto",
+    def __init__(self, model, cache, processors: LogitsProcessorList, do_sample: bool, mode: SpeculativeMode = "auto",
                  draft_model=None, generator: torch.Generator | None = None,
                  k_max: int = DEFAULT_MAX_DRAFT) -> None:
         self.model = model
         self.cache = cache  # RemoteCache: the session, and the edit the next step carries
-        self.do_sample = bool(config.do_sample)
-        self.processors = processors_of(config)
+        self.do_sample = bool(do_sample)
+        self.processors = processors
         self.fixed_k = parse_mode(mode)
         self.k_max = min(k_max, MAX_DRAFT_TOKENS) if self.fixed_k is None else self.fixed_k
         self.drafter = DraftModel(draft_model) if draft_model is not None else PromptLookup()
@@ -143,14 +145,20 @@ class SpeculativeDecoder:
         self.estimate = AcceptanceByMatch()  # per kind of draft: prompt lookup's match length, or the draft model
         self.stats = SpeculationStats()
         self._draft_s_per_token = 0.0  # measured, a draft model's; prompt lookup costs ~nothing
+        self.context: list[int] = []  # the tokens the servers hold (after the truncation the next step carries)
+        self.last: int | None = None  # the newest token: chosen, not sent yet (it goes first in the next pass)
+
+    @classmethod
+    def for_config(cls, model, cache, config: GenerationConfig, mode: SpeculativeMode = "auto", draft_model=None,
+                   generator: torch.Generator | None = None) -> "SpeculativeDecoder":
+        return cls(model, cache, processors_of(config), bool(config.do_sample), mode, draft_model, generator)
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def generate(self, prompt: list[int], max_new_tokens: int, eos: tuple[int, ...] = (),
                  on_tokens=None) -> list[int]:
         """New tokens after `prompt` (at most max_new_tokens, ending at the first eos). on_tokens(list): each pass's."""
-        logits = self.model(input_ids=torch.tensor([prompt]), cache=self.cache, logits_to_keep=1).logits[0]  # [1, V]
-        context, new, last = list(prompt), [], None  # context: what the servers hold
-        tokens = self._verify(context, [], None, logits)
+        new: list[int] = []
+        tokens, _ = self.start(prompt)
         while True:
             tokens = _until_eos(tokens[:max_new_tokens - len(new)], eos)
             new += tokens
@@ -158,15 +166,29 @@ class SpeculativeDecoder:
                 on_tokens(tokens)
             if len(new) >= max_new_tokens or (eos and new[-1] in eos):
                 return new
-            if last is not None:  # the last pass sent [last, drafts]: the servers keep last and the accepted ones
-                context += [last] + tokens[:-1]
-            last = tokens[-1]  # chosen, not sent yet: it goes first in the next pass
-            tokens = self._pass(context, last, max_new_tokens - len(new))
+            tokens, _ = self.advance(max_new_tokens - len(new))
+
+    def start(self, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+        """The prompt's step: ([first token], its logits [1, V])."""
+        logits = self.model(input_ids=torch.tensor([prompt]), cache=self.cache, logits_to_keep=1).logits[0]  # [1, V]
+        tokens = self._verify(prompt, [], None, logits)
+        self.context, self.last = list(prompt), tokens[-1]
+        return tokens, logits
+
+    def advance(self, room: int) -> tuple[list[int], torch.Tensor]:
+        """One pass, with drafts for at most `room` - 1 more tokens: (the 1 to k + 1 tokens it yields, the logits
+        [len(tokens), V] each was chosen from, before the processors)."""
+        if self.last is None:
+            raise RuntimeError("advance() before start()")
+        tokens, logits = self._pass(self.context, self.last, room)
+        self.context += [self.last] + tokens[:-1]  # the servers keep last and the accepted drafts
+        self.last = tokens[-1]
+        return tokens, logits[:len(tokens)]
 
     def _pass(self, context: list[int], last: int, room: int) -> list[int]:
-        """One trip along the route: [last] + drafts; returns the tokens it yields (1 to k + 1)."""
+        """One trip along the route: [last] + drafts; the tokens it yields (1 to k + 1) and its logits [k + 1, V]."""
         session = self.cache.session
-        held = max(session.position, len(context))  # before the pending truncation, if the session counts it so
+        held = self.cache.get_seq_length()  # after the truncation the next step carries (= len(context))
         drafts, q, kind = self._draft(context + [last], min(self.k_max, room - 1, session.max_length - held - 1))
         ids = torch.tensor([[last] + drafts])
         logits = self.model(input_ids=ids, cache=self.cache).logits[0]  # [k + 1, V]
@@ -176,7 +198,7 @@ class SpeculativeDecoder:
             self.cache.crop(accepted - len(drafts))
         self.estimate.update(kind if drafts else None, len(drafts), accepted)
         self.stats.record(kind, len(drafts), accepted)
-        return tokens
+        return tokens, logits
 
     # ---- its parts ----------------------------------------------------------------------------------------
     def _draft(self, context: list[int], limit: int) -> tuple[list[int], list | None, int | None]:
