@@ -23,6 +23,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from swarmlm.api.group import ChoiceGroup
 from swarmlm.api.metrics import GatewayMetrics
 from swarmlm.api.schemas import SEED_RANGE
 from swarmlm.client.remote_cache import RemoteCache
@@ -134,9 +135,13 @@ class ChoiceDecoder:
             else:
                 step_ids = self.ids[:, -1:]
             logits = self.model.step_logits(self.session, step_ids, None, last_only=True)[:, -1, :].float()  # [1, V]
-            token = self._choose(logits)
-            self.ids = torch.cat([self.ids, torch.tensor([[token.id]])], dim=1)
-            return [token]
+            return [self.accept(logits)]
+
+    def accept(self, logits: torch.Tensor) -> Token:
+        """The next token from its logits [1, V] (this choice's processors and generator), appended to the text."""
+        token = self._choose(logits)
+        self.ids = torch.cat([self.ids, torch.tensor([[token.id]])], dim=1)
+        return token
 
     def _taken(self, ids: list[int], logits: torch.Tensor) -> list[Token]:
         """A speculative pass's tokens, each with the logits [V] of its position (for logprobs)."""
@@ -232,6 +237,40 @@ class Finish:
     route: tuple[Span, ...] = ()  # the servers and blocks the choice went through
 
 
+class ChoiceProgress:
+    """One choice's output as its tokens come: the text released up to a stop string, the finish reason, timings."""
+
+    def __init__(self, engine: "Engine", index: int, prompt_tokens: int, params: SamplingParams, emit) -> None:
+        self.engine, self.index, self.prompt_tokens, self.params, self.emit = engine, index, prompt_tokens, params, emit
+        self.text = StopText(engine.tokenizer, params.stop)
+        self.t0 = time.perf_counter()
+        self.first_s, self.generated, self.reason = 0.0, 0, "length"
+
+    def take(self, token: Token) -> bool:
+        """Count and emit one token; True when the choice has ended (eos, a stop string, max_tokens)."""
+        self.generated += 1
+        if self.generated == 1:
+            self.first_s = time.perf_counter() - self.t0
+        self.engine.metrics.token()
+        if token.id in self.engine.eos:
+            self.reason = "stop"
+            return True
+        self.emit(Piece(self.index, self.text.add(token.id), token))
+        if self.text.stopped:
+            self.reason = "stop"
+        return self.text.stopped or self.generated >= self.params.max_tokens
+
+    def finish(self, route: tuple[Span, ...]) -> None:
+        """The held-back text and the Finish event (after the choice's session was closed or left)."""
+        rest = self.text.flush()
+        if rest:
+            self.emit(Piece(self.index, rest, None))
+        total_s = time.perf_counter() - self.t0
+        self.engine.metrics.finished(self.first_s, (total_s - self.first_s) / (self.generated - 1)
+                                     if self.generated > 1 else None)
+        self.emit(Finish(self.index, self.reason, self.prompt_tokens, self.generated, route))
+
+
 LONG_TEXT_CHARS = 16_384  # a text this long takes milliseconds to tokenize (~5 us per character here) and MBs
 
 
@@ -276,38 +315,37 @@ class Engine:
 
     def _decode(self, decoder: ChoiceDecoder, index: int, prompt_tokens: int, params: SamplingParams, emit,
                 stop: threading.Event) -> None:
-        text = StopText(self.tokenizer, params.stop)
-        t0 = time.perf_counter()
-        first_s, generated, reason = 0.0, 0, "length"
-        while generated < params.max_tokens and not stop.is_set() and reason == "length":
-            for token in decoder.step():  # several per step when speculating: the same checks for each
-                generated += 1
-                if generated == 1:
-                    first_s = time.perf_counter() - t0
-                self.metrics.token()
-                if token.id in self.eos:
-                    reason = "stop"
-                    break
-                emit(Piece(index, text.add(token.id), token))
-                if text.stopped:
-                    reason = "stop"
-                    break
-                if generated == params.max_tokens:
-                    break
+        progress = ChoiceProgress(self, index, prompt_tokens, params, emit)
+        while not stop.is_set() and not any(progress.take(token) for token in decoder.step()):
+            pass  # several tokens per step when speculating; take() is True at the choice's end
         decoder.close()  # before the end is announced: a finished request holds no session
-        if stop.is_set():
-            return
-        rest = text.flush()
-        if rest:
-            emit(Piece(index, rest, None))
-        total_s = time.perf_counter() - t0
-        self.metrics.finished(first_s, (total_s - first_s) / (generated - 1) if generated > 1 else None)
-        emit(Finish(index, reason, prompt_tokens, generated, decoder.route()))
+        if not stop.is_set():
+            progress.finish(decoder.route())
+
+    def _generate_group(self, first: int, prompt_ids: Sequence[int], params: list[SamplingParams], emit,
+                        stop: threading.Event) -> None:
+        """n choices of one prompt in one session (api/group.py), choice `first + i` in row i, on a worker thread."""
+        group = None
+        try:
+            group = ChoiceGroup(self.model, prompt_ids, [ChoiceDecoder(self.model, prompt_ids, p) for p in params])
+            progress = {first + i: ChoiceProgress(self, first + i, len(prompt_ids), p, emit)
+                        for i, p in enumerate(params)}
+            while group.live and not stop.is_set():
+                for row, token in group.step().items():
+                    if progress[first + row].take(token):
+                        group.drop(row)
+                        progress[first + row].finish(group.route())
+        except BaseException as exc:  # handed to the request, which raises it
+            emit(exc if isinstance(exc, Exception) else RuntimeError(f"the choices ended: {type(exc).__name__}"))
+        finally:
+            if group is not None:
+                group.close()
 
     async def merged(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int,
                      timeout_s: float = math.inf) -> AsyncIterator[Piece | Finish]:
-        """Every choice (n per prompt, each its own session, run concurrently) as its events come; choice i of a
-        seeded request uses seed + i so the choices differ and repeat. Closing this generator (the client went
+        """Every choice (n per prompt, run concurrently) as its events come: the n choices of a prompt share one
+        session and its prompt's step (api/group.py), or with speculation each has its own; choice i of a seeded
+        request uses seed + i so the choices differ and repeat. Closing this generator (the client went
         away) stops every choice after its step in flight and closes its session; so does the deadline, which
         raises RequestTimeout."""
         loop = asyncio.get_running_loop()
@@ -329,11 +367,14 @@ class Engine:
         try:
             remaining = 0
             for i, ids in enumerate(prompts):
-                for j in range(n):
-                    index = i * n + j
-                    p = params if params.seed is None else replace(params, seed=params.seed + index)
-                    self.pool.submit(self._generate, index, ids, p, emit, stop).add_done_callback(lost)
-                    remaining += 1
+                choices = [params if params.seed is None else replace(params, seed=params.seed + i * n + j)
+                           for j in range(n)]
+                if n > 1 and parse_mode(self.speculative) == 0:  # one prefill, its cache copied to n rows
+                    self.pool.submit(self._generate_group, i * n, ids, choices, emit, stop).add_done_callback(lost)
+                else:  # a session per choice (a batched session does not speculate: docs/RESULTS-speculation.md)
+                    for j, p in enumerate(choices):
+                        self.pool.submit(self._generate, i * n + j, ids, p, emit, stop).add_done_callback(lost)
+                remaining += n
             while remaining:
                 try:
                     event = await asyncio.wait_for(queue.get(), max(deadline - time.monotonic(), 0.0))

@@ -139,10 +139,13 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         return session
 
     def step_logits(self, session: InferenceSession, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                    stats: GenerationStats | None = None, last_only: bool = False) -> torch.Tensor:
+                    stats: GenerationStats | None = None, last_only: bool = False,
+                    op: CacheOp | None = None) -> torch.Tensor:
         """New tokens [B, T] -> logits [B, T, V] ([B, 1, V] with last_only), keeping the session's caches on the
-        servers. Generation needs only the last position: with a 250k vocabulary the head is the costly part."""
-        return self._logits(session, input_ids, attention_mask, slice(-1, None) if last_only else slice(None), stats)
+        servers (edited first by `op`: B then follows its rows). Generation needs only the last position: with a
+        250k vocabulary the head is the costly part."""
+        return self._logits(session, input_ids, attention_mask, slice(-1, None) if last_only else slice(None), stats,
+                            op)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: RemoteCache | None = None, use_cache: bool | None = None, logits_to_keep: int = 0,
