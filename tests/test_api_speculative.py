@@ -69,6 +69,21 @@ def test_speculative_greedy_completions_and_streams_equal_transformers(client, r
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want
 
 
+def test_speculative_n_choices_each_speculate_and_equal_transformers(client, ref, tiny_bloom):
+    want, reason = expected_text(ref, PROMPTS[0])
+    got = client.completions.create(model=tiny_bloom, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, n=2)
+    assert [(c.text, c.finish_reason) for c in got.choices] == [(want, reason)] * 2
+
+
+def test_gateway_config_refuses_a_bad_speculative_mode():
+    from swarmlm.api.app import GatewayConfig
+
+    assert GatewayConfig(model_name="m", speculative="auto").speculative == "auto"
+    for bad in ("sometimes", 17, -1):
+        with pytest.raises(ValueError, match="speculative"):
+            GatewayConfig(model_name="m", speculative=bad)
+
+
 def test_speculative_penalties_logprobs_and_stop_equal_transformers(client, ref, tiny_bloom):
     tokenizer, model = ref
     prompt = PROMPTS[0]

@@ -61,7 +61,10 @@ class GatewayConfig:
         if min(self.max_choices_per_request, self.max_prompt_chars, self.max_body_bytes) < 1:
             raise ValueError(f"max_choices_per_request ({self.max_choices_per_request}), max_prompt_chars "
                              f"({self.max_prompt_chars}) and max_body_bytes ({self.max_body_bytes}) must be >= 1")
-        parse_mode(self.speculative)  # ValueError on anything but "off", "auto" or a draft length
+        try:
+            parse_mode(self.speculative)
+        except ValueError as exc:
+            raise ValueError(f"speculative: {exc}") from None
         if min(self.body_timeout_s, self.request_timeout_s) <= 0 or not self.allowed_hosts:
             raise ValueError(f"body_timeout_s ({self.body_timeout_s}) and request_timeout_s "
                              f"({self.request_timeout_s}) must be > 0 and allowed_hosts not empty")
