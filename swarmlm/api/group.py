@@ -46,7 +46,7 @@ class ChoiceGroup:
                     l_in_hint=self.prompt.shape[1], l_out_hint=longest).open()
                 logits = self.model.step_logits(self.session, self.prompt, None, last_only=True)[:, -1].float()
                 self._edit(CacheOp(rows=(0,) * len(self.live)))  # every choice continues the prompt's cache
-                logits = logits.expand(len(self.live), -1)
+                logits = logits.repeat(len(self.live), 1)  # [B, V], a row each (processors may write in place)
             else:
                 ids = torch.cat([self.choices[c].ids[:, -1:] for c in self.live])  # [B, 1]
                 op, self.pending = self.pending, None
