@@ -26,6 +26,7 @@ from swarmlm.server.push import Pusher, StepOrder, TargetCheck, check_targets
 from swarmlm.server.scheduler import JobTiming, Scheduler
 from swarmlm.server.sessions import PeerBytes, Session, SessionTable
 from swarmlm.server.stage import SpanState, Stage
+from swarmlm.server.train_service import TrainingRpcs
 from swarmlm.swarm.identity import Identity, sign_info
 from swarmlm.swarm.private import client_interceptors
 from swarmlm.types import BlockRange, CacheOp
@@ -142,6 +143,8 @@ def add_to_server(service: "SwarmService", server) -> None:
             service.Inference, parse(pb.InferenceRequest), pb.InferenceReply.SerializeToString),
         "Forward": grpc.unary_unary_rpc_method_handler(
             service.Forward, parse(pb.ForwardRequest), pb.ForwardReply.SerializeToString),
+        "Backward": grpc.unary_unary_rpc_method_handler(
+            service.Backward, parse(pb.BackwardRequest), pb.BackwardReply.SerializeToString),
         "Info": grpc.unary_unary_rpc_method_handler(service.Info, parse(pb.InfoRequest), pb.InfoReply.SerializeToString),
         "Push": grpc.unary_unary_rpc_method_handler(service.Push, parse(pb.PushRequest), pb.PushReply.SerializeToString),
     }
@@ -168,6 +171,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         self.accepting = True  # False while draining for shutdown: new sessions go elsewhere
         self.num_model_blocks = int(stage.config.num_hidden_layers)
         self._trim = _Trimmer()
+        self.training = TrainingRpcs(self)  # Forward with prompts / LoRA, and Backward (server/train_service.py)
 
     # ---- validation -------------------------------------------------------------------------------------
     def _check_range(self, start: int, end: int) -> BlockRange:
@@ -510,6 +514,8 @@ class SwarmService(pb_grpc.SwarmServicer):
         """Stateless: whole sequences through a sub-range, computed in slices through a temporary cache."""
         if request is UNPARSABLE:
             return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse", pb.ForwardReply())
+        if codec.is_set(request.prompts) or request.lora:  # training extras: block by block (server/training.py)
+            return await self.training.forward(request, context)
         started = time.perf_counter()
         peer, error, nbytes = peer_host(context), None, 0
         try:
@@ -551,6 +557,13 @@ class SwarmService(pb_grpc.SwarmServicer):
             )
         finally:
             self.load.release(peer, nbytes)
+
+    async def Backward(self, request: pb.BackwardRequest, context) -> pb.BackwardReply:
+        """Stateless: a span's input gradient (and its prompts' and LoRA's) from its output gradient."""
+        if request is UNPARSABLE:
+            return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse",
+                              pb.BackwardReply())
+        return await self.training.backward(request, context)
 
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoReply:
         if request is UNPARSABLE:

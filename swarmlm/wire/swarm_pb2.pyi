@@ -131,16 +131,64 @@ class PushReply(_message.Message):
     def __init__(self) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("start_block", "end_block", "hidden", "attention_mask")
+    __slots__ = ("start_block", "end_block", "hidden", "attention_mask", "prompts", "lora")
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
     END_BLOCK_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     start_block: int
     end_block: int
     hidden: Tensor
     attention_mask: Tensor
-    def __init__(self, start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    prompts: Tensor
+    lora: _containers.RepeatedCompositeFieldContainer[LoraWeights]
+    def __init__(self, start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., prompts: _Optional[_Union[Tensor, _Mapping]] = ..., lora: _Optional[_Iterable[_Union[LoraWeights, _Mapping]]] = ...) -> None: ...
+
+class LoraWeights(_message.Message):
+    __slots__ = ("block", "module", "a", "b", "scale")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    A_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    module: str
+    a: Tensor
+    b: Tensor
+    scale: float
+    def __init__(self, block: _Optional[int] = ..., module: _Optional[str] = ..., a: _Optional[_Union[Tensor, _Mapping]] = ..., b: _Optional[_Union[Tensor, _Mapping]] = ..., scale: _Optional[float] = ...) -> None: ...
+
+class BackwardRequest(_message.Message):
+    __slots__ = ("start_block", "end_block", "hidden", "attention_mask", "grad_output", "prompts", "lora")
+    START_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    END_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
+    GRAD_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    start_block: int
+    end_block: int
+    hidden: Tensor
+    attention_mask: Tensor
+    grad_output: Tensor
+    prompts: Tensor
+    lora: _containers.RepeatedCompositeFieldContainer[LoraWeights]
+    def __init__(self, start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., grad_output: _Optional[_Union[Tensor, _Mapping]] = ..., prompts: _Optional[_Union[Tensor, _Mapping]] = ..., lora: _Optional[_Iterable[_Union[LoraWeights, _Mapping]]] = ...) -> None: ...
+
+class BackwardReply(_message.Message):
+    __slots__ = ("grad_hidden", "grad_prompts", "grad_lora", "timing")
+    GRAD_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    GRAD_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_LORA_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    grad_hidden: Tensor
+    grad_prompts: Tensor
+    grad_lora: _containers.RepeatedCompositeFieldContainer[LoraWeights]
+    timing: Timing
+    def __init__(self, grad_hidden: _Optional[_Union[Tensor, _Mapping]] = ..., grad_prompts: _Optional[_Union[Tensor, _Mapping]] = ..., grad_lora: _Optional[_Iterable[_Union[LoraWeights, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
     __slots__ = ("hidden", "timing")
