@@ -58,6 +58,7 @@ class RemoteTrainer:
     def __init__(self, remote: RemoteSequence) -> None:
         self.remote = remote
         self.config = remote.config
+        self.last_spans: list[Span] = []  # the servers the latest forward of a range ran on (stats, tests)
 
     # ---- one RPC ------------------------------------------------------------------------------------------
     def _encode(self, span: Span, tensor: torch.Tensor) -> pb.Tensor:
@@ -167,6 +168,7 @@ class RemoteTrainer:
         """The range's output, the spans that computed it and their inputs."""
         inputs, spans = self._with_failover(
             call, spans, lambda s: self._forward_chain(call, s, hidden, prompts, lora))
+        self.last_spans = spans
         return inputs[-1], spans, inputs[:-1]
 
     def backward(self, call: SpanCall, spans: list[Span], inputs: list[torch.Tensor], grad, prompts, lora) -> Grads:
