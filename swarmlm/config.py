@@ -113,6 +113,7 @@ class ServerConfig:
     # keep full-precision weights as views of the checkpoint file's mapping (pages shared by the host's servers of
     # the same file) instead of copying them into the process: ~1.5x slower decode here (model/checkpoint.py)
     mmap_weights: bool = False
+    adapters: tuple[str, ...] = ()  # PEFT LoRA adapter directories served per session (server/adapters.py)
     num_blocks: int | None = None  # with blocks=None: how many blocks to take (None = from the memory budget)
     placement: str = "petals"  # how to choose a range when blocks=None: "petals" | "cg-bprr"
     memory_bytes: int | None = None  # budget for weights + caches when choosing num_blocks (None = 40% of RAM)
@@ -207,6 +208,7 @@ class ClientConfig:
     # training (client/autograd.py): rows x tokens of one Forward / Backward request; a longer batch is split by
     # rows into chunks of at most this (one row is never split: a longer sequence goes whole)
     train_chunk_tokens: int = 2048
+    active_adapter: str | None = None  # a LoRA adapter servers pre-load (server --adapters): only they are routed to
     ban_base_s: float = 2.0  # a failed server is avoided for this long, doubling on each repeat failure
     ban_max_s: float = 60.0
     routing: str = "waiting-aware"  # "shortest" | "waiting-aware" (planner.routing.WaitingAwareRouter)

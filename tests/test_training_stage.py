@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from swarmlm.server import training
+from swarmlm.server.lora import LoraDelta
 from swarmlm.server.stage import Stage
 from swarmlm.types import BlockRange
 
@@ -29,7 +30,7 @@ def _span_grads(stage: Stage, req: training.TrainRequest, grad: torch.Tensor):
 def _lora(stage: Stage, block: int, module: str, r: int = 2) -> training.LoraDelta:
     layer = training.linear_layers(stage, block)[module]
     g = torch.Generator().manual_seed(block)
-    return training.LoraDelta(block, module, torch.randn(r, layer.in_features, generator=g) * 0.1,
+    return LoraDelta(block, module, torch.randn(r, layer.in_features, generator=g) * 0.1,
                               torch.randn(layer.out_features, r, generator=g) * 0.1, 2.0)
 
 
@@ -44,7 +45,7 @@ def test_block_by_block_backward_equals_autograd_through_the_span(tiny_llama):
     # the whole span under autograd at once
     leaves = [x.clone().requires_grad_(True), prompts.clone().requires_grad_(True)]
     mats = [t.clone().requires_grad_(True) for d in lora for t in (d.a, d.b)]
-    deltas = tuple(training.LoraDelta(d.block, d.module, mats[2 * j], mats[2 * j + 1], d.scale)
+    deltas = tuple(LoraDelta(d.block, d.module, mats[2 * j], mats[2 * j + 1], d.scale)
                    for j, d in enumerate(lora))
     h = leaves[0]
     for i in range(6):

@@ -211,8 +211,12 @@ class SwarmService(pb_grpc.SwarmServicer):
             raise InvalidRequest(f"batch_size must be in [1, {self.config.max_batch}], got {msg.batch_size}")
         if not 1 <= msg.max_length <= self.config.max_length_tokens:
             raise InvalidRequest(f"max_length must be in [1, {self.config.max_length_tokens}], got {msg.max_length}")
+        if msg.adapter and msg.adapter not in self.stage.lora_adapters:
+            raise InvalidRequest(f"adapter {msg.adapter[:80]!r} is not served here (served: "
+                                 f"{', '.join(self.stage.lora_adapters) or 'none'})")
         nbytes = self.stage.cache_bytes(blocks.length, msg.batch_size, msg.max_length)
-        state = self.stage.new_state(blocks, msg.batch_size, msg.max_length)  # no cache allocated until a step
+        # no cache allocated until a step
+        state = self.stage.new_state(blocks, msg.batch_size, msg.max_length, msg.adapter)
         return self.sessions.open(owner, state, msg.batch_size, msg.max_length, nbytes)
 
     def _serves(self, info: pb.InfoReply, block: int) -> bool:
@@ -590,6 +594,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             # the weights of the served range, for clients to compare with their own (model/fingerprint.py)
             fingerprint=range_fingerprint(self.config.model_dir, self.stage.blocks.start, self.stage.blocks.end),
             quant=self.stage.quant, weight_bytes=self.stage.weight_bytes,  # int8 weights: announced, and their size
+            adapters=sorted(self.stage.lora_adapters),
         )
 
     async def expire_loop(self, period_s: float = 0.5) -> None:

@@ -17,7 +17,8 @@ import torch
 from swarmlm.errors import CapacityExceeded, InvalidRequest
 from swarmlm.server import training
 from swarmlm.server.scheduler import Batchable, JobTiming
-from swarmlm.server.training import LoraDelta, TrainRequest
+from swarmlm.server.lora import LoraDelta
+from swarmlm.server.training import TrainRequest
 from swarmlm.types import StepKind
 from swarmlm.wire import codec, compress
 from swarmlm.wire import swarm_pb2 as pb

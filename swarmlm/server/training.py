@@ -14,30 +14,19 @@ What a client may send with a request and get gradients for:
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from swarmlm.model.quant import DynamicLinear
+from swarmlm.server import lora
+from swarmlm.server.lora import LoraDelta
 
 from swarmlm.server.stage import Stage
 from swarmlm.types import BlockRange
 
 ACTIVATION_WIDTHS = 6  # one block's saved activations, in hidden-size widths per token (q, k, v, attn out, norms)
-
-
-@dataclass(frozen=True)
-class LoraDelta:
-    """A client's LoRA on one linear layer of one block."""
-
-    block: int  # global block index
-    module: str  # the layer's name inside the block, e.g. "self_attn.q_proj"
-    a: torch.Tensor  # [r, in_features]
-    b: torch.Tensor  # [out_features, r]
-    scale: float  # lora_alpha / r
 
 
 @dataclass(frozen=True)
@@ -74,9 +63,8 @@ class NoPastCache(Cache):
 
 
 def linear_layers(stage: Stage, block: int) -> dict[str, nn.Module]:
-    """A block's linear layers by name (what a client's LoRA may target), int8 ones included."""
-    module = stage.modules[block - stage.blocks.start]
-    return {name: m for name, m in module.named_modules() if isinstance(m, (nn.Linear, DynamicLinear))}
+    """Global block `block`'s linear layers by name (what a client's LoRA may target), int8 ones included."""
+    return lora.linear_layers(stage.modules[block - stage.blocks.start])
 
 
 def backward_bytes(stage: Stage, blocks: int, rows: int, tokens: int) -> int:
@@ -89,27 +77,6 @@ def backward_bytes(stage: Stage, blocks: int, rows: int, tokens: int) -> int:
     return rows * tokens * per_token * stage.dtype.itemsize
 
 
-@contextlib.contextmanager
-def _lora_hooks(stage: Stage, block: int, lora: tuple[LoraDelta, ...]):
-    layers = linear_layers(stage, block) if lora else {}
-    handles = []
-
-    def hook_for(delta: LoraDelta):
-        def add_lora(module, inputs, output):
-            x = inputs[0].to(delta.a.dtype)
-            return output + (delta.scale * ((x @ delta.a.T) @ delta.b.T)).to(output.dtype)
-        return add_lora
-
-    try:
-        for delta in lora:
-            if delta.block == block:
-                handles.append(layers[delta.module].register_forward_hook(hook_for(delta)))
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 def with_prompt(hidden: torch.Tensor, prompts: torch.Tensor | None, i: int) -> torch.Tensor:
     """Block i's input with its deep prompt added to the first K positions (a new tensor; autograd-safe)."""
     if prompts is None:
@@ -120,10 +87,10 @@ def with_prompt(hidden: torch.Tensor, prompts: torch.Tensor | None, i: int) -> t
 
 
 def block_call(stage: Stage, block: int, hidden: torch.Tensor, mask: torch.Tensor,
-               lora: tuple[LoraDelta, ...] = ()) -> torch.Tensor:
+               deltas: tuple[LoraDelta, ...] = ()) -> torch.Tensor:
     """Global block `block` on whole sequences [B, T, H] (no past), with the client's LoRA on its layers."""
     local = block - stage.blocks.start
-    with _lora_hooks(stage, block, lora):
+    with lora.lora_hooks(stage.modules, stage.blocks.start, [d for d in deltas if d.block == block]):
         return stage.adapter.forward_span(stage.config, stage.modules[local:local + 1], hidden.to(stage.dtype),
                                           NoPastCache(), mask)
 
@@ -148,14 +115,14 @@ def backward_block(stage: Stage, req: TrainRequest, i: int, hidden: torch.Tensor
     mine = [d for d in req.lora if d.block == block]
     with torch.enable_grad():
         x = hidden.detach().to(stage.dtype).requires_grad_(True)
-        lora = tuple(LoraDelta(d.block, d.module, d.a.detach().requires_grad_(True),
-                               d.b.detach().requires_grad_(True), d.scale) for d in mine)
-        out = block_call(stage, block, with_prompt(x, req.prompts, i), req.mask, lora)
-        leaves = [x] + [t for d in lora for t in (d.a, d.b)]
+        deltas = tuple(LoraDelta(d.block, d.module, d.a.detach().requires_grad_(True),
+                                 d.b.detach().requires_grad_(True), d.scale) for d in mine)
+        out = block_call(stage, block, with_prompt(x, req.prompts, i), req.mask, deltas)
+        leaves = [x] + [t for d in deltas for t in (d.a, d.b)]
         grads = torch.autograd.grad(out, leaves, grad_output.to(out.dtype), allow_unused=True)
     grad_x = grads[0]
     lora_grads = {}
-    for j, d in enumerate(lora):
+    for j, d in enumerate(deltas):
         for k, name in enumerate(("a", "b")):
             g = grads[1 + 2 * j + k]
             lora_grads[(d.module, name)] = torch.zeros_like(d.a if name == "a" else d.b) if g is None else g
