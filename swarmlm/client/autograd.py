@@ -59,6 +59,8 @@ class RemoteTrainer:
         self.remote = remote
         self.config = remote.config
         self.last_spans: list[Span] = []  # the servers the latest forward of a range ran on (stats, tests)
+        self.bytes_sent = 0  # serialized requests and replies of every training RPC so far
+        self.bytes_received = 0
 
     # ---- one RPC ------------------------------------------------------------------------------------------
     def _encode(self, span: Span, tensor: torch.Tensor) -> pb.Tensor:
@@ -77,7 +79,10 @@ class RemoteTrainer:
     async def _rpc(self, span: Span, method: str, request):
         try:
             stub = self.remote.channels.stub(span.address)
-            return await getattr(stub, method)(request, timeout=self.config.step_timeout_s)
+            reply = await getattr(stub, method)(request, timeout=self.config.step_timeout_s)
+            self.bytes_sent += request.ByteSize()
+            self.bytes_received += reply.ByteSize()
+            return reply
         except grpc.aio.AioRpcError as exc:
             if exc.code() in CLIENT_ERRORS:
                 raise InvalidRequest(f"{span.address} refused the {method}: {exc.details()}") from None
