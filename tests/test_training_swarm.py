@@ -222,3 +222,18 @@ def test_trained_prompts_save_and_load(swarm, tmp_path):
         wrong.load_trainable(tmp_path / "prompts.safetensors")
     for m in (model, other, wrong):
         m.close()
+
+
+def test_a_prompt_tuned_model_generates_as_peft_does(swarm):
+    """generate(use_cache=False): every step one stateless pass with the soft prompt in front."""
+    model = client(swarm, tuning_mode="ptune", pre_seq_len=K)
+    peft = get_peft_model(reference(swarm), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=K))
+    with torch.no_grad():
+        model.prompts.prompt_embeddings.normal_()
+        peft.prompt_encoder["default"].embedding.weight.copy_(model.prompts.prompt_embeddings)
+    ids = torch.randint(0, 512, (1, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=5, do_sample=False, use_cache=False)
+        want = peft.generate(input_ids=ids, max_new_tokens=5, do_sample=False, use_cache=False)
+    model.close()
+    assert torch.equal(got, want[:, -got.shape[1]:])
