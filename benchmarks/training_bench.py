@@ -1,7 +1,8 @@
 """One training step through the swarm vs the same step locally (issue 27): batch 4 x 128 tokens, a client LoRA
 (r = 8 on every block's attention input projection) and a soft prompt (ptune, 16 tokens), through 2 server
-processes (fp32, then int8 servers) and in plain transformers + PEFT in this process. Per step: wall time (medians
-of --steps, after one warm-up step), bytes sent and received by the training RPCs. Results ->
+processes (fp32, then int8 servers) and in plain transformers + PEFT in this process, their steps alternated (the machine
+may be shared: both see the same load). Per step: wall times and their ratio (medians of --steps pairs, after one
+warm-up step each), bytes sent and received by the training RPCs. Results ->
 docs/RESULTS-finetune.md.
 
     .venv/bin/python benchmarks/training_bench.py [--model small-bloom] [--steps 3] [--threads 1]
@@ -32,23 +33,26 @@ def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, ids.clone()
 
 
-def _timed_steps(params, loss_fn, steps: int) -> list[float]:
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    times = []
-    for _ in range(steps + 1):  # the first: warm-up
+class Trainer:
+    """One model and its optimizer: `step()` runs one timed optimizer step on the fixed batch."""
+
+    def __init__(self, model, loss_fn) -> None:
+        self.model, self.loss_fn = model, loss_fn
+        self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+    def step(self) -> float:
         t0 = time.perf_counter()
-        opt.zero_grad()
-        loss_fn().backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    return times[1:]
+        self.opt.zero_grad()
+        self.loss_fn().backward()
+        self.opt.step()
+        return time.perf_counter() - t0
 
 
 def _targets(family: str) -> list[str]:
     return ["query_key_value"] if family == "bloom" else ["q_proj", "v_proj"]
 
 
-def local(path: str, family: str, mode: str, steps: int) -> list[float]:
+def local(path: str, family: str, mode: str) -> Trainer:
     from peft import LoraConfig, PromptTuningConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -58,23 +62,31 @@ def local(path: str, family: str, mode: str, steps: int) -> list[float]:
               else PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=PROMPT))
     model = get_peft_model(base, config)
     ids, labels = _batch(base.config.vocab_size)
-    params = [p for p in model.parameters() if p.requires_grad]
-    return _timed_steps(params, lambda: model(input_ids=ids, labels=labels).loss, steps)
+    return Trainer(model, lambda: model(input_ids=ids, labels=labels).loss)
 
 
-def swarm(path: str, family: str, mode: str, steps: int, addresses: list[str]) -> tuple[list[float], float, float]:
+def swarm(path: str, family: str, mode: str, addresses: list[str]) -> Trainer:
     tuning = (dict(tuning_mode="lora", lora_r=RANK, lora_alpha=16, lora_target_modules=_targets(family))
               if mode == "lora" else dict(tuning_mode="ptune", pre_seq_len=PROMPT))
     model = DistributedModelForCausalLM.from_pretrained(path, servers=addresses, dtype="float32", **tuning)
     ids, labels = _batch(model.config.vocab_size)
-    params = [p for p in model.parameters() if p.requires_grad]
-    sent0, received0 = model.trainer.bytes_sent, model.trainer.bytes_received
-    times = _timed_steps(params, lambda: model(ids, labels=labels).loss, steps)
-    per_step = steps + 1
-    sent = (model.trainer.bytes_sent - sent0) / per_step
-    received = (model.trainer.bytes_received - received0) / per_step
-    model.close()
-    return times, sent, received
+    return Trainer(model, lambda: model(ids, labels=labels).loss)
+
+
+def side_by_side(path: str, family: str, mode: str, steps: int, addresses: list[str]) -> dict:
+    """Local and swarm steps alternated (one warm-up each), so both see the same load on a shared machine."""
+    here, there = local(path, family, mode), swarm(path, family, mode, addresses)
+    here.step(), there.step()
+    trainer = there.model.trainer
+    sent0, received0 = trainer.bytes_sent, trainer.bytes_received
+    pairs = [(here.step(), there.step()) for _ in range(steps)]
+    row = dict(mode=mode, local_s=statistics.median(p[0] for p in pairs),
+               swarm_s=statistics.median(p[1] for p in pairs),
+               ratio=statistics.median(p[1] / p[0] for p in pairs),
+               sent_mb=(trainer.bytes_sent - sent0) / steps / 2**20,
+               received_mb=(trainer.bytes_received - received0) / steps / 2**20)
+    there.model.close()
+    return row
 
 
 def main() -> None:
@@ -90,24 +102,19 @@ def main() -> None:
     cfg = AutoConfig.from_pretrained(path)
     family, blocks = cfg.model_type, int(cfg.num_hidden_layers)
     rows = []
-    for mode in ("lora", "ptune"):
-        rows.append(dict(mode=mode, where="local", step_s=statistics.median(local(path, family, mode, args.steps))))
     for quant in ("none", "int8"):
         with LocalSwarm(path, threads=args.threads, with_dht=False, server_args=["--quant", quant]) as live:
             live.start(even_split(blocks, 2))
             for mode in ("lora", "ptune"):
-                times, sent, received = swarm(path, family, mode, args.steps, live.addresses)
-                rows.append(dict(mode=mode, where=f"2 servers ({quant})", step_s=statistics.median(times),
-                                 sent_mb=sent / 2**20, received_mb=received / 2**20))
+                rows.append(dict(servers=quant, **side_by_side(path, family, mode, args.steps, live.addresses)))
     print(json.dumps(dict(model=args.model, rows=rows, steps=args.steps, batch=[ROWS, TOKENS],
                           machine=machine_info()), indent=1))
-    print("| tuning | where | step (median, s) | vs local | MiB sent / received per step |")
-    print("|---|---|---|---|---|")
+    print("| tuning | servers | local step (median, s) | 2-server step (median, s) | ratio (median of pairs) | "
+          "MiB sent / received per step |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        base = next(x["step_s"] for x in rows if x["mode"] == r["mode"] and x["where"] == "local")
-        traffic = f"{r['sent_mb']:.1f} / {r['received_mb']:.1f}" if "sent_mb" in r else "-"
-        print(f"| {r['mode']} | {r['where']} | {r['step_s']:.2f} | {r['step_s'] / base:.2f}x | {traffic} |")
-
+        print(f"| {r['mode']} | {r['servers']} | {r['local_s']:.2f} | {r['swarm_s']:.2f} | {r['ratio']:.2f}x | "
+              f"{r['sent_mb']:.1f} / {r['received_mb']:.1f} |")
 
 if __name__ == "__main__":
     main()

@@ -63,7 +63,8 @@ def _inference_request(rng: random.Random, hidden: int, blocks: int, address: st
     if rng.random() < 0.4:
         return pb.InferenceRequest(open=pb.OpenSession(
             start_block=rng.choice([0, 1, blocks, 1 << 31]), end_block=rng.choice([0, 1, blocks, blocks + 1]),
-            batch_size=rng.choice([0, 1, 2, 64, 1 << 31]), max_length=rng.choice([0, 1, 64, 2048, 1 << 31])))
+            batch_size=rng.choice([0, 1, 2, 64, 1 << 31]), max_length=rng.choice([0, 1, 64, 2048, 1 << 31]),
+            adapter=rng.choice(["", "", "my-adapter", "x" * 300, "../etc"])))
     return pb.InferenceRequest(session_id=rng.choice(["", "f" * 32, "x" * 500]), secret=rng.randbytes(16),
                                step=_step(rng, hidden, address))
 
