@@ -171,7 +171,8 @@ class SwarmService(pb_grpc.SwarmServicer):
         self.accepting = True  # False while draining for shutdown: new sessions go elsewhere
         self.num_model_blocks = int(stage.config.num_hidden_layers)
         self._trim = _Trimmer()
-        self.training = TrainingRpcs(self)  # Forward with prompts / LoRA, and Backward (server/train_service.py)
+        # Forward with prompts / LoRA, and Backward (server/train_service.py)
+        self.training = TrainingRpcs(self, peer_host, decode_step)
 
     # ---- validation -------------------------------------------------------------------------------------
     def _check_range(self, start: int, end: int) -> BlockRange:

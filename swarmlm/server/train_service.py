@@ -7,6 +7,7 @@ work, so other sessions' decode steps keep their priority between the blocks of 
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ from swarmlm.wire import swarm_pb2 as pb
 if TYPE_CHECKING:
     from swarmlm.server.service import SwarmService
 
+log = logging.getLogger(__name__)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -56,8 +58,10 @@ def _message_bytes(request) -> int:
 class TrainingRpcs:
     """Forward-with-extras and Backward for one SwarmService (its config, stage, scheduler and per-host limits)."""
 
-    def __init__(self, service: "SwarmService") -> None:
+    def __init__(self, service: "SwarmService", peer_host, decode_step) -> None:
         self.service = service
+        self.peer_host = peer_host  # context -> the calling host (service.py): per-host limits
+        self.decode_step = decode_step  # hidden + mask from their header-checked messages (service.py)
         self.config = service.config
         self.stage = service.stage
 
@@ -83,7 +87,7 @@ class TrainingRpcs:
                 raise InvalidRequest(f"prompts: expected [{blocks.length}, {b}, K <= {t}, {h}], got {list(shape)}")
             _float_header(request.prompts, "prompts", (blocks.length, b, k, h))
         lora = self._lora_headers(request.lora, blocks)
-        hidden, mask = svc_decode(request, b, t, h)
+        hidden, mask = self.decode_step(request.hidden, request.attention_mask, b, t, h)
         prompts = codec.decode(request.prompts, "prompts", finite=True).float() if k else None
         deltas = tuple(
             LoraDelta(w.block, w.module, codec.decode(w.a, "lora.a", finite=True).float(),
@@ -162,6 +166,7 @@ class TrainingRpcs:
                 queued_s=queued, compute_s=compute, decode_s=decoded - started,
                 encode_s=time.perf_counter() - encode_start, batch_size=1))
         except Exception as exc:  # unexpected (a bug or an OOM)
+            log.exception("training forward failed")
             return self.service._fail(context, grpc.StatusCode.INTERNAL, f"forward failed: {exc}", pb.ForwardReply())
         finally:
             self.service.load.release(peer, nbytes)
@@ -188,6 +193,7 @@ class TrainingRpcs:
                                             encode_s=time.perf_counter() - encode_start, batch_size=1))
             return reply
         except Exception as exc:  # unexpected (a bug or an OOM)
+            log.exception("backward failed")
             return self.service._fail(context, grpc.StatusCode.INTERNAL, f"backward failed: {exc}",
                                       pb.BackwardReply())
         finally:
@@ -196,7 +202,7 @@ class TrainingRpcs:
     async def _admitted(self, request, context, empty, with_grad: bool):
         """(request, grad, peer, bytes charged) once validated and admitted under the host's bytes in flight, or
         the refusal to return (`empty` with a status set)."""
-        svc, peer = self.service, training_peer(context)
+        svc, peer = self.service, self.peer_host(context)
         nbytes = _message_bytes(request)
         if not svc.load.try_add(peer, nbytes):
             svc._refused_large(nbytes)
@@ -214,14 +220,3 @@ class TrainingRpcs:
         svc._refused_large(nbytes)
         return svc._fail(context, code, message, empty)
 
-
-def training_peer(context) -> str:
-    from swarmlm.server.service import peer_host  # (service imports this module)
-
-    return peer_host(context)
-
-
-def svc_decode(request, b: int, t: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from swarmlm.server.service import decode_step
-
-    return decode_step(request.hidden, request.attention_mask, b, t, h)
