@@ -137,13 +137,29 @@ class TrainingRpcs:
         return inputs, queued, compute
 
     async def run_backward(self, req: TrainRequest, grad: torch.Tensor):
-        inputs, queued, compute = await self.run_forward(req)
-        tokens = int(req.hidden.shape[0] * req.hidden.shape[1])
-        prompt_grads: list[torch.Tensor | None] = [None] * req.blocks.length
+        """Keep every block's graph from one pass under autograd when the request's memory bound allows it (the
+        span's forward then runs once here), else recompute each block when its turn comes (block inputs kept by a
+        pass without autograd: twice)."""
+        b, t = req.hidden.shape[:2]
+        tokens, n = int(b * t), req.blocks.length
+        keep = training.backward_bytes(self.stage, n, b, t, kept_graphs=n) <= self.config.max_train_request_bytes
+        queued = compute = 0.0
+        graphs, hidden = [], req.hidden
+        if keep:
+            for i in range(n):
+                graph, timing = await self._job(lambda i=i, x=hidden: training.block_graph(self.stage, req, i, x),
+                                                tokens)
+                graphs.append(graph)
+                hidden = graph.out.detach()
+                queued, compute = queued + timing.queued_s, compute + timing.compute_s
+        else:
+            inputs, queued, compute = await self.run_forward(req)
+        prompt_grads: list[torch.Tensor | None] = [None] * n
         lora_grads: dict[tuple[int, str, str], torch.Tensor] = {}
-        for i in reversed(range(req.blocks.length)):
-            grads, timing = await self._job(
-                lambda i=i, g=grad: training.backward_block(self.stage, req, i, inputs[i], g), tokens)
+        for i in reversed(range(n)):
+            work = (lambda i=i, g=grad: training.differentiate(graphs.pop(), req, g)) if keep else \
+                (lambda i=i, g=grad: training.backward_block(self.stage, req, i, inputs[i], g))
+            grads, timing = await self._job(work, tokens)
             grad, prompt_grads[i] = grads.hidden, grads.prompt
             lora_grads.update({(req.blocks.start + i, *key): g for key, g in grads.lora.items()})
             queued, compute = queued + timing.queued_s, compute + timing.compute_s

@@ -67,14 +67,16 @@ def linear_layers(stage: Stage, block: int) -> dict[str, nn.Module]:
     return lora.linear_layers(stage.modules[block - stage.blocks.start])
 
 
-def backward_bytes(stage: Stage, blocks: int, rows: int, tokens: int) -> int:
-    """Estimated peak memory of one Backward: every block's input kept + one block's activations and scores."""
+def backward_bytes(stage: Stage, blocks: int, rows: int, tokens: int, kept_graphs: int = 1) -> int:
+    """Estimated peak memory of one Backward: every block's input kept + the activations and scores of
+    `kept_graphs` blocks (1: each block recomputed when its turn comes; `blocks`: every block's graph kept from one
+    pass under autograd)."""
     config = stage.config
     width = int(stage.hidden_size)
     ffn = int(getattr(config, "intermediate_size", None) or getattr(config, "ffn_hidden_size", None) or 4 * width)
     heads = int(config.num_attention_heads)
-    per_token = blocks * width + ACTIVATION_WIDTHS * width + 3 * ffn + 3 * heads * tokens  # 3: scores, probs, grads
-    return rows * tokens * per_token * stage.dtype.itemsize
+    graph = ACTIVATION_WIDTHS * width + 3 * ffn + 3 * heads * tokens  # 3: scores, probs, grads
+    return rows * tokens * (blocks * width + kept_graphs * graph) * stage.dtype.itemsize
 
 
 def with_prompt(hidden: torch.Tensor, prompts: torch.Tensor | None, i: int) -> torch.Tensor:
@@ -108,23 +110,40 @@ class BlockGrads:
     lora: dict[tuple[str, str], torch.Tensor]  # (module, "a" | "b") -> gradient, for the block's LoRA
 
 
-def backward_block(stage: Stage, req: TrainRequest, i: int, hidden: torch.Tensor,
-                   grad_output: torch.Tensor) -> BlockGrads:
-    """Block start + i recomputed with autograd from its input `hidden` (before the prompt) and differentiated."""
+@dataclass
+class BlockGraph:
+    """One block run under autograd: its input and LoRA leaves and its output, ready to differentiate."""
+
+    x: torch.Tensor  # the block's input (before its prompt), a leaf
+    deltas: tuple[LoraDelta, ...]  # the block's LoRA, a and b leaves
+    out: torch.Tensor
+
+
+def block_graph(stage: Stage, req: TrainRequest, i: int, hidden: torch.Tensor) -> BlockGraph:
+    """Block start + i under autograd from its input `hidden` (before the prompt)."""
     block = req.blocks.start + i
-    mine = [d for d in req.lora if d.block == block]
     with torch.enable_grad():
         x = hidden.detach().to(stage.dtype).requires_grad_(True)
         deltas = tuple(LoraDelta(d.block, d.module, d.a.detach().requires_grad_(True),
-                                 d.b.detach().requires_grad_(True), d.scale) for d in mine)
-        out = block_call(stage, block, with_prompt(x, req.prompts, i), req.mask, deltas)
-        leaves = [x] + [t for d in deltas for t in (d.a, d.b)]
-        grads = torch.autograd.grad(out, leaves, grad_output.to(out.dtype), allow_unused=True)
+                                 d.b.detach().requires_grad_(True), d.scale) for d in req.lora if d.block == block)
+        return BlockGraph(x, deltas, block_call(stage, block, with_prompt(x, req.prompts, i), req.mask, deltas))
+
+
+def differentiate(graph: BlockGraph, req: TrainRequest, grad_output: torch.Tensor) -> BlockGrads:
+    """The block's gradients given its output's; frees its graph."""
+    leaves = [graph.x] + [t for d in graph.deltas for t in (d.a, d.b)]
+    grads = torch.autograd.grad(graph.out, leaves, grad_output.to(graph.out.dtype), allow_unused=True)
     grad_x = grads[0]
     lora_grads = {}
-    for j, d in enumerate(deltas):
+    for j, d in enumerate(graph.deltas):
         for k, name in enumerate(("a", "b")):
             g = grads[1 + 2 * j + k]
             lora_grads[(d.module, name)] = torch.zeros_like(d.a if name == "a" else d.b) if g is None else g
     prompt = None if req.prompts is None else grad_x[:, :req.prompts.shape[2]]  # the prompt is added: same grad
     return BlockGrads(grad_x, prompt, lora_grads)
+
+
+def backward_block(stage: Stage, req: TrainRequest, i: int, hidden: torch.Tensor,
+                   grad_output: torch.Tensor) -> BlockGrads:
+    """Block start + i recomputed with autograd from its input `hidden` (before the prompt) and differentiated."""
+    return differentiate(block_graph(stage, req, i, hidden), req, grad_output)
