@@ -82,3 +82,32 @@ def test_training_memory_estimate_grows_with_the_request(tiny_llama):
     assert training.backward_bytes(stage, 2, 1, 256) > 2 * small  # attention scores: quadratic in tokens
     with pytest.raises(KeyError):
         training.linear_layers(stage, 0)["no_such_layer"]
+
+
+def test_kept_graphs_and_recomputation_give_the_same_gradients(tiny_llama):
+    """The service keeps every block's graph when the request's memory bound allows, else recomputes each block:
+    the same gradients either way (with deep prompts and LoRA)."""
+    import asyncio
+
+    from swarmlm.config import ServerConfig
+    from swarmlm.server.scheduler import Scheduler
+    from swarmlm.server.service import ServerStats, SwarmService
+
+    stage = Stage(tiny_llama, BlockRange(0, 6))
+    x = torch.randn(2, 7, stage.hidden_size)
+    req = training.TrainRequest(BlockRange(1, 5), x, torch.ones(2, 7, dtype=torch.long),
+                                torch.randn(4, 2, 2, stage.hidden_size) * 0.1, (_lora(stage, 2, "self_attn.v_proj"),))
+    grad = torch.randn(2, 7, stage.hidden_size)
+    recompute_only = training.backward_bytes(stage, 4, 2, 7)
+    assert training.backward_bytes(stage, 4, 2, 7, kept_graphs=4) > recompute_only
+    results = []
+    for budget in (recompute_only, 1 << 30):
+        service = SwarmService(ServerConfig(model_dir=tiny_llama, blocks=BlockRange(0, 6),
+                                            max_train_request_bytes=budget), stage, Scheduler(1), ServerStats())
+        try:
+            results.append(asyncio.run(service.training.run_backward(req, grad)))
+        finally:
+            service.scheduler.stop()
+    (gx1, gp1, gl1, *_), (gx2, gp2, gl2, *_) = results
+    assert torch.allclose(gx1, gx2, atol=1e-6) and torch.allclose(gp1, gp2, atol=1e-6)
+    assert gl1.keys() == gl2.keys() and all(torch.allclose(gl1[k], gl2[k], atol=1e-6) for k in gl1)
