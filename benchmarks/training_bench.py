@@ -6,6 +6,7 @@ warm-up step each), bytes sent and received by the training RPCs. Results ->
 docs/RESULTS-finetune.md.
 
     .venv/bin/python benchmarks/training_bench.py [--model small-bloom] [--steps 3] [--threads 1]
+    .venv/bin/python benchmarks/training_bench.py --with-inference   # training beside 4 decode sessions
 """
 from __future__ import annotations
 
@@ -89,11 +90,59 @@ def side_by_side(path: str, family: str, mode: str, steps: int, addresses: list[
     return row
 
 
+def decode_times(path: str, addresses: list[str], sessions: int, tokens: int, stop=None) -> list[float]:
+    """`sessions` greedy decode sessions at once (one thread each), `tokens` steps each; every step's seconds."""
+    import threading
+
+    client = DistributedModelForCausalLM.from_pretrained(path, servers=addresses, dtype="float32")
+    times: list[float] = []
+
+    def one(seed: int) -> None:
+        ids = torch.randint(0, client.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad(), client.inference_session(max_length=16 + tokens) as session:
+            logits = client.step_logits(session, ids, last_only=True)
+            for _ in range(tokens):
+                t0 = time.perf_counter()
+                logits = client.step_logits(session, logits[:, -1:].argmax(-1), last_only=True)
+                times.append(time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(sessions)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    client.close()
+    return times
+
+
+def with_inference(path: str, family: str, addresses: list[str], steps: int) -> dict:
+    """Training steps (LoRA) while 4 decode sessions run on the same servers, vs each alone."""
+    import threading
+
+    alone_decode = statistics.median(decode_times(path, addresses, 4, 24))
+    trainer = swarm(path, family, "lora", addresses)
+    trainer.step()
+    alone_train = statistics.median(trainer.step() for _ in range(steps))
+    decode: list[float] = []
+    thread = threading.Thread(target=lambda: decode.extend(decode_times(path, addresses, 4, 24)))
+    thread.start()
+    train = []
+    while thread.is_alive():
+        train.append(trainer.step())
+    thread.join()
+    trainer.model.close()
+    return dict(decode_alone_s=alone_decode, decode_with_training_s=statistics.median(decode),
+                train_alone_s=alone_train, train_with_decode_s=statistics.median(train), train_steps=len(train),
+                train_tokens_per_s=ROWS * TOKENS / statistics.median(train))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="small-bloom", help="a preset (random weights)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--with-inference", action="store_true",
+                    help="only: LoRA training steps while 4 decode sessions run on the same (fp32) servers")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = str(init_checkpoint(args.model, Path(tempfile.gettempdir()) / f"swarmlm-bench-{args.model}", seed=0))
@@ -101,6 +150,12 @@ def main() -> None:
 
     cfg = AutoConfig.from_pretrained(path)
     family, blocks = cfg.model_type, int(cfg.num_hidden_layers)
+    if args.with_inference:
+        with LocalSwarm(path, threads=args.threads, with_dht=False) as live:
+            live.start(even_split(blocks, 2))
+            result = with_inference(path, family, live.addresses, args.steps)
+        print(json.dumps(dict(model=args.model, **result, machine=machine_info()), indent=1))
+        return
     rows = []
     for quant in ("none", "int8"):
         with LocalSwarm(path, threads=args.threads, with_dht=False, server_args=["--quant", quant]) as live:
