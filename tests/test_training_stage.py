@@ -111,3 +111,21 @@ def test_kept_graphs_and_recomputation_give_the_same_gradients(tiny_llama):
     (gx1, gp1, gl1, *_), (gx2, gp2, gl2, *_) = results
     assert torch.allclose(gx1, gx2, atol=1e-6) and torch.allclose(gp1, gp2, atol=1e-6)
     assert gl1.keys() == gl2.keys() and all(torch.allclose(gl1[k], gl2[k], atol=1e-6) for k in gl1)
+
+
+def test_row_chunks_and_adapter_names_in_records():
+    from swarmlm.client.training_forward import row_chunks
+    from swarmlm.server.adapters import adapter_name
+    from swarmlm.swarm.records import ServerRecord
+
+    assert row_chunks(5, 128, 256) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert row_chunks(3, 4096, 2048) == [slice(0, 1), slice(1, 2), slice(2, 3)]  # a row is never split
+    base = dict(server_id="x", address="127.0.0.1:1", start=0, end=2)
+    assert ServerRecord.from_dict({**base, "adapters": "a,b-1"}).adapter_names == ("a", "b-1")
+    assert ServerRecord.from_dict(base).adapter_names == ()
+    for bad in ("a,,b", "../x", "a" * 65, ",".join(["abc"] * 400)):
+        with pytest.raises(ValueError):
+            ServerRecord.from_dict({**base, "adapters": bad})
+    assert adapter_name("/some/dir/my-adapter") == "my-adapter"
+    with pytest.raises(ValueError):
+        adapter_name("/x/bad name")
