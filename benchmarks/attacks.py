@@ -364,6 +364,26 @@ def fuzz(ctx, count: int = 2000, seed: int = 0) -> tuple[int, str]:
     return count, ", ".join(f"{n} x {c}" for c, n in sorted(codes.items()))
 
 
+def hostile_training(ctx, rounds: int = 20) -> tuple[int, str]:
+    """Malformed and oversized gradients, prompts and LoRA to Backward / Forward (issue 27), `rounds` times each."""
+    from tests.test_attacks import hostile_training_requests  # one list of cases, light in the tests
+
+    channel, st = stub(ctx.address)
+    codes: dict[str, int] = {}
+    cases = hostile_training_requests(ctx.hidden, ctx.blocks)
+    for _ in range(rounds):
+        for _, request in cases:
+            call = st.Backward if isinstance(request, pb.BackwardRequest) else st.Forward
+            try:
+                call(request, timeout=60)
+                code = "OK"
+            except grpc.RpcError as exc:
+                code = exc.code().name
+            codes[code] = codes.get(code, 0) + 1
+    channel.close()
+    return rounds * len(cases), ", ".join(f"{n} x {c}" for c, n in sorted(codes.items()))
+
+
 ATTACKS: dict[str, Callable] = {
     "slot exhaustion (64 opens + garbage, dropped)": slot_exhaustion,
     "silent opens (64 held, no step)": silent_opens,
@@ -375,6 +395,7 @@ ATTACKS: dict[str, Callable] = {
     "zero-element huge dims": zero_element,
     "hostile cache ops (200 steps, copies to 16 rows)": cache_ops,
     "fuzz (random bytes + fields, every RPC)": fuzz,
+    "hostile training requests (gradients, prompts, LoRA)": hostile_training,
 }
 
 

@@ -8,9 +8,11 @@ Two prompt sets: prompts that quote their input (repeat, correct, extract, conti
 each chat-templated for the model.
 
     .venv/bin/python benchmarks/speculation_bench.py --model ~/.cache/swarmlm/checkpoints/smollm2-135m-instruct \
-        --servers 1,2,4 --tokens 32 --rounds 1
+        --servers 1,2,4,6 --tokens 48 --rounds 1
 
-tokens/s = generated tokens / the generate() call's wall time (TTFT included), medians over the prompts x rounds.
+Generation is greedy and ends at the model's eos (the answer's end) or after --tokens. tokens/s = generated tokens /
+the generate() call's wall time (TTFT included); decode tokens/s = (tokens - 1) / (wall - TTFT); medians over the
+prompts x rounds.
 """
 from __future__ import annotations
 
@@ -28,12 +30,18 @@ from swarmlm.bench.runner import BenchConfig, start_swarm
 from swarmlm.bench.strategies import StrategyConfig
 from swarmlm.client.model import DistributedModelForCausalLM
 
-QUOTING = [
-    "Repeat this sentence exactly, word for word: The quick brown fox jumps over the lazy dog near the old river bank.",
-    "Correct the spelling mistakes and give back the whole text: I beleive that the goverment shoud invest more in "
-    "publc transport and educaton.",
-    "From this list, write every item that is a fruit, one per line: apple, chair, banana, table, cherry, lamp, grape.",
-    "Continue the list with the next five entries: Monday, Tuesday, Wednesday,",
+QUOTING = [  # answers that quote the prompt: correct, repeat, edit code, fix grammar, extract (16-48 tokens each)
+    "Correct the spelling mistakes and give back the whole text: Yesterday I went to the libary to borow some books "
+    "about histroy. The librarian was very frendly and helped me find a book about the ancient Romans and there empire.",
+    "Repeat this paragraph exactly: The museum opens at nine in the morning and closes at six in the evening. Tickets "
+    "cost twelve euros for adults and five euros for children under twelve. Guided tours start every hour from the "
+    "main hall.",
+    "Rename the function add to sum_two in this code and give back the whole code:\n```python\ndef add(a, b):\n    "
+    "return a + b\n\n\ndef main():\n    total = add(1, 2)\n    print(add(total, 3))\n```",
+    "Fix the grammar and give back the whole text: She go to school every days. He have two brother and one sister. "
+    "They was playing football when it start to rain.",
+    "Extract the names of all the cities in this text, one per line: Last year we travelled from Paris to Berlin, then "
+    "took a train to Vienna and Prague, and finally flew from Prague to Rome and Madrid.",
 ]
 OPEN_ENDED = [
     "Write a short poem about the sea.",
@@ -76,14 +84,15 @@ def run_n(args, n: int, num_blocks: int, prompt_sets: dict[str, list[torch.Tenso
                         for name in order:
                             spec = MODES[name][1] or args.speculative
                             client = clients[name]
-                            # a mask: without one (and eos None) transformers would mask the template's
-                            # <|im_end|>, SmolLM2's pad token
+                            # a mask: without one transformers would mask the template's <|im_end|>, SmolLM2's pad
+                            # token; generation ends at the model's eos (the answer's end), as a user's would
                             out = client.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.tokens,
-                                                  do_sample=False, eos_token_id=None, speculative=spec)
+                                                  do_sample=False, speculative=spec)
                             st = client.last_stats
                             results[name].append({
                                 "prompt": p, "round": r, "tokens": out[0, ids.shape[1]:].tolist(),
                                 "tokens_per_s": st.new_tokens / st.total_s, "ttft_s": st.ttft_s,
+                                "decode_tokens_per_s": (st.new_tokens - 1) / max(st.total_s - st.ttft_s, 1e-9),
                                 "passes": len(st.steps), "pushed": all(s.pushed for s in st.steps),
                                 "speculation": st.speculation})
                 rows[set_name] = summarise(results)
@@ -101,16 +110,31 @@ def summarise(results: dict[str, list[dict]]) -> dict:
         drafted = sum(s["drafted"] for s in spec)
         out[name] = {
             "tokens_per_s_median": statistics.median(x["tokens_per_s"] for x in items),
+            "decode_tokens_per_s_median": statistics.median(x["decode_tokens_per_s"] for x in items),
             "identical_to_plain": [x["tokens"] for x in items] == plain,
             "pushed": all(x["pushed"] for x in items),
             "tokens_per_pass": sum(len(x["tokens"]) for x in items) / sum(x["passes"] for x in items),
             "acceptance_rate": sum(s["accepted"] for s in spec) / drafted if drafted else None,
             "mean_k": statistics.mean(s["mean_k"] for s in spec) if spec else None,
+            "by_kind": _merge_by_kind(spec),
             "runs": items,
         }
     base = out["plain"]["tokens_per_s_median"]
+    decode_base = out["plain"]["decode_tokens_per_s_median"]
     for name in out:
         out[name]["vs_plain"] = out[name]["tokens_per_s_median"] / base
+        out[name]["decode_vs_plain"] = out[name]["decode_tokens_per_s_median"] / decode_base
+    return out
+
+
+def _merge_by_kind(spec: list[dict]) -> dict[str, list[int]]:
+    """Drafted and accepted tokens per draft kind (prompt lookup: the matched n-gram length) over the runs."""
+    out: dict[str, list[int]] = {}
+    for s in spec:
+        for kind, (drafted, accepted) in s.get("by_kind", {}).items():
+            counts = out.setdefault(kind, [0, 0])
+            counts[0] += drafted
+            counts[1] += accepted
     return out
 
 
@@ -120,7 +144,7 @@ def main() -> None:
     ap.add_argument("--servers", default="1,2,4")
     ap.add_argument("--network", default="wan")
     ap.add_argument("--netem-mode", default="auto")
-    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--speculative", default="auto")
     ap.add_argument("--out", default="docs/results/speculation")
@@ -143,9 +167,10 @@ def main() -> None:
             for name, m in modes.items():
                 acc = m["acceptance_rate"]
                 print(f"N={n} {set_name:10s} {name:9s} {m['tokens_per_s_median']:6.2f} tok/s "
-                      f"({m['vs_plain']:.2f}x plain) identical={m['identical_to_plain']} pushed={m['pushed']} "
+                      f"({m['vs_plain']:.2f}x plain; decode {m['decode_tokens_per_s_median']:.2f} tok/s, "
+                      f"{m['decode_vs_plain']:.2f}x) identical={m['identical_to_plain']} pushed={m['pushed']} "
                       f"tokens/pass={m['tokens_per_pass']:.2f} acceptance={'' if acc is None else f'{acc:.2f}'} "
-                      f"mean k={m['mean_k']}", flush=True)
+                      f"mean k={m['mean_k']} by kind={m['by_kind']}", flush=True)
 
 
 if __name__ == "__main__":

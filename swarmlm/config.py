@@ -117,6 +117,7 @@ class ServerConfig:
     # keep full-precision weights as views of the checkpoint file's mapping (pages shared by the host's servers of
     # the same file) instead of copying them into the process: ~1.5x slower decode here (model/checkpoint.py)
     mmap_weights: bool = False
+    adapters: tuple[str, ...] = ()  # PEFT LoRA adapter directories served per session (server/adapters.py)
     num_blocks: int | None = None  # with blocks=None: how many blocks to take (None = from the memory budget)
     placement: str = "petals"  # how to choose a range when blocks=None: "petals" | "cg-bprr"
     memory_bytes: int | None = None  # budget for weights + caches when choosing num_blocks (None = 40% of RAM)
@@ -136,6 +137,11 @@ class ServerConfig:
     max_concurrent_rpcs: int = 256  # gRPC calls at once (streams included); more are refused RESOURCE_EXHAUSTED
     max_request_tokens: int = 32768  # rows x new tokens of one step or Forward (B=16 x 2048)
     max_attention_cost: int = 1 << 26  # rows x new tokens x context of one request (B x T^2: 16 x 2048^2)
+    # training (server/training.py): estimated peak memory of one Backward (every block's input + one block's
+    # activations); clients split larger batches into chunks of rows
+    max_train_request_bytes: int = 256 << 20
+    max_lora_rank: int = 64  # rank of a client's LoRA matrices sent with a request
+    max_lora_layers: int = 1024  # LoRA'd linear layers in one request
     announce_period_s: float = 2.0  # how often the DHT record is refreshed
     record_ttl_s: float = 8.0  # DHT records expire this long after their last refresh
     # a server placing itself (blocks=None) announces its choice as joining, then re-checks it after 0.5-1.5x this
@@ -158,7 +164,8 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         for name in ("cache_bytes", "max_sessions", "max_length_tokens", "max_batch", "max_message_bytes",
                      "max_sessions_per_peer", "max_peer_bytes_in_flight", "max_concurrent_rpcs",
-                     "max_request_tokens", "max_attention_cost", "open_idle_timeout_s", "session_idle_timeout_s"):
+                     "max_request_tokens", "max_attention_cost", "open_idle_timeout_s", "session_idle_timeout_s",
+                     "max_train_request_bytes", "max_lora_rank", "max_lora_layers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.join_settle_s < 0:
@@ -204,6 +211,10 @@ class ClientConfig:
     hang_floor_s: float = 5.0
     connect_timeout_s: float = 5.0
     max_retries: int = 3  # failovers within one step before giving up
+    # training (client/autograd.py): rows x tokens of one Forward / Backward request; a longer batch is split by
+    # rows into chunks of at most this (one row is never split: a longer sequence goes whole)
+    train_chunk_tokens: int = 2048
+    active_adapter: str | None = None  # a LoRA adapter servers pre-load (server --adapters): only they are routed to
     ban_base_s: float = 2.0  # a failed server is avoided for this long, doubling on each repeat failure
     ban_max_s: float = 60.0
     routing: str = "waiting-aware"  # "shortest" | "waiting-aware" (planner.routing.WaitingAwareRouter)
@@ -236,6 +247,8 @@ class ClientConfig:
             raise ValueError(f"wire_dtype must be one of {', '.join(WIRE_DTYPE_NAMES)}, got {self.wire_dtype!r}")
         if self.threads < 1 or self.max_retries < 0:
             raise ValueError("threads must be >= 1 and max_retries >= 0")
+        if self.train_chunk_tokens < 1:
+            raise ValueError(f"train_chunk_tokens must be >= 1, got {self.train_chunk_tokens}")
         if not (self.step_timeout_s > 0 and self.hang_factor > 0 and self.hang_floor_s > 0):
             raise ValueError(f"step_timeout_s ({self.step_timeout_s}), hang_factor ({self.hang_factor}) and "
                              f"hang_floor_s ({self.hang_floor_s}) must be > 0")

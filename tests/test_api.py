@@ -223,6 +223,55 @@ def test_logprobs_are_the_models_log_softmax(client, reference, tiny_bloom):
     assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)  # greedy: the top token
 
 
+# ---- n choices of a prompt in one session (api/group.py) --------------------------------------------------------
+def test_n_choices_share_one_session_and_equal_transformers(gateway, client, swarm, reference, tiny_bloom):
+    want, reason = reference(PROMPTS[1], 12)
+    got = client.completions.create(model=tiny_bloom, prompt=PROMPTS[1], max_tokens=12, temperature=0, n=3)
+    assert [(c.index, c.text, c.finish_reason) for c in got.choices] == [(i, want, reason) for i in range(3)]
+
+    assert _active_sessions(swarm) == [0, 0]
+    body = {"model": tiny_bloom, "prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0.8, "n": 3,
+            "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{gateway.url}/v1/completions", json=body,
+                         headers={"Authorization": f"Bearer {KEY}"}) as response:
+            lines = response.iter_lines()
+            first = next(lines)
+            while not first.startswith("data: "):
+                first = next(lines)
+            assert _active_sessions(swarm) == [1, 1]  # one session per server for the 3 choices, not 3
+    deadline = time.monotonic() + 60
+    while _active_sessions(swarm) != [0, 0]:  # closed when the client went away
+        assert time.monotonic() < deadline, f"sessions left open on the servers: {_active_sessions(swarm)}"
+        time.sleep(0.2)
+
+
+def test_choice_group_copies_the_prompt_and_drops_ended_choices(swarm, reference, tiny_bloom):
+    from swarmlm.api.engine import ChoiceDecoder, SamplingParams
+    from swarmlm.api.group import ChoiceGroup
+    from swarmlm.client.model import DistributedModelForCausalLM
+
+    ids = reference.tokenizer(PROMPTS[2]).input_ids
+    with torch.inference_mode():
+        want = reference.model.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12,
+                                        do_sample=False)[0, len(ids):].tolist()
+    model = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers)
+    lengths = [4, 12, 1, 8]  # each choice leaves the session after its own count (one after the prompt's step)
+    group = ChoiceGroup(model, ids, [ChoiceDecoder(model, ids, SamplingParams(max_tokens=m, temperature=0))
+                                     for m in lengths])
+    got: dict[int, list[int]] = {i: [] for i in range(len(lengths))}
+    try:
+        while group.live:
+            for choice, token in group.step().items():
+                got[choice].append(token.id)
+                if len(got[choice]) == lengths[choice]:
+                    group.drop(choice)
+    finally:
+        group.close()
+        model.close()
+    assert [got[i] for i in range(len(lengths))] == [want[:m] for m in lengths]
+
+
 # ---- errors ------------------------------------------------------------------------------------------------
 def test_invalid_requests_are_400_in_openai_schema(gateway, tiny_bloom):
     base = {"model": tiny_bloom, "prompt": "Hi"}

@@ -446,3 +446,79 @@ def test_hostile_cache_ops_are_refused_and_touch_no_other_session(attack_server,
     assert honest.poll_correct()
 
 
+
+# ---- training RPCs (issue 27): hostile Backward / Forward extras --------------------------------------------------
+def hostile_training_requests(hidden: int, blocks: int) -> list[tuple[str, object]]:
+    """(what, request) pairs a server must refuse (INVALID_ARGUMENT or RESOURCE_EXHAUSTED) without computing: bad
+    gradients, prompts and LoRA; a batch over the training memory bound (headers only: its data is never sent)."""
+    x, g = torch.randn(2, 5, hidden), torch.randn(2, 5, hidden)
+
+    def backward(**fields):
+        base = dict(start_block=0, end_block=blocks, hidden=codec.encode(x), grad_output=codec.encode(g))
+        return pb.BackwardRequest(**{**base, **fields})
+
+    def lora(**fields):
+        base = dict(block=0, module="self_attention.query_key_value", scale=2.0,
+                    a=codec.encode(torch.randn(4, hidden)), b=codec.encode(torch.randn(3 * hidden, 4)))
+        return pb.LoraWeights(**{**base, **fields})
+
+    nan = g.clone()
+    nan[0, 0, 0] = float("nan")
+    short = codec.encode(g)
+    short.data = short.data[:-4]
+    return [
+        ("gradient of the wrong shape", backward(grad_output=codec.encode(torch.randn(2, 6, hidden)))),
+        ("gradient with NaN", backward(grad_output=codec.encode(nan))),
+        ("gradient of integers", backward(grad_output=codec.encode(torch.ones(2, 5, hidden, dtype=torch.int64)))),
+        ("gradient bytes short of its shape", backward(grad_output=short)),
+        ("no gradient", pb.BackwardRequest(start_block=0, end_block=blocks, hidden=codec.encode(x))),
+        ("gradient claiming 2^62 values", backward(grad_output=pb.Tensor(dtype="float32", shape=[1 << 31, 1 << 31, 1]))),
+        ("batch over the training memory bound", backward(
+            hidden=pb.Tensor(dtype="float32", shape=[16, 2048, hidden]),
+            grad_output=pb.Tensor(dtype="float32", shape=[16, 2048, hidden]))),
+        ("range outside the server", backward(start_block=0, end_block=blocks + 5)),
+        ("prompts longer than the sequence", backward(prompts=codec.encode(torch.randn(blocks, 2, 6, hidden)))),
+        ("prompts for the wrong blocks", backward(prompts=codec.encode(torch.randn(blocks + 1, 2, 2, hidden)))),
+        ("prompts with inf", backward(prompts=codec.encode(torch.full((blocks, 2, 2, hidden), float("inf"))))),
+        ("LoRA on an unknown layer", backward(lora=[lora(module="no.such.layer")])),
+        ("LoRA outside the range", backward(lora=[lora(block=blocks + 1)])),
+        ("LoRA of rank 0", backward(lora=[lora(a=pb.Tensor(dtype="float32", shape=[0, hidden]))])),
+        ("LoRA of rank 4096", backward(lora=[lora(a=codec.encode(torch.randn(4096, hidden)),
+                                                  b=codec.encode(torch.randn(3 * hidden, 4096)))])),
+        ("LoRA of the wrong width", backward(lora=[lora(a=codec.encode(torch.randn(4, hidden + 1)))])),
+        ("LoRA given twice", backward(lora=[lora(), lora()])),
+        ("LoRA scale NaN", backward(lora=[lora(scale=float("nan"))])),
+        ("LoRA on 5000 layers", backward(lora=[lora()] * 5000)),
+        ("Forward with a NaN prompt", pb.ForwardRequest(start_block=0, end_block=blocks, hidden=codec.encode(x),
+                                                        prompts=codec.encode(torch.full((blocks, 2, 2, hidden),
+                                                                                        float("nan"))))),
+    ]
+
+
+def _training_call(stub, request):
+    call = stub.Backward if isinstance(request, pb.BackwardRequest) else stub.Forward
+    return call(request, timeout=60)
+
+
+@pytest.mark.slow
+def test_hostile_training_requests_are_refused_and_harm_no_one(attack_server, honest):
+    """Malformed or oversized gradients, prompts and LoRA: each a clean refusal; a valid Backward before and after
+    gives the same gradient, and an honest client's session (open meanwhile) stays exact."""
+    address, hidden, blocks = attack_server
+    x, g = torch.randn(2, 5, hidden), torch.randn(2, 5, hidden)
+    valid = pb.BackwardRequest(start_block=0, end_block=blocks, hidden=codec.encode(x), grad_output=codec.encode(g))
+    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+        stub = pb_grpc.SwarmStub(channel)
+        before = codec.decode(stub.Backward(valid, timeout=60).grad_hidden)
+        session, _ = _open(address, blocks)
+        held = session.send(_step(torch.randn(1, 4, hidden)))
+        for what, request in hostile_training_requests(hidden, blocks):
+            with pytest.raises(grpc.RpcError) as err:
+                _training_call(stub, request)
+            assert err.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), what
+        after = codec.decode(stub.Backward(valid, timeout=60).grad_hidden)
+        assert torch.equal(before, after)
+        again = session.send(_step(torch.randn(1, 1, hidden)))
+        assert not again.HasField("error") and again.position == held.position + 1
+        session.end()
+    assert honest.poll_correct()

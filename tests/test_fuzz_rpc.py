@@ -1,4 +1,4 @@
-"""Random bytes and random protobuf fields into every RPC (Inference, Forward, Info, Push), and random cache ops into
+"""Random bytes and random protobuf fields into every RPC (Inference, Forward, Backward, Info, Push), and random cache ops into
 live sessions: the server stays alive, answers every call with a status (never UNKNOWN: no exception escapes a
 handler), and an honest client stays exact. Seeded and bounded; benchmarks/attacks.py runs the same fuzzer heavier."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from swarmlm.wire import codec
 from tests.test_attacks import attack_server, honest, relay_bed  # noqa: F401  (fixtures: one server for this module)
 from swarmlm.wire import swarm_pb2 as pb
 
-RPCS = ("Inference", "Forward", "Info", "Push")
+RPCS = ("Inference", "Forward", "Backward", "Info", "Push")
 
 
 def _tensor(rng: random.Random, hidden: int) -> pb.Tensor:
@@ -31,6 +31,17 @@ def _target(rng: random.Random, address: str) -> pb.PushTarget:
                                              "p2p/" + "Q" * 61]),
                          session_id=rng.choice(["", "ab", "f" * 32, "../x", "z" * 100]),
                          step_id=rng.choice([0, 1, 2, 1 << 63]), secret=rng.randbytes(rng.choice([0, 16, 17])))
+
+
+def _lora(rng: random.Random, hidden: int) -> list[pb.LoraWeights]:
+    names = ["self_attention.query_key_value", "mlp.dense_4h_to_h", "", "x" * 300, "self_attention"]
+    return [pb.LoraWeights(block=rng.choice([0, 1, 5, 1 << 31]), module=rng.choice(names), a=_tensor(rng, hidden),
+                           b=_tensor(rng, hidden), scale=rng.choice([0.0, 2.0, -1e9, float("nan"), float("inf")]))
+            for _ in range(rng.choice([0, 0, 1, 2, 3]))]
+
+
+def _prompts(rng: random.Random, hidden: int) -> pb.Tensor | None:
+    return _tensor(rng, hidden) if rng.random() < 0.4 else None
 
 
 def _cache_op(rng: random.Random) -> pb.CacheOp | None:
@@ -54,7 +65,8 @@ def _inference_request(rng: random.Random, hidden: int, blocks: int, address: st
     if rng.random() < 0.4:
         return pb.InferenceRequest(open=pb.OpenSession(
             start_block=rng.choice([0, 1, blocks, 1 << 31]), end_block=rng.choice([0, 1, blocks, blocks + 1]),
-            batch_size=rng.choice([0, 1, 2, 64, 1 << 31]), max_length=rng.choice([0, 1, 64, 2048, 1 << 31])))
+            batch_size=rng.choice([0, 1, 2, 64, 1 << 31]), max_length=rng.choice([0, 1, 64, 2048, 1 << 31]),
+            adapter=rng.choice(["", "", "my-adapter", "x" * 300, "../etc"])))
     return pb.InferenceRequest(session_id=rng.choice(["", "f" * 32, "x" * 500]), secret=rng.randbytes(16),
                                step=_step(rng, hidden, address))
 
@@ -96,8 +108,17 @@ def _call(channel: grpc.Channel, rng: random.Random, rpc: str, hidden: int, bloc
         if rpc == "Forward":
             msg = pb.ForwardRequest(start_block=rng.choice([0, 1, blocks]), end_block=rng.choice([0, blocks, 99]),
                                     hidden=_tensor(rng, hidden),
-                                    attention_mask=_tensor(rng, hidden) if rng.random() < 0.3 else None)
+                                    attention_mask=_tensor(rng, hidden) if rng.random() < 0.3 else None,
+                                    prompts=_prompts(rng, hidden), lora=_lora(rng, hidden))
             reply_type = pb.ForwardReply
+        elif rpc == "Backward":
+            x = codec.encode(torch.randn(rng.choice([1, 2]), rng.choice([1, 3]), hidden))
+            msg = pb.BackwardRequest(start_block=rng.choice([0, 1, blocks]), end_block=rng.choice([0, blocks, 99]),
+                                     hidden=x if rng.random() < 0.5 else _tensor(rng, hidden),
+                                     grad_output=x if rng.random() < 0.3 else _tensor(rng, hidden),
+                                     attention_mask=_tensor(rng, hidden) if rng.random() < 0.3 else None,
+                                     prompts=_prompts(rng, hidden), lora=_lora(rng, hidden))
+            reply_type = pb.BackwardReply
         elif rpc == "Push":
             msg = pb.PushRequest(session_id=rng.choice(["", "f" * 32]), secret=rng.randbytes(16),
                                  step=_step(rng, hidden, address))

@@ -101,7 +101,8 @@ def test_no_rpc_is_served_without_the_key(swarm):
     with grpc.insecure_channel(swarm.addresses[0]) as channel:
         stub = pb_grpc.SwarmStub(channel)
         for call, request in ((stub.Info, pb.InfoRequest()), (stub.Push, pb.PushRequest(session_id="ab" * 16)),
-                              (stub.Forward, pb.ForwardRequest(start_block=0, end_block=1))):
+                              (stub.Forward, pb.ForwardRequest(start_block=0, end_block=1)),
+                              (stub.Backward, pb.BackwardRequest(start_block=0, end_block=1))):
             with pytest.raises(grpc.RpcError) as err:
                 call(request, timeout=30)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "private swarm" in err.value.details()

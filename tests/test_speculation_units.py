@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from swarmlm.client.drafting import DraftModel, PromptLookup
 from swarmlm.client.verification import verify_greedy, verify_sampling
 from swarmlm.perf.model import ComputeProfile, Network, PerfModel
-from swarmlm.perf.speculation import AcceptanceEstimate, choose_draft_length, expected_tokens
+from swarmlm.perf.speculation import AcceptanceByMatch, AcceptanceEstimate, choose_draft_length, expected_tokens
 from swarmlm.types import Span
 
 torch.set_num_threads(1)
@@ -34,6 +34,10 @@ def test_prompt_lookup_prefers_the_longest_then_the_latest_match():
     assert lookup.draft(ids(2, 3, 5, 3, 6, 2, 3), 1) == [5]
     # only 1-grams match: the latest occurrence of 3 was followed by 6
     assert lookup.draft(ids(2, 3, 5, 3, 6, 9, 3), 2) == [6, 9]
+    # lookup also says how long the matched suffix was (the acceptance estimate's kind); 0 without a match
+    assert lookup.lookup(ids(2, 3, 5, 3, 6, 2, 3), 1) == ([5], 2)
+    assert lookup.lookup(ids(2, 3, 5, 3, 6, 9, 3), 2) == ([6, 9], 1)
+    assert lookup.lookup(ids(1, 2, 4), 2) == ([], 0)
 
 
 def test_prompt_lookup_in_a_repeating_tail_takes_a_match_with_k_tokens_after_it():
@@ -120,6 +124,20 @@ def test_acceptance_estimate_counts_tried_drafts_and_forgets():
     assert est.passes == 90 and est.drafted == 240 and est.accepted_total == 120
     with pytest.raises(ValueError):
         est.update(proposed=2, accepted=3)
+
+
+def test_acceptance_by_match_keeps_one_estimate_per_kind_and_decays_all():
+    est = AcceptanceByMatch()
+    for _ in range(20):
+        est.update(3, proposed=6, accepted=6)  # 3-token matches: the quote goes on
+        est.update(1, proposed=6, accepted=0)  # 1-token matches: rejected at once
+    assert est.rate(3) > 0.9 and est.rate(1) < 0.2 and est.rate(2) == 0.5  # an unseen kind: the prior
+    low = est.rate(1)
+    for _ in range(20):
+        est.update(None, proposed=0, accepted=0)  # passes without drafts: every estimate drifts to the prior
+    assert low < est.rate(1) < 0.5 < est.rate(3) < 0.95
+    with pytest.raises(ValueError, match="without a kind"):
+        est.update(None, proposed=2, accepted=0)
 
 
 # ---- verification ----------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from swarmlm.api.metrics import GatewayMetrics
 from swarmlm.api.prompts import encode_chat, encode_prompt
 from swarmlm.api.schemas import ChatRequest, CompletionRequest, error_body, new_id
 from swarmlm.api.swarm_view import SwarmWatcher
+from swarmlm.client.speculative import parse_mode
 from swarmlm.errors import CapacityExceeded, InvalidRequest, MissingBlocks, ServerFailed
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class GatewayConfig:
     allowed_hosts: tuple[str, ...] = LOCAL_HOSTS  # Host header names answered ("*": any)
     default_context_tokens: int = 2048  # when neither the model config nor the servers state a limit
     view_refresh_s: float = 1.0  # a refused request re-reads the swarm at most this often
+    speculative: str | int = "off"  # every choice: "off", "auto" or a fixed draft length (client/speculative.py)
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -59,6 +61,10 @@ class GatewayConfig:
         if min(self.max_choices_per_request, self.max_prompt_chars, self.max_body_bytes) < 1:
             raise ValueError(f"max_choices_per_request ({self.max_choices_per_request}), max_prompt_chars "
                              f"({self.max_prompt_chars}) and max_body_bytes ({self.max_body_bytes}) must be >= 1")
+        try:
+            parse_mode(self.speculative)
+        except ValueError as exc:
+            raise ValueError(f"speculative: {exc}") from None
         if min(self.body_timeout_s, self.request_timeout_s) <= 0 or not self.allowed_hosts:
             raise ValueError(f"body_timeout_s ({self.body_timeout_s}) and request_timeout_s "
                              f"({self.request_timeout_s}) must be > 0 and allowed_hosts not empty")
@@ -140,7 +146,7 @@ class ClosingStreamingResponse(StreamingResponse):
 
 def create_app(model, tokenizer, config: GatewayConfig) -> FastAPI:
     metrics = GatewayMetrics()
-    engine = Engine(model, tokenizer, metrics)
+    engine = Engine(model, tokenizer, metrics, speculative=config.speculative)
     watcher = SwarmWatcher(model.remote)
     limits = ClientLimits(config.max_streams_per_client)
 

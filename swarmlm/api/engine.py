@@ -23,8 +23,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from swarmlm.api.group import ChoiceGroup
 from swarmlm.api.metrics import GatewayMetrics
 from swarmlm.api.schemas import SEED_RANGE
+from swarmlm.client.remote_cache import RemoteCache
+from swarmlm.client.speculative import SpeculativeDecoder, SpeculativeMode, parse_mode
 from swarmlm.types import Span
 
 
@@ -78,14 +81,19 @@ class Token:
 
 
 class ChoiceDecoder:
-    """One choice's session, stepped one token at a time from a worker thread."""
+    """One choice's session, stepped from a worker thread: one token per step, or with `speculative` (client/
+    speculative.py) 1 to k + 1 tokens per pass (prompt-lookup drafts, verified so that greedy output is plain
+    greedy's and sampled output follows the same distribution; a seed then draws a different, equally likely text)."""
 
-    def __init__(self, model, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    def __init__(self, model, prompt_ids: Sequence[int], params: SamplingParams,
+                 speculative: SpeculativeMode = "off") -> None:
         self.model = model
         self.params = params
         self.ids = torch.tensor([list(prompt_ids)], dtype=torch.long)  # [1, L + generated]
         self.prompt_tokens = len(prompt_ids)
         self.session = None
+        self.speculative = speculative if parse_mode(speculative) != 0 else None
+        self.speculator: SpeculativeDecoder | None = None  # with `speculative`, from the prompt's step on
         self.closed = False
         self.lock = threading.Lock()  # a close waits for the step in flight
         self.generator = torch.Generator()
@@ -103,7 +111,9 @@ class ChoiceDecoder:
             if params.top_p < 1.0:
                 self.processors.append(TopPLogitsWarper(params.top_p))
 
-    def step(self) -> Token:
+    @torch.no_grad()
+    def step(self) -> list[Token]:
+        """The next tokens: one per step, or those a speculative pass yields (at most the max_tokens left)."""
         with self.lock:
             if self.closed:
                 raise RuntimeError("this choice was closed")
@@ -112,13 +122,31 @@ class ChoiceDecoder:
                     max_length=self.prompt_tokens + self.params.max_tokens, batch_size=1,
                     l_in_hint=self.prompt_tokens, l_out_hint=self.params.max_tokens,
                 ).open()
+                if self.speculative is not None:
+                    self.speculator = SpeculativeDecoder(self.model, RemoteCache(self.model, self.session),
+                                                         self.processors, not self.params.greedy, self.speculative,
+                                                         generator=self.generator)
+                    ids, logits = self.speculator.start(self.ids[0].tolist())
+                    return self._taken(ids, logits)
                 step_ids = self.ids
+            elif self.speculator is not None:
+                ids, logits = self.speculator.advance(self.params.max_tokens - (self.ids.shape[1] - self.prompt_tokens))
+                return self._taken(ids, logits)
             else:
                 step_ids = self.ids[:, -1:]
             logits = self.model.step_logits(self.session, step_ids, None, last_only=True)[:, -1, :].float()  # [1, V]
-            token = self._choose(logits)
-            self.ids = torch.cat([self.ids, torch.tensor([[token.id]])], dim=1)
-            return token
+            return [self.accept(logits)]
+
+    def accept(self, logits: torch.Tensor) -> Token:
+        """The next token from its logits [1, V] (this choice's processors and generator), appended to the text."""
+        token = self._choose(logits)
+        self.ids = torch.cat([self.ids, torch.tensor([[token.id]])], dim=1)
+        return token
+
+    def _taken(self, ids: list[int], logits: torch.Tensor) -> list[Token]:
+        """A speculative pass's tokens, each with the logits [V] of its position (for logprobs)."""
+        self.ids = torch.cat([self.ids, torch.tensor([ids])], dim=1)
+        return [self._token(t, row[None].float()) for t, row in zip(ids, logits)]
 
     def route(self) -> tuple[Span, ...]:
         """The servers and blocks this choice went through (the last ones, after a failover)."""
@@ -132,6 +160,10 @@ class ChoiceDecoder:
         else:
             probs = torch.softmax(scores, dim=-1)
             next_id = int(torch.multinomial(probs, 1, generator=self.generator))
+        return self._token(next_id, logits)
+
+    def _token(self, next_id: int, logits: torch.Tensor) -> Token:
+        """The chosen token with the log-probabilities asked for, from its position's logits [1, V]."""
         if self.params.top_logprobs is None:
             return Token(next_id, 0.0)
         logprobs = torch.log_softmax(logits, dim=-1)[0]
@@ -205,6 +237,40 @@ class Finish:
     route: tuple[Span, ...] = ()  # the servers and blocks the choice went through
 
 
+class ChoiceProgress:
+    """One choice's output as its tokens come: the text released up to a stop string, the finish reason, timings."""
+
+    def __init__(self, engine: "Engine", index: int, prompt_tokens: int, params: SamplingParams, emit) -> None:
+        self.engine, self.index, self.prompt_tokens, self.params, self.emit = engine, index, prompt_tokens, params, emit
+        self.text = StopText(engine.tokenizer, params.stop)
+        self.t0 = time.perf_counter()
+        self.first_s, self.generated, self.reason = 0.0, 0, "length"
+
+    def take(self, token: Token) -> bool:
+        """Count and emit one token; True when the choice has ended (eos, a stop string, max_tokens)."""
+        self.generated += 1
+        if self.generated == 1:
+            self.first_s = time.perf_counter() - self.t0
+        self.engine.metrics.token()
+        if token.id in self.engine.eos:
+            self.reason = "stop"
+            return True
+        self.emit(Piece(self.index, self.text.add(token.id), token))
+        if self.text.stopped:
+            self.reason = "stop"
+        return self.text.stopped or self.generated >= self.params.max_tokens
+
+    def finish(self, route: tuple[Span, ...]) -> None:
+        """The held-back text and the Finish event (after the choice's session was closed or left)."""
+        rest = self.text.flush()
+        if rest:
+            self.emit(Piece(self.index, rest, None))
+        total_s = time.perf_counter() - self.t0
+        self.engine.metrics.finished(self.first_s, (total_s - self.first_s) / (self.generated - 1)
+                                     if self.generated > 1 else None)
+        self.emit(Finish(self.index, self.reason, self.prompt_tokens, self.generated, route))
+
+
 LONG_TEXT_CHARS = 16_384  # a text this long takes milliseconds to tokenize (~5 us per character here) and MBs
 
 
@@ -212,8 +278,9 @@ class Engine:
     """Holds the swarm client and the worker threads that drive its sessions and tokenize prompts."""
 
     def __init__(self, model, tokenizer, metrics: GatewayMetrics, max_workers: int = 64,
-                 long_text_workers: int = 2) -> None:
+                 long_text_workers: int = 2, speculative: SpeculativeMode = "off") -> None:
         self.model = model
+        self.speculative = speculative  # every choice's (ChoiceDecoder): "off", "auto" or a fixed draft length
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="swarmlm-api")
@@ -238,7 +305,7 @@ class Engine:
         Whatever fails here (building the decoder included) ends the request with that error."""
         decoder = None
         try:
-            decoder = ChoiceDecoder(self.model, prompt_ids, params)
+            decoder = ChoiceDecoder(self.model, prompt_ids, params, self.speculative)
             self._decode(decoder, index, len(prompt_ids), params, emit, stop)
         except BaseException as exc:  # handed to the request, which raises it
             emit(exc if isinstance(exc, Exception) else RuntimeError(f"the choice ended: {type(exc).__name__}"))
@@ -248,36 +315,37 @@ class Engine:
 
     def _decode(self, decoder: ChoiceDecoder, index: int, prompt_tokens: int, params: SamplingParams, emit,
                 stop: threading.Event) -> None:
-        text = StopText(self.tokenizer, params.stop)
-        t0 = time.perf_counter()
-        first_s, generated, reason = 0.0, 0, "length"
-        while generated < params.max_tokens and not stop.is_set():
-            token = decoder.step()
-            generated += 1
-            if generated == 1:
-                first_s = time.perf_counter() - t0
-            self.metrics.token()
-            if token.id in self.eos:
-                reason = "stop"
-                break
-            emit(Piece(index, text.add(token.id), token))
-            if text.stopped:
-                reason = "stop"
-                break
+        progress = ChoiceProgress(self, index, prompt_tokens, params, emit)
+        while not stop.is_set() and not any(progress.take(token) for token in decoder.step()):
+            pass  # several tokens per step when speculating; take() is True at the choice's end
         decoder.close()  # before the end is announced: a finished request holds no session
-        if stop.is_set():
-            return
-        rest = text.flush()
-        if rest:
-            emit(Piece(index, rest, None))
-        total_s = time.perf_counter() - t0
-        self.metrics.finished(first_s, (total_s - first_s) / (generated - 1) if generated > 1 else None)
-        emit(Finish(index, reason, prompt_tokens, generated, decoder.route()))
+        if not stop.is_set():
+            progress.finish(decoder.route())
+
+    def _generate_group(self, first: int, prompt_ids: Sequence[int], params: list[SamplingParams], emit,
+                        stop: threading.Event) -> None:
+        """n choices of one prompt in one session (api/group.py), choice `first + i` in row i, on a worker thread."""
+        group = None
+        try:
+            group = ChoiceGroup(self.model, prompt_ids, [ChoiceDecoder(self.model, prompt_ids, p) for p in params])
+            progress = {first + i: ChoiceProgress(self, first + i, len(prompt_ids), p, emit)
+                        for i, p in enumerate(params)}
+            while group.live and not stop.is_set():
+                for row, token in group.step().items():
+                    if progress[first + row].take(token):
+                        group.drop(row)
+                        progress[first + row].finish(group.route())
+        except BaseException as exc:  # handed to the request, which raises it
+            emit(exc if isinstance(exc, Exception) else RuntimeError(f"the choices ended: {type(exc).__name__}"))
+        finally:
+            if group is not None:
+                group.close()
 
     async def merged(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int,
                      timeout_s: float = math.inf) -> AsyncIterator[Piece | Finish]:
-        """Every choice (n per prompt, each its own session, run concurrently) as its events come; choice i of a
-        seeded request uses seed + i so the choices differ and repeat. Closing this generator (the client went
+        """Every choice (n per prompt, run concurrently) as its events come: the n choices of a prompt share one
+        session and its prompt's step (api/group.py), or with speculation each has its own; choice i of a seeded
+        request uses seed + i so the choices differ and repeat. Closing this generator (the client went
         away) stops every choice after its step in flight and closes its session; so does the deadline, which
         raises RequestTimeout."""
         loop = asyncio.get_running_loop()
@@ -299,11 +367,14 @@ class Engine:
         try:
             remaining = 0
             for i, ids in enumerate(prompts):
-                for j in range(n):
-                    index = i * n + j
-                    p = params if params.seed is None else replace(params, seed=params.seed + index)
-                    self.pool.submit(self._generate, index, ids, p, emit, stop).add_done_callback(lost)
-                    remaining += 1
+                choices = [params if params.seed is None else replace(params, seed=params.seed + i * n + j)
+                           for j in range(n)]
+                if n > 1 and parse_mode(self.speculative) == 0:  # one prefill, its cache copied to n rows
+                    self.pool.submit(self._generate_group, i * n, ids, choices, emit, stop).add_done_callback(lost)
+                else:  # a session per choice (a batched session does not speculate: docs/RESULTS-speculation.md)
+                    for j, p in enumerate(choices):
+                        self.pool.submit(self._generate, i * n + j, ids, p, emit, stop).add_done_callback(lost)
+                remaining += n
             while remaining:
                 try:
                     event = await asyncio.wait_for(queue.get(), max(deadline - time.monotonic(), 0.0))

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from swarmlm.cli.args import add_client_precision, add_dtype, add_push, add_swarm_key
+from swarmlm.cli.args import add_client_precision, add_dtype, add_push, add_speculative, add_swarm_key
 
 
 def add_parser(sub) -> None:
@@ -40,6 +40,7 @@ def add_parser(sub) -> None:
     p.add_argument("--log-level", default="warning")
     add_client_precision(p)
     add_push(p)
+    add_speculative(p)
     add_swarm_key(p)
 
 
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
                            max_choices_per_request=args.max_choices_per_request,
                            max_prompt_chars=args.max_prompt_chars, max_body_bytes=args.max_body_bytes,
                            body_timeout_s=args.body_timeout, request_timeout_s=args.request_timeout,
-                           allowed_hosts=(*LOCAL_HOSTS, *own, *args.allow_host))
+                           allowed_hosts=(*LOCAL_HOSTS, *own, *args.allow_host), speculative=args.speculative)
     tokenizer = load_tokenizer(args.model)
     model = DistributedModelForCausalLM.from_pretrained(
         args.model, initial_peers=args.initial_peers, servers=args.servers, threads=args.threads,

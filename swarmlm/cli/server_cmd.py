@@ -32,6 +32,11 @@ def add_parser(sub) -> None:
     p.add_argument("--quant", default="none", choices=QUANT_NAMES,
                    help="int8: the blocks' linear layers quantized on load (~1/4 of fp32's weight memory, faster "
                         "decode on CPU, ~1 %% logits error; needs float32; announced to clients)")
+    p.add_argument("--adapters", nargs="*", default=[],
+                   help="PEFT LoRA adapter directories to pre-load (announced; clients choose one per session with "
+                        "active_adapter=<directory name>; docs/FINETUNING.md)")
+    p.add_argument("--max-train-mb", type=int, default=256,
+                   help="estimated memory one training request (Backward) may take, MiB; larger ones are refused")
     p.add_argument("--mmap-weights", action="store_true",
                    help="serve full-precision weights from the checkpoint file's mapping (pages shared by servers of "
                         "the same file on one host) instead of copying them into the process: less memory per "
@@ -85,6 +90,6 @@ def run(args: argparse.Namespace) -> int:
         resume_grace_s=args.resume_grace, max_sessions_per_peer=args.max_sessions_per_peer,
         max_concurrent_rpcs=args.max_concurrent_rpcs, max_message_bytes=args.max_message_mb << 20, dht_prefix=args.dht_prefix,
         identity_file=args.identity, swarm_key=args.swarm_key, quant=args.quant,
-        mmap_weights=args.mmap_weights,
+        mmap_weights=args.mmap_weights, adapters=tuple(args.adapters), max_train_request_bytes=args.max_train_mb << 20,
     )
     return run_server(config, drain_timeout_s=args.drain_timeout, rebalance_period_s=args.rebalance_period)

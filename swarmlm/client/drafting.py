@@ -29,11 +29,17 @@ class PromptLookup:
     def draft(self, ids: torch.Tensor, k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the context's last n tokens (longest n
         first); [] when nothing matches. ids: [T] token ids, the prompt and what was generated so far."""
+        return self.lookup(ids, k)[0]
+
+    def lookup(self, ids: torch.Tensor, k: int) -> tuple[list[int], int]:
+        """(draft, n): the draft as in `draft` and the length n of the suffix it matched (0: no match). A longer
+        match predicts better: a 3-token match inside a quoted text is usually followed by more of the quote, a
+        single common token ("the", ",") rarely, so the speculative decoder keeps an acceptance estimate per n."""
         if ids.dim() != 1:
             raise ValueError(f"expected token ids [T], got shape {list(ids.shape)}")
         total = ids.shape[0]
         if k <= 0:
-            return []
+            return [], 0
         for n in range(min(self.max_ngram, total - 1), self.min_ngram - 1, -1):
             suffix = ids[total - n:]
             windows = ids[:total - 1].unfold(0, n, 1)  # [T - n, n]: every n-gram that has a token after it
@@ -43,8 +49,8 @@ class PromptLookup:
                 # in a repeating tail the latest match's continuation runs into the end of the context
                 full = hits[hits + k <= total]
                 start = int(full[-1]) if full.numel() else int(hits[0])
-                return ids[start:start + k].tolist()
-        return []
+                return ids[start:start + k].tolist(), n
+        return [], 0
 
 
 class DraftModel:

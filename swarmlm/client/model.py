@@ -18,7 +18,10 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from swarmlm.client.autograd import RemoteTrainer
 from swarmlm.client.remote_cache import GenerationStats, RemoteCache
+from swarmlm.client.training_forward import train_forward
+from swarmlm.client.tuning import TUNING_MODES, ClientLora, PromptTuning, TuningMode, load_trainable, save_trainable
 from swarmlm.client.head_batcher import HeadBatcher
 from swarmlm.client.remote import RemoteSequence
 from swarmlm.client.session import InferenceSession
@@ -45,7 +48,9 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
     main_input_name = "input_ids"
     _is_stateful = False
 
-    def __init__(self, model_dir: str | Path, config: ClientConfig) -> None:
+    def __init__(self, model_dir: str | Path, config: ClientConfig, tuning_mode: TuningMode | None = None,
+                 pre_seq_len: int = 0, lora_r: int = 8, lora_alpha: float = 16.0,
+                 lora_target_modules: Sequence[str] = ("q_proj", "v_proj")) -> None:
         super().__init__()
         self.model_dir = str(model_dir)
         self.client_config = config
@@ -64,18 +69,30 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         # concurrent sessions' heads as one matmul (a lone session never waits); None: each runs its own
         self.head_batcher = HeadBatcher(self.head, config.head_batch_wait) \
             if config.head_batch_wait.fraction > 0 else None
+        # fine-tuning through the swarm (docs/FINETUNING.md): the only trainable parameters are these
+        if tuning_mode is not None and tuning_mode not in TUNING_MODES:
+            raise ValueError(f"tuning_mode must be one of {', '.join(TUNING_MODES)} or None, got {tuning_mode!r}")
+        self.trainer = RemoteTrainer(self.remote)
+        self.prompts = PromptTuning(pre_seq_len, int(self.config.hidden_size), self.num_blocks,
+                                    deep=tuning_mode == "deep_ptune") if tuning_mode in ("ptune", "deep_ptune") else None
+        self.lora = ClientLora(self.adapter, self.config, lora_r, lora_alpha, lora_target_modules) \
+            if tuning_mode == "lora" else None
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, initial_peers: Sequence[str] = (), servers: Sequence[str] = (),
                         dtype: str | torch.dtype = "auto", dht_prefix: str | None = None,
                         revision: str | None = None, torch_dtype: str | torch.dtype | None = None,
-                        gguf_file: str | None = None, **kwargs) -> "DistributedModelForCausalLM":
+                        gguf_file: str | None = None, tuning_mode: TuningMode | None = None, pre_seq_len: int = 0,
+                        lora_r: int = 8, lora_alpha: float = 16.0,
+                        lora_target_modules: Sequence[str] = ("q_proj", "v_proj"),
+                        **kwargs) -> "DistributedModelForCausalLM":
         """The client's modules from a checkpoint directory, a GGUF file (`x.gguf`, or `gguf_file` of a hub id's
         snapshot), a catalog name (model/catalog.py) or hub id (`org/name`, at `revision`); servers found
         through the DHT (`initial_peers`) or a fixed `servers` list (host:port). dtype as transformers takes it:
         "auto" (the checkpoint's own), "float32", "bfloat16", "float16" or the torch dtypes (`torch_dtype`, its
-        older name, too); dht_prefix None is the model's identity. Other keyword arguments are ClientConfig
-        fields."""
+        older name, too); dht_prefix None is the model's identity. tuning_mode "ptune" | "deep_ptune" (with
+        pre_seq_len prompt tokens) or "lora" (lora_r, lora_alpha, lora_target_modules) adds trainable parameters
+        (client/tuning.py, docs/FINETUNING.md). Other keyword arguments are ClientConfig fields."""
         if not initial_peers and not servers:
             raise ValueError("give initial_peers (a DHT address) or servers (host:port list)")
         if torch_dtype is not None:
@@ -84,9 +101,11 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
             dtype = torch_dtype
         config = ClientConfig(initial_peers=tuple(initial_peers), servers=tuple(servers), dtype=dtype,
                               dht_prefix=dht_prefix, **kwargs)
+        tuning = dict(tuning_mode=tuning_mode, pre_seq_len=pre_seq_len, lora_r=lora_r, lora_alpha=lora_alpha,
+                      lora_target_modules=tuple(lora_target_modules))
         if gguf_file is not None:
-            return cls(gguf_in_snapshot(name_or_path, gguf_file, revision), config)
-        return cls(with_revision(name_or_path, revision), config)
+            return cls(gguf_in_snapshot(name_or_path, gguf_file, revision), config, **tuning)
+        return cls(with_revision(name_or_path, revision), config, **tuning)
 
     # ---- what GenerationMixin asks of a model ----------------------------------------------------------------
     @property
@@ -125,6 +144,20 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         norm = self.client_modules.embed_norm
         return norm(hidden) if norm is not None else hidden
 
+    def embed_inputs(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        """Token embeddings a caller made ([B, T, H], as transformers' inputs_embeds) -> block 0's input (BLOOM
+        normalises them first); differentiable."""
+        if inputs_embeds.shape[-1] != self.config.hidden_size:
+            raise InvalidRequest(f"inputs_embeds: hidden size {inputs_embeds.shape[-1]}, expected "
+                                 f"{self.config.hidden_size}")
+        hidden = inputs_embeds.to(self.dtype)
+        norm = self.client_modules.embed_norm
+        return norm(hidden) if norm is not None else hidden
+
+    def head_with_grad(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm + LM head, differentiable (training)."""
+        return lm_head(self.client_modules.lm_head, self.client_modules.final_norm(hidden.to(self.dtype)))
+
     @torch.inference_mode()
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return lm_head(self.client_modules.lm_head, self.client_modules.final_norm(hidden.to(self.dtype)))
@@ -139,37 +172,57 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         return session
 
     def step_logits(self, session: InferenceSession, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                    stats: GenerationStats | None = None, last_only: bool = False) -> torch.Tensor:
+                    stats: GenerationStats | None = None, last_only: bool = False,
+                    op: CacheOp | None = None) -> torch.Tensor:
         """New tokens [B, T] -> logits [B, T, V] ([B, 1, V] with last_only), keeping the session's caches on the
-        servers. Generation needs only the last position: with a 250k vocabulary the head is the costly part."""
-        return self._logits(session, input_ids, attention_mask, slice(-1, None) if last_only else slice(None), stats)
+        servers (edited first by `op`: B then follows its rows). Generation needs only the last position: with a
+        250k vocabulary the head is the costly part."""
+        return self._logits(session, input_ids, attention_mask, slice(-1, None) if last_only else slice(None), stats,
+                            op)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 cache: RemoteCache | None = None, use_cache: bool | None = None, logits_to_keep: int = 0,
+                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 **kwargs) -> CausalLMOutputWithPast:
-        """input_ids [B, T]: tokens the session has not seen (all of them without a cache); attention_mask
-        [B, past + T] as transformers keeps it (1 = token, 0 = left padding). logits_to_keep: the last N positions
-        only (0 = all). Without a cache, a one-shot session over the whole sequence."""
-        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise InvalidRequest(f"input_ids must be [batch, tokens] with tokens >= 1, got {list(input_ids.shape)}")
-        batch, tokens = input_ids.shape
+        """input_ids [B, T] or inputs_embeds [B, T, H] (the token embeddings, as transformers takes them): tokens
+        the session has not seen (all of them without a cache); attention_mask [B, past + T] as transformers keeps
+        it (1 = token, 0 = left padding). logits_to_keep: the last N positions only (0 = all). labels [B, T]: the
+        loss as transformers computes it (-100 = ignored). Without a cache, a one-shot session over the whole
+        sequence; differentiable (stateless Forward / Backward RPCs, client/autograd.py) when labels are given,
+        the model has trainable parameters or inputs_embeds requires grad."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise InvalidRequest("give exactly one of input_ids and inputs_embeds")
+        shape = tuple(input_ids.shape) if input_ids is not None else tuple(inputs_embeds.shape)
+        if len(shape) != (2 if input_ids is not None else 3) or shape[1] == 0:
+            raise InvalidRequest(f"input_ids must be [batch, tokens] (inputs_embeds [batch, tokens, hidden]) with "
+                                 f"tokens >= 1, got {list(shape)}")
+        batch, tokens = shape[:2]
         mask = attention_mask[:, -tokens:] if attention_mask is not None else None
         keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
+        tuned = self.prompts is not None or self.lora is not None
+        if cache is None and (labels is not None or tuned or inputs_embeds is not None and inputs_embeds.requires_grad):
+            return train_forward(self, input_ids, inputs_embeds, mask, labels, keep)
+        if tuned:
+            raise InvalidRequest("a model with prompts or LoRA runs without the servers' caches: "
+                                 "generate(..., use_cache=False)")
+        tokens_or_embeds = input_ids if input_ids is not None else inputs_embeds
         if cache is None:
             with self.inference_session(max_length=tokens, batch_size=batch, l_in_hint=tokens,
                                         l_out_hint=1) as session:
-                logits = self._logits(session, input_ids, mask, keep, None)
+                logits = self._logits(session, tokens_or_embeds, mask, keep, None)
             return CausalLMOutputWithPast(logits=logits)
         cache.before_forward()
         session = cache.session_for(batch, tokens)
-        logits = self._logits(session, input_ids, mask, keep, cache.stats, cache.take_pending())
+        logits = self._logits(session, tokens_or_embeds, mask, keep, cache.stats, cache.take_pending())
         cache.after_forward()
         return CausalLMOutputWithPast(logits=logits, cache=cache)
 
-    def _logits(self, session: InferenceSession, input_ids: torch.Tensor, mask: torch.Tensor | None, keep: slice,
+    def _logits(self, session: InferenceSession, tokens: torch.Tensor, mask: torch.Tensor | None, keep: slice,
                 stats: GenerationStats | None, op: CacheOp | None = None) -> torch.Tensor:
+        """tokens: ids [B, T], or embeddings [B, T, H] (inputs_embeds)."""
         t0 = time.perf_counter()
-        hidden = self.embed(input_ids)
+        with torch.inference_mode():
+            hidden = self.embed(tokens) if tokens.dim() == 2 else self.embed_inputs(tokens)
         t1 = time.perf_counter()
         out = session.step(hidden, mask, op)[:, keep]
         t2 = time.perf_counter()
@@ -232,7 +285,7 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         eos = () if eos is None else tuple(eos if isinstance(eos, (list, tuple)) else [eos])
         remote = RemoteCache(self, session, stats)
         remote.stats.prompt_tokens = len(prompt)
-        decoder = SpeculativeDecoder(self, remote, config, mode, draft_model, generator)
+        decoder = SpeculativeDecoder.for_config(self, remote, config, mode, draft_model, generator)
         # room for the new tokens and the drafts of a pass on top of the last pass's (held until the next step)
         remote.max_length = remote.max_length or len(prompt) + max_new + 2 * decoder.k_max + 1
         new: list[int] = []
@@ -247,6 +300,13 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
             out = torch.tensor([prompt + new])
             self.last_stats = remote.finish(out)
         return out
+
+    def save_trainable(self, path: str | Path) -> None:
+        """The trained prompts / LoRA matrices as a safetensors file (client/tuning.py)."""
+        save_trainable(self, path)
+
+    def load_trainable(self, path: str | Path) -> None:
+        load_trainable(self, path)
 
     def close(self) -> None:
         self.remote.close()

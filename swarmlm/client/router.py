@@ -50,6 +50,8 @@ class SwarmView:
     def update(self, records: dict[str, ServerRecord]) -> None:
         if self.config.require_full_precision:  # quantized servers (model/quant.py) are left out of every route
             records = {sid: r for sid, r in records.items() if r.quant == "none"}
+        if self.config.active_adapter:  # only servers that pre-loaded the adapter (server --adapters)
+            records = {sid: r for sid, r in records.items() if self.config.active_adapter in r.adapter_names}
         self.records = records
         self.read_s = time.monotonic()
 

@@ -34,10 +34,11 @@ from transformers.generation.logits_process import (
 
 from swarmlm.client.drafting import DraftModel, PromptLookup
 from swarmlm.client.verification import verify_greedy, verify_sampling
-from swarmlm.perf.speculation import MAX_DRAFT_TOKENS, AcceptanceEstimate, choose_draft_length
+from swarmlm.perf.speculation import MAX_DRAFT_TOKENS, AcceptanceByMatch, choose_draft_length
 
 SpeculativeMode = Union[str, int]  # "auto": k from the rule per pass, "off": plain decoding, an int: that fixed k
 DEFAULT_MAX_DRAFT = 8  # k_max for "auto"
+DRAFT_MODEL_KIND = 0  # a draft model's drafts in the acceptance estimate (prompt lookup's: the match length, >= 1)
 
 
 def parse_mode(mode: SpeculativeMode) -> int | None:
@@ -65,6 +66,18 @@ class SpeculationStats:
     tokens: int = 0  # tokens the passes yielded
     draft_s: float = 0.0  # client time spent drafting
     draft_lengths: list[int] = field(default_factory=list)  # k sent per pass
+    by_kind: dict[int, list[int]] = field(default_factory=dict)  # draft kind -> [drafted, accepted]
+
+    def record(self, kind: int | None, drafted: int, accepted: int) -> None:
+        self.passes += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.tokens += accepted + 1
+        self.draft_lengths.append(drafted)
+        if drafted:
+            counts = self.by_kind.setdefault(kind, [0, 0])
+            counts[0] += drafted
+            counts[1] += accepted
 
     @property
     def tokens_per_pass(self) -> float:
@@ -77,7 +90,8 @@ class SpeculationStats:
     def to_dict(self) -> dict:
         return {"passes": self.passes, "drafted": self.drafted, "accepted": self.accepted, "tokens": self.tokens,
                 "tokens_per_pass": self.tokens_per_pass, "acceptance_rate": self.acceptance_rate,
-                "mean_k": sum(self.draft_lengths) / len(self.draft_lengths) if self.draft_lengths else 0.0}
+                "mean_k": sum(self.draft_lengths) / len(self.draft_lengths) if self.draft_lengths else 0.0,
+                "by_kind": {str(kind): counts for kind, counts in sorted(self.by_kind.items())}}
 
 
 def unsupported(config: GenerationConfig, batch: int) -> str | None:
@@ -113,30 +127,38 @@ def processors_of(config: GenerationConfig) -> LogitsProcessorList:
 
 
 class SpeculativeDecoder:
-    """One sequence's speculative generation in an open session (batch 1)."""
+    """One sequence's speculative generation in an open session (batch 1): `start` (the prompt), then `advance`
+    (one pass) until the caller has enough; `generate` is that loop. `processors` score each position given the
+    tokens before it (transformers' LogitsProcessorList); `do_sample` False is greedy."""
 
-    def __init__(self, model, cache, config: GenerationConfig, mode: SpeculativeMode = "auto",
+    def __init__(self, model, cache, processors: LogitsProcessorList, do_sample: bool, mode: SpeculativeMode = "auto",
                  draft_model=None, generator: torch.Generator | None = None,
                  k_max: int = DEFAULT_MAX_DRAFT) -> None:
         self.model = model
         self.cache = cache  # RemoteCache: the session, and the edit the next step carries
-        self.do_sample = bool(config.do_sample)
-        self.processors = processors_of(config)
+        self.do_sample = bool(do_sample)
+        self.processors = processors
         self.fixed_k = parse_mode(mode)
         self.k_max = min(k_max, MAX_DRAFT_TOKENS) if self.fixed_k is None else self.fixed_k
         self.drafter = DraftModel(draft_model) if draft_model is not None else PromptLookup()
         self.generator = generator
-        self.estimate = AcceptanceEstimate()
+        self.estimate = AcceptanceByMatch()  # per kind of draft: prompt lookup's match length, or the draft model
         self.stats = SpeculationStats()
         self._draft_s_per_token = 0.0  # measured, a draft model's; prompt lookup costs ~nothing
+        self.context: list[int] = []  # the tokens the servers hold (after the truncation the next step carries)
+        self.last: int | None = None  # the newest token: chosen, not sent yet (it goes first in the next pass)
+
+    @classmethod
+    def for_config(cls, model, cache, config: GenerationConfig, mode: SpeculativeMode = "auto", draft_model=None,
+                   generator: torch.Generator | None = None) -> "SpeculativeDecoder":
+        return cls(model, cache, processors_of(config), bool(config.do_sample), mode, draft_model, generator)
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def generate(self, prompt: list[int], max_new_tokens: int, eos: tuple[int, ...] = (),
                  on_tokens=None) -> list[int]:
         """New tokens after `prompt` (at most max_new_tokens, ending at the first eos). on_tokens(list): each pass's."""
-        logits = self.model(input_ids=torch.tensor([prompt]), cache=self.cache, logits_to_keep=1).logits[0]  # [1, V]
-        context, new, last = list(prompt), [], None  # context: what the servers hold
-        tokens = self._verify(context, [], None, logits)
+        new: list[int] = []
+        tokens, _ = self.start(prompt)
         while True:
             tokens = _until_eos(tokens[:max_new_tokens - len(new)], eos)
             new += tokens
@@ -144,57 +166,68 @@ class SpeculativeDecoder:
                 on_tokens(tokens)
             if len(new) >= max_new_tokens or (eos and new[-1] in eos):
                 return new
-            if last is not None:  # the last pass sent [last, drafts]: the servers keep last and the accepted ones
-                context += [last] + tokens[:-1]
-            last = tokens[-1]  # chosen, not sent yet: it goes first in the next pass
-            tokens = self._pass(context, last, max_new_tokens - len(new))
+            tokens, _ = self.advance(max_new_tokens - len(new))
+
+    def start(self, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+        """The prompt's step: ([first token], its logits [1, V])."""
+        logits = self.model(input_ids=torch.tensor([prompt]), cache=self.cache, logits_to_keep=1).logits[0]  # [1, V]
+        tokens = self._verify(prompt, [], None, logits)
+        self.context, self.last = list(prompt), tokens[-1]
+        return tokens, logits
+
+    def advance(self, room: int) -> tuple[list[int], torch.Tensor]:
+        """One pass, with drafts for at most `room` - 1 more tokens: (the 1 to k + 1 tokens it yields, the logits
+        [len(tokens), V] each was chosen from, before the processors)."""
+        if self.last is None:
+            raise RuntimeError("advance() before start()")
+        tokens, logits = self._pass(self.context, self.last, room)
+        self.context += [self.last] + tokens[:-1]  # the servers keep last and the accepted drafts
+        self.last = tokens[-1]
+        return tokens, logits[:len(tokens)]
 
     def _pass(self, context: list[int], last: int, room: int) -> list[int]:
-        """One trip along the route: [last] + drafts; returns the tokens it yields (1 to k + 1)."""
+        """One trip along the route: [last] + drafts; the tokens it yields (1 to k + 1) and its logits [k + 1, V]."""
         session = self.cache.session
-        held = max(session.position, len(context))  # before the pending truncation, if the session counts it so
-        k = self._draft_length(min(self.k_max, room - 1, session.max_length - held - 1))
-        drafts, q = self._draft(context + [last], k)
+        held = self.cache.get_seq_length()  # after the truncation the next step carries (= len(context))
+        drafts, q, kind = self._draft(context + [last], min(self.k_max, room - 1, session.max_length - held - 1))
         ids = torch.tensor([[last] + drafts])
         logits = self.model(input_ids=ids, cache=self.cache).logits[0]  # [k + 1, V]
         tokens = self._verify(context + [last], drafts, q, logits)
         accepted = len(tokens) - 1
         if accepted < len(drafts):  # the rejected drafts leave the servers' caches with the next step
             self.cache.crop(accepted - len(drafts))
-        self.estimate.update(len(drafts), accepted)
-        s = self.stats
-        s.passes += 1
-        s.drafted += len(drafts)
-        s.accepted += accepted
-        s.tokens += len(tokens)
-        s.draft_lengths.append(len(drafts))
-        return tokens
+        self.estimate.update(kind if drafts else None, len(drafts), accepted)
+        self.stats.record(kind, len(drafts), accepted)
+        return tokens, logits
 
     # ---- its parts ----------------------------------------------------------------------------------------
-    def _draft_length(self, limit: int) -> int:
+    def _draft(self, context: list[int], limit: int) -> tuple[list[int], list | None, int | None]:
+        """(drafts, their distributions q or None for one-hot / greedy, their kind for the acceptance estimate).
+        Prompt lookup drafts first (free) and sizes k by the match it found; a draft model costs time per token,
+        so k is chosen before it drafts."""
         if limit <= 0:
-            return 0
+            return [], None, None
+        t0 = time.perf_counter()
+        if isinstance(self.drafter, PromptLookup):
+            drafts, n = self.drafter.lookup(torch.tensor(context), limit)
+            k = self._draft_length(n, len(drafts)) if drafts else 0
+            self.stats.draft_s += time.perf_counter() - t0
+            return drafts[:k], None, n
+        k = self._draft_length(DRAFT_MODEL_KIND, limit)
+        if k == 0:
+            return [], None, None
+        drafts, q = self.drafter.draft(torch.tensor(context), k, self._pick)
+        elapsed = time.perf_counter() - t0
+        self._draft_s_per_token = elapsed / k if not self._draft_s_per_token else \
+            0.8 * self._draft_s_per_token + 0.2 * elapsed / k
+        self.stats.draft_s += elapsed
+        return drafts, q if self.do_sample else None, DRAFT_MODEL_KIND
+
+    def _draft_length(self, kind: int, limit: int) -> int:
         if self.fixed_k is not None:
             return min(self.fixed_k, limit)
         cost = self.model.remote.pass_cost(self.cache.session.route_spans())
-        return choose_draft_length(self.estimate.rate, cost, limit, self._draft_s_per_token)
-
-    def _draft(self, context: list[int], k: int) -> tuple[list[int], list | None]:
-        if k == 0:
-            return [], None
-        t0 = time.perf_counter()
-        ids = torch.tensor(context)
-        if isinstance(self.drafter, PromptLookup):
-            drafts, q = self.drafter.draft(ids, k), None  # deterministic: q one-hot
-        else:
-            drafts, q = self.drafter.draft(ids, k, self._pick)
-            if not self.do_sample:
-                q = None
-            elapsed = time.perf_counter() - t0
-            self._draft_s_per_token = elapsed / k if not self._draft_s_per_token else \
-                0.8 * self._draft_s_per_token + 0.2 * elapsed / k
-        self.stats.draft_s += time.perf_counter() - t0
-        return drafts, q
+        return choose_draft_length(self.estimate.rate(kind), cost, limit, self._draft_s_per_token)
 
     def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """A draft model's next token: its argmax, or a sample from its processed distribution."""

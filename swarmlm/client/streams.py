@@ -63,6 +63,7 @@ class Channels:
         self.assumed_bandwidth_bps = config.assumed_bandwidth_bps
         self._bandwidth: dict[str, BandwidthEstimate] = {}
         self.wire_dtype = config.wire_dtype  # hidden states' format, "auto" = per link (wire/compress.py)
+        self.adapter = config.active_adapter or ""  # sessions open with this pre-loaded LoRA adapter
 
     def link(self, address: str) -> LinkScheduler:
         return self.links.get(address)
@@ -178,7 +179,8 @@ class SpanStream:
         try:
             self.call = self.channels.stub(self.span.address).Inference()
             await self.call.write(pb.InferenceRequest(open=pb.OpenSession(
-                start_block=self.span.start, end_block=self.span.end, batch_size=batch, max_length=max_length)))
+                start_block=self.span.start, end_block=self.span.end, batch_size=batch, max_length=max_length,
+                adapter=self.channels.adapter)))
             async with asyncio.timeout(self.timeout_s):
                 reply = await self.call.read()
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, OSError) as exc:

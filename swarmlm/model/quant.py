@@ -116,6 +116,11 @@ class Int8Linear(DynamicLinear):
         return q
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad and torch.is_grad_enabled():  # training through the swarm (server/training.py)
+            return _Int8LinearGrad.apply(x, self)
+        return self.int8_forward(x)
+
+    def int8_forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self._packed_params._packed_params
         if x.numel() == x.shape[-1]:  # one row: the kernel's range is already the row's own (and no extra ops)
             return torch.ops.quantized.linear_dynamic(x, packed, reduce_range=self.reduce_range)
@@ -125,6 +130,21 @@ class Int8Linear(DynamicLinear):
         if bias is None:
             return torch.addcmul(y * half, center, self.weight_sum)  # s W x' + c W 1
         return torch.addcmul(torch.addcmul(bias, y - bias, half), center, self.weight_sum)
+
+
+class _Int8LinearGrad(torch.autograd.Function):
+    """The int8 kernel's output; its input gradient through the dequantized int8 weight, dx = dy W (the
+    activations' rounding passes the gradient straight through). The weight gets no gradient: it is frozen."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, module: "Int8Linear") -> torch.Tensor:
+        ctx.module = module
+        return module.int8_forward(x.detach())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weight = ctx.module.weight().dequantize()  # [out, in], unpacked per call: training only
+        return grad @ weight.to(grad.dtype), None
 
 
 def _dynamic_int8(module: nn.Module) -> nn.Module:

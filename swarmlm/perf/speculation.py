@@ -11,12 +11,15 @@ independently (Leviathan et al. 2023, "Fast inference from transformers via spec
 
 k = 0 is plain decoding (one token per pass): where a pass costs mostly compute (one fast link, slow servers) or a
 is low, k* = 0 and speculation costs nothing. `pass_s` comes from the performance model the planner and the router
-use (`PerfModel.pass_s`), `a` from the session's own passes (`AcceptanceEstimate`).
+use (`PerfModel.pass_s`), `a` from the session's own passes (`AcceptanceEstimate`), one estimate per kind of evidence
+behind a draft (`AcceptanceByMatch`: prompt lookup's drafts after a 3-token match are accepted far more often than
+after a 1-token one, and a single rate averaged over both would draft too little after the first, too much after
+the second).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 MAX_DRAFT_TOKENS = 16  # the most drafts one pass may carry (k_max's upper bound)
@@ -79,8 +82,41 @@ class AcceptanceEstimate:
         """One pass: `proposed` drafts sent, the first `accepted` of them accepted."""
         if not 0 <= accepted <= proposed:
             raise ValueError(f"need 0 <= accepted <= proposed, got {accepted} of {proposed}")
-        self.accepted = self.decay * self.accepted + accepted
-        self.tried = self.decay * self.tried + accepted + (1 if accepted < proposed else 0)
+        self.forget()
+        self.accepted += accepted
+        self.tried += accepted + (1 if accepted < proposed else 0)
         self.passes += 1
         self.drafted += proposed
         self.accepted_total += accepted
+
+    def forget(self) -> None:
+        """One pass's decay of the counts, towards the prior."""
+        self.accepted *= self.decay
+        self.tried *= self.decay
+
+
+@dataclass
+class AcceptanceByMatch:
+    """A session's acceptance estimates, one per kind of evidence behind a draft: for prompt lookup the length n of
+    the suffix it matched (client/drafting.py), for a draft model a single key. Every pass decays them all, so a
+    kind of draft the rule stopped sending is tried again later."""
+
+    estimates: dict[int, AcceptanceEstimate] = field(default_factory=dict)
+
+    def rate(self, key: int) -> float:
+        return self._estimate(key).rate
+
+    def update(self, key: int | None, proposed: int, accepted: int) -> None:
+        """One pass: `proposed` drafts of kind `key` sent (None: no draft), the first `accepted` of them accepted."""
+        if key is None and proposed:
+            raise ValueError(f"{proposed} drafts sent without a kind")
+        for other, estimate in self.estimates.items():
+            if other != key:
+                estimate.forget()
+        if key is not None:
+            self._estimate(key).update(proposed, accepted)
+
+    def _estimate(self, key: int) -> AcceptanceEstimate:
+        if key not in self.estimates:
+            self.estimates[key] = AcceptanceEstimate()
+        return self.estimates[key]

@@ -120,6 +120,7 @@ class Server:
         log.info("loading blocks %s of %s (dtype %s)", blocks, cfg.model_dir, cfg.dtype)  # minutes for big models
         t0 = time.perf_counter()
         self.stage = Stage(cfg.model_dir, blocks, cfg.dtype, cfg.quant, cfg.mmap_weights)
+        self.stage.load_adapters(cfg.adapters)
         log.info("loaded %d blocks in %.1f s (%.0f MiB)", blocks.length, time.perf_counter() - t0,
                  self.stage.weight_bytes / 2**20)
         profile = cached_profile(self.stage, cfg.threads, cfg.profile_cache_dir)

@@ -26,6 +26,7 @@ from swarmlm.server.push import Pusher, StepOrder, TargetCheck, check_targets
 from swarmlm.server.scheduler import JobTiming, Scheduler
 from swarmlm.server.sessions import PeerBytes, Session, SessionTable
 from swarmlm.server.stage import SpanState, Stage
+from swarmlm.server.train_service import TrainingRpcs
 from swarmlm.swarm.identity import Identity, sign_info
 from swarmlm.swarm.private import client_interceptors
 from swarmlm.types import BlockRange, CacheOp
@@ -142,6 +143,8 @@ def add_to_server(service: "SwarmService", server) -> None:
             service.Inference, parse(pb.InferenceRequest), pb.InferenceReply.SerializeToString),
         "Forward": grpc.unary_unary_rpc_method_handler(
             service.Forward, parse(pb.ForwardRequest), pb.ForwardReply.SerializeToString),
+        "Backward": grpc.unary_unary_rpc_method_handler(
+            service.Backward, parse(pb.BackwardRequest), pb.BackwardReply.SerializeToString),
         "Info": grpc.unary_unary_rpc_method_handler(service.Info, parse(pb.InfoRequest), pb.InfoReply.SerializeToString),
         "Push": grpc.unary_unary_rpc_method_handler(service.Push, parse(pb.PushRequest), pb.PushReply.SerializeToString),
     }
@@ -168,6 +171,8 @@ class SwarmService(pb_grpc.SwarmServicer):
         self.accepting = True  # False while draining for shutdown: new sessions go elsewhere
         self.num_model_blocks = int(stage.config.num_hidden_layers)
         self._trim = _Trimmer()
+        # Forward with prompts / LoRA, and Backward (server/train_service.py)
+        self.training = TrainingRpcs(self, peer_host, decode_step)
 
     # ---- validation -------------------------------------------------------------------------------------
     def _check_range(self, start: int, end: int) -> BlockRange:
@@ -207,8 +212,12 @@ class SwarmService(pb_grpc.SwarmServicer):
             raise InvalidRequest(f"batch_size must be in [1, {self.config.max_batch}], got {msg.batch_size}")
         if not 1 <= msg.max_length <= self.config.max_length_tokens:
             raise InvalidRequest(f"max_length must be in [1, {self.config.max_length_tokens}], got {msg.max_length}")
+        if msg.adapter and msg.adapter not in self.stage.lora_adapters:
+            raise InvalidRequest(f"adapter {msg.adapter[:80]!r} is not served here (served: "
+                                 f"{', '.join(self.stage.lora_adapters) or 'none'})")
         nbytes = self.stage.cache_bytes(blocks.length, msg.batch_size, msg.max_length)
-        state = self.stage.new_state(blocks, msg.batch_size, msg.max_length)  # no cache allocated until a step
+        # no cache allocated until a step
+        state = self.stage.new_state(blocks, msg.batch_size, msg.max_length, msg.adapter)
         return self.sessions.open(owner, state, msg.batch_size, msg.max_length, nbytes)
 
     def _serves(self, info: pb.InfoReply, block: int) -> bool:
@@ -510,6 +519,8 @@ class SwarmService(pb_grpc.SwarmServicer):
         """Stateless: whole sequences through a sub-range, computed in slices through a temporary cache."""
         if request is UNPARSABLE:
             return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse", pb.ForwardReply())
+        if codec.is_set(request.prompts) or request.lora:  # training extras: block by block (server/training.py)
+            return await self.training.forward(request, context)
         started = time.perf_counter()
         peer, error, nbytes = peer_host(context), None, 0
         try:
@@ -552,6 +563,13 @@ class SwarmService(pb_grpc.SwarmServicer):
         finally:
             self.load.release(peer, nbytes)
 
+    async def Backward(self, request: pb.BackwardRequest, context) -> pb.BackwardReply:
+        """Stateless: a span's input gradient (and its prompts' and LoRA's) from its output gradient."""
+        if request is UNPARSABLE:
+            return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse",
+                              pb.BackwardReply())
+        return await self.training.backward(request, context)
+
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoReply:
         if request is UNPARSABLE:
             return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse", pb.InfoReply())
@@ -577,6 +595,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             # the weights of the served range, for clients to compare with their own (model/fingerprint.py)
             fingerprint=range_fingerprint(self.config.model_dir, self.stage.blocks.start, self.stage.blocks.end),
             quant=self.stage.quant, weight_bytes=self.stage.weight_bytes,  # int8 weights: announced, and their size
+            adapters=sorted(self.stage.lora_adapters),
         )
 
     async def expire_loop(self, period_s: float = 0.5) -> None:

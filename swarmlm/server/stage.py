@@ -13,7 +13,9 @@ import torch
 
 from swarmlm.model.checkpoint import load_blocks, parse_dtype
 from swarmlm.model.quant import Quant, check_quant, weight_bytes
+from swarmlm.server.adapters import MAX_ADAPTERS, adapter_name, load_adapter
 from swarmlm.server.kv_cache import Member, SpanCache, StepCache, left_pad
+from swarmlm.server.lora import LoraDelta, lora_hooks
 from swarmlm.types import BlockRange, CacheOp
 
 
@@ -24,6 +26,7 @@ class SpanState:
     blocks: BlockRange
     cache: SpanCache
     mask: torch.Tensor  # [B, position] int64, 1 = real token
+    lora_adapter: str = ""  # a pre-loaded LoRA adapter the session runs with ("" = none; server/adapters.py)
 
     @property
     def position(self) -> int:
@@ -39,7 +42,8 @@ class SpanState:
         truncation, as every family derives them from the mask."""
         keep = self.position if op is None else op.kept(self.position)
         if keep == 0:
-            return SpanState(self.blocks, self.cache.truncated(0), torch.zeros(rows, 0, dtype=torch.long))
+            return SpanState(self.blocks, self.cache.truncated(0), torch.zeros(rows, 0, dtype=torch.long),
+                             self.lora_adapter)
         moved = op is not None and op.rows is not None and op.rows != tuple(range(self.rows))
         if keep == self.position and not moved:
             return self
@@ -47,7 +51,7 @@ class SpanState:
         if moved:  # (the identity, frequent in beam search, costs no copy)
             index = torch.tensor(op.rows, dtype=torch.long)
             cache, mask = cache.selected(index), mask[index]
-        return SpanState(self.blocks, cache, mask)
+        return SpanState(self.blocks, cache, mask, self.lora_adapter)
 
 
 @dataclass(frozen=True)
@@ -65,9 +69,9 @@ class StepRequest:
         return int(self.hidden.shape[0] * self.hidden.shape[1])  # rows x new tokens: the step's compute size
 
     @property
-    def batch_key(self) -> tuple[int, int, int]:
-        # steps batch together when they run the same blocks on the same number of new tokens
-        return (self.state.blocks.start, self.state.blocks.end, int(self.hidden.shape[1]))
+    def batch_key(self) -> tuple[int, int, int, str]:
+        # steps batch together when they run the same blocks on the same number of new tokens, with one adapter
+        return (self.state.blocks.start, self.state.blocks.end, int(self.hidden.shape[1]), self.state.lora_adapter)
 
 
 class Stage:
@@ -83,6 +87,14 @@ class Stage:
             model_dir, blocks.start, blocks.end, self.dtype, self.quant, mmap)
         self.weight_bytes = weight_bytes(self.modules)  # what the blocks hold in memory (announced)
         self.hidden_size = int(self.config.hidden_size)
+        self.lora_adapters: dict[str, tuple[LoraDelta, ...]] = {}  # name -> its LoRA on these blocks
+
+    def load_adapters(self, paths) -> None:
+        """Pre-load PEFT LoRA adapters (server/adapters.py) for sessions that ask for them."""
+        for path in paths:
+            self.lora_adapters[adapter_name(path)] = load_adapter(path, self.modules, self.blocks)
+        if len(self.lora_adapters) > MAX_ADAPTERS:
+            raise ValueError(f"at most {MAX_ADAPTERS} adapters, got {len(self.lora_adapters)}")
 
     @property
     def kv_dim(self) -> int:
@@ -94,10 +106,12 @@ class Stage:
         # keys + values for every block, sequence and position the session may reach
         return 2 * num_blocks * batch * max_length * self.kv_dim * self.dtype.itemsize
 
-    def new_state(self, blocks: BlockRange, batch: int, max_length: int | None = None) -> SpanState:
+    def new_state(self, blocks: BlockRange, batch: int, max_length: int | None = None,
+                  lora_adapter: str = "") -> SpanState:
         """max_length: tokens the session may reach, if known: its cache never grows past them."""
-        assert self.blocks.contains(blocks)
-        return SpanState(blocks, SpanCache(blocks.length, max_length), torch.zeros(batch, 0, dtype=torch.long))
+        assert self.blocks.contains(blocks) and (not lora_adapter or lora_adapter in self.lora_adapters)
+        return SpanState(blocks, SpanCache(blocks.length, max_length), torch.zeros(batch, 0, dtype=torch.long),
+                         lora_adapter)
 
     def step(self, state: SpanState, hidden: torch.Tensor, new_mask: torch.Tensor,
              op: CacheOp | None = None) -> torch.Tensor:
@@ -125,7 +139,8 @@ class Stage:
         mask = masks[0] if len(requests) == 1 else left_pad(masks, cache.past + t)  # [sum B, past + T]
         hidden = torch.cat([r.hidden for r in requests], dim=0).to(self.dtype)  # [sum B, T, H]
         local = slice(first.state.blocks.start - self.blocks.start, first.state.blocks.end - self.blocks.start)
-        out = self.adapter.forward_span(self.config, self.modules[local], hidden, cache, mask)
+        with lora_hooks(self.modules, self.blocks.start, self.lora_adapters.get(first.state.lora_adapter, ())):
+            out = self.adapter.forward_span(self.config, self.modules[local], hidden, cache, mask)
         # only after success: a failed forward leaves every session's committed length and mask as they were
         cache.commit(t)
         for r, m, member in zip(requests, masks, members):

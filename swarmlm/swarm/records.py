@@ -18,6 +18,7 @@ ONLINE, OFFLINE, JOINING, LOADING = "online", "offline", "joining", "loading"
 # record_ttl_s must fit under it (MAX_RECORD_TTL_S, in config.py). MAX_CLOCK_SKEW_S is the slack for peers whose
 # clocks run ahead.
 MAX_CLOCK_SKEW_S = 5.0
+_ADAPTER = re.compile(r"^[A-Za-z0-9._\-]{1,64}$")  # server/adapters.py NAME
 _ADDRESS = re.compile(r"^[A-Za-z0-9.\-\[\]:]{1,200}:\d{1,5}$")
 
 
@@ -46,6 +47,11 @@ class ServerRecord:
     decode_4rows_s: float = 0.0
     decode_16rows_s: float = 0.0
     joined_at: float = 0.0  # joining/loading: wall-clock s of its first joining record; orders joiners (who yields)
+    adapters: str = ""  # pre-loaded LoRA adapters, comma-separated names (server/adapters.py); "" = none
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        return tuple(self.adapters.split(",")) if self.adapters else ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,6 +97,8 @@ class ServerRecord:
             raise ValueError(f"record state {record.state!r}")
         if record.quant not in QUANT_NAMES:
             raise ValueError(f"record quant {record.quant!r}")
+        if len(record.adapters) > 1100 or not all(_ADAPTER.match(n) for n in record.adapter_names):
+            raise ValueError(f"record adapters {record.adapters[:80]!r}")
         return record
 
 
@@ -112,6 +120,7 @@ def record_from_info(info, address: str, state: str = ONLINE, relay: str = "") -
         "fingerprint": info.fingerprint,
         "quant": info.quant or "none", "weight_bytes": info.weight_bytes,  # (older servers send no quant)
         "decode_4rows_s": info.decode_4rows_s_per_block, "decode_16rows_s": info.decode_16rows_s_per_block,
+        "adapters": ",".join(info.adapters),
     })
 
 

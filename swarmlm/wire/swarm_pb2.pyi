@@ -39,16 +39,18 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("start_block", "end_block", "batch_size", "max_length")
+    __slots__ = ("start_block", "end_block", "batch_size", "max_length", "adapter")
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
     END_BLOCK_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     start_block: int
     end_block: int
     batch_size: int
     max_length: int
-    def __init__(self, start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_length: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_length: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class PushTarget(_message.Message):
     __slots__ = ("address", "session_id", "step_id", "secret")
@@ -131,16 +133,64 @@ class PushReply(_message.Message):
     def __init__(self) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("start_block", "end_block", "hidden", "attention_mask")
+    __slots__ = ("start_block", "end_block", "hidden", "attention_mask", "prompts", "lora")
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
     END_BLOCK_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     start_block: int
     end_block: int
     hidden: Tensor
     attention_mask: Tensor
-    def __init__(self, start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    prompts: Tensor
+    lora: _containers.RepeatedCompositeFieldContainer[LoraWeights]
+    def __init__(self, start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., prompts: _Optional[_Union[Tensor, _Mapping]] = ..., lora: _Optional[_Iterable[_Union[LoraWeights, _Mapping]]] = ...) -> None: ...
+
+class LoraWeights(_message.Message):
+    __slots__ = ("block", "module", "a", "b", "scale")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    A_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    module: str
+    a: Tensor
+    b: Tensor
+    scale: float
+    def __init__(self, block: _Optional[int] = ..., module: _Optional[str] = ..., a: _Optional[_Union[Tensor, _Mapping]] = ..., b: _Optional[_Union[Tensor, _Mapping]] = ..., scale: _Optional[float] = ...) -> None: ...
+
+class BackwardRequest(_message.Message):
+    __slots__ = ("start_block", "end_block", "hidden", "attention_mask", "grad_output", "prompts", "lora")
+    START_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    END_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
+    GRAD_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    start_block: int
+    end_block: int
+    hidden: Tensor
+    attention_mask: Tensor
+    grad_output: Tensor
+    prompts: Tensor
+    lora: _containers.RepeatedCompositeFieldContainer[LoraWeights]
+    def __init__(self, start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., grad_output: _Optional[_Union[Tensor, _Mapping]] = ..., prompts: _Optional[_Union[Tensor, _Mapping]] = ..., lora: _Optional[_Iterable[_Union[LoraWeights, _Mapping]]] = ...) -> None: ...
+
+class BackwardReply(_message.Message):
+    __slots__ = ("grad_hidden", "grad_prompts", "grad_lora", "timing")
+    GRAD_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    GRAD_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_LORA_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    grad_hidden: Tensor
+    grad_prompts: Tensor
+    grad_lora: _containers.RepeatedCompositeFieldContainer[LoraWeights]
+    timing: Timing
+    def __init__(self, grad_hidden: _Optional[_Union[Tensor, _Mapping]] = ..., grad_prompts: _Optional[_Union[Tensor, _Mapping]] = ..., grad_lora: _Optional[_Iterable[_Union[LoraWeights, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
     __slots__ = ("hidden", "timing")
@@ -157,7 +207,7 @@ class InfoRequest(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("server_id", "model", "start_block", "end_block", "num_blocks", "hidden_size", "dtype", "cache_bytes_total", "cache_bytes_free", "active_sessions", "queue_length", "max_length", "max_batch", "max_message_bytes", "decode_s_per_block", "prefill_a_s", "prefill_b_s", "version", "session_bytes_per_block_token", "fingerprint", "quant", "weight_bytes", "decode_4rows_s_per_block", "decode_16rows_s_per_block", "public_key", "signature", "signed_address")
+    __slots__ = ("server_id", "model", "start_block", "end_block", "num_blocks", "hidden_size", "dtype", "cache_bytes_total", "cache_bytes_free", "active_sessions", "queue_length", "max_length", "max_batch", "max_message_bytes", "decode_s_per_block", "prefill_a_s", "prefill_b_s", "version", "session_bytes_per_block_token", "fingerprint", "quant", "weight_bytes", "adapters", "decode_4rows_s_per_block", "decode_16rows_s_per_block", "public_key", "signature", "signed_address")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +230,7 @@ class InfoReply(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     QUANT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     DECODE_4ROWS_S_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     DECODE_16ROWS_S_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -207,9 +258,10 @@ class InfoReply(_message.Message):
     fingerprint: str
     quant: str
     weight_bytes: int
+    adapters: _containers.RepeatedScalarFieldContainer[str]
     decode_4rows_s_per_block: float
     decode_16rows_s_per_block: float
     public_key: bytes
     signature: bytes
     signed_address: str
-    def __init__(self, server_id: _Optional[str] = ..., model: _Optional[str] = ..., start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., cache_bytes_total: _Optional[int] = ..., cache_bytes_free: _Optional[int] = ..., active_sessions: _Optional[int] = ..., queue_length: _Optional[int] = ..., max_length: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., decode_s_per_block: _Optional[float] = ..., prefill_a_s: _Optional[float] = ..., prefill_b_s: _Optional[float] = ..., version: _Optional[str] = ..., session_bytes_per_block_token: _Optional[int] = ..., fingerprint: _Optional[str] = ..., quant: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., decode_4rows_s_per_block: _Optional[float] = ..., decode_16rows_s_per_block: _Optional[float] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., signed_address: _Optional[str] = ...) -> None: ...
+    def __init__(self, server_id: _Optional[str] = ..., model: _Optional[str] = ..., start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., cache_bytes_total: _Optional[int] = ..., cache_bytes_free: _Optional[int] = ..., active_sessions: _Optional[int] = ..., queue_length: _Optional[int] = ..., max_length: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., decode_s_per_block: _Optional[float] = ..., prefill_a_s: _Optional[float] = ..., prefill_b_s: _Optional[float] = ..., version: _Optional[str] = ..., session_bytes_per_block_token: _Optional[int] = ..., fingerprint: _Optional[str] = ..., quant: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., decode_4rows_s_per_block: _Optional[float] = ..., decode_16rows_s_per_block: _Optional[float] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., signed_address: _Optional[str] = ...) -> None: ...

@@ -44,6 +44,11 @@ class SwarmStub:
                 request_serializer=swarmlm_dot_wire_dot_swarm__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=swarmlm_dot_wire_dot_swarm__pb2.ForwardReply.FromString,
                 _registered_method=True)
+        self.Backward = channel.unary_unary(
+                '/swarmlm.Swarm/Backward',
+                request_serializer=swarmlm_dot_wire_dot_swarm__pb2.BackwardRequest.SerializeToString,
+                response_deserializer=swarmlm_dot_wire_dot_swarm__pb2.BackwardReply.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/swarmlm.Swarm/Info',
                 request_serializer=swarmlm_dot_wire_dot_swarm__pb2.InfoRequest.SerializeToString,
@@ -66,6 +71,12 @@ class SwarmServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Forward(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Backward(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -95,6 +106,11 @@ def add_SwarmServicer_to_server(servicer, server):
                     servicer.Forward,
                     request_deserializer=swarmlm_dot_wire_dot_swarm__pb2.ForwardRequest.FromString,
                     response_serializer=swarmlm_dot_wire_dot_swarm__pb2.ForwardReply.SerializeToString,
+            ),
+            'Backward': grpc.unary_unary_rpc_method_handler(
+                    servicer.Backward,
+                    request_deserializer=swarmlm_dot_wire_dot_swarm__pb2.BackwardRequest.FromString,
+                    response_serializer=swarmlm_dot_wire_dot_swarm__pb2.BackwardReply.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -161,6 +177,33 @@ class Swarm:
             '/swarmlm.Swarm/Forward',
             swarmlm_dot_wire_dot_swarm__pb2.ForwardRequest.SerializeToString,
             swarmlm_dot_wire_dot_swarm__pb2.ForwardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Backward(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmlm.Swarm/Backward',
+            swarmlm_dot_wire_dot_swarm__pb2.BackwardRequest.SerializeToString,
+            swarmlm_dot_wire_dot_swarm__pb2.BackwardReply.FromString,
             options,
             channel_credentials,
             insecure,

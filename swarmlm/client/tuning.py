@@ -1,0 +1,99 @@
+"""What a client trains through the swarm (docs/FINETUNING.md): soft prompts and its own LoRA. The base model's
+weights stay frozen on the client and on the servers; these are the model's only trainable parameters.
+
+- "ptune": K trainable embeddings prepended to every sequence (PEFT's prompt tuning, Petals' "ptune").
+- "deep_ptune": those, plus a prompt per block added to the first K positions of that block's input (Petals'
+  "deep_ptune"; zero at the start, so training begins at the plain model).
+- "lora": A [r, in] and B [out, r] for chosen linear layers of every block (PEFT's init: A kaiming-uniform, B zero;
+  out += alpha / r * x A^T B^T), sent with each request; the servers return their gradients.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Literal, Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from swarmlm.client.autograd import LoraSpec
+
+TuningMode = Literal["ptune", "deep_ptune", "lora"]
+TUNING_MODES = ("ptune", "deep_ptune", "lora")
+
+
+class PromptTuning(nn.Module):
+    def __init__(self, pre_seq_len: int, hidden_size: int, num_blocks: int, deep: bool) -> None:
+        super().__init__()
+        if pre_seq_len < 1:
+            raise ValueError(f"pre_seq_len must be >= 1 for prompt tuning, got {pre_seq_len}")
+        self.pre_seq_len, self.num_blocks = pre_seq_len, num_blocks
+        self.prompt_embeddings = nn.Parameter(torch.randn(pre_seq_len, hidden_size) * 0.02)  # [K, H]
+        # [blocks, K, H], zero: a deep prompt starts as no change at all
+        self.deep_prompts = nn.Parameter(torch.zeros(num_blocks, pre_seq_len, hidden_size)) if deep else None
+
+    def prepend(self, hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, T, H], [B, T] -> [B, K + T, H], [B, K + T]: the prompt before every sequence."""
+        b = hidden.shape[0]
+        prompt = self.prompt_embeddings.to(hidden.dtype).unsqueeze(0).expand(b, -1, -1)
+        ones = torch.ones(b, self.pre_seq_len, dtype=mask.dtype)
+        return torch.cat([prompt, hidden], dim=1), torch.cat([ones, mask], dim=1)
+
+    def block_prompts(self, batch: int) -> torch.Tensor | None:
+        """[blocks, B, K, H] for the servers, or None without deep prompts."""
+        if self.deep_prompts is None:
+            return None
+        return self.deep_prompts.unsqueeze(1).expand(-1, batch, -1, -1)
+
+
+class ClientLora(nn.Module):
+    """LoRA matrices for `target_modules` (names or name suffixes, as PEFT's) of every block."""
+
+    def __init__(self, adapter, config, r: int = 8, alpha: float = 16.0,
+                 target_modules: Sequence[str] = ("q_proj", "v_proj")) -> None:
+        super().__init__()
+        if r < 1:
+            raise ValueError(f"lora_r must be >= 1, got {r}")
+        self.specs: list[LoraSpec] = []
+        self.a, self.b = nn.ParameterList(), nn.ParameterList()
+        for block in range(int(config.num_hidden_layers)):
+            for name, layer in block_linears(adapter, config, block).items():
+                if not any(name == t or name.endswith("." + t) for t in target_modules):
+                    continue
+                a = nn.Parameter(torch.empty(r, layer.in_features))
+                nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # PEFT's (and nn.Linear's) default
+                self.a.append(a)
+                self.b.append(nn.Parameter(torch.zeros(layer.out_features, r)))
+                self.specs.append(LoraSpec(block, name, alpha / r))
+        if not self.specs:
+            raise ValueError(f"no linear layer of the blocks matches target_modules {list(target_modules)}")
+
+    def triples(self) -> list[tuple[LoraSpec, torch.Tensor, torch.Tensor]]:
+        return list(zip(self.specs, self.a, self.b))
+
+
+def block_linears(adapter, config, block: int) -> dict[str, nn.Module]:
+    """A block's linear layers by name, built on the meta device (names and shapes only: no weights)."""
+    with torch.device("meta"):
+        module = adapter.build_block(config, block, cache_idx=0)
+    return {name: m for name, m in module.named_modules() if isinstance(m, nn.Linear)}
+
+
+def save_trainable(module: nn.Module, path: str | Path) -> None:
+    """The trainable tensors (prompts, LoRA) as safetensors; the base weights are not in it."""
+    save_file({k: v.detach().contiguous() for k, v in module.named_parameters() if v.requires_grad}, str(path))
+
+
+def load_trainable(module: nn.Module, path: str | Path) -> None:
+    """Values saved by save_trainable, into a model built with the same tuning options (names and shapes must
+    match)."""
+    own = {k: v for k, v in module.named_parameters() if v.requires_grad}
+    saved = load_file(str(path))
+    if set(saved) != set(own):
+        raise ValueError(f"{path}: tensors {sorted(saved)[:6]} do not match this model's {sorted(own)[:6]}")
+    with torch.no_grad():
+        for name, value in saved.items():
+            if value.shape != own[name].shape:
+                raise ValueError(f"{path}: {name} is {list(value.shape)}, expected {list(own[name].shape)}")
+            own[name].copy_(value)

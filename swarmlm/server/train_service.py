@@ -1,0 +1,238 @@
+"""The training RPCs: Forward with deep prompts or a client's LoRA, and Backward (docs/PROTOCOL.md, "Training").
+
+Everything a peer sends is checked from the message headers before any tensor is decoded (range, shapes, the
+request's estimated memory against ServerConfig.max_train_request_bytes), then decoded with NaN/inf refused. A
+refusal changes nothing: these calls keep no state. Compute goes to the scheduler one block at a time, as prefill
+work, so other sessions' decode steps keep their priority between the blocks of a long backward.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+
+from swarmlm.errors import CapacityExceeded, InvalidRequest
+from swarmlm.server import training
+from swarmlm.server.scheduler import Batchable, JobTiming
+from swarmlm.server.lora import LoraDelta
+from swarmlm.server.training import TrainRequest
+from swarmlm.types import StepKind
+from swarmlm.wire import codec, compress
+from swarmlm.wire import swarm_pb2 as pb
+
+if TYPE_CHECKING:
+    from swarmlm.server.service import SwarmService
+
+log = logging.getLogger(__name__)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _call_each(items: list) -> list:
+    return [item() for item in items]
+
+
+def _float_header(msg: pb.Tensor, what: str, shape: tuple[int, ...]) -> None:
+    dtype, got = codec.header(msg, what, max_elements=max(math.prod(shape), 1))
+    if dtype not in FLOAT_DTYPES or got != shape:
+        raise InvalidRequest(f"{what}: expected a float tensor {list(shape)}, got {dtype} {list(got)}")
+
+
+def _message_bytes(request) -> int:
+    """Bytes the request's tensors declare (headers only; 0 for a header that is invalid: refused later)."""
+    msgs = [request.hidden, request.attention_mask, request.prompts]
+    msgs += [getattr(request, "grad_output", pb.Tensor())] + [t for w in request.lora for t in (w.a, w.b)]
+    total = 0
+    for msg in msgs:
+        try:
+            _, shape = codec.header(msg) if codec.is_set(msg) else (None, ())
+        except InvalidRequest:
+            continue
+        total += math.prod(shape) * 4 if shape else 0
+    return total
+
+
+class TrainingRpcs:
+    """Forward-with-extras and Backward for one SwarmService (its config, stage, scheduler and per-host limits)."""
+
+    def __init__(self, service: "SwarmService", peer_host, decode_step) -> None:
+        self.service = service
+        self.peer_host = peer_host  # context -> the calling host (service.py): per-host limits
+        self.decode_step = decode_step  # hidden + mask from their header-checked messages (service.py)
+        self.config = service.config
+        self.stage = service.stage
+
+    # ---- validation --------------------------------------------------------------------------------------
+    def parse(self, request, with_grad: bool) -> tuple[TrainRequest, torch.Tensor | None]:
+        """A TrainRequest (and the output gradient) from a Forward or Backward request, or InvalidRequest /
+        CapacityExceeded naming what is wrong. Headers and sizes first, then the data."""
+        svc, h = self.service, self.stage.hidden_size
+        blocks = svc._check_range(request.start_block, request.end_block)
+        b, t = svc._check_shape(request.hidden, None, 0, self.config.max_length_tokens)
+        need = training.backward_bytes(self.stage, blocks.length, b, t)
+        if need > self.config.max_train_request_bytes:
+            raise CapacityExceeded(
+                f"{b} x {t} tokens over {blocks.length} blocks need ~{need >> 20} MiB here, over the "
+                f"{self.config.max_train_request_bytes >> 20} MiB a training request may use: send fewer rows")
+        if with_grad:
+            _float_header(request.grad_output, "grad_output", (b, t, h))
+        k = 0
+        if codec.is_set(request.prompts):
+            _, shape = codec.header(request.prompts, "prompts", max_elements=blocks.length * b * t * h)
+            k = shape[2] if len(shape) == 4 else 0
+            if not 1 <= k <= t:
+                raise InvalidRequest(f"prompts: expected [{blocks.length}, {b}, K <= {t}, {h}], got {list(shape)}")
+            _float_header(request.prompts, "prompts", (blocks.length, b, k, h))
+        lora = self._lora_headers(request.lora, blocks)
+        hidden, mask = self.decode_step(request.hidden, request.attention_mask, b, t, h)
+        prompts = codec.decode(request.prompts, "prompts", finite=True).float() if k else None
+        deltas = tuple(
+            LoraDelta(w.block, w.module, codec.decode(w.a, "lora.a", finite=True).float(),
+                      codec.decode(w.b, "lora.b", finite=True).float(), float(w.scale))
+            for w in lora)
+        grad = codec.decode(request.grad_output, "grad_output", finite=True) if with_grad else None
+        return TrainRequest(blocks, hidden, mask, prompts, deltas), grad
+
+    def _lora_headers(self, weights, blocks) -> list[pb.LoraWeights]:
+        if len(weights) > self.config.max_lora_layers:
+            raise InvalidRequest(f"lora: {len(weights)} layers exceed the limit of {self.config.max_lora_layers}")
+        seen = set()
+        for w in weights:
+            if not blocks.start <= w.block < blocks.end:
+                raise InvalidRequest(f"lora: block {w.block} is outside the request's {blocks}")
+            layer = training.linear_layers(self.stage, w.block).get(w.module)
+            if layer is None:
+                raise InvalidRequest(f"lora: block {w.block} has no linear layer {w.module[:80]!r}")
+            if (w.block, w.module) in seen:
+                raise InvalidRequest(f"lora: block {w.block} {w.module!r} given twice")
+            seen.add((w.block, w.module))
+            if not (math.isfinite(w.scale) and abs(w.scale) <= 1e4):
+                raise InvalidRequest(f"lora: scale {w.scale} is not a finite number of at most 1e4")
+            _, a_shape = codec.header(w.a, "lora.a", max_elements=self.config.max_lora_rank * layer.in_features)
+            r = a_shape[0]
+            if not 1 <= r <= self.config.max_lora_rank:
+                raise InvalidRequest(f"lora: rank {r} is not in [1, {self.config.max_lora_rank}]")
+            _float_header(w.a, "lora.a", (r, layer.in_features))
+            _float_header(w.b, "lora.b", (layer.out_features, r))
+        return list(weights)
+
+    # ---- compute -----------------------------------------------------------------------------------------
+    async def _job(self, fn, tokens: int) -> tuple[object, JobTiming]:
+        """One block's work on the compute thread, as prefill: decodes of other sessions go first."""
+        return await self.service.scheduler.submit_batchable(
+            Batchable(_call_each, object(), fn, member=object()), StepKind.PREFILL, tokens)
+
+    async def run_forward(self, req: TrainRequest) -> tuple[list[torch.Tensor], float, float]:
+        """Every block's input and the span's output (inputs[-1]); queued and compute seconds."""
+        inputs, queued, compute = [req.hidden], 0.0, 0.0
+        tokens = int(req.hidden.shape[0] * req.hidden.shape[1])
+        for i in range(req.blocks.length):
+            out, timing = await self._job(
+                lambda i=i, x=inputs[-1]: training.forward_block(self.stage, req, i, x), tokens)
+            inputs.append(out)
+            queued, compute = queued + timing.queued_s, compute + timing.compute_s
+        return inputs, queued, compute
+
+    async def run_backward(self, req: TrainRequest, grad: torch.Tensor):
+        """Keep every block's graph from one pass under autograd when the request's memory bound allows it (the
+        span's forward then runs once here), else recompute each block when its turn comes (block inputs kept by a
+        pass without autograd: twice)."""
+        b, t = req.hidden.shape[:2]
+        tokens, n = int(b * t), req.blocks.length
+        keep = training.backward_bytes(self.stage, n, b, t, kept_graphs=n) <= self.config.max_train_request_bytes
+        queued = compute = 0.0
+        graphs, hidden = [], req.hidden
+        if keep:
+            for i in range(n):
+                graph, timing = await self._job(lambda i=i, x=hidden: training.block_graph(self.stage, req, i, x),
+                                                tokens)
+                graphs.append(graph)
+                hidden = graph.out.detach()
+                queued, compute = queued + timing.queued_s, compute + timing.compute_s
+        else:
+            inputs, queued, compute = await self.run_forward(req)
+        prompt_grads: list[torch.Tensor | None] = [None] * n
+        lora_grads: dict[tuple[int, str, str], torch.Tensor] = {}
+        for i in reversed(range(n)):
+            work = (lambda i=i, g=grad: training.differentiate(graphs.pop(), req, g)) if keep else \
+                (lambda i=i, g=grad: training.backward_block(self.stage, req, i, inputs[i], g))
+            grads, timing = await self._job(work, tokens)
+            grad, prompt_grads[i] = grads.hidden, grads.prompt
+            lora_grads.update({(req.blocks.start + i, *key): g for key, g in grads.lora.items()})
+            queued, compute = queued + timing.queued_s, compute + timing.compute_s
+        prompts = torch.stack(prompt_grads) if req.prompts is not None else None
+        return grad, prompts, lora_grads, queued, compute
+
+    # ---- RPCs --------------------------------------------------------------------------------------------
+    async def forward(self, request: pb.ForwardRequest, context) -> pb.ForwardReply:
+        started = time.perf_counter()
+        outcome = await self._admitted(request, context, pb.ForwardReply(), with_grad=False)
+        if isinstance(outcome, pb.ForwardReply):
+            return outcome
+        req, _, peer, nbytes = outcome
+        try:
+            decoded = time.perf_counter()
+            inputs, queued, compute = await self.run_forward(req)
+            encode_start = time.perf_counter()
+            out = compress.encode_like(inputs[-1], request.hidden.dtype)
+            return pb.ForwardReply(hidden=out, timing=pb.Timing(
+                queued_s=queued, compute_s=compute, decode_s=decoded - started,
+                encode_s=time.perf_counter() - encode_start, batch_size=1))
+        except Exception as exc:  # unexpected (a bug or an OOM)
+            log.exception("training forward failed")
+            return self.service._fail(context, grpc.StatusCode.INTERNAL, f"forward failed: {exc}", pb.ForwardReply())
+        finally:
+            self.service.load.release(peer, nbytes)
+
+    async def backward(self, request: pb.BackwardRequest, context) -> pb.BackwardReply:
+        started = time.perf_counter()
+        outcome = await self._admitted(request, context, pb.BackwardReply(), with_grad=True)
+        if isinstance(outcome, pb.BackwardReply):
+            return outcome
+        req, grad, peer, nbytes = outcome
+        try:
+            decoded = time.perf_counter()
+            grad_in, grad_prompts, lora_grads, queued, compute = await self.run_backward(req, grad)
+            encode_start = time.perf_counter()
+            fmt = request.grad_output.dtype
+            reply = pb.BackwardReply(grad_hidden=compress.encode_like(grad_in, fmt))
+            if grad_prompts is not None:
+                reply.grad_prompts.CopyFrom(codec.encode(grad_prompts.float()))
+            for w in request.lora:
+                reply.grad_lora.append(pb.LoraWeights(
+                    block=w.block, module=w.module, a=codec.encode(lora_grads[(w.block, w.module, "a")].float()),
+                    b=codec.encode(lora_grads[(w.block, w.module, "b")].float())))
+            reply.timing.CopyFrom(pb.Timing(queued_s=queued, compute_s=compute, decode_s=decoded - started,
+                                            encode_s=time.perf_counter() - encode_start, batch_size=1))
+            return reply
+        except Exception as exc:  # unexpected (a bug or an OOM)
+            log.exception("backward failed")
+            return self.service._fail(context, grpc.StatusCode.INTERNAL, f"backward failed: {exc}",
+                                      pb.BackwardReply())
+        finally:
+            self.service.load.release(peer, nbytes)
+
+    async def _admitted(self, request, context, empty, with_grad: bool):
+        """(request, grad, peer, bytes charged) once validated and admitted under the host's bytes in flight, or
+        the refusal to return (`empty` with a status set)."""
+        svc, peer = self.service, self.peer_host(context)
+        nbytes = _message_bytes(request)
+        if not svc.load.try_add(peer, nbytes):
+            svc._refused_large(nbytes)
+            return svc._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"peer {peer} has {self.config.max_peer_bytes_in_flight} bytes in flight here", empty)
+        try:
+            req, grad = self.parse(request, with_grad)
+        except InvalidRequest as exc:
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        except CapacityExceeded as exc:
+            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+        else:
+            return req, grad, peer, nbytes
+        svc.load.release(peer, nbytes)
+        svc._refused_large(nbytes)
+        return svc._fail(context, code, message, empty)
+
