@@ -32,10 +32,8 @@ log = logging.getLogger(__name__)
 
 
 class Server:
-    def __init__(self, config: ServerConfig, drain_timeout_s: float = 30.0, rebalance_period_s: float = 30.0) -> None:
+    def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.drain_timeout_s = drain_timeout_s
-        self.rebalance_period_s = rebalance_period_s
         self.dht = None
         self.prefix = None
         self.stage: Stage | None = None
@@ -143,7 +141,7 @@ class Server:
         self._print_ready(profile)
         log.info("serving blocks %s at %s", blocks, self.address)
         rebalancer = None
-        if self.dht is not None and cfg.blocks is None and self.rebalance_period_s > 0:
+        if self.dht is not None and cfg.blocks is None and self.config.rebalance_period_s > 0:
             rebalancer = asyncio.create_task(self._rebalance_loop())
 
         stop = asyncio.Event()
@@ -174,7 +172,7 @@ class Server:
                          swarm_key=self.config.swarm_key)
             except Exception as exc:
                 log.warning("withdrawal failed: %s", exc)
-        deadline = time.monotonic() + self.drain_timeout_s
+        deadline = time.monotonic() + self.config.drain_timeout_s
         while self.service.sessions.sessions and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
 
@@ -186,7 +184,7 @@ class Server:
         loop = asyncio.get_running_loop()
         model = await loop.run_in_executor(None, model_spec, self.config)
         while True:
-            await asyncio.sleep(self.rebalance_period_s)
+            await asyncio.sleep(self.config.rebalance_period_s)
             try:
                 records = await loop.run_in_executor(None, lambda: fetch_records(  # joiners count: no move onto them
                     self.dht, self.prefix, range(model.num_blocks), swarm_key=self.config.swarm_key, joining=True))
@@ -207,7 +205,7 @@ class Server:
             await loop.run_in_executor(None, lambda: announce(
                 self.dht, self.prefix, self.record(OFFLINE), self.config.record_ttl_s, subkey=self.subkey,
                 swarm_key=self.config.swarm_key))
-            deadline = time.monotonic() + min(self.drain_timeout_s, 5.0)
+            deadline = time.monotonic() + min(self.config.drain_timeout_s, 5.0)
             while self.service.sessions.sessions and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             for sid in list(self.service.sessions.sessions):  # their next step fails: clients fail over
@@ -246,7 +244,7 @@ def profile_model(model_dir: str, blocks: BlockRange | None, dtype: str, threads
     return cached_profile(Stage(model_dir, blocks, dtype, quant), threads, cache_dir, refresh)
 
 
-def run_server(config: ServerConfig, drain_timeout_s: float = 30.0, rebalance_period_s: float = 30.0) -> int:
+def run_server(config: ServerConfig) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(Server(config, drain_timeout_s, rebalance_period_s).serve())
+    asyncio.run(Server(config).serve())
     return 0
