@@ -44,6 +44,10 @@ class Server:
         self.subkey: str | None = None
         self._stopping = threading.Event()
         self._moving = threading.Lock()  # the announcer stays quiet while the server changes its blocks
+        self._announcer: threading.Thread | None = None  # (in a swarm) refreshes the DHT record
+        self._tasks: list[asyncio.Task] = []  # on the server's loop: the expiry loop, then the rebalancer (if any)
+        self._grpc: grpc.aio.Server | None = None
+        self._scheduler: Scheduler | None = None
 
     # ---- start-up -----------------------------------------------------------------------------------
     def _start_dht(self) -> None:
@@ -103,6 +107,17 @@ class Server:
             self._stopping.wait(self.config.announce_period_s)
 
     async def serve(self) -> None:
+        """Serve until SIGTERM or SIGINT, then withdraw, drain and stop."""
+        await self.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await self.stop()
+
+    async def start(self) -> None:
+        """Join the swarm (if any), load and measure the blocks, listen, announce: serving when it returns."""
         cfg = self.config
         torch.set_num_threads(cfg.threads)
         self._start_dht()
@@ -118,44 +133,40 @@ class Server:
             prefill_a_s=profile.prefill_a_s, prefill_b_s=profile.prefill_b_s,
             decode_4rows_s_per_block=profile.decode_4rows_s, decode_16rows_s_per_block=profile.decode_16rows_s,
         )
-        scheduler = Scheduler(cfg.threads, cfg.scheduler)
-        self.service = SwarmService(cfg, self.stage, scheduler, stats)
+        self._scheduler = Scheduler(cfg.threads, cfg.scheduler)
+        self.service = SwarmService(cfg, self.stage, self._scheduler, stats)
         if self.dht is not None:  # pushes go only to servers announced for the next block (server/push.py)
             self.service.targets.directory = self._announced
         self.service.identity = self.identity  # signs the clients' connect checks (Info with a nonce)
-        server = grpc.aio.server(options=server_options(cfg.max_message_bytes),
-                                 interceptors=server_interceptors(cfg.swarm_key),  # a private swarm's gate
-                                 maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
-        add_to_server(self.service, server)  # (bytes that do not parse: INVALID_ARGUMENT)
-        port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        self._grpc = grpc.aio.server(options=server_options(cfg.max_message_bytes),
+                                     interceptors=server_interceptors(cfg.swarm_key),  # a private swarm's gate
+                                     maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
+        add_to_server(self.service, self._grpc)  # (bytes that do not parse: INVALID_ARGUMENT)
+        port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if port == 0:
             raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
         self.address = f"{cfg.announce_host or cfg.host}:{port}"
         self.service.address = self.address
-        await server.start()
-        expire_task = asyncio.create_task(self.service.expire_loop())
-        announcer = None
+        await self._grpc.start()
+        self._tasks = [asyncio.create_task(self.service.expire_loop())]
         if self.dht is not None:
-            announcer = threading.Thread(target=self._announce_loop, name="swarmlm-announce", daemon=True)
-            announcer.start()
+            self._announcer = threading.Thread(target=self._announce_loop, name="swarmlm-announce", daemon=True)
+            self._announcer.start()
         self._print_ready(profile)
         log.info("serving blocks %s at %s", blocks, self.address)
-        rebalancer = None
-        if self.dht is not None and cfg.blocks is None and self.config.rebalance_period_s > 0:
-            rebalancer = asyncio.create_task(self._rebalance_loop())
+        if self.dht is not None and cfg.blocks is None and cfg.rebalance_period_s > 0:
+            self._tasks.append(asyncio.create_task(self._rebalance_loop()))
 
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        if rebalancer is not None:
-            rebalancer.cancel()
-        await self._drain(announcer)
-        expire_task.cancel()
-        await server.stop(grace=2.0)
+    async def stop(self) -> None:
+        """Withdraw, let open sessions finish (up to drain_timeout_s), stop listening and computing."""
+        expiry, *rebalancer = self._tasks
+        for task in rebalancer:  # it moves nothing any more
+            task.cancel()
+        await self._drain(self._announcer)
+        expiry.cancel()  # (expiry goes on while sessions drain)
+        await self._grpc.stop(grace=2.0)
         await self.service.pusher.close()
-        scheduler.stop()
+        self._scheduler.stop()
         if self.dht is not None:
             self.dht.shutdown()
 
