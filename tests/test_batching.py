@@ -9,7 +9,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from swarmlm.config import SchedulerConfig, StragglerWait
 from swarmlm.model.checkpoint import load_client_modules
@@ -18,6 +18,7 @@ from swarmlm.server.scheduler import (DECODE, PREFILL, RETRY_WAIT_AFTER, Batchab
                                       plan_round)
 from swarmlm.server.stage import Stage, StepRequest
 from swarmlm.types import BlockRange
+from tests.swarm_helpers import reference_generate
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -74,9 +75,8 @@ def test_batched_greedy_decode_equals_each_session_alone_and_transformers(family
         assert torch.equal(a, b)
     diff = max((a - b).abs().max().item() for sa, sb in zip(*[results[m][1] for m in results]) for a, b in zip(sa, sb))
     assert diff < 1e-4
-    ref = AutoModelForCausalLM.from_pretrained(path).eval()
     for e, got in zip(encs, results["batched"][0]):
-        want = ref.generate(e.input_ids, attention_mask=e.attention_mask, max_new_tokens=new_tokens, do_sample=False)
+        want = reference_generate(path, e.input_ids, attention_mask=e.attention_mask, max_new_tokens=new_tokens)
         assert torch.equal(want[:, e.input_ids.shape[1]:], got)
 
 

@@ -7,12 +7,12 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
-from tests.swarm_helpers import greedy_reference
+from tests.swarm_helpers import greedy_reference, reference_generate
 
 pytestmark = pytest.mark.slow
 RANGES = [BlockRange(0, 2), BlockRange(2, 4), BlockRange(4, 6)]
@@ -202,8 +202,7 @@ def test_sigkill_during_beam_search_or_prompt_lookup_gives_the_same_tokens(swarm
         text, at, rows = "the quick brown fox the quick brown fox the", 3, 1
         args = dict(prompt_lookup_num_tokens=3, max_new_tokens=12)
     ids = AutoTokenizer.from_pretrained(tiny_bloom)(text, return_tensors="pt").input_ids
-    with torch.no_grad():
-        want = AutoModelForCausalLM.from_pretrained(tiny_bloom).eval().generate(ids, do_sample=False, **args)
+    want = reference_generate(tiny_bloom, ids, **args)
     with client.inference_session(max_length=ids.shape[1] + 16, batch_size=rows) as session:
         kill = KillAt(swarm_, session, at=at, position=1)
         got = client.generate(ids, do_sample=False, session=session, stopping_criteria=StoppingCriteriaList([kill]),

@@ -10,12 +10,11 @@ import sys
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.config import ClientConfig, ServerConfig
 from swarmlm.errors import MissingBlocks
-from swarmlm.model.checkpoint import load_client_modules
+from swarmlm.model.checkpoint import load_client_modules, load_config
 from swarmlm.model.checkpoint import load_blocks
 from swarmlm.model.quant import (Int8Embedding, Int8Linear, check_quant, int32_accumulation, logits_error_bound,
                                  map_rows_to_unit_range, quantize_client_modules, quantize_linears, tensor_bytes)
@@ -24,6 +23,7 @@ from swarmlm.swarm.local import LocalSwarm
 from swarmlm.swarm.records import ServerRecord, record_from_info
 from swarmlm.types import BlockRange
 from swarmlm.wire import swarm_pb2 as pb
+from tests.swarm_helpers import reference_model
 
 # docs/PERFORMANCE_MODEL.md "int8 weights": relative L2 of the logits against fp32, blocks + head in int8, what this
 # CPU's kernels promise: 3 % with int32 accumulation (AVX512-VNNI), 4.5 % with the AVX2 kernels' 7-bit activations.
@@ -40,7 +40,7 @@ def local_logits(path: str, ids: torch.Tensor, server_quant: str, client_quant: 
     """The swarm's computation in one process: client modules around one Stage of all blocks."""
     _, _, mods = load_client_modules(path)
     quantize_client_modules(mods, client_quant)
-    n = AutoModelForCausalLM.from_pretrained(path).config.num_hidden_layers
+    n = int(load_config(path).num_hidden_layers)
     stage = Stage(path, BlockRange(0, n), quant=server_quant)
     with torch.no_grad():
         h = mods.embed(ids)
@@ -54,7 +54,7 @@ def test_int8_logits_within_bound_of_fp32_transformers(checkpoints, family):
     path = checkpoints[family]
     ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        want = AutoModelForCausalLM.from_pretrained(path).eval()(ids).logits
+        want = reference_model(path)(ids).logits
     exact = local_logits(path, ids, "none", "none")
     assert rel_l2(exact, want) < 1e-5  # the same path unquantized is exact: the error below is the int8's
     for server_quant, client_quant in [("int8", "none"), ("none", "int8"), ("int8", "int8")]:
@@ -223,7 +223,7 @@ def mixed_swarm(tiny_bloom):
 def test_quantized_server_in_a_real_swarm(mixed_swarm):
     path, swarm = mixed_swarm
     ids = torch.randint(0, 500, (1, 12), generator=torch.Generator().manual_seed(1))
-    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    ref = reference_model(path)
     client = DistributedModelForCausalLM.from_pretrained(path, initial_peers=swarm.initial_peers, quant="int8")
     try:
         with client.inference_session(max_length=ids.shape[1] + 4) as session:

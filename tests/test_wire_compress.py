@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.config import ClientConfig
@@ -13,6 +12,7 @@ from swarmlm.errors import InvalidRequest
 from swarmlm.swarm.local import LocalSwarm, even_split
 from swarmlm.wire import codec, compress
 from swarmlm.wire import swarm_pb2 as pb
+from tests.swarm_helpers import reference_model
 
 # logits relative L2 against fp32 transformers through 2 servers (docs/PROTOCOL.md "Compressed hidden states")
 LOGITS_BOUND = {"float32": 1e-5, "float16": 0.005, "bfloat16": 0.03, "int8": 0.03}
@@ -124,7 +124,7 @@ def swarm(tiny_bloom):
 @pytest.mark.parametrize("wire_dtype", ["float32", "float16", "bfloat16", "int8"])
 def test_swarm_logits_within_bound_per_wire_dtype(swarm, wire_dtype):
     path, local = swarm
-    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    ref = reference_model(path)
     client = DistributedModelForCausalLM.from_pretrained(path, servers=local.addresses, wire_dtype=wire_dtype)
     ids = torch.randint(0, 500, (2, 10), generator=torch.Generator().manual_seed(3))
     try:
