@@ -386,6 +386,9 @@ def _threads_of(scheduler: Scheduler, plan: list[list[str]], forward_s: float = 
                     for m in members]
             results = await asyncio.gather(*jobs, return_exceptions=True)
             out.append([("error", 0) if isinstance(r, Exception) else (r[0], r[1].batched_steps) for r in results])
+            # the worker hands out results before it marks its round done: a step submitted in between goes to
+            # it, whatever the rule says (a race a busy machine makes likely), so each round starts on an idle one
+            await _until(lambda: not scheduler._running)
         return out
 
     try:

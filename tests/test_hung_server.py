@@ -76,8 +76,12 @@ def test_the_hang_timeout_follows_the_announced_speed():
     cfg = ClientConfig(hang_factor=10.0, hang_floor_s=5.0, step_timeout_s=60.0)
     rec = ComputeProfile(prefill_a_s=0.001, prefill_b_s=0.02, decode_s=0.01)
     span = Span("s", 0, 4)
-    assert hang_timeout_s(cfg, rec, span, rows=1, tokens=1) == pytest.approx(5.0 + 10 * 0.01 * 4)
-    assert hang_timeout_s(cfg, rec, span, rows=2, tokens=100) == pytest.approx(5.0 + 10 * (0.001 * 200 + 0.02) * 4)
-    assert hang_timeout_s(cfg, rec, span, rows=64, tokens=2048) == 60.0  # capped
-    assert hang_timeout_s(cfg, None, span, rows=1, tokens=1) == 5.0  # nothing announced: the floor
+    # a decode step, a prompt from scratch, a speculative pass of 4 tokens past the cache (extend_s, as pass_s)
+    assert hang_timeout_s(cfg, rec, span, rows=1, tokens=1, past=7) == pytest.approx(5.0 + 10 * 0.01 * 4)
+    assert hang_timeout_s(cfg, rec, span, rows=2, tokens=100, past=0) == pytest.approx(
+        5.0 + 10 * (0.001 * 200 + 0.02) * 4)
+    assert hang_timeout_s(cfg, rec, span, rows=1, tokens=4, past=7) == pytest.approx(
+        5.0 + 10 * (0.01 + 0.001 * 3) * 4)
+    assert hang_timeout_s(cfg, rec, span, rows=64, tokens=2048, past=0) == 60.0  # capped
+    assert hang_timeout_s(cfg, None, span, rows=1, tokens=1, past=7) == 5.0  # nothing announced: the floor
     assert watchdog_s(cfg) > 60.0  # behind every reply's own bound
