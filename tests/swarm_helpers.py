@@ -84,6 +84,27 @@ def in_process_server(model_dir: str, blocks, **settings) -> Iterator:
             loop.close()
 
 
+@dataclasses.dataclass
+class InProcessSwarm:
+    """Servers of `in_process_swarm`, reached by address (no DHT): what LocalSwarm offers a client test."""
+
+    model_dir: str
+    servers: list  # server.Server (`.address`, `.server_id`, `.service`)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self.servers]
+
+
+@contextlib.contextmanager
+def in_process_swarm(model_dir: str, ranges, **settings) -> Iterator[InProcessSwarm]:
+    """`in_process_server` per range, started one after the other (the later ones read the first's cached profile,
+    so equal ranges announce equal speeds); all stopped on exit."""
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(in_process_server(model_dir, r, **settings)) for r in ranges]
+        yield InProcessSwarm(model_dir, servers)
+
+
 # ---- a swarm and the reference it must reproduce ----------------------------------------------------------------
 
 @functools.lru_cache(maxsize=4)
