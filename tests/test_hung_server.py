@@ -8,10 +8,8 @@ import time
 
 import pytest
 
-from swarmlm.client.model import DistributedModelForCausalLM
-from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
-from tests.swarm_helpers import greedy_reference
+from tests.swarm_helpers import greedy_reference, running_swarm
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 16
@@ -21,17 +19,14 @@ STOP_AT = 6  # the token at which the route's second server stops answering
 @pytest.fixture(scope="module")
 def swarm(tiny_bloom):
     # blocks [3, 6) twice: the stopped server has a replica; [0, 3) once, so the first hop is never the culprit
-    with LocalSwarm(tiny_bloom) as swarm:
-        swarm.start([BlockRange(0, 3), BlockRange(3, 6), BlockRange(3, 6)])
-        client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers,
-                                                             ban_base_s=60.0, ban_max_s=60.0)
+    with running_swarm(tiny_bloom, [BlockRange(0, 3), BlockRange(3, 6), BlockRange(3, 6)], ban_base_s=60.0,
+                       ban_max_s=60.0) as (swarm, client):
         deadline = time.monotonic() + 60
         while len(client.remote.view.records) < 3:  # the failover needs the replica in the client's view
             assert time.monotonic() < deadline, "the replica never appeared in the DHT"
             time.sleep(0.5)
             client.remote.refresh()
         yield swarm, client
-        client.close()
 
 
 def test_sigstop_mid_generation_names_and_bans_the_stopped_server(swarm, tiny_bloom):
