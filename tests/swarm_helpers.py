@@ -1,4 +1,11 @@
-"""Helpers for tests that talk to real server processes."""
+"""Helpers for tests that talk to servers.
+
+- a swarm: `running_swarm` (server processes + a client: tests about processes, a DHT, a crash) or
+  `in_process_server` / `in_process_swarm` (the same Server code on a thread of this process: tests about the
+  protocol, ready in about a second);
+- the reference it must reproduce: `reference_model`, `reference_generate`, `greedy_reference`, and `greedy_steps` /
+  `assert_steps_match_reference` for sessions stepped by hand;
+- an Inference stream by hand: `RawStream`."""
 from __future__ import annotations
 
 import asyncio
