@@ -44,11 +44,11 @@ class ComputeProfile:
         marginal cost (a_j)."""
         return self.decode_s + self.prefill_a_s * (tokens - 1)
 
-    def step_s(self, blocks: int, rows: int, tokens: int, past: int) -> float:
+    def step_s(self, blocks: int, rows: int, tokens: int, cached: bool) -> float:
         """One step of `rows` sequences x `tokens` new tokens over `blocks` blocks, alone (rows unbatched: a
-        bound), with `past` tokens already in the cache: a prompt from scratch (past 0) at the prefill cost
-        (a * rows * tokens + b per block), any step past a cache at `extend_s` per row and block."""
-        if past == 0:
+        bound): a prompt from scratch (not `cached`) at the prefill cost (a * rows * tokens + b per block), any
+        step past the tokens a cache holds at `extend_s` per row and block."""
+        if not cached:
             per_token, fixed = self.prefill_step_terms(blocks, rows)
             return per_token * tokens + fixed
         return self.extend_s(tokens) * rows * blocks
