@@ -153,6 +153,8 @@ class ServerConfig:
     identity_file: str | None = None
     swarm_key: bytes | None = field(default=None, repr=False)  # a private swarm's shared secret (swarm/private.py)
     profile_cache_dir: str | None = None  # where start-up profiles are cached (None = ~/.cache/swarmlm)
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long open sessions may go on before the server stops
+    rebalance_period_s: float = 30.0  # with blocks=None: how often to check whether moving helps (0 = never)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))  # torch.float32 -> "float32" (or refused)
@@ -168,8 +170,9 @@ class ServerConfig:
                      "max_train_request_bytes", "max_lora_rank", "max_lora_layers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.join_settle_s < 0:
-            raise ValueError(f"join_settle_s must be >= 0, got {self.join_settle_s}")
+        for name in ("join_settle_s", "drain_timeout_s", "rebalance_period_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.resume_grace_s < 0:
             raise ValueError(f"resume_grace_s must be >= 0, got {self.resume_grace_s}")
         if not 0 < self.max_peer_cache_fraction <= 1:

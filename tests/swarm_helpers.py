@@ -1,8 +1,17 @@
-"""Helpers for tests that talk to real server processes."""
+"""Helpers for tests that talk to servers.
+
+- a swarm: `running_swarm` (server processes + a client: tests about processes, a DHT, a crash) or
+  `in_process_server` / `in_process_swarm` (the same Server code on a thread of this process: tests about the
+  protocol, ready in about a second);
+- the reference it must reproduce: `reference_model`, `reference_generate`, `greedy_reference`, and `greedy_steps` /
+  `assert_steps_match_reference` for sessions stepped by hand;
+- an Inference stream by hand: `RawStream`."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import functools
 import queue
 import threading
 from typing import Iterator, Sequence
@@ -12,21 +21,43 @@ from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.channel import sync_channel
 
 
-class RawStream:
-    """A bidirectional Inference stream driven step by step from a test (sync gRPC)."""
+# ---- the Inference stream, by hand -------------------------------------------------------------------------------
 
-    def __init__(self, address: str, max_message_bytes: int = 256 << 20) -> None:
+class RawStream:
+    """A bidirectional Inference stream driven message by message from a test (sync gRPC): `send` = write + read;
+    `write` and `read` apart where replies come from elsewhere (a push). `end` is a clean end of the stream (the
+    session closes), `drop` a broken one (a client that died)."""
+
+    def __init__(self, address: str, max_message_bytes: int = 256 << 20, timeout_s: float = 120.0) -> None:
         self.channel = sync_channel(address, max_message_bytes)
         self.stub = pb_grpc.SwarmStub(self.channel)
         self.requests: queue.Queue = queue.Queue()
-        self.replies = self.stub.Inference(iter(self.requests.get, None), timeout=60)
+        self.replies = self.stub.Inference(iter(self.requests.get, None), timeout=timeout_s)
 
-    def send(self, request: pb.InferenceRequest) -> pb.InferenceReply:
+    @classmethod
+    def open(cls, address: str, start: int, end: int, batch: int = 1,
+             max_length: int = 32) -> tuple["RawStream", pb.InferenceReply]:
+        """A stream whose first message opens a session of blocks [start, end), and the server's answer."""
+        stream = cls(address)
+        return stream, stream.send(pb.InferenceRequest(open=pb.OpenSession(
+            start_block=start, end_block=end, batch_size=batch, max_length=max_length)))
+
+    def write(self, request: pb.InferenceRequest) -> None:
         self.requests.put(request)
+
+    def read(self) -> pb.InferenceReply:
         return next(self.replies)
 
-    def close(self) -> None:
+    def send(self, request: pb.InferenceRequest) -> pb.InferenceReply:
+        self.write(request)
+        return self.read()
+
+    def end(self) -> None:
         self.requests.put(None)
+        self.channel.close()
+
+    def drop(self) -> None:
+        self.replies.cancel()
         self.channel.close()
 
 
@@ -34,17 +65,124 @@ def stub(address: str) -> pb_grpc.SwarmStub:
     return pb_grpc.SwarmStub(sync_channel(address))
 
 
+@contextlib.contextmanager
+def in_process_server(model_dir: str, blocks, **settings) -> Iterator:
+    """One server's whole gRPC service (server.Server, the same code as `swarmlm server`) in this process, on a
+    thread of its own: no DHT, no child process, ready in about a second. For tests about the protocol; tests about
+    processes (a crash, a kill, a DHT) use LocalSwarm. `settings`: ServerConfig fields. Yields the Server
+    (`.address`, `.service`); stopped on exit."""
+    from swarmlm.config import ServerConfig
+    from swarmlm.server.server import Server
+
+    server = Server(ServerConfig(model_dir=model_dir, blocks=blocks, **{"drain_timeout_s": 0.0, **settings}))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="in-process-server", daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(server.start(), loop).result(timeout=180)
+        yield server
+    finally:
+        try:
+            if server.service is not None:
+                asyncio.run_coroutine_threadsafe(server.stop(), loop).result(timeout=60)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=10)
+            loop.close()
+
+
+@dataclasses.dataclass
+class InProcessSwarm:
+    """Servers of `in_process_swarm`, reached by address (no DHT): what LocalSwarm offers a client test."""
+
+    model_dir: str
+    servers: list  # server.Server (`.address`, `.server_id`, `.service`)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self.servers]
+
+
+@contextlib.contextmanager
+def in_process_swarm(model_dir: str, ranges, **settings) -> Iterator[InProcessSwarm]:
+    """`in_process_server` per range, started one after the other (the later ones read the first's cached profile,
+    so equal ranges announce equal speeds); all stopped on exit."""
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(in_process_server(model_dir, r, **settings)) for r in ranges]
+        yield InProcessSwarm(model_dir, servers)
+
+
+# ---- a swarm and the reference it must reproduce ----------------------------------------------------------------
+
+@functools.lru_cache(maxsize=4)
+def reference_model(model_dir: str):
+    """Plain transformers' model of `model_dir` (fp32, eval): what every distributed output is checked against.
+    Loaded once per test run and shared: tests only read it (a setting changed for a test is put back)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+
+def reference_generate(model_dir: str, ids, **kwargs):
+    """transformers' own generate() on the reference model: greedy unless `kwargs` say otherwise."""
+    import torch
+
+    with torch.no_grad():
+        return reference_model(model_dir).generate(ids, **{"do_sample": False, **kwargs})
+
+
 def greedy_reference(model_dir: str, text: str, new_tokens: int):
     """What a distributed run must reproduce: the prompt's ids [1, T] and plain transformers' greedy continuation
     (`new_tokens` token ids; min_new_tokens too, so eos never ends it early: a manual step loop never stops there)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(model_dir)(text, return_tensors="pt").input_ids
-    ref = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    with torch.no_grad():
-        out = ref.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    out = reference_generate(model_dir, ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     return ids, out[0, ids.shape[1]:].tolist()
+
+
+def greedy_steps(client, session, ids, steps: int) -> Iterator[tuple]:
+    """Steps `session` by hand: the prompt `ids` [B, T], then `steps` greedy decode steps (each row's argmax).
+    Yields (the ids so far, that step's logits [B, new tokens, vocab]) after each step, the prompt's first; compare
+    with `reference_model(path)(ids).logits[:, -logits.shape[1]:]`. (Call it under torch.no_grad().)"""
+    import torch
+
+    logits = client.step_logits(session, ids)
+    yield ids, logits
+    for _ in range(steps):
+        nxt = logits[:, -1:].argmax(-1)
+        ids = torch.cat([ids, nxt], 1)
+        logits = client.step_logits(session, nxt)
+        yield ids, logits
+
+
+def assert_steps_match_reference(client, model_dir: str, ids, steps: int, tolerance: float = 1e-4) -> None:
+    """A session of `client`: the prompt and `steps` greedy decode steps give plain transformers' logits."""
+    import torch
+
+    ref = reference_model(model_dir)
+    with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + steps, batch_size=ids.shape[0]) as session:
+        for seen, got in greedy_steps(client, session, ids, steps):
+            want = ref(seen).logits[:, -got.shape[1]:]
+            assert (got - want).abs().max().item() < tolerance, seen.shape
+
+
+@contextlib.contextmanager
+def running_swarm(model_dir: str, ranges, *, dht: bool = True, server_args: Sequence[str] = (),
+                  **client_settings) -> Iterator[tuple]:
+    """One server process per range (loading at once), with a DHT or reached by address, and a client of them
+    (ClientConfig `client_settings`); both stopped on exit. Yields (LocalSwarm, DistributedModelForCausalLM)."""
+    from swarmlm.client.model import DistributedModelForCausalLM
+    from swarmlm.swarm.local import LocalSwarm
+
+    with LocalSwarm(model_dir, with_dht=dht, server_args=server_args) as swarm:
+        swarm.start(ranges)
+        where = {"initial_peers": swarm.initial_peers} if dht else {"servers": swarm.addresses}
+        client = DistributedModelForCausalLM.from_pretrained(model_dir, **where, **client_settings)
+        try:
+            yield swarm, client
+        finally:
+            client.close()
 
 
 # ---- emulated links on a busy machine --------------------------------------------------------------------------

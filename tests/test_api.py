@@ -10,12 +10,12 @@ import httpx2 as httpx  # what openai 3.x is built on
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from swarmlm.api.process import GatewayProcess
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.wire import swarm_pb2 as pb
-from tests.swarm_helpers import gateway_stack, stub
+from tests.swarm_helpers import gateway_stack, reference_generate, reference_model, stub
 
 pytestmark = pytest.mark.slow
 KEY = "test-key"
@@ -53,17 +53,15 @@ def reference(tiny_bloom):
     """Greedy text of plain transformers: the prompt tokenized as tokenizer(prompt) does, decoded without
     special tokens; and the finish reason it implies."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_bloom)
-    model = AutoModelForCausalLM.from_pretrained(tiny_bloom).eval()
 
     def greedy(prompt: str, max_tokens: int) -> tuple[str, str]:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+        out = reference_generate(tiny_bloom, ids, max_new_tokens=max_tokens)
         new = out[0, ids.shape[1]:]
         reason = "stop" if len(new) < max_tokens or int(new[-1]) == tokenizer.eos_token_id else "length"
         return tokenizer.decode(new, skip_special_tokens=True), reason
 
-    greedy.model, greedy.tokenizer = model, tokenizer
+    greedy.model, greedy.tokenizer = reference_model(tiny_bloom), tokenizer
     return greedy
 
 

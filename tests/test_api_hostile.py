@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hivemind.utils import get_dht_time
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from swarmlm.api.process import GatewayProcess
 from swarmlm.swarm.dht import default_prefix, fetch_records, owner_subkey
@@ -26,7 +26,7 @@ from swarmlm.swarm.dht_thread import ThreadDHT
 from swarmlm.swarm.identity import Identity
 from swarmlm.swarm.local import LocalSwarm, even_split
 from swarmlm.types import BlockRange
-from tests.swarm_helpers import stub
+from tests.swarm_helpers import reference_generate, stub
 from tests.test_identity import RawDHT
 from swarmlm.wire import swarm_pb2 as pb
 
@@ -89,12 +89,10 @@ def strict(stack) -> GatewayProcess:
 def greedy(tiny_bloom):
     """Plain transformers' greedy text for a prompt."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_bloom)
-    model = AutoModelForCausalLM.from_pretrained(tiny_bloom).eval()
 
     def text(prompt: str, max_tokens: int) -> str:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+        out = reference_generate(tiny_bloom, ids, max_new_tokens=max_tokens)
         return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
     return text

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import queue
 import threading
 import time
 
 import grpc
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.errors import CapacityExceeded, InvalidRequest
@@ -27,6 +26,7 @@ from swarmlm.wire import codec
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.channel import sync_channel
+from tests.swarm_helpers import RawStream, greedy_reference
 
 # long enough that the prefill is computed in slices (--max-batch-tokens 32)
 PROMPT = "the quick brown fox jumps over the lazy dog " * 5
@@ -47,11 +47,7 @@ def attack_server(tiny_bloom):
 
 class Honest:
     def __init__(self, model_dir: str, address: str) -> None:
-        self.ids = AutoTokenizer.from_pretrained(model_dir)(PROMPT, return_tensors="pt").input_ids
-        ref = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-        with torch.no_grad():
-            self.want = ref.generate(self.ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                     do_sample=False)[0, self.ids.shape[1]:].tolist()
+        self.ids, self.want = greedy_reference(model_dir, PROMPT, NEW_TOKENS)
         self.client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=[address], ban_base_s=0.1,
                                                                   ban_max_s=0.2)
 
@@ -85,30 +81,8 @@ def honest(tiny_bloom, attack_server):
     h.client.close()
 
 
-class Stream:
-    def __init__(self, address: str) -> None:
-        self.channel = sync_channel(address, 64 << 20)
-        self.stub = pb_grpc.SwarmStub(self.channel)
-        self.requests: queue.Queue = queue.Queue()
-        self.replies = self.stub.Inference(iter(self.requests.get, None), timeout=120)
-
-    def send(self, request: pb.InferenceRequest) -> pb.InferenceReply:
-        self.requests.put(request)
-        return next(self.replies)
-
-    def end(self) -> None:  # a clean end of stream
-        self.requests.put(None)
-        self.channel.close()
-
-    def drop(self) -> None:  # a broken stream (the client died)
-        self.replies.cancel()
-        self.channel.close()
-
-
-def _open(address: str, blocks: int, batch: int = 1, max_length: int = 64) -> tuple[Stream, pb.InferenceReply]:
-    s = Stream(address)
-    return s, s.send(pb.InferenceRequest(open=pb.OpenSession(start_block=0, end_block=blocks, batch_size=batch,
-                                                             max_length=max_length)))
+def _open(address: str, blocks: int, batch: int = 1, max_length: int = 64) -> tuple[RawStream, pb.InferenceReply]:
+    return RawStream.open(address, 0, blocks, batch, max_length)
 
 
 def _step(x: torch.Tensor, step_id: int = 0, push=()) -> pb.InferenceRequest:
@@ -326,7 +300,7 @@ def test_a_stranger_with_the_session_id_cannot_push_resume_or_close(attack_serve
                     hidden=codec.encode(torch.randn(1, 1, hidden)), step_id=2)), timeout=30)
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
             # resume (and, by ending the resumed stream cleanly, close): refused, nothing attached
-            s = Stream(address)
+            s = RawStream(address)
             with pytest.raises(grpc.RpcError) as err:
                 s.send(pb.InferenceRequest(session_id=sid, secret=secret, step=pb.InferenceStep(
                     hidden=codec.encode(y), step_id=2)))

@@ -8,15 +8,14 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from swarmlm.client.head_batcher import HeadBatcher
-from swarmlm.client.model import DistributedModelForCausalLM, lm_head
+from swarmlm.client.model import lm_head
 from swarmlm.config import StragglerWait
 from swarmlm.model.checkpoint import load_config
-from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
-from tests.swarm_helpers import run_in_threads
+from tests.swarm_helpers import reference_model, run_in_threads, running_swarm
 
 FOREVER = StragglerWait(fraction=1e9, max_s=1e6)  # a wait that only an arrival (or a close) ends
 
@@ -123,14 +122,10 @@ PROMPTS = ["one two three", "the sky is blue", "a", "write a short poem about th
 @pytest.fixture(scope="module", params=["bloom", "llama"])
 def swarm(request, checkpoints):
     path = checkpoints[request.param]
-    with LocalSwarm(path, with_dht=False) as swarm:
-        swarm.start([BlockRange(0, int(load_config(path).num_hidden_layers))])
-        # a head batch waits (up to 30 s) for every session recently seen: batching is certain, not up to timing
-        client = DistributedModelForCausalLM.from_pretrained(path, servers=swarm.addresses, routing="shortest",
-                                                             head_batch_wait=StragglerWait(1e9, 30))
-        ref = AutoModelForCausalLM.from_pretrained(path).eval()
-        yield path, client, ref
-        client.close()
+    # a head batch waits (up to 30 s) for every session recently seen: batching is certain, not up to timing
+    with running_swarm(path, [BlockRange(0, int(load_config(path).num_hidden_layers))], dht=False,
+                       routing="shortest", head_batch_wait=StragglerWait(1e9, 30)) as (_, client):
+        yield path, client, reference_model(path)
 
 
 @pytest.mark.slow

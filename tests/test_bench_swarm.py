@@ -14,19 +14,16 @@ from swarmlm.bench.strategies import STRATEGIES, StrategyConfig, run_strategy, s
 from swarmlm.bench.telemetry import TelemetrySampler
 from swarmlm.bench.workload import builtin_prompts, poisson_arrivals, tokenize
 from swarmlm.cli.main import main as cli_main
-from swarmlm.client.model import DistributedModelForCausalLM
-from swarmlm.swarm.local import LocalSwarm, even_split
+from swarmlm.swarm.local import even_split
+from tests.swarm_helpers import running_swarm
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def client(tiny_bloom):
-    with LocalSwarm(tiny_bloom) as swarm:
-        swarm.start(even_split(6, 3))
-        model = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers)
+    with running_swarm(tiny_bloom, even_split(6, 3)) as (_, model):
         yield model
-        model.close()
 
 
 @pytest.fixture(scope="module")

@@ -104,19 +104,17 @@ def test_buffers_stay_inside_the_reservation(stage):
     assert held <= stage.cache_bytes(stage.blocks.length, 3, 16)
 
 
-# ---- on the wire, through server processes ---------------------------------------------------------------------
+# ---- on the wire, through servers (in this process: the protocol) ---------------------------------------------
 H = 64  # tiny-bloom's hidden size
 A, B = BlockRange(0, 2), BlockRange(2, 4)
 
 
 @pytest.fixture(scope="module")
 def two_servers(tiny_bloom):
-    from swarmlm.swarm.local import LocalSwarm
+    from tests.swarm_helpers import in_process_server
 
-    with LocalSwarm(tiny_bloom, with_dht=False) as swarm:
-        started = [swarm.start_server(r, wait=False) for r in (A, B)]
-        swarm.wait_ready(started)
-        yield [s.address for s in started]
+    with in_process_server(tiny_bloom, A) as a, in_process_server(tiny_bloom, B) as b:
+        yield a.address, b.address
 
 
 def _step(hidden: torch.Tensor, op: CacheOp | None = None, step_id: int = 0, push=()):
@@ -133,21 +131,13 @@ def _hidden(msg) -> torch.Tensor:
     return codec.decode(msg, "hidden")
 
 
-@pytest.mark.slow
 def test_bad_ops_are_refused_and_touch_no_session(two_servers):
     from swarmlm.wire import swarm_pb2 as pb
     from tests.swarm_helpers import RawStream, stub
 
     address = two_servers[0]
-
-    def opened(batch: int) -> RawStream:
-        s = RawStream(address)
-        s.send(pb.InferenceRequest(open=pb.OpenSession(start_block=A.start, end_block=A.end, batch_size=batch,
-                                                       max_length=32)))
-        return s
-
     x, other_in = torch.randn(2, 5, H), torch.randn(1, 4, H)
-    s, other = opened(2), opened(1)
+    (s, _), (other, _) = RawStream.open(address, A.start, A.end, batch=2), RawStream.open(address, A.start, A.end)
     assert not s.send(_step(x)).HasField("error")
     other.send(_step(other_in))
     bad = {
@@ -177,54 +167,32 @@ def test_bad_ops_are_refused_and_touch_no_session(two_servers):
     alone = stub(address).Forward(pb.ForwardRequest(
         start_block=A.start, end_block=A.end, hidden=_step(torch.cat([other_in, z], 1)).step.hidden))
     assert (_hidden(after.hidden) - _hidden(alone.hidden)[:, -1:]).abs().max().item() < 1e-5
-    s.close()
-    other.close()
+    s.end()
+    other.end()
 
 
-@pytest.mark.slow
 def test_a_pushed_step_carries_its_op_to_the_next_server(two_servers):
-    import asyncio
-
-    import grpc
-
     from swarmlm.wire import swarm_pb2 as pb
-    from swarmlm.wire import swarm_pb2_grpc as pb_grpc
+    from tests.swarm_helpers import RawStream, stub
 
     a, b = two_servers
-
-    async def opened(stub, blocks: BlockRange):
-        call = stub.Inference()
-        await call.write(pb.InferenceRequest(open=pb.OpenSession(start_block=blocks.start, end_block=blocks.end,
-                                                                 batch_size=3, max_length=32)))
-        reply = await call.read()
-        return call, reply.session_id, reply.session_secret
-
-    async def scenario():
-        async with grpc.aio.insecure_channel(a) as ca, grpc.aio.insecure_channel(b) as cb:
-            sa, sb = pb_grpc.SwarmStub(ca), pb_grpc.SwarmStub(cb)
-            (call_a, _, _), (call_b, sid_b, secret_b) = await opened(sa, A), await opened(sb, B)
-            x = torch.randn(1, 6, H)
-            await call_a.write(_step(x, step_id=1))
-            ra1 = await call_a.read()
-            await call_b.write(_step(_hidden(ra1.hidden), step_id=1))
-            await call_b.read()
-            # one prompt row becomes 3 sequences, the last 2 tokens rolled back; A pushes the op on with its output
-            y = torch.randn(3, 2, H)
-            target = pb.PushTarget(address=b, session_id=sid_b, step_id=2, secret=secret_b)
-            op = CacheOp(truncate_to=4, rows=(0, 0, 0))
-            await call_a.write(_step(y, op, step_id=2, push=[target]))
-            ra2 = await call_a.read()
-            rb2 = await asyncio.wait_for(call_b.read(), 60)
-            assert ra2.pushed and not rb2.HasField("error") and rb2.position == ra2.position == 6
-            whole = torch.cat([x[[0, 0, 0], :4], y], 1)
-            mid = await sa.Forward(pb.ForwardRequest(start_block=A.start, end_block=A.end,
-                                                     hidden=_step(whole).step.hidden))
-            end = await sb.Forward(pb.ForwardRequest(start_block=B.start, end_block=B.end, hidden=mid.hidden))
-            assert (_hidden(rb2.hidden) - _hidden(end.hidden)[:, -2:]).abs().max().item() < 1e-5
-            for call in (call_a, call_b):
-                await call.done_writing()
-
-    asyncio.run(scenario())
+    (call_a, _), (call_b, opened_b) = RawStream.open(a, A.start, A.end, 3), RawStream.open(b, B.start, B.end, 3)
+    x = torch.randn(1, 6, H)
+    ra1 = call_a.send(_step(x, step_id=1))
+    call_b.send(_step(_hidden(ra1.hidden), step_id=1))
+    # one prompt row becomes 3 sequences, the last 2 tokens rolled back; A pushes the op on with its output
+    y = torch.randn(3, 2, H)
+    target = pb.PushTarget(address=b, session_id=opened_b.session_id, step_id=2, secret=opened_b.session_secret)
+    op = CacheOp(truncate_to=4, rows=(0, 0, 0))
+    ra2 = call_a.send(_step(y, op, step_id=2, push=[target]))
+    rb2 = call_b.read()
+    assert ra2.pushed and not rb2.HasField("error") and rb2.position == ra2.position == 6
+    whole = torch.cat([x[[0, 0, 0], :4], y], 1)
+    mid = stub(a).Forward(pb.ForwardRequest(start_block=A.start, end_block=A.end, hidden=_step(whole).step.hidden))
+    end = stub(b).Forward(pb.ForwardRequest(start_block=B.start, end_block=B.end, hidden=mid.hidden))
+    assert (_hidden(rb2.hidden) - _hidden(end.hidden)[:, -2:]).abs().max().item() < 1e-5
+    for call in (call_a, call_b):
+        call.end()
 
 
 # ---- the client's side, without a network ------------------------------------------------------------------------

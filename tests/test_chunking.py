@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from swarmlm.client.chunking import BandwidthEstimate, chunk_tokens_for_hop, split
 from swarmlm.config import ChunkRule
@@ -17,6 +16,7 @@ from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.client.streams import SpanStream
 from swarmlm.swarm.local import LocalSwarm, even_split
 from swarmlm.types import BlockRange
+from tests.swarm_helpers import reference_model
 
 # ---- the size rule ------------------------------------------------------------------------------------------
 
@@ -92,8 +92,7 @@ def swarm(tiny_bloom):
     with LocalSwarm(tiny_bloom) as swarm:
         ranges = even_split(6, 3)
         swarm.start(ranges + ranges)  # every block twice: a failed server has a replacement
-        ref = AutoModelForCausalLM.from_pretrained(tiny_bloom).eval()
-        yield tiny_bloom, swarm, ref
+        yield tiny_bloom, swarm, reference_model(tiny_bloom)
 
 
 def _client(path, swarm, **kw) -> DistributedModelForCausalLM:

@@ -129,3 +129,13 @@ def test_top_level_api_is_lazy():
             "print(swarmlm.__version__)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == __version__, done.stderr[-2000:]
+
+
+def test_server_flags_default_to_the_config_fields(tiny_bloom):
+    """Each server setting is defined once (config.py): the CLI's defaults are ServerConfig's."""
+    from swarmlm.cli.main import build_parser
+    from swarmlm.cli.server_cmd import server_config
+    from swarmlm.config import ServerConfig
+
+    args = build_parser("server").parse_args(["server", "--model", tiny_bloom])
+    assert server_config(args) == ServerConfig(model_dir=tiny_bloom, blocks=None)

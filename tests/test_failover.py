@@ -7,12 +7,12 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+from transformers import AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
-from tests.swarm_helpers import greedy_reference
+from tests.swarm_helpers import greedy_reference, reference_generate, running_swarm
 
 pytestmark = pytest.mark.slow
 RANGES = [BlockRange(0, 2), BlockRange(2, 4), BlockRange(4, 6)]
@@ -21,12 +21,8 @@ NEW_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def swarm(tiny_bloom):
-    with LocalSwarm(tiny_bloom, server_args=["--drain-timeout", "60"]) as swarm:
-        swarm.start(RANGES + RANGES)
-        client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers,
-                                                             ban_base_s=30.0)
-        yield swarm, client
-        client.close()
+    with running_swarm(tiny_bloom, RANGES + RANGES, server_args=["--drain-timeout", "60"], ban_base_s=30.0) as run:
+        yield run
 
 
 @pytest.fixture(scope="module")
@@ -202,8 +198,7 @@ def test_sigkill_during_beam_search_or_prompt_lookup_gives_the_same_tokens(swarm
         text, at, rows = "the quick brown fox the quick brown fox the", 3, 1
         args = dict(prompt_lookup_num_tokens=3, max_new_tokens=12)
     ids = AutoTokenizer.from_pretrained(tiny_bloom)(text, return_tensors="pt").input_ids
-    with torch.no_grad():
-        want = AutoModelForCausalLM.from_pretrained(tiny_bloom).eval().generate(ids, do_sample=False, **args)
+    want = reference_generate(tiny_bloom, ids, **args)
     with client.inference_session(max_length=ids.shape[1] + 16, batch_size=rows) as session:
         kill = KillAt(swarm_, session, at=at, position=1)
         got = client.generate(ids, do_sample=False, session=session, stopping_criteria=StoppingCriteriaList([kill]),
@@ -216,10 +211,7 @@ def test_sigkill_during_beam_search_or_prompt_lookup_gives_the_same_tokens(swarm
 def test_no_replacement_gives_a_clear_error(tiny_bloom):
     from swarmlm.errors import MissingBlocks
 
-    with LocalSwarm(tiny_bloom) as swarm:
-        swarm.start([BlockRange(0, 3)])
-        client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers,
-                                                             wait_for_blocks_s=2.0)
+    with running_swarm(tiny_bloom, [BlockRange(0, 3)], wait_for_blocks_s=2.0) as (_, client):
         deadline = time.monotonic() + 120
         while not client.remote.view.usable():  # the one server is seen: what is missing is exactly blocks 3-5
             assert time.monotonic() < deadline, "the server never appeared in the DHT"
@@ -227,4 +219,3 @@ def test_no_replacement_gives_a_clear_error(tiny_bloom):
             client.remote.refresh()
         with pytest.raises(MissingBlocks, match="3-5"):
             client.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2)
-        client.close()

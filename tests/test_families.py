@@ -8,14 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 from huggingface_hub import constants
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.model.random_checkpoint import init_checkpoint
 from swarmlm.model.presets import PRESETS
-from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
 from tests.hub_layout import add_to_hub_cache
+from tests.swarm_helpers import reference_model, running_swarm
 
 pytestmark = pytest.mark.slow
 FAMILY_PRESETS = ["tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-falcon",
@@ -47,15 +46,11 @@ def swarm(request, offline_hub):
     preset = request.param
     repo = f"swarmlm-tests/{preset}"
     snapshot = next((offline_hub / f"models--swarmlm-tests--{preset}" / "snapshots").iterdir())
-    with LocalSwarm(repo, with_dht=False) as swarm:
-        swarm.start([BlockRange(0, 1), BlockRange(1, 4)])
-        client = DistributedModelForCausalLM.from_pretrained(repo, servers=swarm.addresses)
-        ref = AutoModelForCausalLM.from_pretrained(snapshot).eval()
+    with running_swarm(repo, [BlockRange(0, 1), BlockRange(1, 4)], dht=False) as (_, client):
         tok = AutoTokenizer.from_pretrained(snapshot)
         if tok.pad_token is None:  # Llama-3 style: no pad token; pad with eos as transformers users do
             tok.pad_token = tok.eos_token
-        yield preset, client, ref, tok
-        client.close()
+        yield preset, client, reference_model(str(snapshot)), tok
 
 
 def test_forward_logits_of_a_padded_batch_equal_transformers(swarm):

@@ -8,10 +8,11 @@ import threading
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, TextIteratorStreamer
+from transformers import AutoTokenizer, StoppingCriteria, TextIteratorStreamer
 
 from swarmlm import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
 from swarmlm.swarm.local import LocalSwarm, even_split
+from tests.swarm_helpers import reference_model
 
 pytestmark = pytest.mark.slow
 PROMPT = "the quick brown fox jumps over"
@@ -23,7 +24,7 @@ def swarm(request, checkpoints):
     with LocalSwarm(path) as swarm:
         swarm.start(even_split(6, 2))
         model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=swarm.initial_peers)
-        ref = AutoModelForCausalLM.from_pretrained(path).eval()
+        ref = reference_model(path)
         tok = AutoTokenizer.from_pretrained(path)
         yield model, ref, tok
         model.close()
@@ -130,7 +131,7 @@ def test_generation_config_json_defaults(swarm, tmp_path):
     peers = model.client_config.initial_peers
     other = DistributedModelForCausalLM.from_pretrained(copy, initial_peers=peers)
     try:
-        got, want = both(other, AutoModelForCausalLM.from_pretrained(copy).eval(), ids_of(tok))
+        got, want = both(other, reference_model(str(copy)), ids_of(tok))
     finally:
         other.close()
     assert torch.equal(got, want) and got.shape[1] == ids_of(tok).shape[1] + 7

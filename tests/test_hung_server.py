@@ -8,10 +8,8 @@ import time
 
 import pytest
 
-from swarmlm.client.model import DistributedModelForCausalLM
-from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
-from tests.swarm_helpers import greedy_reference
+from tests.swarm_helpers import greedy_reference, running_swarm
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 16
@@ -21,17 +19,14 @@ STOP_AT = 6  # the token at which the route's second server stops answering
 @pytest.fixture(scope="module")
 def swarm(tiny_bloom):
     # blocks [3, 6) twice: the stopped server has a replica; [0, 3) once, so the first hop is never the culprit
-    with LocalSwarm(tiny_bloom) as swarm:
-        swarm.start([BlockRange(0, 3), BlockRange(3, 6), BlockRange(3, 6)])
-        client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers,
-                                                             ban_base_s=60.0, ban_max_s=60.0)
+    with running_swarm(tiny_bloom, [BlockRange(0, 3), BlockRange(3, 6), BlockRange(3, 6)], ban_base_s=60.0,
+                       ban_max_s=60.0) as (swarm, client):
         deadline = time.monotonic() + 60
         while len(client.remote.view.records) < 3:  # the failover needs the replica in the client's view
             assert time.monotonic() < deadline, "the replica never appeared in the DHT"
             time.sleep(0.5)
             client.remote.refresh()
         yield swarm, client
-        client.close()
 
 
 def test_sigstop_mid_generation_names_and_bans_the_stopped_server(swarm, tiny_bloom):
@@ -76,8 +71,12 @@ def test_the_hang_timeout_follows_the_announced_speed():
     cfg = ClientConfig(hang_factor=10.0, hang_floor_s=5.0, step_timeout_s=60.0)
     rec = ComputeProfile(prefill_a_s=0.001, prefill_b_s=0.02, decode_s=0.01)
     span = Span("s", 0, 4)
-    assert hang_timeout_s(cfg, rec, span, rows=1, tokens=1) == pytest.approx(5.0 + 10 * 0.01 * 4)
-    assert hang_timeout_s(cfg, rec, span, rows=2, tokens=100) == pytest.approx(5.0 + 10 * (0.001 * 200 + 0.02) * 4)
-    assert hang_timeout_s(cfg, rec, span, rows=64, tokens=2048) == 60.0  # capped
-    assert hang_timeout_s(cfg, None, span, rows=1, tokens=1) == 5.0  # nothing announced: the floor
+    # a decode step, a prompt from scratch, a speculative pass of 4 tokens past the cache (extend_s, as pass_s)
+    assert hang_timeout_s(cfg, rec, span, rows=1, tokens=1, cached=True) == pytest.approx(5.0 + 10 * 0.01 * 4)
+    assert hang_timeout_s(cfg, rec, span, rows=2, tokens=100, cached=False) == pytest.approx(
+        5.0 + 10 * (0.001 * 200 + 0.02) * 4)
+    assert hang_timeout_s(cfg, rec, span, rows=1, tokens=4, cached=True) == pytest.approx(
+        5.0 + 10 * (0.01 + 0.001 * 3) * 4)
+    assert hang_timeout_s(cfg, rec, span, rows=64, tokens=2048, cached=False) == 60.0  # capped
+    assert hang_timeout_s(cfg, None, span, rows=1, tokens=1, cached=True) == 5.0  # nothing announced: the floor
     assert watchdog_s(cfg) > 60.0  # behind every reply's own bound

@@ -3,17 +3,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from swarmlm.model.checkpoint import TensorIndex, load_blocks, load_client_modules
 from swarmlm.server.stage import Stage
 from swarmlm.types import BlockRange
+from tests.swarm_helpers import reference_model
 
 
 @pytest.mark.parametrize("family", ["bloom", "llama"])
 def test_spans_match_transformers_with_padding_and_cache(checkpoints, family):
     path = checkpoints[family]
-    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    ref = reference_model(path)
     tok = AutoTokenizer.from_pretrained(path)
     enc = tok(["the quick brown fox jumps", "hello"], return_tensors="pt", padding=True)
     ids, mask = enc.input_ids, enc.attention_mask

@@ -1,22 +1,21 @@
 """Server-to-server push: outputs go straight to the next server, results stay exact, failures stay recoverable."""
 from __future__ import annotations
 
-import asyncio
 import signal
 
 import grpc
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.errors import InvalidRequest
 from swarmlm.server.push import MAX_AHEAD, StepOrder, check_targets
-from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
 from swarmlm.wire import codec
 from swarmlm.wire import swarm_pb2 as pb
-from swarmlm.wire import swarm_pb2_grpc as pb_grpc
+from tests.swarm_helpers import (RawStream, greedy_reference, greedy_steps, in_process_server, reference_generate,
+                                 reference_model, running_swarm, stub)
 
 RANGES = [BlockRange(0, 2), BlockRange(2, 4), BlockRange(4, 6)]
 
@@ -68,13 +67,9 @@ def test_push_targets_are_bounded():
 
 @pytest.fixture(scope="module")
 def swarm(tiny_bloom):
-    with LocalSwarm(tiny_bloom) as swarm:
-        swarm.start(RANGES + RANGES)  # every block twice: failover has somewhere to go
-        client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers,
-                                                             push=True, ban_base_s=60.0)
-        ref = AutoModelForCausalLM.from_pretrained(tiny_bloom).eval()
-        yield swarm, client, ref
-        client.close()
+    # every block twice: failover has somewhere to go
+    with running_swarm(tiny_bloom, RANGES + RANGES, push=True, ban_base_s=60.0) as (swarm, client):
+        yield swarm, client, reference_model(tiny_bloom)
 
 
 def _ids(path: str, text: str = "the quick brown fox jumps over") -> torch.Tensor:
@@ -88,13 +83,8 @@ def test_pushed_route_gives_the_local_logits_and_skips_the_client(swarm, tiny_bl
     written_before = {a: l.stats.written.copy() for a, l in client.remote.channels.links.items()}
     with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + 10) as session:
         assert len(session.spans) == 3
-        got = client.step_logits(session, ids)
-        assert (got - ref(ids).logits).abs().max().item() < 1e-4
-        for _ in range(10):
-            nxt = got[:, -1:].argmax(-1)
-            ids = torch.cat([ids, nxt], 1)
-            got = client.step_logits(session, nxt)
-            assert (got - ref(ids).logits[:, -1:]).abs().max().item() < 1e-4
+        for seen, got in greedy_steps(client, session, ids, 10):
+            assert (got - ref(seen).logits[:, -got.shape[1]:]).abs().max().item() < 1e-4
         for record in session.steps:  # every server but the last pushed its output on
             assert [h.pushed for h in record.hops] == [True, True, False]
         first, later = session.spans[0].span.address, [s.span.address for s in session.spans[1:]]
@@ -109,11 +99,10 @@ def test_pushed_route_gives_the_local_logits_and_skips_the_client(swarm, tiny_bl
 def test_cache_ops_travel_with_the_pushed_steps(swarm, tiny_bloom, mode):
     """Each server pushes its step's cache op on with its output: the client writes only to the first server, and
     the reorders / rollbacks reach every server of the route."""
-    _, client, ref = swarm
+    _, client, _ = swarm
     ids = _ids(tiny_bloom, "the quick brown fox the quick brown fox the")
     args = dict(num_beams=3, num_return_sequences=2) if mode == "beam search" else dict(prompt_lookup_num_tokens=3)
-    with torch.no_grad():
-        want = ref.generate(ids, max_new_tokens=8, do_sample=False, **args)
+    want = reference_generate(tiny_bloom, ids, max_new_tokens=8, **args)
     got = client.generate(ids, max_new_tokens=8, do_sample=False, **args)
     assert torch.equal(got, want)
     assert all(h.pushed for record in client.last_stats.steps for h in record.hops[:-1])
@@ -137,10 +126,8 @@ def test_pushed_chunked_prefill_is_exact(swarm, tiny_bloom):
 @pytest.mark.slow
 @pytest.mark.parametrize("position", [0, 1, 2])
 def test_a_server_dying_on_a_pushed_route_loses_nothing(swarm, tiny_bloom, position):
-    local, client, ref = swarm
-    ids = _ids(tiny_bloom, "the quick brown fox")
-    with torch.no_grad():
-        want = ref.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)[0, ids.shape[1]:].tolist()
+    local, client, _ = swarm
+    ids, want = greedy_reference(tiny_bloom, "the quick brown fox", 20)
     tokens = []
     with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + 20) as session:
         logits = client.step_logits(session, ids)
@@ -165,75 +152,58 @@ def test_a_server_dying_on_a_pushed_route_loses_nothing(swarm, tiny_bloom, posit
 
 @pytest.fixture(scope="module")
 def two_servers(tiny_bloom):
-    with LocalSwarm(tiny_bloom, with_dht=False) as swarm:
-        started = [swarm.start_server(r, wait=False) for r in RANGES[:2]]
-        swarm.wait_ready(started)
-        yield [s.address for s in started]
+    with in_process_server(tiny_bloom, RANGES[0]) as a, in_process_server(tiny_bloom, RANGES[1]) as b:
+        yield a.address, b.address
 
 
-async def _open(stub, blocks: BlockRange):
-    call = stub.Inference()
-    await call.write(pb.InferenceRequest(open=pb.OpenSession(start_block=blocks.start, end_block=blocks.end,
-                                                             batch_size=1, max_length=32)))
-    reply = await call.read()
-    return call, reply.session_id, reply.session_secret
+def _open(address: str, blocks: BlockRange) -> tuple[RawStream, str, bytes]:
+    stream, opened = RawStream.open(address, blocks.start, blocks.end)
+    return stream, opened.session_id, opened.session_secret
 
 
 def _step(hidden: torch.Tensor, step_id: int, push=()) -> pb.InferenceRequest:
     return pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(hidden), step_id=step_id, push=push))
 
 
-@pytest.mark.slow
 def test_push_protocol_dedup_and_refusals(two_servers):
     a, b = two_servers
-
-    async def scenario():
-        async with grpc.aio.insecure_channel(a) as ca, grpc.aio.insecure_channel(b) as cb:
-            sa, sb = pb_grpc.SwarmStub(ca), pb_grpc.SwarmStub(cb)
-            call_a, _, _ = await _open(sa, RANGES[0])
-            call_b, sid_b, secret_b = await _open(sb, RANGES[1])
-            x = torch.randn(1, 4, 64)
-            # a session nobody holds: A replies (it pushes after its reply), the push fails there, B sees nothing
-            await call_a.write(_step(x, 1, [pb.PushTarget(address=b, session_id="0" * 32, step_id=1,
-                                                                  secret=b"s" * 16)]))
-            r1 = await call_a.read()
-            assert r1.pushed and not r1.HasField("error") and r1.position == 4
-            # a malformed target: refused before any compute, the session is unchanged
-            await call_a.write(_step(x[:, :1], 2, [pb.PushTarget(address="not an address", session_id=sid_b,
-                                                                 step_id=1, secret=secret_b)]))
-            r2 = await call_a.read()
-            assert r2.HasField("error") and r2.position == 4
-            # the real thing: A pushes its output into B's session; B answers on B's stream unasked
-            y = torch.randn(1, 1, 64)
-            await call_a.write(_step(y, 3, [pb.PushTarget(address=b, session_id=sid_b, step_id=1,
-                                                          secret=secret_b)]))
-            r3 = await call_a.read()
-            assert r3.pushed and r3.position == 5
-            rb = await asyncio.wait_for(call_b.read(), 60)
-            assert rb.step_id == 1 and rb.position == 1  # B's first step: the failed push left nothing
-            alone = await sb.Forward(pb.ForwardRequest(start_block=2, end_block=4, hidden=r3.hidden))
-            assert torch.allclose(codec.decode(rb.hidden, "h"), codec.decode(alone.hidden, "h"), atol=1e-5)
-            # the client's own copy of step 1 is a duplicate: no reply; step 2 is answered next
-            await call_b.write(_step(codec.decode(r3.hidden, "h"), 1))
-            await call_b.write(_step(codec.decode(r3.hidden, "h"), 2))
-            rb2 = await asyncio.wait_for(call_b.read(), 60)
-            assert rb2.step_id == 2 and rb2.position == 2
-            # a push into a session without a stream, or without an id: refused with a status
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await sb.Push(pb.PushRequest(session_id="f" * 32, step=pb.InferenceStep(step_id=1)))
-            assert e.value.code() == grpc.StatusCode.NOT_FOUND
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await sb.Push(pb.PushRequest(session_id=sid_b, secret=secret_b, step=pb.InferenceStep(step_id=0)))
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            with pytest.raises(grpc.aio.AioRpcError) as e:  # the id alone is not enough
-                await sb.Push(pb.PushRequest(session_id=sid_b, step=pb.InferenceStep(step_id=3)))
-            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
-            # a pushed step that is garbage gets an error reply on B's stream; B's session is unchanged
-            await sb.Push(pb.PushRequest(session_id=sid_b, secret=secret_b, step=pb.InferenceStep(
-                step_id=3, hidden=pb.Tensor(data=b"xx", dtype="float32", shape=[1, 1, 64]))))
-            rb3 = await asyncio.wait_for(call_b.read(), 60)
-            assert rb3.HasField("error") and rb3.step_id == 3 and rb3.position == 2
-            for call in (call_a, call_b):
-                await call.done_writing()
-
-    asyncio.run(scenario())
+    sb = stub(b)
+    call_a, _, _ = _open(a, RANGES[0])
+    call_b, sid_b, secret_b = _open(b, RANGES[1])
+    x = torch.randn(1, 4, 64)
+    # a session nobody holds: A replies (it pushes after its reply), the push fails there, B sees nothing
+    r1 = call_a.send(_step(x, 1, [pb.PushTarget(address=b, session_id="0" * 32, step_id=1, secret=b"s" * 16)]))
+    assert r1.pushed and not r1.HasField("error") and r1.position == 4
+    # a malformed target: refused before any compute, the session is unchanged
+    r2 = call_a.send(_step(x[:, :1], 2, [pb.PushTarget(address="not an address", session_id=sid_b, step_id=1,
+                                                       secret=secret_b)]))
+    assert r2.HasField("error") and r2.position == 4
+    # the real thing: A pushes its output into B's session; B answers on B's stream unasked
+    y = torch.randn(1, 1, 64)
+    r3 = call_a.send(_step(y, 3, [pb.PushTarget(address=b, session_id=sid_b, step_id=1, secret=secret_b)]))
+    assert r3.pushed and r3.position == 5
+    rb = call_b.read()
+    assert rb.step_id == 1 and rb.position == 1  # B's first step: the failed push left nothing
+    alone = sb.Forward(pb.ForwardRequest(start_block=2, end_block=4, hidden=r3.hidden))
+    assert torch.allclose(codec.decode(rb.hidden, "h"), codec.decode(alone.hidden, "h"), atol=1e-5)
+    # the client's own copy of step 1 is a duplicate: no reply; step 2 is answered next
+    call_b.write(_step(codec.decode(r3.hidden, "h"), 1))
+    rb2 = call_b.send(_step(codec.decode(r3.hidden, "h"), 2))
+    assert rb2.step_id == 2 and rb2.position == 2
+    # a push into a session without a stream, or without an id: refused with a status
+    refusals = [(pb.PushRequest(session_id="f" * 32, step=pb.InferenceStep(step_id=1)), grpc.StatusCode.NOT_FOUND),
+                (pb.PushRequest(session_id=sid_b, secret=secret_b, step=pb.InferenceStep(step_id=0)),
+                 grpc.StatusCode.INVALID_ARGUMENT),
+                # the id alone is not enough
+                (pb.PushRequest(session_id=sid_b, step=pb.InferenceStep(step_id=3)), grpc.StatusCode.PERMISSION_DENIED)]
+    for request, code in refusals:
+        with pytest.raises(grpc.RpcError) as e:
+            sb.Push(request)
+        assert e.value.code() == code
+    # a pushed step that is garbage gets an error reply on B's stream; B's session is unchanged
+    sb.Push(pb.PushRequest(session_id=sid_b, secret=secret_b, step=pb.InferenceStep(
+        step_id=3, hidden=pb.Tensor(data=b"xx", dtype="float32", shape=[1, 1, 64]))))
+    rb3 = call_b.read()
+    assert rb3.HasField("error") and rb3.step_id == 3 and rb3.position == 2
+    for call in (call_a, call_b):
+        call.end()

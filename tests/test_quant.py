@@ -10,20 +10,19 @@ import sys
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.config import ClientConfig, ServerConfig
 from swarmlm.errors import MissingBlocks
-from swarmlm.model.checkpoint import load_client_modules
+from swarmlm.model.checkpoint import load_client_modules, load_config
 from swarmlm.model.checkpoint import load_blocks
 from swarmlm.model.quant import (Int8Embedding, Int8Linear, check_quant, int32_accumulation, logits_error_bound,
                                  map_rows_to_unit_range, quantize_client_modules, quantize_linears, tensor_bytes)
 from swarmlm.server.stage import Stage
-from swarmlm.swarm.local import LocalSwarm
 from swarmlm.swarm.records import ServerRecord, record_from_info
 from swarmlm.types import BlockRange
 from swarmlm.wire import swarm_pb2 as pb
+from tests.swarm_helpers import InProcessSwarm, in_process_server, reference_model
 
 # docs/PERFORMANCE_MODEL.md "int8 weights": relative L2 of the logits against fp32, blocks + head in int8, what this
 # CPU's kernels promise: 3 % with int32 accumulation (AVX512-VNNI), 4.5 % with the AVX2 kernels' 7-bit activations.
@@ -40,7 +39,7 @@ def local_logits(path: str, ids: torch.Tensor, server_quant: str, client_quant: 
     """The swarm's computation in one process: client modules around one Stage of all blocks."""
     _, _, mods = load_client_modules(path)
     quantize_client_modules(mods, client_quant)
-    n = AutoModelForCausalLM.from_pretrained(path).config.num_hidden_layers
+    n = int(load_config(path).num_hidden_layers)
     stage = Stage(path, BlockRange(0, n), quant=server_quant)
     with torch.no_grad():
         h = mods.embed(ids)
@@ -54,7 +53,7 @@ def test_int8_logits_within_bound_of_fp32_transformers(checkpoints, family):
     path = checkpoints[family]
     ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        want = AutoModelForCausalLM.from_pretrained(path).eval()(ids).logits
+        want = reference_model(path)(ids).logits
     exact = local_logits(path, ids, "none", "none")
     assert rel_l2(exact, want) < 1e-5  # the same path unquantized is exact: the error below is the int8's
     for server_quant, client_quant in [("int8", "none"), ("none", "int8"), ("int8", "int8")]:
@@ -208,23 +207,19 @@ def test_bad_quant_settings_are_refused():
     assert record_from_info(info, "127.0.0.1:1").quant == "none"
 
 
-# ---- a real swarm: an int8 server for blocks [0, 3), an fp32 one for [3, 6) ----------------------------------------
+# ---- servers (in this process): an int8 one for blocks [0, 3), an fp32 one for [3, 6) -----------------------------
 @pytest.fixture(scope="module")
 def mixed_swarm(tiny_bloom):
-    with LocalSwarm(tiny_bloom) as swarm:
-        swarm.start_dht()
-        swarm.start_server(BlockRange(0, 3), extra=["--quant", "int8"], wait=False)
-        swarm.start_server(BlockRange(3, 6), wait=False)
-        swarm.wait_ready(swarm.servers)
-        yield tiny_bloom, swarm
+    with in_process_server(tiny_bloom, BlockRange(0, 3), quant="int8") as int8, \
+            in_process_server(tiny_bloom, BlockRange(3, 6)) as fp32:
+        yield tiny_bloom, InProcessSwarm(tiny_bloom, [int8, fp32])
 
 
-@pytest.mark.slow
 def test_quantized_server_in_a_real_swarm(mixed_swarm):
     path, swarm = mixed_swarm
     ids = torch.randint(0, 500, (1, 12), generator=torch.Generator().manual_seed(1))
-    ref = AutoModelForCausalLM.from_pretrained(path).eval()
-    client = DistributedModelForCausalLM.from_pretrained(path, initial_peers=swarm.initial_peers, quant="int8")
+    ref = reference_model(path)
+    client = DistributedModelForCausalLM.from_pretrained(path, servers=swarm.addresses, quant="int8")
     try:
         with client.inference_session(max_length=ids.shape[1] + 4) as session:
             got = client.step_logits(session, ids)
@@ -246,11 +241,10 @@ def test_quantized_server_in_a_real_swarm(mixed_swarm):
         client.close()
 
 
-@pytest.mark.slow
 def test_client_requiring_full_precision_avoids_the_int8_server(mixed_swarm):
     path, swarm = mixed_swarm
     client = DistributedModelForCausalLM.from_pretrained(
-        path, initial_peers=swarm.initial_peers, require_full_precision=True, wait_for_blocks_s=3.0)
+        path, servers=swarm.addresses, require_full_precision=True, wait_for_blocks_s=3.0)
     try:
         with pytest.raises(MissingBlocks):  # blocks [0, 3) are served only in int8
             client(torch.tensor([[1, 2, 3]]))

@@ -10,23 +10,19 @@ from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.client.router import UNKNOWN_SLOTS
 from swarmlm.client.streams import info
 from swarmlm.planner.routing import WaitingAwareRouter
-from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
-from tests.swarm_helpers import even_out_view
+from tests.swarm_helpers import InProcessSwarm, even_out_view, in_process_swarm
 
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def replicas(tiny_bloom):
-    with LocalSwarm(tiny_bloom, with_dht=False) as swarm:
-        # one after the other: the second reads the first's cached profile, so both announce the same speed
-        swarm.start_server(BlockRange(0, 6))
-        swarm.start_server(BlockRange(0, 6))
+    # the router fed from Info: the servers' processes are not the point, they run in this one
+    with in_process_swarm(tiny_bloom, [BlockRange(0, 6)] * 2) as swarm:
         yield swarm
 
 
-def client_for(swarm: LocalSwarm, addresses: list[str], **kwargs) -> DistributedModelForCausalLM:
+def client_for(swarm: InProcessSwarm, addresses: list[str], **kwargs) -> DistributedModelForCausalLM:
     """A client whose view is even and still (`refresh_even`). Load is what these tests vary."""
     kwargs.setdefault("records_max_age_s", 600.0)  # no re-read between the sessions of a test: a still view
     client = DistributedModelForCausalLM.from_pretrained(swarm.model_dir, servers=addresses, **kwargs)

@@ -1,35 +1,28 @@
-"""Malformed requests sent straight to a server process get clear errors; the server and other sessions go on."""
+"""Malformed requests sent straight to a server get clear errors; the server and other sessions go on."""
 from __future__ import annotations
 
 import grpc
 import pytest
 import torch
 
-from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
 from swarmlm.wire import codec
 from swarmlm.wire import swarm_pb2 as pb
-from tests.swarm_helpers import RawStream, stub
+from tests.swarm_helpers import RawStream, in_process_server, stub
 
-pytestmark = pytest.mark.slow
 H = 64  # tiny-bloom hidden size
 
 
 @pytest.fixture(scope="module")
 def server(tiny_bloom):
-    # no DHT: a lone server reached by address; small limits so they can be hit cheaply
-    with LocalSwarm(tiny_bloom, with_dht=False,
-                    server_args=["--max-message-mb", "1", "--max-length", "64", "--cache-mb", "1",
-                                 "--idle-timeout", "3"]) as swarm:
-        swarm.start([BlockRange(1, 4)])
-        yield swarm.servers[0].address
+    # a lone server reached by address (the protocol: in this process); small limits so they can be hit cheaply
+    with in_process_server(tiny_bloom, BlockRange(1, 4), max_message_bytes=1 << 20, max_length_tokens=64,
+                           cache_bytes=1 << 20, session_idle_timeout_s=3.0) as server:
+        yield server.address
 
 
-def open_session(address: str, start=1, end=4, batch=1, max_length=32) -> tuple[RawStream, pb.InferenceReply]:
-    s = RawStream(address)
-    reply = s.send(pb.InferenceRequest(open=pb.OpenSession(start_block=start, end_block=end, batch_size=batch,
-                                                           max_length=max_length)))
-    return s, reply
+def open_session(address: str) -> tuple[RawStream, pb.InferenceReply]:
+    return RawStream.open(address, 1, 4)
 
 
 def step(hidden: torch.Tensor, mask: torch.Tensor | None = None) -> pb.InferenceRequest:
@@ -43,7 +36,6 @@ def test_bad_steps_are_refused_and_the_session_survives(server):
     x = torch.randn(1, 5, H)
     ok = s.send(step(x))
     assert not ok.HasField("error") and ok.position == 5
-    expected_next = None
     bad_requests = {
         "bytes do not match": pb.InferenceRequest(step=pb.InferenceStep(hidden=pb.Tensor(
             data=b"\0" * 10, dtype="float32", shape=[1, 1, H]))),
@@ -71,8 +63,8 @@ def test_bad_steps_are_refused_and_the_session_survives(server):
     fresh.send(step(x))
     again = fresh.send(step(y))
     assert torch.allclose(codec.decode(after.hidden), codec.decode(again.hidden))
-    s.close()
-    fresh.close()
+    s.end()
+    fresh.end()
 
 
 def test_protocol_errors_get_grpc_status(server):
@@ -91,7 +83,7 @@ def test_protocol_errors_get_grpc_status(server):
             s.send(request)
         assert err.value.code() == code, (request, err.value.details())
         assert err.value.details()
-        s.close()
+        s.end()
 
 
 def test_oversized_message_is_refused(server):
@@ -99,7 +91,7 @@ def test_oversized_message_is_refused(server):
     with pytest.raises(grpc.RpcError) as err:
         s.send(step(torch.randn(1, 5000, H)))  # 1.3 MB > the 1 MiB limit
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    s.close()
+    s.end()
 
 
 def test_forward_validates_and_computes(server):
@@ -120,7 +112,7 @@ def test_sessions_release_cache_and_idle_sessions_expire(server):
     assert not s.send(step(torch.randn(1, 1, H))).HasField("error")
     during = client.Info(pb.InfoRequest())
     assert during.cache_bytes_free < base.cache_bytes_free and during.active_sessions == base.active_sessions + 1
-    s.close()  # a clean end of stream closes the session
+    s.end()  # a clean end of stream closes the session
     import time
 
     deadline = time.time() + 60
@@ -136,4 +128,4 @@ def test_sessions_release_cache_and_idle_sessions_expire(server):
         time.sleep(0.2)
     with pytest.raises(grpc.RpcError):
         s2.send(step(torch.randn(1, 1, H)))
-    s2.close()
+    s2.end()

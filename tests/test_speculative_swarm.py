@@ -6,11 +6,11 @@ import signal
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
+from tests.swarm_helpers import reference_model
 
 torch.set_num_threads(1)
 
@@ -22,7 +22,7 @@ NEW_TOKENS = 24
 @pytest.fixture(scope="module", params=["bloom", "llama"])
 def swarm(request, checkpoints):
     path = checkpoints[request.param]
-    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    ref = reference_model(path)
     half = ref.config.num_hidden_layers // 2
     ranges = [BlockRange(0, half), BlockRange(half, ref.config.num_hidden_layers)]
     with LocalSwarm(path) as local:

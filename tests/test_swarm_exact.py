@@ -5,11 +5,10 @@ import threading
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-from swarmlm.client.model import DistributedModelForCausalLM
-from swarmlm.swarm.local import LocalSwarm, even_split
-from tests.swarm_helpers import run_in_threads
+from swarmlm.swarm.local import even_split
+from tests.swarm_helpers import assert_steps_match_reference, reference_generate, run_in_threads, running_swarm
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["the quick brown fox jumps over", "hello"]
@@ -20,44 +19,29 @@ PROMPTS = ["the quick brown fox jumps over", "hello"]
 def swarm(request, checkpoints):
     family, n = request.param
     path = checkpoints[family]
-    with LocalSwarm(path) as swarm:
-        swarm.start(even_split(6, n))
-        client = DistributedModelForCausalLM.from_pretrained(path, initial_peers=swarm.initial_peers)
-        ref = AutoModelForCausalLM.from_pretrained(path).eval()
-        yield path, swarm, client, ref
-        client.close()
+    with running_swarm(path, even_split(6, n)) as (swarm, client):
+        yield path, swarm, client
 
 
 def test_logits_prefill_and_10_decode_steps(swarm):
-    path, _, client, ref = swarm
+    path, _, client = swarm
     ids = AutoTokenizer.from_pretrained(path)(PROMPTS[0], return_tensors="pt").input_ids
-    with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + 10) as session:
-        got = client.step_logits(session, ids)
-        want = ref(ids).logits
-        assert (got - want).abs().max().item() < 1e-4
-        assert len(session.route_spans()) >= 1
-        for _ in range(10):
-            nxt = got[:, -1:].argmax(-1)
-            ids = torch.cat([ids, nxt], 1)
-            got = client.step_logits(session, nxt)
-            want = ref(ids).logits[:, -1:]
-            assert (got - want).abs().max().item() < 1e-4
+    assert_steps_match_reference(client, path, ids, steps=10)
 
 
 def test_greedy_generate_batch_with_padding(swarm):
-    path, _, client, ref = swarm
+    path, _, client = swarm
     tok = AutoTokenizer.from_pretrained(path)
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
     got = client.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=20)
-    with torch.no_grad():
-        want = ref.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=20, do_sample=False)
+    want = reference_generate(path, enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=20)
     assert torch.equal(got, want)
     stats = client.last_stats
     assert stats.new_tokens == got.shape[1] - enc.input_ids.shape[1] and stats.ttft_s > 0
 
 
 def test_sampling_is_reproducible_and_follows_the_distribution(swarm):
-    path, _, client, _ = swarm
+    path, _, client = swarm
     ids = AutoTokenizer.from_pretrained(path)("hello", return_tensors="pt").input_ids
     a = client.generate(ids, max_new_tokens=8, do_sample=True, top_k=20, top_p=0.9, temperature=0.7,
                         generator=torch.Generator().manual_seed(5))
@@ -68,7 +52,7 @@ def test_sampling_is_reproducible_and_follows_the_distribution(swarm):
 
 def test_concurrent_sessions_are_isolated(swarm):
     """4 sessions stepped in interleaved order from 4 threads give the tokens each gives alone."""
-    path, _, client, _ = swarm
+    path, _, client = swarm
     tok = AutoTokenizer.from_pretrained(path)
     prompts = ["one two three", "the sky is blue", "a", "write a short poem about the sea"]
     alone = [client.generate(tok(p, return_tensors="pt").input_ids, max_new_tokens=8) for p in prompts]

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.config import ClientConfig
 from swarmlm.errors import InvalidRequest
-from swarmlm.swarm.local import LocalSwarm, even_split
+from swarmlm.swarm.local import even_split
 from swarmlm.wire import codec, compress
 from swarmlm.wire import swarm_pb2 as pb
+from tests.swarm_helpers import in_process_swarm, reference_model
 
 # logits relative L2 against fp32 transformers through 2 servers (docs/PROTOCOL.md "Compressed hidden states")
 LOGITS_BOUND = {"float32": 1e-5, "float16": 0.005, "bfloat16": 0.03, "int8": 0.03}
@@ -115,16 +115,14 @@ def test_a_client_switches_to_compression_once_it_measures_a_slow_link():
 
 @pytest.fixture(scope="module")
 def swarm(tiny_bloom):
-    with LocalSwarm(tiny_bloom, with_dht=False) as swarm:
-        swarm.start(even_split(6, 2))
+    with in_process_swarm(tiny_bloom, even_split(6, 2)) as swarm:  # the wire between client and servers
         yield tiny_bloom, swarm
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("wire_dtype", ["float32", "float16", "bfloat16", "int8"])
 def test_swarm_logits_within_bound_per_wire_dtype(swarm, wire_dtype):
     path, local = swarm
-    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    ref = reference_model(path)
     client = DistributedModelForCausalLM.from_pretrained(path, servers=local.addresses, wire_dtype=wire_dtype)
     ids = torch.randint(0, 500, (2, 10), generator=torch.Generator().manual_seed(3))
     try:

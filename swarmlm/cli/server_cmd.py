@@ -5,9 +5,12 @@ import argparse
 from dataclasses import replace
 
 from swarmlm.cli.args import add_model, add_swarm_key, block_range, model_ref
-from swarmlm.config import QUANT_NAMES, SchedulerConfig
+from swarmlm.config import QUANT_NAMES, SchedulerConfig, ServerConfig
 
-SCHEDULER = SchedulerConfig()  # the flags' defaults
+# the flags' defaults: each setting's one definition is its config field
+SERVER = ServerConfig(model_dir="", blocks=None)
+SCHEDULER = SERVER.scheduler
+MIB = 1 << 20
 
 
 def add_parser(sub) -> None:
@@ -18,33 +21,34 @@ def add_parser(sub) -> None:
                    help="the server's private key (PEM; created 0600 if absent): keeps its id across restarts "
                         "(default: a fresh key and id per run)")
     add_swarm_key(p)
-    p.add_argument("--reachability", default="auto", choices=["auto", "direct", "relayed"],
+    p.add_argument("--reachability", default=SERVER.reachability, choices=["auto", "direct", "relayed"],
                    help="auto: a relay dials this server back at start-up, and if that fails it is served through a "
                         "relay (behind NAT); direct / relayed: no check (docs/PROTOCOL.md, Servers behind NAT)")
     p.add_argument("--num-blocks", type=int, help="with no --blocks: how many blocks to take (default: from memory)")
-    p.add_argument("--placement", default="petals", choices=["petals", "cg-bprr"],
+    p.add_argument("--placement", default=SERVER.placement, choices=["petals", "cg-bprr"],
                    help="with no --blocks: how to choose the range")
     p.add_argument("--initial-peers", nargs="*", default=[], help="DHT multiaddrs (none: no swarm, direct use)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--host", default=SERVER.host)
+    p.add_argument("--port", type=int, default=SERVER.port)
     p.add_argument("--announce-host", help="address others dial, if not --host")
-    p.add_argument("--threads", type=int, default=1, help="torch threads for compute")
-    p.add_argument("--quant", default="none", choices=QUANT_NAMES,
+    p.add_argument("--threads", type=int, default=SERVER.threads, help="torch threads for compute")
+    p.add_argument("--quant", default=SERVER.quant, choices=QUANT_NAMES,
                    help="int8: the blocks' linear layers quantized on load (~1/4 of fp32's weight memory, faster "
                         "decode on CPU, ~1 %% logits error; needs float32; announced to clients)")
     p.add_argument("--adapters", nargs="*", default=[],
                    help="PEFT LoRA adapter directories to pre-load (announced; clients choose one per session with "
                         "active_adapter=<directory name>; docs/FINETUNING.md)")
-    p.add_argument("--max-train-mb", type=int, default=256,
+    p.add_argument("--max-train-mb", type=int, default=SERVER.max_train_request_bytes // MIB,
                    help="estimated memory one training request (Backward) may take, MiB; larger ones are refused")
     p.add_argument("--mmap-weights", action="store_true",
                    help="serve full-precision weights from the checkpoint file's mapping (pages shared by servers of "
                         "the same file on one host) instead of copying them into the process: less memory per "
                         "extra server, ~1.5x slower decode on the machine we measured")
-    p.add_argument("--cache-mb", type=int, default=256, help="attention-cache budget across sessions, MiB")
+    p.add_argument("--cache-mb", type=int, default=SERVER.cache_bytes // MIB,
+                   help="attention-cache budget across sessions, MiB")
     p.add_argument("--memory-mb", type=int, help="memory budget for weights + caches when choosing --num-blocks")
-    p.add_argument("--max-sessions", type=int, default=64)
-    p.add_argument("--max-length", type=int, default=2048, help="longest session accepted, tokens")
+    p.add_argument("--max-sessions", type=int, default=SERVER.max_sessions)
+    p.add_argument("--max-length", type=int, default=SERVER.max_length_tokens, help="longest session accepted, tokens")
     p.add_argument("--max-batch-tokens", type=int, default=SCHEDULER.max_batch_tokens,
                    help="continuous batching: tokens (rows x new tokens) one compute round may take across sessions")
     p.add_argument("--max-prefill-skips", type=int, default=SCHEDULER.max_prefill_skips,
@@ -56,31 +60,39 @@ def add_parser(sub) -> None:
     p.add_argument("--inline-decode-max-ms", type=float, default=SCHEDULER.inline_decode_max_s * 1000,
                    help="a lone session's decode step whose forward takes at most this long runs on the server's I/O "
                         "loop, without the hand-off to the compute thread (0 = never)")
-    p.add_argument("--max-message-mb", type=int, default=64, help="largest gRPC message accepted, MiB")
-    p.add_argument("--idle-timeout", type=float, default=120.0, help="close sessions idle this long, seconds")
+    p.add_argument("--max-message-mb", type=int, default=SERVER.max_message_bytes // MIB,
+                   help="largest gRPC message accepted, MiB")
+    p.add_argument("--idle-timeout", type=float, default=SERVER.session_idle_timeout_s,
+                   help="close sessions idle this long, seconds")
     # limits against greedy or hostile peers (docs/FAILURES.md); a peer is a remote host
-    p.add_argument("--open-idle-timeout", type=float, default=10.0,
+    p.add_argument("--open-idle-timeout", type=float, default=SERVER.open_idle_timeout_s,
                    help="close a session whose first step has not run this long after its open, seconds")
-    p.add_argument("--resume-grace", type=float, default=5.0,
+    p.add_argument("--resume-grace", type=float, default=SERVER.resume_grace_s,
                    help="close a session whose stream broke unless it is resumed (with its secret) this soon, seconds")
-    p.add_argument("--max-sessions-per-peer", type=int, default=32, help="open sessions one host may hold")
-    p.add_argument("--max-concurrent-rpcs", type=int, default=256, help="gRPC calls at once (streams included)")
-    p.add_argument("--rebalance-period", type=float, default=30.0,
+    p.add_argument("--max-sessions-per-peer", type=int, default=SERVER.max_sessions_per_peer,
+                   help="open sessions one host may hold")
+    p.add_argument("--max-concurrent-rpcs", type=int, default=SERVER.max_concurrent_rpcs,
+                   help="gRPC calls at once (streams included)")
+    p.add_argument("--rebalance-period", type=float, default=SERVER.rebalance_period_s,
                    help="with no --blocks: check every this many seconds whether moving helps the swarm (0 = never)")
-    p.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, wait this long for sessions")
+    p.add_argument("--drain-timeout", type=float, default=SERVER.drain_timeout_s,
+                   help="on SIGTERM, wait this long for sessions")
 
 
 def run(args: argparse.Namespace) -> int:
-    model = model_ref(args)  # a bad path fails before the slow imports
-    from swarmlm.config import ServerConfig
+    config = server_config(args)  # a bad path fails before the slow imports
     from swarmlm.server.server import run_server
 
-    config = ServerConfig(
-        model_dir=model, blocks=args.blocks,
+    return run_server(config)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        model_dir=model_ref(args), blocks=args.blocks,
         initial_peers=tuple(args.initial_peers), host=args.host, port=args.port, announce_host=args.announce_host,
         reachability=args.reachability,
         threads=args.threads, dtype=args.dtype, num_blocks=args.num_blocks, placement=args.placement,
-        memory_bytes=args.memory_mb << 20 if args.memory_mb else None, cache_bytes=args.cache_mb << 20,
+        memory_bytes=args.memory_mb * MIB if args.memory_mb else None, cache_bytes=args.cache_mb * MIB,
         max_sessions=args.max_sessions, max_length_tokens=args.max_length,
         scheduler=SchedulerConfig(
             max_batch_tokens=args.max_batch_tokens, max_prefill_skips=args.max_prefill_skips,
@@ -88,8 +100,9 @@ def run(args: argparse.Namespace) -> int:
             inline_decode_max_s=args.inline_decode_max_ms / 1000),
         session_idle_timeout_s=args.idle_timeout, open_idle_timeout_s=args.open_idle_timeout,
         resume_grace_s=args.resume_grace, max_sessions_per_peer=args.max_sessions_per_peer,
-        max_concurrent_rpcs=args.max_concurrent_rpcs, max_message_bytes=args.max_message_mb << 20, dht_prefix=args.dht_prefix,
+        max_concurrent_rpcs=args.max_concurrent_rpcs, max_message_bytes=args.max_message_mb * MIB,
+        dht_prefix=args.dht_prefix,
         identity_file=args.identity, swarm_key=args.swarm_key, quant=args.quant,
-        mmap_weights=args.mmap_weights, adapters=tuple(args.adapters), max_train_request_bytes=args.max_train_mb << 20,
+        mmap_weights=args.mmap_weights, adapters=tuple(args.adapters), max_train_request_bytes=args.max_train_mb * MIB,
+        drain_timeout_s=args.drain_timeout, rebalance_period_s=args.rebalance_period,
     )
-    return run_server(config, drain_timeout_s=args.drain_timeout, rebalance_period_s=args.rebalance_period)

@@ -33,12 +33,13 @@ from swarmlm.wire import swarm_pb2 as pb
 Chunk = tuple[torch.Tensor, torch.Tensor]  # hidden [B, T, H], padding mask [B, T]
 
 
-def hang_timeout_s(config: ClientConfig, profile: ComputeProfile | None, span: Span, rows: int, tokens: int) -> float:
+def hang_timeout_s(config: ClientConfig, profile: ComputeProfile | None, span: Span, rows: int, tokens: int,
+                   cached: bool) -> float:
     """How long a reply of this span's server may take before the server counts as hung: its announced compute time
-    for `tokens` new tokens of `rows` sequences over the span's blocks (perf: `ComputeProfile.step_s`), times
-    hang_factor, plus hang_floor_s (load, scheduling and the wire), at most step_timeout_s. A server that announces
-    nothing gets the floor."""
-    compute = profile.step_s(span.length, rows, tokens) if profile is not None else 0.0
+    for `tokens` new tokens of `rows` sequences over the span's blocks, from scratch or past what its cache holds
+    (`cached`; perf: `ComputeProfile.step_s`), times hang_factor, plus hang_floor_s (load, scheduling and the wire),
+    at most step_timeout_s. A server that announces nothing gets the floor."""
+    compute = profile.step_s(span.length, rows, tokens, cached) if profile is not None else 0.0
     return min(config.step_timeout_s, config.hang_floor_s + config.hang_factor * compute)
 
 
@@ -167,11 +168,11 @@ class _Progress:
 
 class StepPipeline:
     """One attempt at a step: every chunk through every hop, from where each hop left off (`Hop.written`,
-    `Hop.outputs`). `hang_timeout(span, rows, tokens)` bounds each reply (`hang_timeout_s`); `push`: servers push
+    `Hop.outputs`). `hang_timeout(span, rows, tokens, cached)` bounds each reply (`hang_timeout_s`); `push`: servers push
     each output on to the next hop (the session's choice for this route, RemoteSequence.push)."""
 
     def __init__(self, hops: list[Hop], chunks: list[Chunk], config: ClientConfig,
-                 hang_timeout: Callable[[Span, int, int], float], push: bool = False) -> None:
+                 hang_timeout: Callable[[Span, int, int, bool], float], push: bool = False) -> None:
         self.hops = hops
         self.chunks = chunks
         self.push = push
@@ -284,7 +285,8 @@ class StepPipeline:
             # (pushed, the next server may answer before the client has read it: its reply waits in the stream)
             await self.progress.wait_for(lambda: hop.written > k and (i == 0 or self.hops[i - 1].answered > k))
             x = self.chunks[k][0]
-            out, timing = await hop.stream.receive(self.hang_timeout(hop.span, x.shape[0], x.shape[1]))
+            cached = bool(hop.open_span.history)  # (this chunk joins the history once answered)
+            out, timing = await hop.stream.receive(self.hang_timeout(hop.span, x.shape[0], x.shape[1], cached))
             hop.open_span.history.append((self._source(i, k), self.chunks[k][1]))
             hop.outputs.append(out)
             self.timings.append(timing)

@@ -193,8 +193,8 @@ class InferenceSession:
             seen = self._profiles[span.server_id] = (record, profile_of(record))
         return seen[1]
 
-    def _hang_timeout_s(self, span: Span, rows: int, tokens: int) -> float:
-        return hang_timeout_s(self.remote.config, self._profile(span), span, rows, tokens)
+    def _hang_timeout_s(self, span: Span, rows: int, tokens: int, cached: bool) -> float:
+        return hang_timeout_s(self.remote.config, self._profile(span), span, rows, tokens, cached)
 
     def _stalled(self, outcome: AttemptOutcome, hops: list[Hop], record: StepRecord) -> None:
         """Nothing moved for a whole watchdog_s: every hop not done is reopened and replayed, a bounded number of
@@ -252,7 +252,8 @@ class InferenceSession:
         hidden = torch.cat([h for h, _ in history], dim=1)
         mask = torch.cat([m for _, m in history], dim=1)
         for opened in spans:
-            out, _ = await opened.stream.step(hidden, mask, self._hang_timeout_s(opened.span, *hidden.shape[:2]))
+            bound = self._hang_timeout_s(opened.span, *hidden.shape[:2], cached=bool(opened.history))
+            out, _ = await opened.stream.step(hidden, mask, bound)
             opened.history.append((hidden, mask))
             hidden = out
 

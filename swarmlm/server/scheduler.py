@@ -15,8 +15,9 @@ Sessions in lockstep reach a free server one by one: the first would run alone w
 trip behind, form the round after (4 sessions settle into rounds of 1 and 3, and on CPU a 3-row forward costs
 nearly 3 one-row ones; 2 sessions alternate alone forever). So before a round, the worker waits briefly for the
 sessions of the last two decode rounds that are not back yet (`SchedulerConfig.batch_wait`, config.StragglerWait: at
-most a fraction of the longer of the last two decode forwards' times, and at most `max_s`). A lone session never waits; when waits stop gathering anyone (e.g. sessions come
-back over slow links), they stop, and are retried now and then.
+most a fraction of the longer of the last two decode forwards' times, and at most `max_s`). A lone session never
+waits; when waits stop gathering anyone (e.g. sessions come back over slow links), they stop, and are retried now
+and then. Whether to wait is `StragglerGate`'s decision (pure, tested without a clock).
 
 Every job reports how long it waited and how long it ran; a job computed in a batch reports the batch's forward
 time (the members shared it) and the batch size.
@@ -40,7 +41,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from swarmlm.config import SchedulerConfig
+from swarmlm.config import SchedulerConfig, StragglerWait
 from swarmlm.server.stage import SpanState, Stage, StepRequest
 from swarmlm.types import CacheOp, StepKind
 
@@ -50,6 +51,32 @@ DECODE, PREFILL = StepKind.DECODE, StepKind.PREFILL  # priorities: decode steps 
 # into step a few tokens later (the client batches their heads), and a wait that gathers them pays from then on;
 # 32 kept the waits off for a whole short generation (8 sessions x 8 tokens: rounds of 7 + 1 throughout)
 RETRY_WAIT_AFTER = 8
+
+
+@dataclass
+class StragglerGate:
+    """Whether a round about to start waits for stragglers, and whether that wait paid: the whole policy, pure (no
+    clock, no lock, no thread); the scheduler tells it what it sees and waits as long as `wait.left_s` says."""
+
+    wait: StragglerWait  # SchedulerConfig.batch_wait
+    fruitless: int = 0  # consecutive waits that gathered nobody
+    skipped: int = 0  # waits skipped since the last try
+
+    def opens(self, expected: set[Hashable], queued: set[Hashable], decode_queued: bool) -> bool:
+        """Does a wait start now? `expected`: the members of the last two decode rounds; `queued`: the members with
+        a step queued. A lone session, prefill-only work or nobody missing: no wait; after 4 fruitless waits, the
+        next RETRY_WAIT_AFTER are skipped."""
+        if self.wait.fraction == 0 or len(expected) < 2 or not decode_queued or expected <= queued:
+            return False
+        if self.fruitless >= 4 and self.skipped < RETRY_WAIT_AFTER:
+            self.skipped += 1  # waits have not paid lately
+            return False
+        self.skipped = 0
+        return True
+
+    def ended(self, missing_before: int, missing_after: int) -> None:
+        """A wait ended with `missing_after` of the `missing_before` expected members still missing."""
+        self.fruitless = 0 if missing_after < missing_before else self.fruitless + 1
 
 
 @dataclass(frozen=True)
@@ -133,8 +160,7 @@ class Scheduler:
         self.inline_runs = 0  # lone decode steps run on the caller's thread (see the module's docstring)
         self._recent: deque[set[Hashable]] = deque(maxlen=2)  # members of the last two rounds' decode forwards
         self._recent_decode_s: deque[float] = deque(maxlen=2)  # the last two decode rounds' compute times
-        self._fruitless = 0  # consecutive waits that gathered nobody
-        self._skipped_waits = 0  # waits skipped since the last try
+        self.gate = StragglerGate(config.batch_wait)  # waits for stragglers before a round (or not)
         self._queue: list[Job] = []  # arrival order
         self._running = False  # a round (on the worker) or an inline step (on the caller's thread) is computing
         self._cv = threading.Condition()
@@ -222,30 +248,22 @@ class Scheduler:
     def _wait_for_stragglers(self) -> None:
         """(Holding the lock.) Give the recent decode rounds' sessions that are not queued yet a moment to arrive."""
         expected = set().union(*self._recent)
-        if self.config.batch_wait.fraction == 0 or len(expected) < 2:
-            return
-        if not any(job.priority == DECODE for job in self._queue):
-            return  # nothing is decoding: prefill work goes at once
 
-        def missing() -> set[Hashable]:
-            return expected - {job.member for job in self._queue}
+        def missing() -> int:
+            return len(expected - {job.member for job in self._queue})
 
-        before = len(missing())
-        if before == 0:
+        decode_queued = any(job.priority == DECODE for job in self._queue)
+        if not self.gate.opens(expected, {job.member for job in self._queue}, decode_queued):
             return
-        if self._fruitless >= 4 and self._skipped_waits < RETRY_WAIT_AFTER:
-            self._skipped_waits += 1  # waits have not paid lately
-            return
-        self._skipped_waits = 0
         # the longer of the last two decode rounds: after a round split into many rows + a few, the few's short
         # forward must not shorten the wait that would bring them back together
-        last_s, started = max(self._recent_decode_s), time.perf_counter()
+        before, last_s, started = missing(), max(self._recent_decode_s), time.perf_counter()
         while not self._stopped:
-            left = self.config.batch_wait.left_s(len(missing()), last_s, time.perf_counter() - started)
+            left = self.gate.wait.left_s(missing(), last_s, time.perf_counter() - started)
             if left <= 0:
                 break
             self._cv.wait(left)
-        self._fruitless = 0 if len(missing()) < before else self._fruitless + 1
+        self.gate.ended(before, missing())
 
     def _run_group(self, group: list[Job]) -> None:
         group = [job for job in group if job.future.set_running_or_notify_cancel()]  # drop cancelled callers

@@ -32,10 +32,8 @@ log = logging.getLogger(__name__)
 
 
 class Server:
-    def __init__(self, config: ServerConfig, drain_timeout_s: float = 30.0, rebalance_period_s: float = 30.0) -> None:
+    def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.drain_timeout_s = drain_timeout_s
-        self.rebalance_period_s = rebalance_period_s
         self.dht = None
         self.network = None  # in a swarm: reachability, relaying, tunnels to relayed servers (server/network.py)
         self.prefix = None
@@ -47,6 +45,10 @@ class Server:
         self.subkey: str | None = None
         self._stopping = threading.Event()
         self._moving = threading.Lock()  # the announcer stays quiet while the server changes its blocks
+        self._announcer: threading.Thread | None = None  # (in a swarm) refreshes the DHT record
+        self._tasks: list[asyncio.Task] = []  # on the server's loop: the expiry loop, then the rebalancer (if any)
+        self._grpc: grpc.aio.Server | None = None
+        self._scheduler: Scheduler | None = None
 
     # ---- start-up -----------------------------------------------------------------------------------
     def _start_dht(self) -> None:
@@ -113,6 +115,17 @@ class Server:
             self._stopping.wait(self.config.announce_period_s)
 
     async def serve(self) -> None:
+        """Serve until SIGTERM or SIGINT, then withdraw, drain and stop."""
+        await self.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await self.stop()
+
+    async def start(self) -> None:
+        """Join the swarm (if any), load and measure the blocks, listen, announce: serving when it returns."""
         cfg = self.config
         torch.set_num_threads(cfg.threads)
         self._start_dht()
@@ -129,43 +142,39 @@ class Server:
             prefill_a_s=profile.prefill_a_s, prefill_b_s=profile.prefill_b_s,
             decode_4rows_s_per_block=profile.decode_4rows_s, decode_16rows_s_per_block=profile.decode_16rows_s,
         )
-        scheduler = Scheduler(cfg.threads, cfg.scheduler)
-        self.service = SwarmService(cfg, self.stage, scheduler, stats)
+        self._scheduler = Scheduler(cfg.threads, cfg.scheduler)
+        self.service = SwarmService(cfg, self.stage, self._scheduler, stats)
         if self.dht is not None:  # pushes go only to servers announced for the next block (server/push.py)
             self.service.targets.directory = self._announced
         self.service.identity = self.identity  # signs the clients' connect checks (Info with a nonce)
-        server = grpc.aio.server(options=server_options(cfg.max_message_bytes),
-                                 interceptors=server_interceptors(cfg.swarm_key),  # a private swarm's gate
-                                 maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
-        add_to_server(self.service, server)  # (bytes that do not parse: INVALID_ARGUMENT)
-        local_port = self._listen(server)
+        self._grpc = grpc.aio.server(options=server_options(cfg.max_message_bytes),
+                                     interceptors=server_interceptors(cfg.swarm_key),  # a private swarm's gate
+                                     maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
+        add_to_server(self.service, self._grpc)  # (bytes that do not parse: INVALID_ARGUMENT)
+        local_port = self._listen(self._grpc)
         self.service.address = self.address
-        await server.start()
+        await self._grpc.start()
         if self.network is not None and self.network.relayed:  # behind NAT: relayed connections to local_port
             self.network.serve_relayed(local_port)
-        expire_task = asyncio.create_task(self.service.expire_loop())
-        announcer = None
+        self._tasks = [asyncio.create_task(self.service.expire_loop())]
         if self.dht is not None:
-            announcer = threading.Thread(target=self._announce_loop, name="swarmlm-announce", daemon=True)
-            announcer.start()
+            self._announcer = threading.Thread(target=self._announce_loop, name="swarmlm-announce", daemon=True)
+            self._announcer.start()
         self._print_ready(profile)
         log.info("serving blocks %s at %s", blocks, self.address)
-        rebalancer = None
-        if self.dht is not None and cfg.blocks is None and self.rebalance_period_s > 0:
-            rebalancer = asyncio.create_task(self._rebalance_loop())
+        if self.dht is not None and cfg.blocks is None and cfg.rebalance_period_s > 0:
+            self._tasks.append(asyncio.create_task(self._rebalance_loop()))
 
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        if rebalancer is not None:
-            rebalancer.cancel()
-        await self._drain(announcer)
-        expire_task.cancel()
-        await server.stop(grace=2.0)
+    async def stop(self) -> None:
+        """Withdraw, let open sessions finish (up to drain_timeout_s), stop listening and computing."""
+        expiry, *rebalancer = self._tasks
+        for task in rebalancer:  # it moves nothing any more
+            task.cancel()
+        await self._drain(self._announcer)
+        expiry.cancel()  # (expiry goes on while sessions drain)
+        await self._grpc.stop(grace=2.0)
         await self.service.pusher.close()
-        scheduler.stop()
+        self._scheduler.stop()
         if self.dht is not None:
             self.dht.shutdown()
         if self.network is not None:
@@ -197,7 +206,7 @@ class Server:
                          swarm_key=self.config.swarm_key)
             except Exception as exc:
                 log.warning("withdrawal failed: %s", exc)
-        deadline = time.monotonic() + self.drain_timeout_s
+        deadline = time.monotonic() + self.config.drain_timeout_s
         while self.service.sessions.sessions and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
 
@@ -209,7 +218,7 @@ class Server:
         loop = asyncio.get_running_loop()
         model = await loop.run_in_executor(None, model_spec, self.config)
         while True:
-            await asyncio.sleep(self.rebalance_period_s)
+            await asyncio.sleep(self.config.rebalance_period_s)
             try:
                 records = await loop.run_in_executor(None, lambda: fetch_records(  # joiners count: no move onto them
                     self.dht, self.prefix, range(model.num_blocks), swarm_key=self.config.swarm_key, joining=True))
@@ -230,7 +239,7 @@ class Server:
             await loop.run_in_executor(None, lambda: announce(
                 self.dht, self.prefix, self.record(OFFLINE), self.config.record_ttl_s, subkey=self.subkey,
                 swarm_key=self.config.swarm_key))
-            deadline = time.monotonic() + min(self.drain_timeout_s, 5.0)
+            deadline = time.monotonic() + min(self.config.drain_timeout_s, 5.0)
             while self.service.sessions.sessions and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             for sid in list(self.service.sessions.sessions):  # their next step fails: clients fail over
@@ -269,7 +278,7 @@ def profile_model(model_dir: str, blocks: BlockRange | None, dtype: str, threads
     return cached_profile(Stage(model_dir, blocks, dtype, quant), threads, cache_dir, refresh)
 
 
-def run_server(config: ServerConfig, drain_timeout_s: float = 30.0, rebalance_period_s: float = 30.0) -> int:
+def run_server(config: ServerConfig) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(Server(config, drain_timeout_s, rebalance_period_s).serve())
+    asyncio.run(Server(config).serve())
     return 0

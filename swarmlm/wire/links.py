@@ -30,16 +30,19 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from swarmlm.config import ClientConfig
 from swarmlm.types import StepKind
+
+_CLIENT = ClientConfig()  # the defaults below are the client's settings (config.py: each defined once, checked there)
 
 
 @dataclass(frozen=True)
 class TransmissionPolicy:
-    decode_first: bool = True  # let decode messages pass waiting prefill chunks
-    max_decode_burst: int = 8  # decode messages in a row that may pass a prefill chunk allowed to go (fairness)
-    prefill_window: int | None = 2  # prefill messages written and not answered, per link; None = no limit
+    decode_first: bool = _CLIENT.decode_first  # let decode messages pass waiting prefill chunks
+    max_decode_burst: int = _CLIENT.max_decode_burst  # decode messages in a row that may pass a prefill chunk
+    prefill_window: int | None = _CLIENT.prefill_window  # prefill messages written, not answered, per link (None: any)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # (a pushing server builds one without a ClientConfig: checked here too)
         if self.max_decode_burst < 1:
             raise ValueError(f"max_decode_burst must be >= 1, got {self.max_decode_burst}")
         if self.prefill_window is not None and self.prefill_window < 1:
