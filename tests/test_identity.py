@@ -9,7 +9,6 @@ import threading
 from dataclasses import replace
 
 import pytest
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-import threading
 import time
 
 import pytest

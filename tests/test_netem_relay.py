@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from concurrent import futures
 

@@ -221,7 +221,7 @@ class _Coverage:
 
 def place_cg_bprr(topology: Topology, concurrency: int, options: PlacementOptions = PlacementOptions()) -> PlacementResult:
     """The paper's conservative greedy (steps 1-4) and its Theorem-2 bound."""
-    model, perf, R = topology.model, topology.perf, concurrency
+    model, R = topology.model, concurrency
     sized = [(s, blocks_for_concurrency(s.memory_bytes, model, R)) for s in topology.servers]
     sized = [(s, m) for s, m in sized if m > 0]
     if sum(m for _, m in sized) < model.num_blocks:

@@ -139,7 +139,7 @@ def make_plan(topology: Topology, algorithm: Algorithm, routing: Routing | None 
 
 def _route_requests(topology: Topology, placed: PlacementResult, R: int,
                     routing: Routing) -> tuple[dict[str, list[Span]], tuple[float, float, float, float]]:
-    model, wl, perf = topology.model, topology.workload, topology.perf
+    wl, perf = topology.workload, topology.perf
     l_in, l_out = wl.input_tokens, wl.output_tokens
     router = _router(topology, placed.ranges)
     routes: dict[str, list[Span]] = {}
