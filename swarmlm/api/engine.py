@@ -111,7 +111,7 @@ class ChoiceDecoder:
                 self.session = self.model.inference_session(
                     max_length=self.prompt_tokens + self.params.max_tokens, batch_size=1,
                     l_in_hint=self.prompt_tokens, l_out_hint=self.params.max_tokens,
-                ).open()
+                ).open(prompt_ids=self.ids[0].tolist())  # from a prefix the servers cached, if any
                 step_ids = self.ids
             else:
                 step_ids = self.ids[:, -1:]

@@ -34,6 +34,8 @@ def add_parser(sub) -> None:
                         "the same file on one host) instead of copying them into the process: less memory per "
                         "extra server, ~1.5x slower decode on the machine we measured")
     p.add_argument("--cache-mb", type=int, default=256, help="attention-cache budget across sessions, MiB")
+    p.add_argument("--prefix-cache-mb", type=int, default=64,
+                   help="finished sessions' prefixes kept for later sessions, within --cache-mb, MiB (0 = off)")
     p.add_argument("--memory-mb", type=int, help="memory budget for weights + caches when choosing --num-blocks")
     p.add_argument("--max-sessions", type=int, default=64)
     p.add_argument("--max-length", type=int, default=2048, help="longest session accepted, tokens")
@@ -72,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         initial_peers=tuple(args.initial_peers), host=args.host, port=args.port, announce_host=args.announce_host,
         threads=args.threads, dtype=args.dtype, num_blocks=args.num_blocks, placement=args.placement,
         memory_bytes=args.memory_mb << 20 if args.memory_mb else None, cache_bytes=args.cache_mb << 20,
+        prefix_cache_bytes=args.prefix_cache_mb << 20,
         max_sessions=args.max_sessions, max_length_tokens=args.max_length,
         scheduler=SchedulerConfig(
             max_batch_tokens=args.max_batch_tokens, max_prefill_skips=args.max_prefill_skips,

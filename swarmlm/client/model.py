@@ -21,7 +21,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from swarmlm.client.remote_cache import GenerationStats, RemoteCache
 from swarmlm.client.head_batcher import HeadBatcher
 from swarmlm.client.remote import RemoteSequence
-from swarmlm.client.session import InferenceSession
+from swarmlm.client.prefix import client_scope
+from swarmlm.client.session import InferenceSession, PrefixContext
 from swarmlm.client.speculative import SpeculativeDecoder, SpeculativeMode, parse_mode, unsupported
 from swarmlm.config import ClientConfig, dtype_name
 from swarmlm.errors import InvalidRequest
@@ -57,6 +58,9 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         self.num_blocks = int(self.config.num_hidden_layers)
         self.remote = RemoteSequence(config, self.num_blocks, config.dht_prefix or default_prefix(model_dir))
         self.remote.weights_check = WeightsCheck(model_dir)  # refuse servers of other weights under this name
+        # the servers' prefix caches (client/prefix.py): this client's scope and the keys' salt
+        self.prefix_context = PrefixContext(client_scope(config), self.remote.prefix, f"{self.dtype} {config.quant}",
+                                            self.embed) if config.prefix_cache else None
         eos = self.generation_config.eos_token_id
         self.eos_token_id: tuple[int, ...] = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.pad_token_id = self.generation_config.pad_token_id
@@ -133,7 +137,7 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
     def inference_session(self, max_length: int, batch_size: int = 1, l_in_hint: int = 16,
                           l_out_hint: int = 16) -> InferenceSession:
         """`with model.inference_session(max_length=...) as s:` then `model.step_logits(s, ids)` per step."""
-        session = InferenceSession(self.remote, batch_size, max_length, l_in_hint, l_out_hint)
+        session = InferenceSession(self.remote, batch_size, max_length, l_in_hint, l_out_hint, self.prefix_context)
         if self.head_batcher is not None:
             self.head_batcher.expect(session)  # its first head (after the prefill) may share a batch already
         return session
@@ -161,7 +165,9 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
                 logits = self._logits(session, input_ids, mask, keep, None)
             return CausalLMOutputWithPast(logits=logits)
         cache.before_forward()
-        session = cache.session_for(batch, tokens)
+        # a prompt whose last logits alone are asked for may start from a prefix the servers cached
+        prompt = input_ids[0] if batch == 1 and logits_to_keep == 1 and (mask is None or bool(mask.all())) else None
+        session = cache.session_for(batch, tokens, prompt)
         logits = self._logits(session, input_ids, mask, keep, cache.stats, cache.take_pending())
         cache.after_forward()
         return CausalLMOutputWithPast(logits=logits, cache=cache)
@@ -169,9 +175,15 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
     def _logits(self, session: InferenceSession, input_ids: torch.Tensor, mask: torch.Tensor | None, keep: slice,
                 stats: GenerationStats | None, op: CacheOp | None = None) -> torch.Tensor:
         t0 = time.perf_counter()
+        held = session.prefix_held(input_ids)  # a cached prefix's tokens are not sent (only the last logits asked)
+        if held:
+            if keep != slice(-1, None):
+                raise InvalidRequest("a session that started from a cached prefix gives the last position's logits "
+                                     "only (open it without prompt_ids for all of them)")
+            input_ids, mask = input_ids[:, held:], mask[:, held:] if mask is not None else None
         hidden = self.embed(input_ids)
         t1 = time.perf_counter()
-        out = session.step(hidden, mask, op)[:, keep]
+        out = session.step(hidden, mask, op, input_ids)[:, keep]
         t2 = time.perf_counter()
         logits = self.head_batcher(session, out) if self.head_batcher is not None else self.head(out)
         if stats is not None:

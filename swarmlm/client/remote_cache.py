@@ -125,12 +125,14 @@ class RemoteCache(Cache):
         return op
 
     # ---- the session -----------------------------------------------------------------------------------------
-    def session_for(self, batch: int, new_tokens: int):
-        """The open session, opening it for `batch` rows on the first call."""
+    def session_for(self, batch: int, new_tokens: int, prompt: torch.Tensor | None = None):
+        """The open session, opening it for `batch` rows on the first call (from a cached prefix of `prompt`, one
+        sequence's ids, when the servers hold one)."""
         if self.session is None:
             length = max(self.max_length or 0, new_tokens)
             self.session = self.model.inference_session(max_length=length, batch_size=batch, l_in_hint=new_tokens,
-                                                        l_out_hint=max(length - new_tokens, 1)).open()
+                                                        l_out_hint=max(length - new_tokens, 1)).open(
+                prompt.tolist() if prompt is not None else None)
             self.stats.open_s = self.session.open_s
         return self.session
 

@@ -19,6 +19,8 @@ ONLINE, OFFLINE, JOINING, LOADING = "online", "offline", "joining", "loading"
 # clocks run ahead.
 MAX_CLOCK_SKEW_S = 5.0
 _ADDRESS = re.compile(r"^[A-Za-z0-9.\-\[\]:]{1,200}:\d{1,5}$")
+TAG_CHARS = 16  # one prefix-cache tag (server/prefix_cache.py tag_of)
+_TAGS = re.compile(r"^(?:[0-9a-f]{16}){0,64}$")
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,14 @@ class ServerRecord:
     decode_4rows_s: float = 0.0
     decode_16rows_s: float = 0.0
     joined_at: float = 0.0  # joining/loading: wall-clock s of its first joining record; orders joiners (who yields)
+    # the prefix cache's most recently used entries, as concatenated 16-hex tags (at most 64): a client knowing the
+    # scope sees which of its prompts' prefixes this server holds (server/prefix_cache.py, client/prefix.py)
+    prefix_tags: str = ""
+
+    @property
+    def prefix_tag_set(self) -> frozenset[str]:
+        t = self.prefix_tags
+        return frozenset(t[i:i + TAG_CHARS] for i in range(0, len(t), TAG_CHARS))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,6 +89,8 @@ class ServerRecord:
             raise ValueError(f"record state {record.state!r}")
         if record.quant not in QUANT_NAMES:
             raise ValueError(f"record quant {record.quant!r}")
+        if not _TAGS.match(record.prefix_tags):
+            raise ValueError("record prefix_tags must be at most 64 tags of 16 lowercase hex characters")
         return record
 
 
@@ -97,6 +109,7 @@ def record_from_info(info, address: str, state: str = ONLINE) -> ServerRecord:
         "fingerprint": info.fingerprint,
         "quant": info.quant or "none", "weight_bytes": info.weight_bytes,  # (older servers send no quant)
         "decode_4rows_s": info.decode_4rows_s_per_block, "decode_16rows_s": info.decode_16rows_s_per_block,
+        "prefix_tags": "".join(info.prefix_cache.tags),
     })
 
 
