@@ -165,9 +165,12 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
                 logits = self._logits(session, input_ids, mask, keep, None)
             return CausalLMOutputWithPast(logits=logits)
         cache.before_forward()
-        # a prompt whose last logits alone are asked for may start from a prefix the servers cached
-        prompt = input_ids[0] if batch == 1 and logits_to_keep == 1 and (mask is None or bool(mask.all())) else None
+        # generate()'s prompt (one unpadded sequence) may start from a prefix the servers cached: then its first
+        # forward gives the last position's logits only (all that generate() reads of a prefill)
+        prompt = input_ids[0] if batch == 1 and (mask is None or bool(mask.all())) else None
         session = cache.session_for(batch, tokens, prompt)
+        if session.prefix_held(input_ids):
+            keep = slice(-1, None)
         logits = self._logits(session, input_ids, mask, keep, cache.stats, cache.take_pending())
         cache.after_forward()
         return CausalLMOutputWithPast(logits=logits, cache=cache)
