@@ -262,3 +262,54 @@ def test_both_switches_turn_it_off(tiny_bloom):
             client.close()
     with pytest.raises(ValueError, match="private swarm"):
         DistributedModelForCausalLM.from_pretrained(tiny_bloom, servers=["127.0.0.1:1"], prefix_share=True)
+
+
+# ---- the gateway ---------------------------------------------------------------------------------------------------
+SYSTEM = ("You are a careful assistant for a library. Answer in one short sentence, cite the shelf number when you "
+          "know it, never invent a book, and say when the library is closed. Opening hours are nine to five.")
+
+
+def _chat(gateway, tiny_bloom, messages: list[dict]) -> str:
+    import httpx2 as httpx  # (what openai is built on)
+
+    reply = httpx.post(f"{gateway.url}/v1/chat/completions", timeout=120, json={
+        "model": tiny_bloom, "messages": messages, "max_tokens": 6, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["message"]["content"]
+
+
+def _hit_tokens(swarm) -> list[int]:
+    return [stub(s.address).Info(pb.InfoRequest()).prefix_cache.hit_tokens for s in swarm.servers]
+
+
+@pytest.mark.slow
+def test_gateway_chats_sharing_a_system_prompt_reuse_it(tiny_bloom, tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.swarm_helpers import gateway_stack
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bloom)
+    model = AutoModelForCausalLM.from_pretrained(tiny_bloom).eval()
+
+    def want(text: str) -> str:
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=6, do_sample=False)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+    system = {"role": "system", "content": SYSTEM}
+    with gateway_stack(tiny_bloom, tmp_path) as (swarm, gateway):
+        first = _chat(gateway, tiny_bloom, [system, {"role": "user", "content": "Where are the atlases?"}])
+        before = _hit_tokens(swarm)
+        other = _chat(gateway, tiny_bloom, [system, {"role": "user", "content": "Is it open on Sunday?"}])
+        shared = _hit_tokens(swarm)
+        turn2 = [system, {"role": "user", "content": "Where are the atlases?"},
+                 {"role": "assistant", "content": first}, {"role": "user", "content": "And the maps?"}]
+        second_turn = _chat(gateway, tiny_bloom, turn2)
+        after = _hit_tokens(swarm)
+    system_tokens = len(tokenizer(f"System: {SYSTEM}\nUser:").input_ids)
+    assert all(s - b >= system_tokens // RUN_TOKENS * RUN_TOKENS > 0 for s, b in zip(shared, before))
+    assert all(a > s for a, s in zip(after, shared))  # the conversation's first turn, found again
+    assert other == want(f"System: {SYSTEM}\nUser: Is it open on Sunday?\nAssistant:")
+    assert second_turn == want(f"System: {SYSTEM}\nUser: Where are the atlases?\nAssistant: {first}\n"
+                               "User: And the maps?\nAssistant:")
