@@ -313,3 +313,26 @@ def test_gateway_chats_sharing_a_system_prompt_reuse_it(tiny_bloom, tmp_path):
     assert other == want(f"System: {SYSTEM}\nUser: Is it open on Sunday?\nAssistant:")
     assert second_turn == want(f"System: {SYSTEM}\nUser: Where are the atlases?\nAssistant: {first}\n"
                                "User: And the maps?\nAssistant:")
+
+
+# ---- routing that knows, in the one performance model ---------------------------------------------------------------
+def test_routes_prefer_servers_holding_the_prefix_unless_their_load_costs_more():
+    from swarmlm.perf.model import ComputeProfile, Network, PerfModel
+    from swarmlm.perf.prefix import prefill_with_prefix_s, prefix_saving_terms
+    from swarmlm.planner.routing import WaitingAwareRouter
+
+    net = Network(default_rtt_s=0.001)
+    profile = ComputeProfile(0.001, 0.002, 0.004, 0.010, 0.030)  # prefill 1 ms/token/block; contended decodes
+    perf = PerfModel({"a": profile, "b": profile}, net, hidden_bytes_per_token=4096.0)
+    router = WaitingAwareRouter(perf, 4)
+    for sid in ("a", "b"):
+        router.set_server(sid, BlockRange(0, 4), 100)
+    assert prefix_saving_terms(perf, "c", "b", 400)[1] == pytest.approx(0.4)  # 400 tokens' prefill per block
+    assert prefill_with_prefix_s(perf, "b", 4, 420, 400) == pytest.approx(4 * profile.prefill_s(20))
+    route = lambda held: router.route("c", 0.0, 420, 16, prefix_held=held).spans[0].server_id  # noqa: E731
+    assert route({"b": 400}) == "b" and route({"a": 400}) == "a"
+    router.set_load("b", 100, sessions=12)  # b holds the prefix but runs 12 sessions: its f(13) outweighs it...
+    assert route({"b": 400}) == "a"
+    assert route({"b": 400, "a": 0}) == "a" and route({}) == "a"
+    router.set_load("b", 100, sessions=1)  # ...and with little load it wins again
+    assert route({"b": 400}) == "b"

@@ -56,3 +56,23 @@ def held_runs(scope: bytes, keys: Sequence[bytes], tags: frozenset[str]) -> int:
         return 0
     digest = scope_digest(scope)
     return max((j + 1 for j, key in enumerate(keys) if tag_of(digest, key) in tags), default=0)
+
+
+def announced_held(scope: bytes, model_id: str, client_format: str, prompt: Sequence[int]) -> Callable:
+    """record -> the prompt tokens its server announces holding for this scope, for the router. The keys are the
+    ones a route of full-precision servers over float32 links gives a span starting at the server's first block
+    (other routes' keys differ: then the open finds what it finds, the router just did not foresee it)."""
+    by_start: dict[int, list[bytes]] = {}
+
+    def held(record) -> int:
+        tags = record.prefix_tag_set
+        if not tags:
+            return 0
+        if record.start not in by_start:
+            spans = [Span("", 0, record.start)] if record.start else []
+            salt = span_salts(model_id, client_format, [*spans, Span("", record.start, record.end)],
+                              lambda s: "none", lambda s: "float32")[-1]
+            by_start[record.start] = keys_for(salt, prompt, leave=1)
+        return held_runs(scope, by_start[record.start], tags) * RUN_TOKENS
+
+    return held

@@ -89,8 +89,10 @@ class InferenceSession:
         t0 = time.perf_counter()
         attempts = 0
         while True:
+            held = prefix_keys.announced_held(self.prefix.scope, self.prefix.model_id, self.prefix.client_format,
+                                              self.prompt) if self.prompt else None  # routes holding it cost less
             route = self.remote.route(0, self.remote.num_blocks, self.l_in_hint, self.l_out_hint, self.batch,
-                                      self.max_length, refresh=attempts > 0)
+                                      self.max_length, refresh=attempts > 0, prefix_held=held)
             try:
                 self.spans = self.remote.loop.run(self._open_spans(route.spans, self.prompt))
                 if self.tokens is not None:
