@@ -336,3 +336,35 @@ def test_routes_prefer_servers_holding_the_prefix_unless_their_load_costs_more()
     assert route({"b": 400, "a": 0}) == "a" and route({}) == "a"
     router.set_load("b", 100, sessions=1)  # ...and with little load it wins again
     assert route({"b": 400}) == "b"
+
+
+def test_the_simulator_models_prefix_hits_and_routes_to_them():
+    from swarmlm.perf.model import ComputeProfile, Network, PerfModel
+    from swarmlm.sim.arrivals import SimRequest
+    from swarmlm.sim.cluster import SimServerConfig
+    from swarmlm.sim.routers import PlannerRouter
+    from swarmlm.sim.simulator import run_simulation
+
+    profile = ComputeProfile(0.002, 0.010, 0.010)  # 2 ms per prompt token per block
+    net = Network()
+    net.set_link("c", "A", 0.002)  # A is closer to the client...
+    net.set_link("c", "B", 0.004)
+    net.set_link("first", "A", 1000.0)  # ...but the first request (another user of the same gateway) ran on B
+    net.set_link("first", "B", 0.004)
+    perf = PerfModel({"A": profile, "B": profile}, net)
+
+    def simulate(prefix_tokens: int):
+        reqs = [SimRequest(0, "first", 0.0, 420, 4, "system", prefix_tokens)]
+        reqs += [SimRequest(i, "c", 10.0 * i, 420, 4, "system", prefix_tokens) for i in range(1, 4)]
+        servers = [SimServerConfig("A", 0, 4, slots=100), SimServerConfig("B", 0, 4, slots=100)]
+        router = PlannerRouter.build(perf, 4, [("A", BlockRange(0, 4), 100), ("B", BlockRange(0, 4), 100)],
+                                     "waiting-aware")
+        return run_simulation(servers, perf, router, reqs)
+
+    cached, plain = simulate(400), simulate(0)
+    assert cached.summary["prefix_hits"] == 3 and cached.summary["prefix_hit_tokens"] == 1200
+    assert all(r.route.startswith("B") for r in cached.records)  # later requests go where the prefix is
+    assert all(r.route.startswith("A") for r in plain.records[1:])  # without it, the closer server
+    for hit, miss in zip(cached.records[1:], plain.records[1:]):
+        want = perf.prefill_hop_s("c", "B", 4, 20)  # the 20 tokens after the prefix, alone on B
+        assert hit.ttft_s == pytest.approx(want) and hit.ttft_s < miss.ttft_s
