@@ -368,3 +368,54 @@ def test_the_simulator_models_prefix_hits_and_routes_to_them():
     for hit, miss in zip(cached.records[1:], plain.records[1:]):
         want = perf.prefill_hop_s("c", "B", 4, 20)  # the 20 tokens after the prefix, alone on B
         assert hit.ttft_s == pytest.approx(want) and hit.ttft_s < miss.ttft_s
+
+
+# ---- failover ------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_sigkilled_servers_of_a_session_started_from_a_cached_prefix_fail_over_to_the_same_tokens(tiny_bloom):
+    """Every block served twice. A conversation's first turn leaves its prefix on its route; the second turn is routed
+    to the servers holding it and starts from it; then the server of the second span (its replacement gets the
+    prefix's inputs from fresh sessions over the blocks before it) and later the first span's (the embeddings) are
+    SIGKILLed: the tokens are those of a client without the cache."""
+    ranges = [BlockRange(0, 3), BlockRange(3, 6)]
+    ids = torch.randint(10, 250, (1, 45), generator=torch.Generator().manual_seed(9))
+    with LocalSwarm(tiny_bloom, with_dht=False) as swarm:
+        swarm.start(ranges + ranges)
+        on = DistributedModelForCausalLM.from_pretrained(tiny_bloom, servers=swarm.addresses, ban_base_s=60.0)
+        off = DistributedModelForCausalLM.from_pretrained(tiny_bloom, servers=swarm.addresses, prefix_cache=False)
+        try:
+            first = on.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
+                                do_sample=False)
+            holders = {s.split("[")[0] for s in on.last_stats.route}
+            prompt = torch.cat([first, torch.randint(10, 250, (1, 6), generator=torch.Generator().manual_seed(10))], 1)
+            want = _greedy(off, prompt, 12, kills={})
+            on.remote.refresh()  # the servers' records now announce the prefix
+            got = _greedy(on, prompt, 12, kills={3: (1, swarm), 8: (0, swarm)}, holders=holders)
+        finally:
+            on.close()
+            off.close()
+    assert got == want
+
+
+def _greedy(client, prompt: torch.Tensor, new: int, kills: dict, holders: set | None = None) -> list[int]:
+    """Greedy tokens step by step; at token n in `kills`, SIGKILL the server of the route's span i."""
+    import signal
+
+    tokens = []
+    with client.inference_session(max_length=prompt.shape[1] + new).open(prompt[0].tolist()) as session:
+        if holders is not None:
+            assert {s.server_id for s in session.route_spans()} == holders  # routed to the prefix...
+            # ...and started from what the first turn's session held (its prompt + 3 of its 4 tokens): 48 tokens
+            assert session.position == (prompt.shape[1] - 6 - 1) // RUN_TOKENS * RUN_TOKENS > 0
+        logits = client.step_logits(session, prompt, last_only=True)
+        for n in range(new):
+            if n in kills:
+                i, swarm = kills[n]
+                victim = next(s for s in swarm.servers if s.server_id == session.spans[i].span.server_id)
+                swarm.kill(victim, signal.SIGKILL)
+                victim.proc.wait(60)
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(int(nxt))
+            logits = client.step_logits(session, nxt, last_only=True)
+        assert sum(r.failovers for r in session.steps) == len(kills)
+    return tokens
