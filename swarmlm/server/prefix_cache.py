@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -74,7 +74,6 @@ class PrefixStats:
     evictions: int = 0
     saves: int = 0
     refused: int = 0  # saves that did not fit the budget
-    _serial: itertools.count = field(default_factory=itertools.count, repr=False)
 
 
 class PrefixCache:
@@ -87,6 +86,7 @@ class PrefixCache:
         self.index: dict[tuple, tuple[int, int]] = {}  # (digest, start, end, key) -> (serial, runs)
         self.bytes = 0
         self.stats = PrefixStats()
+        self._serials = itertools.count()
 
     def lookup(self, digest: bytes, blocks: BlockRange, keys: tuple[bytes, ...]) -> tuple[Entry, int] | None:
         """The entry holding the longest prefix among `keys` for this scope and blocks, and its runs; None: none."""
@@ -102,11 +102,7 @@ class PrefixCache:
         """A session's cache holding the entry's first `runs` runs (a copy: the session writes after them) and its
         padding mask."""
         tokens = runs * RUN_TOKENS
-        cache = SpanCache(entry.blocks.length, max_length)
-        cache._grow(min(max(2 * tokens, 64), max_length), entry.keys_t[0, :, :, :1])  # like: [1, heads, 1, d]
-        cache.keys[:, :, :, :tokens] = entry.keys_t[:, :, :, :tokens]
-        cache.values[:, :, :, :tokens] = entry.values_t[:, :, :, :tokens]
-        cache.length = tokens
+        cache = SpanCache.holding(entry.keys_t[:, :, :, :tokens], entry.values_t[:, :, :, :tokens], max_length)
         self.stats.hits += 1
         self.stats.hit_tokens += tokens
         return cache, torch.ones(1, tokens, dtype=torch.long)
@@ -128,7 +124,7 @@ class PrefixCache:
             return False
         self.shrink_to(budget - nbytes)
         entry = Entry(digest, blocks, keys, cache.keys[:, :, :, :tokens].clone(), cache.values[:, :, :, :tokens].clone())
-        serial = next(self.stats._serial)
+        serial = next(self._serials)
         self.entries[serial] = entry
         for j, key in enumerate(keys):  # a shorter prefix stays with the entry that already holds it
             self.index.setdefault((digest, blocks.start, blocks.end, key), (serial, j + 1))
