@@ -202,6 +202,8 @@ class SpanStream:
 
     async def save(self, keys: Sequence[bytes]) -> None:
         """Ask the server to keep the first len(keys) runs of tokens the session holds (no reply unless refused)."""
+        if self.call is None:  # closed already: nothing to keep
+            return
         try:
             await self.call.write(pb.InferenceRequest(save=pb.PrefixSave(keys=list(keys))))
         except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
