@@ -419,3 +419,14 @@ def _greedy(client, prompt: torch.Tensor, new: int, kills: dict, holders: set | 
             logits = client.step_logits(session, nxt, last_only=True)
         assert sum(r.failovers for r in session.steps) == len(kills)
     return tokens
+
+
+def test_records_carry_at_most_64_well_formed_tags():
+    from swarmlm.swarm.records import ServerRecord
+
+    base = {"server_id": "s", "address": "127.0.0.1:1", "start": 0, "end": 2}
+    tags = "".join(f"{i:016x}" for i in range(64))
+    assert len(ServerRecord.from_dict({**base, "prefix_tags": tags}).prefix_tag_set) == 64
+    for bad in (tags + "0" * 16, "abc", "G" * 16, "0" * 15, 5):
+        with pytest.raises(ValueError):
+            ServerRecord.from_dict({**base, "prefix_tags": bad})
