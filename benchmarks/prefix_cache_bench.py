@@ -46,7 +46,8 @@ def computed(swarm) -> int:
     return sum(stub(s.address).Info(pb.InfoRequest()).tokens_computed for s in swarm.servers)
 
 
-def chat(client: httpx.Client, url: str, model: str, messages: list[dict], max_tokens: int) -> tuple[float, str, int, str]:
+def chat(client: httpx.Client, url: str, model: str, messages: list[dict],
+         max_tokens: int) -> tuple[float, str, int, str]:
     """(TTFT s, text, streamed tokens, finish reason) of one streaming chat request."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     t0, ttft, parts, reason = time.perf_counter(), 0.0, [], ""

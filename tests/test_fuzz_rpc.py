@@ -1,6 +1,7 @@
 """Random bytes and random protobuf fields into every RPC (Inference, Forward, Info, Push), and random cache ops and
-prefix-cache keys (opens, saves) into live sessions: the server stays alive, answers every call with a status (never UNKNOWN: no exception escapes a
-handler), and an honest client stays exact. Seeded and bounded; benchmarks/attacks.py runs the same fuzzer heavier."""
+prefix-cache keys (opens, saves) into live sessions: the server stays alive, answers every call with a status
+(never UNKNOWN: no exception escapes a handler), and an honest client stays exact. Seeded and bounded;
+benchmarks/attacks.py runs the same fuzzer heavier."""
 from __future__ import annotations
 
 import random
@@ -78,7 +79,8 @@ def _live_session(rng: random.Random, hidden: int, blocks: int) -> list[pb.Infer
         requests.append(pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(torch.randn(shape)),
                                                                   cache_op=_cache_op(rng))))
     if rng.random() < 0.5:  # keep a prefix (well-formed keys, maybe more runs than it holds)
-        requests.append(pb.InferenceRequest(save=pb.PrefixSave(keys=[bytes([k]) * 16 for k in range(rng.randint(0, 3))])))
+        keys = [bytes([k]) * 16 for k in range(rng.randint(0, 3))]
+        requests.append(pb.InferenceRequest(save=pb.PrefixSave(keys=keys)))
     return requests
 
 

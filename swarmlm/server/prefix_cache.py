@@ -123,7 +123,8 @@ class PrefixCache:
             self.stats.refused += 1
             return False
         self.shrink_to(budget - nbytes)
-        entry = Entry(digest, blocks, keys, cache.keys[:, :, :, :tokens].clone(), cache.values[:, :, :, :tokens].clone())
+        kept = (cache.keys[:, :, :, :tokens].clone(), cache.values[:, :, :, :tokens].clone())  # compact copies
+        entry = Entry(digest, blocks, keys, *kept)
         serial = next(self._serials)
         self.entries[serial] = entry
         for j, key in enumerate(keys):  # a shorter prefix stays with the entry that already holds it
