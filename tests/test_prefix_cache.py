@@ -133,6 +133,9 @@ def _conversation(client, turns: list[torch.Tensor]) -> list[list[int]]:
         prompt = torch.cat([history, user], 1)
         out = client.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
                               min_new_tokens=NEW_TOKENS, do_sample=False)  # (a generated pad id is a token here)
+        cached = client.last_stats.cached_tokens
+        held = max(history.shape[1] - 1, 0)  # what the previous turn's session held
+        assert cached == (held // RUN_TOKENS * RUN_TOKENS if client.prefix_context else 0)
         answers.append(out[0, prompt.shape[1]:].tolist())
         history = out
     return answers

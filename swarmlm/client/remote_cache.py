@@ -24,6 +24,7 @@ class GenerationStats:
     """Client-side clocks of one generate() call; server-side ones are in the session's step records."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, found in the servers' prefix caches (not sent, not computed again)
     new_tokens: int = 0  # per sequence
     ttft_s: float = 0.0  # from the call to the first token chosen
     total_s: float = 0.0
@@ -134,6 +135,7 @@ class RemoteCache(Cache):
                                                         l_out_hint=max(length - new_tokens, 1)).open(
                 prompt.tolist() if prompt is not None else None)
             self.stats.open_s = self.session.open_s
+            self.stats.cached_tokens = self.session.position
         return self.session
 
     def before_forward(self) -> None:
