@@ -186,7 +186,7 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
             input_ids, mask = input_ids[:, held:], mask[:, held:] if mask is not None else None
         hidden = self.embed(input_ids)
         t1 = time.perf_counter()
-        out = session.step(hidden, mask, op, input_ids)[:, keep]
+        out = session.step(hidden, mask, op, token_ids=input_ids)[:, keep]
         t2 = time.perf_counter()
         logits = self.head_batcher(session, out) if self.head_batcher is not None else self.head(out)
         if stats is not None:
