@@ -167,7 +167,7 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         cache.before_forward()
         # generate()'s prompt (one unpadded sequence) may start from a prefix the servers cached: then its first
         # forward gives the last position's logits only (all that generate() reads of a prefill)
-        prompt = input_ids[0] if batch == 1 and (mask is None or bool(mask.all())) else None
+        prompt = input_ids[0] if cache.use_prefix and batch == 1 and (mask is None or bool(mask.all())) else None
         session = cache.session_for(batch, tokens, prompt)
         if session.prefix_held(input_ids):
             keep = slice(-1, None)
@@ -213,6 +213,8 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         remote = RemoteCache(self, session, stats) if checked.use_cache else None
         if remote is not None:
             remote.stats.prompt_tokens = int(ids.shape[1]) if ids is not None else 0
+            # drafts verified in the prefill's forward need its logits at every draft position
+            remote.use_prefix = kwargs.get("assistant_model") is None and not checked.prompt_lookup_num_tokens
             kwargs["cache"] = remote
         out = None
         try:

@@ -59,6 +59,9 @@ class RemoteCache(Cache):
         self.max_length: int | None = session.max_length if session is not None else None
         self.stats = stats if stats is not None else GenerationStats()
         self.pending: CacheOp | None = None  # the edit the next step carries
+        # the first forward may start from a cached prefix of the prompt (its logits: the last position's only);
+        # generate() turns it off for modes that read more of the prefill (assisted and prompt lookup decoding)
+        self.use_prefix = True
         self.t_start = time.perf_counter()
         self.t_last_forward: float | None = None  # end of the previous forward: the time in between is sampling
 
