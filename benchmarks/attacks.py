@@ -356,6 +356,28 @@ def cache_ops(ctx, rounds: int = 200) -> tuple[int, str]:
     return rounds, f"{refused} hostile refused, {legal} legal applied"
 
 
+def prefix_flood(ctx, sessions: int = 24, tokens: int = 256) -> tuple[int, str]:
+    """Sessions that each keep a 256-token prefix under fresh random scopes and keys (more than the prefix budget
+    holds), plus saves that do not fit the session: the budget holds, the honest client's own scope sees none."""
+    channel, st = stub(ctx.address)
+    refused = 0
+    for i in range(sessions):
+        s = Stream(st)
+        keys = [random.randbytes(16) for _ in range(tokens // 16)]
+        s.send(pb.InferenceRequest(open=pb.OpenSession(start_block=0, end_block=ctx.blocks, batch_size=1,
+                                                       max_length=tokens + 1, prefix_scope=random.randbytes(16),
+                                                       prefix_keys=keys)))
+        s.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(torch.randn(1, tokens, ctx.hidden)))))
+        refused += s.send(pb.InferenceRequest(save=pb.PrefixSave(keys=keys + keys[:1]))).HasField("error")
+        s.requests.put(pb.InferenceRequest(save=pb.PrefixSave(keys=keys)))
+        s.requests.put(None)
+        list(s.replies)  # the clean end, after the save
+    info = st.Info(pb.InfoRequest()).prefix_cache
+    channel.close()
+    return sessions, (f"{refused} oversized saves refused; held {info.bytes / MB:.1f} of {info.limit_bytes / MB:.0f} "
+                      f"MiB in {info.entries} entries, {info.evictions} evicted")
+
+
 def fuzz(ctx, count: int = 2000, seed: int = 0) -> tuple[int, str]:
     """Random bytes and random protobuf fields into every RPC."""
     from tests.test_fuzz_rpc import fuzz_all  # one fuzzer, light in the tests and heavy here
@@ -394,6 +416,7 @@ ATTACKS: dict[str, Callable] = {
     "stranger push / resume / close": stranger,
     "zero-element huge dims": zero_element,
     "hostile cache ops (200 steps, copies to 16 rows)": cache_ops,
+    "prefix flood (24 x 256-token saves, random scopes)": prefix_flood,
     "fuzz (random bytes + fields, every RPC)": fuzz,
     "hostile training requests (gradients, prompts, LoRA)": hostile_training,
 }
@@ -412,7 +435,7 @@ def run(model_dir: str, only: list[str], threads: int) -> list[Outcome]:
     blocks, hidden = int(cfg.num_hidden_layers), int(cfg.hidden_size)
     outcomes = []
     with LocalSwarm(model_dir, threads=threads, with_dht=False,
-                    server_args=["--open-idle-timeout", "10", "--resume-grace", "5"]) as swarm:
+                    server_args=["--open-idle-timeout", "10", "--resume-grace", "5", "--prefix-cache-mb", "1"]) as swarm:
         server = swarm.start_server(BlockRange(0, blocks))
         honest = Honest(model_dir, server.address)
         assert honest.correct(), "the honest client is wrong before any attack"

@@ -122,6 +122,9 @@ class ServerConfig:
     placement: str = "petals"  # how to choose a range when blocks=None: "petals" | "cg-bprr"
     memory_bytes: int | None = None  # budget for weights + caches when choosing num_blocks (None = 40% of RAM)
     cache_bytes: int = 256 << 20  # attention-cache budget across all sessions
+    # finished sessions' prefixes kept for later sessions (server/prefix_cache.py), within cache_bytes and giving
+    # way to live sessions' reservations; 0 = off
+    prefix_cache_bytes: int = 64 << 20
     max_sessions: int = 64  # open sessions at once
     max_length_tokens: int = 2048  # longest session (prompt + generated) accepted
     max_batch: int = 64  # sequences in one session
@@ -173,6 +176,8 @@ class ServerConfig:
         for name in ("join_settle_s", "drain_timeout_s", "rebalance_period_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be >= 0 (0 = off), got {self.prefix_cache_bytes}")
         if self.resume_grace_s < 0:
             raise ValueError(f"resume_grace_s must be >= 0, got {self.resume_grace_s}")
         if not 0 < self.max_peer_cache_fraction <= 1:
@@ -239,11 +244,20 @@ class ClientConfig:
     # True / False are taken as "on" / "off"
     push: PushMode = "auto"
     swarm_key: bytes | None = field(default=None, repr=False)  # a private swarm's shared secret (swarm/private.py)
+    # start sessions from prefixes the servers keep from earlier sessions and keep each finished session's prefix
+    # (client/prefix.py); False = every session prefills its whole prompt
+    prefix_cache: bool = True
+    # private swarms only: every member holding the swarm key shares one prefix scope (their entries are visible to
+    # each other); otherwise the scope is this client's own random secret
+    prefix_share: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))  # torch.float32 -> "float32" (or refused)
         if self.quant not in QUANT_NAMES:
             raise ValueError(f"quant must be one of {', '.join(QUANT_NAMES)}, got {self.quant!r}")
+        if self.prefix_share and self.swarm_key is None:
+            raise ValueError("prefix_share=True needs a private swarm (swarm_key): in an open swarm a shared prefix "
+                             "cache lets any client plant wrong entries for the others")
         if self.routing not in ("shortest", "waiting-aware"):
             raise ValueError(f"routing must be 'shortest' or 'waiting-aware', got {self.routing!r}")
         if self.wire_dtype not in WIRE_DTYPE_NAMES:

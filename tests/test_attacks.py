@@ -15,13 +15,14 @@ import torch
 from transformers import AutoConfig
 
 from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.client.prefix import keys_for, span_salts
 from swarmlm.errors import CapacityExceeded, InvalidRequest
 from swarmlm.model.checkpoint import load_config
 from swarmlm.server.push import TargetCheck
 from swarmlm.server.sessions import SessionTable
 from swarmlm.server.stage import SpanState, Stage
 from swarmlm.swarm.local import LocalSwarm
-from swarmlm.types import BlockRange
+from swarmlm.types import BlockRange, Span
 from swarmlm.wire import codec
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
@@ -495,4 +496,53 @@ def test_hostile_training_requests_are_refused_and_harm_no_one(attack_server, ho
         again = session.send(_step(torch.randn(1, 1, hidden)))
         assert not again.HasField("error") and again.position == held.position + 1
         session.end()
+
+
+def test_planted_prefixes_stay_in_their_scope_and_bad_saves_are_refused(attack_server, honest, tiny_bloom):
+    """A client plants an entry under the honest prompt's real keys with wrong hidden states: only its own scope
+    sees it; an honest client (its own random scope) computes the right tokens. Saves that do not fit the session
+    (bad key sizes, more runs than it holds, no scope named at open) are refused and change nothing."""
+    address, hidden, blocks = attack_server
+    ids = honest.ids[0].tolist()
+    model = honest.client
+    salt = span_salts(model.remote.prefix, f"{model.dtype} none", [Span("x", 0, blocks, address)],
+                      lambda s: "none", lambda s: "float32")[0]
+    keys = keys_for(salt, ids, leave=1)
+    assert keys
+    evil = b"e" * 16
+    s = RawStream(address)
+    s.send(pb.InferenceRequest(open=pb.OpenSession(start_block=0, end_block=blocks, batch_size=1, max_length=128,
+                                                   prefix_scope=evil, prefix_keys=keys)))
+    assert s.send(_step(torch.randn(1, len(ids), hidden) * 50)).position == len(ids)  # wrong states
+    for bad in ([b"k" * 15], [b"k" * 16] * (len(ids) // 16 + 1)):
+        s.requests.put(pb.InferenceRequest(save=pb.PrefixSave(keys=bad)))
+        assert "save" in next(s.replies).error.message
+    s.requests.put(pb.InferenceRequest(save=pb.PrefixSave(keys=keys)))  # kept (no reply)
+    s.requests.put(None)
+    assert list(s.replies) == []  # the stream's clean end, after the save ran
+    s.channel.close()
+    assert _poll(lambda: _info(address).prefix_cache.entries >= 1)
+    again = RawStream(address)  # its own scope sees it
+    reply = again.send(pb.InferenceRequest(open=pb.OpenSession(start_block=0, end_block=blocks, batch_size=1,
+                                                               max_length=128, prefix_scope=evil, prefix_keys=keys)))
+    assert reply.prefix_tokens == len(keys) * 16 == reply.position
+    again.end()
+    hits = _info(address).prefix_cache.hits
+    fresh = DistributedModelForCausalLM.from_pretrained(tiny_bloom, servers=[address])
+    try:  # generate() opens with its prompt: the planted entry is not its scope's
+        out = fresh.generate(honest.ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        assert out[0, len(ids):].tolist() == honest.want
+        assert _info(address).prefix_cache.hits == hits
+    finally:
+        fresh.close()
+    plain, _ = _open(address, blocks)  # no scope at open: nothing to save under
+    plain.send(_step(torch.randn(1, 20, hidden)))
+    plain.requests.put(pb.InferenceRequest(save=pb.PrefixSave(keys=[b"k" * 16])))
+    assert "prefix_scope" in next(plain.replies).error.message
+    plain.end()
+    for scope, first in ((b"s" * 15, None), (evil, pb.InferenceRequest(save=pb.PrefixSave(keys=keys)))):
+        with pytest.raises(grpc.RpcError) as err:  # a bad scope at open; a save as a stream's first message
+            RawStream(address).send(first or pb.InferenceRequest(open=pb.OpenSession(
+                start_block=0, end_block=blocks, batch_size=1, max_length=64, prefix_scope=scope, prefix_keys=keys)))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert honest.poll_correct()

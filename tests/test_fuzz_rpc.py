@@ -1,6 +1,7 @@
-"""Random bytes and random protobuf fields into every RPC (Inference, Forward, Backward, Info, Push), and random cache ops into
-live sessions: the server stays alive, answers every call with a status (never UNKNOWN: no exception escapes a
-handler), and an honest client stays exact. Seeded and bounded; benchmarks/attacks.py runs the same fuzzer heavier."""
+"""Random bytes and random protobuf fields into every RPC (Inference, Forward, Backward, Info, Push), and random cache
+ops and prefix-cache keys (opens, saves) into live sessions: the server stays alive, answers every call with a status
+(never UNKNOWN: no exception escapes a handler), and an honest client stays exact. Seeded and bounded;
+benchmarks/attacks.py runs the same fuzzer heavier."""
 from __future__ import annotations
 
 import random
@@ -54,6 +55,11 @@ def _cache_op(rng: random.Random) -> pb.CacheOp | None:
     return op
 
 
+def _keys(rng: random.Random) -> list[bytes]:
+    """Prefix-cache keys: mostly well-formed (16 bytes), some of other sizes, up to past the limit."""
+    return [rng.randbytes(rng.choice([16, 16, 16, 0, 15, 17, 300])) for _ in range(rng.choice([0, 1, 3, 40, 5000]))]
+
+
 def _step(rng: random.Random, hidden: int, address: str) -> pb.InferenceStep:
     return pb.InferenceStep(hidden=_tensor(rng, hidden), attention_mask=_tensor(rng, hidden) if rng.random() < 0.3
                             else None, step_id=rng.choice([0, 1, 2, 5, 1 << 63]),
@@ -66,21 +72,29 @@ def _inference_request(rng: random.Random, hidden: int, blocks: int, address: st
         return pb.InferenceRequest(open=pb.OpenSession(
             start_block=rng.choice([0, 1, blocks, 1 << 31]), end_block=rng.choice([0, 1, blocks, blocks + 1]),
             batch_size=rng.choice([0, 1, 2, 64, 1 << 31]), max_length=rng.choice([0, 1, 64, 2048, 1 << 31]),
-            adapter=rng.choice(["", "", "my-adapter", "x" * 300, "../etc"])))
+            adapter=rng.choice(["", "", "my-adapter", "x" * 300, "../etc"]),
+            prefix_scope=rng.randbytes(rng.choice([0, 0, 15, 16, 64, 65])), prefix_keys=_keys(rng)))
+    if rng.random() < 0.1:
+        return pb.InferenceRequest(save=pb.PrefixSave(keys=_keys(rng)))
     return pb.InferenceRequest(session_id=rng.choice(["", "f" * 32, "x" * 500]), secret=rng.randbytes(16),
                                step=_step(rng, hidden, address))
 
 
 def _live_session(rng: random.Random, hidden: int, blocks: int) -> list[pb.InferenceRequest]:
     """A real session (open, a prefill of up to 3 rows) then steps of well-formed tensors with random cache ops."""
-    rows, tokens = rng.randint(1, 3), rng.randint(1, 6)
+    rows, tokens = rng.randint(1, 3), rng.randint(1, 40)
+    scope = rng.choice([b"", b"s" * 16, rng.randbytes(16)])  # b"s" * 16: sessions of one scope may meet
     requests = [pb.InferenceRequest(open=pb.OpenSession(start_block=0, end_block=blocks, batch_size=rng.randint(1, 4),
-                                                        max_length=16)),
+                                                        max_length=48, prefix_scope=scope,
+                                                        prefix_keys=[bytes([k]) * 16 for k in range(3)])),
                 pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(torch.randn(rows, tokens, hidden))))]
     for _ in range(rng.randint(1, 4)):
         shape = (rng.choice([1, 2, 3, 4, 5]), rng.choice([1, 1, 2, 12]), hidden)
         requests.append(pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(torch.randn(shape)),
                                                                   cache_op=_cache_op(rng))))
+    if rng.random() < 0.5:  # keep a prefix (well-formed keys, maybe more runs than it holds)
+        keys = [bytes([k]) * 16 for k in range(rng.randint(0, 3))]
+        requests.append(pb.InferenceRequest(save=pb.PrefixSave(keys=keys)))
     return requests
 
 

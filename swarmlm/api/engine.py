@@ -121,7 +121,8 @@ class ChoiceDecoder:
                 self.session = self.model.inference_session(
                     max_length=self.prompt_tokens + self.params.max_tokens, batch_size=1,
                     l_in_hint=self.prompt_tokens, l_out_hint=self.params.max_tokens,
-                ).open()
+                ).open(prompt_ids=None if self.speculative is not None else self.ids[0].tolist())  # from a prefix
+                # the servers cached, if any (a speculating choice starts from scratch)
                 if self.speculative is not None:
                     self.speculator = SpeculativeDecoder(self.model, RemoteCache(self.model, self.session),
                                                          self.processors, not self.params.greedy, self.speculative,

@@ -144,10 +144,11 @@ class TimedSession(InferenceSession):
         super().__init__(*args, **kwargs)
         self.call_s: list[float] = []
 
-    def step(self, hidden: torch.Tensor, mask: torch.Tensor | None = None, op: CacheOp | None = None) -> torch.Tensor:
+    def step(self, hidden: torch.Tensor, mask: torch.Tensor | None = None, op: CacheOp | None = None,
+             token_ids: torch.Tensor | None = None) -> torch.Tensor:
         t0 = time.perf_counter()
         try:
-            return super().step(hidden, mask, op)  # op: a cache edit sent with the step (when there is one)
+            return super().step(hidden, mask, op, token_ids)  # op: a cache edit sent with the step (if any)
         finally:
             self.call_s.append(time.perf_counter() - t0)
 

@@ -38,6 +38,11 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads for the embeddings and LM head")
     add_dtype(p, "the embeddings and LM head")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt in full (default: start from prefixes the servers cached, keep each "
+                        "finished request's; docs/PROTOCOL.md, Prefix cache)")
+    p.add_argument("--share-prefixes", action="store_true",
+                   help="private swarm only: share cached prefixes with every holder of the swarm key")
     add_client_precision(p)
     add_push(p)
     add_speculative(p)
@@ -68,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         args.model, initial_peers=args.initial_peers, servers=args.servers, threads=args.threads,
         wait_for_blocks_s=args.wait_for_blocks, swarm_key=args.swarm_key, quant=args.quant,
         require_full_precision=args.require_full_precision, wire_dtype=args.wire_dtype, dtype=args.dtype,
-        push=args.push,
+        push=args.push, prefix_cache=not args.no_prefix_cache, prefix_share=args.share_prefixes,
     )
     try:
         model.remote.refresh()  # learn the swarm before the first request (routing reuses this view)

@@ -46,6 +46,8 @@ def add_parser(sub) -> None:
                         "extra server, ~1.5x slower decode on the machine we measured")
     p.add_argument("--cache-mb", type=int, default=SERVER.cache_bytes // MIB,
                    help="attention-cache budget across sessions, MiB")
+    p.add_argument("--prefix-cache-mb", type=int, default=SERVER.prefix_cache_bytes // MIB,
+                   help="finished sessions' prefixes kept for later sessions, within --cache-mb, MiB (0 = off)")
     p.add_argument("--memory-mb", type=int, help="memory budget for weights + caches when choosing --num-blocks")
     p.add_argument("--max-sessions", type=int, default=SERVER.max_sessions)
     p.add_argument("--max-length", type=int, default=SERVER.max_length_tokens, help="longest session accepted, tokens")
@@ -93,6 +95,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         reachability=args.reachability,
         threads=args.threads, dtype=args.dtype, num_blocks=args.num_blocks, placement=args.placement,
         memory_bytes=args.memory_mb * MIB if args.memory_mb else None, cache_bytes=args.cache_mb * MIB,
+        prefix_cache_bytes=args.prefix_cache_mb * MIB,
         max_sessions=args.max_sessions, max_length_tokens=args.max_length,
         scheduler=SchedulerConfig(
             max_batch_tokens=args.max_batch_tokens, max_prefill_skips=args.max_prefill_skips,

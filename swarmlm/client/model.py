@@ -24,7 +24,8 @@ from swarmlm.client.training_forward import train_forward
 from swarmlm.client.tuning import TUNING_MODES, ClientLora, PromptTuning, TuningMode, load_trainable, save_trainable
 from swarmlm.client.head_batcher import HeadBatcher
 from swarmlm.client.remote import RemoteSequence
-from swarmlm.client.session import InferenceSession
+from swarmlm.client.prefix import client_scope
+from swarmlm.client.session import InferenceSession, PrefixContext
 from swarmlm.client.speculative import SpeculativeDecoder, SpeculativeMode, parse_mode, unsupported
 from swarmlm.config import ClientConfig, dtype_name
 from swarmlm.errors import InvalidRequest
@@ -62,6 +63,10 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         self.num_blocks = int(self.config.num_hidden_layers)
         self.remote = RemoteSequence(config, self.num_blocks, config.dht_prefix or default_prefix(model_dir))
         self.remote.weights_check = WeightsCheck(model_dir)  # refuse servers of other weights under this name
+        # the servers' prefix caches (client/prefix.py): this client's scope and the keys' salt (not with an
+        # adapter: its rows are not the base model's)
+        self.prefix_context = PrefixContext(client_scope(config), self.remote.prefix, f"{self.dtype} {config.quant}",
+                                            self.embed) if config.prefix_cache and not config.active_adapter else None
         eos = self.generation_config.eos_token_id
         self.eos_token_id: tuple[int, ...] = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.pad_token_id = self.generation_config.pad_token_id
@@ -166,7 +171,7 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
     def inference_session(self, max_length: int, batch_size: int = 1, l_in_hint: int = 16,
                           l_out_hint: int = 16) -> InferenceSession:
         """`with model.inference_session(max_length=...) as s:` then `model.step_logits(s, ids)` per step."""
-        session = InferenceSession(self.remote, batch_size, max_length, l_in_hint, l_out_hint)
+        session = InferenceSession(self.remote, batch_size, max_length, l_in_hint, l_out_hint, self.prefix_context)
         if self.head_batcher is not None:
             self.head_batcher.expect(session)  # its first head (after the prefill) may share a batch already
         return session
@@ -212,7 +217,13 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
                 logits = self._logits(session, tokens_or_embeds, mask, keep, None)
             return CausalLMOutputWithPast(logits=logits)
         cache.before_forward()
-        session = cache.session_for(batch, tokens)
+        # generate()'s prompt (one unpadded sequence) may start from a prefix the servers cached: then its first
+        # forward gives the last position's logits only (all that generate() reads of a prefill)
+        prompt = (input_ids[0] if input_ids is not None and cache.use_prefix and batch == 1
+                  and (mask is None or bool(mask.all())) else None)
+        session = cache.session_for(batch, tokens, prompt)
+        if prompt is not None and session.prefix_held(input_ids):
+            keep = slice(-1, None)
         logits = self._logits(session, tokens_or_embeds, mask, keep, cache.stats, cache.take_pending())
         cache.after_forward()
         return CausalLMOutputWithPast(logits=logits, cache=cache)
@@ -221,10 +232,17 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
                 stats: GenerationStats | None, op: CacheOp | None = None) -> torch.Tensor:
         """tokens: ids [B, T], or embeddings [B, T, H] (inputs_embeds)."""
         t0 = time.perf_counter()
+        ids = tokens if tokens.dim() == 2 else None
+        held = session.prefix_held(ids) if ids is not None else 0  # a cached prefix's tokens are not sent
+        if held:
+            if keep != slice(-1, None):
+                raise InvalidRequest("a session that started from a cached prefix gives the last position's logits "
+                                     "only (open it without prompt_ids for all of them)")
+            tokens, ids, mask = tokens[:, held:], ids[:, held:], mask[:, held:] if mask is not None else None
         with torch.inference_mode():
-            hidden = self.embed(tokens) if tokens.dim() == 2 else self.embed_inputs(tokens)
+            hidden = self.embed(tokens) if ids is not None else self.embed_inputs(tokens)
         t1 = time.perf_counter()
-        out = session.step(hidden, mask, op)[:, keep]
+        out = session.step(hidden, mask, op, token_ids=ids)[:, keep]
         t2 = time.perf_counter()
         logits = self.head_batcher(session, out) if self.head_batcher is not None else self.head(out)
         if stats is not None:
@@ -251,6 +269,8 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         remote = RemoteCache(self, session, stats) if checked.use_cache else None
         if remote is not None:
             remote.stats.prompt_tokens = int(ids.shape[1]) if ids is not None else 0
+            # drafts verified in the prefill's forward need its logits at every draft position
+            remote.use_prefix = kwargs.get("assistant_model") is None and not checked.prompt_lookup_num_tokens
             kwargs["cache"] = remote
         out = None
         try:

@@ -155,7 +155,7 @@ class RemoteSequence:
             _raise_if_private(*denied[0])
 
     def route(self, start: int, end: int, l_in: int, l_out: int, batch: int = 1, max_length: int = 0,
-              refresh: bool = False) -> Route:
+              refresh: bool = False, prefix_held=None) -> Route:
         """A chain over blocks [start, end); waits up to wait_for_blocks_s for missing blocks to appear. The swarm is
         read again first if asked, or if the last read is older than records_max_age_s (load changes)."""
         deadline = time.monotonic() + self.config.wait_for_blocks_s
@@ -163,7 +163,7 @@ class RemoteSequence:
             self.refresh()
         while True:
             try:
-                return self.router.route(start, end, l_in, l_out, batch, max_length)
+                return self.router.route(start, end, l_in, l_out, batch, max_length, prefix_held)
             except MissingBlocks as exc:
                 missing = exc.missing
                 if time.monotonic() >= deadline:

@@ -24,6 +24,7 @@ class GenerationStats:
     """Client-side clocks of one generate() call; server-side ones are in the session's step records."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, found in the servers' prefix caches (not sent, not computed again)
     new_tokens: int = 0  # per sequence
     ttft_s: float = 0.0  # from the call to the first token chosen
     total_s: float = 0.0
@@ -58,6 +59,9 @@ class RemoteCache(Cache):
         self.max_length: int | None = session.max_length if session is not None else None
         self.stats = stats if stats is not None else GenerationStats()
         self.pending: CacheOp | None = None  # the edit the next step carries
+        # the first forward may start from a cached prefix of the prompt (its logits: the last position's only);
+        # generate() turns it off for modes that read more of the prefill (assisted and prompt lookup decoding)
+        self.use_prefix = True
         self.t_start = time.perf_counter()
         self.t_last_forward: float | None = None  # end of the previous forward: the time in between is sampling
 
@@ -125,13 +129,16 @@ class RemoteCache(Cache):
         return op
 
     # ---- the session -----------------------------------------------------------------------------------------
-    def session_for(self, batch: int, new_tokens: int):
-        """The open session, opening it for `batch` rows on the first call."""
+    def session_for(self, batch: int, new_tokens: int, prompt: torch.Tensor | None = None):
+        """The open session, opening it for `batch` rows on the first call (from a cached prefix of `prompt`, one
+        sequence's ids, when the servers hold one)."""
         if self.session is None:
             length = max(self.max_length or 0, new_tokens)
             self.session = self.model.inference_session(max_length=length, batch_size=batch, l_in_hint=new_tokens,
-                                                        l_out_hint=max(length - new_tokens, 1)).open()
+                                                        l_out_hint=max(length - new_tokens, 1)).open(
+                prompt.tolist() if prompt is not None else None)
             self.stats.open_s = self.session.open_s
+            self.stats.cached_tokens = self.session.position
         return self.session
 
     def before_forward(self) -> None:

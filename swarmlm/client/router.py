@@ -8,7 +8,9 @@ the code the simulator runs); this module only feeds it what this client sees of
 * slots: a server's cache, in sessions of this request's size (blocks x batch x tokens x the server's announced
   per-token session bytes): total from `cache_bytes_total`, free from `cache_bytes_free`;
 * load: the sessions it announced running (or queued), or at least this client's own, admitted when opened;
-* bans: servers that failed lately are left out for a while (bounded exponential backoff).
+* bans: servers that failed lately are left out for a while (bounded exponential backoff);
+* prefixes: the prompt tokens a server announces it holds for this client (its record's prefix-cache tags), priced
+  off its hop by the performance model (perf/prefix.py).
 
 `routing="shortest"` is the baseline: the same router on hop costs alone (no waits, no load).
 """
@@ -18,6 +20,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from swarmlm.config import ClientConfig
 from swarmlm.errors import MissingBlocks
@@ -123,22 +126,25 @@ class LiveRouter:
         if changed:
             self.router.refresh()
 
-    def route(self, start: int, end: int, l_in: int, l_out: int, batch: int = 1, max_length: int = 0) -> Route:
-        """The cheapest chain over blocks [start, end) with the servers this client may use."""
+    def route(self, start: int, end: int, l_in: int, l_out: int, batch: int = 1, max_length: int = 0,
+              prefix_held: Callable[[ServerRecord], int] | None = None) -> Route:
+        """The cheapest chain over blocks [start, end) with the servers this client may use; `prefix_held`: the
+        prompt tokens a server announces it holds for this client (client/prefix.py), priced off its hop."""
         waiting_aware = self.view.config.routing == "waiting-aware"
         window, exclude = BlockRange(start, end), self.view.banned()
         with self._lock:
             # a slot is one session of this request's size on one block: batch sequences x the tokens it may hold
             self._sync(batch * max(max_length, l_in + l_out))
             now = time.monotonic()
+            held = {sid: prefix_held(r) for sid, r in self.view.records.items()} if prefix_held else None
             try:
-                hops = self.router.route(CLIENT, now, l_in, l_out, waiting_aware, window, exclude)
+                hops = self.router.route(CLIENT, now, l_in, l_out, waiting_aware, window, exclude, held)
             except MissingBlocks:
                 if not waiting_aware:
                     raise
                 # every chain waits for cache that announced load holds, with no known end: take the shortest and
                 # let the servers' own admission decide (a refusal is routed around like a failure)
-                hops = self.router.route(CLIENT, now, l_in, l_out, False, window, exclude)
+                hops = self.router.route(CLIENT, now, l_in, l_out, False, window, exclude, held)
             records = dict(self.view.records)
         return Route(tuple(Span(s.server_id, s.start, s.end, records[s.server_id].address) for s in hops.spans))
 

@@ -14,10 +14,12 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 
 from swarmlm.client.chunking import chunk_tokens_for_hop, split
+from swarmlm.client import prefix as prefix_keys
 from swarmlm.client.pipeline import AttemptOutcome, Chunk, Hop, OpenSpan, StepPipeline, hang_timeout_s, watchdog_s
 from swarmlm.client.remote import RemoteSequence
 from swarmlm.client.router import profile_of
@@ -47,9 +49,20 @@ class StepRecord:
     pushed: bool = False  # server-to-server push on this step's route (ClientConfig.push, PerfModel.push_pays)
 
 
+@dataclass(frozen=True)
+class PrefixContext:
+    """What a session needs to use the servers' prefix caches (client/prefix.py): this client's scope, the parts of
+    the keys' salt the client decides, and its embeddings (a failover recomputes a cached prefix's inputs)."""
+
+    scope: bytes
+    model_id: str
+    client_format: str  # the client's embedding dtype and quantization
+    embed: Callable[[torch.Tensor], torch.Tensor]  # token ids [B, T] -> hidden [B, T, H]
+
+
 class InferenceSession:
     def __init__(self, remote: RemoteSequence, batch: int, max_length: int, l_in_hint: int = 16,
-                 l_out_hint: int = 16) -> None:
+                 l_out_hint: int = 16, prefix: PrefixContext | None = None) -> None:
         self.remote = remote
         self.batch = batch
         self.max_length = max_length
@@ -60,17 +73,30 @@ class InferenceSession:
         self._profiles: dict[str, tuple[ServerRecord, ComputeProfile]] = {}  # server id -> (record, its profile)
         self.open_s = 0.0  # routing + opening streams
         self.closed = False
+        self.prefix = prefix if batch == 1 else None  # (entries are one sequence)
+        self.tokens: list[int] | None = [] if self.prefix is not None else None  # token ids the servers hold
+        self.prompt: list[int] = []  # the prompt named at open (its cached prefix is not sent again)
+        self._align: CacheOp | None = None  # cuts every span to the prefix all of them hold, with the first step
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
-    def open(self) -> "InferenceSession":
-        """Route and open a stream on every span; a server that fails to open is banned and routed around."""
+    def open(self, prompt_ids: Sequence[int] | None = None) -> "InferenceSession":
+        """Route and open a stream on every span; a server that fails to open is banned and routed around. With
+        `prompt_ids` (the first step's tokens, one sequence), the session may start from a prefix of them the
+        servers cached (`position` > 0 then): the first step's ids start with the prompt, and its output covers
+        the positions after that prefix only."""
+        if self.prefix is not None and prompt_ids is not None:
+            self.prompt = [int(t) for t in prompt_ids]
         t0 = time.perf_counter()
         attempts = 0
         while True:
+            held = prefix_keys.announced_held(self.prefix.scope, self.prefix.model_id, self.prefix.client_format,
+                                              self.prompt) if self.prompt else None  # routes holding it cost less
             route = self.remote.route(0, self.remote.num_blocks, self.l_in_hint, self.l_out_hint, self.batch,
-                                      self.max_length, refresh=attempts > 0)
+                                      self.max_length, refresh=attempts > 0, prefix_held=held)
             try:
-                self.spans = self.remote.loop.run(self._open_spans(route.spans))
+                self.spans = self.remote.loop.run(self._open_spans(route.spans, self.prompt))
+                if self.tokens is not None:
+                    self.tokens = self.prompt[:self.position]  # what the servers hold from their caches
                 break
             except ServerFailed as exc:
                 attempts += 1
@@ -81,20 +107,36 @@ class InferenceSession:
         self.open_s = time.perf_counter() - t0
         return self
 
-    async def _open_spans(self, spans) -> list[OpenSpan]:
+    async def _open_spans(self, spans, prompt: Sequence[int] = ()) -> list[OpenSpan]:
+        """Open a session on each span; with a prompt, from the longest prefix of it every span has cached (a span
+        holding more is cut to it by the first step's cache op)."""
         cfg = self.remote.config
         opened: list[OpenSpan] = []
+        salts = self._salts(spans) if prompt else [b""] * len(spans)
         try:
-            for span in spans:
+            for span, salt in zip(spans, salts):
+                keys = prefix_keys.keys_for(salt, prompt, leave=1) if prompt else []
                 # an open computes nothing: a server that does not answer it within the hang floor is hung
                 stream = SpanStream(self.remote.channels, span, min(cfg.step_timeout_s, cfg.hang_floor_s))
-                await stream.open(self.batch, self.max_length)
+                held = await stream.open(self.batch, self.max_length, self.prefix.scope if keys else b"", keys)
                 admission = self.remote.router.admit([span], self.l_in_hint, self.l_out_hint)
-                opened.append(OpenSpan(span, stream, admission))
+                opened.append(OpenSpan(span, stream, admission, prefix=held))
         except BaseException:
             await self._close_spans(opened)
             raise
+        common = min((s.prefix for s in opened), default=0)
+        if any(s.prefix != common for s in opened):
+            self._align = CacheOp(truncate_to=common)  # sent with the first step
+        for s in opened:
+            s.prefix = common
         return opened
+
+    def _salts(self, spans: Sequence[Span]) -> list[bytes]:
+        view, channels = self.remote.view, self.remote.channels
+        return prefix_keys.span_salts(
+            self.prefix.model_id, self.prefix.client_format, spans,
+            lambda s: view.records[s.server_id].quant if s.server_id in view.records else "?",
+            lambda s: channels.wire_dtype_for(s.address, prefix_keys.PREFILL_BYTES))
 
     async def _close_spans(self, spans: list[OpenSpan]) -> None:
         for s in spans:
@@ -102,9 +144,27 @@ class InferenceSession:
             self.remote.router.release(s.admission)
 
     def close(self) -> None:
+        """Close every span's stream; first, with the prefix cache on, ask each server to keep the tokens held."""
         if not self.closed:
             self.closed = True
-            self.remote.loop.run(self._close_spans(self.spans))
+            self.remote.loop.run(self._save_and_close())
+
+    async def _save_and_close(self) -> None:
+        if self.tokens and len(self.tokens) >= prefix_keys.RUN_TOKENS and self.spans:
+            for s, salt in zip(self.spans, self._salts(self.route_spans())):
+                try:
+                    await s.stream.save(prefix_keys.keys_for(salt, self.tokens))
+                except ServerFailed as exc:  # a broken stream keeps nothing: not this session's failure
+                    log.info("prefix not kept: %s", exc)
+        await self._close_spans(self.spans)
+
+    def prefix_held(self, input_ids: torch.Tensor) -> int:
+        """Tokens at the start of the first step's `input_ids` that the servers hold from a cached prefix (the
+        caller sends the rest); 0 after the first step or without a cached start."""
+        held = self.position if self.prompt and not self.steps else 0
+        if held and (input_ids.shape[0] != 1 or input_ids[0, :held].tolist() != self.prompt[:held]):
+            raise InvalidRequest("the first step's tokens must start with the prompt given at open")
+        return held
 
     def __enter__(self) -> "InferenceSession":
         return self.open() if not self.spans else self
@@ -122,9 +182,13 @@ class InferenceSession:
         return self.spans[0].rows if self.spans else 0
 
     # ---- steps -------------------------------------------------------------------------------------------
-    def step(self, hidden: torch.Tensor, mask: torch.Tensor | None = None, op: CacheOp | None = None) -> torch.Tensor:
+    def step(self, hidden: torch.Tensor, mask: torch.Tensor | None = None, op: CacheOp | None = None,
+             token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: [B, T, H] after the embeddings; mask: [B, T] of these tokens; op: a cache edit the servers apply
-        before them (types.CacheOp; B then follows its rows). Returns the last block's output."""
+        before them (types.CacheOp; B then follows its rows); token_ids [B, T]: the tokens (for the prefix cache;
+        without them the session keeps no prefix). Returns the last block's output."""
+        if self._align is not None:  # the open's cached prefixes, cut to the one every span holds
+            op, self._align = (self._align if op is None else self._align.then(op)), None
         past, rows = (self.position, self.rows or None) if op is None else op.check(self.position, self.rows,
                                                                                    self.batch)
         if hidden.dim() != 3 or not (hidden.shape[0] == rows or rows is None and 1 <= hidden.shape[0] <= self.batch):
@@ -133,7 +197,21 @@ class InferenceSession:
         if past + hidden.shape[1] > self.max_length:
             raise InvalidRequest(f"session max_length {self.max_length} reached ({past} tokens held)")
         mask = torch.ones(hidden.shape[:2], dtype=torch.long) if mask is None else mask.to(torch.long)
-        return self.remote.loop.run(self._step(hidden, mask, op))
+        out = self.remote.loop.run(self._step(hidden, mask, op))
+        self._track(token_ids, mask, op)
+        return out
+
+    def _track(self, token_ids: torch.Tensor | None, mask: torch.Tensor, op: CacheOp | None) -> None:
+        """Follow the token ids the servers hold (to name them at close); one unpadded sequence only."""
+        if self.tokens is None:
+            return
+        if token_ids is None or token_ids.shape[0] != 1 or not bool(mask.all()) or \
+                (op is not None and op.rows not in (None, (0,))):
+            self.tokens = None
+            return
+        if op is not None:
+            self.tokens = self.tokens[:op.kept(len(self.tokens))]
+        self.tokens.extend(int(t) for t in token_ids[0])
 
     def chunk_tokens(self, hidden: torch.Tensor) -> int:
         """Tokens per message for this step (see chunking.py): fixed, off (0), or the largest of the hops' sizes."""
@@ -231,7 +309,7 @@ class InferenceSession:
                 exc = again
                 continue
             try:
-                await self._replay(broken.history, replacement)
+                await self._replay(await self._history_of(broken), replacement)
             except ServerFailed as again:
                 await self._close_spans(replacement)
                 exc = again
@@ -244,6 +322,26 @@ class InferenceSession:
     def _reroute(self, span: Span) -> Route:
         return self.remote.route(span.start, span.end, self.l_in_hint, self.l_out_hint, self.batch,
                                  self.max_length, refresh=True)
+
+    async def _history_of(self, broken: OpenSpan) -> list[Chunk]:
+        """A span's inputs to replay: its history, after the inputs of the cached prefix it started from (never
+        sent: the embeddings of those tokens, run through fresh sessions over the blocks before the span)."""
+        if not broken.prefix:
+            return broken.history
+        ids = torch.tensor([self.prompt[:broken.prefix]])
+        hidden = self.prefix.embed(ids)
+        if broken.span.start > 0:
+            loop = self.remote.loop.loop
+            route = await loop.run_in_executor(None, lambda: self.remote.route(
+                0, broken.span.start, broken.prefix, 1, 1, self.max_length, refresh=True))
+            upstream = await self._open_spans(route.spans)
+            try:
+                for s in upstream:
+                    hidden, _ = await s.stream.step(hidden, None, self._hang_timeout_s(s.span, 1, broken.prefix))
+            finally:
+                await self._close_spans(upstream)
+        rows = torch.tensor(broken.prefix_rows)
+        return [(hidden[rows], torch.ones(len(rows), broken.prefix, dtype=torch.long)), *broken.history]
 
     async def _replay(self, history: list[Chunk], spans: list[OpenSpan]) -> None:
         """Send the broken span's past inputs through its replacement chain so their caches match."""

@@ -21,6 +21,7 @@ from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.channel import aio_channel
 from swarmlm.wire.links import Links, LinkScheduler, TransmissionPolicy
+from swarmlm.wire.prefix_keys import RUN_TOKENS
 
 T = TypeVar("T")
 MAX_REPORTED_BATCH = 1 << 16  # a server's batch size is only reported; a larger claim is clamped, not trusted
@@ -175,12 +176,16 @@ class SpanStream:
         self._pending.append(_Sent(kind, tokens, 0, 0.0, clean=False, written_s=time.perf_counter(), on_link=False,
                                    step_id=self._step_id))
 
-    async def open(self, batch: int, max_length: int) -> None:
+    async def open(self, batch: int, max_length: int, prefix_scope: bytes = b"",
+                   prefix_keys: Sequence[bytes] = ()) -> int:
+        """Open the session; with prefix keys, it may start from a cached prefix: returns the tokens it holds."""
         try:
             self.call = self.channels.stub(self.span.address).Inference()
             await self.call.write(pb.InferenceRequest(open=pb.OpenSession(
                 start_block=self.span.start, end_block=self.span.end, batch_size=batch, max_length=max_length,
-                adapter=self.channels.adapter)))
+                adapter=self.channels.adapter,
+
+                prefix_scope=prefix_scope, prefix_keys=list(prefix_keys))))
             async with asyncio.timeout(self.timeout_s):
                 reply = await self.call.read()
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, OSError) as exc:
@@ -190,6 +195,22 @@ class SpanStream:
             raise ServerFailed(self.span.server_id, "stream closed while opening a session")
         self.session_id = reply.session_id
         self.session_secret = reply.session_secret  # push needs it: handed to the servers of this route only
+        held = reply.prefix_tokens
+        if held % RUN_TOKENS or held > len(prefix_keys) * RUN_TOKENS or held != reply.position:
+            await self.close()
+            raise ServerFailed(self.span.server_id, f"open reply claims {held} cached tokens for "
+                                                    f"{len(prefix_keys)} keys")
+        self.position = held
+        return held
+
+    async def save(self, keys: Sequence[bytes]) -> None:
+        """Ask the server to keep the first len(keys) runs of tokens the session holds (no reply unless refused)."""
+        if self.call is None:  # closed already: nothing to keep
+            return
+        try:
+            await self.call.write(pb.InferenceRequest(save=pb.PrefixSave(keys=list(keys))))
+        except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
+            raise _failed(self.span, exc) from exc
 
     async def send(self, hidden: torch.Tensor, mask: torch.Tensor | None, push: list[pb.PushTarget] = (),
                    op: CacheOp | None = None) -> None:

@@ -41,6 +41,7 @@ from typing import Callable, Mapping, NamedTuple
 
 from swarmlm.errors import MissingBlocks, PlanningError
 from swarmlm.perf.model import PerfModel
+from swarmlm.perf.prefix import prefix_saving_terms
 from swarmlm.types import BlockRange, Span
 
 HopCost = Callable[[str | None, str, int, int], float]
@@ -356,15 +357,19 @@ class WaitingAwareRouter:
         return self._costs[key]
 
     def route(self, client: str, now_s: float, l_in: int, l_out: int, waiting_aware: bool = True,
-              window: BlockRange | None = None, exclude: frozenset[str] = frozenset()) -> RoutedHops:
+              window: BlockRange | None = None, exclude: frozenset[str] = frozenset(),
+              prefix_held: Mapping[str, int] | None = None) -> RoutedHops:
         """Cheapest chain for one new request; edge cost = (start - now) + BPRR hop cost with compute x f(load).
 
         waiting_aware=False routes on hop costs alone (plain shortest path) but still reports start times.
         window: route only blocks [window.start, window.end) (a failover re-routes one broken span); exclude:
-        servers not to use. Raises MissingBlocks if the servers do not cover the blocks, or if every chain
-        waits forever (announced load with no known end).
+        servers not to use. prefix_held: prompt tokens a server holds in its prefix cache, priced off its hop
+        (perf/prefix.py: their transfer and prefill, before the load factor). Raises MissingBlocks if the servers do
+        not cover the blocks, or if every chain waits forever (announced load with no known end).
         """
         fixed, per_block = self.hop_costs(client, l_in, l_out)
+        if prefix_held:
+            fixed, per_block = self._minus_prefix(client, fixed, per_block, prefix_held)
         graph = self.graph(window, exclude)
         if waiting_aware:
             per_block = self.loaded_per_block(per_block)
@@ -377,6 +382,16 @@ class WaitingAwareRouter:
         spans = [Span(s.server_id, s.start + shift, s.end + shift) for s in spans] if shift else spans
         starts = [self._servers[s.server_id].earliest_start_s(s.length, now_s) for s in spans]
         return RoutedHops(spans, starts)
+
+    def _minus_prefix(self, client: str, fixed: Mapping[str, float], per_block: Mapping[str, float],
+                      held: Mapping[str, int]) -> tuple[dict[str, float], dict[str, float]]:
+        fixed, per_block = dict(fixed), dict(per_block)
+        for sid, tokens in held.items():
+            if sid in fixed:
+                saved_fixed, saved_per_block = prefix_saving_terms(self.perf, client, sid, tokens)
+                fixed[sid] = max(fixed[sid] - saved_fixed, 0.0)
+                per_block[sid] = max(per_block[sid] - saved_per_block, 0.0)
+        return fixed, per_block
 
     def loaded_per_block(self, per_block: Mapping[str, float]) -> dict[str, float]:
         """Each server's per-block hop cost for one more session: x f(sessions running there + 1)."""

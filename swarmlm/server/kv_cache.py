@@ -75,6 +75,17 @@ class SpanCache:
             picked.keys, picked.values = self.keys.index_select(1, rows), self.values.index_select(1, rows)
         return picked
 
+    @classmethod
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor, max_length: int) -> "SpanCache":
+        """A cache that holds K/V [layers, B, heads, T, d] (copied: it writes after them), room for max_length."""
+        tokens = int(keys.shape[3])
+        cache = cls(int(keys.shape[0]), max_length)
+        cache._grow(min(max(2 * tokens, 64), max_length), keys[0, :, :, :1])  # like: [B, heads, 1, d]
+        cache.keys[:, :, :, :tokens] = keys
+        cache.values[:, :, :, :tokens] = values
+        cache.length = tokens
+        return cache
+
     def _grow(self, needed: int, like: torch.Tensor) -> None:
         # doubling keeps appends amortised O(1); the whole old buffer is copied, so K/V that earlier layers of the
         # running step wrote past `length` survive a growth triggered by a later layer

@@ -22,6 +22,8 @@ from swarmlm import __version__
 from swarmlm.config import ServerConfig
 from swarmlm.errors import CapacityExceeded, InvalidRequest, UnknownSession
 from swarmlm.model.fingerprint import range_fingerprint
+from swarmlm.server import prefix_cache
+from swarmlm.server.prefix_cache import PrefixCache
 from swarmlm.server.push import Pusher, StepOrder, TargetCheck, check_targets
 from swarmlm.server.scheduler import JobTiming, Scheduler
 from swarmlm.server.sessions import PeerBytes, Session, SessionTable
@@ -157,8 +159,11 @@ class SwarmService(pb_grpc.SwarmServicer):
         self.stage = stage
         self.scheduler = scheduler
         self.stats = stats
+        self.prefixes = PrefixCache(min(config.prefix_cache_bytes, config.cache_bytes)) \
+            if config.prefix_cache_bytes else None
         self.sessions = SessionTable(config.cache_bytes, config.max_sessions, config.max_sessions_per_peer,
-                                     int(config.cache_bytes * config.max_peer_cache_fraction))
+                                     int(config.cache_bytes * config.max_peer_cache_fraction), self.prefixes)
+        self.tokens_computed = 0  # rows x tokens run through the blocks (steps and Forwards): the prefill a cache saves
         self.load = PeerBytes(config.max_peer_bytes_in_flight)
         self.attached: set[str] = set()  # sessions held by a live stream
         self.inboxes: dict[str, asyncio.Queue] = {}  # per attached session: its steps, from the stream and pushes
@@ -216,10 +221,53 @@ class SwarmService(pb_grpc.SwarmServicer):
             raise InvalidRequest(f"adapter {msg.adapter[:80]!r} is not served here (served: "
                                  f"{', '.join(self.stage.lora_adapters) or 'none'})")
         nbytes = self.stage.cache_bytes(blocks.length, msg.batch_size, msg.max_length)
+        keys = prefix_cache.check_keys(msg.prefix_keys, "prefix_keys")
+        if msg.adapter and (keys or msg.prefix_scope):  # its rows differ from the base model's under the same keys
+            raise InvalidRequest("a session with an adapter does not use the prefix cache (no prefix_scope/keys)")
+        digest = prefix_cache.check_scope(msg.prefix_scope) if msg.prefix_scope or keys else None
         # no cache allocated until a step
         state = self.stage.new_state(blocks, msg.batch_size, msg.max_length, msg.adapter)
-        return self.sessions.open(owner, state, msg.batch_size, msg.max_length, nbytes)
+        session = self.sessions.open(owner, state, msg.batch_size, msg.max_length, nbytes)
+        session.prefix_digest = digest
+        if keys and self.prefixes is not None:
+            self._start_from_prefix(session, keys)
+        return session
 
+    def _start_from_prefix(self, session: Session, keys: tuple[bytes, ...]) -> None:
+        """Begin the session with the longest cached prefix among `keys` of its scope, leaving room for one token at
+        least. Its cache is reserved now (it holds memory from the open on); no room: it starts empty."""
+        found = self.prefixes.lookup(session.prefix_digest, session.state.blocks, keys)
+        if found is None:
+            return
+        entry, runs = found
+        runs = min(runs, (session.max_length - 1) // prefix_cache.RUN_TOKENS)
+        if runs < 1:
+            return
+        try:
+            self.sessions.reserve(session)
+        except CapacityExceeded:
+            return
+        # the reservation may have evicted the entry; then it is gone: start empty (and keep the reservation)
+        if not any(e is entry for e in self.prefixes.entries.values()):
+            return
+        session.state.cache, session.state.mask = self.prefixes.restore(entry, runs, session.max_length)
+
+    def _save_prefix(self, session: Session, save: pb.PrefixSave) -> None:
+        """Keep the first len(save.keys) runs the session holds as an entry of its scope (InvalidRequest: refused,
+        nothing changes; no room: not kept)."""
+        keys = prefix_cache.check_keys(save.keys, "save")
+        state = session.state
+        if self.prefixes is None:
+            raise InvalidRequest("this server keeps no prefix cache (--prefix-cache-mb 0)")
+        if session.prefix_digest is None:
+            raise InvalidRequest("save: the session's open named no prefix_scope")
+        tokens = len(keys) * prefix_cache.RUN_TOKENS
+        if state.rows != 1 or tokens > state.position:
+            raise InvalidRequest(f"save: {len(keys)} runs of {prefix_cache.RUN_TOKENS} tokens, but the session holds "
+                                 f"{state.rows} rows x {state.position} tokens (a prefix is one row)")
+        if not bool(state.mask[:, :tokens].all()):
+            raise InvalidRequest("save: the prefix holds padding")
+        self.prefixes.save(session.prefix_digest, state.blocks, keys, state.cache, self.sessions.free_bytes)
     def _serves(self, info: pb.InfoReply, block: int) -> bool:
         """Does a push target's Info describe a server of this model serving `block`? (no-DHT mode)"""
         return (info.model == self.stats.model and info.num_blocks == self.num_model_blocks
@@ -232,6 +280,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         is split, so decode steps of other sessions run between its slices (the scheduler puts decodes first). The
         cache op goes with the first slice."""
         rows, tokens = hidden.shape[:2]
+        self.tokens_computed += rows * tokens
         size = max(1, self.config.scheduler.max_batch_tokens // rows)
         outs, queued, compute, batch = [], 0.0, 0.0, 1
         for start in range(0, tokens, size):
@@ -274,7 +323,8 @@ class SwarmService(pb_grpc.SwarmServicer):
             else:
                 order = StepOrder()
                 yield pb.InferenceReply(session_id=sid, position=session.state.position,
-                                        session_secret=session.secret)  # only ever on the opener's stream
+                                        session_secret=session.secret,  # only ever on the opener's stream
+                                        prefix_tokens=session.state.position)
             reader = asyncio.ensure_future(self._read(request_iterator, inbox, ended, peer, charges))
             while True:
                 async with asyncio.timeout(self.config.session_idle_timeout_s):  # (wait_for may drop a cancellation)
@@ -289,6 +339,12 @@ class SwarmService(pb_grpc.SwarmServicer):
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                         f"session closed: no step within {self.config.open_idle_timeout_s} s of its "
                                         f"open, or idle for {self.config.session_idle_timeout_s} s")
+                if request.WhichOneof("kind") == "save":  # no reply unless refused
+                    try:
+                        self._save_prefix(session, request.save)
+                    except InvalidRequest as exc:
+                        yield self._refused(session, 0, exc)
+                    continue
                 try:
                     ready = order.admit(request)
                 except InvalidRequest as exc:
@@ -596,7 +652,15 @@ class SwarmService(pb_grpc.SwarmServicer):
             fingerprint=range_fingerprint(self.config.model_dir, self.stage.blocks.start, self.stage.blocks.end),
             quant=self.stage.quant, weight_bytes=self.stage.weight_bytes,  # int8 weights: announced, and their size
             adapters=sorted(self.stage.lora_adapters),
+            prefix_cache=self._prefix_info(), tokens_computed=self.tokens_computed,
         )
+
+    def _prefix_info(self) -> pb.PrefixCacheInfo | None:
+        p = self.prefixes
+        if p is None:
+            return None
+        return pb.PrefixCacheInfo(limit_bytes=p.limit_bytes, bytes=p.bytes, entries=len(p.entries), hits=p.stats.hits,
+                                  hit_tokens=p.stats.hit_tokens, evictions=p.stats.evictions, tags=p.tags())
 
     async def expire_loop(self, period_s: float = 0.5) -> None:
         cfg = self.config

@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from swarmlm.errors import CapacityExceeded, UnknownSession
+from swarmlm.server.prefix_cache import PrefixCache
 from swarmlm.server.stage import SpanState
 
 SECRET_BYTES = 16  # 128 bits
@@ -36,6 +37,7 @@ class Session:
     opened_s: float = field(default_factory=time.monotonic)
     last_used_s: float = field(default_factory=time.monotonic)
     detached_s: float | None = None  # when its stream broke; None while a stream holds it (or before)
+    prefix_digest: bytes | None = None  # the prefix-cache scope named at open (server/prefix_cache.py)
 
     def owned_by(self, secret: bytes) -> bool:
         return hmac.compare_digest(self.secret, bytes(secret))
@@ -45,8 +47,9 @@ class SessionTable:
     """Sessions by id; cache bytes are reserved for a session's max length when its first step runs."""
 
     def __init__(self, cache_bytes: int, max_sessions: int, max_sessions_per_peer: int | None = None,
-                 max_peer_cache_bytes: int | None = None) -> None:
+                 max_peer_cache_bytes: int | None = None, prefixes: PrefixCache | None = None) -> None:
         self.cache_bytes = cache_bytes
+        self.prefixes = prefixes  # cached prefixes share cache_bytes, and give way to reservations
         self.max_sessions = max_sessions
         self.max_sessions_per_peer = max_sessions_per_peer or max_sessions
         self.max_peer_cache_bytes = max_peer_cache_bytes or cache_bytes  # what one host's sessions may reserve
@@ -58,7 +61,13 @@ class SessionTable:
 
     @property
     def free_bytes(self) -> int:
+        """What a new session's reservation can take (cached prefixes are evicted to make room)."""
         return self.cache_bytes - self.reserved_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Reservations plus cached prefixes: never above cache_bytes."""
+        return self.reserved_bytes + (self.prefixes.bytes if self.prefixes is not None else 0)
 
     def held_by(self, owner: str) -> int:
         return sum(1 for s in self.sessions.values() if s.owner == owner)
@@ -90,6 +99,8 @@ class SessionTable:
                 f"session needs {session.needed_bytes} bytes of attention cache; peer {session.owner} holds {held} "
                 f"of its per-peer limit {self.max_peer_cache_bytes}"
             )
+        if self.prefixes is not None:  # a live session wins: cached prefixes make room
+            self.prefixes.shrink_to(self.free_bytes - session.needed_bytes)
         session.reserved_bytes = session.needed_bytes
 
     def get(self, session_id: str) -> Session:

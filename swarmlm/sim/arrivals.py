@@ -23,8 +23,15 @@ class SimRequest:
     arrival_s: float  # simulated time of arrival, seconds since the start
     input_tokens: int  # prompt length, tokens
     output_tokens: int  # tokens to generate (>= 1; the first comes out of prefill)
+    # the first prefix_tokens of the prompt are shared with other requests of the same prefix_id (a system prompt,
+    # a conversation's earlier turns): servers that ran one keep it (sim/prefixes.py); "" = nothing shared
+    prefix_id: str = ""
+    prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.prefix_tokens < self.input_tokens:
+            raise ValueError(f"request {self.request_id}: prefix_tokens={self.prefix_tokens} must be in "
+                             f"[0, input_tokens={self.input_tokens})")
         if not (math.isfinite(self.arrival_s) and self.arrival_s >= 0):
             raise ValueError(f"request {self.request_id}: arrival_s must be finite and >= 0, got {self.arrival_s}")
         if self.input_tokens < 1 or self.output_tokens < 1:

@@ -102,6 +102,7 @@ class PlannerRouter:
         self.fast_path = fast_path and not router.contended()
         self._static: dict[tuple[str, int, int], Route] = {}
         self.full_searches = 0  # WS-RR searches that the fast path could not avoid (reported in the summary)
+        self.prefixes = None  # the simulator's PrefixStore (sim/prefixes.py): servers' cached prefixes, priced
 
     @classmethod
     def build(cls, perf: PerfModel, num_blocks: int, servers: list[tuple[str, BlockRange, int]],
@@ -126,10 +127,12 @@ class PlannerRouter:
         static = self._shortest(req, now_s)
         if self.mode == "shortest":
             return static
-        if self.fast_path and all(self.router.free_slots(s.server_id) >= s.length for s in static.spans):
+        held = self.prefixes.by_server(req) if self.prefixes is not None else {}
+        if not held and self.fast_path and all(self.router.free_slots(s.server_id) >= s.length for s in static.spans):
             return static
         self.full_searches += 1
-        hops = self.router.route(req.client_id, now_s, req.input_tokens, req.output_tokens, waiting_aware=True)
+        hops = self.router.route(req.client_id, now_s, req.input_tokens, req.output_tokens, waiting_aware=True,
+                                 prefix_held=held)
         return Route(tuple(hops.spans))
 
     def admitted(self, req: SimRequest, route: Route, now_s: float, until_s: float) -> None:

@@ -14,6 +14,7 @@ from swarmlm.sim.arrivals import SimRequest
 from swarmlm.sim.cluster import Cluster, SimServerConfig
 from swarmlm.sim.engine import EventLoop
 from swarmlm.sim.metrics import STATUS_DONE, RequestOutcome, ServerUsage, summarize
+from swarmlm.sim.prefixes import PrefixStore
 from swarmlm.sim.routers import SimRouter
 from swarmlm.sim.session import (ENDED, QUEUED, RUNNING, WAITING, Arrive, ClientBehaviour, Retry, SimSession, Token,
                                  make_record)
@@ -36,6 +37,9 @@ class SimState:
         self.contended = any(perf.profiles[sid].contended for sid in cluster.servers)
         self.running = 0  # sessions holding slots now
         self.peak_running = 0
+        self.prefixes = PrefixStore()  # shared prompt prefixes the servers keep; the router prices them too
+        if hasattr(router, "prefixes"):
+            router.prefixes = self.prefixes
 
     # -- called by session events ------------------------------------------------------------------------
     def admit(self, s: SimSession, route: Route, needs: list[tuple[str, int]], now_s: float) -> tuple[Token]:
@@ -45,7 +49,8 @@ class SimState:
         contended servers the decode step is timed again at every token (`step_s`)."""
         req, perf, client = s.req, self.perf, s.req.client_id
         s.phase, s.route, s.needs, s.admitted_s = RUNNING, route, needs, now_s
-        l_in, l_out = req.input_tokens, req.output_tokens
+        l_out = req.output_tokens
+        l_in = req.input_tokens - self.prefixes.start(req, route)  # a cached prefix is not prefilled (nor sent)
         ttft = 0.0
         for span in route.spans:
             k = span.length
@@ -70,6 +75,7 @@ class SimState:
         """Last token delivered: free the slots, tell the router, wake whoever queued on those servers."""
         self.cluster.release(s.needs, now_s)
         self.router.released(s.req, now_s)
+        self.prefixes.finished(s.req, s.route)
         self.running -= 1
         s.phase = ENDED
         self.record(s, STATUS_DONE, now_s)
@@ -157,7 +163,8 @@ def run_simulation(
     end_s = max((r.finish_s for r in records), default=0.0)
     server_records = tuple(cluster.records(end_s))
     summary = summarize(records, server_records, end_s)
-    summary.update(events=stats.events, peak_concurrent_sessions=state.peak_running)
+    summary.update(events=stats.events, peak_concurrent_sessions=state.peak_running,
+                   prefix_hits=state.prefixes.hits, prefix_hit_tokens=state.prefixes.hit_tokens)
     return SimResult(records, server_records, summary, stats.events, time.perf_counter() - wall0)
 
 

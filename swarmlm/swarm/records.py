@@ -20,6 +20,8 @@ ONLINE, OFFLINE, JOINING, LOADING = "online", "offline", "joining", "loading"
 MAX_CLOCK_SKEW_S = 5.0
 _ADAPTER = re.compile(r"^[A-Za-z0-9._\-]{1,64}$")  # server/adapters.py NAME
 _ADDRESS = re.compile(r"^[A-Za-z0-9.\-\[\]:]{1,200}:\d{1,5}$")
+TAG_CHARS = 16  # one prefix-cache tag (server/prefix_cache.py tag_of)
+_TAGS = re.compile(r"^(?:[0-9a-f]{16}){0,64}$")
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,15 @@ class ServerRecord:
     @property
     def adapter_names(self) -> tuple[str, ...]:
         return tuple(self.adapters.split(",")) if self.adapters else ()
+
+    # the prefix cache's most recently used entries, as concatenated 16-hex tags (at most 64): a client knowing the
+    # scope sees which of its prompts' prefixes this server holds (server/prefix_cache.py, client/prefix.py)
+    prefix_tags: str = ""
+
+    @property
+    def prefix_tag_set(self) -> frozenset[str]:
+        t = self.prefix_tags
+        return frozenset(t[i:i + TAG_CHARS] for i in range(0, len(t), TAG_CHARS))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,6 +110,8 @@ class ServerRecord:
             raise ValueError(f"record quant {record.quant!r}")
         if len(record.adapters) > 1100 or not all(_ADAPTER.match(n) for n in record.adapter_names):
             raise ValueError(f"record adapters {record.adapters[:80]!r}")
+        if not _TAGS.match(record.prefix_tags):
+            raise ValueError("record prefix_tags must be at most 64 tags of 16 lowercase hex characters")
         return record
 
 
@@ -121,6 +134,7 @@ def record_from_info(info, address: str, state: str = ONLINE, relay: str = "") -
         "quant": info.quant or "none", "weight_bytes": info.weight_bytes,  # (older servers send no quant)
         "decode_4rows_s": info.decode_4rows_s_per_block, "decode_16rows_s": info.decode_16rows_s_per_block,
         "adapters": ",".join(info.adapters),
+        "prefix_tags": "".join(info.prefix_cache.tags),
     })
 
 

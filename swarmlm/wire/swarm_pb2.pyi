@@ -39,18 +39,28 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("start_block", "end_block", "batch_size", "max_length", "adapter")
+    __slots__ = ("start_block", "end_block", "batch_size", "max_length", "adapter", "prefix_scope", "prefix_keys")
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
     END_BLOCK_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
     start_block: int
     end_block: int
     batch_size: int
     max_length: int
     adapter: str
-    def __init__(self, start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_length: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
+    prefix_scope: bytes
+    prefix_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_length: _Optional[int] = ..., adapter: _Optional[str] = ..., prefix_scope: _Optional[bytes] = ..., prefix_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PrefixSave(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PushTarget(_message.Message):
     __slots__ = ("address", "session_id", "step_id", "secret")
@@ -87,19 +97,21 @@ class InferenceStep(_message.Message):
     def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., step_id: _Optional[int] = ..., push: _Optional[_Iterable[_Union[PushTarget, _Mapping]]] = ..., cache_op: _Optional[_Union[CacheOp, _Mapping]] = ...) -> None: ...
 
 class InferenceRequest(_message.Message):
-    __slots__ = ("session_id", "open", "step", "secret")
+    __slots__ = ("session_id", "open", "step", "save", "secret")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    SAVE_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     open: OpenSession
     step: InferenceStep
+    save: PrefixSave
     secret: bytes
-    def __init__(self, session_id: _Optional[str] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., step: _Optional[_Union[InferenceStep, _Mapping]] = ..., secret: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., step: _Optional[_Union[InferenceStep, _Mapping]] = ..., save: _Optional[_Union[PrefixSave, _Mapping]] = ..., secret: _Optional[bytes] = ...) -> None: ...
 
 class InferenceReply(_message.Message):
-    __slots__ = ("session_id", "hidden", "timing", "step_id", "position", "error", "pushed", "session_secret")
+    __slots__ = ("session_id", "hidden", "timing", "step_id", "position", "error", "pushed", "session_secret", "prefix_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +120,7 @@ class InferenceReply(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PUSHED_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     hidden: Tensor
     timing: Timing
@@ -116,7 +129,8 @@ class InferenceReply(_message.Message):
     error: Error
     pushed: bool
     session_secret: bytes
-    def __init__(self, session_id: _Optional[str] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., step_id: _Optional[int] = ..., position: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., pushed: _Optional[bool] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
+    prefix_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., step_id: _Optional[int] = ..., position: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., pushed: _Optional[bool] = ..., session_secret: _Optional[bytes] = ..., prefix_tokens: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("session_id", "step", "secret")
@@ -207,7 +221,7 @@ class InfoRequest(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("server_id", "model", "start_block", "end_block", "num_blocks", "hidden_size", "dtype", "cache_bytes_total", "cache_bytes_free", "active_sessions", "queue_length", "max_length", "max_batch", "max_message_bytes", "decode_s_per_block", "prefill_a_s", "prefill_b_s", "version", "session_bytes_per_block_token", "fingerprint", "quant", "weight_bytes", "adapters", "decode_4rows_s_per_block", "decode_16rows_s_per_block", "public_key", "signature", "signed_address")
+    __slots__ = ("server_id", "model", "start_block", "end_block", "num_blocks", "hidden_size", "dtype", "cache_bytes_total", "cache_bytes_free", "active_sessions", "queue_length", "max_length", "max_batch", "max_message_bytes", "decode_s_per_block", "prefill_a_s", "prefill_b_s", "version", "session_bytes_per_block_token", "fingerprint", "quant", "weight_bytes", "adapters", "decode_4rows_s_per_block", "decode_16rows_s_per_block", "prefix_cache", "tokens_computed", "public_key", "signature", "signed_address")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +247,8 @@ class InfoReply(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     DECODE_4ROWS_S_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     DECODE_16ROWS_S_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     SIGNED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -261,7 +277,27 @@ class InfoReply(_message.Message):
     adapters: _containers.RepeatedScalarFieldContainer[str]
     decode_4rows_s_per_block: float
     decode_16rows_s_per_block: float
+    prefix_cache: PrefixCacheInfo
+    tokens_computed: int
     public_key: bytes
     signature: bytes
     signed_address: str
-    def __init__(self, server_id: _Optional[str] = ..., model: _Optional[str] = ..., start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., cache_bytes_total: _Optional[int] = ..., cache_bytes_free: _Optional[int] = ..., active_sessions: _Optional[int] = ..., queue_length: _Optional[int] = ..., max_length: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., decode_s_per_block: _Optional[float] = ..., prefill_a_s: _Optional[float] = ..., prefill_b_s: _Optional[float] = ..., version: _Optional[str] = ..., session_bytes_per_block_token: _Optional[int] = ..., fingerprint: _Optional[str] = ..., quant: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., decode_4rows_s_per_block: _Optional[float] = ..., decode_16rows_s_per_block: _Optional[float] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., signed_address: _Optional[str] = ...) -> None: ...
+    def __init__(self, server_id: _Optional[str] = ..., model: _Optional[str] = ..., start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., cache_bytes_total: _Optional[int] = ..., cache_bytes_free: _Optional[int] = ..., active_sessions: _Optional[int] = ..., queue_length: _Optional[int] = ..., max_length: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., decode_s_per_block: _Optional[float] = ..., prefill_a_s: _Optional[float] = ..., prefill_b_s: _Optional[float] = ..., version: _Optional[str] = ..., session_bytes_per_block_token: _Optional[int] = ..., fingerprint: _Optional[str] = ..., quant: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., decode_4rows_s_per_block: _Optional[float] = ..., decode_16rows_s_per_block: _Optional[float] = ..., prefix_cache: _Optional[_Union[PrefixCacheInfo, _Mapping]] = ..., tokens_computed: _Optional[int] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., signed_address: _Optional[str] = ...) -> None: ...
+
+class PrefixCacheInfo(_message.Message):
+    __slots__ = ("limit_bytes", "bytes", "entries", "hits", "hit_tokens", "evictions", "tags")
+    LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    limit_bytes: int
+    bytes: int
+    entries: int
+    hits: int
+    hit_tokens: int
+    evictions: int
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, limit_bytes: _Optional[int] = ..., bytes: _Optional[int] = ..., entries: _Optional[int] = ..., hits: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., tags: _Optional[_Iterable[str]] = ...) -> None: ...

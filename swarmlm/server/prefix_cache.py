@@ -1,0 +1,163 @@
+"""Prompt caches that outlive a session: K/V rows of finished sessions' prefixes, found by a client-computed key.
+
+A client names the first j+1 runs of RUN_TOKENS tokens of a sequence with a chain key (wire/prefix_keys.py: a hash
+chain over the token ids, salted with everything that changes the hidden states this server receives). A session
+asks to keep its prefix (`PrefixSave`): its K/V rows for len(keys) runs are copied out into an entry, registered
+under every key of the chain, so a later session whose prompt shares only the first runs still finds it. A new
+session names its prompt's keys at open and starts from the longest one found.
+
+A server cannot check a key against the tokens behind it, so entries belong to a scope (the opener's secret
+token, stored as its digest): a lookup sees only its own scope's entries (docs/PROTOCOL.md, "Prefix cache").
+
+Entries count in the server's cache budget beside the sessions' reservations and are evicted least recently used;
+a live session's reservation always wins (SessionTable.reserve evicts entries to make room, never the reverse).
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from swarmlm.errors import InvalidRequest
+from swarmlm.server.kv_cache import SpanCache
+from swarmlm.types import BlockRange
+from swarmlm.wire.prefix_keys import KEY_BYTES, RUN_TOKENS, scope_digest, tag_of
+
+MAX_KEYS = 4096  # 64k tokens: more than any session holds
+SCOPE_BYTES = (16, 64)  # a scope token's accepted length
+MAX_TAGS = 64  # tags announced in the server's record (16 hex characters each)
+
+
+def tag_runs(n: int) -> list[int]:
+    """Run counts whose keys an entry of n runs announces: 1, 2, 4, ... and n (a prompt sharing a shorter prefix
+    is still seen at a power of two below its length)."""
+    return sorted({*(1 << i for i in range(n.bit_length()) if 1 << i <= n), n})
+
+
+def check_keys(keys, what: str) -> tuple[bytes, ...]:
+    if len(keys) > MAX_KEYS:
+        raise InvalidRequest(f"{what}: {len(keys)} keys exceed the limit of {MAX_KEYS}")
+    if any(len(k) != KEY_BYTES for k in keys):
+        raise InvalidRequest(f"{what}: every key must be {KEY_BYTES} bytes")
+    return tuple(bytes(k) for k in keys)
+
+
+def check_scope(scope: bytes) -> bytes:
+    if not SCOPE_BYTES[0] <= len(scope) <= SCOPE_BYTES[1]:
+        raise InvalidRequest(f"prefix_scope must be {SCOPE_BYTES[0]}-{SCOPE_BYTES[1]} bytes, got {len(scope)}")
+    return scope_digest(scope)
+
+
+@dataclass
+class Entry:
+    digest: bytes  # the owning scope's digest
+    blocks: BlockRange
+    keys: tuple[bytes, ...]  # keys[j] covers the first (j + 1) * RUN_TOKENS tokens
+    keys_t: torch.Tensor  # [layers, 1, kv_heads, tokens, head_dim], compact (no spare capacity)
+    values_t: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        return len(self.keys) * RUN_TOKENS
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.keys_t.numel() * self.keys_t.element_size()
+
+
+@dataclass
+class PrefixStats:
+    hits: int = 0  # opens that started from an entry
+    hit_tokens: int = 0
+    evictions: int = 0
+    saves: int = 0
+    refused: int = 0  # saves that did not fit the budget
+
+
+class PrefixCache:
+    """Entries by (scope digest, blocks, key), least recently used first. `limit_bytes` caps the entries; the room
+    a save may take is also bounded by the caller (what the sessions' reservations leave of the cache budget)."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self.entries: OrderedDict[int, Entry] = OrderedDict()  # serial -> entry, LRU first
+        self.index: dict[tuple, tuple[int, int]] = {}  # (digest, start, end, key) -> (serial, runs)
+        self.bytes = 0
+        self.stats = PrefixStats()
+        self._serials = itertools.count()
+
+    def lookup(self, digest: bytes, blocks: BlockRange, keys: tuple[bytes, ...]) -> tuple[Entry, int] | None:
+        """The entry holding the longest prefix among `keys` for this scope and blocks, and its runs; None: none."""
+        for j in range(len(keys) - 1, -1, -1):
+            found = self.index.get((digest, blocks.start, blocks.end, keys[j]))
+            if found is not None:
+                serial, runs = found
+                self.entries.move_to_end(serial)
+                return self.entries[serial], runs
+        return None
+
+    def restore(self, entry: Entry, runs: int, max_length: int) -> tuple[SpanCache, torch.Tensor]:
+        """A session's cache holding the entry's first `runs` runs (a copy: the session writes after them) and its
+        padding mask."""
+        tokens = runs * RUN_TOKENS
+        cache = SpanCache.holding(entry.keys_t[:, :, :, :tokens], entry.values_t[:, :, :, :tokens], max_length)
+        self.stats.hits += 1
+        self.stats.hit_tokens += tokens
+        return cache, torch.ones(1, tokens, dtype=torch.long)
+
+    def save(self, digest: bytes, blocks: BlockRange, keys: tuple[bytes, ...], cache: SpanCache,
+             room_bytes: int) -> bool:
+        """Keep the first len(keys) runs of `cache` (one row) under `keys`; evicts older entries to fit within
+        min(limit, room_bytes). False: it does not fit (nothing changes)."""
+        if not keys or cache.keys is None:
+            return False
+        if (digest, blocks.start, blocks.end, keys[-1]) in self.index:  # already held: just touch it
+            self.entries.move_to_end(self.index[(digest, blocks.start, blocks.end, keys[-1])][0])
+            return True
+        tokens = len(keys) * RUN_TOKENS
+        nbytes = 2 * cache.keys[:, :, :, :tokens].numel() * cache.keys.element_size()
+        budget = min(self.limit_bytes, room_bytes)
+        if nbytes > budget:
+            self.stats.refused += 1
+            return False
+        self.shrink_to(budget - nbytes)
+        kept = (cache.keys[:, :, :, :tokens].clone(), cache.values[:, :, :, :tokens].clone())  # compact copies
+        entry = Entry(digest, blocks, keys, *kept)
+        serial = next(self._serials)
+        self.entries[serial] = entry
+        for j, key in enumerate(keys):  # a shorter prefix stays with the entry that already holds it
+            self.index.setdefault((digest, blocks.start, blocks.end, key), (serial, j + 1))
+        self.bytes += entry.nbytes
+        self.stats.saves += 1
+        return True
+
+    def shrink_to(self, nbytes: int) -> None:
+        """Evict least recently used entries until at most `nbytes` are held."""
+        while self.entries and self.bytes > max(nbytes, 0):
+            serial, entry = self.entries.popitem(last=False)
+            self.bytes -= entry.nbytes
+            self.stats.evictions += 1
+            for key in entry.keys:
+                index_key = (entry.digest, entry.blocks.start, entry.blocks.end, key)
+                if self.index.get(index_key, (None,))[0] == serial:
+                    del self.index[index_key]
+            # a shorter prefix this entry shadowed may live on in another entry: re-point the index there
+            for other_serial, other in self.entries.items():
+                if other.digest == entry.digest and other.blocks == entry.blocks:
+                    for j, key in enumerate(other.keys):
+                        self.index.setdefault((other.digest, other.blocks.start, other.blocks.end, key),
+                                              (other_serial, j + 1))
+
+    def tags(self) -> list[str]:
+        """The most recently used entries' keys at runs 1, 2, 4, ... and their last, as tags (at most MAX_TAGS)."""
+        out: list[str] = []
+        for entry in reversed(self.entries.values()):
+            for runs in reversed(tag_runs(len(entry.keys))):
+                tag = tag_of(entry.digest, entry.keys[runs - 1])
+                if tag not in out:
+                    out.append(tag)
+                if len(out) >= MAX_TAGS:
+                    return out
+        return out
