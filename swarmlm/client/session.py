@@ -337,7 +337,8 @@ class InferenceSession:
             upstream = await self._open_spans(route.spans)
             try:
                 for s in upstream:
-                    hidden, _ = await s.stream.step(hidden, None, self._hang_timeout_s(s.span, 1, broken.prefix))
+                    bound = self._hang_timeout_s(s.span, 1, broken.prefix, cached=False)
+                    hidden, _ = await s.stream.step(hidden, None, bound)
             finally:
                 await self._close_spans(upstream)
         rows = torch.tensor(broken.prefix_rows)
