@@ -73,3 +73,10 @@ def test_adapter_sessions_equal_peft_and_route_only_to_its_servers(tiny_llama, a
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not served" in err.value.details()
         with grpc.insecure_channel(with_adapter.address) as channel:
             assert list(pb_grpc.SwarmStub(channel).Info(pb.InfoRequest(), timeout=30).adapters) == ["my-adapter"]
+            # an adapter's rows are not the base model's under the same prefix keys: no prefix cache beside it
+            replies = pb_grpc.SwarmStub(channel).Inference(iter([pb.InferenceRequest(open=pb.OpenSession(
+                start_block=0, end_block=6, batch_size=1, max_length=40, adapter="my-adapter",
+                prefix_scope=b"s" * 16, prefix_keys=[b"k" * 16]))]), timeout=30)
+            with pytest.raises(grpc.RpcError) as err:
+                list(replies)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prefix cache" in err.value.details()
