@@ -185,3 +185,17 @@ def _status_marks_relayed(client) -> None:
     out = io.StringIO()
     assert render(view, "tiny-bloom", table_console(out)) == 0
     assert out.getvalue().count("(relayed)") == 2
+
+
+def test_a_leftover_lan_route_is_not_taken_again():
+    """A killed run leaves its LAN's unreachable route behind (no namespace names it): the next testbed picks
+    another /24 instead of failing on `File exists`."""
+    from swarmlm.bench.netem.netns import _free_subnet
+
+    planted = str(_free_subnet())
+    subprocess.run(["ip", "route", "add", "unreachable", planted], check=True)
+    try:
+        with NatTestbed(1) as nat:
+            assert str(nat.lan) != planted and str(nat.wan) != planted
+    finally:
+        subprocess.run(["ip", "route", "del", "unreachable", planted], check=True)

@@ -52,6 +52,19 @@ def batch(vocab: int = 512, rows: int = 2, tokens: int = 9, seed: int = 0,
     return ids, mask
 
 
+def backward_both(model, peft, seed: int = 0):
+    """The same labelled batch's loss through the swarm and through PEFT locally, each backpropagated; the model is
+    closed. Returns both outputs."""
+    ids, mask = batch(seed=seed)
+    labels = ids.masked_fill(mask == 0, -100)
+    out = model(ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    want = peft(input_ids=ids, attention_mask=mask, labels=labels)
+    want.loss.backward()
+    model.close()
+    return out, want
+
+
 def test_inputs_embeds_give_the_logits_of_input_ids(swarm):
     model, ref = client(swarm), reference(swarm)
     ids, mask = batch(left=True)
@@ -87,13 +100,7 @@ def test_shallow_prompt_gradients_equal_peft(swarm):
     peft = get_peft_model(ref, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=K))
     with torch.no_grad():
         peft.prompt_encoder["default"].embedding.weight.copy_(model.prompts.prompt_embeddings)
-    ids, mask = batch()
-    labels = ids.masked_fill(mask == 0, -100)
-    out = model(ids, attention_mask=mask, labels=labels)
-    out.loss.backward()
-    want = peft(input_ids=ids, attention_mask=mask, labels=labels)
-    want.loss.backward()
-    model.close()
+    out, want = backward_both(model, peft)
     assert abs(out.loss.item() - want.loss.item()) < 1e-4 * abs(want.loss.item())
     assert out.logits.shape == (2, 9, 512)  # the prompt's positions are not the caller's
     assert rel(model.prompts.prompt_embeddings.grad, peft.prompt_encoder["default"].embedding.weight.grad) < 1e-4
@@ -159,13 +166,7 @@ def _lora_pair(swarm, r: int = 4, alpha: float = 8.0):
 
 def test_client_lora_gradients_equal_peft(swarm):
     model, peft, pairs = _lora_pair(swarm)
-    ids, mask = batch(seed=2)
-    labels = ids.masked_fill(mask == 0, -100)
-    out = model(ids, attention_mask=mask, labels=labels)
-    out.loss.backward()
-    want = peft(input_ids=ids, attention_mask=mask, labels=labels)
-    want.loss.backward()
-    model.close()
+    out, want = backward_both(model, peft, seed=2)
     assert abs(out.loss.item() - want.loss.item()) < 1e-4 * abs(want.loss.item())
     got = torch.cat([torch.cat([a.grad.flatten(), b.grad.flatten()]) for a, b, _, _ in pairs])
     ref = torch.cat([torch.cat([pa.grad.flatten(), pb.grad.flatten()]) for _, _, pa, pb in pairs])

@@ -128,8 +128,8 @@ class NatTestbed:
             # a placeholder address keeps the LAN /24 ours while the lock is free (no route: a /32 on the bridge)
             run(["ip", "addr", "add", f"{self.lan[255 - 1]}/32", "dev", bridge])
         # private addresses are not routed on the internet: from here the LAN is unreachable (never the default route)
-        self._routes.append(f"{self.lan}")
         run(["ip", "route", "add", "unreachable", str(self.lan)])
+        self._routes.append(f"{self.lan}")  # (only once it is ours: never another testbed's)
         run(["ip", "link", "set", bridge, "up"])
         for i in range(self.n_behind):
             self._build_home(i, bridge)

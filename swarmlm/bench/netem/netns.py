@@ -143,9 +143,12 @@ def _subnet_lock(timeout_s: float = 30.0) -> Iterator[None]:
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
-    """A /24 of 10.213.0.0/16 that no address of the root namespace overlaps."""
+    """A /24 of 10.213.0.0/16 that no address or route of the root namespace overlaps (a NAT testbed's LAN lives
+    in its namespaces, seen here only as its unreachable route, which a killed run may also leave behind)."""
     out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, check=True).stdout
     used = [ipaddress.ip_interface(m).network for m in re.findall(r"inet (\S+)", out)]
+    routes = subprocess.run(["ip", "-4", "route", "show", "table", "all"], capture_output=True, text=True).stdout
+    used += [ipaddress.ip_network(m, strict=False) for m in re.findall(r"\b(\d+\.\d+\.\d+\.\d+/\d+)", routes)]
     for subnet in _SUBNET.subnets(new_prefix=24):
         if not any(subnet.overlaps(u) for u in used):
             return subnet
