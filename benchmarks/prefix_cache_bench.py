@@ -120,6 +120,7 @@ def run(args, model_dir: str, tokenizer, swarm) -> list[dict]:
     system = system_prompt(tokenizer, args.system_tokens)
     gateways = gateways_for(model_dir, swarm)
     rows: list[dict] = []
+    clients = {name: httpx.Client() for name in gateways}
 
     def send(name: str, messages: list[dict], **where) -> str:
         r = request(clients[name], gateways[name].url, model_dir, messages, args.max_tokens, stubs)
@@ -130,7 +131,6 @@ def run(args, model_dir: str, tokenizer, swarm) -> list[dict]:
     try:
         for g in gateways.values():
             g.start()
-        clients = {name: httpx.Client() for name in gateways}
         for name, g in gateways.items():  # warm-up: connections, first-call costs (shares nothing)
             request(clients[name], g.url, model_dir, [{"role": "user", "content": f"hello {name}"}], 2, stubs)
         for c in range(args.conversations):
@@ -148,6 +148,8 @@ def run(args, model_dir: str, tokenizer, swarm) -> list[dict]:
     finally:
         for g in gateways.values():
             g.stop()
+        for c in clients.values():
+            c.close()
     return rows
 
 
