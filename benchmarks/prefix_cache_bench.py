@@ -1,13 +1,19 @@
 """Prompt caches that outlive a session (issue 25): chat requests through `swarmlm api`, cache on vs off, side by side.
 
-One swarm (DHT + servers, prefix cache on), two gateways on it: `on` (the default) and `off` (--no-prefix-cache:
+One swarm (servers with the prefix cache on, and a DHT on loopback), two gateways on it: `on` (the default) and `off` (--no-prefix-cache:
 every prompt prefilled in full). Conversations of 3 turns share one ~400-token system prompt; each request is
 sent to both gateways in turn (alternating who goes first), one at a time, streaming. Per request: time to the
 first streamed token, and the prompt tokens the servers computed (their `tokens_computed` counters, minus the
-decode steps), from which the hidden-state bytes of the prefill on the wire follow (float32 on loopback: tokens x
-hidden x 4 bytes, there and back, per server). A last request with a system prompt of its own shares nothing.
+decode steps), from which the hidden-state bytes of the prefill on the wire follow (float32: tokens x
+hidden x 4 bytes, there and back, per server; both gateways send float32). Last, `--lone` requests with system
+prompts of their own (each different) share nothing: what the cache costs when it cannot help.
 
-    python benchmarks/prefix_cache_bench.py [--preset bloomz-560m] [--servers 2] [--conversations 3]
+`--network wan` (or lan, or a topology file) puts each server on an emulated host of the netem testbed (as
+swarmlm/bench does; no DHT then: the gateways get the servers' addresses); the gateways and this script stay on the
+client's side of the emulated links.
+
+    python benchmarks/prefix_cache_bench.py [--preset bloomz-560m] [--servers 2] [--conversations 3] [--lone 3]
+        [--network loopback|lan|wan|TOPOLOGY.yaml] [--netem-mode auto]
 """
 from __future__ import annotations
 
@@ -21,12 +27,13 @@ import torch
 from transformers import AutoTokenizer
 
 from swarmlm.api.process import GatewayProcess
+from swarmlm.bench.runner import BenchConfig, StrategyConfig, start_swarm
 from swarmlm.machine import machine_info
 from swarmlm.model.checkpoint import load_config
 from swarmlm.model.random_checkpoint import default_checkpoint
-from swarmlm.swarm.local import LocalSwarm, even_split
 from swarmlm.wire import swarm_pb2 as pb
-from tests.swarm_helpers import stub
+from swarmlm.wire import swarm_pb2_grpc as pb_grpc
+from swarmlm.wire.channel import sync_channel
 
 WORDS = ("the library keeps maps atlases letters and records of the city; readers ask the staff at the desk, "
          "borrow up to five books for three weeks, and return them to the box by the door").split()
@@ -42,8 +49,8 @@ def system_prompt(tokenizer, tokens: int, salt: int = 0) -> str:
     return "You are the library's assistant. " + " ".join(words)
 
 
-def computed(swarm) -> int:
-    return sum(stub(s.address).Info(pb.InfoRequest()).tokens_computed for s in swarm.servers)
+def computed(stubs: list) -> int:
+    return sum(s.Info(pb.InfoRequest(), timeout=60).tokens_computed for s in stubs)
 
 
 def chat(client: httpx.Client, url: str, model: str, messages: list[dict],
@@ -64,11 +71,11 @@ def chat(client: httpx.Client, url: str, model: str, messages: list[dict],
     return ttft, "".join(parts), len(parts), reason
 
 
-def request(client, url, model, messages, max_tokens, swarm) -> dict:
-    before = computed(swarm)
+def request(client, url, model, messages, max_tokens, stubs) -> dict:
+    before = computed(stubs)
     ttft, text, tokens, reason = chat(client, url, model, messages, max_tokens)
     decode = tokens if reason == "stop" else tokens - 1  # generated tokens fed back (an end-of-text is not)
-    prefill = (computed(swarm) - before - decode * len(swarm.servers)) / len(swarm.servers)
+    prefill = (computed(stubs) - before - decode * len(stubs)) / len(stubs)
     return {"ttft_s": ttft, "text": text, "prefill_tokens_per_server": prefill}
 
 
@@ -77,59 +84,86 @@ def main() -> None:
     ap.add_argument("--preset", default="bloomz-560m")
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--conversations", type=int, default=3)
+    ap.add_argument("--lone", type=int, default=3, help="requests that share nothing (each its own system prompt)")
     ap.add_argument("--system-tokens", type=int, default=400)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--network", default="loopback", help="loopback, lan, wan or a topology file (netem testbed)")
+    ap.add_argument("--netem-mode", default="auto", choices=("auto", "namespaces", "relay-only"))
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model_dir = str(default_checkpoint(args.preset))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    hidden = int(load_config(model_dir).hidden_size)
-    system = system_prompt(tokenizer, args.system_tokens)
-    rows: list[dict] = []
-    with LocalSwarm(model_dir) as swarm:
-        swarm.start(even_split(int(load_config(model_dir).num_hidden_layers), args.servers))
-        gateways = {"on": GatewayProcess(model_dir, swarm.initial_peers),
-                    "off": GatewayProcess(model_dir, swarm.initial_peers, extra=["--no-prefix-cache"])}
-        try:
-            for g in gateways.values():
-                g.start()
-            clients = {name: httpx.Client() for name in gateways}
-            for name, g in gateways.items():  # warm-up: connections, first-call costs (shares nothing)
-                request(clients[name], g.url, model_dir, [{"role": "user", "content": f"hello {name}"}], 2, swarm)
-            for c in range(args.conversations):
-                history = {name: [{"role": "system", "content": system}] for name in gateways}
-                for turn in range(3):
-                    order = list(gateways) if (c + turn) % 2 == 0 else list(gateways)[::-1]
-                    for name in order:
-                        history[name].append({"role": "user", "content": USERS[(3 * c + turn) % len(USERS)]})
-                        r = request(clients[name], gateways[name].url, model_dir, history[name], args.max_tokens,
-                                    swarm)
-                        history[name].append({"role": "assistant", "content": r.pop("text")})
-                        rows.append({"mode": name, "conversation": c, "turn": turn, **r})
-                        print(json.dumps(rows[-1]), flush=True)
-            lone = [{"role": "system", "content": system_prompt(tokenizer, args.system_tokens, salt=3)},
-                    {"role": "user", "content": "Nothing shared here."}]
-            for name in gateways:
-                r = request(clients[name], gateways[name].url, model_dir, lone, args.max_tokens, swarm)
-                r.pop("text")
-                rows.append({"mode": name, "conversation": -1, "turn": 0, **r})
-                print(json.dumps(rows[-1]), flush=True)
-        finally:
-            for g in gateways.values():
-                g.stop()
-    report(rows, args, hidden)
+    config = load_config(model_dir)
+    cfg = BenchConfig(model_dir=model_dir, servers=(args.servers,), strategies=(StrategyConfig("sequential"),),
+                      network=args.network, netem_mode=args.netem_mode)
+    with start_swarm(cfg, args.servers, int(config.num_hidden_layers)) as swarm:
+        rows = run(args, model_dir, tokenizer, swarm)
+    report(rows, args, int(config.hidden_size))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine_info(), "args": vars(args), "rows": rows}, f, indent=1)
+            json.dump({"machine": machine_info(), "args": vars(args), "network_info": swarm.network_info,
+                       "rows": rows}, f, indent=1)
+
+
+def gateways_for(model_dir: str, swarm) -> dict[str, GatewayProcess]:
+    where = ["--servers", *swarm.server_addresses] if swarm.server_addresses else []
+    common = [*where, "--wire-dtype", "float32"]  # the same bytes on and off, whatever the link
+    return {"on": GatewayProcess(model_dir, swarm.initial_peers, extra=common),
+            "off": GatewayProcess(model_dir, swarm.initial_peers, extra=[*common, "--no-prefix-cache"])}
+
+
+def run(args, model_dir: str, tokenizer, swarm) -> list[dict]:
+    """Conversations sharing one system prompt, then requests sharing nothing; each sent to both gateways."""
+    addresses = swarm.server_addresses or [t.address for t in swarm.tracked if t.address]
+    stubs = [pb_grpc.SwarmStub(sync_channel(a)) for a in addresses]
+    system = system_prompt(tokenizer, args.system_tokens)
+    gateways = gateways_for(model_dir, swarm)
+    rows: list[dict] = []
+    clients = {name: httpx.Client() for name in gateways}
+
+    def send(name: str, messages: list[dict], **where) -> str:
+        r = request(clients[name], gateways[name].url, model_dir, messages, args.max_tokens, stubs)
+        rows.append({"mode": name, **where, **{k: v for k, v in r.items() if k != "text"}})
+        print(json.dumps(rows[-1]), flush=True)
+        return r["text"]
+
+    try:
+        for g in gateways.values():
+            g.start()
+        for name, g in gateways.items():  # warm-up: connections, first-call costs (shares nothing)
+            request(clients[name], g.url, model_dir, [{"role": "user", "content": f"hello {name}"}], 2, stubs)
+        for c in range(args.conversations):
+            history = {name: [{"role": "system", "content": system}] for name in gateways}
+            for turn in range(3):
+                for name in order(gateways, c + turn):
+                    history[name].append({"role": "user", "content": USERS[(3 * c + turn) % len(USERS)]})
+                    text = send(name, history[name], conversation=c, turn=turn)
+                    history[name].append({"role": "assistant", "content": text})
+        for k in range(args.lone):  # salts 3, 4, ...: system prompts unlike the shared one and each other
+            lone = [{"role": "system", "content": system_prompt(tokenizer, args.system_tokens, salt=3 + k)},
+                    {"role": "user", "content": f"Nothing shared here ({k})."}]
+            for name in order(gateways, k):
+                send(name, lone, conversation=-1, turn=k)
+    finally:
+        for g in gateways.values():
+            g.stop()
+        for c in clients.values():
+            c.close()
+    return rows
+
+
+def order(gateways: dict, i: int) -> list[str]:
+    """Who goes first alternates, so neither gateway always follows the other's request."""
+    return list(gateways) if i % 2 == 0 else list(gateways)[::-1]
 
 
 def report(rows: list[dict], args, hidden: int) -> None:
     groups = {"first request (cold)": lambda r: r["conversation"] == 0 and r["turn"] == 0,
               "turn 1, system prompt seen": lambda r: r["conversation"] > 0 and r["turn"] == 0,
-              "turns 2-3": lambda r: r["turn"] > 0,
+              "turns 2-3": lambda r: r["conversation"] >= 0 and r["turn"] > 0,
               "shares nothing": lambda r: r["conversation"] == -1}
-    print(f"\n{args.preset}, {args.servers} servers, loopback, ~{args.system_tokens}-token system prompt, "
+    print(f"\n{args.preset}, {args.servers} servers, {args.network}, ~{args.system_tokens}-token system prompt, "
           f"{args.conversations} conversations x 3 turns, medians")
     print("| requests | n | TTFT on (ms) | TTFT off (ms) | on/off | prefill tokens/server on / off | "
           "prefill MB on the wire on / off |")
@@ -145,6 +179,11 @@ def report(rows: list[dict], args, hidden: int) -> None:
         p_on, p_off = med(on, "prefill_tokens_per_server"), med(off, "prefill_tokens_per_server")
         print(f"| {label} | {len(on)} | {t_on * 1000:.0f} | {t_off * 1000:.0f} | {t_on / t_off:.2f} | "
               f"{p_on:.0f} / {p_off:.0f} | {mb(p_on):.2f} / {mb(p_off):.2f} |")
+    lone = {m: [r["ttft_s"] for r in rows if r["mode"] == m and r["conversation"] == -1] for m in ("on", "off")}
+    if lone["on"]:  # each pair sent back to back: its ratio is less exposed to the machine's drift
+        pairs = [a / b for a, b in zip(lone["on"], lone["off"])]
+        print(f"shares nothing, on/off per pair: {' '.join(f'{x:.2f}' for x in pairs)}, "
+              f"median {statistics.median(pairs):.2f}")
 
 
 if __name__ == "__main__":
