@@ -1,11 +1,12 @@
 """One training step through the swarm vs the same step locally (issue 27): batch 4 x 128 tokens, a client LoRA
-(r = 8 on every block's attention input projection) and a soft prompt (ptune, 16 tokens), through 2 server
-processes (fp32, then int8 servers) and in plain transformers + PEFT in this process, their steps alternated (the machine
+(r = 8 on every block's attention input projection) and a soft prompt (ptune, 16 tokens), through 2 (or --servers)
+server processes (fp32, then int8 servers) and in plain transformers + PEFT in this process, their steps alternated (the machine
 may be shared: both see the same load). Per step: wall times and their ratio (medians of --steps pairs, after one
 warm-up step each), bytes sent and received by the training RPCs. Results ->
 docs/RESULTS-finetune.md.
 
     .venv/bin/python benchmarks/training_bench.py [--model small-bloom] [--steps 3] [--threads 1]
+    .venv/bin/python benchmarks/training_bench.py --model bloomz-560m --servers 2,4 --quant none --modes lora
     .venv/bin/python benchmarks/training_bench.py --with-inference   # training beside 4 decode sessions
 """
 from __future__ import annotations
@@ -141,6 +142,9 @@ def main() -> None:
     ap.add_argument("--model", default="small-bloom", help="a preset (random weights)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--servers", default="2", help="server counts to run, comma-separated (e.g. 2,4)")
+    ap.add_argument("--quant", default="none,int8", help="server weight formats to run, comma-separated")
+    ap.add_argument("--modes", default="lora,ptune", help="tuning modes to run, comma-separated")
     ap.add_argument("--with-inference", action="store_true",
                     help="only: LoRA training steps while 4 decode sessions run on the same (fp32) servers")
     args = ap.parse_args()
@@ -157,19 +161,27 @@ def main() -> None:
         print(json.dumps(dict(model=args.model, **result, machine=machine_info()), indent=1))
         return
     rows = []
-    for quant in ("none", "int8"):
-        with LocalSwarm(path, threads=args.threads, with_dht=False, server_args=["--quant", quant]) as live:
-            live.start(even_split(blocks, 2))
-            for mode in ("lora", "ptune"):
-                rows.append(dict(servers=quant, **side_by_side(path, family, mode, args.steps, live.addresses)))
+    print(HEADER, flush=True)
+    for quant in args.quant.split(","):
+        for count in (int(n) for n in args.servers.split(",")):
+            with LocalSwarm(path, threads=args.threads, with_dht=False, server_args=["--quant", quant]) as live:
+                live.start(even_split(blocks, count))
+                for mode in args.modes.split(","):
+                    rows.append(dict(servers=quant, count=count,
+                                     **side_by_side(path, family, mode, args.steps, live.addresses)))
+                    print(_table_row(rows[-1]), flush=True)
     print(json.dumps(dict(model=args.model, rows=rows, steps=args.steps, batch=[ROWS, TOKENS],
                           machine=machine_info()), indent=1))
-    print("| tuning | servers | local step (median, s) | 2-server step (median, s) | ratio (median of pairs) | "
-          "MiB sent / received per step |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['mode']} | {r['servers']} | {r['local_s']:.2f} | {r['swarm_s']:.2f} | {r['ratio']:.2f}x | "
-              f"{r['sent_mb']:.1f} / {r['received_mb']:.1f} |")
+
+
+HEADER = ("| tuning | servers | local step (median, s) | swarm step (median, s) | ratio (median of pairs) | "
+          "MiB sent / received per step |\n|---|---|---|---|---|---|")
+
+
+def _table_row(r: dict) -> str:
+    return (f"| {r['mode']} | {r['count']} x {r['servers']} | {r['local_s']:.2f} | {r['swarm_s']:.2f} | "
+            f"{r['ratio']:.2f}x | {r['sent_mb']:.1f} / {r['received_mb']:.1f} |")
+
 
 if __name__ == "__main__":
     main()
