@@ -3,6 +3,8 @@ them (active_adapter=), and their logits equal PEFT's; the base model stays serv
 base weights never change."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import pytest
 import torch
@@ -80,3 +82,21 @@ def test_adapter_sessions_equal_peft_and_route_only_to_its_servers(tiny_llama, a
             with pytest.raises(grpc.RpcError) as err:
                 list(replies)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prefix cache" in err.value.details()
+
+
+def test_an_adapter_is_found_by_hub_id_in_the_offline_cache(adapter_dir, tmp_path, monkeypatch):
+    """`--adapters org/name`: from the local HF cache (as models are), named by the repo; a missing one is a clear
+    FileNotFoundError naming it."""
+    from huggingface_hub import constants
+
+    from swarmlm.server.adapters import locate_adapter
+    from tests.hub_layout import add_to_hub_cache
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    snapshot = add_to_hub_cache(tmp_path / "hub", "someone/sentiment-lora", adapter_dir)
+    name, directory = locate_adapter("someone/sentiment-lora")
+    assert name == "sentiment-lora" and directory == snapshot
+    assert locate_adapter(adapter_dir) == ("my-adapter", Path(adapter_dir))
+    with pytest.raises(FileNotFoundError, match="someone/absent"):
+        locate_adapter("someone/absent")

@@ -36,8 +36,8 @@ def add_parser(sub) -> None:
                    help="int8: the blocks' linear layers quantized on load (~1/4 of fp32's weight memory, faster "
                         "decode on CPU, ~1 %% logits error; needs float32; announced to clients)")
     p.add_argument("--adapters", nargs="*", default=[],
-                   help="PEFT LoRA adapter directories to pre-load (announced; clients choose one per session with "
-                        "active_adapter=<directory name>; docs/FINETUNING.md)")
+                   help="PEFT LoRA adapters to pre-load, directories or hub ids from the local HF cache (announced; clients "
+                        "choose one per session with active_adapter=<directory or repo name>; docs/FINETUNING.md)")
     p.add_argument("--max-train-mb", type=int, default=SERVER.max_train_request_bytes // MIB,
                    help="estimated memory one training request (Backward) may take, MiB; larger ones are refused")
     p.add_argument("--mmap-weights", action="store_true",

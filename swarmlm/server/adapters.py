@@ -1,4 +1,4 @@
-"""LoRA adapters a server pre-loads (`swarmlm server --adapters DIR ...`, PEFT's format: adapter_config.json +
+"""LoRA adapters a server pre-loads (`swarmlm server --adapters DIR_OR_HUB_ID ...`, PEFT's format: adapter_config.json +
 adapter_model.safetensors), announced in its record; a session opened with `adapter=NAME` runs with it (inference,
 as Petals' active_adapter). The base weights never change: the adapter is applied by forward hooks per forward
 (server/lora.py), and steps of sessions with different adapters never share a forward (their batch keys differ)."""
@@ -19,6 +19,25 @@ NAME = re.compile(r"^[A-Za-z0-9._\-]{1,64}$")  # an adapter's name: its director
 MAX_ADAPTERS = 16  # announced in the record: a short list
 # PEFT's key for a block's LoRA matrix: ...layers.{i}.<module>.lora_A.weight (Llama-style) or ...h.{i}.<module>...
 _KEY = re.compile(r"\.(?:layers|h)\.(\d+)\.(.+)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def locate_adapter(ref: str | Path) -> tuple[str, Path]:
+    """An adapter's name and the directory of its files: a directory (named by it), or a hub id `org/name[@rev]`
+    from the local HF cache (or the hub, when reachable), named `name`, as models are found (model/source.py)."""
+    from swarmlm.model.source import ModelNotFound, resolve
+
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return adapter_name(path), path
+    source = resolve(str(ref))
+    if not source.is_hub:
+        raise ModelNotFound(f"{ref}: an adapter is a directory or a hub id, not a model of the catalog or a GGUF")
+    directory = source.file(ADAPTER_FILES[0]).parent
+    source.file(ADAPTER_FILES[1])  # both present (the cache keeps one snapshot directory per revision)
+    return adapter_name(source.repo_id.split("/")[-1]), directory
 
 
 def adapter_name(path: str | Path) -> str:

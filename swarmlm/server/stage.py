@@ -13,7 +13,7 @@ import torch
 
 from swarmlm.model.checkpoint import load_blocks, parse_dtype
 from swarmlm.model.quant import Quant, check_quant, weight_bytes
-from swarmlm.server.adapters import MAX_ADAPTERS, adapter_name, load_adapter
+from swarmlm.server.adapters import MAX_ADAPTERS, load_adapter, locate_adapter
 from swarmlm.server.kv_cache import Member, SpanCache, StepCache, left_pad
 from swarmlm.server.lora import LoraDelta, lora_hooks
 from swarmlm.types import BlockRange, CacheOp
@@ -91,8 +91,9 @@ class Stage:
 
     def load_adapters(self, paths) -> None:
         """Pre-load PEFT LoRA adapters (server/adapters.py) for sessions that ask for them."""
-        for path in paths:
-            self.lora_adapters[adapter_name(path)] = load_adapter(path, self.modules, self.blocks)
+        for ref in paths:
+            name, directory = locate_adapter(ref)
+            self.lora_adapters[name] = load_adapter(directory, self.modules, self.blocks)
         if len(self.lora_adapters) > MAX_ADAPTERS:
             raise ValueError(f"at most {MAX_ADAPTERS} adapters, got {len(self.lora_adapters)}")
 
