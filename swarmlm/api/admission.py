@@ -1,0 +1,179 @@
+"""One request's way through the gateway before and after the swarm: admitted (choices, characters and the client's
+concurrent streams bounded before anything is tokenized), tokenized off the event loop, checked against the context
+the swarm serves, generated (api/engine.py), and answered whole or streamed (api/streaming.py)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import defaultdict
+from typing import Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from swarmlm.api import responses
+from swarmlm.api.engine import Engine, SamplingParams
+from swarmlm.api.errors import ApiError, swarm_error
+from swarmlm.api.schemas import new_id
+from swarmlm.api.streaming import ClosingStreamingResponse, collect, first_event, sse
+
+log = logging.getLogger(__name__)
+
+
+class RequestHandler:
+    """The gateway's requests over one swarm client: `check_model`, then `admitted` (admit, tokenize, check,
+    generate). `config` is the GatewayConfig."""
+
+    def __init__(self, model, tokenizer, config, engine: Engine) -> None:
+        self.model, self.tokenizer, self.config, self.engine = model, tokenizer, config, engine
+        self.limits = ClientLimits(config.max_streams_per_client)
+        self.view_refresh = ViewRefresh(engine, model.remote, config.view_refresh_s)
+
+    def client_key(self, request: Request) -> str:
+        """What was verified: the API key (checked by RequestGuard) when one is configured, else the peer's
+        address."""
+        if self.config.api_key:
+            return "key"
+        return f"ip:{request.client.host if request.client else '?'}"
+
+    def check_model(self, name: str) -> None:
+        if name != self.config.model_name:  # the served name is not repeated: it may be a local path
+            raise ApiError(404, "the model does not exist on this gateway (GET /v1/models lists it)",
+                           "invalid_request_error", "model_not_found", "model")
+
+    def context_tokens(self) -> int:
+        limit = served_context(self.model.remote.view, self.model.remote.num_blocks)
+        own = getattr(self.model.config, "max_position_embeddings", None)
+        limits = [n for n in (limit, own) if n]
+        return min(limits) if limits else self.config.default_context_tokens
+
+    async def sampling(self, req, prompts: list[list[int]], max_tokens: int | None,
+                       top_logprobs: int | None) -> SamplingParams:
+        longest = max(len(p) for p in prompts)
+        if min(len(p) for p in prompts) == 0:  # nothing to prefill from (a model needs at least one token)
+            raise ApiError(400, "the prompt is empty", "invalid_request_error", "invalid_request", "prompt")
+        context = self.context_tokens()
+        if longest + (max_tokens or 1) > context and await self.view_refresh():  # refused only on a fresh view
+            context = self.context_tokens()
+        room = context - longest
+        if room < 1:
+            raise ApiError(400, f"the prompt has {longest} tokens; the context holds {context}",
+                           "invalid_request_error", "context_length_exceeded")
+        if max_tokens is not None and max_tokens > room:
+            raise ApiError(400, f"max_tokens {max_tokens} + the prompt's {longest} tokens exceed the context of "
+                                f"{context} tokens", "invalid_request_error", "context_length_exceeded", "max_tokens")
+        return SamplingParams(
+            max_tokens=max_tokens or room, temperature=req.temperature, top_p=req.top_p,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            stop=tuple(req.stop), seed=req.generator_seed, top_logprobs=top_logprobs,
+        )
+
+    def admit(self, request: Request, req, texts: list[str]) -> Callable[[], None]:
+        """Bounds checked before anything is tokenized or generated; the client's slots, one per choice."""
+        choices = len(texts) * req.n
+        if choices > self.config.choices_limit:
+            raise ApiError(400, f"the request asks for {choices} choices (prompts x n); at most "
+                                f"{self.config.choices_limit}", "invalid_request_error", "invalid_request", "n")
+        chars = sum(len(t) for t in texts)
+        if chars > self.config.max_prompt_chars:
+            raise ApiError(400, f"the prompt has {chars} characters; at most {self.config.max_prompt_chars}",
+                           "invalid_request_error", "context_length_exceeded", "prompt")
+        return self.limits.acquire(self.client_key(request), choices)
+
+    async def generate(self, request: Request, req, prompts: list[list[int]], params: SamplingParams,
+                       render: responses.Renderer, release: Callable[[], None]):
+        try:
+            events = self.engine.merged(prompts, params, req.n, self.config.request_timeout_s)
+            first = await first_event(events)  # before the response starts: routing errors become proper statuses
+        except BaseException as exc:
+            release()
+            if isinstance(exc, ApiError) or not isinstance(exc, Exception):
+                raise
+            raise swarm_error(exc) from None
+        if not req.stream:
+            try:
+                collected = await collect(request, events, first)
+            except Exception as exc:
+                raise swarm_error(exc) from None
+            finally:
+                release()
+            if collected is None:  # the client went away: nobody reads an answer
+                return Response(status_code=499)
+            return JSONResponse(render.whole(collected))
+        return ClosingStreamingResponse(sse(request, events, first, render, release), on_close=release,
+                                        media_type="text/event-stream",
+                                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def admitted(self, request: Request, req, texts: list[str], encode: Callable[[], list[list[int]]],
+                       max_tokens: int | None, top_logprobs: int | None, renderer: type, prefix: str):
+        """Admit, tokenize off the event loop (a long prompt must not stall /health), check, generate."""
+        release = self.admit(request, req, texts)
+        try:
+            prompts = await self.engine.tokenize(encode, sum(len(t) for t in texts))
+            params = await self.sampling(req, prompts, max_tokens, top_logprobs)
+            render = renderer(new_id(prefix), self.config.model_name, self.tokenizer, req, prompts)
+        except BaseException:
+            release()
+            raise
+        return await self.generate(request, req, prompts, params, render, release)
+
+
+class ClientLimits:
+    """Concurrent choices (sessions) per client key: a request holds one per choice until it ends."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active: dict[str, int] = defaultdict(int)
+
+    def acquire(self, key: str, choices: int = 1) -> Callable[[], None]:
+        if self.active[key] + choices > self.limit:
+            if not self.active[key]:
+                del self.active[key]
+            raise ApiError(429, f"too many concurrent requests from this client (limit {self.limit} choices)",
+                           "rate_limit_error", "too_many_streams")
+        self.active[key] += choices
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.active[key] -= choices
+                if not self.active[key]:
+                    del self.active[key]
+
+        return release
+
+
+def served_context(view, num_blocks: int) -> int | None:
+    """The longest context some route offers: per block the largest `max_length` among the servers that passed the
+    connect check (measured: a forged record for an address that never answered counts for nothing), then the
+    smallest over the blocks. None when no verified server states a limit."""
+    verified = [r for sid, r in view.records.items() if sid in view.rtt_s]
+    per_block = [max((r.max_length if r.max_length > 0 else math.inf for r in verified if r.start <= b < r.end),
+                     default=math.inf) for b in range(num_blocks)]
+    limit = min(per_block, default=math.inf)
+    return None if limit == math.inf else int(limit)
+
+
+class ViewRefresh:
+    """Re-reads the swarm (DHT records + connect checks) before a request is refused for its context, at most once
+    per `min_interval_s` however many requests are refused; True when the view was read again."""
+
+    def __init__(self, engine: Engine, remote, min_interval_s: float) -> None:
+        self.engine, self.remote, self.min_interval_s = engine, remote, min_interval_s
+        self.lock = asyncio.Lock()
+        self.last_s = -math.inf
+
+    async def __call__(self) -> bool:
+        async with self.lock:
+            if time.monotonic() - self.last_s < self.min_interval_s:
+                return False
+            try:
+                await self.engine.run(self.remote.refresh)
+            except Exception as exc:  # the DHT is unreachable: decide on the view we have
+                log.warning("could not re-read the swarm: %s", exc)
+            self.last_s = time.monotonic()
+            return True
