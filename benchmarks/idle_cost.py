@@ -3,7 +3,7 @@
 In a chain of N servers every server sleeps while the others and the client's LM head compute (~140 ms per
 BLOOMZ-560M token at N = 4); one process running all blocks never sleeps. This measures, side by side in rounds:
 
-1. a decode request's parse, checks and decode as SwarmService does them (service.decode_step) back to back, and
+1. a decode request's parse, checks and decode as SwarmService does them (checks.decode_step) back to back, and
    after 140 ms asleep;
 2. the 24 BLOOMZ-560M blocks as four spans of 6 (four Stages, as four servers hold them) stepped one after the other
    with no pause, and with 140 ms asleep before each span (as each server of a chain of 4 waits for its turn).
@@ -23,7 +23,7 @@ import torch
 from swarmlm.machine import machine_line
 from swarmlm.model.checkpoint import load_config
 from swarmlm.model.random_checkpoint import default_checkpoint
-from swarmlm.server.service import decode_step
+from swarmlm.server.checks import decode_step
 from swarmlm.server.stage import Stage
 from swarmlm.types import BlockRange
 from swarmlm.wire import codec, compress
@@ -31,8 +31,8 @@ from swarmlm.wire import swarm_pb2 as pb
 
 
 def request_checks_s(raw: bytes, hidden_size: int) -> float:
-    """Parse one decode request and check and decode its tensors as the server does (SwarmService._check_shape's
-    header check, service.decode_step): the Python + torch work between a message's arrival and its forward."""
+    """Parse one decode request and check and decode its tensors as the server does (StepChecks.shape's
+    header check, checks.decode_step): the Python + torch work between a message's arrival and its forward."""
     t0 = time.perf_counter()
     step = pb.InferenceRequest.FromString(raw).step
     codec.header(step.hidden, "hidden", max_elements=1 << 25)

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from swarmlm.errors import InvalidRequest
+from swarmlm.errors import CapacityExceeded, InvalidRequest
 from swarmlm.server.kv_cache import SpanCache
 from swarmlm.types import BlockRange
+from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire.prefix_keys import KEY_BYTES, RUN_TOKENS, scope_digest, tag_of
 
 MAX_KEYS = 4096  # 64k tokens: more than any session holds
@@ -161,3 +162,52 @@ class PrefixCache:
                 if len(out) >= MAX_TAGS:
                     return out
         return out
+
+
+# ---- a session's side: the service's open / save / Info call these -----------------------------------------------
+def start_from_prefix(prefixes: PrefixCache, sessions, session, keys: tuple[bytes, ...]) -> None:
+    """Begin the session with the longest cached prefix among `keys` of its scope, leaving room for one token at
+    least. Its cache is reserved now (it holds memory from the open on); no room: it starts empty. `sessions`: the
+    server's SessionTable."""
+    found = prefixes.lookup(session.prefix_digest, session.state.blocks, keys)
+    if found is None:
+        return
+    entry, runs = found
+    runs = min(runs, (session.max_length - 1) // RUN_TOKENS)
+    if runs < 1:
+        return
+    try:
+        sessions.reserve(session)
+    except CapacityExceeded:
+        return
+    # the reservation may have evicted the entry; then it is gone: start empty (and keep the reservation)
+    if not any(e is entry for e in prefixes.entries.values()):
+        return
+    session.state.cache, session.state.mask = prefixes.restore(entry, runs, session.max_length)
+
+
+def save_prefix(prefixes: PrefixCache | None, sessions, session, save) -> None:
+    """Keep the first len(save.keys) runs the session holds as an entry of its scope (InvalidRequest: refused,
+    nothing changes; no room: not kept). `save`: the wire's PrefixSave."""
+    keys = check_keys(save.keys, "save")
+    state = session.state
+    if prefixes is None:
+        raise InvalidRequest("this server keeps no prefix cache (--prefix-cache-mb 0)")
+    if session.prefix_digest is None:
+        raise InvalidRequest("save: the session's open named no prefix_scope")
+    tokens = len(keys) * RUN_TOKENS
+    if state.rows != 1 or tokens > state.position:
+        raise InvalidRequest(f"save: {len(keys)} runs of {RUN_TOKENS} tokens, but the session holds "
+                             f"{state.rows} rows x {state.position} tokens (a prefix is one row)")
+    if not bool(state.mask[:, :tokens].all()):
+        raise InvalidRequest("save: the prefix holds padding")
+    prefixes.save(session.prefix_digest, state.blocks, keys, state.cache, sessions.free_bytes)
+
+
+def info(prefixes: PrefixCache | None) -> pb.PrefixCacheInfo | None:
+    """What the server's Info says of its prefix cache (None: it keeps none)."""
+    if prefixes is None:
+        return None
+    return pb.PrefixCacheInfo(limit_bytes=prefixes.limit_bytes, bytes=prefixes.bytes, entries=len(prefixes.entries),
+                              hits=prefixes.stats.hits, hit_tokens=prefixes.stats.hit_tokens,
+                              evictions=prefixes.stats.evictions, tags=prefixes.tags())

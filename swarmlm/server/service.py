@@ -11,7 +11,6 @@ import asyncio
 import ctypes
 import gc
 import logging
-import math
 import time
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ from swarmlm.config import ServerConfig
 from swarmlm.errors import CapacityExceeded, InvalidRequest, UnknownSession
 from swarmlm.model.fingerprint import range_fingerprint
 from swarmlm.server import prefix_cache
+from swarmlm.server.checks import StepChecks, check_cache_op, decode_step, payload_bytes, peer_host
 from swarmlm.server.prefix_cache import PrefixCache
 from swarmlm.server.push import Pusher, StepOrder, TargetCheck, check_targets
 from swarmlm.server.scheduler import JobTiming, Scheduler
@@ -31,7 +31,7 @@ from swarmlm.server.stage import SpanState, Stage
 from swarmlm.server.train_service import TrainingRpcs
 from swarmlm.swarm.identity import Identity, sign_info
 from swarmlm.swarm.private import client_interceptors
-from swarmlm.types import BlockRange, CacheOp
+from swarmlm.types import CacheOp
 from swarmlm.wire import cache_op, codec, compress
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
@@ -44,8 +44,6 @@ _END = object()  # the client half-closed its stream
 _BROKEN = object()  # the client's stream broke
 _EXPIRED = object()  # the expiry loop closed the session
 UNPARSABLE = object()  # what a message that does not parse becomes (see add_to_server)
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-MASK_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.bool)
 
 
 @dataclass
@@ -59,52 +57,6 @@ class ServerStats:
     prefill_b_s: float = 0.0
     decode_4rows_s_per_block: float = 0.0  # one decode forward of 4 / 16 rows: compute contention (perf/model.py)
     decode_16rows_s_per_block: float = 0.0
-
-
-def peer_host(context) -> str:
-    """The remote host of a call ("ipv4:1.2.3.4:5678" -> "1.2.3.4"): quotas count per host, not per connection."""
-    peer = context.peer() or "unknown"
-    kind, _, rest = peer.partition(":")
-    if kind in ("ipv4", "ipv6"):
-        return rest.rsplit(":", 1)[0].strip("[]")
-    return peer
-
-
-def _payload_bytes(step: pb.InferenceStep) -> int:
-    """The bytes a step's tensors declare (from their headers: nothing is copied); 0 if a header is invalid."""
-    total = 0
-    for msg in (step.hidden, step.attention_mask):
-        try:
-            _, shape = codec.header(msg) if codec.is_set(msg) else (None, ())
-        except InvalidRequest:
-            continue
-        total += math.prod(shape) * codec.WIRE_DTYPES.get(msg.dtype, (None, 1))[1] if shape else 0  # packed: ~1
-    return total
-
-
-def check_cache_op(op: CacheOp | None, position: int, rows: int, reserved_rows: int) -> tuple[int, int | None]:
-    """Tokens a session keeps after `op` and the rows its step must have (None: any up to the reserved batch)."""
-    if op is None:
-        return position, (rows if position else None)
-    return op.check(position, rows, reserved_rows)
-
-
-def decode_step(hidden_msg: pb.Tensor, mask_msg: pb.Tensor, b: int, t: int,
-                hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tensors of a request whose header passed `SwarmService._check_shape`: hidden [b, t, hidden_size] (finite)
-    and its mask [b, t] (0 or 1; all ones when not sent)."""
-    if codec.is_set(mask_msg):  # the mask's header too, before anything is decoded
-        mask_dtype, mask_shape = codec.header(mask_msg, "attention_mask", max_elements=b * t)
-        if mask_dtype not in MASK_DTYPES or mask_shape != (b, t):
-            raise InvalidRequest(
-                f"attention_mask: expected an integer [{b}, {t}] tensor, got {mask_dtype} {list(mask_shape)}")
-    hidden = codec.decode(hidden_msg, "hidden", max_elements=b * t * hidden_size, finite=True)
-    if not codec.is_set(mask_msg) or codec.all_ones(mask_msg):  # (no padding: the usual case, checked cheaply)
-        return hidden, torch.ones(b, t, dtype=torch.long)
-    mask = codec.decode(mask_msg, "attention_mask", max_elements=b * t).to(torch.long)
-    if ((mask != 0) & (mask != 1)).any():
-        raise InvalidRequest("attention_mask: values must be 0 or 1")
-    return hidden, mask
 
 
 class _Trimmer:
@@ -156,7 +108,7 @@ def add_to_server(service: "SwarmService", server) -> None:
 class SwarmService(pb_grpc.SwarmServicer):
     def __init__(self, config: ServerConfig, stage: Stage, scheduler: Scheduler, stats: ServerStats) -> None:
         self.config = config
-        self.stage = stage
+        self.stage = stage  # (and self.checks: what a step may be here)
         self.scheduler = scheduler
         self.stats = stats
         self.prefixes = PrefixCache(min(config.prefix_cache_bytes, config.cache_bytes)) \
@@ -177,42 +129,21 @@ class SwarmService(pb_grpc.SwarmServicer):
         self.num_model_blocks = int(stage.config.num_hidden_layers)
         self._trim = _Trimmer()
         # Forward with prompts / LoRA, and Backward (server/train_service.py)
-        self.training = TrainingRpcs(self, peer_host, decode_step)
+        self.training = TrainingRpcs(self)
+
+    @property
+    def stage(self) -> Stage:
+        return self._stage
+
+    @stage.setter
+    def stage(self, stage: Stage) -> None:
+        """The blocks served (replaced when the server moves): a step's checks follow them."""
+        self._stage = stage
+        self.checks = StepChecks(self.config, stage.blocks, stage.hidden_size)
 
     # ---- validation -------------------------------------------------------------------------------------
-    def _check_range(self, start: int, end: int) -> BlockRange:
-        if not (self.stage.blocks.start <= start < end <= self.stage.blocks.end):
-            raise InvalidRequest(f"blocks [{start}, {end}) are not inside this server's {self.stage.blocks}")
-        return BlockRange(start, end)
-
-    def _check_shape(self, msg: pb.Tensor, batch: int | None, past: int, max_length: int) -> tuple[int, int]:
-        """Rows and new tokens of a request's hidden states, from the header alone; every size and cost limit."""
-        cfg = self.config
-        dtype, shape = codec.header(msg, "hidden", max_elements=cfg.max_message_bytes // 2)
-        if dtype not in FLOAT_DTYPES:
-            raise InvalidRequest(f"hidden: dtype {dtype} is not a float type")
-        if len(shape) != 3:
-            raise InvalidRequest(f"hidden: expected shape [batch, tokens, {self.stage.hidden_size}], got {list(shape)}")
-        b, t, h = shape
-        if h != self.stage.hidden_size:
-            raise InvalidRequest(f"hidden: hidden size {h} does not match the model's {self.stage.hidden_size}")
-        if t < 1 or b < 1:
-            raise InvalidRequest(f"hidden: empty shape {list(shape)}")
-        if batch is not None and b != batch:
-            raise InvalidRequest(f"hidden: batch {b} does not match the session's batch {batch}")
-        if b > cfg.max_batch:
-            raise InvalidRequest(f"hidden: batch {b} exceeds the limit of {cfg.max_batch}")
-        if past + t > max_length:
-            raise InvalidRequest(f"step of {t} tokens would exceed the max_length {max_length} (it holds {past})")
-        if b * t > cfg.max_request_tokens:
-            raise InvalidRequest(f"hidden: {b} x {t} tokens exceed the limit of {cfg.max_request_tokens}")
-        if b * t * (past + t) > cfg.max_attention_cost:
-            raise InvalidRequest(
-                f"hidden: attention cost {b} x {t} x {past + t} exceeds the limit of {cfg.max_attention_cost}")
-        return b, t
-
     def _open(self, msg: pb.OpenSession, owner: str) -> Session:
-        blocks = self._check_range(msg.start_block, msg.end_block)
+        blocks = self.checks.range(msg.start_block, msg.end_block)
         if not 1 <= msg.batch_size <= self.config.max_batch:
             raise InvalidRequest(f"batch_size must be in [1, {self.config.max_batch}], got {msg.batch_size}")
         if not 1 <= msg.max_length <= self.config.max_length_tokens:
@@ -230,44 +161,9 @@ class SwarmService(pb_grpc.SwarmServicer):
         session = self.sessions.open(owner, state, msg.batch_size, msg.max_length, nbytes)
         session.prefix_digest = digest
         if keys and self.prefixes is not None:
-            self._start_from_prefix(session, keys)
+            prefix_cache.start_from_prefix(self.prefixes, self.sessions, session, keys)
         return session
 
-    def _start_from_prefix(self, session: Session, keys: tuple[bytes, ...]) -> None:
-        """Begin the session with the longest cached prefix among `keys` of its scope, leaving room for one token at
-        least. Its cache is reserved now (it holds memory from the open on); no room: it starts empty."""
-        found = self.prefixes.lookup(session.prefix_digest, session.state.blocks, keys)
-        if found is None:
-            return
-        entry, runs = found
-        runs = min(runs, (session.max_length - 1) // prefix_cache.RUN_TOKENS)
-        if runs < 1:
-            return
-        try:
-            self.sessions.reserve(session)
-        except CapacityExceeded:
-            return
-        # the reservation may have evicted the entry; then it is gone: start empty (and keep the reservation)
-        if not any(e is entry for e in self.prefixes.entries.values()):
-            return
-        session.state.cache, session.state.mask = self.prefixes.restore(entry, runs, session.max_length)
-
-    def _save_prefix(self, session: Session, save: pb.PrefixSave) -> None:
-        """Keep the first len(save.keys) runs the session holds as an entry of its scope (InvalidRequest: refused,
-        nothing changes; no room: not kept)."""
-        keys = prefix_cache.check_keys(save.keys, "save")
-        state = session.state
-        if self.prefixes is None:
-            raise InvalidRequest("this server keeps no prefix cache (--prefix-cache-mb 0)")
-        if session.prefix_digest is None:
-            raise InvalidRequest("save: the session's open named no prefix_scope")
-        tokens = len(keys) * prefix_cache.RUN_TOKENS
-        if state.rows != 1 or tokens > state.position:
-            raise InvalidRequest(f"save: {len(keys)} runs of {prefix_cache.RUN_TOKENS} tokens, but the session holds "
-                                 f"{state.rows} rows x {state.position} tokens (a prefix is one row)")
-        if not bool(state.mask[:, :tokens].all()):
-            raise InvalidRequest("save: the prefix holds padding")
-        self.prefixes.save(session.prefix_digest, state.blocks, keys, state.cache, self.sessions.free_bytes)
     def _serves(self, info: pb.InfoReply, block: int) -> bool:
         """Does a push target's Info describe a server of this model serving `block`? (no-DHT mode)"""
         return (info.model == self.stats.model and info.num_blocks == self.num_model_blocks
@@ -318,7 +214,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             self.inboxes[sid] = inbox
             if first.WhichOneof("kind") == "step":
                 order = StepOrder(last_id=max(first.step.step_id - 1, 0))
-                await self._charge(charges, first, peer, _payload_bytes(first.step))
+                await self._charge(charges, first, peer, payload_bytes(first.step))
                 inbox.put_nowait(first)
             else:
                 order = StepOrder()
@@ -341,7 +237,7 @@ class SwarmService(pb_grpc.SwarmServicer):
                                         f"open, or idle for {self.config.session_idle_timeout_s} s")
                 if request.WhichOneof("kind") == "save":  # no reply unless refused
                     try:
-                        self._save_prefix(session, request.save)
+                        prefix_cache.save_prefix(self.prefixes, self.sessions, session, request.save)
                     except InvalidRequest as exc:
                         yield self._refused(session, 0, exc)
                     continue
@@ -368,18 +264,23 @@ class SwarmService(pb_grpc.SwarmServicer):
                 f"no message for {self.config.session_idle_timeout_s} s: session closed",
             )
         finally:
-            if reader is not None:
-                reader.cancel()
-            for request, owner, nbytes in charges.values():
-                self.load.release(owner, nbytes)
-            charges.clear()
-            if session is not None:
-                self.attached.discard(session.session_id)
-                self.inboxes.pop(session.session_id, None)
-                if clean_end or ended.is_set():
-                    self.sessions.close(session.session_id)
-                else:  # broken: closed after the resume grace unless its owner resumes it
-                    self.sessions.detach(session.session_id)
+            self._end_stream(session, reader, charges, clean_end or ended.is_set())
+
+    def _end_stream(self, session: Session | None, reader: asyncio.Task | None, charges: dict, clean: bool) -> None:
+        """A stream ended: its reader stops, its bytes in flight are released, and its session closes (a clean end)
+        or waits for its owner to resume it (a broken stream: closed after the resume grace)."""
+        if reader is not None:
+            reader.cancel()
+        for request, owner, nbytes in charges.values():
+            self.load.release(owner, nbytes)
+        charges.clear()
+        if session is not None:
+            self.attached.discard(session.session_id)
+            self.inboxes.pop(session.session_id, None)
+            if clean:
+                self.sessions.close(session.session_id)
+            else:
+                self.sessions.detach(session.session_id)
 
     async def _charge(self, charges: dict, request: pb.InferenceRequest, peer: str, nbytes: int) -> None:
         await self.load.add(peer, nbytes)
@@ -397,7 +298,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         try:
             async for request in request_iterator:
                 if request is not UNPARSABLE and request.WhichOneof("kind") == "step":
-                    await self._charge(charges, request, peer, _payload_bytes(request.step))
+                    await self._charge(charges, request, peer, payload_bytes(request.step))
                 await inbox.put(request)
         except Exception:  # a broken stream: the session waits for a resume, for the grace only
             await inbox.put(_BROKEN)
@@ -422,7 +323,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         if request.step.step_id == 0:
             return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "a pushed step needs a nonzero step id",
                               pb.PushReply())
-        peer, nbytes = peer_host(context), _payload_bytes(request.step)
+        peer, nbytes = peer_host(context), payload_bytes(request.step)
         if not self.load.try_add(peer, nbytes):
             return self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"peer {peer} has {self.config.max_peer_bytes_in_flight} bytes in flight here",
@@ -488,7 +389,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             step = request.step
             op = cache_op.from_wire(step, self.config.max_batch)
             past, rows = check_cache_op(op, session.state.position, session.state.rows, session.batch)
-            b, t = self._check_shape(step.hidden, rows, past, session.max_length)
+            b, t = self.checks.shape(step.hidden, rows, past, session.max_length)
             if b > session.batch:
                 raise InvalidRequest(f"hidden: {b} rows exceed the batch of {session.batch} reserved at open")
             nbytes = b * t * self.stage.hidden_size
@@ -580,8 +481,8 @@ class SwarmService(pb_grpc.SwarmServicer):
         started = time.perf_counter()
         peer, error, nbytes = peer_host(context), None, 0
         try:
-            blocks = self._check_range(request.start_block, request.end_block)
-            b, t = self._check_shape(request.hidden, None, 0, self.config.max_length_tokens)
+            blocks = self.checks.range(request.start_block, request.end_block)
+            b, t = self.checks.shape(request.hidden, None, 0, self.config.max_length_tokens)
             nbytes = b * t * self.stage.hidden_size
         except InvalidRequest as exc:
             error = str(exc)
@@ -652,15 +553,8 @@ class SwarmService(pb_grpc.SwarmServicer):
             fingerprint=range_fingerprint(self.config.model_dir, self.stage.blocks.start, self.stage.blocks.end),
             quant=self.stage.quant, weight_bytes=self.stage.weight_bytes,  # int8 weights: announced, and their size
             adapters=sorted(self.stage.lora_adapters),
-            prefix_cache=self._prefix_info(), tokens_computed=self.tokens_computed,
+            prefix_cache=prefix_cache.info(self.prefixes), tokens_computed=self.tokens_computed,
         )
-
-    def _prefix_info(self) -> pb.PrefixCacheInfo | None:
-        p = self.prefixes
-        if p is None:
-            return None
-        return pb.PrefixCacheInfo(limit_bytes=p.limit_bytes, bytes=p.bytes, entries=len(p.entries), hits=p.stats.hits,
-                                  hit_tokens=p.stats.hit_tokens, evictions=p.stats.evictions, tags=p.tags())
 
     async def expire_loop(self, period_s: float = 0.5) -> None:
         cfg = self.config

@@ -17,6 +17,7 @@ import torch
 
 from swarmlm.errors import CapacityExceeded, InvalidRequest
 from swarmlm.server import training
+from swarmlm.server.checks import decode_step, peer_host
 from swarmlm.server.scheduler import Batchable, JobTiming
 from swarmlm.server.lora import LoraDelta
 from swarmlm.server.training import TrainRequest
@@ -58,20 +59,21 @@ def _message_bytes(request) -> int:
 class TrainingRpcs:
     """Forward-with-extras and Backward for one SwarmService (its config, stage, scheduler and per-host limits)."""
 
-    def __init__(self, service: "SwarmService", peer_host, decode_step) -> None:
+    def __init__(self, service: "SwarmService") -> None:
         self.service = service
-        self.peer_host = peer_host  # context -> the calling host (service.py): per-host limits
-        self.decode_step = decode_step  # hidden + mask from their header-checked messages (service.py)
         self.config = service.config
-        self.stage = service.stage
+
+    @property
+    def stage(self):
+        return self.service.stage  # (the server replaces it when it moves to other blocks)
 
     # ---- validation --------------------------------------------------------------------------------------
     def parse(self, request, with_grad: bool) -> tuple[TrainRequest, torch.Tensor | None]:
         """A TrainRequest (and the output gradient) from a Forward or Backward request, or InvalidRequest /
         CapacityExceeded naming what is wrong. Headers and sizes first, then the data."""
         svc, h = self.service, self.stage.hidden_size
-        blocks = svc._check_range(request.start_block, request.end_block)
-        b, t = svc._check_shape(request.hidden, None, 0, self.config.max_length_tokens)
+        blocks = svc.checks.range(request.start_block, request.end_block)
+        b, t = svc.checks.shape(request.hidden, None, 0, self.config.max_length_tokens)
         need = training.backward_bytes(self.stage, blocks.length, b, t)
         if need > self.config.max_train_request_bytes:
             raise CapacityExceeded(
@@ -87,7 +89,7 @@ class TrainingRpcs:
                 raise InvalidRequest(f"prompts: expected [{blocks.length}, {b}, K <= {t}, {h}], got {list(shape)}")
             _float_header(request.prompts, "prompts", (blocks.length, b, k, h))
         lora = self._lora_headers(request.lora, blocks)
-        hidden, mask = self.decode_step(request.hidden, request.attention_mask, b, t, h)
+        hidden, mask = decode_step(request.hidden, request.attention_mask, b, t, h)
         prompts = codec.decode(request.prompts, "prompts", finite=True).float() if k else None
         deltas = tuple(
             LoraDelta(w.block, w.module, codec.decode(w.a, "lora.a", finite=True).float(),
@@ -218,7 +220,7 @@ class TrainingRpcs:
     async def _admitted(self, request, context, empty, with_grad: bool):
         """(request, grad, peer, bytes charged) once validated and admitted under the host's bytes in flight, or
         the refusal to return (`empty` with a status set)."""
-        svc, peer = self.service, self.peer_host(context)
+        svc, peer = self.service, peer_host(context)
         nbytes = _message_bytes(request)
         if not svc.load.try_add(peer, nbytes):
             svc._refused_large(nbytes)
