@@ -113,6 +113,27 @@ def test_kept_graphs_and_recomputation_give_the_same_gradients(tiny_llama):
     assert gl1.keys() == gl2.keys() and all(torch.allclose(gl1[k], gl2[k], atol=1e-6) for k in gl1)
 
 
+
+def test_a_moved_server_checks_and_trains_its_new_blocks(tiny_llama):
+    """A server that moves to other blocks replaces its stage: the step checks and the training RPCs follow it (the
+    training RPCs once kept the stage they started with)."""
+    from swarmlm.config import ServerConfig
+    from swarmlm.errors import InvalidRequest
+    from swarmlm.server.scheduler import Scheduler
+    from swarmlm.server.service import ServerStats, SwarmService
+
+    config = ServerConfig(model_dir=tiny_llama, blocks=BlockRange(0, 3))
+    service = SwarmService(config, Stage(tiny_llama, BlockRange(0, 3)), Scheduler(1), ServerStats())
+    try:
+        assert service.checks.range(0, 3) == BlockRange(0, 3)
+        moved = Stage(tiny_llama, BlockRange(3, 6))
+        service.stage = moved  # as Server._move does
+        assert service.checks.range(3, 6) == BlockRange(3, 6) and service.training.stage is moved
+        with pytest.raises(InvalidRequest, match="not inside"):
+            service.checks.range(0, 3)
+    finally:
+        service.scheduler.stop()
+
 def test_row_chunks_and_adapter_names_in_records():
     from swarmlm.client.training_forward import row_chunks
     from swarmlm.server.adapters import adapter_name
