@@ -47,12 +47,18 @@ from swarmlm.types import BlockRange, Span
 MODES = ("shortest", "waiting-aware")
 
 
+def prompt_ids(client: DistributedModelForCausalLM, tokens: int, seed: int) -> torch.Tensor:
+    """A random prompt [1, tokens] of ids the model's vocabulary holds (tiny presets have 512)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(5, min(1000, client.config.vocab_size), (1, tokens), generator=generator)
+
+
 def background(model_dir: str, address: str, sessions: int, stop: threading.Event) -> list[threading.Thread]:
     """`sessions` generations in a loop on one server until `stop` (a client that can only reach it)."""
     client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=[address])
 
     def loop(seed: int) -> None:
-        ids = torch.randint(5, 1000, (1, 16), generator=torch.Generator().manual_seed(seed))
+        ids = prompt_ids(client, 16, seed)
         while not stop.is_set():
             client.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
 
@@ -94,7 +100,7 @@ def one_round(model_dir: str, clients: list[DistributedModelForCausalLM], views:
     results: list[dict] = [{} for _ in clients]
 
     def run(i: int, client: DistributedModelForCausalLM) -> None:
-        ids = torch.randint(5, 1000, (1, l_in), generator=torch.Generator().manual_seed(100 + i))
+        ids = prompt_ids(client, l_in, 100 + i)
         t0 = time.perf_counter()
         out = client.generate(ids, max_new_tokens=l_out, min_new_tokens=l_out, do_sample=False)
         e2e = time.perf_counter() - t0
@@ -177,6 +183,56 @@ def median_of(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
+def add_results(report: dict, real: dict, ready: dict, client_rtts: dict, num_blocks: int, names: dict, args) -> None:
+    """The measured rounds' medians, the simulator's prediction from the servers' profiles and the clients' RTTs,
+    and the calibrated prediction (plus what the model leaves out per token), per routing mode."""
+    for mode in MODES:
+        rounds = [summary(rows, names) for rows in real[mode]]
+        report["real"][mode] = {
+            "mean_per_token_ms": statistics.median(x["mean_per_token_ms"] for x in rounds),
+            "share": {label: statistics.median(x["share"][label] for x in rounds) for label in names.values()},
+            "per_token_ms_by_replica": {label: median_of([x["per_token_ms_by_replica"][label] for x in rounds])
+                                        for label in names.values()},
+            "server_step_ms_by_replica": {label: median_of([x["server_step_ms_by_replica"][label] for x in rounds])
+                                          for label in names.values()},
+            "rounds": rounds,
+        }
+        sim = simulate(ready, client_rtts[mode], num_blocks, args.gap, args.input, args.output, args.background, mode)
+        report["simulated"][mode] = summary(sim, names)
+    # what the model leaves out: per token, everything but the servers' side of a step (the client's compute and
+    # Python, gRPC, the host's other work), median over every client of both modes. Added to each link's RTT, the
+    # simulator then models only the servers (profiles with f(b)) and the routers: the "calibrated" prediction
+    rows = [row for mode in MODES for rnd in real[mode] for row in rnd]
+    outside_s = statistics.median(r["per_token_s"] - r["server_step_s"] for r in rows)
+    report["outside_servers_ms_per_token"] = 1e3 * outside_s
+    report["client_compute_ms_per_token"] = 1e3 * statistics.median(r["client_compute_per_token_s"] for r in rows)
+    report["calibrated"] = {}
+    for mode in MODES:
+        sim = simulate(ready, client_rtts[mode], num_blocks, args.gap, args.input, args.output, args.background, mode,
+                       extra_s=outside_s)
+        report["calibrated"][mode] = summary(sim, names)
+
+
+def print_table(report: dict, names: dict, loads: list, args) -> None:
+    print(f"{args.preset}: A = {args.background} background sessions, B idle (1 thread each"
+          f"{', pinned to CPU 0 / 1' if args.pin else ', same 2 cores'}); "
+          f"{args.clients} clients {args.gap} s apart, {args.input} in / {args.output} out; medians of "
+          f"{args.rounds} rounds")
+    print("| routing | run | ms/token | share A / B | ms/token on A / B | server part of a step on A / B (ms) |")
+    print("|---|---|---|---|---|---|")
+    ms = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    la, lb = names.values()
+    for mode in MODES:
+        for kind in ("real", "simulated", "calibrated"):
+            x = report[kind][mode]
+            pb_, sb_ = x["per_token_ms_by_replica"], x["server_step_ms_by_replica"]
+            print(f"| {mode} | {kind} | {x['mean_per_token_ms']:.1f} | {x['share'][la]:.0%} / {x['share'][lb]:.0%} | "
+                  f"{ms(pb_[la])} / {ms(pb_[lb])} | {ms(sb_[la])} / {ms(sb_[lb])} |")
+    print(f"outside the servers per token (median): {report['outside_servers_ms_per_token']:.1f} ms, of which the "
+          f"client's compute {report['client_compute_ms_per_token']:.1f} ms")
+    print("load average (1 min) over the run:", " ".join(f"{x[0]:.1f}" for x in loads))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small-bloom")
@@ -234,48 +290,8 @@ def main() -> None:
         ready = {s.server_id: s.ready for s in (a, b)}
     report: dict = {"args": vars(args), "profiles": ready, "rtt_s": rtt, "client_rtt_s": client_rtts,
                     "load_average": loads, "real": {}, "simulated": {}}
-    for mode in MODES:
-        rounds = [summary(rows, names) for rows in real[mode]]
-        report["real"][mode] = {
-            "mean_per_token_ms": statistics.median(x["mean_per_token_ms"] for x in rounds),
-            "share": {label: statistics.median(x["share"][label] for x in rounds) for label in names.values()},
-            "per_token_ms_by_replica": {label: median_of([x["per_token_ms_by_replica"][label] for x in rounds])
-                                        for label in names.values()},
-            "server_step_ms_by_replica": {label: median_of([x["server_step_ms_by_replica"][label] for x in rounds])
-                                          for label in names.values()},
-            "rounds": rounds,
-        }
-        sim = simulate(ready, client_rtts[mode], num_blocks, args.gap, args.input, args.output, args.background, mode)
-        report["simulated"][mode] = summary(sim, names)
-    # what the model leaves out: per token, everything but the servers' side of a step (the client's compute and
-    # Python, gRPC, the host's other work), median over every client of both modes. Added to each link's RTT, the
-    # simulator then models only the servers (profiles with f(b)) and the routers: the "calibrated" prediction
-    rows = [row for mode in MODES for rnd in real[mode] for row in rnd]
-    outside_s = statistics.median(r["per_token_s"] - r["server_step_s"] for r in rows)
-    report["outside_servers_ms_per_token"] = 1e3 * outside_s
-    report["client_compute_ms_per_token"] = 1e3 * statistics.median(r["client_compute_per_token_s"] for r in rows)
-    report["calibrated"] = {}
-    for mode in MODES:
-        sim = simulate(ready, client_rtts[mode], num_blocks, args.gap, args.input, args.output, args.background, mode,
-                       extra_s=outside_s)
-        report["calibrated"][mode] = summary(sim, names)
-    print(f"{args.preset}: A = {args.background} background sessions, B idle (1 thread each"
-          f"{', pinned to CPU 0 / 1' if args.pin else ', same 2 cores'}); "
-          f"{args.clients} clients {args.gap} s apart, {args.input} in / {args.output} out; medians of "
-          f"{args.rounds} rounds")
-    print("| routing | run | ms/token | share A / B | ms/token on A / B | server part of a step on A / B (ms) |")
-    print("|---|---|---|---|---|---|")
-    ms = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-    la, lb = names.values()
-    for mode in MODES:
-        for kind in ("real", "simulated", "calibrated"):
-            x = report[kind][mode]
-            pb_, sb_ = x["per_token_ms_by_replica"], x["server_step_ms_by_replica"]
-            print(f"| {mode} | {kind} | {x['mean_per_token_ms']:.1f} | {x['share'][la]:.0%} / {x['share'][lb]:.0%} | "
-                  f"{ms(pb_[la])} / {ms(pb_[lb])} | {ms(sb_[la])} / {ms(sb_[lb])} |")
-    print(f"outside the servers per token (median): {report['outside_servers_ms_per_token']:.1f} ms, of which the "
-          f"client's compute {report['client_compute_ms_per_token']:.1f} ms")
-    print("load average (1 min) over the run:", " ".join(f"{x[0]:.1f}" for x in loads))
+    add_results(report, real, ready, client_rtts, num_blocks, names, args)
+    print_table(report, names, loads, args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"machine": machine_info(), **report}, indent=2))
 
