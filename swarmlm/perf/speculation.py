@@ -120,3 +120,51 @@ class AcceptanceByMatch:
         if key not in self.estimates:
             self.estimates[key] = AcceptanceEstimate()
         return self.estimates[key]
+
+
+@dataclass
+class MeasuredPassCost:
+    """The performance model's price of a pass, corrected by the session's own passes.
+
+    The model prices a pass of n tokens as the route's round trips plus compute whose every further position costs
+    the prompt's marginal per-token cost. Measured, a pass of 2 tokens costs more than that over 1 token, and
+    further positions about what the model says (SmolLM2, one process: 61 ms for 1 token, 98 for 2, 90 for 4, 113
+    for 7; docs/RESULTS-speculation.md): going wide has a fixed price of its own (a server's step leaves the
+    decode path, the client's head runs over several positions). Priced without it, a 1-token draft accepted ~15 %
+    of the time looks like a small gain where it is about even. So:
+
+        price(n) = scale * model(n) + wide_s * [n > 1]
+
+    `scale`: measured / predicted seconds of the session's one-token passes (the route as it runs: load, the
+    client's own work); `wide_s`: what a pass of n > 1 tokens took beyond scale * model(n), never below 0. Both are
+    decayed running means, starting at 1 and 0 (the model as it is).
+    """
+
+    decay: float = 0.8  # per observation: ~5 passes of memory
+    scale: float = 1.0
+    wide_s: float = 0.0
+    plain_passes: int = 0
+    wide_passes: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.decay < 1.0:
+            raise ValueError(f"decay must be in (0, 1), got {self.decay}")
+
+    def observe(self, tokens: int, predicted_s: float, measured_s: float) -> None:
+        """One pass of `tokens` tokens: the model's price of it (uncorrected) and its measured wall time."""
+        if tokens < 1 or not predicted_s > 0 or measured_s < 0:
+            raise ValueError(f"need tokens >= 1, predicted_s > 0 and measured_s >= 0, got {tokens}, {predicted_s}, "
+                             f"{measured_s}")
+        if tokens == 1:
+            self.scale = self._mean(self.scale, measured_s / predicted_s, self.plain_passes)
+            self.plain_passes += 1
+        else:
+            self.wide_s = self._mean(self.wide_s, max(0.0, measured_s - self.scale * predicted_s), self.wide_passes)
+            self.wide_passes += 1
+
+    def corrected(self, model: Callable[[int], float]) -> Callable[[int], float]:
+        """tokens -> the corrected price of a pass, from the model's `model(tokens)`."""
+        return lambda tokens: self.scale * model(tokens) + (self.wide_s if tokens > 1 else 0.0)
+
+    def _mean(self, mean: float, value: float, seen: int) -> float:
+        return value if not seen else self.decay * mean + (1 - self.decay) * value
