@@ -13,7 +13,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.client.remote_cache import RemoteCache
-from swarmlm.client.spec_rows import Row, common_cut, is_left_padded, padded_step, real_tokens
+from swarmlm.client.spec_rows import Row, common_cut, draft_limit, is_left_padded, padded_step, real_tokens
 from swarmlm.client.speculative import SpeculationStats, SpeculativeDecoder
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
@@ -58,6 +58,21 @@ def test_the_cut_is_the_fewest_kept_and_the_rest_is_owed():
         common_cut([0, 3], 6)  # every row keeps at least the token it sent last
     with pytest.raises(ValueError):
         common_cut([7], 6)
+
+
+def test_no_row_owes_more_than_k_max():
+    # rows accepting at random, each drafting what draft_limit allows: the backlog stays bounded
+    gen = torch.Generator().manual_seed(0)
+    k_max, owed = 4, [0, 0, 0]
+    for _ in range(200):
+        heads = [o + 1 for o in owed]
+        drafts = [draft_limit(k_max, h, room=100, free=100) for h in heads]
+        assert all(d >= 0 for d in drafts) and max(h + d for h, d in zip(heads, drafts)) <= k_max + 1
+        kept = [h + int(torch.randint(0, d + 1, (), generator=gen)) for h, d in zip(heads, drafts)]
+        keep = common_cut(kept, max(h + d for h, d in zip(heads, drafts)))
+        owed = [k - keep for k in kept]
+        assert max(owed) <= k_max
+    assert draft_limit(4, 1, room=3, free=100) == 2 and draft_limit(4, 1, room=100, free=3) == 2
 
 
 def test_prompts_padded_on_the_left_only():
@@ -126,6 +141,17 @@ def test_left_padded_prompts_speculate(swarm):
     assert client.last_stats.speculation["drafted"] > 0
     for prompt, row in zip(prompts, out.tolist()):
         assert_greedy_up_to_ties(path, prompt, row[width:])
+
+
+@pytest.mark.slow
+def test_a_batch_drafts_with_a_draft_model(swarm):
+    _, client, path, _ = swarm
+    out = client.generate(torch.tensor(PROMPTS), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                          speculative=3, draft_model=reference_model(path))  # each row its own draft cache
+    spec = client.last_stats.speculation
+    assert spec["drafted"] > 0 and list(spec["by_kind"]) == ["0"]  # the draft model's kind
+    for prompt, row in zip(PROMPTS, out.tolist()):
+        assert_greedy_up_to_ties(path, prompt, row[len(prompt):])
 
 
 @pytest.mark.slow

@@ -261,7 +261,9 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         transformers); `stats`, a GenerationStats filled in place (also kept as `model.last_stats`);
         `speculative`: "auto" (draft length per pass from the measured acceptance and route cost), a fixed draft
         length, or "off" (client/speculative.py), drafting by prompt lookup or with `draft_model` (a small local
-        transformers model of the same tokenizer). Options speculation does not cover run plainly."""
+        transformers model of the same tokenizer; a batch's rows each keep their own draft cache). A batch speculates
+        row by row (prompts left-padded or not; sampled num_return_sequences share one prefill); options speculation
+        does not cover run plainly."""
         checked, _ = self._prepare_generation_config(generation_config, **kwargs)
         ids = inputs if inputs is not None else kwargs.get("input_ids")
         if parse_mode(speculative) != 0 and ids is not None and self._can_speculate(checked, ids, kwargs):

@@ -5,7 +5,9 @@ accept different numbers of drafts. So a pass sends row r its `head` (the tokens
 its drafts, right-padded to the widest row (`padded_step`); row r then keeps kept_r = len(head_r) + accepted_r
 positions of the step, and the servers keep the fewest of them in every row (`common_cut`). The kept region holds
 real tokens only (every row's real tokens come first in its step), and row r's kept_r - min kept_r tokens are
-owed: they lead its next step again. Cost: at most k resent tokens per row and pass; nothing in a cache is ever
+owed: they lead its next step again, and count against its drafts (a row sends at most 1 + k_max tokens), so a
+row ahead of the batch's slowest waits for it: it never owes more than k_max tokens, and the backlog of resent
+tokens cannot grow (without that cap a fast row's debt grows by a_r - a_min every pass). Nothing in a cache is ever
 wrong. With one row, kept = the step's accepted part and nothing is owed.
 
     row r     text  = prompt + chosen tokens (the newest not sent yet); sent = how many of them the servers hold
@@ -53,6 +55,12 @@ def padded_step(steps: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Ten
         return ids, None
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in steps], dtype=torch.long)
     return ids, mask
+
+
+def draft_limit(k_max: int, head: int, room: int, free: int) -> int:
+    """Drafts a row may send after its `head` tokens: k_max less what it owes (a step of at most 1 + k_max tokens),
+    none past the `room` new tokens it may still generate, nor past the session's `free` positions."""
+    return min(k_max + 1 - head, room - 1, free - head)
 
 
 def common_cut(kept: Sequence[int], width: int) -> int:

@@ -43,7 +43,7 @@ from transformers.generation.logits_process import (
 )
 
 from swarmlm.client.drafting import DraftModel, PromptLookup
-from swarmlm.client.spec_rows import Row, common_cut, padded_step, real_tokens
+from swarmlm.client.spec_rows import Row, common_cut, draft_limit, padded_step, real_tokens
 from swarmlm.client.verification import verify_greedy, verify_sampling
 from swarmlm.perf.speculation import MAX_DRAFT_TOKENS, choose_draft_length
 
@@ -258,7 +258,8 @@ class SpeculativeDecoder:
         free = self.cache.session.max_length - self.cache.get_seq_length()
         cost = functools.cache(self._pass_cost)  # asked only when a row sizes its drafts by the rule
         heads = [self.rows[r].head for r in self.live]
-        drafted = [self._draft(self.rows[r], min(self.k_max, rooms[r] - 1, free - len(head)), cost)
+        # a row's owed tokens count against its drafts: a row ahead of the batch's slowest waits for it
+        drafted = [self._draft(self.rows[r], draft_limit(self.k_max, len(head), rooms[r], free), cost)
                    for r, head in zip(self.live, heads)]
         steps = [head + drafts for head, (drafts, _, _) in zip(heads, drafted)]
         ids, mask = padded_step(steps)
