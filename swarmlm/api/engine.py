@@ -1,4 +1,5 @@
-"""One request's generation through the swarm: a session per choice, one token per step, OpenAI's sampling.
+"""One request's generation through the swarm: a session per choice (a prompt's n choices share one, api/group.py),
+one token per step or a speculative pass's tokens, OpenAI's sampling.
 
 The swarm calls block (the client's gRPC loop runs on its own thread), so each choice runs its whole token loop on
 a worker thread and hands its events to the request's asyncio queue: many requests proceed at once, each with
