@@ -98,6 +98,15 @@ def test_speculative_n_choices_share_one_session(stack, client, tiny_bloom):
         time.sleep(0.2)
 
 
+def test_speculative_seeded_n_choices_repeat_and_differ(client, tiny_bloom):
+    kwargs = dict(model=tiny_bloom, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=1.5, top_p=0.95, seed=7,
+                  n=3)
+    a, b = (client.completions.create(**kwargs) for _ in range(2))
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1  # choice i samples with seed + i, in its own row
+    assert a.usage.completion_tokens == b.usage.completion_tokens
+
+
 def test_choice_group_speculates(stack, ref, tiny_bloom):
     """A speculating ChoiceGroup: n greedy rows of one prompt's copied cache, each its own drafts; choices leave at
     their own max_tokens; every row is greedy decoding up to ties."""
