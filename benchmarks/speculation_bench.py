@@ -10,7 +10,7 @@ each chat-templated for the model.
     .venv/bin/python benchmarks/speculation_bench.py --model ~/.cache/swarmlm/checkpoints/smollm2-135m-instruct \
         --servers 1,2,4,6 --tokens 48 --rounds 1
 
-With `--batch B` (B > 1): the first B quoting prompts, left-padded, in ONE generate() call (a batched session),
+With `--batch B` (B > 1): the first B prompts of `--batch-set` (default quoting), left-padded, in ONE generate() call (a batched session),
 plain vs push + speculation (each row its own drafts: client/spec_rows.py), alternating per round:
 
     .venv/bin/python benchmarks/speculation_bench.py --model ~/.cache/swarmlm/checkpoints/smollm2-135m-instruct \
@@ -221,7 +221,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--speculative", default="auto")
-    ap.add_argument("--batch", type=int, default=1, help="B > 1: B quoting prompts in one batched generate()")
+    ap.add_argument("--batch", type=int, default=1, help="B > 1: B prompts in one batched generate()")
+    ap.add_argument("--batch-set", default="quoting", choices=["quoting", "open-ended"], help="--batch's prompts")
     ap.add_argument("--out", default="docs/results/speculation")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -236,11 +237,11 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.batch > 1:
-        ids, mask = padded_batch(tokenizer, sets["quoting"][:args.batch])
+        ids, mask = padded_batch(tokenizer, sets[args.batch_set][:args.batch])
         for n in (int(x) for x in args.servers.split(",")):
             run = run_batch_n(args, n, num_blocks, ids, mask)
             results["runs"].append(run)
-            (out / "speculation_batch_bench.json").write_text(json.dumps(results, indent=1))
+            (out / f"speculation_batch_{args.batch_set}_bench.json").write_text(json.dumps(results, indent=1))
             for name, m in run["modes"].items():
                 acc = m["acceptance_rate"]
                 print(f"N={n} batch={run['batch']} {name:9s} {m['tokens_per_s_median']:6.2f} tok/s "
