@@ -10,6 +10,12 @@ each chat-templated for the model.
     .venv/bin/python benchmarks/speculation_bench.py --model ~/.cache/swarmlm/checkpoints/smollm2-135m-instruct \
         --servers 1,2,4,6 --tokens 48 --rounds 1
 
+With `--batch B` (B > 1): the first B prompts of `--batch-set` (default quoting), left-padded, in ONE generate() call (a batched session),
+plain vs push + speculation (each row its own drafts: client/spec_rows.py), alternating per round:
+
+    .venv/bin/python benchmarks/speculation_bench.py --model ~/.cache/swarmlm/checkpoints/smollm2-135m-instruct \
+        --servers 4 --batch 4 --tokens 48 --rounds 3
+
 Generation is greedy and ends at the model's eos (the answer's end) or after --tokens. tokens/s = generated tokens /
 the generate() call's wall time (TTFT included); decode tokens/s = (tokens - 1) / (wall - TTFT); medians over the
 prompts x rounds.
@@ -102,6 +108,74 @@ def run_n(args, n: int, num_blocks: int, prompt_sets: dict[str, list[torch.Tenso
     return {"servers": n, "network_info": swarm.network_info, "sets": rows}
 
 
+BATCH_MODES = ("plain", "push+spec")
+
+
+def padded_batch(tokenizer, prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts [1, T_i] -> ids [B, T] left-padded with the pad token, and their mask (as a tokenizer pads them)."""
+    width = max(p.shape[1] for p in prompts)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - p.shape[1]:], mask[i, width - p.shape[1]:] = p[0], 1
+    return ids, mask
+
+
+def run_batch_n(args, n: int, num_blocks: int, ids: torch.Tensor, mask: torch.Tensor) -> dict:
+    """One generate() call for the whole batch per mode and round, modes alternating."""
+    cfg = BenchConfig(model_dir=args.model, servers=(n,), strategies=(StrategyConfig("sequential"),),
+                      network=args.network, netem_mode=args.netem_mode)
+    with start_swarm(cfg, n, num_blocks) as swarm:
+        clients = {name: DistributedModelForCausalLM.from_pretrained(
+            args.model, initial_peers=swarm.initial_peers, servers=swarm.server_addresses, push=MODES[name][0],
+            routing="shortest", wire_dtype="float32") for name in BATCH_MODES}
+        results = {name: [] for name in BATCH_MODES}
+        eos = set(clients["plain"].eos_token_id)  # generate()'s own (generation_config.json's)
+        try:
+            for client in clients.values():  # warm-up (connections, RTT probes), not recorded
+                client.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=4, do_sample=False)
+            order = list(BATCH_MODES)
+            for r in range(args.rounds):
+                order = order[::-1]
+                for name in order:
+                    client = clients[name]
+                    out = client.generate(ids, attention_mask=mask, max_new_tokens=args.tokens, do_sample=False,
+                                          speculative=MODES[name][1] or args.speculative)
+                    st = client.last_stats
+                    rows = [_until_eos(row[ids.shape[1]:], eos) for row in out.tolist()]
+                    generated = sum(len(row) for row in rows)
+                    results[name].append({
+                        "round": r, "tokens": rows, "generated": generated, "tokens_per_s": generated / st.total_s,
+                        "passes": len(st.steps), "pushed": all(s.pushed for s in st.steps),
+                        "speculation": st.speculation})
+        finally:
+            for client in clients.values():
+                client.close()
+    plain = results["plain"][0]["tokens"]
+    out = {}
+    for name, items in results.items():
+        spec = [x["speculation"] for x in items if x["speculation"]]
+        drafted = sum(s["drafted"] for s in spec)
+        out[name] = {
+            "tokens_per_s_median": statistics.median(x["tokens_per_s"] for x in items),
+            "tokens_per_pass": sum(x["generated"] for x in items) / sum(x["passes"] for x in items),
+            "acceptance_rate": sum(s["accepted"] for s in spec) / drafted if drafted else None,
+            "resent_per_row": [s["resent"] for s in spec[0]["rows"]] if spec else None,
+            "rows_identical_to_plain": sum(a == b for a, b in zip(items[0]["tokens"], plain)),
+            "pushed": all(x["pushed"] for x in items), "runs": items}
+    for name in out:
+        out[name]["vs_plain"] = out[name]["tokens_per_s_median"] / out["plain"]["tokens_per_s_median"]
+    return {"servers": n, "batch": int(ids.shape[0]), "network_info": swarm.network_info, "modes": out}
+
+
+def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[:i + 1]
+    return tokens
+
+
 def summarise(results: dict[str, list[dict]]) -> dict:
     plain = [x["tokens"] for x in results["plain"]]
     out = {}
@@ -147,6 +221,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--speculative", default="auto")
+    ap.add_argument("--batch", type=int, default=1, help="B > 1: B prompts in one batched generate()")
+    ap.add_argument("--batch-set", default="quoting", choices=["quoting", "open-ended"], help="--batch's prompts")
     ap.add_argument("--out", default="docs/results/speculation")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -160,6 +236,19 @@ def main() -> None:
                "load_avg": os.getloadavg(), "runs": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.batch > 1:
+        ids, mask = padded_batch(tokenizer, sets[args.batch_set][:args.batch])
+        for n in (int(x) for x in args.servers.split(",")):
+            run = run_batch_n(args, n, num_blocks, ids, mask)
+            results["runs"].append(run)
+            (out / f"speculation_batch_{args.batch_set}_bench.json").write_text(json.dumps(results, indent=1))
+            for name, m in run["modes"].items():
+                acc = m["acceptance_rate"]
+                print(f"N={n} batch={run['batch']} {name:9s} {m['tokens_per_s_median']:6.2f} tok/s "
+                      f"({m['vs_plain']:.2f}x plain) tokens/pass={m['tokens_per_pass']:.2f} "
+                      f"acceptance={'' if acc is None else f'{acc:.2f}'} resent per row={m['resent_per_row']} "
+                      f"rows identical to plain={m['rows_identical_to_plain']} pushed={m['pushed']}", flush=True)
+        return
     for n in (int(x) for x in args.servers.split(",")):
         results["runs"].append(run_n(args, n, num_blocks, sets))
         (out / "speculation_bench.json").write_text(json.dumps(results, indent=1))

@@ -3,8 +3,8 @@
 - a swarm: `running_swarm` (server processes + a client: tests about processes, a DHT, a crash) or
   `in_process_server` / `in_process_swarm` (the same Server code on a thread of this process: tests about the
   protocol, ready in about a second);
-- the reference it must reproduce: `reference_model`, `reference_generate`, `greedy_reference`, and `greedy_steps` /
-  `assert_steps_match_reference` for sessions stepped by hand;
+- the reference it must reproduce: `reference_model`, `reference_generate`, `greedy_reference`, `greedy_steps` /
+  `assert_steps_match_reference` for sessions stepped by hand, and `assert_greedy_up_to_ties` for batched output;
 - an Inference stream by hand: `RawStream`."""
 from __future__ import annotations
 
@@ -139,6 +139,34 @@ def greedy_reference(model_dir: str, text: str, new_tokens: int):
     ids = AutoTokenizer.from_pretrained(model_dir)(text, return_tensors="pt").input_ids
     out = reference_generate(model_dir, ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     return ids, out[0, ids.shape[1]:].tolist()
+
+
+def assert_greedy_up_to_ties(model_dir: str, prompt: Sequence[int], got: Sequence[int],
+                             want: Sequence[int] | None = None, tolerance: float = 1e-3) -> None:
+    """`got`, a greedy continuation of `prompt` computed in a batch (numerically not bit-identical to one row: other
+    shapes, padding), is plain transformers' greedy one up to ties: the whole sequence through the reference model
+    in one forward, every token of `got` has a logit within `tolerance` (absolute, or relative to its size) of its
+    position's best; and `got` equals `want` (default: the reference's greedy continuation) up to the first
+    position where `want`'s top two logits are that close (from there on a tie may go either way)."""
+    import torch
+
+    ref = reference_model(model_dir)
+    got, prompt = list(got), list(prompt)
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt + got])).logits[0, len(prompt) - 1:-1].float()  # [len(got), V]
+    best = logits.max(dim=-1).values
+    chosen = logits.gather(1, torch.tensor(got)[:, None])[:, 0]
+    bound = tolerance * best.abs().clamp_min(1.0)
+    assert bool((best - chosen <= bound).all()), f"not the argmax: {(best - chosen).tolist()} at {got}"
+    if want is None:
+        want = reference_generate(model_dir, torch.tensor([prompt]), max_new_tokens=len(got),
+                                  min_new_tokens=len(got))[0, len(prompt):].tolist()
+    want = list(want)[:len(got)]
+    with torch.no_grad():
+        top2 = ref(torch.tensor([prompt + want])).logits[0, len(prompt) - 1:-1].float().topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > tolerance * top2[:, 0].abs().clamp_min(1.0)
+    first_tie = int((~clear).nonzero()[0]) if bool((~clear).any()) else len(want)
+    assert got[:first_tie] == want[:first_tie], (got, want, first_tie)
 
 
 def greedy_steps(client, session, ids, steps: int) -> Iterator[tuple]:

@@ -260,8 +260,8 @@ def test_choice_group_copies_the_prompt_and_drops_ended_choices(swarm, reference
     got: dict[int, list[int]] = {i: [] for i in range(len(lengths))}
     try:
         while group.live:
-            for choice, token in group.step().items():
-                got[choice].append(token.id)
+            for choice, tokens in group.step().items():
+                got[choice] += [token.id for token in tokens]  # one token per step (no speculation)
                 if len(got[choice]) == lengths[choice]:
                     group.drop(choice)
     finally:

@@ -1,16 +1,22 @@
 """The gateway with `--speculative`: prompt-lookup drafts verified by the swarm, several tokens per pass. Greedy
 answers, penalties, logprobs, stop strings and streams equal plain transformers (what the gateway gives without
-speculation, tests/test_api.py); seeded sampling repeats; the drafts are both accepted and rolled back."""
+speculation, tests/test_api.py); seeded sampling repeats; the drafts are both accepted and rolled back; n choices
+share one session whose rows speculate."""
 from __future__ import annotations
 
+import time
+
+import httpx2 as httpx  # what openai 3.x is built on
 import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swarmlm.api.engine import ChoiceDecoder, SamplingParams
+from swarmlm.api.group import ChoiceGroup
 from swarmlm.client.model import DistributedModelForCausalLM
-from tests.swarm_helpers import gateway_stack
+from swarmlm.wire import swarm_pb2 as pb
+from tests.swarm_helpers import assert_greedy_up_to_ties, gateway_stack, stub
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
@@ -69,10 +75,68 @@ def test_speculative_greedy_completions_and_streams_equal_transformers(client, r
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want
 
 
-def test_speculative_n_choices_each_speculate_and_equal_transformers(client, ref, tiny_bloom):
-    want, reason = expected_text(ref, PROMPTS[0])
-    got = client.completions.create(model=tiny_bloom, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, n=2)
-    assert [(c.text, c.finish_reason) for c in got.choices] == [(want, reason)] * 2
+def test_speculative_n_choices_share_one_session(stack, client, tiny_bloom):
+    swarm, gateway = stack
+    got = client.completions.create(model=tiny_bloom, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, n=3)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert all(c.finish_reason in ("stop", "length") and c.text for c in got.choices)
+    # their tokens are checked in test_choice_group_speculates (a batch's numerics need a tolerance)
+
+    assert _active_sessions(swarm) == [0, 0]
+    body = {"model": tiny_bloom, "prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0.8, "n": 3,
+            "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{gateway.url}/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            first = next(lines)
+            while not first.startswith("data: "):
+                first = next(lines)
+            assert _active_sessions(swarm) == [1, 1]  # one session per server for the 3 choices, not 3
+    deadline = time.monotonic() + 60
+    while _active_sessions(swarm) != [0, 0]:  # closed when the client went away
+        assert time.monotonic() < deadline, f"sessions left open on the servers: {_active_sessions(swarm)}"
+        time.sleep(0.2)
+
+
+def test_speculative_seeded_n_choices_repeat_and_differ(client, tiny_bloom):
+    kwargs = dict(model=tiny_bloom, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=1.5, top_p=0.95, seed=7,
+                  n=3)
+    a, b = (client.completions.create(**kwargs) for _ in range(2))
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1  # choice i samples with seed + i, in its own row
+    assert a.usage.completion_tokens == b.usage.completion_tokens
+
+
+def test_choice_group_speculates(stack, ref, tiny_bloom):
+    """A speculating ChoiceGroup: n greedy rows of one prompt's copied cache, each its own drafts; choices leave at
+    their own max_tokens; every row is greedy decoding up to ties."""
+    swarm, _ = stack
+    tokenizer, _ = ref
+    ids = tokenizer(PROMPTS[0]).input_ids
+    lengths = [4, 16, 9]
+    client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers)
+    group = ChoiceGroup(client, ids, [ChoiceDecoder(client, ids, SamplingParams(max_tokens=m, temperature=0))
+                                      for m in lengths], speculative=4)
+    got: dict[int, list[int]] = {i: [] for i in range(len(lengths))}
+    try:
+        while group.live:
+            for choice, tokens in group.step().items():
+                got[choice] += [t.id for t in tokens]
+                assert len(got[choice]) <= lengths[choice]  # a pass drafts no further than the choice's room
+                if len(got[choice]) == lengths[choice]:
+                    group.drop(choice)
+        stats = group.speculator.stats
+    finally:
+        group.close()
+        client.close()
+    for choice, m in enumerate(lengths):
+        assert len(got[choice]) == m
+        assert_greedy_up_to_ties(tiny_bloom, ids, got[choice])
+    assert stats.passes < max(lengths) - 1 and 0 < stats.accepted <= stats.drafted
+
+
+def _active_sessions(swarm) -> list[int]:
+    return [stub(s.address).Info(pb.InfoRequest(), timeout=10).active_sessions for s in swarm.servers if s.alive]
 
 
 def test_gateway_config_refuses_a_bad_speculative_mode():

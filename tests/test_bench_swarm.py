@@ -146,3 +146,18 @@ def test_network_profile_changes_measured_rtt_and_bandwidth(tiny_bloom, tmp_path
     assert info["measured_rtt_s"] > 0.038, info  # netem's own echo probe (median), same relay
     for key in ("measured_up_bps", "measured_down_bps"):  # goodput: 20 Mbit/s minus headers, never above
         assert 0.25 * 20e6 < info[key] < 1.02 * 20e6, info
+
+
+def test_microbatched_speculation_gives_greedy_rows_and_each_rows_drafts(client, requests, tiny_bloom):
+    """A micro-batch of 3 speculates row by row (client/spec_rows.py): greedy up to ties (a batch is not
+    bit-identical to one row), and each request's record counts its own row's drafts, not the batch's."""
+    from tests.swarm_helpers import assert_greedy_up_to_ties
+
+    cfg = StrategyConfig("microbatched", micro_batches=1, micro_batch_size=3, speculative="4")
+    records = run_strategy(client, requests[:3], cfg, route_servers=1)
+    assert all(r.error is None for r in records) and {r.batch_size for r in records} == {3}
+    for r, req in zip(records, requests[:3]):
+        assert_greedy_up_to_ties(tiny_bloom, req.input_ids, list(r.tokens))
+    spec = client.last_stats.speculation  # the batch's generate() call (the only one)
+    assert [r.drafted for r in records] == [row["drafted"] for row in spec["rows"]]
+    assert sum(r.drafted for r in records) == spec["drafted"] > 0

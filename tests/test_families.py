@@ -14,7 +14,7 @@ from swarmlm.model.random_checkpoint import init_checkpoint
 from swarmlm.model.presets import PRESETS
 from swarmlm.types import BlockRange
 from tests.hub_layout import add_to_hub_cache
-from tests.swarm_helpers import reference_model, running_swarm
+from tests.swarm_helpers import assert_greedy_up_to_ties, reference_model, running_swarm
 
 pytestmark = pytest.mark.slow
 FAMILY_PRESETS = ["tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-falcon",
@@ -75,6 +75,20 @@ def test_greedy_generation_of_a_padded_batch_equals_transformers(swarm):
                             do_sample=False)
     got = got.sequences if hasattr(got, "sequences") else got
     assert torch.equal(got, want)
+
+
+def test_speculative_generation_of_a_padded_batch_is_greedy(swarm):
+    """Batched speculation (client/spec_rows.py): steps right-padded per row, the prompts left-padded; every row is
+    its unpadded prompt's greedy continuation up to ties (a batch is not bit-identical to one row on CPU)."""
+    _, client, ref, tok = swarm
+    text = [PROMPTS[0] + " the quick brown fox", PROMPTS[1]]  # one repeats itself: prompt lookup drafts at once
+    enc = tok(text, return_tensors="pt", padding=True)
+    got = client.generate(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=NEW_TOKENS,
+                          do_sample=False, eos_token_id=None, speculative=4)
+    assert client.last_stats.speculation["drafted"] > 0
+    width = enc.input_ids.shape[1]
+    for ids, mask, row in zip(enc.input_ids, enc.attention_mask, got.tolist()):
+        assert_greedy_up_to_ties(ref.name_or_path, ids[mask.bool()].tolist(), row[width:])
 
 
 CACHE_OP_MODES = {  # transformers' decoding modes that edit the cache (the servers' cache ops, issue 29)

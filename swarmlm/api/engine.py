@@ -1,4 +1,5 @@
-"""One request's generation through the swarm: a session per choice, one token per step, OpenAI's sampling.
+"""One request's generation through the swarm: a session per choice (a prompt's n choices share one, api/group.py),
+one token per step or a speculative pass's tokens, OpenAI's sampling.
 
 The swarm calls block (the client's gRPC loop runs on its own thread), so each choice runs its whole token loop on
 a worker thread and hands its events to the request's asyncio queue: many requests proceed at once, each with
@@ -128,11 +129,11 @@ class ChoiceDecoder:
                                                          self.processors, not self.params.greedy, self.speculative,
                                                          generator=self.generator)
                     ids, logits = self.speculator.start(self.ids[0].tolist())
-                    return self._taken(ids, logits)
+                    return self.take_pass(ids, logits)
                 step_ids = self.ids
             elif self.speculator is not None:
-                ids, logits = self.speculator.advance(self.params.max_tokens - (self.ids.shape[1] - self.prompt_tokens))
-                return self._taken(ids, logits)
+                ids, logits = self.speculator.advance(self.room)
+                return self.take_pass(ids, logits)
             else:
                 step_ids = self.ids[:, -1:]
             logits = self.model.step_logits(self.session, step_ids, None, last_only=True)[:, -1, :].float()  # [1, V]
@@ -144,8 +145,14 @@ class ChoiceDecoder:
         self.ids = torch.cat([self.ids, torch.tensor([[token.id]])], dim=1)
         return token
 
-    def _taken(self, ids: list[int], logits: torch.Tensor) -> list[Token]:
-        """A speculative pass's tokens, each with the logits [V] of its position (for logprobs)."""
+    @property
+    def room(self) -> int:
+        """Tokens this choice may still generate."""
+        return self.params.max_tokens - (self.ids.shape[1] - self.prompt_tokens)
+
+    def take_pass(self, ids: list[int], logits: torch.Tensor) -> list[Token]:
+        """A speculative pass's tokens, each with the logits [V] of its position (for logprobs), appended to the
+        text."""
         self.ids = torch.cat([self.ids, torch.tensor([ids])], dim=1)
         return [self._token(t, row[None].float()) for t, row in zip(ids, logits)]
 
@@ -328,12 +335,14 @@ class Engine:
         """n choices of one prompt in one session (api/group.py), choice `first + i` in row i, on a worker thread."""
         group = None
         try:
-            group = ChoiceGroup(self.model, prompt_ids, [ChoiceDecoder(self.model, prompt_ids, p) for p in params])
+            group = ChoiceGroup(self.model, prompt_ids, [ChoiceDecoder(self.model, prompt_ids, p) for p in params],
+                                self.speculative)
             progress = {first + i: ChoiceProgress(self, first + i, len(prompt_ids), p, emit)
                         for i, p in enumerate(params)}
             while group.live and not stop.is_set():
-                for row, token in group.step().items():
-                    if progress[first + row].take(token):
+                for row, tokens in group.step().items():
+                    # several tokens per step when speculating; take() is True at the choice's end
+                    if any(progress[first + row].take(token) for token in tokens):
                         group.drop(row)
                         progress[first + row].finish(group.route())
         except BaseException as exc:  # handed to the request, which raises it
@@ -345,7 +354,7 @@ class Engine:
     async def merged(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int,
                      timeout_s: float = math.inf) -> AsyncIterator[Piece | Finish]:
         """Every choice (n per prompt, run concurrently) as its events come: the n choices of a prompt share one
-        session and its prompt's step (api/group.py), or with speculation each has its own; choice i of a seeded
+        session and its prompt's step (api/group.py), speculating or not; choice i of a seeded
         request uses seed + i so the choices differ and repeat. Closing this generator (the client went
         away) stops every choice after its step in flight and closes its session; so does the deadline, which
         raises RequestTimeout."""
@@ -370,9 +379,9 @@ class Engine:
             for i, ids in enumerate(prompts):
                 choices = [params if params.seed is None else replace(params, seed=params.seed + i * n + j)
                            for j in range(n)]
-                if n > 1 and parse_mode(self.speculative) == 0:  # one prefill, its cache copied to n rows
+                if n > 1:  # one prefill, its cache copied to n rows (speculating or not)
                     self.pool.submit(self._generate_group, i * n, ids, choices, emit, stop).add_done_callback(lost)
-                else:  # a session per choice (a batched session does not speculate: docs/RESULTS-speculation.md)
+                else:
                     for j, p in enumerate(choices):
                         self.pool.submit(self._generate, i * n + j, ids, p, emit, stop).add_done_callback(lost)
                 remaining += n

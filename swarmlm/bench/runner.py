@@ -242,7 +242,7 @@ def trips_per_token(records: list[RequestRecord]) -> dict:
     A batched session's passes and trips are in each of its rows' records, as its tokens are counted per row."""
     tokens = sum(r.generated_tokens for r in records)
     passes = sum(r.passes for r in records)
-    drafted = sum(r.drafted for r in records)  # one-row sessions only: batched ones do not speculate
+    drafted = sum(r.drafted for r in records)  # each row's own drafts (a batch's rows draft on their own)
     accepted = sum(r.accepted for r in records)
     return {"tokens_per_pass": tokens / passes if passes else 0.0,
             "round_trips_per_token": sum(r.round_trips for r in records) / tokens if tokens else 0.0,

@@ -54,7 +54,7 @@ class StrategyConfig:
     #                              prompt position too, as the client did before (to measure what that costs)
     ignore_eos: bool = False  # True: always generate max_new_tokens (fixed work per request)
     # generate(speculative=...): "off", "auto" (draft length from the measured acceptance and route cost) or a fixed
-    # draft length (text); one-row sessions only (client/speculative.py), batched ones decode plainly
+    # draft length (text); batched sessions speculate per row (client/speculative.py)
     speculative: str = "off"
 
     def __post_init__(self) -> None:
@@ -220,6 +220,7 @@ def run_job(model, requests: Sequence[Request], cfg: StrategyConfig, t_run0: flo
     sent, received = _payload_bytes(model, session.steps, batch, int(model.config.hidden_size))
     ttft = t_gen + stats.ttft_s - t_from
     spec = stats.speculation or {}
+    spec_rows = spec.get("rows") or [spec] * batch  # a batch's drafts per row; one row's are the session's
     round_trips = sum(1 if step.pushed else len({h.server_id for h in step.hops}) for step in session.steps)
     records = []
     for row, r in enumerate(requests):
@@ -234,7 +235,7 @@ def run_job(model, requests: Sequence[Request], cfg: StrategyConfig, t_run0: flo
             response_s=t_end - t_from, batch_size=batch, payload_sent_bytes=sent // batch,
             payload_received_bytes=received // batch, decomposition=parts, route=tuple(stats.route),
             error=close_error, passes=len(session.steps), round_trips=round_trips,
-            drafted=spec.get("drafted", 0), accepted=spec.get("accepted", 0),
+            drafted=spec_rows[row].get("drafted", 0), accepted=spec_rows[row].get("accepted", 0),
         ))
     return records
 
