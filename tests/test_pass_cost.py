@@ -42,6 +42,14 @@ def test_a_measured_extra_position_cost_turns_weak_drafts_off():
     assert choose_draft_length(0.85, measured.corrected(model), 8) > 0  # long matches still draft
 
 
+def test_a_stalled_pass_is_not_learned_from():
+    measured = MeasuredPassCost()
+    measured.observe(1, model(1), model(1))
+    measured.observe(1, model(1), 30 * model(1))  # a failover's pass
+    measured.observe(2, model(2), 30 * model(2))
+    assert measured.scale == 1.0 and measured.wide_s == 0.0 and measured.wide_passes == 0
+
+
 def test_bad_observations_are_refused():
     measured = MeasuredPassCost()
     for tokens, predicted, seconds in ((0, 0.1, 0.1), (1, 0.0, 0.1), (2, 0.1, -1.0)):

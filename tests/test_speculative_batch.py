@@ -40,6 +40,25 @@ def test_a_step_is_right_padded_and_masked():
         padded_step([[1], []])
 
 
+
+def test_a_batch_in_auto_drafts_at_its_slowest_rows_pace():
+    """In "auto", a batch chooses one k from the lowest acceptance estimate among its rows: a row without a draft,
+    or one whose drafts are rarely accepted, keeps every row from drafting (its lead would be resent on every later
+    pass); rows that all quote draft together."""
+    decoder = SpeculativeDecoder(None, None, LogitsProcessorList(), do_sample=False, mode="auto")
+    quoting = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]  # its last 3 tokens were seen: drafts 4, 5, 6, 7, 1, ...
+    decoder.rows = [decoder._new_row(r, text) for r, text in enumerate([quoting, quoting, [9, 8, 7, 6, 5]])]
+    decoder.live = [0, 1, 2]
+    cost = lambda: (lambda tokens: 0.100 + 0.020 * tokens)  # noqa: E731  links, then compute per position
+    assert [d for d, _, _ in decoder._draft_rows([4, 4, 4], cost)] == [[], [], []]  # row 2 has no match
+    decoder.live = [0, 1]
+    drafted = decoder._draft_rows([4, 4], cost)
+    (first, _, n0), (second, _, n1) = drafted
+    assert first and first == second == [4, 5, 6, 7][:len(first)] and n0 == n1 == 3  # one k for the batch
+    for _ in range(6):
+        decoder.rows[1].estimate.update(3, 4, 0)  # row 1's quotes are never accepted
+    assert [d for d, _, _ in decoder._draft_rows([4, 4], cost)] == [[], []]
+
 def test_the_cut_is_the_fewest_kept_and_the_rest_is_owed():
     # a step of width 6: row 0 sent [last, 5 drafts] and kept 4, row 1 [2 owed, last, 3 drafts] and kept 6 ...
     rows = [Row(text=list(range(10)), sent=9, processors=None, generator=None, drafter=None,

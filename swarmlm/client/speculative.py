@@ -45,7 +45,7 @@ from transformers.generation.logits_process import (
 from swarmlm.client.drafting import DraftModel, PromptLookup
 from swarmlm.client.spec_rows import Row, common_cut, draft_limit, padded_step, real_tokens
 from swarmlm.client.verification import verify_greedy, verify_sampling
-from swarmlm.perf.speculation import MAX_DRAFT_TOKENS, choose_draft_length
+from swarmlm.perf.speculation import MAX_DRAFT_TOKENS, MeasuredPassCost, choose_draft_length
 
 SpeculativeMode = Union[str, int]  # "auto": k from the rule per pass, "off": plain decoding, an int: that fixed k
 DEFAULT_MAX_DRAFT = 8  # k_max for "auto"
@@ -180,6 +180,7 @@ class SpeculativeDecoder:
         self._source: dict[int, int] = {}  # running row -> the session row that holds its cache now
         self._written = 0  # width of the last pass's step (0: the next step carries no cut)
         self.passes = 0  # trips through the route after the prompts' step
+        self.measured = MeasuredPassCost()  # the model's pass price, corrected by this session's passes
 
     @classmethod
     def for_config(cls, model, cache, config: GenerationConfig, mode: SpeculativeMode = "auto", draft_model=None,
@@ -256,17 +257,21 @@ class SpeculativeDecoder:
             raise RuntimeError("advance() with no row running (before start(), or after every row ended)")
         self._settle()
         free = self.cache.session.max_length - self.cache.get_seq_length()
-        cost = functools.cache(self._pass_cost)  # asked only when a row sizes its drafts by the rule
+        model_cost = functools.cache(self._pass_cost)  # asked only when drafts are sized by the rule
+        cost = lambda: self.measured.corrected(model_cost())  # noqa: E731
         heads = [self.rows[r].head for r in self.live]
         # a row's owed tokens count against its drafts: a row ahead of the batch's slowest waits for it
-        drafted = [self._draft(self.rows[r], draft_limit(self.k_max, len(head), rooms[r], free), cost)
-                   for r, head in zip(self.live, heads)]
+        limits = [draft_limit(self.k_max, len(head), rooms[r], free) for r, head in zip(self.live, heads)]
+        drafted = self._draft_rows(limits, cost)
         steps = [head + drafts for head, (drafts, _, _) in zip(heads, drafted)]
         ids, mask = padded_step(steps)
         width = ids.shape[1]
         first = width - min(len(head) for head in heads)  # the leftmost logits any row reads: at its newest token
+        t0 = time.perf_counter()
         logits = self.model(input_ids=ids, attention_mask=mask, cache=self.cache,
                             logits_to_keep=first + 1).logits  # [B, first + 1, V]
+        if self.fixed_k is None:  # the rule learns what passes of this width really cost on this route
+            self.measured.observe(width, model_cost()(width), time.perf_counter() - t0)
         out = {}
         for j, (r, head, (drafts, q, kind)) in enumerate(zip(self.live, heads, drafted)):
             row = self.rows[r]
@@ -313,6 +318,31 @@ class SpeculativeDecoder:
         rows = len(self.live)
         return cost if rows == 1 else (lambda tokens: cost(rows * tokens))
 
+    def _draft_rows(self, limits: list[int], cost) -> list[tuple[list[int], list | None, int | None]]:
+        """Every running row's drafts (at most limits[i] for the i-th), as `_draft` gives them.
+
+        A batch in "auto" drafts as one: the servers keep the fewest positions any row keeps, so a row's drafts
+        accepted past the slowest row's are sent again on every later pass until that row catches up (in open-ended
+        text, rarely): the batch moves at its slowest row's pace. k is chosen once, with the lowest of the rows'
+        acceptance estimates (0 when a row has no draft; rows quote or ramble together, so their acceptances go
+        together rather than independently) and the batch's pass cost."""
+        rows = [self.rows[r] for r in self.live]
+        if self.fixed_k is not None or len(rows) == 1:
+            return [self._draft(row, limit, cost) for row, limit in zip(rows, limits)]
+        t0 = time.perf_counter()
+        if isinstance(rows[0].drafter, PromptLookup):
+            found = [row.drafter.lookup(torch.tensor(row.text), limit) if limit > 0 else ([], 0)
+                     for row, limit in zip(rows, limits)]
+            rate = min(row.estimate.rate(n) if drafts else 0.0 for row, (drafts, n) in zip(rows, found))
+            k = choose_draft_length(rate, cost(), max(len(d) for d, _ in found)) if rate > 0 else 0
+            for row in rows:
+                row.stats.draft_s += (time.perf_counter() - t0) / len(rows)
+            return [(drafts[:k], None, n) if k and drafts else ([], None, None) for drafts, n in found]
+        rate = min(row.estimate.rate(DRAFT_MODEL_KIND) for row in rows)
+        k = choose_draft_length(rate, cost(), max(limits), sum(row.draft_s_per_token for row in rows)) \
+            if max(limits) > 0 else 0
+        return [self._model_drafts(row, min(k, limit)) for row, limit in zip(rows, limits)]
+
     def _draft(self, row: Row, limit: int, cost) -> tuple[list[int], list | None, int | None]:
         """(drafts, their distributions q or None for one-hot / greedy, their kind for the acceptance estimate).
         Prompt lookup drafts first (free) and sizes k by the match it found; a draft model costs time per token,
@@ -325,9 +355,13 @@ class SpeculativeDecoder:
             k = self._draft_length(row, n, len(drafts), cost) if drafts else 0
             row.stats.draft_s += time.perf_counter() - t0
             return drafts[:k], None, n
-        k = self._draft_length(row, DRAFT_MODEL_KIND, limit, cost)
-        if k == 0:
+        return self._model_drafts(row, self._draft_length(row, DRAFT_MODEL_KIND, limit, cost))
+
+    def _model_drafts(self, row: Row, k: int) -> tuple[list[int], list | None, int | None]:
+        """k drafts from the row's draft model (measuring what a draft token costs)."""
+        if k <= 0:
             return [], None, None
+        t0 = time.perf_counter()
         drafts, q = row.drafter.draft(torch.tensor(row.text), k, lambda logits: self._pick(row, logits))
         elapsed = time.perf_counter() - t0
         row.draft_s_per_token = elapsed / k if not row.draft_s_per_token else \

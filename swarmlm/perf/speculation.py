@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 MAX_DRAFT_TOKENS = 16  # the most drafts one pass may carry (k_max's upper bound)
+OUTLIER = 4.0  # a pass slower than this many times its corrected price is not learned from
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -155,6 +156,8 @@ class MeasuredPassCost:
         if tokens < 1 or not predicted_s > 0 or measured_s < 0:
             raise ValueError(f"need tokens >= 1, predicted_s > 0 and measured_s >= 0, got {tokens}, {predicted_s}, "
                              f"{measured_s}")
+        if self.plain_passes and measured_s > OUTLIER * self.scale * predicted_s:
+            return  # a failover's or a stalled pass says nothing about the next one
         if tokens == 1:
             self.scale = self._mean(self.scale, measured_s / predicted_s, self.plain_passes)
             self.plain_passes += 1
