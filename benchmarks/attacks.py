@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import random
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from swarmlm.bench.probe import RawStream, greedy_tokens, open_request  # noqa: E402
 from swarmlm.machine import machine_info  # noqa: E402
 from swarmlm.model.random_checkpoint import init_checkpoint  # noqa: E402
 from swarmlm.swarm.local import LocalSwarm  # noqa: E402
@@ -106,17 +106,7 @@ class Honest:
                                                                   ban_max_s=0.2, step_timeout_s=60.0)
 
     def tokens(self, step_latencies: list[float] | None = None) -> list[int]:
-        out, ids = [], self.ids
-        with torch.no_grad(), self.client.inference_session(max_length=ids.shape[1] + NEW_TOKENS) as session:
-            logits = self.client.step_logits(session, ids)
-            for _ in range(NEW_TOKENS):
-                nxt = logits[:, -1:].argmax(-1)
-                out.append(int(nxt))
-                t0 = time.perf_counter()
-                logits = self.client.step_logits(session, nxt)
-                if step_latencies is not None:
-                    step_latencies.append(time.perf_counter() - t0)
-        return out
+        return greedy_tokens(self.client, self.ids, NEW_TOKENS, step_latencies)
 
     def correct(self) -> bool:
         try:
@@ -139,26 +129,6 @@ def stub(address: str, max_mb: int = 256) -> tuple[grpc.Channel, pb_grpc.SwarmSt
     return channel, pb_grpc.SwarmStub(channel)
 
 
-class Stream:
-    """A raw Inference stream: requests in, replies out (sync gRPC)."""
-
-    def __init__(self, st: pb_grpc.SwarmStub) -> None:
-        self.requests: queue.Queue = queue.Queue()
-        self.replies = st.Inference(iter(self.requests.get, None), timeout=600)
-
-    def send(self, request: pb.InferenceRequest) -> pb.InferenceReply:
-        self.requests.put(request)
-        return next(self.replies)
-
-    def drop(self) -> None:
-        self.replies.cancel()  # a broken stream, not a clean end
-
-
-def open_msg(start: int, end: int, batch: int = 1, max_length: int = 64) -> pb.InferenceRequest:
-    return pb.InferenceRequest(open=pb.OpenSession(start_block=start, end_block=end, batch_size=batch,
-                                                   max_length=max_length))
-
-
 # ---- the attacks: each returns how many requests it sent and a note --------------------------------------------
 
 def _open_many(ctx, count: int, garbage: bool) -> tuple[grpc.Channel, list, int]:
@@ -166,9 +136,9 @@ def _open_many(ctx, count: int, garbage: bool) -> tuple[grpc.Channel, list, int]
     channel, st = stub(ctx.address)
     streams, refused = [], 0
     for _ in range(count):
-        s = Stream(st)
+        s = RawStream(st, timeout_s=600)
         try:
-            s.send(open_msg(0, ctx.blocks))
+            s.send(open_request(0, ctx.blocks, max_length=64))
             if garbage:
                 s.send(pb.InferenceRequest(step=pb.InferenceStep(
                     hidden=pb.Tensor(data=os.urandom(40), dtype="float32", shape=[1, 1, 10]))))
@@ -199,9 +169,9 @@ def big_reservations(ctx) -> tuple[int, str]:
     channel, st = stub(ctx.address)
     streams, refused = [], 0
     for batch in (64, 64, 16, 16):
-        s = Stream(st)
+        s = RawStream(st, timeout_s=600)
         try:
-            s.send(open_msg(0, ctx.blocks, batch=batch, max_length=2048))
+            s.send(open_request(0, ctx.blocks, batch=batch, max_length=2048))
             streams.append(s)
         except grpc.RpcError:
             refused += 1
@@ -268,8 +238,8 @@ def big_forward(ctx) -> tuple[int, str]:
 def stranger(ctx) -> tuple[int, str]:
     """A stranger who knows a live session's id pushes into it, resumes it, and ends the resumed stream (close)."""
     channel, st = stub(ctx.address)
-    owner = Stream(st)
-    opened = owner.send(open_msg(0, ctx.blocks))
+    owner = RawStream(st, timeout_s=600)
+    opened = owner.send(open_request(0, ctx.blocks, max_length=64))
     sid = opened.session_id
     x, y = torch.randn(1, 3, ctx.hidden), torch.randn(1, 1, ctx.hidden)
     owner.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(x), step_id=1)))
@@ -281,22 +251,22 @@ def stranger(ctx) -> tuple[int, str]:
             codes.append("OK")
         except grpc.RpcError as exc:
             codes.append(exc.code().name)
-        s = Stream(st)
+        s = RawStream(st, timeout_s=600)
         try:
             s.send(pb.InferenceRequest(session_id=sid, secret=os.urandom(16), step=pb.InferenceStep(
                 hidden=codec.encode(y), step_id=2)))
             codes.append("OK")
         except grpc.RpcError as exc:
             codes.append(exc.code().name)
-        s.requests.put(None)
+        s.end()
     got = owner.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(y), step_id=2)))
-    fresh = Stream(st)
-    fresh.send(open_msg(0, ctx.blocks))
+    fresh = RawStream(st, timeout_s=600)
+    fresh.send(open_request(0, ctx.blocks, max_length=64))
     fresh.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(x))))
     want = fresh.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(y))))
     same = torch.equal(codec.decode(got.hidden), codec.decode(want.hidden)) and got.position == 4
     for s in (owner, fresh):
-        s.requests.put(None)
+        s.end()
     channel.close()
     accepted = codes.count("OK")
     return len(codes), f"{accepted} of {len(codes)} accepted; owner's output unchanged: {same}"
@@ -315,11 +285,11 @@ def zero_element(ctx) -> tuple[int, str]:
             codes.append("OK")
         except grpc.RpcError as exc:
             codes.append(exc.code().name)
-        s = Stream(st)
-        s.send(open_msg(0, ctx.blocks))
+        s = RawStream(st, timeout_s=600)
+        s.send(open_request(0, ctx.blocks, max_length=64))
         reply = s.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=pb.Tensor(dtype="float32", shape=shape))))
         codes.append("error reply" if reply.HasField("error") else "OK")
-        s.requests.put(None)
+        s.end()
     deadline = time.monotonic() + 30
     while st.Info(pb.InfoRequest()).active_sessions != before and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -332,8 +302,8 @@ def cache_ops(ctx, rounds: int = 200) -> tuple[int, str]:
     """Hostile cache ops into a live session (truncations past what it holds, rows out of range or past the batch
     reserved at open, 5000-row lists), between legal ones that copy one row to the 16 reserved and roll back."""
     channel, st = stub(ctx.address)
-    s = Stream(st)
-    s.send(open_msg(0, ctx.blocks, batch=16, max_length=64))
+    s = RawStream(st, timeout_s=600)
+    s.send(open_request(0, ctx.blocks, batch=16, max_length=64))
     s.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(torch.randn(1, 8, ctx.hidden)))))
     hostile = [pb.CacheOp(truncate_to=(1 << 32) - 1), pb.CacheOp(rows=[1 << 31]), pb.CacheOp(rows=[0] * 17),
                pb.CacheOp(rows=[0] * 5000), pb.CacheOp(truncate_to=0, rows=[0])]
@@ -351,7 +321,7 @@ def cache_ops(ctx, rounds: int = 200) -> tuple[int, str]:
         if not reply.HasField("error"):  # back to 1 row for the next hostile op
             s.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(torch.randn(1, 1, ctx.hidden)),
                                                              cache_op=pb.CacheOp(truncate_to=8, rows=[0]))))
-    s.requests.put(None)
+    s.end()
     channel.close()
     return rounds, f"{refused} hostile refused, {legal} legal applied"
 
@@ -362,15 +332,15 @@ def prefix_flood(ctx, sessions: int = 24, tokens: int = 256) -> tuple[int, str]:
     channel, st = stub(ctx.address)
     refused = 0
     for i in range(sessions):
-        s = Stream(st)
+        s = RawStream(st, timeout_s=600)
         keys = [random.randbytes(16) for _ in range(tokens // 16)]
         s.send(pb.InferenceRequest(open=pb.OpenSession(start_block=0, end_block=ctx.blocks, batch_size=1,
                                                        max_length=tokens + 1, prefix_scope=random.randbytes(16),
                                                        prefix_keys=keys)))
         s.send(pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(torch.randn(1, tokens, ctx.hidden)))))
         refused += s.send(pb.InferenceRequest(save=pb.PrefixSave(keys=keys + keys[:1]))).HasField("error")
-        s.requests.put(pb.InferenceRequest(save=pb.PrefixSave(keys=keys)))
-        s.requests.put(None)
+        s.write(pb.InferenceRequest(save=pb.PrefixSave(keys=keys)))
+        s.end()
         list(s.replies)  # the clean end, after the save
     info = st.Info(pb.InfoRequest()).prefix_cache
     channel.close()

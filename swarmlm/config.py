@@ -131,6 +131,7 @@ class ServerConfig:
     scheduler: SchedulerConfig = SchedulerConfig()  # compute rounds: batching, straggler wait, inline decodes
     max_message_bytes: int = 64 << 20  # largest gRPC message accepted or sent
     session_idle_timeout_s: float = 120.0  # a session with no step for this long is closed
+    push_timeout_s: float = 10.0  # a push to the next server (server/push.py) not answered by then has failed
     # Limits against greedy or hostile peers (docs/FAILURES.md, "Bounded resources"). A peer is a remote host.
     open_idle_timeout_s: float = 10.0  # a session whose first step has not run this long after its open is closed
     resume_grace_s: float = 5.0  # a session whose stream broke is closed unless resumed (with its secret) this soon
@@ -170,7 +171,7 @@ class ServerConfig:
         for name in ("cache_bytes", "max_sessions", "max_length_tokens", "max_batch", "max_message_bytes",
                      "max_sessions_per_peer", "max_peer_bytes_in_flight", "max_concurrent_rpcs",
                      "max_request_tokens", "max_attention_cost", "open_idle_timeout_s", "session_idle_timeout_s",
-                     "max_train_request_bytes", "max_lora_rank", "max_lora_layers"):
+                     "push_timeout_s", "max_train_request_bytes", "max_lora_rank", "max_lora_layers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("join_settle_s", "drain_timeout_s", "rebalance_period_s"):

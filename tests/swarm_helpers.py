@@ -1,64 +1,25 @@
 """Helpers for tests that talk to servers.
 
-- a swarm: `running_swarm` (server processes + a client: tests about processes, a DHT, a crash) or
-  `in_process_server` / `in_process_swarm` (the same Server code on a thread of this process: tests about the
-  protocol, ready in about a second);
-- the reference it must reproduce: `reference_model`, `reference_generate`, `greedy_reference`, `greedy_steps` /
-  `assert_steps_match_reference` for sessions stepped by hand, and `assert_greedy_up_to_ties` for batched output;
-- an Inference stream by hand: `RawStream`."""
+- a swarm: `running_swarm` (server processes + a client: tests about processes, a DHT, a crash; `server_processes`
+  alone where the client is something else, `client_of` for more clients) or `in_process_server` /
+  `in_process_swarm` (the same Server code on a thread of this process: tests about the protocol, ready in about a
+  second); `gateway_stack`: a swarm and `swarmlm api` gateways;
+- the reference it must reproduce: `reference_model`, `reference_generate`, `greedy_reference`, and `greedy_steps` /
+  `assert_steps_match_reference` for sessions stepped by hand, and `assert_greedy_up_to_ties` for batched
+  output;
+- an Inference stream by hand: `RawStream` (swarmlm/bench/probe.py, shared with the attack suite)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
 import functools
-import queue
 import threading
 from typing import Iterator, Sequence
 
-from swarmlm.wire import swarm_pb2 as pb
+from swarmlm.bench.probe import RawStream, greedy_steps  # noqa: F401  (the tests' stream driver and greedy loop)
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.channel import sync_channel
-
-
-# ---- the Inference stream, by hand -------------------------------------------------------------------------------
-
-class RawStream:
-    """A bidirectional Inference stream driven message by message from a test (sync gRPC): `send` = write + read;
-    `write` and `read` apart where replies come from elsewhere (a push). `end` is a clean end of the stream (the
-    session closes), `drop` a broken one (a client that died)."""
-
-    def __init__(self, address: str, max_message_bytes: int = 256 << 20, timeout_s: float = 120.0) -> None:
-        self.channel = sync_channel(address, max_message_bytes)
-        self.stub = pb_grpc.SwarmStub(self.channel)
-        self.requests: queue.Queue = queue.Queue()
-        self.replies = self.stub.Inference(iter(self.requests.get, None), timeout=timeout_s)
-
-    @classmethod
-    def open(cls, address: str, start: int, end: int, batch: int = 1,
-             max_length: int = 32) -> tuple["RawStream", pb.InferenceReply]:
-        """A stream whose first message opens a session of blocks [start, end), and the server's answer."""
-        stream = cls(address)
-        return stream, stream.send(pb.InferenceRequest(open=pb.OpenSession(
-            start_block=start, end_block=end, batch_size=batch, max_length=max_length)))
-
-    def write(self, request: pb.InferenceRequest) -> None:
-        self.requests.put(request)
-
-    def read(self) -> pb.InferenceReply:
-        return next(self.replies)
-
-    def send(self, request: pb.InferenceRequest) -> pb.InferenceReply:
-        self.write(request)
-        return self.read()
-
-    def end(self) -> None:
-        self.requests.put(None)
-        self.channel.close()
-
-    def drop(self) -> None:
-        self.replies.cancel()
-        self.channel.close()
 
 
 def stub(address: str) -> pb_grpc.SwarmStub:
@@ -69,7 +30,7 @@ def stub(address: str) -> pb_grpc.SwarmStub:
 def in_process_server(model_dir: str, blocks, **settings) -> Iterator:
     """One server's whole gRPC service (server.Server, the same code as `swarmlm server`) in this process, on a
     thread of its own: no DHT, no child process, ready in about a second. For tests about the protocol; tests about
-    processes (a crash, a kill, a DHT) use LocalSwarm. `settings`: ServerConfig fields. Yields the Server
+    processes (a crash, a kill, a DHT) use running_swarm. `settings`: ServerConfig fields. Yields the Server
     (`.address`, `.service`); stopped on exit."""
     from swarmlm.config import ServerConfig
     from swarmlm.server.server import Server
@@ -97,6 +58,7 @@ class InProcessSwarm:
 
     model_dir: str
     servers: list  # server.Server (`.address`, `.server_id`, `.service`)
+    initial_peers = ()  # no DHT
 
     @property
     def addresses(self) -> list[str]:
@@ -169,21 +131,6 @@ def assert_greedy_up_to_ties(model_dir: str, prompt: Sequence[int], got: Sequenc
     assert got[:first_tie] == want[:first_tie], (got, want, first_tie)
 
 
-def greedy_steps(client, session, ids, steps: int) -> Iterator[tuple]:
-    """Steps `session` by hand: the prompt `ids` [B, T], then `steps` greedy decode steps (each row's argmax).
-    Yields (the ids so far, that step's logits [B, new tokens, vocab]) after each step, the prompt's first; compare
-    with `reference_model(path)(ids).logits[:, -logits.shape[1]:]`. (Call it under torch.no_grad().)"""
-    import torch
-
-    logits = client.step_logits(session, ids)
-    yield ids, logits
-    for _ in range(steps):
-        nxt = logits[:, -1:].argmax(-1)
-        ids = torch.cat([ids, nxt], 1)
-        logits = client.step_logits(session, nxt)
-        yield ids, logits
-
-
 def assert_steps_match_reference(client, model_dir: str, ids, steps: int, tolerance: float = 1e-4) -> None:
     """A session of `client`: the prompt and `steps` greedy decode steps give plain transformers' logits."""
     import torch
@@ -196,21 +143,35 @@ def assert_steps_match_reference(client, model_dir: str, ids, steps: int, tolera
 
 
 @contextlib.contextmanager
-def running_swarm(model_dir: str, ranges, *, dht: bool = True, server_args: Sequence[str] = (),
-                  **client_settings) -> Iterator[tuple]:
-    """One server process per range (loading at once), with a DHT or reached by address, and a client of them
-    (ClientConfig `client_settings`); both stopped on exit. Yields (LocalSwarm, DistributedModelForCausalLM)."""
-    from swarmlm.client.model import DistributedModelForCausalLM
+def server_processes(model_dir: str, ranges, *, dht: bool = True, server_args: Sequence[str] = (),
+                     swarm_key_file=None) -> Iterator:
+    """One server process per range (loading at once), with a DHT or reached by address (a private swarm's with
+    `swarm_key_file`); all stopped on exit. Yields the LocalSwarm."""
     from swarmlm.swarm.local import LocalSwarm
 
-    with LocalSwarm(model_dir, with_dht=dht, server_args=server_args) as swarm:
+    with LocalSwarm(model_dir, with_dht=dht, server_args=server_args, swarm_key_file=swarm_key_file) as swarm:
         swarm.start(ranges)
-        where = {"initial_peers": swarm.initial_peers} if dht else {"servers": swarm.addresses}
-        client = DistributedModelForCausalLM.from_pretrained(model_dir, **where, **client_settings)
-        try:
-            yield swarm, client
-        finally:
-            client.close()
+        yield swarm
+
+
+def client_of(swarm, **settings):
+    """A client (DistributedModelForCausalLM, ClientConfig `settings`) of a LocalSwarm or an InProcessSwarm: through
+    its DHT if it has one, else given its live servers' addresses. The caller closes it."""
+    from swarmlm.client.model import DistributedModelForCausalLM
+
+    where = {"initial_peers": swarm.initial_peers} if swarm.initial_peers else {"servers": swarm.addresses}
+    return DistributedModelForCausalLM.from_pretrained(swarm.model_dir, **where, **settings)
+
+
+@contextlib.contextmanager
+def running_swarm(model_dir: str, ranges, *, dht: bool = True, server_args: Sequence[str] = (), swarm_key_file=None,
+                  **client_settings) -> Iterator[tuple]:
+    """`server_processes` and a client of them (ClientConfig `client_settings`); both stopped on exit. Yields
+    (LocalSwarm, DistributedModelForCausalLM)."""
+    with server_processes(model_dir, ranges, dht=dht, server_args=server_args,
+                          swarm_key_file=swarm_key_file) as swarm, \
+            contextlib.closing(client_of(swarm, **client_settings)) as client:
+        yield swarm, client
 
 
 # ---- emulated links on a busy machine --------------------------------------------------------------------------
@@ -244,23 +205,27 @@ def assert_link_follows(check) -> None:
 
 
 @contextlib.contextmanager
-def gateway_stack(model_dir: str, log_dir, extra: Sequence[str] = ()) -> Iterator[tuple]:
-    """A DHT, 2 servers and the `swarmlm api` gateway, the gateway starting while the servers load (both take
-    seconds); everything stopped on exit. Yields (LocalSwarm, GatewayProcess)."""
+def gateway_stack(model_dir: str, log_dir, extra: Sequence[str] = (), *, more: Sequence[Sequence[str]] = (),
+                  server_extra=lambda i: ()) -> Iterator[tuple]:
+    """A DHT, 2 servers (server i with the flags `server_extra(i)`) and the `swarmlm api` gateway (its flags:
+    `extra`; `more`: the flags of further gateways over the same swarm), the gateways starting while the servers
+    load (both take seconds); logs in `log_dir`; everything stopped on exit. Yields (LocalSwarm, GatewayProcess,
+    *the further gateways)."""
     from swarmlm.api.process import GatewayProcess
     from swarmlm.swarm.local import LocalSwarm, even_split
 
-    swarm = LocalSwarm(model_dir)
-    gateway = None
+    swarm = LocalSwarm(model_dir, log_dir=log_dir)
+    gateways: list[GatewayProcess] = []
     try:
         swarm.start_dht()
-        servers = [swarm.start_server(r, wait=False) for r in even_split(6, 2)]
-        gateway = GatewayProcess(model_dir, swarm.initial_peers, log_path=log_dir / "api.err", extra=extra)
-        gateway.start()
+        servers = [swarm.start_server(r, wait=False, extra=server_extra(i)) for i, r in enumerate(even_split(6, 2))]
+        for i, flags in enumerate([extra, *more]):
+            gateways.append(GatewayProcess(model_dir, swarm.initial_peers, log_path=swarm.log_dir / f"api{i}.err",
+                                           extra=flags).start())
         swarm.wait_ready(servers)
-        yield swarm, gateway
+        yield swarm, *gateways
     finally:
-        if gateway is not None:
+        for gateway in gateways:
             gateway.stop()
         swarm.stop()
 

@@ -12,10 +12,10 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from swarmlm.client.model import DistributedModelForCausalLM
-from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
+from tests.swarm_helpers import in_process_server
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
@@ -39,15 +39,16 @@ def adapter_dir(tiny_llama, tmp_path_factory):
 def test_adapter_sessions_equal_peft_and_route_only_to_its_servers(tiny_llama, adapter_dir):
     from peft import PeftModel
 
-    with LocalSwarm(tiny_llama, with_dht=False) as swarm:
-        with_adapter = swarm.start_server(BlockRange(0, 6), extra=["--adapters", adapter_dir])
-        plain = swarm.start_server(BlockRange(0, 6))
+    # the protocol (announce, open, route, refuse): the servers run in this process
+    with in_process_server(tiny_llama, BlockRange(0, 6), adapters=(adapter_dir,)) as with_adapter, \
+            in_process_server(tiny_llama, BlockRange(0, 6)) as plain:
+        addresses = [with_adapter.address, plain.address]
         ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(1))
         base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
         with torch.no_grad():
             want_base = base(ids).logits
             want = PeftModel.from_pretrained(base, adapter_dir).eval()(ids).logits
-        tuned = DistributedModelForCausalLM.from_pretrained(tiny_llama, servers=swarm.addresses, dtype="float32",
+        tuned = DistributedModelForCausalLM.from_pretrained(tiny_llama, servers=addresses, dtype="float32",
                                                             active_adapter="my-adapter")
         with torch.no_grad(), tuned.inference_session(max_length=16) as session:
             got = tuned.step_logits(session, ids)
@@ -61,7 +62,7 @@ def test_adapter_sessions_equal_peft_and_route_only_to_its_servers(tiny_llama, a
                 torch.cat([ids, ids[:, -1:]], 1)).logits[:, -1:]
         assert (step - want_step).abs().max().item() < 1e-4
         # the base model, from both servers, is untouched
-        for address in swarm.addresses:
+        for address in addresses:
             client = DistributedModelForCausalLM.from_pretrained(tiny_llama, servers=[address], dtype="float32")
             with torch.no_grad():
                 assert (client(ids).logits - want_base).abs().max().item() < 1e-4

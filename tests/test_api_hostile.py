@@ -24,9 +24,9 @@ from swarmlm.api.process import GatewayProcess
 from swarmlm.swarm.dht import default_prefix, fetch_records, owner_subkey
 from swarmlm.swarm.dht_thread import ThreadDHT
 from swarmlm.swarm.identity import Identity
-from swarmlm.swarm.local import LocalSwarm, even_split
+from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
-from tests.swarm_helpers import reference_generate, stub
+from tests.swarm_helpers import gateway_stack, reference_generate, stub
 from tests.test_identity import RawDHT
 from swarmlm.wire import swarm_pb2 as pb
 
@@ -52,22 +52,12 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def stack(tiny_bloom, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hostile")
-    swarm = LocalSwarm(tiny_bloom, log_dir=tmp)
-    gateways = []
-    try:
-        swarm.start_dht()
-        servers = [swarm.start_server(r, wait=False, extra=["--port", str(_free_port()),
-                                                            "--identity", str(tmp / f"server{i}.pem")])
-                   for i, r in enumerate(even_split(6, 2))]
-        for name, extra in (("main", MAIN_ARGS), ("strict", STRICT_ARGS)):
-            gateways.append(GatewayProcess(tiny_bloom, swarm.initial_peers, log_path=tmp / f"{name}.err",
-                                           extra=extra).start())
-        swarm.wait_ready(servers)
-        yield swarm, *gateways
-    finally:
-        for g in gateways:
-            g.stop()
-        swarm.stop()
+
+    def fixed_port_and_identity(i: int) -> list[str]:  # what the restart test starts the server again with
+        return ["--port", str(_free_port()), "--identity", str(tmp / f"server{i}.pem")]
+
+    with gateway_stack(tiny_bloom, tmp, MAIN_ARGS, more=[STRICT_ARGS], server_extra=fixed_port_and_identity) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")

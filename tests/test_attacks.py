@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from swarmlm.bench.probe import greedy_tokens
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.client.prefix import keys_for, span_salts
 from swarmlm.errors import CapacityExceeded, InvalidRequest
@@ -21,13 +22,12 @@ from swarmlm.model.checkpoint import load_config
 from swarmlm.server.push import TargetCheck
 from swarmlm.server.sessions import SessionTable
 from swarmlm.server.stage import SpanState, Stage
-from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange, Span
 from swarmlm.wire import codec
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.channel import sync_channel
-from tests.swarm_helpers import RawStream, greedy_reference
+from tests.swarm_helpers import RawStream, greedy_reference, server_processes
 
 # long enough that the prefill is computed in slices (--max-batch-tokens 32)
 PROMPT = "the quick brown fox jumps over the lazy dog " * 5
@@ -41,9 +41,8 @@ def attack_server(tiny_bloom):
     blocks = int(AutoConfig.from_pretrained(tiny_bloom).num_hidden_layers)
     args = ["--max-message-mb", "8", "--open-idle-timeout", "3", "--resume-grace", "2", "--max-batch-tokens", "32",
             "--max-sessions-per-peer", "32"]
-    with LocalSwarm(tiny_bloom, with_dht=False, server_args=args) as swarm:
-        server = swarm.start_server(BlockRange(0, blocks))
-        yield server.address, int(load_config(tiny_bloom).hidden_size), blocks
+    with server_processes(tiny_bloom, [BlockRange(0, blocks)], dht=False, server_args=args) as swarm:
+        yield swarm.addresses[0], int(load_config(tiny_bloom).hidden_size), blocks
 
 
 class Honest:
@@ -53,14 +52,7 @@ class Honest:
                                                                   ban_max_s=0.2)
 
     def tokens(self) -> list[int]:
-        out, ids = [], self.ids
-        with torch.no_grad(), self.client.inference_session(max_length=ids.shape[1] + NEW_TOKENS) as session:
-            logits = self.client.step_logits(session, ids)
-            for _ in range(NEW_TOKENS):
-                nxt = logits[:, -1:].argmax(-1)
-                out.append(int(nxt))
-                logits = self.client.step_logits(session, nxt)
-        return out
+        return greedy_tokens(self.client, self.ids, NEW_TOKENS)
 
     def poll_correct(self, deadline_s: float = DEADLINE_S) -> bool:
         """True once a generation gives the reference tokens (failures meanwhile are retried)."""

@@ -16,7 +16,7 @@ from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.client.streams import SpanStream
 from swarmlm.swarm.local import LocalSwarm, even_split
 from swarmlm.types import BlockRange
-from tests.swarm_helpers import reference_model
+from tests.swarm_helpers import client_of, reference_model, server_processes
 
 # ---- the size rule ------------------------------------------------------------------------------------------
 
@@ -89,16 +89,14 @@ PROMPT_TOKENS = 45
 
 @pytest.fixture(scope="module")
 def swarm(tiny_bloom):
-    with LocalSwarm(tiny_bloom) as swarm:
-        ranges = even_split(6, 3)
-        swarm.start(ranges + ranges)  # every block twice: a failed server has a replacement
+    ranges = even_split(6, 3)
+    with server_processes(tiny_bloom, ranges + ranges) as swarm:  # every block twice: a failed server has a replacement
         yield tiny_bloom, swarm, reference_model(tiny_bloom)
 
 
-def _client(path, swarm, **kw) -> DistributedModelForCausalLM:
+def _client(swarm, **kw) -> DistributedModelForCausalLM:
     # float32 on the wire: these tests check chunking's exactness, not compression's bounds (test_wire_compress.py)
-    return DistributedModelForCausalLM.from_pretrained(path, initial_peers=swarm.initial_peers, ban_base_s=30.0,
-                                                       wire_dtype="float32", **kw)
+    return client_of(swarm, ban_base_s=30.0, wire_dtype="float32", **kw)
 
 
 @pytest.mark.slow
@@ -130,7 +128,7 @@ def test_chunked_prefill_gives_the_logits_of_one_step_and_is_pipelined(swarm, mo
 
     monkeypatch.setattr(SpanStream, "send", logged_send)
     monkeypatch.setattr(SpanStream, "receive", logged_receive)
-    chunked, whole = _client(path, swarm_, prefill_chunk_tokens=8), _client(path, swarm_, prefill_chunk_tokens=0)
+    chunked, whole = _client(swarm_, prefill_chunk_tokens=8), _client(swarm_, prefill_chunk_tokens=0)
     try:
         results = {}
         for name, client in (("whole", whole), ("chunked", chunked)):
@@ -175,7 +173,7 @@ def test_server_dying_mid_prefill_keeps_the_logits_exact(swarm, monkeypatch):
             swarm_.servers.remove(server)
             swarm_.start_server(BlockRange(*server.ready["blocks"]))
     ids = torch.randint(3, 500, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(1))
-    client = _client(path, swarm_, prefill_chunk_tokens=6)
+    client = _client(swarm_, prefill_chunk_tokens=6)
     receive = SpanStream.receive
     state = {"victim": None, "seen": 0, "killed": False}
 

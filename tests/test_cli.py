@@ -13,8 +13,8 @@ import pytest
 
 from swarmlm import __version__
 from swarmlm.cli.main import VERBS, main
-from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
+from tests.swarm_helpers import server_processes
 
 
 def swarmlm(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -100,8 +100,7 @@ def test_refused_connection_is_named(tiny_bloom):
 
 @pytest.mark.slow
 def test_blocks_nobody_serves_are_named_and_the_server_reports_progress(tiny_bloom):
-    with LocalSwarm(tiny_bloom) as swarm:
-        swarm.start([BlockRange(0, 3)])
+    with server_processes(tiny_bloom, [BlockRange(0, 3)]) as swarm:  # the CLI is the client
         done = swarmlm("generate", "--model", tiny_bloom, "--initial-peers", *swarm.initial_peers,
                        "--wait-for-blocks", "1", "--input-ids", "1,2")
         log = swarm.servers[0].log_path.read_text()

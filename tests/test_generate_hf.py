@@ -11,8 +11,8 @@ import torch
 from transformers import AutoTokenizer, StoppingCriteria, TextIteratorStreamer
 
 from swarmlm import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
-from swarmlm.swarm.local import LocalSwarm, even_split
-from tests.swarm_helpers import reference_model
+from swarmlm.swarm.local import even_split
+from tests.swarm_helpers import reference_model, server_processes
 
 pytestmark = pytest.mark.slow
 PROMPT = "the quick brown fox jumps over"
@@ -21,8 +21,8 @@ PROMPT = "the quick brown fox jumps over"
 @pytest.fixture(scope="module", params=["bloom", "llama"])
 def swarm(request, checkpoints):
     path = checkpoints[request.param]
-    with LocalSwarm(path) as swarm:
-        swarm.start(even_split(6, 2))
+    with server_processes(path, even_split(6, 2)) as swarm:
+        # the client as users write it (the Auto class, the DHT's peers): what this file checks is theirs
         model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=swarm.initial_peers)
         ref = reference_model(path)
         tok = AutoTokenizer.from_pretrained(path)

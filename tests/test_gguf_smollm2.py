@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.model.checkpoint import load_tokenizer, load_transformers_model
-from swarmlm.swarm.local import LocalSwarm, even_split
+from swarmlm.swarm.local import even_split
 from swarmlm.types import BlockRange
+from tests.swarm_helpers import running_swarm
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["What is the capital of France?", "Name a primary color."]
@@ -19,11 +19,8 @@ NUM_BLOCKS = 30
 @pytest.fixture(scope="module")
 def swarm(smollm2_gguf):
     torch.set_num_threads(1)
-    with LocalSwarm(smollm2_gguf) as swarm:
-        swarm.start(even_split(NUM_BLOCKS, 2))
-        client = DistributedModelForCausalLM.from_pretrained(smollm2_gguf, initial_peers=swarm.initial_peers)
+    with running_swarm(smollm2_gguf, even_split(NUM_BLOCKS, 2)) as (swarm, client):
         yield swarm, client, load_transformers_model(smollm2_gguf), load_tokenizer(smollm2_gguf)
-        client.close()
 
 
 def _chat(tokenizer, question: str) -> dict:

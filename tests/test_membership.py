@@ -10,7 +10,6 @@ import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.model.random_checkpoint import init_checkpoint
 from swarmlm.swarm.dht import announce, default_prefix, fetch_records, owner_subkey, visible_addrs
 from swarmlm.swarm.dht_thread import ThreadDHT
@@ -18,7 +17,7 @@ from swarmlm.swarm.identity import Identity
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.swarm.records import JOINING, LOADING, ONLINE, ServerRecord
 from swarmlm.types import BlockRange
-from tests.swarm_helpers import even_out_view
+from tests.swarm_helpers import client_of, even_out_view, server_processes
 
 
 def test_forged_and_unsigned_records_are_rejected():
@@ -102,8 +101,7 @@ def test_joining_and_loading_records_are_seen_by_placement_only():
 
 @pytest.mark.slow
 def test_dead_server_leaves_routes_within_seconds(tiny_bloom):
-    with LocalSwarm(tiny_bloom) as swarm:
-        swarm.start([BlockRange(0, 6), BlockRange(0, 6)])
+    with server_processes(tiny_bloom, [BlockRange(0, 6), BlockRange(0, 6)]) as swarm:
         reader = ThreadDHT(swarm.initial_peers, client_mode=True)  # what clients run (no fork)
         prefix = default_prefix(tiny_bloom)
         try:
@@ -196,7 +194,7 @@ def test_rebalancing_covers_blocks_a_dead_server_left(tiny_bloom):
                 time.sleep(0.5)
         finally:
             reader.shutdown()
-        client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers)
+        client = client_of(swarm)
         out = client.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3)
         assert out.shape == (1, 6)
         client.close()
@@ -211,8 +209,7 @@ def test_concurrent_sessions_spread_over_replicas(tiny_bloom):
         swarm.start_server(BlockRange(0, 6))
         swarm.start_server(BlockRange(0, 6))
         # a still view once both are seen (no re-read between the sessions), evened out: load alone decides
-        client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers,
-                                                             records_max_age_s=600.0)
+        client = client_of(swarm, records_max_age_s=600.0)
         deadline = time.monotonic() + 120
         while len(client.remote.view.usable()) < 2:  # either server alone covers the model: wait to see both
             assert time.monotonic() < deadline, "the second replica never appeared in the DHT"

@@ -1,6 +1,7 @@
 """Prompt caches that outlive a session (issue 25): keys, the server's store and its budget in one process; then
-conversations through server processes: the same tokens with and without the cache, earlier turns not prefilled
-again, logits of a fresh prefill, scopes (open swarm: private; private swarm: shared on request), the off switches."""
+conversations through servers (in this process where only the protocol is at stake; processes for a private swarm,
+the off switch's flag and SIGKILLs): the same tokens with and without the cache, earlier turns not prefilled again,
+logits of a fresh prefill, scopes (open swarm: private; private swarm: shared on request), the off switches."""
 from __future__ import annotations
 
 import pytest
@@ -13,12 +14,12 @@ from swarmlm.errors import CapacityExceeded
 from swarmlm.server.prefix_cache import PrefixCache, tag_runs
 from swarmlm.server.sessions import SessionTable
 from swarmlm.server.stage import Stage
-from swarmlm.swarm.local import LocalSwarm, even_split
+from swarmlm.swarm.local import even_split
 from swarmlm.swarm.private import create_swarm_key, load_swarm_key
 from swarmlm.types import BlockRange, Span
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire.prefix_keys import RUN_TOKENS, chain_keys, scope_digest, tag_of
-from tests.swarm_helpers import even_out_view, stub
+from tests.swarm_helpers import client_of, even_out_view, in_process_swarm, running_swarm, server_processes, stub
 
 torch.set_num_threads(1)
 NEW_TOKENS = 5
@@ -148,8 +149,7 @@ def _turns(seed: int, first: int = 37) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def two_servers(tiny_bloom):
-    with LocalSwarm(tiny_bloom, with_dht=False) as swarm:
-        swarm.start(even_split(6, 2))
+    with in_process_swarm(tiny_bloom, even_split(6, 2)) as swarm:  # the protocol: servers in this process
         yield swarm
 
 
@@ -157,8 +157,8 @@ def two_servers(tiny_bloom):
 def test_a_4_turn_conversation_gives_the_same_tokens_and_earlier_turns_are_not_prefilled_again(tiny_bloom,
                                                                                                 two_servers):
     swarm = two_servers
-    off = DistributedModelForCausalLM.from_pretrained(tiny_bloom, servers=swarm.addresses, prefix_cache=False)
-    on = DistributedModelForCausalLM.from_pretrained(tiny_bloom, servers=swarm.addresses)
+    off = client_of(swarm, prefix_cache=False)
+    on = client_of(swarm)
     try:
         before = _counters(swarm)
         want = _conversation(off, _turns(1))
@@ -186,8 +186,8 @@ def test_a_4_turn_conversation_gives_the_same_tokens_and_earlier_turns_are_not_p
 def test_logits_from_a_cached_prefix_match_a_fresh_prefill_and_transformers(tiny_bloom, two_servers):
     swarm = two_servers
     ids = torch.randint(10, 250, (1, 50), generator=torch.Generator().manual_seed(3))
-    on = DistributedModelForCausalLM.from_pretrained(tiny_bloom, servers=swarm.addresses)
-    off = DistributedModelForCausalLM.from_pretrained(tiny_bloom, servers=swarm.addresses, prefix_cache=False)
+    on = client_of(swarm)
+    off = client_of(swarm, prefix_cache=False)
     ref = AutoModelForCausalLM.from_pretrained(tiny_bloom).eval()
     try:
         with on.inference_session(max_length=60).open(ids[0, :40].tolist()) as first:
@@ -212,8 +212,8 @@ def test_logits_from_a_cached_prefix_match_a_fresh_prefill_and_transformers(tiny
 def test_in_an_open_swarm_a_second_client_does_not_see_the_first_clients_entries(tiny_bloom, two_servers):
     swarm = two_servers
     ids = torch.randint(10, 250, (1, 50), generator=torch.Generator().manual_seed(4))
-    first = DistributedModelForCausalLM.from_pretrained(tiny_bloom, servers=swarm.addresses)
-    second = DistributedModelForCausalLM.from_pretrained(tiny_bloom, servers=swarm.addresses)
+    first = client_of(swarm)
+    second = client_of(swarm)
     try:
         for _ in range(2):
             first.generate(ids, max_new_tokens=2, do_sample=False)
@@ -232,10 +232,8 @@ def test_in_a_private_swarm_sharing_is_a_choice(tiny_bloom, tmp_path):
     create_swarm_key(key_file)
     key = load_swarm_key(key_file)
     ids = torch.randint(10, 250, (1, 50), generator=torch.Generator().manual_seed(5))
-    with LocalSwarm(tiny_bloom, with_dht=False, swarm_key_file=key_file) as swarm:
-        swarm.start(even_split(6, 2))
-        clients = [DistributedModelForCausalLM.from_pretrained(tiny_bloom, servers=swarm.addresses, swarm_key=key,
-                                                               prefix_share=share) for share in (True, True, False)]
+    with server_processes(tiny_bloom, even_split(6, 2), dht=False, swarm_key_file=key_file) as swarm:
+        clients = [client_of(swarm, swarm_key=key, prefix_share=share) for share in (True, True, False)]
         try:
             clients[0].generate(ids, max_new_tokens=2, do_sample=False)
             held = []
@@ -251,18 +249,14 @@ def test_in_a_private_swarm_sharing_is_a_choice(tiny_bloom, tmp_path):
 @pytest.mark.slow
 def test_both_switches_turn_it_off(tiny_bloom):
     ids = torch.randint(10, 250, (1, 40), generator=torch.Generator().manual_seed(6))
-    with LocalSwarm(tiny_bloom, with_dht=False, server_args=["--prefix-cache-mb", "0"]) as swarm:
-        swarm.start(even_split(6, 2))
-        client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, servers=swarm.addresses)
-        try:
-            a = client.generate(ids, max_new_tokens=3, do_sample=False)
-            b = client.generate(ids, max_new_tokens=3, do_sample=False)
-            assert torch.equal(a, b)
-            infos = [stub(addr).Info(pb.InfoRequest()) for addr in swarm.addresses]
-            assert not any(i.HasField("prefix_cache") for i in infos)
-            assert all(i.tokens_computed == 2 * (40 + 2) for i in infos)
-        finally:
-            client.close()
+    no_cache = ["--prefix-cache-mb", "0"]
+    with running_swarm(tiny_bloom, even_split(6, 2), dht=False, server_args=no_cache) as (swarm, client):
+        a = client.generate(ids, max_new_tokens=3, do_sample=False)
+        b = client.generate(ids, max_new_tokens=3, do_sample=False)
+        assert torch.equal(a, b)
+        infos = [stub(addr).Info(pb.InfoRequest()) for addr in swarm.addresses]
+        assert not any(i.HasField("prefix_cache") for i in infos)
+        assert all(i.tokens_computed == 2 * (40 + 2) for i in infos)
     with pytest.raises(ValueError, match="private swarm"):
         DistributedModelForCausalLM.from_pretrained(tiny_bloom, servers=["127.0.0.1:1"], prefix_share=True)
 
@@ -382,11 +376,9 @@ def test_sigkilled_servers_of_a_session_started_from_a_cached_prefix_fail_over_t
     SIGKILLed: the tokens are those of a client without the cache."""
     ranges = [BlockRange(0, 3), BlockRange(3, 6)]
     ids = torch.randint(10, 250, (1, 45), generator=torch.Generator().manual_seed(9))
-    with LocalSwarm(tiny_bloom, with_dht=False) as swarm:
-        swarm.start(ranges + ranges)
-        on = DistributedModelForCausalLM.from_pretrained(tiny_bloom, servers=swarm.addresses, ban_base_s=60.0,
-                                                         records_max_age_s=60.0)
-        off = DistributedModelForCausalLM.from_pretrained(tiny_bloom, servers=swarm.addresses, prefix_cache=False)
+    with server_processes(tiny_bloom, ranges + ranges, dht=False) as swarm:
+        on = client_of(swarm, ban_base_s=60.0, records_max_age_s=60.0)
+        off = client_of(swarm, prefix_cache=False)
         try:
             first = on.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
                                 do_sample=False)

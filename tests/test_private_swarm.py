@@ -17,13 +17,12 @@ from swarmlm.errors import SwarmAccessDenied
 from swarmlm.swarm.dht import announce, default_prefix, fetch_records
 from swarmlm.swarm.dht_thread import ThreadDHT
 from swarmlm.swarm.identity import Identity
-from swarmlm.swarm.local import LocalSwarm
 from swarmlm.swarm.private import AUTH_WINDOW_S, TokenChecker, create_swarm_key, load_swarm_key, make_token
 from swarmlm.swarm.records import ServerRecord
 from swarmlm.types import BlockRange
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
-from tests.swarm_helpers import greedy_reference
+from tests.swarm_helpers import client_of, greedy_reference, server_processes
 
 NEW_TOKENS = 6
 
@@ -55,18 +54,15 @@ def key_file(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def swarm(tiny_bloom, key_file):
-    with LocalSwarm(tiny_bloom, swarm_key_file=key_file) as swarm:
-        swarm.start([BlockRange(0, 3), BlockRange(3, 6)])
+    with server_processes(tiny_bloom, [BlockRange(0, 3), BlockRange(3, 6)], swarm_key_file=key_file) as swarm:
         yield swarm
 
 
 @pytest.mark.slow
 def test_holders_of_the_key_generate_exactly(swarm, tiny_bloom, key_file):
     ids, want = greedy_reference(tiny_bloom, "only members", NEW_TOKENS)
-    client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers,
-                                                         swarm_key=load_swarm_key(key_file))
-    pushing = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers,
-                                                          swarm_key=load_swarm_key(key_file), push=True)
+    client = client_of(swarm, swarm_key=load_swarm_key(key_file))
+    pushing = client_of(swarm, swarm_key=load_swarm_key(key_file), push=True)
     try:
         out = client.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
         assert out[0, ids.shape[1]:].tolist() == want

@@ -6,19 +6,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from swarmlm.client.model import DistributedModelForCausalLM
-from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
+from tests.swarm_helpers import running_swarm
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
 
 
 def test_server_killed_between_forward_and_backward(tiny_llama):
-    with LocalSwarm(tiny_llama, with_dht=False) as swarm:
-        swarm.start([BlockRange(0, 6), BlockRange(0, 3), BlockRange(3, 6)])
-        model = DistributedModelForCausalLM.from_pretrained(tiny_llama, servers=swarm.addresses, dtype="float32",
-                                                            ban_base_s=30.0)
+    with running_swarm(tiny_llama, [BlockRange(0, 6), BlockRange(0, 3), BlockRange(3, 6)], dht=False,
+                       dtype="float32", ban_base_s=30.0) as (swarm, model):
         ref = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
         ids = torch.randint(0, 512, (2, 10), generator=torch.Generator().manual_seed(0))
         embeds = ref.get_input_embeddings()(ids).detach()
@@ -32,4 +29,3 @@ def test_server_killed_between_forward_and_backward(tiny_llama):
         ref(inputs_embeds=y, labels=ids).loss.backward()
         assert not victim.alive
         assert ((x.grad - y.grad).norm() / y.grad.norm()).item() < 1e-4
-        model.close()

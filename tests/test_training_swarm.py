@@ -9,7 +9,8 @@ from peft import LoraConfig, PromptTuningConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from swarmlm.client.model import DistributedModelForCausalLM
-from swarmlm.swarm.local import LocalSwarm, even_split
+from swarmlm.swarm.local import even_split
+from tests.swarm_helpers import client_of, server_processes
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
@@ -23,14 +24,12 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.fixture(scope="module", params=["llama", "bloom"])
 def swarm(request, checkpoints):
     path = checkpoints[request.param]
-    with LocalSwarm(path, with_dht=False) as swarm:
-        swarm.start(even_split(6, 2))
-        yield request.param, path, swarm.addresses
+    with server_processes(path, even_split(6, 2), dht=False) as processes:
+        yield request.param, path, processes
 
 
 def client(swarm, **tuning) -> DistributedModelForCausalLM:
-    _, path, servers = swarm
-    return DistributedModelForCausalLM.from_pretrained(path, servers=servers, dtype="float32", **tuning)
+    return client_of(swarm[2], dtype="float32", **tuning)
 
 
 def reference(swarm):

@@ -152,10 +152,10 @@ class StepOrder:
 class Pusher:
     """Outgoing pushes: one channel per target address, writes ordered decode-first per link (as the client's)."""
 
-    def __init__(self, max_message_bytes: int, timeout_s: float = 10.0, interceptors: Sequence = ()) -> None:
+    def __init__(self, max_message_bytes: int, timeout_s: float, interceptors: Sequence = ()) -> None:
         self.max_message_bytes = max_message_bytes
         self.interceptors = interceptors  # a private swarm's token on every push (swarm/private.py)
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # ServerConfig.push_timeout_s
         self.links = Links(TransmissionPolicy(prefill_window=None))
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, pb_grpc.SwarmStub]] = OrderedDict()
         self.pushed = 0

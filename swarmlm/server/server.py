@@ -6,6 +6,7 @@ sessions, waits for open sessions to finish (up to `drain_timeout_s`), then stop
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
@@ -20,7 +21,7 @@ from swarmlm.config import ServerConfig
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.perf.profile import cached_profile
 from swarmlm.server.scheduler import Scheduler
-from swarmlm.server.service import ServerStats, SwarmService, add_to_server
+from swarmlm.server.service import ServerStats, SwarmService, add_to_server, measured_speeds
 from swarmlm.server.auth import server_interceptors
 from swarmlm.server.stage import Stage
 from swarmlm.swarm.identity import Identity
@@ -137,11 +138,7 @@ class Server:
         log.info("loaded %d blocks in %.1f s (%.0f MiB)", blocks.length, time.perf_counter() - t0,
                  self.stage.weight_bytes / 2**20)
         profile = cached_profile(self.stage, cfg.threads, cfg.profile_cache_dir)
-        stats = ServerStats(
-            server_id=self.server_id, model=self.prefix or "", decode_s_per_block=profile.decode_s,
-            prefill_a_s=profile.prefill_a_s, prefill_b_s=profile.prefill_b_s,
-            decode_4rows_s_per_block=profile.decode_4rows_s, decode_16rows_s_per_block=profile.decode_16rows_s,
-        )
+        stats = ServerStats(server_id=self.server_id, model=self.prefix or "", **measured_speeds(profile))
         self._scheduler = Scheduler(cfg.threads, cfg.scheduler)
         self.service = SwarmService(cfg, self.stage, self._scheduler, stats)
         if self.dht is not None:  # pushes go only to servers announced for the next block (server/push.py)
@@ -249,10 +246,7 @@ class Server:
             profile = await loop.run_in_executor(
                 None, cached_profile, stage, self.config.threads, self.config.profile_cache_dir)
             self.stage = self.service.stage = stage
-            self.service.stats.decode_s_per_block = profile.decode_s
-            self.service.stats.prefill_a_s, self.service.stats.prefill_b_s = profile.prefill_a_s, profile.prefill_b_s
-            self.service.stats.decode_4rows_s_per_block = profile.decode_4rows_s
-            self.service.stats.decode_16rows_s_per_block = profile.decode_16rows_s
+            self.service.stats = dataclasses.replace(self.service.stats, **measured_speeds(profile))
             self.service.accepting = True
         print(json.dumps({"event": "moved", "server_id": self.server_id, "blocks": [blocks.start, blocks.end]}),
               flush=True)
@@ -261,10 +255,7 @@ class Server:
         # one JSON line on stdout: launchers (demo, tests, bench) wait for it
         print(json.dumps({
             "event": "ready", "server_id": self.server_id, "address": self.address,
-            "blocks": [self.stage.blocks.start, self.stage.blocks.end],
-            "decode_s_per_block": profile.decode_s, "prefill_a_s": profile.prefill_a_s,
-            "prefill_b_s": profile.prefill_b_s, "decode_4rows_s_per_block": profile.decode_4rows_s,
-            "decode_16rows_s_per_block": profile.decode_16rows_s,
+            "blocks": [self.stage.blocks.start, self.stage.blocks.end], **measured_speeds(profile),
         }), flush=True)
 
 

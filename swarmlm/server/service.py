@@ -21,6 +21,7 @@ from swarmlm import __version__
 from swarmlm.config import ServerConfig
 from swarmlm.errors import CapacityExceeded, InvalidRequest, UnknownSession
 from swarmlm.model.fingerprint import range_fingerprint
+from swarmlm.perf.model import ComputeProfile
 from swarmlm.server import prefix_cache
 from swarmlm.server.checks import StepChecks, check_cache_op, decode_step, payload_bytes, peer_host
 from swarmlm.server.prefix_cache import PrefixCache
@@ -57,6 +58,13 @@ class ServerStats:
     prefill_b_s: float = 0.0
     decode_4rows_s_per_block: float = 0.0  # one decode forward of 4 / 16 rows: compute contention (perf/model.py)
     decode_16rows_s_per_block: float = 0.0
+
+
+def measured_speeds(profile: ComputeProfile) -> dict[str, float]:
+    """A ComputeProfile as the server announces it: ServerStats' speed fields (also the keys of its ready line)."""
+    return {"decode_s_per_block": profile.decode_s, "prefill_a_s": profile.prefill_a_s,
+            "prefill_b_s": profile.prefill_b_s, "decode_4rows_s_per_block": profile.decode_4rows_s,
+            "decode_16rows_s_per_block": profile.decode_16rows_s}
 
 
 class _Trimmer:
@@ -119,7 +127,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         self.load = PeerBytes(config.max_peer_bytes_in_flight)
         self.attached: set[str] = set()  # sessions held by a live stream
         self.inboxes: dict[str, asyncio.Queue] = {}  # per attached session: its steps, from the stream and pushes
-        self.pusher = Pusher(config.max_message_bytes, interceptors=client_interceptors(config.swarm_key))
+        self.pusher = Pusher(config.max_message_bytes, config.push_timeout_s, client_interceptors(config.swarm_key))
         self.identity: Identity | None = None  # set by server.py, with the address it announces
         self.address = ""
         # where pushes may go; server.py gives it the DHT's directory when there is a DHT

@@ -170,50 +170,45 @@ class TrainingRpcs:
 
     # ---- RPCs --------------------------------------------------------------------------------------------
     async def forward(self, request: pb.ForwardRequest, context) -> pb.ForwardReply:
-        started = time.perf_counter()
-        outcome = await self._admitted(request, context, pb.ForwardReply(), with_grad=False)
-        if isinstance(outcome, pb.ForwardReply):
-            return outcome
-        req, _, peer, nbytes = outcome
-        try:
-            decoded = time.perf_counter()
-            inputs, queued, compute = await self.run_forward(req)
-            encode_start = time.perf_counter()
-            out = compress.encode_like(inputs[-1], request.hidden.dtype)
-            return pb.ForwardReply(hidden=out, timing=pb.Timing(
-                queued_s=queued, compute_s=compute, decode_s=decoded - started,
-                encode_s=time.perf_counter() - encode_start, batch_size=1))
-        except Exception as exc:  # unexpected (a bug or an OOM)
-            log.exception("training forward failed")
-            return self.service._fail(context, grpc.StatusCode.INTERNAL, f"forward failed: {exc}", pb.ForwardReply())
-        finally:
-            self.service.load.release(peer, nbytes)
+        def encode(inputs: list[torch.Tensor]) -> pb.ForwardReply:
+            return pb.ForwardReply(hidden=compress.encode_like(inputs[-1], request.hidden.dtype))
+
+        return await self._serve(request, context, pb.ForwardReply(), "forward",
+                                 lambda req, _: self.run_forward(req), encode)
 
     async def backward(self, request: pb.BackwardRequest, context) -> pb.BackwardReply:
-        started = time.perf_counter()
-        outcome = await self._admitted(request, context, pb.BackwardReply(), with_grad=True)
-        if isinstance(outcome, pb.BackwardReply):
-            return outcome
-        req, grad, peer, nbytes = outcome
-        try:
-            decoded = time.perf_counter()
-            grad_in, grad_prompts, lora_grads, queued, compute = await self.run_backward(req, grad)
-            encode_start = time.perf_counter()
-            fmt = request.grad_output.dtype
-            reply = pb.BackwardReply(grad_hidden=compress.encode_like(grad_in, fmt))
+        def encode(grad_in: torch.Tensor, grad_prompts: torch.Tensor | None, lora_grads: dict) -> pb.BackwardReply:
+            reply = pb.BackwardReply(grad_hidden=compress.encode_like(grad_in, request.grad_output.dtype))
             if grad_prompts is not None:
                 reply.grad_prompts.CopyFrom(codec.encode(grad_prompts.float()))
             for w in request.lora:
                 reply.grad_lora.append(pb.LoraWeights(
                     block=w.block, module=w.module, a=codec.encode(lora_grads[(w.block, w.module, "a")].float()),
                     b=codec.encode(lora_grads[(w.block, w.module, "b")].float())))
+            return reply
+
+        return await self._serve(request, context, pb.BackwardReply(), "backward", self.run_backward, encode)
+
+    async def _serve(self, request, context, empty, what: str, run, encode):
+        """One training RPC: admitted (validated, charged to the host's bytes in flight; else the refusal), `run(req,
+        grad)` -> (*results, queued_s, compute_s), `encode(*results)` -> the reply, its Timing added; the bytes
+        released. An unexpected error (a bug or an OOM) is an INTERNAL refusal."""
+        started = time.perf_counter()
+        outcome = await self._admitted(request, context, empty, with_grad=isinstance(empty, pb.BackwardReply))
+        if outcome is empty:
+            return outcome
+        req, grad, peer, nbytes = outcome
+        try:
+            decoded = time.perf_counter()
+            *results, queued, compute = await run(req, grad)
+            encode_start = time.perf_counter()
+            reply = encode(*results)
             reply.timing.CopyFrom(pb.Timing(queued_s=queued, compute_s=compute, decode_s=decoded - started,
                                             encode_s=time.perf_counter() - encode_start, batch_size=1))
             return reply
-        except Exception as exc:  # unexpected (a bug or an OOM)
-            log.exception("backward failed")
-            return self.service._fail(context, grpc.StatusCode.INTERNAL, f"backward failed: {exc}",
-                                      pb.BackwardReply())
+        except Exception as exc:
+            log.exception("training %s failed", what)
+            return self.service._fail(context, grpc.StatusCode.INTERNAL, f"{what} failed: {exc}", empty)
         finally:
             self.service.load.release(peer, nbytes)
 
