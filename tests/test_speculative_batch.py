@@ -11,13 +11,11 @@ import pytest
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
 
-from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.client.remote_cache import RemoteCache
 from swarmlm.client.spec_rows import Row, common_cut, draft_limit, is_left_padded, padded_step, real_tokens
 from swarmlm.client.speculative import SpeculationStats, SpeculativeDecoder
-from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
-from tests.swarm_helpers import assert_greedy_up_to_ties, reference_generate, reference_model
+from tests.swarm_helpers import assert_greedy_up_to_ties, reference_generate, reference_model, running_swarm
 
 torch.set_num_threads(1)
 
@@ -122,12 +120,8 @@ def swarm(request, checkpoints):
     ref = reference_model(path)
     half = ref.config.num_hidden_layers // 2
     ranges = [BlockRange(0, half), BlockRange(half, ref.config.num_hidden_layers)]
-    with LocalSwarm(path) as local:
-        local.start(ranges + ranges)  # every block twice: failover has somewhere to go
-        client = DistributedModelForCausalLM.from_pretrained(path, initial_peers=local.initial_peers,
-                                                             ban_base_s=60.0)
-        yield local, client, path, ranges
-        client.close()
+    with running_swarm(path, ranges + ranges, ban_base_s=60.0) as (local, client):  # every block twice: failover
+        yield local, client, path, ranges  # has somewhere to go
 
 
 @pytest.mark.slow

@@ -7,10 +7,8 @@ import signal
 import pytest
 import torch
 
-from swarmlm.client.model import DistributedModelForCausalLM
-from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
-from tests.swarm_helpers import reference_model
+from tests.swarm_helpers import reference_model, running_swarm
 
 torch.set_num_threads(1)
 
@@ -25,12 +23,8 @@ def swarm(request, checkpoints):
     ref = reference_model(path)
     half = ref.config.num_hidden_layers // 2
     ranges = [BlockRange(0, half), BlockRange(half, ref.config.num_hidden_layers)]
-    with LocalSwarm(path) as local:
-        local.start(ranges + ranges)  # every block twice: failover has somewhere to go
-        client = DistributedModelForCausalLM.from_pretrained(path, initial_peers=local.initial_peers,
-                                                             ban_base_s=60.0)
-        yield local, client, ref, ranges
-        client.close()
+    with running_swarm(path, ranges + ranges, ban_base_s=60.0) as (local, client):  # every block twice: failover
+        yield local, client, ref, ranges  # has somewhere to go
 
 
 def greedy(ref, prompt: list[int]) -> list[int]:
