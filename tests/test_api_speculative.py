@@ -4,9 +4,7 @@ speculation, tests/test_api.py); seeded sampling repeats; the drafts are both ac
 share one session whose rows speculate."""
 from __future__ import annotations
 
-import time
 
-import httpx2 as httpx  # what openai 3.x is built on
 import openai
 import pytest
 import torch
@@ -15,8 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from swarmlm.api.engine import ChoiceDecoder, SamplingParams
 from swarmlm.api.group import ChoiceGroup
 from swarmlm.client.model import DistributedModelForCausalLM
-from swarmlm.wire import swarm_pb2 as pb
-from tests.swarm_helpers import assert_greedy_up_to_ties, gateway_stack, stub
+from tests.swarm_helpers import assert_greedy_up_to_ties, assert_n_choices_share_a_session, gateway_stack
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)
@@ -82,20 +79,8 @@ def test_speculative_n_choices_share_one_session(stack, client, tiny_bloom):
     assert all(c.finish_reason in ("stop", "length") and c.text for c in got.choices)
     # their tokens are checked in test_choice_group_speculates (a batch's numerics need a tolerance)
 
-    assert _active_sessions(swarm) == [0, 0]
-    body = {"model": tiny_bloom, "prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0.8, "n": 3,
-            "stream": True}
-    with httpx.Client(timeout=60) as http:
-        with http.stream("POST", f"{gateway.url}/v1/completions", json=body) as response:
-            lines = response.iter_lines()
-            first = next(lines)
-            while not first.startswith("data: "):
-                first = next(lines)
-            assert _active_sessions(swarm) == [1, 1]  # one session per server for the 3 choices, not 3
-    deadline = time.monotonic() + 60
-    while _active_sessions(swarm) != [0, 0]:  # closed when the client went away
-        assert time.monotonic() < deadline, f"sessions left open on the servers: {_active_sessions(swarm)}"
-        time.sleep(0.2)
+    assert_n_choices_share_a_session(gateway.url, swarm, {"model": tiny_bloom, "prompt": PROMPTS[0], "max_tokens": 1000,
+                                                          "temperature": 0.8, "n": 3})
 
 
 def test_speculative_seeded_n_choices_repeat_and_differ(client, tiny_bloom):
@@ -133,10 +118,6 @@ def test_choice_group_speculates(stack, ref, tiny_bloom):
         assert len(got[choice]) == m
         assert_greedy_up_to_ties(tiny_bloom, ids, got[choice])
     assert stats.passes < max(lengths) - 1 and 0 < stats.accepted <= stats.drafted
-
-
-def _active_sessions(swarm) -> list[int]:
-    return [stub(s.address).Info(pb.InfoRequest(), timeout=10).active_sessions for s in swarm.servers if s.alive]
 
 
 def test_gateway_config_refuses_a_bad_speculative_mode():

@@ -14,8 +14,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from swarmlm.client.remote_cache import RemoteCache
 from swarmlm.client.spec_rows import Row, common_cut, draft_limit, is_left_padded, padded_step, real_tokens
 from swarmlm.client.speculative import SpeculationStats, SpeculativeDecoder
-from swarmlm.types import BlockRange
-from tests.swarm_helpers import assert_greedy_up_to_ties, reference_generate, reference_model, running_swarm
+from tests.swarm_helpers import assert_greedy_up_to_ties, reference_generate, reference_model
 
 torch.set_num_threads(1)
 
@@ -114,14 +113,9 @@ def test_batch_stats_sum_the_rows_and_count_trips():
 
 
 # ---- through server processes ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=["bloom", "llama"])
-def swarm(request, checkpoints):
-    path = checkpoints[request.param]
-    ref = reference_model(path)
-    half = ref.config.num_hidden_layers // 2
-    ranges = [BlockRange(0, half), BlockRange(half, ref.config.num_hidden_layers)]
-    with running_swarm(path, ranges + ranges, ban_base_s=60.0) as (local, client):  # every block twice: failover
-        yield local, client, path, ranges  # has somewhere to go
+@pytest.fixture(scope="module")
+def swarm(twice_covered_swarm):
+    return twice_covered_swarm
 
 
 @pytest.mark.slow

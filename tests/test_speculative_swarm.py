@@ -7,8 +7,7 @@ import signal
 import pytest
 import torch
 
-from swarmlm.types import BlockRange
-from tests.swarm_helpers import reference_model, running_swarm
+from tests.swarm_helpers import reference_model
 
 torch.set_num_threads(1)
 
@@ -17,19 +16,14 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [101, 7, 230, 42, 17
 NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module", params=["bloom", "llama"])
-def swarm(request, checkpoints):
-    path = checkpoints[request.param]
-    ref = reference_model(path)
-    half = ref.config.num_hidden_layers // 2
-    ranges = [BlockRange(0, half), BlockRange(half, ref.config.num_hidden_layers)]
-    with running_swarm(path, ranges + ranges, ban_base_s=60.0) as (local, client):  # every block twice: failover
-        yield local, client, ref, ranges  # has somewhere to go
+@pytest.fixture(scope="module")
+def swarm(twice_covered_swarm):
+    return twice_covered_swarm
 
 
-def greedy(ref, prompt: list[int]) -> list[int]:
+def greedy(path: str, prompt: list[int]) -> list[int]:
     with torch.no_grad():
-        out = ref.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+        out = reference_model(path).generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                            do_sample=False)
     return out[0, len(prompt):].tolist()
 
@@ -37,13 +31,13 @@ def greedy(ref, prompt: list[int]) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [4, "auto"])
 def test_speculative_greedy_gives_plain_greedy_tokens(swarm, mode):
-    _, client, ref, _ = swarm
+    _, client, path, _ = swarm
     drafted = accepted = 0
     for prompt in PROMPTS:
         out = client.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                               max_new_tokens=NEW_TOKENS, min_new_tokens=0, do_sample=False, eos_token_id=None,
                               speculative=mode)
-        assert out[0, len(prompt):].tolist() == greedy(ref, prompt)
+        assert out[0, len(prompt):].tolist() == greedy(path, prompt)
         spec = client.last_stats.speculation
         assert spec is not None and spec["tokens"] == NEW_TOKENS - 1  # the prefill chose the first token
         drafted += spec["drafted"]
@@ -75,14 +69,14 @@ class KillAfter:
 @pytest.mark.slow
 @pytest.mark.parametrize("position", [0, 1])
 def test_a_server_killed_during_speculative_generation_changes_nothing(swarm, position):
-    local, client, ref, ranges = swarm
+    local, client, path, ranges = swarm
     prompt = PROMPTS[0]
     with client.inference_session(max_length=len(prompt) + NEW_TOKENS + 8) as session:
         killer = KillAfter(local, session, position, tokens=6)
         out = client.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                               speculative=4, streamer=killer, session=session)
     assert killer.killed is not None
-    assert out[0, len(prompt):].tolist() == greedy(ref, prompt)
+    assert out[0, len(prompt):].tolist() == greedy(path, prompt)
     assert sum(r.failovers for r in client.last_stats.steps) >= 1
     local.servers.remove(killer.killed)  # restore: every block served twice again
     local.start_server(ranges[position])
