@@ -173,14 +173,11 @@ def run_batch_n(args, n: int, num_blocks: int, ids: torch.Tensor, mask: torch.Te
     out = {}
     for name, items in results.items():
         spec = [x["speculation"] for x in items if x["speculation"]]
-        drafted = sum(s["drafted"] for s in spec)
         out[name] = {
-            "tokens_per_s_median": statistics.median(x["tokens_per_s"] for x in items),
+            **common_summary(items, spec),
             "tokens_per_pass": sum(x["generated"] for x in items) / sum(x["passes"] for x in items),
-            "acceptance_rate": sum(s["accepted"] for s in spec) / drafted if drafted else None,
             "resent_per_row": [s["resent"] for s in spec[0]["rows"]] if spec else None,
-            "rows_identical_to_plain": sum(a == b for a, b in zip(items[0]["tokens"], plain)),
-            "pushed": all(x["pushed"] for x in items), "runs": items}
+            "rows_identical_to_plain": sum(a == b for a, b in zip(items[0]["tokens"], plain))}
     for name in out:
         out[name]["vs_plain"] = out[name]["tokens_per_s_median"] / out["plain"]["tokens_per_s_median"]
     return {"servers": n, "batch": int(ids.shape[0]), "network_info": swarm.network_info, "modes": out}
@@ -193,22 +190,26 @@ def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens
 
 
+def common_summary(items: list[dict], spec: list[dict]) -> dict:
+    """What both benchmarks report of one client's runs (`spec`: their speculation stats)."""
+    drafted = sum(s["drafted"] for s in spec)
+    return {"tokens_per_s_median": statistics.median(x["tokens_per_s"] for x in items),
+            "acceptance_rate": sum(s["accepted"] for s in spec) / drafted if drafted else None,
+            "pushed": all(x["pushed"] for x in items), "runs": items}
+
+
 def summarise(results: dict[str, list[dict]]) -> dict:
     plain = [x["tokens"] for x in results["plain"]]
     out = {}
     for name, items in results.items():
         spec = [x["speculation"] for x in items if x["speculation"]]
-        drafted = sum(s["drafted"] for s in spec)
         out[name] = {
-            "tokens_per_s_median": statistics.median(x["tokens_per_s"] for x in items),
+            **common_summary(items, spec),
             "decode_tokens_per_s_median": statistics.median(x["decode_tokens_per_s"] for x in items),
             "identical_to_plain": [x["tokens"] for x in items] == plain,
-            "pushed": all(x["pushed"] for x in items),
             "tokens_per_pass": sum(len(x["tokens"]) for x in items) / sum(x["passes"] for x in items),
-            "acceptance_rate": sum(s["accepted"] for s in spec) / drafted if drafted else None,
             "mean_k": statistics.mean(s["mean_k"] for s in spec) if spec else None,
             "by_kind": _merge_by_kind(spec),
-            "runs": items,
         }
     base = out["plain"]["tokens_per_s_median"]
     decode_base = out["plain"]["decode_tokens_per_s_median"]
