@@ -104,7 +104,7 @@ def run_n(args, n: int, num_blocks: int, prompt_sets: dict[str, list[torch.Tenso
                     for p, ids in enumerate(prompts):
                         order = order[1:] + order[:1]
                         for name in order:
-                            spec = MODES[name][1] or args.speculative
+                            spec = modes[name][1] or args.speculative
                             client = clients[name]
                             # a mask: without one transformers would mask the template's <|im_end|>, SmolLM2's pad
                             # token; generation ends at the model's eos (the answer's end), as a user's would
