@@ -270,8 +270,10 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         logits = self.model(input_ids=ids, attention_mask=mask, cache=self.cache,
                             logits_to_keep=first + 1).logits  # [B, first + 1, V]
-        if self.fixed_k is None:  # the rule learns what passes of this width really cost on this route
-            self.measured.observe(width, model_cost()(width), time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        predicted = model_cost()(width) if self.fixed_k is None else 0.0
+        if predicted > 0:  # the rule learns what passes of this width really cost on this route
+            self.measured.observe(width, predicted, elapsed)
         out = {}
         for j, (r, head, (drafts, q, kind)) in enumerate(zip(self.live, heads, drafted)):
             row = self.rows[r]
