@@ -321,43 +321,36 @@ class SpeculativeDecoder:
         return cost if rows == 1 else (lambda tokens: cost(rows * tokens))
 
     def _draft_rows(self, limits: list[int], cost) -> list[tuple[list[int], list | None, int | None]]:
-        """Every running row's drafts (at most limits[i] for the i-th), as `_draft` gives them.
+        """Every running row's drafts (at most limits[i] for the i-th): (drafts, their distributions q or None for
+        one-hot / greedy, their kind for the acceptance estimate). Prompt lookup drafts first (free) and sizes k by
+        the match it found; a draft model costs time per token, so k is chosen before it drafts.
 
-        A batch in "auto" drafts as one: the servers keep the fewest positions any row keeps, so a row's drafts
+        In "auto" the rows draft as one: the servers keep the fewest positions any row keeps, so a row's drafts
         accepted past the slowest row's are sent again on every later pass until that row catches up (in open-ended
-        text, rarely): the batch moves at its slowest row's pace. k is chosen once, with the lowest of the rows'
+        text, rarely): a batch moves at its slowest row's pace. k is chosen once, with the lowest of the rows'
         acceptance estimates (0 when a row has no draft; rows quote or ramble together, so their acceptances go
-        together rather than independently) and the batch's pass cost."""
+        together rather than independently) and the batch's pass cost. One row is the case of a batch of one."""
         rows = [self.rows[r] for r in self.live]
-        if self.fixed_k is not None or len(rows) == 1:
-            return [self._draft(row, limit, cost) for row, limit in zip(rows, limits)]
         t0 = time.perf_counter()
         if isinstance(rows[0].drafter, PromptLookup):
             found = [row.drafter.lookup(torch.tensor(row.text), limit) if limit > 0 else ([], 0)
                      for row, limit in zip(rows, limits)]
             rate = min(row.estimate.rate(n) if drafts else 0.0 for row, (drafts, n) in zip(rows, found))
-            k = choose_draft_length(rate, cost(), max(len(d) for d, _ in found)) if rate > 0 else 0
+            k = self._draft_length(rate, max(len(d) for d, _ in found), cost)
             for row in rows:
                 row.stats.draft_s += (time.perf_counter() - t0) / len(rows)
             return [(drafts[:k], None, n) if k and drafts else ([], None, None) for drafts, n in found]
         rate = min(row.estimate.rate(DRAFT_MODEL_KIND) for row in rows)
-        k = choose_draft_length(rate, cost(), max(limits), sum(row.draft_s_per_token for row in rows)) \
-            if max(limits) > 0 else 0
+        k = self._draft_length(rate, max(limits), cost, sum(row.draft_s_per_token for row in rows))
         return [self._model_drafts(row, min(k, limit)) for row, limit in zip(rows, limits)]
 
-    def _draft(self, row: Row, limit: int, cost) -> tuple[list[int], list | None, int | None]:
-        """(drafts, their distributions q or None for one-hot / greedy, their kind for the acceptance estimate).
-        Prompt lookup drafts first (free) and sizes k by the match it found; a draft model costs time per token,
-        so k is chosen before it drafts."""
+    def _draft_length(self, rate: float, limit: int, cost, draft_s: float = 0.0) -> int:
+        """The draft length for a pass: the caller's fixed k, or the rule's (0 where no draft is likely)."""
         if limit <= 0:
-            return [], None, None
-        t0 = time.perf_counter()
-        if isinstance(row.drafter, PromptLookup):
-            drafts, n = row.drafter.lookup(torch.tensor(row.text), limit)
-            k = self._draft_length(row, n, len(drafts), cost) if drafts else 0
-            row.stats.draft_s += time.perf_counter() - t0
-            return drafts[:k], None, n
-        return self._model_drafts(row, self._draft_length(row, DRAFT_MODEL_KIND, limit, cost))
+            return 0
+        if self.fixed_k is not None:
+            return min(self.fixed_k, limit)
+        return choose_draft_length(rate, cost(), limit, draft_s) if rate > 0 else 0
 
     def _model_drafts(self, row: Row, k: int) -> tuple[list[int], list | None, int | None]:
         """k drafts from the row's draft model (measuring what a draft token costs)."""
@@ -370,11 +363,6 @@ class SpeculativeDecoder:
             0.8 * row.draft_s_per_token + 0.2 * elapsed / k
         row.stats.draft_s += elapsed
         return drafts, q if self.do_sample else None, DRAFT_MODEL_KIND
-
-    def _draft_length(self, row: Row, kind: int, limit: int, cost) -> int:
-        if self.fixed_k is not None:
-            return min(self.fixed_k, limit)
-        return choose_draft_length(row.estimate.rate(kind), cost(), limit, row.draft_s_per_token)
 
     def _pick(self, row: Row, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """A draft model's next token: its argmax, or a sample from its processed distribution."""
