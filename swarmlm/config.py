@@ -6,7 +6,12 @@ from typing import Literal
 
 from swarmlm.types import BlockRange
 
-QUANT_NAMES = ("none", "int8")  # weight quantization a server may announce (swarmlm/model/quant.py)
+# the form of a server's (or client's) weights (swarmlm/model/quant.py): "auto" = a GGUF's own quantized blocks, a
+# float checkpoint as it is; "none" = dequantized; "int8" / "int4" = a float checkpoint in blocks of 32 on load
+QUANT_NAMES = ("auto", "none", "int8", "int4")
+# what a server announces: whether its weights compute other values than the checkpoint's (a GGUF kept in its own
+# blocks computes the file's values: "none")
+ANNOUNCED_QUANTS = ("none", "int8", "int4")
 # A DHT record lives at most this long after its writer's last store (swarm/records.py): servers' record_ttl_s must
 # fit under it. Defined here, with the settings it bounds: config sits below swarm in the layering.
 MAX_RECORD_TTL_S = 60.0
@@ -110,10 +115,10 @@ class ServerConfig:
     reachability: Literal["auto", "direct", "relayed"] = "auto"
     threads: int = 1  # torch threads for compute; set explicitly, never left to torch's default
     dtype: str = "auto"  # weights and compute: "auto" or one of DTYPE_NAMES (a torch dtype is turned into its name)
-    # weights of the linear layers: "none" (dtype) or "int8" (per-row int8, 1/4 of fp32's bytes, ~1 % relative
-    # error per layer; BLOOMZ-560M logits 2.8 % on AVX512-VNNI CPUs, 4.1 % on AVX2-only ones: 7-bit activations,
-    # swarmlm/model/quant.py logits_error_bound). Announced: clients may refuse them.
-    quant: str = "none"
+    # weights of the linear layers (QUANT_NAMES): "auto" keeps a GGUF's quantized blocks (the file's bytes in memory,
+    # the file's values computed), "int8" / "int4" quantize a float checkpoint weight-only in blocks of 32 (announced:
+    # clients may refuse them), "none" dequantizes everything
+    quant: str = "auto"
     # keep full-precision weights as views of the checkpoint file's mapping (pages shared by the host's servers of
     # the same file) instead of copying them into the process: ~1.5x slower decode here (model/checkpoint.py)
     mmap_weights: bool = False
@@ -202,8 +207,8 @@ class ClientConfig:
     dht_prefix: str | None = None  # default: from the model directory's name
     servers: tuple[str, ...] = ()  # direct server addresses (host:port), bypassing the DHT
     dtype: str = "auto"  # dtype of hidden states on the wire and of the client's modules (DTYPE_NAMES, or a torch dtype)
-    quant: str = "none"  # the client's LM head and embeddings: "none" or "int8" (swarmlm/model/quant.py)
-    require_full_precision: bool = False  # route only through servers announcing quant "none"
+    quant: str = "auto"  # the client's LM head and embeddings (QUANT_NAMES, swarmlm/model/quant.py)
+    require_full_precision: bool = False  # route only through servers announcing quant "none" (not int8 / int4)
     # hidden states on the wire (swarmlm/wire/compress.py): "float32" (exact), "float16", "bfloat16", "int8"
     # (blockwise), or "auto": float32 on loopback and fast links (>= 500 Mbit/s, or not measured yet), float16,
     # int8 below 50 Mbit/s

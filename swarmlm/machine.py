@@ -1,5 +1,5 @@
-"""What this machine is and which CPU kernels torch runs on it: written into every benchmark's result file, and read
-by the int8 layers (swarmlm/model/quant.py) to choose activations the kernel cannot saturate.
+"""What this machine is and which CPU kernels torch and swarmlm's packed weights run on it: written into every
+benchmark's result file.
 
 The same numbers come out differently on an AVX2-only AMD, an AVX512-VNNI Xeon or an AMX one (int8 error, bf16
 speed, batching gains), so a result names its CPU, flags and kernels. Libraries may be told to use fewer
@@ -86,6 +86,7 @@ def machine_info() -> dict:
         "cpu_kind": cpu_kind(), "cores": os.cpu_count(), "flags": cpu_flags(),
         "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "quantized_engine": torch.backends.quantized.engine, "fbgemm_isa": fbgemm_isa(),
+        "packed_kernels": _packed_kernels(),
         "torch_amx": bool(amx()), "torch_threads": torch.get_num_threads(),
         "kernel_env": {k: os.environ[k] for k in KERNEL_ENV if k in os.environ},
     }
@@ -96,4 +97,14 @@ def machine_line(info: dict | None = None) -> str:
     info = info or machine_info()
     forced = ", ".join(f"{k}={v}" for k, v in info["kernel_env"].items())
     return (f"{info['cpu']} ({info['cpu_kind']}; torch {info['torch_cpu_capability']}, fbgemm {info['fbgemm_isa']}"
-            + (f"; forced {forced}" if forced else "") + ")")
+            f", packed {info['packed_kernels']}" + (f"; forced {forced}" if forced else "") + ")")
+
+
+def _packed_kernels() -> str:
+    """The vector unit swarmlm's packed-weight kernels were built for here ("unavailable": no C compiler)."""
+    from swarmlm.kernels import KernelUnavailable, library
+
+    try:
+        return {2: "avx512", 1: "avx2"}.get(library().packed_isa(), "scalar")
+    except KernelUnavailable:
+        return "unavailable"

@@ -18,8 +18,9 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_tiny_gguf(checkpoint: str | Path, out: str | Path, architecture: str = "llama",
-                    mlp_type: str = "Q8_0") -> Path:
-    """`mlp_type`: the MLP matrices' type; one gguf-py cannot dequantize (Q8_1) gets zero bytes of its size."""
+                    mlp_type: str = "Q8_0", matrix_type: str | None = None) -> Path:
+    """`mlp_type`: the MLP matrices' type; one gguf-py cannot dequantize (Q8_1) gets zero bytes of its size.
+    `matrix_type`: if given, every matrix (attention, MLP, embeddings, head) in this type (gguf-py quantizes it)."""
     import gguf
 
     checkpoint, out = Path(checkpoint), Path(out)
@@ -48,7 +49,12 @@ def write_tiny_gguf(checkpoint: str | Path, out: str | Path, architecture: str =
             value = _permute(value, kv_heads)
         name = f"{names.get_name(stem)}.{suffix}"
         qtype = gguf.GGMLQuantizationType[mlp_type]
-        if any(q in hf_name for q in Q8_MATRICES) and mlp_type == "Q8_0":
+        if matrix_type == "F16" and value.ndim == 2:
+            writer.add_tensor(name, value.astype(np.float16))
+        elif matrix_type is not None and value.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[matrix_type]
+            writer.add_tensor(name, gguf.quantize(value, qtype), raw_dtype=qtype)
+        elif any(q in hf_name for q in Q8_MATRICES) and mlp_type == "Q8_0":
             writer.add_tensor(name, gguf.quantize(value, qtype), raw_dtype=qtype)
         elif any(q in hf_name for q in Q8_MATRICES):
             block, type_size = gguf.GGML_QUANT_SIZES[qtype]

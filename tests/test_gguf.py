@@ -1,5 +1,6 @@
 """GGUF checkpoints without any download: a tiny Llama written with gguf-py's GGUFWriter (F32 and Q8_0 tensors, the
-q/k rows in llama.cpp's order) reads back as transformers reads it, one block at a time; bad files are one line."""
+q/k rows in llama.cpp's order) reads back as transformers reads it, one block at a time; bad files are one line.
+Dequantized here (quant "none"): the packed form of the same blocks is tests/test_packed.py's."""
 from __future__ import annotations
 
 import shutil
@@ -32,7 +33,7 @@ def test_blocks_and_client_modules_are_transformers_own(tiny):
     checkpoint, gguf = tiny
     want = load_transformers_model(gguf).state_dict()  # transformers' from_pretrained(dir, gguf_file=...)
     original = load_transformers_model(checkpoint).state_dict()
-    config, _, blocks = load_blocks(gguf, 2, 5)
+    config, _, blocks = load_blocks(gguf, 2, 5, quant="none")
     assert config.num_hidden_layers == 6 and not config.tie_word_embeddings
     got = _block_state(blocks, 2)
     assert len(got) == 3 * 9
@@ -42,7 +43,7 @@ def test_blocks_and_client_modules_are_transformers_own(tiny):
             assert torch.equal(value, original[key]), key
         else:  # Q8_0
             assert 0 < (value - original[key]).abs().max() < 0.01, key
-    _, _, client = load_client_modules(gguf)
+    _, _, client = load_client_modules(gguf, quant="none")
     assert torch.equal(client.embed.weight, want["model.embed_tokens.weight"])
     assert torch.equal(client.final_norm.weight, want["model.norm.weight"])
     assert torch.equal(client.lm_head.weight, want["lm_head.weight"])
@@ -53,11 +54,11 @@ def test_a_block_range_dequantizes_only_its_tensors(tiny):
     checkpoint = open_gguf(gguf)
     want = load_transformers_model(gguf).state_dict()
     before = checkpoint.dequantized_bytes
-    load_blocks(gguf, 1, 3)
+    load_blocks(gguf, 1, 3, quant="none")
     blocks_bytes = sum(v.nbytes for k, v in want.items() if k.startswith(("model.layers.1.", "model.layers.2.")))
     assert checkpoint.dequantized_bytes - before == blocks_bytes
     before = checkpoint.dequantized_bytes
-    load_client_modules(gguf)  # embeddings, final norm, head: no block
+    load_client_modules(gguf, quant="none")  # embeddings, final norm, head: no block
     client_keys = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
     assert checkpoint.dequantized_bytes - before == sum(want[k].nbytes for k in client_keys)
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import swarmlm.machine as machine
-from swarmlm.model.quant import int32_accumulation
 
 
 def test_machine_info_names_the_cpu_its_flags_and_kernels():
@@ -19,8 +18,9 @@ def test_machine_info_names_the_cpu_its_flags_and_kernels():
     assert info["torch_threads"] == torch.get_num_threads()
     kind_flag = {"amx": "amx_tile", "avx512-vnni": "avx512_vnni", "avx512": "avx512f", "avx2": "avx2"}
     assert info["cpu_kind"] == "other" or info["flags"][kind_flag[info["cpu_kind"]]]
+    assert info["packed_kernels"] in ("avx512", "avx2", "scalar")
     line = machine.machine_line(info)
-    assert info["cpu"] in line and info["fbgemm_isa"] in line
+    assert info["cpu"] in line and info["fbgemm_isa"] in line and f"packed {info['packed_kernels']}" in line
 
 
 def test_fbgemm_isa_follows_its_setting_but_never_beyond_the_cpu(monkeypatch):
@@ -28,13 +28,12 @@ def test_fbgemm_isa_follows_its_setting_but_never_beyond_the_cpu(monkeypatch):
         pytest.skip("fbgemm's x86 kernels only")
     monkeypatch.delenv("FBGEMM_ENABLE_INSTRUCTIONS", raising=False)
     native = machine.fbgemm_isa()
-    assert int32_accumulation() == native.startswith("avx512_vnni")
     monkeypatch.setenv("FBGEMM_ENABLE_INSTRUCTIONS", "avx2")  # fbgemm reads it case-insensitively
-    assert machine.fbgemm_isa() == "avx2" and not int32_accumulation()  # 7-bit activations: int16 pair sums
+    assert machine.fbgemm_isa() == "avx2"
     monkeypatch.setenv("FBGEMM_ENABLE_INSTRUCTIONS", "NOT_AN_ISA")
     assert machine.fbgemm_isa() == native
     # a CPU without VNNI (or AVX512) is not made one by asking
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
     monkeypatch.setattr(machine, "cpu_flags", lambda: dict.fromkeys(machine.FLAGS_OF_INTEREST, False))
     monkeypatch.setenv("FBGEMM_ENABLE_INSTRUCTIONS", "AVX512_E1")
-    assert machine.fbgemm_isa() == "avx2" and not int32_accumulation()
+    assert machine.fbgemm_isa() == "avx2"

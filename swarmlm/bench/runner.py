@@ -48,7 +48,7 @@ class BenchConfig:
     log_dir: str | None = None  # server logs (default: a temporary directory per swarm)
     push: str = "auto"  # server-to-server push (ClientConfig.push): "auto" | "on" | "off"
     prefill_chunk_tokens: int | None = None  # ClientConfig.prefill_chunk_tokens: None = auto, 0 = off
-    quant: str = "none"  # servers' blocks and the client's head + embeddings: "none" | "int8" (model/quant.py)
+    quant: str = "auto"  # servers' blocks and the client's head + embeddings (QUANT_NAMES, model/quant.py)
     wire_dtype: str = "auto"  # ClientConfig.wire_dtype: hidden states on the wire (wire/compress.py)
     dtype: str = "auto"  # weights and compute on servers and client (config.DTYPE_NAMES)
 

@@ -122,8 +122,9 @@ def add_client_precision(p: argparse.ArgumentParser) -> None:
     """--quant, --require-full-precision, --wire-dtype: what a client (generate, api) computes and sends in."""
     from swarmlm.config import QUANT_NAMES, WIRE_DTYPE_NAMES
 
-    p.add_argument("--quant", default="none", choices=QUANT_NAMES,
-                   help="the client's LM head and embeddings in int8 (swarmlm/model/quant.py)")
+    p.add_argument("--quant", default="auto", choices=QUANT_NAMES,
+                   help="the client's LM head and embeddings: auto = a GGUF's own blocks; none = dequantized; "
+                        "int8 / int4 = quantized in blocks of 32 (swarmlm/model/quant.py)")
     p.add_argument("--require-full-precision", action="store_true",
                    help="route only through servers that announce full-precision weights (quant none)")
     p.add_argument("--wire-dtype", default="auto", choices=WIRE_DTYPE_NAMES,

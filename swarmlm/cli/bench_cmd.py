@@ -71,8 +71,8 @@ def add_parser(sub) -> None:
     add_speculative(p)
     add_prefill_chunks(p)
     p.add_argument("--server-threads", type=int, default=1)
-    p.add_argument("--quant", default="none", choices=QUANT_NAMES,
-                   help="int8 weights in the servers' blocks and the client's head + embeddings (model/quant.py)")
+    p.add_argument("--quant", default="auto", choices=QUANT_NAMES,
+                   help="weights of the servers' blocks and the client's head + embeddings (model/quant.py)")
     p.add_argument("--wire-dtype", default="auto", choices=WIRE_DTYPE_NAMES,
                    help="hidden states on the wire (wire/compress.py); auto: float32 on fast links, smaller on slow")
     p.add_argument("--client-threads", type=int, default=1)

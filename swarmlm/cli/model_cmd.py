@@ -39,10 +39,11 @@ def run(args: argparse.Namespace) -> int:
 def _fetch(name: str) -> int:
     import time
 
-    from swarmlm.model.catalog import fetch, gguf_path
+    from swarmlm.model.catalog import fetch
 
     t0 = time.perf_counter()
     out = fetch(name)
-    print(f"{name}: checkpoint {out} (GGUF {gguf_path(name)}; {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    print(f"{name}: GGUF {out} ({out.stat().st_size / 2**20:.0f} MiB; {time.perf_counter() - t0:.1f} s)",
+          file=sys.stderr)
     print(out)
     return 0

@@ -33,8 +33,9 @@ def add_parser(sub) -> None:
     p.add_argument("--announce-host", help="address others dial, if not --host")
     p.add_argument("--threads", type=int, default=SERVER.threads, help="torch threads for compute")
     p.add_argument("--quant", default=SERVER.quant, choices=QUANT_NAMES,
-                   help="int8: the blocks' linear layers quantized on load (~1/4 of fp32's weight memory, faster "
-                        "decode on CPU, ~1 %% logits error; needs float32; announced to clients)")
+                   help="auto: a GGUF's quantized blocks kept as the file has them; none: dequantized; int8 / int4: a "
+                        "float checkpoint's linear layers quantized weight-only in blocks of 32 (announced to "
+                        "clients) (model/quant.py)")
     p.add_argument("--adapters", nargs="*", default=[],
                    help="PEFT LoRA adapters to pre-load, directories or hub ids from the local HF cache (announced; clients "
                         "choose one per session with active_adapter=<directory or repo name>; docs/FINETUNING.md)")

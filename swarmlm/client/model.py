@@ -58,8 +58,8 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         self.client_config = config
         torch.set_num_threads(config.threads)
         self.dtype = parse_dtype(config.dtype, model_dir)  # "auto": the checkpoint's own (checkpoint.auto_dtype)
-        self.config, self.adapter, self.client_modules = load_client_modules(model_dir, self.dtype)
-        quantize_client_modules(self.client_modules, config.quant, self.dtype)  # int8 head + embeddings (or none)
+        self.config, self.adapter, self.client_modules = load_client_modules(model_dir, self.dtype, config.quant)
+        quantize_client_modules(self.client_modules, config.quant)  # int8 / int4 head + embeddings (or as loaded)
         self.generation_config = _generation_config(self.model_dir, self.config)
         self.num_blocks = int(self.config.num_hidden_layers)
         self.remote = RemoteSequence(config, self.num_blocks, config.dht_prefix or default_prefix(model_dir))

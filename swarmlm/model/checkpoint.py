@@ -18,7 +18,9 @@ from transformers import AutoConfig, PretrainedConfig
 from swarmlm.config import dtype_name
 from swarmlm.model.families import ClientModules, FamilyAdapter, family_for
 from swarmlm.model.gguf import GGUFCheckpoint, open_gguf
-from swarmlm.model.quant import Quant, check_quant, quantize_linears
+from swarmlm.model.packed import PackedLinear, PackedTensor
+from swarmlm.model.quant import check_quant, keeps_file_blocks, linear_names, packed_embedding, quantize_linears, \
+    swap_in_packed
 from swarmlm.model.source import ModelSource, resolve
 
 log = logging.getLogger(__name__)
@@ -218,37 +220,42 @@ def _dtype(dtype: torch.dtype | str, config: PretrainedConfig) -> torch.dtype:
 
 
 def load_blocks(
-    model: ModelRef, start: int, end: int, dtype: torch.dtype | str = torch.float32, quant: Quant = "none",
+    model: ModelRef, start: int, end: int, dtype: torch.dtype | str = torch.float32, quant: str = "auto",
     mmap: bool = False,
 ) -> tuple[PretrainedConfig, FamilyAdapter, nn.ModuleList]:
     """Blocks [start, end) of the checkpoint; their caches use layers 0..end-start-1.
 
-    The weights are copied into the process's own memory, block by block. `mmap=True` keeps full-precision
-    weights as views of the safetensors file's mapping instead: its pages are shared by every process on the host
-    that serves the same file, but on this machine a decode step reads them ~1.5x slower (a memory-bound matmul
-    over file-backed pages; docs/RESULTS-perf.md, "weights in process memory").
+    A GGUF's quantized matrices stay in the file's blocks (quant "auto"; model/quant.py): each linear layer whose
+    weight is one becomes a PackedLinear holding the file's bytes, the rest (norms, biases, other types) is
+    dequantized. Float weights are copied into the process's own memory, block by block. `mmap=True` keeps
+    full-precision weights as views of the safetensors file's mapping instead: its pages are shared by every process
+    on the host that serves the same file, but on this machine a decode step reads them ~1.5x slower (a memory-bound
+    matmul over file-backed pages; docs/RESULTS-perf.md, "weights in process memory").
 
-    With quant "int8" each block is quantized as soon as it is read, so at most one block is ever held in full
-    precision: the process's peak (and, since the allocator keeps freed heap, its resident) memory follows the
-    int8 size, not the checkpoint's."""
+    With quant "int8" / "int4" each block is quantized as soon as it is read, so at most one block is ever held in
+    full precision: the process's peak (and, since the allocator keeps freed heap, its resident) memory follows the
+    quantized size, not the checkpoint's."""
     config = load_config(model)
     if not 0 <= start < end <= num_blocks(config):
         raise ValueError(f"blocks [{start}, {end}) outside the model's [0, {num_blocks(config)})")
     dtype = _dtype(dtype, config)
-    check_quant(quant, dtype)
     adapter = family_for(config)
     index = tensor_index(model)
+    keep_blocks = keeps_file_blocks(quant, isinstance(index, GGUFTensorIndex))
     prefix = index.stack_prefix(adapter)
     blocks = nn.ModuleList()
     for local, global_idx in enumerate(range(start, end)):
         block_prefix = prefix + adapter.block_prefix().format(global_idx)
-        tensors = index.read(index.keys_under(block_prefix))
         with torch.device("meta"):  # no random init of weights we are about to replace
             block = adapter.build_block(config, global_idx, cache_idx=local)
+        keys = index.keys_under(block_prefix)
+        packed = _packed_linears(index, block, block_prefix, keys) if keep_blocks else {}
+        tensors = index.read([k for k in keys if k[len(block_prefix):].removesuffix(".weight") not in packed])
         # safetensors' tensors are views of the file's mmap; to quantize, copy them too, or the norms and biases
         # left over would keep the whole mapping, and every weight page quantization read, resident
-        copy = not mmap or quant != "none"
+        copy = not mmap or quant in ("int8", "int4")
         state = adapter.convert_block_state({k[len(block_prefix):]: v.to(dtype, copy=copy) for k, v in tensors.items()})
+        swap_in_packed(block, packed)
         block.load_state_dict(state, strict=True, assign=True)
         del tensors, state  # the block's own full-precision copy is the only one left ...
         blocks.append(quantize_linears(block.eval().requires_grad_(False), quant))  # ... until this replaces it
@@ -256,9 +263,24 @@ def load_blocks(
     return config, adapter, blocks
 
 
+def _packed_linears(index: "GGUFTensorIndex", block: nn.Module, block_prefix: str,
+                    keys: list[str]) -> dict[str, PackedTensor]:
+    """The block's linear layers whose GGUF weight stays in its blocks: layer name -> its PackedTensor."""
+    linears = linear_names(block)
+    packed = {}
+    for key in keys:
+        name = key[len(block_prefix):].removesuffix(".weight")
+        if key.endswith(".weight") and name in linears and index.gguf.packable(key):
+            weight = index.gguf.read_packed(key)
+            if weight is not None:
+                packed[name] = weight
+    return packed
+
+
 def load_client_modules(
-    model: ModelRef, dtype: torch.dtype | str = torch.float32
+    model: ModelRef, dtype: torch.dtype | str = torch.float32, quant: str = "auto",
 ) -> tuple[PretrainedConfig, FamilyAdapter, ClientModules]:
+    """Embeddings, norms and LM head; a GGUF's quantized embeddings and head stay in their blocks (quant "auto")."""
     config = load_config(model)
     dtype = _dtype(dtype, config)
     adapter = family_for(config)
@@ -271,7 +293,27 @@ def load_client_modules(
         if found is None:
             raise ValueError(f"{index.source.name}: none of {full} found for {name}")
         wanted[name] = found
+    packed = _packed_client(index, wanted) if keeps_file_blocks(quant, isinstance(index, GGUFTensorIndex)) else {}
     # copied out of the file's mapping, once per tensor (tied embeddings stay one tensor): the LM head is read
     # whole every token, ~1.8x faster from process memory here (docs/RESULTS-perf.md, "weights in process memory")
-    tensors = {k: t.to(dtype, copy=True) for k, t in index.read(sorted(set(wanted.values()))).items()}
-    return config, adapter, adapter.build_client(config, {n: tensors[k] for n, k in wanted.items()})
+    floats = sorted({k for n, k in wanted.items() if n not in packed})
+    tensors = {k: t.to(dtype, copy=True) for k, t in index.read(floats).items()}
+    for name, weight in packed.items():  # placeholders: the packed modules replace these below
+        tensors[wanted[name]] = torch.empty(weight.shape, device="meta")
+    mods = adapter.build_client(config, {n: tensors[k] for n, k in wanted.items()})
+    if "embed.weight" in packed:
+        mods.embed = packed_embedding(mods.embed, packed["embed.weight"], dtype)
+    if "lm_head.weight" in packed:
+        mods.lm_head = PackedLinear(packed["lm_head.weight"], getattr(mods.lm_head, "bias", None),
+                                    softcap=getattr(mods.lm_head, "softcap", None))
+    return config, adapter, mods
+
+
+def _packed_client(index: "GGUFTensorIndex", wanted: dict[str, str]) -> dict[str, PackedTensor]:
+    """The embeddings and LM head kept in their GGUF blocks (a tied head shares the embeddings' one copy)."""
+    by_key: dict[str, PackedTensor | None] = {}
+    for name in ("embed.weight", "lm_head.weight"):
+        key = wanted.get(name)
+        if key is not None and key not in by_key:
+            by_key[key] = index.gguf.read_packed(key) if index.gguf.packable(key) else None
+    return {n: by_key[k] for n, k in wanted.items() if by_key.get(k) is not None}

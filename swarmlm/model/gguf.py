@@ -29,7 +29,10 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from swarmlm.model.packed import PACKED_TYPES, PackedTensor, packed_from_numpy
+
 log = logging.getLogger(__name__)
+_noticed: set[str] = set()  # quantization types already reported as dequantized (one line per type per process)
 SAMPLE_BYTES = 32  # raw bytes read at each end of every tensor for its fingerprint
 CONFIG_CACHE = Path.home() / ".cache" / "swarmlm" / "gguf-configs"  # transformers' config, tokenizer per GGUF content
 
@@ -54,6 +57,7 @@ class GGUFCheckpoint:
         self.hf_to_gguf = _hf_names(self.config, self.processor, self.tensors)
         _check_quant_types(path, self.tensors.values())
         self.dequantized_bytes = 0  # float32 bytes materialised so far by read(): what this process took in
+        self.packed_read_bytes = 0  # file bytes copied so far by read_packed()
 
     def tokenizer(self):
         """transformers' tokenizer of the file (with its chat template), converted once per machine and kept."""
@@ -92,6 +96,34 @@ class GGUFCheckpoint:
         out = torch.from_numpy(np.array(weights, dtype=np.float32, copy=True))
         self.dequantized_bytes += out.nbytes
         return out
+
+    def packable(self, key: str) -> bool:
+        """Is the tensor a matrix in a type with packed kernels (model/packed.py)?"""
+        tensor = self.tensors[self.hf_to_gguf[key]]
+        if len(tensor.shape) != 2 or tensor.tensor_type.name in ("F32", "F64"):
+            return False
+        if tensor.tensor_type.name not in PACKED_TYPES:
+            if tensor.tensor_type.name not in _noticed:
+                _noticed.add(tensor.tensor_type.name)
+                log.warning("%s: %s tensors have no packed kernel here: dequantized to float32", self.path.name,
+                            tensor.tensor_type.name)
+            return False
+        return True
+
+    def packed_bytes(self, key: str) -> int:
+        """Bytes the tensor takes in the file (and, kept packed, in memory)."""
+        return int(self.tensors[self.hf_to_gguf[key]].data.nbytes)
+
+    def read_packed(self, key: str) -> PackedTensor | None:
+        """The matrix in the file's own blocks, its rows in transformers' order (copied out of the mapping), or None
+        when transformers' layout change for it is not a reordering of whole rows (then read() it)."""
+        tensor = self.tensors[self.hf_to_gguf[key]]
+        order = _row_order(self.processor, tensor)
+        if order is False:
+            return None
+        raw = tensor.data if order is None else tensor.data[order]
+        self.packed_read_bytes += int(raw.nbytes)
+        return packed_from_numpy(tensor.tensor_type.name, raw, int(tensor.shape[0]), f"{self.path.name}:{tensor.name}")
 
     def summary(self, key: str) -> bytes:
         """Name, quantization type, shape and the first/last raw bytes of one tensor (a few bytes read)."""
@@ -204,6 +236,28 @@ def _hf_names(config: PretrainedConfig, processor, tensors: dict) -> dict[str, s
     for _, gguf_name, hf_name in sorted(found, key=lambda f: f[0]):
         gguf_to_hf.setdefault(gguf_name, hf_name)
     return {hf: name for name, hf in gguf_to_hf.items() if name in tensors}
+
+
+def _row_order(processor, tensor) -> np.ndarray | None | bool:
+    """How transformers' processor reorders the matrix's rows: None (it does not), an index array (row i of the
+    result is row order[i] of the file), or False (it does more than reorder whole rows). Found by processing row
+    numbers: a [rows, 1] probe first (reshapes of the rows alone, e.g. Llama's q/k permutation), else one of the real
+    width (BLOOM's fused qkv is reshaped with the hidden size)."""
+    rows, cols = int(tensor.data.shape[0]), int(tensor.shape[0])
+    for width in (1, cols):
+        probe = np.repeat(np.arange(rows, dtype=np.float32)[:, None], width, axis=1)
+        try:
+            out = np.asarray(processor.process(weights=probe, name=tensor.name, tensor_key_mapping={},
+                                               parsed_parameters={"tensors": {}}).weights)
+        except (ValueError, IndexError):
+            continue
+        if out.shape != probe.shape or not (out == out[:, :1]).all():
+            return False
+        order = out[:, 0].astype(np.int64)
+        if not np.array_equal(np.sort(order), np.arange(rows)):
+            return False
+        return None if np.array_equal(order, np.arange(rows)) else order
+    return False
 
 
 # transformers' model_type -> gguf-py's architecture name, where they differ (as get_gguf_hf_weights_map)

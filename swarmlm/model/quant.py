@@ -1,203 +1,131 @@
-"""int8 weights: a server's linear layers, the client's LM head and embeddings, quantized on load.
+"""Which form a server's (and a client's) weights take in memory, and the swap of linear layers into that form.
 
-Linear layers run PyTorch's dynamic int8 kernel (`quantized::linear_dynamic`, x86/fbgemm engine): weights int8
-with one scale per output row (symmetric), activations quantized per call to uint8, int8 x uint8 GEMM with int32
-accumulation. Measured on this CPU it was the fastest maintained kernel at both decode (1 row) and prefill (128
-rows) shapes: 0.36-0.72x fp32's time where the weight-only int8 kernels (aten._weight_int8pack_mm, torchao's
-Int8WeightOnly) were 1.3-35x SLOWER than fp32 (benchmarks/quant_bench.py, docs/RESULTS-perf.md).
+One setting, `quant` (QUANT_NAMES):
+- "auto" (the default): a GGUF's matrices stay in the file's own blocks (model/packed.py: Q4_0, Q4_1, Q5_0, Q5_1,
+  Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16; any other type is dequantized with a one-line notice); a float checkpoint
+  stays float.
+- "none": everything dequantized to the compute dtype (transformers' own values; for exactness tests).
+- "int8" / "int4": a float checkpoint's linear layers quantized on load, weight-only, in blocks of 32 weights with
+  their own scale (GGUF's Q8_0 / Q4_1 formats, so the same kernels run them). Block-wise scales keep a trained
+  model's outlier weights apart; activations stay float32, so nothing is lost on the activations' side
+  (docs/RESULTS-perf.md "Packed weights": greedy agreement and logits error on SmolLM2).
 
-Two choices keep its accuracy (BLOOMZ-560M logits 4.8 % -> 2.8 % relative L2 of fp32, docs/RESULTS-perf.md):
-- Full 8-bit activations where the CPU accumulates in int32 (AVX512-VNNI): torch's module asks the kernel for
-  7-bit ones (`reduce_range=True`), which only the older AVX2 path needs (its u8 x s8 pair sums saturate int16).
-  So the error depends on the CPU (logits_error_bound): 2.8 % with VNNI, 4.1 % on AVX2-only CPUs (and AVX512
-  ones without VNNI), measured with fbgemm's AVX2 kernels forced on a VNNI CPU. 8-bit activations with 7-bit
-  weights instead (pairs fit int16 too) measured 4.4 %.
-- Every row (token) gets its own activation range: the kernel takes one range per call, so in a prompt one
-  outlier token would coarsen all the others, and in a batch one session would change another's result. Each row
-  is mapped affinely onto [-1, 1] before the call and back after (`W x = s W x' + c W 1`, exact for a linear map),
-  its extremes set to exactly -1 and 1, so every call of several rows has the same range whatever rows it holds;
-  a single row (a decode step) goes straight to the kernel, whose range is then that row's already.
-
-Embeddings keep one int8 row per token with its own scale (a lookup dequantizes a handful of rows).
-
-int8 needs float32 compute (the quantized kernels take fp32 activations); bf16/fp16 servers refuse it.
+What a server announces (`announced_quant`) says whether its function differs from the checkpoint's: a GGUF served
+packed computes the file's own values (to float32 summation order), so it announces "none", exactly as a server
+that dequantized the file; int8 / int4 change the values and say so.
 """
 from __future__ import annotations
 
+import logging
 import math
-import warnings
-from typing import Literal
 
 import torch
 from torch import nn
-from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
 from swarmlm.config import QUANT_NAMES
-from swarmlm.machine import fbgemm_isa
+from swarmlm.model.packed import PACKED_TYPES, PackedEmbedding, PackedLinear, PackedTensor, packed_from_numpy
 
-Quant = Literal["none", "int8"]
+log = logging.getLogger(__name__)
+
+QUANT_TYPES = {"int8": "Q8_0", "int4": "Q4_1"}  # a float checkpoint's linears under --quant int8 / int4
+BLOCK = 32  # weights per quantization block (Q8_0 / Q4_1): a layer whose inputs are not whole blocks stays float
 
 
-def check_quant(quant: str, dtype: torch.dtype = torch.float32) -> Quant:
+def check_quant(quant: str) -> str:
     if quant not in QUANT_NAMES:
         raise ValueError(f"quant must be one of {', '.join(QUANT_NAMES)}, got {quant!r}")
-    if quant != "none" and dtype != torch.float32:
-        raise ValueError(f"quant {quant!r} needs dtype float32 (the int8 kernels take fp32 activations), got {dtype}")
-    return quant  # type: ignore[return-value]
+    return quant
 
 
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (int8 [N, K], scale [N] in the weight's dtype), symmetric per row."""
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q.contiguous(), scale.to(weight.dtype)
+def keeps_file_blocks(quant: str, is_gguf: bool) -> bool:
+    """Are a GGUF's quantized matrices kept in their blocks (rather than dequantized)?"""
+    if is_gguf and check_quant(quant) in QUANT_TYPES:
+        raise ValueError(f"quant {quant!r} quantizes a float checkpoint; a GGUF is served in its own blocks "
+                         "(quant auto) or dequantized (quant none)")
+    return is_gguf and quant == "auto"
 
 
-class Int8Embedding(nn.Module):
-    """Embedding rows stored int8 with one scale per row (a token's vector is dequantized on lookup)."""
-
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = int(qweight.shape[0]), int(qweight.shape[1])
-        self.register_buffer("qweight", qweight)  # [V, H] int8
-        self.register_buffer("scale", scale)  # [V]
-
-    @classmethod
-    def from_embedding(cls, embedding: nn.Embedding) -> "Int8Embedding":
-        return cls(*quantize_rows(embedding.weight))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = nn.functional.embedding(ids, self.qweight)  # [..., H] int8
-        return rows.to(self.scale.dtype) * self.scale[ids].unsqueeze(-1)
+def announced_quant(quant: str, is_gguf: bool) -> str:
+    """"none" when the weights compute the checkpoint's own values (float, or a GGUF's blocks), else int8 / int4."""
+    keeps_file_blocks(quant, is_gguf)  # refuses int8 / int4 on a GGUF
+    return quant if quant in QUANT_TYPES else "none"
 
 
-def int32_accumulation() -> bool:
-    """Does fbgemm accumulate int8 products in int32 in this process (AVX512-VNNI, and not told to use less,
-    swarmlm/machine.py fbgemm_isa), so 8-bit activations cannot saturate? Its AVX2 and AVX512 kernels sum pairs of
-    u8 x s8 products in a saturating int16 first, which 7-bit activations (pairs <= 2 x 127 x 127) keep in range."""
-    return fbgemm_isa().startswith("avx512_vnni")
+def quantize_matrix(weight: torch.Tensor, type_name: str) -> PackedTensor:
+    """A float [rows, cols] matrix in a GGUF block type (gguf-py's quantizer: llama.cpp's rounding)."""
+    import gguf
+
+    values = weight.detach().to(torch.float32).contiguous().numpy()
+    raw = gguf.quantize(values, gguf.GGMLQuantizationType[type_name])
+    return packed_from_numpy(type_name, raw, int(weight.shape[1]))
 
 
-def logits_error_bound() -> float:
-    """What int8 (blocks + head) promises: relative L2 of a model's logits against fp32, on this CPU's kernels.
-    Measured on BLOOMZ-560M shapes (random weights, 16 prompts): 2.8 % with 8-bit activations (int32
-    accumulation), 4.1 % with 7-bit ones (benchmarks/int8_cpu_bench.py, docs/RESULTS-perf.md)."""
-    return 0.03 if int32_accumulation() else 0.045
+def linear_names(module: nn.Module) -> dict[str, nn.Linear]:
+    """The nn.Linear layers below `module` by name (subclasses included)."""
+    return {name: m for name, m in module.named_modules() if isinstance(m, nn.Linear)}
 
 
-def map_rows_to_unit_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [..., K] -> (x', center, half) with x = center + half * x' and every row of x' spanning exactly [-1, 1].
-
-    Exactly: the kernel quantizes a call with the range of all its rows, so if one row's rounded extreme came out
-    as 0.99999994 and another's as 1.0, the rows batched together would change each other's quantization step (and
-    zero point: with 7-bit activations, 63.5 rounds either way). Each row's extremes are set to -1 and 1."""
-    hi, hi_at = x.max(dim=-1, keepdim=True)
-    lo, lo_at = x.min(dim=-1, keepdim=True)
-    center, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_(min=1e-30)  # a constant row maps to (nearly) zeros
-    mapped = ((x - center) / half).clamp_(-1.0, 1.0)
-    return mapped.scatter_(-1, hi_at, 1.0).scatter_(-1, lo_at, -1.0), center, half
-
-
-class Int8Linear(DynamicLinear):
-    """torch's dynamic int8 linear with one activation range per row, 8-bit where the CPU allows (see above)."""
-
-    # 7-bit activations only where int16 sums could saturate. fbgemm fixes its instruction set at start-up, so
-    # this is decided once per process.
-    reduce_range = not int32_accumulation()
-
-    @classmethod
-    def from_float(cls, mod: nn.Module, use_precomputed_fake_quant: bool = False) -> "Int8Linear":
-        q = super().from_float(mod, use_precomputed_fake_quant)
-        # sum over inputs of the int8 weights as the kernel sees them: the term a row's offset c contributes
-        q.register_buffer("weight_sum", q.weight().dequantize().sum(dim=1))  # [out]
-        # the packed bias, kept at hand: the module's bias() unpacks the whole weight on every call
-        q.register_buffer("float_bias", q.bias())
-        return q
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.requires_grad and torch.is_grad_enabled():  # training through the swarm (server/training.py)
-            return _Int8LinearGrad.apply(x, self)
-        return self.int8_forward(x)
-
-    def int8_forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self._packed_params._packed_params
-        if x.numel() == x.shape[-1]:  # one row: the kernel's range is already the row's own (and no extra ops)
-            return torch.ops.quantized.linear_dynamic(x, packed, reduce_range=self.reduce_range)
-        mapped, center, half = map_rows_to_unit_range(x)
-        y = torch.ops.quantized.linear_dynamic(mapped, packed, reduce_range=self.reduce_range)
-        bias = self.float_bias  # the kernel added it to the mapped rows: W x' + b
-        if bias is None:
-            return torch.addcmul(y * half, center, self.weight_sum)  # s W x' + c W 1
-        return torch.addcmul(torch.addcmul(bias, y - bias, half), center, self.weight_sum)
+def swap_in_packed(module: nn.Module, packed: dict[str, PackedTensor]) -> nn.Module:
+    """Replace the linear layers named in `packed` ("mlp.down_proj" -> its PackedTensor) by PackedLinear; each
+    keeps its bias. A replaced layer's float weight is dropped."""
+    for name, weight in packed.items():
+        old = module.get_submodule(name)
+        if tuple(weight.shape) != (old.out_features, old.in_features):
+            raise ValueError(f"{name}: packed weight {tuple(weight.shape)} does not fit the layer "
+                             f"[{old.out_features}, {old.in_features}]")
+        module.set_submodule(name, PackedLinear(weight, old.bias, softcap=getattr(old, "softcap", None)))
+    return module
 
 
-class _Int8LinearGrad(torch.autograd.Function):
-    """The int8 kernel's output; its input gradient through the dequantized int8 weight, dx = dy W (the
-    activations' rounding passes the gradient straight through). The weight gets no gradient: it is frozen."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, module: "Int8Linear") -> torch.Tensor:
-        ctx.module = module
-        return module.int8_forward(x.detach())
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        weight = ctx.module.weight().dequantize()  # [out, in], unpacked per call: training only
-        return grad @ weight.to(grad.dtype), None
-
-
-def _dynamic_int8(module: nn.Module) -> nn.Module:
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-    with warnings.catch_warnings():  # torch.ao.quantization announces its move to torchao; the kernels stay
-        warnings.simplefilter("ignore")
-        return quantize_dynamic(module, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True,
-                                mapping={nn.Linear: Int8Linear})
-
-
-def quantize_linears(module: nn.Module, quant: Quant) -> nn.Module:
-    """Every nn.Linear below `module` to int8 (in place); `none` changes nothing."""
-    if check_quant(quant) == "none":
+def quantize_linears(module: nn.Module, quant: str) -> nn.Module:
+    """Every float nn.Linear below `module` to QUANT_TYPES[quant] blocks, in place ("none"/"auto": unchanged)."""
+    if check_quant(quant) not in QUANT_TYPES:
         return module
-    return _dynamic_int8(module)
+    packed = {name: quantize_matrix(m.weight, QUANT_TYPES[quant]) for name, m in linear_names(module).items()
+              if type(m) is not PackedLinear and m.in_features % BLOCK == 0}
+    return swap_in_packed(module, packed)
 
 
-def quantize_client_modules(modules, quant: Quant, dtype: torch.dtype = torch.float32):
-    """The client's LM head and embeddings to int8 (in place on the ClientModules); `none` changes nothing."""
-    if check_quant(quant, dtype) == "none":
+def quantize_client_modules(modules, quant: str):
+    """The client's LM head and embeddings in QUANT_TYPES[quant] blocks (in place on the ClientModules)."""
+    if check_quant(quant) not in QUANT_TYPES:
         return modules
-    modules.embed = Int8Embedding.from_embedding(modules.embed)
-    holder = nn.Module()
-    holder.lm_head = modules.lm_head  # quantize_dynamic swaps children, not a root module
-    modules.lm_head = _dynamic_int8(holder).lm_head
+    type_name = QUANT_TYPES[quant]
+    embed_weight = getattr(modules.embed, "weight", None)
+    if isinstance(modules.embed, nn.Embedding) and modules.embed.embedding_dim % BLOCK == 0:
+        modules.embed = packed_embedding(modules.embed, quantize_matrix(embed_weight, type_name), embed_weight.dtype)
+    head = modules.lm_head
+    if isinstance(head, nn.Linear) and type(head) is not PackedLinear and head.in_features % BLOCK == 0:
+        tied = isinstance(modules.embed, PackedEmbedding) and head.weight is embed_weight
+        weight = modules.embed.packed if tied else quantize_matrix(head.weight, type_name)  # tied: one copy
+        modules.lm_head = PackedLinear(weight, head.bias, softcap=getattr(head, "softcap", None))
     return modules
 
 
-def tensor_bytes(shape: list[int] | tuple[int, ...], itemsize: int, quant: str) -> int:
-    """Bytes a checkpoint tensor takes once loaded: with int8, a matrix (a linear weight) keeps one byte per value
-    plus a per-row scale, zero point and weight sum; the rest (norms, biases) stays in the compute dtype."""
+def packed_embedding(embed: nn.Module, weight: PackedTensor, dtype: torch.dtype = torch.float32) -> PackedEmbedding:
+    """PackedEmbedding in place of nn.Embedding, keeping a scaled embedding's factor (Gemma 2's embed_scale)."""
+    return PackedEmbedding(weight, scale=getattr(embed, "embed_scale", None), dtype=dtype)
+
+
+def loaded_bytes(shape: list[int] | tuple[int, ...], itemsize: int, quant: str, packed_bytes: int | None = None) -> int:
+    """Bytes a checkpoint tensor takes once loaded: `packed_bytes` (a GGUF block tensor kept packed), a matrix in
+    int8 / int4 blocks, or the compute dtype's size."""
+    if packed_bytes is not None:
+        return packed_bytes
     values = math.prod(shape)
-    if quant == "int8" and len(shape) == 2:
-        return values + 20 * int(shape[0])
+    if quant in QUANT_TYPES and len(shape) == 2 and shape[1] % BLOCK == 0:
+        _, block, size = PACKED_TYPES[QUANT_TYPES[quant]]
+        return values // block * size
     return values * itemsize
 
 
 def weight_bytes(module: nn.Module) -> int:
-    """Bytes of a module's weights in memory: parameters and buffers (each storage once), and the packed weights
-    of dynamically quantized linears (which torch keeps outside parameters and buffers)."""
+    """Bytes of a module's weights in memory: parameters and buffers (packed blocks are buffers), each storage
+    once."""
     seen, total = set(), 0
     for t in list(module.parameters()) + list(module.buffers()):
         key = t.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)
             total += t.untyped_storage().nbytes()
-    for m in module.modules():
-        if isinstance(m, DynamicLinear):
-            w = m.weight()  # int8 values + per-row scales and zero points
-            total += w.numel() + w.q_per_channel_scales().nbytes + w.q_per_channel_zero_points().nbytes
-            b = m.bias()
-            if b is not None and b.untyped_storage().data_ptr() not in seen:  # Int8Linear also keeps it as a buffer
-                seen.add(b.untyped_storage().data_ptr())
-                total += b.nbytes
     return total

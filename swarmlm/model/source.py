@@ -111,7 +111,7 @@ class ModelSource:
 
 def resolve(name_or_path: str | Path | ModelSource, revision: str | None = None) -> ModelSource:
     """A directory if one exists at that path, a GGUF file (`*.gguf`), a model of the catalog (model/catalog.py:
-    fetched and converted on first use), else a hub id (`org/name` or `org/name@revision`)."""
+    its GGUF, fetched on first use), else a hub id (`org/name` or `org/name@revision`)."""
     from swarmlm.model.catalog import CATALOG, fetch
 
     if isinstance(name_or_path, ModelSource):
@@ -123,7 +123,7 @@ def resolve(name_or_path: str | Path | ModelSource, revision: str | None = None)
     if path.is_file() and path.suffix.lower() == ".gguf":
         return ModelSource(name, gguf=path)
     if name in CATALOG:
-        return ModelSource(name, directory=fetch(name))
+        return ModelSource(name, gguf=fetch(name))
     repo_id, _, at_revision = name.partition("@")
     if isinstance(name_or_path, Path) or name.startswith((".", "/", "~")) or path.exists():
         raise ModelNotFound(f"{name}: not a checkpoint directory nor a .gguf file")

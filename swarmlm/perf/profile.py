@@ -59,9 +59,9 @@ def profile_key(stage: Measurable, threads: int) -> str:
         json.dumps(stage.config.to_dict(), sort_keys=True, default=str), str(stage.dtype), str(threads),
         str(stage.blocks.length), _cpu_name(), torch.__version__, str(PROFILE_VERSION),
     ]
-    quant = getattr(stage, "quant", "none")  # int8 weights run other kernels; "none" keeps the older keys valid
-    if quant != "none":
-        parts.append(f"quant={quant}")
+    packed = getattr(stage, "packed_types", "")  # packed weights run other kernels; float ones keep older keys valid
+    if packed:
+        parts.append(f"packed={packed}")
     if getattr(stage, "mmap", False):  # weights read from the file's mapping run slower (checkpoint.load_blocks)
         parts.append("mmap")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]

@@ -11,7 +11,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from swarmlm.model.quant import DynamicLinear
+from swarmlm.model.packed import PackedLinear
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,8 @@ class LoraDelta:
 
 
 def linear_layers(block: nn.Module) -> dict[str, nn.Module]:
-    """A block's linear layers by name (what LoRA may target), int8 ones included."""
-    return {name: m for name, m in block.named_modules() if isinstance(m, (nn.Linear, DynamicLinear))}
+    """A block's linear layers by name (what LoRA may target), packed ones included."""
+    return {name: m for name, m in block.named_modules() if isinstance(m, (nn.Linear, PackedLinear))}
 
 
 def _hook_for(delta: LoraDelta):

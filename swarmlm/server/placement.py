@@ -25,7 +25,7 @@ import psutil
 from swarmlm.config import ServerConfig
 from swarmlm.model.checkpoint import load_config, parse_dtype, tensor_index
 from swarmlm.model.families import family_for
-from swarmlm.model.quant import tensor_bytes
+from swarmlm.model.quant import keeps_file_blocks, loaded_bytes
 from swarmlm.perf.model import ComputeProfile, ModelSpec, ServerSpec
 from swarmlm.planner.placement import blocks_for_concurrency, choose_range, lexicographic_window, petals_num_blocks
 from swarmlm.swarm.records import JOINING, LOADING, ServerRecord
@@ -43,10 +43,13 @@ def model_spec(config: ServerConfig) -> ModelSpec:
     index = tensor_index(config.model_dir)
     prefix = index.stack_prefix(adapter) + adapter.block_prefix().format(0)
     itemsize = parse_dtype(config.dtype, config.model_dir).itemsize
+    gguf = getattr(index, "gguf", None)
+    packed = gguf is not None and keeps_file_blocks(config.quant, True)
     nbytes = 0
     for key in index.files:
-        if key.startswith(prefix):
-            nbytes += tensor_bytes(index.shape(key), itemsize, config.quant)  # int8: ~1/4
+        if key.startswith(prefix):  # a GGUF's block kept packed: its bytes in the file
+            kept = gguf.packed_bytes(key) if packed and gguf.packable(key) else None
+            nbytes += loaded_bytes(index.shape(key), itemsize, config.quant, kept)
     spec = ModelSpec.from_config(cfg, l_in_max=0, l_max=config.max_length_tokens, dtype_bytes=itemsize)
     return dataclasses.replace(spec, block_bytes=float(nbytes))  # measured, not estimated
 

@@ -260,7 +260,7 @@ class Server:
 
 
 def profile_model(model_dir: str, blocks: BlockRange | None, dtype: str, threads: int,
-                  cache_dir: str | None = None, refresh: bool = False, quant: str = "none") -> ComputeProfile:
+                  cache_dir: str | None = None, refresh: bool = False, quant: str = "auto") -> ComputeProfile:
     """The compute profile a server over `blocks` (default: all) would announce (cached on disk)."""
     from swarmlm.model.checkpoint import load_config
 

@@ -559,7 +559,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             session_bytes_per_block_token=self.stage.cache_bytes(1, 1, 1),
             # the weights of the served range, for clients to compare with their own (model/fingerprint.py)
             fingerprint=range_fingerprint(self.config.model_dir, self.stage.blocks.start, self.stage.blocks.end),
-            quant=self.stage.quant, weight_bytes=self.stage.weight_bytes,  # int8 weights: announced, and their size
+            quant=self.stage.announced_quant, weight_bytes=self.stage.weight_bytes,  # int8/int4: announced; bytes held
             adapters=sorted(self.stage.lora_adapters),
             prefix_cache=prefix_cache.info(self.prefixes), tokens_computed=self.tokens_computed,
         )

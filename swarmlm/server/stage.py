@@ -2,8 +2,7 @@
 
 `step` runs one session; `step_batch` runs steps of several sessions (same sub-range, same number of new tokens)
 as one forward, each session's result the same as when it runs alone (see swarmlm/server/kv_cache.py) -- to float
-rounding, and with int8 weights to the rounding of one 8-bit activation range per row (a row stepped alone goes
-straight to the kernel; rows batched together are mapped to their own range: model/quant.py Int8Linear).
+rounding (packed weights compute in float32 per row: model/packed.py).
 """
 from __future__ import annotations
 
@@ -12,7 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from swarmlm.model.checkpoint import load_blocks, parse_dtype
-from swarmlm.model.quant import Quant, check_quant, weight_bytes
+from swarmlm.model.packed import packed_types
+from swarmlm.model.quant import announced_quant, check_quant, weight_bytes
+from swarmlm.model.source import resolve
 from swarmlm.server.adapters import MAX_ADAPTERS, load_adapter, locate_adapter
 from swarmlm.server.kv_cache import Member, SpanCache, StepCache, left_pad
 from swarmlm.server.lora import LoraDelta, lora_hooks
@@ -75,17 +76,19 @@ class StepRequest:
 
 
 class Stage:
-    def __init__(self, model_dir: str, blocks: BlockRange, dtype: str = "float32", quant: Quant = "none",
+    def __init__(self, model_dir: str, blocks: BlockRange, dtype: str = "float32", quant: str = "auto",
                  mmap: bool = False) -> None:
         self.blocks = blocks
         self.mmap = mmap  # weights left in the file's mapping (shared, slower; load_blocks)
         self.dtype = parse_dtype(dtype, model_dir)  # "auto": the checkpoint's own (checkpoint.auto_dtype)
-        self.quant = check_quant(quant, self.dtype)
-        # quantized block by block as they load (memory follows the int8 size), before profiling: the announced
-        # speed is the quantized one
+        self.quant = check_quant(quant)  # the weights' form in memory (part of the profile's key)
+        self.announced_quant = announced_quant(quant, resolve(model_dir).gguf is not None)  # their values' kind
+        # packed or quantized block by block as they load (memory follows the packed size), before profiling: the
+        # announced speed is that of the weights as held
         self.config, self.adapter, self.modules = load_blocks(
             model_dir, blocks.start, blocks.end, self.dtype, self.quant, mmap)
         self.weight_bytes = weight_bytes(self.modules)  # what the blocks hold in memory (announced)
+        self.packed_types = packed_types(self.modules)  # e.g. "Q4_1,Q8_0": the kernels its speed is measured with
         self.hidden_size = int(self.config.hidden_size)
         self.lora_adapters: dict[str, tuple[LoraDelta, ...]] = {}  # name -> its LoRA on these blocks
 

@@ -7,7 +7,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from swarmlm.config import MAX_RECORD_TTL_S, QUANT_NAMES  # noqa: F401 (read from here by dht.py and tests)
+from swarmlm.config import ANNOUNCED_QUANTS, MAX_RECORD_TTL_S  # noqa: F401 (read from here by dht.py and tests)
 
 # online: serving; offline: withdrawn. Before it serves, a server announces its range as joining (still choosing its
 # blocks), then loading (chosen; at once with --blocks): never routed to, but servers placing themselves count it, so
@@ -43,7 +43,7 @@ class ServerRecord:
     max_length: int = 0
     version: str = ""
     fingerprint: str = ""  # the weights of [start, end) (swarmlm/model/fingerprint.py); clients compare their own
-    quant: str = "none"  # weights of the linear layers: "none" | "int8" (swarmlm/model/quant.py)
+    quant: str = "none"  # do the weights compute other values than the checkpoint's: "none" | "int8" | "int4"
     weight_bytes: int = 0  # bytes the served blocks' weights take in memory (0 = not announced)
     # per block, one decode forward of 4 / 16 rows: how its steps slow down with its sessions (0 = not announced)
     decode_4rows_s: float = 0.0
@@ -106,7 +106,7 @@ class ServerRecord:
             parse_relay_addr(record.relay)  # (ValueError)
         if record.state not in (ONLINE, OFFLINE, JOINING, LOADING):
             raise ValueError(f"record state {record.state!r}")
-        if record.quant not in QUANT_NAMES:
+        if record.quant not in ANNOUNCED_QUANTS:
             raise ValueError(f"record quant {record.quant!r}")
         if len(record.adapters) > 1100 or not all(_ADAPTER.match(n) for n in record.adapter_names):
             raise ValueError(f"record adapters {record.adapters[:80]!r}")

@@ -1,0 +1,195 @@
+"""Packed weights: the kernels side by side, and decoding a GGUF through one server against transformers float32 and
+llama.cpp on the same file.
+
+    python benchmarks/packed_bench.py kernels                     # one matrix-vector product per kernel and shape
+    python benchmarks/packed_bench.py decode --threads 1,2 --llama-bench PATH/llama-bench [--model FILE.gguf]
+
+`kernels`: median time of y = x W^T for 1 and 8 rows of x, per kernel: torch float32, torch's dynamic int8
+(`quantized::linear_dynamic`, activations quantized per call), weight-only int8 (`aten._weight_int8pack_mm`, bf16
+activations: its fast case), int4 (`aten._weight_int4pack_mm_for_cpu`, bf16, groups of 32), and swarmlm's packed
+Q4_0 / Q4_1 / Q8_0 (float32 activations, exact to float32 rounding). Weights are cold for every call of the
+"cold" column (a 64 MiB buffer is written between calls), as they are in a decode step of a model past the caches.
+
+`decode`: tokens/s of greedy decoding (a chat prompt, 64 new tokens; rounds alternate between the setups so every
+setup sees the same machine load): plain transformers float32 in one process, swarmlm client + 1 server (packed,
+the file's own blocks) on loopback, and llama.cpp's llama-bench on the same file (`-p 0 -n 64`), per thread count.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import time
+
+import torch
+
+from swarmlm.machine import machine_line
+
+SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576), (4096, 4096), (14336, 4096)]  # (out, in)
+
+
+def _median_s(fn, repeats: int, cold: bool) -> float:
+    flush = torch.empty(64 << 20, dtype=torch.uint8)
+    fn()
+    times = []
+    for _ in range(repeats):
+        if cold:
+            flush.add_(1)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def kernel_calls(out_f: int, in_f: int, rows: int) -> dict:
+    """name -> a zero-argument call computing x W^T with that kernel (same random weights)."""
+    import gguf
+
+    from swarmlm.model.packed import packed_from_numpy
+
+    w = torch.randn(out_f, in_f) * 0.02
+    x = torch.randn(rows, in_f)
+    calls = {"torch fp32": lambda: x @ w.T}
+    dyn = torch.ao.nn.quantized.dynamic.Linear(in_f, out_f, dtype=torch.qint8)
+    dyn.set_weight_bias(torch.quantize_per_channel(w, w.abs().amax(1) / 127, torch.zeros(out_f, dtype=torch.long),
+                                                   0, torch.qint8), None)
+    calls["torch dynamic int8"] = lambda: dyn(x)
+    scales = w.abs().amax(1) / 127
+    w8 = torch.round(w / scales[:, None]).to(torch.int8)
+    xb, sb = x.to(torch.bfloat16), scales.to(torch.bfloat16)
+    calls["int8pack (bf16 x)"] = lambda: torch.ops.aten._weight_int8pack_mm(xb, w8, sb)
+    try:
+        q4 = torch.randint(0, 16, (out_f, in_f), dtype=torch.int32)
+        packed4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 8)
+        sz = torch.ones(in_f // 32, out_f, 2, dtype=torch.bfloat16)
+        calls["int4pack (bf16 x)"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed4, 32, sz)
+    except (RuntimeError, AttributeError):
+        pass
+    for type_name in ("Q4_0", "Q4_1", "Q8_0"):
+        raw = gguf.quantize(w.numpy(), gguf.GGMLQuantizationType[type_name])
+        packed = packed_from_numpy(type_name, raw, in_f)
+        calls[f"swarmlm {type_name}"] = lambda p=packed: p.matmul(x)
+    return calls
+
+
+def kernels(args) -> None:
+    torch.set_num_threads(1)
+    print(f"One thread; {machine_line()}. Median of {args.repeats} calls, microseconds, weights cold / hot.\n")
+    results = {}
+    for rows in (1, 8):
+        names = None
+        for out_f, in_f in SHAPES:
+            calls = kernel_calls(out_f, in_f, rows)
+            if names is None:
+                names = list(calls)
+                print(f"| {rows} row(s): out x in | " + " | ".join(names) + " |")
+                print("|---|" + "---|" * len(names))
+            cells = []
+            for name in names:
+                cold = _median_s(calls[name], args.repeats, True) * 1e6
+                hot = _median_s(calls[name], args.repeats, False) * 1e6
+                results[f"{rows}|{out_f}x{in_f}|{name}"] = (cold, hot)
+                cells.append(f"{cold:.0f} / {hot:.0f}")
+            print(f"| {out_f} x {in_f} | " + " | ".join(cells) + " |", flush=True)
+        print()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"machine": machine_line(), "kernels_us_cold_hot": results}, f, indent=1)
+
+
+# ---- decode -----------------------------------------------------------------------------------------------------
+def _transformers_tps(model, ids: torch.Tensor, tokens: int) -> float:
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)  # warm
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        return (tokens - 1) / (time.perf_counter() - t0 - first)
+
+
+def _swarm_tps(client, ids: torch.Tensor, tokens: int) -> float:
+    client.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
+                    do_sample=False)
+    return client.last_stats.tokens_per_s
+
+
+def _llama_bench_tps(binary: str, model: str, threads: int, tokens: int) -> float:
+    done = subprocess.run([binary, "-m", model, "-t", str(threads), "-p", "0", "-n", str(tokens), "-r", "1",
+                           "-o", "json"], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-400:])
+    return float(json.loads(done.stdout)[0]["avg_ts"])
+
+
+def decode(args) -> None:
+    from swarmlm.client.model import DistributedModelForCausalLM
+    from swarmlm.model.catalog import DEFAULT_MODEL, fetch
+    from swarmlm.model.checkpoint import load_config, load_tokenizer, load_transformers_model
+    from swarmlm.swarm.local import LocalSwarm
+    from swarmlm.types import BlockRange
+
+    model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
+    tokenizer = load_tokenizer(model)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Write a short story about a lighthouse."}],
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    blocks = int(load_config(model).num_hidden_layers)
+    reference = load_transformers_model(model)
+    rows = {}
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        setups = {}
+        with LocalSwarm(model, threads=threads, server_args=["--quant", args.quant]) as swarm:
+            swarm.start([BlockRange(0, blocks)])
+            client = DistributedModelForCausalLM.from_pretrained(model, servers=swarm.addresses, threads=threads,
+                                                                 quant=args.quant)
+            setups["transformers float32, one process"] = lambda: _transformers_tps(reference, ids, args.tokens)
+            setups[f"swarmlm client + 1 server (--quant {args.quant})"] = lambda: _swarm_tps(client, ids, args.tokens)
+            if args.llama_bench:
+                setups["llama.cpp llama-bench, same file"] = lambda: _llama_bench_tps(args.llama_bench, model, threads,
+                                                                                     args.tokens)
+            samples = {name: [] for name in setups}
+            for _ in range(args.rounds):  # alternated: every setup sees the same load
+                for name, run in setups.items():
+                    samples[name].append(run())
+            client.close()
+        rows[threads] = {name: statistics.median(v) for name, v in samples.items()}
+    print(f"{model}: greedy decode, {args.tokens} new tokens, median of {args.rounds} alternated rounds; "
+          f"{machine_line()}\n")
+    names = list(next(iter(rows.values())))
+    print("| threads | " + " | ".join(names) + " | swarmlm / transformers | swarmlm / llama.cpp |")
+    print("|---|" + "---|" * (len(names) + 2))
+    for threads, tps in rows.items():
+        ours = tps[names[1]]
+        vs_cpp = f"{ours / tps[names[2]]:.2f}x" if len(names) > 2 else "-"
+        print(f"| {threads} | " + " | ".join(f"{tps[n]:.1f}" for n in names)
+              + f" | {ours / tps[names[0]]:.2f}x | {vs_cpp} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"machine": machine_line(), "model": model, "tokens_per_s": rows}, f, indent=1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    k = sub.add_parser("kernels")
+    k.add_argument("--repeats", type=int, default=30)
+    k.add_argument("--out", default="")
+    d = sub.add_parser("decode")
+    d.add_argument("--model", default="smollm2-135m-instruct")
+    d.add_argument("--threads", default="1,2")
+    d.add_argument("--tokens", type=int, default=64)
+    d.add_argument("--rounds", type=int, default=3)
+    d.add_argument("--quant", default="auto")
+    d.add_argument("--llama-bench", default="", help="path of llama.cpp's llama-bench, built from source")
+    d.add_argument("--out", default="")
+    args = p.parse_args()
+    (kernels if args.what == "kernels" else decode)(args)
+
+
+if __name__ == "__main__":
+    main()

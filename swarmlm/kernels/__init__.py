@@ -1,0 +1,92 @@
+"""swarmlm's compiled kernels: packed.c, built once per machine with the system C compiler and loaded with ctypes.
+
+Built with `-O3 -march=native` (the CPU's own vector units: AVX-512 where it has them, else AVX2, else scalar C) into
+~/.cache/swarmlm/kernels, named by a hash of the source, the compiler and the flags, so a new CPU or a changed source
+builds anew and two processes never load a half-written file (written to a temporary name, then renamed). A build
+takes about a second. ctypes releases the GIL during a call, so the kernel runs beside the server's other threads.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("packed.c")
+CACHE = Path.home() / ".cache" / "swarmlm" / "kernels"
+FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11", "-fno-math-errno"]
+
+
+class KernelUnavailable(RuntimeError):
+    """No C compiler, or the build failed: packed weights cannot run in this process (the message says why)."""
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise KernelUnavailable("no C compiler found (cc, gcc or clang): install one (Debian: apt-get install gcc) "
+                                "or serve dequantized weights with --quant none")
+    return cc
+
+
+def _build(cc: str, march: str) -> Path:
+    flags = [*FLAGS, f"-march={march}"]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((version, flags, _cpu_flags())).encode()).hexdigest()[:16]
+    target = CACHE / f"packed-{key}.so"
+    if target.is_file():
+        return target
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+        out = Path(tmp) / target.name
+        done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise KernelUnavailable(f"building {SOURCE.name} with {cc} failed: {done.stderr.strip()[:400]}")
+        os.replace(out, target)
+    log.debug("built %s", target)
+    return target
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+@functools.lru_cache(maxsize=4)
+def library(march: str = "native") -> ctypes.CDLL:
+    """The loaded kernels (built on first use) for this CPU, or for an older x86 level (`march="x86-64-v3"`: AVX2,
+    `"x86-64"`: scalar C -- how the tests run another CPU's code paths); KernelUnavailable if they cannot be."""
+    lib = ctypes.CDLL(str(_build(_compiler(), march)))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.packed_matmul.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64]
+    lib.packed_matmul.restype = ctypes.c_int
+    lib.packed_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64]
+    lib.packed_dequantize.restype = ctypes.c_int
+    lib.packed_row_bytes.argtypes = [ctypes.c_int, i64]
+    lib.packed_row_bytes.restype = i64
+    lib.packed_repack.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr]
+    lib.packed_repack.restype = ctypes.c_int
+    lib.packed_isa.argtypes = []
+    lib.packed_isa.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    try:
+        library()
+        return True
+    except KernelUnavailable as exc:
+        log.warning("%s", exc)
+        return False

@@ -1,0 +1,436 @@
+/* Matrix products straight from GGUF's quantized blocks (swarmlm's own code; layouts as gguf-py documents them).
+ *
+ * A weight matrix W [N, K] is N rows of K/QK blocks, each block exactly as the file stores it. Every function here
+ * computes y[r, n] = sum_k x[r, k] * W[n, k] for float32 activations x [R, K]: a block is turned into QK floats in
+ * registers or a small L1 buffer and multiplied in float32, so the result is the dequantized weights' product up
+ * to float32 summation order (no activation rounding). Decoding is memory-bound, so reading 4-8x fewer bytes than
+ * float32 is the whole gain; the unpacking must only keep up with memory.
+ *
+ * Per type one function turns a block into floats (`dq_*`), the same values gguf-py's dequantize gives. Q4_0, Q4_1
+ * and Q8_0 (the common files; the llama-1b / llama-8b presets) are kept "split" (packed_repack): a row's quants for
+ * all its blocks first, then its scales (and Q4_1's mins) as float32 -- 1.06-1.2x the file's bytes -- so the AVX-512
+ * path loads a block's scale with no conversion and turns 16 nibbles into floats with one table lookup (vpermps:
+ * the table is d * q + m for q = 0..15, one FMA per block). Every other type keeps the file's own block layout.
+ * Rows [n0, n1) only: the caller may split the rows between threads.
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define QK 32
+#define QK_K 256
+
+static inline float fp16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
+    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline float bf16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* ---- one block -> floats (the reference every fast path must equal) ---- */
+
+static void dq_q4_0(const uint8_t *b, float *y) {  /* d fp16, 16 bytes: low nibbles w0..15, high w16..31 */
+    const float d = fp16(b);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)((b[2 + j] & 0xf) - 8);
+        y[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
+    }
+}
+
+static void dq_q4_1(const uint8_t *b, float *y) {  /* d, m fp16, 16 bytes */
+    const float d = fp16(b), m = fp16(b + 2);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)(b[4 + j] & 0xf) + m;
+        y[j + 16] = d * (float)(b[4 + j] >> 4) + m;
+    }
+}
+
+static void dq_q5_0(const uint8_t *b, float *y) {  /* d fp16, qh u32 (bit j: 5th bit of w_j), 16 bytes */
+    const float d = fp16(b);
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)((int)((b[6 + j] & 0xf) | (((qh >> j) & 1) << 4)) - 16);
+        y[j + 16] = d * (float)((int)((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+    }
+}
+
+static void dq_q5_1(const uint8_t *b, float *y) {  /* d, m fp16, qh u32, 16 bytes */
+    const float d = fp16(b), m = fp16(b + 2);
+    uint32_t qh;
+    memcpy(&qh, b + 4, 4);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)((b[8 + j] & 0xf) | (((qh >> j) & 1) << 4)) + m;
+        y[j + 16] = d * (float)((b[8 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) + m;
+    }
+}
+
+static void dq_q8_0(const uint8_t *b, float *y) {  /* d fp16, 32 int8 */
+    const float d = fp16(b);
+    const int8_t *q = (const int8_t *)(b + 2);
+    for (int j = 0; j < 32; j++) y[j] = d * (float)q[j];
+}
+
+/* K-quants' 6-bit sub-block scales and mins, 8 of each in 12 bytes */
+static inline void k_scales(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0xf) | ((s[j] >> 2) & 0x30);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
+    }
+}
+
+static void dq_q4_k(const uint8_t *b, float *y) {  /* d, dmin fp16, 12 scale bytes, 128 bytes */
+    const float d = fp16(b), dmin = fp16(b + 2);
+    uint8_t sc[8], mn[8];
+    k_scales(b + 4, sc, mn);
+    const uint8_t *q = b + 16;
+    for (int c = 0; c < 4; c++) {  /* 64 weights: low nibbles sub-block 2c, high nibbles 2c+1 */
+        const float d1 = d * sc[2 * c], m1 = dmin * mn[2 * c], d2 = d * sc[2 * c + 1], m2 = dmin * mn[2 * c + 1];
+        for (int l = 0; l < 32; l++) {
+            y[64 * c + l] = d1 * (float)(q[32 * c + l] & 0xf) - m1;
+            y[64 * c + 32 + l] = d2 * (float)(q[32 * c + l] >> 4) - m2;
+        }
+    }
+}
+
+static void dq_q5_k(const uint8_t *b, float *y) {  /* d, dmin, 12 scale bytes, qh 32 bytes, 128 bytes */
+    const float d = fp16(b), dmin = fp16(b + 2);
+    uint8_t sc[8], mn[8];
+    k_scales(b + 4, sc, mn);
+    const uint8_t *qh = b + 16, *q = b + 48;
+    for (int c = 0; c < 4; c++) {
+        const int g1 = 2 * c, g2 = 2 * c + 1;
+        const float d1 = d * sc[g1], m1 = dmin * mn[g1], d2 = d * sc[g2], m2 = dmin * mn[g2];
+        for (int l = 0; l < 32; l++) {
+            y[64 * c + l] = d1 * (float)((q[32 * c + l] & 0xf) | (((qh[l] >> g1) & 1) << 4)) - m1;
+            y[64 * c + 32 + l] = d2 * (float)((q[32 * c + l] >> 4) | (((qh[l] >> g2) & 1) << 4)) - m2;
+        }
+    }
+}
+
+static void dq_q6_k(const uint8_t *b, float *y) {  /* ql 128, qh 64, 16 int8 scales, d fp16 */
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = fp16(b + 208);
+    for (int h = 0; h < 2; h++) {  /* 128 weights per half: 4 groups of 32 */
+        for (int l = 0; l < 32; l++) {
+            const int q1 = ((ql[64 * h + l] & 0xf) | (((qh[32 * h + l] >> 0) & 3) << 4)) - 32;
+            const int q2 = ((ql[64 * h + 32 + l] & 0xf) | (((qh[32 * h + l] >> 2) & 3) << 4)) - 32;
+            const int q3 = ((ql[64 * h + l] >> 4) | (((qh[32 * h + l] >> 4) & 3) << 4)) - 32;
+            const int q4 = ((ql[64 * h + 32 + l] >> 4) | (((qh[32 * h + l] >> 6) & 3) << 4)) - 32;
+            const int s = 8 * h + l / 16;
+            y[128 * h + l] = (d * (float)sc[s]) * (float)q1;
+            y[128 * h + 32 + l] = (d * (float)sc[s + 2]) * (float)q2;
+            y[128 * h + 64 + l] = (d * (float)sc[s + 4]) * (float)q3;
+            y[128 * h + 96 + l] = (d * (float)sc[s + 6]) * (float)q4;
+        }
+    }
+}
+
+static void dq_f16(const uint8_t *b, float *y) {
+    for (int j = 0; j < QK; j++) y[j] = fp16(b + 2 * j);
+}
+
+static void dq_bf16(const uint8_t *b, float *y) {
+    for (int j = 0; j < QK; j++) y[j] = bf16(b + 2 * j);
+}
+
+typedef void (*dq_fn)(const uint8_t *, float *);
+
+typedef struct {
+    int ggml_type;      /* GGMLQuantizationType's number */
+    int block_weights;  /* QK or QK_K (F16/BF16 are cut into blocks of 32 here) */
+    int block_bytes;
+    dq_fn dq;
+} block_type;
+
+static const block_type TYPES[] = {
+    {2, QK, 18, dq_q4_0},     {3, QK, 20, dq_q4_1},     {6, QK, 22, dq_q5_0},     {7, QK, 24, dq_q5_1},
+    {8, QK, 34, dq_q8_0},     {12, QK_K, 144, dq_q4_k}, {13, QK_K, 176, dq_q5_k}, {14, QK_K, 210, dq_q6_k},
+    {1, QK, 64, dq_f16},      {30, QK, 64, dq_bf16},
+};
+
+static const block_type *find_type(int ggml_type) {
+    for (unsigned i = 0; i < sizeof(TYPES) / sizeof(TYPES[0]); i++)
+        if (TYPES[i].ggml_type == ggml_type) return &TYPES[i];
+    return 0;
+}
+
+/* ---- the split layout of Q4_0 / Q4_1 / Q8_0: [quants of every block][d float32 x nb][m float32 x nb (Q4_1)] ---- */
+
+static int split_quant_bytes(int ggml_type) {  /* bytes of one block's quants; 0 = not a split type */
+    return ggml_type == 2 || ggml_type == 3 ? 16 : ggml_type == 8 ? 32 : 0;
+}
+
+static int split_scales(int ggml_type) { return ggml_type == 3 ? 2 : 1; }
+
+static inline float load_f32(const uint8_t *p) {
+    float f;
+    memcpy(&f, p, 4);
+    return f;
+}
+
+/* block b of a split row (nb blocks) -> 32 floats, the values dq_* gives for the file's block */
+static void split_dq(int ggml_type, const uint8_t *row, int64_t nb, int64_t b, float *y) {
+    const int qb = split_quant_bytes(ggml_type);
+    const uint8_t *q = row + b * qb, *scales = row + nb * qb;
+    const float d = load_f32(scales + 4 * b);
+    if (ggml_type == 8) {
+        for (int j = 0; j < 32; j++) y[j] = d * (float)((const int8_t *)q)[j];
+        return;
+    }
+    const float m = ggml_type == 3 ? load_f32(scales + 4 * (nb + b)) : -8.0f * d;
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)(q[j] & 0xf) + m;
+        y[j + 16] = d * (float)(q[j] >> 4) + m;
+    }
+}
+
+/* a row of file blocks -> the split row */
+static void split_row(int ggml_type, const uint8_t *src, int64_t nb, uint8_t *dst) {
+    const block_type *t = find_type(ggml_type);
+    const int qb = split_quant_bytes(ggml_type), head = t->block_bytes - qb;  /* fp16 d (and m) precede the quants */
+    uint8_t *scales = dst + nb * qb;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = src + b * t->block_bytes;
+        memcpy(dst + b * qb, blk + head, qb);
+        const float d = fp16(blk);
+        memcpy(scales + 4 * b, &d, 4);
+        if (ggml_type == 3) {
+            const float m = fp16(blk + 2);
+            memcpy(scales + 4 * (nb + b), &m, 4);
+        }
+    }
+}
+
+/* ---- dot products of a float block with R activation rows ---- */
+
+#define RMAX 8  /* activation rows handled per pass over a weight row (more rows: the caller loops) */
+
+#if defined(__AVX512F__)
+typedef __m512 vf;
+#define VL 16
+#define vzero() _mm512_setzero_ps()
+#define vload(p) _mm512_loadu_ps(p)
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vsum(v) _mm512_reduce_add_ps(v)
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 vf;
+#define VL 8
+#define vzero() _mm256_setzero_ps()
+#define vload(p) _mm256_loadu_ps(p)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+static inline float vsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#else
+typedef float vf;
+#define VL 1
+#define vzero() 0.0f
+#define vload(p) (*(p))
+#define vfma(a, b, c) ((a) * (b) + (c))
+#define vsum(v) (v)
+#endif
+
+/* block b of row `row` (nb blocks) as floats, whatever the layout */
+static inline void row_block(const block_type *t, const uint8_t *row, int64_t nb, int64_t b, float *y) {
+    if (split_quant_bytes(t->ggml_type)) split_dq(t->ggml_type, row, nb, b, y);
+    else t->dq(row + b * t->block_bytes, y);
+}
+
+/* generic: each block unpacked into an L1 buffer, then multiplied with every activation row */
+static void rows_generic(const block_type *t, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows,
+                         int64_t k, float *y, int64_t n, int64_t n0, int64_t n1) {
+    float buf[QK_K] __attribute__((aligned(64)));
+    const int64_t nb = k / t->block_weights;
+    for (int64_t i = n0; i < n1; i++) {
+        const uint8_t *row = w + i * row_bytes;
+        for (int64_t r0 = 0; r0 < rows; r0 += RMAX) {
+            const int64_t nr = rows - r0 < RMAX ? rows - r0 : RMAX;
+            vf acc[RMAX];
+            for (int r = 0; r < nr; r++) acc[r] = vzero();
+            for (int64_t b = 0; b < nb; b++) {
+                row_block(t, row, nb, b, buf);
+                const float *xb = x + r0 * k + b * t->block_weights;
+                for (int r = 0; r < nr; r++)
+                    for (int j = 0; j < t->block_weights; j += VL)
+                        acc[r] = vfma(vload(buf + j), vload(xb + r * k + j), acc[r]);
+            }
+            for (int r = 0; r < nr; r++) y[(r0 + r) * n + i] = vsum(acc[r]);
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+/* block b of a split row -> two vectors of 16 floats (weights 0-15, 16-31) */
+static inline void split_block(int ggml_type, const uint8_t *row, int64_t nb, int64_t b, __m512 *lo, __m512 *hi) {
+    const int qb = split_quant_bytes(ggml_type);
+    const uint8_t *q = row + b * qb, *scales = row + nb * qb;
+    const __m512 d = _mm512_set1_ps(load_f32(scales + 4 * b));
+    if (ggml_type == 8) {  /* Q8_0: d q */
+        *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), d);
+        *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), d);
+        return;
+    }
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = ggml_type == 3  /* the 16 values a nibble stands for: d q + m, or Q4_0's d (q - 8) */
+        ? _mm512_fmadd_ps(iota, d, _mm512_set1_ps(load_f32(scales + 4 * (nb + b))))
+        : _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.0f)), d);
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+    *lo = _mm512_permutexvar_ps(v, table);  /* the lookup reads each lane's low 4 bits: the low nibble */
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+}
+
+/* Ask for the bytes PREFETCH_BYTES past `at` (up to `end`) while these are computed: rows are short (SmolLM2's are
+ * 432 bytes), and the hardware prefetcher alone kept a single core at ~3 GB/s from memory here. */
+#define PREFETCH_BYTES 4096
+static inline void prefetch_ahead(const uint8_t *at, int64_t bytes, const uint8_t *end) {
+    for (const uint8_t *p = at + PREFETCH_BYTES; p < at + PREFETCH_BYTES + bytes && p < end; p += 64)
+        _mm_prefetch((const char *)p, _MM_HINT_T0);
+}
+
+/* Each activation row keeps two accumulators (a block's low and high halves), and two weight rows are done at once:
+ * four independent FMA chains per activation row hide the FMA latency that one chain per row would wait on. */
+#define RFAST 4
+static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
+                      float *y, int64_t n, int64_t n0, int64_t n1) {
+    const int64_t nb = k / QK;
+    int64_t i = n0;
+    for (; i + 1 < n1; i += 2) {  /* two weight rows */
+        const uint8_t *ra = w + i * row_bytes, *rb = ra + row_bytes;
+        prefetch_ahead(ra, 2 * row_bytes, w + n1 * row_bytes);
+        for (int64_t r0 = 0; r0 < rows; r0 += RFAST) {
+            const int64_t nr = rows - r0 < RFAST ? rows - r0 : RFAST;
+            __m512 a0[RFAST], a1[RFAST], b0[RFAST], b1[RFAST];
+            for (int r = 0; r < nr; r++) a0[r] = a1[r] = b0[r] = b1[r] = _mm512_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                __m512 alo, ahi, blo, bhi;
+                split_block(ggml_type, ra, nb, b, &alo, &ahi);
+                split_block(ggml_type, rb, nb, b, &blo, &bhi);
+                const float *xb = x + r0 * k + b * QK;
+                for (int r = 0; r < nr; r++) {
+                    const __m512 x0 = _mm512_loadu_ps(xb + r * k), x1 = _mm512_loadu_ps(xb + r * k + 16);
+                    a0[r] = _mm512_fmadd_ps(alo, x0, a0[r]);
+                    a1[r] = _mm512_fmadd_ps(ahi, x1, a1[r]);
+                    b0[r] = _mm512_fmadd_ps(blo, x0, b0[r]);
+                    b1[r] = _mm512_fmadd_ps(bhi, x1, b1[r]);
+                }
+            }
+            for (int r = 0; r < nr; r++) {
+                y[(r0 + r) * n + i] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+                y[(r0 + r) * n + i + 1] = _mm512_reduce_add_ps(_mm512_add_ps(b0[r], b1[r]));
+            }
+        }
+    }
+    for (; i < n1; i++) {  /* an odd last row */
+        const uint8_t *ra = w + i * row_bytes;
+        for (int64_t r0 = 0; r0 < rows; r0 += RFAST) {
+            const int64_t nr = rows - r0 < RFAST ? rows - r0 : RFAST;
+            __m512 a0[RFAST], a1[RFAST];
+            for (int r = 0; r < nr; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                __m512 alo, ahi;
+                split_block(ggml_type, ra, nb, b, &alo, &ahi);
+                const float *xb = x + r0 * k + b * QK;
+                for (int r = 0; r < nr; r++) {
+                    a0[r] = _mm512_fmadd_ps(alo, _mm512_loadu_ps(xb + r * k), a0[r]);
+                    a1[r] = _mm512_fmadd_ps(ahi, _mm512_loadu_ps(xb + r * k + 16), a1[r]);
+                }
+            }
+            for (int r = 0; r < nr; r++) y[(r0 + r) * n + i] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+        }
+    }
+}
+#endif
+
+/* ---- the entry points (ctypes): 0 on success, -1 for a type this file does not know ---- */
+
+/* bytes of one row of k weights as held in memory (split types: their split layout); 0 = unknown type or k not a
+ * whole number of blocks */
+int64_t packed_row_bytes(int ggml_type, int64_t k) {
+    const block_type *t = find_type(ggml_type);
+    if (!t || k <= 0 || k % t->block_weights) return 0;
+    const int qb = split_quant_bytes(ggml_type);
+    return qb ? k / QK * (qb + 4 * split_scales(ggml_type)) : k / t->block_weights * t->block_bytes;
+}
+
+/* rows of the file's blocks (src_row_bytes each) -> rows as held in memory (packed_row_bytes each) */
+int packed_repack(int ggml_type, const uint8_t *src, int64_t src_row_bytes, int64_t rows, int64_t k, uint8_t *dst) {
+    const block_type *t = find_type(ggml_type);
+    const int64_t out_bytes = packed_row_bytes(ggml_type, k);
+    if (!out_bytes || src_row_bytes != k / t->block_weights * t->block_bytes) return -1;
+    for (int64_t i = 0; i < rows; i++) {
+        if (split_quant_bytes(ggml_type)) split_row(ggml_type, src + i * src_row_bytes, k / QK, dst + i * out_bytes);
+        else memcpy(dst + i * out_bytes, src + i * src_row_bytes, src_row_bytes);
+    }
+    return 0;
+}
+
+/* y [rows, n] = x [rows, k] @ W[n0:n1].T ; W is n rows of row_bytes bytes; only columns [n0, n1) of y are written */
+int packed_matmul(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
+                  float *y, int64_t n, int64_t n0, int64_t n1) {
+    const block_type *t = find_type(ggml_type);
+    if (!t || row_bytes != packed_row_bytes(ggml_type, k)) return -1;
+#if defined(__AVX512F__)
+    if (split_quant_bytes(ggml_type)) {
+        rows_fast(ggml_type, w, row_bytes, x, rows, k, y, n, n0, n1);
+        return 0;
+    }
+#endif
+    rows_generic(t, w, row_bytes, x, rows, k, y, n, n0, n1);
+    return 0;
+}
+
+/* out [n1 - n0, k] = the float values of rows [n0, n1) */
+int packed_dequantize(int ggml_type, const uint8_t *w, int64_t row_bytes, int64_t k, float *out, int64_t n0,
+                      int64_t n1) {
+    const block_type *t = find_type(ggml_type);
+    if (!t || row_bytes != packed_row_bytes(ggml_type, k)) return -1;
+    const int64_t nb = k / t->block_weights;
+    for (int64_t i = n0; i < n1; i++)
+        for (int64_t b = 0; b < nb; b++)
+            row_block(t, w + i * row_bytes, nb, b, out + (i - n0) * k + b * t->block_weights);
+    return 0;
+}
+
+/* the vector unit this build computes with: 2 = AVX-512, 1 = AVX2 + FMA, 0 = scalar C */
+int packed_isa(void) {
+#if defined(__AVX512F__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,232 @@
+"""Weights kept in a GGUF file's own quantized blocks, and the linear layers and embeddings that compute from them.
+
+A `PackedLinear` holds its weight as the file holds it: `out_features` rows of `row_bytes` bytes each (GGUF
+quantizes along the input axis, so a row of blocks is one output feature, and a row permutation -- transformers'
+Llama q/k reordering, BLOOM's fused qkv -- is applied to whole rows without touching a block). Its product is
+`swarmlm/kernels/packed.c`: each block unpacked to float32 in registers and multiplied by float32 activations, so the
+layer equals `nn.Linear` over the dequantized weight to float32 summation order.
+
+How a call runs, by the number of activation rows R (tokens x sequences):
+- R <= DIRECT_ROWS (decode, small batches, speculative passes): the kernel straight from the blocks. Memory-bound:
+  the bytes read are the file's bytes.
+- more rows (prefill): the weight is dequantized DEQUANT_CHUNK_BYTES at a time into a float32 buffer and multiplied
+  by torch's GEMM (compute-bound; unpacking costs 1/R of the product per row).
+Gradients (training through the swarm) flow to the input through the dequantized weight; the weight is frozen.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from swarmlm.kernels import library
+
+DIRECT_ROWS = 16  # activation rows up to which the kernel reads the blocks directly (measured: benchmarks/packed_bench.py)
+DEQUANT_CHUNK_BYTES = 16 << 20  # float32 bytes of weight unpacked at a time above DIRECT_ROWS
+
+# GGMLQuantizationType numbers this module keeps packed (the kernels in packed.c): name -> (number, weights per
+# block, bytes per block)
+PACKED_TYPES = {
+    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "F16": (1, 32, 64), "BF16": (30, 32, 64),
+}
+
+
+class PackedError(ValueError):
+    """Quantized data that cannot be what it claims (wrong size, unknown type): one line naming the tensor."""
+
+
+@dataclass(frozen=True)
+class PackedTensor:
+    """A [rows, cols] matrix in one GGUF block type: `data` uint8 [rows, row_bytes], each row as held in memory
+    (the file's blocks; Q4_0 / Q4_1 / Q8_0 split into quants then float32 scales: kernels/packed.c)."""
+
+    type_name: str
+    data: torch.Tensor
+    cols: int
+
+    def __post_init__(self) -> None:
+        if self.type_name not in PACKED_TYPES:
+            raise PackedError(f"{self.type_name} is not a packed type ({', '.join(PACKED_TYPES)})")
+        _, block, _ = PACKED_TYPES[self.type_name]
+        if self.data.dtype != torch.uint8 or self.data.dim() != 2 or not self.data.is_contiguous():
+            raise PackedError(f"packed {self.type_name} data must be contiguous uint8 [rows, row_bytes]")
+        if self.cols <= 0 or self.cols % block:
+            raise PackedError(f"{self.type_name} rows hold whole blocks of {block} weights, not {self.cols}")
+        want = held_row_bytes(self.type_name, self.cols)
+        if self.data.shape[1] != want:
+            raise PackedError(f"{self.type_name} rows of {self.cols} weights take {want} bytes in memory, "
+                              f"got {self.data.shape[1]}")
+
+    @property
+    def ggml_type(self) -> int:
+        return PACKED_TYPES[self.type_name][0]
+
+    @property
+    def rows(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+    def select_rows(self, index: torch.Tensor) -> "PackedTensor":
+        return PackedTensor(self.type_name, self.data[index].contiguous(), self.cols)
+
+    def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """float32 [end - start, cols]: rows [start, end) as gguf-py's dequantize gives them."""
+        end = self.rows if end is None else end
+        out = torch.empty(end - start, self.cols, dtype=torch.float32)
+        if end > start:
+            _check(library().packed_dequantize(self.ggml_type, self.data.data_ptr(), self.data.shape[1], self.cols,
+                                               out.data_ptr(), start, end))
+        return out
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [R, cols] float32 contiguous -> x @ W.T [R, rows]."""
+        rows = x.shape[0]
+        if rows > DIRECT_ROWS:
+            return self._matmul_dequantized(x)
+        y = torch.empty(rows, self.rows, dtype=torch.float32)
+        _check(library().packed_matmul(self.ggml_type, self.data.data_ptr(), self.data.shape[1], x.data_ptr(), rows,
+                                       self.cols, y.data_ptr(), self.rows, 0, self.rows))
+        return y
+
+    def _matmul_dequantized(self, x: torch.Tensor) -> torch.Tensor:
+        step = max(1, DEQUANT_CHUNK_BYTES // (4 * self.cols))
+        if step >= self.rows:
+            return x @ self.dequantize().T
+        y = torch.empty(x.shape[0], self.rows, dtype=torch.float32)
+        for start in range(0, self.rows, step):
+            end = min(start + step, self.rows)
+            torch.matmul(x, self.dequantize(start, end).T, out=y[:, start:end])
+        return y
+
+
+def _check(code: int) -> None:
+    if code != 0:
+        raise PackedError("the packed kernel refused the call (unknown type or a row not whole blocks)")
+
+
+def file_row_bytes(type_name: str, cols: int) -> int:
+    """Bytes of one row of `cols` weights in the file."""
+    _, block, size = PACKED_TYPES[type_name]
+    return cols // block * size
+
+
+def held_row_bytes(type_name: str, cols: int) -> int:
+    """Bytes of one row of `cols` weights as held in memory (at most 1.2x the file's: Q4_1 split)."""
+    return int(library().packed_row_bytes(PACKED_TYPES[type_name][0], cols))
+
+
+def packed_from_numpy(type_name: str, raw: np.ndarray, cols: int, name: str = "tensor") -> PackedTensor:
+    """A GGUF tensor's raw bytes (uint8 [rows, row_bytes] as in the file: gguf_reader's view), copied into process
+    memory in the layout the kernels read."""
+    try:
+        if type_name not in PACKED_TYPES:
+            raise PackedError(f"{type_name} is not a packed type ({', '.join(PACKED_TYPES)})")
+        if cols <= 0 or cols % PACKED_TYPES[type_name][1]:
+            raise PackedError(f"{type_name} rows hold whole blocks of {PACKED_TYPES[type_name][1]} weights, not {cols}")
+        rows = raw.reshape(raw.shape[0], -1) if raw.ndim >= 1 and raw.size else raw.reshape(0, 0)
+        if rows.dtype != np.uint8 or rows.shape[1] != file_row_bytes(type_name, cols):
+            raise PackedError(f"{type_name} rows of {cols} weights take {file_row_bytes(type_name, cols)} bytes in "
+                              f"the file, got {rows.shape[1] if rows.ndim == 2 else '?'}")
+        src = np.ascontiguousarray(rows)
+        data = torch.empty(src.shape[0], held_row_bytes(type_name, cols), dtype=torch.uint8)
+        _check(library().packed_repack(PACKED_TYPES[type_name][0], src.ctypes.data, src.shape[1], src.shape[0], cols,
+                                       data.data_ptr()))
+        return PackedTensor(type_name, data, cols)
+    except PackedError as exc:
+        raise PackedError(f"{name}: {exc}") from None
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear whose weight stays in its GGUF blocks (`weight` is not a parameter: it is frozen and packed)."""
+
+    def __init__(self, weight: PackedTensor, bias: torch.Tensor | None = None, softcap: float | None = None) -> None:
+        super().__init__()
+        self.packed = weight
+        self.in_features, self.out_features = weight.cols, weight.rows
+        self.register_buffer("packed_data", weight.data, persistent=False)  # counted among the module's buffers
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.softcap = softcap  # Gemma 2's final logit softcapping, when this is its LM head (families/gemma2.py)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight [out, in] (allocated per access: for code that must see a matrix, not the hot path)."""
+        return self.packed.dequantize()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"type={self.packed.type_name}, bias={self.bias is not None}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad and torch.is_grad_enabled():
+            return _PackedLinearGrad.apply(x, self)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features)
+        if flat.dtype != torch.float32 or not flat.is_contiguous():
+            flat = flat.float().contiguous()
+        y = self.packed.matmul(flat)
+        if self.bias is not None:
+            y += self.bias
+        if self.softcap is not None:
+            y = torch.tanh(y / self.softcap) * self.softcap
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+
+class _PackedLinearGrad(torch.autograd.Function):
+    """The packed product forward; dx = dy W through the dequantized weight (unpacked per call: training only)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, module: PackedLinear) -> torch.Tensor:
+        ctx.module = module
+        return module._forward(x.detach())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad @ ctx.module.packed.dequantize().to(grad.dtype), None
+
+
+def packed_types(module: nn.Module) -> str:
+    """The block types of the packed layers below `module`, sorted and comma-separated ("" = none)."""
+    found = {m.packed.type_name for m in module.modules() if isinstance(m, (PackedLinear, PackedEmbedding))}
+    return ",".join(sorted(found))
+
+
+class PackedEmbedding(nn.Module):
+    """nn.Embedding over packed rows: a lookup dequantizes only the rows asked for."""
+
+    def __init__(self, weight: PackedTensor, scale: torch.Tensor | float | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.packed = weight
+        self.num_embeddings, self.embedding_dim = weight.rows, weight.cols
+        self.register_buffer("packed_data", weight.data, persistent=False)
+        self.scale = None if scale is None else float(scale)  # Gemma 2 scales embeddings by sqrt(hidden)
+        self.dtype = dtype  # of the rows a lookup returns (the client's compute dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.packed.dequantize()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        rows = self.packed.select_rows(unique).dequantize()
+        if self.scale is not None:
+            rows = rows * torch.tensor(self.scale, dtype=rows.dtype)
+        return rows.to(self.dtype)[inverse].reshape(*ids.shape, self.embedding_dim)
+
+

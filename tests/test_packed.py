@@ -1,0 +1,176 @@
+"""Packed weights (swarmlm/model/packed.py, kernels/packed.c): every GGUF type the kernels keep computes what its
+dequantized values compute, in layers, blocks and client modules; bad quantized data is one clear error."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, dequantize, quantize
+
+from swarmlm.model.checkpoint import load_blocks, load_client_modules
+from swarmlm.model.gguf import open_gguf
+from swarmlm.model.packed import (DIRECT_ROWS, PACKED_TYPES, PackedEmbedding, PackedError, PackedLinear, PackedTensor,
+                                  file_row_bytes, packed_from_numpy)
+from swarmlm.model.quant import weight_bytes
+from swarmlm.model.random_checkpoint import init_checkpoint
+from swarmlm.server.stage import Stage
+from swarmlm.types import BlockRange
+from tests.gguf_fixtures import write_tiny_gguf
+
+QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16")  # what gguf-py writes; K-quants: synthetic
+FILE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16")  # the tiny GGUFs' matrices (rows of 64 weights)
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).detach().norm() / want.detach().norm())
+
+
+def raw_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """[rows, file row bytes] of `type_name`: gguf-py's quantization of random weights, or for K-quants random
+    quants with small positive scales (every bit pattern of quants and sub-scales is a valid block)."""
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal((rows, cols)).astype(np.float32)
+    if type_name == "F16":
+        return values.astype(np.float16).view(np.uint8)
+    if type_name in QUANTIZABLE:
+        return quantize(values, GGMLQuantizationType[type_name])
+    _, block, size = PACKED_TYPES[type_name]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scales = (0.01 * rng.random((rows, cols // block, 2)) + 1e-3).astype(np.float16).view(np.uint8)
+    if type_name == "Q6_K":  # d is the block's last two bytes
+        raw[..., size - 2:] = scales[..., :2]
+    else:  # d and dmin lead the block
+        raw[..., :4] = scales
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("type_name", list(PACKED_TYPES))
+def test_every_type_unpacks_to_gguf_pys_values_and_multiplies_as_they_do(type_name):
+    rows, cols = 48, 512
+    raw = raw_blocks(type_name, rows, cols)
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, cols).astype(np.float32))
+    packed = packed_from_numpy(type_name, raw, cols)
+    assert torch.equal(packed.dequantize(), want)  # bit for bit
+    assert torch.equal(packed.dequantize(5, 9), want[5:9])
+    assert packed.nbytes <= 1.2 * raw.nbytes  # Q4_1 split with float32 scales is the largest: 24 / 20 bytes
+    for batch in (1, 3, DIRECT_ROWS, DIRECT_ROWS + 7):  # the kernel (decode), and dequantize + GEMM (prefill)
+        x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch))
+        assert rel_l2(packed.matmul(x), x @ want.T) < 1e-5, batch
+
+
+def test_a_packed_linear_is_the_linear_of_its_dequantized_weight_with_gradients():
+    raw = raw_blocks("Q4_1", 40, 96)
+    packed = packed_from_numpy("Q4_1", raw, 96)
+    bias = torch.randn(40)
+    ref = torch.nn.Linear(96, 40)
+    ref.weight.data, ref.bias.data = packed.dequantize(), bias.clone()
+    layer = PackedLinear(packed, bias)
+    x = torch.randn(2, 5, 96, requires_grad=True)
+    y = layer(x)
+    assert y.shape == (2, 5, 40) and rel_l2(y, ref(x)) < 1e-5
+    y.square().sum().backward()
+    got = x.grad.clone()
+    x.grad = None
+    ref(x).square().sum().backward()
+    assert rel_l2(got, x.grad) < 1e-5  # the input's gradient flows through the dequantized weight
+    with torch.inference_mode():
+        assert layer(torch.randn(3, 96, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_a_packed_embedding_looks_up_dequantized_rows():
+    raw = raw_blocks("Q8_0", 100, 64)
+    packed = packed_from_numpy("Q8_0", raw, 64)
+    ids = torch.tensor([[3, 99, 3], [0, 1, 50]])
+    assert torch.equal(PackedEmbedding(packed)(ids), torch.nn.functional.embedding(ids, packed.dequantize()))
+    assert torch.equal(PackedEmbedding(packed, scale=2.0)(ids), 2.0 * packed.dequantize()[ids])
+    with pytest.raises(IndexError, match="out of range"):
+        PackedEmbedding(packed)(torch.tensor([100]))
+
+
+def test_bad_or_truncated_quantized_data_is_one_clear_error():
+    raw = raw_blocks("Q4_0", 4, 64)
+    with pytest.raises(PackedError, match="w.q: Q4_0 rows of 64 weights take 36 bytes in the file, got 30"):
+        packed_from_numpy("Q4_0", raw[:, :30], 64, "w.q")  # a truncated row
+    with pytest.raises(PackedError, match="not 48"):
+        PackedTensor("Q4_0", torch.zeros(4, 30, dtype=torch.uint8), 48)  # not whole blocks
+    with pytest.raises(PackedError, match="take 40 bytes in memory"):
+        PackedTensor("Q4_0", torch.zeros(4, 36, dtype=torch.uint8), 64)  # the file's layout is not the held one
+    with pytest.raises(PackedError, match="not a packed type"):
+        packed_from_numpy("IQ2_XS", raw, 64)
+
+
+# ---- a tiny Llama written as GGUF with every matrix in one type --------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> str:
+    return str(init_checkpoint("tiny-llama", tmp_path_factory.mktemp("packed") / "checkpoint", seed=2))
+
+
+@pytest.fixture(scope="module", params=FILE_TYPES)
+def tiny_gguf(request, tiny_checkpoint, tmp_path_factory) -> tuple[str, str]:
+    out = tmp_path_factory.mktemp("packed-gguf") / f"tiny-{request.param}.gguf"
+    return request.param, str(write_tiny_gguf(tiny_checkpoint, out, matrix_type=request.param))
+
+
+def test_packed_blocks_and_client_compute_what_the_dequantized_file_computes(tiny_gguf):
+    type_name, path = tiny_gguf
+    packed, plain = Stage(path, BlockRange(0, 4), quant="auto"), Stage(path, BlockRange(0, 4), quant="none")
+    linears = [m for m in packed.modules.modules() if isinstance(m, PackedLinear)]
+    assert len(linears) == 4 * 7 and {m.packed.type_name for m in linears} == {type_name}
+    assert packed.announced_quant == plain.announced_quant == "none"  # the same values: the same function
+    file_bytes = sum(open_gguf(path).packed_bytes(f"model.layers.{b}.{n}.weight") for b in range(4)
+                     for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
+    norms = sum(p.nbytes for p in plain.modules.parameters() if p.dim() == 1)
+    assert packed.weight_bytes <= 1.25 * file_bytes + norms < plain.weight_bytes
+    hidden = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 9)
+    assert rel_l2(packed.forward(BlockRange(0, 4), hidden, mask), plain.forward(BlockRange(0, 4), hidden, mask)) < 1e-5
+    # decode steps (rows <= DIRECT_ROWS: straight from the blocks) after a prefill
+    states = [s.new_state(BlockRange(1, 3), 2, 16) for s in (packed, plain)]
+    for t in (5, 1, 1):
+        step = torch.randn(2, t, 64)
+        got, want = (s.step(st, step, torch.ones(2, t)) for s, st in zip((packed, plain), states))
+        assert rel_l2(got, want) < 1e-5
+    _, _, client = load_client_modules(path, quant="auto")
+    _, _, reference = load_client_modules(path, quant="none")
+    assert isinstance(client.embed, PackedEmbedding) and isinstance(client.lm_head, PackedLinear)
+    assert weight_bytes(client.lm_head) < weight_bytes(reference.lm_head)
+    ids = torch.tensor([[1, 7, 300, 511]])
+    assert torch.equal(client.embed(ids), reference.embed(ids))
+    h = torch.randn(1, 4, 64)
+    assert rel_l2(client.lm_head(h), reference.lm_head(h)) < 1e-5
+
+
+def test_a_gguf_server_reads_its_blocks_packed_and_nothing_else(tiny_gguf):
+    type_name, path = tiny_gguf
+    checkpoint = open_gguf(path)
+    before_packed, before_float = checkpoint.packed_read_bytes, checkpoint.dequantized_bytes
+    load_blocks(path, 1, 3)
+    matrices = [k for k in checkpoint.keys() if k.startswith(("model.layers.1.", "model.layers.2."))
+                and k.endswith("_proj.weight")]
+    assert checkpoint.packed_read_bytes - before_packed == sum(checkpoint.packed_bytes(k) for k in matrices)
+    norms = [k for k in checkpoint.keys() if k.startswith(("model.layers.1.", "model.layers.2.")) and "norm" in k]
+    assert checkpoint.dequantized_bytes - before_float == 4 * 64 * len(norms)  # only the float32 norms
+
+
+def test_int8_and_int4_on_a_gguf_are_refused(tiny_gguf):
+    _, path = tiny_gguf
+    with pytest.raises(ValueError, match="served in its own blocks"):
+        Stage(path, BlockRange(0, 1), quant="int8")
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2 + FMA, and plain C: other CPUs' code paths
+def test_the_avx2_and_scalar_builds_compute_the_same_values(march, monkeypatch):
+    import swarmlm.model.packed as packed_module
+    from swarmlm.kernels import library
+
+    other = library(march)
+    assert other.packed_isa() == {"x86-64-v3": 1, "x86-64": 0}[march]
+    monkeypatch.setattr(packed_module, "library", lambda: other)
+    for type_name in PACKED_TYPES:
+        raw = raw_blocks(type_name, 9, 256)
+        want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).reshape(9, 256).astype(np.float32))
+        packed = packed_from_numpy(type_name, raw, 256)
+        assert torch.equal(packed.dequantize(), want), type_name
+        x = torch.randn(3, 256)
+        assert rel_l2(packed.matmul(x), x @ want.T) < 1e-5, type_name
