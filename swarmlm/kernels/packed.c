@@ -312,64 +312,74 @@ static inline void split_block(int ggml_type, const uint8_t *row, int64_t nb, in
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
 }
 
-/* Ask for the bytes PREFETCH_BYTES past `at` (up to `end`) while these are computed: rows are short (SmolLM2's are
- * 432 bytes), and the hardware prefetcher alone kept a single core at ~3 GB/s from memory here. */
-#define PREFETCH_BYTES 4096
-static inline void prefetch_ahead(const uint8_t *at, int64_t bytes, const uint8_t *end) {
-    for (const uint8_t *p = at + PREFETCH_BYTES; p < at + PREFETCH_BYTES + bytes && p < end; p += 64)
+/* Ask for the bytes `ahead` past [at, at + bytes) while these are computed: the hardware prefetcher alone kept a
+ * single core at ~3 GB/s from memory here on short rows (SmolLM2's are 432 bytes). */
+#define PREFETCH_AHEAD 4096
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *at, int64_t bytes, int64_t ahead, const uint8_t *end) {
+    for (const uint8_t *p = at + ahead; p < at + ahead + bytes && p < end; p += 64)
         _mm_prefetch((const char *)p, _MM_HINT_T0);
 }
 
-/* Each activation row keeps two accumulators (a block's low and high halves), and two weight rows are done at once:
- * four independent FMA chains per activation row hide the FMA latency that one chain per row would wait on. */
-#define RFAST 4
-static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
-                      float *y, int64_t n, int64_t n0, int64_t n1) {
-    const int64_t nb = k / QK;
-    int64_t i = n0;
-    for (; i + 1 < n1; i += 2) {  /* two weight rows */
-        const uint8_t *ra = w + i * row_bytes, *rb = ra + row_bytes;
-        prefetch_ahead(ra, 2 * row_bytes, w + n1 * row_bytes);
-        for (int64_t r0 = 0; r0 < rows; r0 += RFAST) {
-            const int64_t nr = rows - r0 < RFAST ? rows - r0 : RFAST;
-            __m512 a0[RFAST], a1[RFAST], b0[RFAST], b1[RFAST];
-            for (int r = 0; r < nr; r++) a0[r] = a1[r] = b0[r] = b1[r] = _mm512_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
-                __m512 alo, ahi, blo, bhi;
-                split_block(ggml_type, ra, nb, b, &alo, &ahi);
-                split_block(ggml_type, rb, nb, b, &blo, &bhi);
-                const float *xb = x + r0 * k + b * QK;
-                for (int r = 0; r < nr; r++) {
-                    const __m512 x0 = _mm512_loadu_ps(xb + r * k), x1 = _mm512_loadu_ps(xb + r * k + 16);
-                    a0[r] = _mm512_fmadd_ps(alo, x0, a0[r]);
-                    a1[r] = _mm512_fmadd_ps(ahi, x1, a1[r]);
-                    b0[r] = _mm512_fmadd_ps(blo, x0, b0[r]);
-                    b1[r] = _mm512_fmadd_ps(bhi, x1, b1[r]);
+/* A tile: W weight rows x R activation rows; a block of each weight row is unpacked once and used for all R
+ * activation rows. Up to 4 activation rows, each (weight row, activation row) pair keeps two accumulators (a
+ * block's low and high halves: independent FMA chains hide the FMA's latency); more rows make enough chains with
+ * one. Two weight rows at a time: from memory, 4 rows' streams ran ~1.3x slower than 2 here. Called with constant
+ * W, R and SPLIT, so the compiler keeps the accumulators in registers. */
+static inline __attribute__((always_inline)) void tile(int ggml_type, const uint8_t *w, int64_t row_bytes,
+                                                       int64_t nb, const float *x, int64_t k, float *y, int64_t n,
+                                                       int64_t i, int64_t r0, const int W, const int R,
+                                                       const int SPLIT) {
+    __m512 acc[2][8], acc_hi[2][4];
+    for (int a = 0; a < W; a++)
+        for (int r = 0; r < R; r++) {
+            acc[a][r] = _mm512_setzero_ps();
+            if (SPLIT) acc_hi[a][r] = _mm512_setzero_ps();
+        }
+    const uint8_t *row0 = w + i * row_bytes;
+    prefetch_ahead(row0, W * row_bytes, PREFETCH_AHEAD > W * row_bytes ? PREFETCH_AHEAD : W * row_bytes,
+                   w + n * row_bytes);
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + r0 * k + b * QK;
+        for (int a = 0; a < W; a++) {
+            __m512 lo, hi;
+            split_block(ggml_type, row0 + a * row_bytes, nb, b, &lo, &hi);
+            for (int r = 0; r < R; r++) {
+                const __m512 x0 = _mm512_loadu_ps(xb + r * k), x1 = _mm512_loadu_ps(xb + r * k + 16);
+                if (SPLIT) {
+                    acc[a][r] = _mm512_fmadd_ps(lo, x0, acc[a][r]);
+                    acc_hi[a][r] = _mm512_fmadd_ps(hi, x1, acc_hi[a][r]);
+                } else {
+                    acc[a][r] = _mm512_fmadd_ps(hi, x1, _mm512_fmadd_ps(lo, x0, acc[a][r]));
                 }
-            }
-            for (int r = 0; r < nr; r++) {
-                y[(r0 + r) * n + i] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
-                y[(r0 + r) * n + i + 1] = _mm512_reduce_add_ps(_mm512_add_ps(b0[r], b1[r]));
             }
         }
     }
-    for (; i < n1; i++) {  /* an odd last row */
-        const uint8_t *ra = w + i * row_bytes;
-        for (int64_t r0 = 0; r0 < rows; r0 += RFAST) {
-            const int64_t nr = rows - r0 < RFAST ? rows - r0 : RFAST;
-            __m512 a0[RFAST], a1[RFAST];
-            for (int r = 0; r < nr; r++) a0[r] = a1[r] = _mm512_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
-                __m512 alo, ahi;
-                split_block(ggml_type, ra, nb, b, &alo, &ahi);
-                const float *xb = x + r0 * k + b * QK;
-                for (int r = 0; r < nr; r++) {
-                    a0[r] = _mm512_fmadd_ps(alo, _mm512_loadu_ps(xb + r * k), a0[r]);
-                    a1[r] = _mm512_fmadd_ps(ahi, _mm512_loadu_ps(xb + r * k + 16), a1[r]);
-                }
-            }
-            for (int r = 0; r < nr; r++) y[(r0 + r) * n + i] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
-        }
+    for (int a = 0; a < W; a++)
+        for (int r = 0; r < R; r++)
+            y[(r0 + r) * n + i + a] = _mm512_reduce_add_ps(SPLIT ? _mm512_add_ps(acc[a][r], acc_hi[a][r]) : acc[a][r]);
+}
+
+#define TILE(W, R, SPLIT) \
+    static void tile_##W##_##R(int t, const uint8_t *w, int64_t rb, int64_t nb, const float *x, int64_t k, \
+                               float *y, int64_t n, int64_t i, int64_t r0) { \
+        tile(t, w, rb, nb, x, k, y, n, i, r0, W, R, SPLIT); \
+    }
+TILE(2, 1, 1) TILE(2, 2, 1) TILE(2, 3, 1) TILE(2, 4, 1) TILE(2, 5, 0) TILE(2, 6, 0) TILE(2, 7, 0) TILE(2, 8, 0)
+TILE(1, 1, 1) TILE(1, 2, 1) TILE(1, 3, 1) TILE(1, 4, 1) TILE(1, 5, 0) TILE(1, 6, 0) TILE(1, 7, 0) TILE(1, 8, 0)
+
+typedef void (*tile_fn)(int, const uint8_t *, int64_t, int64_t, const float *, int64_t, float *, int64_t, int64_t,
+                        int64_t);
+static const tile_fn WIDE[9] = {0, tile_2_1, tile_2_2, tile_2_3, tile_2_4, tile_2_5, tile_2_6, tile_2_7, tile_2_8};
+static const tile_fn NARROW[9] = {0, tile_1_1, tile_1_2, tile_1_3, tile_1_4, tile_1_5, tile_1_6, tile_1_7, tile_1_8};
+
+static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
+                      float *y, int64_t n, int64_t n0, int64_t n1) {
+    const int64_t nb = k / QK;
+    for (int64_t r0 = 0; r0 < rows; r0 += 8) {  /* activation rows, 8 at a time */
+        const int nr = rows - r0 < 8 ? (int)(rows - r0) : 8;
+        int64_t i = n0;
+        for (; i + 2 <= n1; i += 2) WIDE[nr](ggml_type, w, row_bytes, nb, x, k, y, n, i, r0);
+        for (; i < n1; i++) NARROW[nr](ggml_type, w, row_bytes, nb, x, k, y, n, i, r0);
     }
 }
 #endif
