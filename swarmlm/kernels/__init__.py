@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("packed.c")
 CACHE = Path.home() / ".cache" / "swarmlm" / "kernels"
-FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11", "-fno-math-errno"]
+FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno", "-pthread"]
 
 
 class KernelUnavailable(RuntimeError):
@@ -78,6 +78,10 @@ def library(march: str = "native") -> ctypes.CDLL:
     lib.packed_row_bytes.restype = i64
     lib.packed_repack.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr]
     lib.packed_repack.restype = ctypes.c_int
+    lib.packed_matmul_threads.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, i64, ptr, i64, i64]
+    lib.packed_matmul_threads.restype = ctypes.c_int
+    lib.packed_set_threads.argtypes = [ctypes.c_int]
+    lib.packed_set_threads.restype = ctypes.c_int
     lib.packed_isa.argtypes = []
     lib.packed_isa.restype = ctypes.c_int
     return lib

@@ -11,11 +11,13 @@
  * all its blocks first, then its scales (and Q4_1's mins) as float32 -- 1.06-1.2x the file's bytes -- so the AVX-512
  * path loads a block's scale with no conversion and turns 16 nibbles into floats with one table lookup (vpermps:
  * the table is d * q + m for q = 0..15, one FMA per block). Every other type keeps the file's own block layout.
- * Rows [n0, n1) only: the caller may split the rows between threads.
+ * `packed_matmul_threads` splits a product's rows between this library's own worker threads (packed_set_threads).
  */
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
@@ -419,6 +421,108 @@ int packed_matmul(int ggml_type, const uint8_t *w, int64_t row_bytes, const floa
     }
 #endif
     rows_generic(t, w, row_bytes, x, rows, k, y, n, n0, n1);
+    return 0;
+}
+
+/* ---- worker threads: a product's rows split between the caller and n - 1 workers ----
+ * A worker spins briefly for the next product (the products of one block come microseconds apart), then sleeps on
+ * a condition variable (between tokens, while torch runs the rest of the layer). One product at a time: a caller
+ * that finds the pool busy (another Python thread's product) computes alone. */
+#define MAX_THREADS 64
+#define SPIN_ROUNDS 20000
+
+typedef struct {
+    int ggml_type;
+    const uint8_t *w;
+    int64_t row_bytes, rows, k, n;
+    const float *x;
+    float *y;
+    int64_t chunk_rows;  /* rows taken at a time (even: tiles are two rows) */
+} product;
+
+static product job;
+static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER, wake_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+static atomic_int generation;
+static atomic_llong next_row, rows_done;  /* of the product running: the next rows to take, and rows finished */
+static int workers;  /* started so far (the pool only grows) */
+static int threads_wanted = 1;
+
+/* take chunks of rows until none is left: a thread the OS delays (a shared machine) holds back one chunk at most */
+static void take_rows(const product *p) {
+    for (;;) {
+        const int64_t n0 = atomic_fetch_add(&next_row, p->chunk_rows);
+        if (n0 >= p->n) return;
+        const int64_t n1 = n0 + p->chunk_rows < p->n ? n0 + p->chunk_rows : p->n;
+        packed_matmul(p->ggml_type, p->w, p->row_bytes, p->x, p->rows, p->k, p->y, p->n, n0, n1);
+        atomic_fetch_add_explicit(&rows_done, n1 - n0, memory_order_release);
+    }
+}
+
+static int pool_generation;  /* the generation when the pool last grew: where a new worker starts counting */
+
+static void *worker(void *arg) {
+    const int part = (int)(intptr_t)arg;
+    int seen = pool_generation;  /* not `generation`: a product may start before this thread first runs */
+    for (;;) {
+        int spins = 0;
+        while (atomic_load_explicit(&generation, memory_order_acquire) == seen) {
+            if (++spins < SPIN_ROUNDS) {
+#if defined(__SSE2__)
+                _mm_pause();
+#endif
+                continue;
+            }
+            pthread_mutex_lock(&wake_lock);
+            while (atomic_load(&generation) == seen) pthread_cond_wait(&wake, &wake_lock);
+            pthread_mutex_unlock(&wake_lock);
+        }
+        seen = atomic_load(&generation);
+        if (part < threads_wanted) take_rows(&job);
+    }
+    return 0;
+}
+
+/* the number of threads a product may use (the caller included); 0 on success */
+int packed_set_threads(int n) {
+    if (n < 1 || n > MAX_THREADS) return -1;
+    pthread_mutex_lock(&pool_busy);
+    pool_generation = atomic_load(&generation);
+    for (; workers < n - 1; workers++) {
+        pthread_t t;
+        if (pthread_create(&t, 0, worker, (void *)(intptr_t)(workers + 1)) != 0) break;
+        pthread_detach(t);
+    }
+    threads_wanted = n <= workers + 1 ? n : workers + 1;
+    pthread_mutex_unlock(&pool_busy);
+    return 0;
+}
+
+/* packed_matmul over all n rows, split between the threads when the product is large enough to pay for it */
+int packed_matmul_threads(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
+                          float *y, int64_t n, int64_t min_weights) {
+    if (threads_wanted < 2 || n * k < min_weights || n < 4 || pthread_mutex_trylock(&pool_busy) != 0)
+        return packed_matmul(ggml_type, w, row_bytes, x, rows, k, y, n, 0, n);
+    const block_type *t = find_type(ggml_type);
+    if (!t || row_bytes != packed_row_bytes(ggml_type, k)) {
+        pthread_mutex_unlock(&pool_busy);
+        return -1;
+    }
+    const int64_t chunk = ((n + 16 * threads_wanted - 1) / (16 * threads_wanted) + 1) & ~(int64_t)1;
+    job = (product){ggml_type, w, row_bytes, rows, k, n, x, y, chunk};
+    atomic_store(&next_row, 0);
+    atomic_store(&rows_done, 0);
+    pthread_mutex_lock(&wake_lock);
+    atomic_fetch_add_explicit(&generation, 1, memory_order_release);
+    pthread_cond_broadcast(&wake);
+    pthread_mutex_unlock(&wake_lock);
+    take_rows(&job);
+    while (atomic_load_explicit(&rows_done, memory_order_acquire) < n) {
+#if defined(__SSE2__)
+        _mm_pause();
+#endif
+    }
+    pthread_mutex_unlock(&pool_busy);
     return 0;
 }
 

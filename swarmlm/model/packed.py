@@ -25,6 +25,9 @@ from swarmlm.kernels import library
 
 DIRECT_ROWS = 16  # activation rows up to which the kernel reads the blocks directly (measured: benchmarks/packed_bench.py)
 DEQUANT_CHUNK_BYTES = 16 << 20  # float32 bytes of weight unpacked at a time above DIRECT_ROWS
+# products of at least this many weights are split between torch's number of threads (the kernels' own workers):
+# smaller ones finish before a sleeping worker wakes (SmolLM2's 576 x 1536 takes ~40 us on one thread)
+THREADED_MIN_WEIGHTS = 1 << 20
 
 # GGMLQuantizationType numbers this module keeps packed (the kernels in packed.c): name -> (number, weights per
 # block, bytes per block)
@@ -94,8 +97,10 @@ class PackedTensor:
         if rows > DIRECT_ROWS:
             return self._matmul_dequantized(x)
         y = torch.empty(rows, self.rows, dtype=torch.float32)
-        _check(library().packed_matmul(self.ggml_type, self.data.data_ptr(), self.data.shape[1], x.data_ptr(), rows,
-                                       self.cols, y.data_ptr(), self.rows, 0, self.rows))
+        lib = library()
+        _follow_torch_threads(lib)
+        _check(lib.packed_matmul_threads(self.ggml_type, self.data.data_ptr(), self.data.shape[1], x.data_ptr(), rows,
+                                         self.cols, y.data_ptr(), self.rows, THREADED_MIN_WEIGHTS))
         return y
 
     def _matmul_dequantized(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,6 +112,16 @@ class PackedTensor:
             end = min(start + step, self.rows)
             torch.matmul(x, self.dequantize(start, end).T, out=y[:, start:end])
         return y
+
+
+_threads = [1]  # what the kernels' pool was last told (torch.set_num_threads is the one setting)
+
+
+def _follow_torch_threads(lib) -> None:
+    n = torch.get_num_threads()
+    if n != _threads[0]:
+        lib.packed_set_threads(n)
+        _threads[0] = n
 
 
 def _check(code: int) -> None:
