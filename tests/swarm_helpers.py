@@ -79,10 +79,11 @@ def in_process_swarm(model_dir: str, ranges, **settings) -> Iterator[InProcessSw
 @functools.lru_cache(maxsize=4)
 def reference_model(model_dir: str):
     """Plain transformers' model of `model_dir` (fp32, eval): what every distributed output is checked against.
-    Loaded once per test run and shared: tests only read it (a setting changed for a test is put back)."""
-    from transformers import AutoModelForCausalLM
+    Loaded once per test run and shared: tests only read it (a setting changed for a test is put back). A GGUF is
+    loaded (dequantized) as transformers loads it."""
+    from swarmlm.model.checkpoint import load_transformers_model
 
-    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    return load_transformers_model(model_dir)
 
 
 def reference_generate(model_dir: str, ids, **kwargs):
