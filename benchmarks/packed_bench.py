@@ -3,6 +3,7 @@ llama.cpp on the same file.
 
     python benchmarks/packed_bench.py kernels                     # one matrix-vector product per kernel and shape
     python benchmarks/packed_bench.py decode --threads 1,2 --llama-bench PATH/llama-bench [--model FILE.gguf]
+    python benchmarks/packed_bench.py memory [--model FILE.gguf]      # a server's RSS per block held
 
 `kernels`: median time of y = x W^T for 1 and 8 rows of x, per kernel: torch float32, torch's dynamic int8
 (`quantized::linear_dynamic`, activations quantized per call), weight-only int8 (`aten._weight_int8pack_mm`, bf16
@@ -173,6 +174,39 @@ def decode(args) -> None:
             json.dump({"machine": machine_line(), "model": model, "tokens_per_s": rows}, f, indent=1)
 
 
+# ---- memory -----------------------------------------------------------------------------------------------------
+def memory(args) -> None:
+    """RSS of a ready server holding 1 block and one holding all of them (packed, then dequantized): what the extra
+    blocks cost in memory against their bytes in the file."""
+    import psutil
+
+    from swarmlm.model.catalog import DEFAULT_MODEL, fetch
+    from swarmlm.model.checkpoint import load_config
+    from swarmlm.model.gguf import open_gguf
+    from swarmlm.swarm.local import LocalSwarm
+    from swarmlm.types import BlockRange
+
+    model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
+    blocks = int(load_config(model).num_hidden_layers)
+    checkpoint = open_gguf(model)
+    file_bytes = {b: sum(checkpoint.packed_bytes(k) for k in checkpoint.keys() if k.startswith(f"model.layers.{b}."))
+                  for b in range(blocks)}
+    print(f"{model}; {machine_line()}\n")
+    print("| --quant | RSS, 1 block (MiB) | RSS, all blocks (MiB) | difference / the other blocks' file bytes |")
+    print("|---|---|---|---|")
+    for quant in ("auto", "none"):
+        rss = {}
+        for span in (BlockRange(0, 1), BlockRange(0, blocks)):
+            with LocalSwarm(model, threads=1, with_dht=False, server_args=["--quant", quant]) as swarm:
+                swarm.start([span])
+                time.sleep(2)
+                rss[span.length] = psutil.Process(swarm.servers[0].proc.pid).memory_info().rss
+        extra = sum(file_bytes[b] for b in range(1, blocks))
+        print(f"| {quant} | {rss[1] / 2**20:.0f} | {rss[blocks] / 2**20:.0f} | "
+              f"{(rss[blocks] - rss[1]) / extra:.2f}x ({(rss[blocks] - rss[1]) / 2**20:.0f} MiB for "
+              f"{extra / 2**20:.0f} MiB) |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -187,8 +221,10 @@ def main() -> None:
     d.add_argument("--quant", default="auto")
     d.add_argument("--llama-bench", default="", help="path of llama.cpp's llama-bench, built from source")
     d.add_argument("--out", default="")
+    m = sub.add_parser("memory")
+    m.add_argument("--model", default="smollm2-135m-instruct")
     args = p.parse_args()
-    (kernels if args.what == "kernels" else decode)(args)
+    {"kernels": kernels, "decode": decode, "memory": memory}[args.what](args)
 
 
 if __name__ == "__main__":

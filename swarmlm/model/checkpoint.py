@@ -259,6 +259,8 @@ def load_blocks(
         block.load_state_dict(state, strict=True, assign=True)
         del tensors, state  # the block's own full-precision copy is the only one left ...
         blocks.append(quantize_linears(block.eval().requires_grad_(False), quant))  # ... until this replaces it
+        if isinstance(index, GGUFTensorIndex):
+            index.gguf.release_pages()  # the file's pages read for this block: copied, not to be kept resident
         log.info("block %d loaded (%d of %d)", global_idx, local + 1, end - start)  # a server's start-up progress
     return config, adapter, blocks
 
@@ -301,6 +303,8 @@ def load_client_modules(
     for name, weight in packed.items():  # placeholders: the packed modules replace these below
         tensors[wanted[name]] = torch.empty(weight.shape, device="meta")
     mods = adapter.build_client(config, {n: tensors[k] for n, k in wanted.items()})
+    if isinstance(index, GGUFTensorIndex):
+        index.gguf.release_pages()
     if "embed.weight" in packed:
         mods.embed = packed_embedding(mods.embed, packed["embed.weight"], dtype)
     if "lm_head.weight" in packed:

@@ -125,6 +125,18 @@ class GGUFCheckpoint:
         self.packed_read_bytes += int(raw.nbytes)
         return packed_from_numpy(tensor.tensor_type.name, raw, int(tensor.shape[0]), f"{self.path.name}:{tensor.name}")
 
+    def release_pages(self) -> None:
+        """Drop the file's pages this process touched from its resident memory (what was read is copied out; the
+        pages stay in the OS page cache): otherwise they count in the server's RSS beside the copies."""
+        import mmap
+
+        base = next(iter(self.tensors.values())).data if self.tensors else None
+        while base is not None and not hasattr(base, "_mmap"):
+            base = base.base
+        mapping = getattr(base, "_mmap", None)
+        if mapping is not None and hasattr(mapping, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            mapping.madvise(mmap.MADV_DONTNEED)
+
     def summary(self, key: str) -> bytes:
         """Name, quantization type, shape and the first/last raw bytes of one tensor (a few bytes read)."""
         tensor = self.tensors[self.hf_to_gguf[key]]
