@@ -34,6 +34,10 @@ def raw_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarra
         return values.astype(np.float16).view(np.uint8)
     if type_name in QUANTIZABLE:
         return quantize(values, GGMLQuantizationType[type_name])
+    if type_name == "Q8_M":
+        from swarmlm.model.quant import quantize_q8_m
+
+        return quantize_q8_m(values)
     _, block, size = PACKED_TYPES[type_name]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     scales = (0.01 * rng.random((rows, cols // block, 2)) + 1e-3).astype(np.float16).view(np.uint8)
@@ -44,15 +48,29 @@ def raw_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarra
     return raw.reshape(rows, -1)
 
 
+def reference_values(type_name: str, raw: np.ndarray, rows: int, cols: int) -> torch.Tensor:
+    """gguf-py's dequantization of `raw`; Q8_M (swarmlm's own): d q + m from its float32 header."""
+    if type_name == "Q8_M":
+        blocks = raw.reshape(rows, cols // 32, 40)
+        d, m = blocks[..., :4].copy().view(np.float32), blocks[..., 4:8].copy().view(np.float32)
+        exact = d.astype(np.float64) * blocks[..., 8:] + m.astype(np.float64)  # fma(d, q, m): rounded once
+        return torch.from_numpy(exact.astype(np.float32).reshape(rows, cols))
+    return torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, cols).astype(np.float32))
+
+
 @pytest.mark.parametrize("type_name", list(PACKED_TYPES))
 def test_every_type_unpacks_to_gguf_pys_values_and_multiplies_as_they_do(type_name):
     rows, cols = 48, 512
     raw = raw_blocks(type_name, rows, cols)
-    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, cols).astype(np.float32))
+    want = reference_values(type_name, raw, rows, cols)
     packed = packed_from_numpy(type_name, raw, cols)
     assert torch.equal(packed.dequantize(), want)  # bit for bit
     assert torch.equal(packed.dequantize(5, 9), want[5:9])
     assert packed.nbytes <= 1.2 * raw.nbytes  # Q4_1 split with float32 scales is the largest: 24 / 20 bytes
+    if type_name == "Q8_M":  # asymmetric 8-bit: every weight within half a step of the float value
+        values = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
+        step = (np.ptp(values.reshape(rows, -1, 32), axis=-1) / 255).repeat(32, -1).reshape(rows, cols)
+        assert (np.abs(want.numpy() - values) <= 0.5 * step + 1e-6).all()
     for batch in (1, 3, DIRECT_ROWS, DIRECT_ROWS + 7):  # the kernel (decode), and dequantize + GEMM (prefill)
         x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch))
         assert rel_l2(packed.matmul(x), x @ want.T) < 1e-5, batch
@@ -169,7 +187,7 @@ def test_the_avx2_and_scalar_builds_compute_the_same_values(march, monkeypatch):
     monkeypatch.setattr(packed_module, "library", lambda: other)
     for type_name in PACKED_TYPES:
         raw = raw_blocks(type_name, 9, 256)
-        want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).reshape(9, 256).astype(np.float32))
+        want = reference_values(type_name, raw, 9, 256)
         packed = packed_from_numpy(type_name, raw, 256)
         assert torch.equal(packed.dequantize(), want), type_name
         x = torch.randn(3, 256)

@@ -161,6 +161,17 @@ static void dq_f16(const uint8_t *b, float *y) {
     for (int j = 0; j < QK; j++) y[j] = fp16(b + 2 * j);
 }
 
+/* Q8_M, swarmlm's own (not a GGUF type): float32 d, float32 m, 32 uint8 -- asymmetric 8-bit, weight = d q + m. What
+ * --quant int8 makes of a float checkpoint: the block's full range in 256 steps (Q8_0's symmetric 255 steps of
+ * +-absmax waste half of them on a skewed block). Its value is fma(d, q, m): one rounding on every path. */
+#define Q8_M 1001
+static void dq_q8_m(const uint8_t *b, float *y) {
+    float d, m;
+    memcpy(&d, b, 4);
+    memcpy(&m, b + 4, 4);
+    for (int j = 0; j < 32; j++) y[j] = __builtin_fmaf(d, (float)b[8 + j], m);  /* one rounding, as the AVX-512 path */
+}
+
 static void dq_bf16(const uint8_t *b, float *y) {
     for (int j = 0; j < QK; j++) y[j] = bf16(b + 2 * j);
 }
@@ -177,7 +188,7 @@ typedef struct {
 static const block_type TYPES[] = {
     {2, QK, 18, dq_q4_0},     {3, QK, 20, dq_q4_1},     {6, QK, 22, dq_q5_0},     {7, QK, 24, dq_q5_1},
     {8, QK, 34, dq_q8_0},     {12, QK_K, 144, dq_q4_k}, {13, QK_K, 176, dq_q5_k}, {14, QK_K, 210, dq_q6_k},
-    {1, QK, 64, dq_f16},      {30, QK, 64, dq_bf16},
+    {1, QK, 64, dq_f16},      {30, QK, 64, dq_bf16},    {Q8_M, QK, 40, dq_q8_m},
 };
 
 static const block_type *find_type(int ggml_type) {
@@ -189,10 +200,10 @@ static const block_type *find_type(int ggml_type) {
 /* ---- the split layout of Q4_0 / Q4_1 / Q8_0: [quants of every block][d float32 x nb][m float32 x nb (Q4_1)] ---- */
 
 static int split_quant_bytes(int ggml_type) {  /* bytes of one block's quants; 0 = not a split type */
-    return ggml_type == 2 || ggml_type == 3 ? 16 : ggml_type == 8 ? 32 : 0;
+    return ggml_type == 2 || ggml_type == 3 ? 16 : ggml_type == 8 || ggml_type == Q8_M ? 32 : 0;
 }
 
-static int split_scales(int ggml_type) { return ggml_type == 3 ? 2 : 1; }
+static int split_scales(int ggml_type) { return ggml_type == 3 || ggml_type == Q8_M ? 2 : 1; }
 
 static inline float load_f32(const uint8_t *p) {
     float f;
@@ -207,6 +218,11 @@ static void split_dq(int ggml_type, const uint8_t *row, int64_t nb, int64_t b, f
     const float d = load_f32(scales + 4 * b);
     if (ggml_type == 8) {
         for (int j = 0; j < 32; j++) y[j] = d * (float)((const int8_t *)q)[j];
+        return;
+    }
+    if (ggml_type == Q8_M) {
+        const float m = load_f32(scales + 4 * (nb + b));
+        for (int j = 0; j < 32; j++) y[j] = __builtin_fmaf(d, (float)q[j], m);
         return;
     }
     const float m = ggml_type == 3 ? load_f32(scales + 4 * (nb + b)) : -8.0f * d;
@@ -224,10 +240,10 @@ static void split_row(int ggml_type, const uint8_t *src, int64_t nb, uint8_t *ds
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = src + b * t->block_bytes;
         memcpy(dst + b * qb, blk + head, qb);
-        const float d = fp16(blk);
+        const float d = ggml_type == Q8_M ? load_f32(blk) : fp16(blk);  /* Q8_M's d and m are float32 already */
         memcpy(scales + 4 * b, &d, 4);
-        if (ggml_type == 3) {
-            const float m = fp16(blk + 2);
+        if (ggml_type == 3 || ggml_type == Q8_M) {
+            const float m = ggml_type == Q8_M ? load_f32(blk + 4) : fp16(blk + 2);
             memcpy(scales + 4 * (nb + b), &m, 4);
         }
     }
@@ -303,6 +319,12 @@ static inline void split_block(int ggml_type, const uint8_t *row, int64_t nb, in
     if (ggml_type == 8) {  /* Q8_0: d q */
         *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), d);
         *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), d);
+        return;
+    }
+    if (ggml_type == Q8_M) {  /* d q + m, q unsigned */
+        const __m512 m = _mm512_set1_ps(load_f32(scales + 4 * (nb + b)));
+        *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q))), d, m);
+        *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), d, m);
         return;
     }
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);

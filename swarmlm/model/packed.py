@@ -34,6 +34,8 @@ THREADED_MIN_WEIGHTS = 1 << 20
 PACKED_TYPES = {
     "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
     "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "F16": (1, 32, 64), "BF16": (30, 32, 64),
+    # swarmlm's own, not in GGUF files: float32 d and m, 32 uint8 (asymmetric 8-bit; --quant int8, model/quant.py)
+    "Q8_M": (1001, 32, 40),
 }
 
 
