@@ -136,8 +136,12 @@ def decode(args) -> None:
 
     model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
     tokenizer = load_tokenizer(model)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Write a short story about a lighthouse."}],
-                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    text = "Write a short story about a lighthouse."
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+    else:  # a preset's random model: no chat template
+        ids = tokenizer(text, return_tensors="pt")["input_ids"]
     blocks = int(load_config(model).num_hidden_layers)
     reference = load_transformers_model(model)
     rows = {}

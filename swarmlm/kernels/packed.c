@@ -337,11 +337,12 @@ static inline void split_block(int ggml_type, const uint8_t *row, int64_t nb, in
 }
 
 /* Ask for the bytes `ahead` past [at, at + bytes) while these are computed: the hardware prefetcher alone kept a
- * single core at ~3 GB/s from memory here on short rows (SmolLM2's are 432 bytes). */
+ * single core at ~3 GB/s from memory here on short rows (SmolLM2's are 432 bytes). Into L2 (T1): on Llama-3.2-1B shapes
+ * that read ~10 % faster than into L1 (T0), which ties up the line fill buffers the loads need. */
 #define PREFETCH_AHEAD 4096
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *at, int64_t bytes, int64_t ahead, const uint8_t *end) {
     for (const uint8_t *p = at + ahead; p < at + ahead + bytes && p < end; p += 64)
-        _mm_prefetch((const char *)p, _MM_HINT_T0);
+        _mm_prefetch((const char *)p, _MM_HINT_T1);
 }
 
 /* A tile: W weight rows x R activation rows; a block of each weight row is unpacked once and used for all R
