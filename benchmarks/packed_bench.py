@@ -4,6 +4,7 @@ llama.cpp on the same file.
     python benchmarks/packed_bench.py kernels                     # one matrix-vector product per kernel and shape
     python benchmarks/packed_bench.py decode --threads 1,2 --llama-bench PATH/llama-bench [--model FILE.gguf]
     python benchmarks/packed_bench.py memory [--model FILE.gguf]      # a server's RSS per block held
+    python benchmarks/packed_bench.py batching --sessions 8            # N generations at once vs one by one
 
 `kernels`: median time of y = x W^T for 1 and 8 rows of x, per kernel: torch float32, torch's dynamic int8
 (`quantized::linear_dynamic`, activations quantized per call), weight-only int8 (`aten._weight_int8pack_mm`, bf16
@@ -150,8 +151,8 @@ def decode(args) -> None:
         setups = {}
         with LocalSwarm(model, threads=threads, server_args=["--quant", args.quant]) as swarm:
             swarm.start([BlockRange(0, blocks)])
-            client = DistributedModelForCausalLM.from_pretrained(model, servers=swarm.addresses, threads=threads,
-                                                                 quant=args.quant)
+            client = DistributedModelForCausalLM.from_pretrained(model, servers=swarm.addresses, quant=args.quant,
+                                                                 threads=args.client_threads or threads)
             setups["transformers float32, one process"] = lambda: _transformers_tps(reference, ids, args.tokens)
             setups[f"swarmlm client + 1 server (--quant {args.quant})"] = lambda: _swarm_tps(client, ids, args.tokens)
             if args.llama_bench:
@@ -211,6 +212,59 @@ def memory(args) -> None:
               f"{extra / 2**20:.0f} MiB) |", flush=True)
 
 
+# ---- batching ---------------------------------------------------------------------------------------------------
+def batching(args) -> None:
+    """Decode tokens/s of N greedy generate() calls one after another vs N at once (N threads of one client, its
+    heads batched), through one packed server of every block; the tokens must be the same."""
+    import threading
+
+    from swarmlm.client.model import DistributedModelForCausalLM
+    from swarmlm.model.catalog import DEFAULT_MODEL, fetch
+    from swarmlm.model.checkpoint import load_config, load_tokenizer
+    from swarmlm.swarm.local import LocalSwarm
+    from swarmlm.types import BlockRange
+
+    torch.set_num_threads(1)
+    model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
+    tokenizer = load_tokenizer(model)
+    topics = ["a lighthouse", "the moon", "a river", "bread", "a violin", "winter", "a robot", "the sea", "a garden",
+              "trains", "a library", "rain", "mountains", "a cat", "coffee", "a bridge"]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Write a short poem about {t}."}],
+                                             add_generation_prompt=True, return_tensors="pt", return_dict=True)
+               ["input_ids"] for t in topics[:args.sessions]]
+    blocks = int(load_config(model).num_hidden_layers)
+    kwargs = dict(max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
+    with LocalSwarm(model, threads=1, with_dht=False) as swarm:
+        swarm.start([BlockRange(0, blocks)])
+        client = DistributedModelForCausalLM.from_pretrained(model, servers=swarm.addresses, threads=1)
+        client.generate(prompts[0], **kwargs)  # warm
+        rates = {"one by one": [], f"{args.sessions} at once": []}
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            alone = [client.generate(p, **kwargs) for p in prompts]
+            rates["one by one"].append(len(prompts) * args.tokens / (time.perf_counter() - t0))
+            together: list = [None] * len(prompts)
+
+            def run(i: int) -> None:
+                together[i] = client.generate(prompts[i], **kwargs)
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            rates[f"{args.sessions} at once"].append(len(prompts) * args.tokens / (time.perf_counter() - t0))
+            same = sum(torch.equal(a, b) for a, b in zip(alone, together))
+        client.close()
+    one, many = (statistics.median(v) for v in rates.values())
+    print(f"{model}: {args.sessions} chat prompts x {args.tokens} greedy tokens, one packed server of all blocks, "
+          f"1 thread per process, median of {args.rounds} rounds; {machine_line()}\n")
+    print(f"| one by one | {args.sessions} at once | ratio | same tokens |")
+    print("|---|---|---|---|")
+    print(f"| {one:.1f} tok/s | {many:.1f} tok/s | {many / one:.2f}x | {same} of {len(prompts)} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -223,12 +277,18 @@ def main() -> None:
     d.add_argument("--tokens", type=int, default=64)
     d.add_argument("--rounds", type=int, default=3)
     d.add_argument("--quant", default="auto")
+    d.add_argument("--client-threads", type=int, default=0, help="the client's torch threads (default: --threads)")
     d.add_argument("--llama-bench", default="", help="path of llama.cpp's llama-bench, built from source")
     d.add_argument("--out", default="")
     m = sub.add_parser("memory")
     m.add_argument("--model", default="smollm2-135m-instruct")
+    b = sub.add_parser("batching")
+    b.add_argument("--model", default="smollm2-135m-instruct")
+    b.add_argument("--sessions", type=int, default=8)
+    b.add_argument("--tokens", type=int, default=32)
+    b.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
-    {"kernels": kernels, "decode": decode, "memory": memory}[args.what](args)
+    {"kernels": kernels, "decode": decode, "memory": memory, "batching": batching}[args.what](args)
 
 
 if __name__ == "__main__":

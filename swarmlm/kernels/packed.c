@@ -452,7 +452,7 @@ int packed_matmul(int ggml_type, const uint8_t *w, int64_t row_bytes, const floa
  * a condition variable (between tokens, while torch runs the rest of the layer). One product at a time: a caller
  * that finds the pool busy (another Python thread's product) computes alone. */
 #define MAX_THREADS 64
-#define SPIN_ROUNDS 20000
+#define SPIN_ROUNDS 2000
 
 typedef struct {
     int ggml_type;
