@@ -4,7 +4,8 @@ most one dequantized block at a time, so a swarm's output can be checked on a mo
 Each step runs the whole sequence again (no KV cache: the simplest thing that is exactly transformers' forward):
 embeddings of the sequence's tokens only (their rows read from the file), then block 0 loaded, run and freed, block
 1, ..., the final norm of the last position, and the LM head read and applied in chunks of rows. Blocks are the
-project's own (checkpoint.load_blocks: transformers' decoder layers, the family's forward_span), float32.
+project's own (checkpoint.load_blocks: transformers' decoder layers, the family's forward_span), dequantized to
+float32 (quant "none": gguf-py's dequantization, not the packed kernels the servers run, so it checks them).
 Cost: every step reads and dequantizes every block once (a 2-prompt batch shares the reads); for llama-8b Q4_0 that
 is ~0.9 GB float32 per block in memory, the file's 4.6 GB read per step.
 """
@@ -49,7 +50,7 @@ class BoundedReference:
         """ids, mask: [B, T] (left padding: mask 0); the logits of the last position: [B, vocab]."""
         hidden = self._embed(ids)  # [B, T, H]
         for i in range(self.config.num_hidden_layers):
-            _, _, blocks = load_blocks(self.model, i, i + 1, torch.float32)
+            _, _, blocks = load_blocks(self.model, i, i + 1, torch.float32, quant="none")  # dequantized
             self.largest_block_bytes = max(self.largest_block_bytes,
                                            sum(p.nbytes for p in blocks.parameters()))
             hidden = self.adapter.forward_span(self.config, blocks, hidden, DynamicCache(config=self.config), mask)
