@@ -19,9 +19,12 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from transformers import PretrainedConfig
+
+if TYPE_CHECKING:  # (the CLI's parser imports GGUF_TYPES: no transformers for `--help`)
+    from transformers import PretrainedConfig
 
 GGUF_TYPES = ("q4_0", "q8_0", "f16", "f32")  # what --gguf takes: the type of every 2-D weight
 CHUNK_BYTES = 64 << 20  # float32 bytes drawn (and quantized) at once: the writer's working set is a few of these
