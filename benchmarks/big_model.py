@@ -9,7 +9,8 @@ reference (issue 35).
    steps in a child process (its peak RSS reported: the one-block bound); its result is cached beside the file.
 3. 4 servers start, each with `--memory-mb` and, where the machine has the cgroup v1 memory controller and we may
    write it, in its own cgroup with memory.limit_in_bytes = budget + --runtime-mb (Python, torch, gRPC, DHT), made
-   before and removed after. Their peak RSS (VmHWM) and the cgroups' peak usage are reported beside the budget.
+   before and removed after. Their peak RSS (VmHWM, the file's pages they touched included), peak anonymous RSS
+   (sampled) and the cgroups' peak usage (page cache charged included) are reported beside the budget.
 4. A client (packed embeddings and head) runs the same 2 prompts x 8 greedy steps in one session: each step's
    logits within --rtol relative (L2) of the reference and the same tokens; decode tokens/s; the client's peak RSS.
 Results: printed, and JSON to --out.
@@ -63,21 +64,57 @@ def reference(path: Path, steps: int) -> dict:
 def run_reference(path: Path, steps: int, out: Path) -> None:
     from swarmlm.model.reference import BoundedReference
 
+    peaks = AnonPeaks()
+    peaks.pids.append(os.getpid())
     ref = BoundedReference(str(path))
     t0 = time.perf_counter()
     result = ref.greedy(prompts_for(int(ref.config.vocab_size)), steps)
-    torch.save({"tokens": result.tokens, "logits": result.logits, "seconds": time.perf_counter() - t0,
-                "peak_rss_bytes": _peak_rss(os.getpid()), "largest_block_bytes": ref.largest_block_bytes},
+    seconds = time.perf_counter() - t0
+    torch.save({"tokens": result.tokens, "logits": result.logits, "seconds": seconds,
+                "peak_rss_bytes": _peak_rss(os.getpid()), "peak_anon_bytes": peaks.stop()[os.getpid()],
+                "largest_block_bytes": ref.largest_block_bytes},
                out.with_suffix(".tmp"))
     os.replace(out.with_suffix(".tmp"), out)
 
 
-def _peak_rss(pid: int) -> int:
-    """VmHWM: the process's peak resident set."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
+def _status(pid: int, field: str) -> int:
+    """A memory line of /proc/PID/status, in bytes (0 once the process is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return 0
+
+
+def _peak_rss(pid: int) -> int:
+    """VmHWM: the process's peak resident set, file pages it touched included (a mapped GGUF's pages count)."""
+    return _status(pid, "VmHWM")
+
+
+class AnonPeaks:
+    """Peak anonymous resident memory (RssAnon: the process's own, not the file's cached pages) of some processes,
+    sampled every `period_s` by a thread."""
+
+    def __init__(self, period_s: float = 0.2) -> None:
+        import threading
+
+        self.pids: list[int] = []
+        self.peaks: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(period_s,), daemon=True)
+        self._thread.start()
+
+    def _run(self, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            for pid in list(self.pids):
+                self.peaks[pid] = max(self.peaks.get(pid, 0), _status(pid, "RssAnon"))
+
+    def stop(self) -> dict[int, int]:
+        self._stop.set()
+        self._thread.join()
+        return self.peaks
 
 
 class MemoryCgroup:
@@ -150,6 +187,8 @@ def run(args: argparse.Namespace) -> dict:
                    "--quant", "auto", "--rebalance-period", "0"]
     swarm = LocalSwarm(str(path), threads=args.threads, server_args=server_args, start_timeout_s=1800)
     groups: list[MemoryCgroup] = []
+    peaks = AnonPeaks()
+    peaks.pids.append(os.getpid())
     try:
         swarm.start_dht()
         started = []
@@ -159,6 +198,7 @@ def run(args: argparse.Namespace) -> dict:
                 groups.append(MemoryCgroup(f"swarmlm-big-{os.getpid()}-{i}", (args.memory_mb + args.runtime_mb) * MIB))
                 prefix = groups[-1].prefix
             started.append(swarm.start_server(blocks, wait=False, prefix=prefix))
+            peaks.pids.append(started[-1].proc.pid)
         swarm.wait_ready(started)
         client = DistributedModelForCausalLM.from_pretrained(str(path), servers=swarm.addresses, routing="shortest",
                                                              dtype="float32", quant="auto")
@@ -166,8 +206,9 @@ def run(args: argparse.Namespace) -> dict:
             tokens, logits, decode_s = swarm_greedy(client, prompts, args.steps)
         finally:
             client.close()
+        anon = peaks.stop()
         servers = [{"blocks": [r.start, r.end], "budget_mb": args.memory_mb,
-                    "peak_rss_mb": _peak_rss(s.proc.pid) / MIB,
+                    "peak_rss_mb": _peak_rss(s.proc.pid) / MIB, "peak_anon_rss_mb": anon.get(s.proc.pid, 0) / MIB,
                     **({"cgroup_limit_mb": g.limit_bytes / MIB, "cgroup_peak_mb": g.peak_bytes() / MIB,
                         "cgroup_failcnt": g.failures()} if caps else {})}
                    for s, r, g in zip(swarm.servers, ranges, groups or [None] * len(ranges))]
@@ -180,11 +221,13 @@ def run(args: argparse.Namespace) -> dict:
         "machine": machine_info(), "preset": args.preset, "file": str(path), "file_bytes": path.stat().st_size,
         "servers": servers, "threads_per_server": args.threads, "memory_caps": "cgroup v1" if caps else "none",
         "client_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "client_peak_anon_rss_mb": anon.get(os.getpid(), 0) / MIB,
         "prompts": len(prompts), "steps": args.steps,
         "decode_tokens_per_s": len(prompts) * (args.steps - 1) / decode_s,
         "same_tokens_as_reference": bool(torch.equal(tokens, ref["tokens"])),
         "logits_rel_l2_max": max(rel), "logits_within_rtol": max(rel) <= args.rtol,
         "reference": {"seconds": ref["seconds"], "peak_rss_mb": ref["peak_rss_bytes"] / MIB,
+                      "peak_anon_rss_mb": ref.get("peak_anon_bytes", 0) / MIB,
                       "largest_block_mb": ref["largest_block_bytes"] / MIB},
     }
 
