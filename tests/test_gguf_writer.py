@@ -110,3 +110,15 @@ def test_writing_holds_a_chunk_not_a_tensor(tmp_path, gguf_type):
     embed = load_transformers_model(path).state_dict()["model.embed_tokens.weight"]
     _close(embed.numpy(), _source(config, plan_tensors(config, gguf_type)[0]), gguf_type, "embed")
     assert embed.dtype == torch.float32
+
+
+def test_a_preset_too_big_to_build_in_memory_points_to_gguf(tmp_path):
+    import psutil
+
+    if psutil.virtual_memory().available > 29 << 30:
+        pytest.skip("this machine could build llama-8b at float32 in memory")
+    done = _cli("model", "init", "--preset", "llama-8b", "--out", str(tmp_path / "out"))
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "llama-8b at float32 takes 29.9 GiB" in lines[0] and "--gguf q4_0" in lines[0]
+    assert not (tmp_path / "out").exists()  # nothing written

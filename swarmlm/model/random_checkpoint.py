@@ -22,9 +22,10 @@ def init_checkpoint(
 ) -> Path:
     """Write `config.json`, safetensors shards (+ index when sharded) and the tokenizer to out_dir."""
     preset = get_preset(preset_name)
+    config = preset_config(preset_name, num_layers)
+    _check_fits_in_memory(preset_name, config, dtype)  # (before anything is written)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = preset_config(preset_name, num_layers)
     tokens = dict(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -33,6 +34,19 @@ def init_checkpoint(
     save_tokenizer(min(preset.tokenizer_vocab, config.vocab_size), out, pad=not preset.llama3_tokens)
     (out / "swarmlm.json").write_text(json.dumps({"preset": preset_name, "seed": seed, "dtype": str(dtype)}))
     return out
+
+
+def _check_fits_in_memory(preset_name: str, config, dtype: torch.dtype) -> None:
+    """A model that init_checkpoint would build whole in memory, and that does not fit: one line, before trying."""
+    import psutil
+
+    with torch.device("meta"):
+        values = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    need, available = values * dtype.itemsize, psutil.virtual_memory().available
+    if need > available:
+        raise ValueError(f"{preset_name} at {str(dtype).removeprefix('torch.')} takes {need / 2**30:.1f} GiB, more "
+                         f"than the {available / 2**30:.1f} GiB available: write it as one GGUF, tensor by tensor, "
+                         "with --gguf q4_0 (or q8_0, f16, f32)")
 
 
 def preset_config(preset_name: str, num_layers: int | None = None):
