@@ -125,7 +125,9 @@ class ServerConfig:
     adapters: tuple[str, ...] = ()  # PEFT LoRA adapter directories served per session (server/adapters.py)
     num_blocks: int | None = None  # with blocks=None: how many blocks to take (None = from the memory budget)
     placement: str = "petals"  # how to choose a range when blocks=None: "petals" | "cg-bprr"
-    memory_bytes: int | None = None  # budget for weights + caches when choosing num_blocks (None = 40% of RAM)
+    # memory for weights as loaded + cache_bytes (server/placement.py check_fits: larger requests are refused before
+    # loading); None = the memory available (the block count chosen with no num_blocks: within 40% of it)
+    memory_bytes: int | None = None
     cache_bytes: int = 256 << 20  # attention-cache budget across all sessions
     # finished sessions' prefixes kept for later sessions (server/prefix_cache.py), within cache_bytes and giving
     # way to live sessions' reservations; 0 = off

@@ -14,6 +14,10 @@ class CapacityExceeded(SwarmError):
     """A server refused work it has no room for (cache budget, session count). Try another server or later."""
 
 
+class MemoryBudgetExceeded(SwarmError, ValueError):
+    """A server was asked for more blocks than its memory budget holds; it says so before loading anything."""
+
+
 class UnknownSession(SwarmError, KeyError):
     """The session id is not open on this server (never opened, closed, or expired)."""
 

