@@ -10,7 +10,8 @@
  * and Q8_0 (the common files; the llama-1b / llama-8b presets) are kept "split" (packed_repack): a row's quants for
  * all its blocks first, then its scales (and Q4_1's mins) as float32 -- 1.06-1.2x the file's bytes -- so the AVX-512
  * path loads a block's scale with no conversion and turns 16 nibbles into floats with one table lookup (vpermps:
- * the table is d * q + m for q = 0..15, one FMA per block). Every other type keeps the file's own block layout.
+ * the table is d * q + m for q = 0..15, one FMA per block). Every other type keeps the file's own block layout;
+ * Q4_K and Q6_K are unpacked in registers from it too, the rest through a block buffer.
  * `packed_matmul_threads` splits a product's rows between this library's own worker threads (packed_set_threads).
  */
 #include <pthread.h>
@@ -336,6 +337,55 @@ static inline void split_block(int ggml_type, const uint8_t *row, int64_t nb, in
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
 }
 
+/* Q4_K and Q6_K (the common "K_M" files) in their file layout: group b of 32 weights is sub-block b % 8 of
+ * super-block b / 8; its scales are decoded per group (a few scalar operations per 32 weights) and the weights
+ * unpacked in registers to the values dq_q4_k / dq_q6_k give, rounded the same way (one rounding each). */
+static inline void q4_k_group(const uint8_t *row, int64_t b, __m512 *lo, __m512 *hi) {
+    const uint8_t *s = row + (b / 8) * 144;
+    const int g = (int)(b % 8), i = g & 3;
+    const uint8_t *k = s + 4;  /* this group's 6-bit scale and min only (k_scales decodes all eight) */
+    const int sc = g < 4 ? k[i] & 63 : (k[i + 8] & 0xf) | ((k[i] >> 2) & 0x30);
+    const int mn = g < 4 ? k[i + 4] & 63 : (k[i + 8] >> 4) | ((k[i + 4] >> 2) & 0x30);
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(fp16(s) * sc), _mm512_set1_ps(-(fp16(s + 2) * mn)));
+    const uint8_t *q = s + 16 + 32 * (g / 2);
+    __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+    __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
+    if (g & 1) {  /* the high nibbles */
+        v0 = _mm512_srli_epi32(v0, 4);
+        v1 = _mm512_srli_epi32(v1, 4);
+    }
+    *lo = _mm512_permutexvar_ps(v0, table);
+    *hi = _mm512_permutexvar_ps(v1, table);
+}
+
+static inline __m512 q6_k_half(const uint8_t *ql, int ql_shift, const uint8_t *qh, int qh_shift, float scale) {
+    const __m512i low = _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)ql)),
+                                                           ql_shift), _mm512_set1_epi32(0xf));
+    const __m512i high = _mm512_slli_epi32(_mm512_and_si512(
+        _mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qh)), qh_shift), _mm512_set1_epi32(3)), 4);
+    const __m512i q = _mm512_sub_epi32(_mm512_or_si512(low, high), _mm512_set1_epi32(32));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(scale));
+}
+
+static inline void q6_k_group(const uint8_t *row, int64_t b, __m512 *lo, __m512 *hi) {
+    const uint8_t *s = row + (b / 8) * 210;
+    const int g = (int)(b % 8), h = g / 4, j = g % 4;
+    const uint8_t *ql = s + 64 * h + 32 * (j & 1), *qh = s + 128 + 32 * h;
+    const int8_t *sc = (const int8_t *)(s + 192 + 8 * h + 2 * j);
+    const float d = fp16(s + 208);
+    *lo = q6_k_half(ql, 4 * (j >> 1), qh, 2 * j, d * (float)sc[0]);
+    *hi = q6_k_half(ql + 16, 4 * (j >> 1), qh + 16, 2 * j, d * (float)sc[1]);
+}
+
+static int has_fast_path(int ggml_type) { return split_quant_bytes(ggml_type) || ggml_type == 12 || ggml_type == 14; }
+
+static inline void fast_block(int ggml_type, const uint8_t *row, int64_t nb, int64_t b, __m512 *lo, __m512 *hi) {
+    if (ggml_type == 12) q4_k_group(row, b, lo, hi);
+    else if (ggml_type == 14) q6_k_group(row, b, lo, hi);
+    else split_block(ggml_type, row, nb, b, lo, hi);
+}
+
 /* Ask for the bytes `ahead` past [at, at + bytes) while these are computed: the hardware prefetcher alone kept a
  * single core at ~3 GB/s from memory here on short rows (SmolLM2's are 432 bytes). Into L2 (T1): on Llama-3.2-1B shapes
  * that read ~10 % faster than into L1 (T0), which ties up the line fill buffers the loads need. */
@@ -367,7 +417,7 @@ static inline __attribute__((always_inline)) void tile(int ggml_type, const uint
         const float *xb = x + r0 * k + b * QK;
         for (int a = 0; a < W; a++) {
             __m512 lo, hi;
-            split_block(ggml_type, row0 + a * row_bytes, nb, b, &lo, &hi);
+            fast_block(ggml_type, row0 + a * row_bytes, nb, b, &lo, &hi);
             for (int r = 0; r < R; r++) {
                 const __m512 x0 = _mm512_loadu_ps(xb + r * k), x1 = _mm512_loadu_ps(xb + r * k + 16);
                 if (SPLIT) {
@@ -438,7 +488,7 @@ int packed_matmul(int ggml_type, const uint8_t *w, int64_t row_bytes, const floa
     const block_type *t = find_type(ggml_type);
     if (!t || row_bytes != packed_row_bytes(ggml_type, k)) return -1;
 #if defined(__AVX512F__)
-    if (split_quant_bytes(ggml_type)) {
+    if (has_fast_path(ggml_type)) {
         rows_fast(ggml_type, w, row_bytes, x, rows, k, y, n, n0, n1);
         return 0;
     }
