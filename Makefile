@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean chromium nftables lock
+.PHONY: demo test bench clean cc chromium nftables lock
 
 # Exact versions from requirements.lock (pyproject.toml holds the compatible ranges), then swarmlm itself with
 # no further resolution. The lock pins torch==2.13.0, which the CPU wheel on disk satisfies (no CUDA build).
@@ -19,8 +19,13 @@ $(STAMP): pyproject.toml requirements.lock
 lock:
 	$(BIN)/python .ci/lock.py > requirements.lock
 
-demo: $(STAMP)
+demo: $(STAMP) cc
 	$(BIN)/swarmlm demo
+
+# a C compiler for the packed-weight kernels (swarmlm/kernels/packed.c, built on first use), installed once when missing
+cc:
+	@command -v cc >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq gcc libc6-dev >/dev/null; } \
+		|| echo "could not install gcc (not root?): GGUF weights will be dequantized, int8/int4 refused"
 
 # headless Chromium for the monitor page's browser test (Debian's package), installed once when missing
 chromium:
@@ -32,7 +37,7 @@ nftables:
 	@command -v nft >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq nftables >/dev/null; } \
 		|| echo "could not install nftables (not root?): tests/test_nat.py will be skipped"
 
-test: $(STAMP) chromium nftables
+test: $(STAMP) cc chromium nftables
 	$(BIN)/python -m pytest -q -x --durations=15
 
 bench: $(STAMP)

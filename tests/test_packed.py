@@ -192,3 +192,13 @@ def test_the_avx2_and_scalar_builds_compute_the_same_values(march, monkeypatch):
         assert torch.equal(packed.dequantize(), want), type_name
         x = torch.randn(3, 256)
         assert rel_l2(packed.matmul(x), x @ want.T) < 1e-5, type_name
+
+
+def test_without_a_c_compiler_a_gguf_is_served_dequantized(tiny_gguf, monkeypatch):
+    import swarmlm.model.gguf as gguf_module
+
+    _, path = tiny_gguf
+    monkeypatch.setattr(gguf_module, "kernels_available", lambda: False)
+    stage = Stage(path, BlockRange(0, 2), quant="auto")
+    assert not any(isinstance(m, PackedLinear) for m in stage.modules.modules())
+    assert stage.announced_quant == "none"

@@ -87,10 +87,12 @@ def library(march: str = "native") -> ctypes.CDLL:
     return lib
 
 
+@functools.lru_cache(maxsize=1)
 def available() -> bool:
+    """Can this process build and load the kernels? If not, says why once (GGUF blocks are then dequantized)."""
     try:
         library()
         return True
     except KernelUnavailable as exc:
-        log.warning("%s", exc)
+        log.warning("%s; GGUF weights are dequantized to float32", exc)
         return False

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from swarmlm.kernels import available as kernels_available
 from swarmlm.model.packed import PACKED_TYPES, PackedTensor, packed_from_numpy
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,8 @@ class GGUFCheckpoint:
         """Is the tensor a matrix in a type with packed kernels (model/packed.py)?"""
         tensor = self.tensors[self.hf_to_gguf[key]]
         if len(tensor.shape) != 2 or tensor.tensor_type.name in ("F32", "F64"):
+            return False
+        if not kernels_available():  # no C compiler here: dequantized (said once, by kernels.available)
             return False
         if tensor.tensor_type.name not in PACKED_TYPES:
             if tensor.tensor_type.name not in _noticed:
