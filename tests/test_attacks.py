@@ -328,7 +328,7 @@ def test_zero_element_tensors_with_huge_dims_are_clean_refusals(attack_server):
             assert reply.HasField("error") and reply.position == 0
             assert not s.send(_step(torch.randn(1, 2, hidden))).HasField("error")  # the session still works
             s.end()
-    assert _poll(lambda: _info(address).active_sessions == before)  # nothing leaked
+    assert _poll(lambda: _info(address).active_sessions <= before)  # nothing leaked (an earlier test's may end meanwhile)
 
 
 @pytest.mark.slow
