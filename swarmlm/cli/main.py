@@ -19,6 +19,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "dht": ("dht_cmd", "start a DHT bootstrap node and print its address"),
     "server": ("server_cmd", "serve a range of the model's blocks"),
     "generate": ("generate_cmd", "generate text through the swarm"),
+    "chat": ("chat_cmd", "chat with the swarm's model in the terminal"),
     "api": ("api_cmd", "serve the swarm's model over OpenAI's HTTP API, with a monitor page"),
     "status": ("status_cmd", "show the swarm's servers, their blocks, load and coverage"),
     "demo": ("demo_cmd", "start a local swarm, generate through it, compare with a local run"),
