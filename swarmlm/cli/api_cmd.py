@@ -13,7 +13,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("api", help="serve the swarm's model over OpenAI's HTTP API, with a monitor page")
     p.add_argument("--model", required=True,
                    help="checkpoint directory or model id (the client loads embeddings + head)")
-    p.add_argument("--served-model-name", help="the model id clients send (default: --model as given)")
+    p.add_argument("--served-model-name", metavar="ID",
+                   help="the model id clients send and responses carry (default: a catalog name or hub id as given, "
+                        "a directory or GGUF file by its own name, never its path; --model as given is accepted too)")
     p.add_argument("--initial-peers", nargs="*", default=[])
     p.add_argument("--servers", nargs="*", default=[], help="direct host:port list instead of a DHT")
     p.add_argument("--host", default="127.0.0.1")
@@ -62,7 +64,11 @@ def run(args: argparse.Namespace) -> int:
     from swarmlm.api.guard import LOCAL_HOSTS, header_deadline_protocol
 
     own = () if args.host in ("0.0.0.0", "::", "") else (args.host,)
-    config = GatewayConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
+    from swarmlm.model.source import served_name
+
+    name = args.served_model_name or served_name(args.model)
+    config = GatewayConfig(model_name=name, model_aliases=(args.model,) if args.model != name else (),
+                           api_key=args.api_key,
                            max_streams_per_client=args.max_streams_per_client,
                            max_choices_per_request=args.max_choices_per_request,
                            max_prompt_chars=args.max_prompt_chars, max_body_bytes=args.max_body_bytes,
