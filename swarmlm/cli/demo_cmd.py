@@ -93,8 +93,9 @@ def run(args: argparse.Namespace) -> int:
             local = load_transformers_model(model_dir)
         table = Table(title=f"{name}: swarm of {args.servers} vs one process (greedy, up to {args.max_new_tokens} "
                             "new tokens)")
-        for col in ("prompt", "swarm TTFT s", "local TTFT s", "swarm tok/s", "local tok/s", "same tokens"):
-            table.add_column(col)
+        table.add_column("prompt", ratio=1)  # wraps between words; the numbers never wrap (80 columns fit)
+        for col in ("swarm\nTTFT s", "local\nTTFT s", "swarm\ntok/s", "local\ntok/s", "same\ntokens"):
+            table.add_column(col, justify="right", no_wrap=True)
         routes = set()
         for prompt in DEMO_PROMPTS:
             inputs = _prompt_ids(tokenizer, prompt)
