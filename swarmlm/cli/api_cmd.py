@@ -16,9 +16,11 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name", metavar="ID",
                    help="the model id clients send and responses carry (default: a catalog name or hub id as given, "
                         "a directory or GGUF file by its own name, never its path; --model as given is accepted too)")
-    p.add_argument("--initial-peers", nargs="*", default=[])
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="ADDR",
+                   help="DHT multiaddrs (printed by `swarmlm dht`)")
     p.add_argument("--servers", nargs="*", default=[], help="direct host:port list instead of a DHT")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the interface to listen on (0.0.0.0: every interface; set --api-key then)")
     p.add_argument("--port", type=int, default=8000, help="0 = any free port (printed in the ready line)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--max-streams-per-client", type=int, default=32,
@@ -39,7 +41,7 @@ def add_parser(sub) -> None:
                    help="seconds a request waits for missing blocks to appear before a 503")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the embeddings and LM head")
     add_dtype(p, "the embeddings and LM head")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", help="log verbosity (uvicorn's and swarmlm's)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt in full (default: start from prefixes the servers cached, keep each "
                         "finished request's; docs/PROTOCOL.md, Prefix cache)")

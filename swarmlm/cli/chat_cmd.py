@@ -20,8 +20,7 @@ HELP = "/reset forgets the conversation, /exit or Ctrl-D leaves, Ctrl-C stops an
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("chat", help="chat with the swarm's model in the terminal",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("chat", help="chat with the swarm's model in the terminal")
     add_client(p)
     p.add_argument("--system", metavar="TEXT", help="a system prompt, the first message of every conversation")
     add_sampling(p, max_new_tokens=512)

