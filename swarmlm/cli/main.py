@@ -62,7 +62,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         text = action.help or ""
         if ("default" in text.lower() or not action.option_strings
                 or action.default in (None, False, [], (), "", argparse.SUPPRESS)):
-            return text.replace("%", "%%") if "%(" not in text else text
+            return text  # (already %-escaped, as argparse formats every help string)
         return super()._get_help_string(action)
 
 
