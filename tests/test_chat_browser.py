@@ -126,3 +126,30 @@ def test_stop_ends_the_generation_on_the_servers(page, stack):
     shown = int(page.eval(f"{LAST_ANSWER}.dataset.tokens"))
     assert shown < 1500 and page.eval("document.getElementById('send').disabled") is False
     assert json.loads(page.eval("JSON.stringify(document.getElementById('stop').disabled)")) is True
+
+
+def test_the_conversation_survives_a_reload_and_the_page_fits_400_px(page, stack):
+    _ask(page, "What is the capital of France?", temperature="0", max_tokens="6", system="Be brief.")
+    page.wait_for(f"{LAST_ANSWER}.dataset.state === 'done'", what="the answer")
+    before = page.eval("[...document.querySelectorAll('#messages .msg .text')].map(e => e.textContent)")
+    assert len(before) == 2 and before[0] == "What is the capital of France?"
+
+    page.call("Page.reload")
+    page.wait_for("document.querySelectorAll('#messages .msg').length === 2", what="the restored conversation")
+    assert page.eval("[...document.querySelectorAll('#messages .msg .text')].map(e => e.textContent)") == before
+    assert page.eval("[document.getElementById('system').value, document.getElementById('temperature').value]") \
+        == ["Be brief.", "0"]
+
+    page.call("Emulation.setDeviceMetricsOverride", width=400, height=800, deviceScaleFactor=1, mobile=False)
+    page.wait_for("window.innerWidth === 400", what="the 400 px viewport")
+    layout = page.eval("[document.documentElement.scrollWidth, "
+                       "document.getElementById('prompt').getBoundingClientRect().width]")
+    assert layout[0] <= 400 and layout[1] >= 300, layout  # no sideways scrolling; a prompt box of the width
+    if os.environ.get("SWARMLM_DOCS_SCREENSHOT") == "1":
+        (DOCS_IMG.parent / "chat-400px.png").write_bytes(
+            base64.b64decode(page.call("Page.captureScreenshot", format="png")["data"]))
+
+    page.click("#clear")  # a new conversation forgets the old one, also after a reload
+    page.call("Page.reload")
+    page.wait_for("document.getElementById('model')?.textContent", what="the model name")
+    assert page.eval("document.querySelectorAll('#messages .msg').length") == 0

@@ -1,13 +1,43 @@
 // The chat page: a conversation streamed through this gateway's own /v1/chat/completions (fetch + ReadableStream
 // over server-sent events). Stop aborts the fetch: the gateway sees the client go away and closes the sessions on
 // the servers. Model text only ever goes through textContent. No libraries (served offline by the gateway itself).
-// An API key can be given as #key=... in the URL, as for the monitor.
+// An API key can be given as #key=... in the URL, as for the monitor. The conversation and the settings are kept in
+// the browser (localStorage, per served model) and come back after a reload; "New conversation" forgets them.
 "use strict";
 const key = new URLSearchParams(location.hash.slice(1)).get("key");
 const $ = (id) => document.getElementById(id);
 const conversation = []; // the turns so far, [{role, content}]; the system prompt is added to each request
 let model = null; // the id the gateway serves (GET /v1/models)
 let running = null; // the AbortController of the answer being streamed
+const SETTINGS = ["system", "temperature", "top-p", "max-tokens"]; // the inputs kept across reloads
+
+function storageKey() {
+  return `swarmlm-chat/${model}`;
+}
+
+function save() {
+  const settings = Object.fromEntries(SETTINGS.map((id) => [id, $(id).value]));
+  try {
+    localStorage.setItem(storageKey(), JSON.stringify({ conversation, settings }));
+  } catch (e) { /* storage full or disabled: the page works without it */ }
+}
+
+function restore() {
+  let saved = null;
+  try {
+    saved = JSON.parse(localStorage.getItem(storageKey()) || "null");
+  } catch (e) { /* a corrupt entry is ignored */ }
+  if (!saved || !Array.isArray(saved.conversation)) return;
+  for (const id of SETTINGS) {
+    if (typeof (saved.settings || {})[id] === "string") $(id).value = saved.settings[id];
+  }
+  for (const turn of saved.conversation) {
+    if (!turn || typeof turn.content !== "string" || !["user", "assistant"].includes(turn.role)) continue;
+    conversation.push({ role: turn.role, content: turn.content });
+    const box = addMessage(turn.role, turn.content);
+    if (turn.role === "assistant") box.dataset.state = "done";
+  }
+}
 
 function el(tag, cls, text = "") {
   const e = document.createElement(tag);
@@ -41,6 +71,7 @@ async function loadModel() {
     if (!r.ok) throw new Error(await errorText(r));
     model = (await r.json()).data[0].id;
     $("model").textContent = model;
+    if (conversation.length === 0 && $("messages").childElementCount === 0) restore();
     $("send").disabled = false;
     status("");
   } catch (e) {
@@ -178,6 +209,7 @@ async function send() {
   } else {
     conversation.push({ role: "assistant", content: reply }); // a stopped answer stays, as far as it went
   }
+  save();
   showStats(answer, stats);
 }
 
@@ -196,6 +228,8 @@ $("clear").addEventListener("click", () => {
   conversation.length = 0;
   $("messages").replaceChildren();
   status("");
+  if (model) localStorage.removeItem(storageKey());
 });
+for (const id of SETTINGS) $(id).addEventListener("change", () => model && save());
 if (key) $("monitor-link").href = `/#key=${encodeURIComponent(key)}`;
 loadModel();
