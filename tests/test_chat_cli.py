@@ -184,3 +184,25 @@ def test_generate_applies_the_chat_template_and_says_so(chat_model, swarm_and_cl
     assert raw.returncode == 0, raw.stderr
     assert json.loads(raw.stdout)["token_ids"] == client.generate(ids, max_new_tokens=8)[0, ids.shape[1]:].tolist()
     assert "chat template" not in raw.stderr
+
+
+def test_the_oldest_turns_make_room_when_the_conversation_outgrows_the_context(chat_model):
+    from swarmlm.cli.chat_cmd import Conversation, fitted_ids
+    from swarmlm.model.checkpoint import load_tokenizer
+
+    tokenizer = load_tokenizer(chat_model)
+    conversation = Conversation(SYSTEM)
+    for i in range(6):
+        conversation.messages += [("user", f"Question {i} about the sea."), ("assistant", f"Answer {i} of the sea.")]
+    conversation.messages.append(("user", "The last question."))
+    last_two_turns = [conversation.messages[0], *conversation.messages[-5:]]
+    limit = len(encode_chat(tokenizer, last_two_turns))
+    ids = fitted_ids(tokenizer, conversation, limit)
+    assert conversation.messages == last_two_turns and ids == encode_chat(tokenizer, last_two_turns)
+    with pytest.raises(ValueError, match="more than the model's context"):
+        fitted_ids(tokenizer, _with(Conversation(SYSTEM), "a long question " * 50), 40)
+
+
+def _with(conversation, question: str):
+    conversation.messages.append(("user", question))
+    return conversation

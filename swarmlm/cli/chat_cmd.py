@@ -168,6 +168,10 @@ def _interactive(model, tokenizer, conversation: Conversation, args: argparse.Na
             except KeyboardInterrupt:  # Ctrl-C before the answer began
                 print("[stopped]", file=sys.stderr, flush=True)
                 reply = ""
+            except ValueError as exc:  # a message longer than the context: the conversation goes on without it
+                print(f"({exc})", file=sys.stderr, flush=True)
+                conversation.messages.pop()
+                continue
             conversation.messages.append(("assistant", reply.strip()))
 
 
