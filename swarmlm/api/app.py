@@ -26,6 +26,7 @@ from swarmlm.client.speculative import parse_mode
 
 STATIC = Path(__file__).parent / "static"
 STATIC_FILES = {"monitor.js": "text/javascript", "monitor.css": "text/css", "chat.js": "text/javascript",
+                "marked.umd.js": "text/javascript", "markdown.js": "text/javascript",  # marked 18.3.0 (MIT), vendored
                 "chat.css": "text/css"}
 
 

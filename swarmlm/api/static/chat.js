@@ -1,6 +1,7 @@
 // The chat page: a conversation streamed through this gateway's own /v1/chat/completions (fetch + ReadableStream
 // over server-sent events). Stop aborts the fetch: the gateway sees the client go away and closes the sessions on
-// the servers. Model text only ever goes through textContent. No libraries (served offline by the gateway itself).
+// the servers. An answer is shown as Markdown (markdown.js: marked, vendored and served by the gateway itself, with
+// raw HTML shown as text); its text as received is kept in the message's data-raw; a question is only textContent.
 // An API key can be given as #key=... in the URL, as for the monitor. The conversation and the settings are kept in
 // the browser (localStorage, per served model) and come back after a reload; "New conversation" forgets them.
 "use strict";
@@ -80,9 +81,17 @@ async function loadModel() {
   }
 }
 
+function setText(box, text) {
+  box.dataset.raw = text;
+  const target = box.querySelector(".text");
+  if (box.classList.contains("assistant")) target.innerHTML = renderMarkdown(text);
+  else target.textContent = text;
+}
+
 function addMessage(role, text) {
   const box = el("div", `msg ${role}`);
-  box.append(el("div", "role", role === "user" ? "you" : "assistant"), el("div", "text", text));
+  box.append(el("div", "role", role === "user" ? "you" : "assistant"), el("div", role === "user" ? "text" : "text md"));
+  setText(box, text);
   if (role === "assistant") {
     box.dataset.state = "streaming";
     box.append(el("div", "meta"), el("div", "route"));
@@ -141,7 +150,7 @@ function onChunk(chunk, answer, stats) {
       if (stats.first === null) stats.first = now;
       stats.last = now;
       stats.chunks += 1;
-      answer.querySelector(".text").textContent += delta.content;
+      setText(answer, answer.dataset.raw + delta.content);
     }
     if (choice.swarmlm) stats.route = choice.swarmlm.route;
   }
@@ -202,7 +211,7 @@ async function send() {
   } finally {
     setRunning(null);
   }
-  const reply = answer.querySelector(".text").textContent;
+  const reply = answer.dataset.raw;
   if (answer.dataset.state === "error" && !reply) { // nothing was answered: the question leaves the conversation
     conversation.pop();
     question.classList.add("failed");
