@@ -172,3 +172,17 @@ def test_answers_render_markdown_code_blocks_and_never_raw_html(page, stack):
     assert shown["code"] == "print('<hi>')\n" and shown["raw"] == raw, shown
     assert shown["imgs"] == 0 and shown["links"] == 0 and "<img src=x" in shown["text"], shown
     assert shown["user"] == "&lt;b&gt;code?&lt;/b&gt;" and page.eval("window.owned === undefined")
+
+
+def test_an_answer_waiting_for_missing_blocks_says_which(page, stack):
+    """Last in this module: it takes a server away. The answer waits for blocks [3, 6) (the gateway's
+    --wait-for-blocks) and says so, instead of a bare cursor."""
+    swarm, _ = stack
+    swarm.kill(swarm.servers[1])
+    _ask(page, "Hello?", temperature="0", max_tokens="4")
+    waiting = page.wait_for(f"{LAST_ANSWER}.dataset.waiting", what="the waiting state")
+    assert waiting == "[3, 6)"
+    assert page.eval(f"{LAST_ANSWER}.querySelector('.meta').textContent") == \
+        "waiting for blocks [3, 6): no server serves them yet"
+    page.click("#stop")
+    assert page.wait_for(f"{LAST_ANSWER}.dataset.state !== 'streaming' && {LAST_ANSWER}.dataset.state") == "stopped"

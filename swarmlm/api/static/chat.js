@@ -179,6 +179,36 @@ function showStats(answer, stats) {
   answer.scrollIntoView({ block: "end" });
 }
 
+// Blocks nobody serves make an answer wait (up to the gateway's --wait-for-blocks): while no token has come, the
+// answer says which blocks it waits for, from the swarm view (GET /v1/swarm), instead of a bare cursor.
+function blockRanges(blocks) {
+  const ranges = [];
+  for (const b of blocks) {
+    const last = ranges[ranges.length - 1];
+    if (last && last[1] === b) last[1] = b + 1;
+    else ranges.push([b, b + 1]);
+  }
+  return ranges.map(([s, e]) => `[${s}, ${e})`).join(", ");
+}
+
+function watchMissingBlocks(answer, stats) {
+  const timer = setInterval(async () => {
+    if (stats.first !== null || answer.dataset.state !== "streaming") {
+      clearInterval(timer);
+      return;
+    }
+    try {
+      const r = await fetch("/v1/swarm", { headers: headers() });
+      const missing = r.ok ? (await r.json()).missing_blocks : [];
+      if (missing.length && stats.first === null && answer.dataset.state === "streaming") {
+        answer.dataset.waiting = blockRanges(missing);
+        answer.querySelector(".meta").textContent =
+          `waiting for blocks ${answer.dataset.waiting}: no server serves them yet`;
+      }
+    } catch (e) { /* the answer's own request reports a gateway that is gone */ }
+  }, 1500);
+}
+
 function setRunning(controller) {
   running = controller;
   $("send").disabled = controller !== null || model === null;
@@ -197,6 +227,7 @@ async function send() {
   const stats = newStats();
   const controller = new AbortController();
   setRunning(controller);
+  watchMissingBlocks(answer, stats);
   try {
     const r = await fetch("/v1/chat/completions", {
       method: "POST", headers: headers(), body: JSON.stringify(requestBody()), signal: controller.signal,
