@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "AutoDistributedModelForCausalLM": "swarmlm.client.model",
     "DistributedModelForCausalLM": "swarmlm.client.model",
+    "AutoTokenizer": "swarmlm.client.model",
 }
 __all__ = ["__version__", *_LAZY]
 

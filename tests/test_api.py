@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx2 as httpx  # what openai 3.x is built on
@@ -84,8 +85,17 @@ def _assert_error(response: httpx.Response, status: int, code: str | None = None
 
 
 # ---- completions and chat equal transformers -----------------------------------------------------------------
-def test_models_lists_the_model_as_named(client, tiny_bloom):
-    assert [m.id for m in client.models.list().data] == [tiny_bloom]
+def test_models_and_responses_carry_the_name_not_the_path(gateway, client, tiny_bloom):
+    """A checkpoint directory is served by its own name: the path (the user's home) never leaves the machine; the
+    path as given is accepted as "model" too."""
+    name = Path(tiny_bloom).name
+    assert [m.id for m in client.models.list().data] == [name] and gateway.model == name
+    for model in (name, tiny_bloom):
+        raw = _post(gateway, "/v1/chat/completions", {"model": model, "max_tokens": 2,
+                                                      "messages": [{"role": "user", "content": "Hi"}]})
+        assert raw.status_code == 200 and raw.json()["model"] == name and tiny_bloom not in raw.text
+    view = httpx.get(f"{gateway.url}/v1/swarm", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert view.json()["model"] == name and tiny_bloom not in view.text
 
 
 def test_greedy_completions_equal_transformers(client, reference, tiny_bloom):

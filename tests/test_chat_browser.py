@@ -63,7 +63,7 @@ def test_streamed_answer_equals_the_greedy_api_answer(page, stack, tiny_bloom):
     _ask(page, question, temperature="0", max_tokens="12", system=system)
     state = page.wait_for(f"{LAST_ANSWER}.dataset.state !== 'streaming' && {LAST_ANSWER}.dataset.state",
                           what="the answer")
-    answer = page.eval(f"({{text: {LAST_ANSWER}.querySelector('.text').textContent, "
+    answer = page.eval(f"({{text: {LAST_ANSWER}.dataset.raw, "
                        f"route: {LAST_ANSWER}.querySelector('.route').textContent, "
                        f"meta: {LAST_ANSWER}.querySelector('.meta').textContent, ...{LAST_ANSWER}.dataset}})")
     assert state == "done", (answer, page.eval("document.getElementById('status').textContent"))
@@ -89,7 +89,7 @@ def test_streamed_answer_equals_the_greedy_api_answer(page, stack, tiny_bloom):
     page.click("#send")
     page.wait_for(f"document.querySelectorAll('#messages .msg.assistant').length === 2 && "
                   f"{LAST_ANSWER}.dataset.state === 'done'", what="the second answer")
-    second = page.eval(f"{LAST_ANSWER}.querySelector('.text').textContent")
+    second = page.eval(f"{LAST_ANSWER}.dataset.raw")
     body["messages"] += [{"role": "assistant", "content": answer["text"]}, {"role": "user", "content": "And of Italy?"}]
     r = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                    timeout=120)
@@ -126,3 +126,63 @@ def test_stop_ends_the_generation_on_the_servers(page, stack):
     shown = int(page.eval(f"{LAST_ANSWER}.dataset.tokens"))
     assert shown < 1500 and page.eval("document.getElementById('send').disabled") is False
     assert json.loads(page.eval("JSON.stringify(document.getElementById('stop').disabled)")) is True
+
+
+def test_the_conversation_survives_a_reload_and_the_page_fits_400_px(page, stack):
+    _ask(page, "What is the capital of France?", temperature="0", max_tokens="6", system="Be brief.")
+    page.wait_for(f"{LAST_ANSWER}.dataset.state === 'done'", what="the answer")
+    before = page.eval("[...document.querySelectorAll('#messages .msg')].map(e => e.dataset.raw)")
+    assert len(before) == 2 and before[0] == "What is the capital of France?"
+
+    page.call("Page.reload")
+    page.wait_for("document.querySelectorAll('#messages .msg').length === 2", what="the restored conversation")
+    assert page.eval("[...document.querySelectorAll('#messages .msg')].map(e => e.dataset.raw)") == before
+    assert page.eval("[document.getElementById('system').value, document.getElementById('temperature').value]") \
+        == ["Be brief.", "0"]
+
+    page.call("Emulation.setDeviceMetricsOverride", width=400, height=800, deviceScaleFactor=1, mobile=False)
+    page.wait_for("window.innerWidth === 400", what="the 400 px viewport")
+    layout = page.eval("[document.documentElement.scrollWidth, "
+                       "document.getElementById('prompt').getBoundingClientRect().width]")
+    assert layout[0] <= 400 and layout[1] >= 300, layout  # no sideways scrolling; a prompt box of the width
+    if os.environ.get("SWARMLM_DOCS_SCREENSHOT") == "1":
+        (DOCS_IMG.parent / "chat-400px.png").write_bytes(
+            base64.b64decode(page.call("Page.captureScreenshot", format="png")["data"]))
+
+    page.click("#clear")  # a new conversation forgets the old one, also after a reload
+    page.call("Page.reload")
+    page.wait_for("document.getElementById('model')?.textContent", what="the model name")
+    assert page.eval("document.querySelectorAll('#messages .msg').length") == 0
+
+
+def test_answers_render_markdown_code_blocks_and_never_raw_html(page, stack):
+    """An answer (here one restored from the browser's storage, as after a reload) is Markdown: a fenced block is
+    a code element with its text; HTML in the model's text is shown as text, and a javascript: link is none."""
+    raw = "Run this:\n\n```python\nprint('<hi>')\n```\n<img src=x onerror=\"window.owned=1\"> [a](javascript:x)"
+    saved = {"conversation": [{"role": "user", "content": "<b>code?</b>"}, {"role": "assistant", "content": raw}],
+             "settings": {}}
+    model = page.eval("document.getElementById('model').textContent")
+    page.eval(f"localStorage.setItem({json.dumps('swarmlm-chat/' + model)}, {json.dumps(json.dumps(saved))})")
+    page.call("Page.reload")
+    page.wait_for("document.querySelectorAll('#messages .msg').length === 2", what="the restored conversation")
+    shown = page.eval("(a => ({code: a.querySelector('pre code')?.textContent, raw: a.dataset.raw, "
+                      "imgs: a.querySelectorAll('img').length, links: a.querySelectorAll('a').length, "
+                      "text: a.querySelector('.text').textContent, user: document.querySelector('.msg.user .text')"
+                      ".innerHTML}))(document.querySelector('.msg.assistant'))")
+    assert shown["code"] == "print('<hi>')\n" and shown["raw"] == raw, shown
+    assert shown["imgs"] == 0 and shown["links"] == 0 and "<img src=x" in shown["text"], shown
+    assert shown["user"] == "&lt;b&gt;code?&lt;/b&gt;" and page.eval("window.owned === undefined")
+
+
+def test_an_answer_waiting_for_missing_blocks_says_which(page, stack):
+    """Last in this module: it takes a server away. The answer waits for blocks [3, 6) (the gateway's
+    --wait-for-blocks) and says so, instead of a bare cursor."""
+    swarm, _ = stack
+    swarm.kill(swarm.servers[1])
+    _ask(page, "Hello?", temperature="0", max_tokens="4")
+    waiting = page.wait_for(f"{LAST_ANSWER}.dataset.waiting", what="the waiting state")
+    assert waiting == "[3, 6)"
+    assert page.eval(f"{LAST_ANSWER}.querySelector('.meta').textContent") == \
+        "waiting for blocks [3, 6): no server serves them yet"
+    page.click("#stop")
+    assert page.wait_for(f"{LAST_ANSWER}.dataset.state !== 'streaming' && {LAST_ANSWER}.dataset.state") == "stopped"

@@ -50,6 +50,34 @@ def test_every_verb_has_help(verb):
     assert exit_.value.code == 0 and f"swarmlm {verb}" in out.getvalue()
 
 
+def _verb_parsers():
+    import argparse
+
+    from swarmlm.cli.main import build_parser
+
+    for verb in VERBS:
+        sub = next(a for a in build_parser(verb)._actions if isinstance(a, argparse._SubParsersAction))
+        stack = [(verb, sub.choices[verb])]
+        while stack:  # and the verbs' own subcommands (model init / fetch)
+            name, parser = stack.pop()
+            yield name, parser
+            for action in parser._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    stack += [(f"{name} {child}", p) for child, p in action.choices.items()]
+
+
+def test_every_flag_has_a_help_line_and_help_shows_defaults():
+    for name, parser in _verb_parsers():
+        missing = [a.option_strings or a.dest for a in parser._actions if not a.help]
+        assert not missing, (name, missing)
+        parser.format_help()  # every help string formats (a stray % would raise)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(out.getvalue().split())
+    assert "tokens to generate at most (default: 20)" in text and "(default: waiting-aware)" in text
+
+
 def test_bad_path_is_one_line_and_exit_2(tmp_path):
     done = swarmlm("server", "--model", str(tmp_path / "nope"), "--blocks", "0:3")
     assert done.returncode == 2 and done.stderr.strip() == f"swarmlm server: error: {tmp_path / 'nope'}: not a checkpoint directory"

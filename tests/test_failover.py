@@ -219,3 +219,21 @@ def test_no_replacement_gives_a_clear_error(tiny_bloom):
             client.remote.refresh()
         with pytest.raises(MissingBlocks, match="3-5"):
             client.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2)
+
+
+def test_the_only_server_of_some_blocks_dying_is_one_line_then_the_error(tiny_bloom, caplog):
+    """A client whose only server of blocks 3-5 is killed says so in one line (the gRPC detail only at debug), however
+    often it probes the dead server while it waits for a replacement; then the clear error."""
+    import logging
+
+    from swarmlm.errors import MissingBlocks
+
+    with running_swarm(tiny_bloom, [BlockRange(0, 3), BlockRange(3, 6)], wait_for_blocks_s=4.0) as (local, client):
+        ids = torch.tensor([[5, 6, 7]])
+        client.generate(ids, max_new_tokens=2)
+        local.kill(local.servers[1])
+        with caplog.at_level(logging.DEBUG, logger="swarmlm"), pytest.raises(MissingBlocks, match="3-5"):
+            client.generate(ids, max_new_tokens=2)
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("swarmlm.client")]
+    assert len(warnings) == 1 and "\n" not in warnings[0].getMessage(), [r.getMessage() for r in warnings]
+    assert any("AioRpcError" in r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG)

@@ -37,10 +37,12 @@ def test_piped_table_cuts_nothing():
         start, end = s["blocks"]
         bar = "." * start + "#" * (end - start) + "." * (NUM_BLOCKS - end)
         row = [line for line in lines if s["address"] in line]  # the whole row on one line
-        assert len(row) == 1 and s["id"][-12:] in row[0] and f"[{start}, {end})" in row[0] and bar in row[0], lines
+        assert len(row) == 1 and s["id"][-8:] in row[0] and f"[{start}, {end})" in row[0] and bar in row[0], lines
     assert max(len(line) for line in lines) > 80
-    assert "/models/a-long-checkpoint-directory-name/SmolLM2-135M-Instruct: 3 servers, 30 blocks" in out.getvalue()
-    assert f"blocks with no live server: {list(range(20, 30))}" in out.getvalue()
+    assert "SmolLM2-135M-Instruct: 3 servers, 30 blocks" in out.getvalue()  # a name, not the path
+    assert "a-long-checkpoint-directory-name" not in out.getvalue()
+    assert "live servers per block: [0, 10) 1, [10, 20) 2, [20, 30) 0" in out.getvalue()
+    assert "blocks with no live server: [20, 30)" in out.getvalue()
 
 
 def test_terminal_table_takes_the_terminal_width():
@@ -75,3 +77,31 @@ def _strip_ansi(line: str) -> str:
     import re
 
     return re.sub(r"\x1b\[[0-9;]*m", "", line)
+
+
+def _tokens(text: str) -> list[str]:
+    import re
+
+    return [t for t in re.split(r"[\s│┃┏┓┗┛┡┩└┘┳┻╇┴━─┬┼╋]+", text) if t]
+
+
+def test_at_80_columns_every_line_fits_and_no_word_is_cut(monkeypatch):
+    """$COLUMNS=80 (or an 80-column terminal): columns are dropped, least important first, the coverage bar is
+    scaled, and every word shown is a whole word of the full table."""
+    view = _view()
+    view["servers"][1]["state"] = "offline"
+    view["servers"][2].update(address="p2p/12D3KooWRelayedServerPeerIdentity", relayed=True)
+    wide = io.StringIO()
+    render(view, "smollm2-135m-instruct", table_console(wide))
+    whole_words = set(_tokens(wide.getvalue()))
+    for columns in (80, 60, 40):
+        monkeypatch.setenv("COLUMNS", str(columns))
+        out = io.StringIO()
+        render(view, "smollm2-135m-instruct", table_console(out))
+        lines = out.getvalue().splitlines()
+        assert max(len(line) for line in lines) <= columns, out.getvalue()
+        bars = {t for t in _tokens(out.getvalue()) if set(t) <= {"#", "."}}  # scaled to the room: not a cut
+        assert set(_tokens(out.getvalue())) - bars <= whole_words, out.getvalue()
+        assert all(len(bar) <= NUM_BLOCKS for bar in bars)
+        table = out.getvalue()
+        assert all(s["id"][-8:] in table for s in view["servers"]) and "offline" in table and "[10, 20)" in table

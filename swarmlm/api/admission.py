@@ -39,7 +39,7 @@ class RequestHandler:
         return f"ip:{request.client.host if request.client else '?'}"
 
     def check_model(self, name: str) -> None:
-        if name != self.config.model_name:  # the served name is not repeated: it may be a local path
+        if name != self.config.model_name and name not in self.config.model_aliases:  # an alias is not repeated
             raise ApiError(404, "the model does not exist on this gateway (GET /v1/models lists it)",
                            "invalid_request_error", "model_not_found", "model")
 

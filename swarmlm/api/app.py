@@ -26,12 +26,14 @@ from swarmlm.client.speculative import parse_mode
 
 STATIC = Path(__file__).parent / "static"
 STATIC_FILES = {"monitor.js": "text/javascript", "monitor.css": "text/css", "chat.js": "text/javascript",
+                "marked.umd.js": "text/javascript", "markdown.js": "text/javascript",  # marked 18.3.0 (MIT), vendored
                 "chat.css": "text/css"}
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    model_name: str  # the id clients send as "model" (as the user named it)
+    model_name: str  # the id clients send as "model", and responses and pages carry (never a local path)
+    model_aliases: tuple[str, ...] = ()  # other ids also accepted as "model" (--model as given), never shown
     api_key: str | None = None  # when set, every /v1 route needs "Authorization: Bearer <key>"
     max_streams_per_client: int = 32  # concurrent choices (sessions) per API key, or per client IP without one
     max_choices_per_request: int = 16  # prompts x n of one request (each a session on every server of its route)

@@ -22,6 +22,7 @@ class GatewayProcess:
         self.log_path = Path(log_path or tempfile.mkstemp(prefix="swarmlm-api-", suffix=".err")[1])
         self.proc: subprocess.Popen | None = None
         self.url = ""
+        self.model = ""  # the served model id, from the ready line
 
     def start(self, timeout_s: float = 180.0) -> "GatewayProcess":
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -31,7 +32,7 @@ class GatewayProcess:
         if not ready:
             self.stop()
             raise RuntimeError(f"the gateway did not start: {' '.join(self.args)}\n{self.log_path.read_text()[-3000:]}")
-        self.url = ready["url"]
+        self.url, self.model = ready["url"], ready.get("model", "")
         deadline = time.monotonic() + timeout_s
         while True:  # the port is bound before uvicorn serves: wait for an answer
             try:

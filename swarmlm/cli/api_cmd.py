@@ -13,10 +13,14 @@ def add_parser(sub) -> None:
     p = sub.add_parser("api", help="serve the swarm's model over OpenAI's HTTP API, with a monitor page")
     p.add_argument("--model", required=True,
                    help="checkpoint directory or model id (the client loads embeddings + head)")
-    p.add_argument("--served-model-name", help="the model id clients send (default: --model as given)")
-    p.add_argument("--initial-peers", nargs="*", default=[])
+    p.add_argument("--served-model-name", metavar="ID",
+                   help="the model id clients send and responses carry (default: a catalog name or hub id as given, "
+                        "a directory or GGUF file by its own name, never its path; --model as given is accepted too)")
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="ADDR",
+                   help="DHT multiaddrs (printed by `swarmlm dht`)")
     p.add_argument("--servers", nargs="*", default=[], help="direct host:port list instead of a DHT")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the interface to listen on (0.0.0.0: every interface; set --api-key then)")
     p.add_argument("--port", type=int, default=8000, help="0 = any free port (printed in the ready line)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--max-streams-per-client", type=int, default=32,
@@ -37,7 +41,7 @@ def add_parser(sub) -> None:
                    help="seconds a request waits for missing blocks to appear before a 503")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the embeddings and LM head")
     add_dtype(p, "the embeddings and LM head")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", help="log verbosity (uvicorn's and swarmlm's)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt in full (default: start from prefixes the servers cached, keep each "
                         "finished request's; docs/PROTOCOL.md, Prefix cache)")
@@ -62,7 +66,11 @@ def run(args: argparse.Namespace) -> int:
     from swarmlm.api.guard import LOCAL_HOSTS, header_deadline_protocol
 
     own = () if args.host in ("0.0.0.0", "::", "") else (args.host,)
-    config = GatewayConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
+    from swarmlm.model.source import served_name
+
+    name = args.served_model_name or served_name(args.model)
+    config = GatewayConfig(model_name=name, model_aliases=(args.model,) if args.model != name else (),
+                           api_key=args.api_key,
                            max_streams_per_client=args.max_streams_per_client,
                            max_choices_per_request=args.max_choices_per_request,
                            max_prompt_chars=args.max_prompt_chars, max_body_bytes=args.max_body_bytes,

@@ -97,6 +97,12 @@ def model_ref(args: argparse.Namespace) -> str:
     looks_like_path = args.model.startswith((".", "/", "~")) or path.exists()
     if looks_like_path and not path.is_dir() and not (path.is_file() and path.suffix.lower() == ".gguf"):
         raise FileNotFoundError(f"{args.model}: not a checkpoint directory")
+    if not looks_like_path:  # a typo or an unreachable hub is one line now, before the slow imports
+        from swarmlm.model.catalog import CATALOG
+        from swarmlm.model.source import resolve
+
+        if args.model not in CATALOG:  # a hub id: its config, from the cache or the hub if it can be reached
+            resolve(args.model, getattr(args, "revision", None)).file("config.json")
     if getattr(args, "gguf_file", None):
         from swarmlm.client.model import gguf_in_snapshot
 

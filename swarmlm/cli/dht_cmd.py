@@ -11,9 +11,11 @@ from swarmlm.cli.args import add_swarm_key
 
 def add_parser(sub) -> None:
     p = sub.add_parser("dht", help="start a DHT bootstrap node and print its address")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--initial-peers", nargs="*", default=[])
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the interface to listen on (0.0.0.0: every interface, for other machines)")
+    p.add_argument("--port", type=int, default=0, help="the port to listen on (0: any free port)")
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="ADDR",
+                   help="other DHT nodes to join (none: this node starts a new swarm)")
     p.add_argument("--addr-file", help="also write the address here (one per line)")
     p.add_argument("--no-relay", action="store_true",
                    help="answer dial-backs only: relay no server behind NAT (docs/PROTOCOL.md, Servers behind NAT)")

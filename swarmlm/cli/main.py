@@ -19,6 +19,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "dht": ("dht_cmd", "start a DHT bootstrap node and print its address"),
     "server": ("server_cmd", "serve a range of the model's blocks"),
     "generate": ("generate_cmd", "generate text through the swarm"),
+    "chat": ("chat_cmd", "chat with the swarm's model in the terminal"),
     "api": ("api_cmd", "serve the swarm's model over OpenAI's HTTP API, with a monitor page"),
     "status": ("status_cmd", "show the swarm's servers, their blocks, load and coverage"),
     "demo": ("demo_cmd", "start a local swarm, generate through it, compare with a local run"),
@@ -54,6 +55,26 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default, unless its help already states one or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text.lower() or not action.option_strings
+                or action.default in (None, False, [], (), "", argparse.SUPPRESS)):
+            return text  # (already %-escaped, as argparse formats every help string)
+        return super()._get_help_string(action)
+
+
+def _with_defaults(parser: argparse.ArgumentParser) -> None:
+    """HelpFormatter for a verb's parser and its own subcommands (argparse does not pass it down)."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _with_defaults(child)
+
+
 def build_parser(verb: str | None) -> argparse.ArgumentParser:
     parser = _Parser(prog="swarmlm", description="Run one language model across many small machines.")
     parser.add_argument("--version", action="version", version=f"swarmlm {__version__}")
@@ -67,6 +88,7 @@ def build_parser(verb: str | None) -> argparse.ArgumentParser:
             continue
         importlib.import_module(f"swarmlm.cli.{module}").add_parser(sub)
         p = sub.choices[name]
+        _with_defaults(p)
         if not any("--log-level" in a.option_strings for a in p._actions):  # api has its own (uvicorn's)
             p.add_argument("--log-level", dest="global_log_level", choices=LOG_LEVELS, default=argparse.SUPPRESS,
                            help="as the global --log-level")

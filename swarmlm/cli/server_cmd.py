@@ -28,8 +28,9 @@ def add_parser(sub) -> None:
     p.add_argument("--placement", default=SERVER.placement, choices=["petals", "cg-bprr"],
                    help="with no --blocks: how to choose the range")
     p.add_argument("--initial-peers", nargs="*", default=[], help="DHT multiaddrs (none: no swarm, direct use)")
-    p.add_argument("--host", default=SERVER.host)
-    p.add_argument("--port", type=int, default=SERVER.port)
+    p.add_argument("--host", default=SERVER.host,
+                   help="the interface to listen on (0.0.0.0: every interface, for clients on other machines)")
+    p.add_argument("--port", type=int, default=SERVER.port, help="the gRPC port (0: any free port)")
     p.add_argument("--announce-host", help="address others dial, if not --host")
     p.add_argument("--threads", type=int, default=SERVER.threads, help="torch threads for compute")
     p.add_argument("--quant", default=SERVER.quant, choices=QUANT_NAMES,
@@ -53,7 +54,8 @@ def add_parser(sub) -> None:
                    help="memory for the blocks' weights as loaded (a GGUF's kept blocks: their bytes in the file) + "
                         "the attention cache (--cache-mb), MiB: blocks that do not fit are refused before loading; "
                         "with no --num-blocks, as many as fit (default: the memory available)")
-    p.add_argument("--max-sessions", type=int, default=SERVER.max_sessions)
+    p.add_argument("--max-sessions", type=int, default=SERVER.max_sessions,
+                   help="inference sessions open at once; more are refused (clients route around)")
     p.add_argument("--max-length", type=int, default=SERVER.max_length_tokens, help="longest session accepted, tokens")
     p.add_argument("--max-batch-tokens", type=int, default=SCHEDULER.max_batch_tokens,
                    help="continuous batching: tokens (rows x new tokens) one compute round may take across sessions")

@@ -14,7 +14,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__)
     p.add_argument("--topology", required=True, metavar="FILE", help="topology file (.json, .yaml); its workload "
                    "gives arrival_rate and token counts")
-    p.add_argument("--algorithm", choices=["petals", "cg-bprr", "milp"], default="cg-bprr")
+    p.add_argument("--algorithm", choices=["petals", "cg-bprr", "milp"], default="cg-bprr",
+                   help="placement: Petals' greedy baseline, CG-BPRR (proven bound) or the exact MILP")
     p.add_argument("--routing", choices=["shortest", "waiting-aware", "petals"], default=None,
                    help="default: petals routing for --algorithm petals, shortest path otherwise")
     size = p.add_mutually_exclusive_group()

@@ -399,6 +399,20 @@ def gguf_in_snapshot(name_or_path: str | Path, gguf_file: str, revision: str | N
     return str(resolve(with_revision(name_or_path, revision)).file(gguf_file))
 
 
+class AutoTokenizer:
+    """As transformers' AutoTokenizer, for every name `from_pretrained` takes: a directory, a GGUF file, a catalog
+    name (`smollm2-135m-instruct`) or a hub id; the same loader as the model's (checkpoint.load_tokenizer)."""
+
+    def __init__(self) -> None:
+        raise EnvironmentError("use AutoTokenizer.from_pretrained(name_or_path)")
+
+    @staticmethod
+    def from_pretrained(name_or_path: str | Path, revision: str | None = None):
+        from swarmlm.model.checkpoint import load_tokenizer
+
+        return load_tokenizer(with_revision(name_or_path, revision))
+
+
 class AutoDistributedModelForCausalLM:
     """As transformers' AutoModelForCausalLM: `from_pretrained` reads the family from config.json. One client class
     serves every family (the family adapters differ on the servers), so this returns a DistributedModelForCausalLM."""

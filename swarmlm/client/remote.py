@@ -36,6 +36,7 @@ class RemoteSequence:
         self.weights_check: Callable[[int, int, str], str | None] | None = None
         self.view = SwarmView(config)
         self.unreachable: dict[str, str] = {}  # --servers addresses that did not answer -> why (for the error)
+        self.reported: set[str] = set()  # servers whose failure was logged once at WARNING (again: at DEBUG)
         self.router = LiveRouter(self.view, num_blocks)
         self.dht = None
         if config.initial_peers:
@@ -98,9 +99,11 @@ class RemoteSequence:
             if isinstance(reply, BaseException):
                 _raise_if_private(address, reply)
                 self.unreachable[address] = _why_unreachable(reply)
-                log.warning("server %s did not answer: %s", address, self.unreachable[address])
+                report_failure(self.reported, address, f"server {address} did not answer: {self.unreachable[address]}",
+                                reply)
                 continue
             self.unreachable.pop(address, None)
+            self.reported.discard(address)
             i, _ = reply
             why = verify_info(i, nonce)  # its id is its key's, and it holds that key
             if why is not None:
@@ -140,13 +143,15 @@ class RemoteSequence:
                 # cost weighs the RTT l_out times, so a probe's noise would otherwise choose the replica
                 self.view.rtt_s[r.server_id] = min(rtts)
                 self.view.bans.pop(r.server_id, None)  # it answers again (a restarted server): route to it at once
+                self.reported.discard(r.server_id)
             except Exception as exc:
                 if _is_unauthenticated(exc):
                     denied.append((r.address, exc))
                 if r.relayed:  # (a dead relay, or one that does not take us: the error says so)
                     why = self.tunnels.failures.get(r.address) or _why_unreachable(exc)
                     self.unreachable[f"{r.server_id} ({r.address})"] = f"behind NAT, through its relay: {why}"
-                log.warning("server %s did not answer an RTT probe: %s", r.server_id, exc)
+                report_failure(self.reported, r.server_id, f"server {r.server_id[-8:]} at {r.address} does not "
+                                f"answer ({_why_unreachable(exc)}): routing around it", exc)
                 self.view.ban(r.server_id)
 
         denied: list[tuple[str, BaseException]] = []
@@ -200,6 +205,16 @@ class RemoteSequence:
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+
+
+def report_failure(reported: set[str], key: str, message: str, exc: BaseException) -> None:
+    """One line at WARNING the first time a server fails (until it answers again), at DEBUG after that; the
+    error's whole text (a gRPC error's repr spans lines) only at DEBUG."""
+    log.log(logging.DEBUG if key in reported else logging.WARNING, "%s", message)
+    log.debug("%s: %r", key, exc)
+    if len(reported) > 4096:  # bounded, as `rejected`
+        reported.clear()
+    reported.add(key)
 
 
 def _why_unreachable(exc: BaseException) -> str:

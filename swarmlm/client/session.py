@@ -21,7 +21,7 @@ import torch
 from swarmlm.client.chunking import chunk_tokens_for_hop, split
 from swarmlm.client import prefix as prefix_keys
 from swarmlm.client.pipeline import AttemptOutcome, Chunk, Hop, OpenSpan, StepPipeline, hang_timeout_s, watchdog_s
-from swarmlm.client.remote import RemoteSequence
+from swarmlm.client.remote import RemoteSequence, report_failure
 from swarmlm.client.router import profile_of
 from swarmlm.client.streams import HopTiming, SpanStream
 from swarmlm.errors import InvalidRequest, ServerFailed, ServerHung
@@ -102,7 +102,8 @@ class InferenceSession:
                 attempts += 1
                 if attempts > self.remote.config.max_retries:
                     raise
-                log.warning("could not open a session: %s; routing around it", exc)
+                report_failure(self.remote.reported, exc.server_id,
+                               f"could not open a session: {exc}; routing around it", exc)
                 self.remote.view.ban(exc.server_id)
         self.open_s = time.perf_counter() - t0
         return self
@@ -300,7 +301,8 @@ class InferenceSession:
                 if record.failovers > self.remote.config.max_retries:
                     raise exc
                 self.remote.view.ban(exc.server_id)
-                log.warning("failover: %s; re-routing blocks [%d, %d)", exc, broken.span.start, broken.span.end)
+                report_failure(self.remote.reported, exc.server_id, f"failover: {exc}; re-routing blocks "
+                               f"[{broken.span.start}, {broken.span.end})", exc)
             # route the broken part again from a fresh view of the swarm (blocking DHT reads go to a thread)
             route = await loop.run_in_executor(None, self._reroute, broken.span)
             try:

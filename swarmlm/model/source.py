@@ -8,8 +8,12 @@ the embeddings, final norm and head (see TensorIndex in checkpoint.py).
 """
 from __future__ import annotations
 
+import difflib
+import functools
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
 from huggingface_hub.errors import (
@@ -90,10 +94,13 @@ class ModelSource:
         if constants.HF_HUB_OFFLINE:
             if filename == "config.json":  # nothing of this model is cached
                 raise ModelNotFound(
-                    f"{self.name}: not a directory and not in the local HF cache ({constants.HF_HUB_CACHE}); "
-                    "set HF_HUB_OFFLINE=0 to download it"
+                    f"{self.name}: not a directory, not a catalog model and not in the local HF cache "
+                    f"({constants.HF_HUB_CACHE}); set HF_HUB_OFFLINE=0 to download it"
                 )
             return None  # offline, an uncached optional file counts as absent (a required one fails in file())
+        if not hub_reachable(constants.ENDPOINT):  # at once, not after huggingface_hub's retries
+            raise ModelNotFound(f"{self.name}: not a directory and not in the local HF cache "
+                                f"({constants.HF_HUB_CACHE}), and the hub ({constants.ENDPOINT}) cannot be reached")
         try:
             return Path(hf_hub_download(self.repo_id, filename, revision=self.revision))
         except RemoteEntryNotFoundError:  # the repo has no such file
@@ -107,6 +114,18 @@ class ModelSource:
                 f"{self.name}: not a directory, not in the local HF cache ({constants.HF_HUB_CACHE}) and the hub "
                 f"could not be reached: {exc}"
             ) from None
+
+
+def served_name(name_or_path: str | Path) -> str:
+    """The model's name for the world (the API's model id, pages, logs others read): a catalog name or hub id as
+    given, a checkpoint directory or GGUF file by its own name (never the path: it would show the user's home)."""
+    name = str(name_or_path)
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path.stem if path.suffix.lower() == ".gguf" else path.name
+    if path.is_dir() or name.startswith((".", "/", "~")):
+        return path.resolve().name or name
+    return name
 
 
 def resolve(name_or_path: str | Path | ModelSource, revision: str | None = None) -> ModelSource:
@@ -127,8 +146,25 @@ def resolve(name_or_path: str | Path | ModelSource, revision: str | None = None)
     repo_id, _, at_revision = name.partition("@")
     if isinstance(name_or_path, Path) or name.startswith((".", "/", "~")) or path.exists():
         raise ModelNotFound(f"{name}: not a checkpoint directory nor a .gguf file")
+    close = difflib.get_close_matches(repo_id, CATALOG, n=3, cutoff=0.6)
+    if "/" not in repo_id and close:  # a typo of a catalog name, not one of the few hub ids without an org
+        raise ModelNotFound(f"{name}: unknown model; did you mean {' or '.join(close)}?")
     try:
         validate_repo_id(repo_id)
     except HFValidationError:
-        raise ModelNotFound(f"{name}: not a directory and not a hub id (org/name)") from None
+        raise ModelNotFound(f"{name}: not a directory, not a catalog model ({', '.join(CATALOG)}) and not a hub "
+                            "id (org/name)") from None
     return ModelSource(name, repo_id=repo_id, revision=revision or at_revision or None)
+
+
+@functools.lru_cache(maxsize=4)
+def hub_reachable(endpoint: str, timeout_s: float = 3.0) -> bool:
+    """One TCP connection to the hub, asked once per process: offline, a hub id fails at once instead of after
+    huggingface_hub's retries."""
+    url = urlsplit(endpoint)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False

@@ -1,13 +1,44 @@
 // The chat page: a conversation streamed through this gateway's own /v1/chat/completions (fetch + ReadableStream
 // over server-sent events). Stop aborts the fetch: the gateway sees the client go away and closes the sessions on
-// the servers. Model text only ever goes through textContent. No libraries (served offline by the gateway itself).
-// An API key can be given as #key=... in the URL, as for the monitor.
+// the servers. An answer is shown as Markdown (markdown.js: marked, vendored and served by the gateway itself, with
+// raw HTML shown as text); its text as received is kept in the message's data-raw; a question is only textContent.
+// An API key can be given as #key=... in the URL, as for the monitor. The conversation and the settings are kept in
+// the browser (localStorage, per served model) and come back after a reload; "New conversation" forgets them.
 "use strict";
 const key = new URLSearchParams(location.hash.slice(1)).get("key");
 const $ = (id) => document.getElementById(id);
 const conversation = []; // the turns so far, [{role, content}]; the system prompt is added to each request
 let model = null; // the id the gateway serves (GET /v1/models)
 let running = null; // the AbortController of the answer being streamed
+const SETTINGS = ["system", "temperature", "top-p", "max-tokens"]; // the inputs kept across reloads
+
+function storageKey() {
+  return `swarmlm-chat/${model}`;
+}
+
+function save() {
+  const settings = Object.fromEntries(SETTINGS.map((id) => [id, $(id).value]));
+  try {
+    localStorage.setItem(storageKey(), JSON.stringify({ conversation, settings }));
+  } catch (e) { /* storage full or disabled: the page works without it */ }
+}
+
+function restore() {
+  let saved = null;
+  try {
+    saved = JSON.parse(localStorage.getItem(storageKey()) || "null");
+  } catch (e) { /* a corrupt entry is ignored */ }
+  if (!saved || !Array.isArray(saved.conversation)) return;
+  for (const id of SETTINGS) {
+    if (typeof (saved.settings || {})[id] === "string") $(id).value = saved.settings[id];
+  }
+  for (const turn of saved.conversation) {
+    if (!turn || typeof turn.content !== "string" || !["user", "assistant"].includes(turn.role)) continue;
+    conversation.push({ role: turn.role, content: turn.content });
+    const box = addMessage(turn.role, turn.content);
+    if (turn.role === "assistant") box.dataset.state = "done";
+  }
+}
 
 function el(tag, cls, text = "") {
   const e = document.createElement(tag);
@@ -41,6 +72,7 @@ async function loadModel() {
     if (!r.ok) throw new Error(await errorText(r));
     model = (await r.json()).data[0].id;
     $("model").textContent = model;
+    if (conversation.length === 0 && $("messages").childElementCount === 0) restore();
     $("send").disabled = false;
     status("");
   } catch (e) {
@@ -49,9 +81,17 @@ async function loadModel() {
   }
 }
 
+function setText(box, text) {
+  box.dataset.raw = text;
+  const target = box.querySelector(".text");
+  if (box.classList.contains("assistant")) target.innerHTML = renderMarkdown(text);
+  else target.textContent = text;
+}
+
 function addMessage(role, text) {
   const box = el("div", `msg ${role}`);
-  box.append(el("div", "role", role === "user" ? "you" : "assistant"), el("div", "text", text));
+  box.append(el("div", "role", role === "user" ? "you" : "assistant"), el("div", role === "user" ? "text" : "text md"));
+  setText(box, text);
   if (role === "assistant") {
     box.dataset.state = "streaming";
     box.append(el("div", "meta"), el("div", "route"));
@@ -110,7 +150,7 @@ function onChunk(chunk, answer, stats) {
       if (stats.first === null) stats.first = now;
       stats.last = now;
       stats.chunks += 1;
-      answer.querySelector(".text").textContent += delta.content;
+      setText(answer, answer.dataset.raw + delta.content);
     }
     if (choice.swarmlm) stats.route = choice.swarmlm.route;
   }
@@ -139,6 +179,36 @@ function showStats(answer, stats) {
   answer.scrollIntoView({ block: "end" });
 }
 
+// Blocks nobody serves make an answer wait (up to the gateway's --wait-for-blocks): while no token has come, the
+// answer says which blocks it waits for, from the swarm view (GET /v1/swarm), instead of a bare cursor.
+function blockRanges(blocks) {
+  const ranges = [];
+  for (const b of blocks) {
+    const last = ranges[ranges.length - 1];
+    if (last && last[1] === b) last[1] = b + 1;
+    else ranges.push([b, b + 1]);
+  }
+  return ranges.map(([s, e]) => `[${s}, ${e})`).join(", ");
+}
+
+function watchMissingBlocks(answer, stats) {
+  const timer = setInterval(async () => {
+    if (stats.first !== null || answer.dataset.state !== "streaming") {
+      clearInterval(timer);
+      return;
+    }
+    try {
+      const r = await fetch("/v1/swarm", { headers: headers() });
+      const missing = r.ok ? (await r.json()).missing_blocks : [];
+      if (missing.length && stats.first === null && answer.dataset.state === "streaming") {
+        answer.dataset.waiting = blockRanges(missing);
+        answer.querySelector(".meta").textContent =
+          `waiting for blocks ${answer.dataset.waiting}: no server serves them yet`;
+      }
+    } catch (e) { /* the answer's own request reports a gateway that is gone */ }
+  }, 1500);
+}
+
 function setRunning(controller) {
   running = controller;
   $("send").disabled = controller !== null || model === null;
@@ -157,6 +227,7 @@ async function send() {
   const stats = newStats();
   const controller = new AbortController();
   setRunning(controller);
+  watchMissingBlocks(answer, stats);
   try {
     const r = await fetch("/v1/chat/completions", {
       method: "POST", headers: headers(), body: JSON.stringify(requestBody()), signal: controller.signal,
@@ -171,13 +242,14 @@ async function send() {
   } finally {
     setRunning(null);
   }
-  const reply = answer.querySelector(".text").textContent;
+  const reply = answer.dataset.raw;
   if (answer.dataset.state === "error" && !reply) { // nothing was answered: the question leaves the conversation
     conversation.pop();
     question.classList.add("failed");
   } else {
     conversation.push({ role: "assistant", content: reply }); // a stopped answer stays, as far as it went
   }
+  save();
   showStats(answer, stats);
 }
 
@@ -196,6 +268,8 @@ $("clear").addEventListener("click", () => {
   conversation.length = 0;
   $("messages").replaceChildren();
   status("");
+  if (model) localStorage.removeItem(storageKey());
 });
+for (const id of SETTINGS) $(id).addEventListener("change", () => model && save());
 if (key) $("monitor-link").href = `/#key=${encodeURIComponent(key)}`;
 loadModel();
