@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from swarmlm.model.catalog import checkpoint_dir
+from swarmlm.model.catalog import catalog_name_of, gguf_path
 from swarmlm.model.source import ModelNotFound, resolve, served_name
 
 
@@ -21,9 +21,11 @@ def test_served_names_are_names(tiny_llama, tmp_path):
     gguf = tmp_path / "SmolLM2.Q4_1.gguf"
     gguf.write_bytes(b"GGUF")
     assert served_name(str(gguf)) == "SmolLM2.Q4_1"
-    catalog_dir = checkpoint_dir("smollm2-135m-instruct", tmp_path)
-    catalog_dir.mkdir(parents=True)
-    assert served_name(str(catalog_dir)) == "smollm2-135m-instruct"  # what `swarmlm demo` hands the gateway
+    catalog_file = gguf_path("smollm2-135m-instruct", tmp_path)  # what `swarmlm demo` hands the gateway
+    catalog_file.parent.mkdir(parents=True)
+    catalog_file.write_bytes(b"GGUF")
+    assert catalog_name_of(catalog_file, tmp_path) == "smollm2-135m-instruct"
+    assert catalog_name_of(gguf, tmp_path) is None
 
 
 def test_the_tokenizer_loads_by_every_name_the_model_takes(tiny_llama):

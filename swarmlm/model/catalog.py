@@ -47,6 +47,12 @@ def gguf_path(name: str, cache: Path = CACHE) -> Path:
     return cache / "gguf" / Path(_entry(name).member).name
 
 
+def catalog_name_of(path: Path, cache: Path = CACHE) -> str | None:
+    """The catalog name whose fetched GGUF `path` is (what `swarmlm demo` hands the gateway), else None."""
+    resolved = Path(path).expanduser().resolve()
+    return next((name for name in CATALOG if gguf_path(name, cache).resolve() == resolved), None)
+
+
 def fetch(name: str, cache: Path = CACHE) -> Path:
     """The catalog model's GGUF file, downloaded and checked on first use."""
     return fetch_gguf(name, cache)

@@ -119,10 +119,12 @@ class ModelSource:
 def served_name(name_or_path: str | Path) -> str:
     """The model's name for the world (the API's model id, pages, logs others read): a catalog name or hub id as
     given, a checkpoint directory or GGUF file by its own name (never the path: it would show the user's home)."""
+    from swarmlm.model.catalog import catalog_name_of
+
     name = str(name_or_path)
     path = Path(name).expanduser()
     if path.is_file():
-        return path.stem if path.suffix.lower() == ".gguf" else path.name
+        return catalog_name_of(path) or (path.stem if path.suffix.lower() == ".gguf" else path.name)
     if path.is_dir() or name.startswith((".", "/", "~")):
         return path.resolve().name or name
     return name
