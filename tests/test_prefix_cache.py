@@ -4,6 +4,8 @@ the off switch's flag and SIGKILLs): the same tokens with and without the cache,
 logits of a fresh prefill, scopes (open swarm: private; private swarm: shared on request), the off switches."""
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -12,6 +14,7 @@ from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.client.prefix import held_runs, keys_for, span_salts
 from swarmlm.errors import CapacityExceeded
 from swarmlm.server.prefix_cache import PrefixCache, tag_runs
+from swarmlm.server.kv_cache import SpanCache
 from swarmlm.server.sessions import SessionTable
 from swarmlm.server.stage import Stage
 from swarmlm.swarm.local import even_split
@@ -427,3 +430,56 @@ def test_records_carry_at_most_64_well_formed_tags():
     for bad in (tags + "0" * 16, "abc", "G" * 16, "0" * 15, 5):
         with pytest.raises(ValueError):
             ServerRecord.from_dict({**base, "prefix_tags": bad})
+
+
+# ---- hostile sequences of legal saves (issue 39, hole 4) -----------------------------------------------------------
+class _CountingEntries(OrderedDict):
+    """The store's entries, counting how many of them any scan visits."""
+
+    visited = 0
+
+    def __iter__(self):
+        for key in super().__iter__():
+            type(self).visited += 1
+            yield key
+
+    def items(self):
+        for item in super().items():
+            type(self).visited += 1
+            yield item
+
+
+def _one_run_cache() -> SpanCache:
+    kv = torch.zeros(1, 1, 1, RUN_TOKENS, 2)
+    return SpanCache.holding(kv, kv.clone(), RUN_TOKENS)
+
+
+def test_a_save_costs_what_it_evicts_not_what_the_store_holds():
+    """16,384 one-run entries of one scope, then saves that each evict one: no save visits the other entries (the
+    old eviction re-pointed the index by scanning every remaining entry: 24 s of stalled event loop)."""
+    cache = _one_run_cache()
+    entry_bytes = 2 * cache.keys[:, :, :, :cache.length].numel() * cache.keys.element_size()
+    store = PrefixCache(16384 * entry_bytes)
+    store.entries = _CountingEntries()
+    blocks = BlockRange(0, 1)
+    for i in range(16384):
+        assert store.save(b"s" * 32, blocks, (i.to_bytes(16, "big"),), cache, 1 << 40)
+    _CountingEntries.visited = 0
+    for i in range(4):  # new keys: each save makes room by evicting the least recently used entry
+        assert store.save(b"s" * 32, blocks, (b"n" * 15 + bytes([i]),), cache, 1 << 40)
+    assert store.stats.evictions >= 4 and _CountingEntries.visited < 100, _CountingEntries.visited
+    assert len(store.entries) == 16384 and len(store.index) == 16384  # every held key still answers
+
+
+def test_one_scope_cannot_evict_another_scopes_prefixes():
+    """A stranger's scope saving entry after entry evicts its own entries once it holds more than its share: an
+    honest scope's prefix (within its share) survives 1,000 such saves."""
+    cache = _one_run_cache()
+    entry_bytes = 2 * cache.keys[:, :, :, :cache.length].numel() * cache.keys.element_size()
+    store = PrefixCache(20 * entry_bytes)
+    blocks, honest = BlockRange(0, 1), (b"h" * 16,)
+    assert store.save(b"H" * 32, blocks, honest, cache, 1 << 40)
+    for i in range(1000):
+        assert store.save(b"S" * 32, blocks, (i.to_bytes(16, "big"),), cache, 1 << 40)
+    assert store.lookup(b"H" * 32, blocks, honest) is not None
+    assert store.bytes <= store.limit_bytes and store.stats.evictions >= 1000 - 19

@@ -29,6 +29,10 @@ from swarmlm.wire.prefix_keys import KEY_BYTES, RUN_TOKENS, scope_digest, tag_of
 MAX_KEYS = 4096  # 64k tokens: more than any session holds
 SCOPE_BYTES = (16, 64)  # a scope token's accepted length
 MAX_TAGS = 64  # tags announced in the server's record (16 hex characters each)
+# a scope holding more than this share of the entries' budget pays for its own saves: when room must be made, its own
+# least recently used entries give way before anyone else's, so one client (or gateway user) cannot evict everybody
+# else's prefixes; a scope alone may still use the whole budget
+SCOPE_SHARE = 0.25
 
 
 def tag_runs(n: int) -> list[int]:
@@ -85,6 +89,11 @@ class PrefixCache:
         self.limit_bytes = limit_bytes
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # serial -> entry, LRU first
         self.index: dict[tuple, tuple[int, int]] = {}  # (digest, start, end, key) -> (serial, runs)
+        # every entry holding each index key (serial -> runs, oldest first): an eviction re-points the index to
+        # another holder in O(1) per key, never by scanning the other entries
+        self.holders: dict[tuple, dict[int, int]] = {}
+        self.scope_bytes: dict[bytes, int] = {}  # bytes held per scope digest (SCOPE_SHARE)
+        self.scope_order: dict[bytes, OrderedDict[int, None]] = {}  # each scope's serials, LRU first
         self.bytes = 0
         self.stats = PrefixStats()
         self._serials = itertools.count()
@@ -95,7 +104,7 @@ class PrefixCache:
             found = self.index.get((digest, blocks.start, blocks.end, keys[j]))
             if found is not None:
                 serial, runs = found
-                self.entries.move_to_end(serial)
+                self._touch(serial)
                 return self.entries[serial], runs
         return None
 
@@ -115,7 +124,7 @@ class PrefixCache:
         if not keys or cache.keys is None:
             return False
         if (digest, blocks.start, blocks.end, keys[-1]) in self.index:  # already held: just touch it
-            self.entries.move_to_end(self.index[(digest, blocks.start, blocks.end, keys[-1])][0])
+            self._touch(self.index[(digest, blocks.start, blocks.end, keys[-1])][0])
             return True
         tokens = len(keys) * RUN_TOKENS
         nbytes = 2 * cache.keys[:, :, :, :tokens].numel() * cache.keys.element_size()
@@ -123,33 +132,59 @@ class PrefixCache:
         if nbytes > budget:
             self.stats.refused += 1
             return False
+        need = self.bytes + nbytes - budget  # what must be evicted for this save
+        if need > 0 and self.scope_bytes.get(digest, 0) + nbytes > SCOPE_SHARE * self.limit_bytes:
+            self._shrink_scope(digest, self.scope_bytes[digest] - need)  # a scope past its share pays first
         self.shrink_to(budget - nbytes)
         kept = (cache.keys[:, :, :, :tokens].clone(), cache.values[:, :, :, :tokens].clone())  # compact copies
         entry = Entry(digest, blocks, keys, *kept)
         serial = next(self._serials)
         self.entries[serial] = entry
         for j, key in enumerate(keys):  # a shorter prefix stays with the entry that already holds it
-            self.index.setdefault((digest, blocks.start, blocks.end, key), (serial, j + 1))
+            index_key = (digest, blocks.start, blocks.end, key)
+            self.index.setdefault(index_key, (serial, j + 1))
+            self.holders.setdefault(index_key, {})[serial] = j + 1
         self.bytes += entry.nbytes
+        self.scope_bytes[digest] = self.scope_bytes.get(digest, 0) + entry.nbytes
+        self.scope_order.setdefault(digest, OrderedDict())[serial] = None
         self.stats.saves += 1
         return True
 
     def shrink_to(self, nbytes: int) -> None:
         """Evict least recently used entries until at most `nbytes` are held."""
         while self.entries and self.bytes > max(nbytes, 0):
-            serial, entry = self.entries.popitem(last=False)
-            self.bytes -= entry.nbytes
-            self.stats.evictions += 1
-            for key in entry.keys:
-                index_key = (entry.digest, entry.blocks.start, entry.blocks.end, key)
-                if self.index.get(index_key, (None,))[0] == serial:
-                    del self.index[index_key]
-            # a shorter prefix this entry shadowed may live on in another entry: re-point the index there
-            for other_serial, other in self.entries.items():
-                if other.digest == entry.digest and other.blocks == entry.blocks:
-                    for j, key in enumerate(other.keys):
-                        self.index.setdefault((other.digest, other.blocks.start, other.blocks.end, key),
-                                              (other_serial, j + 1))
+            serial = next(iter(self.entries))
+            self._evict(serial)
+
+    def _shrink_scope(self, digest: bytes, nbytes: float) -> None:
+        """Evict the scope's own least recently used entries until it holds at most `nbytes`."""
+        while self.scope_bytes.get(digest, 0) > max(nbytes, 0):
+            self._evict(next(iter(self.scope_order[digest])))
+
+    def _touch(self, serial: int) -> None:
+        self.entries.move_to_end(serial)
+        self.scope_order[self.entries[serial].digest].move_to_end(serial)
+
+    def _evict(self, serial: int) -> None:
+        """Drop one entry; each index key it answered for goes to another entry holding that prefix, if any:
+        O(its keys)."""
+        entry = self.entries.pop(serial)
+        self.bytes -= entry.nbytes
+        self.scope_bytes[entry.digest] -= entry.nbytes
+        del self.scope_order[entry.digest][serial]
+        if not self.scope_order[entry.digest]:
+            del self.scope_bytes[entry.digest], self.scope_order[entry.digest]
+        self.stats.evictions += 1
+        for key in entry.keys:
+            index_key = (entry.digest, entry.blocks.start, entry.blocks.end, key)
+            holders = self.holders[index_key]
+            del holders[serial]
+            if not holders:
+                del self.holders[index_key]
+                self.index.pop(index_key, None)
+            elif self.index[index_key][0] == serial:
+                other = next(iter(holders))
+                self.index[index_key] = (other, holders[other])
 
     def tags(self) -> list[str]:
         """The most recently used entries' keys at runs 1, 2, 4, ... and their last, as tags (at most MAX_TAGS)."""
