@@ -21,6 +21,8 @@ from typing import Any, Awaitable, TypeVar
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from swarmlm.swarm.lifetime import bind_p2pd_to_owner
+
 T = TypeVar("T")
 MAX_HEADER_BYTES = 512
 HEADER_TIMEOUT_S = 5.0
@@ -169,6 +171,7 @@ class P2PNode:
 
     def __init__(self, host: str = "127.0.0.1", start_timeout_s: float = 30.0,
                  replicate: Multiaddr | None = None) -> None:
+        bind_p2pd_to_owner()  # (its p2pd dies with this process)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="swarmlm-p2p", daemon=True)
         self.thread.start()

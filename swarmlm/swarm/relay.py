@@ -187,9 +187,7 @@ def _guarded(handler):
 
 
 def start_relay(dht, swarm_key: bytes | None = None, relaying: bool = True) -> tuple[P2PNode, RelayService]:
-    """Relay and dial-back service on a running hivemind DHT's own daemon (same peer id and address)."""
-    from hivemind import DHT
-
-    node = P2PNode(replicate=dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr))
+    """Relay and dial-back service on a running DHT node's own daemon (same peer id and address)."""
+    node = P2PNode(replicate=dht.daemon_maddr())
     return node, RelayService(node, swarm_key, relaying=relaying)
 
