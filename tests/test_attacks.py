@@ -131,6 +131,15 @@ def test_relay_caps_circuits_per_server_then_serves_again(relay_bed):
 
 
 @pytest.mark.slow
+def test_relay_ends_a_listen_stream_that_sends_bytes_instead_of_buffering_them(relay_bed):
+    from swarmlm.bench import relay_attacks as ra
+
+    answer, outcome = relay_bed.attack(ra.listen_flood)
+    assert answer == "OK" and outcome == "closed", (answer, outcome)  # (today's relay read on until EOF)
+    assert relay_bed.honest_roundtrip()
+
+
+@pytest.mark.slow
 def test_relay_of_a_private_swarm_needs_a_fresh_token(relay_bed):
     from swarmlm.bench import relay_attacks as ra
 

@@ -161,6 +161,29 @@ async def exhaust_circuits(bed: RelayBed, node: P2PNode, extra: int = 4) -> list
     return answers
 
 
+async def listen_flood(bed: RelayBed, node: P2PNode, size: int = 1 << 20) -> tuple[str, str]:
+    """LISTEN (as itself), then `size` bytes a server never sends there: the relay must end that stream at the
+    first one, not buffer them until EOF. (the relay's answer to LISTEN, "closed" or "held open")."""
+    _, reader, writer = await open_stream(node.p2p, bed.relay, LISTEN_PROTO)
+    try:
+        writer.write(header("LISTEN", _tok(bed, LISTEN_PROTO)))
+        answer = " ".join(await read_header(reader))
+        chunk = b"X" * (64 << 10)
+        try:
+            for _ in range(max(1, size // len(chunk))):
+                writer.write(chunk)
+                await writer.drain()
+            while await asyncio.wait_for(reader.read(1 << 16), 30.0):  # (its ERR line), then the end
+                pass
+        except (ConnectionError, LinkError):
+            pass
+        except asyncio.TimeoutError:
+            return answer, "held open"
+        return answer, "closed"
+    finally:
+        close(writer)
+
+
 async def aim_dialback(bed: RelayBed, node: P2PNode) -> list[str]:
     """Ask the relay to dial somewhere else: there is no field for a host; extra words are refused."""
     nonce = os.urandom(16).hex()

@@ -89,8 +89,9 @@ class RelayService:
         writer.write(header("OK"))
         await writer.drain()
         log.info("relaying server %s", server)
-        try:
-            await reader.read()  # the server sends nothing more: EOF (or a reset) = it left
+        try:  # the server sends nothing more: EOF (or a reset) = it left; a byte ends the stream (never buffered)
+            if await reader.read(1):
+                raise LinkError("a server sends nothing after LISTEN")
         finally:
             if self.listeners.get(server) is writer:
                 del self.listeners[server]
