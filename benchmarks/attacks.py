@@ -451,7 +451,9 @@ def relay_run() -> list[dict]:
 
     heavy = [("header flood (64 streams x 1 MiB)", ra.header_flood, 64), ("garbage (600 streams)", ra.garbage, 600),
              ("dial unknown servers (64)", ra.dial_unknown, 64), ("guessed cookies (256)", ra.guess_cookies, 256),
-             ("circuit exhaustion (cap + 32)", ra.exhaust_circuits, 32), ("aimed dial-backs", ra.aim_dialback, None),
+             ("circuit exhaustion by one peer (cap + 32)", ra.exhaust_circuits, 32),
+             ("an idle circuit", ra.idle_circuit, None), ("aimed dial-backs", ra.aim_dialback, None),
+             ("LISTEN, then 1 GiB of bytes", ra.listen_flood, 1 << 30),
              ("no / wrong / replayed tokens", ra.tokens_without_key, None)]
     results = []
     with ra.RelayBed(swarm_key=b"k" * 32) as bed:

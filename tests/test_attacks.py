@@ -121,13 +121,32 @@ def test_relay_refuses_floods_guesses_and_lies_and_keeps_relaying(relay_bed):
 
 
 @pytest.mark.slow
-def test_relay_caps_circuits_per_server_then_serves_again(relay_bed):
+def test_one_peer_holds_only_its_share_of_a_servers_circuits_and_an_honest_client_gets_through(relay_bed):
     from swarmlm.bench import relay_attacks as ra
 
-    answers = relay_bed.attack(ra.exhaust_circuits)
-    cap = relay_bed.limits.max_circuits_per_server
-    assert answers[:cap] == ["OK"] * cap and all("too_many" in a for a in answers[cap:]), answers
-    assert relay_bed.honest_roundtrip()  # the held circuits were dropped: room again
+    *answers, honest = relay_bed.attack(ra.exhaust_circuits)
+    cap = relay_bed.limits.max_circuits_per_dialer
+    assert answers[:cap] == ["OK"] * cap, answers
+    assert all(a.startswith("ERR too_many_relayed_connections_from_this_peer") for a in answers[cap:]), answers
+    assert honest == "honest ok"  # (today's relay gave one peer all of them: the honest client was refused)
+    assert relay_bed.honest_roundtrip()
+
+
+@pytest.mark.slow
+def test_relay_closes_an_idle_circuit(relay_bed):
+    from swarmlm.bench import relay_attacks as ra
+
+    assert relay_bed.attack(ra.idle_circuit) == ("OK", "closed")
+    assert relay_bed.honest_roundtrip()
+
+
+@pytest.mark.slow
+def test_relay_ends_a_listen_stream_that_sends_bytes_instead_of_buffering_them(relay_bed):
+    from swarmlm.bench import relay_attacks as ra
+
+    answer, outcome = relay_bed.attack(ra.listen_flood)
+    assert answer == "OK" and outcome == "closed", (answer, outcome)  # (today's relay read on until EOF)
+    assert relay_bed.honest_roundtrip()
 
 
 @pytest.mark.slow

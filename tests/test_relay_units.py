@@ -92,3 +92,19 @@ def test_channels_to_p2p_addresses_go_where_their_tunnel_says():
     assert _target(address) == "127.0.0.1:2"
     forget_p2p_endpoint(address, second)
     assert _target(address).startswith("unix:/nonexistent") and _target("10.0.0.1:5") == "10.0.0.1:5"
+
+
+def test_circuits_are_capped_per_server_per_dialer_and_per_host():
+    from swarmlm.swarm.relay import RelayLimits, circuit_refusal
+
+    lim = RelayLimits(max_circuits_per_server=6, max_circuits_per_dialer=2, max_circuits_per_host=4, max_circuits=8)
+    open_now = {"S": [("a", "10.0.0.1"), ("a", "10.0.0.1")]}
+    assert "from_this_peer" in circuit_refusal(open_now, "S", ("a", "10.0.0.2"), lim).replace(" ", "_")
+    assert circuit_refusal(open_now, "S", ("b", "10.0.0.1"), lim) is None
+    open_now["S"] += [("b", "10.0.0.1"), ("c", "10.0.0.1")]  # 4 from one host (fresh peer ids are free)
+    assert circuit_refusal(open_now, "S", ("d", "10.0.0.1"), lim).endswith("from this host")
+    assert circuit_refusal(open_now, "S", ("d", "10.0.0.9"), lim) is None  # another host still gets in
+    relayed = {"S": [(p, "relayed") for p in "wxyz"]}  # dialers at no IPv4 address share one host's quota
+    assert circuit_refusal(relayed, "S", ("v", "relayed"), lim).endswith("from this host")
+    everywhere = {"S": [("a", "1")], "T": [(p, h) for p, h in zip("bcdefgh", "2345678")]}  # 8 in all
+    assert circuit_refusal(everywhere, "S", ("z", "9"), lim) == "too many relayed connections"

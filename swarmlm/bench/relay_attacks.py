@@ -48,7 +48,9 @@ class RelayBed:
     """A relay, a relayed echo server and an honest client; `with RelayBed() as bed:`."""
 
     swarm_key: bytes | None = None
-    limits: RelayLimits = RelayLimits(max_circuits_per_server=4, accept_timeout_s=2.0)
+    # (on loopback every peer is at 127.0.0.1: one host, whose quota leaves the honest client room)
+    limits: RelayLimits = RelayLimits(max_circuits_per_server=6, max_circuits_per_dialer=2, max_circuits_per_host=4,
+                                      accept_timeout_s=2.0, circuit_idle_s=5.0)
 
     def __enter__(self) -> "RelayBed":
         self.nodes = [P2PNode() for _ in range(3)]  # relay, server, client
@@ -142,23 +144,71 @@ async def guess_cookies(bed: RelayBed, node: P2PNode, count: int = 16) -> list[s
     return [await _answer(bed, node, ACCEPT_PROTO, header("ACCEPT", os.urandom(16).hex())) for _ in range(count)]
 
 
+async def _dial(bed: RelayBed, node: P2PNode) -> tuple[str, asyncio.StreamReader, asyncio.StreamWriter | None]:
+    """One DIAL to the bed's server: (the relay's answer, the stream)."""
+    try:
+        _, reader, writer = await open_stream(node.p2p, bed.relay, DIAL_PROTO)
+        writer.write(header("DIAL", bed.address[len(P2P_PREFIX):], _tok(bed, DIAL_PROTO)))
+        return " ".join(await read_header(reader)), reader, writer
+    except (LinkError, ConnectionError) as exc:
+        return f"closed: {exc}", None, None
+
+
 async def exhaust_circuits(bed: RelayBed, node: P2PNode, extra: int = 4) -> list[str]:
-    """Hold max_circuits_per_server + extra circuits to the server open: the extra ones are refused; the held
-    ones are dropped at the end (after which the honest client must get through again)."""
+    """One peer id holds as many circuits to the server as it can (max_circuits_per_server + extra tried): past
+    its own quota they are refused, and while it holds them the honest client gets through (the last answer,
+    "honest ok" or "honest refused"); the held ones are dropped at the end."""
     held, answers = [], []
-    peer = bed.address[len(P2P_PREFIX):]
     for _ in range(bed.limits.max_circuits_per_server + extra):
-        try:
-            _, reader, writer = await open_stream(node.p2p, bed.relay, DIAL_PROTO)
-            writer.write(header("DIAL", peer, _tok(bed, DIAL_PROTO)))
-            answers.append(" ".join(await read_header(reader)))
-            held.append(writer)
-        except (LinkError, ConnectionError) as exc:
-            answers.append(f"closed: {exc}")
-    for writer in held:
+        answer, _, writer = await _dial(bed, node)
+        answers.append(answer)
+        held.append(writer)
+    answers.append("honest ok" if await asyncio.to_thread(bed.honest_roundtrip) else "honest refused")
+    for writer in filter(None, held):
         close(writer)
     await asyncio.sleep(0.5)  # (the relay notices the closes)
     return answers
+
+
+async def listen_flood(bed: RelayBed, node: P2PNode, size: int = 1 << 20) -> tuple[str, str]:
+    """LISTEN (as itself), then `size` bytes a server never sends there: the relay must end that stream at the
+    first one, not buffer them until EOF. (the relay's answer to LISTEN, "closed" or "held open")."""
+    _, reader, writer = await open_stream(node.p2p, bed.relay, LISTEN_PROTO)
+    try:
+        writer.write(header("LISTEN", _tok(bed, LISTEN_PROTO)))
+        answer = " ".join(await read_header(reader))
+        chunk = b"X" * (64 << 10)
+        try:
+            for _ in range(max(1, size // len(chunk))):
+                writer.write(chunk)
+                await writer.drain()
+            while await asyncio.wait_for(reader.read(1 << 16), 30.0):  # (its ERR line), then the end
+                pass
+        except (ConnectionError, LinkError):
+            pass
+        except asyncio.TimeoutError:
+            return answer, "held open"
+        return answer, "closed"
+    finally:
+        close(writer)
+
+
+async def idle_circuit(bed: RelayBed, node: P2PNode) -> tuple[str, str]:
+    """A circuit that carries nothing: the relay closes it after circuit_idle_s (the relay's answer to the DIAL,
+    then "closed" or "held open" 30 s past that)."""
+    answer, reader, writer = await _dial(bed, node)
+    if writer is None:
+        return answer, "closed"
+    try:
+        while await asyncio.wait_for(reader.read(1 << 16), bed.limits.circuit_idle_s + 30.0):
+            pass
+        return answer, "closed"
+    except asyncio.TimeoutError:
+        return answer, "held open"
+    except ConnectionError:
+        return answer, "closed"
+    finally:
+        close(writer)
 
 
 async def aim_dialback(bed: RelayBed, node: P2PNode) -> list[str]:

@@ -1,6 +1,6 @@
 """Once a second, for the client and every server: CPU %, RSS, TCP bytes sent/received, and RTT to each server.
 
-CPU and RSS come from psutil over each process's tree (a server's hivemind DHT child and p2pd daemon count as
+CPU and RSS come from psutil over each process's tree (a server's p2pd daemons count as
 the server's; a tracked process's own subtree is never counted twice), CPU in % of one core.
 
 Network bytes: psutil has no per-process counters on Linux, so they are read from the kernel's per-socket TCP

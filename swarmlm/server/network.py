@@ -1,7 +1,6 @@
 """How a server is reached: at its host:port, or from behind NAT through a relay (swarm/reach.py).
 
-In a swarm (initial peers given) a server runs one P2P daemon of its own (its DHT's lives in hivemind's child
-process): it asks a relay to dial its port back before it joins, listens through a relay if that failed, and
+In a swarm (initial peers given) a server runs one P2P daemon of its own (besides its DHT node's): it asks a relay to dial its port back before it joins, listens through a relay if that failed, and
 reaches relayed servers it pushes to. The dial-back reaches a plain socket on the port gRPC takes afterwards."""
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ class ServerNetwork:
             return Reach(True, cfg.announce_host or cfg.host, "direct (as configured)")
         if cfg.reachability == "relayed":
             return Reach(False, "", "relayed (as configured)")
-        # the port gRPC will take, listened on for the dial-back and closed again before the DHT forks its child
-        # (a forked child would keep the socket and the port)
+        # the port gRPC will take, listened on for the dial-back and closed again before gRPC binds it
         sock = socket.create_server((cfg.host, cfg.port))
         sock.setblocking(False)
         self.port = sock.getsockname()[1]

@@ -25,7 +25,7 @@ from swarmlm.swarm.records import (
 
 log = logging.getLogger(__name__)
 
-# a server's forked DHT process, or a client's in-process node: the same calls
+# hivemind's forked DHT process (no longer started by swarmlm: swarm/lifetime.py), or our in-process node
 AnyDHT = hivemind.DHT | ThreadDHT
 
 
@@ -91,16 +91,11 @@ def validators(signer: RSASignatureValidator | None = None, swarm_key: bytes | N
 def start_dht(
     initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0, client_mode: bool = False,
     validator: RSASignatureValidator | None = None, swarm_key: bytes | None = None,
-) -> hivemind.DHT:
-    """A DHT node that signs the records it owns and refuses records that break swarmlm's rules (see above)."""
-    return hivemind.DHT(
-        initial_peers=list(initial_peers),
-        host_maddrs=[f"/ip4/{host}/tcp/{port}"],
-        client_mode=client_mode,
-        start=True,
-        await_ready=True,
-        record_validators=validators(validator, swarm_key),
-    )
+) -> ThreadDHT:
+    """A DHT node that signs the records it owns and refuses records that break swarmlm's rules (see above); it
+    runs in this process (no forked child to outlive it) and its p2pd dies with it (swarm/lifetime.py)."""
+    return ThreadDHT(initial_peers, host=host, port=port, client_mode=client_mode, validator=validator,
+                     swarm_key=swarm_key)
 
 
 def owner_subkey(server_id: str, validator: RSASignatureValidator | None = None) -> str:

@@ -1,9 +1,10 @@
-"""A hivemind DHT node on a thread of this process, for clients.
+"""A hivemind DHT node on a thread of this process: every swarmlm DHT node (client, server, `swarmlm dht`).
 
-hivemind's `DHT` forks a child process; a client forks it beside live gRPC threads (grpc warns "skipping fork()
-handlers"), and such a child can hang before it is ready or stop answering reads. A `DHTNode` on its own event loop
-needs no fork: its p2pd daemon is started by fork+exec, which is safe. The interface is the part of `hivemind.DHT`
-that `swarm.dht` uses (get/store with futures, visible addresses, shutdown)."""
+hivemind's `DHT` forks a child process; forked beside live gRPC threads (grpc warns "skipping fork()
+handlers") such a child can hang before it is ready or stop answering reads, and a child outlives a SIGKILLed
+parent (swarm/lifetime.py). A `DHTNode` on its own event loop needs no fork: its p2pd daemon is started by
+fork+exec, which is safe, and dies with this process. The interface is the part of `hivemind.DHT` that
+`swarm.dht` uses (get/store with futures, visible addresses, shutdown)."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +15,9 @@ from typing import Any, Sequence
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
+from hivemind.utils.multiaddr import Multiaddr
+
+from swarmlm.swarm.lifetime import bind_p2pd_to_owner
 
 
 class ThreadDHT:
@@ -24,6 +28,7 @@ class ThreadDHT:
                  start_timeout_s: float = 60.0, swarm_key: bytes | None = None) -> None:
         from swarmlm.swarm.dht import validators  # (that module imports this one)
 
+        bind_p2pd_to_owner()  # (its p2pd dies with this process)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="swarmlm-dht", daemon=True)
         self.thread.start()
@@ -56,6 +61,10 @@ class ThreadDHT:
 
     def get_visible_maddrs(self) -> list:
         return self._call(self.node.get_visible_maddrs()).result(30)
+
+    def daemon_maddr(self) -> Multiaddr:
+        """Where its p2pd daemon takes clients (a replica P2P shares its peer id and address: the relay's)."""
+        return self.node.p2p.daemon_listen_maddr
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the node (and its p2pd daemon), then the loop and its thread; safe to call twice."""

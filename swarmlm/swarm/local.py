@@ -78,7 +78,7 @@ _LIVE: set[subprocess.Popen] = set()
 
 
 def _kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
-    """Signal the process and everything it started (its DHT child, p2pd): each runs in its own session."""
+    """Signal the process and everything it started (its p2pd daemons): each runs in its own session."""
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
@@ -195,7 +195,7 @@ class LocalSwarm:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
-            _kill_group(p)  # whatever it left behind in its group (a forked DHT process, p2pd)
+            _kill_group(p)  # whatever it left behind in its group (p2pd daemons)
             _LIVE.discard(p)
             if p.stdout:
                 p.stdout.close()

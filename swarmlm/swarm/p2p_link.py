@@ -21,6 +21,8 @@ from typing import Any, Awaitable, TypeVar
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from swarmlm.swarm.lifetime import bind_p2pd_to_owner
+
 T = TypeVar("T")
 MAX_HEADER_BYTES = 512
 HEADER_TIMEOUT_S = 5.0
@@ -112,17 +114,30 @@ def reason(text: str) -> str:
 
 
 # ---- copying --------------------------------------------------------------------------------------------------
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, last: list[float]) -> None:
+    loop = asyncio.get_running_loop()
     while data := await reader.read(CHUNK_BYTES):
+        last[0] = loop.time()
         writer.write(data)
         await writer.drain()
 
 
+async def _until_idle(last: list[float], idle_timeout_s: float) -> None:
+    """Returns once no byte went either way for idle_timeout_s."""
+    loop = asyncio.get_running_loop()
+    while (quiet := loop.time() - last[0]) < idle_timeout_s:
+        await asyncio.sleep(idle_timeout_s - quiet)
+
+
 async def splice(a: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-                 b: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
-    """Copy both ways until either side ends or breaks, then close both (a reset on one side resets the other:
-    a relayed gRPC connection that breaks looks broken at both ends, as a dead server's does)."""
-    tasks = [asyncio.create_task(_pipe(a[0], b[1])), asyncio.create_task(_pipe(b[0], a[1]))]
+                 b: tuple[asyncio.StreamReader, asyncio.StreamWriter], idle_timeout_s: float | None = None) -> None:
+    """Copy both ways until either side ends or breaks (or, with `idle_timeout_s`, no byte went either way for
+    that long), then close both (a reset on one side resets the other: a relayed gRPC connection that breaks
+    looks broken at both ends, as a dead server's does)."""
+    last = [asyncio.get_running_loop().time()]  # when a byte last went either way
+    tasks = [asyncio.create_task(_pipe(a[0], b[1], last)), asyncio.create_task(_pipe(b[0], a[1], last))]
+    if idle_timeout_s is not None:
+        tasks.append(asyncio.create_task(_until_idle(last, idle_timeout_s)))
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -169,6 +184,7 @@ class P2PNode:
 
     def __init__(self, host: str = "127.0.0.1", start_timeout_s: float = 30.0,
                  replicate: Multiaddr | None = None) -> None:
+        bind_p2pd_to_owner()  # (its p2pd dies with this process)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="swarmlm-p2p", daemon=True)
         self.thread.start()

@@ -13,7 +13,10 @@ swarm, "-" otherwise; every refusal is `ERR reason` and the stream is closed):
                                                               PORT, writes NONCE, and answers `OK SEEN_IP`
 
 A server is known by its libp2p peer id, which p2pd authenticates: only the holder of a peer id's key can LISTEN
-or ACCEPT as it. Limits (RelayLimits) bound listeners, circuits per server and in all, and waiting time."""
+or ACCEPT as it. Limits (RelayLimits) bound listeners, circuits per server and in all, and waiting time. Of one
+server's circuits, one dialer (peer id) holds at most max_circuits_per_dialer, and one host at most
+max_circuits_per_host: peer ids are free, addresses are not; dialers the relay sees at no IPv4 address (relayed
+themselves) share one such quota. A circuit with no byte either way for circuit_idle_s is closed."""
 from __future__ import annotations
 
 import asyncio
@@ -36,15 +39,20 @@ _NONCE = re.compile(r"^[0-9a-f]{32}$")
 class RelayLimits:
     max_listeners: int = 256  # servers relayed at once
     max_circuits_per_server: int = 16  # open relayed connections to one server (as libp2p's relays)
+    max_circuits_per_dialer: int = 4  # of those, held by one dialer's peer id (a client needs 1 or 2)
+    max_circuits_per_host: int = 8  # of those, held by dialers at one IPv4 address (or at none: relayed ones)
+    circuit_idle_s: float = 130.0  # a circuit with no byte either way for this long is closed (past the server's
+    # 120 s session idle timeout: a session's stream is never cut first; an idle gRPC channel just reconnects)
     max_circuits: int = 512  # in all
     accept_timeout_s: float = 5.0  # a server must take a circuit within this
     dialback_timeout_s: float = 2.0  # connect timeout of a dial-back
     max_dialbacks: int = 8  # dial-backs in flight
 
     def __post_init__(self) -> None:
-        if min(self.max_listeners, self.max_circuits_per_server, self.max_circuits, self.max_dialbacks) < 1:
+        if min(self.max_listeners, self.max_circuits_per_server, self.max_circuits, self.max_dialbacks,
+               self.max_circuits_per_dialer, self.max_circuits_per_host) < 1:
             raise ValueError(f"relay limits must be >= 1: {self}")
-        if self.accept_timeout_s <= 0 or self.dialback_timeout_s <= 0:
+        if min(self.accept_timeout_s, self.dialback_timeout_s, self.circuit_idle_s) <= 0:
             raise ValueError(f"relay timeouts must be > 0: {self}")
 
 
@@ -56,7 +64,7 @@ class RelayService:
         self.node, self.limits, self.relaying = node, limits, relaying  # relaying=False: dial-backs only
         self.tokens = TokenChecker(swarm_key) if swarm_key is not None else None
         self.listeners: dict[str, asyncio.StreamWriter] = {}  # server peer id -> its LISTEN stream
-        self.circuits: dict[str, int] = {}  # server peer id -> open circuits
+        self.circuits: dict[str, list[tuple[str, str]]] = {}  # server peer id -> (dialer, its host) per circuit
         # cookie -> (server peer id, its ACCEPT stream once taken, set when the circuit is over)
         self.pending: dict[str, tuple[str, asyncio.Future, asyncio.Event]] = {}
         self.dialbacks = asyncio.Semaphore(limits.max_dialbacks)
@@ -89,8 +97,9 @@ class RelayService:
         writer.write(header("OK"))
         await writer.drain()
         log.info("relaying server %s", server)
-        try:
-            await reader.read()  # the server sends nothing more: EOF (or a reset) = it left
+        try:  # the server sends nothing more: EOF (or a reset) = it left; a byte ends the stream (never buffered)
+            if await reader.read(1):
+                raise LinkError("a server sends nothing after LISTEN")
         finally:
             if self.listeners.get(server) is writer:
                 del self.listeners[server]
@@ -106,27 +115,27 @@ class RelayService:
         control = self.listeners.get(server)
         if control is None:
             return _refuse(writer, "server not relayed here")
-        if (self.circuits.get(server, 0) >= self.limits.max_circuits_per_server
-                or sum(self.circuits.values()) >= self.limits.max_circuits):
-            return _refuse(writer, "too many relayed connections")
+        circuit = (dialer, observed_ip(info.addr) or "relayed")
+        if (why := circuit_refusal(self.circuits, server, circuit, self.limits)) is not None:
+            return _refuse(writer, why)
         cookie = secrets.token_hex(16)
         accepted: asyncio.Future = asyncio.get_running_loop().create_future()
         over = asyncio.Event()
         self.pending[cookie] = (server, accepted, over)
-        self.circuits[server] = self.circuits.get(server, 0) + 1
+        self.circuits.setdefault(server, []).append(circuit)
         try:
             control.write(header("CONNECT", cookie, dialer))
             await control.drain()
             theirs = await asyncio.wait_for(accepted, self.limits.accept_timeout_s)
             writer.write(header("OK"))
             await writer.drain()
-            await splice((reader, writer), theirs)
+            await splice((reader, writer), theirs, self.limits.circuit_idle_s)
         except asyncio.TimeoutError:
             _refuse(writer, "server did not take the connection")
         finally:
             over.set()
             self.pending.pop(cookie, None)
-            self.circuits[server] -= 1
+            self.circuits[server].remove(circuit)
             if not self.circuits[server]:
                 del self.circuits[server]
 
@@ -163,6 +172,19 @@ class RelayService:
         await writer.drain()
 
 
+def circuit_refusal(circuits: dict[str, list[tuple[str, str]]], server: str, circuit: tuple[str, str],
+                    lim: RelayLimits) -> str | None:
+    """Why one more circuit (dialer, host) to `server` is refused, given the circuits open now; None: admitted."""
+    held = circuits.get(server, [])
+    if len(held) >= lim.max_circuits_per_server or sum(map(len, circuits.values())) >= lim.max_circuits:
+        return "too many relayed connections"
+    if sum(dialer == circuit[0] for dialer, _ in held) >= lim.max_circuits_per_dialer:
+        return "too many relayed connections from this peer"
+    if sum(host == circuit[1] for _, host in held) >= lim.max_circuits_per_host:
+        return "too many relayed connections from this host"
+    return None
+
+
 def _refuse(writer: asyncio.StreamWriter, why: str) -> None:
     try:
         writer.write(header("ERR", reason(why)))
@@ -187,9 +209,7 @@ def _guarded(handler):
 
 
 def start_relay(dht, swarm_key: bytes | None = None, relaying: bool = True) -> tuple[P2PNode, RelayService]:
-    """Relay and dial-back service on a running hivemind DHT's own daemon (same peer id and address)."""
-    from hivemind import DHT
-
-    node = P2PNode(replicate=dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr))
+    """Relay and dial-back service on a running DHT node's own daemon (same peer id and address)."""
+    node = P2PNode(replicate=dht.daemon_maddr())
     return node, RelayService(node, swarm_key, relaying=relaying)
 

@@ -1,0 +1,64 @@
+"""No orphans: every process a swarmlm process starts dies with it, whatever kills it (SIGKILL included).
+
+What a server, a `swarmlm dht` node, a gateway or a client starts, and how each dies with its parent:
+- hivemind's DHT: no process at all. The node runs on a thread of its owner (swarm/dht_thread.py); hivemind's
+  `DHT` forked a ~320 MB child that outlived a SIGKILLed parent and kept announcing it. Without that child no
+  `MPFuture` exists, so torch's shared memory is never used and no `torch_shm_manager` is started (hivemind's
+  mpfuture shares its futures' state bytes with torch's "file_system" strategy, which starts that manager).
+- p2pd (hivemind's Go daemon, one per DHT node and one per P2PNode): started by hivemind with fork+exec; we have
+  the child ask the kernel for SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG, kept across exec) before it
+  execs. SIGTERM, not SIGKILL: p2pd then removes its unix socket in /tmp, as on a clean stop (a SIGKILLed one
+  leaves it behind). The signal follows the death of the *thread* that forked it: p2pd is forked by its node's event-loop
+  thread, which lives until the node is shut down (and then p2pd is stopped anyway).
+A watchdog polling the parent's pid would need one more process (or a thread in a Go binary we do not build);
+the kernel's signal needs neither and acts at once."""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import signal
+import types
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_libc = ctypes.CDLL(None, use_errno=True)  # (looked up before any fork: a forked child only calls it)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a freshly forked child: SIGTERM when the forking thread dies; exit now if the parent is already gone."""
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent_pid:  # it died between our fork and the prctl: the signal will never come
+        os._exit(1)
+
+
+async def _exec_dying_with_us(program, *args, **kwargs):
+    parent = os.getpid()
+    return await asyncio.create_subprocess_exec(program, *args, preexec_fn=lambda: die_with_parent(parent),
+                                                **kwargs)
+
+
+def bind_p2pd_to_owner() -> None:
+    """Make every p2pd that hivemind starts from now on in this process die with this process (idempotent).
+
+    hivemind starts p2pd with `asyncio.subprocess.create_subprocess_exec` and has no hook for it: its daemon
+    module alone gets an `asyncio` whose `subprocess.create_subprocess_exec` adds the parent-death signal.
+    Nothing else in the process is touched."""
+    from hivemind.p2p import p2p_daemon
+
+    if isinstance(p2p_daemon.asyncio, _AsyncioForP2PD):
+        return
+    p2p_daemon.asyncio = _AsyncioForP2PD()
+
+
+class _AsyncioForP2PD(types.ModuleType):
+    """asyncio, except `subprocess.create_subprocess_exec` (p2pd's start) binds the child to this process."""
+
+    def __init__(self) -> None:
+        super().__init__("asyncio")
+        sub = types.ModuleType("asyncio.subprocess")
+        sub.__dict__.update(asyncio.subprocess.__dict__)
+        sub.create_subprocess_exec = _exec_dying_with_us
+        self.subprocess = sub
+
+    def __getattr__(self, name: str):
+        return getattr(asyncio, name)

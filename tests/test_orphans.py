@@ -1,0 +1,88 @@
+"""No orphans (swarm/lifetime.py): a SIGKILL of a server's, a DHT node's or a gateway's main process (a crash, the OOM
+killer) leaves none of the processes it started alive, and a server restarted in its place finds nothing stale.
+
+Only the main pid is killed, never its process group: what the group would have hidden is what we check. The
+process tree is recorded before the kill (after it, survivors are init's children and no longer ours)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import psutil
+import pytest
+
+from swarmlm.api.process import GatewayProcess
+from swarmlm.swarm.local import LocalSwarm
+from swarmlm.types import BlockRange
+
+pytestmark = pytest.mark.slow
+GRACE_S = 10.0
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    tree = psutil.Process(pid).children(recursive=True)
+    assert tree, f"{pid} started no process: nothing to check"
+    return tree
+
+
+def p2pd_sockets(tree: list[psutil.Process]) -> list[str]:
+    """The unix sockets the tree's p2pd daemons listen on (in their command lines)."""
+    found = []
+    for p in tree:
+        found += re.findall(r"-listen=/unix(/\S+\.sock)", " ".join(p.cmdline()))
+    return found
+
+
+def survivors(tree: list[psutil.Process]) -> list[str]:
+    """Processes of `tree` still running (is_running compares creation times: a reused pid is not a survivor)."""
+    left = []
+    for p in tree:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{p.pid}: {' '.join(p.cmdline())[:160]}")
+        except psutil.NoSuchProcess:
+            continue
+    return left
+
+
+def kill_main_and_check(pid: int, tree: list[psutil.Process]) -> None:
+    names = [" ".join(p.cmdline())[:80] for p in tree]
+    assert not any("torch_shm_manager" in n for n in names), names  # (nothing uses torch's shared memory)
+    sockets = p2pd_sockets(tree)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + GRACE_S
+    while (left := survivors(tree)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for p in tree:  # whatever failed the check below must not outlive this test either
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert not left, f"alive {GRACE_S:.0f} s after a SIGKILL of {pid}:\n" + "\n".join(left)
+    assert not [s for s in sockets if os.path.exists(s)], sockets  # each daemon closed (removed) its socket
+
+
+def test_a_killed_server_and_dht_node_leave_nothing_running_and_a_restart_starts_clean(tiny_llama, tmp_path):
+    with LocalSwarm(tiny_llama, log_dir=tmp_path) as swarm:
+        swarm.start_dht()
+        server = swarm.start_server(BlockRange(0, 6))
+        tree = descendants(server.proc.pid)
+        assert p2pd_sockets(tree), [p.cmdline() for p in tree]  # its daemons are among them
+        kill_main_and_check(server.proc.pid, tree)
+
+        again = swarm.start_server(BlockRange(0, 6))  # in its place: it starts and serves
+        assert again.alive and again.address
+        kill_main_and_check(swarm.dht_proc.pid, descendants(swarm.dht_proc.pid))
+
+
+def test_a_killed_gateway_leaves_nothing_running(tiny_llama, tmp_path):
+    with LocalSwarm(tiny_llama, log_dir=tmp_path) as swarm:
+        swarm.start_dht()
+        swarm.start_server(BlockRange(0, 6))
+        gateway = GatewayProcess(tiny_llama, swarm.initial_peers, log_path=tmp_path / "api.err").start()
+        try:
+            kill_main_and_check(gateway.proc.pid, descendants(gateway.proc.pid))
+        finally:
+            gateway.stop()
