@@ -11,16 +11,26 @@ What a server, a `swarmlm dht` node, a gateway or a client starts, and how each 
   leaves it behind). The signal follows the death of the *thread* that forked it: p2pd is forked by its node's event-loop
   thread, which lives until the node is shut down (and then p2pd is stopped anyway).
 A watchdog polling the parent's pid would need one more process (or a thread in a Go binary we do not build);
-the kernel's signal needs neither and acts at once."""
+the kernel's signal needs neither and acts at once.
+- p2pd's unix socket: removed by p2pd on SIGTERM almost always, but not always (seen once in CI after a SIGKILLed
+  gateway: the daemon gone, its socket file left). A socket file in /tmp that nobody listens on and that is older than
+  a minute is swept by the next process that starts a p2pd (`sweep_stale_p2pd_sockets`); the age keeps a daemon that
+  has bound but not yet listened safe from a neighbour's sweep."""
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
+import glob
 import os
 import signal
+import socket
+import time
 import types
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+P2PD_SOCKETS = "/tmp/hivemind-p2pd-*.sock"  # where hivemind's daemons listen (p2p_daemon.py)
+STALE_SOCKET_AGE_S = 60.0
 _libc = ctypes.CDLL(None, use_errno=True)  # (looked up before any fork: a forked child only calls it)
 
 
@@ -48,6 +58,33 @@ def bind_p2pd_to_owner() -> None:
     if isinstance(p2p_daemon.asyncio, _AsyncioForP2PD):
         return
     p2p_daemon.asyncio = _AsyncioForP2PD()
+    sweep_stale_p2pd_sockets()
+
+
+def sweep_stale_p2pd_sockets(pattern: str = P2PD_SOCKETS, min_age_s: float = STALE_SOCKET_AGE_S) -> list[str]:
+    """Remove the unix socket files matching `pattern` that nobody listens on and that are older than `min_age_s`
+    (a dead daemon's leftovers); returns the paths removed. Other users' files and live sockets are left alone."""
+    removed = []
+    for path in glob.glob(pattern):
+        try:
+            if time.time() - os.lstat(path).st_mtime < min_age_s or _listened_on(path):
+                continue
+            os.unlink(path)
+            removed.append(path)
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+    return removed
+
+
+def _listened_on(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError as e:
+            if e.errno in (errno.ECONNREFUSED, errno.ENOTSOCK):
+                return False
+            return True  # (a permission error or the like: not ours to judge)
+        return True
 
 
 class _AsyncioForP2PD(types.ModuleType):
