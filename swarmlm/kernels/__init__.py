@@ -1,4 +1,5 @@
-"""swarmlm's compiled kernels: packed.c, built once per machine with the system C compiler and loaded with ctypes.
+"""swarmlm's compiled kernels: packed.c (products from GGUF blocks) and decode.c (a decode step of a span of
+Llama-shaped blocks in one call), built once per machine with the system C compiler and loaded with ctypes.
 
 Built with `-O3 -march=native` (the CPU's own vector units: AVX-512 where it has them, else AVX2, else scalar C) into
 ~/.cache/swarmlm/kernels, named by a hash of the source, the compiler and the flags, so a new CPU or a changed source
@@ -19,9 +20,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("packed.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("packed.c", "decode.c")]
 CACHE = Path.home() / ".cache" / "swarmlm" / "kernels"
-FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno", "-pthread"]
+FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno", "-fopenmp-simd", "-pthread"]
 
 
 class KernelUnavailable(RuntimeError):
@@ -39,16 +40,17 @@ def _compiler() -> str:
 def _build(cc: str, march: str) -> Path:
     flags = [*FLAGS, f"-march={march}"]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((version, flags, _cpu_flags())).encode()).hexdigest()[:16]
+    source = b"".join(path.read_bytes() for path in SOURCES)
+    key = hashlib.sha256(source + repr((version, flags, _cpu_flags())).encode()).hexdigest()[:16]
     target = CACHE / f"packed-{key}.so"
     if target.is_file():
         return target
     CACHE.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
         out = Path(tmp) / target.name
-        done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+        done = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True)
         if done.returncode != 0:
-            raise KernelUnavailable(f"building {SOURCE.name} with {cc} failed: {done.stderr.strip()[:400]}")
+            raise KernelUnavailable(f"building the kernels with {cc} failed: {done.stderr.strip()[:400]}")
         os.replace(out, target)
     log.debug("built %s", target)
     return target
@@ -84,6 +86,8 @@ def library(march: str = "native") -> ctypes.CDLL:
     lib.packed_set_threads.restype = ctypes.c_int
     lib.packed_isa.argtypes = []
     lib.packed_isa.restype = ctypes.c_int
+    lib.decode_span.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.decode_span.restype = ctypes.c_int
     return lib
 
 

@@ -415,16 +415,16 @@ static inline __attribute__((always_inline)) void tile(int ggml_type, const uint
                    w + n * row_bytes);
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + r0 * k + b * QK;
-        for (int a = 0; a < W; a++) {
-            __m512 lo, hi;
-            fast_block(ggml_type, row0 + a * row_bytes, nb, b, &lo, &hi);
-            for (int r = 0; r < R; r++) {
-                const __m512 x0 = _mm512_loadu_ps(xb + r * k), x1 = _mm512_loadu_ps(xb + r * k + 16);
+        __m512 lo[2], hi[2];
+        for (int a = 0; a < W; a++) fast_block(ggml_type, row0 + a * row_bytes, nb, b, &lo[a], &hi[a]);
+        for (int r = 0; r < R; r++) {  /* each activation row's block loaded once for the W weight rows */
+            const __m512 x0 = _mm512_loadu_ps(xb + r * k), x1 = _mm512_loadu_ps(xb + r * k + 16);
+            for (int a = 0; a < W; a++) {
                 if (SPLIT) {
-                    acc[a][r] = _mm512_fmadd_ps(lo, x0, acc[a][r]);
-                    acc_hi[a][r] = _mm512_fmadd_ps(hi, x1, acc_hi[a][r]);
+                    acc[a][r] = _mm512_fmadd_ps(lo[a], x0, acc[a][r]);
+                    acc_hi[a][r] = _mm512_fmadd_ps(hi[a], x1, acc_hi[a][r]);
                 } else {
-                    acc[a][r] = _mm512_fmadd_ps(hi, x1, _mm512_fmadd_ps(lo, x0, acc[a][r]));
+                    acc[a][r] = _mm512_fmadd_ps(hi[a], x1, _mm512_fmadd_ps(lo[a], x0, acc[a][r]));
                 }
             }
         }
@@ -434,27 +434,36 @@ static inline __attribute__((always_inline)) void tile(int ggml_type, const uint
             y[(r0 + r) * n + i + a] = _mm512_reduce_add_ps(SPLIT ? _mm512_add_ps(acc[a][r], acc_hi[a][r]) : acc[a][r]);
 }
 
-#define TILE(W, R, SPLIT) \
-    static void tile_##W##_##R(int t, const uint8_t *w, int64_t rb, int64_t nb, const float *x, int64_t k, \
-                               float *y, int64_t n, int64_t i, int64_t r0) { \
-        tile(t, w, rb, nb, x, k, y, n, i, r0, W, R, SPLIT); \
+/* one tile function per (type, W, R): the type a constant too, so a block's unpacking has no branch left */
+#define TILE(T, W, R, SPLIT) \
+    static void tile_##T##_##W##_##R(const uint8_t *w, int64_t rb, int64_t nb, const float *x, int64_t k, \
+                                     float *y, int64_t n, int64_t i, int64_t r0) { \
+        tile(T, w, rb, nb, x, k, y, n, i, r0, W, R, SPLIT); \
     }
-TILE(2, 1, 1) TILE(2, 2, 1) TILE(2, 3, 1) TILE(2, 4, 1) TILE(2, 5, 0) TILE(2, 6, 0) TILE(2, 7, 0) TILE(2, 8, 0)
-TILE(1, 1, 1) TILE(1, 2, 1) TILE(1, 3, 1) TILE(1, 4, 1) TILE(1, 5, 0) TILE(1, 6, 0) TILE(1, 7, 0) TILE(1, 8, 0)
+#define TILES(T) \
+    TILE(T, 2, 1, 1) TILE(T, 2, 2, 1) TILE(T, 2, 3, 1) TILE(T, 2, 4, 1) TILE(T, 2, 5, 0) TILE(T, 2, 6, 0) \
+    TILE(T, 2, 7, 0) TILE(T, 2, 8, 0) TILE(T, 1, 1, 1) TILE(T, 1, 2, 1) TILE(T, 1, 3, 1) TILE(T, 1, 4, 1) \
+    TILE(T, 1, 5, 0) TILE(T, 1, 6, 0) TILE(T, 1, 7, 0) TILE(T, 1, 8, 0) \
+    static const tile_fn WIDE_##T[9] = {0, tile_##T##_2_1, tile_##T##_2_2, tile_##T##_2_3, tile_##T##_2_4, \
+                                        tile_##T##_2_5, tile_##T##_2_6, tile_##T##_2_7, tile_##T##_2_8}; \
+    static const tile_fn NARROW_##T[9] = {0, tile_##T##_1_1, tile_##T##_1_2, tile_##T##_1_3, tile_##T##_1_4, \
+                                          tile_##T##_1_5, tile_##T##_1_6, tile_##T##_1_7, tile_##T##_1_8};
 
-typedef void (*tile_fn)(int, const uint8_t *, int64_t, int64_t, const float *, int64_t, float *, int64_t, int64_t,
-                        int64_t);
-static const tile_fn WIDE[9] = {0, tile_2_1, tile_2_2, tile_2_3, tile_2_4, tile_2_5, tile_2_6, tile_2_7, tile_2_8};
-static const tile_fn NARROW[9] = {0, tile_1_1, tile_1_2, tile_1_3, tile_1_4, tile_1_5, tile_1_6, tile_1_7, tile_1_8};
+typedef void (*tile_fn)(const uint8_t *, int64_t, int64_t, const float *, int64_t, float *, int64_t, int64_t, int64_t);
+TILES(2) TILES(3) TILES(8) TILES(1001) TILES(12) TILES(14)
 
 static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
                       float *y, int64_t n, int64_t n0, int64_t n1) {
     const int64_t nb = k / QK;
     for (int64_t r0 = 0; r0 < rows; r0 += 8) {  /* activation rows, 8 at a time */
         const int nr = rows - r0 < 8 ? (int)(rows - r0) : 8;
+        const tile_fn *wide = ggml_type == 2 ? WIDE_2 : ggml_type == 3 ? WIDE_3 : ggml_type == 8 ? WIDE_8
+                            : ggml_type == Q8_M ? WIDE_1001 : ggml_type == 12 ? WIDE_12 : WIDE_14;
+        const tile_fn *narrow = ggml_type == 2 ? NARROW_2 : ggml_type == 3 ? NARROW_3 : ggml_type == 8 ? NARROW_8
+                              : ggml_type == Q8_M ? NARROW_1001 : ggml_type == 12 ? NARROW_12 : NARROW_14;
         int64_t i = n0;
-        for (; i + 2 <= n1; i += 2) WIDE[nr](ggml_type, w, row_bytes, nb, x, k, y, n, i, r0);
-        for (; i < n1; i++) NARROW[nr](ggml_type, w, row_bytes, nb, x, k, y, n, i, r0);
+        for (; i + 2 <= n1; i += 2) wide[nr](w, row_bytes, nb, x, k, y, n, i, r0);
+        for (; i < n1; i++) narrow[nr](w, row_bytes, nb, x, k, y, n, i, r0);
     }
 }
 #endif

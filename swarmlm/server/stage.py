@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from swarmlm.model.checkpoint import load_blocks, parse_dtype
+from swarmlm.model.decode_span import SpanDecoder
 from swarmlm.model.packed import packed_types
 from swarmlm.model.quant import announced_quant, check_quant, weight_bytes
 from swarmlm.model.source import resolve
@@ -91,6 +92,7 @@ class Stage:
         self.packed_types = packed_types(self.modules)  # e.g. "Q4_1,Q8_0": the kernels its speed is measured with
         self.hidden_size = int(self.config.hidden_size)
         self.lora_adapters: dict[str, tuple[LoraDelta, ...]] = {}  # name -> its LoRA on these blocks
+        self._decoders: dict[tuple[int, int], SpanDecoder | None] = {}  # local block slice -> its one-call decoder
 
     def load_adapters(self, paths) -> None:
         """Pre-load PEFT LoRA adapters (server/adapters.py) for sessions that ask for them."""
@@ -143,13 +145,23 @@ class Stage:
         mask = masks[0] if len(requests) == 1 else left_pad(masks, cache.past + t)  # [sum B, past + T]
         hidden = torch.cat([r.hidden for r in requests], dim=0).to(self.dtype)  # [sum B, T, H]
         local = slice(first.state.blocks.start - self.blocks.start, first.state.blocks.end - self.blocks.start)
-        with lora_hooks(self.modules, self.blocks.start, self.lora_adapters.get(first.state.lora_adapter, ())):
-            out = self.adapter.forward_span(self.config, self.modules[local], hidden, cache, mask)
+        decoder = self._span_decoder(local) if not first.state.lora_adapter else None
+        if decoder is not None and decoder.usable(hidden, [r.mask for r in requests]):  # one kernel call (model/decode_span.py)
+            out = decoder.step(hidden, [(m.cache, m.rows) for m in members], masks)
+        else:
+            with lora_hooks(self.modules, self.blocks.start, self.lora_adapters.get(first.state.lora_adapter, ())):
+                out = self.adapter.forward_span(self.config, self.modules[local], hidden, cache, mask)
         # only after success: a failed forward leaves every session's committed length and mask as they were
         cache.commit(t)
         for r, m, member in zip(requests, masks, members):
             r.state.cache, r.state.mask = member.cache, m
         return [out[m.rows] for m in members]
+
+    def _span_decoder(self, local: slice) -> SpanDecoder | None:
+        key = (local.start, local.stop)
+        if key not in self._decoders:
+            self._decoders[key] = SpanDecoder.of(self.config, self.adapter, self.modules[local], self.dtype)
+        return self._decoders[key]
 
     def forward(self, blocks: BlockRange, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Stateless forward of whole sequences (no cache kept)."""

@@ -1,0 +1,159 @@
+/* One decode step of a span of Llama-shaped blocks in one call (swarmlm's own code): per block, RMSNorm, the q/k/v
+ * products, rotary embedding, the new key and value written into each row's cache, attention over the row's cached
+ * positions, the output product and residual, RMSNorm, SiLU-gated MLP and residual. Llama, Mistral and Qwen2 blocks
+ * compute exactly this (model/decode_span.py checks a span before using it). The products are packed_matmul's (the
+ * weights in their GGUF blocks, split between the kernels' threads); everything else is float32 here, in the order
+ * transformers computes it, so a step equals the blocks' own forward up to float32 summation order.
+ *
+ * Why: a decode step of a small model is mostly the framework's per-operation cost (SmolLM2: ~30 torch operations
+ * and module calls per block, ~250 us, against ~400 us of weights); here a whole span costs one call.
+ *
+ * Rows are independent sequences (one session's rows, or several sessions' batched): row r has its own cache
+ * buffers (keys of block l, kv head h at kbase[r] + l * layer_stride[r] + h * cap[r] * head_dim), its own committed
+ * length len[r] (the new token goes to position len[r]) and its own 0/1 mask over positions 0..len[r] (0 = padding:
+ * never attended, as transformers gives it exactly zero weight; the new token's own entry is 1: the caller checks). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int packed_matmul_threads(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
+                          float *y, int64_t n, int64_t min_weights);
+
+typedef struct {
+    int64_t type;  /* ggml type id (packed.c) */
+    const uint8_t *w;
+    int64_t row_bytes, n, k;
+    const float *bias;  /* [n] or NULL */
+} span_linear;
+
+typedef struct {
+    span_linear q, k, v, o, gate, up, down;
+    const float *norm_in, *norm_post;  /* RMSNorm weights [hidden] */
+    int64_t window;  /* sliding window: a token attends to the last `window` positions, itself included; 0 = all */
+} span_block;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter;
+    float eps, scale;  /* RMSNorm epsilon; attention's score scale (head_dim ** -0.5) */
+    int64_t min_weights;  /* products at least this large are split between threads */
+} span_dims;
+
+static int linear(const span_linear *L, const float *x, int64_t rows, float *y, int64_t min_weights) {
+    if (packed_matmul_threads((int)L->type, L->w, L->row_bytes, x, rows, L->k, y, L->n, min_weights) != 0) return -1;
+    if (L->bias)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < L->n; i++) y[r * L->n + i] += L->bias[i];
+    return 0;
+}
+
+/* transformers' LlamaRMSNorm in float32: x * rsqrt(mean(x^2) + eps), then times the weight */
+static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *y) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] * inv);
+}
+
+/* rotate_half convention: pairs (i, i + d/2) */
+static void rope(float *v, int64_t heads, int64_t d, const float *cos, const float *sin) {
+    const int64_t h2 = d / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *p = v + h * d;
+        for (int64_t i = 0; i < h2; i++) {
+            const float a = p[i], b = p[i + h2];
+            p[i] = a * cos[i] - b * sin[i];
+            p[i + h2] = b * cos[i + h2] + a * sin[i + h2];
+        }
+    }
+}
+
+static float dot(const float *a, const float *b, int64_t n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* one row's attention for every head: out [heads * d] */
+static void attend(const span_dims *D, const float *q, const float *keys, const float *values, int64_t cap,
+                   int64_t n_pos, int64_t window, const int64_t *mask, float *scores, float *out) {
+    const int64_t d = D->head_dim, group = D->heads / D->kv_heads;
+    const int64_t first = window && n_pos > window ? n_pos - window : 0;
+    for (int64_t h = 0; h < D->heads; h++) {
+        const float *K = keys + (h / group) * cap * d, *V = values + (h / group) * cap * d, *qh = q + h * d;
+        float top = -INFINITY;
+        for (int64_t t = first; t < n_pos; t++) {
+            if (!mask[t]) continue;
+            scores[t] = dot(qh, K + t * d, d) * D->scale;
+            if (scores[t] > top) top = scores[t];
+        }
+        float total = 0.0f;
+        for (int64_t t = first; t < n_pos; t++) {
+            if (!mask[t]) continue;
+            scores[t] = expf(scores[t] - top);
+            total += scores[t];
+        }
+        float *o = out + h * d;
+        memset(o, 0, sizeof(float) * d);
+        for (int64_t t = first; t < n_pos; t++) {
+            if (!mask[t]) continue;
+            const float p = scores[t] / total, *v = V + t * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) o[i] += p * v[i];
+        }
+    }
+}
+
+/* x [rows, hidden] in place through n_blocks blocks; 0 on success, -1 if a product was refused, -2 out of memory */
+int decode_span(const span_dims *D, const span_block *blocks, int64_t n_blocks, float *x, int64_t rows,
+                float *const *kbase, float *const *vbase, const int64_t *layer_stride, const int64_t *cap,
+                const int64_t *len, const int64_t *const *mask, const float *cos, const float *sin) {
+    const int64_t H = D->hidden, d = D->head_dim, qn = D->heads * d, kvn = D->kv_heads * d, I = D->inter;
+    int64_t longest = 0;
+    for (int64_t r = 0; r < rows; r++) longest = len[r] + 1 > longest ? len[r] + 1 : longest;
+    const int64_t need = rows * (H + qn + 2 * kvn + qn + H + 2 * I + H) + longest;
+    float *buf = malloc(sizeof(float) * need);
+    if (!buf) return -2;
+    float *xn = buf, *q = xn + rows * H, *k = q + rows * qn, *v = k + rows * kvn, *att = v + rows * kvn,
+          *o = att + rows * qn, *gate = o + rows * H, *up = gate + rows * I, *down = up + rows * I,
+          *scores = down + rows * H;
+    int status = 0;
+    for (int64_t l = 0; l < n_blocks && !status; l++) {
+        const span_block *B = blocks + l;
+        for (int64_t r = 0; r < rows; r++) rms_norm(x + r * H, B->norm_in, H, D->eps, xn + r * H);
+        if (linear(&B->q, xn, rows, q, D->min_weights) || linear(&B->k, xn, rows, k, D->min_weights) || linear(&B->v, xn, rows, v, D->min_weights)) {
+            status = -1;
+            break;
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            rope(q + r * qn, D->heads, d, cos + r * d, sin + r * d);
+            rope(k + r * kvn, D->kv_heads, d, cos + r * d, sin + r * d);
+            float *K = kbase[r] + l * layer_stride[r], *V = vbase[r] + l * layer_stride[r];
+            for (int64_t h = 0; h < D->kv_heads; h++) {  /* the new token's key and value at position len[r] */
+                memcpy(K + (h * cap[r] + len[r]) * d, k + r * kvn + h * d, sizeof(float) * d);
+                memcpy(V + (h * cap[r] + len[r]) * d, v + r * kvn + h * d, sizeof(float) * d);
+            }
+            attend(D, q + r * qn, K, V, cap[r], len[r] + 1, B->window, mask[r], scores, att + r * qn);
+        }
+        if (linear(&B->o, att, rows, o, D->min_weights)) {
+            status = -1;
+            break;
+        }
+        for (int64_t i = 0; i < rows * H; i++) x[i] += o[i];
+        for (int64_t r = 0; r < rows; r++) rms_norm(x + r * H, B->norm_post, H, D->eps, xn + r * H);
+        if (linear(&B->gate, xn, rows, gate, D->min_weights) || linear(&B->up, xn, rows, up, D->min_weights)) {
+            status = -1;
+            break;
+        }
+        for (int64_t i = 0; i < rows * I; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        if (linear(&B->down, gate, rows, down, D->min_weights)) {
+            status = -1;
+            break;
+        }
+        for (int64_t i = 0; i < rows * H; i++) x[i] += down[i];
+    }
+    free(buf);
+    return status;
+}

@@ -1,0 +1,142 @@
+"""A decode step of a span of packed Llama-shaped blocks in one kernel call (kernels/decode.c).
+
+A server's step of one new token per row through its blocks costs, in transformers, ~30 torch operations and module
+calls per block (SmolLM2: ~250 us a block against ~400 us of weight reads). `SpanDecoder` runs the same arithmetic
+(RMSNorm, packed q/k/v products, rotary embedding, the new K/V written into the rows' caches, attention over their
+unmasked positions, output product, SiLU-gated MLP, residuals) in one C call per step, in float32, to float32
+summation order of the blocks' own forward.
+
+It takes a span only when that is exactly what the blocks compute (`SpanDecoder.of`): Llama, Mistral or Qwen2 blocks
+whose seven products are all packed (a GGUF's own blocks, or --quant int8/int4), SiLU, RMSNorm, full or sliding-window
+attention (config.sliding_window on the layers the family marks sliding), float32. Anything else -- other families, float weights, LoRA adapters, a prefill or speculative
+pass of several tokens, more than DIRECT_ROWS rows, gradients -- runs through transformers as before (server/stage.py
+decides per step).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from swarmlm.kernels import library
+from swarmlm.model.families.base import SLIDING, padded_positions
+from swarmlm.model.packed import DIRECT_ROWS, THREADED_MIN_WEIGHTS, PackedLinear, PackedError
+
+FAMILIES = ("llama", "mistral", "qwen2")
+PRODUCTS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+            ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int64), ("w", ctypes.c_void_p), ("row_bytes", ctypes.c_int64),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("bias", ctypes.c_void_p)]
+
+
+class _Block(ctypes.Structure):
+    _fields_ = [(name, _Linear) for name in ("q", "k", "v", "o", "gate", "up", "down")] + [
+        ("norm_in", ctypes.c_void_p), ("norm_post", ctypes.c_void_p), ("window", ctypes.c_int64)]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("min_weights", ctypes.c_int64)]
+
+
+class SpanDecoder:
+    """One decode step (one new token per row) through `blocks` in one kernel call."""
+
+    def __init__(self, config, rotary: nn.Module, blocks: nn.ModuleList) -> None:
+        first = blocks[0]
+        attn = first.self_attn
+        self.rotary = rotary
+        self.head_dim = int(attn.head_dim)
+        self.kv_heads = int(config.num_key_value_heads or config.num_attention_heads)
+        self.dims = _Dims(int(config.hidden_size), int(config.num_attention_heads), self.kv_heads, self.head_dim,
+                          int(first.mlp.gate_proj.out_features), float(first.input_layernorm.variance_epsilon),
+                          float(attn.scaling), THREADED_MIN_WEIGHTS)
+        window = int(getattr(config, "sliding_window", None) or 0)
+        self.blocks = (_Block * len(blocks))(*[_block(b, window if b.swarmlm_layer_type == SLIDING else 0)
+                                               for b in blocks])
+        self._held = list(blocks)  # the weights' tensors stay alive as long as the pointers above
+
+    @classmethod
+    def of(cls, config, adapter, blocks: nn.ModuleList, dtype: torch.dtype) -> "SpanDecoder | None":
+        """The decoder for this span, or None if its blocks are not exactly what decode.c computes."""
+        if adapter.name not in FAMILIES or dtype != torch.float32 or not len(blocks):
+            return None
+        if getattr(config, "hidden_act", None) != "silu" or getattr(config, "pretraining_tp", 1) not in (1, None):
+            return None
+        for block in blocks:
+            if block.swarmlm_layer_type == SLIDING and not getattr(config, "sliding_window", None):
+                return None
+            for part, name in PRODUCTS:
+                linear = getattr(getattr(block, part, None), name, None)
+                if not isinstance(linear, PackedLinear) or linear.softcap is not None:
+                    return None
+            for norm in (block.input_layernorm, block.post_attention_layernorm):
+                if norm.weight.dtype != torch.float32 or not hasattr(norm, "variance_epsilon"):
+                    return None
+        try:
+            library()
+        except Exception:  # noqa: BLE001 (no compiler: the blocks still run through transformers)
+            return None
+        return cls(config, adapter.rotary(config), blocks)
+
+    def usable(self, hidden: torch.Tensor, new_masks: list[torch.Tensor]) -> bool:
+        """One new token per row, at most DIRECT_ROWS rows, no gradients, every new token a real one (a padding
+        query is transformers' business)."""
+        return (hidden.shape[1] == 1 and hidden.shape[0] <= DIRECT_ROWS and not torch.is_grad_enabled()
+                and all(bool(m.bool().all()) for m in new_masks))
+
+    def step(self, hidden: torch.Tensor, members, masks: list[torch.Tensor]) -> torch.Tensor:
+        """hidden [B, 1, H]; members: (SpanCache, rows slice) per session, each cache's committed length + 1 equal to
+        its mask's width; the new K/V are written past the committed length (counted by the caller's commit)."""
+        rows = hidden.shape[0]
+        x = hidden.reshape(rows, -1).to(torch.float32).contiguous().clone()
+        keys, values, strides, caps, lengths, mask_rows, keep = [], [], [], [], [], [], []
+        positions = []
+        for (cache, span), mask in zip(members, masks):
+            n = span.stop - span.start
+            end = cache.length + 1
+            assert mask.shape == (n, end), "a session's mask covers its committed tokens and the new one"
+            if end > cache.capacity:
+                cache._grow(end, x.new_empty(n, self.kv_heads, 1, self.head_dim))
+            assert cache.keys.is_contiguous() and cache.values.is_contiguous()
+            m = mask.to(torch.int64).contiguous()
+            keep.append(m)
+            positions.append(padded_positions(m, 1))
+            layer_stride = n * self.kv_heads * cache.capacity * self.head_dim
+            for j in range(n):
+                keys.append(cache.keys[0, j].data_ptr())
+                values.append(cache.values[0, j].data_ptr())
+                strides.append(layer_stride)
+                caps.append(cache.capacity)
+                lengths.append(cache.length)
+                mask_rows.append(m[j].data_ptr())
+        cos, sin = self.rotary(x[:, None], position_ids=torch.cat(positions))
+        cos, sin = cos.reshape(rows, -1).float().contiguous(), sin.reshape(rows, -1).float().contiguous()
+        ptrs = ctypes.c_void_p * rows
+        longs = ctypes.c_int64 * rows
+        code = library().decode_span(
+            ctypes.byref(self.dims), self.blocks, len(self.blocks), x.data_ptr(), rows, ptrs(*keys), ptrs(*values),
+            longs(*strides), longs(*caps), longs(*lengths), ptrs(*mask_rows), cos.data_ptr(), sin.data_ptr())
+        if code != 0:
+            raise PackedError(f"the decode kernel refused the step (code {code})")
+        return x.reshape(hidden.shape).to(hidden.dtype)
+
+
+def _linear(module: PackedLinear) -> _Linear:
+    bias = module.bias
+    if bias is not None:
+        assert bias.dtype == torch.float32 and bias.is_contiguous()
+    p = module.packed
+    return _Linear(p.ggml_type, p.data.data_ptr(), p.data.shape[1], p.rows, p.cols,
+                   None if bias is None else bias.data_ptr())
+
+
+def _block(block: nn.Module, window: int) -> _Block:
+    linears = [_linear(getattr(getattr(block, part), name)) for part, name in PRODUCTS]
+    norms = [norm.weight.data_ptr() for norm in (block.input_layernorm, block.post_attention_layernorm)]
+    return _Block(*linears, *norms, window)

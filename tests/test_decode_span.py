@@ -1,0 +1,96 @@
+"""A decode step in one kernel call (model/decode_span.py, kernels/decode.c) computes what the blocks' own
+transformers forward computes: per family it takes, for one session and for several batched with left padding, after
+cache edits, past a sliding window; and spans it cannot compute exactly are left to transformers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarmlm.model.decode_span import SpanDecoder
+from swarmlm.model.random_checkpoint import init_checkpoint
+from swarmlm.server.stage import Stage, StepRequest
+from swarmlm.types import BlockRange, CacheOp
+from tests.gguf_fixtures import write_tiny_gguf
+
+DECODED = ["tiny-llama", "tiny-llama3", "tiny-mistral", "tiny-qwen2"]
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("decode-span")
+    return {name: str(init_checkpoint(name, root / name, seed=3))
+            for name in DECODED + ["tiny-qwen3", "tiny-gemma2", "tiny-bloom"]}
+
+
+def twin_stages(model: str, blocks: BlockRange, quant: str) -> tuple[Stage, Stage]:
+    """The same blocks twice; the second never uses the one-call decoder (transformers' forward)."""
+    fast, plain = Stage(model, blocks, quant=quant), Stage(model, blocks, quant=quant)
+    plain._span_decoder = lambda local: None
+    return fast, plain
+
+
+def run_both(stages, steps) -> None:
+    """steps: lists of (session index, hidden, new mask, op) run as one batch on both stages, outputs compared."""
+    states = [[stage.new_state(stage.blocks, 2, 64) for _ in range(2)] for stage in stages]
+    for batch in steps:
+        outs = [stage.step_batch([StepRequest(own[i], h, m, op) for i, h, m, op in batch])
+                for stage, own in zip(stages, states)]
+        for got, want in zip(*outs):
+            assert rel_l2(got, want) < 1e-5
+
+
+def scenario(hidden_size: int) -> list:
+    g = torch.Generator().manual_seed(0)
+
+    def h(rows: int, t: int) -> torch.Tensor:
+        return torch.randn(rows, t, hidden_size, generator=g)
+
+    left_padded = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    return [
+        [(0, h(2, 7), left_padded, None)], [(1, h(1, 3), torch.ones(1, 3), None)],  # prefills (transformers)
+        [(0, h(2, 1), torch.ones(2, 1), None)],  # one session
+        [(0, h(2, 1), torch.ones(2, 1), None), (1, h(1, 1), torch.ones(1, 1), None)],  # two, left-padded
+        [(0, h(2, 1), torch.ones(2, 1), CacheOp(truncate_to=6, rows=(1, 0)))],  # after a cut and a row swap
+        [(0, h(3, 1), torch.ones(3, 1), CacheOp(rows=(0, 1, 1)))],  # a row copied (n > 1, beams)
+        *[[(0, h(3, 1), torch.ones(3, 1), None), (1, h(1, 1), torch.ones(1, 1), None)] for _ in range(8)],  # past 8
+    ]
+
+
+@pytest.mark.parametrize("name", DECODED)
+def test_a_decode_step_in_one_call_is_the_blocks_forward(checkpoints, name, monkeypatch):
+    fast, plain = twin_stages(checkpoints[name], BlockRange(0, 4), quant="int8")
+    calls = []
+    step = SpanDecoder.step
+    monkeypatch.setattr(SpanDecoder, "step", lambda self, *a: calls.append(1) or step(self, *a))
+    run_both((fast, plain), scenario(fast.hidden_size))
+    assert len(calls) == 12  # every one-token step of the fast stage took it
+
+
+def test_a_ggufs_own_blocks_decode_in_one_call(checkpoints, tmp_path):
+    gguf = write_tiny_gguf(checkpoints["tiny-llama"], tmp_path / "tiny.gguf", matrix_type="Q4_0")
+    fast, plain = twin_stages(str(gguf), BlockRange(1, 5), quant="auto")
+    assert fast._span_decoder(slice(0, 4)) is not None
+    run_both((fast, plain), scenario(fast.hidden_size))
+
+
+@pytest.mark.parametrize("name, quant", [("tiny-llama", "none"), ("tiny-qwen3", "int8"), ("tiny-gemma2", "int8"),
+                                         ("tiny-bloom", "int8")])
+def test_what_the_kernel_does_not_compute_stays_with_transformers(checkpoints, name, quant):
+    stage = Stage(checkpoints[name], BlockRange(0, 2), quant=quant)
+    assert SpanDecoder.of(stage.config, stage.adapter, stage.modules, stage.dtype) is None
+
+
+def test_prefill_padding_queries_and_gradients_are_left_to_transformers(checkpoints):
+    stage = Stage(checkpoints["tiny-llama"], BlockRange(0, 2), quant="int8")
+    decoder = stage._span_decoder(slice(0, 2))
+    one = torch.zeros(2, 1, stage.hidden_size)
+    with torch.inference_mode():
+        assert decoder.usable(one, [torch.ones(2, 1)])
+        assert not decoder.usable(torch.zeros(2, 2, stage.hidden_size), [torch.ones(2, 2)])  # a prefill
+        assert not decoder.usable(one, [torch.tensor([[1], [0]])])  # a padding query
+        assert not decoder.usable(torch.zeros(17, 1, stage.hidden_size), [torch.ones(17, 1)])  # past DIRECT_ROWS
+    assert not decoder.usable(one, [torch.ones(2, 1)])  # gradients on
