@@ -94,3 +94,16 @@ def test_prefill_padding_queries_and_gradients_are_left_to_transformers(checkpoi
         assert not decoder.usable(one, [torch.tensor([[1], [0]])])  # a padding query
         assert not decoder.usable(torch.zeros(17, 1, stage.hidden_size), [torch.ones(17, 1)])  # past DIRECT_ROWS
     assert not decoder.usable(one, [torch.ones(2, 1)])  # gradients on
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2 + FMA, and plain C: other CPUs' code paths
+def test_other_cpus_builds_decode_as_the_blocks_forward(checkpoints, march, monkeypatch):
+    import swarmlm.model.decode_span as decode_module
+    import swarmlm.model.packed as packed_module
+    from swarmlm.kernels import library
+
+    other = library(march)
+    monkeypatch.setattr(decode_module, "library", lambda: other)
+    monkeypatch.setattr(packed_module, "library", lambda: other)
+    fast, plain = twin_stages(checkpoints["tiny-qwen2"], BlockRange(0, 3), quant="int4")
+    run_both((fast, plain), scenario(fast.hidden_size))
