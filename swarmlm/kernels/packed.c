@@ -12,7 +12,7 @@
  * path loads a block's scale with no conversion and turns 16 nibbles into floats with one table lookup (vpermps:
  * the table is d * q + m for q = 0..15, one FMA per block). Every other type keeps the file's own block layout;
  * Q4_K and Q6_K are unpacked in registers from it too, the rest through a block buffer. CPUs without AVX-512 unpack
- * the split types in AVX2 registers (8 floats a vector; 5-15x the block buffer's speed), the rest through the buffer.
+ * the split types, Q4_K and Q6_K in AVX2 registers (8 floats a vector; 5-15x the block buffer's speed).
  * Each fast tile is compiled once per type (the type a constant: no branch per block, ~2x on one row).
  * `packed_matmul_threads` splits a product's rows between this library's own worker threads (packed_set_threads).
  */
@@ -501,6 +501,46 @@ static inline __attribute__((always_inline)) void split_block8(const int T, cons
     w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, off);
 }
 
+/* Q4_K group b (sub-block b % 8 of super-block b / 8) and Q6_K group b, as q4_k_group / q6_k_group below */
+static inline __attribute__((always_inline)) void q4_k_group8(const uint8_t *row, int64_t b, __m256 w[4]) {
+    const uint8_t *s = row + (b / 8) * 144, *k = s + 4;
+    const int g = (int)(b % 8), i = g & 3;
+    const int sc = g < 4 ? k[i] & 63 : (k[i + 8] & 0xf) | ((k[i] >> 2) & 0x30);
+    const int mn = g < 4 ? k[i + 4] & 63 : (k[i + 8] >> 4) | ((k[i + 4] >> 2) & 0x30);
+    const __m256 d = _mm256_set1_ps(fp16(s) * sc), m = _mm256_set1_ps(-(fp16(s + 2) * mn));
+    const uint8_t *q = s + 16 + 32 * (g / 2);
+    const __m256i low4 = _mm256_set1_epi32(0xf);
+    for (int j = 0; j < 4; j++) {
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * j)));
+        v = _mm256_and_si256(g & 1 ? _mm256_srli_epi32(v, 4) : v, low4);
+        w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m);
+    }
+}
+
+static inline __attribute__((always_inline)) void q6_k_group8(const uint8_t *row, int64_t b, __m256 w[4]) {
+    const uint8_t *s = row + (b / 8) * 210;
+    const int g = (int)(b % 8), h = g / 4, j = g % 4;
+    const uint8_t *ql = s + 64 * h + 32 * (j & 1), *qh = s + 128 + 32 * h;
+    const int8_t *sc = (const int8_t *)(s + 192 + 8 * h + 2 * j);
+    const float d = fp16(s + 208);
+    const int ql_shift = 4 * (j >> 1), qh_shift = 2 * j;
+    for (int c = 0; c < 4; c++) {
+        const __m256i low = _mm256_and_si256(_mm256_srli_epi32(
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 8 * c))), ql_shift), _mm256_set1_epi32(0xf));
+        const __m256i high = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + 8 * c))), qh_shift), _mm256_set1_epi32(3)), 4);
+        const __m256i q = _mm256_sub_epi32(_mm256_or_si256(low, high), _mm256_set1_epi32(32));
+        w[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(d * (float)sc[c / 2]));
+    }
+}
+
+static inline __attribute__((always_inline)) void fast_block8(const int T, const uint8_t *row, int64_t nb, int64_t b,
+                                                               __m256 w[4]) {
+    if (T == 12) q4_k_group8(row, b, w);
+    else if (T == 14) q6_k_group8(row, b, w);
+    else split_block8(T, row, nb, b, w);
+}
+
 /* W (1-2) weight rows x R (1-2) activation rows; two accumulators per pair (16 ymm registers in all) */
 static inline __attribute__((always_inline)) void tile8(const int T, const uint8_t *w, int64_t row_bytes, int64_t nb,
                                                          const float *x, int64_t k, float *y, int64_t n, int64_t i,
@@ -511,7 +551,7 @@ static inline __attribute__((always_inline)) void tile8(const int T, const uint8
     const uint8_t *row0 = w + i * row_bytes;
     for (int64_t b = 0; b < nb; b++) {
         __m256 v[2][4];
-        for (int a = 0; a < W; a++) split_block8(T, row0 + a * row_bytes, nb, b, v[a]);
+        for (int a = 0; a < W; a++) fast_block8(T, row0 + a * row_bytes, nb, b, v[a]);
         for (int r = 0; r < R; r++) {
             const float *xb = x + (r0 + r) * k + b * QK;
             for (int a = 0; a < W; a++) {
@@ -537,16 +577,16 @@ typedef void (*tile8_fn)(const uint8_t *, int64_t, int64_t, const float *, int64
     TILE8(T, 2, 1) TILE8(T, 2, 2) TILE8(T, 1, 1) TILE8(T, 1, 2) \
     static const tile8_fn TILES8_##T[2][3] = {{0, tile8_##T##_1_1, tile8_##T##_1_2}, \
                                                {0, tile8_##T##_2_1, tile8_##T##_2_2}};
-TILES8(2) TILES8(3) TILES8(8) TILES8(1001)
+TILES8(2) TILES8(3) TILES8(8) TILES8(1001) TILES8(12) TILES8(14)
 
-static int has_fast_path(int ggml_type) { return split_quant_bytes(ggml_type) != 0; }
+static int has_fast_path(int ggml_type) { return split_quant_bytes(ggml_type) || ggml_type == 12 || ggml_type == 14; }
 
 /* weight rows two at a time, each pair against every activation row (two at a time) while it is in L1 */
 static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
                       float *y, int64_t n, int64_t n0, int64_t n1) {
     const int64_t nb = k / QK;
     const tile8_fn (*tiles)[3] = ggml_type == 2 ? TILES8_2 : ggml_type == 3 ? TILES8_3 : ggml_type == 8 ? TILES8_8
-                                                                                                       : TILES8_1001;
+                               : ggml_type == Q8_M ? TILES8_1001 : ggml_type == 12 ? TILES8_12 : TILES8_14;
     for (int64_t i = n0; i < n1; i += 2) {
         const int wide = i + 2 <= n1;
         prefetch_ahead(w + i * row_bytes, 2 * row_bytes, PREFETCH_AHEAD, w + n * row_bytes);
