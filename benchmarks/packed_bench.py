@@ -5,6 +5,7 @@ llama.cpp on the same file.
     python benchmarks/packed_bench.py decode --threads 1,2 --llama-bench PATH/llama-bench [--model FILE.gguf]
     python benchmarks/packed_bench.py memory [--model FILE.gguf]      # a server's RSS per block held
     python benchmarks/packed_bench.py batching --sessions 8            # N generations at once vs one by one
+    python benchmarks/packed_bench.py span [--model FILE.gguf]         # a server's step: one kernel call vs transformers
 
 `kernels`: median time of y = x W^T for 1 and 8 rows of x, per kernel: torch float32, torch's dynamic int8
 (`quantized::linear_dynamic`, activations quantized per call), weight-only int8 (`aten._weight_int8pack_mm`, bf16
@@ -212,6 +213,40 @@ def memory(args) -> None:
               f"{extra / 2**20:.0f} MiB) |", flush=True)
 
 
+# ---- span -------------------------------------------------------------------------------------------------------
+def span(args) -> None:
+    """One server's decode step over all blocks, in process: the one-call decoder (model/decode_span.py) against
+    transformers' forward of the same packed blocks, rounds alternated; milliseconds per step, medians."""
+    from swarmlm.model.catalog import DEFAULT_MODEL, fetch
+    from swarmlm.model.checkpoint import load_config
+    from swarmlm.server.stage import Stage
+    from swarmlm.types import BlockRange
+
+    torch.set_num_threads(args.threads)
+    model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
+    blocks = BlockRange(0, int(load_config(model).num_hidden_layers))
+    fast, plain = Stage(model, blocks), Stage(model, blocks)
+    plain._span_decoder = lambda local: None  # transformers' forward, the same packed products
+    print(f"{model}: one decode step of {blocks.length} blocks after a 64-token prompt, {args.threads} thread(s), "
+          f"median of {args.steps} steps x {args.rounds} alternated rounds; {machine_line()}\n")
+    print("| rows | one call (ms) | transformers' forward (ms) | ratio |")
+    print("|---|---|---|---|")
+    for rows in (1, 8):
+        states = {s: s.new_state(blocks, rows, 64 + args.steps * args.rounds + 1) for s in (fast, plain)}
+        prompt = torch.randn(rows, 64, fast.hidden_size)
+        times = {fast: [], plain: []}
+        for stage, state in states.items():
+            stage.step(state, prompt, torch.ones(rows, 64))
+        for _ in range(args.rounds):
+            for stage, state in states.items():
+                for _ in range(args.steps):
+                    t0 = time.perf_counter()
+                    stage.step(state, torch.randn(rows, 1, fast.hidden_size), torch.ones(rows, 1))
+                    times[stage].append(time.perf_counter() - t0)
+        one, other = (statistics.median(times[s]) * 1e3 for s in (fast, plain))
+        print(f"| {rows} | {one:.2f} | {other:.2f} | {other / one:.2f}x |", flush=True)
+
+
 # ---- batching ---------------------------------------------------------------------------------------------------
 def batching(args) -> None:
     """Decode tokens/s of N greedy generate() calls one after another vs N at once (N threads of one client, its
@@ -287,8 +322,13 @@ def main() -> None:
     b.add_argument("--sessions", type=int, default=8)
     b.add_argument("--tokens", type=int, default=32)
     b.add_argument("--rounds", type=int, default=3)
+    sp = sub.add_parser("span")
+    sp.add_argument("--model", default="smollm2-135m-instruct")
+    sp.add_argument("--threads", type=int, default=1)
+    sp.add_argument("--steps", type=int, default=10)
+    sp.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
-    {"kernels": kernels, "decode": decode, "memory": memory, "batching": batching}[args.what](args)
+    {"kernels": kernels, "decode": decode, "memory": memory, "batching": batching, "span": span}[args.what](args)
 
 
 if __name__ == "__main__":
