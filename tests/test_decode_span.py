@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from swarmlm.model.decode_span import SpanDecoder
+from swarmlm.model.packed import DIRECT_ROWS
 from swarmlm.model.random_checkpoint import init_checkpoint
 from swarmlm.server.stage import Stage, StepRequest
 from swarmlm.types import BlockRange, CacheOp
@@ -92,7 +93,8 @@ def test_prefill_padding_queries_and_gradients_are_left_to_transformers(checkpoi
         assert decoder.usable(one, [torch.ones(2, 1)])
         assert not decoder.usable(torch.zeros(2, 2, stage.hidden_size), [torch.ones(2, 2)])  # a prefill
         assert not decoder.usable(one, [torch.tensor([[1], [0]])])  # a padding query
-        assert not decoder.usable(torch.zeros(17, 1, stage.hidden_size), [torch.ones(17, 1)])  # past DIRECT_ROWS
+        past = DIRECT_ROWS + 1
+        assert not decoder.usable(torch.zeros(past, 1, stage.hidden_size), [torch.ones(past, 1)])
     assert not decoder.usable(one, [torch.ones(2, 1)])  # gradients on
 
 

@@ -23,7 +23,9 @@ from torch import nn
 
 from swarmlm.kernels import library
 
-DIRECT_ROWS = 16  # activation rows up to which the kernel reads the blocks directly (measured: benchmarks/packed_bench.py)
+# activation rows up to which the kernel reads the blocks directly: measured against dequantize + GEMM on Q4_1 at
+# 1536 x 576 and 8192 x 2048 (one thread), the kernel was faster up to 64 rows and slower at 128 (docs/RESULTS-packed.md)
+DIRECT_ROWS = 64
 DEQUANT_CHUNK_BYTES = 16 << 20  # float32 bytes of weight unpacked at a time above DIRECT_ROWS
 # products of at least this many weights are split between torch's number of threads (the kernels' own workers):
 # smaller ones finish before a sleeping worker wakes (SmolLM2's 576 x 1536 takes ~40 us on one thread)
