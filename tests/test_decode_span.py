@@ -58,6 +58,8 @@ def scenario(hidden_size: int) -> list:
         [(0, h(2, 1), torch.ones(2, 1), CacheOp(truncate_to=6, rows=(1, 0)))],  # after a cut and a row swap
         [(0, h(3, 1), torch.ones(3, 1), CacheOp(rows=(0, 1, 1)))],  # a row copied (n > 1, beams)
         *[[(0, h(3, 1), torch.ones(3, 1), None), (1, h(1, 1), torch.ones(1, 1), None)] for _ in range(8)],  # past 8
+        [(0, h(3, 4), torch.ones(3, 4), CacheOp(truncate_to=12)), (1, h(1, 4), torch.ones(1, 4), None)],  # a draft
+        [(0, h(3, 1), torch.ones(3, 1), CacheOp(truncate_to=14))],  # part of it accepted
     ]
 
 
@@ -68,7 +70,7 @@ def test_a_decode_step_in_one_call_is_the_blocks_forward(checkpoints, name, monk
     step = SpanDecoder.step
     monkeypatch.setattr(SpanDecoder, "step", lambda self, *a: calls.append(1) or step(self, *a))
     run_both((fast, plain), scenario(fast.hidden_size))
-    assert len(calls) == 12  # every one-token step of the fast stage took it
+    assert len(calls) == 15  # every step of the fast stage but the left-padded prompt (a padding query) took it
 
 
 def test_a_ggufs_own_blocks_decode_in_one_call(checkpoints, tmp_path):
@@ -91,7 +93,8 @@ def test_prefill_padding_queries_and_gradients_are_left_to_transformers(checkpoi
     one = torch.zeros(2, 1, stage.hidden_size)
     with torch.inference_mode():
         assert decoder.usable(one, [torch.ones(2, 1)])
-        assert not decoder.usable(torch.zeros(2, 2, stage.hidden_size), [torch.ones(2, 2)])  # a prefill
+        assert decoder.usable(torch.zeros(2, 5, stage.hidden_size), [torch.ones(2, 5)])  # a draft, a short prompt
+        assert not decoder.usable(torch.zeros(2, 40, stage.hidden_size), [torch.ones(2, 40)])  # a longer prompt
         assert not decoder.usable(one, [torch.tensor([[1], [0]])])  # a padding query
         past = DIRECT_ROWS + 1
         assert not decoder.usable(torch.zeros(past, 1, stage.hidden_size), [torch.ones(past, 1)])

@@ -1,4 +1,4 @@
-"""A decode step of a span of packed Llama-shaped blocks in one kernel call (kernels/decode.c).
+"""A decode step (or a few new tokens) of a span of packed Llama-shaped blocks in one kernel call (kernels/decode.c).
 
 A server's step of one new token per row through its blocks costs, in transformers, ~30 torch operations and module
 calls per block (SmolLM2: ~250 us a block against ~400 us of weight reads). `SpanDecoder` runs the same arithmetic
@@ -8,9 +8,10 @@ summation order of the blocks' own forward.
 
 It takes a span only when that is exactly what the blocks compute (`SpanDecoder.of`): Llama, Mistral or Qwen2 blocks
 whose seven products are all packed (a GGUF's own blocks, or --quant int8/int4), SiLU, RMSNorm, full or sliding-window
-attention (config.sliding_window on the layers the family marks sliding), float32. Anything else -- other families, float weights, LoRA adapters, a prefill or speculative
-pass of several tokens, more than DIRECT_ROWS rows, gradients -- runs through transformers as before (server/stage.py
-decides per step).
+attention (config.sliding_window on the layers the family marks sliding), float32; and a step only when it has at
+most DIRECT_ROWS new tokens in all, every one real (`usable`): decode steps, speculative passes, short prompts.
+Anything else -- other families, float weights, LoRA adapters, long prompts, gradients -- runs through transformers
+as before (server/stage.py decides per step).
 """
 from __future__ import annotations
 
@@ -85,42 +86,44 @@ class SpanDecoder:
         return cls(config, adapter.rotary(config), blocks)
 
     def usable(self, hidden: torch.Tensor, new_masks: list[torch.Tensor]) -> bool:
-        """One new token per row, at most DIRECT_ROWS rows, no gradients, every new token a real one (a padding
-        query is transformers' business)."""
-        return (hidden.shape[1] == 1 and hidden.shape[0] <= DIRECT_ROWS and not torch.is_grad_enabled()
+        """At most DIRECT_ROWS new tokens in all (rows x tokens: decode steps, speculative passes, short prompts), no
+        gradients, every new token a real one (a padding query is transformers' business)."""
+        return (hidden.shape[0] * hidden.shape[1] <= DIRECT_ROWS and not torch.is_grad_enabled()
                 and all(bool(m.bool().all()) for m in new_masks))
 
     def step(self, hidden: torch.Tensor, members, masks: list[torch.Tensor]) -> torch.Tensor:
-        """hidden [B, 1, H]; members: (SpanCache, rows slice) per session, each cache's committed length + 1 equal to
-        its mask's width; the new K/V are written past the committed length (counted by the caller's commit)."""
-        rows = hidden.shape[0]
-        x = hidden.reshape(rows, -1).to(torch.float32).contiguous().clone()
-        keys, values, strides, caps, lengths, mask_rows, keep = [], [], [], [], [], [], []
-        positions = []
+        """hidden [B, T, H]; members: (SpanCache, rows slice) per session, each cache's committed length + T equal to
+        its mask's width; the new K/V are written past the committed length (counted by the caller's commit).
+
+        The kernel sees B x T query rows, a sequence's tokens in order: token t of a row is written at position
+        length + t and attends to positions up to its own (causal), through the row's mask."""
+        rows, tokens = hidden.shape[0], hidden.shape[1]
+        x = hidden.reshape(rows * tokens, -1).to(torch.float32).contiguous().clone()
+        keys, values, strides, caps, lengths, mask_rows, keep, positions = [], [], [], [], [], [], [], []
         for (cache, span), mask in zip(members, masks):
             n = span.stop - span.start
-            end = cache.length + 1
-            assert mask.shape == (n, end), "a session's mask covers its committed tokens and the new one"
+            end = cache.length + tokens
+            assert mask.shape == (n, end), "a session's mask covers its committed tokens and the new ones"
             if end > cache.capacity:
                 cache._grow(end, x.new_empty(n, self.kv_heads, 1, self.head_dim))
             assert cache.keys.is_contiguous() and cache.values.is_contiguous()
             m = mask.to(torch.int64).contiguous()
             keep.append(m)
-            positions.append(padded_positions(m, 1))
+            positions.append(padded_positions(m, tokens))
             layer_stride = n * self.kv_heads * cache.capacity * self.head_dim
             for j in range(n):
-                keys.append(cache.keys[0, j].data_ptr())
-                values.append(cache.values[0, j].data_ptr())
-                strides.append(layer_stride)
-                caps.append(cache.capacity)
-                lengths.append(cache.length)
-                mask_rows.append(m[j].data_ptr())
-        cos, sin = self.rotary(x[:, None], position_ids=torch.cat(positions))
-        cos, sin = cos.reshape(rows, -1).float().contiguous(), sin.reshape(rows, -1).float().contiguous()
-        ptrs = ctypes.c_void_p * rows
-        longs = ctypes.c_int64 * rows
+                for t in range(tokens):
+                    keys.append(cache.keys[0, j].data_ptr())
+                    values.append(cache.values[0, j].data_ptr())
+                    strides.append(layer_stride)
+                    caps.append(cache.capacity)
+                    lengths.append(cache.length + t)
+                    mask_rows.append(m[j].data_ptr())
+        cos, sin = self.rotary(x[:, None], position_ids=torch.cat(positions).reshape(-1, 1))
+        cos, sin = cos.reshape(len(x), -1).float().contiguous(), sin.reshape(len(x), -1).float().contiguous()
+        ptrs, longs = ctypes.c_void_p * len(x), ctypes.c_int64 * len(x)
         code = library().decode_span(
-            ctypes.byref(self.dims), self.blocks, len(self.blocks), x.data_ptr(), rows, ptrs(*keys), ptrs(*values),
+            ctypes.byref(self.dims), self.blocks, len(self.blocks), x.data_ptr(), len(x), ptrs(*keys), ptrs(*values),
             longs(*strides), longs(*caps), longs(*lengths), ptrs(*mask_rows), cos.data_ptr(), sin.data_ptr())
         if code != 0:
             raise PackedError(f"the decode kernel refused the step (code {code})")
