@@ -1,7 +1,7 @@
 /* One decode step of a span of Llama-shaped blocks in one call (swarmlm's own code): per block, RMSNorm, the q/k/v
  * products, rotary embedding, the new key and value written into each row's cache, attention over the row's cached
  * positions, the output product and residual, RMSNorm, SiLU-gated MLP and residual. Llama, Mistral and Qwen2 blocks
- * compute exactly this (model/decode_span.py checks a span before using it). The products are packed_matmul's (the
+ * (and Qwen3 with its per-head query and key norms) compute exactly this (model/decode_span.py checks a span first). The products are packed_matmul's (the
  * weights in their GGUF blocks, split between the kernels' threads); everything else is float32 here, in the order
  * transformers computes it, so a step equals the blocks' own forward up to float32 summation order.
  *
@@ -31,6 +31,7 @@ typedef struct {
     span_linear q, k, v, o, gate, up, down;
     const float *norm_in, *norm_post;  /* RMSNorm weights [hidden] */
     int64_t window;  /* sliding window: a token attends to the last `window` positions, itself included; 0 = all */
+    const float *q_norm, *k_norm;  /* Qwen3: RMSNorm of each head's query and key [head_dim] before rotary, or NULL */
 } span_block;
 
 typedef struct {
@@ -128,6 +129,11 @@ int decode_span(const span_dims *D, const span_block *blocks, int64_t n_blocks, 
             break;
         }
         for (int64_t r = 0; r < rows; r++) {
+            if (B->q_norm)
+                for (int64_t h = 0; h < D->heads; h++) rms_norm(q + r * qn + h * d, B->q_norm, d, D->eps, q + r * qn + h * d);
+            if (B->k_norm)
+                for (int64_t h = 0; h < D->kv_heads; h++)
+                    rms_norm(k + r * kvn + h * d, B->k_norm, d, D->eps, k + r * kvn + h * d);
             rope(q + r * qn, D->heads, d, cos + r * d, sin + r * d);
             rope(k + r * kvn, D->kv_heads, d, cos + r * d, sin + r * d);
             float *K = kbase[r] + l * layer_stride[r], *V = vbase[r] + l * layer_stride[r];

@@ -6,7 +6,7 @@ calls per block (SmolLM2: ~250 us a block against ~400 us of weight reads). `Spa
 unmasked positions, output product, SiLU-gated MLP, residuals) in one C call per step, in float32, to float32
 summation order of the blocks' own forward.
 
-It takes a span only when that is exactly what the blocks compute (`SpanDecoder.of`): Llama, Mistral or Qwen2 blocks
+It takes a span only when that is exactly what the blocks compute (`SpanDecoder.of`): Llama, Mistral, Qwen2 or Qwen3 blocks
 whose seven products are all packed (a GGUF's own blocks, or --quant int8/int4), SiLU, RMSNorm, full or sliding-window
 attention (config.sliding_window on the layers the family marks sliding), float32; and a step only when it has at
 most DIRECT_ROWS new tokens in all, every one real (`usable`): decode steps, speculative passes, short prompts.
@@ -24,7 +24,7 @@ from swarmlm.kernels import library
 from swarmlm.model.families.base import SLIDING, padded_positions
 from swarmlm.model.packed import DIRECT_ROWS, THREADED_MIN_WEIGHTS, PackedLinear, PackedError
 
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 PRODUCTS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
             ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 
@@ -36,7 +36,8 @@ class _Linear(ctypes.Structure):
 
 class _Block(ctypes.Structure):
     _fields_ = [(name, _Linear) for name in ("q", "k", "v", "o", "gate", "up", "down")] + [
-        ("norm_in", ctypes.c_void_p), ("norm_post", ctypes.c_void_p), ("window", ctypes.c_int64)]
+        ("norm_in", ctypes.c_void_p), ("norm_post", ctypes.c_void_p), ("window", ctypes.c_int64),
+        ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]
 
 
 class _Dims(ctypes.Structure):
@@ -76,8 +77,8 @@ class SpanDecoder:
                 linear = getattr(getattr(block, part, None), name, None)
                 if not isinstance(linear, PackedLinear) or linear.softcap is not None:
                     return None
-            for norm in (block.input_layernorm, block.post_attention_layernorm):
-                if norm.weight.dtype != torch.float32 or not hasattr(norm, "variance_epsilon"):
+            for norm in _norms(block):
+                if norm.weight.dtype != torch.float32 or norm.variance_epsilon != config.rms_norm_eps:
                     return None
         try:
             library()
@@ -139,7 +140,14 @@ def _linear(module: PackedLinear) -> _Linear:
                    None if bias is None else bias.data_ptr())
 
 
+def _norms(block: nn.Module) -> list[nn.Module]:
+    """The block's RMSNorms: around attention and MLP, and Qwen3's per-head query and key norms."""
+    extra = [getattr(block.self_attn, name) for name in ("q_norm", "k_norm") if hasattr(block.self_attn, name)]
+    return [block.input_layernorm, block.post_attention_layernorm, *extra]
+
+
 def _block(block: nn.Module, window: int) -> _Block:
     linears = [_linear(getattr(getattr(block, part), name)) for part, name in PRODUCTS]
     norms = [norm.weight.data_ptr() for norm in (block.input_layernorm, block.post_attention_layernorm)]
-    return _Block(*linears, *norms, window)
+    qk = [getattr(block.self_attn, name, None) for name in ("q_norm", "k_norm")]
+    return _Block(*linears, *norms, window, *[None if n is None else n.weight.data_ptr() for n in qk])
