@@ -11,8 +11,8 @@
  * all its blocks first, then its scales (and Q4_1's mins) as float32 -- 1.06-1.2x the file's bytes -- so the AVX-512
  * path loads a block's scale with no conversion and turns 16 nibbles into floats with one table lookup (vpermps:
  * the table is d * q + m for q = 0..15, one FMA per block). Every other type keeps the file's own block layout;
- * Q4_K and Q6_K are unpacked in registers from it too, the rest through a block buffer. CPUs without AVX-512 unpack
- * the split types, Q4_K and Q6_K in AVX2 registers (8 floats a vector; 5-15x the block buffer's speed).
+ * Q4_K, Q5_K and Q6_K are unpacked in registers from it too, the rest through a block buffer. CPUs without AVX-512 unpack
+ * the split types and Q4_K / Q5_K / Q6_K in AVX2 registers (8 floats a vector; 5-15x the block buffer's speed).
  * Each fast tile is compiled once per type (the type a constant: no branch per block, ~2x on one row).
  * `packed_matmul_threads` splits a product's rows between this library's own worker threads (packed_set_threads).
  */
@@ -392,10 +392,33 @@ static inline void q6_k_group(const uint8_t *row, int64_t b, __m512 *lo, __m512 
     *hi = q6_k_half(ql + 16, 4 * (j >> 1), qh + 16, 2 * j, d * (float)sc[1]);
 }
 
-static int has_fast_path(int ggml_type) { return split_quant_bytes(ggml_type) || ggml_type == 12 || ggml_type == 14; }
+/* Q5_K (the "Q5_K_M" files): Q4_K's nibbles plus a fifth bit per weight from qh (bit g of qh[l] for group g) */
+static inline __m512 q5_k_half(const uint8_t *q, const uint8_t *qh, int g, __m512 d, __m512 m) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+    v = _mm512_and_si512(g & 1 ? _mm512_srli_epi32(v, 4) : v, _mm512_set1_epi32(0xf));
+    const __m512i h = _mm512_slli_epi32(_mm512_and_si512(
+        _mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qh)), g), _mm512_set1_epi32(1)), 4);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_or_si512(v, h)), d, m);
+}
+
+static inline void q5_k_group(const uint8_t *row, int64_t b, __m512 *lo, __m512 *hi) {
+    const uint8_t *s = row + (b / 8) * 176, *k = s + 4;
+    const int g = (int)(b % 8), i = g & 3;
+    const int sc = g < 4 ? k[i] & 63 : (k[i + 8] & 0xf) | ((k[i] >> 2) & 0x30);
+    const int mn = g < 4 ? k[i + 4] & 63 : (k[i + 8] >> 4) | ((k[i + 4] >> 2) & 0x30);
+    const __m512 d = _mm512_set1_ps(fp16(s) * sc), m = _mm512_set1_ps(-(fp16(s + 2) * mn));
+    const uint8_t *qh = s + 16, *q = s + 48 + 32 * (g / 2);
+    *lo = q5_k_half(q, qh, g, d, m);
+    *hi = q5_k_half(q + 16, qh + 16, g, d, m);
+}
+
+static int has_fast_path(int ggml_type) {
+    return split_quant_bytes(ggml_type) || ggml_type == 12 || ggml_type == 13 || ggml_type == 14;
+}
 
 static inline void fast_block(int ggml_type, const uint8_t *row, int64_t nb, int64_t b, __m512 *lo, __m512 *hi) {
     if (ggml_type == 12) q4_k_group(row, b, lo, hi);
+    else if (ggml_type == 13) q5_k_group(row, b, lo, hi);
     else if (ggml_type == 14) q6_k_group(row, b, lo, hi);
     else split_block(ggml_type, row, nb, b, lo, hi);
 }
@@ -455,7 +478,7 @@ static inline __attribute__((always_inline)) void tile(int ggml_type, const uint
                                           tile_##T##_1_5, tile_##T##_1_6, tile_##T##_1_7, tile_##T##_1_8};
 
 typedef void (*tile_fn)(const uint8_t *, int64_t, int64_t, const float *, int64_t, float *, int64_t, int64_t, int64_t);
-TILES(2) TILES(3) TILES(8) TILES(1001) TILES(12) TILES(14)
+TILES(2) TILES(3) TILES(8) TILES(1001) TILES(12) TILES(13) TILES(14)
 
 static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
                       float *y, int64_t n, int64_t n0, int64_t n1) {
@@ -463,9 +486,11 @@ static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const 
     for (int64_t r0 = 0; r0 < rows; r0 += 8) {  /* activation rows, 8 at a time */
         const int nr = rows - r0 < 8 ? (int)(rows - r0) : 8;
         const tile_fn *wide = ggml_type == 2 ? WIDE_2 : ggml_type == 3 ? WIDE_3 : ggml_type == 8 ? WIDE_8
-                            : ggml_type == Q8_M ? WIDE_1001 : ggml_type == 12 ? WIDE_12 : WIDE_14;
+                            : ggml_type == Q8_M ? WIDE_1001 : ggml_type == 12 ? WIDE_12 : ggml_type == 13 ? WIDE_13
+                            : WIDE_14;
         const tile_fn *narrow = ggml_type == 2 ? NARROW_2 : ggml_type == 3 ? NARROW_3 : ggml_type == 8 ? NARROW_8
-                              : ggml_type == Q8_M ? NARROW_1001 : ggml_type == 12 ? NARROW_12 : NARROW_14;
+                              : ggml_type == Q8_M ? NARROW_1001 : ggml_type == 12 ? NARROW_12
+                              : ggml_type == 13 ? NARROW_13 : NARROW_14;
         int64_t i = n0;
         for (; i + 2 <= n1; i += 2) wide[nr](w, row_bytes, nb, x, k, y, n, i, r0);
         for (; i < n1; i++) narrow[nr](w, row_bytes, nb, x, k, y, n, i, r0);
@@ -534,9 +559,26 @@ static inline __attribute__((always_inline)) void q6_k_group8(const uint8_t *row
     }
 }
 
+static inline __attribute__((always_inline)) void q5_k_group8(const uint8_t *row, int64_t b, __m256 w[4]) {
+    const uint8_t *s = row + (b / 8) * 176, *k = s + 4;
+    const int g = (int)(b % 8), i = g & 3;
+    const int sc = g < 4 ? k[i] & 63 : (k[i + 8] & 0xf) | ((k[i] >> 2) & 0x30);
+    const int mn = g < 4 ? k[i + 4] & 63 : (k[i + 8] >> 4) | ((k[i + 4] >> 2) & 0x30);
+    const __m256 d = _mm256_set1_ps(fp16(s) * sc), m = _mm256_set1_ps(-(fp16(s + 2) * mn));
+    const uint8_t *qh = s + 16, *q = s + 48 + 32 * (g / 2);
+    for (int j = 0; j < 4; j++) {
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * j)));
+        v = _mm256_and_si256(g & 1 ? _mm256_srli_epi32(v, 4) : v, _mm256_set1_epi32(0xf));
+        const __m256i h = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + 8 * j))), g), _mm256_set1_epi32(1)), 4);
+        w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_or_si256(v, h)), d, m);
+    }
+}
+
 static inline __attribute__((always_inline)) void fast_block8(const int T, const uint8_t *row, int64_t nb, int64_t b,
                                                                __m256 w[4]) {
     if (T == 12) q4_k_group8(row, b, w);
+    else if (T == 13) q5_k_group8(row, b, w);
     else if (T == 14) q6_k_group8(row, b, w);
     else split_block8(T, row, nb, b, w);
 }
@@ -577,16 +619,19 @@ typedef void (*tile8_fn)(const uint8_t *, int64_t, int64_t, const float *, int64
     TILE8(T, 2, 1) TILE8(T, 2, 2) TILE8(T, 1, 1) TILE8(T, 1, 2) \
     static const tile8_fn TILES8_##T[2][3] = {{0, tile8_##T##_1_1, tile8_##T##_1_2}, \
                                                {0, tile8_##T##_2_1, tile8_##T##_2_2}};
-TILES8(2) TILES8(3) TILES8(8) TILES8(1001) TILES8(12) TILES8(14)
+TILES8(2) TILES8(3) TILES8(8) TILES8(1001) TILES8(12) TILES8(13) TILES8(14)
 
-static int has_fast_path(int ggml_type) { return split_quant_bytes(ggml_type) || ggml_type == 12 || ggml_type == 14; }
+static int has_fast_path(int ggml_type) {
+    return split_quant_bytes(ggml_type) || ggml_type == 12 || ggml_type == 13 || ggml_type == 14;
+}
 
 /* weight rows two at a time, each pair against every activation row (two at a time) while it is in L1 */
 static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
                       float *y, int64_t n, int64_t n0, int64_t n1) {
     const int64_t nb = k / QK;
     const tile8_fn (*tiles)[3] = ggml_type == 2 ? TILES8_2 : ggml_type == 3 ? TILES8_3 : ggml_type == 8 ? TILES8_8
-                               : ggml_type == Q8_M ? TILES8_1001 : ggml_type == 12 ? TILES8_12 : TILES8_14;
+                               : ggml_type == Q8_M ? TILES8_1001 : ggml_type == 12 ? TILES8_12
+                               : ggml_type == 13 ? TILES8_13 : TILES8_14;
     for (int64_t i = n0; i < n1; i += 2) {
         const int wide = i + 2 <= n1;
         prefetch_ahead(w + i * row_bytes, 2 * row_bytes, PREFETCH_AHEAD, w + n * row_bytes);
