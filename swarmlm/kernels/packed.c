@@ -112,6 +112,13 @@ static inline void k_scales(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
     }
 }
 
+/* the 6-bit scale and min of sub-block g alone (k_scales decodes all eight) */
+static inline void k_scale(const uint8_t *k, int g, int *sc, int *mn) {
+    const int i = g & 3;
+    *sc = g < 4 ? k[i] & 63 : (k[i + 8] & 0xf) | ((k[i] >> 2) & 0x30);
+    *mn = g < 4 ? k[i + 4] & 63 : (k[i + 8] >> 4) | ((k[i + 4] >> 2) & 0x30);
+}
+
 static void dq_q4_k(const uint8_t *b, float *y) {  /* d, dmin fp16, 12 scale bytes, 128 bytes */
     const float d = fp16(b), dmin = fp16(b + 2);
     uint8_t sc[8], mn[8];
@@ -356,10 +363,10 @@ static inline void split_block(int ggml_type, const uint8_t *row, int64_t nb, in
  * unpacked in registers to the values dq_q4_k / dq_q6_k give, rounded the same way (one rounding each). */
 static inline void q4_k_group(const uint8_t *row, int64_t b, __m512 *lo, __m512 *hi) {
     const uint8_t *s = row + (b / 8) * 144;
-    const int g = (int)(b % 8), i = g & 3;
+    const int g = (int)(b % 8);
     const uint8_t *k = s + 4;  /* this group's 6-bit scale and min only (k_scales decodes all eight) */
-    const int sc = g < 4 ? k[i] & 63 : (k[i + 8] & 0xf) | ((k[i] >> 2) & 0x30);
-    const int mn = g < 4 ? k[i + 4] & 63 : (k[i + 8] >> 4) | ((k[i + 4] >> 2) & 0x30);
+    int sc, mn;
+    k_scale(k, g, &sc, &mn);
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(fp16(s) * sc), _mm512_set1_ps(-(fp16(s + 2) * mn)));
     const uint8_t *q = s + 16 + 32 * (g / 2);
@@ -403,9 +410,9 @@ static inline __m512 q5_k_half(const uint8_t *q, const uint8_t *qh, int g, __m51
 
 static inline void q5_k_group(const uint8_t *row, int64_t b, __m512 *lo, __m512 *hi) {
     const uint8_t *s = row + (b / 8) * 176, *k = s + 4;
-    const int g = (int)(b % 8), i = g & 3;
-    const int sc = g < 4 ? k[i] & 63 : (k[i + 8] & 0xf) | ((k[i] >> 2) & 0x30);
-    const int mn = g < 4 ? k[i + 4] & 63 : (k[i + 8] >> 4) | ((k[i + 4] >> 2) & 0x30);
+    const int g = (int)(b % 8);
+    int sc, mn;
+    k_scale(k, g, &sc, &mn);
     const __m512 d = _mm512_set1_ps(fp16(s) * sc), m = _mm512_set1_ps(-(fp16(s + 2) * mn));
     const uint8_t *qh = s + 16, *q = s + 48 + 32 * (g / 2);
     *lo = q5_k_half(q, qh, g, d, m);
@@ -529,9 +536,9 @@ static inline __attribute__((always_inline)) void split_block8(const int T, cons
 /* Q4_K group b (sub-block b % 8 of super-block b / 8) and Q6_K group b, as q4_k_group / q6_k_group below */
 static inline __attribute__((always_inline)) void q4_k_group8(const uint8_t *row, int64_t b, __m256 w[4]) {
     const uint8_t *s = row + (b / 8) * 144, *k = s + 4;
-    const int g = (int)(b % 8), i = g & 3;
-    const int sc = g < 4 ? k[i] & 63 : (k[i + 8] & 0xf) | ((k[i] >> 2) & 0x30);
-    const int mn = g < 4 ? k[i + 4] & 63 : (k[i + 8] >> 4) | ((k[i + 4] >> 2) & 0x30);
+    const int g = (int)(b % 8);
+    int sc, mn;
+    k_scale(k, g, &sc, &mn);
     const __m256 d = _mm256_set1_ps(fp16(s) * sc), m = _mm256_set1_ps(-(fp16(s + 2) * mn));
     const uint8_t *q = s + 16 + 32 * (g / 2);
     const __m256i low4 = _mm256_set1_epi32(0xf);
@@ -561,9 +568,9 @@ static inline __attribute__((always_inline)) void q6_k_group8(const uint8_t *row
 
 static inline __attribute__((always_inline)) void q5_k_group8(const uint8_t *row, int64_t b, __m256 w[4]) {
     const uint8_t *s = row + (b / 8) * 176, *k = s + 4;
-    const int g = (int)(b % 8), i = g & 3;
-    const int sc = g < 4 ? k[i] & 63 : (k[i + 8] & 0xf) | ((k[i] >> 2) & 0x30);
-    const int mn = g < 4 ? k[i + 4] & 63 : (k[i + 8] >> 4) | ((k[i + 4] >> 2) & 0x30);
+    const int g = (int)(b % 8);
+    int sc, mn;
+    k_scale(k, g, &sc, &mn);
     const __m256 d = _mm256_set1_ps(fp16(s) * sc), m = _mm256_set1_ps(-(fp16(s + 2) * mn));
     const uint8_t *qh = s + 16, *q = s + 48 + 32 * (g / 2);
     for (int j = 0; j < 4; j++) {
