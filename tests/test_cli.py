@@ -166,3 +166,15 @@ def test_server_flags_default_to_the_config_fields(tiny_bloom):
 
     args = build_parser("server").parse_args(["server", "--model", tiny_bloom])
     assert server_config(args) == ServerConfig(model_dir=tiny_bloom, blocks=None)
+
+
+def test_a_server_computes_on_every_core_it_may_use_by_default(tiny_bloom):
+    """Issue 37: a server uses the machine's cores unless told (--threads N), within its affinity mask."""
+    import os
+
+    from swarmlm.cli.main import build_parser
+    from swarmlm.cli.server_cmd import server_config
+
+    parser = build_parser("server")
+    assert server_config(parser.parse_args(["server", "--model", tiny_bloom])).threads == len(os.sched_getaffinity(0))
+    assert server_config(parser.parse_args(["server", "--model", tiny_bloom, "--threads", "1"])).threads == 1
