@@ -2,6 +2,7 @@
 exit code 2 (a traceback only with --log-level debug), a server that says what it is doing while it starts."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -178,3 +179,19 @@ def test_a_server_computes_on_every_core_it_may_use_by_default(tiny_bloom):
     parser = build_parser("server")
     assert server_config(parser.parse_args(["server", "--model", tiny_bloom])).threads == len(os.sched_getaffinity(0))
     assert server_config(parser.parse_args(["server", "--model", tiny_bloom, "--threads", "1"])).threads == 1
+
+
+@pytest.mark.parametrize("verb", ["server", "generate", "chat", "api"])
+def test_help_lists_the_common_options_first_and_the_rest_as_advanced(verb, capsys):
+    """Issue 37: --help groups options (basic / advanced); every flag is in one of the groups, each with its help."""
+    from swarmlm.cli.main import build_parser
+
+    parser = build_parser(verb)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[verb]
+    text = sub.format_help()
+    common, advanced = text.index("\ncommon options:\n"), text.index("\nadvanced options:\n")
+    assert common < advanced and text.index("--model") < advanced  # --model is common everywhere
+    assert text.index("--initial-peers") < advanced and text.index("--log-level") > advanced
+    assert text.splitlines()[0].startswith(f"usage: swarmlm {verb} --model") and len(text.splitlines()[0]) < 100
+    flags = {o for a in sub._actions for o in a.option_strings if o.startswith("--")}
+    assert all(f in text for f in flags)

@@ -8,6 +8,10 @@ import sys
 
 from swarmlm.cli.args import add_adapter, add_client_precision, add_dtype, add_push, add_speculative, add_swarm_key
 
+# --help lists these first ("common options"), the rest under "advanced options"
+COMMON = ("--model", "--initial-peers", "--servers", "--adapter", "--served-model-name", "--host", "--port",
+          "--api-key")
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("api", help="serve the swarm's model over OpenAI's HTTP API, with a monitor page")

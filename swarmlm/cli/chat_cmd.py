@@ -17,6 +17,9 @@ from swarmlm.cli.generate_cmd import add_client, add_sampling, cache_options, co
 
 PROMPT = ">>> "
 HELP = "/reset forgets the conversation, /exit or Ctrl-D leaves, Ctrl-C stops an answer"
+# --help lists these first ("common options"), the rest under "advanced options"
+COMMON = ("--model", "--initial-peers", "--servers", "--adapter", "--system", "--max-new-tokens", "--do-sample",
+          "--temperature")
 
 
 def add_parser(sub) -> None:

@@ -11,6 +11,10 @@ import sys
 from swarmlm.cli.args import (add_adapter, add_client_precision, add_model, add_prefill_chunks, add_push,
                               add_speculative, add_swarm_key, model_ref)
 
+# --help lists these first ("common options"), the rest under "advanced options"
+COMMON = ("--model", "--initial-peers", "--servers", "--adapter", "--prompt", "--input-ids", "--raw",
+          "--max-new-tokens", "--do-sample", "--temperature", "--json")
+
 
 def add_client(p: argparse.ArgumentParser) -> None:
     """The flags of a client of the swarm (generate, chat): where the swarm is and how to reach it."""

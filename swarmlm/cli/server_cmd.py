@@ -11,6 +11,9 @@ from swarmlm.config import QUANT_NAMES, SchedulerConfig, ServerConfig
 SERVER = ServerConfig(model_dir="", blocks=None)
 SCHEDULER = SERVER.scheduler
 MIB = 1 << 20
+# --help lists these first ("common options"), the rest under "advanced options"
+COMMON = ("--model", "--blocks", "--num-blocks", "--initial-peers", "--host", "--port", "--threads", "--adapters",
+          "--memory-mb", "--swarm-key")
 
 
 def add_parser(sub) -> None:
