@@ -195,3 +195,14 @@ def test_help_lists_the_common_options_first_and_the_rest_as_advanced(verb, caps
     assert text.splitlines()[0].startswith(f"usage: swarmlm {verb} --model") and len(text.splitlines()[0]) < 100
     flags = {o for a in sub._actions for o in a.option_strings if o.startswith("--")}
     assert all(f in text for f in flags)
+
+
+def test_the_dht_prints_the_line_other_machines_need():
+    """Issue 37: `swarmlm dht` says which --initial-peers another machine passes (not a loopback address), or that
+    none can join while it listens on 127.0.0.1."""
+    from swarmlm.cli.dht_cmd import join_hint
+
+    lan = ["/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWA", "/ip4/192.168.1.10/tcp/31337/p2p/12D3KooWA"]
+    assert join_hint(lan, "0.0.0.0") == "other machines join with: --initial-peers " + lan[1]
+    local = join_hint(lan[:1], "127.0.0.1")
+    assert "other machines cannot join" in local and "--host 0.0.0.0" in local and lan[0] in local
