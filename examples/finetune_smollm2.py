@@ -70,7 +70,7 @@ def run(path: str, peers: dict, steps: int, plot: Path) -> dict[str, list[float]
         model = DistributedModelForCausalLM.from_pretrained(path, dtype="float32", **peers, **tuning)
         torch.manual_seed(0)
         curves[name] = train(model, ids, mask, labels, steps, lr)
-        model.save_trainable(plot.with_name(f"{plot.stem}-{tuning['tuning_mode']}.safetensors"))
+        model.save_adapter(plot.with_name(f"{plot.stem}-{tuning['tuning_mode']}"))  # swarmlm chat --adapter DIR
         model.close()
     return curves
 

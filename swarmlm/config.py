@@ -1,6 +1,7 @@
 """One frozen configuration per component; every field carries its unit and is checked on creation."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -22,6 +23,11 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 # other spellings transformers' from_pretrained takes for these: torch's own attribute names, and torch dtypes
 # (torch.float32, whose str is "torch.float32")
 DTYPE_ALIASES = {"float": "float32", "half": "float16"}
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask: a container's or taskset's limit, not the host's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def dtype_name(value: object) -> str:
@@ -113,7 +119,9 @@ class ServerConfig:
     # if that fails it is served through a relay (not with announce_host: the operator said where it is reached);
     # "direct" = at its address; "relayed" = through a relay without the check
     reachability: Literal["auto", "direct", "relayed"] = "auto"
-    threads: int = 1  # torch threads for compute; set explicitly, never left to torch's default
+    # torch threads for compute, set explicitly (never torch's default): every core this process may use, since
+    # a server is usually its machine's one job (give fewer when it shares the machine)
+    threads: int = field(default_factory=usable_cores)
     dtype: str = "auto"  # weights and compute: "auto" or one of DTYPE_NAMES (a torch dtype is turned into its name)
     # weights of the linear layers (QUANT_NAMES): "auto" keeps a GGUF's quantized blocks (the file's bytes in memory,
     # the file's values computed), "int8" / "int4" quantize a float checkpoint weight-only in blocks of 32 (announced:

@@ -174,6 +174,45 @@ def test_answers_render_markdown_code_blocks_and_never_raw_html(page, stack):
     assert shown["user"] == "&lt;b&gt;code?&lt;/b&gt;" and page.eval("window.owned === undefined")
 
 
+def test_past_chats_copy_and_regenerate(page, stack):
+    """The chats list keeps each conversation (across a reload too) and switches between them; Copy puts the
+    answer's text on the clipboard; Regenerate asks for the last answer again in place (greedy: the same text)."""
+    _ask(page, "What is the capital of France?", temperature="0", max_tokens="6")
+    page.wait_for(f"{LAST_ANSWER}.dataset.state === 'done'", what="the first chat's answer")
+    first = page.eval("[...document.querySelectorAll('#messages .msg')].map(e => e.dataset.raw)")
+    page.click("#clear")
+    assert page.eval("document.querySelectorAll('#messages .msg').length") == 0
+    _ask(page, "And of Italy?", temperature="0", max_tokens="6")
+    page.wait_for(f"{LAST_ANSWER}.dataset.state === 'done'", what="the second chat's answer")
+    titles = "[...document.querySelectorAll('#chat-list .chat-item .open')].map(e => e.textContent)"
+    assert page.eval(titles)[:2] == ["And of Italy?", "What is the capital of France?"]
+    page.click("#chat-list .chat-item:nth-child(2) .open")
+    shown = "[...document.querySelectorAll('#messages .msg')].map(e => e.dataset.raw)"
+    assert page.eval(shown) == first
+    page.call("Page.reload")
+    page.wait_for("document.querySelectorAll('#messages .msg').length === 2", what="the restored chat")
+    assert page.eval(shown) == first and page.eval(titles)[:2] == ["And of Italy?", "What is the capital of France?"]
+    assert page.eval("document.querySelector('#chat-list [aria-current=true] .open').textContent") == \
+        "What is the capital of France?"
+
+    page.call("Browser.grantPermissions", permissions=["clipboardReadWrite", "clipboardSanitizedWrite"])
+    page.click(f"#messages .msg.assistant:last-child .copy")
+    page.wait_for(f"{LAST_ANSWER}.dataset.copied", what="the copy")
+    assert page.eval("navigator.clipboard.readText()") == first[1]
+
+    page.eval(f"{LAST_ANSWER}.dataset.marker = 'before'")
+    page.click("#messages .msg.assistant:last-child .regenerate")
+    page.wait_for(f"!{LAST_ANSWER}.dataset.marker && {LAST_ANSWER}.dataset.state === 'done'", what="the new answer")
+    assert page.eval(shown) == first  # in place of the old answer, and greedy gives the same text
+    model = page.eval("document.getElementById('model').textContent")
+    saved = json.loads(page.eval(f"localStorage.getItem({json.dumps('swarmlm-chat/' + model)})"))
+    current = next(c for c in saved["chats"] if c["id"] == saved["current"])
+    assert [t["content"] for t in current["conversation"]] == first and len(saved["chats"]) >= 2
+    page.click("#chat-list [aria-current=true] .delete")  # deleting the shown chat starts a new one
+    assert page.eval("document.querySelectorAll('#messages .msg').length") == 0
+    assert "What is the capital of France?" not in page.eval(titles)
+
+
 def test_an_answer_waiting_for_missing_blocks_says_which(page, stack):
     """Last in this module: it takes a server away. The answer waits for blocks [3, 6) (the gateway's
     --wait-for-blocks) and says so, instead of a bare cursor."""

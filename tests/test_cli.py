@@ -2,6 +2,7 @@
 exit code 2 (a traceback only with --log-level debug), a server that says what it is doing while it starts."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -166,3 +167,42 @@ def test_server_flags_default_to_the_config_fields(tiny_bloom):
 
     args = build_parser("server").parse_args(["server", "--model", tiny_bloom])
     assert server_config(args) == ServerConfig(model_dir=tiny_bloom, blocks=None)
+
+
+def test_a_server_computes_on_every_core_it_may_use_by_default(tiny_bloom):
+    """Issue 37: a server uses the machine's cores unless told (--threads N), within its affinity mask."""
+    import os
+
+    from swarmlm.cli.main import build_parser
+    from swarmlm.cli.server_cmd import server_config
+
+    parser = build_parser("server")
+    assert server_config(parser.parse_args(["server", "--model", tiny_bloom])).threads == len(os.sched_getaffinity(0))
+    assert server_config(parser.parse_args(["server", "--model", tiny_bloom, "--threads", "1"])).threads == 1
+
+
+@pytest.mark.parametrize("verb", ["server", "generate", "chat", "api"])
+def test_help_lists_the_common_options_first_and_the_rest_as_advanced(verb, capsys):
+    """Issue 37: --help groups options (basic / advanced); every flag is in one of the groups, each with its help."""
+    from swarmlm.cli.main import build_parser
+
+    parser = build_parser(verb)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[verb]
+    text = sub.format_help()
+    common, advanced = text.index("\ncommon options:\n"), text.index("\nadvanced options:\n")
+    assert common < advanced and text.index("--model") < advanced  # --model is common everywhere
+    assert text.index("--initial-peers") < advanced and text.index("--log-level") > advanced
+    assert text.splitlines()[0].startswith(f"usage: swarmlm {verb} --model") and len(text.splitlines()[0]) < 100
+    flags = {o for a in sub._actions for o in a.option_strings if o.startswith("--")}
+    assert all(f in text for f in flags)
+
+
+def test_the_dht_prints_the_line_other_machines_need():
+    """Issue 37: `swarmlm dht` says which --initial-peers another machine passes (not a loopback address), or that
+    none can join while it listens on 127.0.0.1."""
+    from swarmlm.cli.dht_cmd import join_hint
+
+    lan = ["/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWA", "/ip4/192.168.1.10/tcp/31337/p2p/12D3KooWA"]
+    assert join_hint(lan, "0.0.0.0") == "other machines join with: --initial-peers " + lan[1]
+    local = join_hint(lan[:1], "127.0.0.1")
+    assert "other machines cannot join" in local and "--host 0.0.0.0" in local and lan[0] in local

@@ -6,16 +6,22 @@ import argparse
 import json
 import sys
 
-from swarmlm.cli.args import add_client_precision, add_dtype, add_push, add_speculative, add_swarm_key
+from swarmlm.cli.args import add_adapter, add_client_precision, add_dtype, add_push, add_speculative, add_swarm_key
+
+# --help lists these first ("common options"), the rest under "advanced options"
+COMMON = ("--model", "--initial-peers", "--servers", "--adapter", "--served-model-name", "--host", "--port",
+          "--api-key")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("api", help="serve the swarm's model over OpenAI's HTTP API, with a monitor page")
     p.add_argument("--model", required=True,
                    help="checkpoint directory or model id (the client loads embeddings + head)")
+    add_adapter(p)
     p.add_argument("--served-model-name", metavar="ID",
                    help="the model id clients send and responses carry (default: a catalog name or hub id as given, "
-                        "a directory or GGUF file by its own name, never its path; --model as given is accepted too)")
+                        "a directory or GGUF file by its own name, never its path; --model as given is accepted too; "
+                        "with --adapter, the adapter's name)")
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="ADDR",
                    help="DHT multiaddrs (printed by `swarmlm dht`)")
     p.add_argument("--servers", nargs="*", default=[], help="direct host:port list instead of a DHT")
@@ -68,8 +74,9 @@ def run(args: argparse.Namespace) -> int:
     own = () if args.host in ("0.0.0.0", "::", "") else (args.host,)
     from swarmlm.model.source import served_name
 
-    name = args.served_model_name or served_name(args.model)
-    config = GatewayConfig(model_name=name, model_aliases=(args.model,) if args.model != name else (),
+    name = args.served_model_name or served_name(args.adapter or args.model)
+    given = args.adapter or args.model
+    config = GatewayConfig(model_name=name, model_aliases=(given,) if given != name else (),
                            api_key=args.api_key,
                            max_streams_per_client=args.max_streams_per_client,
                            max_choices_per_request=args.max_choices_per_request,
@@ -82,7 +89,12 @@ def run(args: argparse.Namespace) -> int:
         wait_for_blocks_s=args.wait_for_blocks, swarm_key=args.swarm_key, quant=args.quant,
         require_full_precision=args.require_full_precision, wire_dtype=args.wire_dtype, dtype=args.dtype,
         push=args.push, prefix_cache=not args.no_prefix_cache, prefix_share=args.share_prefixes,
+        adapter=args.adapter,
     )
+    if model.prompts is not None:  # the API's sessions are stepped by hand (api/engine.py), without the prompt
+        model.close()
+        raise ValueError(f"--adapter {args.adapter}: a soft prompt is not served by the API yet (swarmlm chat and "
+                         "generate take it); a LoRA is")
     try:
         model.remote.refresh()  # learn the swarm before the first request (routing reuses this view)
     except SwarmAccessDenied:  # a private swarm whose key we lack: nothing will ever work

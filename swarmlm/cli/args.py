@@ -135,3 +135,10 @@ def add_client_precision(p: argparse.ArgumentParser) -> None:
                    help="route only through servers that announce full-precision weights (quant none)")
     p.add_argument("--wire-dtype", default="auto", choices=WIRE_DTYPE_NAMES,
                    help="hidden states on the wire (wire/compress.py); auto: float32 on fast links, smaller on slow")
+
+
+def add_adapter(p: argparse.ArgumentParser) -> None:
+    """--adapter: a tuned model (client/tuning.py, docs/FINETUNING.md "Tuned models")."""
+    p.add_argument("--adapter", metavar="DIR|NAME",
+                   help="a tuned model: a folder saved by save_adapter (a soft prompt runs here; a LoRA on the "
+                        "servers that pre-load it with --adapters), or the name of an adapter servers pre-load")

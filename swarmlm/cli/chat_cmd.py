@@ -13,10 +13,13 @@ import sys
 import threading
 
 from swarmlm.cli.args import model_ref
-from swarmlm.cli.generate_cmd import add_client, add_sampling, connect, sampling_options, stdin_prompt
+from swarmlm.cli.generate_cmd import add_client, add_sampling, cache_options, connect, sampling_options, stdin_prompt
 
 PROMPT = ">>> "
 HELP = "/reset forgets the conversation, /exit or Ctrl-D leaves, Ctrl-C stops an answer"
+# --help lists these first ("common options"), the rest under "advanced options"
+COMMON = ("--model", "--initial-peers", "--servers", "--adapter", "--system", "--max-new-tokens", "--do-sample",
+          "--temperature")
 
 
 def add_parser(sub) -> None:
@@ -131,7 +134,8 @@ def answer(model, tokenizer, conversation: Conversation, args: argparse.Namespac
     with ctrl_c.answer():
         model.generate(ids, max_new_tokens=args.max_new_tokens, tokenizer=tokenizer, streamer=printer,
                        stopping_criteria=StoppingCriteriaList([ctrl_c.criterion()]),
-                       generator=torch.Generator().manual_seed(args.seed), **sampling_options(args))
+                       generator=torch.Generator().manual_seed(args.seed), **sampling_options(args),
+                       **cache_options(model))
     if ctrl_c.stop.is_set():
         print("[stopped]", file=sys.stderr, flush=True)
     return printer.text
@@ -192,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
                 conversation.messages.append(("user", prompt))
                 answer(model, tokenizer, conversation, args, ctrl_c)
             else:
-                print(f"chatting with {args.model} through {template}; {HELP}", file=sys.stderr, flush=True)
+                tuned = f" tuned by {args.adapter}" if args.adapter else ""
+                print(f"chatting with {args.model}{tuned} through {template}; {HELP}", file=sys.stderr, flush=True)
                 _interactive(model, tokenizer, conversation, args, ctrl_c)
     finally:
         model.close()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -46,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
         tmp.write_text("\n".join(addrs) + "\n")
         tmp.replace(args.addr_file)  # atomic: readers never see half an address
     print("\n".join(addrs), flush=True)
+    print(join_hint(addrs, args.host), file=sys.stderr, flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -53,3 +55,13 @@ def run(args: argparse.Namespace) -> int:
     relay.shutdown()
     dht.shutdown()
     return 0
+
+
+def join_hint(addrs: list[str], host: str) -> str:
+    """The line another machine needs: --initial-peers with this node's address other machines can dial."""
+    outside = [a for a in addrs if not a.startswith(("/ip4/127.", "/ip6/::1/"))]
+    if not outside:
+        return (f"listening on {host} only: other machines cannot join (--host 0.0.0.0 lets them); on this machine "
+                f"join with: --initial-peers {addrs[0] if addrs else '?'}")
+    return f"other machines join with: --initial-peers {outside[0]}" + (
+        f"  (or another of the addresses above, by the network they share)" if len(outside) > 1 else "")

@@ -8,13 +8,18 @@ import argparse
 import json
 import sys
 
-from swarmlm.cli.args import (add_client_precision, add_model, add_prefill_chunks, add_push, add_speculative, add_swarm_key,
-                              model_ref)
+from swarmlm.cli.args import (add_adapter, add_client_precision, add_model, add_prefill_chunks, add_push,
+                              add_speculative, add_swarm_key, model_ref)
+
+# --help lists these first ("common options"), the rest under "advanced options"
+COMMON = ("--model", "--initial-peers", "--servers", "--adapter", "--prompt", "--input-ids", "--raw",
+          "--max-new-tokens", "--do-sample", "--temperature", "--json")
 
 
 def add_client(p: argparse.ArgumentParser) -> None:
     """The flags of a client of the swarm (generate, chat): where the swarm is and how to reach it."""
     add_model(p)  # the client loads embeddings, norms and head only
+    add_adapter(p)
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="ADDR",
                    help="DHT multiaddrs (printed by `swarmlm dht`)")
     p.add_argument("--servers", nargs="*", default=[], metavar="HOST:PORT",
@@ -74,8 +79,14 @@ def connect(args: argparse.Namespace, model_name: str):
         dht_prefix=args.dht_prefix, routing=args.routing, threads=args.threads, push=args.push,
         prefill_chunk_tokens=args.prefill_chunks, wait_for_blocks_s=args.wait_for_blocks,
         swarm_key=args.swarm_key, quant=args.quant, require_full_precision=args.require_full_precision,
-        wire_dtype=args.wire_dtype,
+        wire_dtype=args.wire_dtype, adapter=args.adapter,
     )
+
+
+def cache_options(model) -> dict:
+    """generate()'s use_cache for this model: deep prompts run without the servers' caches (docs/FINETUNING.md)."""
+    deep = model.prompts is not None and model.prompts.deep_prompts is not None
+    return {"use_cache": False} if deep else {}
 
 
 def stdin_prompt(verb: str) -> str:
@@ -125,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
             draft = AutoModelForCausalLM.from_pretrained(args.draft_model)
         out = model.generate(input_ids, max_new_tokens=args.max_new_tokens, tokenizer=tokenizer, streamer=streamer,
                              generator=torch.Generator().manual_seed(args.seed), speculative=args.speculative,
-                             draft_model=draft, **sampling_options(args))
+                             draft_model=draft, **sampling_options(args), **cache_options(model))
     finally:
         model.close()
     new = out[0, input_ids.shape[1]:].tolist()

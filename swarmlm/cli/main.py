@@ -75,6 +75,19 @@ def _with_defaults(parser: argparse.ArgumentParser) -> None:
                 _with_defaults(child)
 
 
+def _grouped(parser: argparse.ArgumentParser, common: tuple[str, ...]) -> None:
+    """--help: the verb's common options first, then the others under "advanced options" (help stays first)."""
+    first, rest = parser.add_argument_group("common options"), parser.add_argument_group("advanced options")
+    optionals = parser._optionals
+    for action in list(optionals._group_actions):
+        if "-h" in action.option_strings:
+            continue
+        optionals._group_actions.remove(action)
+        (first if set(action.option_strings) & set(common) else rest)._group_actions.append(action)
+    required = [f"{a.option_strings[0]} {a.metavar or a.dest.upper()}" for a in parser._actions if a.required]
+    parser.usage = " ".join(["%(prog)s", *required, "[common options] [advanced options]"])  # not 30 lines of flags
+
+
 def build_parser(verb: str | None) -> argparse.ArgumentParser:
     parser = _Parser(prog="swarmlm", description="Run one language model across many small machines.")
     parser.add_argument("--version", action="version", version=f"swarmlm {__version__}")
@@ -86,12 +99,15 @@ def build_parser(verb: str | None) -> argparse.ArgumentParser:
         if name != verb:
             sub.add_parser(name, help=description)  # listed by --help without importing its module
             continue
-        importlib.import_module(f"swarmlm.cli.{module}").add_parser(sub)
+        verb_module = importlib.import_module(f"swarmlm.cli.{module}")
+        verb_module.add_parser(sub)
         p = sub.choices[name]
         _with_defaults(p)
         if not any("--log-level" in a.option_strings for a in p._actions):  # api has its own (uvicorn's)
             p.add_argument("--log-level", dest="global_log_level", choices=LOG_LEVELS, default=argparse.SUPPRESS,
                            help="as the global --log-level")
+        if hasattr(verb_module, "COMMON"):  # verbs with many flags
+            _grouped(p, verb_module.COMMON)
     return parser
 
 

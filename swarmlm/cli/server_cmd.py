@@ -11,6 +11,9 @@ from swarmlm.config import QUANT_NAMES, SchedulerConfig, ServerConfig
 SERVER = ServerConfig(model_dir="", blocks=None)
 SCHEDULER = SERVER.scheduler
 MIB = 1 << 20
+# --help lists these first ("common options"), the rest under "advanced options"
+COMMON = ("--model", "--blocks", "--num-blocks", "--initial-peers", "--host", "--port", "--threads", "--adapters",
+          "--memory-mb", "--swarm-key")
 
 
 def add_parser(sub) -> None:
@@ -32,7 +35,8 @@ def add_parser(sub) -> None:
                    help="the interface to listen on (0.0.0.0: every interface, for clients on other machines)")
     p.add_argument("--port", type=int, default=SERVER.port, help="the gRPC port (0: any free port)")
     p.add_argument("--announce-host", help="address others dial, if not --host")
-    p.add_argument("--threads", type=int, default=SERVER.threads, help="torch threads for compute")
+    p.add_argument("--threads", type=int, default=SERVER.threads,
+                   help="torch threads for compute (default: the cores this process may use, here %(default)s)")
     p.add_argument("--quant", default=SERVER.quant, choices=QUANT_NAMES,
                    help="auto: a GGUF's quantized blocks kept as the file has them; none: dequantized; int8 / int4: a "
                         "float checkpoint's linear layers quantized weight-only in blocks of 32 (announced to "

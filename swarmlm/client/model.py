@@ -21,7 +21,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from swarmlm.client.autograd import RemoteTrainer
 from swarmlm.client.remote_cache import GenerationStats, RemoteCache
 from swarmlm.client.training_forward import train_forward
-from swarmlm.client.tuning import TUNING_MODES, ClientLora, PromptTuning, TuningMode, load_trainable, save_trainable
+from swarmlm.client.tuning import (TUNING_MODES, ClientLora, PromptTuning, TuningMode, find_tuned, load_adapter_weights,
+                                   load_trainable, save_adapter, save_trainable)
 from swarmlm.client.head_batcher import HeadBatcher
 from swarmlm.client.remote import RemoteSequence
 from swarmlm.client.prefix import client_scope
@@ -67,7 +68,8 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         # the servers' prefix caches (client/prefix.py): this client's scope and the keys' salt (not with an
         # adapter: its rows are not the base model's)
         self.prefix_context = PrefixContext(client_scope(config), self.remote.prefix, f"{self.dtype} {config.quant}",
-                                            self.embed) if config.prefix_cache and not config.active_adapter else None
+                                            self.embed) \
+            if config.prefix_cache and not config.active_adapter and tuning_mode is None else None
         eos = self.generation_config.eos_token_id
         self.eos_token_id: tuple[int, ...] = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.pad_token_id = self.generation_config.pad_token_id
@@ -90,7 +92,7 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
                         revision: str | None = None, torch_dtype: str | torch.dtype | None = None,
                         gguf_file: str | None = None, tuning_mode: TuningMode | None = None, pre_seq_len: int = 0,
                         lora_r: int = 8, lora_alpha: float = 16.0,
-                        lora_target_modules: Sequence[str] = ("q_proj", "v_proj"),
+                        lora_target_modules: Sequence[str] = ("q_proj", "v_proj"), adapter: str | Path | None = None,
                         **kwargs) -> "DistributedModelForCausalLM":
         """The client's modules from a checkpoint directory, a GGUF file (`x.gguf`, or `gguf_file` of a hub id's
         snapshot), a catalog name (model/catalog.py) or hub id (`org/name`, at `revision`); servers found
@@ -98,9 +100,18 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         "auto" (the checkpoint's own), "float32", "bfloat16", "float16" or the torch dtypes (`torch_dtype`, its
         older name, too); dht_prefix None is the model's identity. tuning_mode "ptune" | "deep_ptune" (with
         pre_seq_len prompt tokens) or "lora" (lora_r, lora_alpha, lora_target_modules) adds trainable parameters
-        (client/tuning.py, docs/FINETUNING.md). Other keyword arguments are ClientConfig fields."""
+        (client/tuning.py, docs/FINETUNING.md). adapter: a tuned model saved by save_adapter (its folder: a soft
+        prompt loads here; a LoRA runs on the servers that pre-load it, `server --adapters DIR`), or the name of an
+        adapter servers pre-load. Other keyword arguments are ClientConfig fields."""
         if not initial_peers and not servers:
             raise ValueError("give initial_peers (a DHT address) or servers (host:port list)")
+        settings, folder, served = find_tuned(adapter) if adapter is not None else (None, None, None)
+        if adapter is not None and tuning_mode is not None:
+            raise ValueError(f"adapter={adapter!r} brings its own settings: give no tuning_mode")
+        if served is not None:  # the servers apply it in their cached sessions (server/adapters.py)
+            kwargs["active_adapter"] = served
+        elif settings is not None:
+            tuning_mode, pre_seq_len = settings.mode, settings.pre_seq_len
         if torch_dtype is not None:
             if dtype != "auto" and dtype_name(dtype) != dtype_name(torch_dtype):
                 raise ValueError(f"dtype={dtype!r} and torch_dtype={torch_dtype!r} disagree: give one")
@@ -109,9 +120,12 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
                               dht_prefix=dht_prefix, **kwargs)
         tuning = dict(tuning_mode=tuning_mode, pre_seq_len=pre_seq_len, lora_r=lora_r, lora_alpha=lora_alpha,
                       lora_target_modules=tuple(lora_target_modules))
-        if gguf_file is not None:
-            return cls(gguf_in_snapshot(name_or_path, gguf_file, revision), config, **tuning)
-        return cls(with_revision(name_or_path, revision), config, **tuning)
+        model_dir = gguf_in_snapshot(name_or_path, gguf_file, revision) if gguf_file is not None \
+            else with_revision(name_or_path, revision)
+        model = cls(model_dir, config, **tuning)
+        if served is None and folder is not None:
+            load_adapter_weights(model, folder)
+        return model
 
     # ---- what GenerationMixin asks of a model ----------------------------------------------------------------
     @property
@@ -144,9 +158,7 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
     # ---- the client's own compute ------------------------------------------------------------------------
     @torch.inference_mode()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size:
-            raise InvalidRequest(f"token ids must be in [0, {self.config.vocab_size})")
-        hidden = self.client_modules.embed(input_ids)
+        hidden = self.client_modules.embed(self._checked(input_ids))
         norm = self.client_modules.embed_norm
         return norm(hidden) if norm is not None else hidden
 
@@ -208,9 +220,12 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         tuned = self.prompts is not None or self.lora is not None
         if cache is None and (labels is not None or tuned or inputs_embeds is not None and inputs_embeds.requires_grad):
             return train_forward(self, input_ids, inputs_embeds, mask, labels, keep)
-        if tuned:
-            raise InvalidRequest("a model with prompts or LoRA runs without the servers' caches: "
-                                 "generate(..., use_cache=False)")
+        if self.lora is not None or self.prompts is not None and self.prompts.deep_prompts is not None:
+            raise InvalidRequest("deep prompts and a client's own LoRA run without the servers' caches: "
+                                 "generate(..., use_cache=False); a LoRA runs in cached sessions on servers that "
+                                 "pre-load it (save_adapter, server --adapters DIR, adapter=DIR)")
+        if self.prompts is not None:
+            return self._prompted_step(cache, input_ids, inputs_embeds, mask, keep)
         tokens_or_embeds = input_ids if input_ids is not None else inputs_embeds
         if cache is None:
             with self.inference_session(max_length=tokens, batch_size=batch, l_in_hint=tokens,
@@ -228,6 +243,28 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         logits = self._logits(session, tokens_or_embeds, mask, keep, cache.stats, cache.take_pending())
         cache.after_forward()
         return CausalLMOutputWithPast(logits=logits, cache=cache)
+
+    def _prompted_step(self, cache: RemoteCache, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
+                       mask: torch.Tensor | None, keep: slice) -> CausalLMOutputWithPast:
+        """A cached step of a model with a soft prompt: the session's first step carries the prompt's K positions
+        before the tokens (as train_forward sends them); the cache counts the tokens only (its virtual_tokens)."""
+        cache.before_forward()
+        embeds = inputs_embeds if inputs_embeds is not None else self.client_modules.embed(self._checked(input_ids))
+        if cache.session is None:
+            k = self.prompts.pre_seq_len
+            cache.virtual_tokens = k
+            ones = torch.ones(embeds.shape[:2], dtype=torch.long)
+            embeds, mask = self.prompts.prepend(embeds, ones if mask is None else mask.to(torch.long))
+            keep = slice(k, None) if keep == slice(None) else keep  # (no logits for the prompt's positions)
+        session = cache.session_for(int(embeds.shape[0]), int(embeds.shape[1]))
+        logits = self._logits(session, embeds.detach(), mask, keep, cache.stats, cache.take_pending())
+        cache.after_forward()
+        return CausalLMOutputWithPast(logits=logits, cache=cache)
+
+    def _checked(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size:
+            raise InvalidRequest(f"token ids must be in [0, {self.config.vocab_size})")
+        return input_ids
 
     def _logits(self, session: InferenceSession, tokens: torch.Tensor, mask: torch.Tensor | None, keep: slice,
                 stats: GenerationStats | None, op: CacheOp | None = None) -> torch.Tensor:
@@ -296,7 +333,7 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         plain_only = {"logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "assistant_model"}
         rows = int(ids.shape[0]) * (config.num_return_sequences or 1)
         streamed_batch = kwargs.get("streamer") is not None and rows > 1  # transformers' streamers take one row
-        return (config.use_cache and not padded_badly and not streamed_batch
+        return (config.use_cache and not padded_badly and self.prompts is None and not streamed_batch
                 and not any(kwargs.get(k) is not None for k in plain_only) and unsupported(config) is None)
 
     def _speculative_generate(self, ids: torch.Tensor, mask: torch.Tensor | None, config: GenerationConfig,
@@ -339,6 +376,13 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
 
     def load_trainable(self, path: str | Path) -> None:
         load_trainable(self, path)
+
+    def save_adapter(self, directory: str | Path) -> None:
+        """The tuned model with its settings as a folder in PEFT's format (model/tuned.py): `from_pretrained(...,
+        adapter=DIR)` and `swarmlm chat --adapter DIR` load it; a LoRA's folder is what `server --adapters` takes."""
+        from swarmlm.model.source import served_name
+
+        save_adapter(self, directory, served_name(self.model_dir))
 
     def close(self) -> None:
         self.remote.close()

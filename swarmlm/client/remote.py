@@ -173,8 +173,11 @@ class RemoteSequence:
                 missing = exc.missing
                 if time.monotonic() >= deadline:
                     down = ", ".join(f"{a} ({why})" for a, why in self.unreachable.items())  # "refused" vs nobody
+                    adapter = self.config.active_adapter
                     raise MissingBlocks(exc.missing, f"waited {self.config.wait_for_blocks_s:.0f} s"
-                                        + (f"; unreachable: {down}" if down else "")) from None
+                                        + (f"; unreachable: {down}" if down else "")
+                                        + (f"; with adapter {adapter!r}: servers pre-load it with --adapters DIR"
+                                           if adapter else "")) from None
             time.sleep(0.5)
             self.refresh()
             self._recheck_banned(missing)

@@ -62,13 +62,15 @@ class RemoteCache(Cache):
         # the first forward may start from a cached prefix of the prompt (its logits: the last position's only);
         # generate() turns it off for modes that read more of the prefill (assisted and prompt lookup decoding)
         self.use_prefix = True
+        # positions the session holds before the tokens transformers sees (a soft prompt's): not counted for it
+        self.virtual_tokens = 0
         self.t_start = time.perf_counter()
         self.t_last_forward: float | None = None  # end of the previous forward: the time in between is sampling
 
     # ---- what transformers reads from a cache --------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
         held = self.session.position if self.session is not None else 0
-        return held if self.pending is None else self.pending.kept(held)
+        return (held if self.pending is None else self.pending.kept(held)) - self.virtual_tokens * (held > 0)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self.max_length or -1
@@ -95,7 +97,7 @@ class RemoteCache(Cache):
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
         if tokens_to_remove < 0:
-            self._edit(CacheOp(truncate_to=max(self.get_seq_length() + tokens_to_remove, 0)))
+            self._edit(CacheOp(truncate_to=max(self.get_seq_length() + tokens_to_remove, 0) + self.virtual_tokens))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select(beam_idx.tolist())
@@ -133,7 +135,7 @@ class RemoteCache(Cache):
         """The open session, opening it for `batch` rows on the first call (from a cached prefix of `prompt`, one
         sequence's ids, when the servers hold one)."""
         if self.session is None:
-            length = max(self.max_length or 0, new_tokens)
+            length = max((self.max_length or 0) + self.virtual_tokens, new_tokens)
             self.session = self.model.inference_session(max_length=length, batch_size=batch, l_in_hint=new_tokens,
                                                         l_out_hint=max(length - new_tokens, 1)).open(
                 prompt.tolist() if prompt is not None else None)

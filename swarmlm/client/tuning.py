@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from swarmlm.client.autograd import LoraSpec
-
-TuningMode = Literal["ptune", "deep_ptune", "lora"]
-TUNING_MODES = ("ptune", "deep_ptune", "lora")
+from swarmlm.model import tuned
+from swarmlm.model.tuned import TUNING_MODES, TunedSettings, TuningMode, block_linears  # noqa: F401  (re-exported)
 
 
 class PromptTuning(nn.Module):
@@ -55,6 +54,7 @@ class ClientLora(nn.Module):
         super().__init__()
         if r < 1:
             raise ValueError(f"lora_r must be >= 1, got {r}")
+        self.r, self.alpha, self.target_modules = r, float(alpha), tuple(target_modules)
         self.specs: list[LoraSpec] = []
         self.a, self.b = nn.ParameterList(), nn.ParameterList()
         for block in range(int(config.num_hidden_layers)):
@@ -71,13 +71,6 @@ class ClientLora(nn.Module):
 
     def triples(self) -> list[tuple[LoraSpec, torch.Tensor, torch.Tensor]]:
         return list(zip(self.specs, self.a, self.b))
-
-
-def block_linears(adapter, config, block: int) -> dict[str, nn.Module]:
-    """A block's linear layers by name, built on the meta device (names and shapes only: no weights)."""
-    with torch.device("meta"):
-        module = adapter.build_block(config, block, cache_idx=0)
-    return {name: m for name, m in module.named_modules() if isinstance(m, nn.Linear)}
 
 
 def save_trainable(module: nn.Module, path: str | Path) -> None:
@@ -97,3 +90,67 @@ def load_trainable(module: nn.Module, path: str | Path) -> None:
             if value.shape != own[name].shape:
                 raise ValueError(f"{path}: {name} is {list(value.shape)}, expected {list(own[name].shape)}")
             own[name].copy_(value)
+
+
+def settings_of(model, base_model: str) -> TunedSettings:
+    """What a tuned DistributedModelForCausalLM was built with."""
+    if model.lora is not None:
+        return TunedSettings("lora", lora_r=model.lora.r, lora_alpha=model.lora.alpha,
+                             lora_target_modules=model.lora.target_modules, base_model=base_model)
+    if model.prompts is not None:
+        deep = model.prompts.deep_prompts is not None
+        return TunedSettings("deep_ptune" if deep else "ptune", pre_seq_len=model.prompts.pre_seq_len,
+                             base_model=base_model)
+    raise ValueError("this model has nothing tuned: build it with tuning_mode= to train, then save it")
+
+
+def _file_keys(model) -> dict[str, nn.Parameter]:
+    """The saved folder's tensor key -> the model's parameter (model/tuned.py's format)."""
+    if model.lora is not None:
+        keys = {}
+        for spec, a, b in model.lora.triples():
+            keys[tuned.lora_key(model.adapter, spec.block, spec.module, "A")] = a
+            keys[tuned.lora_key(model.adapter, spec.block, spec.module, "B")] = b
+        return keys
+    keys = {"prompt_embeddings": model.prompts.prompt_embeddings}
+    if model.prompts.deep_prompts is not None:
+        keys["deep_prompts"] = model.prompts.deep_prompts
+    return keys
+
+
+def save_adapter(model, directory: str | Path, base_model: str) -> None:
+    """The tuned tensors and their settings as a folder (model/tuned.py): PEFT's format for LoRA and soft prompts."""
+    settings = settings_of(model, base_model)
+    config = settings.peft_config(int(model.config.hidden_size), model.num_blocks)
+    tuned.write(directory, config, {key: p for key, p in _file_keys(model).items()})
+
+
+def load_adapter_weights(model, directory: str | Path) -> None:
+    """A saved folder's tensors into a model built with its settings (TunedSettings.tuning_kwargs)."""
+    own = _file_keys(model)
+    saved = load_file(str(Path(directory) / tuned.WEIGHTS_FILE))
+    if set(saved) != set(own):
+        missing, extra = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
+        raise ValueError(f"{directory}: its tensors do not match this model's (missing {missing[:3]}, "
+                         f"unexpected {extra[:3]}): tuned on another model?")
+    with torch.no_grad():
+        for key, value in saved.items():
+            if value.shape != own[key].shape:
+                raise ValueError(f"{directory}: {key} is {list(value.shape)}, this model's is "
+                                 f"{list(own[key].shape)}: tuned on another model?")
+            own[key].copy_(value)
+
+
+def find_tuned(ref: str | Path) -> tuple[TunedSettings | None, Path | None, str | None]:
+    """adapter= / --adapter: (settings, folder, served name). A saved soft prompt: its settings and folder (the
+    client prepends it); a LoRA's folder or a bare name: the name of the adapter servers pre-load (`server --adapters
+    DIR` names it by its directory)."""
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        settings = tuned.read_settings(path)
+        return settings, path, path.name if settings.mode == "lora" else None
+    text = str(ref)
+    if not text or "/" in text or text.startswith(("~", ".")):
+        raise FileNotFoundError(f"adapter {text!r}: no such directory (give a folder saved by save_adapter, or the "
+                                "name of an adapter servers pre-load)")
+    return None, None, text

@@ -12,6 +12,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 from torch import nn
 
+from swarmlm.model.tuned import block_linears, read_settings, tensor_shapes
 from swarmlm.server.lora import LoraDelta, linear_layers
 from swarmlm.types import BlockRange
 
@@ -32,6 +33,9 @@ def locate_adapter(ref: str | Path) -> tuple[str, Path]:
     path = Path(ref).expanduser()
     if path.is_dir():
         return adapter_name(path), path
+    if str(ref).startswith((".", "/", "~")) or path.exists():
+        raise FileNotFoundError(f"adapter {ref}: no such directory (a LoRA folder: adapter_config.json + "
+                                "adapter_model.safetensors)")
     source = resolve(str(ref))
     if not source.is_hub:
         raise ModelNotFound(f"{ref}: an adapter is a directory or a hub id, not a model of the catalog or a GGUF")
@@ -45,6 +49,43 @@ def adapter_name(path: str | Path) -> str:
     if not NAME.match(name):
         raise ValueError(f"adapter directory name {name!r}: use letters, digits, '.', '_' or '-' (at most 64)")
     return name
+
+
+def check_adapters(refs, model_dir: str) -> list[str]:
+    """Every adapter of `server --adapters` found, a LoRA, and of this model's block count, layer names and shapes:
+    checked on the files' headers and the blocks' shapes (meta device) before any weight loads. Its names."""
+    from swarmlm.model.checkpoint import load_config
+    from swarmlm.model.families import family_for
+
+    if len(refs) > MAX_ADAPTERS:
+        raise ValueError(f"at most {MAX_ADAPTERS} adapters, got {len(refs)}")
+    config = load_config(model_dir)
+    family, blocks = family_for(config), int(config.num_hidden_layers)
+    names = []
+    for ref in refs:
+        name, directory = locate_adapter(ref)
+        settings = read_settings(directory)
+        if settings.mode != "lora":
+            raise ValueError(f"adapter {ref}: a soft prompt ({settings.mode}) is the client's to prepend "
+                             f"(swarmlm chat/generate --adapter {ref}); servers pre-load LoRA adapters only")
+        linears: dict[int, dict[str, nn.Module]] = {}
+        for key, shape in tensor_shapes(directory).items():
+            found = _KEY.search(key)
+            if found is None or int(found[1]) >= blocks:
+                raise ValueError(f"adapter {ref}: {key} is not a LoRA matrix of one of this model's {blocks} blocks "
+                                 f"(tuned on {settings.base_model or 'another model'}?)")
+            block, module, which = int(found[1]), found[2], found[3]
+            layer = linears.setdefault(block, block_linears(family, config, block)).get(module)
+            r = settings.lora_r
+            want = None if layer is None else (r, layer.in_features) if which == "A" else (layer.out_features, r)
+            if want != shape:
+                raise ValueError(f"adapter {ref}: block {block} {module}.lora_{which} is {list(shape)}, this model's "
+                                 f"layer needs {list(want) if want else 'a linear layer of that name'} (tuned on "
+                                 f"{settings.base_model or 'another model'}?)")
+        if name in names:
+            raise ValueError(f"two adapters are named {name!r}: rename one's directory")
+        names.append(name)
+    return names
 
 
 def load_adapter(path: str | Path, blocks: nn.ModuleList, served: BlockRange) -> tuple[LoraDelta, ...]:

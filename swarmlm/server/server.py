@@ -129,8 +129,11 @@ class Server:
         """Join the swarm (if any), load and measure the blocks, listen, announce: serving when it returns."""
         from swarmlm.server.placement import check_memory
 
+        from swarmlm.server.adapters import check_adapters
+
         cfg = self.config
         check_memory(cfg)  # blocks that do not fit its memory: one line, before joining or loading anything
+        check_adapters(cfg.adapters, cfg.model_dir)  # a missing or mismatched adapter too
         torch.set_num_threads(cfg.threads)
         self._start_dht()
         blocks = self._choose_blocks()

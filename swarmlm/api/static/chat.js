@@ -2,25 +2,47 @@
 // over server-sent events). Stop aborts the fetch: the gateway sees the client go away and closes the sessions on
 // the servers. An answer is shown as Markdown (markdown.js: marked, vendored and served by the gateway itself, with
 // raw HTML shown as text); its text as received is kept in the message's data-raw; a question is only textContent.
-// An API key can be given as #key=... in the URL, as for the monitor. The conversation and the settings are kept in
-// the browser (localStorage, per served model) and come back after a reload; "New conversation" forgets them.
+// An API key can be given as #key=... in the URL, as for the monitor. The conversations and the settings are kept
+// in the browser (localStorage, per served model) and come back after a reload: "New conversation" starts another,
+// the list of past chats switches between them (x deletes one). An answer can be copied; the last one regenerated.
 "use strict";
 const key = new URLSearchParams(location.hash.slice(1)).get("key");
 const $ = (id) => document.getElementById(id);
-const conversation = []; // the turns so far, [{role, content}]; the system prompt is added to each request
+let conversation = []; // the shown chat's turns, [{role, content}]; the system prompt is added to each request
+let chats = []; // the past chats, newest first: [{id, conversation, updated}] (the shown one included once it has turns)
+let currentId = newId(); // the shown chat's id
 let model = null; // the id the gateway serves (GET /v1/models)
 let running = null; // the AbortController of the answer being streamed
 const SETTINGS = ["system", "temperature", "top-p", "max-tokens"]; // the inputs kept across reloads
+const MAX_CHATS = 50; // older chats are dropped (the browser's storage is small)
+
+function newId() {
+  return `${Date.now().toString(36)}-${Math.random().toString(36).slice(2, 8)}`;
+}
 
 function storageKey() {
   return `swarmlm-chat/${model}`;
 }
 
+// Keeps the chats, the shown one's id and the settings; a chat that changed moves to the top of the list.
 function save() {
+  const i = chats.findIndex((c) => c.id === currentId);
+  if (i < 0 || JSON.stringify(chats[i].conversation) !== JSON.stringify(conversation)) {
+    if (i >= 0) chats.splice(i, 1);
+    if (conversation.length) chats.unshift({ id: currentId, conversation: conversation.slice(), updated: Date.now() });
+  }
+  chats = chats.slice(0, MAX_CHATS);
   const settings = Object.fromEntries(SETTINGS.map((id) => [id, $(id).value]));
   try {
-    localStorage.setItem(storageKey(), JSON.stringify({ conversation, settings }));
+    localStorage.setItem(storageKey(), JSON.stringify({ chats, current: currentId, settings }));
   } catch (e) { /* storage full or disabled: the page works without it */ }
+  renderChatList();
+}
+
+function validTurns(turns) {
+  if (!Array.isArray(turns)) return [];
+  return turns.filter((t) => t && typeof t.content === "string" && ["user", "assistant"].includes(t.role))
+    .map((t) => ({ role: t.role, content: t.content }));
 }
 
 function restore() {
@@ -28,16 +50,74 @@ function restore() {
   try {
     saved = JSON.parse(localStorage.getItem(storageKey()) || "null");
   } catch (e) { /* a corrupt entry is ignored */ }
-  if (!saved || !Array.isArray(saved.conversation)) return;
+  if (!saved || typeof saved !== "object") return;
   for (const id of SETTINGS) {
     if (typeof (saved.settings || {})[id] === "string") $(id).value = saved.settings[id];
   }
-  for (const turn of saved.conversation) {
-    if (!turn || typeof turn.content !== "string" || !["user", "assistant"].includes(turn.role)) continue;
-    conversation.push({ role: turn.role, content: turn.content });
+  const stored = Array.isArray(saved.chats) ? saved.chats : [{ id: newId(), conversation: saved.conversation }];
+  chats = stored.filter((c) => c && typeof c.id === "string")
+    .map((c) => ({ id: c.id, conversation: validTurns(c.conversation), updated: Number(c.updated) || 0 }))
+    .filter((c) => c.conversation.length);
+  const current = chats.find((c) => c.id === saved.current) || (saved.chats ? null : chats[0]);
+  if (current) show(current);
+  renderChatList();
+}
+
+// The shown chat: its turns as messages.
+function show(chat) {
+  currentId = chat.id;
+  conversation = chat.conversation.slice();
+  $("messages").replaceChildren();
+  for (const turn of conversation) {
     const box = addMessage(turn.role, turn.content);
     if (turn.role === "assistant") box.dataset.state = "done";
   }
+  status("");
+}
+
+function chatTitle(chat) {
+  const first = chat.conversation.find((t) => t.role === "user");
+  const text = (first ? first.content : "").replace(/\s+/g, " ").trim();
+  return text.length > 48 ? `${text.slice(0, 47)}…` : text || "(empty)";
+}
+
+function renderChatList() {
+  const list = $("chat-list");
+  list.replaceChildren();
+  for (const chat of chats) {
+    const item = el("li", "chat-item");
+    item.dataset.id = chat.id;
+    if (chat.id === currentId) item.setAttribute("aria-current", "true");
+    const open = el("button", "open", chatTitle(chat));
+    open.type = "button";
+    open.title = chatTitle(chat);
+    open.addEventListener("click", () => {
+      if (running) return;
+      show(chats.find((c) => c.id === chat.id));
+      save(); // (the shown chat comes back after a reload)
+    });
+    const remove = el("button", "delete", "×");
+    remove.type = "button";
+    remove.title = "delete this chat";
+    remove.addEventListener("click", () => deleteChat(chat.id));
+    item.append(open, remove);
+    list.append(item);
+  }
+}
+
+function deleteChat(id) {
+  if (running) return;
+  chats = chats.filter((c) => c.id !== id);
+  if (id === currentId) newChat();
+  else save();
+}
+
+function newChat() {
+  conversation = [];
+  currentId = newId();
+  $("messages").replaceChildren();
+  status("");
+  save();
 }
 
 function el(tag, cls, text = "") {
@@ -94,7 +174,14 @@ function addMessage(role, text) {
   setText(box, text);
   if (role === "assistant") {
     box.dataset.state = "streaming";
-    box.append(el("div", "meta"), el("div", "route"));
+    const actions = el("div", "actions");
+    const copy = el("button", "copy", "Copy");
+    const again = el("button", "regenerate", "Regenerate");
+    copy.type = again.type = "button";
+    copy.addEventListener("click", () => copyText(box, copy));
+    again.addEventListener("click", regenerate);
+    actions.append(copy, again);
+    box.append(el("div", "meta"), el("div", "route"), actions);
   }
   $("messages").append(box);
   box.scrollIntoView({ block: "end" });
@@ -214,6 +301,36 @@ function setRunning(controller) {
   $("send").disabled = controller !== null || model === null;
   $("stop").disabled = controller === null;
   $("clear").disabled = controller !== null;
+  document.body.classList.toggle("answering", controller !== null); // (hides Regenerate while an answer streams)
+}
+
+// Copy: the answer's text as the model wrote it (Markdown), through the clipboard API (a secure context: https or
+// this machine), else the older execCommand way.
+async function copyText(box, button) {
+  try {
+    await navigator.clipboard.writeText(box.dataset.raw);
+  } catch (e) {
+    const area = el("textarea", "copy-buffer");
+    area.value = box.dataset.raw;
+    document.body.append(area);
+    area.select();
+    document.execCommand("copy");
+    area.remove();
+  }
+  button.textContent = "Copied";
+  box.dataset.copied = "true";
+  setTimeout(() => { button.textContent = "Copy"; }, 1500);
+}
+
+// Regenerate: the last answer is dropped and asked for again (the same conversation before it).
+function regenerate() {
+  const last = conversation[conversation.length - 1];
+  if (running || !model || !last || last.role !== "assistant") return;
+  conversation.pop();
+  const boxes = $("messages").querySelectorAll(".msg.assistant");
+  boxes[boxes.length - 1].remove();
+  const questions = $("messages").querySelectorAll(".msg.user");
+  answerConversation(questions[questions.length - 1]);
 }
 
 async function send() {
@@ -222,6 +339,11 @@ async function send() {
   conversation.push({ role: "user", content: text });
   const question = addMessage("user", text);
   $("prompt").value = "";
+  answerConversation(question);
+}
+
+// Streams the answer to the conversation as it is (its last turn a question, shown in `question`).
+async function answerConversation(question) {
   status("");
   const answer = addMessage("assistant", "");
   const stats = newStats();
@@ -264,12 +386,7 @@ $("prompt").addEventListener("keydown", (e) => {
   }
 });
 $("stop").addEventListener("click", () => running && running.abort());
-$("clear").addEventListener("click", () => {
-  conversation.length = 0;
-  $("messages").replaceChildren();
-  status("");
-  if (model) localStorage.removeItem(storageKey());
-});
+$("clear").addEventListener("click", () => model && !running && newChat());
 for (const id of SETTINGS) $(id).addEventListener("change", () => model && save());
 if (key) $("monitor-link").href = `/#key=${encodeURIComponent(key)}`;
 loadModel();
