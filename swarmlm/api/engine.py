@@ -117,6 +117,11 @@ class ChoiceProgress:
             self.reason = "stop"
         return self.text.stopped or self.generated >= self.params.max_new_tokens
 
+    def take_pass(self, tokens: list[int], logits: torch.Tensor) -> bool:
+        """A step's tokens for this choice, each with its position's logits [len(tokens), V] (for logprobs); True
+        when the choice has ended (the tokens after its end are not taken)."""
+        return any(self.take(Token(t, *self.params.logprobs(t, logits[i:i + 1]))) for i, t in enumerate(tokens))
+
     def finish(self, route: tuple[Span, ...]) -> None:
         """The held-back text and the Finish event (after the choice's session was closed or left)."""
         rest = self.text.flush()
@@ -168,17 +173,15 @@ class Engine:
             progress = [ChoiceProgress(self, first + row, len(prompt_ids), params, emit) for row in range(n)]
             passed = decoder.start_rows(torch.tensor([list(prompt_ids)]), copies=n)
             while not stop.is_set():
-                ended = [row for row, (tokens, logits) in passed.items()
-                         if any(progress[row].take(Token(t, *params.logprobs(t, logits[i:i + 1])))
-                                for i, t in enumerate(tokens))]  # take() is True at the choice's end
+                ended = [row for row, (tokens, logits) in passed.items() if progress[row].take_pass(tokens, logits)]
                 for row in ended:
                     decoder.drop(row)
+                route = decoder.route()
                 if not decoder.live:
-                    route = decoder.route()
                     decoder.close()  # before the last end is announced: a finished request holds no session
                 if not stop.is_set():
                     for row in ended:
-                        progress[row].finish(decoder.route() if decoder.live else route)
+                        progress[row].finish(route)
                 if not decoder.live:
                     return
                 passed = decoder.step()
@@ -193,9 +196,8 @@ class Engine:
         """Every choice (n per prompt, prompts run concurrently) as its events come: the n choices of a prompt are
         the rows of one decoder (one session, the prompt's step once), speculating or not; choice i of a seeded
         request uses seed + i so the choices differ and repeat. `context_tokens`: the servers' limit on a
-        session's length. Closing this generator (the client went
-        away) stops every choice after its step in flight and closes its session; so does the deadline, which
-        raises RequestTimeout."""
+        session's length. Closing this generator (the client went away) stops every choice after its step in
+        flight and closes its session; so does the deadline, which raises RequestTimeout."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         stop = threading.Event()
