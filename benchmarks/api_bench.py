@@ -26,7 +26,7 @@ from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.machine import machine_info
 from swarmlm.model.checkpoint import load_config
 from swarmlm.model.random_checkpoint import default_checkpoint
-from swarmlm.sim.metrics import percentile
+from swarmlm.stats import percentile
 from swarmlm.swarm.local import LocalSwarm, even_split
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog while", "Distributed inference splits a large language model",

@@ -11,7 +11,7 @@ each chat-templated for the model.
         --servers 1,2,4,6 --tokens 48 --rounds 1
 
 With `--batch B` (B > 1): the first B prompts of `--batch-set` (default quoting), left-padded, in ONE generate() call (a batched session),
-plain vs push + speculation (the batch drafting at its slowest row's pace: client/speculative.py), alternating per
+plain vs push + speculation (the batch drafting at its slowest row's pace: client/decoding/decoder.py), alternating per
 round:
 
     .venv/bin/python benchmarks/speculation_bench.py --model ~/.cache/swarmlm/checkpoints/smollm2-135m-instruct \

@@ -1,5 +1,5 @@
 """Prompt lookup in one process, no swarm: forward passes per answer of transformers' own prompt lookup
-(`prompt_lookup_num_tokens`) and of swarmlm's drafter + verification (client/drafting.py, client/verification.py)
+(`prompt_lookup_num_tokens`) and of swarmlm's drafter + verification (client/decoding/drafting.py, client/decoding/verification.py)
 with a fixed k and with the draft length rule (perf/speculation.py) on a given pass cost, on the prompt sets of
 benchmarks/speculation_bench.py. Greedy, ending at eos; every run must give plain greedy's tokens.
 
@@ -17,8 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from benchmarks.speculation_bench import OPEN_ENDED, QUOTING, chat_ids
-from swarmlm.client.drafting import PromptLookup
-from swarmlm.client.verification import verify_greedy
+from swarmlm.client.decoding.drafting import PromptLookup
+from swarmlm.client.decoding.verification import verify_greedy
 from swarmlm.perf.speculation import AcceptanceByMatch, choose_draft_length
 
 

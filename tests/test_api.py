@@ -207,6 +207,76 @@ def test_frequency_and_presence_penalties_follow_openai_formula(client, referenc
     assert want != reference(prompt, 10)[0]  # the penalties changed something
 
 
+def _sampled_text(reference, prompt: str, steps: int, seed: int, temperature: float, **warpers) -> str:
+    """What a seeded request samples, computed here: the reference model's logits through transformers' own
+    warpers (temperature, then top-k / min-p as generate() orders them), one draw per token from a generator
+    seeded as the gateway seeds a choice; up to the first eos."""
+    from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper)
+
+    model, tokenizer = reference.model, reference.tokenizer
+    processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if warpers.get("top_k"):
+        processors.append(TopKLogitsWarper(warpers["top_k"]))
+    if warpers.get("min_p"):
+        processors.append(MinPLogitsWarper(warpers["min_p"]))
+    generator = torch.Generator().manual_seed(seed)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    new: list[int] = []
+    with torch.inference_mode():
+        for _ in range(steps):
+            scores = processors(ids, model(ids).logits[:, -1].float())
+            token = int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator))
+            if token == tokenizer.eos_token_id:
+                break
+            new.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return tokenizer.decode(new, skip_special_tokens=True)
+
+
+def test_top_k_one_is_greedy_and_top_k_min_p_sample_as_transformers_warpers(client, reference, tiny_bloom):
+    prompt = PROMPTS[4]
+    want, _ = reference(prompt, 10)
+    top1 = client.completions.create(model=tiny_bloom, prompt=prompt, max_tokens=10, temperature=1.0,
+                                     seed=3, extra_body={"top_k": 1})
+    assert top1.choices[0].text == want
+    # (the tiny model's logits are nearly flat: min-p needs a low temperature to leave only a few tokens)
+    for warpers, temperature in (({"top_k": 4}, 1.5), ({"min_p": 0.6}, 0.5)):
+        # a seed whose draw the warper changes (computed here, so the test cannot pass by ignoring the warper)
+        seed = next(s for s in range(10) if _sampled_text(reference, prompt, 10, s, temperature, **warpers)
+                    != _sampled_text(reference, prompt, 10, s, temperature))
+        got = client.completions.create(model=tiny_bloom, prompt=prompt, max_tokens=10, temperature=temperature,
+                                        seed=seed, extra_body=warpers)
+        assert got.choices[0].text == _sampled_text(reference, prompt, 10, seed, temperature, **warpers), warpers
+
+
+def test_repetition_penalty_under_both_names_and_unimplemented_fields_are_400(gateway, client, reference, tiny_bloom):
+    model, tokenizer = reference.model, reference.tokenizer
+    ids = tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    with torch.inference_mode():
+        want = model.generate(ids, max_new_tokens=8, do_sample=False, repetition_penalty=1.5)
+    new = want[0, ids.shape[1]:].tolist()
+    new = new[:new.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in new else new
+    for name in ("repetition_penalty", "repeat_penalty"):
+        got = client.completions.create(model=tiny_bloom, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                        extra_body={name: 1.5})
+        assert got.choices[0].text == tokenizer.decode(new, skip_special_tokens=True), name
+    chat = {"model": tiny_bloom, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for field, value in (("tools", [{"type": "function", "function": {"name": "f"}}]),
+                         ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 10})):
+        error = _assert_error(_post(gateway, "/v1/chat/completions", {**chat, field: value}), 400,
+                              "unsupported_parameter")
+        assert error["param"] == field and field in error["message"]
+    image = {"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}
+    error = _assert_error(_post(gateway, "/v1/chat/completions", {**chat, "messages": [image]}), 400,
+                          "unsupported_parameter")
+    assert "messages[0].content[1]" in error["message"] and "image_url" in error["message"]
+    # their neutral values ask for nothing unsupported
+    ok = _post(gateway, "/v1/chat/completions", {**chat, "tools": [], "response_format": {"type": "text"}})
+    assert ok.status_code == 200, ok.text
+
+
 def test_logprobs_are_the_models_log_softmax(client, reference, tiny_bloom):
     model, tokenizer = reference.model, reference.tokenizer
     prompt = PROMPTS[3]
@@ -227,7 +297,7 @@ def test_logprobs_are_the_models_log_softmax(client, reference, tiny_bloom):
     assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)  # greedy: the top token
 
 
-# ---- n choices of a prompt in one session (api/group.py) --------------------------------------------------------
+# ---- n choices of a prompt in one session (one decoder) --------------------------------------------------------
 def test_n_choices_share_one_session_and_equal_transformers(gateway, client, swarm, reference, tiny_bloom):
     want, reason = reference(PROMPTS[1], 12)
     got = client.completions.create(model=tiny_bloom, prompt=PROMPTS[1], max_tokens=12, temperature=0, n=3)
@@ -238,9 +308,11 @@ def test_n_choices_share_one_session_and_equal_transformers(gateway, client, swa
                                      {"Authorization": f"Bearer {KEY}"})
 
 
-def test_choice_group_copies_the_prompt_and_drops_ended_choices(swarm, reference, tiny_bloom):
-    from swarmlm.api.engine import ChoiceDecoder, SamplingParams
-    from swarmlm.api.group import ChoiceGroup
+def test_one_decoder_copies_the_prompt_and_drops_ended_rows(swarm, reference, tiny_bloom):
+    """The gateway's n: rows of one Decoder (client/decoding/decoder.py), k = 0 (plain decoding): one prompt step,
+    its cache copied to every row; each row leaves the session at its own max_new_tokens."""
+    from swarmlm.client.decoding.decoder import Decoder
+    from swarmlm.client.decoding.sampling import Sampling
     from swarmlm.client.model import DistributedModelForCausalLM
 
     ids = reference.tokenizer(PROMPTS[2]).input_ids
@@ -249,19 +321,25 @@ def test_choice_group_copies_the_prompt_and_drops_ended_choices(swarm, reference
                                         do_sample=False)[0, len(ids):].tolist()
     model = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers)
     lengths = [4, 12, 1, 8]  # each choice leaves the session after its own count (one after the prompt's step)
-    group = ChoiceGroup(model, ids, [ChoiceDecoder(model, ids, SamplingParams(max_tokens=m, temperature=0))
-                                     for m in lengths])
+    decoder = Decoder(model, [Sampling.from_request(m, temperature=0) for m in lengths], "off")
     got: dict[int, list[int]] = {i: [] for i in range(len(lengths))}
     try:
-        while group.live:
-            for choice, tokens in group.step().items():
-                got[choice] += [token.id for token in tokens]  # one token per step (no speculation)
-                if len(got[choice]) == lengths[choice]:
-                    group.drop(choice)
+        passed = decoder.start_rows(torch.tensor([ids]), copies=len(lengths))
+        while True:
+            for row, (tokens, _) in passed.items():
+                assert len(tokens) == 1  # one token per step (no speculation)
+                got[row] += tokens
+                if len(got[row]) == lengths[row]:
+                    decoder.drop(row)
+            if not decoder.live:
+                break
+            passed = decoder.step()
+        prefills = [r for r in decoder.cache.session.steps if r.tokens == len(ids)]
     finally:
-        group.close()
+        decoder.close()
         model.close()
     assert [got[i] for i in range(len(lengths))] == [want[:m] for m in lengths]
+    assert len(prefills) == 1  # the prompt went through the swarm once
 
 
 # ---- errors ------------------------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from swarmlm.api.engine import ChoiceDecoder, SamplingParams
-from swarmlm.api.group import ChoiceGroup
+from swarmlm.client.decoding.sampling import Sampling
+from swarmlm.client.decoding.decoder import Decoder
 from swarmlm.client.model import DistributedModelForCausalLM
 from tests.swarm_helpers import assert_greedy_up_to_ties, assert_n_choices_share_a_session, gateway_stack
 
@@ -92,31 +92,34 @@ def test_speculative_seeded_n_choices_repeat_and_differ(client, tiny_bloom):
     assert a.usage.completion_tokens == b.usage.completion_tokens
 
 
-def test_choice_group_speculates(stack, ref, tiny_bloom):
-    """A speculating ChoiceGroup: n greedy rows of one prompt's copied cache, each its own drafts; choices leave at
-    their own max_tokens; every row is greedy decoding up to ties."""
+def test_decoder_rows_speculate(stack, ref, tiny_bloom):
+    """The gateway's n when speculating: greedy rows of one prompt's copied cache, each its own drafts; rows leave at
+    their own max_new_tokens; every row is greedy decoding up to ties."""
     swarm, _ = stack
     tokenizer, _ = ref
     ids = tokenizer(PROMPTS[0]).input_ids
     lengths = [4, 16, 9]
     client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers)
-    group = ChoiceGroup(client, ids, [ChoiceDecoder(client, ids, SamplingParams(max_tokens=m, temperature=0))
-                                      for m in lengths], speculative=4)
+    decoder = Decoder(client, [Sampling.from_request(m, temperature=0) for m in lengths], 4)
     got: dict[int, list[int]] = {i: [] for i in range(len(lengths))}
     try:
-        while group.live:
-            for choice, tokens in group.step().items():
-                got[choice] += [t.id for t in tokens]
-                assert len(got[choice]) <= lengths[choice]  # a pass drafts no further than the choice's room
-                if len(got[choice]) == lengths[choice]:
-                    group.drop(choice)
-        stats = group.speculator.stats
+        passed = decoder.start_rows(torch.tensor([ids]), copies=len(lengths))
+        while True:
+            for row, (tokens, _) in passed.items():
+                got[row] += tokens
+                assert len(got[row]) <= lengths[row]  # a pass drafts no further than the row's room
+                if len(got[row]) == lengths[row]:
+                    decoder.drop(row)
+            if not decoder.live:
+                break
+            passed = decoder.step()
+        stats = decoder.stats
     finally:
-        group.close()
+        decoder.close()
         client.close()
-    for choice, m in enumerate(lengths):
-        assert len(got[choice]) == m
-        assert_greedy_up_to_ties(tiny_bloom, ids, got[choice])
+    for row, m in enumerate(lengths):
+        assert len(got[row]) == m
+        assert_greedy_up_to_ties(tiny_bloom, ids, got[row])
     assert stats.passes < max(lengths) - 1 and 0 < stats.accepted <= stats.drafted
 
 
@@ -162,7 +165,7 @@ def test_speculative_seeded_sampling_repeats(client, tiny_bloom):
     assert a.usage.completion_tokens == b.usage.completion_tokens
 
 
-def test_choice_decoder_accepts_and_rolls_back_drafts(stack, ref, tiny_bloom):
+def test_one_row_accepts_and_rolls_back_drafts(stack, ref, tiny_bloom):
     swarm, _ = stack
     tokenizer, model = ref
     client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers)
@@ -170,16 +173,49 @@ def test_choice_decoder_accepts_and_rolls_back_drafts(stack, ref, tiny_bloom):
         drafted = accepted = 0
         for prompt in PROMPTS[:2]:
             ids = tokenizer(prompt).input_ids
-            decoder = ChoiceDecoder(client, ids, SamplingParams(max_tokens=24, temperature=0), speculative=4)
-            tokens = []
+            decoder = Decoder(client, Sampling.from_request(24, temperature=0), 4)
             try:
+                tokens = decoder.start(ids)[0]
                 while len(tokens) < 24:
-                    tokens += [t.id for t in decoder.step()]
+                    tokens += decoder.step()[0][0]
             finally:
                 decoder.close()
-            assert tokens[:24] == greedy_ids(model, torch.tensor([ids]), 24)
-            stats = decoder.speculator.stats
+            assert tokens == greedy_ids(model, torch.tensor([ids]), 24)
+            stats = decoder.stats
             drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
         assert 0 < accepted < drafted  # drafts kept and drafts rolled back
     finally:
         client.close()
+
+
+def test_speculating_choices_start_from_a_held_prefix(stack, client, ref, tiny_bloom):
+    """A speculating choice opens its session from the prefix the servers hold (the decoder's one prefix rule): the
+    second chat sharing a system prompt has its leading runs found in the servers' prefix caches, not computed
+    again, and still answers plain greedy's text."""
+    from swarmlm.wire import swarm_pb2 as pb
+    from swarmlm.wire.prefix_keys import RUN_TOKENS
+    from tests.swarm_helpers import stub
+
+    swarm, _ = stack
+    tokenizer, _ = ref
+    system = ("You are a careful assistant for a library. Answer in one short sentence, cite the shelf number when "
+              "you know it, never invent a book, and say when the library is closed. Opening hours are nine to five.")
+
+    def hits() -> list[int]:
+        return [stub(s.address).Info(pb.InfoRequest()).prefix_cache.hit_tokens for s in swarm.servers]
+
+    def chat(question: str) -> str:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return client.chat.completions.create(model=tiny_bloom, messages=messages, max_tokens=6,
+                                              temperature=0).choices[0].message.content
+
+    start = hits()
+    chat("Where are the atlases?")
+    first = hits()
+    answer = chat("Is it open on Sunday?")
+    second = hits()
+    shared = len(tokenizer(f"System: {system}\nUser:").input_ids) // RUN_TOKENS * RUN_TOKENS
+    assert shared > 0 and first == start  # the first chat found nothing held
+    assert all(b - a >= shared for a, b in zip(first, second)), (first, second)  # the second, the system prompt
+    want, _ = expected_text(ref, f"System: {system}\nUser: Is it open on Sunday?\nAssistant:")
+    assert answer and want.startswith(answer)

@@ -151,7 +151,7 @@ def test_network_profile_changes_measured_rtt_and_bandwidth(tiny_bloom, tmp_path
 
 
 def test_microbatched_speculation_gives_greedy_rows_and_each_rows_drafts(client, requests, tiny_bloom):
-    """A micro-batch of 3 speculates row by row (client/spec_rows.py): greedy up to ties (a batch is not
+    """A micro-batch of 3 speculates row by row (client/decoding/rows.py): greedy up to ties (a batch is not
     bit-identical to one row), and each request's record counts its own row's drafts, not the batch's."""
     from tests.swarm_helpers import assert_greedy_up_to_ties
 

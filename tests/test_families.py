@@ -78,7 +78,7 @@ def test_greedy_generation_of_a_padded_batch_equals_transformers(swarm):
 
 
 def test_speculative_generation_of_a_padded_batch_is_greedy(swarm):
-    """Batched speculation (client/spec_rows.py): steps right-padded per row, the prompts left-padded; every row is
+    """Batched speculation (client/decoding/rows.py): steps right-padded per row, the prompts left-padded; every row is
     its unpadded prompt's greedy continuation up to ties (a batch is not bit-identical to one row on CPU)."""
     _, client, ref, tok = swarm
     text = [PROMPTS[0] + " the quick brown fox", PROMPTS[1]]  # one repeats itself: prompt lookup drafts at once

@@ -106,6 +106,33 @@ def test_scores_and_dict_output(swarm):
     assert got.cache.session.closed  # the session generate() opened is closed when it returns
 
 
+def test_speculative_dict_output_is_transformers_and_refuses_what_it_cannot_give(swarm):
+    """speculative="auto" with return_dict_in_generate: transformers' output object, its sequences plain greedy's,
+    its scores and logits (one [1, V] per new token, also at the positions a pass verified) plain generate()'s."""
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    from swarmlm.errors import InvalidRequest
+
+    model, ref, tok = swarm
+    ids = ids_of(tok, "one two three one two three one two")  # quotes itself: prompt lookup drafts at once
+    options = dict(max_new_tokens=8, return_dict_in_generate=True, output_scores=True, output_logits=True,
+                   repetition_penalty=1.3)
+    with torch.no_grad():
+        got = model.generate(ids, speculative="auto", **options)
+        want = ref.generate(ids, **options)
+    assert isinstance(got, GenerateDecoderOnlyOutput) and model.last_stats.speculation is not None
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.scores) == len(got.logits) == got.sequences.shape[1] - ids.shape[1]
+    for a, b in zip(got.scores + got.logits, want.scores + want.logits):
+        assert a.shape == b.shape and (a - b).abs().max().item() < 1e-4
+    bare = model.generate(ids, speculative="auto", max_new_tokens=8, return_dict_in_generate=True)
+    assert torch.equal(bare.sequences, want.sequences) and bare.scores is None
+    for bad, name in ((dict(output_attentions=True), "output_attentions"),
+                      (dict(output_scores=True, do_sample=True, num_return_sequences=2), "output_scores")):
+        with pytest.raises(InvalidRequest, match=name):
+            model.generate(ids, speculative="auto", max_new_tokens=4, return_dict_in_generate=True, **bad)
+
+
 def test_streamer_sees_the_output(swarm):
     model, _, tok = swarm
     ids = ids_of(tok)

@@ -8,7 +8,8 @@ import pytest
 from tests.planner_fixtures import exhaustive_optimum, make_topology, random_topology
 from swarmlm.errors import PlanningError
 from swarmlm.perf.model import ComputeProfile, ModelSpec, ServerSpec
-from swarmlm.planner.placement import (PLACEMENTS, PlacementOptions, amortised_block_time_s, blocks_for_concurrency,
+from swarmlm.planner.plan import PLACEMENTS
+from swarmlm.planner.placement import (PlacementOptions, amortised_block_time_s, blocks_for_concurrency,
                                        choose_concurrency,
                                        choose_range, is_feasible, max_concurrency, petals_num_blocks,
                                        place_cg_bprr, request_clients, session_capacity)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from swarmlm.client.drafting import DraftModel, PromptLookup
-from swarmlm.client.verification import verify_greedy, verify_sampling
+from swarmlm.client.decoding.drafting import DraftModel, PromptLookup
+from swarmlm.client.decoding.verification import verify_greedy, verify_sampling
 from swarmlm.perf.model import ComputeProfile, Network, PerfModel
 from swarmlm.perf.speculation import AcceptanceByMatch, AcceptanceEstimate, choose_draft_length, expected_tokens
 from swarmlm.types import Span

@@ -1,5 +1,5 @@
 """Batched sessions speculate: B rows in one session, each with its own drafts, the session cut to the fewest
-positions any row keeps and each row's surplus sent again (client/spec_rows.py). Greedy rows are plain
+positions any row keeps and each row's surplus sent again (client/decoding/rows.py). Greedy rows are plain
 transformers' greedy decoding up to ties (a batched forward is not bit-identical to a single-row one on CPU:
 tests/swarm_helpers.py `assert_greedy_up_to_ties`); rows end at their own time; sampled batches and copies run;
 a server SIGKILLed mid-generation changes nothing."""
@@ -9,11 +9,10 @@ import signal
 
 import pytest
 import torch
-from transformers.generation.logits_process import LogitsProcessorList
 
-from swarmlm.client.remote_cache import RemoteCache
-from swarmlm.client.spec_rows import Row, common_cut, draft_limit, is_left_padded, padded_step, real_tokens
-from swarmlm.client.speculative import SpeculationStats, SpeculativeDecoder
+from swarmlm.client.decoding.rows import Row, common_cut, draft_limit, is_left_padded, padded_step, real_tokens
+from swarmlm.client.decoding.decoder import Decoder, SpeculationStats
+from swarmlm.client.decoding.sampling import Sampling
 from tests.swarm_helpers import assert_greedy_up_to_ties, reference_generate, reference_model
 
 torch.set_num_threads(1)
@@ -42,19 +41,19 @@ def test_a_batch_in_auto_drafts_at_its_slowest_rows_pace():
     """In "auto", a batch chooses one k from the lowest acceptance estimate among its rows: a row without a draft,
     or one whose drafts are rarely accepted, keeps every row from drafting (its lead would be resent on every later
     pass); rows that all quote draft together."""
-    decoder = SpeculativeDecoder(None, None, LogitsProcessorList(), do_sample=False, mode="auto")
+    decoder = Decoder(None, Sampling(NEW_TOKENS, do_sample=False), mode="auto")
     quoting = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]  # its last 3 tokens were seen: drafts 4, 5, 6, 7, 1, ...
     decoder.rows = [decoder._new_row(r, text) for r, text in enumerate([quoting, quoting, [9, 8, 7, 6, 5]])]
     decoder.live = [0, 1, 2]
     cost = lambda: (lambda tokens: 0.100 + 0.020 * tokens)  # noqa: E731  links, then compute per position
-    assert [d for d, _, _ in decoder._draft_rows([4, 4, 4], cost)] == [[], [], []]  # row 2 has no match
+    assert [d for d, _, _ in decoder.policy.draft_rows(decoder.rows, [4, 4, 4], cost, decoder._pick)] == [[], [], []]  # row 2 has no match
     decoder.live = [0, 1]
-    drafted = decoder._draft_rows([4, 4], cost)
+    drafted = decoder.policy.draft_rows(decoder.rows[:2], [4, 4], cost, decoder._pick)
     (first, _, n0), (second, _, n1) = drafted
     assert first and first == second == [4, 5, 6, 7][:len(first)] and n0 == n1 == 3  # one k for the batch
     for _ in range(6):
         decoder.rows[1].estimate.update(3, 4, 0)  # row 1's quotes are never accepted
-    assert [d for d, _, _ in decoder._draft_rows([4, 4], cost)] == [[], []]
+    assert [d for d, _, _ in decoder.policy.draft_rows(decoder.rows[:2], [4, 4], cost, decoder._pick)] == [[], []]
 
 def test_the_cut_is_the_fewest_kept_and_the_rest_is_owed():
     # a step of width 6: row 0 sent [last, 5 drafts] and kept 4, row 1 [2 owed, last, 3 drafts] and kept 6 ...
@@ -204,7 +203,7 @@ def test_sampled_batches_and_copies_speculate(swarm):
 
 def batched_greedy(client, session, on_tokens=None) -> list[list[int]]:
     """The batch's greedy rows through the decoder's own loop in `session`; on_tokens(row, tokens) after each."""
-    decoder = SpeculativeDecoder(client, RemoteCache(client, session), LogitsProcessorList(), False, 4)
+    decoder = Decoder(client, Sampling(NEW_TOKENS, do_sample=False), 4, session=session)
     return decoder.generate_rows(torch.tensor(PROMPTS), None, NEW_TOKENS, on_tokens=on_tokens)
 
 

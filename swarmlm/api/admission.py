@@ -14,10 +14,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from swarmlm.api import responses
-from swarmlm.api.engine import Engine, SamplingParams
+from swarmlm.api.engine import Engine
 from swarmlm.api.errors import ApiError, swarm_error
 from swarmlm.api.schemas import new_id
 from swarmlm.api.streaming import ClosingStreamingResponse, collect, first_event, sse
+from swarmlm.client.decoding.sampling import Sampling
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class RequestHandler:
         return min(limits) if limits else self.config.default_context_tokens
 
     async def sampling(self, req, prompts: list[list[int]], max_tokens: int | None,
-                       top_logprobs: int | None) -> SamplingParams:
+                       top_logprobs: int | None) -> Sampling:
         longest = max(len(p) for p in prompts)
         if min(len(p) for p in prompts) == 0:  # nothing to prefill from (a model needs at least one token)
             raise ApiError(400, "the prompt is empty", "invalid_request_error", "invalid_request", "prompt")
@@ -64,14 +65,19 @@ class RequestHandler:
         if max_tokens is not None and max_tokens > room:
             raise ApiError(400, f"max_tokens {max_tokens} + the prompt's {longest} tokens exceed the context of "
                                 f"{context} tokens", "invalid_request_error", "context_length_exceeded", "max_tokens")
-        return SamplingParams(
-            max_tokens=max_tokens or room, temperature=req.temperature, top_p=req.top_p,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            stop=tuple(req.stop), seed=req.generator_seed, top_logprobs=top_logprobs,
+        return Sampling.from_request(
+            max_tokens or room, req.temperature, req.top_p, top_k=max(req.top_k, 0), min_p=req.min_p,
+            repetition_penalty=req.penalty, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, stop=tuple(req.stop), seed=req.generator_seed,
+            top_logprobs=top_logprobs,
         )
 
     def admit(self, request: Request, req, texts: list[str]) -> Callable[[], None]:
         """Bounds checked before anything is tokenized or generated; the client's slots, one per choice."""
+        field = req.unsupported_field()
+        if field is not None:
+            raise ApiError(400, f"{field} is not supported by this gateway (text generation only)",
+                           "invalid_request_error", "unsupported_parameter", field.split(" ")[0])
         choices = len(texts) * req.n
         if choices > self.config.choices_limit:
             raise ApiError(400, f"the request asks for {choices} choices (prompts x n); at most "
@@ -82,10 +88,10 @@ class RequestHandler:
                            "invalid_request_error", "context_length_exceeded", "prompt")
         return self.limits.acquire(self.client_key(request), choices)
 
-    async def generate(self, request: Request, req, prompts: list[list[int]], params: SamplingParams,
+    async def generate(self, request: Request, req, prompts: list[list[int]], params: Sampling,
                        render: responses.Renderer, release: Callable[[], None]):
         try:
-            events = self.engine.merged(prompts, params, req.n, self.config.request_timeout_s)
+            events = self.engine.merged(prompts, params, req.n, self.config.request_timeout_s, self.context_tokens())
             first = await first_event(events)  # before the response starts: routing errors become proper statuses
         except BaseException as exc:
             release()

@@ -22,7 +22,7 @@ from swarmlm.api.metrics import GatewayMetrics
 from swarmlm.api.prompts import encode_chat, encode_prompt
 from swarmlm.api.schemas import ChatRequest, CompletionRequest
 from swarmlm.api.swarm_view import SwarmWatcher
-from swarmlm.client.speculative import parse_mode
+from swarmlm.client.decoding.decoder import parse_mode
 
 STATIC = Path(__file__).parent / "static"
 STATIC_FILES = {"monitor.js": "text/javascript", "monitor.css": "text/css", "chat.js": "text/javascript",
@@ -44,7 +44,7 @@ class GatewayConfig:
     allowed_hosts: tuple[str, ...] = LOCAL_HOSTS  # Host header names answered ("*": any)
     default_context_tokens: int = 2048  # when neither the model config nor the servers state a limit
     view_refresh_s: float = 1.0  # a refused request re-reads the swarm at most this often
-    speculative: str | int = "off"  # every choice: "off", "auto" or a fixed draft length (client/speculative.py)
+    speculative: str | int = "off"  # every choice: "off", "auto" or a fixed draft length (client/decoding/decoder.py)
 
     def __post_init__(self) -> None:
         if not self.model_name:

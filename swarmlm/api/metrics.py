@@ -11,7 +11,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from swarmlm.sim.metrics import percentile
+from swarmlm.stats import percentile
 
 BUCKET_S = 5.0
 WINDOW_S = 300.0

@@ -1,19 +1,28 @@
 """OpenAI's request and response bodies (the fields swarmlm serves). Unknown request fields are ignored, as
-OpenAI's own API does; a known field of the wrong type is a 400 (strict: "5" is not an integer)."""
+OpenAI's own API does; a known field of the wrong type is a 400 (strict: "5" is not an integer), and so is an
+OpenAI field this gateway does not implement (`UNSUPPORTED`: tools, response_format, image parts...), never a
+silent 200. Beyond OpenAI's sampling fields: `top_k`, `min_p`, `repetition_penalty` (llama.cpp's
+`repeat_penalty` too), as vLLM and llama.cpp's servers take them."""
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from swarmlm.client.decoding.sampling import SEED_RANGE
 
 MAX_N = 16  # choices per request: each is a session on every server of its route
 MAX_PROMPTS = 16  # prompts per completion request (choices = prompts x n, bounded again by the gateway's config)
 MAX_STOP = 4  # as OpenAI
 MAX_STOP_CHARS = 256  # per stop string: each is searched in the text after every token
 MIN_TEMPERATURE = 0.01  # below it (and above 0) logits / temperature overflow: 0 is greedy
-SEED_RANGE = 2 ** 64  # torch generators take seeds in [0, 2**64): any integer is taken modulo this
+# OpenAI fields not implemented here -> the value that means "not used" (anything else is a 400 naming the field)
+UNSUPPORTED: dict[str, tuple] = {"tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
+                                 "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
+                                 "logit_bias": ({},), "audio": (), "modalities": (["text"],), "prediction": (),
+                                 "web_search_options": (), "echo": (False,), "best_of": (1,), "suffix": ("",)}
 
 
 def _unicode(text: str) -> str:
@@ -40,6 +49,38 @@ class _Request(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     user: str | None = None
     stream_options: dict | None = None
+    top_k: int = Field(default=0, ge=-1)  # 0 or -1 (vLLM's): off
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # transformers' (over prompt + output)
+    repeat_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # llama.cpp's name for the same
+    unsupported: dict[str, Any] = Field(default_factory=dict, exclude=True)  # UNSUPPORTED fields given
+
+    @model_validator(mode="before")
+    @classmethod
+    def _collect_unsupported(cls, data):
+        if isinstance(data, dict):
+            given = {k: data[k] for k in UNSUPPORTED
+                     if k in data and data[k] is not None and data[k] not in UNSUPPORTED[k]}
+            data = {**{k: v for k, v in data.items() if k not in UNSUPPORTED and k != "unsupported"},
+                    "unsupported": given}
+        return data
+
+    @model_validator(mode="after")
+    def _one_penalty(self):
+        if None not in (self.repetition_penalty, self.repeat_penalty) and \
+                self.repetition_penalty != self.repeat_penalty:
+            raise ValueError(f"repetition_penalty ({self.repetition_penalty}) and repeat_penalty "
+                             f"({self.repeat_penalty}) disagree: give one")
+        return self
+
+    @property
+    def penalty(self) -> float:
+        """The repetition penalty under either name (1: off)."""
+        return self.repetition_penalty or self.repeat_penalty or 1.0
+
+    def unsupported_field(self) -> str | None:
+        """The first OpenAI field given that this gateway does not implement, as a path (`messages[0].content[1]`)."""
+        return next(iter(self.unsupported), None)
 
     @field_validator("stop")
     @classmethod
@@ -85,21 +126,28 @@ class CompletionRequest(_Request):
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
 
-class TextPart(BaseModel):
+class ContentPart(BaseModel):
+    """A part of a message's content: text (image, audio and file parts are named by unsupported_field())."""
     model_config = ConfigDict(extra="ignore", strict=True)
-    type: Literal["text"]
-    text: str
+    type: str
+    text: str | None = None
 
     @field_validator("text")
     @classmethod
-    def _text(cls, v: str) -> str:
-        return _unicode(v)
+    def _text(cls, v: str | None) -> str | None:
+        return None if v is None else _unicode(v)
+
+    @model_validator(mode="after")
+    def _text_has_text(self):
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text part needs its text")
+        return self
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
     @field_validator("content")
@@ -111,7 +159,7 @@ class ChatMessage(BaseModel):
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(p.text or "" for p in self.content)
 
 
 class ChatRequest(_Request):
@@ -123,6 +171,13 @@ class ChatRequest(_Request):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def unsupported_field(self) -> str | None:
+        for i, message in enumerate(self.messages):
+            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                if part.type != "text":
+                    return f"messages[{i}].content[{j}] ({part.type})"
+        return super().unsupported_field()
 
 
 def new_id(prefix: str) -> str:

@@ -35,7 +35,7 @@ from swarmlm.client.remote_cache import GenerationStats
 from swarmlm.bench.microbatch import MicroBatchPlanner
 from swarmlm.client.session import InferenceSession
 from swarmlm.perf.speculation import MAX_DRAFT_TOKENS
-from swarmlm.sim.metrics import percentile
+from swarmlm.stats import percentile
 from swarmlm.types import CacheOp
 from swarmlm.wire import compress
 
@@ -54,7 +54,7 @@ class StrategyConfig:
     #                              prompt position too, as the client did before (to measure what that costs)
     ignore_eos: bool = False  # True: always generate max_new_tokens (fixed work per request)
     # generate(speculative=...): "off", "auto" (draft length from the measured acceptance and route cost) or a fixed
-    # draft length (text); batched sessions speculate per row (client/speculative.py)
+    # draft length (text); batched sessions speculate per row (client/decoding/decoder.py)
     speculative: str = "off"
 
     def __post_init__(self) -> None:

@@ -28,7 +28,7 @@ def add_push(p: argparse.ArgumentParser) -> None:
 
 
 def speculative(text: str) -> str:
-    """--speculative off|auto|K (client/speculative.py: parse_mode checks it again where it is used)."""
+    """--speculative off|auto|K (client/decoding/decoder.py: parse_mode checks it again where it is used)."""
     if text in ("off", "auto") or (text.isdigit() and 1 <= int(text) <= 16):
         return text
     raise argparse.ArgumentTypeError(f"--speculative must be 'off', 'auto' or a draft length 1..16, got {text!r}")

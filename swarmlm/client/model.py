@@ -1,9 +1,10 @@
 """`DistributedModelForCausalLM`: the client's embeddings and LM head around the swarm's blocks.
 
-It is a transformers `GenerationMixin` model: `generate()` is transformers' own, driving a `RemoteCache` (the swarm
-session) through `forward()`, which embeds only the tokens the session has not seen, steps them through the
-servers and applies the head (on the last position only while generating: at a 250k vocabulary the head is the
-costly part of the client). Sessions running at once in this process share one head matmul (head_batcher.py).
+It is a transformers `GenerationMixin` model: `generate()` is transformers' own (with `speculative=`, the decoder's:
+client/decoding/generate.py), driving a `RemoteCache` (the swarm session) through `forward()`, which embeds only
+the tokens the session has not seen, steps them through the servers and applies the head (on the last position
+only while generating: at a 250k vocabulary the head is the costly part of the client). Sessions running at once
+in this process share one head matmul (head_batcher.py).
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ from swarmlm.client.head_batcher import HeadBatcher
 from swarmlm.client.remote import RemoteSequence
 from swarmlm.client.prefix import client_scope
 from swarmlm.client.session import InferenceSession, PrefixContext
-from swarmlm.client.spec_rows import is_left_padded
-from swarmlm.client.speculative import SpeculativeDecoder, SpeculativeMode, parse_mode, unsupported
+from swarmlm.client.decoding.drafts import SpeculativeMode, parse_mode
+from swarmlm.client.decoding.generate import decoder_generate, decodes
 from swarmlm.config import ClientConfig, dtype_name
 from swarmlm.errors import InvalidRequest
 from swarmlm.model.checkpoint import load_client_modules, parse_dtype
@@ -297,15 +298,16 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         (it stays open); `generator`, a torch.Generator for sampling (otherwise torch's global one, as
         transformers); `stats`, a GenerationStats filled in place (also kept as `model.last_stats`);
         `speculative`: "auto" (draft length per pass from the measured acceptance and route cost), a fixed draft
-        length, or "off" (client/speculative.py), drafting by prompt lookup or with `draft_model` (a small local
+        length, or "off" (client/decoding/decoder.py), drafting by prompt lookup or with `draft_model` (a small local
         transformers model of the same tokenizer; a batch's rows each keep their own draft cache). A batch speculates
         row by row (prompts left-padded or not; sampled num_return_sequences share one prefill); options speculation
         does not cover run plainly."""
         checked, _ = self._prepare_generation_config(generation_config, **kwargs)
         ids = inputs if inputs is not None else kwargs.get("input_ids")
-        if parse_mode(speculative) != 0 and ids is not None and self._can_speculate(checked, ids, kwargs):
-            return self._speculative_generate(ids, kwargs.get("attention_mask"), checked, session, generator, stats,
-                                              speculative, draft_model, kwargs.get("streamer"))
+        # (a soft prompt's first step carries the prompt: _prompted_step, through transformers' loop)
+        if parse_mode(speculative) != 0 and ids is not None and self.prompts is None and decodes(checked, ids, kwargs):
+            return decoder_generate(self, ids, kwargs.get("attention_mask"), checked, session, generator, stats,
+                                    speculative, draft_model, kwargs.get("streamer"))
         remote = RemoteCache(self, session, stats) if checked.use_cache else None
         if remote is not None:
             remote.stats.prompt_tokens = int(ids.shape[1]) if ids is not None else 0
@@ -320,54 +322,6 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
             if remote is not None:
                 sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
                 self.last_stats = remote.finish(sequences)
-        return out
-
-    def _can_speculate(self, config: GenerationConfig, ids: torch.Tensor, kwargs: dict) -> bool:
-        mask = kwargs.get("attention_mask")
-        pad, eos = config.pad_token_id, config.eos_token_id
-        eos = [] if eos is None else eos if isinstance(eos, (list, tuple)) else [eos]
-        # prompts padded on the left (a 0..0 1..1 mask per row) speculate; any other padding, and pad tokens with no
-        # mask (transformers infers one from them, unless pad is an eos token), run plainly
-        padded_badly = not (mask.shape == ids.shape and is_left_padded(mask)) if mask is not None else \
-            pad is not None and pad not in eos and bool((ids == pad).any())
-        plain_only = {"logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "assistant_model"}
-        rows = int(ids.shape[0]) * (config.num_return_sequences or 1)
-        streamed_batch = kwargs.get("streamer") is not None and rows > 1  # transformers' streamers take one row
-        return (config.use_cache and not padded_badly and self.prompts is None and not streamed_batch
-                and not any(kwargs.get(k) is not None for k in plain_only) and unsupported(config) is None)
-
-    def _speculative_generate(self, ids: torch.Tensor, mask: torch.Tensor | None, config: GenerationConfig,
-                              session: InferenceSession | None, generator: torch.Generator | None,
-                              stats: GenerationStats | None, mode: SpeculativeMode, draft_model,
-                              streamer) -> torch.Tensor:
-        """The prompts' rows through client/speculative.py (num_return_sequences rows per prompt); the session
-        (opened here unless given) holds the prompt, the new tokens and one pass's drafts. Rows that end early are
-        padded with pad_token_id (eos when unset), as transformers does."""
-        copies = config.num_return_sequences or 1
-        width = int(ids.shape[1])
-        max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - width
-        eos = config.eos_token_id  # the checkpoint's unless the caller set it (None: generate max_new tokens)
-        eos = () if eos is None else tuple(eos if isinstance(eos, (list, tuple)) else [eos])
-        remote = RemoteCache(self, session, stats)
-        remote.stats.prompt_tokens = width
-        decoder = SpeculativeDecoder.for_config(self, remote, config, mode, draft_model, generator)
-        # room for the new tokens and the drafts of a pass on top of the last pass's (held until the next step)
-        remote.max_length = remote.max_length or width + max_new + 2 * decoder.k_max + 1
-        if copies > 1:  # the session holds every copy, from the prompts' step on
-            remote.session_for(int(ids.shape[0]) * copies, width)
-        new: list[list[int]] = []
-        try:
-            if streamer is not None:
-                streamer.put(ids[0])
-            on_tokens = streamer and (lambda row, tokens: streamer.put(torch.tensor(tokens)))
-            new = decoder.generate_rows(ids, mask, max_new, eos, copies, on_tokens)
-            remote.stats.speculation = decoder.stats.to_dict()
-        finally:
-            if streamer is not None:
-                streamer.end()
-            out = _padded_output(ids.repeat_interleave(copies, dim=0), new,
-                                 config.pad_token_id if config.pad_token_id is not None else (eos or (0,))[0])
-            self.last_stats = remote.finish(out)
         return out
 
     def save_trainable(self, path: str | Path) -> None:
@@ -386,14 +340,6 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
 
     def close(self) -> None:
         self.remote.close()
-
-
-def _padded_output(prompts: torch.Tensor, new: list[list[int]], pad: int) -> torch.Tensor:
-    """generate()'s sequences: each row's prompt [R, T] and new tokens, rows that ended early padded with `pad`."""
-    width = max((len(tokens) for tokens in new), default=0)
-    rows = [prompt + tokens + [pad] * (width - len(tokens))
-            for prompt, tokens in zip(prompts.tolist(), new or [[]] * len(prompts))]
-    return torch.tensor(rows, dtype=torch.long)
 
 
 def lm_head(head: nn.Module, x: torch.Tensor) -> torch.Tensor:

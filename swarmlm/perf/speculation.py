@@ -99,7 +99,7 @@ class AcceptanceEstimate:
 @dataclass
 class AcceptanceByMatch:
     """A session's acceptance estimates, one per kind of evidence behind a draft: for prompt lookup the length n of
-    the suffix it matched (client/drafting.py), for a draft model a single key. Every pass decays them all, so a
+    the suffix it matched (client/decoding/drafting.py), for a draft model a single key. Every pass decays them all, so a
     kind of draft the rule stopped sending is tried again later."""
 
     estimates: dict[int, AcceptanceEstimate] = field(default_factory=dict)

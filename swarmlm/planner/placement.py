@@ -1,6 +1,6 @@
 """Block placement: which contiguous block range each server holds.
 
-One interface for every algorithm:
+One interface for every algorithm (the registry, planner/plan.py PLACEMENTS, adds planner/milp.py's):
 
     PLACEMENTS[name](topology, concurrency, options) -> PlacementResult      # name in "petals", "cg-bprr", "milp"
 
@@ -304,18 +304,6 @@ def choose_range(joining: ServerSpec, existing: Mapping[str, tuple[ServerSpec, B
         cov.add(rng, t, session_capacity(spec.memory_bytes, model, rng.length))
     start = cov.choose(m)
     return BlockRange(start, start + m)
-
-
-def _place_milp(topology: Topology, concurrency: int, options: PlacementOptions = PlacementOptions()) -> PlacementResult:
-    from swarmlm.planner.milp import place_milp  # scipy is imported only when the MILP is asked for
-    return place_milp(topology, concurrency, options)
-
-
-PLACEMENTS: dict[str, PlacementFn] = {
-    "petals": place_petals,
-    "cg-bprr": place_cg_bprr,
-    "milp": _place_milp,
-}
 
 
 def request_clients(clients: Sequence[ClientSpec], count: int) -> list[str]:

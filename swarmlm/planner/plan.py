@@ -14,14 +14,23 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from swarmlm.errors import PlanningError
-from swarmlm.planner.placement import (PLACEMENTS, Placement, PlacementOptions, PlacementResult, blocks_for_concurrency,
-                                       cache_slots, choose_concurrency, is_feasible, max_feasible_concurrency,
-                                       request_clients)
+from swarmlm.planner.placement import (Placement, PlacementFn, PlacementOptions, PlacementResult,
+                                       blocks_for_concurrency, cache_slots, choose_concurrency, is_feasible,
+                                       max_feasible_concurrency, place_cg_bprr, place_petals, request_clients)
 from swarmlm.planner.routing import HopCost, WaitingAwareRouter, uncovered_blocks
 from swarmlm.planner.topology import Topology
 from swarmlm.types import Span
 
 Algorithm = Literal["petals", "cg-bprr", "milp"]
+
+
+def _place_milp(topology: Topology, concurrency: int, options: PlacementOptions = PlacementOptions()) -> PlacementResult:
+    from swarmlm.planner.milp import place_milp  # scipy is imported only when the MILP is asked for
+    return place_milp(topology, concurrency, options)
+
+
+PLACEMENTS: dict[str, PlacementFn] = {"petals": place_petals, "cg-bprr": place_cg_bprr, "milp": _place_milp}
+
 Routing = Literal["shortest", "waiting-aware", "petals"]
 PETALS_OVERHEAD_S = 0.018  # Petals' routing adds 18 ms per hop (the authors' simulator)
 PETALS_NO_CACHE_PENALTY_S = 10.0  # and 10 s for a server whose cache is full

@@ -18,6 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
+from swarmlm.stats import percentile
+
 STATUS_DONE = "done"
 STATUS_TIMEOUT = "timeout"  # gave up waiting for cache slots after the client's timeout, like the real client
 
@@ -58,11 +60,6 @@ class ServerUsage:
     busy_s: float  # seconds with at least one session holding slots here
     slot_s: float  # integral of used slots over time (slot-seconds)
     peak_slots: int  # most slots in use at once (never above `slots`)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    finite = [v for v in values if not math.isnan(v)]
-    return float(np.percentile(finite, q)) if finite else math.nan
 
 
 def _stats(values: Sequence[float]) -> dict[str, float]:

@@ -18,6 +18,7 @@ from hivemind.dht.validation import CompositeValidator
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarmlm.swarm.lifetime import bind_p2pd_to_owner
+from swarmlm.swarm.validation import validators
 
 
 class ThreadDHT:
@@ -26,8 +27,6 @@ class ThreadDHT:
     def __init__(self, initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0,
                  client_mode: bool = True, validator: RSASignatureValidator | None = None,
                  start_timeout_s: float = 60.0, swarm_key: bytes | None = None) -> None:
-        from swarmlm.swarm.dht import validators  # (that module imports this one)
-
         bind_p2pd_to_owner()  # (its p2pd dies with this process)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="swarmlm-dht", daemon=True)

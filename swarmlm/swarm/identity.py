@@ -3,7 +3,7 @@
 One RSA key (the one hivemind's `RSASignatureValidator` signs DHT records with) does both jobs:
 - DHT records: a record is written under the subkey `server_id + "[owner:" + public key + "]"`; the DHT checks the
   signature against the key in the subkey, and readers (`swarm.dht.fetch_records`) and every swarmlm DHT node
-  (`swarm.dht.SwarmRecordValidator`) accept it only if `server_id == id_of(that key)`. A peer with its own key can
+  (`swarm.validation.SwarmRecordValidator`) accept it only if `server_id == id_of(that key)`. A peer with its own key can
   therefore write records only under its own id: it cannot replace or hide another server's record.
 - The connect check: a client sends a random nonce with `Info`; the server signs the nonce with its id, address,
   model and weights fingerprint (`sign_info`); the client checks the key hashes to the id it expected and the

@@ -2,7 +2,7 @@
 
 Without the key a peer can neither announce nor be served:
 - DHT records carry `swarm_mac` = HMAC(record key, subkey + expiration + record). swarmlm DHT nodes of the swarm refuse
-  to store a record without a valid one (`swarm.dht.SwarmRecordValidator`) and readers drop it (`fetch_records`).
+  to store a record without a valid one (`swarm.validation.SwarmRecordValidator`) and readers drop it (`fetch_records`).
   A reader without the key that meets such records knows the swarm is private and says so (SwarmAccessDenied).
 - Every gRPC call carries metadata `x-swarmlm-auth` = "v1.<unix time>.<nonce>.<HMAC(rpc key, method, time, nonce)>";
   servers refuse calls without a valid, fresh (AUTH_WINDOW_S), unreplayed token with UNAUTHENTICATED

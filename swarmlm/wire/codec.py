@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from swarmlm.errors import InvalidRequest
-from swarmlm.wire import compress
+from swarmlm.wire import int8_block
 from swarmlm.wire import swarm_pb2 as pb
 
 # dtype name -> (torch dtype, bytes per value)
@@ -37,17 +37,17 @@ def encode(tensor: torch.Tensor) -> pb.Tensor:
 
 def header(msg: pb.Tensor, what: str = "tensor", max_elements: int = 1 << 28) -> tuple[torch.dtype, tuple[int, ...]]:
     """dtype and shape from a peer's message, checked before its data is touched (nothing is allocated here)."""
-    if msg.dtype not in WIRE_DTYPES and msg.dtype not in compress.PACKED:
+    if msg.dtype not in WIRE_DTYPES and msg.dtype not in int8_block.PACKED:
         raise InvalidRequest(f"{what}: unknown dtype {msg.dtype[:40]!r}; expected one of "
-                             f"{', '.join([*WIRE_DTYPES, *compress.PACKED])}")
+                             f"{', '.join([*WIRE_DTYPES, *int8_block.PACKED])}")
     shape = tuple(msg.shape)
     if not 1 <= len(shape) <= MAX_RANK or any(not 0 <= d <= max_elements for d in shape):
         raise InvalidRequest(f"{what}: bad shape {list(shape)[:MAX_RANK + 1]}")
     # zero-sized dims count as 1: a zero-element tensor with absurd dims is refused here, not by numpy later
     if math.prod(max(d, 1) for d in shape) > max_elements:
         raise InvalidRequest(f"{what}: shape {list(shape)} exceeds the limit of {max_elements} elements")
-    if msg.dtype in compress.PACKED:  # compressed hidden states (wire/compress.py): the dtype they decode to
-        return compress.PACKED[msg.dtype], shape
+    if msg.dtype in int8_block.PACKED:  # compressed hidden states (wire/int8_block.py): the dtype they decode to
+        return int8_block.PACKED[msg.dtype], shape
     return WIRE_DTYPES[msg.dtype][0], shape
 
 
@@ -55,8 +55,8 @@ def decode(msg: pb.Tensor, what: str = "tensor", max_elements: int = 1 << 28, fi
     """A torch tensor from a peer's message, or InvalidRequest saying what is wrong with it. `finite`: refuse NaN
     and infinite values too."""
     _, shape = header(msg, what, max_elements)
-    if msg.dtype == compress.INT8_BLOCK:
-        return _finite(compress.unpack_int8(msg.data, shape, what), what, finite)
+    if msg.dtype == int8_block.INT8_BLOCK:
+        return _finite(int8_block.unpack_int8(msg.data, shape, what), what, finite)
     itemsize = WIRE_DTYPES[msg.dtype][1]
     count = math.prod(shape)
     data = msg.data  # (each read of a bytes field copies it: read it once)

@@ -13,24 +13,19 @@ packing and unpacking cost both ends ~0.1-0.5 ms here, benchmarks/wire_bench.py)
 50 Mbit/s, int8 below. A server answers in the format of the request it answers (int8 in, int8 out), so one choice
 covers both directions of a hop.
 
-The int8 format is a `Tensor` message with dtype "int8_block64": `shape` is the tensor's, `data` the per-block
-float32 scales followed by the int8 values; a peer's message is checked (sizes, finite non-negative scales)
-before use, and decodes to float32.
+The int8 format (wire/int8_block.py, which wire/codec.py decodes) is a `Tensor` message with dtype "int8_block64":
+`shape` is the tensor's, `data` the per-block float32 scales followed by the int8 values; a peer's message is
+checked (sizes, finite non-negative scales) before use, and decodes to float32.
 """
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import torch
 
 from swarmlm.config import WIRE_DTYPE_NAMES  # "auto" + the formats below
-from swarmlm.errors import InvalidRequest
+from swarmlm.wire import codec
 from swarmlm.wire import swarm_pb2 as pb
+from swarmlm.wire.int8_block import BLOCK, INT8_BLOCK, PACKED, pack_int8, packed_bytes, unpack_int8  # noqa: F401
 
-INT8_BLOCK = "int8_block64"
-BLOCK = 64  # values per scale: smaller blocks track outliers better, each costs 4 bytes of scale
-PACKED = {INT8_BLOCK: torch.float32}  # packed wire formats -> the dtype they decode to
 FAST_LINK_BPS = 500e6  # auto: at or above this, float32 (exact): the bytes saved cost less than the rounding
 SLOW_LINK_BPS = 50e6  # auto: below this, int8; in between, float16
 MIN_SAVING_S = 1e-3  # auto: a message whose float32 bytes take less than this on the link goes as float32
@@ -69,41 +64,8 @@ def bytes_per_value(wire_dtype: str) -> float:
     return {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "int8": packed_bytes(BLOCK) / BLOCK}[wire_dtype]
 
 
-def packed_bytes(count: int) -> int:
-    return 4 * math.ceil(count / BLOCK) + count
-
-
-def pack_int8(tensor: torch.Tensor) -> pb.Tensor:
-    """Blockwise absmax int8 (see the module docstring)."""
-    flat = tensor.detach().float().reshape(-1)
-    count = flat.numel()
-    pad = (-count) % BLOCK
-    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, BLOCK)  # [n, 64]
-    scale = blocks.abs().amax(dim=1) / 127.0  # [n]
-    q = torch.round(blocks / scale.clamp(min=1e-30)[:, None]).clamp_(-127, 127).to(torch.int8)
-    data = scale.numpy().tobytes() + q.reshape(-1)[:count].numpy().tobytes()
-    return pb.Tensor(data=data, dtype=INT8_BLOCK, shape=list(tensor.shape))
-
-
-def unpack_int8(data: bytes, shape: tuple[int, ...], what: str = "tensor") -> torch.Tensor:
-    """float32 tensor of `shape` from a peer's int8_block64 bytes, or InvalidRequest."""
-    count = math.prod(shape)
-    blocks = math.ceil(count / BLOCK)
-    if len(data) != packed_bytes(count):
-        raise InvalidRequest(f"{what}: {len(data)} bytes do not match shape {list(shape)} of {INT8_BLOCK} "
-                             f"({packed_bytes(count)} bytes)")
-    scale = torch.from_numpy(np.frombuffer(data, dtype=np.float32, count=blocks).copy())
-    if not (torch.isfinite(scale).all() and (scale >= 0).all()):
-        raise InvalidRequest(f"{what}: {INT8_BLOCK} scales must be finite and non-negative")
-    q = torch.from_numpy(np.frombuffer(data, dtype=np.int8, offset=4 * blocks).copy()).float()
-    q = torch.nn.functional.pad(q, (0, blocks * BLOCK - count)).view(blocks, BLOCK)
-    return (q * scale[:, None]).reshape(-1)[:count].reshape(shape)
-
-
 def encode_hidden(hidden: torch.Tensor, wire_dtype: str) -> pb.Tensor:
     """Hidden states as a `Tensor` message in `wire_dtype` (float32 | float16 | bfloat16 | int8)."""
-    from swarmlm.wire import codec  # (codec decodes the packed formats with this module: import at call time)
-
     if wire_dtype == "int8":
         return pack_int8(hidden)
     if wire_dtype == "float16" and hidden.abs().max() > _FP16_MAX:

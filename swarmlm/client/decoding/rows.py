@@ -1,4 +1,4 @@
-"""The rows of a speculative session (client/speculative.py) and the pure bookkeeping of one pass.
+"""The rows of a speculative session (client/decoding/decoder.py) and the pure bookkeeping of one pass.
 
 A session holds one length for all its rows (`CacheOp.truncate_to` cuts every row at once), but the rows of a batch
 accept different numbers of drafts. So a pass sends row r its `head` (the tokens the servers do not hold yet) and

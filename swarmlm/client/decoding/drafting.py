@@ -2,7 +2,7 @@
 
 * `PromptLookup`: the text so far often repeats itself (a quoted input, a list being continued, code being edited):
   find the latest earlier occurrence of the context's last n tokens and propose what followed it. Free, and
-  deterministic, so its draft distribution q is one-hot (client/verification.py).
+  deterministic, so its draft distribution q is one-hot (client/decoding/verification.py).
 * `DraftModel`: a small local causal LM of the same tokenizer guesses the next k tokens, greedily or by sampling
   (then its probabilities q go with the drafts). Its own cache follows the accepted text: every call first drops
   what the last verification rejected.
