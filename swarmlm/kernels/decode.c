@@ -48,6 +48,24 @@ static int linear(const span_linear *L, const float *x, int64_t rows, float *y, 
     return 0;
 }
 
+/* exp(x) for x in [-87, 88] to ~2 ulp, in plain arithmetic so loops of it vectorize (libm's expf is a call per
+ * element: 1M calls, ~15 ms, in an 8-row step of a 1B model's MLP): x = n ln2 + r, |r| <= ln2 / 2, a degree-6
+ * polynomial for e^r (Cephes' coefficients), 2^n from the exponent bits. */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    const float n = __builtin_roundevenf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  /* ln2 split in two: r exact to float32 */
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { uint32_t i; float f; } scale = {.i = (uint32_t)((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
+
 /* transformers' LlamaRMSNorm in float32: x * rsqrt(mean(x^2) + eps), then times the weight */
 static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *y) {
     float ss = 0.0f;
@@ -91,9 +109,9 @@ static void attend(const span_dims *D, const float *q, const float *keys, const 
             if (scores[t] > top) top = scores[t];
         }
         float total = 0.0f;
+#pragma omp simd reduction(+ : total)
         for (int64_t t = first; t < n_pos; t++) {
-            if (!mask[t]) continue;
-            scores[t] = expf(scores[t] - top);
+            scores[t] = mask[t] ? exp_approx(scores[t] - top) : 0.0f;
             total += scores[t];
         }
         float *o = out + h * d;
@@ -114,12 +132,19 @@ int decode_span(const span_dims *D, const span_block *blocks, int64_t n_blocks, 
     const int64_t H = D->hidden, d = D->head_dim, qn = D->heads * d, kvn = D->kv_heads * d, I = D->inter;
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; r++) longest = len[r] + 1 > longest ? len[r] + 1 : longest;
-    const int64_t need = rows * (H + qn + 2 * kvn + qn + H + 2 * I + H) + longest;
-    float *buf = malloc(sizeof(float) * need);
+    /* every buffer starts on a 64-byte line: the products' vector loads of a misaligned row span two lines (malloc's
+     * 16-byte alignment made an 8-row step of a 1B model ~15 % slower than the same products from torch's tensors) */
+    const int64_t sizes[10] = {rows * H, rows * qn, rows * kvn, rows * kvn, rows * qn, rows * H, rows * I, rows * I,
+                               rows * H, longest};
+    int64_t need = 0;
+    for (int i = 0; i < 10; i++) need += (sizes[i] + 15) / 16 * 16;
+    float *buf = aligned_alloc(64, sizeof(float) * need);
     if (!buf) return -2;
-    float *xn = buf, *q = xn + rows * H, *k = q + rows * qn, *v = k + rows * kvn, *att = v + rows * kvn,
-          *o = att + rows * qn, *gate = o + rows * H, *up = gate + rows * I, *down = up + rows * I,
-          *scores = down + rows * H;
+    float *part[10];
+    int64_t at = 0;
+    for (int i = 0; i < 10; at += (sizes[i] + 15) / 16 * 16, i++) part[i] = buf + at;
+    float *xn = part[0], *q = part[1], *k = part[2], *v = part[3], *att = part[4], *o = part[5], *gate = part[6],
+          *up = part[7], *down = part[8], *scores = part[9];
     int status = 0;
     for (int64_t l = 0; l < n_blocks && !status; l++) {
         const span_block *B = blocks + l;
@@ -153,7 +178,8 @@ int decode_span(const span_dims *D, const span_block *blocks, int64_t n_blocks, 
             status = -1;
             break;
         }
-        for (int64_t i = 0; i < rows * I; i++) gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+#pragma omp simd
+        for (int64_t i = 0; i < rows * I; i++) gate[i] = gate[i] / (1.0f + exp_approx(-gate[i])) * up[i];
         if (linear(&B->down, gate, rows, down, D->min_weights)) {
             status = -1;
             break;
