@@ -469,7 +469,26 @@ def relay_run() -> list[dict]:
                           "rss_mb": round(rss.rss() / MB)}
                 print(json.dumps(result), flush=True)
                 results.append(result)
+    results.append(_record_hijack_row())
     return results
+
+
+def _record_hijack_row() -> dict:
+    """A stranger's record naming a relayed server with the stranger's relay (swarmlm/bench/relay_attacks.py)."""
+    from swarmlm.bench.relay_attacks import record_hijack
+    from swarmlm.swarm.local import LocalSwarm
+
+    model_dir = str(init_checkpoint("tiny-llama", Path(tempfile.mkdtemp()) / "tiny-llama", seed=2))
+    ids = torch.tensor([[1, 5, 9, 13, 17]])
+    with LocalSwarm(model_dir) as swarm:
+        swarm.start_dht()
+        server = swarm.start_server(BlockRange(0, 6), extra=["--reachability", "relayed"])
+        seen = record_hijack(swarm, server, ids, 8, clients=4)
+    result = {"attack": "a stranger's record naming a relayed server's address and its own relay (4 clients)",
+              "tried": len(seen), "own_relay_kept": sum(s["relay_after_reads"] == [s["own_relay"]] * 2 for s in seen),
+              "same_tokens": len({tuple(s["tokens"]) for s in seen}) == 1}
+    print(json.dumps(result), flush=True)
+    return result
 
 
 def slice_cost(model_dir: str, repeats: int = 3) -> None:

@@ -13,6 +13,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 import torch
@@ -30,7 +31,7 @@ from swarmlm.server.scheduler import JobTiming, Scheduler
 from swarmlm.server.sessions import PeerBytes, Session, SessionTable
 from swarmlm.server.stage import SpanState, Stage
 from swarmlm.server.train_service import TrainingRpcs
-from swarmlm.swarm.identity import Identity, sign_info
+from swarmlm.swarm.identity import Identity, sign_info, signed_address
 from swarmlm.swarm.private import client_interceptors
 from swarmlm.types import CacheOp
 from swarmlm.wire import cache_op, codec, compress
@@ -130,6 +131,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         self.pusher = Pusher(config.max_message_bytes, config.push_timeout_s, client_interceptors(config.swarm_key))
         self.identity: Identity | None = None  # set by server.py, with the address it announces
         self.address = ""
+        self.relay: Callable[[], str] = lambda: ""  # the relay it is reached through now (server.py; "" = direct)
         # where pushes may go; server.py gives it the DHT's directory when there is a DHT
         self.targets = TargetCheck(None, self.pusher.info, self._serves)
         self._pushes: dict[str, asyncio.Task] = {}  # per session: its latest push (pushes of a session go in order)
@@ -540,7 +542,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse", pb.InfoReply())
         reply = self.info()
         if self.identity is not None:  # the connect check: sign the client's nonce with our key (swarm/identity.py)
-            sign_info(self.identity, reply, request.nonce, self.address)
+            sign_info(self.identity, reply, request.nonce, signed_address(self.address, self.relay()))
         return reply
 
     def info(self) -> pb.InfoReply:

@@ -109,6 +109,12 @@ def info_payload(nonce: bytes, reply: pb.InfoReply, address: str) -> bytes:
     return b"".join(struct.pack("!I", len(p)) + p for p in parts)
 
 
+def signed_address(address: str, relay: str) -> str:
+    """What a server signs as its address: a relayed one (`p2p/<peer id>`) signs the relay it is reached through
+    too, so a client can require that the relay it dialed is the server's own (not one a stranger's record named)."""
+    return f"{address} via {relay}" if relay else address
+
+
 def sign_info(identity: Identity, reply: pb.InfoReply, nonce: bytes, address: str) -> None:
     """Answer a challenge: fill the reply's key, signed address and signature (the nonce is not echoed)."""
     if not 0 < len(nonce) <= MAX_NONCE_BYTES:
