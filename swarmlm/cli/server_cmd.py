@@ -42,6 +42,8 @@ def add_parser(sub) -> None:
                         "choose one per session with active_adapter=<directory or repo name>; docs/FINETUNING.md)")
     p.add_argument("--max-train-mb", type=int, default=SERVER.max_train_request_bytes // MIB,
                    help="estimated memory one training request (Backward) may take, MiB; larger ones are refused")
+    p.add_argument("--max-train-total-mb", type=int, default=SERVER.max_train_total_bytes // MIB,
+                   help="estimated memory all training requests at once may take, MiB; more wait, then are refused")
     p.add_argument("--mmap-weights", action="store_true",
                    help="serve full-precision weights from the checkpoint file's mapping (pages shared by servers of "
                         "the same file on one host) instead of copying them into the process: less memory per "
@@ -113,5 +115,6 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         dht_prefix=args.dht_prefix,
         identity_file=args.identity, swarm_key=args.swarm_key, quant=args.quant,
         mmap_weights=args.mmap_weights, adapters=tuple(args.adapters), max_train_request_bytes=args.max_train_mb * MIB,
+        max_train_total_bytes=args.max_train_total_mb * MIB,
         drain_timeout_s=args.drain_timeout, rebalance_period_s=args.rebalance_period,
     )
