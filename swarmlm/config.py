@@ -32,7 +32,7 @@ def dtype_name(value: object) -> str:
     if name not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)} (or a torch dtype of these), got {value!r}")
     return name
-WIRE_DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16", "int8")  # as swarmlm/wire/compress.py
+WIRE_DTYPE_NAMES = ("auto", "auto-lossy", "float32", "float16", "bfloat16", "int8")  # as swarmlm/wire/compress.py
 PushMode = Literal["auto", "on", "off"]  # ClientConfig.push
 PUSH_MODES: tuple[PushMode, ...] = ("auto", "on", "off")
 
