@@ -132,6 +132,9 @@ class ServerConfig:
     # finished sessions' prefixes kept for later sessions (server/prefix_cache.py), within cache_bytes and giving
     # way to live sessions' reservations; 0 = off
     prefix_cache_bytes: int = 64 << 20
+    # Info's per-request counters (prefix hits and hit tokens, tokens computed) to any caller; off, they are sent
+    # only in a private swarm (every caller holds its key): a stranger timing them learned others' prompts (issue 39)
+    publish_counters: bool = False
     max_sessions: int = 64  # open sessions at once
     max_length_tokens: int = 2048  # longest session (prompt + generated) accepted
     max_batch: int = 64  # sequences in one session

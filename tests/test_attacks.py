@@ -40,7 +40,7 @@ def attack_server(tiny_bloom):
     """A lone server of the whole model, reached by address; short expiries so the tests wait little."""
     blocks = int(AutoConfig.from_pretrained(tiny_bloom).num_hidden_layers)
     args = ["--max-message-mb", "8", "--open-idle-timeout", "3", "--resume-grace", "2", "--max-batch-tokens", "32",
-            "--max-sessions-per-peer", "32"]
+            "--max-sessions-per-peer", "32", "--publish-counters"]
     with server_processes(tiny_bloom, [BlockRange(0, blocks)], dht=False, server_args=args) as swarm:
         yield swarm.addresses[0], int(load_config(tiny_bloom).hidden_size), blocks
 

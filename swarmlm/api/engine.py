@@ -46,6 +46,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     top_logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's and k alternatives
+    prefix_scope: bytes | None = None  # whose cached prefixes (the requesting user's, api/admission.py); None: shared
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -122,6 +123,7 @@ class ChoiceDecoder:
                 self.session = self.model.inference_session(
                     max_length=self.prompt_tokens + self.params.max_tokens, batch_size=1,
                     l_in_hint=self.prompt_tokens, l_out_hint=self.params.max_tokens,
+                    prefix_scope=self.params.prefix_scope,
                 ).open(prompt_ids=None if self.speculative is not None else self.ids[0].tolist())  # from a prefix
                 # the servers cached, if any (a speculating choice starts from scratch)
                 if self.speculative is not None:

@@ -49,7 +49,8 @@ class ChoiceGroup:
                 longest = max(c.params.max_tokens for c in self.choices)
                 self.session = self.model.inference_session(
                     max_length=self.prompt.shape[1] + longest, batch_size=len(self.choices),
-                    l_in_hint=self.prompt.shape[1], l_out_hint=longest).open()
+                    l_in_hint=self.prompt.shape[1], l_out_hint=longest,
+                    prefix_scope=self.choices[0].params.prefix_scope).open()
                 if self.speculative is not None:
                     return self._speculate()
                 logits = self.model.step_logits(self.session, self.prompt, None, last_only=True)[:, -1].float()

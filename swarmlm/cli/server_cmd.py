@@ -50,6 +50,9 @@ def add_parser(sub) -> None:
                         "extra server, ~1.5x slower decode on the machine we measured")
     p.add_argument("--cache-mb", type=int, default=SERVER.cache_bytes // MIB,
                    help="attention-cache budget across sessions, MiB")
+    p.add_argument("--publish-counters", action="store_true",
+                   help="Info tells any caller the prefix cache's hits and the tokens computed (default: only in a "
+                        "private swarm; a stranger watching them can guess other users' prompts)")
     p.add_argument("--prefix-cache-mb", type=int, default=SERVER.prefix_cache_bytes // MIB,
                    help="finished sessions' prefixes kept for later sessions, within --cache-mb, MiB (0 = off)")
     p.add_argument("--memory-mb", type=int,
@@ -103,7 +106,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         reachability=args.reachability,
         threads=args.threads, dtype=args.dtype, num_blocks=args.num_blocks, placement=args.placement,
         memory_bytes=args.memory_mb * MIB if args.memory_mb else None, cache_bytes=args.cache_mb * MIB,
-        prefix_cache_bytes=args.prefix_cache_mb * MIB,
+        prefix_cache_bytes=args.prefix_cache_mb * MIB, publish_counters=args.publish_counters,
         max_sessions=args.max_sessions, max_length_tokens=args.max_length,
         scheduler=SchedulerConfig(
             max_batch_tokens=args.max_batch_tokens, max_prefill_skips=args.max_prefill_skips,

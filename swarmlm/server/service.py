@@ -563,8 +563,14 @@ class SwarmService(pb_grpc.SwarmServicer):
             fingerprint=range_fingerprint(self.config.model_dir, self.stage.blocks.start, self.stage.blocks.end),
             quant=self.stage.announced_quant, weight_bytes=self.stage.weight_bytes,  # int8/int4: announced; bytes held
             adapters=sorted(self.stage.lora_adapters),
-            prefix_cache=prefix_cache.info(self.prefixes), tokens_computed=self.tokens_computed,
+            prefix_cache=prefix_cache.info(self.prefixes, self.counters_public),
+            tokens_computed=self.tokens_computed if self.counters_public else 0,
         )
+
+    @property
+    def counters_public(self) -> bool:
+        """May Info carry per-request counters (ServerConfig.publish_counters)?"""
+        return self.config.publish_counters or self.config.swarm_key is not None
 
     async def expire_loop(self, period_s: float = 0.5) -> None:
         cfg = self.config
