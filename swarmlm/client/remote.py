@@ -70,6 +70,7 @@ class RemoteSequence:
         if unmeasured:  # measured (and checked) before they enter the view: an impostor is never routed to
             self.loop.run(self._measure(unmeasured))
         self.view.update({sid: r for sid, r in records.items() if (sid, r.address) not in self.rejected})
+        self.channels.adapter = self.view.adapter  # (sessions open with the adapter's one version)
 
     def _through_relays(self, records: dict[str, ServerRecord]) -> dict[str, ServerRecord]:
         """Servers behind NAT are reached through the relay their record names; one that no relay takes cannot be
@@ -142,6 +143,8 @@ class RemoteSequence:
                 dialed = self.tunnels.relays.get(r.address, "") if r.relayed else ""
                 signed = signed_address(r.address, dialed) if self.dht is not None else None
                 why = verify_info(reply, nonce, r.server_id, signed, fingerprint=r.fingerprint or None)
+                if why is None and ",".join(reply.adapters) != r.adapters:  # (signed: name@fingerprint each)
+                    why = f"its Info's adapters {list(reply.adapters)[:4]} are not its record's"
                 if why is not None and r.relayed and reply.server_id == r.server_id:
                     raise ConnectionError(f"reached through another relay than its own: {why}")  # (banned, retried)
                 if why is not None:

@@ -102,10 +102,10 @@ def _private_key(key: RSAPrivateKey) -> rsa.RSAPrivateKey:
 
 # ---- the connect check ---------------------------------------------------------------------------------------
 def info_payload(nonce: bytes, reply: pb.InfoReply, address: str) -> bytes:
-    """What a server signs in its Info reply: the client's nonce, its id, its address, model and fingerprint
-    (length-prefixed, so no two field lists give the same bytes)."""
+    """What a server signs in its Info reply: the client's nonce, its id, its address, model, fingerprint and
+    adapters with theirs (length-prefixed, so no two field lists give the same bytes)."""
     parts = [_INFO_DOMAIN, nonce, reply.server_id.encode(), address.encode(), reply.model.encode(),
-             getattr(reply, "fingerprint", "").encode()]
+             getattr(reply, "fingerprint", "").encode(), ",".join(reply.adapters).encode()]
     return b"".join(struct.pack("!I", len(p)) + p for p in parts)
 
 
