@@ -247,6 +247,8 @@ class TrainingRpcs:
         finally:
             self.service.load.release(peer, nbytes)
             await self.budget.release(need)
+            if self.budget.used == 0:  # the last training request here ended: its freed heap back to the OS
+                self.service._trim()
 
     async def _admitted(self, request, context, empty, with_grad: bool):
         """(request, grad, peer, bytes charged, memory estimate) once validated and admitted under the host's bytes
