@@ -39,7 +39,8 @@ def test_the_budget_admits_what_fits_and_refuses_the_rest_after_its_wait():
 
 def test_a_request_larger_than_the_total_is_a_config_error():
     with pytest.raises(ValueError, match="max_train_request_bytes .* max_train_total_bytes"):
-        ServerConfig(model_dir="m", blocks=BlockRange(0, 1), max_train_request_bytes=2 << 20, max_train_total_bytes=1 << 20)
+        ServerConfig(model_dir="m", blocks=BlockRange(0, 1), max_train_request_bytes=2 << 20,
+                     max_train_total_bytes=1 << 20)
 
 
 def test_concurrent_backwards_hold_at_most_the_total_and_all_finish(tiny_llama):

@@ -6,7 +6,8 @@ Kinds: `greedy` (generate), `sampling` (seeded top-k: the same seed gives transf
 n=2 choices through the gateway: transformers' greedy text, twice), `train` (LoRA: each fresh adapter's first loss
 is transformers' loss, and 4 AdamW steps lower it).
 
-    python -m swarmlm.bench.soak_clients KIND MODEL_DIR STOP_FILE SEED [--initial-peers ...] [--gateway URL --gateway-model ID]
+    python -m swarmlm.bench.soak_clients KIND MODEL_DIR STOP_FILE SEED [--initial-peers ...]
+        [--gateway URL --gateway-model ID]
 """
 from __future__ import annotations
 
@@ -109,7 +110,8 @@ class Checker:
             new = self.ref.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False,
                                     pad_token_id=self.tok.eos_token_id)[0, ids.shape[1]:]
         want = self.tok.decode(new, skip_special_tokens=True)
-        body = {"model": self.gateway_model, "prompt": text, "max_tokens": NEW_TOKENS, "temperature": 0, "n": 2, "stream": True}
+        body = {"model": self.gateway_model, "prompt": text, "max_tokens": NEW_TOKENS, "temperature": 0, "n": 2,
+                "stream": True}
         texts = ["", ""]
         with httpx.Client(timeout=300) as http:
             with http.stream("POST", f"{self.gateway}/v1/completions", json=body) as response:

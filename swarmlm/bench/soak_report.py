@@ -120,7 +120,8 @@ def markdown(s: dict) -> str:
              "", "| kind | requests | ok | wrong | errors |", "|---|---|---|---|---|"]
     lines += [f"| {k} | {v.get('requests', 0)} | {v.get('ok', 0)} | {v.get('wrong', 0)} | {v.get('errors', 0)} |"
               for k, v in sorted(s["by_kind"].items())]
-    lines += ["", "| process | pid | whole run | RSS MB (settled -> end, peak) | fds | threads |", "|---|---|---|---|---|---|"]
+    lines += ["", "| process | pid | whole run | RSS MB (settled -> end, peak) | fds | threads |",
+              "|---|---|---|---|---|---|"]
     lines += [f"| {p['role']} | {pid} | {p['whole_run']} | {p['rss_mb'][0]} -> {p['rss_mb'][1]} "
               f"({p['rss_peak_mb']}) | {p['fds'][0]} -> {p['fds'][1]} | {p['threads'][0]} -> {p['threads'][1]} |"
               for pid, p in sorted(s["processes"].items(), key=lambda kv: kv[1]["role"]) if p["rss_peak_mb"] >= 50]
