@@ -228,6 +228,24 @@ def test_push_targets_only_to_announced_or_verified_servers():
     asyncio.run(scenario())
 
 
+def test_a_server_announced_after_a_refused_push_is_pushed_to_at_once():
+    """The soak (issue 39) saw pushes to a server that had just moved to other blocks refused for 30 s (the refusal
+    was remembered) and the clients' requests failing: with a DHT, only the 1-second lookup cache holds a refusal."""
+    announced: set[str] = set()
+
+    async def directory(block: int) -> set[str]:
+        return set(announced)
+
+    async def scenario() -> list[bool]:
+        check = TargetCheck(directory, lambda address: None, lambda info, block: False)
+        before = await check.allowed("10.0.0.2:5000", 3)
+        announced.add("10.0.0.2:5000")  # it announces itself
+        await asyncio.sleep(1.1)  # (past the lookup cache)
+        return [before, await check.allowed("10.0.0.2:5000", 3)]
+
+    assert asyncio.run(scenario()) == [False, True]
+
+
 # ---- a real server ---------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
