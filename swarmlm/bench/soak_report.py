@@ -91,18 +91,19 @@ def plot(out: Path) -> Path | None:
     for s in samples:
         for p in s["procs"]:
             series[(p["pid"], p["role"])].append((s["t"] / 60, p["rss_mb"]))
-    fig, ax = plt.subplots(figsize=(12, 6))
+    fig, ax = plt.subplots(figsize=(13, 6))
+    last = max((x for pts in series.values() for x, _ in pts), default=0.0)
     for (pid, role), pts in sorted(series.items(), key=lambda kv: kv[0][1]):
-        if max(y for _, y in pts) < 50:  # (small helpers: p2pd daemons are listed in the summary)
-            continue
-        ax.plot([x for x, _ in pts], [y for _, y in pts], lw=1, label=f"{role} ({pid})")
+        whole = pts[0][0] <= 0.5 and pts[-1][0] >= last - 0.5  # (lived the whole run: named in the legend)
+        ax.plot([x for x, _ in pts], [y for _, y in pts], lw=1, alpha=1.0 if whole else 0.4,
+                label=role if whole else None)
     colors = {"kill": "red", "hang": "orange", "partition": "blue", "move": "green"}
     for f in _rows(out / "faults.jsonl"):
         if "kind" in f:
             ax.axvline(f["t"] / 60, color=colors.get(f["kind"], "gray"), alpha=0.35, lw=1)
     ax.set_xlabel("minutes (faults: red kill, orange hang, blue partition, green move)")
     ax.set_ylabel("RSS (MB)")
-    ax.legend(fontsize=6, ncol=3, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="whole run")
     path = out / "rss.png"
     fig.tight_layout()
     fig.savefig(path, dpi=110)
