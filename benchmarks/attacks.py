@@ -376,6 +376,33 @@ def hostile_training(ctx, rounds: int = 20) -> tuple[int, str]:
     return rounds * len(cases), ", ".join(f"{n} x {c}" for c, n in sorted(codes.items()))
 
 
+def training_flood(ctx, calls: int = 32, rows: int = 64, tokens: int = 128) -> tuple[int, str]:
+    """`calls` concurrent Backwards of rows x tokens, each within the per-request bound (issue 39, hole 2): their sum
+    is bounded by the server's training budget (--max-train-total-mb), the rest wait or are refused."""
+    x, g = torch.randn(rows, tokens, ctx.hidden), torch.randn(rows, tokens, ctx.hidden)
+    request = pb.BackwardRequest(start_block=0, end_block=ctx.blocks, hidden=codec.encode(x),
+                                 grad_output=codec.encode(g))
+    codes: dict[str, int] = {}
+
+    def one(_: int) -> None:
+        channel, st = stub(ctx.address)
+        try:
+            st.Backward(request, timeout=600)
+            code = "OK"
+        except grpc.RpcError as exc:
+            code = exc.code().name
+        finally:
+            channel.close()
+        codes[code] = codes.get(code, 0) + 1
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return calls, ", ".join(f"{n} x {c}" for c, n in sorted(codes.items()))
+
+
 ATTACKS: dict[str, Callable] = {
     "slot exhaustion (64 opens + garbage, dropped)": slot_exhaustion,
     "silent opens (64 held, no step)": silent_opens,
@@ -389,6 +416,7 @@ ATTACKS: dict[str, Callable] = {
     "prefix flood (24 x 256-token saves, random scopes)": prefix_flood,
     "fuzz (random bytes + fields, every RPC)": fuzz,
     "hostile training requests (gradients, prompts, LoRA)": hostile_training,
+    "training flood (32 concurrent Backwards of 64 x 128)": training_flood,
 }
 
 
@@ -469,7 +497,26 @@ def relay_run() -> list[dict]:
                           "rss_mb": round(rss.rss() / MB)}
                 print(json.dumps(result), flush=True)
                 results.append(result)
+    results.append(_record_hijack_row())
     return results
+
+
+def _record_hijack_row() -> dict:
+    """A stranger's record naming a relayed server with the stranger's relay (swarmlm/bench/relay_attacks.py)."""
+    from swarmlm.bench.relay_attacks import record_hijack
+    from swarmlm.swarm.local import LocalSwarm
+
+    model_dir = str(init_checkpoint("tiny-llama", Path(tempfile.mkdtemp()) / "tiny-llama", seed=2))
+    ids = torch.tensor([[1, 5, 9, 13, 17]])
+    with LocalSwarm(model_dir) as swarm:
+        swarm.start_dht()
+        server = swarm.start_server(BlockRange(0, 6), extra=["--reachability", "relayed"])
+        seen = record_hijack(swarm, server, ids, 8, clients=4)
+    result = {"attack": "a stranger's record naming a relayed server's address and its own relay (4 clients)",
+              "tried": len(seen), "own_relay_kept": sum(s["relay_after_reads"] == [s["own_relay"]] * 2 for s in seen),
+              "same_tokens": len({tuple(s["tokens"]) for s in seen}) == 1}
+    print(json.dumps(result), flush=True)
+    return result
 
 
 def slice_cost(model_dir: str, repeats: int = 3) -> None:

@@ -179,6 +179,38 @@ def foreign_host(ctx: Ctx) -> tuple[int, str]:
                                                    timeout=60).status_code))
 
 
+def prefix_timing(ctx: Ctx, guesses: int = 20) -> tuple[int, str]:
+    """Issue 39, hole 6: user "a" asks with a PIN in the prompt; user "b" guesses it, watching the servers' prefix hit
+    counters (Info) after each guess. Before: the right guess alone raised hit_tokens (a shared scope, public
+    counters)."""
+    from swarmlm.swarm.dht import default_prefix, fetch_records
+    from swarmlm.swarm.dht_thread import ThreadDHT
+    from swarmlm.wire import swarm_pb2 as pb
+    from swarmlm.wire import swarm_pb2_grpc as pb_grpc
+    from swarmlm.wire.channel import sync_channel
+
+    text = "Customer record. Name: A. Example. Address: 1 Main Street. Account PIN: {pin:02d}. " * 2
+    reader = ThreadDHT(ctx.initial_peers)
+    try:
+        addresses = [r.address for r in fetch_records(reader, default_prefix(ctx.model), range(6)).values()]
+    finally:
+        reader.shutdown()
+
+    def hits() -> int:
+        return sum(pb_grpc.SwarmStub(sync_channel(a)).Info(pb.InfoRequest(), timeout=30).prefix_cache.hit_tokens
+                   for a in addresses)
+
+    ctx.post({"prompt": text.format(pin=42), "max_tokens": 1, "temperature": 0, "user": "a"})
+    rises = []
+    for pin in range(guesses):
+        before = hits()
+        ctx.post({"prompt": text.format(pin=pin if pin != 7 else 42), "max_tokens": 1, "temperature": 0, "user": "b"})
+        rises.append(hits() - before)
+    right = rises[7]
+    return guesses, (f"hit tokens the right guess added: {right}, the others: max {max(rises[:7] + rises[8:])} "
+                     f"(counters published: {any(rises)})")
+
+
 ATTACKS: dict[str, Callable[[Ctx], tuple[int, str]]] = {
     "seeds outside 64 bits (n=2)": seeds,
     "forged DHT record, max_length 1": forged_record,
@@ -190,6 +222,7 @@ ATTACKS: dict[str, Callable[[Ctx], tuple[int, str]]] = {
     "slowloris (100 half-sent headers)": slowloris,
     "surrogate, temperature 1e-300, huge stop": bad_values,
     "foreign Host (DNS rebinding)": foreign_host,
+    "guessing another user's prompt by the servers' prefix counters": prefix_timing,
 }
 
 

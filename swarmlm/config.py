@@ -38,7 +38,7 @@ def dtype_name(value: object) -> str:
     if name not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)} (or a torch dtype of these), got {value!r}")
     return name
-WIRE_DTYPE_NAMES = ("auto", "float32", "float16", "bfloat16", "int8")  # as swarmlm/wire/compress.py
+WIRE_DTYPE_NAMES = ("auto", "auto-lossy", "float32", "float16", "bfloat16", "int8")  # as swarmlm/wire/compress.py
 PushMode = Literal["auto", "on", "off"]  # ClientConfig.push
 PUSH_MODES: tuple[PushMode, ...] = ("auto", "on", "off")
 
@@ -140,6 +140,9 @@ class ServerConfig:
     # finished sessions' prefixes kept for later sessions (server/prefix_cache.py), within cache_bytes and giving
     # way to live sessions' reservations; 0 = off
     prefix_cache_bytes: int = 64 << 20
+    # Info's per-request counters (prefix hits and hit tokens, tokens computed) to any caller; off, they are sent
+    # only in a private swarm (every caller holds its key): a stranger timing them learned others' prompts (issue 39)
+    publish_counters: bool = False
     max_sessions: int = 64  # open sessions at once
     max_length_tokens: int = 2048  # longest session (prompt + generated) accepted
     max_batch: int = 64  # sequences in one session
@@ -159,6 +162,10 @@ class ServerConfig:
     # training (server/training.py): estimated peak memory of one Backward (every block's input + one block's
     # activations); clients split larger batches into chunks of rows
     max_train_request_bytes: int = 256 << 20
+    # the sum of those estimates over every training request admitted at once (server/train_service.py TrainBudget):
+    # a request that does not fit waits up to train_admission_wait_s for others to finish, then RESOURCE_EXHAUSTED
+    max_train_total_bytes: int = 1 << 30
+    train_admission_wait_s: float = 30.0
     max_lora_rank: int = 64  # rank of a client's LoRA matrices sent with a request
     max_lora_layers: int = 1024  # LoRA'd linear layers in one request
     announce_period_s: float = 2.0  # how often the DHT record is refreshed
@@ -186,10 +193,14 @@ class ServerConfig:
         for name in ("cache_bytes", "max_sessions", "max_length_tokens", "max_batch", "max_message_bytes",
                      "max_sessions_per_peer", "max_peer_bytes_in_flight", "max_concurrent_rpcs",
                      "max_request_tokens", "max_attention_cost", "open_idle_timeout_s", "session_idle_timeout_s",
-                     "push_timeout_s", "max_train_request_bytes", "max_lora_rank", "max_lora_layers"):
+                     "push_timeout_s", "max_train_request_bytes", "max_train_total_bytes", "max_lora_rank",
+                     "max_lora_layers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("join_settle_s", "drain_timeout_s", "rebalance_period_s"):
+        if self.max_train_request_bytes > self.max_train_total_bytes:
+            raise ValueError(f"max_train_request_bytes ({self.max_train_request_bytes}) must be at most "
+                             f"max_train_total_bytes ({self.max_train_total_bytes}): such a request would never fit")
+        for name in ("join_settle_s", "drain_timeout_s", "rebalance_period_s", "train_admission_wait_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.prefix_cache_bytes < 0:

@@ -12,6 +12,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.server.adapters import adapter_fingerprint
 from swarmlm.types import BlockRange
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
@@ -75,7 +76,8 @@ def test_adapter_sessions_equal_peft_and_route_only_to_its_servers(tiny_llama, a
                 list(replies)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not served" in err.value.details()
         with grpc.insecure_channel(with_adapter.address) as channel:
-            assert list(pb_grpc.SwarmStub(channel).Info(pb.InfoRequest(), timeout=30).adapters) == ["my-adapter"]
+            assert list(pb_grpc.SwarmStub(channel).Info(pb.InfoRequest(), timeout=30).adapters) == \
+                [f"my-adapter@{adapter_fingerprint(adapter_dir)}"]  # (its weights' hash: tests/test_adapter_versions.py)
             # an adapter's rows are not the base model's under the same prefix keys: no prefix cache beside it
             replies = pb_grpc.SwarmStub(channel).Inference(iter([pb.InferenceRequest(open=pb.OpenSession(
                 start_block=0, end_block=6, batch_size=1, max_length=40, adapter="my-adapter",

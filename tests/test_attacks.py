@@ -40,7 +40,7 @@ def attack_server(tiny_bloom):
     """A lone server of the whole model, reached by address; short expiries so the tests wait little."""
     blocks = int(AutoConfig.from_pretrained(tiny_bloom).num_hidden_layers)
     args = ["--max-message-mb", "8", "--open-idle-timeout", "3", "--resume-grace", "2", "--max-batch-tokens", "32",
-            "--max-sessions-per-peer", "32"]
+            "--max-sessions-per-peer", "32", "--publish-counters"]
     with server_processes(tiny_bloom, [BlockRange(0, blocks)], dht=False, server_args=args) as swarm:
         yield swarm.addresses[0], int(load_config(tiny_bloom).hidden_size), blocks
 
@@ -226,6 +226,24 @@ def test_push_targets_only_to_announced_or_verified_servers():
         assert probes == ["10.0.0.3:5000", "10.0.0.3:5000", "10.0.0.4:80"]
 
     asyncio.run(scenario())
+
+
+def test_a_server_announced_after_a_refused_push_is_pushed_to_at_once():
+    """The soak (issue 39) saw pushes to a server that had just moved to other blocks refused for 30 s (the refusal
+    was remembered) and the clients' requests failing: with a DHT, only the 1-second lookup cache holds a refusal."""
+    announced: set[str] = set()
+
+    async def directory(block: int) -> set[str]:
+        return set(announced)
+
+    async def scenario() -> list[bool]:
+        check = TargetCheck(directory, lambda address: None, lambda info, block: False)
+        before = await check.allowed("10.0.0.2:5000", 3)
+        announced.add("10.0.0.2:5000")  # it announces itself
+        await asyncio.sleep(1.1)  # (past the lookup cache)
+        return [before, await check.allowed("10.0.0.2:5000", 3)]
+
+    assert asyncio.run(scenario()) == [False, True]
 
 
 # ---- a real server ---------------------------------------------------------------------------------------------

@@ -69,6 +69,20 @@ def test_bandwidth_estimate_from_step_timings():
     assert est.measured and est.bandwidth_bps == pytest.approx(100e6)
 
 
+def test_old_samples_stop_counting():
+    """A link's past load (a stranger's flood through the same relay) does not stay its measured rate."""
+    now = [0.0]
+    est = BandwidthEstimate(default_bps=1e9, max_age_s=60.0, clock=lambda: now[0])
+    est.observe(2_000, 0.020)
+    for _ in range(5):
+        est.observe(1_250_000, 0.020 + 1.0)  # 10 Mbit/s while loaded
+    assert est.bandwidth_bps == pytest.approx(10e6)
+    now[0] = 61.0
+    assert est.bandwidth_bps == 1e9 and not est.measured  # nothing recent: the assumed rate again
+    est.observe(1_250_000, 0.020 + 0.100)
+    assert est.bandwidth_bps == pytest.approx(100e6)
+
+
 def test_large_messages_outweigh_a_burst_of_small_ones():
     """A token bucket lets a short prompt's 64 KB through at once (it reads as 10x the link); the few large
     messages, which are what chunking is about, decide the estimate."""

@@ -152,7 +152,7 @@ def _turns(seed: int, first: int = 37) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def two_servers(tiny_bloom):
-    with in_process_swarm(tiny_bloom, even_split(6, 2)) as swarm:  # the protocol: servers in this process
+    with in_process_swarm(tiny_bloom, even_split(6, 2), publish_counters=True) as swarm:  # (servers in this process)
         yield swarm
 
 
@@ -252,7 +252,7 @@ def test_in_a_private_swarm_sharing_is_a_choice(tiny_bloom, tmp_path):
 @pytest.mark.slow
 def test_both_switches_turn_it_off(tiny_bloom):
     ids = torch.randint(10, 250, (1, 40), generator=torch.Generator().manual_seed(6))
-    no_cache = ["--prefix-cache-mb", "0"]
+    no_cache = ["--prefix-cache-mb", "0", "--publish-counters"]
     with running_swarm(tiny_bloom, even_split(6, 2), dht=False, server_args=no_cache) as (swarm, client):
         a = client.generate(ids, max_new_tokens=3, do_sample=False)
         b = client.generate(ids, max_new_tokens=3, do_sample=False)
@@ -298,7 +298,7 @@ def test_gateway_chats_sharing_a_system_prompt_reuse_it(tiny_bloom, tmp_path):
         return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
     system = {"role": "system", "content": SYSTEM}
-    with gateway_stack(tiny_bloom, tmp_path) as (swarm, gateway):
+    with gateway_stack(tiny_bloom, tmp_path, server_extra=lambda i: ["--publish-counters"]) as (swarm, gateway):
         first = _chat(gateway, tiny_bloom, [system, {"role": "user", "content": "Where are the atlases?"}])
         before = _hit_tokens(swarm)
         other = _chat(gateway, tiny_bloom, [system, {"role": "user", "content": "Is it open on Sunday?"}])

@@ -61,14 +61,17 @@ def test_malformed_packed_tensors_are_refused():
         codec.header(pb.Tensor(data=b"", dtype=compress.INT8_BLOCK, shape=[1 << 40]))
 
 
-def test_auto_chooses_by_bandwidth_and_settings_are_checked():
-    assert compress.choose("auto", 10e9) == "float32"  # loopback / fast LAN: exact
-    assert compress.choose("auto", 100e6) == "float16"
-    assert compress.choose("auto", 10e6) == "int8"
-    assert compress.choose("auto", 10e6, "127.0.0.1:4000") == "float32"  # loopback stays exact, even measured slow
-    assert compress.choose("auto", 10e6, "[::1]:4000") == "float32"
-    assert compress.choose("auto", 10e6, "10.0.0.2:4000") == "int8"
-    assert compress.choose("auto", 10e6, "127.214.20.1:4000") == "int8"  # netem relay-only: an emulated slow link
+def test_auto_is_exact_on_every_link_and_auto_lossy_chooses_by_bandwidth():
+    # (issue 39, hole 8: "auto" once went int8 on a slow-measured link, and a gateway's greedy answers changed)
+    for bandwidth, address in ((10e9, ""), (100e6, "p2p/12D3Koo"), (1e6, "10.0.0.2:4000"), (10e6, "127.0.0.1:1")):
+        assert compress.choose("auto", bandwidth, address, 1 << 20) == "float32"
+    assert compress.choose("auto-lossy", 10e9) == "float32"  # loopback / fast LAN: exact
+    assert compress.choose("auto-lossy", 100e6) == "float16"
+    assert compress.choose("auto-lossy", 10e6) == "int8"
+    assert compress.choose("auto-lossy", 10e6, "127.0.0.1:4000") == "float32"  # loopback stays exact, even measured slow
+    assert compress.choose("auto-lossy", 10e6, "[::1]:4000") == "float32"
+    assert compress.choose("auto-lossy", 10e6, "10.0.0.2:4000") == "int8"
+    assert compress.choose("auto-lossy", 10e6, "127.214.20.1:4000") == "int8"  # netem relay-only: an emulated slow link
     assert compress.choose("int8", 10e9, "127.0.0.1:4000") == "int8"  # an explicit setting is kept
     with pytest.raises(ValueError, match="wire_dtype"):
         compress.choose("fp8", 1e9)
@@ -76,11 +79,22 @@ def test_auto_chooses_by_bandwidth_and_settings_are_checked():
         ClientConfig(wire_dtype="int4")
 
 
-def test_auto_keeps_messages_that_cross_the_link_fast_exact():
+def test_a_clients_auto_link_stays_exact_whatever_its_measured_bandwidth():
+    from swarmlm.client.streams import Channels
+
+    got = []
+    for setting in ("auto", "auto-lossy"):
+        channels = Channels(ClientConfig(wire_dtype=setting))  # (no channel is opened)
+        channels.bandwidth("p2p/12D3KooWx").observe(4 << 20, 0.5)  # a link measured at ~67 Mbit/s (a loaded relay)
+        got.append(channels.wire_dtype_for("p2p/12D3KooWx", 4 << 20))
+    assert got == ["float32", "float16"]  # lossy only when asked for
+
+
+def test_auto_lossy_keeps_messages_that_cross_the_link_fast_exact():
     decode, prefill = 4 * 1024, 4 * 1024 * 256  # float32 bytes of one token / 256 tokens of a 1024-wide state
-    assert compress.choose("auto", 100e6, "10.0.0.2:4000", decode) == "float32"  # 0.33 ms on the link
-    assert compress.choose("auto", 100e6, "10.0.0.2:4000", prefill) == "float16"
-    assert compress.choose("auto", 10e6, "10.0.0.2:4000", decode) == "int8"  # 3.3 ms: worth packing
+    assert compress.choose("auto-lossy", 100e6, "10.0.0.2:4000", decode) == "float32"  # 0.33 ms on the link
+    assert compress.choose("auto-lossy", 100e6, "10.0.0.2:4000", prefill) == "float16"
+    assert compress.choose("auto-lossy", 10e6, "10.0.0.2:4000", decode) == "int8"  # 3.3 ms: worth packing
     assert compress.choose("float16", 100e6, "10.0.0.2:4000", decode) == "float16"  # an explicit setting is kept
 
 
@@ -92,12 +106,12 @@ def test_bytes_per_value_match_the_encoded_messages():
 
 
 def test_a_client_switches_to_compression_once_it_measures_a_slow_link():
-    """Channels.wire_dtype_for under auto: float32 until the link is measured, then by the measured rate (the
+    """Channels.wire_dtype_for under auto-lossy: float32 until the link is measured, then by the measured rate (the
     estimate is fed what SpanStream.receive feeds it: a message's bytes and its network time)."""
     from swarmlm.client.streams import Channels
     from swarmlm.config import ClientConfig
 
-    channels = Channels(ClientConfig(max_message_bytes=1 << 20, wire_dtype="auto"))
+    channels = Channels(ClientConfig(max_message_bytes=1 << 20, wire_dtype="auto-lossy"))
     address, prefill = "10.0.0.2:4000", 4 * 1024 * 256
     assert channels.wire_dtype_for(address, prefill) == "float32"  # not measured yet: assumed fast
     link = channels.bandwidth(address)

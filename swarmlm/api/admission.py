@@ -4,7 +4,10 @@ the swarm serves, generated (api/engine.py), and answered whole or streamed (api
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
+import secrets
 import math
 import time
 from collections import defaultdict
@@ -31,6 +34,7 @@ class RequestHandler:
         self.model, self.tokenizer, self.config, self.engine = model, tokenizer, config, engine
         self.limits = ClientLimits(config.max_streams_per_client)
         self.view_refresh = ViewRefresh(engine, model.remote, config.view_refresh_s)
+        self.scope_secret = secrets.token_bytes(32)  # users' prefix scopes derive from it (prefix_scope)
 
     def client_key(self, request: Request) -> str:
         """What was verified: the API key (checked by RequestGuard) when one is configured, else the peer's
@@ -38,6 +42,15 @@ class RequestHandler:
         if self.config.api_key:
             return "key"
         return f"ip:{request.client.host if request.client else '?'}"
+
+    def prefix_scope(self, request: Request, req) -> bytes | None:
+        """The requesting user's own prefix scope (server/prefix_cache.py): one per client key (the API key, or the
+        peer's address when keys are off) and OpenAI `user` field, derived from this gateway's secret, so no user
+        starts from (or times) another's cached prompt. None (the client's one scope) with --share-prefixes, where
+        the swarm's key holders share their prefixes by choice."""
+        if self.model.remote.config.prefix_share:
+            return None
+        return user_scope(self.scope_secret, self.client_key(request), getattr(req, "user", None))
 
     def check_model(self, name: str) -> None:
         if name != self.config.model_name and name not in self.config.model_aliases:  # an alias is not repeated
@@ -51,7 +64,7 @@ class RequestHandler:
         return min(limits) if limits else self.config.default_context_tokens
 
     async def sampling(self, req, prompts: list[list[int]], max_tokens: int | None,
-                       top_logprobs: int | None) -> Sampling:
+                       top_logprobs: int | None, prefix_scope: bytes | None = None) -> Sampling:
         longest = max(len(p) for p in prompts)
         if min(len(p) for p in prompts) == 0:  # nothing to prefill from (a model needs at least one token)
             raise ApiError(400, "the prompt is empty", "invalid_request_error", "invalid_request", "prompt")
@@ -69,7 +82,7 @@ class RequestHandler:
             max_tokens or room, req.temperature, req.top_p, top_k=max(req.top_k, 0), min_p=req.min_p,
             repetition_penalty=req.penalty, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, stop=tuple(req.stop), seed=req.generator_seed,
-            top_logprobs=top_logprobs,
+            top_logprobs=top_logprobs, prefix_scope=prefix_scope,
         )
 
     def admit(self, request: Request, req, texts: list[str]) -> Callable[[], None]:
@@ -118,12 +131,17 @@ class RequestHandler:
         release = self.admit(request, req, texts)
         try:
             prompts = await self.engine.tokenize(encode, sum(len(t) for t in texts))
-            params = await self.sampling(req, prompts, max_tokens, top_logprobs)
+            params = await self.sampling(req, prompts, max_tokens, top_logprobs, self.prefix_scope(request, req))
             render = renderer(new_id(prefix), self.config.model_name, self.tokenizer, req, prompts)
         except BaseException:
             release()
             raise
         return await self.generate(request, req, prompts, params, render, release)
+
+
+def user_scope(secret: bytes, client_key: str, user: str | None) -> bytes:
+    """A user's prefix scope token (16 bytes): HMAC-SHA256 of (client key, `user` field) under the gateway's secret."""
+    return hmac.new(secret, f"{client_key}\n{user or ''}".encode(), hashlib.sha256).digest()[:16]
 
 
 class ClientLimits:

@@ -232,3 +232,67 @@ async def tokens_without_key(bed: RelayBed, node: P2PNode) -> list[str]:
 
 def _tok(bed: RelayBed, proto: str) -> str:
     return make_token(bed.swarm_key, proto) if bed.swarm_key else "-"
+
+
+# ---- a stranger's record naming a relayed server (issue 39, hole 1): needs a swarm, not the bed ----------------
+def record_hijack(swarm, server, ids, new_tokens: int, clients: int = 2) -> list[dict]:
+    """A stranger with a fresh key of its own publishes (every second) a copy of a relayed `server`'s record under
+    its own id, naming a dead relay; `clients` new clients of `swarm` (a LocalSwarm) then generate greedily, and
+    each reads the two records in both orders. Per client: its tokens, the relay its tunnel uses after the reads
+    (`relay_after_reads`: one per order), the address's owner, and the server's own relay."""
+    import dataclasses
+
+    from swarmlm.client.model import DistributedModelForCausalLM
+    from swarmlm.swarm.dht import announce, default_prefix, fetch_records, owner_subkey
+    from swarmlm.swarm.dht_thread import ThreadDHT
+    from swarmlm.swarm.identity import Identity
+
+    prefix = default_prefix(swarm.model_dir)
+    key = Identity.generate()
+    signer, stranger = key.validator, key.server_id
+    attacker = ThreadDHT(swarm.initial_peers, client_mode=False, validator=signer)
+    stop, out = threading.Event(), []
+    try:
+        honest = _record_with_relay(attacker, prefix, server.server_id, stop)
+        lie = dataclasses.replace(honest, server_id=stranger,
+                                  relay=f"/ip4/127.0.0.1/tcp/9/p2p/{honest.relay.split('/')[-1]}")  # dead port
+
+        def publish() -> None:
+            while not stop.is_set():
+                announce(attacker, prefix, lie, 8.0, subkey=owner_subkey(stranger, signer))
+                stop.wait(1.0)
+
+        threading.Thread(target=publish, daemon=True).start()
+        for _ in range(150):  # (its record readable: then the clients come)
+            if stranger in fetch_records(attacker, prefix, [honest.start]) or stop.wait(0.2):
+                break
+        else:
+            raise RuntimeError("the stranger's record was not stored")
+        for _ in range(clients):
+            client = DistributedModelForCausalLM.from_pretrained(swarm.model_dir, initial_peers=swarm.initial_peers)
+            try:
+                got = client.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+                remote, after = client.remote, []
+                for order in ((honest, lie), (lie, honest)):  # whichever record a read lists last
+                    remote._through_relays({r.server_id: r for r in order})
+                    after.append(remote.tunnels.relays[server.address])
+                out.append({"tokens": got[0, ids.shape[1]:].tolist(), "relay_after_reads": after,
+                            "owner": getattr(remote, "p2p_owners", {}).get(server.address), "own_relay": honest.relay})
+            finally:
+                client.close()
+    finally:
+        stop.set()
+        attacker.shutdown()
+    return out
+
+
+def _record_with_relay(dht, prefix: str, server_id: str, stop: threading.Event, tries: int = 100):
+    """The server's record once it names its relay."""
+    from swarmlm.swarm.dht import fetch_records
+
+    for _ in range(tries):
+        record = fetch_records(dht, prefix, [0]).get(server_id)
+        if record is not None and record.relay:
+            return record
+        stop.wait(0.2)
+    raise RuntimeError(f"server {server_id} announced no relay")

@@ -116,7 +116,7 @@ def start_swarm(cfg: BenchConfig, n: int, num_blocks: int) -> Iterator[Swarm]:
     client = Tracked("client", os.getpid())
     if cfg.network == LOOPBACK:
         with LocalSwarm(cfg.model_dir, threads=cfg.server_threads, log_dir=log_dir,
-                        server_args=["--quant", cfg.quant, "--dtype", cfg.dtype]) as local:
+                        server_args=["--quant", cfg.quant, "--dtype", cfg.dtype, "--publish-counters"]) as local:
             local.start(ranges)
             tracked = [client] + [Tracked(f"server{i}", s.proc.pid, address=s.address)
                                   for i, s in enumerate(local.servers)]
@@ -127,7 +127,7 @@ def start_swarm(cfg: BenchConfig, n: int, num_blocks: int) -> Iterator[Swarm]:
 
     with Testbed(n, link_matrix(cfg.network, n), mode=cfg.netem_mode) as tb:
         with LocalSwarm(cfg.model_dir, threads=cfg.server_threads, log_dir=log_dir, with_dht=False,
-                        server_args=["--quant", cfg.quant, "--dtype", cfg.dtype]) as local:
+                        server_args=["--quant", cfg.quant, "--dtype", cfg.dtype, "--publish-counters"]) as local:
             started = [local.start_server(r, extra=["--port", str(_BASE_PORT + i)], wait=False,
                                           prefix=tb.exec_prefix(i), host=tb.host_ip(i))
                        for i, r in enumerate(ranges)]

@@ -134,7 +134,8 @@ def add_client_precision(p: argparse.ArgumentParser) -> None:
     p.add_argument("--require-full-precision", action="store_true",
                    help="route only through servers that announce full-precision weights (quant none)")
     p.add_argument("--wire-dtype", default="auto", choices=WIRE_DTYPE_NAMES,
-                   help="hidden states on the wire (wire/compress.py); auto: float32 on fast links, smaller on slow")
+                   help="hidden states on the wire (wire/compress.py); auto: float32 (exact) on every link; "
+                        "auto-lossy: float32 on fast links, float16 or int8 on slow ones (answers may change)")
 
 
 def add_adapter(p: argparse.ArgumentParser) -> None:

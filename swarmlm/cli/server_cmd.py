@@ -46,12 +46,17 @@ def add_parser(sub) -> None:
                         "choose one per session with active_adapter=<directory or repo name>; docs/FINETUNING.md)")
     p.add_argument("--max-train-mb", type=int, default=SERVER.max_train_request_bytes // MIB,
                    help="estimated memory one training request (Backward) may take, MiB; larger ones are refused")
+    p.add_argument("--max-train-total-mb", type=int, default=SERVER.max_train_total_bytes // MIB,
+                   help="estimated memory all training requests at once may take, MiB; more wait, then are refused")
     p.add_argument("--mmap-weights", action="store_true",
                    help="serve full-precision weights from the checkpoint file's mapping (pages shared by servers of "
                         "the same file on one host) instead of copying them into the process: less memory per "
                         "extra server, ~1.5x slower decode on the machine we measured")
     p.add_argument("--cache-mb", type=int, default=SERVER.cache_bytes // MIB,
                    help="attention-cache budget across sessions, MiB")
+    p.add_argument("--publish-counters", action="store_true",
+                   help="Info tells any caller the prefix cache's hits and the tokens computed (default: only in a "
+                        "private swarm; a stranger watching them can guess other users' prompts)")
     p.add_argument("--prefix-cache-mb", type=int, default=SERVER.prefix_cache_bytes // MIB,
                    help="finished sessions' prefixes kept for later sessions, within --cache-mb, MiB (0 = off)")
     p.add_argument("--memory-mb", type=int,
@@ -105,7 +110,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         reachability=args.reachability,
         threads=args.threads, dtype=args.dtype, num_blocks=args.num_blocks, placement=args.placement,
         memory_bytes=args.memory_mb * MIB if args.memory_mb else None, cache_bytes=args.cache_mb * MIB,
-        prefix_cache_bytes=args.prefix_cache_mb * MIB,
+        prefix_cache_bytes=args.prefix_cache_mb * MIB, publish_counters=args.publish_counters,
         max_sessions=args.max_sessions, max_length_tokens=args.max_length,
         scheduler=SchedulerConfig(
             max_batch_tokens=args.max_batch_tokens, max_prefill_skips=args.max_prefill_skips,
@@ -117,5 +122,6 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         dht_prefix=args.dht_prefix,
         identity_file=args.identity, swarm_key=args.swarm_key, quant=args.quant,
         mmap_weights=args.mmap_weights, adapters=tuple(args.adapters), max_train_request_bytes=args.max_train_mb * MIB,
+        max_train_total_bytes=args.max_train_total_mb * MIB,
         drain_timeout_s=args.drain_timeout, rebalance_period_s=args.rebalance_period,
     )

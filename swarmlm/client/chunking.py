@@ -20,7 +20,9 @@ compute.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
+from typing import Callable
 
 import torch
 
@@ -57,10 +59,13 @@ class BandwidthEstimate:
     link, and it is the large messages whose pace the chunk rule needs. Until there is a sample, `default_bps`.
     """
 
-    def __init__(self, default_bps: float, min_bytes: int = 32 << 10, window: int = 64) -> None:
+    def __init__(self, default_bps: float, min_bytes: int = 32 << 10, window: int = 64, max_age_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.default_bps = default_bps
         self.min_bytes = min_bytes
-        self._samples: deque[tuple[int, float]] = deque(maxlen=window)  # (bytes, bits per second)
+        self.max_age_s = max_age_s  # older samples no longer count: a link's past load does not stay its rate
+        self.clock = clock
+        self._samples: deque[tuple[int, float, float]] = deque(maxlen=window)  # (bytes, bits per second, when)
         self.rtt_s: float | None = None  # smallest network time of a small message: the path's base cost
 
     def observe(self, bytes_total: int, network_s: float) -> None:
@@ -71,19 +76,26 @@ class BandwidthEstimate:
         transfer_s = network_s - (self.rtt_s or 0.0)
         if transfer_s <= 1e-4:  # within noise of the base cost: the link is much faster than this message shows
             return
-        self._samples.append((bytes_total, bytes_total * 8 / transfer_s))
+        self._samples.append((bytes_total, bytes_total * 8 / transfer_s, self.clock()))
+
+    def _recent(self) -> list[tuple[int, float, float]]:
+        now = self.clock()
+        while self._samples and now - self._samples[0][2] > self.max_age_s:
+            self._samples.popleft()
+        return list(self._samples)
 
     @property
     def measured(self) -> bool:
-        return bool(self._samples)
+        return bool(self._recent())
 
     @property
     def bandwidth_bps(self) -> float:
-        if not self._samples:
+        samples = self._recent()
+        if not samples:
             return self.default_bps
-        ranked = sorted(self._samples, key=lambda s: s[1])
-        half, seen = sum(b for b, _ in ranked) / 2, 0
-        for nbytes, rate in ranked:
+        ranked = sorted(samples, key=lambda s: s[1])
+        half, seen = sum(b for b, _, _ in ranked) / 2, 0
+        for nbytes, rate, _ in ranked:
             seen += nbytes
             if seen >= half:
                 break

@@ -9,6 +9,7 @@ in this process share one head matmul (head_batcher.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from pathlib import Path
 from typing import Sequence
@@ -183,9 +184,14 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
 
     # ---- through the swarm ---------------------------------------------------------------------------------
     def inference_session(self, max_length: int, batch_size: int = 1, l_in_hint: int = 16,
-                          l_out_hint: int = 16) -> InferenceSession:
-        """`with model.inference_session(max_length=...) as s:` then `model.step_logits(s, ids)` per step."""
-        session = InferenceSession(self.remote, batch_size, max_length, l_in_hint, l_out_hint, self.prefix_context)
+                          l_out_hint: int = 16, prefix_scope: bytes | None = None) -> InferenceSession:
+        """`with model.inference_session(max_length=...) as s:` then `model.step_logits(s, ids)` per step.
+        `prefix_scope`: whose cached prefixes the session uses and saves (a gateway's per-user scope; None = this
+        client's own, client/prefix.py)."""
+        prefix = self.prefix_context
+        if prefix is not None and prefix_scope is not None:
+            prefix = dataclasses.replace(prefix, scope=prefix_scope)
+        session = InferenceSession(self.remote, batch_size, max_length, l_in_hint, l_out_hint, prefix)
         if self.head_batcher is not None:
             self.head_batcher.expect(session)  # its first head (after the prefill) may share a batch already
         return session

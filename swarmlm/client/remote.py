@@ -13,7 +13,7 @@ from swarmlm.client.router import LiveRouter, SwarmView
 from swarmlm.client.streams import Channels, LoopThread, info
 from swarmlm.config import ClientConfig
 from swarmlm.errors import MissingBlocks, SwarmAccessDenied
-from swarmlm.swarm.identity import new_nonce, verify_info
+from swarmlm.swarm.identity import new_nonce, signed_address, verify_info
 from swarmlm.swarm.private import client_interceptors
 from swarmlm.swarm.records import ServerRecord, record_from_info
 from swarmlm.types import Route, Span
@@ -32,6 +32,9 @@ class RemoteSequence:
         self.channels = Channels(config, interceptors=client_interceptors(config.swarm_key))
         # the connect check (swarm/identity.py): (server id, address) pairs that failed it are never routed to
         self.rejected: dict[tuple[str, str], str] = {}
+        # p2p/<peer id> -> the server id that passed the connect check there, through the relay dialed: only that
+        # server's own records set or change the relay of that address (a stranger's record naming it changes none)
+        self.p2p_owners: dict[str, str] = {}
         # (start, end, announced fingerprint) -> why refused or None; set by the client model from its checkpoint
         self.weights_check: Callable[[int, int, str], str | None] | None = None
         self.view = SwarmView(config)
@@ -55,8 +58,9 @@ class RemoteSequence:
         if self.dht is not None:
             from swarmlm.swarm.dht import fetch_records
 
-            records = self._through_relays(
-                fetch_records(self.dht, self.prefix, range(self.num_blocks), swarm_key=self.config.swarm_key))
+            records = fetch_records(self.dht, self.prefix, range(self.num_blocks), swarm_key=self.config.swarm_key)
+            records = self._through_relays({sid: r for sid, r in records.items()
+                                            if (sid, r.address) not in self.rejected})
         else:
             records = self.loop.run(self._direct_records())
         if self.weights_check is not None:  # other weights under this model's name: refused (model/fingerprint.py)
@@ -66,16 +70,25 @@ class RemoteSequence:
         if unmeasured:  # measured (and checked) before they enter the view: an impostor is never routed to
             self.loop.run(self._measure(unmeasured))
         self.view.update({sid: r for sid, r in records.items() if (sid, r.address) not in self.rejected})
+        self.channels.adapter = self.view.adapter  # (sessions open with the adapter's one version)
 
     def _through_relays(self, records: dict[str, ServerRecord]) -> dict[str, ServerRecord]:
         """Servers behind NAT are reached through the relay their record names; one that no relay takes cannot be
-        reached at all: left out, and named with the reason if blocks end up missing."""
-        usable = {}
+        reached at all: left out, and named with the reason if blocks end up missing.
+
+        A relayed address's relay comes only from the record of the server that passed the connect check there;
+        until one has, from one claimant per read (a banned one waits: a stranger's dead relay does not shut out
+        the server whose address it names)."""
+        usable, claimed, banned = {}, set(), self.view.banned()
         for sid, r in records.items():
             if r.relayed and not r.relay:
                 self.unreachable[f"{sid} ({r.address})"] = "behind NAT and no relay takes it"
                 continue
             if r.relayed:
+                owner = self.p2p_owners.get(r.address)
+                if owner not in (None, sid) or (owner is None and (r.address in claimed or sid in banned)):
+                    continue  # (another server's address, or a claim that waits its turn)
+                claimed.add(r.address)
                 self.tunnels.add(r.address, r.relay)
             self.unreachable.pop(f"{sid} ({r.address})", None)
             usable[sid] = r
@@ -126,8 +139,14 @@ class RemoteSequence:
                 # (and signs the weights fingerprint its record announces, which weights_check accepted)
                 # a fixed server list names addresses the user chose (a relay or NAT may stand in front of the
                 # server): the id is the server's own there, so only a DHT record's address is checked
-                signed = r.address if self.dht is not None else None
+                # (a relayed one signs the relay it is at, which must be the relay we dialed)
+                dialed = self.tunnels.relays.get(r.address, "") if r.relayed else ""
+                signed = signed_address(r.address, dialed) if self.dht is not None else None
                 why = verify_info(reply, nonce, r.server_id, signed, fingerprint=r.fingerprint or None)
+                if why is None and ",".join(reply.adapters) != r.adapters:  # (signed: name@fingerprint each)
+                    why = f"its Info's adapters {list(reply.adapters)[:4]} are not its record's"
+                if why is not None and r.relayed and reply.server_id == r.server_id:
+                    raise ConnectionError(f"reached through another relay than its own: {why}")  # (banned, retried)
                 if why is not None:
                     log.warning("server %s at %s fails the connect check, excluded: %s", r.server_id, r.address, why)
                     if len(self.rejected) > 4096:  # bounded: forget old verdicts rather than grow
@@ -142,6 +161,10 @@ class RemoteSequence:
                 # the least of the probes: a busy host only adds delay (event loops, scheduling), and the route
                 # cost weighs the RTT l_out times, so a probe's noise would otherwise choose the replica
                 self.view.rtt_s[r.server_id] = min(rtts)
+                if r.relayed:
+                    if len(self.p2p_owners) > 4096:
+                        self.p2p_owners.clear()
+                    self.p2p_owners[r.address] = r.server_id
                 self.view.bans.pop(r.server_id, None)  # it answers again (a restarted server): route to it at once
                 self.reported.discard(r.server_id)
             except Exception as exc:

@@ -62,6 +62,7 @@ class RemoteCache(Cache):
         # the first forward may start from a cached prefix of the prompt (its logits: the last position's only);
         # generate() turns it off for modes that read more of the prefill (assisted and prompt lookup decoding)
         self.use_prefix = True
+        self.prefix_scope: bytes | None = None  # the scope a session it opens uses (None: the client's own)
         # positions the session holds before the tokens transformers sees (a soft prompt's): not counted for it
         self.virtual_tokens = 0
         self.t_start = time.perf_counter()
@@ -137,7 +138,8 @@ class RemoteCache(Cache):
         if self.session is None:
             length = max((self.max_length or 0) + self.virtual_tokens, new_tokens)
             self.session = self.model.inference_session(max_length=length, batch_size=batch, l_in_hint=new_tokens,
-                                                        l_out_hint=max(length - new_tokens, 1)).open(
+                                                        l_out_hint=max(length - new_tokens, 1),
+                                                        prefix_scope=self.prefix_scope).open(
                 prompt.tolist() if prompt is not None else None)
             self.stats.open_s = self.session.open_s
             self.stats.cached_tokens = self.session.position

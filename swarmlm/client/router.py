@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -49,14 +50,34 @@ class SwarmView:
     rtt_s: dict[str, float] = field(default_factory=dict)  # server id -> measured round trip
     bans: dict[str, Ban] = field(default_factory=dict)
     read_s: float = -math.inf  # time.monotonic() of the last read of the records
+    # the active adapter's fingerprint this client routes to: asked for (`name@fingerprint`) or chosen at its first
+    # read and kept, so no generation mixes two versions of one adapter name (server/adapters.py)
+    adapter_version: str = ""
 
     def update(self, records: dict[str, ServerRecord]) -> None:
         if self.config.require_full_precision:  # quantized servers (model/quant.py) are left out of every route
             records = {sid: r for sid, r in records.items() if r.quant == "none"}
         if self.config.active_adapter:  # only servers that pre-loaded the adapter (server --adapters)
-            records = {sid: r for sid, r in records.items() if self.config.active_adapter in r.adapter_names}
+            records = self._with_adapter(records)
         self.records = records
         self.read_s = time.monotonic()
+
+    def _with_adapter(self, records: dict[str, ServerRecord]) -> dict[str, ServerRecord]:
+        """Servers holding the active adapter in one version: the one asked for, else the one the most servers
+        announced at this client's first read that found any (kept from then on)."""
+        name, _, asked = self.config.active_adapter.partition("@")
+        offered = {sid: r.adapter_versions.get(name) for sid, r in records.items()}
+        if not self.adapter_version:
+            counts = Counter(v for v in offered.values() if v)
+            self.adapter_version = asked or (max(counts, key=lambda v: (counts[v], v)) if counts else "")
+        return {sid: r for sid, r in records.items() if offered[sid] and offered[sid] == self.adapter_version}
+
+    @property
+    def adapter(self) -> str:
+        """What a session opens with: `name@fingerprint` (empty without an active adapter)."""
+        if not self.config.active_adapter:
+            return ""
+        return f"{self.config.active_adapter.partition('@')[0]}@{self.adapter_version}"
 
     def ban(self, server_id: str) -> float:
         """Avoid a failed server, longer each time it fails again (bounded exponential backoff)."""

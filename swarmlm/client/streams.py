@@ -63,7 +63,7 @@ class Channels:
         self.links = Links(TransmissionPolicy.for_client(config))
         self.assumed_bandwidth_bps = config.assumed_bandwidth_bps
         self._bandwidth: dict[str, BandwidthEstimate] = {}
-        self.wire_dtype = config.wire_dtype  # hidden states' format, "auto" = per link (wire/compress.py)
+        self.wire_dtype = config.wire_dtype  # hidden states' format, "auto-lossy" = per link (wire/compress.py)
         self.adapter = config.active_adapter or ""  # sessions open with this pre-loaded LoRA adapter
 
     def link(self, address: str) -> LinkScheduler:
@@ -78,9 +78,9 @@ class Channels:
     def wire_dtype_for(self, address: str, float32_bytes: int | None = None) -> str:
         """The hidden states' wire format towards `address` for a message of `float32_bytes` (as float32; None: a
         large one) (wire/compress.py): fixed, or by the link's bandwidth and the message's size."""
-        if self.wire_dtype != "auto":
-            return self.wire_dtype
-        return compress.choose("auto", self.bandwidth(address).bandwidth_bps, address, float32_bytes)
+        if self.wire_dtype != "auto-lossy":
+            return compress.choose(self.wire_dtype, 0.0)  # ("auto": float32, exact)
+        return compress.choose("auto-lossy", self.bandwidth(address).bandwidth_bps, address, float32_bytes)
 
     def stub(self, address: str) -> pb_grpc.SwarmStub:
         stub = self._stubs.get(address)

@@ -4,11 +4,13 @@ as Petals' active_adapter). The base weights never change: the adapter is applie
 (server/lora.py), and steps of sessions with different adapters never share a forward (their batch keys differ)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file
 from torch import nn
 
@@ -86,6 +88,20 @@ def check_adapters(refs, model_dir: str) -> list[str]:
             raise ValueError(f"two adapters are named {name!r}: rename one's directory")
         names.append(name)
     return names
+
+
+def adapter_fingerprint(path: str | Path) -> str:
+    """16 hex characters of SHA-256 over an adapter's rank, alpha and scaling rule and every matrix (name, dtype,
+    shape, bytes; all blocks', so servers of other ranges announce the same): announced with its name as
+    `name@fingerprint`, two adapters of one name but other weights are told apart (issue 39, hole 7)."""
+    path = Path(path)
+    config = json.loads((path / "adapter_config.json").read_text())
+    digest = hashlib.sha256(json.dumps([config.get("r"), config.get("lora_alpha"), bool(config.get("use_rslora"))])
+                            .encode())
+    for key, value in sorted(load_file(str(path / "adapter_model.safetensors")).items()):
+        digest.update(f"{key}|{value.dtype}|{list(value.shape)}|".encode())
+        digest.update(value.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def load_adapter(path: str | Path, blocks: nn.ModuleList, served: BlockRange) -> tuple[LoraDelta, ...]:

@@ -239,10 +239,12 @@ def save_prefix(prefixes: PrefixCache | None, sessions, session, save) -> None:
     prefixes.save(session.prefix_digest, state.blocks, keys, state.cache, sessions.free_bytes)
 
 
-def info(prefixes: PrefixCache | None) -> pb.PrefixCacheInfo | None:
-    """What the server's Info says of its prefix cache (None: it keeps none)."""
+def info(prefixes: PrefixCache | None, counters: bool = True) -> pb.PrefixCacheInfo | None:
+    """What the server's Info says of its prefix cache (None: it keeps none); `counters`: with the hits and hit
+    tokens (per request: only for callers trusted with them, ServerConfig.publish_counters)."""
     if prefixes is None:
         return None
+    hits, hit_tokens = (prefixes.stats.hits, prefixes.stats.hit_tokens) if counters else (0, 0)
     return pb.PrefixCacheInfo(limit_bytes=prefixes.limit_bytes, bytes=prefixes.bytes, entries=len(prefixes.entries),
-                              hits=prefixes.stats.hits, hit_tokens=prefixes.stats.hit_tokens,
+                              hits=hits, hit_tokens=hit_tokens,
                               evictions=prefixes.stats.evictions, tags=prefixes.tags())

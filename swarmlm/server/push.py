@@ -91,6 +91,8 @@ class TargetCheck:
             return known[0]
         if self.directory is not None:
             ok = address in await self._announced(block, now)
+            if not ok:  # (not remembered: a server that just started or moved is pushed to once announced; the
+                return False  # DHT is read at most once a second per block anyway)
         else:
             ok = await self._probe(address, block, now)
         if len(self._known) > 4096:  # bounded: forget everything rather than grow

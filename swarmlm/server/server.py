@@ -156,6 +156,8 @@ class Server:
         add_to_server(self.service, self._grpc)  # (bytes that do not parse: INVALID_ARGUMENT)
         local_port = self._listen(self._grpc)
         self.service.address = self.address
+        if self.network is not None:
+            self.service.relay = lambda: self.network.relay  # (signed in its Info: swarm/identity.py)
         await self._grpc.start()
         if self.network is not None and self.network.relayed:  # behind NAT: relayed connections to local_port
             self.network.serve_relayed(local_port)

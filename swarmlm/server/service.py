@@ -13,6 +13,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 import torch
@@ -30,7 +31,7 @@ from swarmlm.server.scheduler import JobTiming, Scheduler
 from swarmlm.server.sessions import PeerBytes, Session, SessionTable
 from swarmlm.server.stage import SpanState, Stage
 from swarmlm.server.train_service import TrainingRpcs
-from swarmlm.swarm.identity import Identity, sign_info
+from swarmlm.swarm.identity import Identity, sign_info, signed_address
 from swarmlm.swarm.private import client_interceptors
 from swarmlm.types import CacheOp
 from swarmlm.wire import cache_op, codec, compress
@@ -130,6 +131,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         self.pusher = Pusher(config.max_message_bytes, config.push_timeout_s, client_interceptors(config.swarm_key))
         self.identity: Identity | None = None  # set by server.py, with the address it announces
         self.address = ""
+        self.relay: Callable[[], str] = lambda: ""  # the relay it is reached through now (server.py; "" = direct)
         # where pushes may go; server.py gives it the DHT's directory when there is a DHT
         self.targets = TargetCheck(None, self.pusher.info, self._serves)
         self._pushes: dict[str, asyncio.Task] = {}  # per session: its latest push (pushes of a session go in order)
@@ -150,22 +152,37 @@ class SwarmService(pb_grpc.SwarmServicer):
         self.checks = StepChecks(self.config, stage.blocks, stage.hidden_size)
 
     # ---- validation -------------------------------------------------------------------------------------
+    def _adapter(self, asked: str) -> str:
+        """The adapter a session opens with: `name` or `name@fingerprint` (then the one held must be that one:
+        a client never mixes two versions of one name, server/adapters.py); "" = none."""
+        name, _, version = asked.partition("@")
+        if asked and name not in self.stage.lora_adapters:
+            raise InvalidRequest(f"adapter {asked[:80]!r} is not served here "
+                                 f"(served: {', '.join(self.announced_adapters) or 'none'})")
+        if version and version != self.stage.adapter_versions[name]:
+            raise InvalidRequest(f"adapter {name!r} here is version {self.stage.adapter_versions[name]}, not "
+                                 f"{version[:16]!r}")
+        return name
+
+    @property
+    def announced_adapters(self) -> list[str]:
+        """`name@fingerprint` of every adapter held (announced in Info and the record, signed with the Info)."""
+        return sorted(f"{n}@{self.stage.adapter_versions[n]}" for n in self.stage.lora_adapters)
+
     def _open(self, msg: pb.OpenSession, owner: str) -> Session:
         blocks = self.checks.range(msg.start_block, msg.end_block)
         if not 1 <= msg.batch_size <= self.config.max_batch:
             raise InvalidRequest(f"batch_size must be in [1, {self.config.max_batch}], got {msg.batch_size}")
         if not 1 <= msg.max_length <= self.config.max_length_tokens:
             raise InvalidRequest(f"max_length must be in [1, {self.config.max_length_tokens}], got {msg.max_length}")
-        if msg.adapter and msg.adapter not in self.stage.lora_adapters:
-            raise InvalidRequest(f"adapter {msg.adapter[:80]!r} is not served here (served: "
-                                 f"{', '.join(self.stage.lora_adapters) or 'none'})")
+        adapter = self._adapter(msg.adapter)
         nbytes = self.stage.cache_bytes(blocks.length, msg.batch_size, msg.max_length)
         keys = prefix_cache.check_keys(msg.prefix_keys, "prefix_keys")
-        if msg.adapter and (keys or msg.prefix_scope):  # its rows differ from the base model's under the same keys
+        if adapter and (keys or msg.prefix_scope):  # its rows differ from the base model's under the same keys
             raise InvalidRequest("a session with an adapter does not use the prefix cache (no prefix_scope/keys)")
         digest = prefix_cache.check_scope(msg.prefix_scope) if msg.prefix_scope or keys else None
         # no cache allocated until a step
-        state = self.stage.new_state(blocks, msg.batch_size, msg.max_length, msg.adapter)
+        state = self.stage.new_state(blocks, msg.batch_size, msg.max_length, adapter)
         session = self.sessions.open(owner, state, msg.batch_size, msg.max_length, nbytes)
         session.prefix_digest = digest
         if keys and self.prefixes is not None:
@@ -540,7 +557,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse", pb.InfoReply())
         reply = self.info()
         if self.identity is not None:  # the connect check: sign the client's nonce with our key (swarm/identity.py)
-            sign_info(self.identity, reply, request.nonce, self.address)
+            sign_info(self.identity, reply, request.nonce, signed_address(self.address, self.relay()))
         return reply
 
     def info(self) -> pb.InfoReply:
@@ -560,9 +577,15 @@ class SwarmService(pb_grpc.SwarmServicer):
             # the weights of the served range, for clients to compare with their own (model/fingerprint.py)
             fingerprint=range_fingerprint(self.config.model_dir, self.stage.blocks.start, self.stage.blocks.end),
             quant=self.stage.announced_quant, weight_bytes=self.stage.weight_bytes,  # int8/int4: announced; bytes held
-            adapters=sorted(self.stage.lora_adapters),
-            prefix_cache=prefix_cache.info(self.prefixes), tokens_computed=self.tokens_computed,
+            adapters=self.announced_adapters,
+            prefix_cache=prefix_cache.info(self.prefixes, self.counters_public),
+            tokens_computed=self.tokens_computed if self.counters_public else 0,
         )
+
+    @property
+    def counters_public(self) -> bool:
+        """May Info carry per-request counters (ServerConfig.publish_counters)?"""
+        return self.config.publish_counters or self.config.swarm_key is not None
 
     async def expire_loop(self, period_s: float = 0.5) -> None:
         cfg = self.config

@@ -15,7 +15,7 @@ from swarmlm.model.decode_span import SpanDecoder
 from swarmlm.model.packed import packed_types
 from swarmlm.model.quant import announced_quant, check_quant, weight_bytes
 from swarmlm.model.source import resolve
-from swarmlm.server.adapters import MAX_ADAPTERS, load_adapter, locate_adapter
+from swarmlm.server.adapters import MAX_ADAPTERS, adapter_fingerprint, load_adapter, locate_adapter
 from swarmlm.server.kv_cache import Member, SpanCache, StepCache, left_pad
 from swarmlm.server.lora import LoraDelta, lora_hooks
 from swarmlm.types import BlockRange, CacheOp
@@ -93,12 +93,14 @@ class Stage:
         self.hidden_size = int(self.config.hidden_size)
         self.lora_adapters: dict[str, tuple[LoraDelta, ...]] = {}  # name -> its LoRA on these blocks
         self._decoders: dict[tuple[int, int], SpanDecoder | None] = {}  # local block slice -> its one-call decoder
+        self.adapter_versions: dict[str, str] = {}  # name -> its fingerprint (server/adapters.py)
 
     def load_adapters(self, paths) -> None:
         """Pre-load PEFT LoRA adapters (server/adapters.py) for sessions that ask for them."""
         for ref in paths:
             name, directory = locate_adapter(ref)
             self.lora_adapters[name] = load_adapter(directory, self.modules, self.blocks)
+            self.adapter_versions[name] = adapter_fingerprint(directory)
         if len(self.lora_adapters) > MAX_ADAPTERS:
             raise ValueError(f"at most {MAX_ADAPTERS} adapters, got {len(self.lora_adapters)}")
 

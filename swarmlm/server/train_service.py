@@ -7,6 +7,7 @@ work, so other sessions' decode steps keep their priority between the blocks of 
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -56,29 +57,63 @@ def _message_bytes(request) -> int:
     return total
 
 
+class TrainBudget:
+    """The estimated memory of every training request admitted here, summed, stays within `total` bytes: a request
+    that does not fit waits (at most `wait_s`) for others to finish, then is refused. `peak`: the largest sum held."""
+
+    def __init__(self, total: int, wait_s: float) -> None:
+        self.total, self.wait_s = total, wait_s
+        self.used = self.peak = 0
+        self._freed = asyncio.Condition()
+
+    async def acquire(self, nbytes: int) -> bool:
+        async with self._freed:
+            if self.used + nbytes > self.total:
+                try:
+                    await asyncio.wait_for(self._freed.wait_for(lambda: self.used + nbytes <= self.total),
+                                           self.wait_s)
+                except asyncio.TimeoutError:
+                    return False
+            self.used += nbytes
+            self.peak = max(self.peak, self.used)
+            return True
+
+    async def release(self, nbytes: int) -> None:
+        async with self._freed:
+            self.used -= nbytes
+            self._freed.notify_all()
+
+
 class TrainingRpcs:
     """Forward-with-extras and Backward for one SwarmService (its config, stage, scheduler and per-host limits)."""
 
     def __init__(self, service: "SwarmService") -> None:
         self.service = service
         self.config = service.config
+        self.budget = TrainBudget(self.config.max_train_total_bytes, self.config.train_admission_wait_s)
 
     @property
     def stage(self):
         return self.service.stage  # (the server replaces it when it moves to other blocks)
 
     # ---- validation --------------------------------------------------------------------------------------
-    def parse(self, request, with_grad: bool) -> tuple[TrainRequest, torch.Tensor | None]:
-        """A TrainRequest (and the output gradient) from a Forward or Backward request, or InvalidRequest /
-        CapacityExceeded naming what is wrong. Headers and sizes first, then the data."""
-        svc, h = self.service, self.stage.hidden_size
-        blocks = svc.checks.range(request.start_block, request.end_block)
-        b, t = svc.checks.shape(request.hidden, None, 0, self.config.max_length_tokens)
+    def estimate(self, request) -> int:
+        """The request's estimated peak memory here (headers only), or CapacityExceeded over the per-request bound."""
+        blocks = self.service.checks.range(request.start_block, request.end_block)
+        b, t = self.service.checks.shape(request.hidden, None, 0, self.config.max_length_tokens)
         need = training.backward_bytes(self.stage, blocks.length, b, t)
         if need > self.config.max_train_request_bytes:
             raise CapacityExceeded(
                 f"{b} x {t} tokens over {blocks.length} blocks need ~{need >> 20} MiB here, over the "
                 f"{self.config.max_train_request_bytes >> 20} MiB a training request may use: send fewer rows")
+        return need
+
+    def parse(self, request, with_grad: bool) -> tuple[TrainRequest, torch.Tensor | None]:
+        """A TrainRequest (and the output gradient) from a Forward or Backward request, or InvalidRequest
+        naming what is wrong (`estimate` checked its size first). Headers first, then the data."""
+        svc, h = self.service, self.stage.hidden_size
+        blocks = svc.checks.range(request.start_block, request.end_block)
+        b, t = svc.checks.shape(request.hidden, None, 0, self.config.max_length_tokens)
         if with_grad:
             _float_header(request.grad_output, "grad_output", (b, t, h))
         k = 0
@@ -197,7 +232,7 @@ class TrainingRpcs:
         outcome = await self._admitted(request, context, empty, with_grad=isinstance(empty, pb.BackwardReply))
         if outcome is empty:
             return outcome
-        req, grad, peer, nbytes = outcome
+        req, grad, peer, nbytes, need = outcome
         try:
             decoded = time.perf_counter()
             *results, queued, compute = await run(req, grad)
@@ -211,24 +246,35 @@ class TrainingRpcs:
             return self.service._fail(context, grpc.StatusCode.INTERNAL, f"{what} failed: {exc}", empty)
         finally:
             self.service.load.release(peer, nbytes)
+            await self.budget.release(need)
+            if self.budget.used == 0:  # the last training request here ended: its freed heap back to the OS
+                self.service._trim()
 
     async def _admitted(self, request, context, empty, with_grad: bool):
-        """(request, grad, peer, bytes charged) once validated and admitted under the host's bytes in flight, or
-        the refusal to return (`empty` with a status set)."""
+        """(request, grad, peer, bytes charged, memory estimate) once validated and admitted under the host's bytes
+        in flight and the server's training budget (TrainBudget), or the refusal to return (`empty` with a status
+        set). The data is decoded only once the budget holds its estimate."""
         svc, peer = self.service, peer_host(context)
         nbytes = _message_bytes(request)
         if not svc.load.try_add(peer, nbytes):
             svc._refused_large(nbytes)
             return svc._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"peer {peer} has {self.config.max_peer_bytes_in_flight} bytes in flight here", empty)
+        need = 0
         try:
+            need = self.estimate(request)
+            if not await self.budget.acquire(need):
+                want, need = need, 0
+                raise CapacityExceeded(f"training requests here already hold their {self.budget.total >> 20} MiB "
+                                       f"budget (this one needs ~{want >> 20} MiB): retry later")
             req, grad = self.parse(request, with_grad)
         except InvalidRequest as exc:
             code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
         except CapacityExceeded as exc:
             code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
         else:
-            return req, grad, peer, nbytes
+            return req, grad, peer, nbytes, need
+        await self.budget.release(need)
         svc.load.release(peer, nbytes)
         svc._refused_large(nbytes)
         return svc._fail(context, code, message, empty)

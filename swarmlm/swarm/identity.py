@@ -102,11 +102,17 @@ def _private_key(key: RSAPrivateKey) -> rsa.RSAPrivateKey:
 
 # ---- the connect check ---------------------------------------------------------------------------------------
 def info_payload(nonce: bytes, reply: pb.InfoReply, address: str) -> bytes:
-    """What a server signs in its Info reply: the client's nonce, its id, its address, model and fingerprint
-    (length-prefixed, so no two field lists give the same bytes)."""
+    """What a server signs in its Info reply: the client's nonce, its id, its address, model, fingerprint and
+    adapters with theirs (length-prefixed, so no two field lists give the same bytes)."""
     parts = [_INFO_DOMAIN, nonce, reply.server_id.encode(), address.encode(), reply.model.encode(),
-             getattr(reply, "fingerprint", "").encode()]
+             getattr(reply, "fingerprint", "").encode(), ",".join(reply.adapters).encode()]
     return b"".join(struct.pack("!I", len(p)) + p for p in parts)
+
+
+def signed_address(address: str, relay: str) -> str:
+    """What a server signs as its address: a relayed one (`p2p/<peer id>`) signs the relay it is reached through
+    too, so a client can require that the relay it dialed is the server's own (not one a stranger's record named)."""
+    return f"{address} via {relay}" if relay else address
 
 
 def sign_info(identity: Identity, reply: pb.InfoReply, nonce: bytes, address: str) -> None:

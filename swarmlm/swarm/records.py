@@ -18,7 +18,7 @@ ONLINE, OFFLINE, JOINING, LOADING = "online", "offline", "joining", "loading"
 # record_ttl_s must fit under it (MAX_RECORD_TTL_S, in config.py). MAX_CLOCK_SKEW_S is the slack for peers whose
 # clocks run ahead.
 MAX_CLOCK_SKEW_S = 5.0
-_ADAPTER = re.compile(r"^[A-Za-z0-9._\-]{1,64}$")  # server/adapters.py NAME
+_ADAPTER = re.compile(r"^[A-Za-z0-9._\-]{1,64}(?:@[0-9a-f]{16})?$")  # server/adapters.py NAME [@ fingerprint]
 _ADDRESS = re.compile(r"^[A-Za-z0-9.\-\[\]:]{1,200}:\d{1,5}$")
 TAG_CHARS = 16  # one prefix-cache tag (server/prefix_cache.py tag_of)
 _TAGS = re.compile(r"^(?:[0-9a-f]{16}){0,64}$")
@@ -49,11 +49,17 @@ class ServerRecord:
     decode_4rows_s: float = 0.0
     decode_16rows_s: float = 0.0
     joined_at: float = 0.0  # joining/loading: wall-clock s of its first joining record; orders joiners (who yields)
-    adapters: str = ""  # pre-loaded LoRA adapters, comma-separated names (server/adapters.py); "" = none
+    # pre-loaded LoRA adapters, comma-separated `name@fingerprint` (server/adapters.py); "" = none
+    adapters: str = ""
 
     @property
     def adapter_names(self) -> tuple[str, ...]:
         return tuple(self.adapters.split(",")) if self.adapters else ()
+
+    @property
+    def adapter_versions(self) -> dict[str, str]:
+        """name -> its announced fingerprint ("" if the server announced none)."""
+        return dict((n.partition("@")[0], n.partition("@")[2]) for n in self.adapter_names)
 
     # the prefix cache's most recently used entries, as concatenated 16-hex tags (at most 64): a client knowing the
     # scope sees which of its prompts' prefixes this server holds (server/prefix_cache.py, client/prefix.py)
@@ -108,7 +114,7 @@ class ServerRecord:
             raise ValueError(f"record state {record.state!r}")
         if record.quant not in ANNOUNCED_QUANTS:
             raise ValueError(f"record quant {record.quant!r}")
-        if len(record.adapters) > 1100 or not all(_ADAPTER.match(n) for n in record.adapter_names):
+        if len(record.adapters) > 1400 or not all(_ADAPTER.match(n) for n in record.adapter_names):
             raise ValueError(f"record adapters {record.adapters[:80]!r}")
         if not _TAGS.match(record.prefix_tags):
             raise ValueError("record prefix_tags must be at most 64 tags of 16 lowercase hex characters")

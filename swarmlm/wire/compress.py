@@ -6,8 +6,10 @@
     int8      1.0625 bytes/value: blocks of 64 consecutive values (row-major), each sent as int8 q = round(x / s)
               with s = absmax(block) / 127 (one float32 per block): |error| <= absmax(block) / 254
 
-The client chooses per link and message (`ClientConfig.wire_dtype`): "auto" keeps float32 (exact) on loopback
-addresses, on fast links (>= 500 Mbit/s measured, or not measured yet) and for messages whose float32 bytes cross
+The client chooses per link and message (`ClientConfig.wire_dtype`). "auto" is float32 on every link: a client
+that promises transformers' answers never rounds its hidden states unless its user asks (issue 39: a stranger's load
+on a relay once drove a gateway's measured bandwidth down and its greedy answers wrong). "auto-lossy" (asked for)
+keeps float32 (exact) on loopback addresses, on fast links (>= 500 Mbit/s measured, or not measured yet) and for messages whose float32 bytes cross
 the link in under 1 ms at its measured rate (a decode step's few KB: compressing them saves less than that, while
 packing and unpacking cost both ends ~0.1-0.5 ms here, benchmarks/wire_bench.py); otherwise float16 down to
 50 Mbit/s, int8 below. A server answers in the format of the request it answers (int8 in, int8 out), so one choice
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from swarmlm.config import WIRE_DTYPE_NAMES  # "auto" + the formats below
+from swarmlm.config import WIRE_DTYPE_NAMES  # "auto", "auto-lossy" + the formats below
 from swarmlm.wire import codec
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire.int8_block import BLOCK, INT8_BLOCK, PACKED, pack_int8, packed_bytes, unpack_int8  # noqa: F401
@@ -48,10 +50,12 @@ def is_loopback(address: str) -> bool:
 
 def choose(setting: str, bandwidth_bps: float, address: str = "", float32_bytes: int | None = None) -> str:
     """The format for one message (of `float32_bytes` as float32; None: a large one) on one link: the setting
-    itself, or for "auto" float32 on loopback, fast links and messages that cross the link fast anyway, else the
-    link's measured bandwidth decides."""
-    if check_wire_dtype(setting) != "auto":
+    itself; for "auto" float32 (exact); for "auto-lossy" float32 on loopback, fast links and messages that cross the
+    link fast anyway, else the link's measured bandwidth decides."""
+    if check_wire_dtype(setting) not in ("auto", "auto-lossy"):
         return setting
+    if setting == "auto":
+        return "float32"
     if bandwidth_bps >= FAST_LINK_BPS or is_loopback(address):
         return "float32"
     if float32_bytes is not None and float32_bytes * 8 / bandwidth_bps < MIN_SAVING_S:

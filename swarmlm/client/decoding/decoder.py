@@ -65,6 +65,7 @@ class Decoder:
         self.cache = RemoteCache(model, session, stats)  # the session, and the edit the next step carries
         self.sampling = sampling
         first = sampling[0] if isinstance(sampling, (list, tuple)) else sampling
+        self.cache.prefix_scope = first.prefix_scope
         self.do_sample = first.do_sample  # (the same for every row: verification's rule)
         self.policy = DraftPolicy(mode, k_max, self.do_sample)
         self.draft_model = draft_model

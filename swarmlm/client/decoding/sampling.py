@@ -73,6 +73,9 @@ class Sampling:
     stop: tuple[str, ...] = ()  # stop strings (the gateway's; generate() refuses them with speculation)
     seed: int | None = None  # the generator's seed (any integer, taken modulo SEED_RANGE); None: a fresh one
     top_logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's and k alternatives
+    # whose prefixes the session starts from and saves on the servers: a gateway user's own scope (api/admission.py);
+    # None: the client's one scope
+    prefix_scope: bytes | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
