@@ -12,6 +12,10 @@ goes, swarm vs one process (`--preset bloomz-560m --servers 1 --local`).
 --head-between: rounds alternating with and without the client's LM head between steps (a real token computes it
 there): what a long burst of compute between messages adds to each part.
 
+--transports: rounds alternating between a client on gRPC's Inference streams and one on the framed step port
+(wire/frames.py), against the same servers: the per-hop overhead (step minus server compute, over the servers)
+of each, side by side (docs/RESULTS-hop.md). --push on|off|auto: the clients' push setting.
+
 --ab: this tree against git revision REV (exported with `git archive`, client and servers both), rounds alternating
 in one run, each round a fresh swarm (medians, and the median of per-round ratios of the caller's step).
 """
@@ -94,6 +98,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--preset", default="tiny-bloom")
+    ap.add_argument("--transports", action="store_true", help="gRPC vs framed steps, rounds alternating")
+    ap.add_argument("--push", choices=("auto", "on", "off"), default="auto", help="the client's push setting")
     ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="this tree vs --base, alternating")
     ap.add_argument("--base", default="HEAD", help="git revision to compare with (--ab)")
     ap.add_argument("--json", action="store_true", help="one round (warm-up + 1 session), as JSON")
@@ -110,7 +116,12 @@ def main() -> None:
     model_dir = str(default_checkpoint(args.preset))
     with LocalSwarm(model_dir, threads=1, with_dht=False) as swarm:
         swarm.start(even_split(int(load_config(model_dir).num_hidden_layers), args.servers))
-        client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses)
+        push = {"auto": "auto", "on": True, "off": False}[args.push]
+        client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=push)
+        if args.transports:
+            grpc_client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=push,
+                                                                      frames=False)
+            return transports(grpc_client, client, args.rounds, args.servers)
         if args.json:
             breakdown(client, 1, 20)  # warm-up
             print(json.dumps(breakdown(client, 1, 100)))
@@ -143,6 +154,25 @@ def main() -> None:
         local = med["local: the same blocks in-process"] + med["client embed"] + med["client LM head"]
         print(f"{'token through the swarm (embed+step+head)':36s} {swarm:7.3f} ms")
         print(f"{'token in one process (embed+blocks+head)':36s} {local:7.3f} ms   swarm/local {swarm / local:.3f}x")
+
+
+def transports(grpc_client: DistributedModelForCausalLM, framed_client: DistributedModelForCausalLM, rounds: int,
+               servers: int) -> None:
+    """Rounds of 100 steps alternating between the two clients (machine noise hits both alike): medians."""
+    clients = {"gRPC": grpc_client, "framed": framed_client}
+    breakdown(grpc_client, 1, 20), breakdown(framed_client, 1, 20)  # warm-up (connections, caches)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in clients}
+    for r in range(rounds):
+        for name in (list(clients) if r % 2 == 0 else list(clients)[::-1]):
+            runs[name].append(breakdown(clients[name], 1, 100))
+    assert framed_client.remote.channels.frame_ports and not grpc_client.remote.channels.frame_ports
+    print(f"{'part (medians of ' + str(rounds) + ' rounds, ms)':42s} {'gRPC':>8s} {'framed':>8s}")
+    med = {name: {k: statistics.median(run[k] for run in runs[name]) for k in runs[name][0]} for name in clients}
+    for part in med["gRPC"]:
+        print(f"{part:42s} {med['gRPC'][part]:8.3f} {med['framed'][part]:8.3f}")
+    step, compute = "the caller's session.step", "server compute (all hops)"
+    per_hop = {name: (m[step] - m[compute]) / servers for name, m in med.items()}
+    print(f"{'per-hop overhead (step - compute) / ' + str(servers):42s} {per_hop['gRPC']:8.3f} {per_hop['framed']:8.3f}")
 
 
 def compare(args: argparse.Namespace) -> None:
