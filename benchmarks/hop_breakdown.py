@@ -63,6 +63,7 @@ def breakdown(client: DistributedModelForCausalLM, sessions: int = 4, steps: int
                 compute, sio = sum(h.compute_s for h in hops), sum(h.server_io_s for h in hops)
                 cio = sum(h.client_io_s for h in hops)
                 rows.append({
+                    "step - server compute": call - compute,
                     "the caller's session.step": call,
                     "server compute (all hops)": compute,
                     "wire + gRPC": wall - queued - compute - sio,
@@ -99,6 +100,7 @@ def main() -> None:
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--preset", default="tiny-bloom")
     ap.add_argument("--transports", action="store_true", help="gRPC vs framed steps, rounds alternating")
+    ap.add_argument("--push-ab", action="store_true", help="relayed vs pushed steps (framed), rounds alternating")
     ap.add_argument("--push", choices=("auto", "on", "off"), default="auto", help="the client's push setting")
     ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="this tree vs --base, alternating")
     ap.add_argument("--base", default="HEAD", help="git revision to compare with (--ab)")
@@ -121,7 +123,14 @@ def main() -> None:
         if args.transports:
             grpc_client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=push,
                                                                       frames=False)
-            return transports(grpc_client, client, args.rounds, args.servers)
+            assert alternating({"gRPC": grpc_client, "framed": client}, args.rounds, args.servers)["framed"] \
+                .remote.channels.frame_ports and not grpc_client.remote.channels.frame_ports
+            return
+        if args.push_ab:
+            relayed = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=False)
+            pushed = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=True)
+            alternating({"relayed": relayed, "pushed": pushed}, args.rounds, args.servers)
+            return
         if args.json:
             breakdown(client, 1, 20)  # warm-up
             print(json.dumps(breakdown(client, 1, 100)))
@@ -156,23 +165,24 @@ def main() -> None:
         print(f"{'token in one process (embed+blocks+head)':36s} {local:7.3f} ms   swarm/local {swarm / local:.3f}x")
 
 
-def transports(grpc_client: DistributedModelForCausalLM, framed_client: DistributedModelForCausalLM, rounds: int,
-               servers: int) -> None:
-    """Rounds of 100 steps alternating between the two clients (machine noise hits both alike): medians."""
-    clients = {"gRPC": grpc_client, "framed": framed_client}
-    breakdown(grpc_client, 1, 20), breakdown(framed_client, 1, 20)  # warm-up (connections, caches)
+def alternating(clients: dict[str, DistributedModelForCausalLM], rounds: int,
+                servers: int) -> dict[str, DistributedModelForCausalLM]:
+    """Rounds of 100 steps alternating between the clients (machine noise hits them alike): medians side by side,
+    and the per-hop overhead: the median over steps of (step - server compute) / servers."""
+    for client in clients.values():
+        breakdown(client, 1, 20)  # warm-up (connections, caches)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in clients}
     for r in range(rounds):
         for name in (list(clients) if r % 2 == 0 else list(clients)[::-1]):
             runs[name].append(breakdown(clients[name], 1, 100))
-    assert framed_client.remote.channels.frame_ports and not grpc_client.remote.channels.frame_ports
-    print(f"{'part (medians of ' + str(rounds) + ' rounds, ms)':42s} {'gRPC':>8s} {'framed':>8s}")
-    med = {name: {k: statistics.median(run[k] for run in runs[name]) for k in runs[name][0]} for name in clients}
-    for part in med["gRPC"]:
-        print(f"{part:42s} {med['gRPC'][part]:8.3f} {med['framed'][part]:8.3f}")
-    step, compute = "the caller's session.step", "server compute (all hops)"
-    per_hop = {name: (m[step] - m[compute]) / servers for name, m in med.items()}
-    print(f"{'per-hop overhead (step - compute) / ' + str(servers):42s} {per_hop['gRPC']:8.3f} {per_hop['framed']:8.3f}")
+    names = list(clients)
+    print(f"{'part (medians of ' + str(rounds) + ' rounds, ms)':42s} " + " ".join(f"{n:>8s}" for n in names))
+    med = {name: {k: statistics.median(run[k] for run in runs[name]) for k in runs[name][0]} for name in names}
+    for part in med[names[0]]:
+        print(f"{part:42s} " + " ".join(f"{med[n][part]:8.3f}" for n in names))
+    per_hop = {n: statistics.median(run["step - server compute"] for run in runs[n]) / servers for n in names}
+    print(f"{'per-hop overhead (step - compute) / ' + str(servers):42s} " + " ".join(f"{per_hop[n]:8.3f}" for n in names))
+    return clients
 
 
 def compare(args: argparse.Namespace) -> None:
