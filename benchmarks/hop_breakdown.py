@@ -116,19 +116,24 @@ def main() -> None:
         return compare(args)
     torch.set_num_threads(1)
     model_dir = str(default_checkpoint(args.preset))
-    with LocalSwarm(model_dir, threads=1, with_dht=False) as swarm:
+    server_args = ["--push-frames"] if args.push_ab else []  # (framed pushes are off by default)
+    with LocalSwarm(model_dir, threads=1, with_dht=False, server_args=server_args) as swarm:
         swarm.start(even_split(int(load_config(model_dir).num_hidden_layers), args.servers))
         push = {"auto": "auto", "on": True, "off": False}[args.push]
         client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=push)
         if args.transports:
             grpc_client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=push,
                                                                       frames=False)
+            client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=push,
+                                                                 frames=True)
             assert alternating({"gRPC": grpc_client, "framed": client}, args.rounds, args.servers)["framed"] \
                 .remote.channels.frame_ports and not grpc_client.remote.channels.frame_ports
             return
         if args.push_ab:
-            relayed = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=False)
-            pushed = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=True)
+            relayed = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=False,
+                                                                  frames=True)
+            pushed = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=True,
+                                                                 frames=True)
             alternating({"relayed": relayed, "pushed": pushed}, args.rounds, args.servers)
             return
         if args.json:

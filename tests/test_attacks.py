@@ -48,6 +48,7 @@ def attack_server(tiny_bloom):
 class Honest:
     def __init__(self, model_dir: str, address: str) -> None:
         self.ids, self.want = greedy_reference(model_dir, PROMPT, NEW_TOKENS)
+        self.model_dir = model_dir
         self.client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=[address], ban_base_s=0.1,
                                                                   ban_max_s=0.2)
 
@@ -571,4 +572,9 @@ def test_hostile_frames_get_a_clear_refusal_and_the_server_serves_on(attack_serv
     wrong = {name: got for name, got in answers.items() if not fa.expected(name, got)}
     assert not wrong, wrong
     assert honest.poll_correct()
-    assert honest.client.remote.channels.frame_ports, "the honest client does not use the framed port"
+    framed = DistributedModelForCausalLM.from_pretrained(honest.model_dir, servers=[address], frames=True)
+    try:
+        assert greedy_tokens(framed, honest.ids, NEW_TOKENS) == honest.want
+        assert framed.remote.channels.frame_ports, "the framed client did not use the framed port"
+    finally:
+        framed.close()

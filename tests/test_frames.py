@@ -63,3 +63,33 @@ def test_a_stalled_frame_body_times_out():
 def test_bad_hellos_are_refused(body):
     with pytest.raises(FrameError):
         frames.parse_hello(body)
+
+
+@pytest.mark.slow
+def test_framed_streams_and_framed_pushes_generate_exactly_and_fail_over(tiny_bloom):
+    """Opted in (client frames=True, servers --push-frames): greedy tokens equal transformers', pushed through
+    the chain on the framed ports; a server killed mid-session is failed over to its replica."""
+    import torch
+
+    from swarmlm.types import BlockRange
+    from tests.swarm_helpers import client_of, greedy_reference, server_processes
+
+    ids, want = greedy_reference(tiny_bloom, "frames all the way", 6)
+    ranges = [BlockRange(0, 3), BlockRange(3, 6), BlockRange(3, 6)]
+    with server_processes(tiny_bloom, ranges, dht=False, server_args=["--push-frames"]) as swarm:
+        client = client_of(swarm, frames=True, push=True, ban_base_s=0.1)
+        try:
+            with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + 8) as session:
+                logits = client.step_logits(session, ids)
+                got = [int(logits[0, -1].argmax())]
+                for i in range(5):
+                    if i == 2:  # the replica of [3, 6) the session uses dies: failover to the other one
+                        used = session.spans[-1].span.address
+                        swarm.kill(next(s for s in swarm.servers[1:] if s.address == used))
+                    logits = client.step_logits(session, torch.tensor([[got[-1]]]))
+                    got.append(int(logits[0, -1].argmax()))
+            assert got == want
+            assert client.remote.channels.frame_ports, "the client did not use the framed ports"
+            assert any(h.pushed for step in session.steps for h in step.hops), "nothing was pushed"
+        finally:
+            client.close()

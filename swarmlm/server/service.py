@@ -128,7 +128,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         self.attached: set[str] = set()  # sessions held by a live stream
         self.inboxes: dict[str, asyncio.Queue] = {}  # per attached session: its steps, from the stream and pushes
         self.pusher = Pusher(config.max_message_bytes, config.push_timeout_s, client_interceptors(config.swarm_key),
-                             config.frames, config.swarm_key)
+                             config.push_frames, config.swarm_key)
         self.identity: Identity | None = None  # set by server.py, with the address it announces
         self.address = ""
         self.frame_port = 0  # the framed step port (server/frame_server.py), announced in Info; 0 = none
