@@ -403,6 +403,22 @@ def training_flood(ctx, calls: int = 32, rows: int = 64, tokens: int = 128) -> t
     return calls, ", ".join(f"{n} x {c}" for c, n in sorted(codes.items()))
 
 
+def hostile_frames(ctx, rounds: int = 20, random_count: int = 1000) -> tuple[int, str]:
+    """The framed step port (wire/frames.py): every hostile case (garbage, wrong magic, oversized, truncated,
+    interleaved, unparsable) `rounds` times, then `random_count` connections of random frames."""
+    from swarmlm.bench import frame_attacks as fa
+    from tests.test_fuzz_rpc import fuzz_frames
+
+    wrong = 0
+    for _ in range(rounds):
+        answers = fa.run_cases(ctx.address, ctx.hidden, ctx.blocks, 64 * MB)
+        wrong += sum(not fa.expected(name, got) for name, got in answers.items())
+    ends = fuzz_frames(ctx.address, random_count, 0, ctx.hidden, ctx.blocks)
+    cases = rounds * len(fa.cases(ctx.hidden, ctx.blocks, 64 * MB))
+    return cases + random_count, (f"{cases - wrong}/{cases} cases refused as expected; random: "
+                                  + ", ".join(f"{n} x {c}" for c, n in sorted(ends.items())))
+
+
 ATTACKS: dict[str, Callable] = {
     "slot exhaustion (64 opens + garbage, dropped)": slot_exhaustion,
     "silent opens (64 held, no step)": silent_opens,
@@ -417,6 +433,7 @@ ATTACKS: dict[str, Callable] = {
     "fuzz (random bytes + fields, every RPC)": fuzz,
     "hostile training requests (gradients, prompts, LoRA)": hostile_training,
     "training flood (32 concurrent Backwards of 64 x 128)": training_flood,
+    "hostile frames (framed step port: each case x 20 + 1000 random)": hostile_frames,
 }
 
 

@@ -12,6 +12,10 @@ goes, swarm vs one process (`--preset bloomz-560m --servers 1 --local`).
 --head-between: rounds alternating with and without the client's LM head between steps (a real token computes it
 there): what a long burst of compute between messages adds to each part.
 
+--transports: rounds alternating between a client on gRPC's Inference streams and one on the framed step port
+(wire/frames.py), against the same servers: the per-hop overhead (step minus server compute, over the servers)
+of each, side by side (docs/RESULTS-hop.md). --push on|off|auto: the clients' push setting.
+
 --ab: this tree against git revision REV (exported with `git archive`, client and servers both), rounds alternating
 in one run, each round a fresh swarm (medians, and the median of per-round ratios of the caller's step).
 """
@@ -59,6 +63,7 @@ def breakdown(client: DistributedModelForCausalLM, sessions: int = 4, steps: int
                 compute, sio = sum(h.compute_s for h in hops), sum(h.server_io_s for h in hops)
                 cio = sum(h.client_io_s for h in hops)
                 rows.append({
+                    "step - server compute": call - compute,
                     "the caller's session.step": call,
                     "server compute (all hops)": compute,
                     "wire + gRPC": wall - queued - compute - sio,
@@ -94,6 +99,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--preset", default="tiny-bloom")
+    ap.add_argument("--transports", action="store_true", help="gRPC vs framed steps, rounds alternating")
+    ap.add_argument("--push-ab", action="store_true", help="relayed vs pushed steps (framed), rounds alternating")
+    ap.add_argument("--push", choices=("auto", "on", "off"), default="auto", help="the client's push setting")
     ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="this tree vs --base, alternating")
     ap.add_argument("--base", default="HEAD", help="git revision to compare with (--ab)")
     ap.add_argument("--json", action="store_true", help="one round (warm-up + 1 session), as JSON")
@@ -108,9 +116,26 @@ def main() -> None:
         return compare(args)
     torch.set_num_threads(1)
     model_dir = str(default_checkpoint(args.preset))
-    with LocalSwarm(model_dir, threads=1, with_dht=False) as swarm:
+    server_args = ["--push-frames"] if args.push_ab else []  # (framed pushes are off by default)
+    with LocalSwarm(model_dir, threads=1, with_dht=False, server_args=server_args) as swarm:
         swarm.start(even_split(int(load_config(model_dir).num_hidden_layers), args.servers))
-        client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses)
+        push = {"auto": "auto", "on": True, "off": False}[args.push]
+        client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=push)
+        if args.transports:
+            grpc_client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=push,
+                                                                      frames=False)
+            client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=push,
+                                                                 frames=True)
+            assert alternating({"gRPC": grpc_client, "framed": client}, args.rounds, args.servers)["framed"] \
+                .remote.channels.frame_ports and not grpc_client.remote.channels.frame_ports
+            return
+        if args.push_ab:
+            relayed = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=False,
+                                                                  frames=True)
+            pushed = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=True,
+                                                                 frames=True)
+            alternating({"relayed": relayed, "pushed": pushed}, args.rounds, args.servers)
+            return
         if args.json:
             breakdown(client, 1, 20)  # warm-up
             print(json.dumps(breakdown(client, 1, 100)))
@@ -143,6 +168,26 @@ def main() -> None:
         local = med["local: the same blocks in-process"] + med["client embed"] + med["client LM head"]
         print(f"{'token through the swarm (embed+step+head)':36s} {swarm:7.3f} ms")
         print(f"{'token in one process (embed+blocks+head)':36s} {local:7.3f} ms   swarm/local {swarm / local:.3f}x")
+
+
+def alternating(clients: dict[str, DistributedModelForCausalLM], rounds: int,
+                servers: int) -> dict[str, DistributedModelForCausalLM]:
+    """Rounds of 100 steps alternating between the clients (machine noise hits them alike): medians side by side,
+    and the per-hop overhead: the median over steps of (step - server compute) / servers."""
+    for client in clients.values():
+        breakdown(client, 1, 20)  # warm-up (connections, caches)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in clients}
+    for r in range(rounds):
+        for name in (list(clients) if r % 2 == 0 else list(clients)[::-1]):
+            runs[name].append(breakdown(clients[name], 1, 100))
+    names = list(clients)
+    print(f"{'part (medians of ' + str(rounds) + ' rounds, ms)':42s} " + " ".join(f"{n:>8s}" for n in names))
+    med = {name: {k: statistics.median(run[k] for run in runs[name]) for k in runs[name][0]} for name in names}
+    for part in med[names[0]]:
+        print(f"{part:42s} " + " ".join(f"{med[n][part]:8.3f}" for n in names))
+    per_hop = {n: statistics.median(run["step - server compute"] for run in runs[n]) / servers for n in names}
+    print(f"{'per-hop overhead (step - compute) / ' + str(servers):42s} " + " ".join(f"{per_hop[n]:8.3f}" for n in names))
+    return clients
 
 
 def compare(args: argparse.Namespace) -> None:

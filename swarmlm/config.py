@@ -147,7 +147,13 @@ class ServerConfig:
     max_length_tokens: int = 2048  # longest session (prompt + generated) accepted
     max_batch: int = 64  # sequences in one session
     scheduler: SchedulerConfig = SchedulerConfig()  # compute rounds: batching, straggler wait, inline decodes
-    max_message_bytes: int = 64 << 20  # largest gRPC message accepted or sent
+    max_message_bytes: int = 64 << 20  # largest gRPC message (and frame, wire/frames.py) accepted or sent
+    # also serve Inference streams and pushes as frames on plain TCP, on a second port of the same host (announced
+    # in Info; relayed servers: gRPC only), for clients that opt in (ClientConfig.frames). False = gRPC only
+    frames: bool = True
+    # push to the next server on its framed port when it announces one (server/frame_push.py); off by default, as
+    # the clients' framed streams (docs/RESULTS-hop.md)
+    push_frames: bool = False
     session_idle_timeout_s: float = 120.0  # a session with no step for this long is closed
     push_timeout_s: float = 10.0  # a push to the next server (server/push.py) not answered by then has failed
     # Limits against greedy or hostile peers (docs/FAILURES.md, "Bounded resources"). A peer is a remote host.
@@ -271,6 +277,10 @@ class ClientConfig:
     # True / False are taken as "on" / "off"
     push: PushMode = "auto"
     swarm_key: bytes | None = field(default=None, repr=False)  # a private swarm's shared secret (swarm/private.py)
+    # Inference streams on a server's framed step port when its Info announces one (wire/frames.py). Off by default:
+    # ~0.5 ms less per hop than gRPC on a quiet machine, but 1.3-3x more on a machine overloaded with other
+    # processes (docs/RESULTS-hop.md); False = gRPC's Inference call always
+    frames: bool = False
     # start sessions from prefixes the servers keep from earlier sessions and keep each finished session's prefix
     # (client/prefix.py); False = every session prefills its whole prompt
     prefix_cache: bool = True

@@ -48,6 +48,7 @@ def attack_server(tiny_bloom):
 class Honest:
     def __init__(self, model_dir: str, address: str) -> None:
         self.ids, self.want = greedy_reference(model_dir, PROMPT, NEW_TOKENS)
+        self.model_dir = model_dir
         self.client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=[address], ban_base_s=0.1,
                                                                   ban_max_s=0.2)
 
@@ -575,3 +576,23 @@ def test_planted_prefixes_stay_in_their_scope_and_bad_saves_are_refused(attack_s
                 start_block=0, end_block=blocks, batch_size=1, max_length=64, prefix_scope=scope, prefix_keys=keys)))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert honest.poll_correct()
+
+
+@pytest.mark.slow
+def test_hostile_frames_get_a_clear_refusal_and_the_server_serves_on(attack_server, honest):
+    """The framed step port (wire/frames.py): garbage, wrong magic, oversized, truncated, interleaved and unparsable
+    frames each get a STATUS naming the problem (a connection cut inside a frame: closed), and the honest client,
+    whose steps go through that port, stays exact."""
+    from swarmlm.bench import frame_attacks as fa
+
+    address, hidden, blocks = attack_server
+    answers = fa.run_cases(address, hidden, blocks, max_body_bytes=8 << 20)  # --max-message-mb 8
+    wrong = {name: got for name, got in answers.items() if not fa.expected(name, got)}
+    assert not wrong, wrong
+    assert honest.poll_correct()
+    framed = DistributedModelForCausalLM.from_pretrained(honest.model_dir, servers=[address], frames=True)
+    try:
+        assert greedy_tokens(framed, honest.ids, NEW_TOKENS) == honest.want
+        assert framed.remote.channels.frame_ports, "the framed client did not use the framed port"
+    finally:
+        framed.close()

@@ -169,6 +169,32 @@ def test_fuzzing_every_rpc_leaves_the_server_serving_exactly(attack_server, hone
     assert honest.poll_correct()  # the server is alive and computes exactly
 
 
+def fuzz_frames(address: str, count: int, seed: int, hidden: int, blocks: int) -> Counter:
+    """`count` connections to the framed step port, each with random frames (wire/frames.py): what each ended with
+    ("STATUS CODE" or "closed")."""
+    from swarmlm.bench import frame_attacks as fa
+
+    rng = random.Random(seed)
+    host, port = address.rsplit(":", 1)[0], fa.frame_port(address)
+    ends: Counter = Counter()
+    for _ in range(count):
+        answers = fa.exchange(host, port, fa.random_frames(rng, hidden, blocks), half_close=True)
+        ends[" ".join(answers[-1].split()[:2])] += 1
+    return ends
+
+
+@pytest.mark.slow
+def test_fuzzing_the_framed_port_leaves_the_server_serving_exactly(attack_server, honest):
+    address, hidden, blocks = attack_server
+    ends = fuzz_frames(address, count=120, seed=40, hidden=hidden, blocks=blocks)
+    assert sum(ends.values()) == 120
+    # a deliberate status or a close (a connection cut inside a frame), never INTERNAL or UNKNOWN
+    deliberate = {"STATUS OK", "STATUS INVALID_ARGUMENT", "STATUS NOT_FOUND", "STATUS PERMISSION_DENIED",
+                  "STATUS RESOURCE_EXHAUSTED", "closed"}
+    assert set(ends) <= deliberate, ends
+    assert honest.poll_correct()
+
+
 @pytest.mark.slow
 def test_fuzzing_the_relay_leaves_it_relaying(relay_bed):
     """Random bytes and malformed headers into every relay protocol (swarm/relay.py): each stream gets an ERR or

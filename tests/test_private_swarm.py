@@ -135,3 +135,23 @@ def test_generate_cli_without_the_key_exits_2_with_one_line(swarm, tiny_bloom):
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("swarmlm generate:") and "private swarm" in last and "--swarm-key" in last
+
+
+@pytest.mark.slow
+def test_the_framed_port_takes_only_a_fresh_token_of_the_key_as_grpc_does(swarm, key_file):
+    from swarmlm.bench.frame_attacks import exchange, frame_port, open_request
+    from swarmlm.wire import frames
+
+    key = load_swarm_key(key_file)
+    host, port = swarm.addresses[0].rsplit(":", 1)[0], frame_port(swarm.addresses[0], key)
+    assert port > 0
+    token = make_token(key, "/swarmlm.Swarm/Inference")
+    refused = {"no token": None, "another key": make_token(b"x" * 32, "/swarmlm.Swarm/Inference"),
+               "another call's token": make_token(key, "/swarmlm.Swarm/Info")}
+    for why, bad in refused.items():
+        answers = exchange(host, port, frames.hello(frames.Purpose.STREAM, bad) + open_request(3), half_close=True)
+        assert answers[-1].startswith("STATUS UNAUTHENTICATED") and "--swarm-key" in answers[-1], (why, answers)
+    hello = frames.hello(frames.Purpose.STREAM, token)
+    assert exchange(host, port, hello + open_request(3), half_close=True) == ["REPLY", "STATUS OK "]
+    replayed = exchange(host, port, hello + open_request(3), half_close=True)
+    assert replayed[-1].startswith("STATUS UNAUTHENTICATED") and "replayed" in replayed[-1], replayed

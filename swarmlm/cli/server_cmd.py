@@ -37,6 +37,11 @@ def add_parser(sub) -> None:
     p.add_argument("--announce-host", help="address others dial, if not --host")
     p.add_argument("--threads", type=int, default=SERVER.threads,
                    help="torch threads for compute (default: the cores this process may use, here %(default)s)")
+    p.add_argument("--no-frames", dest="frames", action="store_false",
+                   help="serve decode steps and pushes on gRPC only, no framed step port beside it (a second TCP "
+                        "port, any free one, on --host; docs/PROTOCOL.md, Framed steps)")
+    p.add_argument("--push-frames", action="store_true",
+                   help="push to the next server on its framed step port when it announces one (default: gRPC)")
     p.add_argument("--quant", default=SERVER.quant, choices=QUANT_NAMES,
                    help="auto: a GGUF's quantized blocks kept as the file has them; none: dequantized; int8 / int4: a "
                         "float checkpoint's linear layers quantized weight-only in blocks of 32 (announced to "
@@ -107,7 +112,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         model_dir=model_ref(args), blocks=args.blocks,
         initial_peers=tuple(args.initial_peers), host=args.host, port=args.port, announce_host=args.announce_host,
-        reachability=args.reachability,
+        reachability=args.reachability, frames=args.frames, push_frames=args.push_frames,
         threads=args.threads, dtype=args.dtype, num_blocks=args.num_blocks, placement=args.placement,
         memory_bytes=args.memory_mb * MIB if args.memory_mb else None, cache_bytes=args.cache_mb * MIB,
         prefix_cache_bytes=args.prefix_cache_mb * MIB, publish_counters=args.publish_counters,

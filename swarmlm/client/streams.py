@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
@@ -13,16 +14,18 @@ import grpc
 import torch
 
 from swarmlm.client.chunking import BandwidthEstimate
+from swarmlm.client.frame_call import FrameCall
 from swarmlm.config import ClientConfig
 from swarmlm.errors import InvalidRequest, ServerFailed, ServerHung
 from swarmlm.types import CacheOp, Span, StepKind
-from swarmlm.wire import cache_op, codec, compress
+from swarmlm.wire import cache_op, codec, compress, frames
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
-from swarmlm.wire.channel import aio_channel
+from swarmlm.wire.channel import aio_channel, is_p2p_address
 from swarmlm.wire.links import Links, LinkScheduler, TransmissionPolicy
 from swarmlm.wire.prefix_keys import RUN_TOKENS
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 MAX_REPORTED_BATCH = 1 << 16  # a server's batch size is only reported; a larger claim is clamped, not trusted
 
@@ -59,6 +62,11 @@ class Channels:
     def __init__(self, config: ClientConfig, interceptors: Sequence = ()) -> None:
         self.max_message_bytes = config.max_message_bytes
         self.interceptors = interceptors  # a private swarm's token on every call (swarm/private.py)
+        self.swarm_key = config.swarm_key  # (the framed port's HELLO carries the same token)
+        self.connect_timeout_s = config.connect_timeout_s
+        # per address: the framed step port its Info announced (wire/frames.py); 0 or absent: gRPC's Inference
+        self.frame_ports: dict[str, int] = {}
+        self.frames = config.frames
         self._stubs: dict[str, pb_grpc.SwarmStub] = {}
         self.links = Links(TransmissionPolicy.for_client(config))
         self.assumed_bandwidth_bps = config.assumed_bandwidth_bps
@@ -81,6 +89,26 @@ class Channels:
         if self.wire_dtype != "auto-lossy":
             return compress.choose(self.wire_dtype, 0.0)  # ("auto": float32, exact)
         return compress.choose("auto-lossy", self.bandwidth(address).bandwidth_bps, address, float32_bytes)
+
+    def note_info(self, address: str, reply: pb.InfoReply) -> None:
+        """Remember the framed port a server's Info announces (relayed servers: gRPC through the relay only)."""
+        if self.frames and not is_p2p_address(address) and 0 < reply.frame_port < 65536:
+            self.frame_ports[address] = reply.frame_port
+
+    async def open_stream(self, address: str):
+        """An Inference stream to `address`: on its framed port when it has one that answers, else a gRPC call
+        (a framed port that does not answer is not tried again: a firewall that lets only gRPC's port through)."""
+        port = self.frame_ports.get(address)
+        if port:
+            host, port = frames.frame_target(address, port)
+            try:
+                # (a TCP connect: a port a firewall drops is given up on in a second, not connect_timeout_s)
+                return await FrameCall.open(host, port, self.swarm_key, self.max_message_bytes,
+                                            min(self.connect_timeout_s, 1.0))
+            except (OSError, asyncio.TimeoutError) as exc:
+                log.info("framed port %s:%d of %s does not answer (%s): gRPC from now on", host, port, address, exc)
+                self.frame_ports.pop(address, None)
+        return self.stub(address).Inference()
 
     def stub(self, address: str) -> pb_grpc.SwarmStub:
         stub = self._stubs.get(address)
@@ -180,7 +208,7 @@ class SpanStream:
                    prefix_keys: Sequence[bytes] = ()) -> int:
         """Open the session; with prefix keys, it may start from a cached prefix: returns the tokens it holds."""
         try:
-            self.call = self.channels.stub(self.span.address).Inference()
+            self.call = await self.channels.open_stream(self.span.address)
             await self.call.write(pb.InferenceRequest(open=pb.OpenSession(
                 start_block=self.span.start, end_block=self.span.end, batch_size=batch, max_length=max_length,
                 adapter=self.channels.adapter,
@@ -318,4 +346,5 @@ async def info(channels: Channels, address: str, timeout_s: float = 5.0,
     connect check, swarm/identity.py)."""
     t0 = time.perf_counter()
     reply = await channels.stub(address).Info(pb.InfoRequest(nonce=nonce), timeout=timeout_s)
+    channels.note_info(address, reply)
     return reply, time.perf_counter() - t0

@@ -30,10 +30,12 @@ import grpc
 
 from swarmlm.errors import InvalidRequest
 from swarmlm.types import StepKind
+from swarmlm.server.frame_push import FramePushes
 from swarmlm.server.sessions import SECRET_BYTES
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.channel import aio_channel
+from swarmlm.wire.frames import FrameError
 from swarmlm.wire.links import Links, TransmissionPolicy
 
 MAX_PUSH_TARGETS = 64  # the rest of a route: more servers than any route has
@@ -154,12 +156,15 @@ class StepOrder:
 class Pusher:
     """Outgoing pushes: one channel per target address, writes ordered decode-first per link (as the client's)."""
 
-    def __init__(self, max_message_bytes: int, timeout_s: float, interceptors: Sequence = ()) -> None:
+    def __init__(self, max_message_bytes: int, timeout_s: float, interceptors: Sequence = (),
+                 frames: bool = False, swarm_key: bytes | None = None) -> None:
         self.max_message_bytes = max_message_bytes
         self.interceptors = interceptors  # a private swarm's token on every push (swarm/private.py)
         self.timeout_s = timeout_s  # ServerConfig.push_timeout_s
         self.links = Links(TransmissionPolicy(prefill_window=None))
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, pb_grpc.SwarmStub]] = OrderedDict()
+        # pushes on the target's framed port when it has one (server/frame_push.py); None = gRPC only
+        self.framed = FramePushes(self.info, swarm_key, max_message_bytes) if frames else None
         self.pushed = 0
         self.failed = 0
 
@@ -185,6 +190,12 @@ class Pusher:
         link = self.links.get(target.address)
         call = None
         try:
+            port = await self.framed.port(target.address) if self.framed is not None else 0
+            accepted = await self._framed(link, kind, target.address, port, request) if port else None
+            if accepted is not None:
+                self.pushed += accepted
+                self.failed += not accepted
+                return accepted
             async with link.turn(kind):
                 call = self._stub(target.address).Push(request, timeout=self.timeout_s)
                 await asyncio.sleep(0)  # let the call start writing before the next message's turn
@@ -198,6 +209,28 @@ class Pusher:
             if call is not None:
                 link.answered(kind)
 
+    async def _framed(self, link, kind: StepKind, address: str, port: int, request: pb.PushRequest) -> bool | None:
+        """A push on the framed port: whether the target accepted it, or None when the port does not take the
+        connection (then forgotten: this push and later ones go by gRPC). Held on the link like a gRPC push: its
+        turn until written, in flight until answered."""
+        granted = written = False
+        try:
+            async with link.turn(kind):
+                granted = True
+                conn = await self.framed.send(address, port, request, self.timeout_s)
+                written = True
+            async with asyncio.timeout(self.timeout_s):
+                code, _ = await self.framed.answer(address, conn)
+            return code == grpc.StatusCode.OK
+        except (OSError, FrameError, TimeoutError):
+            if not written:
+                self.framed.forget(address)
+                return None
+            return False
+        finally:
+            if granted:
+                link.answered(kind)
+
     async def info(self, address: str, timeout_s: float = 2.0) -> pb.InfoReply | None:
         """The Info of the server at `address`, or None if nothing there answers as one."""
         try:
@@ -206,6 +239,8 @@ class Pusher:
             return None
 
     async def close(self) -> None:
+        if self.framed is not None:
+            await self.framed.close()
         for channel, _ in self._channels.values():
             await channel.close()
         self._channels.clear()

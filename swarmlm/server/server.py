@@ -23,6 +23,7 @@ from swarmlm.perf.profile import cached_profile
 from swarmlm.server.scheduler import Scheduler
 from swarmlm.server.service import ServerStats, SwarmService, add_to_server, measured_speeds
 from swarmlm.server.auth import server_interceptors
+from swarmlm.server.frame_server import FrameServer
 from swarmlm.server.stage import Stage
 from swarmlm.swarm.identity import Identity
 from swarmlm.swarm.records import OFFLINE, ONLINE, ServerRecord, record_from_info
@@ -49,6 +50,7 @@ class Server:
         self._announcer: threading.Thread | None = None  # (in a swarm) refreshes the DHT record
         self._tasks: list[asyncio.Task] = []  # on the server's loop: the expiry loop, then the rebalancer (if any)
         self._grpc: grpc.aio.Server | None = None
+        self._frames: FrameServer | None = None  # the framed step port, beside gRPC (not when relayed)
         self._scheduler: Scheduler | None = None
 
     # ---- start-up -----------------------------------------------------------------------------------
@@ -150,8 +152,8 @@ class Server:
         if self.dht is not None:  # pushes go only to servers announced for the next block (server/push.py)
             self.service.targets.directory = self._announced
         self.service.identity = self.identity  # signs the clients' connect checks (Info with a nonce)
-        self._grpc = grpc.aio.server(options=server_options(cfg.max_message_bytes),
-                                     interceptors=server_interceptors(cfg.swarm_key),  # a private swarm's gate
+        gate = server_interceptors(cfg.swarm_key)  # a private swarm's gate
+        self._grpc = grpc.aio.server(options=server_options(cfg.max_message_bytes), interceptors=gate,
                                      maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
         add_to_server(self.service, self._grpc)  # (bytes that do not parse: INVALID_ARGUMENT)
         local_port = self._listen(self._grpc)
@@ -159,8 +161,12 @@ class Server:
         if self.network is not None:
             self.service.relay = lambda: self.network.relay  # (signed in its Info: swarm/identity.py)
         await self._grpc.start()
-        if self.network is not None and self.network.relayed:  # behind NAT: relayed connections to local_port
+        relayed = self.network is not None and self.network.relayed
+        if relayed:  # behind NAT: relayed connections to local_port (gRPC only: docs/PROTOCOL.md, "Framed steps")
             self.network.serve_relayed(local_port)
+        elif cfg.frames:  # the same handlers on a framed port (server/frame_server.py), checked by the same gate
+            self._frames = FrameServer(self.service, cfg, gate[0].checker if gate else None)
+            self.service.frame_port = await self._frames.start(cfg.host)
         self._tasks = [asyncio.create_task(self.service.expire_loop())]
         if self.dht is not None:
             self._announcer = threading.Thread(target=self._announce_loop, name="swarmlm-announce", daemon=True)
@@ -177,6 +183,8 @@ class Server:
             task.cancel()
         await self._drain(self._announcer)
         expiry.cancel()  # (expiry goes on while sessions drain)
+        if self._frames is not None:
+            await self._frames.stop()
         await self._grpc.stop(grace=2.0)
         await self.service.pusher.close()
         self._scheduler.stop()

@@ -128,10 +128,12 @@ class SwarmService(pb_grpc.SwarmServicer):
         self.load = PeerBytes(config.max_peer_bytes_in_flight)
         self.attached: set[str] = set()  # sessions held by a live stream
         self.inboxes: dict[str, asyncio.Queue] = {}  # per attached session: its steps, from the stream and pushes
-        self.pusher = Pusher(config.max_message_bytes, config.push_timeout_s, client_interceptors(config.swarm_key))
+        self.pusher = Pusher(config.max_message_bytes, config.push_timeout_s, client_interceptors(config.swarm_key),
+                             config.push_frames, config.swarm_key)
         self.identity: Identity | None = None  # set by server.py, with the address it announces
         self.address = ""
         self.relay: Callable[[], str] = lambda: ""  # the relay it is reached through now (server.py; "" = direct)
+        self.frame_port = 0  # the framed step port (server/frame_server.py), announced in Info; 0 = none
         # where pushes may go; server.py gives it the DHT's directory when there is a DHT
         self.targets = TargetCheck(None, self.pusher.info, self._serves)
         self._pushes: dict[str, asyncio.Task] = {}  # per session: its latest push (pushes of a session go in order)
@@ -580,6 +582,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             adapters=self.announced_adapters,
             prefix_cache=prefix_cache.info(self.prefixes, self.counters_public),
             tokens_computed=self.tokens_computed if self.counters_public else 0,
+            frame_port=self.frame_port,
         )
 
     @property

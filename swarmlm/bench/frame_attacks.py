@@ -1,0 +1,131 @@
+"""Hostile frames against a server's framed step port (wire/frames.py), light in tests/test_attacks.py and
+tests/test_fuzz_rpc.py, heavy in benchmarks/attacks.py. Each case opens its own connection with a blocking socket
+and returns what the server answered: "STATUS <CODE> <details>", "REPLY ..." or "closed" (it closed without a
+word: a connection cut inside a frame cannot be answered)."""
+from __future__ import annotations
+
+import random
+import socket
+
+import torch
+
+from swarmlm.wire import codec, frames
+from swarmlm.wire import swarm_pb2 as pb
+from swarmlm.wire.frames import HEADER, Kind, Purpose
+
+TIMEOUT_S = 30.0  # a generous wait for the server's answer (the machine may be busy)
+
+
+def frame_port(address: str, swarm_key: bytes | None = None) -> int:
+    """The framed port a server's Info announces (asked with a token in a private swarm)."""
+    import grpc
+
+    from swarmlm.swarm.private import AUTH_HEADER, make_token
+    from swarmlm.wire import swarm_pb2_grpc as pb_grpc
+
+    metadata = [(AUTH_HEADER, make_token(swarm_key, "/swarmlm.Swarm/Info"))] if swarm_key else None
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.SwarmStub(channel).Info(pb.InfoRequest(), timeout=TIMEOUT_S, metadata=metadata).frame_port
+
+
+def exchange(host: str, port: int, data: bytes, half_close: bool = False) -> list[str]:
+    """Send `data`, then read the server's frames until it closes: each as "REPLY", "STATUS CODE details", or a
+    last "closed" when the connection ended without a STATUS."""
+    answers: list[str] = []
+    with socket.create_connection((host, port), timeout=TIMEOUT_S) as sock:
+        try:
+            sock.sendall(data)
+            if half_close:
+                sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            return ["closed"]
+        buf = b""
+        while True:
+            try:
+                chunk = sock.recv(1 << 16)
+            except OSError:
+                chunk = b""
+            buf += chunk
+            while len(buf) >= HEADER.size:
+                size, kind = HEADER.unpack(buf[:HEADER.size])
+                if len(buf) < HEADER.size + size:
+                    break
+                body, buf = buf[HEADER.size:HEADER.size + size], buf[HEADER.size + size:]
+                if kind == Kind.STATUS:
+                    code, details = frames.parse_status(body)
+                    return answers + [f"STATUS {code.name} {details}"]
+                answers.append(Kind(kind).name if kind in Kind._value2member_map_ else f"kind {kind}")
+            if not chunk:
+                return answers + ["closed"]
+
+
+def open_request(blocks: int) -> bytes:
+    request = pb.InferenceRequest(open=pb.OpenSession(start_block=0, end_block=blocks, batch_size=1, max_length=16))
+    return frames.frame(Kind.REQUEST, request.SerializeToString())
+
+
+def _step(hidden: int) -> bytes:
+    request = pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(torch.randn(1, 1, hidden))))
+    return frames.frame(Kind.REQUEST, request.SerializeToString())
+
+
+HELLO = frames.hello(Purpose.STREAM, None)
+
+
+def cases(hidden: int, blocks: int, max_body_bytes: int) -> dict[str, bytes]:
+    """Name -> the bytes a hostile peer sends (then it half-closes and reads)."""
+    opened = HELLO + open_request(blocks)
+    return {
+        "garbage instead of a HELLO": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(range(256)),
+        "wrong magic": frames.frame(Kind.HELLO, b"swarmlm-frames/9\n\x01"),
+        "unknown purpose": frames.frame(Kind.HELLO, frames.MAGIC + b"\x09"),
+        "a REQUEST before HELLO": open_request(blocks),
+        "oversized HELLO": HEADER.pack(1 << 20, Kind.HELLO),
+        "oversized frame": HELLO + HEADER.pack(max_body_bytes + 1, Kind.REQUEST) + b"x" * 64,
+        "unknown frame kind": HELLO + HEADER.pack(3, 200) + b"abc",
+        "truncated header": HELLO + HEADER.pack(10, Kind.REQUEST)[:3],
+        "truncated body": opened + HEADER.pack(4096, Kind.REQUEST) + b"x" * 100,
+        "interleaved: a second HELLO mid-stream": opened + HELLO + _step(hidden),
+        "interleaved: a REPLY from the client": opened + frames.frame(Kind.REPLY, b"") + _step(hidden),
+        "interleaved: a PUSH inside a stream": opened + frames.frame(Kind.PUSH, b"\x0a\x01x"),
+        "garbage REQUEST body": HELLO + frames.frame(Kind.REQUEST, bytes(range(256)) * 4),
+        "garbage step in a session": opened + frames.frame(Kind.REQUEST, b"\xff" * 300) + frames.frame(Kind.END),
+        "a REQUEST on a push connection": frames.hello(Purpose.PUSH, None) + open_request(blocks),
+    }
+
+
+def expected(name: str, answers: list[str]) -> bool:
+    """Is this the clear refusal the case should get? Framing errors: a STATUS naming the problem (or, for a
+    connection cut inside a frame, which the server cannot answer any more, a close)."""
+    last = answers[-1] if answers else ""
+    if name.startswith("truncated"):
+        return last == "closed" or last.startswith("STATUS INVALID_ARGUMENT truncated")
+    if name == "garbage REQUEST body":  # a message that does not parse: as on gRPC
+        return last == "STATUS INVALID_ARGUMENT the message does not parse"
+    if name == "garbage step in a session":  # the open's reply, the step's refusal (a REPLY with an error), OK
+        return answers == ["REPLY", "REPLY", "STATUS OK "]
+    return last.startswith("STATUS INVALID_ARGUMENT") and len(last) > len("STATUS INVALID_ARGUMENT ") + 10
+
+
+def run_cases(address: str, hidden: int, blocks: int, max_body_bytes: int) -> dict[str, list[str]]:
+    host, port = address.rsplit(":", 1)[0], frame_port(address)
+    return {name: exchange(host, port, data, half_close=True)
+            for name, data in cases(hidden, blocks, max_body_bytes).items()}
+
+
+def random_frames(rng: random.Random, hidden: int, blocks: int) -> bytes:
+    """A fuzzer's connection: a HELLO (or not), then random frames, random bytes, and valid ones mixed."""
+    out = HELLO if rng.random() < 0.8 else frames.hello(Purpose.PUSH, None) if rng.random() < 0.5 else b""
+    for _ in range(rng.randint(0, 5)):
+        pick = rng.random()
+        if pick < 0.25:
+            out += open_request(blocks)
+        elif pick < 0.4:
+            out += _step(hidden)
+        elif pick < 0.6:
+            out += frames.frame(rng.choice(list(Kind)), rng.randbytes(rng.randint(0, 300)))
+        elif pick < 0.75:
+            out += HEADER.pack(rng.choice([0, 1, 100, 1 << 20, (1 << 32) - 1]), rng.randint(0, 255))
+        else:
+            out += rng.randbytes(rng.randint(0, 200))
+    return out

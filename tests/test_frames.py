@@ -1,0 +1,95 @@
+"""The framed step protocol's envelope (wire/frames.py): frames read back as written, and every broken frame is a
+FrameError with a one-line reason. Against a server: tests/test_attacks.py, tests/test_fuzz_rpc.py."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from swarmlm.wire import frames
+from swarmlm.wire.frames import HEADER, FrameError, Kind, Purpose
+
+
+def _read_all(data: bytes, max_body_bytes: int = 1024) -> list:
+    async def run() -> list:
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        out = []
+        while (got := await frames.read_frame(reader, max_body_bytes, 1.0)) is not None:
+            out.append(got)
+        return out
+
+    return asyncio.run(run())
+
+
+def test_frames_read_back_as_written():
+    data = frames.hello(Purpose.STREAM, "v1.tok") + frames.frame(Kind.REQUEST, b"abc") + frames.frame(Kind.END)
+    got = _read_all(data)
+    assert [k for k, _ in got] == [Kind.HELLO, Kind.REQUEST, Kind.END]
+    assert frames.parse_hello(got[0][1]) == (Purpose.STREAM, "v1.tok")
+    assert frames.parse_hello(frames.hello(Purpose.PUSH, None)[HEADER.size:]) == (Purpose.PUSH, None)
+    assert got[1][1] == b"abc" and got[2][1] == b""
+    status = frames.status(grpc.StatusCode.NOT_FOUND, "no such session")[HEADER.size:]
+    assert frames.parse_status(status) == (grpc.StatusCode.NOT_FOUND, "no such session")
+    assert frames.parse_status(b"NOT_A_CODE\nx") == (grpc.StatusCode.UNKNOWN, "x")
+
+
+@pytest.mark.parametrize("data, reason", [
+    (HEADER.pack(1025, Kind.REQUEST) + b"x" * 1025, "oversized frame: 1025 bytes exceed the limit of 1024"),
+    (HEADER.pack(3, 99) + b"abc", "unknown frame kind 99"),
+    (HEADER.pack(3, Kind.REQUEST)[:2], "truncated frame: the connection ended after 2 of 5 header bytes"),
+    (HEADER.pack(10, Kind.REQUEST) + b"abc", "truncated frame: the connection ended after 3 of 10 body bytes"),
+])
+def test_broken_frames_are_one_line_errors(data, reason):
+    with pytest.raises(FrameError) as err:
+        _read_all(frames.frame(Kind.END) + data)
+    assert str(err.value) == reason
+
+
+def test_a_stalled_frame_body_times_out():
+    async def run() -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(HEADER.pack(10, Kind.REQUEST) + b"abc")  # and nothing more, no EOF
+        await frames.read_frame(reader, 1024, body_timeout_s=0.05)
+
+    with pytest.raises(FrameError, match="did not arrive within"):
+        asyncio.run(run())
+
+
+@pytest.mark.parametrize("body", [b"", b"swarmlm-frames/2\n\x01", frames.MAGIC, frames.MAGIC + b"\x07",
+                                  frames.MAGIC + b"\x01\xff\xfe"])
+def test_bad_hellos_are_refused(body):
+    with pytest.raises(FrameError):
+        frames.parse_hello(body)
+
+
+@pytest.mark.slow
+def test_framed_streams_and_framed_pushes_generate_exactly_and_fail_over(tiny_bloom):
+    """Opted in (client frames=True, servers --push-frames): greedy tokens equal transformers', pushed through
+    the chain on the framed ports; a server killed mid-session is failed over to its replica."""
+    import torch
+
+    from swarmlm.types import BlockRange
+    from tests.swarm_helpers import client_of, greedy_reference, server_processes
+
+    ids, want = greedy_reference(tiny_bloom, "frames all the way", 6)
+    ranges = [BlockRange(0, 3), BlockRange(3, 6), BlockRange(3, 6)]
+    with server_processes(tiny_bloom, ranges, dht=False, server_args=["--push-frames"]) as swarm:
+        client = client_of(swarm, frames=True, push=True, ban_base_s=0.1)
+        try:
+            with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + 8) as session:
+                logits = client.step_logits(session, ids)
+                got = [int(logits[0, -1].argmax())]
+                for i in range(5):
+                    if i == 2:  # the replica of [3, 6) the session uses dies: failover to the other one
+                        used = session.spans[-1].span.address
+                        swarm.kill(next(s for s in swarm.servers[1:] if s.address == used))
+                    logits = client.step_logits(session, torch.tensor([[got[-1]]]))
+                    got.append(int(logits[0, -1].argmax()))
+            assert got == want
+            assert client.remote.channels.frame_ports, "the client did not use the framed ports"
+            assert any(h.pushed for step in session.steps for h in step.hops), "nothing was pushed"
+        finally:
+            client.close()
