@@ -24,7 +24,9 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def stack(tiny_bloom, tmp_path_factory):
-    with gateway_stack(tiny_bloom, tmp_path_factory.mktemp("api-spec"), extra=["--speculative", "4"]) as stack:
+    # (--publish-counters: the prefix test reads the servers' hit counters, private by default)
+    with gateway_stack(tiny_bloom, tmp_path_factory.mktemp("api-spec"), extra=["--speculative", "4"],
+                       server_extra=lambda i: ["--publish-counters"]) as stack:
         yield stack
 
 
