@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import statistics
 import functools
 import threading
 from typing import Iterator, Sequence
@@ -260,13 +261,17 @@ def assert_n_choices_share_a_session(gateway_url: str, swarm, body: dict, header
         time.sleep(0.2)
 
 def even_out_view(client) -> None:
-    """Even out what decides a route at random on a busy machine, so that load alone decides: the same RTT to every
+    """Even out what decides a route at random on a busy machine, so that load alone decides: the same speed (each
+    server measured its own at start, under whatever else ran then) and the same RTT to every
     server (loopback RTTs measured under load differ by several ms, and RTT x tokens would decide) and the same,
     known contention (a tiny model's measured f(b) is ~1 within noise: its forward is mostly fixed overhead)."""
     view = client.remote.view
+    speed = {f: statistics.median(getattr(r, f) for r in view.records.values())
+             for f in ("decode_s", "prefill_a_s", "prefill_b_s")}  # one machine: one speed, not each start's noise
     for sid, r in view.records.items():
         view.rtt_s[sid] = 0.001
-        view.records[sid] = dataclasses.replace(r, decode_4rows_s=2 * r.decode_s, decode_16rows_s=4 * r.decode_s)
+        view.records[sid] = dataclasses.replace(r, **speed, decode_4rows_s=2 * speed["decode_s"],
+                                                decode_16rows_s=4 * speed["decode_s"])
 
 
 def run_in_threads(fn, n: int, timeout_s: float = 300.0) -> None:
