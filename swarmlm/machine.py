@@ -105,6 +105,6 @@ def _packed_kernels() -> str:
     from swarmlm.kernels import KernelUnavailable, library
 
     try:
-        return {2: "avx512", 1: "avx2"}.get(library().packed_isa(), "scalar")
+        return {3: "avx512-vnni", 2: "avx512", 1: "avx2"}.get(library().packed_isa(), "scalar")
     except KernelUnavailable:
         return "unavailable"

@@ -1,4 +1,5 @@
-"""swarmlm's compiled kernels: packed.c (products from GGUF blocks) and decode.c (a decode step of a span of
+"""swarmlm's compiled kernels: packed.c (products from GGUF blocks), act16.c (Q4_0 / Q4_1 / Q8_0 products in integers over
+activations rounded to int16 blocks) and decode.c (a decode step of a span of
 Llama-shaped blocks in one call), built once per machine with the system C compiler and loaded with ctypes.
 
 Built with `-O3 -march=native` (the CPU's own vector units: AVX-512 where it has them, else AVX2, else scalar C) into
@@ -20,7 +21,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("packed.c", "decode.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("packed.c", "act16.c", "decode.c")]
 CACHE = Path.home() / ".cache" / "swarmlm" / "kernels"
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno", "-fopenmp-simd", "-pthread"]
 

@@ -3,7 +3,8 @@
  * positions, the output product and residual, RMSNorm, SiLU-gated MLP and residual. Llama, Mistral and Qwen2 blocks
  * (and Qwen3 with its per-head query and key norms) compute exactly this (model/decode_span.py checks a span first). The products are packed_matmul's (the
  * weights in their GGUF blocks, split between the kernels' threads); everything else is float32 here, in the order
- * transformers computes it, so a step equals the blocks' own forward up to float32 summation order.
+ * transformers computes it, so a step equals the blocks' own forward up to float32 summation order (the products'
+ * own rounding included: the blocks' PackedLinear layers call the same kernels).
  *
  * Why: a decode step of a small model is mostly the framework's per-operation cost (SmolLM2: ~30 torch operations
  * and module calls per block, ~250 us, against ~400 us of weights); here a whole span costs one call.

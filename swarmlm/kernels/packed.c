@@ -3,7 +3,9 @@
  * A weight matrix W [N, K] is N rows of K/QK blocks, each block exactly as the file stores it. Every function here
  * computes y[r, n] = sum_k x[r, k] * W[n, k] for float32 activations x [R, K]: a block is turned into QK floats in
  * registers or a small L1 buffer and multiplied in float32, so the result is the dequantized weights' product up
- * to float32 summation order (no activation rounding). Decoding is memory-bound, so reading 4-8x fewer bytes than
+ * to float32 summation order -- except Q4_0, Q4_1 and Q8_0, whose activations are first rounded to int16 per block of
+ * 32 and multiplied in integers (act16.c; Q4 products of more than act16_integer_rows rows: these float tiles on
+ * the rounded values). Decoding is memory-bound, so reading 4-8x fewer bytes than
  * float32 is the whole gain; the unpacking must only keep up with memory.
  *
  * Per type one function turns a block into floats (`dq_*`), the same values gguf-py's dequantize gives. Q4_0, Q4_1
@@ -26,6 +28,14 @@
 
 #define QK 32
 #define QK_K 256
+
+/* act16.c: Q4_0 / Q4_1 / Q8_0 products with activations rounded to int16 blocks (in integers where the vector unit can) */
+int act16_rounds(int ggml_type);
+int64_t act16_integer_rows(int ggml_type);
+const void *act16_prepare_rows(const float *x, int64_t rows, int64_t k);
+const float *act16_round_rows(const float *x, int64_t rows, int64_t k);
+void act16_product(int ggml_type, const uint8_t *w, int64_t row_bytes, const void *prepared, int64_t rows, int64_t k,
+                   float *y, int64_t n, int64_t n0, int64_t n1);
 
 static inline float fp16(const uint8_t *p) {
     uint16_t h;
@@ -207,7 +217,8 @@ static const block_type *find_type(int ggml_type) {
     return 0;
 }
 
-/* ---- the split layout of Q4_0 / Q4_1 / Q8_0: [quants of every block][d float32 x nb][m float32 x nb (Q4_1)] ---- */
+/* ---- the split layout of Q4_0 / Q4_1 / Q8_0: [quants of every block][d float32 x nb][m float32 x nb (Q4_1)];
+ * Q8_0's quants in act16's order within chunks of 4 blocks (q8_0_at) ---- */
 
 static int split_quant_bytes(int ggml_type) {  /* bytes of one block's quants; 0 = not a split type */
     return ggml_type == 2 || ggml_type == 3 ? 16 : ggml_type == 8 || ggml_type == Q8_M ? 32 : 0;
@@ -221,13 +232,22 @@ static inline float load_f32(const uint8_t *p) {
     return f;
 }
 
+/* Q8_0's quants are kept in act16's order: a chunk of 4 blocks (fewer at a row's end: cn) is 4 quarters of 8 cn
+ * bytes, quarter v byte 8 c + t = block c's weight WEIGHT_OF[v][t] (act16.c), so that one sign extension gives
+ * the integer products a vector; where weight j of block b is: */
+static inline int64_t q8_0_at(int64_t nb, int64_t b, int j) {
+    const int64_t chunk = b / 4, cn = nb - 4 * chunk < 4 ? nb - 4 * chunk : 4;
+    const int v = (j & 1) * 2 + (j >= 16), t = (j & 15) >> 1;
+    return 128 * chunk + 8 * cn * v + 8 * (b % 4) + t;
+}
+
 /* block b of a split row (nb blocks) -> 32 floats, the values dq_* gives for the file's block */
 static void split_dq(int ggml_type, const uint8_t *row, int64_t nb, int64_t b, float *y) {
     const int qb = split_quant_bytes(ggml_type);
     const uint8_t *q = row + b * qb, *scales = row + nb * qb;
     const float d = load_f32(scales + 4 * b);
     if (ggml_type == 8) {
-        for (int j = 0; j < 32; j++) y[j] = d * (float)((const int8_t *)q)[j];
+        for (int j = 0; j < 32; j++) y[j] = d * (float)((const int8_t *)row)[q8_0_at(nb, b, j)];
         return;
     }
     if (ggml_type == Q8_M) {
@@ -249,7 +269,10 @@ static void split_row(int ggml_type, const uint8_t *src, int64_t nb, uint8_t *ds
     uint8_t *scales = dst + nb * qb;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = src + b * t->block_bytes;
-        memcpy(dst + b * qb, blk + head, qb);
+        if (ggml_type == 8)
+            for (int j = 0; j < 32; j++) dst[q8_0_at(nb, b, j)] = blk[head + j];
+        else
+            memcpy(dst + b * qb, blk + head, qb);
         const float d = ggml_type == Q8_M ? load_f32(blk) : fp16(blk);  /* Q8_M's d and m are float32 already */
         memcpy(scales + 4 * b, &d, 4);
         if (ggml_type == 3 || ggml_type == Q8_M) {
@@ -338,11 +361,6 @@ static inline void split_block(int ggml_type, const uint8_t *row, int64_t nb, in
     const int qb = split_quant_bytes(ggml_type);
     const uint8_t *q = row + b * qb, *scales = row + nb * qb;
     const __m512 d = _mm512_set1_ps(load_f32(scales + 4 * b));
-    if (ggml_type == 8) {  /* Q8_0: d q */
-        *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), d);
-        *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), d);
-        return;
-    }
     if (ggml_type == Q8_M) {  /* d q + m, q unsigned */
         const __m512 m = _mm512_set1_ps(load_f32(scales + 4 * (nb + b)));
         *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q))), d, m);
@@ -419,8 +437,8 @@ static inline void q5_k_group(const uint8_t *row, int64_t b, __m512 *lo, __m512 
     *hi = q5_k_half(q + 16, qh + 16, g, d, m);
 }
 
-static int has_fast_path(int ggml_type) {
-    return split_quant_bytes(ggml_type) || ggml_type == 12 || ggml_type == 13 || ggml_type == 14;
+static int has_fast_path(int ggml_type) {  /* Q8_0: act16.c's integer products, every row count */
+    return (split_quant_bytes(ggml_type) && ggml_type != 8) || ggml_type == 12 || ggml_type == 13 || ggml_type == 14;
 }
 
 static inline void fast_block(int ggml_type, const uint8_t *row, int64_t nb, int64_t b, __m512 *lo, __m512 *hi) {
@@ -485,17 +503,17 @@ static inline __attribute__((always_inline)) void tile(int ggml_type, const uint
                                           tile_##T##_1_5, tile_##T##_1_6, tile_##T##_1_7, tile_##T##_1_8};
 
 typedef void (*tile_fn)(const uint8_t *, int64_t, int64_t, const float *, int64_t, float *, int64_t, int64_t, int64_t);
-TILES(2) TILES(3) TILES(8) TILES(1001) TILES(12) TILES(13) TILES(14)
+TILES(2) TILES(3) TILES(1001) TILES(12) TILES(13) TILES(14)
 
 static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
                       float *y, int64_t n, int64_t n0, int64_t n1) {
     const int64_t nb = k / QK;
     for (int64_t r0 = 0; r0 < rows; r0 += 8) {  /* activation rows, 8 at a time */
         const int nr = rows - r0 < 8 ? (int)(rows - r0) : 8;
-        const tile_fn *wide = ggml_type == 2 ? WIDE_2 : ggml_type == 3 ? WIDE_3 : ggml_type == 8 ? WIDE_8
+        const tile_fn *wide = ggml_type == 2 ? WIDE_2 : ggml_type == 3 ? WIDE_3
                             : ggml_type == Q8_M ? WIDE_1001 : ggml_type == 12 ? WIDE_12 : ggml_type == 13 ? WIDE_13
                             : WIDE_14;
-        const tile_fn *narrow = ggml_type == 2 ? NARROW_2 : ggml_type == 3 ? NARROW_3 : ggml_type == 8 ? NARROW_8
+        const tile_fn *narrow = ggml_type == 2 ? NARROW_2 : ggml_type == 3 ? NARROW_3
                               : ggml_type == Q8_M ? NARROW_1001 : ggml_type == 12 ? NARROW_12
                               : ggml_type == 13 ? NARROW_13 : NARROW_14;
         int64_t i = n0;
@@ -513,12 +531,11 @@ static inline __attribute__((always_inline)) void split_block8(const int T, cons
     const int qb = split_quant_bytes(T);
     const uint8_t *q = row + b * qb, *scales = row + nb * qb;
     const __m256 d = _mm256_set1_ps(load_f32(scales + 4 * b));
-    if (T == 8 || T == Q8_M) {  /* Q8_0: d q (q signed); Q8_M: d q + m (q unsigned) */
-        const __m256 m = T == Q8_M ? _mm256_set1_ps(load_f32(scales + 4 * (nb + b))) : _mm256_setzero_ps();
+    if (T == Q8_M) {  /* d q + m (q unsigned) */
+        const __m256 m = _mm256_set1_ps(load_f32(scales + 4 * (nb + b)));
         for (int j = 0; j < 4; j++) {
             const __m128i v = _mm_loadl_epi64((const __m128i *)(q + 8 * j));
-            const __m256 f = _mm256_cvtepi32_ps(T == 8 ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
-            w[j] = T == 8 ? _mm256_mul_ps(f, d) : _mm256_fmadd_ps(f, d, m);
+            w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), d, m);
         }
         return;
     }
@@ -626,17 +643,17 @@ typedef void (*tile8_fn)(const uint8_t *, int64_t, int64_t, const float *, int64
     TILE8(T, 2, 1) TILE8(T, 2, 2) TILE8(T, 1, 1) TILE8(T, 1, 2) \
     static const tile8_fn TILES8_##T[2][3] = {{0, tile8_##T##_1_1, tile8_##T##_1_2}, \
                                                {0, tile8_##T##_2_1, tile8_##T##_2_2}};
-TILES8(2) TILES8(3) TILES8(8) TILES8(1001) TILES8(12) TILES8(13) TILES8(14)
+TILES8(2) TILES8(3) TILES8(1001) TILES8(12) TILES8(13) TILES8(14)
 
-static int has_fast_path(int ggml_type) {
-    return split_quant_bytes(ggml_type) || ggml_type == 12 || ggml_type == 13 || ggml_type == 14;
+static int has_fast_path(int ggml_type) {  /* Q8_0: act16.c's integer products, every row count */
+    return (split_quant_bytes(ggml_type) && ggml_type != 8) || ggml_type == 12 || ggml_type == 13 || ggml_type == 14;
 }
 
 /* weight rows two at a time, each pair against every activation row (two at a time) while it is in L1 */
 static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
                       float *y, int64_t n, int64_t n0, int64_t n1) {
     const int64_t nb = k / QK;
-    const tile8_fn (*tiles)[3] = ggml_type == 2 ? TILES8_2 : ggml_type == 3 ? TILES8_3 : ggml_type == 8 ? TILES8_8
+    const tile8_fn (*tiles)[3] = ggml_type == 2 ? TILES8_2 : ggml_type == 3 ? TILES8_3
                                : ggml_type == Q8_M ? TILES8_1001 : ggml_type == 12 ? TILES8_12
                                : ggml_type == 13 ? TILES8_13 : TILES8_14;
     for (int64_t i = n0; i < n1; i += 2) {
@@ -671,18 +688,42 @@ int packed_repack(int ggml_type, const uint8_t *src, int64_t src_row_bytes, int6
     return 0;
 }
 
-/* y [rows, n] = x [rows, k] @ W[n0:n1].T ; W is n rows of row_bytes bytes; only columns [n0, n1) of y are written */
+/* The activations as a type's product reads them: x itself, or (types act16 rounds) prepared for the integer
+ * products (*prepared) or rounded to int16 blocks in floats; 0 when out of memory. Prepared once per product. */
+static const float *activations(int ggml_type, const float *x, int64_t rows, int64_t k, const void **prepared) {
+    *prepared = 0;
+    if (!act16_rounds(ggml_type)) return x;
+    if (rows > act16_integer_rows(ggml_type)) return act16_round_rows(x, rows, k);
+    *prepared = act16_prepare_rows(x, rows, k);
+    return *prepared ? x : 0;
+}
+
+/* columns [n0, n1) of y [rows, n] from activations as `activations` gave them */
+static void product_columns(const block_type *t, const uint8_t *w, int64_t row_bytes, const float *x,
+                            const void *prepared, int64_t rows, int64_t k, float *y, int64_t n, int64_t n0, int64_t n1) {
+    if (prepared) {
+        act16_product(t->ggml_type, w, row_bytes, prepared, rows, k, y, n, n0, n1);
+        return;
+    }
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    if (has_fast_path(t->ggml_type)) {
+        rows_fast(t->ggml_type, w, row_bytes, x, rows, k, y, n, n0, n1);
+        return;
+    }
+#endif
+    rows_generic(t, w, row_bytes, x, rows, k, y, n, n0, n1);
+}
+
+/* y [rows, n] = x [rows, k] @ W[n0:n1].T ; W is n rows of row_bytes bytes; only columns [n0, n1) of y are written.
+ * 0, or -1 for a call that does not fit the type, -2 when out of memory */
 int packed_matmul(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
                   float *y, int64_t n, int64_t n0, int64_t n1) {
     const block_type *t = find_type(ggml_type);
     if (!t || row_bytes != packed_row_bytes(ggml_type, k)) return -1;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    if (has_fast_path(ggml_type)) {
-        rows_fast(ggml_type, w, row_bytes, x, rows, k, y, n, n0, n1);
-        return 0;
-    }
-#endif
-    rows_generic(t, w, row_bytes, x, rows, k, y, n, n0, n1);
+    const void *prepared;
+    const float *xa = activations(ggml_type, x, rows, k, &prepared);
+    if (!xa) return -2;
+    product_columns(t, w, row_bytes, xa, prepared, rows, k, y, n, n0, n1);
     return 0;
 }
 
@@ -694,12 +735,13 @@ int packed_matmul(int ggml_type, const uint8_t *w, int64_t row_bytes, const floa
 #define SPIN_ROUNDS 2000
 
 typedef struct {
-    int ggml_type;
+    const block_type *t;
     const uint8_t *w;
     int64_t row_bytes, rows, k, n;
     const float *x;
     float *y;
     int64_t chunk_rows;  /* rows taken at a time (even: tiles are two rows) */
+    const void *prepared;  /* x prepared for act16's integer products (once, by the caller), or 0 */
 } product;
 
 static product job;
@@ -716,7 +758,7 @@ static void take_rows(const product *p) {
         const int64_t n0 = atomic_fetch_add(&next_row, p->chunk_rows);
         if (n0 >= p->n) return;
         const int64_t n1 = n0 + p->chunk_rows < p->n ? n0 + p->chunk_rows : p->n;
-        packed_matmul(p->ggml_type, p->w, p->row_bytes, p->x, p->rows, p->k, p->y, p->n, n0, n1);
+        product_columns(p->t, p->w, p->row_bytes, p->x, p->prepared, p->rows, p->k, p->y, p->n, n0, n1);
         atomic_fetch_add_explicit(&rows_done, n1 - n0, memory_order_release);
     }
 }
@@ -771,7 +813,13 @@ int packed_matmul_threads(int ggml_type, const uint8_t *w, int64_t row_bytes, co
         return -1;
     }
     const int64_t chunk = ((n + 16 * threads_wanted - 1) / (16 * threads_wanted) + 1) & ~(int64_t)1;
-    job = (product){ggml_type, w, row_bytes, rows, k, n, x, y, chunk};
+    const void *prepared;
+    const float *xa = activations(ggml_type, x, rows, k, &prepared);
+    if (!xa) {
+        pthread_mutex_unlock(&pool_busy);
+        return -2;
+    }
+    job = (product){t, w, row_bytes, rows, k, n, xa, y, chunk, prepared};
     atomic_store(&next_row, 0);
     atomic_store(&rows_done, 0);
     pthread_mutex_lock(&wake_lock);
@@ -800,9 +848,12 @@ int packed_dequantize(int ggml_type, const uint8_t *w, int64_t row_bytes, int64_
     return 0;
 }
 
-/* the vector unit this build computes with: 2 = AVX-512, 1 = AVX2 + FMA, 0 = scalar C */
+/* the vector unit this build computes with: 3 = AVX-512 with VNNI (act16's vpdpwssd), 2 = AVX-512, 1 = AVX2 + FMA,
+ * 0 = scalar C */
 int packed_isa(void) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 3;
+#elif defined(__AVX512F__)
     return 2;
 #elif defined(__AVX2__) && defined(__FMA__)
     return 1;

@@ -1,0 +1,336 @@
+/* Q4_0, Q4_1 and Q8_0 products with int16 activations (swarmlm's own code): y[r, n] = sum_k x[r, k] * W[n, k].
+ *
+ * Why: unpacking nibbles into float32 and one FMA per weight tops out near 20 G weights/s on a core here, below what
+ * memory delivers for 4-bit weights. Integer products are cheaper: a nibble is already a 16-bit integer after a
+ * shift and a mask, and one instruction (AVX512-VNNI's vpdpwssd, or vpmaddwd + vpaddd on AVX2 and plain AVX-512)
+ * multiplies 32 (16) pairs of 16-bit integers and adds them up in 32 bits, exactly.
+ *
+ * What it costs in accuracy: each block of 32 activations is rounded to int16 under its own scale (max |x| / 32767),
+ * an error of at most 1/65534 of the block's largest value -- 256x finer than llama.cpp's int8 blocks, ~60x finer
+ * than bfloat16's relative rounding for all but the smallest values. The integer products and their sums are exact,
+ * so the result differs from the float32 product of the dequantized weights by that rounding alone (~3e-5 relative,
+ * measured), the same on every x86 vector unit up to float32 summation order.
+ *
+ * Layout: weights as packed.c's split rows (16 bytes of nibbles per block, then the blocks' scales d as float32, then
+ * Q4_1's mins m). A chunk is 4 blocks (128 weights, 64 bytes of nibbles); read as 32 16-bit words, word 8c + t of
+ * block c's bytes 2t, 2t + 1 holds, from bit 0 up, the nibbles of weights 2t, 2t + 16, 2t + 1, 2t + 17 (GGUF keeps
+ * weight j in the low nibble of byte j and weight j + 16 in its high nibble). So four shifts and masks give four
+ * vectors of 32 weights each, and the activations are laid out once per call to match (act16_prepare): vector v word
+ * 8c + t holds block c's activation WEIGHT_OF[v][t]. A vpdpwssd lane adds two neighbouring words, so lanes 4c..4c+3
+ * only ever hold block c's products, and one float multiply-add per chunk applies each block's two scales. Q8_0's
+ * quants are stored in that order already (packed.c, q8_0_at): a sign extension gives each vector. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ACT16_WIDE 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ACT16_WIDE 0
+#endif
+
+#define BLOCK_BYTES 16  /* a Q4 block's nibbles */
+#ifndef AHEAD
+#define AHEAD 4096  /* bytes of a weight row asked for ahead of their use (into L2) */
+#endif
+
+/* one chunk of one activation row, as the products read it */
+typedef struct {
+    int16_t q[128];      /* 4 vectors of 32 words: vector v word 8c + t = block c's weight WEIGHT_OF[v][t] */
+    float scale[16];     /* lanes 4c..4c+3: block c's scale (max |x| / 32767) */
+    int32_t offset[16];  /* lane 4c: -8 x the sum of block c's int16 values (Q4_0's weights are nibble - 8) */
+    float sum[16];       /* lane 4c: scale x that sum (Q4_1's mins multiply it) */
+} act_chunk;
+
+typedef struct {
+    const act_chunk *chunks;  /* rows x chunks_per_row */
+    int64_t chunks_per_row;
+} act16;
+
+static const int WEIGHT_OF[4][8] = {{0, 2, 4, 6, 8, 10, 12, 14}, {16, 18, 20, 22, 24, 26, 28, 30},
+                                    {1, 3, 5, 7, 9, 11, 13, 15}, {17, 19, 21, 23, 25, 27, 29, 31}};
+
+/* Does this type's product round activations to int16 blocks? On every build, so that every build and every
+ * batch shape computes the same function up to float32 summation order. */
+int act16_rounds(int ggml_type) { return ggml_type == 2 || ggml_type == 3 || ggml_type == 8; }
+
+/* Products of up to this many activation rows run in integers. Q4_0 / Q4_1 with more rows share each unpacked
+ * block between more FMAs, so packed.c's float tiles are as fast there, on the rounded activations
+ * (act16_round_rows); Q8_0 is kept in this file's order (packed.c, q8_0_at) and always multiplied here. */
+int64_t act16_integer_rows(int ggml_type) {
+#if defined(ACT16_WIDE)
+    return ggml_type == 8 ? INT64_MAX : 4;
+#else
+    (void)ggml_type;
+    return 0;
+#endif
+}
+
+/* 32 activations -> their int16 values under the block's scale (returned), and the values' sum: the same on every
+ * build (a float32 multiply, rounded to nearest even; the largest |x| exactly) */
+static float round_block(const float *x, int16_t v[32], int32_t *total) {
+#if defined(__AVX512F__)
+    const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 32767.0f / largest : 0.0f);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
+    _mm256_storeu_si256((__m256i *)v, _mm512_cvtepi32_epi16(qa));  /* |q| <= 32767: the narrowing is exact */
+    _mm256_storeu_si256((__m256i *)(v + 16), _mm512_cvtepi32_epi16(qb));
+    *total = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+#else
+    float largest = 0.0f;
+    for (int j = 0; j < 32; j++) largest = fabsf(x[j]) > largest ? fabsf(x[j]) : largest;
+    const float inverse = largest > 0.0f ? 32767.0f / largest : 0.0f;
+    *total = 0;
+    for (int j = 0; j < 32; j++) {  /* lrintf: to nearest even, as the vector conversion */
+        v[j] = (int16_t)lrintf(x[j] * inverse);
+        *total += v[j];
+    }
+#endif
+    return largest / 32767.0f;
+}
+
+/* block c of a chunk from its 32 activations */
+static void prepare_block(const float *x, act_chunk *ch, int c) {
+    int16_t v[32];
+    int32_t total;
+    const float scale = round_block(x, v, &total);
+    for (int w = 0; w < 4; w++)
+        for (int t = 0; t < 8; t++) ch->q[32 * w + 8 * c + t] = v[WEIGHT_OF[w][t]];
+    for (int l = 0; l < 4; l++) ch->scale[4 * c + l] = scale;
+    ch->offset[4 * c] = -8 * total;
+    ch->sum[4 * c] = scale * (float)total;
+}
+
+static _Thread_local act_chunk *buffer;
+static _Thread_local int64_t buffer_chunks;
+
+/* x [rows, k] -> the calling thread's buffer of prepared chunks (valid until its next call); 0 if out of memory */
+static int act16_prepare(const float *x, int64_t rows, int64_t k, act16 *out) {
+    const int64_t blocks = k / 32, per_row = (blocks + 3) / 4, need = rows * per_row;
+    if (need > buffer_chunks) {
+        free(buffer);
+        buffer = aligned_alloc(64, need * sizeof(act_chunk));
+        buffer_chunks = buffer ? need : 0;
+        if (!buffer) return 0;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t ch = 0; ch < per_row; ch++) {
+            act_chunk *chunk = buffer + r * per_row + ch;
+            const int in_chunk = blocks - 4 * ch < 4 ? (int)(blocks - 4 * ch) : 4;
+            if (in_chunk < 4) {
+                memset(chunk, 0, sizeof *chunk);  /* a last chunk of fewer than 4 blocks: zeros past them */
+            } else {
+                memset(chunk->offset, 0, sizeof chunk->offset);
+                memset(chunk->sum, 0, sizeof chunk->sum);
+            }
+            for (int c = 0; c < in_chunk; c++) prepare_block(x + r * k + 32 * (4 * ch + c), chunk, c);
+        }
+    out->chunks = buffer;
+    out->chunks_per_row = per_row;
+    return 1;
+}
+
+#if defined(ACT16_WIDE) && ACT16_WIDE
+/* W weight rows x R activation rows; a chunk's nibbles are unpacked once for the R rows */
+static inline __attribute__((always_inline)) void tile(const int T, const uint8_t *w, int64_t row_bytes, int64_t nb,
+                                                       const act16 *a, float *y, int64_t n, int64_t i, int64_t r0,
+                                                       const int W, const int R) {
+    __m512 total[2][4];
+    for (int u = 0; u < W; u++)
+        for (int r = 0; r < R; r++) total[u][r] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi16(0xf);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const uint8_t *row0 = w + i * row_bytes;
+    for (int64_t ch = 0; ch < a->chunks_per_row; ch++) {
+        const int64_t left = nb - 4 * ch;
+        const __mmask64 bytes = left >= 4 ? ~0ULL : (1ULL << (BLOCK_BYTES * left)) - 1;
+        const __mmask16 blocks = left >= 4 ? 0xffff : (__mmask16)((1u << left) - 1);
+        __m512i v[2][4];
+        __m512 d[2], m[2];
+        for (int u = 0; u < W; u++) {
+            const uint8_t *row = row0 + u * row_bytes;
+            if (T == 8) {  /* 4 quarters of 8 cn bytes: one sign extension each */
+                const int64_t cn = left >= 4 ? 4 : left;
+                const __mmask32 quarter = (__mmask32)((1ULL << (8 * cn)) - 1);
+                _mm_prefetch((const char *)(row + 128 * ch + AHEAD), _MM_HINT_T1);
+                _mm_prefetch((const char *)(row + 128 * ch + 64 + AHEAD), _MM_HINT_T1);
+                for (int q = 0; q < 4; q++)
+                    v[u][q] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(quarter, row + 128 * ch + 8 * cn * q));
+            } else {
+                _mm_prefetch((const char *)(row + 64 * ch + AHEAD), _MM_HINT_T1);
+                const __m512i q = _mm512_maskz_loadu_epi8(bytes, row + 64 * ch);
+                v[u][0] = _mm512_and_si512(q, low4);
+                v[u][1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+                v[u][2] = _mm512_and_si512(_mm512_srli_epi16(q, 8), low4);
+                v[u][3] = _mm512_srli_epi16(q, 12);
+            }
+            const float *scales = (const float *)(row + nb * (T == 8 ? 32 : BLOCK_BYTES));
+            d[u] = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(blocks, scales + 4 * ch));
+            if (T == 3) m[u] = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(blocks, scales + nb + 4 * ch));
+        }
+        for (int r = 0; r < R; r++) {
+            const act_chunk *x = a->chunks + (r0 + r) * a->chunks_per_row + ch;
+            const __m512i x0 = _mm512_load_si512(x->q), x1 = _mm512_load_si512(x->q + 32);
+            const __m512i x2 = _mm512_load_si512(x->q + 64), x3 = _mm512_load_si512(x->q + 96);
+            const __m512 scale = _mm512_load_ps(x->scale);
+            const __m512i start = T == 2 ? _mm512_load_si512(x->offset) : _mm512_setzero_si512();
+            for (int u = 0; u < W; u++) {
+#if defined(__AVX512VNNI__)
+                __m512i acc = _mm512_dpwssd_epi32(start, v[u][0], x0);
+                acc = _mm512_dpwssd_epi32(acc, v[u][1], x1);
+                acc = _mm512_dpwssd_epi32(acc, v[u][2], x2);
+                acc = _mm512_dpwssd_epi32(acc, v[u][3], x3);
+#else
+                __m512i acc = _mm512_add_epi32(_mm512_add_epi32(start, _mm512_madd_epi16(v[u][0], x0)),
+                                               _mm512_madd_epi16(v[u][1], x1));
+                acc = _mm512_add_epi32(acc, _mm512_add_epi32(_mm512_madd_epi16(v[u][2], x2),
+                                                             _mm512_madd_epi16(v[u][3], x3)));
+#endif
+                total[u][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(d[u], scale), total[u][r]);
+                if (T == 3) total[u][r] = _mm512_fmadd_ps(m[u], _mm512_load_ps(x->sum), total[u][r]);
+            }
+        }
+    }
+    for (int u = 0; u < W; u++)
+        for (int r = 0; r < R; r++) y[(r0 + r) * n + i + u] = _mm512_reduce_add_ps(total[u][r]);
+}
+#elif defined(ACT16_WIDE)
+/* AVX2: half a chunk (2 blocks, 32 bytes of nibbles) at a time; the same activation layout, read by halves */
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __attribute__((always_inline)) void tile(const int T, const uint8_t *w, int64_t row_bytes, int64_t nb,
+                                                       const act16 *a, float *y, int64_t n, int64_t i, int64_t r0,
+                                                       const int W, const int R) {
+    __m256 total[2][4];
+    for (int u = 0; u < W; u++)
+        for (int r = 0; r < R; r++) total[u][r] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi16(0xf);
+    const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const uint8_t *row0 = w + i * row_bytes;
+    for (int64_t half = 0; 2 * half < nb; half++) {
+        const int two = 2 * half + 2 <= nb;  /* else one block left */
+        const int64_t ch = half / 2, h = half % 2;
+        __m256i v[2][4];
+        __m256 d[2], m[2];
+        for (int u = 0; u < W; u++) {
+            const uint8_t *row = row0 + u * row_bytes;
+            if (T == 8) {  /* this half of each quarter (of 8 cn bytes): 16 bytes, or 8 for a last single block */
+                const int64_t cn = nb - 4 * ch < 4 ? nb - 4 * ch : 4;
+                _mm_prefetch((const char *)(row + 64 * half + AHEAD), _MM_HINT_T1);
+                for (int q = 0; q < 4; q++) {
+                    const uint8_t *at = row + 128 * ch + 8 * cn * q + 16 * h;
+                    v[u][q] = _mm256_cvtepi8_epi16(two ? _mm_loadu_si128((const __m128i *)at)
+                                                       : _mm_loadl_epi64((const __m128i *)at));
+                }
+            } else {
+                _mm_prefetch((const char *)(row + 32 * half + AHEAD), _MM_HINT_T1);
+                const __m256i q = two ? _mm256_loadu_si256((const __m256i *)(row + 32 * half))
+                                      : _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(row + 32 * half)));
+                const __m256i qz = two ? q : _mm256_inserti128_si256(q, _mm_setzero_si128(), 1);
+                v[u][0] = _mm256_and_si256(qz, low4);
+                v[u][1] = _mm256_and_si256(_mm256_srli_epi16(qz, 4), low4);
+                v[u][2] = _mm256_and_si256(_mm256_srli_epi16(qz, 8), low4);
+                v[u][3] = _mm256_srli_epi16(qz, 12);
+            }
+            const float *scales = (const float *)(row + nb * (T == 8 ? 32 : BLOCK_BYTES)) + 2 * half;
+            const float *mins = scales + nb;
+            d[u] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_setr_ps(scales[0], two ? scales[1] : 0.0f, 0, 0)),
+                                            spread);
+            if (T == 3)
+                m[u] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_setr_ps(mins[0], two ? mins[1] : 0.0f, 0, 0)),
+                                                spread);
+        }
+        for (int r = 0; r < R; r++) {
+            const act_chunk *x = a->chunks + (r0 + r) * a->chunks_per_row + ch;
+            const int16_t *xq = x->q + 16 * h;
+            const __m256i x0 = _mm256_load_si256((const __m256i *)xq), x1 = _mm256_load_si256((const __m256i *)(xq + 32));
+            const __m256i x2 = _mm256_load_si256((const __m256i *)(xq + 64));
+            const __m256i x3 = _mm256_load_si256((const __m256i *)(xq + 96));
+            const __m256 scale = _mm256_load_ps(x->scale + 8 * h);
+            const __m256i start = T == 2 ? _mm256_load_si256((const __m256i *)(x->offset + 8 * h)) : _mm256_setzero_si256();
+            for (int u = 0; u < W; u++) {
+                __m256i acc = _mm256_add_epi32(_mm256_add_epi32(start, _mm256_madd_epi16(v[u][0], x0)),
+                                               _mm256_madd_epi16(v[u][1], x1));
+                acc = _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(v[u][2], x2),
+                                                             _mm256_madd_epi16(v[u][3], x3)));
+                total[u][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(d[u], scale), total[u][r]);
+                if (T == 3) total[u][r] = _mm256_fmadd_ps(m[u], _mm256_load_ps(x->sum + 8 * h), total[u][r]);
+            }
+        }
+    }
+    for (int u = 0; u < W; u++)
+        for (int r = 0; r < R; r++) y[(r0 + r) * n + i + u] = sum8(total[u][r]);
+}
+#endif
+
+#if defined(ACT16_WIDE)
+typedef void (*tile_fn)(const uint8_t *, int64_t, int64_t, const act16 *, float *, int64_t, int64_t, int64_t);
+#define TILE(T, W, R) \
+    static void tile_##T##_##W##_##R(const uint8_t *w, int64_t rb, int64_t nb, const act16 *a, float *y, int64_t n, \
+                                     int64_t i, int64_t r0) { tile(T, w, rb, nb, a, y, n, i, r0, W, R); }
+#define TILES(T) \
+    TILE(T, 2, 1) TILE(T, 2, 2) TILE(T, 2, 3) TILE(T, 2, 4) TILE(T, 1, 1) TILE(T, 1, 2) TILE(T, 1, 3) TILE(T, 1, 4) \
+    static const tile_fn WIDE_##T[5] = {0, tile_##T##_2_1, tile_##T##_2_2, tile_##T##_2_3, tile_##T##_2_4}; \
+    static const tile_fn NARROW_##T[5] = {0, tile_##T##_1_1, tile_##T##_1_2, tile_##T##_1_3, tile_##T##_1_4};
+TILES(2) TILES(3) TILES(8)
+
+/* columns [n0, n1) of y [rows, n]: two weight rows at a time, every activation row (4 at a time) while they are in L1 */
+static void act16_rows(int ggml_type, const uint8_t *w, int64_t row_bytes, const act16 *a, int64_t rows, int64_t k,
+                       float *y, int64_t n, int64_t n0, int64_t n1) {
+    const tile_fn *wide = ggml_type == 2 ? WIDE_2 : ggml_type == 3 ? WIDE_3 : WIDE_8;
+    const tile_fn *narrow = ggml_type == 2 ? NARROW_2 : ggml_type == 3 ? NARROW_3 : NARROW_8;
+    const int64_t nb = k / 32;
+    int64_t i = n0;
+    for (; i + 2 <= n1; i += 2)
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) wide[rows - r0 < 4 ? rows - r0 : 4](w, row_bytes, nb, a, y, n, i, r0);
+    for (; i < n1; i++)
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) narrow[rows - r0 < 4 ? rows - r0 : 4](w, row_bytes, nb, a, y, n, i, r0);
+}
+#endif
+
+/* ---- the entry points packed.c calls (for the types act16_rounds) ---- */
+
+/* prepare x [rows, k] in the calling thread's buffer; returns it (opaque), or 0 when out of memory */
+const void *act16_prepare_rows(const float *x, int64_t rows, int64_t k) {
+    static _Thread_local act16 prepared;
+    return act16_prepare(x, rows, k, &prepared) ? &prepared : 0;
+}
+
+/* x [rows, k] rounded as the integer products round it (scale x its int16 value), in the calling thread's buffer
+ * (valid until its next call); 0 when out of memory */
+const float *act16_round_rows(const float *x, int64_t rows, int64_t k) {
+    static _Thread_local float *rounded;
+    static _Thread_local int64_t capacity;
+    if (rows * k > capacity) {
+        free(rounded);
+        rounded = aligned_alloc(64, ((rows * k * sizeof(float) + 63) / 64) * 64);
+        capacity = rounded ? rows * k : 0;
+        if (!rounded) return 0;
+    }
+    for (int64_t b = 0; b < rows * k / 32; b++) {
+        int16_t v[32];
+        int32_t total;
+        const float scale = round_block(x + 32 * b, v, &total);
+        for (int j = 0; j < 32; j++) rounded[32 * b + j] = scale * (float)v[j];
+    }
+    return rounded;
+}
+
+void act16_product(int ggml_type, const uint8_t *w, int64_t row_bytes, const void *prepared, int64_t rows, int64_t k,
+                   float *y, int64_t n, int64_t n0, int64_t n1) {
+#if defined(ACT16_WIDE)
+    act16_rows(ggml_type, w, row_bytes, (const act16 *)prepared, rows, k, y, n, n0, n1);
+#else
+    (void)ggml_type, (void)w, (void)row_bytes, (void)prepared, (void)rows, (void)k, (void)y, (void)n, (void)n0, (void)n1;
+#endif
+}
