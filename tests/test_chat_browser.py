@@ -2,15 +2,12 @@
 DevTools protocol (tests/cdp.py), types into `/chat` of the real gateway against a live swarm (DHT + 2 servers):
 the streamed answer equals the API's greedy answer, and Stop ends the generation on the servers.
 
-SWARMLM_DOCS_SCREENSHOT=1 also writes a screenshot to docs/img/chat.png.
+(The screenshots in README.md and docs/API.md are of the real catalog model: benchmarks/chat_screenshot.py.)
 """
 from __future__ import annotations
 
-import base64
 import json
-import os
 import time
-from pathlib import Path
 
 import httpx2 as httpx
 import pytest
@@ -21,7 +18,6 @@ from tests.swarm_helpers import gateway_stack, stub
 
 pytestmark = pytest.mark.slow
 KEY = "chat-key"
-DOCS_IMG = Path(__file__).resolve().parents[1] / "docs" / "img" / "chat.png"
 LAST_ANSWER = "document.querySelector('#messages .msg.assistant:last-child')"
 
 
@@ -94,9 +90,6 @@ def test_streamed_answer_equals_the_greedy_api_answer(page, stack, tiny_bloom):
     r = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                    timeout=120)
     assert second == r.json()["choices"][0]["message"]["content"]
-    if os.environ.get("SWARMLM_DOCS_SCREENSHOT") == "1":
-        DOCS_IMG.parent.mkdir(parents=True, exist_ok=True)
-        DOCS_IMG.write_bytes(base64.b64decode(page.call("Page.captureScreenshot", format="png")["data"]))
 
 
 def test_stop_ends_the_generation_on_the_servers(page, stack):
@@ -145,9 +138,6 @@ def test_the_conversation_survives_a_reload_and_the_page_fits_400_px(page, stack
     layout = page.eval("[document.documentElement.scrollWidth, "
                        "document.getElementById('prompt').getBoundingClientRect().width]")
     assert layout[0] <= 400 and layout[1] >= 300, layout  # no sideways scrolling; a prompt box of the width
-    if os.environ.get("SWARMLM_DOCS_SCREENSHOT") == "1":
-        (DOCS_IMG.parent / "chat-400px.png").write_bytes(
-            base64.b64decode(page.call("Page.captureScreenshot", format="png")["data"]))
 
     page.click("#clear")  # a new conversation forgets the old one, also after a reload
     page.call("Page.reload")

@@ -69,7 +69,8 @@ def test_a_lora_and_a_soft_prompt_are_served_beside_the_base_model_by_one_gatewa
         tuned.save_adapter(folder)
         prompt = "The swarm says"
         ids = torch.tensor([tokenizer(prompt).input_ids])
-        want_api = {"my-lora": tuned.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False)[0, ids.shape[1]:]}
+        want_api = {"my-lora": tuned.generate(ids, max_new_tokens=6, do_sample=False,
+                                              use_cache=False)[0, ids.shape[1]:]}
         tuned.close()
         soft = DistributedModelForCausalLM.from_pretrained(tiny_llama, servers=[plain_server.address],
                                                            dtype="float32", tuning_mode="ptune", pre_seq_len=3)

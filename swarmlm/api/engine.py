@@ -197,8 +197,9 @@ class Engine:
         """Every choice (n per prompt, prompts run concurrently) as its events come: the n choices of a prompt are
         the rows of one decoder (one session, the prompt's step once), speculating or not; choice i of a seeded
         request uses seed + i so the choices differ and repeat. `context_tokens`: the servers' limit on a
-        session's length; `model`: the served model to run (None: the base, Engine.model). Closing this generator (the client went away) stops every choice after its step in
-        flight and closes its session; so does the deadline, which raises RequestTimeout."""
+        session's length; `model`: the served model to run (None: the base, Engine.model). Closing this generator
+        (the client went away) stops every choice after its step in flight and closes its session; so does the
+        deadline, which raises RequestTimeout."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         stop = threading.Event()

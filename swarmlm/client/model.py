@@ -87,8 +87,9 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         self.pad_token_id = self.generation_config.pad_token_id
         self.last_stats: GenerationStats | None = None
         # concurrent sessions' heads as one matmul (a lone session never waits); None: each runs its own
-        self.head_batcher = base.head_batcher if base is not None else HeadBatcher(self.head, config.head_batch_wait) \
-            if config.head_batch_wait.fraction > 0 else None
+        # (with a base: its batcher, so the base's and its adapters' sessions share one head matmul)
+        self.head_batcher = base.head_batcher if base is not None else \
+            HeadBatcher(self.head, config.head_batch_wait) if config.head_batch_wait.fraction > 0 else None
         # fine-tuning through the swarm (docs/FINETUNING.md): the only trainable parameters are these
         if tuning_mode is not None and tuning_mode not in TUNING_MODES:
             raise ValueError(f"tuning_mode must be one of {', '.join(TUNING_MODES)} or None, got {tuning_mode!r}")
