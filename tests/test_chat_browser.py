@@ -218,36 +218,36 @@ def test_an_answer_waiting_for_missing_blocks_says_which(page, stack):
     assert page.wait_for(f"{LAST_ANSWER}.dataset.state !== 'streaming' && {LAST_ANSWER}.dataset.state") == "stopped"
 
 
-def test_a_gateway_serving_a_tuned_model_lets_the_page_choose_it(tiny_bloom, tmp_path):
+def test_a_gateway_serving_a_tuned_model_lets_the_page_choose_it(tiny_llama, tmp_path):
     """Issue 37: with `api --adapter`, the page lists the base model and the tuned one in a menu; the chosen one
     answers (the API's tokens for that id), keeps its own chats, and is still chosen after a reload."""
     import torch
 
     from swarmlm.client.model import DistributedModelForCausalLM
 
-    tuned = DistributedModelForCausalLM.from_pretrained(tiny_bloom, servers=["127.0.0.1:1"], dtype="float32",
+    tuned = DistributedModelForCausalLM.from_pretrained(tiny_llama, servers=["127.0.0.1:1"], dtype="float32",
                                                         tuning_mode="ptune", pre_seq_len=3)  # (never connects)
     with torch.no_grad():
         tuned.prompts.prompt_embeddings.normal_(0, 1.0, generator=torch.Generator().manual_seed(7))
     tuned.save_adapter(tmp_path / "my-prompt")
     tuned.close()
-    with gateway_stack(tiny_bloom, tmp_path / "logs", ["--adapter", str(tmp_path / "my-prompt")]) as (_, gateway), \
+    with gateway_stack(tiny_llama, tmp_path / "logs", ["--adapter", str(tmp_path / "my-prompt")]) as (_, gateway), \
             Browser(tmp_path / "profile") as page:
         page.open(f"{gateway.url}/chat")
         page.wait_for("document.getElementById('model')?.textContent", what="the model name")
         menu = "document.getElementById('model-choice')"
-        assert page.eval(f"[...{menu}.options].map(o => o.value)") == [Path(tiny_bloom).name, "my-prompt"]
-        assert page.eval(f"!{menu}.hidden && {menu}.value") == Path(tiny_bloom).name
+        assert page.eval(f"[...{menu}.options].map(o => o.value)") == [Path(tiny_llama).name, "my-prompt"]
+        assert page.eval(f"!{menu}.hidden && {menu}.value") == Path(tiny_llama).name
         page.eval(f"{menu}.value = 'my-prompt'; {menu}.dispatchEvent(new Event('change'))")
         _ask(page, "Hello there", temperature="0", max_tokens="6")
         page.wait_for(f"{LAST_ANSWER}.dataset.state === 'done'", what="the answer")
         shown = page.eval(f"{LAST_ANSWER}.dataset.raw")
         answers = {name: httpx.post(f"{gateway.url}/v1/chat/completions", timeout=120, json={
             "model": name, "temperature": 0, "max_tokens": 6, "messages": [{"role": "user", "content": "Hello there"}],
-        }).json()["choices"][0]["message"]["content"] for name in (Path(tiny_bloom).name, "my-prompt")}
-        assert shown == answers["my-prompt"] and answers["my-prompt"] != answers[Path(tiny_bloom).name], answers
+        }).json()["choices"][0]["message"]["content"] for name in (Path(tiny_llama).name, "my-prompt")}
+        assert shown == answers["my-prompt"] and answers["my-prompt"] != answers[Path(tiny_llama).name], answers
         page.call("Page.reload")
         page.wait_for("document.querySelectorAll('#messages .msg').length === 2", what="the restored chat")
         assert page.eval(f"{menu}.value") == "my-prompt"
-        page.eval(f"{menu}.value = {json.dumps(Path(tiny_bloom).name)}; {menu}.dispatchEvent(new Event('change'))")
+        page.eval(f"{menu}.value = {json.dumps(Path(tiny_llama).name)}; {menu}.dispatchEvent(new Event('change'))")
         assert page.eval("document.querySelectorAll('#messages .msg').length") == 0  # the base's own chats
