@@ -133,6 +133,8 @@ def test_blocks_nobody_serves_are_named_and_the_server_reports_progress(tiny_blo
         done = swarmlm("generate", "--model", tiny_bloom, "--initial-peers", *swarm.initial_peers,
                        "--wait-for-blocks", "1", "--input-ids", "1,2")
         log = swarm.servers[0].log_path.read_text()
+        ready = swarm.servers[0].ready  # its one JSON line on stdout, for scripts and other machines
+    assert ready["blocks"] == [0, 3] and ready["address"].startswith("127.0.0.1:") and ready["server_id"], ready
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "no server in the swarm serves blocks 3-5" in last_line(done) and "refused" not in last_line(done)
     for step in ("loading blocks [0, 3)", "block 2 loaded (3 of 3)", "compute", "serving blocks [0, 3) at"):
