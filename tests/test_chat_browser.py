@@ -2,13 +2,11 @@
 DevTools protocol (tests/cdp.py), types into `/chat` of the real gateway against a live swarm (DHT + 2 servers):
 the streamed answer equals the API's greedy answer, and Stop ends the generation on the servers.
 
-SWARMLM_DOCS_SCREENSHOT=1 also writes a screenshot to docs/img/chat.png.
+(The screenshots in README.md and docs/API.md are of the real catalog model: benchmarks/chat_screenshot.py.)
 """
 from __future__ import annotations
 
-import base64
 import json
-import os
 import time
 from pathlib import Path
 
@@ -21,7 +19,6 @@ from tests.swarm_helpers import gateway_stack, stub
 
 pytestmark = pytest.mark.slow
 KEY = "chat-key"
-DOCS_IMG = Path(__file__).resolve().parents[1] / "docs" / "img" / "chat.png"
 LAST_ANSWER = "document.querySelector('#messages .msg.assistant:last-child')"
 
 
@@ -94,9 +91,6 @@ def test_streamed_answer_equals_the_greedy_api_answer(page, stack, tiny_bloom):
     r = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                    timeout=120)
     assert second == r.json()["choices"][0]["message"]["content"]
-    if os.environ.get("SWARMLM_DOCS_SCREENSHOT") == "1":
-        DOCS_IMG.parent.mkdir(parents=True, exist_ok=True)
-        DOCS_IMG.write_bytes(base64.b64decode(page.call("Page.captureScreenshot", format="png")["data"]))
 
 
 def test_stop_ends_the_generation_on_the_servers(page, stack):
@@ -145,9 +139,6 @@ def test_the_conversation_survives_a_reload_and_the_page_fits_400_px(page, stack
     layout = page.eval("[document.documentElement.scrollWidth, "
                        "document.getElementById('prompt').getBoundingClientRect().width]")
     assert layout[0] <= 400 and layout[1] >= 300, layout  # no sideways scrolling; a prompt box of the width
-    if os.environ.get("SWARMLM_DOCS_SCREENSHOT") == "1":
-        (DOCS_IMG.parent / "chat-400px.png").write_bytes(
-            base64.b64decode(page.call("Page.captureScreenshot", format="png")["data"]))
 
     page.click("#clear")  # a new conversation forgets the old one, also after a reload
     page.call("Page.reload")
@@ -225,3 +216,38 @@ def test_an_answer_waiting_for_missing_blocks_says_which(page, stack):
         "waiting for blocks [3, 6): no server serves them yet"
     page.click("#stop")
     assert page.wait_for(f"{LAST_ANSWER}.dataset.state !== 'streaming' && {LAST_ANSWER}.dataset.state") == "stopped"
+
+
+def test_a_gateway_serving_a_tuned_model_lets_the_page_choose_it(tiny_llama, tmp_path):
+    """Issue 37: with `api --adapter`, the page lists the base model and the tuned one in a menu; the chosen one
+    answers (the API's tokens for that id), keeps its own chats, and is still chosen after a reload."""
+    import torch
+
+    from swarmlm.client.model import DistributedModelForCausalLM
+
+    tuned = DistributedModelForCausalLM.from_pretrained(tiny_llama, servers=["127.0.0.1:1"], dtype="float32",
+                                                        tuning_mode="ptune", pre_seq_len=3)  # (never connects)
+    with torch.no_grad():
+        tuned.prompts.prompt_embeddings.normal_(0, 1.0, generator=torch.Generator().manual_seed(7))
+    tuned.save_adapter(tmp_path / "my-prompt")
+    tuned.close()
+    with gateway_stack(tiny_llama, tmp_path / "logs", ["--adapter", str(tmp_path / "my-prompt")]) as (_, gateway), \
+            Browser(tmp_path / "profile") as page:
+        page.open(f"{gateway.url}/chat")
+        page.wait_for("document.getElementById('model')?.textContent", what="the model name")
+        menu = "document.getElementById('model-choice')"
+        assert page.eval(f"[...{menu}.options].map(o => o.value)") == [Path(tiny_llama).name, "my-prompt"]
+        assert page.eval(f"!{menu}.hidden && {menu}.value") == Path(tiny_llama).name
+        page.eval(f"{menu}.value = 'my-prompt'; {menu}.dispatchEvent(new Event('change'))")
+        _ask(page, "Hello there", temperature="0", max_tokens="6")
+        page.wait_for(f"{LAST_ANSWER}.dataset.state === 'done'", what="the answer")
+        shown = page.eval(f"{LAST_ANSWER}.dataset.raw")
+        answers = {name: httpx.post(f"{gateway.url}/v1/chat/completions", timeout=120, json={
+            "model": name, "temperature": 0, "max_tokens": 6, "messages": [{"role": "user", "content": "Hello there"}],
+        }).json()["choices"][0]["message"]["content"] for name in (Path(tiny_llama).name, "my-prompt")}
+        assert shown == answers["my-prompt"] and answers["my-prompt"] != answers[Path(tiny_llama).name], answers
+        page.call("Page.reload")
+        page.wait_for("document.querySelectorAll('#messages .msg').length === 2", what="the restored chat")
+        assert page.eval(f"{menu}.value") == "my-prompt"
+        page.eval(f"{menu}.value = {json.dumps(Path(tiny_llama).name)}; {menu}.dispatchEvent(new Event('change'))")
+        assert page.eval("document.querySelectorAll('#messages .msg').length") == 0  # the base's own chats

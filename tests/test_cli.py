@@ -133,6 +133,8 @@ def test_blocks_nobody_serves_are_named_and_the_server_reports_progress(tiny_blo
         done = swarmlm("generate", "--model", tiny_bloom, "--initial-peers", *swarm.initial_peers,
                        "--wait-for-blocks", "1", "--input-ids", "1,2")
         log = swarm.servers[0].log_path.read_text()
+        ready = swarm.servers[0].ready  # its one JSON line on stdout, for scripts and other machines
+    assert ready["blocks"] == [0, 3] and ready["address"].startswith("127.0.0.1:") and ready["server_id"], ready
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "no server in the swarm serves blocks 3-5" in last_line(done) and "refused" not in last_line(done)
     for step in ("loading blocks [0, 3)", "block 2 loaded (3 of 3)", "compute", "serving blocks [0, 3) at"):
@@ -206,3 +208,51 @@ def test_the_dht_prints_the_line_other_machines_need():
     assert join_hint(lan, "0.0.0.0") == "other machines join with: --initial-peers " + lan[1]
     local = join_hint(lan[:1], "127.0.0.1")
     assert "other machines cannot join" in local and "--host 0.0.0.0" in local and lan[0] in local
+
+
+def test_profile_and_api_compute_on_every_core_they_may_use_by_default(tiny_bloom):
+    """Issue 37: --threads defaults to the usable cores on every verb that computes, as on `server`."""
+    import os
+
+    from swarmlm.cli.main import build_parser
+
+    for verb in ("profile", "api"):
+        args = build_parser(verb).parse_args([verb, "--model", tiny_bloom])
+        assert args.threads == len(os.sched_getaffinity(0)), verb
+
+
+def test_a_checkpoint_without_a_dtype_prints_no_transformers_deprecation(tiny_llama, tmp_path):
+    """Issue 37: reading a checkpoint's dtype (a GGUF's config, or a config.json without one) printed transformers'
+    "`torch_dtype` is deprecated" before our own errors (in a fresh process: transformers warns once per process)."""
+    import shutil
+
+    model = tmp_path / "no-dtype"
+    shutil.copytree(tiny_llama, model)
+    config = json.loads((model / "config.json").read_text())
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    (model / "config.json").write_text(json.dumps(config))
+    code = ("from swarmlm.model.checkpoint import checkpoint_dtype, load_config; "
+            f"print(checkpoint_dtype(load_config({str(model)!r})))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "torch.float32", done.stderr
+    assert "deprecated" not in done.stderr, done.stderr
+
+
+def test_the_dht_stops_quietly_when_its_process_group_is_signalled():
+    """Issue 37: `timeout` (and Ctrl-C in a terminal) signal the whole process group, the p2pd daemon with the
+    node: its stop is no fault, and printed p2pd errors and asyncio tracebacks."""
+    import os
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "swarmlm.cli.main", "dht"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().startswith("/ip4/127.0.0.1/tcp/")  # up, with its p2pd
+        os.killpg(proc.pid, signal.SIGTERM)  # as `timeout` does
+        _, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0
+    assert "Traceback" not in err and "ERROR" not in err and "error" not in err.lower(), err

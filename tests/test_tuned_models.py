@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ def test_a_soft_prompt_saved_and_reloaded_generates_with_the_cache_as_without(ch
             m.close()
 
 
-def test_a_lora_saved_is_served_by_name_and_generates_with_the_cache_as_the_clients_own(tiny_llama, tmp_path):
+def test_a_lora_and_a_soft_prompt_are_served_beside_the_base_model_by_one_gateway(tiny_llama, tmp_path):
     import httpx2 as httpx
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -68,9 +69,22 @@ def test_a_lora_saved_is_served_by_name_and_generates_with_the_cache_as_the_clie
         tuned.save_adapter(folder)
         prompt = "The swarm says"
         ids = torch.tensor([tokenizer(prompt).input_ids])
-        want_api = tuned.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False)[0, ids.shape[1]:]
+        want_api = {"my-lora": tuned.generate(ids, max_new_tokens=6, do_sample=False,
+                                              use_cache=False)[0, ids.shape[1]:]}
         tuned.close()
-    assert len(want_api) > 0
+        soft = DistributedModelForCausalLM.from_pretrained(tiny_llama, servers=[plain_server.address],
+                                                           dtype="float32", tuning_mode="ptune", pre_seq_len=3)
+        with torch.no_grad():
+            soft.prompts.prompt_embeddings.normal_(0, 1.0, generator=torch.Generator().manual_seed(6))
+        soft.save_adapter(tmp_path / "my-prompt")
+        want_api["my-prompt"] = soft.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:]
+        soft.close()
+        plain = DistributedModelForCausalLM.from_pretrained(tiny_llama, servers=[plain_server.address],
+                                                            dtype="float32")
+        want_api["base"] = plain.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:]
+        plain.close()
+    assert all(len(w) > 0 for w in want_api.values())
+    assert len({tuple(w.tolist()) for w in want_api.values()}) == 3  # three models, three answers
     base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     peft = PeftModel.from_pretrained(base, folder).eval()  # the folder is PEFT's format
     assert peft.generate(input_ids=IDS, max_new_tokens=8, do_sample=False)[0, IDS.shape[1]:].tolist() == want
@@ -83,14 +97,20 @@ def test_a_lora_saved_is_served_by_name_and_generates_with_the_cache_as_the_clie
         assert _greedy(by_folder) == want and _greedy(by_name) == want  # in cached sessions, on the server
         by_folder.close()
         by_name.close()
-    # served through the API by its name: servers pre-load it, the gateway selects it
-    with gateway_stack(tiny_llama, tmp_path / "logs", ["--adapter", str(folder)],
+    # one gateway serves the base model, the LoRA (servers pre-load it) and the soft prompt (the gateway holds it),
+    # each under its own id: a request's `model` selects one, and each gives its Python client's tokens
+    with gateway_stack(tiny_llama, tmp_path / "logs", ["--adapter", str(folder), "--adapter",
+                                                       str(tmp_path / "my-prompt")],
                        server_extra=lambda i: ["--adapters", str(folder)]) as (_, gateway):
-        assert [m["id"] for m in httpx.get(f"{gateway.url}/v1/models", timeout=30).json()["data"]] == ["my-lora"]
-        reply = httpx.post(f"{gateway.url}/v1/completions", timeout=120, json={
-            "model": "my-lora", "prompt": prompt, "max_tokens": 6, "temperature": 0}).json()
-        assert reply["model"] == "my-lora"
-        assert reply["choices"][0]["text"] == tokenizer.decode(want_api, skip_special_tokens=True)
+        listed = [m["id"] for m in httpx.get(f"{gateway.url}/v1/models", timeout=30).json()["data"]]
+        assert listed == [Path(tiny_llama).name, "my-lora", "my-prompt"]
+        for name in (*listed, str(tmp_path / "my-prompt")):  # (the folder as given is accepted too)
+            reply = httpx.post(f"{gateway.url}/v1/completions", timeout=120, json={
+                "model": name, "prompt": prompt, "max_tokens": 6, "temperature": 0, "n": 2}).json()
+            served = name if name in listed else "my-prompt"
+            assert reply["model"] == served, reply
+            text = tokenizer.decode(want_api[served if served != listed[0] else "base"], skip_special_tokens=True)
+            assert [c["text"] for c in reply["choices"]] == [text, text]  # (n = 2: the prompt's cache copied)
 
 
 def test_server_adapters_are_checked_before_any_block_loads(tiny_llama, tiny_bloom, tmp_path):
@@ -134,6 +154,13 @@ def test_the_cli_takes_a_tuned_model_and_a_server_refuses_a_missing_adapter_in_o
         want = _greedy(tuned, use_cache=False)
         tuned.save_adapter(tmp_path / "my-prompt")
         tuned.close()
+        deep = DistributedModelForCausalLM.from_pretrained(tiny_llama, servers=[server.address], dtype="float32",
+                                                           tuning_mode="deep_ptune", pre_seq_len=2)
+        deep.save_adapter(tmp_path / "deep-prompt")
+        deep.close()
+        done = swarmlm("api", "--model", tiny_llama, "--servers", server.address, "--adapter",
+                       str(tmp_path / "deep-prompt"))  # refused before anything loads, in one line
+        assert done.returncode == 2 and "deep prompt" in done.stderr and len(done.stderr.strip().splitlines()) == 1
         done = swarmlm("generate", "--model", tiny_llama, "--servers", server.address, "--dtype", "float32",
                        "--adapter", str(tmp_path / "my-prompt"), "--input-ids", ",".join(map(str, IDS[0].tolist())),
                        "--max-new-tokens", "8", "--json")

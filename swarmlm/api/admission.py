@@ -27,13 +27,16 @@ log = logging.getLogger(__name__)
 
 
 class RequestHandler:
-    """The gateway's requests over one swarm client: `check_model`, then `admitted` (admit, tokenize, check,
-    generate). `config` is the GatewayConfig."""
+    """The gateway's requests over one swarm client: `served_id` (which model), then `admitted` (admit, tokenize,
+    check, generate). `models`: served id -> its model (the base's first); `config` is the GatewayConfig."""
 
-    def __init__(self, model, tokenizer, config, engine: Engine) -> None:
-        self.model, self.tokenizer, self.config, self.engine = model, tokenizer, config, engine
+    def __init__(self, models: dict, tokenizer, config, engine: Engine) -> None:
+        self.models, self.tokenizer, self.config, self.engine = models, tokenizer, config, engine
+        self.model = models[config.model_name]  # the base: its swarm view is the gateway's
+        self.aliases = dict(config.model_aliases)
         self.limits = ClientLimits(config.max_streams_per_client)
-        self.view_refresh = ViewRefresh(engine, model.remote, config.view_refresh_s)
+        remotes = list({id(m.remote): m.remote for m in models.values()}.values())  # (a soft prompt's: the base's)
+        self.view_refresh = ViewRefresh(engine, remotes, config.view_refresh_s)
         self.scope_secret = secrets.token_bytes(32)  # users' prefix scopes derive from it (prefix_scope)
 
     def client_key(self, request: Request) -> str:
@@ -52,25 +55,30 @@ class RequestHandler:
             return None
         return user_scope(self.scope_secret, self.client_key(request), getattr(req, "user", None))
 
-    def check_model(self, name: str) -> None:
-        if name != self.config.model_name and name not in self.config.model_aliases:  # an alias is not repeated
+    def served_id(self, name: str) -> str:
+        """The served id a request's `model` names (an alias is answered as its id, never repeated)."""
+        served = name if name in self.models else self.aliases.get(name)
+        if served is None:
             raise ApiError(404, "the model does not exist on this gateway (GET /v1/models lists it)",
                            "invalid_request_error", "model_not_found", "model")
+        return served
 
-    def context_tokens(self) -> int:
-        limit = served_context(self.model.remote.view, self.model.remote.num_blocks)
-        own = getattr(self.model.config, "max_position_embeddings", None)
+    def context_tokens(self, served: str) -> int:
+        """Tokens a session of `served` may hold: the servers' limit on its route's blocks, less a soft prompt's."""
+        model = self.models[served]
+        limit = served_context(model.remote.view, model.remote.num_blocks)
+        own = getattr(model.config, "max_position_embeddings", None)
         limits = [n for n in (limit, own) if n]
-        return min(limits) if limits else self.config.default_context_tokens
+        return (min(limits) if limits else self.config.default_context_tokens) - model.virtual_tokens
 
-    async def sampling(self, req, prompts: list[list[int]], max_tokens: int | None,
+    async def sampling(self, req, served: str, prompts: list[list[int]], max_tokens: int | None,
                        top_logprobs: int | None, prefix_scope: bytes | None = None) -> Sampling:
         longest = max(len(p) for p in prompts)
         if min(len(p) for p in prompts) == 0:  # nothing to prefill from (a model needs at least one token)
             raise ApiError(400, "the prompt is empty", "invalid_request_error", "invalid_request", "prompt")
-        context = self.context_tokens()
+        context = self.context_tokens(served)
         if longest + (max_tokens or 1) > context and await self.view_refresh():  # refused only on a fresh view
-            context = self.context_tokens()
+            context = self.context_tokens(served)
         room = context - longest
         if room < 1:
             raise ApiError(400, f"the prompt has {longest} tokens; the context holds {context}",
@@ -101,10 +109,11 @@ class RequestHandler:
                            "invalid_request_error", "context_length_exceeded", "prompt")
         return self.limits.acquire(self.client_key(request), choices)
 
-    async def generate(self, request: Request, req, prompts: list[list[int]], params: Sampling,
+    async def generate(self, request: Request, req, served: str, prompts: list[list[int]], params: Sampling,
                        render: responses.Renderer, release: Callable[[], None]):
         try:
-            events = self.engine.merged(prompts, params, req.n, self.config.request_timeout_s, self.context_tokens())
+            events = self.engine.merged(prompts, params, req.n, self.config.request_timeout_s,
+                                        self.context_tokens(served), self.models[served])
             first = await first_event(events)  # before the response starts: routing errors become proper statuses
         except BaseException as exc:
             release()
@@ -125,18 +134,21 @@ class RequestHandler:
                                         media_type="text/event-stream",
                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def admitted(self, request: Request, req, texts: list[str], encode: Callable[[], list[list[int]]],
-                       max_tokens: int | None, top_logprobs: int | None, renderer: type, prefix: str):
-        """Admit, tokenize off the event loop (a long prompt must not stall /health), check, generate."""
+    async def admitted(self, request: Request, req, served: str, texts: list[str],
+                       encode: Callable[[], list[list[int]]], max_tokens: int | None, top_logprobs: int | None,
+                       renderer: type, prefix: str):
+        """Admit, tokenize off the event loop (a long prompt must not stall /health), check, generate with the
+        model served as `served`."""
         release = self.admit(request, req, texts)
         try:
             prompts = await self.engine.tokenize(encode, sum(len(t) for t in texts))
-            params = await self.sampling(req, prompts, max_tokens, top_logprobs, self.prefix_scope(request, req))
-            render = renderer(new_id(prefix), self.config.model_name, self.tokenizer, req, prompts)
+            params = await self.sampling(req, served, prompts, max_tokens, top_logprobs,
+                                         self.prefix_scope(request, req))
+            render = renderer(new_id(prefix), served, self.tokenizer, req, prompts)
         except BaseException:
             release()
             raise
-        return await self.generate(request, req, prompts, params, render, release)
+        return await self.generate(request, req, served, prompts, params, render, release)
 
 
 def user_scope(secret: bytes, client_key: str, user: str | None) -> bytes:
@@ -184,10 +196,11 @@ def served_context(view, num_blocks: int) -> int | None:
 
 class ViewRefresh:
     """Re-reads the swarm (DHT records + connect checks) before a request is refused for its context, at most once
-    per `min_interval_s` however many requests are refused; True when the view was read again."""
+    per `min_interval_s` however many requests are refused; True when the view was read again. `remotes`: every
+    view the gateway routes by (the base's, each pre-loaded adapter's)."""
 
-    def __init__(self, engine: Engine, remote, min_interval_s: float) -> None:
-        self.engine, self.remote, self.min_interval_s = engine, remote, min_interval_s
+    def __init__(self, engine: Engine, remotes: list, min_interval_s: float) -> None:
+        self.engine, self.remotes, self.min_interval_s = engine, remotes, min_interval_s
         self.lock = asyncio.Lock()
         self.last_s = -math.inf
 
@@ -195,9 +208,10 @@ class ViewRefresh:
         async with self.lock:
             if time.monotonic() - self.last_s < self.min_interval_s:
                 return False
-            try:
-                await self.engine.run(self.remote.refresh)
-            except Exception as exc:  # the DHT is unreachable: decide on the view we have
-                log.warning("could not re-read the swarm: %s", exc)
+            for remote in self.remotes:
+                try:
+                    await self.engine.run(remote.refresh)
+                except Exception as exc:  # the DHT is unreachable: decide on the view we have
+                    log.warning("could not re-read the swarm: %s", exc)
             self.last_s = time.monotonic()
             return True

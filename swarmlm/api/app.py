@@ -1,4 +1,6 @@
-"""The OpenAI-compatible gateway: FastAPI routes around one swarm client (embeddings, head, tokenizer).
+"""The OpenAI-compatible gateway: FastAPI routes around one swarm client (embeddings, head, tokenizer), serving the
+base model and any tuned models on top of it (a soft prompt the gateway holds, a LoRA servers pre-load), each under
+its own id: a request's `model` selects one.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with `stream`), GET /v1/swarm,
 GET / (the monitor page), GET /chat (the chat page), GET /health. A request's way (admission, the context check,
@@ -9,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse
@@ -32,8 +35,10 @@ STATIC_FILES = {"monitor.js": "text/javascript", "monitor.css": "text/css", "cha
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    model_name: str  # the id clients send as "model", and responses and pages carry (never a local path)
-    model_aliases: tuple[str, ...] = ()  # other ids also accepted as "model" (--model as given), never shown
+    model_name: str  # the base model's id: clients send it as "model", responses and pages carry it (never a path)
+    adapter_names: tuple[str, ...] = ()  # the ids of the tuned models served beside it (create_app's `adapters`)
+    model_aliases: tuple[tuple[str, str], ...] = ()  # (alias, id): other names accepted as "model" (--model or
+    # --adapter as given), answered as the id, never shown
     api_key: str | None = None  # when set, every /v1 route needs "Authorization: Bearer <key>"
     max_streams_per_client: int = 32  # concurrent choices (sessions) per API key, or per client IP without one
     max_choices_per_request: int = 16  # prompts x n of one request (each a session on every server of its route)
@@ -47,8 +52,11 @@ class GatewayConfig:
     speculative: str | int = "off"  # every choice: "off", "auto" or a fixed draft length (client/decoding/decoder.py)
 
     def __post_init__(self) -> None:
-        if not self.model_name:
-            raise ValueError("model_name must not be empty")
+        ids = (self.model_name, *self.adapter_names)
+        if not all(ids) or len(set(ids)) < len(ids):
+            raise ValueError(f"served model ids must be distinct and not empty, got {list(ids)}")
+        if any(target not in ids for _, target in self.model_aliases):
+            raise ValueError(f"model_aliases {list(self.model_aliases)} must name served ids {list(ids)}")
         if self.max_streams_per_client < 1 or self.default_context_tokens < 2:
             raise ValueError(f"max_streams_per_client ({self.max_streams_per_client}) must be >= 1 and "
                              f"default_context_tokens ({self.default_context_tokens}) >= 2")
@@ -69,11 +77,16 @@ class GatewayConfig:
         return min(self.max_choices_per_request, self.max_streams_per_client)
 
 
-def create_app(model, tokenizer, config: GatewayConfig) -> FastAPI:
+def create_app(model, tokenizer, config: GatewayConfig, adapters: Mapping[str, object] | None = None) -> FastAPI:
+    """`model`: the base model's client, served as config.model_name; `adapters`: id -> that model with a tuned
+    model on top (model.with_adapter), one per config.adapter_names."""
+    adapters = dict(adapters or {})
+    if tuple(adapters) != config.adapter_names:
+        raise ValueError(f"adapters {list(adapters)} are not config.adapter_names {list(config.adapter_names)}")
     metrics = GatewayMetrics()
     engine = Engine(model, tokenizer, metrics, speculative=config.speculative)
     watcher = SwarmWatcher(model.remote)
-    handler = RequestHandler(model, tokenizer, config, engine)
+    handler = RequestHandler({config.model_name: model, **adapters}, tokenizer, config, engine)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -92,26 +105,25 @@ def create_app(model, tokenizer, config: GatewayConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [responses.model_card(config.model_name)]}
+        return {"object": "list", "data": [responses.model_card(name) for name in handler.models]}
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str) -> dict:
-        handler.check_model(name)
-        return responses.model_card(config.model_name)
+        return responses.model_card(handler.served_id(name))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        handler.check_model(req.model)
-        return await handler.admitted(request, req, req.prompts,
+        served = handler.served_id(req.model)
+        return await handler.admitted(request, req, served, req.prompts,
                                       lambda: [encode_prompt(tokenizer, p) for p in req.prompts],
                                       req.max_tokens, req.logprobs, responses.CompletionRenderer, "cmpl")
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
-        handler.check_model(req.model)
+        served = handler.served_id(req.model)
         messages = [(m.role, m.text) for m in req.messages]
         top = (req.top_logprobs or 0) if req.logprobs else None
-        return await handler.admitted(request, req, [text for _, text in messages],
+        return await handler.admitted(request, req, served, [text for _, text in messages],
                                       lambda: [encode_chat(tokenizer, messages)], req.token_limit, top,
                                       responses.ChatRenderer, "chatcmpl")
 

@@ -159,8 +159,8 @@ class Engine:
         pool = self.long_text_pool if chars > LONG_TEXT_CHARS else None  # None: asyncio's default executor
         return await asyncio.get_running_loop().run_in_executor(pool, encode)
 
-    def _generate(self, first: int, prompt_ids: Sequence[int], params: Sampling, n: int, seed_offset: int, emit,
-                  stop: threading.Event, context_tokens: int | None) -> None:
+    def _generate(self, model, first: int, prompt_ids: Sequence[int], params: Sampling, n: int, seed_offset: int,
+                  emit, stop: threading.Event, context_tokens: int | None) -> None:
         """The n choices of one prompt (choice `first + row` in the decoder's row `row`), start to end, on a worker
         thread. The next step leaves as soon as the tokens are chosen: the event loop (HTTP, JSON) never sits
         between two steps, so concurrent requests stay in step and the servers batch them. `stop` (the client went
@@ -168,7 +168,7 @@ class Engine:
         included) ends the request with that error."""
         decoder = None
         try:
-            decoder = Decoder(self.model, params, self.speculative, context_tokens=context_tokens,
+            decoder = Decoder(model, params, self.speculative, context_tokens=context_tokens,
                               generator=[params.generator(seed_offset + row) for row in range(n)])
             progress = [ChoiceProgress(self, first + row, len(prompt_ids), params, emit) for row in range(n)]
             passed = decoder.start_rows(torch.tensor([list(prompt_ids)]), copies=n)
@@ -192,12 +192,14 @@ class Engine:
                 decoder.close()
 
     async def merged(self, prompts: Sequence[Sequence[int]], params: Sampling, n: int,
-                     timeout_s: float = math.inf, context_tokens: int | None = None) -> AsyncIterator[Piece | Finish]:
+                     timeout_s: float = math.inf, context_tokens: int | None = None,
+                     model=None) -> AsyncIterator[Piece | Finish]:
         """Every choice (n per prompt, prompts run concurrently) as its events come: the n choices of a prompt are
         the rows of one decoder (one session, the prompt's step once), speculating or not; choice i of a seeded
         request uses seed + i so the choices differ and repeat. `context_tokens`: the servers' limit on a
-        session's length. Closing this generator (the client went away) stops every choice after its step in
-        flight and closes its session; so does the deadline, which raises RequestTimeout."""
+        session's length; `model`: the served model to run (None: the base, Engine.model). Closing this generator
+        (the client went away) stops every choice after its step in flight and closes its session; so does the
+        deadline, which raises RequestTimeout."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         stop = threading.Event()
@@ -217,7 +219,7 @@ class Engine:
         try:
             remaining = 0
             for i, ids in enumerate(prompts):  # one prefill per prompt, its cache copied to n rows
-                self.pool.submit(self._generate, i * n, ids, params, n, i * n, emit, stop,
+                self.pool.submit(self._generate, model or self.model, i * n, ids, params, n, i * n, emit, stop,
                                  context_tokens).add_done_callback(lost)
                 remaining += n
             while remaining:

@@ -5,13 +5,15 @@ import argparse
 import json
 
 from swarmlm.cli.args import add_model, block_range, model_ref
+from swarmlm.config import usable_cores
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("profile", help="measure per-block prefill and decode times (what servers announce)")
     add_model(p, dht=False)
     p.add_argument("--blocks", type=block_range, help="START:END (default: all blocks)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads for compute")
+    p.add_argument("--threads", type=int, default=usable_cores(),
+                   help="torch threads for compute (default: the cores this process may use, here %(default)s)")
     p.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
 

@@ -55,18 +55,28 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
 
     def __init__(self, model_dir: str | Path, config: ClientConfig, tuning_mode: TuningMode | None = None,
                  pre_seq_len: int = 0, lora_r: int = 8, lora_alpha: float = 16.0,
-                 lora_target_modules: Sequence[str] = ("q_proj", "v_proj")) -> None:
+                 lora_target_modules: Sequence[str] = ("q_proj", "v_proj"),
+                 base: "DistributedModelForCausalLM | None" = None) -> None:
+        """`base`: a loaded model whose embeddings, head and swarm connection this one shares (with_adapter)."""
         super().__init__()
         self.model_dir = str(model_dir)
         self.client_config = config
         torch.set_num_threads(config.threads)
-        self.dtype = parse_dtype(config.dtype, model_dir)  # "auto": the checkpoint's own (checkpoint.auto_dtype)
-        self.config, self.adapter, self.client_modules = load_client_modules(model_dir, self.dtype, config.quant)
-        quantize_client_modules(self.client_modules, config.quant)  # int8 / int4 head + embeddings (or as loaded)
-        self.generation_config = _generation_config(self.model_dir, self.config)
+        if base is None:
+            self.dtype = parse_dtype(config.dtype, model_dir)  # "auto": the checkpoint's own (checkpoint.auto_dtype)
+            self.config, self.adapter, self.client_modules = load_client_modules(model_dir, self.dtype, config.quant)
+            quantize_client_modules(self.client_modules, config.quant)  # int8 / int4 head + embeddings (or as loaded)
+            self.generation_config = _generation_config(self.model_dir, self.config)
+        else:
+            self.dtype, self.config, self.adapter = base.dtype, base.config, base.adapter
+            self.client_modules, self.generation_config = base.client_modules, base.generation_config
         self.num_blocks = int(self.config.num_hidden_layers)
-        self.remote = RemoteSequence(config, self.num_blocks, config.dht_prefix or default_prefix(model_dir))
-        self.remote.weights_check = WeightsCheck(model_dir)  # refuse servers of other weights under this name
+        if base is None:
+            self.remote = RemoteSequence(config, self.num_blocks, config.dht_prefix or default_prefix(model_dir))
+            self.remote.weights_check = WeightsCheck(model_dir)  # refuse servers of other weights under this name
+        else:  # (a LoRA the servers pre-load: routed to them alone; a soft prompt: the base's servers)
+            self.remote = base.remote.sibling(config.active_adapter) if config.active_adapter else base.remote
+        self.owns_remote = base is None
         # the servers' prefix caches (client/prefix.py): this client's scope and the keys' salt (not with an
         # adapter: its rows are not the base model's)
         self.prefix_context = PrefixContext(client_scope(config), self.remote.prefix, f"{self.dtype} {config.quant}",
@@ -77,8 +87,9 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         self.pad_token_id = self.generation_config.pad_token_id
         self.last_stats: GenerationStats | None = None
         # concurrent sessions' heads as one matmul (a lone session never waits); None: each runs its own
-        self.head_batcher = HeadBatcher(self.head, config.head_batch_wait) \
-            if config.head_batch_wait.fraction > 0 else None
+        # (with a base: its batcher, so the base's and its adapters' sessions share one head matmul)
+        self.head_batcher = base.head_batcher if base is not None else \
+            HeadBatcher(self.head, config.head_batch_wait) if config.head_batch_wait.fraction > 0 else None
         # fine-tuning through the swarm (docs/FINETUNING.md): the only trainable parameters are these
         if tuning_mode is not None and tuning_mode not in TUNING_MODES:
             raise ValueError(f"tuning_mode must be one of {', '.join(TUNING_MODES)} or None, got {tuning_mode!r}")
@@ -107,13 +118,12 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         adapter servers pre-load. Other keyword arguments are ClientConfig fields."""
         if not initial_peers and not servers:
             raise ValueError("give initial_peers (a DHT address) or servers (host:port list)")
-        settings, folder, served = find_tuned(adapter) if adapter is not None else (None, None, None)
         if adapter is not None and tuning_mode is not None:
             raise ValueError(f"adapter={adapter!r} brings its own settings: give no tuning_mode")
+        folder, served, saved = _adapter_tuning(adapter)
         if served is not None:  # the servers apply it in their cached sessions (server/adapters.py)
             kwargs["active_adapter"] = served
-        elif settings is not None:
-            tuning_mode, pre_seq_len = settings.mode, settings.pre_seq_len
+        tuning_mode, pre_seq_len = saved.get("tuning_mode", tuning_mode), saved.get("pre_seq_len", pre_seq_len)
         if torch_dtype is not None:
             if dtype != "auto" and dtype_name(dtype) != dtype_name(torch_dtype):
                 raise ValueError(f"dtype={dtype!r} and torch_dtype={torch_dtype!r} disagree: give one")
@@ -128,6 +138,24 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         if served is None and folder is not None:
             load_adapter_weights(model, folder)
         return model
+
+    def with_adapter(self, adapter: str | Path) -> "DistributedModelForCausalLM":
+        """This model with a tuned model on top (an `adapter=` of from_pretrained), sharing its embeddings, head and
+        swarm connection: a gateway serves the base and several adapters at the cost of one. close() the base last
+        (it owns the DHT node)."""
+        if self.prompts is not None or self.lora is not None or self.client_config.active_adapter:
+            raise ValueError("with_adapter() on a model that is tuned already: call it on the base model")
+        folder, served, tuning = _adapter_tuning(adapter)
+        config = dataclasses.replace(self.client_config, active_adapter=served)
+        model = type(self)(self.model_dir, config, base=self, **tuning)
+        if served is None:
+            load_adapter_weights(model, folder)
+        return model
+
+    @property
+    def virtual_tokens(self) -> int:
+        """Positions a session holds before the tokens: a soft prompt's (0 without one)."""
+        return self.prompts.pre_seq_len if self.prompts is not None else 0
 
     # ---- what GenerationMixin asks of a model ----------------------------------------------------------------
     @property
@@ -257,7 +285,7 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         before the tokens (as train_forward sends them); the cache counts the tokens only (its virtual_tokens)."""
         cache.before_forward()
         embeds = inputs_embeds if inputs_embeds is not None else self.client_modules.embed(self._checked(input_ids))
-        if cache.session is None:
+        if cache.session is None or cache.session.position == 0:  # (a decoder of n rows opens it before)
             k = self.prompts.pre_seq_len
             cache.virtual_tokens = k
             ones = torch.ones(embeds.shape[:2], dtype=torch.long)
@@ -345,7 +373,19 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         save_adapter(self, directory, served_name(self.model_dir))
 
     def close(self) -> None:
-        self.remote.close()
+        if self.owns_remote:  # (a model of with_adapter() leaves the shared connection to its base)
+            self.remote.close()
+
+
+def _adapter_tuning(adapter: str | Path | None) -> tuple[Path | None, str | None, dict]:
+    """adapter= (find_tuned): (its folder, the name servers pre-load it by (a LoRA) or None, the tuning options of a
+    soft prompt the client holds ({} otherwise))."""
+    if adapter is None:
+        return None, None, {}
+    settings, folder, served = find_tuned(adapter)
+    if served is not None or settings is None:
+        return folder, served, {}
+    return folder, None, dict(tuning_mode=settings.mode, pre_seq_len=settings.pre_seq_len)
 
 
 def lm_head(head: nn.Module, x: torch.Tensor) -> torch.Tensor:

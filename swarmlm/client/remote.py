@@ -3,6 +3,7 @@ the planner's WS-RR fed from what this client sees), and waiting for missing blo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Callable
@@ -24,30 +25,37 @@ log = logging.getLogger(__name__)
 class RemoteSequence:
     """All blocks of one model as served by the swarm."""
 
-    def __init__(self, config: ClientConfig, num_blocks: int, prefix: str) -> None:
+    def __init__(self, config: ClientConfig, num_blocks: int, prefix: str,
+                 share: "RemoteSequence | None" = None) -> None:
+        """`share`: another view of the same swarm (sibling()) whose DHT node, relays and verdicts this one uses."""
         self.config = config
         self.num_blocks = num_blocks
         self.prefix = prefix
         self.loop = LoopThread.get()
         self.channels = Channels(config, interceptors=client_interceptors(config.swarm_key))
         # the connect check (swarm/identity.py): (server id, address) pairs that failed it are never routed to
-        self.rejected: dict[tuple[str, str], str] = {}
+        self.rejected: dict[tuple[str, str], str] = share.rejected if share else {}
         # p2p/<peer id> -> the server id that passed the connect check there, through the relay dialed: only that
         # server's own records set or change the relay of that address (a stranger's record naming it changes none)
-        self.p2p_owners: dict[str, str] = {}
+        self.p2p_owners: dict[str, str] = share.p2p_owners if share else {}
         # (start, end, announced fingerprint) -> why refused or None; set by the client model from its checkpoint
-        self.weights_check: Callable[[int, int, str], str | None] | None = None
+        self.weights_check: Callable[[int, int, str], str | None] | None = share.weights_check if share else None
         self.view = SwarmView(config)
         self.unreachable: dict[str, str] = {}  # --servers addresses that did not answer -> why (for the error)
-        self.reported: set[str] = set()  # servers whose failure was logged once at WARNING (again: at DEBUG)
+        # servers whose failure was logged once at WARNING (again: at DEBUG)
+        self.reported: set[str] = share.reported if share else set()
         self.router = LiveRouter(self.view, num_blocks)
-        self.dht = None
+        self.owner = share is None  # close() shuts the DHT node and relays down only in the view that made them
+        self.dht = self.tunnels = None
+        if share is not None:
+            self.dht, self.tunnels = share.dht, share.tunnels
+            return
         if config.initial_peers:
             from swarmlm.swarm.dht_thread import ThreadDHT
 
             # in-process, not hivemind's forked DHT: a fork beside the client's gRPC threads can hang
             self.dht = ThreadDHT(config.initial_peers, client_mode=True, swarm_key=config.swarm_key)
-        self.tunnels = None  # servers behind NAT, through their relays, on the DHT node's P2P daemon (swarm/reach.py)
+        # servers behind NAT, through their relays, on the DHT node's P2P daemon (swarm/reach.py)
         if self.dht is not None:
             from swarmlm.swarm.reach import Tunnels
 
@@ -225,7 +233,15 @@ class RemoteSequence:
         push = self.push(spans)
         return lambda tokens: self.router.pass_s(spans, tokens, push)
 
+    def sibling(self, active_adapter: str | None) -> "RemoteSequence":
+        """The same swarm seen with another adapter (or none): its own view, routes and channels (its sessions open
+        with that adapter, on the servers that pre-load it), the DHT node, relays and connect-check verdicts shared."""
+        return RemoteSequence(dataclasses.replace(self.config, active_adapter=active_adapter), self.num_blocks,
+                              self.prefix, share=self)
+
     def close(self) -> None:
+        if not self.owner:
+            return
         if self.tunnels is not None:
             self.tunnels.close()
         if self.dht is not None:

@@ -42,7 +42,8 @@ def parse_dtype(name: str | torch.dtype, model: ModelRef | None = None) -> torch
 
 def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype:
     """What the checkpoint stores (config's `dtype`, formerly `torch_dtype`); float32 when it does not say."""
-    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    # (vars(): an older config's own attribute; transformers 5's `torch_dtype` property prints a deprecation warning)
+    value = getattr(config, "dtype", None) or vars(config).get("torch_dtype") or torch.float32
     if isinstance(value, str):
         value = getattr(torch, value, torch.float32)
     return value if value in DTYPES.values() else torch.float32

@@ -7,7 +7,8 @@ What a server, a `swarmlm dht` node, a gateway or a client starts, and how each 
   mpfuture shares its futures' state bytes with torch's "file_system" strategy, which starts that manager).
 - p2pd (hivemind's Go daemon, one per DHT node and one per P2PNode): started by hivemind with fork+exec; we have
   the child ask the kernel for SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG, kept across exec) before it
-  execs. SIGTERM, not SIGKILL: p2pd then removes its unix socket in /tmp, as on a clean stop (a SIGKILLed one
+  execs, in a process group of its own (a signal to its owner's group is for the owner, which stops it in
+  order). SIGTERM, not SIGKILL: p2pd then removes its unix socket in /tmp, as on a clean stop (a SIGKILLed one
   leaves it behind). The signal follows the death of the *thread* that forked it: p2pd is forked by its node's event-loop
   thread, which lives until the node is shut down (and then p2pd is stopped anyway).
 A watchdog polling the parent's pid would need one more process (or a thread in a Go binary we do not build);
@@ -41,9 +42,17 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def _own_group_dying_with(parent_pid: int) -> None:
+    """p2pd's start: its own process group, so a signal to ours (`timeout`, Ctrl-C in a terminal) reaches its owner
+    alone, which then stops it in order (no daemon dying under a live node: no errors about its closed socket);
+    and dead with its owner, whatever kills that."""
+    os.setpgid(0, 0)
+    die_with_parent(parent_pid)
+
+
 async def _exec_dying_with_us(program, *args, **kwargs):
     parent = os.getpid()
-    return await asyncio.create_subprocess_exec(program, *args, preexec_fn=lambda: die_with_parent(parent),
+    return await asyncio.create_subprocess_exec(program, *args, preexec_fn=lambda: _own_group_dying_with(parent),
                                                 **kwargs)
 
 

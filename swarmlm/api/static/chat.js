@@ -5,16 +5,18 @@
 // An API key can be given as #key=... in the URL, as for the monitor. The conversations and the settings are kept
 // in the browser (localStorage, per served model) and come back after a reload: "New conversation" starts another,
 // the list of past chats switches between them (x deletes one). An answer can be copied; the last one regenerated.
+// A gateway that serves tuned models beside the base (swarmlm api --adapter) lists them in a menu by the title.
 "use strict";
 const key = new URLSearchParams(location.hash.slice(1)).get("key");
 const $ = (id) => document.getElementById(id);
 let conversation = []; // the shown chat's turns, [{role, content}]; the system prompt is added to each request
 let chats = []; // the past chats, newest first: [{id, conversation, updated}] (the shown one included once it has turns)
 let currentId = newId(); // the shown chat's id
-let model = null; // the id the gateway serves (GET /v1/models)
+let model = null; // the served id the page talks to (GET /v1/models: the base model, then any tuned ones)
 let running = null; // the AbortController of the answer being streamed
 const SETTINGS = ["system", "temperature", "top-p", "max-tokens"]; // the inputs kept across reloads
 const MAX_CHATS = 50; // older chats are dropped (the browser's storage is small)
+const CHOICE_KEY = "swarmlm-chat-choice"; // the served id last chosen, when the gateway serves several
 
 function newId() {
   return `${Date.now().toString(36)}-${Math.random().toString(36).slice(2, 8)}`;
@@ -150,15 +152,35 @@ async function loadModel() {
   try {
     const r = await fetch("/v1/models", { headers: headers() });
     if (!r.ok) throw new Error(await errorText(r));
-    model = (await r.json()).data[0].id;
-    $("model").textContent = model;
-    if (conversation.length === 0 && $("messages").childElementCount === 0) restore();
+    const ids = (await r.json()).data.map((m) => m.id);
+    let chosen = null;
+    try {
+      chosen = localStorage.getItem(CHOICE_KEY);
+    } catch (e) { /* storage disabled: the first id */ }
+    const choice = $("model-choice");
+    choice.replaceChildren(...ids.map((id) => Object.assign(el("option", "", id), { value: id })));
+    choice.hidden = ids.length < 2; // (then the menu names the model, not the title)
+    $("model").hidden = !choice.hidden;
+    useModel(ids.includes(chosen) ? chosen : ids[0]);
     $("send").disabled = false;
     status("");
   } catch (e) {
     status(`cannot reach the gateway: ${e.message} (retrying)`);
     setTimeout(loadModel, 2000);
   }
+}
+
+// The served model the page talks to, with its own chats and settings (kept per model id).
+function useModel(id) {
+  model = id;
+  $("model").textContent = id;
+  $("model-choice").value = id;
+  conversation = [];
+  chats = [];
+  currentId = newId();
+  $("messages").replaceChildren();
+  restore();
+  renderChatList();
 }
 
 function setText(box, text) {
@@ -387,6 +409,16 @@ $("prompt").addEventListener("keydown", (e) => {
 });
 $("stop").addEventListener("click", () => running && running.abort());
 $("clear").addEventListener("click", () => model && !running && newChat());
+$("model-choice").addEventListener("change", (e) => {
+  if (running) {
+    e.target.value = model; // (an answer is streaming: finish or stop it first)
+    return;
+  }
+  try {
+    localStorage.setItem(CHOICE_KEY, e.target.value);
+  } catch (err) { /* the choice lasts until a reload */ }
+  useModel(e.target.value);
+});
 for (const id of SETTINGS) $(id).addEventListener("change", () => model && save());
 if (key) $("monitor-link").href = `/#key=${encodeURIComponent(key)}`;
 loadModel();

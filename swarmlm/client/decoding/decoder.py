@@ -164,7 +164,7 @@ class Decoder:
         if not self.live:
             raise RuntimeError("advance() with no row running (before start(), or after every row ended)")
         self._settle()
-        free = self.cache.session.max_length - self.cache.get_seq_length()
+        free = self.cache.session.max_length - self.cache.virtual_tokens - self.cache.get_seq_length()
         model_cost = functools.cache(self._pass_cost)  # asked only when drafts are sized by the rule
         cost = lambda: self.measured.corrected(model_cost())  # noqa: E731
         heads = [self.rows[r].head for r in self.live]
@@ -228,6 +228,7 @@ class Decoder:
             max_new_tokens = max(s.max_new_tokens for s in _as_list(self.sampling, rows))
         self.cache.max_length = session_length(width, max_new_tokens, self.k_max, self.context_tokens)
         if rows > 1:
+            self.cache.virtual_tokens = self.model.virtual_tokens  # (a soft prompt's positions: the session's too)
             self.cache.session_for(rows, width)
 
     def _sampling_of(self, r: int) -> Sampling:
