@@ -363,8 +363,8 @@ def test_the_simulator_models_prefix_hits_and_routes_to_them():
 
     cached, plain = simulate(400), simulate(0)
     assert cached.summary["prefix_hits"] == 3 and cached.summary["prefix_hit_tokens"] == 1200
-    assert all(r.route.startswith("B") for r in cached.records)  # later requests go where the prefix is
-    assert all(r.route.startswith("A") for r in plain.records[1:])  # without it, the closer server
+    assert all(r.route[0].server_id.startswith("B") for r in cached.records)  # later requests go where the prefix is
+    assert all(r.route[0].server_id.startswith("A") for r in plain.records[1:])  # without it, the closer server
     for hit, miss in zip(cached.records[1:], plain.records[1:]):
         want = perf.prefill_hop_s("c", "B", 4, 20)  # the 20 tokens after the prefix, alone on B
         assert hit.ttft_s == pytest.approx(want) and hit.ttft_s < miss.ttft_s
@@ -385,7 +385,7 @@ def test_sigkilled_servers_of_a_session_started_from_a_cached_prefix_fail_over_t
         try:
             first = on.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
                                 do_sample=False)
-            holders = {s.split("[")[0] for s in on.last_stats.route}
+            holders = {s.server_id for s in on.last_stats.route}
             prompt = torch.cat([first, torch.randint(10, 250, (1, 6), generator=torch.Generator().manual_seed(10))], 1)
             want = _greedy(off, prompt, 12, kills={})
             on.remote.refresh()  # the servers' records now announce the prefix
