@@ -30,7 +30,7 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from swarmlm.bench.probe import RawStream, greedy_tokens, open_request  # noqa: E402
+from swarmlm.bench.raw_stream import RawStream, greedy_tokens, open_request  # noqa: E402
 from swarmlm.machine import machine_info  # noqa: E402
 from swarmlm.model.random_checkpoint import init_checkpoint  # noqa: E402
 from swarmlm.swarm.local import LocalSwarm  # noqa: E402
