@@ -212,6 +212,25 @@ def test_logits_from_a_cached_prefix_match_a_fresh_prefill_and_transformers(tiny
 
 
 @pytest.mark.slow
+def test_n_copies_of_a_prompt_start_from_its_cached_prefix(tiny_bloom, two_servers):
+    """A session of n rows (num_return_sequences, the gateway's n) opens from the prompt's cached prefix too: its
+    prompt step sends what the prefix leaves, then the cache is copied to the n rows. The same tokens as without."""
+    ids = torch.randint(10, 250, (1, 40), generator=torch.Generator().manual_seed(11))
+    client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, servers=two_servers.addresses)
+    try:
+        greedy = client.generate(ids, max_new_tokens=4, do_sample=False)  # its session keeps 2 runs at close
+        before = _counters(two_servers)
+        rows = client.generate(ids, max_new_tokens=4, do_sample=True, top_k=1, num_return_sequences=3,
+                               speculative="auto")
+        after = _counters(two_servers)
+    finally:
+        client.close()
+    assert client.last_stats.cached_tokens == 2 * RUN_TOKENS
+    assert all((h1 - h0) == 2 * RUN_TOKENS for (_, h0), (_, h1) in zip(before, after))  # not sent, not computed
+    assert rows.tolist() == greedy.repeat(3, 1).tolist()
+
+
+@pytest.mark.slow
 def test_in_an_open_swarm_a_second_client_does_not_see_the_first_clients_entries(tiny_bloom, two_servers):
     swarm = two_servers
     ids = torch.randint(10, 250, (1, 50), generator=torch.Generator().manual_seed(4))

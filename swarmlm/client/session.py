@@ -73,7 +73,9 @@ class InferenceSession:
         self._profiles: dict[str, tuple[ServerRecord, ComputeProfile]] = {}  # server id -> (record, its profile)
         self.open_s = 0.0  # routing + opening streams
         self.closed = False
-        self.prefix = prefix if batch == 1 else None  # (entries are one sequence)
+        # entries are one sequence: a session of more rows opens from one (its first step's one row, copied to the
+        # others by a later step's cache op) and keeps none (`tokens` stops following at the copy)
+        self.prefix = prefix
         self.tokens: list[int] | None = [] if self.prefix is not None else None  # token ids the servers hold
         self.prompt: list[int] = []  # the prompt named at open (its cached prefix is not sent again)
         self._align: CacheOp | None = None  # cuts every span to the prefix all of them hold, with the first step
