@@ -157,7 +157,7 @@ class Pusher:
     """Outgoing pushes: one channel per target address, writes ordered decode-first per link (as the client's)."""
 
     def __init__(self, max_message_bytes: int, timeout_s: float, interceptors: Sequence = (),
-                 frames: bool = False, swarm_key: bytes | None = None, max_channels: int = 64) -> None:
+                 frames: bool = False, swarm_key: bytes | None = None, *, max_channels: int) -> None:
         self.max_message_bytes = max_message_bytes
         self.max_channels = max_channels  # ServerConfig.max_push_channels
         self.interceptors = interceptors  # a private swarm's token on every push (swarm/private.py)

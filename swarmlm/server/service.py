@@ -103,7 +103,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         self.attached: set[str] = set()  # sessions held by a live stream
         self.inboxes: dict[str, asyncio.Queue] = {}  # per attached session: its steps, from the stream and pushes
         self.pusher = Pusher(config.max_message_bytes, config.push_timeout_s, client_interceptors(config.swarm_key),
-                             config.push_frames, config.swarm_key, config.max_push_channels)
+                             config.push_frames, config.swarm_key, max_channels=config.max_push_channels)
         self.identity: Identity | None = None  # set by server.py, with the address it announces
         self.address = ""
         self.relay: Callable[[], str] = lambda: ""  # the relay it is reached through now (server.py; "" = direct)
