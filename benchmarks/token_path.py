@@ -1,11 +1,12 @@
 """The files one decode token runs through, and its hand-overs (calls from a function of one swarmlm file into a
-function of another), client and server, on tiny-bloom through one in-process server (no DHT).
+function of another), client and server, on tiny-bloom through one in-process server (no DHT); with --chat also
+one whole chat request through the gateway (swarmlm api's app, in process), prompt and one token.
 
 Every thread is traced (sys.setprofile / threading.setprofile) during two greedy generate() calls: one of 1 new
 token and one of 1 + N; the difference, over N, is one decode token's share (its prompt and session opening cancel
 out). Counts, not times: the same on any machine. Usage:
 
-    .venv/bin/python benchmarks/token_path.py [--tokens 16] [--json]
+    .venv/bin/python benchmarks/token_path.py [--tokens 16] [--chat] [--json]
 """
 from __future__ import annotations
 
@@ -62,9 +63,32 @@ class Tracer:
         return collections.Counter(self.entered), collections.Counter(self.handovers)
 
 
+def _chat_request(tracer: Tracer, client, model_dir: str, tokens: int):
+    """/v1/chat/completions through the gateway's app (warmed by one first): one of one token, one of 1 + `tokens`
+    (the second may end early at an eos: the tokens it made count)."""
+    from fastapi.testclient import TestClient
+
+    from swarmlm.api.app import GatewayConfig, create_app
+    from swarmlm.model.checkpoint import load_tokenizer
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 1,
+            "temperature": 0}
+    app = create_app(client, load_tokenizer(model_dir), GatewayConfig(model_name="tiny"))
+    with TestClient(app, base_url="http://127.0.0.1") as http:
+        warm = http.post("/v1/chat/completions", json=body)
+        assert warm.status_code == 200, warm.text
+        one = tracer.run(lambda: http.post("/v1/chat/completions", json=body).raise_for_status())
+        longer = {**body, "max_tokens": 1 + tokens}
+        reply: list = []
+        more = tracer.run(lambda: reply.append(http.post("/v1/chat/completions", json=longer).json()))
+        made = reply[0]["usage"]["completion_tokens"]
+        return one, more, made - 1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--chat", action="store_true", help="also one chat request through the gateway")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     tracer = Tracer()
@@ -84,6 +108,7 @@ def main() -> None:
             client.generate(ids, max_new_tokens=4, do_sample=False)  # warm: routes, channels, profiles
             short = tracer.run(lambda: client.generate(ids, max_new_tokens=1, do_sample=False))
             long = tracer.run(lambda: client.generate(ids, max_new_tokens=1 + args.tokens, do_sample=False))
+            chat = _chat_request(tracer, client, model_dir, args.tokens) if args.chat else None
         finally:
             client.close()
             asyncio.run_coroutine_threadsafe(server.stop(), loop).result(timeout=60)
@@ -95,9 +120,23 @@ def main() -> None:
               "calls_per_token": round(sum(files.values()), 1),
               "per_file_calls": dict(sorted(files.items(), key=lambda kv: -kv[1])),
               "per_pair_handovers": {f"{a} -> {b}": n for (a, b), n in sorted(pairs.items(), key=lambda kv: -kv[1])}}
+    if chat is not None:
+        (entered, handed), (entered_more, handed_more), extra = chat
+        result["chat_request"] = {"files": len(entered), "handovers": sum(handed.values()),
+                                  "calls": sum(entered.values())}
+        if extra > 0:  # the gateway's decode token: the difference, per extra token
+            result["chat_decode_token"] = {
+                "files": sum(1 for f in entered_more if entered_more[f] > entered[f]),
+                "handovers": round((sum(handed_more.values()) - sum(handed.values())) / extra, 1)}
     if args.json:
         print(json.dumps(result, indent=1))
         return
+    if chat is not None:
+        print(f"one chat request (prompt + 1 token) through the gateway: {result['chat_request']['files']} swarmlm "
+              f"files, {result['chat_request']['handovers']} hand-overs, {result['chat_request']['calls']} calls")
+        if "chat_decode_token" in result:
+            print(f"one decode token of a chat request: {result['chat_decode_token']['files']} files, "
+                  f"{result['chat_decode_token']['handovers']} hand-overs")
     print(f"one decode token through one server: {result['files']} swarmlm files, "
           f"{result['handovers_per_token']} hand-overs (calls across files), {result['calls_per_token']} calls")
     for name, n in result["per_file_calls"].items():
