@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Callable
 
 import grpc
-import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from swarmlm.bench.probe import RawStream, greedy_tokens, open_request  # noqa: E402
+from swarmlm.bench.raw_stream import RawStream, greedy_tokens, open_request  # noqa: E402
+from swarmlm.bench.telemetry import RssSampler  # noqa: E402
 from swarmlm.machine import machine_info  # noqa: E402
 from swarmlm.model.random_checkpoint import init_checkpoint  # noqa: E402
 from swarmlm.swarm.local import LocalSwarm  # noqa: E402
@@ -56,37 +56,6 @@ class Outcome:
     rss_peak_mb: float
     recover_s: float  # attack end -> first correct honest generation
     note: str = ""
-
-
-class RssSampler:
-    """The peak RSS of a process, sampled on a thread."""
-
-    def __init__(self, pid: int, period_s: float = 0.02) -> None:
-        self.proc = psutil.Process(pid)
-        self.period_s = period_s
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def rss(self) -> int:
-        return self.proc.memory_info().rss
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.peak = max(self.peak, self.rss())
-            except psutil.Error:
-                return
-            self._stop.wait(self.period_s)
-
-    def __enter__(self) -> "RssSampler":
-        self.peak = self.rss()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 class Honest:

@@ -272,7 +272,7 @@ class Watch:
 
 
 def run(model_dir: str, only: list[str], threads: int) -> list[GatewayOutcome]:
-    from benchmarks.attacks import RssSampler
+    from swarmlm.bench.telemetry import RssSampler
     from swarmlm.api.process import GatewayProcess
     from swarmlm.swarm.local import LocalSwarm, even_split
     from swarmlm.wire import swarm_pb2 as pb

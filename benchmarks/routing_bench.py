@@ -110,7 +110,7 @@ def one_round(model_dir: str, clients: list[DistributedModelForCausalLM], views:
         # the servers' side of each decode step (waiting for the compute thread + the forward that ran it) and the
         # client's own compute per token (embeddings, LM head, sampling): where the per-token time goes
         hops = [h for step in stats.steps if step.tokens == 1 for h in step.hops]
-        results[i] = {"per_token_s": e2e / l_out, "server": route[0].split("[")[0], "hops": len(route),
+        results[i] = {"per_token_s": e2e / l_out, "server": route[0].server_id, "hops": len(route),
                       "arrival_s": i * gap_s, "seen": dict(views[i]),
                       "server_step_s": statistics.median(h.queued_s + h.compute_s for h in hops),
                       "server_queued_s": statistics.median(h.queued_s for h in hops),
@@ -157,7 +157,7 @@ def simulate(servers: dict[str, dict], client_rtts: list[dict[str, float]], num_
     rows = []
     for r in sorted(result.sim.records, key=lambda r: r.arrival_s):
         if r.client_id != "background":
-            server = r.route.split("[")[0]
+            server = r.route[0].server_id
             # a simulated decode step is the link's RTT + the server's compute at its load
             rows.append({"per_token_s": r.per_token_s, "server": server,
                          "server_step_s": r.decode_per_token_s - rtts[r.request_id][server]})

@@ -156,6 +156,13 @@ class ServerConfig:
     push_frames: bool = False
     session_idle_timeout_s: float = 120.0  # a session with no step for this long is closed
     push_timeout_s: float = 10.0  # a push to the next server (server/push.py) not answered by then has failed
+    # steps of one session waiting to run; a full inbox holds the client's stream and pushers back
+    inbox_steps: int = 8
+    push_room_wait_s: float = 30.0  # how long a push may wait for room in a session's inbox, then RESOURCE_EXHAUSTED
+    max_steps_ahead: int = 8  # steps a session holds while waiting for an earlier step id (server/push.py StepOrder)
+    max_push_channels: int = 64  # open channels to push targets (least recently used closed first)
+    # after refusing a request at least this large, hand freed memory back to the OS (at most once a second)
+    trim_refused_bytes: int = 16 << 20
     # Limits against greedy or hostile peers (docs/FAILURES.md, "Bounded resources"). A peer is a remote host.
     open_idle_timeout_s: float = 10.0  # a session whose first step has not run this long after its open is closed
     resume_grace_s: float = 5.0  # a session whose stream broke is closed unless resumed (with its secret) this soon
@@ -200,7 +207,8 @@ class ServerConfig:
                      "max_sessions_per_peer", "max_peer_bytes_in_flight", "max_concurrent_rpcs",
                      "max_request_tokens", "max_attention_cost", "open_idle_timeout_s", "session_idle_timeout_s",
                      "push_timeout_s", "max_train_request_bytes", "max_train_total_bytes", "max_lora_rank",
-                     "max_lora_layers"):
+                     "max_lora_layers", "inbox_steps", "push_room_wait_s", "max_steps_ahead", "max_push_channels",
+                     "trim_refused_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_train_request_bytes > self.max_train_total_bytes:

@@ -22,6 +22,10 @@ class UnknownSession(SwarmError, KeyError):
     """The session id is not open on this server (never opened, closed, or expired)."""
 
 
+class NotPermitted(SwarmError):
+    """A peer asked for something it may not do here (a session's step or push without the session's secret)."""
+
+
 class MissingBlocks(SwarmError):
     """No live server covers some blocks of the model."""
 

@@ -69,6 +69,14 @@ class Span:
     def length(self) -> int:
         return self.end - self.start
 
+    def describe(self) -> str:
+        """For people (logs, tables, CSV): "id[start:end)". Code reads the fields, never this string."""
+        return f"{self.server_id}[{self.start}:{self.end})"
+
+
+def describe_spans(spans) -> str:
+    return " -> ".join(s.describe() for s in spans)
+
 
 @dataclass(frozen=True)
 class Route:
@@ -90,7 +98,7 @@ class Route:
         return self.spans[-1].end if self.spans else 0
 
     def describe(self) -> str:
-        return " -> ".join(f"{s.server_id}[{s.start}:{s.end})" for s in self.spans)
+        return describe_spans(self.spans)
 
 
 @dataclass(frozen=True)

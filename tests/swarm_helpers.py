@@ -7,7 +7,7 @@
 - the reference it must reproduce: `reference_model`, `reference_generate`, `greedy_reference`, and `greedy_steps` /
   `assert_steps_match_reference` for sessions stepped by hand, and `assert_greedy_up_to_ties` for batched
   output;
-- an Inference stream by hand: `RawStream` (swarmlm/bench/probe.py, shared with the attack suite)."""
+- an Inference stream by hand: `RawStream` (swarmlm/bench/raw_stream.py, shared with the attack suite)."""
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +18,7 @@ import functools
 import threading
 from typing import Iterator, Sequence
 
-from swarmlm.bench.probe import RawStream, greedy_steps  # noqa: F401  (the tests' stream driver and greedy loop)
+from swarmlm.bench.raw_stream import RawStream, greedy_steps  # noqa: F401  (the tests' stream driver and greedy loop)
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.channel import sync_channel
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from swarmlm.bench.probe import greedy_tokens
+from swarmlm.bench.raw_stream import greedy_tokens
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.client.prefix import keys_for, span_salts
 from swarmlm.errors import CapacityExceeded, InvalidRequest

@@ -88,3 +88,69 @@ def test_no_import_runs_back_up():
             if floor_of(target) > floor_of(here):
                 violations.append(f"{path.relative_to(ROOT.parent)}:{line} ({here}) imports {target}")
     assert not violations, "imports that run back up the floors:\n" + "\n".join(violations)
+
+
+# files that import each other (a circle of two or more), every import counted: inside functions and under
+# TYPE_CHECKING too. The one left: the simulator's events annotate the state they are handed (type checking only).
+KNOWN_CIRCLES = [{"swarmlm.sim.session", "swarmlm.sim.simulator"}]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """swarmlm module -> the swarmlm modules it imports (`from pkg import mod` names the module, not the package)."""
+    paths = {module_name(p): p for p in ROOT.rglob("*.py") if not p.name.endswith(("_pb2.py", "_pb2_grpc.py"))}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names if a.name in paths}
+            elif isinstance(node, ast.ImportFrom):
+                resolved = imports_in(ast.unparse(node), package)  # ([] for a module outside swarmlm)
+                target = resolved[0][1] if resolved else ""
+                named = {f"{target}.{a.name}" for a in node.names} & paths.keys()
+                targets |= named or ({target} & paths.keys())
+        graph[module] = targets - {module, "swarmlm"}  # (the root package's lazy names are no import)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected parts of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = set()
+            while True:
+                w = stack.pop()
+                part.add(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(part)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_circles_are_found():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_new_import_circle():
+    found = circles(import_graph())
+    assert sorted(map(sorted, found)) == sorted(map(sorted, KNOWN_CIRCLES)), found

@@ -15,7 +15,7 @@ import pytest
 from swarmlm.bench.netem import (DirectionSpec, LinkProfile, ListenSpec, RelayProcess, RelayRoute, Testbed, measure_rtt,
                                  preset, start_probe_server)
 from swarmlm.bench.netem.accuracy import check_testbed
-from swarmlm.bench.netem.probe import _connect, _recv_exact
+from swarmlm.bench.netem.link_probe import _connect, _recv_exact
 from tests.swarm_helpers import assert_delay_applies, assert_faster_than, assert_link_follows
 
 PROFILES = {"lan": preset("lan"), "wan": preset("wan"), "custom": LinkProfile(rtt_s=0.020, rate_bps=100e6)}

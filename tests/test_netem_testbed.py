@@ -17,7 +17,7 @@ from swarmlm.bench.netem import (LinkProfile, NetemUnavailable, Testbed, cleanup
 from swarmlm.bench.netem import netns as netns_module
 from swarmlm.bench.netem.netns import HostNamespaces
 from swarmlm.bench.netem.accuracy import check_testbed
-from swarmlm.bench.netem.probe import RttStats, measure_bandwidth
+from swarmlm.bench.netem.link_probe import RttStats, measure_bandwidth
 from tests.swarm_helpers import assert_delay_applies, assert_faster_than, assert_link_follows
 
 PROFILES = {"lan": preset("lan"), "wan": preset("wan"), "custom": LinkProfile(rtt_s=0.020, rate_bps=100e6)}
@@ -61,7 +61,7 @@ def test_server_to_server_through_expose_and_everything_removed():
     from swarmlm.bench.netem import LinkMatrix
 
     with Testbed(2, LinkMatrix(2, tuple(map(tuple, links))), mode="namespaces") as tb:
-        server = tb.spawn(1, [sys.executable, "-c", "from swarmlm.bench.netem.probe import main; main()",
+        server = tb.spawn(1, [sys.executable, "-c", "from swarmlm.bench.netem.link_probe import main; main()",
                               "--host", tb.host_ip(1), "--port", "7311"], stdout=subprocess.PIPE, text=True)
         assert server.stdout.readline().startswith("probe listening")
         address = tb.expose(1, 7311)

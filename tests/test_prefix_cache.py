@@ -212,6 +212,25 @@ def test_logits_from_a_cached_prefix_match_a_fresh_prefill_and_transformers(tiny
 
 
 @pytest.mark.slow
+def test_n_copies_of_a_prompt_start_from_its_cached_prefix(tiny_bloom, two_servers):
+    """A session of n rows (num_return_sequences, the gateway's n) opens from the prompt's cached prefix too: its
+    prompt step sends what the prefix leaves, then the cache is copied to the n rows. The same tokens as without."""
+    ids = torch.randint(10, 250, (1, 40), generator=torch.Generator().manual_seed(11))
+    client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, servers=two_servers.addresses)
+    try:
+        greedy = client.generate(ids, max_new_tokens=4, do_sample=False)  # its session keeps 2 runs at close
+        before = _counters(two_servers)
+        rows = client.generate(ids, max_new_tokens=4, do_sample=True, top_k=1, num_return_sequences=3,
+                               speculative="auto")
+        after = _counters(two_servers)
+    finally:
+        client.close()
+    assert client.last_stats.cached_tokens == 2 * RUN_TOKENS
+    assert all((h1 - h0) == 2 * RUN_TOKENS for (_, h0), (_, h1) in zip(before, after))  # not sent, not computed
+    assert rows.tolist() == greedy.repeat(3, 1).tolist()
+
+
+@pytest.mark.slow
 def test_in_an_open_swarm_a_second_client_does_not_see_the_first_clients_entries(tiny_bloom, two_servers):
     swarm = two_servers
     ids = torch.randint(10, 250, (1, 50), generator=torch.Generator().manual_seed(4))
@@ -363,8 +382,8 @@ def test_the_simulator_models_prefix_hits_and_routes_to_them():
 
     cached, plain = simulate(400), simulate(0)
     assert cached.summary["prefix_hits"] == 3 and cached.summary["prefix_hit_tokens"] == 1200
-    assert all(r.route.startswith("B") for r in cached.records)  # later requests go where the prefix is
-    assert all(r.route.startswith("A") for r in plain.records[1:])  # without it, the closer server
+    assert all(r.route[0].server_id.startswith("B") for r in cached.records)  # later requests go where the prefix is
+    assert all(r.route[0].server_id.startswith("A") for r in plain.records[1:])  # without it, the closer server
     for hit, miss in zip(cached.records[1:], plain.records[1:]):
         want = perf.prefill_hop_s("c", "B", 4, 20)  # the 20 tokens after the prefix, alone on B
         assert hit.ttft_s == pytest.approx(want) and hit.ttft_s < miss.ttft_s
@@ -385,7 +404,7 @@ def test_sigkilled_servers_of_a_session_started_from_a_cached_prefix_fail_over_t
         try:
             first = on.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
                                 do_sample=False)
-            holders = {s.split("[")[0] for s in on.last_stats.route}
+            holders = {s.server_id for s in on.last_stats.route}
             prompt = torch.cat([first, torch.randint(10, 250, (1, 6), generator=torch.Generator().manual_seed(10))], 1)
             want = _greedy(off, prompt, 12, kills={})
             on.remote.refresh()  # the servers' records now announce the prefix

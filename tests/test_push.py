@@ -10,12 +10,14 @@ from transformers import AutoTokenizer
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.errors import InvalidRequest
-from swarmlm.server.push import MAX_AHEAD, StepOrder, check_targets
+from swarmlm.server.push import StepOrder, check_targets
 from swarmlm.types import BlockRange
 from swarmlm.wire import codec
 from swarmlm.wire import swarm_pb2 as pb
 from tests.swarm_helpers import (RawStream, greedy_reference, greedy_steps, in_process_server, reference_generate,
                                  reference_model, running_swarm, stub)
+
+MAX_AHEAD = 8  # a StepOrder's bound here (ServerConfig.max_steps_ahead)
 
 RANGES = [BlockRange(0, 2), BlockRange(2, 4), BlockRange(4, 6)]
 
@@ -27,7 +29,7 @@ def step(step_id: int) -> pb.InferenceRequest:
 
 
 def test_step_order_takes_each_id_once_and_in_order():
-    order = StepOrder()
+    order = StepOrder(MAX_AHEAD)
     assert [r.step.step_id for r in order.admit(step(1))] == [1]
     assert order.admit(step(1)) == []  # the other copy
     assert order.admit(step(3)) == []  # ahead of its turn: held
@@ -38,7 +40,7 @@ def test_step_order_takes_each_id_once_and_in_order():
 
 
 def test_step_order_bounds_what_it_holds():
-    order = StepOrder()
+    order = StepOrder(MAX_AHEAD)
     for i in range(MAX_AHEAD):
         assert order.admit(step(i + 2)) == []
     with pytest.raises(InvalidRequest, match="ahead"):

@@ -129,3 +129,89 @@ def test_sessions_release_cache_and_idle_sessions_expire(server):
     with pytest.raises(grpc.RpcError):
         s2.send(step(torch.randn(1, 1, H)))
     s2.end()
+
+
+def _status(call, request) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        call(request, timeout=30)
+    assert err.value.details()
+    return err.value.code()
+
+
+def test_unary_rpcs_refuse_through_one_status_map(server):
+    """Real refusals over gRPC: each unary RPC gives an error class the status server/unary.py's STATUS names."""
+    from swarmlm.errors import InvalidRequest, NotPermitted, UnknownSession
+    from swarmlm.server.unary import STATUS
+
+    client = stub(server)
+    with grpc.insecure_channel(server) as channel:
+        for rpc in ("Forward", "Backward", "Info", "Push"):  # bytes that do not parse
+            assert _status(channel.unary_unary(f"/swarmlm.Swarm/{rpc}"), b"\xff\xff\xff") == STATUS[InvalidRequest]
+    outside = dict(start_block=0, end_block=4, hidden=codec.encode(torch.randn(1, 2, H)))  # block 0: not here
+    assert _status(client.Forward, pb.ForwardRequest(**outside)) == STATUS[InvalidRequest]
+    assert _status(client.Backward, pb.BackwardRequest(**outside, grad_output=outside["hidden"])) == \
+        STATUS[InvalidRequest]
+    s, opened = open_session(server)
+    push = dict(session_id=opened.session_id, step=pb.InferenceStep(hidden=codec.encode(torch.randn(1, 1, H))))
+    assert _status(client.Push, pb.PushRequest(**push, secret=opened.session_secret)) == STATUS[InvalidRequest]
+    push["step"].step_id = 1
+    assert _status(client.Push, pb.PushRequest(**push, secret=b"\0" * 16)) == STATUS[NotPermitted]
+    assert _status(client.Push, pb.PushRequest(**{**push, "session_id": "f" * 32}, secret=opened.session_secret)) \
+        == STATUS[UnknownSession]
+    s.end()
+    resume = RawStream(server)  # the stream's first message maps with the same table
+    with pytest.raises(grpc.RpcError) as err:
+        resume.send(pb.InferenceRequest(session_id="f" * 32, step=pb.InferenceStep()))
+    assert err.value.code() == STATUS[UnknownSession]
+    resume.end()
+
+
+@pytest.mark.parametrize("error", ["InvalidRequest", "CapacityExceeded", "UnknownSession", "NotPermitted",
+                                   "RuntimeError"])
+def test_every_unary_rpc_gives_an_error_class_the_same_status(tiny_bloom, error):
+    """Whatever a unary RPC's handler raises, the status comes from one map (server/unary.py): the same for every
+    RPC; an unexpected error is INTERNAL and names the RPC."""
+    import asyncio
+
+    from swarmlm import errors
+    from swarmlm.config import ServerConfig
+    from swarmlm.server.frame_server import FrameContext
+    from swarmlm.server.scheduler import Scheduler
+    from swarmlm.server.service import ServerStats, SwarmService
+    from swarmlm.server.stage import Stage
+    from swarmlm.server.unary import status_of
+
+    exc_type = getattr(errors, error, None) or RuntimeError
+    blocks = BlockRange(0, 2)
+    service = SwarmService(ServerConfig(model_dir=tiny_bloom, blocks=blocks), Stage(tiny_bloom, blocks),
+                           Scheduler(1), ServerStats())
+
+    async def refuse(request, admission):
+        admission.charge(1000)  # held until the call ends, whatever happens
+        raise exc_type("refused here")
+
+    service._forward = service._info = service._push = service.training.backward = refuse
+    calls = {"Forward": pb.ForwardRequest(), "Backward": pb.BackwardRequest(), "Info": pb.InfoRequest(),
+             "Push": pb.PushRequest()}
+
+    async def each() -> dict[str, tuple[grpc.StatusCode, str]]:
+        got = {}
+        for rpc, request in calls.items():
+            context = FrameContext("ipv4:127.0.0.1:5000")
+            await getattr(service, rpc)(request, context)
+            got[rpc] = (context.code, context.details)
+        return got
+
+    try:
+        got = asyncio.run(each())
+    finally:
+        service.scheduler.stop()
+    expected = {"InvalidRequest": grpc.StatusCode.INVALID_ARGUMENT, "NotPermitted": grpc.StatusCode.PERMISSION_DENIED,
+                "CapacityExceeded": grpc.StatusCode.RESOURCE_EXHAUSTED, "UnknownSession": grpc.StatusCode.NOT_FOUND,
+                "RuntimeError": grpc.StatusCode.INTERNAL}[error]
+    assert status_of(exc_type("x")) == expected
+    for rpc, (code, details) in got.items():
+        assert code == expected, rpc
+        internal = code == grpc.StatusCode.INTERNAL
+        assert details == (f"{rpc.lower()} failed: refused here" if internal else "refused here"), rpc
+    assert not service.load.held  # every charge released

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections import defaultdict
 
 import pytest
@@ -18,7 +17,6 @@ from swarmlm.sim.scenario import build_servers, simulate_scenario
 from swarmlm.sim.session import ClientBehaviour
 from swarmlm.sim.simulator import run_simulation
 
-SPAN = re.compile(r"(\S+)\[(\d+):(\d+)\)")
 
 
 def tight_topology(rate: float = 2.0) -> dict:
@@ -44,8 +42,8 @@ def _max_overlap(records, slots: dict[str, int]) -> dict[str, int]:
         if r.status != "done":
             continue
         start = r.start_s
-        for sid, a, e in SPAN.findall(r.route):
-            events[sid] += [(start, int(e) - int(a)), (r.finish_s, -(int(e) - int(a)))]
+        for span in r.route:
+            events[span.server_id] += [(start, span.length), (r.finish_s, -span.length)]
     peak: dict[str, int] = {}
     for sid, evs in events.items():
         used = best = 0

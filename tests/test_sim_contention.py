@@ -44,7 +44,7 @@ def _simulate(profile: ComputeProfile, mode: str, n_new: int = 8):
 
 
 def _new_sessions_on(result) -> list[str]:
-    return [r.route.split("[")[0] for r in sorted(result.records, key=lambda r: r.arrival_s) if r.client_id == "c"]
+    return [r.route[0].server_id for r in sorted(result.records, key=lambda r: r.arrival_s) if r.client_id == "c"]
 
 
 def test_ws_rr_splits_new_sessions_by_contention():

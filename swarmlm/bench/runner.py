@@ -98,7 +98,7 @@ def link_matrix(network: str, n_hosts: int):
 def _relay_pids() -> list[int]:
     """The netem relay is our child process; it is tracked on its own so its CPU is not the client's."""
     return [c.pid for c in psutil.Process().children(recursive=True)
-            if "swarmlm.bench.netem.relay" in " ".join(_cmdline(c))]
+            if "swarmlm.bench.netem.delay_relay" in " ".join(_cmdline(c))]
 
 
 def _cmdline(p: psutil.Process) -> list[str]:

@@ -36,7 +36,7 @@ from swarmlm.bench.microbatch import MicroBatchPlanner
 from swarmlm.client.session import InferenceSession
 from swarmlm.perf.speculation import MAX_DRAFT_TOKENS
 from swarmlm.stats import percentile
-from swarmlm.types import CacheOp
+from swarmlm.types import CacheOp, Span
 from swarmlm.wire import compress
 
 StrategyName = Literal["sequential", "pipelined", "microbatched"]
@@ -111,7 +111,7 @@ class RequestRecord:
     payload_sent_bytes: int  # hidden states + masks this request sent to servers (its share of its session)
     payload_received_bytes: int
     decomposition: Decomposition
-    route: tuple[str, ...] = ()
+    route: tuple[Span, ...] = ()  # the servers and blocks its session ended on
     error: str | None = None
     passes: int = 0  # steps through the route, the prompt's included (its session's, shared by its rows)
     round_trips: int = 0  # client round trips: a relayed step makes one per hop, a pushed step one along the chain
@@ -132,7 +132,7 @@ class RequestRecord:
             "start_s": self.start_s, "end_s": self.end_s, "ttft_s": self.ttft_s, "response_s": self.response_s,
             "per_token_s": self.per_token_s, "batch_size": self.batch_size,
             "payload_sent_bytes": self.payload_sent_bytes, "payload_received_bytes": self.payload_received_bytes,
-            "decomposition_s": self.decomposition.to_dict(), "route": list(self.route), "error": self.error,
+            "decomposition_s": self.decomposition.to_dict(), "route": [s.describe() for s in self.route], "error": self.error,
             "passes": self.passes, "round_trips": self.round_trips, "drafted": self.drafted, "accepted": self.accepted,
         }
 
@@ -233,7 +233,7 @@ def run_job(model, requests: Sequence[Request], cfg: StrategyConfig, t_run0: flo
             request_id=r.request_id, input_tokens=len(r.input_ids), generated_tokens=len(new), tokens=tuple(new),
             arrival_s=t_from - t_run0, start_s=t_start - t_run0, end_s=t_end - t_run0, ttft_s=ttft,
             response_s=t_end - t_from, batch_size=batch, payload_sent_bytes=sent // batch,
-            payload_received_bytes=received // batch, decomposition=parts, route=tuple(stats.route),
+            payload_received_bytes=received // batch, decomposition=parts, route=stats.route,
             error=close_error, passes=len(session.steps), round_trips=round_trips,
             drafted=spec_rows[row].get("drafted", 0), accepted=spec_rows[row].get("accepted", 0),
         ))

@@ -274,3 +274,34 @@ def summarize(samples: Sequence[Sample], t_from: float, t_to: float) -> dict[str
             rx_bytes=end.rx_bytes - start_rx, median_rtt_s=rtts[len(rtts) // 2] if rtts else None,
         )
     return out
+
+
+class RssSampler:
+    """The peak RSS of a process, sampled on a thread."""
+
+    def __init__(self, pid: int, period_s: float = 0.02) -> None:
+        self.proc = psutil.Process(pid)
+        self.period_s = period_s
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def rss(self) -> int:
+        return self.proc.memory_info().rss
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, self.rss())
+            except psutil.Error:
+                return
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> "RssSampler":
+        self.peak = self.rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, streamer=streamer)
             stats = model.last_stats
             want, local_ttft, local_tps = _local_run(local, inputs, args.max_new_tokens)
-            routes.add(" -> ".join(f"{r.split('[')[0][-8:]}[{r.split('[')[1]}" for r in stats.route))
+            routes.add(" -> ".join(f"{s.server_id[-8:]}[{s.start}:{s.end})" for s in stats.route))
             table.add_row(prompt, f"{stats.ttft_s:.3f}", f"{local_ttft:.3f}", f"{stats.tokens_per_s:.1f}",
                           f"{local_tps:.1f}", "yes" if torch.equal(out, want) else "[red]NO[/red]")
         console.print(table)

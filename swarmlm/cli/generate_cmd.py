@@ -5,11 +5,13 @@ generated. A model with a chat template gets the prompt as one user message (`--
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 from swarmlm.cli.args import (add_adapter, add_client_precision, add_model, add_prefill_chunks, add_push,
                               add_speculative, add_swarm_key, model_ref)
+from swarmlm.types import describe_spans
 
 # --help lists these first ("common options"), the rest under "advanced options"
 COMMON = ("--model", "--initial-peers", "--servers", "--adapter", "--prompt", "--input-ids", "--raw",
@@ -144,10 +146,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "token_ids": new, "text": tokenizer.decode(new, skip_special_tokens=True), "ttft_s": stats.ttft_s,
-            "tokens_per_s": stats.tokens_per_s, "total_s": stats.total_s, "route": stats.route,
+            "tokens_per_s": stats.tokens_per_s, "total_s": stats.total_s,
+            "route": [dataclasses.asdict(s) for s in stats.route],
             "prompt_tokens": stats.prompt_tokens, "speculation": stats.speculation,
         }))
     else:
-        print(f"[route {' -> '.join(stats.route)} | ttft {stats.ttft_s:.3f} s | {stats.tokens_per_s:.1f} tokens/s]",
+        print(f"[route {describe_spans(stats.route)} | ttft {stats.ttft_s:.3f} s | {stats.tokens_per_s:.1f} tokens/s]",
               file=sys.stderr)
     return 0

@@ -59,28 +59,28 @@ class OpenSpan:
     history: list[Chunk] = field(default_factory=list)  # inputs sent and answered, in order (for a replay)
     # tokens the server held from a cached prefix before the history (never sent: a replay recomputes their
     # inputs), and the prefix's row behind each row the server holds (cache ops may copy it)
-    prefix: int = 0
+    prefix_tokens: int = 0
     prefix_rows: tuple[int, ...] = (0,)
 
     @property
     def position(self) -> int:
-        return self.prefix + sum(h.shape[1] for h, _ in self.history)
+        return self.prefix_tokens + sum(h.shape[1] for h, _ in self.history)
 
     @property
     def rows(self) -> int:
         """Sequences its server holds (0 while it holds no token)."""
         if self.history:
             return int(self.history[0][0].shape[0])
-        return len(self.prefix_rows) if self.prefix else 0
+        return len(self.prefix_rows) if self.prefix_tokens else 0
 
     def edit(self, op: CacheOp) -> None:
         """The history follows a cache op as the server's cache does, so a replay rebuilds the edited cache."""
         keep = op.kept(self.position)
-        if self.prefix:
+        if self.prefix_tokens:
             if op.rows is not None:
                 self.prefix_rows = tuple(self.prefix_rows[r] for r in op.rows)
-            self.prefix = min(self.prefix, keep)
-            truncate = keep - self.prefix if op.truncate_to is not None else None
+            self.prefix_tokens = min(self.prefix_tokens, keep)
+            truncate = keep - self.prefix_tokens if op.truncate_to is not None else None
             op = CacheOp(truncate, op.rows) if truncate is not None or op.rows is not None else None
             if op is None:
                 return

@@ -16,7 +16,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from swarmlm.errors import InvalidRequest
-from swarmlm.types import CacheOp
+from swarmlm.types import CacheOp, Span
 
 
 @dataclass
@@ -32,7 +32,7 @@ class GenerationStats:
     embed_s: float = 0.0
     head_s: float = 0.0  # final norm + LM head
     sample_s: float = 0.0  # between forwards: transformers' logits processors, sampling, stopping criteria
-    route: list[str] = field(default_factory=list)
+    route: tuple[Span, ...] = ()  # the servers and blocks of the session at its end
     steps: list = field(default_factory=list)  # the session's StepRecords: per-hop server and wire timings
     speculation: dict | None = None  # speculative generation's passes, drafts, acceptance (SpeculationStats)
 
@@ -158,7 +158,7 @@ class RemoteCache(Cache):
         """Close a session we opened; the stats of the whole call."""
         try:
             if self.session is not None:
-                self.stats.route = [f"{s.server_id}[{s.start}:{s.end})" for s in self.session.route_spans()]
+                self.stats.route = tuple(self.session.route_spans())
                 self.stats.steps = list(self.session.steps)
         finally:
             if self.owned and self.session is not None:

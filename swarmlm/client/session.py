@@ -73,8 +73,10 @@ class InferenceSession:
         self._profiles: dict[str, tuple[ServerRecord, ComputeProfile]] = {}  # server id -> (record, its profile)
         self.open_s = 0.0  # routing + opening streams
         self.closed = False
-        self.prefix = prefix if batch == 1 else None  # (entries are one sequence)
-        self.tokens: list[int] | None = [] if self.prefix is not None else None  # token ids the servers hold
+        # entries are one sequence: a session of more rows opens from one (its first step's one row, copied to the
+        # others by a later step's cache op) and keeps none (`tokens` stops following at the copy)
+        self.prefix_context = prefix
+        self.held_ids: list[int] | None = [] if self.prefix_context is not None else None  # the ids servers hold
         self.prompt: list[int] = []  # the prompt named at open (its cached prefix is not sent again)
         self._align: CacheOp | None = None  # cuts every span to the prefix all of them hold, with the first step
 
@@ -84,19 +86,20 @@ class InferenceSession:
         `prompt_ids` (the first step's tokens, one sequence), the session may start from a prefix of them the
         servers cached (`position` > 0 then): the first step's ids start with the prompt, and its output covers
         the positions after that prefix only."""
-        if self.prefix is not None and prompt_ids is not None:
+        if self.prefix_context is not None and prompt_ids is not None:
             self.prompt = [int(t) for t in prompt_ids]
         t0 = time.perf_counter()
         attempts = 0
         while True:
-            held = prefix_keys.announced_held(self.prefix.scope, self.prefix.model_id, self.prefix.client_format,
+            context = self.prefix_context
+            held = prefix_keys.announced_held(context.scope, context.model_id, context.client_format,
                                               self.prompt) if self.prompt else None  # routes holding it cost less
             route = self.remote.route(0, self.remote.num_blocks, self.l_in_hint, self.l_out_hint, self.batch,
                                       self.max_length, refresh=attempts > 0, prefix_held=held)
             try:
                 self.spans = self.remote.loop.run(self._open_spans(route.spans, self.prompt))
-                if self.tokens is not None:
-                    self.tokens = self.prompt[:self.position]  # what the servers hold from their caches
+                if self.held_ids is not None:
+                    self.held_ids = self.prompt[:self.position]  # what the servers hold from their caches
                 break
             except ServerFailed as exc:
                 attempts += 1
@@ -119,23 +122,24 @@ class InferenceSession:
                 keys = prefix_keys.keys_for(salt, prompt, leave=1) if prompt else []
                 # an open computes nothing: a server that does not answer it within the hang floor is hung
                 stream = SpanStream(self.remote.channels, span, min(cfg.step_timeout_s, cfg.hang_floor_s))
-                held = await stream.open(self.batch, self.max_length, self.prefix.scope if keys else b"", keys)
+                scope = self.prefix_context.scope if keys else b""
+                held = await stream.open(self.batch, self.max_length, scope, keys)
                 admission = self.remote.router.admit([span], self.l_in_hint, self.l_out_hint)
-                opened.append(OpenSpan(span, stream, admission, prefix=held))
+                opened.append(OpenSpan(span, stream, admission, prefix_tokens=held))
         except BaseException:
             await self._close_spans(opened)
             raise
-        common = min((s.prefix for s in opened), default=0)
-        if any(s.prefix != common for s in opened):
+        common = min((s.prefix_tokens for s in opened), default=0)
+        if any(s.prefix_tokens != common for s in opened):
             self._align = CacheOp(truncate_to=common)  # sent with the first step
         for s in opened:
-            s.prefix = common
+            s.prefix_tokens = common
         return opened
 
     def _salts(self, spans: Sequence[Span]) -> list[bytes]:
         view, channels = self.remote.view, self.remote.channels
         return prefix_keys.span_salts(
-            self.prefix.model_id, self.prefix.client_format, spans,
+            self.prefix_context.model_id, self.prefix_context.client_format, spans,
             lambda s: view.records[s.server_id].quant if s.server_id in view.records else "?",
             lambda s: channels.wire_dtype_for(s.address, prefix_keys.PREFILL_BYTES))
 
@@ -151,10 +155,10 @@ class InferenceSession:
             self.remote.loop.run(self._save_and_close())
 
     async def _save_and_close(self) -> None:
-        if self.tokens and len(self.tokens) >= prefix_keys.RUN_TOKENS and self.spans:
+        if self.held_ids and len(self.held_ids) >= prefix_keys.RUN_TOKENS and self.spans:
             for s, salt in zip(self.spans, self._salts(self.route_spans())):
                 try:
-                    await s.stream.save(prefix_keys.keys_for(salt, self.tokens))
+                    await s.stream.save(prefix_keys.keys_for(salt, self.held_ids))
                 except ServerFailed as exc:  # a broken stream keeps nothing: not this session's failure
                     log.info("prefix not kept: %s", exc)
         await self._close_spans(self.spans)
@@ -204,15 +208,15 @@ class InferenceSession:
 
     def _track(self, token_ids: torch.Tensor | None, mask: torch.Tensor, op: CacheOp | None) -> None:
         """Follow the token ids the servers hold (to name them at close); one unpadded sequence only."""
-        if self.tokens is None:
+        if self.held_ids is None:
             return
         if token_ids is None or token_ids.shape[0] != 1 or not bool(mask.all()) or \
                 (op is not None and op.rows not in (None, (0,))):
-            self.tokens = None
+            self.held_ids = None
             return
         if op is not None:
-            self.tokens = self.tokens[:op.kept(len(self.tokens))]
-        self.tokens.extend(int(t) for t in token_ids[0])
+            self.held_ids = self.held_ids[:op.kept(len(self.held_ids))]
+        self.held_ids.extend(int(t) for t in token_ids[0])
 
     def chunk_tokens(self, hidden: torch.Tensor) -> int:
         """Tokens per message for this step (see chunking.py): fixed, off (0), or the largest of the hops' sizes."""
@@ -328,23 +332,23 @@ class InferenceSession:
     async def _history_of(self, broken: OpenSpan) -> list[Chunk]:
         """A span's inputs to replay: its history, after the inputs of the cached prefix it started from (never
         sent: the embeddings of those tokens, run through fresh sessions over the blocks before the span)."""
-        if not broken.prefix:
+        if not broken.prefix_tokens:
             return broken.history
-        ids = torch.tensor([self.prompt[:broken.prefix]])
-        hidden = self.prefix.embed(ids)
+        ids = torch.tensor([self.prompt[:broken.prefix_tokens]])
+        hidden = self.prefix_context.embed(ids)
         if broken.span.start > 0:
             loop = self.remote.loop.loop
             route = await loop.run_in_executor(None, lambda: self.remote.route(
-                0, broken.span.start, broken.prefix, 1, 1, self.max_length, refresh=True))
+                0, broken.span.start, broken.prefix_tokens, 1, 1, self.max_length, refresh=True))
             upstream = await self._open_spans(route.spans)
             try:
                 for s in upstream:
-                    bound = self._hang_timeout_s(s.span, 1, broken.prefix, cached=False)
+                    bound = self._hang_timeout_s(s.span, 1, broken.prefix_tokens, cached=False)
                     hidden, _ = await s.stream.step(hidden, None, bound)
             finally:
                 await self._close_spans(upstream)
         rows = torch.tensor(broken.prefix_rows)
-        return [(hidden[rows], torch.ones(len(rows), broken.prefix, dtype=torch.long)), *broken.history]
+        return [(hidden[rows], torch.ones(len(rows), broken.prefix_tokens, dtype=torch.long)), *broken.history]
 
     async def _replay(self, history: list[Chunk], spans: list[OpenSpan]) -> None:
         """Send the broken span's past inputs through its replacement chain so their caches match."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarmlm.perf.checks import check_nonneg
+from swarmlm.perf.nonnegative import check_nonneg
 
 CONTENTION_ROWS = (4, 16)  # decode rows (concurrent sessions) at which a profile measures a batched forward
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from swarmlm.perf.checks import check_nonneg
+from swarmlm.perf.nonnegative import check_nonneg
 
 
 class Network:

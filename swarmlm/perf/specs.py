@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarmlm.perf.checks import check_nonneg
+from swarmlm.perf.nonnegative import check_nonneg
 from swarmlm.perf.compute import ComputeProfile
 
 

@@ -1,6 +1,7 @@
 """What a peer sends, checked before anything runs: a step's block range, shape and costs from its tensors' headers
-alone (nothing decoded yet), its cache op, then its tensors (finite hidden states, a 0/1 mask). Every limit is a
-ServerConfig setting (docs/FAILURES.md, "Bounded resources")."""
+alone (nothing decoded yet), its cache op, then its tensors (finite hidden states, a 0/1 mask). Every resource
+limit is a ServerConfig setting (docs/FAILURES.md, "Bounded resources"); the wire's own bounds (push targets, prefix
+keys, frame headers) are constants of the modules that check them."""
 from __future__ import annotations
 
 import math

@@ -39,8 +39,6 @@ from swarmlm.wire.frames import FrameError
 from swarmlm.wire.links import Links, TransmissionPolicy
 
 MAX_PUSH_TARGETS = 64  # the rest of a route: more servers than any route has
-MAX_AHEAD = 8  # steps a session holds while waiting for an earlier id
-MAX_CHANNELS = 64  # open channels to push targets (least recently used closed first)
 _ADDRESS = re.compile(r"^[A-Za-z0-9.\-]{1,253}:[0-9]{1,5}$|^\[[0-9A-Fa-f:.]{2,45}\]:[0-9]{1,5}$")
 _P2P_ADDRESS = re.compile(r"^p2p/[1-9A-HJ-NP-Za-km-z]{40,60}$")  # a server behind NAT (swarm/records.py)
 _SESSION_ID = re.compile(r"^[0-9a-f]{1,64}$")
@@ -125,7 +123,8 @@ class TargetCheck:
 class StepOrder:
     """One session's steps, from its client and from pushes: each nonzero id once, in increasing order."""
 
-    def __init__(self, last_id: int = 0) -> None:
+    def __init__(self, max_ahead: int, last_id: int = 0) -> None:
+        self.max_ahead = max_ahead  # ServerConfig.max_steps_ahead
         self.last_id = last_id
         self._ahead: dict[int, pb.InferenceRequest] = {}
 
@@ -141,8 +140,9 @@ class StepOrder:
         if step_id <= self.last_id or step_id in self._ahead:
             return []  # the other copy of a step already taken
         if step_id > self.last_id + 1:
-            if len(self._ahead) >= MAX_AHEAD:
-                raise InvalidRequest(f"step {step_id} is more than {MAX_AHEAD} steps ahead of step {self.last_id}")
+            if len(self._ahead) >= self.max_ahead:
+                raise InvalidRequest(
+                    f"step {step_id} is more than {self.max_ahead} steps ahead of step {self.last_id}")
             self._ahead[step_id] = request
             return []
         ready = [request]
@@ -157,8 +157,9 @@ class Pusher:
     """Outgoing pushes: one channel per target address, writes ordered decode-first per link (as the client's)."""
 
     def __init__(self, max_message_bytes: int, timeout_s: float, interceptors: Sequence = (),
-                 frames: bool = False, swarm_key: bytes | None = None) -> None:
+                 frames: bool = False, swarm_key: bytes | None = None, *, max_channels: int) -> None:
         self.max_message_bytes = max_message_bytes
+        self.max_channels = max_channels  # ServerConfig.max_push_channels
         self.interceptors = interceptors  # a private swarm's token on every push (swarm/private.py)
         self.timeout_s = timeout_s  # ServerConfig.push_timeout_s
         self.links = Links(TransmissionPolicy(prefill_window=None))
@@ -172,7 +173,7 @@ class Pusher:
         if address in self._channels:
             self._channels.move_to_end(address)
             return self._channels[address][1]
-        if len(self._channels) >= MAX_CHANNELS:
+        if len(self._channels) >= self.max_channels:
             _, (old, _) = self._channels.popitem(last=False)
             asyncio.ensure_future(old.close())
         channel = aio_channel(address, self.max_message_bytes, self.interceptors)

@@ -8,8 +8,6 @@ are returned, not raised, so no traceback keeps a refused request's buffers aliv
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -20,7 +18,7 @@ import torch
 
 from swarmlm import __version__
 from swarmlm.config import ServerConfig
-from swarmlm.errors import CapacityExceeded, InvalidRequest, UnknownSession
+from swarmlm.errors import CapacityExceeded, InvalidRequest, NotPermitted, UnknownSession
 from swarmlm.model.fingerprint import range_fingerprint
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.server import prefix_cache
@@ -31,6 +29,7 @@ from swarmlm.server.scheduler import JobTiming, Scheduler
 from swarmlm.server.sessions import PeerBytes, Session, SessionTable
 from swarmlm.server.stage import SpanState, Stage
 from swarmlm.server.train_service import TrainingRpcs
+from swarmlm.server.unary import UNPARSABLE, Admission, UnaryGate, message_of, status_of
 from swarmlm.swarm.identity import Identity, sign_info, signed_address
 from swarmlm.swarm.private import client_interceptors
 from swarmlm.types import CacheOp
@@ -39,13 +38,9 @@ from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-INBOX_SIZE = 8  # steps of one session waiting to run; a full inbox holds the client's stream and pushers back
-PUSH_WAIT_S = 30.0  # how long a push may wait for room in a session's inbox
-TRIM_BYTES = 16 << 20  # after refusing a request this large, hand freed memory back to the OS (at most 1/s)
 _END = object()  # the client half-closed its stream
 _BROKEN = object()  # the client's stream broke
 _EXPIRED = object()  # the expiry loop closed the session
-UNPARSABLE = object()  # what a message that does not parse becomes (see add_to_server)
 
 
 @dataclass
@@ -66,27 +61,6 @@ def measured_speeds(profile: ComputeProfile) -> dict[str, float]:
     return {"decode_s_per_block": profile.decode_s, "prefill_a_s": profile.prefill_a_s,
             "prefill_b_s": profile.prefill_b_s, "decode_4rows_s_per_block": profile.decode_4rows_s,
             "decode_16rows_s_per_block": profile.decode_16rows_s}
-
-
-class _Trimmer:
-    """Return freed heap to the OS after a large refusal: glibc keeps freed blocks of the arena a thread used, and
-    the refused messages of a loop were measured to stack up there (docs/FAILURES.md)."""
-
-    def __init__(self) -> None:
-        try:
-            self._libc = ctypes.CDLL("libc.so.6")
-        except OSError:  # not glibc: nothing to trim
-            self._libc = None
-        self._last = 0.0
-
-    def __call__(self) -> None:
-        now = time.monotonic()
-        if now - self._last < 1.0:
-            return
-        self._last = now
-        gc.collect()
-        if self._libc is not None:
-            self._libc.malloc_trim(0)
 
 
 def add_to_server(service: "SwarmService", server) -> None:
@@ -129,7 +103,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         self.attached: set[str] = set()  # sessions held by a live stream
         self.inboxes: dict[str, asyncio.Queue] = {}  # per attached session: its steps, from the stream and pushes
         self.pusher = Pusher(config.max_message_bytes, config.push_timeout_s, client_interceptors(config.swarm_key),
-                             config.push_frames, config.swarm_key)
+                             config.push_frames, config.swarm_key, max_channels=config.max_push_channels)
         self.identity: Identity | None = None  # set by server.py, with the address it announces
         self.address = ""
         self.relay: Callable[[], str] = lambda: ""  # the relay it is reached through now (server.py; "" = direct)
@@ -139,9 +113,9 @@ class SwarmService(pb_grpc.SwarmServicer):
         self._pushes: dict[str, asyncio.Task] = {}  # per session: its latest push (pushes of a session go in order)
         self.accepting = True  # False while draining for shutdown: new sessions go elsewhere
         self.num_model_blocks = int(stage.config.num_hidden_layers)
-        self._trim = _Trimmer()
+        self.gate = UnaryGate(self.load, config.trim_refused_bytes)  # every unary RPC's admission (server/unary.py)
         # Forward with prompts / LoRA, and Backward (server/train_service.py)
-        self.training = TrainingRpcs(self)
+        self.training = TrainingRpcs(config, scheduler, lambda: self.stage, self.gate.trim)
 
     @property
     def stage(self) -> Stage:
@@ -216,8 +190,8 @@ class SwarmService(pb_grpc.SwarmServicer):
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), JobTiming(queued, compute, batch)
 
     def _refused_large(self, nbytes: int) -> None:
-        if nbytes >= TRIM_BYTES:
-            self._trim()
+        if nbytes >= self.config.trim_refused_bytes:
+            self.gate.trim()
 
     # ---- RPCs -------------------------------------------------------------------------------------------
     async def Inference(self, request_iterator, context: grpc.aio.ServicerContext):
@@ -237,14 +211,14 @@ class SwarmService(pb_grpc.SwarmServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the message does not parse")
             session = await self._attach(first, peer, context)
             sid = session.session_id
-            inbox: asyncio.Queue = asyncio.Queue(maxsize=INBOX_SIZE)
+            inbox: asyncio.Queue = asyncio.Queue(maxsize=self.config.inbox_steps)
             self.inboxes[sid] = inbox
             if first.WhichOneof("kind") == "step":
-                order = StepOrder(last_id=max(first.step.step_id - 1, 0))
+                order = StepOrder(self.config.max_steps_ahead, last_id=max(first.step.step_id - 1, 0))
                 await self._charge(charges, first, peer, payload_bytes(first.step))
                 inbox.put_nowait(first)
             else:
-                order = StepOrder()
+                order = StepOrder(self.config.max_steps_ahead)
                 yield pb.InferenceReply(session_id=sid, position=session.state.position,
                                         session_secret=session.secret,  # only ever on the opener's stream
                                         prefix_tokens=session.state.position)
@@ -334,37 +308,28 @@ class SwarmService(pb_grpc.SwarmServicer):
         await inbox.put(_END)
 
     async def Push(self, request: pb.PushRequest, context) -> pb.PushReply:
+        return await self.gate.serve(request, context, pb.PushReply(), "push", self._push)
+
+    async def _push(self, request: pb.PushRequest, admission: Admission) -> pb.PushReply:
         """A step pushed by the previous server of a route; accepted only into a session a client's stream holds
         (its reply has to go somewhere), and only with that session's secret. Validated like any step when its turn
         comes."""
-        if request is UNPARSABLE:
-            return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse", pb.PushReply())
         session = self.sessions.sessions.get(request.session_id)
         inbox = self.inboxes.get(request.session_id)
         if session is None or inbox is None:
-            return self._fail(context, grpc.StatusCode.NOT_FOUND,
-                              f"no stream holds session {request.session_id[:80]!r} here", pb.PushReply())
+            raise UnknownSession(f"no stream holds session {request.session_id[:80]!r} here")
         if not session.owned_by(request.secret):
-            return self._fail(context, grpc.StatusCode.PERMISSION_DENIED,
-                              "a push must carry the session's secret", pb.PushReply())
+            raise NotPermitted("a push must carry the session's secret")
         if request.step.step_id == 0:
-            return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "a pushed step needs a nonzero step id",
-                              pb.PushReply())
-        peer, nbytes = peer_host(context), payload_bytes(request.step)
-        if not self.load.try_add(peer, nbytes):
-            return self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"peer {peer} has {self.config.max_peer_bytes_in_flight} bytes in flight here",
-                              pb.PushReply())
+            raise InvalidRequest("a pushed step needs a nonzero step id")
+        # counted while it waits for room; once queued, the inbox bound (ServerConfig.inbox_steps) holds it
+        admission.charge(payload_bytes(request.step))
         step = pb.InferenceRequest(session_id=request.session_id, step=request.step)
         try:  # a full inbox holds the pusher back, as a full stream holds the client back
-            async with asyncio.timeout(PUSH_WAIT_S):
+            async with asyncio.timeout(self.config.push_room_wait_s):
                 await inbox.put(step)
         except asyncio.TimeoutError:
-            self.load.release(peer, nbytes)
-            return self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "the session has too many steps waiting",
-                              pb.PushReply())
-        # counted while it waits for room; once queued, the inbox bound (INBOX_SIZE steps) holds it
-        self.load.release(peer, nbytes)
+            raise CapacityExceeded("the session has too many steps waiting") from None
         return pb.PushReply()
 
     async def _next(self, request_iterator) -> pb.InferenceRequest | None:
@@ -385,17 +350,15 @@ class SwarmService(pb_grpc.SwarmServicer):
             elif kind == "step" and first.session_id:
                 session = self.sessions.get(first.session_id)
                 if not session.owned_by(first.secret):
-                    code, message = grpc.StatusCode.PERMISSION_DENIED, "resuming a session needs its secret"
-                elif session.session_id in self.attached:
+                    raise NotPermitted("resuming a session needs its secret")
+                if session.session_id in self.attached:
                     raise InvalidRequest(f"session {first.session_id} is held by another stream")
             else:
                 raise InvalidRequest("the first message of a stream must open a session or name an open one")
-        except InvalidRequest as exc:
-            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-        except CapacityExceeded as exc:
-            code, message = grpc.StatusCode.UNAVAILABLE if not self.accepting else grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-        except UnknownSession as exc:
-            code, message = grpc.StatusCode.NOT_FOUND, str(exc.args[0])
+        except (InvalidRequest, CapacityExceeded, UnknownSession, NotPermitted) as exc:
+            code, message = status_of(exc), message_of(exc)
+            if isinstance(exc, CapacityExceeded) and not self.accepting:  # draining: this server, not its load
+                code = grpc.StatusCode.UNAVAILABLE
         if code is not None:
             await context.abort(code, message)
         session.detached_s = None
@@ -491,72 +454,36 @@ class SwarmService(pb_grpc.SwarmServicer):
             error=pb.Error(code="INVALID_ARGUMENT", message=str(exc)),
         )
 
-    @staticmethod
-    def _fail(context, code: grpc.StatusCode, message: str, reply):
-        """A unary call's refusal, returned rather than raised (an exception's traceback would keep the request's
-        frame, and its buffers, alive until the garbage collector runs)."""
-        context.set_code(code)
-        context.set_details(message)
-        return reply
-
     async def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardReply:
-        """Stateless: whole sequences through a sub-range, computed in slices through a temporary cache."""
-        if request is UNPARSABLE:
-            return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse", pb.ForwardReply())
-        if codec.is_set(request.prompts) or request.lora:  # training extras: block by block (server/training.py)
-            return await self.training.forward(request, context)
-        started = time.perf_counter()
-        peer, error, nbytes = peer_host(context), None, 0
-        try:
-            blocks = self.checks.range(request.start_block, request.end_block)
-            b, t = self.checks.shape(request.hidden, None, 0, self.config.max_length_tokens)
-            nbytes = b * t * self.stage.hidden_size
-        except InvalidRequest as exc:
-            error = str(exc)
-        if error is not None:
-            self._refused_large(TRIM_BYTES if codec.is_set(request.hidden) else 0)  # (its size: unknown, costly)
-            return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, error, pb.ForwardReply())
-        if not self.load.try_add(peer, nbytes):
-            self._refused_large(nbytes)
-            return self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"peer {peer} has {self.config.max_peer_bytes_in_flight} bytes in flight here",
-                              pb.ForwardReply())
-        try:
-            try:
-                hidden, mask = decode_step(request.hidden, request.attention_mask, b, t, self.stage.hidden_size)
-            except InvalidRequest as exc:
-                error = str(exc)
-            if error is not None:
-                self._refused_large(nbytes)
-                return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, error, pb.ForwardReply())
-            decoded = time.perf_counter()
-            try:
-                out, timing = await self._compute(self.stage.new_state(blocks, b, t), hidden, mask)
-            except Exception as exc:  # unexpected (a bug or an OOM)
-                log.exception("forward failed")
-                error = f"forward failed: {exc}"
-            if error is not None:
-                return self._fail(context, grpc.StatusCode.INTERNAL, error, pb.ForwardReply())
-            encode_start = time.perf_counter()
-            reply = compress.encode_like(out, request.hidden.dtype)  # in the request's wire format
-            return pb.ForwardReply(
-                hidden=reply,
-                timing=pb.Timing(queued_s=timing.queued_s, compute_s=timing.compute_s, decode_s=decoded - started,
-                                 encode_s=time.perf_counter() - encode_start, batch_size=timing.batched_steps),
-            )
-        finally:
-            self.load.release(peer, nbytes)
+        return await self.gate.serve(request, context, pb.ForwardReply(), "forward", self._forward)
 
     async def Backward(self, request: pb.BackwardRequest, context) -> pb.BackwardReply:
         """Stateless: a span's input gradient (and its prompts' and LoRA's) from its output gradient."""
-        if request is UNPARSABLE:
-            return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse",
-                              pb.BackwardReply())
-        return await self.training.backward(request, context)
+        return await self.gate.serve(request, context, pb.BackwardReply(), "backward", self.training.backward)
 
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoReply:
-        if request is UNPARSABLE:
-            return self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse", pb.InfoReply())
+        return await self.gate.serve(request, context, pb.InfoReply(), "info", self._info)
+
+    async def _forward(self, request: pb.ForwardRequest, admission: Admission) -> pb.ForwardReply:
+        """Stateless: whole sequences through a sub-range, computed in slices through a temporary cache."""
+        if codec.is_set(request.prompts) or request.lora:  # training extras: block by block (server/training.py)
+            return await self.training.forward(request, admission)
+        started = time.perf_counter()
+        blocks = self.checks.range(request.start_block, request.end_block)
+        b, t = self.checks.shape(request.hidden, None, 0, self.config.max_length_tokens)
+        admission.charge(b * t * self.stage.hidden_size)
+        hidden, mask = decode_step(request.hidden, request.attention_mask, b, t, self.stage.hidden_size)
+        decoded = time.perf_counter()
+        out, timing = await self._compute(self.stage.new_state(blocks, b, t), hidden, mask)
+        encode_start = time.perf_counter()
+        reply = compress.encode_like(out, request.hidden.dtype)  # in the request's wire format
+        return pb.ForwardReply(
+            hidden=reply,
+            timing=pb.Timing(queued_s=timing.queued_s, compute_s=timing.compute_s, decode_s=decoded - started,
+                             encode_s=time.perf_counter() - encode_start, batch_size=timing.batched_steps),
+        )
+
+    async def _info(self, request: pb.InfoRequest, admission: Admission) -> pb.InfoReply:
         reply = self.info()
         if self.identity is not None:  # the connect check: sign the client's nonce with our key (swarm/identity.py)
             sign_info(self.identity, reply, request.nonce, signed_address(self.address, self.relay()))

@@ -8,28 +8,25 @@ work, so other sessions' decode steps keep their priority between the blocks of 
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import Callable
 
-import grpc
 import torch
 
+from swarmlm.config import ServerConfig
 from swarmlm.errors import CapacityExceeded, InvalidRequest
 from swarmlm.server import training
-from swarmlm.server.checks import decode_step, peer_host
-from swarmlm.server.scheduler import Batchable, JobTiming
+from swarmlm.server.checks import StepChecks, decode_step
 from swarmlm.server.lora import LoraDelta
+from swarmlm.server.scheduler import Batchable, JobTiming, Scheduler
+from swarmlm.server.stage import Stage
 from swarmlm.server.training import TrainRequest
+from swarmlm.server.unary import Admission
 from swarmlm.types import StepKind
 from swarmlm.wire import codec, compress
 from swarmlm.wire import swarm_pb2 as pb
 
-if TYPE_CHECKING:
-    from swarmlm.server.service import SwarmService
-
-log = logging.getLogger(__name__)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -85,22 +82,28 @@ class TrainBudget:
 
 
 class TrainingRpcs:
-    """Forward-with-extras and Backward for one SwarmService (its config, stage, scheduler and per-host limits)."""
+    """Forward-with-extras and Backward on the blocks `stage_of()` returns (the server replaces its stage when it
+    moves to other blocks), computed through `scheduler`; `trim` hands freed heap back to the OS."""
 
-    def __init__(self, service: "SwarmService") -> None:
-        self.service = service
-        self.config = service.config
+    def __init__(self, config: ServerConfig, scheduler: Scheduler, stage_of: Callable[[], Stage],
+                 trim: Callable[[], None]) -> None:
+        self.config, self.scheduler, self._stage_of, self.trim = config, scheduler, stage_of, trim
         self.budget = TrainBudget(self.config.max_train_total_bytes, self.config.train_admission_wait_s)
 
     @property
-    def stage(self):
-        return self.service.stage  # (the server replaces it when it moves to other blocks)
+    def stage(self) -> Stage:
+        return self._stage_of()
+
+    @property
+    def checks(self) -> StepChecks:
+        stage = self.stage
+        return StepChecks(self.config, stage.blocks, stage.hidden_size)
 
     # ---- validation --------------------------------------------------------------------------------------
     def estimate(self, request) -> int:
         """The request's estimated peak memory here (headers only), or CapacityExceeded over the per-request bound."""
-        blocks = self.service.checks.range(request.start_block, request.end_block)
-        b, t = self.service.checks.shape(request.hidden, None, 0, self.config.max_length_tokens)
+        blocks = self.checks.range(request.start_block, request.end_block)
+        b, t = self.checks.shape(request.hidden, None, 0, self.config.max_length_tokens)
         need = training.backward_bytes(self.stage, blocks.length, b, t)
         if need > self.config.max_train_request_bytes:
             raise CapacityExceeded(
@@ -111,9 +114,9 @@ class TrainingRpcs:
     def parse(self, request, with_grad: bool) -> tuple[TrainRequest, torch.Tensor | None]:
         """A TrainRequest (and the output gradient) from a Forward or Backward request, or InvalidRequest
         naming what is wrong (`estimate` checked its size first). Headers first, then the data."""
-        svc, h = self.service, self.stage.hidden_size
-        blocks = svc.checks.range(request.start_block, request.end_block)
-        b, t = svc.checks.shape(request.hidden, None, 0, self.config.max_length_tokens)
+        checks, h = self.checks, self.stage.hidden_size
+        blocks = checks.range(request.start_block, request.end_block)
+        b, t = checks.shape(request.hidden, None, 0, self.config.max_length_tokens)
         if with_grad:
             _float_header(request.grad_output, "grad_output", (b, t, h))
         k = 0
@@ -159,7 +162,7 @@ class TrainingRpcs:
     # ---- compute -----------------------------------------------------------------------------------------
     async def _job(self, fn, tokens: int) -> tuple[object, JobTiming]:
         """One block's work on the compute thread, as prefill: decodes of other sessions go first."""
-        return await self.service.scheduler.submit_batchable(
+        return await self.scheduler.submit_batchable(
             Batchable(_call_each, object(), fn, member=object()), StepKind.PREFILL, tokens)
 
     async def run_forward(self, req: TrainRequest) -> tuple[list[torch.Tensor], float, float]:
@@ -203,15 +206,14 @@ class TrainingRpcs:
         prompts = torch.stack(prompt_grads) if req.prompts is not None else None
         return grad, prompts, lora_grads, queued, compute
 
-    # ---- RPCs --------------------------------------------------------------------------------------------
-    async def forward(self, request: pb.ForwardRequest, context) -> pb.ForwardReply:
+    # ---- RPCs (through the service's UnaryGate: refusals and the peer's bytes handled there) ----------------
+    async def forward(self, request: pb.ForwardRequest, admission: Admission) -> pb.ForwardReply:
         def encode(inputs: list[torch.Tensor]) -> pb.ForwardReply:
             return pb.ForwardReply(hidden=compress.encode_like(inputs[-1], request.hidden.dtype))
 
-        return await self._serve(request, context, pb.ForwardReply(), "forward",
-                                 lambda req, _: self.run_forward(req), encode)
+        return await self._serve(request, admission, False, lambda req, _: self.run_forward(req), encode)
 
-    async def backward(self, request: pb.BackwardRequest, context) -> pb.BackwardReply:
+    async def backward(self, request: pb.BackwardRequest, admission: Admission) -> pb.BackwardReply:
         def encode(grad_in: torch.Tensor, grad_prompts: torch.Tensor | None, lora_grads: dict) -> pb.BackwardReply:
             reply = pb.BackwardReply(grad_hidden=compress.encode_like(grad_in, request.grad_output.dtype))
             if grad_prompts is not None:
@@ -222,18 +224,20 @@ class TrainingRpcs:
                     b=codec.encode(lora_grads[(w.block, w.module, "b")].float())))
             return reply
 
-        return await self._serve(request, context, pb.BackwardReply(), "backward", self.run_backward, encode)
+        return await self._serve(request, admission, True, self.run_backward, encode)
 
-    async def _serve(self, request, context, empty, what: str, run, encode):
-        """One training RPC: admitted (validated, charged to the host's bytes in flight; else the refusal), `run(req,
-        grad)` -> (*results, queued_s, compute_s), `encode(*results)` -> the reply, its Timing added; the bytes
-        released. An unexpected error (a bug or an OOM) is an INTERNAL refusal."""
+    async def _serve(self, request, admission: Admission, with_grad: bool, run, encode):
+        """One training RPC: its declared bytes charged to the peer, its memory estimate to the training budget
+        (TrainBudget), then decoded (only once admitted), `run(req, grad)` -> (*results, queued_s, compute_s),
+        `encode(*results)` -> the reply, its Timing added; the budget released."""
         started = time.perf_counter()
-        outcome = await self._admitted(request, context, empty, with_grad=isinstance(empty, pb.BackwardReply))
-        if outcome is empty:
-            return outcome
-        req, grad, peer, nbytes, need = outcome
+        admission.charge(_message_bytes(request))
+        need = self.estimate(request)
+        if not await self.budget.acquire(need):
+            raise CapacityExceeded(f"training requests here already hold their {self.budget.total >> 20} MiB "
+                                   f"budget (this one needs ~{need >> 20} MiB): retry later")
         try:
+            req, grad = self.parse(request, with_grad)
             decoded = time.perf_counter()
             *results, queued, compute = await run(req, grad)
             encode_start = time.perf_counter()
@@ -241,41 +245,7 @@ class TrainingRpcs:
             reply.timing.CopyFrom(pb.Timing(queued_s=queued, compute_s=compute, decode_s=decoded - started,
                                             encode_s=time.perf_counter() - encode_start, batch_size=1))
             return reply
-        except Exception as exc:
-            log.exception("training %s failed", what)
-            return self.service._fail(context, grpc.StatusCode.INTERNAL, f"{what} failed: {exc}", empty)
         finally:
-            self.service.load.release(peer, nbytes)
             await self.budget.release(need)
             if self.budget.used == 0:  # the last training request here ended: its freed heap back to the OS
-                self.service._trim()
-
-    async def _admitted(self, request, context, empty, with_grad: bool):
-        """(request, grad, peer, bytes charged, memory estimate) once validated and admitted under the host's bytes
-        in flight and the server's training budget (TrainBudget), or the refusal to return (`empty` with a status
-        set). The data is decoded only once the budget holds its estimate."""
-        svc, peer = self.service, peer_host(context)
-        nbytes = _message_bytes(request)
-        if not svc.load.try_add(peer, nbytes):
-            svc._refused_large(nbytes)
-            return svc._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"peer {peer} has {self.config.max_peer_bytes_in_flight} bytes in flight here", empty)
-        need = 0
-        try:
-            need = self.estimate(request)
-            if not await self.budget.acquire(need):
-                want, need = need, 0
-                raise CapacityExceeded(f"training requests here already hold their {self.budget.total >> 20} MiB "
-                                       f"budget (this one needs ~{want >> 20} MiB): retry later")
-            req, grad = self.parse(request, with_grad)
-        except InvalidRequest as exc:
-            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-        except CapacityExceeded as exc:
-            code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-        else:
-            return req, grad, peer, nbytes, need
-        await self.budget.release(need)
-        svc.load.release(peer, nbytes)
-        svc._refused_large(nbytes)
-        return svc._fail(context, code, message, empty)
-
+                self.trim()

@@ -12,13 +12,14 @@ from __future__ import annotations
 import csv
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from swarmlm.stats import percentile
+from swarmlm.types import Span, describe_spans
 
 STATUS_DONE = "done"
 STATUS_TIMEOUT = "timeout"  # gave up waiting for cache slots after the client's timeout, like the real client
@@ -40,7 +41,7 @@ class RequestOutcome:
     finish_s: float  # simulated time of the last token (or of giving up)
     attempts: int  # admission attempts (1 = admitted at once)
     hops: int  # servers on the route that finally served it (0 if timed out)
-    route: str  # "s1[0:35) -> s2[35:70)"
+    route: tuple[Span, ...]  # the route that finally served it (empty if timed out)
 
     def __post_init__(self) -> None:
         if self.status not in (STATUS_DONE, STATUS_TIMEOUT):
@@ -143,7 +144,8 @@ def write_outputs(out_dir: str | Path, records: Sequence[RequestOutcome], summar
         w = csv.writer(f)
         w.writerow([fl.name for fl in fields(RequestOutcome)])
         for r in records:
-            w.writerow(list(asdict(r).values()))
+            w.writerow([describe_spans(r.route) if f.name == "route" else getattr(r, f.name)
+                        for f in fields(RequestOutcome)])
     with srv_path.open("w", newline="") as f:
         rows = summary.get("servers", [])
         w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["server_id"])

@@ -200,5 +200,5 @@ def make_record(s: SimSession, status: str, end_s: float) -> RequestOutcome:
         finish_s=end_s,
         attempts=s.attempts,
         hops=len(route.spans) if route else 0,
-        route=route.describe() if route else "",
+        route=route.spans if route else (),
     )

@@ -9,9 +9,9 @@ import argparse
 import time
 from dataclasses import dataclass
 
-from swarmlm.bench.netem.probe import BandwidthStats, RttStats, measure_bandwidth, measure_rtt, start_probe_server
+from swarmlm.bench.netem.link_probe import BandwidthStats, RttStats, measure_bandwidth, measure_rtt, start_probe_server
 from swarmlm.bench.netem.profile import CLIENT, PRESETS, LinkProfile
-from swarmlm.bench.netem.relay import DirectionSpec, ListenSpec, RelayProcess, RelayRoute
+from swarmlm.bench.netem.delay_relay import DirectionSpec, ListenSpec, RelayProcess, RelayRoute
 from swarmlm.bench.netem.testbed import Testbed
 
 

@@ -28,9 +28,9 @@ from typing import Literal, Sequence
 
 from swarmlm.bench.netem import netns
 from swarmlm.bench.netem.netns import MAX_HOSTS, HostNamespaces, NetemUnavailable, cleanup_leftovers, leftovers
-from swarmlm.bench.netem.probe import measure_rtt, start_probe_server
+from swarmlm.bench.netem.link_probe import measure_rtt, start_probe_server
 from swarmlm.bench.netem.profile import CLIENT, LinkMatrix, LinkProfile
-from swarmlm.bench.netem.relay import DirectionSpec, ListenSpec, RelayProcess, RelayRoute
+from swarmlm.bench.netem.delay_relay import DirectionSpec, ListenSpec, RelayProcess, RelayRoute
 
 Mode = Literal["auto", "namespaces", "relay-only"]
 log = logging.getLogger("swarmlm.bench.netem")

@@ -4,7 +4,8 @@ generate(speculative=...), the gateway's choices and the gateway's `n` all run h
 keeps RemoteCache for beams and assisted decoding). A decoder owns its session through a RemoteCache (the one
 pending cache operation every step carries), and decides once:
   - the session's length (`session_length`): prompt + new tokens + one pass's drafts, within the context;
-  - the prefix cache: one unpadded prompt starts from a prefix the servers hold (model.forward's rule);
+  - the prefix cache: one unpadded prompt starts from a prefix the servers hold, its n copies too (model.forward's
+    rule; the session opens from it and the prompt's step carries what the prefix leaves);
   - rows: `copies` of each prompt (the prompt's cache copied with the next step), a row that ended leaves with
     the next step (`drop`).
 
@@ -142,7 +143,8 @@ class Decoder:
             raise RuntimeError("start_rows() twice")
         prompts = real_tokens(ids, mask)
         mask = mask if mask is not None and not bool(mask.all()) else None
-        self._open(int(ids.shape[0]) * copies, int(ids.shape[1]), max_new_tokens)
+        one = ids[0] if ids.shape[0] == 1 and mask is None and self.cache.use_prefix else None  # (the prefix rule)
+        self._open(int(ids.shape[0]) * copies, int(ids.shape[1]), max_new_tokens, one)
         logits = self.model(input_ids=ids, attention_mask=mask, cache=self.cache, logits_to_keep=1).logits[:, -1]
         out = {}
         for i, prompt in enumerate(prompts):
@@ -218,9 +220,9 @@ class Decoder:
         return self.cache.finish(sequences)
 
     # ---- its parts ----------------------------------------------------------------------------------------
-    def _open(self, rows: int, width: int, max_new_tokens: int | None) -> None:
-        """The session-length rule, and the session opened for every copy unless one prompt of one row may start
-        from a cached prefix (model.forward opens that one with the prompt)."""
+    def _open(self, rows: int, width: int, max_new_tokens: int | None, prompt: torch.Tensor | None) -> None:
+        """The session-length rule, and the session opened for every copy, from a cached prefix of `prompt` (one
+        unpadded prompt) when the servers hold one; one row: model.forward opens it with the prompt."""
         self.cache.stats.prompt_tokens = width
         if self.cache.session is not None:
             return
@@ -229,7 +231,8 @@ class Decoder:
         self.cache.max_length = session_length(width, max_new_tokens, self.k_max, self.context_tokens)
         if rows > 1:
             self.cache.virtual_tokens = self.model.virtual_tokens  # (a soft prompt's positions: the session's too)
-            self.cache.session_for(rows, width)
+            # a cached prefix was computed without a soft prompt: with one, the session starts empty
+            self.cache.session_for(rows, width, None if self.cache.virtual_tokens else prompt)
 
     def _sampling_of(self, r: int) -> Sampling:
         return _of_row(self.sampling, r)

@@ -1,6 +1,6 @@
 """Measure what a link really does: RTT by small echo round trips, bandwidth by a bulk transfer.
 
-The probe server is a tiny TCP service (`python -m swarmlm.bench.netem.probe --host H --port P`), started
+The probe server is a tiny TCP service (`python -m swarmlm.bench.netem.link_probe --host H --port P`), started
 where a swarm server would run (inside a host's namespace), and measured through `Testbed.expose`.
 Protocol: one mode byte, then
   b"E": echo; the client sends _ECHO_BYTES-byte messages and reads each back.
@@ -164,7 +164,7 @@ def _handle_safely(sock: socket.socket) -> None:
 
 def probe_server_argv(host: str, port: int = 0) -> list[str]:
     """Command line of a probe server (port 0: any free port, printed on its first line of output)."""
-    return [sys.executable, "-c", "from swarmlm.bench.netem.probe import main; main()", "--host", host,
+    return [sys.executable, "-c", "from swarmlm.bench.netem.link_probe import main; main()", "--host", host,
             "--port", str(port)]
 
 

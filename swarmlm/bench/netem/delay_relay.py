@@ -342,7 +342,7 @@ class RelayProcess:
         # Its own session: a Ctrl-C reaches only the parent, which then closes the relay in order.
         # It dies with the thread that starts it (PR_SET_PDEATHSIG): start it from a long-lived thread.
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", "from swarmlm.bench.netem.relay import serve; serve()"],
+            [sys.executable, "-c", "from swarmlm.bench.netem.delay_relay import serve; serve()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
         self._lock = threading.Lock()
 
