@@ -243,3 +243,27 @@ def test_without_a_c_compiler_a_gguf_is_served_dequantized(tiny_gguf, monkeypatc
     stage = Stage(path, BlockRange(0, 2), quant="auto")
     assert not any(isinstance(m, PackedLinear) for m in stage.modules.modules())
     assert stage.announced_quant == "none"
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q4_K"])
+def test_a_large_product_split_between_threads_computes_what_one_thread_does(type_name):
+    """Products of THREADED_MIN_WEIGHTS or more are split by output rows between the kernels' worker threads, which
+    read the activations the calling thread prepared (rounded to int16 blocks where the type rounds them)."""
+    from swarmlm.model.packed import THREADED_MIN_WEIGHTS
+
+    rows, cols = 2 * THREADED_MIN_WEIGHTS // 1024, 1024
+    raw = raw_blocks(type_name, rows, cols)
+    packed = packed_from_numpy(type_name, raw, cols)
+    want = reference_values(type_name, raw, rows, cols)
+    before = torch.get_num_threads()
+    try:
+        for batch in (1, 6):
+            x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch))
+            torch.set_num_threads(1)
+            alone = packed.matmul(x)
+            torch.set_num_threads(2)
+            split = packed.matmul(x)
+            assert torch.equal(split, alone), batch  # each output row is computed whole by one thread
+            assert rel_l2(split, product_reference(type_name, x, want)) < 1e-5, batch
+    finally:
+        torch.set_num_threads(before)
