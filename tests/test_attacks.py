@@ -611,6 +611,7 @@ def test_a_strangers_version_of_an_adapter_name_is_never_mixed_in_nor_reached_wh
         seen = adapter_versions(swarm, tmp_path, by_name=3, pinned=2, steps=1)
     assert seen["sessions"] == 5 and seen["wrong"] == 0, seen
     assert seen["mixed"] == 0 and seen["pinned_to_stranger"] == 0, seen
+    assert seen["versions_seen"] == 2, seen  # (clients by name took the stranger's, the majority's: pinned ones not)
 
 
 @pytest.mark.slow

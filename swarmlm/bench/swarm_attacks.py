@@ -46,25 +46,26 @@ def _lora_logits(model_dir: str, adapter: str, ids: torch.Tensor) -> torch.Tenso
 
 
 def adapter_versions(swarm, workdir: Path, by_name: int = 4, pinned: int = 2, steps: int = 2) -> dict:
-    """On `swarm` (a LocalSwarm with a DHT, no server yet): honest servers hold `my-adapter` on [0, 3) and [3, 6), a
-    stranger's server another `my-adapter` on [0, 6) (one hop: the cheaper route). `by_name` fresh clients ask for
-    `my-adapter`, `pinned` ask for the honest `my-adapter@fingerprint`; each runs `steps` sessions. Counts:
-    sessions whose route mixed versions, pinned sessions routed to the stranger, outputs not their version's."""
+    """On `swarm` (a LocalSwarm with a DHT, no server yet): honest servers hold `my-adapter` on [0, 3) and [3, 6); a
+    stranger's three servers hold another `my-adapter` on [0, 3), [3, 6) and [0, 6) (more servers: a client asking
+    by name takes the version most servers offer, so the stranger's). `by_name` fresh clients ask for `my-adapter`,
+    `pinned` ask for the honest `my-adapter@fingerprint`; each runs `steps` sessions. Counts: sessions whose route
+    mixed versions, pinned sessions routed to the stranger, outputs not their version's, versions used at all."""
     from swarmlm.client.model import DistributedModelForCausalLM
     from swarmlm.server.adapters import adapter_fingerprint
 
     honest = make_lora(swarm.model_dir, workdir / "honest" / "my-adapter", seed=0)
     strange = make_lora(swarm.model_dir, workdir / "stranger" / "my-adapter", seed=1)
     fp = {honest: adapter_fingerprint(honest), strange: adapter_fingerprint(strange)}
-    servers = [swarm.start_server(BlockRange(0, 3), extra=["--adapters", honest], wait=False),
-               swarm.start_server(BlockRange(3, 6), extra=["--adapters", honest], wait=False),
-               swarm.start_server(BlockRange(0, 6), extra=["--adapters", strange], wait=False)]
+    held = [(BlockRange(0, 3), honest), (BlockRange(3, 6), honest),
+            (BlockRange(0, 3), strange), (BlockRange(3, 6), strange), (BlockRange(0, 6), strange)]
+    servers = [swarm.start_server(blocks, extra=["--adapters", path], wait=False) for blocks, path in held]
     swarm.wait_ready(servers)
-    version = {s.server_id: fp[honest] for s in servers[:2]} | {servers[2].server_id: fp[strange]}
+    version = {s.server_id: fp[path] for s, (_, path) in zip(servers, held)}
     ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(1))
     want = {fp[a]: _lora_logits(swarm.model_dir, a, ids) for a in (honest, strange)}
-    result = {"attack": f"another version of an adapter's name (a stranger's server; {by_name} clients by name, "
-                        f"{pinned} pinned)", "sessions": 0, "mixed": 0, "pinned_to_stranger": 0, "wrong": 0,
+    result = {"attack": f"another version of an adapter's name (3 stranger's servers, 2 honest; {by_name} clients "
+                        f"by name, {pinned} pinned)", "sessions": 0, "mixed": 0, "pinned_to_stranger": 0, "wrong": 0,
               "versions_seen": set()}
     for asked in ["my-adapter"] * by_name + [f"my-adapter@{fp[honest]}"] * pinned:
         client = DistributedModelForCausalLM.from_pretrained(swarm.model_dir, initial_peers=swarm.initial_peers,
