@@ -16,7 +16,8 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per process (the children inherit it)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from swarmlm.bench.soak import FAULTS, Soak, SoakConfig  # noqa: E402
+from swarmlm.bench.soak import CLIENTS, FAULTS, Soak, SoakConfig  # noqa: E402
+from swarmlm.bench.soak_clients import KINDS  # noqa: E402
 from swarmlm.bench.soak_report import markdown, plot, summary  # noqa: E402
 from swarmlm.machine import machine_info  # noqa: E402
 from swarmlm.model.random_checkpoint import init_checkpoint  # noqa: E402
@@ -29,13 +30,15 @@ def main() -> int:
     p.add_argument("--partition-s", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--faults", nargs="*", default=list(FAULTS), choices=FAULTS)
+    p.add_argument("--clients", nargs="*", default=list(CLIENTS), choices=KINDS, help="one process per name")
+    p.add_argument("--hang-s", nargs=2, type=float, default=(8.0, 30.0), help="a SIGSTOP lasts uniform(lo, hi) s")
     p.add_argument("--settle-s", type=float, default=600.0, help="RSS growth is measured from here to the end")
     p.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="swarmlm-soak-")))
     args = p.parse_args()
     model_dir = str(init_checkpoint("tiny-llama", args.out / "tiny-llama", seed=2))
     config = SoakConfig(model_dir=model_dir, out_dir=args.out, duration_s=args.duration_s,
                         fault_every_s=args.fault_every_s, partition_s=args.partition_s, seed=args.seed,
-                        faults=tuple(args.faults))
+                        faults=tuple(args.faults), clients=tuple(args.clients), hang_s=tuple(args.hang_s))
     end = Soak(config).run()
     result = summary(args.out, args.settle_s, end)
     result["machine"] = {k: v for k, v in machine_info().items() if k in ("cpu", "cores", "flags", "torch")}

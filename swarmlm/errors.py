@@ -10,6 +10,12 @@ class InvalidRequest(SwarmError, ValueError):
     """A request is malformed (shape, dtype, length, size). Nothing was changed."""
 
 
+class PushRefused(InvalidRequest):
+    """A server refused to push a step on to the next server of the route (it does not see that server announced
+    there: it just moved, or this server's own DHT reads fail). Nothing was computed: the client sends the step
+    itself (wire code PUSH_REFUSED)."""
+
+
 class CapacityExceeded(SwarmError):
     """A server refused work it has no room for (cache budget, session count). Try another server or later."""
 

@@ -596,3 +596,32 @@ def test_hostile_frames_get_a_clear_refusal_and_the_server_serves_on(attack_serv
         assert framed.remote.channels.frame_ports, "the framed client did not use the framed port"
     finally:
         framed.close()
+
+
+# ---- attacks that need a swarm (issue 39, holes 7 and 8): swarmlm/bench/swarm_attacks.py, heavy in
+# `benchmarks/attacks.py --swarm` ----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_strangers_version_of_an_adapter_name_is_never_mixed_in_nor_reached_when_pinned(tiny_llama, tmp_path):
+    from swarmlm.bench.swarm_attacks import adapter_versions
+    from swarmlm.swarm.local import LocalSwarm
+
+    with LocalSwarm(tiny_llama, log_dir=tmp_path / "logs") as swarm:
+        swarm.start_dht()
+        seen = adapter_versions(swarm, tmp_path, by_name=3, pinned=2, steps=1)
+    assert seen["sessions"] == 5 and seen["wrong"] == 0, seen
+    assert seen["mixed"] == 0 and seen["pinned_to_stranger"] == 0, seen
+    assert seen["versions_seen"] == 2, seen  # (clients by name took the stranger's, the majority's: pinned ones not)
+
+
+@pytest.mark.slow
+def test_a_loaded_relayed_link_never_turns_greedy_answers_lossy(tiny_llama, tmp_path):
+    from swarmlm.bench.swarm_attacks import lossy_wire_under_load
+    from swarmlm.swarm.local import LocalSwarm
+
+    with LocalSwarm(tiny_llama, log_dir=tmp_path / "logs") as swarm:
+        swarm.start_dht()
+        seen = lossy_wire_under_load(swarm, rounds=2, loaders=1, load_tokens=1024)
+    assert seen["answers"] == 4 and seen["exact"] == 4, seen
+    assert seen["wire_formats"] == ["float32"], seen
+    assert seen["load_requests"] >= 1, seen  # (the stranger's load did go through the relay)

@@ -75,6 +75,44 @@ def test_in_process_dht_stores_reads_and_leaves_no_daemon():
     assert not daemons() - before
 
 
+def test_a_node_whose_peers_all_stopped_answering_rejoins_through_its_initial_peers():
+    """hivemind drops a peer after one unanswered request and bootstraps only at start: a reader (what a gateway
+    runs) whose bootstrap node stalled while its only server died read nothing new for good (the hour soak's gateway:
+    every request a 503 from minute 24). It must ping its initial peers again and find the server that came next."""
+    import threading
+
+    boot = ThreadDHT(client_mode=False)
+    peers = visible_addrs(boot)
+    first, second = Identity.generate(), Identity.generate()
+    server = ThreadDHT(peers, client_mode=False, validator=first.validator)
+    reader = ThreadDHT(peers, client_mode=True)
+    release = threading.Event()
+    try:
+        old = ServerRecord(server_id=first.server_id, address="127.0.0.1:5003", start=0, end=2)
+        assert announce(server, "r", old, 60, subkey=owner_subkey(first.server_id, first.validator))
+        assert first.server_id in fetch_records(reader, "r", range(2))
+        server.shutdown()  # the server dies, and the bootstrap node hangs (its loop blocked, like SIGSTOP)
+        boot.loop.call_soon_threadsafe(release.wait, 120)
+        fetch_records(reader, "r", range(2))  # no one answers: the reader's table empties
+        deadline = time.time() + 60
+        while reader.peers_known() and time.time() < deadline:
+            time.sleep(0.1)
+        assert reader.peers_known() == 0
+        release.set()  # the bootstrap node is back, and a new server joins through it
+        server = ThreadDHT(peers, client_mode=False, validator=second.validator)
+        new = ServerRecord(server_id=second.server_id, address="127.0.0.1:5004", start=0, end=2)
+        assert announce(server, "r", new, 60, subkey=owner_subkey(second.server_id, second.validator))
+        deadline = time.time() + 90
+        while second.server_id not in fetch_records(reader, "r", range(2)) and time.time() < deadline:
+            time.sleep(0.5)
+        assert fetch_records(reader, "r", range(2)).get(second.server_id) == new
+        assert reader.rejoins >= 1 and reader.peers_known() >= 1
+    finally:
+        release.set()
+        for d in (reader, server, boot):
+            d.shutdown()
+
+
 def test_joining_and_loading_records_are_seen_by_placement_only():
     """A server placing itself announces its range before it serves: clients (and push targets) never see it."""
     boot = ThreadDHT(client_mode=False)

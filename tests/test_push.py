@@ -1,6 +1,7 @@
 """Server-to-server push: outputs go straight to the next server, results stay exact, failures stay recoverable."""
 from __future__ import annotations
 
+import contextlib
 import signal
 
 import grpc
@@ -209,3 +210,30 @@ def test_push_protocol_dedup_and_refusals(two_servers):
     assert rb3.HasField("error") and rb3.step_id == 3 and rb3.position == 2
     for call in (call_a, call_b):
         call.end()
+
+
+@pytest.mark.slow
+def test_a_refused_push_is_sent_again_without_push_and_stays_exact(tiny_bloom):
+    """The soak (issue 39) saw upstream servers whose own DHT reads failed refuse every push (they cannot see the
+    next server announced), and each refusal failed the client's request. Now the client reopens the hops from the
+    refusing one, sends the step itself and goes on without push: the same tokens as transformers."""
+    from swarmlm.swarm.dht import visible_addrs
+    from swarmlm.swarm.dht_thread import ThreadDHT
+
+    boot = ThreadDHT(client_mode=False)
+    peers = tuple(visible_addrs(boot))
+    ids, want = greedy_reference(tiny_bloom, "the quick brown fox", 8)
+    try:
+        with in_process_server(tiny_bloom, BlockRange(0, 3), initial_peers=peers) as first, \
+                in_process_server(tiny_bloom, BlockRange(3, 6), initial_peers=peers), \
+                contextlib.closing(DistributedModelForCausalLM.from_pretrained(
+                    tiny_bloom, initial_peers=peers, push=True)) as client, \
+                torch.no_grad(), client.inference_session(max_length=ids.shape[1] + 8) as session:
+            assert [s.span.server_id for s in session.spans][0] == first.server_id and len(session.spans) == 2
+            first.dht.shutdown()  # the first server's DHT node is gone: it sees no one announced where it pushes
+            seen, _ = list(greedy_steps(client, session, ids, 8))[-1]
+            assert seen[0, ids.shape[1]:].tolist() == want
+            assert session.steps[0].push_refused and session.steps[0].reopened >= 1
+            assert not any(r.pushed for r in session.steps[1:])
+    finally:
+        boot.shutdown()

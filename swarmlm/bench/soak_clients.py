@@ -93,9 +93,13 @@ class Checker:
         return self._verdict(*self._both(ids, seed, num_beams=2))
 
     def _speculative(self, ids, seed):
+        # the same pad_token_id on both sides: without it, a prompt holding the checkpoint's pad id (3; prompts draw
+        # from 3..vocab) is read as padded there (transformers masks those tokens, and so does the swarm), and the
+        # answer differs from the reference's, which was given eos as pad. The hour's soak of 5 December counted
+        # those as 40 "wrong" speculative answers (all 40 held token 3); no swarm answer was wrong
         with torch.no_grad():
-            got = self.model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                      speculative="auto")[:, ids.shape[1]:].tolist()
+            got = self.model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, speculative="auto",
+                                      pad_token_id=self.tok.eos_token_id)[:, ids.shape[1]:].tolist()
             want = self.ref.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
                                      pad_token_id=self.tok.eos_token_id)[:, ids.shape[1]:].tolist()
         return self._up_to_ties(ids, got[0], want[0])  # (drafts are verified in passes of several tokens)

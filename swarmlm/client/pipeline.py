@@ -25,7 +25,7 @@ import torch
 
 from swarmlm.client.streams import HopTiming, SpanStream
 from swarmlm.config import ClientConfig
-from swarmlm.errors import ServerFailed
+from swarmlm.errors import PushRefused, ServerFailed
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.types import CacheOp, Span
 from swarmlm.wire import swarm_pb2 as pb
@@ -142,6 +142,7 @@ class AttemptOutcome:
     failed: dict[int, ServerFailed]  # hop index -> its server's failure (a hung server's included)
     unsettled: list[int]  # healthy hops left mid-step (their cache state unknown to us): reopen and replay
     stalled: bool = False  # no progress for watchdog_s: every hop not done is in `unsettled`, none in `failed`
+    push_refused: bool = False  # a server refused to push on: it and the hops after it are in `unsettled`
 
     @property
     def complete(self) -> bool:
@@ -197,7 +198,8 @@ class StepPipeline:
         self.timings: list[HopTiming] = []
 
     async def run(self) -> AttemptOutcome:
-        """Raises what is not a server's failure (e.g. InvalidRequest); a server's failure is in the outcome."""
+        """Raises what is not a server's failure (e.g. InvalidRequest); a server's failure, or its refusal to push
+        on (PushRefused: nothing computed there), is in the outcome."""
         if len(self.chunks) == 1 and not self.push:
             failed, stalled = await self._hop_by_hop()
         else:
@@ -205,12 +207,16 @@ class StepPipeline:
         if stalled:
             unsettled = [i for i, h in enumerate(self.hops) if h.answered < len(self.chunks)]
             return AttemptOutcome(self.timings, {}, unsettled, stalled=True)
+        refused = [i for i, exc in failed.items() if isinstance(exc, PushRefused)]
         for exc in failed.values():
-            if not isinstance(exc, ServerFailed):
+            if not isinstance(exc, (ServerFailed, PushRefused)):
                 raise exc
-        # written, not answered: the cache state of a healthy hop's server is unknown
-        unsettled = [i for i, h in enumerate(self.hops) if i not in failed and h.stream.unanswered]
-        return AttemptOutcome(self.timings, failed, unsettled)
+        failed = {i: exc for i, exc in failed.items() if isinstance(exc, ServerFailed)}
+        # written, not answered: the cache state of a healthy hop's server is unknown. After a refused push, the
+        # hops after the refusing one await pushed step ids that never come: they are reopened too
+        unsettled = [i for i, h in enumerate(self.hops)
+                     if i not in failed and (h.stream.unanswered or refused and i >= min(refused))]
+        return AttemptOutcome(self.timings, failed, unsettled, push_refused=bool(refused))
 
     # ---- the two ways to run the hops ---------------------------------------------------------------------
     async def _hop_by_hop(self) -> tuple[dict[int, BaseException], bool]:

@@ -47,6 +47,7 @@ class StepRecord:
     stalls: int = 0  # times the whole step made no progress for watchdog_s (then every unfinished hop reopens)
     hung: list[str] = field(default_factory=list)  # servers that did not answer within their hang timeout (banned)
     pushed: bool = False  # server-to-server push on this step's route (ClientConfig.push, PerfModel.push_pays)
+    push_refused: bool = False  # a server refused to push on: the step was sent again without push
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class InferenceSession:
         self.l_out_hint = l_out_hint
         self.spans: list[OpenSpan] = []
         self.steps: list[StepRecord] = []
+        self.push_refused = False  # a server of this session refused to push on: no push from then on
         self._profiles: dict[str, tuple[ServerRecord, ComputeProfile]] = {}  # server id -> (record, its profile)
         self.open_s = 0.0  # routing + opening streams
         self.closed = False
@@ -247,11 +249,14 @@ class InferenceSession:
             s.edit(op)  # what a failover replays from now on (the op itself goes with each span's first chunk)
         hops = [Hop(s, op=op) for s in self.spans]
         while True:
-            record.pushed = self.remote.push([h.span for h in hops])  # ClientConfig.push; "auto": where it pays
+            # ClientConfig.push ("auto": where it pays); never again in a session where a server refused to push on
+            record.pushed = not self.push_refused and self.remote.push([h.span for h in hops])
             outcome = await StepPipeline(hops, chunks, self.remote.config, self._hang_timeout_s, record.pushed).run()
             record.hops.extend(outcome.timings)
             if outcome.complete:
                 break
+            if outcome.push_refused:
+                self._push_refused(record)
             if outcome.stalled:
                 self._stalled(outcome, hops, record)
             record.hung.extend(exc.server_id for exc in outcome.failed.values() if isinstance(exc, ServerHung))
@@ -278,6 +283,14 @@ class InferenceSession:
 
     def _hang_timeout_s(self, span: Span, rows: int, tokens: int, cached: bool) -> float:
         return hang_timeout_s(self.remote.config, self._profile(span), span, rows, tokens, cached)
+
+    def _push_refused(self, record: StepRecord) -> None:
+        """A server refused to push on (it does not see the next server announced: that one just moved, or its own
+        DHT reads fail): nothing was computed there. The hops from it on are reopened and replayed, and this
+        session's steps go without push from now on."""
+        if not self.push_refused:
+            log.warning("a server refused to push on; this session continues without server-to-server push")
+        self.push_refused = record.push_refused = True
 
     def _stalled(self, outcome: AttemptOutcome, hops: list[Hop], record: StepRecord) -> None:
         """Nothing moved for a whole watchdog_s: every hop not done is reopened and replayed, a bounded number of

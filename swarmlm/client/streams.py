@@ -16,7 +16,7 @@ import torch
 from swarmlm.client.chunking import BandwidthEstimate
 from swarmlm.client.frame_call import FrameCall
 from swarmlm.config import ClientConfig
-from swarmlm.errors import InvalidRequest, ServerFailed, ServerHung
+from swarmlm.errors import InvalidRequest, PushRefused, ServerFailed, ServerHung
 from swarmlm.types import CacheOp, Span, StepKind
 from swarmlm.wire import cache_op, codec, compress, frames
 from swarmlm.wire import swarm_pb2 as pb
@@ -295,7 +295,8 @@ class SpanStream:
         if reply is grpc.aio.EOF:
             raise ServerFailed(self.span.server_id, "stream closed by the server")
         if reply.HasField("error"):
-            raise InvalidRequest(f"{self.span.server_id}: {reply.error.message}")
+            refusal = PushRefused if reply.error.code == "PUSH_REFUSED" else InvalidRequest
+            raise refusal(f"{self.span.server_id}: {reply.error.message}")
         if reply.step_id != sent.step_id:
             raise ServerFailed(self.span.server_id, f"reply to step {reply.step_id}, expected step {sent.step_id}")
         out = codec.decode(reply.hidden, "reply hidden")

@@ -18,7 +18,7 @@ import torch
 
 from swarmlm import __version__
 from swarmlm.config import ServerConfig
-from swarmlm.errors import CapacityExceeded, InvalidRequest, NotPermitted, UnknownSession
+from swarmlm.errors import CapacityExceeded, InvalidRequest, NotPermitted, PushRefused, UnknownSession
 from swarmlm.model.fingerprint import range_fingerprint
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.server import prefix_cache
@@ -387,8 +387,8 @@ class SwarmService(pb_grpc.SwarmServicer):
                 check_targets(step.push)
                 nxt = session.state.blocks.end
                 if not await self.targets.allowed(step.push[0].address, nxt):
-                    raise InvalidRequest(f"push: {step.push[0].address[:80]!r} is not a server of this swarm "
-                                         f"serving block {nxt}")
+                    raise PushRefused(f"push: {step.push[0].address[:80]!r} is not a server of this swarm "
+                                      f"serving block {nxt}")
             hidden, mask = decode_step(step.hidden, step.attention_mask, b, t, self.stage.hidden_size)
         except InvalidRequest as exc:
             error = exc
@@ -451,7 +451,8 @@ class SwarmService(pb_grpc.SwarmServicer):
     def _refused(session: Session, step_id: int, exc: Exception) -> pb.InferenceReply:
         return pb.InferenceReply(
             session_id=session.session_id, step_id=step_id, position=session.state.position,
-            error=pb.Error(code="INVALID_ARGUMENT", message=str(exc)),
+            error=pb.Error(code="PUSH_REFUSED" if isinstance(exc, PushRefused) else "INVALID_ARGUMENT",
+                           message=str(exc)),
         )
 
     async def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardReply:

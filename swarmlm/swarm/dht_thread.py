@@ -4,10 +4,16 @@ hivemind's `DHT` forks a child process; forked beside live gRPC threads (grpc wa
 handlers") such a child can hang before it is ready or stop answering reads, and a child outlives a SIGKILLed
 parent (swarm/lifetime.py). A `DHTNode` on its own event loop needs no fork: its p2pd daemon is started by
 fork+exec, which is safe, and dies with this process. The interface is the part of `hivemind.DHT` that
-`swarm.dht` uses (get/store with futures, visible addresses, shutdown)."""
+`swarm.dht` uses (get/store with futures, visible addresses, shutdown).
+
+hivemind drops a peer from a node's routing table after one unanswered request (3 s) and bootstraps only once, at
+start: a node whose known peers all died, restarted or stalled at once stays alone for good (a client-mode node, which
+no one contacts, reads nothing more: the soak's gateway, minute 24). So while its table is empty, a node pings its
+initial peers again every REJOIN_PERIOD_S."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from concurrent.futures import Future
 from typing import Any, Sequence
@@ -15,10 +21,15 @@ from typing import Any, Sequence
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
+from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarmlm.swarm.lifetime import bind_p2pd_to_owner
 from swarmlm.swarm.validation import validators
+
+log = logging.getLogger(__name__)
+
+REJOIN_PERIOD_S = 5.0  # how often a node with no peer left pings its initial peers again
 
 
 class ThreadDHT:
@@ -26,7 +37,8 @@ class ThreadDHT:
 
     def __init__(self, initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0,
                  client_mode: bool = True, validator: RSASignatureValidator | None = None,
-                 start_timeout_s: float = 60.0, swarm_key: bytes | None = None) -> None:
+                 start_timeout_s: float = 60.0, swarm_key: bytes | None = None,
+                 rejoin_period_s: float = REJOIN_PERIOD_S) -> None:
         bind_p2pd_to_owner()  # (its p2pd dies with this process)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="swarmlm-dht", daemon=True)
@@ -45,6 +57,30 @@ class ThreadDHT:
         except BaseException:
             self.shutdown()
             raise
+        self.initial_peers = [PeerID.from_base58(Multiaddr(a)["p2p"]) for a in initial_peers]
+        self.rejoins = 0  # times the table was found empty and the initial peers pinged again
+        if self.initial_peers:
+            self._call(self._rejoin_when_alone(rejoin_period_s))
+
+    def peers_known(self) -> int:
+        """Peers in this node's routing table (0: it reaches no one until it rejoins)."""
+        return len(self.node.protocol.routing_table.uid_to_peer_id) if self.node is not None else 0
+
+    async def _rejoin_when_alone(self, period_s: float) -> None:
+        while self.node is not None:
+            await asyncio.sleep(period_s)
+            node = self.node
+            if node is None or self.peers_known() > 0:
+                continue
+            self.rejoins += 1
+            log.info("DHT node alone (its peers stopped answering): pinging its %d initial peers again",
+                     len(self.initial_peers))
+            try:
+                answered = await asyncio.gather(*(node.protocol.call_ping(p) for p in self.initial_peers))
+                if any(a is not None for a in answered):  # then find our neighbours through them, as at start
+                    await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), timeout=period_s * 6)
+            except Exception as exc:  # (asyncio.TimeoutError included) the next period tries again
+                log.debug("rejoining the DHT: %s", exc)
 
     def _call(self, coro: Any) -> Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)

@@ -1,0 +1,151 @@
+"""Attacks that need a swarm, not one server (issue 39, holes 7 and 8); rows of `benchmarks/attacks.py --swarm`,
+light versions in tests/test_attacks.py.
+
+- `adapter_versions`: a stranger's server announces an honest adapter's name with weights of its own. Clients
+  asking by name must never mix the two versions in one generation, clients pinning `name@fingerprint` must never
+  reach the stranger, and every output must be its version's (PEFT on transformers).
+- `lossy_wire_under_load`: a stranger loads a relayed server's relay with big transfers while clients with the
+  default wire format (`auto`) generate greedily through that relay: their answers must stay transformers'
+  (before, `auto` chose int8 on a link measured slow, and a gateway's greedy answers changed).
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from swarmlm.types import BlockRange
+
+
+def make_lora(model_dir: str, path: Path, seed: int) -> str:
+    """A PEFT LoRA (r 4, q/v projections) of `model_dir` with random A and B (so it changes the outputs), saved at
+    `path` (whose name is the adapter's name)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                          LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                     task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    peft.save_pretrained(path)
+    return str(path)
+
+
+def _lora_logits(model_dir: str, adapter: str, ids: torch.Tensor) -> torch.Tensor:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return PeftModel.from_pretrained(base, adapter).eval()(ids).logits
+
+
+def adapter_versions(swarm, workdir: Path, by_name: int = 4, pinned: int = 2, steps: int = 2) -> dict:
+    """On `swarm` (a LocalSwarm with a DHT, no server yet): honest servers hold `my-adapter` on [0, 3) and [3, 6); a
+    stranger's three servers hold another `my-adapter` on [0, 3), [3, 6) and [0, 6) (more servers: a client asking
+    by name takes the version most servers offer, so the stranger's). `by_name` fresh clients ask for `my-adapter`,
+    `pinned` ask for the honest `my-adapter@fingerprint`; each runs `steps` sessions. Counts: sessions whose route
+    mixed versions, pinned sessions routed to the stranger, outputs not their version's, versions used at all."""
+    from swarmlm.client.model import DistributedModelForCausalLM
+    from swarmlm.server.adapters import adapter_fingerprint
+
+    honest = make_lora(swarm.model_dir, workdir / "honest" / "my-adapter", seed=0)
+    strange = make_lora(swarm.model_dir, workdir / "stranger" / "my-adapter", seed=1)
+    fp = {honest: adapter_fingerprint(honest), strange: adapter_fingerprint(strange)}
+    held = [(BlockRange(0, 3), honest), (BlockRange(3, 6), honest),
+            (BlockRange(0, 3), strange), (BlockRange(3, 6), strange), (BlockRange(0, 6), strange)]
+    servers = [swarm.start_server(blocks, extra=["--adapters", path], wait=False) for blocks, path in held]
+    swarm.wait_ready(servers)
+    version = {s.server_id: fp[path] for s, (_, path) in zip(servers, held)}
+    ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(1))
+    want = {fp[a]: _lora_logits(swarm.model_dir, a, ids) for a in (honest, strange)}
+    result = {"attack": f"another version of an adapter's name (3 stranger's servers, 2 honest; {by_name} clients "
+                        f"by name, {pinned} pinned)", "sessions": 0, "mixed": 0, "pinned_to_stranger": 0, "wrong": 0,
+              "versions_seen": set()}
+    for asked in ["my-adapter"] * by_name + [f"my-adapter@{fp[honest]}"] * pinned:
+        client = DistributedModelForCausalLM.from_pretrained(swarm.model_dir, initial_peers=swarm.initial_peers,
+                                                             dtype="float32", active_adapter=asked)
+        try:
+            for _ in range(steps):
+                with torch.no_grad(), client.inference_session(max_length=16) as session:
+                    got = client.step_logits(session, ids)
+                    used = {version.get(s.server_id, "?") for s in session.route_spans()}
+                result["sessions"] += 1
+                result["mixed"] += len(used) > 1
+                result["pinned_to_stranger"] += "@" in asked and used != {fp[honest]}
+                result["wrong"] += len(used) != 1 or (got - want[next(iter(used))]).abs().max().item() > 1e-4
+                result["versions_seen"] |= used
+        finally:
+            client.close()
+    result["versions_seen"] = len(result["versions_seen"])
+    return result
+
+
+def lossy_wire_under_load(swarm, rounds: int = 4, loaders: int = 2, load_tokens: int = 2048) -> dict:
+    """On `swarm` (a LocalSwarm with a DHT, no server yet): one server behind NAT (every block, reached through the
+    DHT node as its relay). `loaders` stranger threads send prompts of `load_tokens` tokens through the same relay
+    (big transfers both ways) while a client with the default wire format generates greedily, `rounds` times a short
+    and a long prompt (over 14 tokens: those the old `auto` packed first); its answers are compared with
+    transformers' greedy tokens, and the wire formats its link to the server would choose are collected (only
+    float32 may appear)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from swarmlm.client.model import DistributedModelForCausalLM
+
+    config = AutoConfig.from_pretrained(swarm.model_dir)
+    server = swarm.start_server(BlockRange(0, int(config.num_hidden_layers)), extra=["--reachability", "relayed"])
+    ref = AutoModelForCausalLM.from_pretrained(swarm.model_dir, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(4, 256, (1, n), generator=gen) for n in (6, 40)]
+    with torch.no_grad():
+        want = [ref.generate(p, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                             attention_mask=torch.ones_like(p))[0, p.shape[1]:].tolist() for p in prompts]
+    stop, loading, sent = threading.Event(), threading.Event(), [0]
+
+    def load() -> None:
+        stranger = DistributedModelForCausalLM.from_pretrained(swarm.model_dir, initial_peers=swarm.initial_peers,
+                                                               wire_dtype="float32")
+        big = torch.randint(4, 256, (1, load_tokens))
+        try:
+            while not stop.is_set():
+                with torch.no_grad():
+                    stranger(big)
+                sent[0] += 1
+                loading.set()
+        except Exception:  # (a loader that fails stops loading; the honest client's answers are what counts)
+            pass
+        finally:
+            loading.set()
+            stranger.close()
+
+    threads = [threading.Thread(target=load, daemon=True) for _ in range(loaders)]
+    client = DistributedModelForCausalLM.from_pretrained(swarm.model_dir, initial_peers=swarm.initial_peers)
+    message = 4 * int(config.hidden_size)  # bytes of one token's float32 hidden state
+    result = {"attack": f"a relayed link loaded by {loaders} strangers' {load_tokens}-token prompts (hole 8)",
+              "answers": 0, "exact": 0, "wire_formats": set(), "load_requests": 0}
+    try:
+        for t in threads:
+            t.start()
+        loading.wait(300)  # (the honest client starts once the load goes through the relay)
+        for _ in range(rounds):
+            for prompt, expected in zip(prompts, want):
+                with torch.no_grad():
+                    got = client.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8,
+                                          min_new_tokens=8, do_sample=False)
+                result["answers"] += 1
+                result["exact"] += got[0, prompt.shape[1]:].tolist() == expected
+            for tokens in (1, 40, 2048):  # a decode step's, a prompt's, a long prompt's message
+                result["wire_formats"].add(client.remote.channels.wire_dtype_for(server.address, tokens * message))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+        client.close()
+    result["load_requests"] = sent[0]
+    result["wire_formats"] = sorted(result["wire_formats"])
+    return result
