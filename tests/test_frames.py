@@ -93,3 +93,37 @@ def test_framed_streams_and_framed_pushes_generate_exactly_and_fail_over(tiny_bl
             assert any(h.pushed for step in session.steps for h in step.hops), "nothing was pushed"
         finally:
             client.close()
+
+
+def test_decode_steps_run_from_the_callers_thread_and_fail_over(tiny_bloom):
+    """Framed, not pushed: every decode step runs from the caller's thread (no hand-off to the client's loop), a
+    server killed mid-session is failed over (the rest of that step in the loop), and the tokens equal
+    transformers'; a gRPC client's steps never take that path."""
+    import torch
+
+    from swarmlm.types import BlockRange
+    from tests.swarm_helpers import client_of, greedy_reference, server_processes
+
+    ids, want = greedy_reference(tiny_bloom, "the caller's own thread", 6)
+    ranges = [BlockRange(0, 3), BlockRange(3, 6), BlockRange(3, 6)]
+    with server_processes(tiny_bloom, ranges, dht=False) as swarm:
+        clients = {framed: client_of(swarm, frames=framed, push=False, ban_base_s=0.1) for framed in (True, False)}
+        try:
+            for framed, client in clients.items():
+                with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + 8) as session:
+                    logits = client.step_logits(session, ids)
+                    got = [int(logits[0, -1].argmax())]
+                    for i in range(5):
+                        if framed and i == 2:  # the replica of [3, 6) the session uses dies mid-session
+                            used = session.spans[-1].span.address
+                            swarm.kill(next(s for s in swarm.servers[1:] if s.address == used))
+                        logits = client.step_logits(session, torch.tensor([[got[-1]]]))
+                        got.append(int(logits[0, -1].argmax()))
+                assert got == want
+                decode = session.steps[1:]
+                assert [step.blocking for step in decode] == [framed] * 5
+                if framed:
+                    assert sum(step.failovers for step in decode) == 1
+        finally:
+            for client in clients.values():
+                client.close()
