@@ -91,7 +91,8 @@ class Channels:
         return compress.choose("auto-lossy", self.bandwidth(address).bandwidth_bps, address, float32_bytes)
 
     def note_info(self, address: str, reply: pb.InfoReply) -> None:
-        """Remember the framed port a server's Info announces (relayed servers: gRPC through the relay only)."""
+        """Remember the framed port a server's Info announces (relayed servers: gRPC through the relay only); only
+        from a reply that passed the connect check (the port is among the fields it signs)."""
         if self.frames and not is_p2p_address(address) and 0 < reply.frame_port < 65536:
             self.frame_ports[address] = reply.frame_port
 
@@ -378,5 +379,4 @@ async def info(channels: Channels, address: str, timeout_s: float = 5.0,
     connect check, swarm/identity.py)."""
     t0 = time.perf_counter()
     reply = await channels.stub(address).Info(pb.InfoRequest(nonce=nonce), timeout=timeout_s)
-    channels.note_info(address, reply)
     return reply, time.perf_counter() - t0
