@@ -249,7 +249,8 @@ class SpanStream:
         request = pb.InferenceRequest(step=pb.InferenceStep(
             hidden=compress.encode_hidden(hidden, self.channels.wire_dtype_for(self.span.address, 4 * hidden.numel())),
             step_id=self._step_id, push=push, cache_op=cache_op.to_wire(op),
-            attention_mask=codec.encode(mask) if mask is not None else pb.Tensor()))
+            # (no padding: no mask on the wire, the server reads an absent mask as all ones)
+            attention_mask=codec.encode(mask) if mask is not None and not bool(mask.all()) else pb.Tensor()))
         sent = _Sent(StepKind.of(hidden.shape[1]), tokens=hidden.shape[1],
                      request_bytes=len(request.step.hidden.data), encode_s=time.perf_counter() - t0, clean=False,
                      on_link=False, step_id=self._step_id)
