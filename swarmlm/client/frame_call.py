@@ -107,6 +107,8 @@ class FrameCall:
                     view = view[self._sock.send(view):]
                 except BlockingIOError:
                     self._wait(select.POLLOUT, timeout_s)
+        except TimeoutError:  # (an OSError too: not a lost connection)
+            raise
         except OSError as exc:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"connection lost: {exc}") from None
 
@@ -123,6 +125,8 @@ class FrameCall:
                 except BlockingIOError:
                     self._wait(select.POLLIN, deadline - time.monotonic())
                     continue
+            except TimeoutError:  # (an OSError too: not a lost connection)
+                raise
             except OSError as exc:
                 raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"connection lost: {exc}") from None
             self._received(data)
