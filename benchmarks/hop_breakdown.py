@@ -177,6 +177,7 @@ def alternating(clients: dict[str, DistributedModelForCausalLM], rounds: int,
     for client in clients.values():
         breakdown(client, 1, 20)  # warm-up (connections, caches)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in clients}
+    print("load average (1, 5, 15 min) at start: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
     for r in range(rounds):
         for name in (list(clients) if r % 2 == 0 else list(clients)[::-1]):
             runs[name].append(breakdown(clients[name], 1, 100))
@@ -187,6 +188,7 @@ def alternating(clients: dict[str, DistributedModelForCausalLM], rounds: int,
         print(f"{part:42s} " + " ".join(f"{med[n][part]:8.3f}" for n in names))
     per_hop = {n: statistics.median(run["step - server compute"] for run in runs[n]) / servers for n in names}
     print(f"{'per-hop overhead (step - compute) / ' + str(servers):42s} " + " ".join(f"{per_hop[n]:8.3f}" for n in names))
+    print("load average (1, 5, 15 min) at end: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
     return clients
 
 

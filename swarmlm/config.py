@@ -89,6 +89,15 @@ class SchedulerConfig:
             raise ValueError(f"inline_decode_max_s must be >= 0, got {self.inline_decode_max_s}")
 
 
+# What a message costs beyond the network's round trip and the server's compute, on the default transport (gRPC
+# Inference streams): serialising, parsing, the wire stack's wake-ups and thread hand-offs on both ends. Measured:
+# `benchmarks/hop_breakdown.py --transports` step minus server compute per hop, tiny-bloom on loopback, medians
+# (docs/RESULTS-hop.md: 1.17-1.34 ms quiet). A prefill chunk's fixed cost (ChunkRule). The performance model's hop
+# costs (perf/model.py) take it as part of a link's RTT where the client measures one (Info probes over gRPC carry
+# part of it); a topology file's RTTs are the network's alone.
+MESSAGE_OVERHEAD_S = 1.2e-3
+
+
 @dataclass(frozen=True)
 class ChunkRule:
     """The automatic prefill chunk size's bounds and costs (client/chunking.py)."""
@@ -96,7 +105,7 @@ class ChunkRule:
     min_tokens: int = 16  # below this, per-message costs dominate whatever the link
     max_tokens: int = 256  # above this, a chunk holds a slow link for long (256 tokens of a 4 KB state = 1 MB)
     overhead_fraction: float = 0.1  # on a compute-bound hop: a chunk's fixed cost at most this share of its compute
-    message_overhead_s: float = 1e-3  # per message: gRPC framing, the client's parse/relay, event-loop wake-ups
+    message_overhead_s: float = MESSAGE_OVERHEAD_S  # per message: framing, parse/relay, wake-ups (measured)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_tokens <= self.max_tokens:
@@ -285,9 +294,10 @@ class ClientConfig:
     # True / False are taken as "on" / "off"
     push: PushMode = "auto"
     swarm_key: bytes | None = field(default=None, repr=False)  # a private swarm's shared secret (swarm/private.py)
-    # Inference streams on a server's framed step port when its Info announces one (wire/frames.py). Off by default:
-    # ~0.5 ms less per hop than gRPC on a quiet machine, but 1.3-3x more on a machine overloaded with other
-    # processes (docs/RESULTS-hop.md); False = gRPC's Inference call always
+    # Inference streams on a server's framed step port when its Info announces one (wire/frames.py); decode steps
+    # then run from the caller's thread. Off by default: ~0.5 ms less per hop than gRPC with a core to spare, but
+    # 1-2.5x more on an oversubscribed machine (its threads wait longer for a CPU, docs/RESULTS-hop.md "Under
+    # load"); False = gRPC's Inference call always
     frames: bool = False
     # start sessions from prefixes the servers keep from earlier sessions and keep each finished session's prefix
     # (client/prefix.py); False = every session prefills its whole prompt

@@ -93,3 +93,82 @@ def test_framed_streams_and_framed_pushes_generate_exactly_and_fail_over(tiny_bl
             assert any(h.pushed for step in session.steps for h in step.hops), "nothing was pushed"
         finally:
             client.close()
+
+
+def test_decode_steps_run_from_the_callers_thread_and_fail_over(tiny_bloom):
+    """Framed, not pushed: every decode step runs from the caller's thread (no hand-off to the client's loop), a
+    server killed mid-session is failed over (the rest of that step in the loop), and the tokens equal
+    transformers'; a gRPC client's steps never take that path."""
+    import torch
+
+    from swarmlm.types import BlockRange
+    from tests.swarm_helpers import client_of, greedy_reference, server_processes
+
+    ids, want = greedy_reference(tiny_bloom, "the caller's own thread", 6)
+    ranges = [BlockRange(0, 3), BlockRange(3, 6), BlockRange(3, 6)]
+    with server_processes(tiny_bloom, ranges, dht=False) as swarm:
+        clients = {framed: client_of(swarm, frames=framed, push=False, ban_base_s=0.1) for framed in (True, False)}
+        try:
+            for framed, client in clients.items():
+                with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + 8) as session:
+                    logits = client.step_logits(session, ids)
+                    got = [int(logits[0, -1].argmax())]
+                    for i in range(5):
+                        if framed and i == 2:  # the replica of [3, 6) the session uses dies mid-session
+                            used = session.spans[-1].span.address
+                            swarm.kill(next(s for s in swarm.servers[1:] if s.address == used))
+                        logits = client.step_logits(session, torch.tensor([[got[-1]]]))
+                        got.append(int(logits[0, -1].argmax()))
+                assert got == want
+                decode = session.steps[1:]
+                assert [step.blocking for step in decode] == [framed] * 5
+                if framed:
+                    assert sum(step.failovers for step in decode) == 1
+        finally:
+            for client in clients.values():
+                client.close()
+
+
+def _client_end(peer_bytes: bytes, close: bool = True):
+    """A FrameCall on one end of a socket pair whose other end sent `peer_bytes` (then closed)."""
+    import socket
+
+    from swarmlm.client.frame_call import FrameCall
+
+    mine, theirs = socket.socketpair()
+    mine.setblocking(False)
+    theirs.sendall(peer_bytes)
+    if close:
+        theirs.close()
+    return FrameCall(mine, 1024), theirs
+
+
+@pytest.mark.parametrize("data, code, reason", [
+    (HEADER.pack(5000, Kind.REPLY), grpc.StatusCode.INTERNAL, "oversized frame"),
+    (HEADER.pack(1, 99) + b"x", grpc.StatusCode.INTERNAL, "unknown frame kind 99"),
+    (HEADER.pack(10, Kind.REPLY) + b"abc", grpc.StatusCode.INTERNAL, "inside a frame"),
+    (frames.frame(Kind.PUSH, b""), grpc.StatusCode.INTERNAL, "PUSH frame inside a stream"),
+    (frames.frame(Kind.REPLY, b"\xff\xff\xff"), grpc.StatusCode.INTERNAL, "does not parse"),
+    (frames.status(grpc.StatusCode.NOT_FOUND, "no such session"), grpc.StatusCode.NOT_FOUND, "no such session"),
+    (b"", grpc.StatusCode.UNAVAILABLE, "closed without a status"),
+])
+def test_a_hostile_server_is_a_one_line_rpc_error_on_the_blocking_path(data, code, reason):
+    call, _ = _client_end(data)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        call.read_blocking(5.0)
+    assert err.value.code() == code and reason in err.value.details()
+    call.cancel()
+
+
+def test_blocking_reads_take_frames_in_order_and_time_out():
+    from swarmlm.wire import swarm_pb2 as pb
+
+    replies = [pb.InferenceReply(step_id=i, position=i) for i in (1, 2)]
+    call, peer = _client_end(b"".join(frames.frame(Kind.REPLY, r.SerializeToString()) for r in replies), close=False)
+    assert [call.read_blocking(5.0).step_id for _ in replies] == [1, 2]
+    with pytest.raises(TimeoutError):
+        call.read_blocking(0.05)  # nothing more sent
+    peer.sendall(frames.status(grpc.StatusCode.OK))
+    assert call.read_blocking(5.0) is grpc.aio.EOF
+    call.cancel()
+    peer.close()

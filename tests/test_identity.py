@@ -68,6 +68,11 @@ def test_connect_check_accepts_only_the_key_holder_at_its_address():
     # every signed field is covered: change one and the signature fails
     reply.model = "other"
     assert "bad signature" in verify_info(reply, nonce, me.server_id)
+    framed = pb.InfoReply(server_id=me.server_id, model="m", frame_port=7001)
+    sign_info(me, framed, nonce, "127.0.0.1:7000")
+    assert verify_info(framed, nonce, me.server_id) is None
+    framed.frame_port = 7002  # a framed step port put in by someone on the path
+    assert "bad signature" in verify_info(framed, nonce, me.server_id)
     assert "did not sign" in verify_info(pb.InfoReply(server_id=me.server_id), nonce)
 
 

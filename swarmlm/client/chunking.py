@@ -45,6 +45,8 @@ def split(hidden: torch.Tensor, mask: torch.Tensor, chunk_tokens: int) -> list[t
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     t = hidden.shape[1]
+    if t <= chunk_tokens:  # one chunk (every decode step): the tensors themselves
+        return [(hidden, mask)]
     return [(hidden[:, i:i + chunk_tokens], mask[:, i:i + chunk_tokens]) for i in range(0, t, chunk_tokens)]
 
 

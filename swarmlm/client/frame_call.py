@@ -1,9 +1,18 @@
 """An Inference stream over the framed step port (wire/frames.py), with the interface SpanStream uses of a grpc.aio
 stream call (write, read, done_writing, cancel) and gRPC's errors (AioRpcError with a status code), so failover,
-push, speculation and chunked prefill run unchanged on either transport."""
+push, speculation and chunked prefill run unchanged on either transport.
+
+One non-blocking socket, two ways to use it, never at once: from the client's event loop (`write`, `read`:
+loop.sock_sendall / sock_recv), or from the caller's own thread (`write_blocking`, `read_blocking`: the thread
+that wants the reply writes the frame and sleeps in poll() on the socket until it comes, no hand-off to the loop
+thread and back). The session uses the blocking pair only for a decode step with nothing else of its own in flight
+(session.py), so the two never overlap on one call."""
 from __future__ import annotations
 
 import asyncio
+import select
+import socket
+import time
 
 import grpc
 
@@ -13,6 +22,7 @@ from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire.frames import FrameError, Kind, Purpose
 
 INFERENCE_METHOD = "/swarmlm.Swarm/Inference"
+RECV_BYTES = 1 << 16  # read up to this much per recv (a decode reply is one recv)
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -23,42 +33,137 @@ class FrameCall:
     """One Inference stream on its own connection. Reads give InferenceReplies, then grpc.aio.EOF at the server's
     OK, or raise AioRpcError with the server's status (or UNAVAILABLE when the connection breaks)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_message_bytes: int) -> None:
-        self._reader, self._writer = reader, writer
+    def __init__(self, sock: socket.socket, max_message_bytes: int) -> None:
+        self._sock = sock  # non-blocking, TCP_NODELAY
+        self._buf = bytearray()  # bytes read, not yet taken as frames
         self._max = max_message_bytes
         self._status: tuple[grpc.StatusCode, str] | None = None  # the stream's end, once read
         self._writing_done = False
+        self._closed = False
 
     @classmethod
     async def open(cls, host: str, port: int, swarm_key: bytes | None, max_message_bytes: int,
                    timeout_s: float) -> "FrameCall":
+        """Connected, its HELLO written. OSError or TimeoutError if it fails."""
+        loop = asyncio.get_running_loop()
         token = make_token(swarm_key, INFERENCE_METHOD) if swarm_key is not None else None
-        reader, writer = await frames.connect(host, port, Purpose.STREAM, token, timeout_s)
-        return cls(reader, writer, max_message_bytes)
-
-    async def write(self, request: pb.InferenceRequest) -> None:
-        if self._writing_done or self._writer.is_closing():
-            raise asyncio.InvalidStateError("the stream is closed for writing")
+        family, kind, proto, _, address = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
+        sock = socket.socket(family, kind, proto)
         try:
-            self._writer.write(frames.frame(Kind.REQUEST, request.SerializeToString()))
-            await self._writer.drain()
-        except ConnectionError as exc:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a small frame goes at once
+            async with asyncio.timeout(timeout_s):
+                await loop.sock_connect(sock, address)
+                await loop.sock_sendall(sock, frames.hello(Purpose.STREAM, token))
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, max_message_bytes)
+
+    @property
+    def blocking_ok(self) -> bool:
+        """Open and usable from the caller's thread (write_blocking / read_blocking)."""
+        return not self._closed and not self._writing_done and self._status is None
+
+    # ---- from the event loop -----------------------------------------------------------------------------
+    async def write(self, request: pb.InferenceRequest) -> None:
+        self._check_writable()
+        try:
+            await asyncio.get_running_loop().sock_sendall(self._sock, frames.frame(Kind.REQUEST,
+                                                                                   request.SerializeToString()))
+        except OSError as exc:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"connection lost: {exc}") from None
 
     async def read(self):
         """The next reply, or grpc.aio.EOF after the server's OK."""
+        loop = asyncio.get_running_loop()
+        while True:
+            got = self._take()
+            if got is not None:
+                return got
+            try:
+                data = await loop.sock_recv(self._sock, RECV_BYTES)
+            except OSError as exc:
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"connection lost: {exc}") from None
+            self._received(data)
+
+    async def done_writing(self) -> None:
+        if self._writing_done or self._closed:
+            return
+        self._writing_done = True
+        try:
+            await asyncio.get_running_loop().sock_sendall(self._sock, frames.frame(Kind.END))
+        except OSError:
+            pass
+
+    # ---- from the caller's thread ------------------------------------------------------------------------
+    def write_blocking(self, request: pb.InferenceRequest, timeout_s: float) -> None:
+        """As `write`, in this thread; TimeoutError if the socket takes nothing for `timeout_s`."""
+        self._check_writable()
+        view = memoryview(frames.frame(Kind.REQUEST, request.SerializeToString()))
+        try:
+            while view:
+                try:
+                    view = view[self._sock.send(view):]
+                except BlockingIOError:
+                    self._wait(select.POLLOUT, timeout_s)
+        except TimeoutError:  # (an OSError too: not a lost connection)
+            raise
+        except OSError as exc:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"connection lost: {exc}") from None
+
+    def read_blocking(self, timeout_s: float):
+        """As `read`, in this thread; TimeoutError if no whole frame comes within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            got = self._take()
+            if got is not None:
+                return got
+            try:
+                try:
+                    data = self._sock.recv(RECV_BYTES)
+                except BlockingIOError:
+                    self._wait(select.POLLIN, deadline - time.monotonic())
+                    continue
+            except TimeoutError:  # (an OSError too: not a lost connection)
+                raise
+            except OSError as exc:
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"connection lost: {exc}") from None
+            self._received(data)
+
+    def _wait(self, event: int, timeout_s: float) -> None:
+        if timeout_s <= 0:
+            raise TimeoutError
+        poller = select.poll()
+        poller.register(self._sock, event)
+        if not poller.poll(timeout_s * 1000):
+            raise TimeoutError
+
+    # ---- both ----------------------------------------------------------------------------------------------
+    def _check_writable(self) -> None:
+        if self._writing_done or self._closed:
+            raise asyncio.InvalidStateError("the stream is closed for writing")
+
+    def _received(self, data: bytes) -> None:
+        if not data:  # the server closed the connection
+            if self._buf:
+                self.cancel()
+                raise rpc_error(grpc.StatusCode.INTERNAL, f"the server broke the framing: the connection ended "
+                                                          f"inside a frame ({len(self._buf)} bytes of it)")
+            self._status = self._status or (grpc.StatusCode.UNAVAILABLE, "the connection closed without a status")
+        self._buf += data
+
+    def _take(self):
+        """The next reply from the bytes read (None: not all there yet), EOF, or the stream's error."""
         if self._status is not None:
             return self._end()
         try:
-            got = await frames.read_frame(self._reader, self._max)
+            got = frames.parse_frame(self._buf, self._max)
         except FrameError as exc:
             self.cancel()
             raise rpc_error(grpc.StatusCode.INTERNAL, f"the server broke the framing: {exc}") from None
-        except ConnectionError as exc:
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"connection lost: {exc}") from None
         if got is None:
-            self._status = (grpc.StatusCode.UNAVAILABLE, "the connection closed without a status")
-            return self._end()
+            return None
         kind, body = got
         if kind == Kind.REPLY:
             try:
@@ -78,16 +183,14 @@ class FrameCall:
             return grpc.aio.EOF
         raise rpc_error(code, details)
 
-    async def done_writing(self) -> None:
-        if self._writing_done:
-            return
-        self._writing_done = True
-        try:
-            self._writer.write(frames.frame(Kind.END))
-            await self._writer.drain()
-        except ConnectionError:
-            pass
-
     def cancel(self) -> None:
+        """Close the connection (a read waiting on it, in the loop or a thread, sees it end)."""
         self._writing_done = True
-        self._writer.close()
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()

@@ -5,7 +5,8 @@ sender and a receiver: the sender writes chunk k as soon as the previous hop has
 the answers in order and hands them on, so chunk k is on server 2 while chunk k+1 is still on server 1. With
 several chunks (or push) they run as two tasks per hop (`pipelined`); a step of one chunk that is not pushed (every
 decode step) runs the same sender and receiver hop after hop in the caller's task (`hop_by_hop`), which saves the
-tasks and their wake-ups (benchmarks/hop_breakdown.py).
+tasks and their wake-ups (benchmarks/hop_breakdown.py). On framed streams (client/frame_call.py) such a step runs
+from the caller's own thread (`run_blocking`): no hand-off to the client's loop thread and back.
 
 Timers. A server that is alive but does not answer (hung) is detected per reply: no reply within its hang timeout
 (`hang_timeout_s`) is a failure of that server, named as any other. Behind it, a watchdog catches an attempt that
@@ -61,10 +62,16 @@ class OpenSpan:
     # inputs), and the prefix's row behind each row the server holds (cache ops may copy it)
     prefix_tokens: int = 0
     prefix_rows: tuple[int, ...] = (0,)
+    _history_tokens: int = 0  # tokens of `history` (kept, not summed each step: a decode step reads it)
 
     @property
     def position(self) -> int:
-        return self.prefix_tokens + sum(h.shape[1] for h, _ in self.history)
+        return self.prefix_tokens + self._history_tokens
+
+    def answered(self, hidden: torch.Tensor, mask: torch.Tensor) -> None:
+        """A chunk sent and answered joins the history."""
+        self.history.append((hidden, mask))
+        self._history_tokens += hidden.shape[1]
 
     @property
     def rows(self) -> int:
@@ -85,6 +92,7 @@ class OpenSpan:
             if op is None:
                 return
         self.history = edited_history(self.history, op)
+        self._history_tokens = sum(h.shape[1] for h, _ in self.history)
 
 
 def edited_history(history: list[Chunk], op: CacheOp) -> list[Chunk]:
@@ -218,6 +226,30 @@ class StepPipeline:
                      if i not in failed and (h.stream.unanswered or refused and i >= min(refused))]
         return AttemptOutcome(self.timings, failed, unsettled, push_refused=bool(refused))
 
+    @property
+    def blocking_ok(self) -> bool:
+        """One chunk, not pushed, nothing of it written yet, every hop on a framed stream: `run_blocking` can."""
+        return len(self.chunks) == 1 and not self.push and \
+            all(h.written == 0 and h.stream.blocking_ok for h in self.hops)
+
+    def run_blocking(self) -> AttemptOutcome:
+        """The hop-by-hop attempt from the caller's thread (`blocking_ok` only): each hop's step written and its
+        reply awaited on the socket itself (SpanStream.step_blocking), no event loop involved; each reply bounded by
+        its hang timeout as in `_receive`. Raises what is not a server's failure, as `run`."""
+        x, mask = self.chunks[0]
+        for i, hop in enumerate(self.hops):
+            bound = self.hang_timeout(hop.span, x.shape[0], x.shape[1], bool(hop.open_span.history))
+            source = self._source(i, 0)
+            try:
+                out, timing = hop.stream.step_blocking(source, mask, bound, hop.op)
+            except ServerFailed as exc:
+                return AttemptOutcome(self.timings, {i: exc}, [])  # hops before it answered, after it: nothing
+            hop.written = 1
+            hop.open_span.answered(source, mask)
+            hop.outputs.append(out)
+            self.timings.append(timing)
+        return AttemptOutcome(self.timings, {}, [])
+
     # ---- the two ways to run the hops ---------------------------------------------------------------------
     async def _hop_by_hop(self) -> tuple[dict[int, BaseException], bool]:
         """One message per hop: the sender and receiver hop after hop in this task (no tasks to wake). The
@@ -308,7 +340,7 @@ class StepPipeline:
             x = self.chunks[k][0]
             cached = bool(hop.open_span.history)  # (this chunk joins the history once answered)
             out, timing = await hop.stream.receive(self.hang_timeout(hop.span, x.shape[0], x.shape[1], cached))
-            hop.open_span.history.append((self._source(i, k), self.chunks[k][1]))
+            hop.open_span.answered(self._source(i, k), self.chunks[k][1])
             hop.outputs.append(out)
             self.timings.append(timing)
             self.progress.notify()

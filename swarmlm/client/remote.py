@@ -135,6 +135,7 @@ class RemoteSequence:
             except ValueError as exc:
                 log.warning("server %s sent a malformed Info: %s", address, exc)
                 continue
+            self.channels.note_info(address, i)  # (its framed port: signed with the rest)
         return records
 
     async def _measure(self, records: list[ServerRecord]) -> None:
@@ -162,6 +163,7 @@ class RemoteSequence:
                     self.rejected[(r.server_id, r.address)] = why
                     self.view.ban(r.server_id)
                     return
+                self.channels.note_info(r.address, reply)  # (its framed port: signed with the rest)
                 rtts = []
                 for _ in range(3):
                     _, rtt = await info(self.channels, r.address, self.config.connect_timeout_s)

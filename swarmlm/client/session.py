@@ -48,6 +48,7 @@ class StepRecord:
     hung: list[str] = field(default_factory=list)  # servers that did not answer within their hang timeout (banned)
     pushed: bool = False  # server-to-server push on this step's route (ClientConfig.push, PerfModel.push_pays)
     push_refused: bool = False  # a server refused to push on: the step was sent again without push
+    blocking: bool = False  # its first attempt ran from the caller's thread on framed streams (run_blocking)
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,9 @@ class InferenceSession:
         if past + hidden.shape[1] > self.max_length:
             raise InvalidRequest(f"session max_length {self.max_length} reached ({past} tokens held)")
         mask = torch.ones(hidden.shape[:2], dtype=torch.long) if mask is None else mask.to(torch.long)
-        out = self.remote.loop.run(self._step(hidden, mask, op))
+        out = self._step_blocking(hidden, mask, op)
+        if out is None:
+            out = self.remote.loop.run(self._step(hidden, mask, op))
         self._track(token_ids, mask, op)
         return out
 
@@ -241,17 +244,44 @@ class InferenceSession:
             sizes.append(chunk_tokens_for_hop(cfg.chunk_rule, bytes_per_token, est.bandwidth_bps, a, b))
         return min(max(sizes), tokens)
 
+    def _step_blocking(self, hidden: torch.Tensor, mask: torch.Tensor, op: CacheOp | None) -> torch.Tensor | None:
+        """A decode step (one token per row, not pushed) through spans that are all on framed streams runs from the
+        caller's thread (StepPipeline.run_blocking); a failover, if it needs one, goes on in the event loop.
+        None: not such a step (the caller runs `_step` in the loop)."""
+        if hidden.shape[1] != 1 or not self.spans or not all(s.stream.blocking_ok for s in self.spans) or \
+                self.remote.push(self.route_spans()):
+            return None
+        t0 = time.perf_counter()
+        record, chunks, hops = self._begin(hidden, mask, op)
+        record.blocking = True
+        outcome = StepPipeline(hops, chunks, self.remote.config, self._hang_timeout_s).run_blocking()
+        if outcome.complete:
+            record.hops.extend(outcome.timings)
+            return self._finish(record, hops, chunks, t0)
+        return self.remote.loop.run(self._attempts(record, chunks, hops, t0, outcome))
+
     async def _step(self, hidden: torch.Tensor, mask: torch.Tensor, op: CacheOp | None = None) -> torch.Tensor:
         t0 = time.perf_counter()
+        record, chunks, hops = self._begin(hidden, mask, op)
+        return await self._attempts(record, chunks, hops, t0)
+
+    def _begin(self, hidden: torch.Tensor, mask: torch.Tensor,
+               op: CacheOp | None) -> tuple[StepRecord, list[Chunk], list[Hop]]:
         chunks = split(hidden, mask, self.chunk_tokens(hidden))
         record = StepRecord(tokens=hidden.shape[1], wall_s=0.0, hops=[], chunks=len(chunks))
         for s in self.spans if op is not None else ():
             s.edit(op)  # what a failover replays from now on (the op itself goes with each span's first chunk)
-        hops = [Hop(s, op=op) for s in self.spans]
+        return record, chunks, [Hop(s, op=op) for s in self.spans]
+
+    async def _attempts(self, record: StepRecord, chunks: list[Chunk], hops: list[Hop], t0: float,
+                        outcome: AttemptOutcome | None = None) -> torch.Tensor:
+        """Attempts until every chunk is through every hop (`outcome`: the first one's, run already)."""
         while True:
-            # ClientConfig.push ("auto": where it pays); never again in a session where a server refused to push on
-            record.pushed = not self.push_refused and self.remote.push([h.span for h in hops])
-            outcome = await StepPipeline(hops, chunks, self.remote.config, self._hang_timeout_s, record.pushed).run()
+            if outcome is None:
+                # ClientConfig.push ("auto": where it pays); never again in a session where a server refused to push on
+                record.pushed = not self.push_refused and self.remote.push([h.span for h in hops])
+                outcome = await StepPipeline(hops, chunks, self.remote.config, self._hang_timeout_s,
+                                             record.pushed).run()
             record.hops.extend(outcome.timings)
             if outcome.complete:
                 break
@@ -266,6 +296,10 @@ class InferenceSession:
                 hops[i:i + 1] = await self._replace(hops[i], broken[i], record)
                 self.spans = [h.open_span for h in hops]
             record.failover_s += time.perf_counter() - f0
+            outcome = None
+        return self._finish(record, hops, chunks, t0)
+
+    def _finish(self, record: StepRecord, hops: list[Hop], chunks: list[Chunk], t0: float) -> torch.Tensor:
         assert all(h.answered == len(chunks) for h in hops)
         record.wall_s = time.perf_counter() - t0
         self.steps.append(record)
@@ -372,7 +406,7 @@ class InferenceSession:
         for opened in spans:
             bound = self._hang_timeout_s(opened.span, *hidden.shape[:2], cached=bool(opened.history))
             out, _ = await opened.stream.step(hidden, mask, bound)
-            opened.history.append((hidden, mask))
+            opened.answered(hidden, mask)
             hidden = out
 
     def route_spans(self) -> list[Span]:

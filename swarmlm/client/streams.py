@@ -91,7 +91,8 @@ class Channels:
         return compress.choose("auto-lossy", self.bandwidth(address).bandwidth_bps, address, float32_bytes)
 
     def note_info(self, address: str, reply: pb.InfoReply) -> None:
-        """Remember the framed port a server's Info announces (relayed servers: gRPC through the relay only)."""
+        """Remember the framed port a server's Info announces (relayed servers: gRPC through the relay only); only
+        from a reply that passed the connect check (the port is among the fields it signs)."""
         if self.frames and not is_p2p_address(address) and 0 < reply.frame_port < 65536:
             self.frame_ports[address] = reply.frame_port
 
@@ -240,21 +241,28 @@ class SpanStream:
         except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
             raise _failed(self.span, exc) from exc
 
-    async def send(self, hidden: torch.Tensor, mask: torch.Tensor | None, push: list[pb.PushTarget] = (),
-                   op: CacheOp | None = None) -> None:
-        """Write one step (hidden [B, T, H], mask [B, T]) when the link scheduler gives it its turn; `push`: the
-        rest of the route, for the server to push its output on (server/push.py); `op`: the cache edit the server
-        applies before the step's tokens (docs/PROTOCOL.md), pushed on with it."""
+    def _request(self, hidden: torch.Tensor, mask: torch.Tensor | None, push: list[pb.PushTarget],
+                 op: CacheOp | None) -> tuple[pb.InferenceRequest, _Sent]:
+        """The next step's message, and its place among the replies (taken now, with its id)."""
         t0 = time.perf_counter()
         self._step_id += 1
         request = pb.InferenceRequest(step=pb.InferenceStep(
             hidden=compress.encode_hidden(hidden, self.channels.wire_dtype_for(self.span.address, 4 * hidden.numel())),
             step_id=self._step_id, push=push, cache_op=cache_op.to_wire(op),
-            attention_mask=codec.encode(mask) if mask is not None else pb.Tensor()))
+            # (no padding: no mask on the wire, the server reads an absent mask as all ones)
+            attention_mask=codec.encode(mask) if mask is not None and not bool(mask.all()) else pb.Tensor()))
         sent = _Sent(StepKind.of(hidden.shape[1]), tokens=hidden.shape[1],
                      request_bytes=len(request.step.hidden.data), encode_s=time.perf_counter() - t0, clean=False,
                      on_link=False, step_id=self._step_id)
-        self._pending.append(sent)  # its place among the replies is taken with its id, before its turn on the link
+        self._pending.append(sent)
+        return request, sent
+
+    async def send(self, hidden: torch.Tensor, mask: torch.Tensor | None, push: list[pb.PushTarget] = (),
+                   op: CacheOp | None = None) -> None:
+        """Write one step (hidden [B, T, H], mask [B, T]) when the link scheduler gives it its turn; `push`: the
+        rest of the route, for the server to push its output on (server/push.py); `op`: the cache edit the server
+        applies before the step's tokens (docs/PROTOCOL.md), pushed on with it."""
+        request, sent = self._request(hidden, mask, push, op)
         link = self.link
         async with link.turn(sent.kind):
             sent.on_link = True  # from here the link counts it until its reply or close()
@@ -269,6 +277,29 @@ class SpanStream:
             except asyncio.CancelledError as exc:
                 _raise_if_cancelling()
                 raise ServerFailed(self.span.server_id, "stream cancelled") from exc
+
+    @property
+    def blocking_ok(self) -> bool:
+        """A step may be written and answered from the caller's thread (`step_blocking`): a framed stream with
+        nothing in flight."""
+        return isinstance(self.call, FrameCall) and self.call.blocking_ok and not self._pending
+
+    def step_blocking(self, hidden: torch.Tensor, mask: torch.Tensor | None, timeout_s: float,
+                      op: CacheOp | None = None) -> tuple[torch.Tensor, HopTiming]:
+        """One step, written and answered from the caller's thread (`blocking_ok` streams only): the thread that
+        wants the reply sleeps on the socket, no hand-off to the client's loop thread and back. It does not ask the
+        link scheduler for a turn (that lives on the loop thread): a decode step goes first there anyway."""
+        request, sent = self._request(hidden, mask, (), op)
+        sent.clean = self.link.in_flight == 0 and len(self._pending) == 1  # (a read from another thread: a hint)
+        sent.written_s = time.perf_counter()
+        try:
+            self.call.write_blocking(request, timeout_s)
+            reply = self.call.read_blocking(timeout_s)
+        except TimeoutError as exc:
+            raise ServerHung(self.span.server_id, timeout_s) from exc
+        except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
+            raise _failed(self.span, exc) from exc
+        return self._answer(reply, time.perf_counter())
 
     async def receive(self, timeout_s: float | None = None) -> tuple[torch.Tensor, HopTiming]:
         """The reply to the oldest unanswered step. No reply within `timeout_s` (default: the stream's) is a failure
@@ -288,7 +319,10 @@ class SpanStream:
         except asyncio.CancelledError as exc:
             _raise_if_cancelling()
             raise ServerFailed(self.span.server_id, "stream cancelled") from exc
-        t2 = time.perf_counter()
+        return self._answer(reply, time.perf_counter())
+
+    def _answer(self, reply, t2: float) -> tuple[torch.Tensor, HopTiming]:
+        """The oldest unanswered step's reply (read at `t2`), checked: its output and timing."""
         sent = self._pending.popleft()
         if sent.on_link:
             self.link.answered(sent.kind)
@@ -347,5 +381,4 @@ async def info(channels: Channels, address: str, timeout_s: float = 5.0,
     connect check, swarm/identity.py)."""
     t0 = time.perf_counter()
     reply = await channels.stub(address).Info(pb.InfoRequest(nonce=nonce), timeout=timeout_s)
-    channels.note_info(address, reply)
     return reply, time.perf_counter() - t0

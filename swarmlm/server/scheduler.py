@@ -206,7 +206,8 @@ class Scheduler:
             with self._cv:
                 self.inline_runs += 1
                 self._round_done({job.member}, time.perf_counter() - started)
-                self._cv.notify()
+                if self._queue:  # work came meanwhile: the worker starts it (else it sleeps on: no wake-up to pay)
+                    self._cv.notify()
         return job.future.result()  # (raises the step's exception, as the worker's future would)
 
     def _lone_decode(self, job: Job) -> bool:

@@ -34,7 +34,7 @@ NONCE_BYTES = 16  # a client's challenge: random, fresh per check
 MAX_NONCE_BYTES = 64  # a server signs no longer challenge
 MAX_PUBLIC_KEY_BYTES = 1024  # an OpenSSH RSA-4096 key is ~730 bytes; a longer claim is refused unparsed
 MAX_SIGNATURE_BYTES = 1024  # base64 of an RSA-4096 signature is 684 bytes
-_INFO_DOMAIN = b"swarmlm-info-v1"  # what a signature is for: it cannot be replayed as a DHT record's signature
+_INFO_DOMAIN = b"swarmlm-info-v2"  # what a signature is for: it cannot be replayed as a DHT record's signature
 
 
 def id_of(public_key: bytes) -> str:
@@ -102,10 +102,11 @@ def _private_key(key: RSAPrivateKey) -> rsa.RSAPrivateKey:
 
 # ---- the connect check ---------------------------------------------------------------------------------------
 def info_payload(nonce: bytes, reply: pb.InfoReply, address: str) -> bytes:
-    """What a server signs in its Info reply: the client's nonce, its id, its address, model, fingerprint and
-    adapters with theirs (length-prefixed, so no two field lists give the same bytes)."""
+    """What a server signs in its Info reply: the client's nonce, its id, its address, model, fingerprint,
+    adapters with theirs, and its framed step port (length-prefixed, so no two field lists give the same bytes)."""
     parts = [_INFO_DOMAIN, nonce, reply.server_id.encode(), address.encode(), reply.model.encode(),
-             getattr(reply, "fingerprint", "").encode(), ",".join(reply.adapters).encode()]
+             getattr(reply, "fingerprint", "").encode(), ",".join(reply.adapters).encode(),
+             str(reply.frame_port).encode()]
     return b"".join(struct.pack("!I", len(p)) + p for p in parts)
 
 

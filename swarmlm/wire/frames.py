@@ -86,6 +86,24 @@ async def connect(host: str, port: int, purpose: Purpose, token: str | None,
     return reader, writer
 
 
+def parse_frame(buf: bytearray, max_body_bytes: int) -> tuple[Kind, bytes] | None:
+    """Take the first whole frame off `buf` (bytes read so far from a connection); None while it is incomplete. A
+    header that breaks the framing (unknown kind, over the limit) is a FrameError as soon as it is there."""
+    if len(buf) < HEADER.size:
+        return None
+    size, kind = HEADER.unpack_from(buf)
+    if kind not in Kind._value2member_map_:
+        raise FrameError(f"unknown frame kind {kind}")
+    if size > max_body_bytes:
+        raise FrameError(f"oversized frame: {size} bytes exceed the limit of {max_body_bytes}")
+    end = HEADER.size + size
+    if len(buf) < end:
+        return None
+    body = bytes(buf[HEADER.size:end])
+    del buf[:end]
+    return Kind(kind), body
+
+
 async def read_frame(reader: asyncio.StreamReader, max_body_bytes: int,
                      body_timeout_s: float | None = None) -> tuple[Kind, bytes] | None:
     """The next frame, or None at a clean end of the connection (between frames). Waits as long as it takes for a

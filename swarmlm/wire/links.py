@@ -176,8 +176,8 @@ class Links:
 
     def get(self, address: str) -> LinkScheduler:
         link = self._links.get(address)
-        if link is None:
-            link = self._links[address] = LinkScheduler(self.policy)
+        if link is None:  # (setdefault: the caller's thread may ask too, session.py's blocking decode step)
+            link = self._links.setdefault(address, LinkScheduler(self.policy))
         return link
 
     def items(self) -> list[tuple[str, LinkScheduler]]:
