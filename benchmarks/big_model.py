@@ -18,6 +18,7 @@ Results: printed, and JSON to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -33,6 +34,7 @@ CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 PROMPTS = [[1, 450, 1301, 2183, 77, 912, 35, 3002, 318, 94, 1200, 61],  # token ids, equal lengths: one batch
            [1, 3999, 12, 845, 2048, 7, 1500, 300, 41, 2701, 88, 1023]]
 MIB = 1 << 20
+BASE_PORT = 40300  # servers on emulated hosts (--network) listen on fixed ports, each host its own address
 
 
 def model_file(preset: str, gguf_type: str, seed: int) -> Path:
@@ -175,6 +177,7 @@ def run(args: argparse.Namespace) -> dict:
     from swarmlm.client.model import DistributedModelForCausalLM
     from swarmlm.machine import machine_info
     from swarmlm.model.checkpoint import load_config
+    from swarmlm.bench.netem import Testbed, network_for
     from swarmlm.swarm.local import LocalSwarm, even_split
 
     path = model_file(args.preset, args.gguf, args.seed)
@@ -185,22 +188,32 @@ def run(args: argparse.Namespace) -> dict:
     caps = MemoryCgroup.available() and not args.no_cgroup
     server_args = ["--memory-mb", str(args.memory_mb), "--cache-mb", str(args.cache_mb), "--dtype", "float32",
                    "--quant", "auto", "--rebalance-period", "0"]
-    swarm = LocalSwarm(str(path), threads=args.threads, server_args=server_args, start_timeout_s=1800)
+    swarm = LocalSwarm(str(path), threads=args.threads, server_args=server_args, start_timeout_s=1800,
+                       with_dht=args.network == "loopback")
     groups: list[MemoryCgroup] = []
     peaks = AnonPeaks()
     peaks.pids.append(os.getpid())
-    try:
-        swarm.start_dht()
+    with contextlib.ExitStack() as stack:
+        testbed = stack.enter_context(Testbed(len(ranges), network_for(args.network, len(ranges)))) \
+            if args.network != "loopback" else None
+        stack.callback(lambda: [g.close() for g in groups])  # (after the servers stopped: LIFO)
+        stack.callback(swarm.stop)
+        if testbed is None:
+            swarm.start_dht()
         started = []
         for i, blocks in enumerate(ranges):
             prefix: list[str] = []
             if caps:
                 groups.append(MemoryCgroup(f"swarmlm-big-{os.getpid()}-{i}", (args.memory_mb + args.runtime_mb) * MIB))
                 prefix = groups[-1].prefix
-            started.append(swarm.start_server(blocks, wait=False, prefix=prefix))
+            where = {} if testbed is None else {"extra": ["--port", str(BASE_PORT + i)], "host": testbed.host_ip(i)}
+            prefix += testbed.exec_prefix(i) if testbed is not None else []
+            started.append(swarm.start_server(blocks, wait=False, prefix=prefix, **where))
             peaks.pids.append(started[-1].proc.pid)
         swarm.wait_ready(started)
-        client = DistributedModelForCausalLM.from_pretrained(str(path), servers=swarm.addresses, routing="shortest",
+        addresses = (swarm.addresses if testbed is None
+                     else [testbed.expose(i, BASE_PORT + i) for i in range(len(ranges))])
+        client = DistributedModelForCausalLM.from_pretrained(str(path), servers=addresses, routing="shortest",
                                                              dtype="float32", quant="auto")
         try:
             tokens, logits, decode_s = swarm_greedy(client, prompts, args.steps)
@@ -212,14 +225,16 @@ def run(args: argparse.Namespace) -> dict:
                     **({"cgroup_limit_mb": g.limit_bytes / MIB, "cgroup_peak_mb": g.peak_bytes() / MIB,
                         "cgroup_failcnt": g.failures()} if caps else {})}
                    for s, r, g in zip(swarm.servers, ranges, groups or [None] * len(ranges))]
-    finally:
-        swarm.stop()
-        for g in groups:
-            g.close()
+        network = {"network": args.network}
+        if testbed is not None:
+            link = testbed.network.link(-1, 0)
+            network.update(netem_mode=testbed.mode, fallback_reason=testbed.fallback_reason,
+                           client_link={"rtt_s": link.rtt_s, "rate_bps": link.rate_bps})
     rel = [float((logits[i] - ref["logits"][i]).norm() / ref["logits"][i].norm()) for i in range(args.steps)]
     return {
         "machine": machine_info(), "preset": args.preset, "file": str(path), "file_bytes": path.stat().st_size,
-        "servers": servers, "threads_per_server": args.threads, "memory_caps": "cgroup v1" if caps else "none",
+        "servers": servers, **network, "load_average_1_5_15": os.getloadavg(), "threads_per_server": args.threads,
+        "memory_caps": "cgroup v1" if caps else "none",
         "client_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "client_peak_anon_rss_mb": anon.get(os.getpid(), 0) / MIB,
         "prompts": len(prompts), "steps": args.steps,
@@ -244,6 +259,8 @@ def main() -> int:
                         help="cgroup limit above --memory-mb: the process itself (Python, torch, gRPC, DHT)")
     parser.add_argument("--no-cgroup", action="store_true", help="no memory caps, peak RSS only")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--network", default="loopback",
+                        help="loopback, or lan / wan / a topology file: each server on an emulated host (netem testbed)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rtol", type=float, default=1e-2, help="largest relative L2 error of a step's logits")
     parser.add_argument("--out", default="docs/results/big_model.json")
