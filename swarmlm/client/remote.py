@@ -194,7 +194,7 @@ class RemoteSequence:
             try:
                 return self.router.route(start, end, l_in, l_out, batch, max_length, prefix_held)
             except MissingBlocks as exc:
-                if missing is None and time.monotonic() < deadline:  # one line per wait: what is missing and for how long it waits
+                if missing is None and time.monotonic() < deadline:  # one line per wait: what, and for how long
                     log.warning("%s: waiting up to %.0f s for a server to take them (a server with room in its "
                                 "--memory-mb moves onto them)", exc, self.config.wait_for_blocks_s)
                 missing = exc.missing

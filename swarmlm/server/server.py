@@ -266,9 +266,14 @@ class Server:
                 self.service.sessions.close(sid)
             if self.service.prefixes is not None:
                 self.service.prefixes.shrink_to(0)  # (kept for the old blocks only)
+            old = self.stage.blocks
             self.stage.release()
             gc.collect()
-            stage = await loop.run_in_executor(None, self._load_stage, blocks)
+            try:
+                stage = await loop.run_in_executor(None, self._load_stage, blocks)
+            except Exception:  # (a file gone, memory refused): serve the old blocks again
+                log.exception("loading %s failed: reloading %s", blocks, old)
+                stage, blocks = await loop.run_in_executor(None, self._load_stage, old), old
             profile = await loop.run_in_executor(None, cached_profile, stage, cfg.threads, cfg.profile_cache_dir)
             self.stage = self.service.stage = stage
             self.service.stats = dataclasses.replace(self.service.stats, **measured_speeds(profile))
