@@ -29,13 +29,17 @@ def gguf_file(console, preset: str, gguf_type: str, seed: int = 0) -> Path:
     return path
 
 
-def budget_mb(path: Path, ranges, cache_mb: int) -> int:
-    """The largest share's need (weights as held + the cache budget), rounded up to 100 MiB."""
+def weights_mb(path: Path, blocks) -> float:
+    """The blocks' weights as a server holds them (packed), from the file's tensor table."""
     from swarmlm.config import ServerConfig
     from swarmlm.server.placement import range_bytes
 
-    config = ServerConfig(model_dir=str(path), blocks=None, dtype="float32", quant="auto")
-    need = max(range_bytes(config, r) for r in ranges) / MIB + cache_mb
+    return range_bytes(ServerConfig(model_dir=str(path), blocks=None, dtype="float32", quant="auto"), blocks) / MIB
+
+
+def budget_mb(path: Path, ranges, cache_mb: int) -> int:
+    """The largest share's need (weights as held + the cache budget), rounded up to 100 MiB."""
+    need = max(weights_mb(path, r) for r in ranges) + cache_mb
     return int(-(-need // 100) * 100)
 
 
@@ -107,13 +111,15 @@ def run_big(console, args: argparse.Namespace) -> int:
         got = out[0, len(ids):].tolist()
         table = Table(title=f"{args.preset}: {args.servers} servers under --memory-mb {memory_mb} "
                             f"(weights as held + --cache-mb {args.cache_mb})")
-        for col in ("server", "blocks", "budget MiB", "own RSS MiB", "peak RSS MiB"):
+        for col in ("server", "blocks", "budget MiB", "weights MiB", "own RSS MiB", "peak RSS MiB"):
             table.add_column(col, justify="right", no_wrap=True)
-        for s in swarm.servers:
-            table.add_row(s.server_id[-8:], "{}:{}".format(*s.ready["blocks"]), str(memory_mb),
-                          f"{_status_mb(s.proc.pid, 'RssAnon'):.0f}", f"{_status_mb(s.proc.pid, 'VmHWM'):.0f}")
+        for s, blocks in zip(swarm.servers, ranges):
+            table.add_row(s.server_id[-8:], f"{blocks.start}:{blocks.end}", str(memory_mb),
+                          f"{weights_mb(path, blocks):.0f}", f"{_status_mb(s.proc.pid, 'RssAnon'):.0f}",
+                          f"{_status_mb(s.proc.pid, 'VmHWM'):.0f}")
         console.print(table)
-        console.print("own RSS: the process's memory (RssAnon; Python, torch, gRPC take ~0.3 GB beside the budget); "
+        console.print("budget: weights as held + the attention cache it may reserve; own RSS: the process's memory "
+                      "(RssAnon: weights, caches in use, and Python, torch, gRPC, ~0.3 GB, outside the budget); "
                       "peak RSS: VmHWM, the file's pages it mapped included", soft_wrap=True)
         console.print(f"prompt {ids} -> {got}", soft_wrap=True)
         console.print("route (server id suffix[blocks]): " + " -> ".join(
