@@ -18,9 +18,11 @@ Results: printed, and JSON to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +35,7 @@ CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 PROMPTS = [[1, 450, 1301, 2183, 77, 912, 35, 3002, 318, 94, 1200, 61],  # token ids, equal lengths: one batch
            [1, 3999, 12, 845, 2048, 7, 1500, 300, 41, 2701, 88, 1023]]
 MIB = 1 << 20
+BASE_PORT = 40300  # servers on emulated hosts (--network) listen on fixed ports, each host its own address
 
 
 def model_file(preset: str, gguf_type: str, seed: int) -> Path:
@@ -155,26 +158,33 @@ class MemoryCgroup:
                 time.sleep(0.2)
 
 
-def swarm_greedy(client, prompts: list[list[int]], steps: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """tokens [B, steps], logits [steps, B, V], decode seconds (steps after the first)."""
+def swarm_greedy(client, prompts: list[list[int]], steps: int,
+                 kill_at: int | None = None, kill=None) -> tuple[torch.Tensor, torch.Tensor, float, list[float]]:
+    """tokens [B, steps], logits [steps, B, V], decode seconds (steps after the first), each step's seconds;
+    `kill()` is called before step `kill_at`."""
     ids = torch.tensor(prompts)
-    tokens, logits = [], []
+    tokens, logits, step_s = [], [], []
     with client.inference_session(max_length=ids.shape[1] + steps + 1, batch_size=ids.shape[0]) as session:
         last = client.step_logits(session, ids, last_only=True)[:, -1].float()
         t0 = time.perf_counter()
         for step in range(steps):
+            t = time.perf_counter()
+            if step == kill_at:
+                kill()
             if step:
                 last = client.step_logits(session, tokens[-1], last_only=True)[:, -1].float()
             logits.append(last)
             tokens.append(last.argmax(-1, keepdim=True))
+            step_s.append(time.perf_counter() - t)
         decode_s = time.perf_counter() - t0
-    return torch.cat(tokens, 1), torch.stack(logits), decode_s
+    return torch.cat(tokens, 1), torch.stack(logits), decode_s, step_s
 
 
 def run(args: argparse.Namespace) -> dict:
     from swarmlm.client.model import DistributedModelForCausalLM
     from swarmlm.machine import machine_info
     from swarmlm.model.checkpoint import load_config
+    from swarmlm.bench.netem import Testbed, network_for
     from swarmlm.swarm.local import LocalSwarm, even_split
 
     path = model_file(args.preset, args.gguf, args.seed)
@@ -184,42 +194,74 @@ def run(args: argparse.Namespace) -> dict:
     ranges = even_split(int(config.num_hidden_layers), args.servers)
     caps = MemoryCgroup.available() and not args.no_cgroup
     server_args = ["--memory-mb", str(args.memory_mb), "--cache-mb", str(args.cache_mb), "--dtype", "float32",
-                   "--quant", "auto", "--rebalance-period", "0"]
-    swarm = LocalSwarm(str(path), threads=args.threads, server_args=server_args, start_timeout_s=1800)
-    groups: list[MemoryCgroup] = []
+                   "--quant", "auto", "--rebalance-period", "0", "--open-idle-timeout", str(args.open_idle_timeout)]
+    swarm = LocalSwarm(str(path), threads=args.threads, server_args=server_args, start_timeout_s=1800,
+                       with_dht=args.network == "loopback")
+    groups: list[MemoryCgroup | None] = []
     peaks = AnonPeaks()
     peaks.pids.append(os.getpid())
-    try:
-        swarm.start_dht()
-        started = []
-        for i, blocks in enumerate(ranges):
-            prefix: list[str] = []
-            if caps:
-                groups.append(MemoryCgroup(f"swarmlm-big-{os.getpid()}-{i}", (args.memory_mb + args.runtime_mb) * MIB))
-                prefix = groups[-1].prefix
-            started.append(swarm.start_server(blocks, wait=False, prefix=prefix))
-            peaks.pids.append(started[-1].proc.pid)
+    with contextlib.ExitStack() as stack:
+        testbed = stack.enter_context(Testbed(len(ranges), network_for(args.network, len(ranges)))) \
+            if args.network != "loopback" else None
+        stack.callback(lambda: [g.close() for g in groups if g is not None])  # (after the servers stopped: LIFO)
+        stack.callback(swarm.stop)
+        if testbed is None:
+            swarm.start_dht()
+
+        def start(i: int, blocks, extra: list[str] = (), where: dict | None = None):
+            group = MemoryCgroup(f"swarmlm-big-{os.getpid()}-{i}", (args.memory_mb + args.runtime_mb) * MIB) \
+                if caps else None
+            groups.append(group)
+            prefix = (group.prefix if group else []) + (testbed.exec_prefix(i) if testbed is not None else [])
+            server = swarm.start_server(blocks, wait=False, prefix=prefix, extra=list(extra), **(where or {}))
+            peaks.pids.append(server.proc.pid)
+            return server
+
+        started = [start(i, blocks, *(() if testbed is None else (
+            ["--port", str(BASE_PORT + i)], {"host": testbed.host_ip(i)}))) for i, blocks in enumerate(ranges)]
         swarm.wait_ready(started)
-        client = DistributedModelForCausalLM.from_pretrained(str(path), servers=swarm.addresses, routing="shortest",
+        failover: dict = {}
+        if args.failover:  # a spare placed by its budget (no --blocks): it takes a window already served
+            spare = start(len(ranges), None, ["--rebalance-period", "600"])  # only blocks left uncovered move it
+            swarm.wait_ready([spare])
+            held = range(*spare.ready["blocks"])
+            victim = next((s for s in started if not set(range(*s.ready["blocks"])) <= set(held)), None)
+            if victim is None:
+                raise SystemExit(f"the spare holds blocks {held.start}:{held.stop}, every server's: give a smaller "
+                                 "--memory-mb")
+            failover = {"spare_blocks_at_start": spare.ready["blocks"], "killed_blocks": victim.ready["blocks"],
+                        "killed_at_step": args.kill_at}
+            where = {"initial_peers": swarm.initial_peers, "wait_for_blocks_s": 1800.0}  # (reads the spare's move)
+        elif testbed is None:
+            where = {"servers": swarm.addresses}
+        else:
+            where = {"servers": [testbed.expose(i, BASE_PORT + i) for i in range(len(ranges))]}
+        client = DistributedModelForCausalLM.from_pretrained(str(path), **where, routing="shortest",
                                                              dtype="float32", quant="auto")
         try:
-            tokens, logits, decode_s = swarm_greedy(client, prompts, args.steps)
+            tokens, logits, decode_s, step_s = swarm_greedy(
+                client, prompts, args.steps, args.kill_at if args.failover else None,
+                lambda: swarm.kill(victim, signal.SIGKILL))
         finally:
             client.close()
+        if args.failover:
+            failover.update(moved=read_event(spare, "moved", 60), step_seconds=step_s)
         anon = peaks.stop()
-        servers = [{"blocks": [r.start, r.end], "budget_mb": args.memory_mb,
+        servers = [{"blocks": s.ready["blocks"], "budget_mb": args.memory_mb, "killed": not s.alive,
                     "peak_rss_mb": _peak_rss(s.proc.pid) / MIB, "peak_anon_rss_mb": anon.get(s.proc.pid, 0) / MIB,
                     **({"cgroup_limit_mb": g.limit_bytes / MIB, "cgroup_peak_mb": g.peak_bytes() / MIB,
-                        "cgroup_failcnt": g.failures()} if caps else {})}
-                   for s, r, g in zip(swarm.servers, ranges, groups or [None] * len(ranges))]
-    finally:
-        swarm.stop()
-        for g in groups:
-            g.close()
+                        "cgroup_failcnt": g.failures()} if g is not None else {})}
+                   for s, g in zip(swarm.servers, groups)]
+        network = {"network": args.network}
+        if testbed is not None:
+            link = testbed.network.link(-1, 0)
+            network.update(netem_mode=testbed.mode, fallback_reason=testbed.fallback_reason,
+                           client_link={"rtt_s": link.rtt_s, "rate_bps": link.rate_bps})
     rel = [float((logits[i] - ref["logits"][i]).norm() / ref["logits"][i].norm()) for i in range(args.steps)]
     return {
         "machine": machine_info(), "preset": args.preset, "file": str(path), "file_bytes": path.stat().st_size,
-        "servers": servers, "threads_per_server": args.threads, "memory_caps": "cgroup v1" if caps else "none",
+        "servers": servers, **network, "load_average_1_5_15": os.getloadavg(), "threads_per_server": args.threads,
+        "memory_caps": "cgroup v1" if caps else "none", **({"failover": failover} if failover else {}),
         "client_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "client_peak_anon_rss_mb": anon.get(os.getpid(), 0) / MIB,
         "prompts": len(prompts), "steps": args.steps,
@@ -230,6 +272,25 @@ def run(args: argparse.Namespace) -> dict:
                       "peak_anon_rss_mb": ref.get("peak_anon_bytes", 0) / MIB,
                       "largest_block_mb": ref["largest_block_bytes"] / MIB},
     }
+
+
+def read_event(server, event: str, timeout_s: float) -> dict:
+    """The server's next JSON line on stdout with this event ({} if none comes in time)."""
+    import threading
+
+    found: dict = {}
+
+    def read() -> None:
+        for line in server.proc.stdout:
+            msg = json.loads(line) if line.startswith("{") else {}
+            if msg.get("event") == event:
+                found.update(msg)
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    return found
 
 
 def main() -> int:
@@ -244,6 +305,15 @@ def main() -> int:
                         help="cgroup limit above --memory-mb: the process itself (Python, torch, gRPC, DHT)")
     parser.add_argument("--no-cgroup", action="store_true", help="no memory caps, peak RSS only")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--failover", action="store_true",
+                        help="add a spare placed by its --memory-mb (no --blocks); SIGKILL a server it does not "
+                             "replicate before step --kill-at: the spare takes its blocks, the same tokens")
+    parser.add_argument("--kill-at", type=int, default=3)
+    parser.add_argument("--open-idle-timeout", type=float, default=120.0,
+                        help="servers' --open-idle-timeout: a downstream server's first step comes after the upstream "
+                             "ones' prefill (11 llama-8b blocks: ~8 s at load 15 here, past the 10 s default)")
+    parser.add_argument("--network", default="loopback",
+                        help="loopback, or lan / wan / a topology file: each server on an emulated host (netem testbed)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rtol", type=float, default=1e-2, help="largest relative L2 error of a step's logits")
     parser.add_argument("--out", default="docs/results/big_model.json")

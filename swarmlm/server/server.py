@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import logging
 import signal
@@ -26,11 +27,12 @@ from swarmlm.server.auth import server_interceptors
 from swarmlm.server.frame_server import FrameServer
 from swarmlm.server.stage import Stage
 from swarmlm.swarm.identity import Identity
-from swarmlm.swarm.records import OFFLINE, ONLINE, ServerRecord, record_from_info
+from swarmlm.swarm.records import LOADING, OFFLINE, ONLINE, ServerRecord, record_from_info
 from swarmlm.types import BlockRange
 from swarmlm.wire.channel import server_options
 
 log = logging.getLogger(__name__)
+GAP_CHECK_S = 2.0  # how often a placed server looks for blocks nobody serves (rebalance_period_s for the rest)
 
 
 class Server:
@@ -140,11 +142,7 @@ class Server:
         self._start_dht()
         blocks = self._choose_blocks()
         log.info("loading blocks %s of %s (dtype %s)", blocks, cfg.model_dir, cfg.dtype)  # minutes for big models
-        t0 = time.perf_counter()
-        self.stage = Stage(cfg.model_dir, blocks, cfg.dtype, cfg.quant, cfg.mmap_weights)
-        self.stage.load_adapters(cfg.adapters)
-        log.info("loaded %d blocks in %.1f s (%.0f MiB)", blocks.length, time.perf_counter() - t0,
-                 self.stage.weight_bytes / 2**20)
+        self.stage = self._load_stage(blocks)
         profile = cached_profile(self.stage, cfg.threads, cfg.profile_cache_dir)
         stats = ServerStats(server_id=self.server_id, model=self.prefix or "", **measured_speeds(profile))
         self._scheduler = Scheduler(cfg.threads, cfg.scheduler)
@@ -224,17 +222,23 @@ class Server:
             await asyncio.sleep(0.1)
 
     async def _rebalance_loop(self) -> None:
-        """Every period: would moving raise the swarm's weakest block throughput enough? Then move."""
-        from swarmlm.server.placement import model_spec, should_move
+        """Every period: would moving raise the swarm's weakest block throughput enough? Then move. Blocks that nobody
+        serves any more (a dead server's) are looked for more often, every GAP_CHECK_S: clients wait for them."""
+        from swarmlm.server.placement import model_spec, should_move, uncovered
         from swarmlm.swarm.dht import fetch_records
 
         loop = asyncio.get_running_loop()
         model = await loop.run_in_executor(None, model_spec, self.config)
+        period = self.config.rebalance_period_s
+        next_check = time.monotonic() + period
         while True:
-            await asyncio.sleep(self.config.rebalance_period_s)
+            await asyncio.sleep(min(period, GAP_CHECK_S))
             try:
                 records = await loop.run_in_executor(None, lambda: fetch_records(  # joiners count: no move onto them
                     self.dht, self.prefix, range(model.num_blocks), swarm_key=self.config.swarm_key, joining=True))
+                if time.monotonic() < next_check and not uncovered(records, model.num_blocks):
+                    continue
+                next_check = time.monotonic() + period
                 target = should_move(self.config, self.record(), records, model)
                 if target is not None:
                     await self._move(target)
@@ -242,30 +246,49 @@ class Server:
                 log.exception("rebalancing check failed; staying")
 
     async def _move(self, blocks: BlockRange) -> None:
-        """Serve `blocks` instead: withdraw, hand open sessions back to their clients' failover, reload, announce."""
+        """Serve `blocks` instead: withdraw, hand open sessions back to their clients' failover, free the old blocks,
+        load the new ones (only their bytes are read; never both held: the memory limit holds), announce."""
         from swarmlm.swarm.dht import announce
 
         log.info("rebalancing: moving from %s to %s", self.stage.blocks, blocks)
+        cfg = self.config
         loop = asyncio.get_running_loop()
         with self._moving:
             self.service.accepting = False
+            # the new range as loading: clients stop routing here, other servers placing themselves count it
+            loading = dataclasses.replace(self.record(LOADING), start=blocks.start, end=blocks.end)
             await loop.run_in_executor(None, lambda: announce(
-                self.dht, self.prefix, self.record(OFFLINE), self.config.record_ttl_s, subkey=self.subkey,
-                swarm_key=self.config.swarm_key))
-            deadline = time.monotonic() + min(self.config.drain_timeout_s, 5.0)
+                self.dht, self.prefix, loading, cfg.record_ttl_s, subkey=self.subkey, swarm_key=cfg.swarm_key))
+            deadline = time.monotonic() + min(cfg.drain_timeout_s, 5.0)
             while self.service.sessions.sessions and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             for sid in list(self.service.sessions.sessions):  # their next step fails: clients fail over
                 self.service.sessions.close(sid)
-            stage = await loop.run_in_executor(
-                None, Stage, self.config.model_dir, blocks, self.config.dtype, self.config.quant)
-            profile = await loop.run_in_executor(
-                None, cached_profile, stage, self.config.threads, self.config.profile_cache_dir)
+            if self.service.prefixes is not None:
+                self.service.prefixes.shrink_to(0)  # (kept for the old blocks only)
+            old = self.stage.blocks
+            self.stage.release()
+            gc.collect()
+            try:
+                stage = await loop.run_in_executor(None, self._load_stage, blocks)
+            except Exception:  # (a file gone, memory refused): serve the old blocks again
+                log.exception("loading %s failed: reloading %s", blocks, old)
+                stage, blocks = await loop.run_in_executor(None, self._load_stage, old), old
+            profile = await loop.run_in_executor(None, cached_profile, stage, cfg.threads, cfg.profile_cache_dir)
             self.stage = self.service.stage = stage
             self.service.stats = dataclasses.replace(self.service.stats, **measured_speeds(profile))
             self.service.accepting = True
-        print(json.dumps({"event": "moved", "server_id": self.server_id, "blocks": [blocks.start, blocks.end]}),
-              flush=True)
+        print(json.dumps({"event": "moved", "server_id": self.server_id, "blocks": [blocks.start, blocks.end],
+                          "weight_bytes": stage.weight_bytes}), flush=True)
+
+    def _load_stage(self, blocks: BlockRange) -> Stage:
+        cfg = self.config
+        t0 = time.perf_counter()
+        stage = Stage(cfg.model_dir, blocks, cfg.dtype, cfg.quant, cfg.mmap_weights)
+        stage.load_adapters(cfg.adapters)
+        log.info("loaded %d blocks in %.1f s (%.0f MiB)", blocks.length, time.perf_counter() - t0,
+                 stage.weight_bytes / 2**20)
+        return stage
 
     def _print_ready(self, profile) -> None:
         # one JSON line on stdout: launchers (demo, tests, bench) wait for it

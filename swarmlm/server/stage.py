@@ -104,6 +104,13 @@ class Stage:
         if len(self.lora_adapters) > MAX_ADAPTERS:
             raise ValueError(f"at most {MAX_ADAPTERS} adapters, got {len(self.lora_adapters)}")
 
+    def release(self) -> None:
+        """Drop the weights (a server moving to other blocks frees them before loading the new ones, so it never
+        holds both: server/server.py _move). The stage computes nothing afterwards."""
+        self.modules = type(self.modules)()
+        self._decoders.clear()
+        self.lora_adapters.clear()
+
     @property
     def kv_dim(self) -> int:
         """Width of one block's key (or value) per token: hidden size, or fewer with grouped-query attention (the
