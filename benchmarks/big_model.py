@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             client.close()
         if args.failover:
-            failover.update(moved=read_event(spare, "moved", 60), step_seconds=step_s)
+            failover.update(moved=read_event(spare.proc.stdout, "moved", 60), step_seconds=step_s)
         anon = peaks.stop()
         servers = [{"blocks": s.ready["blocks"], "budget_mb": args.memory_mb, "killed": not s.alive,
                     "peak_rss_mb": _peak_rss(s.proc.pid) / MIB, "peak_anon_rss_mb": anon.get(s.proc.pid, 0) / MIB,
@@ -272,25 +272,6 @@ def run(args: argparse.Namespace) -> dict:
                       "peak_anon_rss_mb": ref.get("peak_anon_bytes", 0) / MIB,
                       "largest_block_mb": ref["largest_block_bytes"] / MIB},
     }
-
-
-def read_event(server, event: str, timeout_s: float) -> dict:
-    """The server's next JSON line on stdout with this event ({} if none comes in time)."""
-    import threading
-
-    found: dict = {}
-
-    def read() -> None:
-        for line in server.proc.stdout:
-            msg = json.loads(line) if line.startswith("{") else {}
-            if msg.get("event") == event:
-                found.update(msg)
-                return
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    return found
 
 
 def main() -> int:

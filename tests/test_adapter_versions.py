@@ -8,9 +8,10 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from swarmlm.bench.swarm_attacks import make_lora
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.server.adapters import adapter_fingerprint
 from swarmlm.types import BlockRange
@@ -22,16 +23,7 @@ torch.set_num_threads(1)
 
 
 def _adapter(tiny_llama, path, seed: int) -> str:
-    torch.manual_seed(seed)
-    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32),
-                          LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
-                                     task_type="CAUSAL_LM"))
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
-    peft.save_pretrained(path)
-    return str(path)
+    return make_lora(tiny_llama, path, seed)
 
 
 def test_two_versions_of_one_adapter_name_are_told_apart_and_never_mixed(tiny_llama, tmp_path):

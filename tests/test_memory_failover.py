@@ -6,10 +6,8 @@ A Q4_0 GGUF of tiny-llama's family with blocks of ~1.9 MiB, so that budgets in w
 """
 from __future__ import annotations
 
-import json
 import logging
 import signal
-import threading
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ from swarmlm.errors import MissingBlocks
 from swarmlm.model.gguf_writer import write_gguf
 from swarmlm.model.random_checkpoint import preset_config
 from swarmlm.server.placement import range_bytes
-from swarmlm.swarm.local import LocalSwarm
+from swarmlm.swarm.local import LocalSwarm, read_event
 from swarmlm.types import BlockRange
 from tests.swarm_helpers import client_of
 
@@ -50,23 +48,6 @@ def budget_mb(gguf: str, blocks: int) -> int:
 
 def memory_args(mb: int) -> list[str]:
     return ["--memory-mb", str(mb), "--cache-mb", str(CACHE_MB), "--dtype", "float32", "--quant", "auto"]
-
-
-def next_event(server, event: str, timeout_s: float) -> dict:
-    """The server's next JSON line on stdout with this event ({} if none comes in time)."""
-    found: dict = {}
-
-    def read() -> None:
-        for line in server.proc.stdout:
-            msg = json.loads(line) if line.startswith("{") else {}
-            if msg.get("event") == event:
-                found.update(msg)
-                return
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    return found
 
 
 def greedy(client, ids: torch.Tensor, kill=None) -> list[int]:
@@ -111,7 +92,7 @@ def test_a_spare_with_room_takes_the_dead_servers_blocks(gguf, caplog):
                 got = greedy(client, ids, kill=lambda: swarm.kill(lost, signal.SIGKILL))
         finally:
             client.close()
-        moved = next_event(spare, "moved", 60)
+        moved = read_event(spare.proc.stdout, "moved", 60)
     assert got == want
     assert moved["blocks"] == [3, 6], moved
     assert moved["weight_bytes"] + CACHE_MB * MIB <= budget_mb(gguf, 3) * MIB  # within its budget
@@ -129,7 +110,7 @@ def test_without_room_the_client_waits_then_says_so(gguf, caplog):
                 greedy(client, torch.tensor([[1, 17, 250, 3, 99]]), kill=lambda: swarm.kill(lost, signal.SIGKILL))
         finally:
             client.close()
-        assert next_event(spare, "moved", 1) == {}  # it stayed within its budget: no partial, useless move
+        assert read_event(spare.proc.stdout, "moved", 1) == {}  # it stayed within its budget: no partial, useless move
         assert spare.alive
     lines = waits(caplog)
     assert len(lines) == 1 and "blocks 3-5" in lines[0], lines

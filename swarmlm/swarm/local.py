@@ -36,6 +36,12 @@ def even_split(num_blocks: int, servers: int) -> list[BlockRange]:
 
 def read_ready_line(stdout, timeout_s: float) -> dict:
     """The first JSON line with event=ready a child prints (servers, the API gateway), or {} after timeout_s."""
+    return read_event(stdout, "ready", timeout_s)
+
+
+def read_event(stdout, event: str, timeout_s: float) -> dict:
+    """The next JSON line with this event a child prints on stdout (a server's "ready", "moved", ...), or {} after
+    timeout_s."""
     result: dict = {}
 
     def read() -> None:
@@ -44,7 +50,7 @@ def read_ready_line(stdout, timeout_s: float) -> dict:
                 msg = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(msg, dict) and msg.get("event") == "ready":
+            if isinstance(msg, dict) and msg.get("event") == event:
                 result.update(msg)
                 return
 
