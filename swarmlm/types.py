@@ -69,13 +69,14 @@ class Span:
     def length(self) -> int:
         return self.end - self.start
 
-    def describe(self) -> str:
-        """For people (logs, tables, CSV): "id[start:end)". Code reads the fields, never this string."""
-        return f"{self.server_id}[{self.start}:{self.end})"
+    def describe(self, id_chars: int | None = None) -> str:
+        """For people (logs, tables, CSV): "id[start:end)" (the id's last `id_chars` characters, if given). Code reads
+        the fields, never this string."""
+        return f"{self.server_id[-id_chars:] if id_chars else self.server_id}[{self.start}:{self.end})"
 
 
-def describe_spans(spans) -> str:
-    return " -> ".join(s.describe() for s in spans)
+def describe_spans(spans, id_chars: int | None = None) -> str:
+    return " -> ".join(s.describe(id_chars) for s in spans)
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ def run_big(console, args: argparse.Namespace) -> int:
     from swarmlm.client.model import DistributedModelForCausalLM
     from swarmlm.model.checkpoint import load_config, load_tokenizer
     from swarmlm.swarm.local import LocalSwarm, even_split
+    from swarmlm.types import describe_spans
 
     path = gguf_file(console, args.preset, args.gguf or "q4_0")
     ranges = even_split(int(load_config(str(path)).num_hidden_layers), args.servers)
@@ -122,8 +123,8 @@ def run_big(console, args: argparse.Namespace) -> int:
                       "(RssAnon: weights, caches in use, and Python, torch, gRPC, ~0.3 GB, outside the budget); "
                       "peak RSS: VmHWM, the file's pages it mapped included", soft_wrap=True)
         console.print(f"prompt {ids} -> {got}", soft_wrap=True)
-        console.print("route (server id suffix[blocks]): " + " -> ".join(
-            f"{r.split('[')[0][-8:]}[{r.split('[')[1]}" for r in stats.route), soft_wrap=True, markup=False)
+        console.print("route (server id suffix[blocks]): " + describe_spans(stats.route, id_chars=8), soft_wrap=True,
+                      markup=False)
         console.print(f"decode: {stats.tokens_per_s:.2f} tokens/s, first token after {stats.ttft_s:.1f} s",
                       soft_wrap=True)
     finally:

@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from swarmlm.client.model import DistributedModelForCausalLM
     from swarmlm.model.checkpoint import load_config, load_tokenizer, load_transformers_model
     from swarmlm.swarm.local import LocalSwarm, even_split
+    from swarmlm.types import describe_spans
 
     console = Console()
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the swarm as Ctrl-C does (never leaves servers behind)
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
             out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, streamer=streamer)
             stats = model.last_stats
             want, local_ttft, local_tps = _local_run(local, inputs, args.max_new_tokens)
-            routes.add(" -> ".join(f"{s.server_id[-8:]}[{s.start}:{s.end})" for s in stats.route))
+            routes.add(describe_spans(stats.route, id_chars=8))
             table.add_row(prompt, f"{stats.ttft_s:.3f}", f"{local_ttft:.3f}", f"{stats.tokens_per_s:.1f}",
                           f"{local_tps:.1f}", "yes" if torch.equal(out, want) else "[red]NO[/red]")
         console.print(table)
