@@ -46,11 +46,11 @@ def run(args: argparse.Namespace) -> int:
         tmp = Path(args.addr_file + ".tmp")
         tmp.write_text("\n".join(addrs) + "\n")
         tmp.replace(args.addr_file)  # atomic: readers never see half an address
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before the address is out: whoever reads it may stop us at once
+        signal.signal(sig, lambda *_: stop.set())
     print("\n".join(addrs), flush=True)
     print(join_hint(addrs, args.host), file=sys.stderr, flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     relay.shutdown()
     dht.shutdown()
