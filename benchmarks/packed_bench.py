@@ -10,7 +10,7 @@ llama.cpp on the same file.
 `kernels`: median time of y = x W^T for 1 and 8 rows of x, per kernel: torch float32, torch's dynamic int8
 (`quantized::linear_dynamic`, activations quantized per call), weight-only int8 (`aten._weight_int8pack_mm`, bf16
 activations: its fast case), int4 (`aten._weight_int4pack_mm_for_cpu`, bf16, groups of 32), and swarmlm's packed
-Q4_0 / Q4_1 / Q8_0 (activations rounded to int16 per block of 32, integer products: kernels/act16.c). Weights are
+Q4_0 / Q4_1 / Q8_0 / Q4_K (activations rounded to int16 per block of 32, integer products: kernels/act16.c). Weights are
 cold for every call of the "cold" column (a 64 MiB buffer is written between calls), as they are in a decode step of
 a model past the caches.
 

@@ -21,7 +21,7 @@ QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16")  # what gg
 FILE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16")  # the tiny GGUFs' matrices (rows of 64 weights)
 
 
-ROUNDED_ACTIVATIONS = ("Q4_0", "Q4_1", "Q8_0")  # kernels/act16.c: activations rounded to int16 per block of 32
+ROUNDED_ACTIVATIONS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")  # kernels/act16.c: activations rounded to int16 per block of 32
 ROUNDING_BOUND = 1e-4  # what that rounding may cost a product (relative L2; ~3e-5 measured on random activations)
 
 

@@ -1,4 +1,4 @@
-"""swarmlm's compiled kernels: packed.c (products from GGUF blocks), act16.c (Q4_0 / Q4_1 / Q8_0 products in integers over
+"""swarmlm's compiled kernels: packed.c (products from GGUF blocks), act16.c (Q4_0 / Q4_1 / Q8_0 / Q4_K products in integers over
 activations rounded to int16 blocks) and decode.c (a decode step of a span of
 Llama-shaped blocks in one call), built once per machine with the system C compiler and loaded with ctypes.
 

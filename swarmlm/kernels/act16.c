@@ -1,4 +1,4 @@
-/* Q4_0, Q4_1 and Q8_0 products with int16 activations (swarmlm's own code): y[r, n] = sum_k x[r, k] * W[n, k].
+/* Q4_0, Q4_1, Q8_0 and Q4_K products with int16 activations (swarmlm's own code): y[r, n] = sum_k x[r, k] * W[n, k].
  *
  * Why: unpacking nibbles into float32 and one FMA per weight tops out near 20 G weights/s on a core here, below what
  * memory delivers for 4-bit weights. Integer products are cheaper: a nibble is already a 16-bit integer after a
@@ -18,7 +18,9 @@
  * vectors of 32 weights each, and the activations are laid out once per call to match (act16_prepare): vector v word
  * 8c + t holds block c's activation WEIGHT_OF[v][t]. A vpdpwssd lane adds two neighbouring words, so lanes 4c..4c+3
  * only ever hold block c's products, and one float multiply-add per chunk applies each block's two scales. Q8_0's
- * quants are stored in that order already (packed.c, q8_0_at): a sign extension gives each vector. */
+ * quants are stored in that order already (packed.c, q8_0_at): a sign extension gives each vector. Q4_K is split at
+ * load into Q4_0's nibble order with its 6-bit scales and mins as bytes (packed.c, split_q4_k_row): a chunk of 4
+ * sub-blocks is Q4_1's, its scales d x sc and mins dmin x mn computed per chunk. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -56,14 +58,14 @@ static const int WEIGHT_OF[4][8] = {{0, 2, 4, 6, 8, 10, 12, 14}, {16, 18, 20, 22
 
 /* Does this type's product round activations to int16 blocks? On every build, so that every build and every
  * batch shape computes the same function up to float32 summation order. */
-int act16_rounds(int ggml_type) { return ggml_type == 2 || ggml_type == 3 || ggml_type == 8; }
+int act16_rounds(int ggml_type) { return ggml_type == 2 || ggml_type == 3 || ggml_type == 8 || ggml_type == 12; }
 
 /* Products of up to this many activation rows run in integers. Q4_0 / Q4_1 with more rows share each unpacked
  * block between more FMAs, so packed.c's float tiles are as fast there, on the rounded activations
  * (act16_round_rows); Q8_0 is kept in this file's order (packed.c, q8_0_at) and always multiplied here. */
 int64_t act16_integer_rows(int ggml_type) {
 #if defined(ACT16_WIDE)
-    return ggml_type == 8 ? INT64_MAX : 4;
+    return ggml_type == 8 || ggml_type == 12 ? INT64_MAX : 4;
 #else
     (void)ggml_type;
     return 0;
@@ -169,9 +171,18 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
                 v[u][2] = _mm512_and_si512(_mm512_srli_epi16(q, 8), low4);
                 v[u][3] = _mm512_srli_epi16(q, 12);
             }
-            const float *scales = (const float *)(row + nb * (T == 8 ? 32 : BLOCK_BYTES));
-            d[u] = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(blocks, scales + 4 * ch));
-            if (T == 3) m[u] = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(blocks, scales + nb + 4 * ch));
+            if (T == 12) {  /* packed.c's split Q4_K: a chunk's 6-bit scales and mins (bytes) x its super-block's d, dmin */
+                const uint8_t *bytes6 = row + nb * BLOCK_BYTES + 4 * ch;
+                const float *dd = (const float *)(row + nb * 18) + ch / 2;
+                const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(blocks, bytes6)));
+                const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(blocks, bytes6 + nb)));
+                d[u] = _mm512_permutexvar_ps(spread, _mm512_mul_ps(_mm512_set1_ps(dd[0]), sc));
+                m[u] = _mm512_permutexvar_ps(spread, _mm512_mul_ps(_mm512_set1_ps(-dd[nb / 8]), mn));
+            } else {
+                const float *scales = (const float *)(row + nb * (T == 8 ? 32 : BLOCK_BYTES));
+                d[u] = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(blocks, scales + 4 * ch));
+                if (T == 3) m[u] = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(blocks, scales + nb + 4 * ch));
+            }
         }
         for (int r = 0; r < R; r++) {
             const act_chunk *x = a->chunks + (r0 + r) * a->chunks_per_row + ch;
@@ -192,7 +203,7 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
                                                              _mm512_madd_epi16(v[u][3], x3)));
 #endif
                 total[u][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(d[u], scale), total[u][r]);
-                if (T == 3) total[u][r] = _mm512_fmadd_ps(m[u], _mm512_load_ps(x->sum), total[u][r]);
+                if (T == 3 || T == 12) total[u][r] = _mm512_fmadd_ps(m[u], _mm512_load_ps(x->sum), total[u][r]);
             }
         }
     }
@@ -242,13 +253,23 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
                 v[u][2] = _mm256_and_si256(_mm256_srli_epi16(qz, 8), low4);
                 v[u][3] = _mm256_srli_epi16(qz, 12);
             }
-            const float *scales = (const float *)(row + nb * (T == 8 ? 32 : BLOCK_BYTES)) + 2 * half;
-            const float *mins = scales + nb;
-            d[u] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_setr_ps(scales[0], two ? scales[1] : 0.0f, 0, 0)),
-                                            spread);
-            if (T == 3)
-                m[u] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_setr_ps(mins[0], two ? mins[1] : 0.0f, 0, 0)),
+            if (T == 12) {  /* split Q4_K: 6-bit scales and mins (bytes) x the super-block's d, dmin (a half: 2 groups) */
+                const uint8_t *bytes6 = row + nb * BLOCK_BYTES + 2 * half;
+                const float *dd = (const float *)(row + nb * 18) + half / 4;
+                d[u] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_setr_ps(dd[0] * bytes6[0], dd[0] * bytes6[1], 0, 0)),
                                                 spread);
+                m[u] = _mm256_permutevar8x32_ps(
+                    _mm256_castps128_ps256(_mm_setr_ps(-(dd[nb / 8] * bytes6[nb]), -(dd[nb / 8] * bytes6[nb + 1]), 0, 0)),
+                    spread);
+            } else {
+                const float *scales = (const float *)(row + nb * (T == 8 ? 32 : BLOCK_BYTES)) + 2 * half;
+                const float *mins = scales + nb;
+                d[u] = _mm256_permutevar8x32_ps(
+                    _mm256_castps128_ps256(_mm_setr_ps(scales[0], two ? scales[1] : 0.0f, 0, 0)), spread);
+                if (T == 3)
+                    m[u] = _mm256_permutevar8x32_ps(
+                        _mm256_castps128_ps256(_mm_setr_ps(mins[0], two ? mins[1] : 0.0f, 0, 0)), spread);
+            }
         }
         for (int r = 0; r < R; r++) {
             const act_chunk *x = a->chunks + (r0 + r) * a->chunks_per_row + ch;
@@ -264,7 +285,7 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
                 acc = _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(v[u][2], x2),
                                                              _mm256_madd_epi16(v[u][3], x3)));
                 total[u][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(d[u], scale), total[u][r]);
-                if (T == 3) total[u][r] = _mm256_fmadd_ps(m[u], _mm256_load_ps(x->sum + 8 * h), total[u][r]);
+                if (T == 3 || T == 12) total[u][r] = _mm256_fmadd_ps(m[u], _mm256_load_ps(x->sum + 8 * h), total[u][r]);
             }
         }
     }
@@ -282,13 +303,13 @@ typedef void (*tile_fn)(const uint8_t *, int64_t, int64_t, const act16 *, float 
     TILE(T, 2, 1) TILE(T, 2, 2) TILE(T, 2, 3) TILE(T, 2, 4) TILE(T, 1, 1) TILE(T, 1, 2) TILE(T, 1, 3) TILE(T, 1, 4) \
     static const tile_fn WIDE_##T[5] = {0, tile_##T##_2_1, tile_##T##_2_2, tile_##T##_2_3, tile_##T##_2_4}; \
     static const tile_fn NARROW_##T[5] = {0, tile_##T##_1_1, tile_##T##_1_2, tile_##T##_1_3, tile_##T##_1_4};
-TILES(2) TILES(3) TILES(8)
+TILES(2) TILES(3) TILES(8) TILES(12)
 
 /* columns [n0, n1) of y [rows, n]: two weight rows at a time, every activation row (4 at a time) while they are in L1 */
 static void act16_rows(int ggml_type, const uint8_t *w, int64_t row_bytes, const act16 *a, int64_t rows, int64_t k,
                        float *y, int64_t n, int64_t n0, int64_t n1) {
-    const tile_fn *wide = ggml_type == 2 ? WIDE_2 : ggml_type == 3 ? WIDE_3 : WIDE_8;
-    const tile_fn *narrow = ggml_type == 2 ? NARROW_2 : ggml_type == 3 ? NARROW_3 : NARROW_8;
+    const tile_fn *wide = ggml_type == 2 ? WIDE_2 : ggml_type == 3 ? WIDE_3 : ggml_type == 8 ? WIDE_8 : WIDE_12;
+    const tile_fn *narrow = ggml_type == 2 ? NARROW_2 : ggml_type == 3 ? NARROW_3 : ggml_type == 8 ? NARROW_8 : NARROW_12;
     const int64_t nb = k / 32;
     int64_t i = n0;
     for (; i + 2 <= n1; i += 2)

@@ -3,7 +3,7 @@
  * A weight matrix W [N, K] is N rows of K/QK blocks, each block exactly as the file stores it. Every function here
  * computes y[r, n] = sum_k x[r, k] * W[n, k] for float32 activations x [R, K]: a block is turned into QK floats in
  * registers or a small L1 buffer and multiplied in float32, so the result is the dequantized weights' product up
- * to float32 summation order -- except Q4_0, Q4_1 and Q8_0, whose activations are first rounded to int16 per block of
+ * to float32 summation order -- except Q4_0, Q4_1, Q8_0 and Q4_K, whose activations are first rounded to int16 per block of
  * 32 and multiplied in integers (act16.c; Q4 products of more than act16_integer_rows rows: these float tiles on
  * the rounded values). Decoding is memory-bound, so reading 4-8x fewer bytes than
  * float32 is the whole gain; the unpacking must only keep up with memory.
@@ -12,9 +12,10 @@
  * and Q8_0 (the common files; the llama-1b / llama-8b presets) are kept "split" (packed_repack): a row's quants for
  * all its blocks first, then its scales (and Q4_1's mins) as float32 -- 1.06-1.2x the file's bytes -- so the AVX-512
  * path loads a block's scale with no conversion and turns 16 nibbles into floats with one table lookup (vpermps:
- * the table is d * q + m for q = 0..15, one FMA per block). Every other type keeps the file's own block layout;
- * Q4_K, Q5_K and Q6_K are unpacked in registers from it too, the rest through a block buffer. CPUs without AVX-512 unpack
- * the split types and Q4_K / Q5_K / Q6_K in AVX2 registers (8 floats a vector; 5-15x the block buffer's speed).
+ * the table is d * q + m for q = 0..15, one FMA per block). Q4_K is split too (split_q4_k_row: Q4_0's nibble order,
+ * 6-bit scales as bytes, 1.06x) for act16.c. Every other type keeps the file's own block layout; Q5_K and Q6_K are
+ * unpacked in registers from it too, the rest through a block buffer. CPUs without AVX-512 unpack the split types
+ * and Q5_K / Q6_K in AVX2 registers (8 floats a vector; 5-15x the block buffer's speed).
  * Each fast tile is compiled once per type (the type a constant: no branch per block, ~2x on one row).
  * `packed_matmul_threads` splits a product's rows between this library's own worker threads (packed_set_threads).
  */
@@ -29,7 +30,7 @@
 #define QK 32
 #define QK_K 256
 
-/* act16.c: Q4_0 / Q4_1 / Q8_0 products with activations rounded to int16 blocks (in integers where the vector unit can) */
+/* act16.c: Q4_0 / Q4_1 / Q8_0 / Q4_K products with activations rounded to int16 blocks (in integers where the vector unit can) */
 int act16_rounds(int ggml_type);
 int64_t act16_integer_rows(int ggml_type);
 const void *act16_prepare_rows(const float *x, int64_t rows, int64_t k);
@@ -129,20 +130,6 @@ static inline void k_scale(const uint8_t *k, int g, int *sc, int *mn) {
     *mn = g < 4 ? k[i + 4] & 63 : (k[i + 8] >> 4) | ((k[i + 4] >> 2) & 0x30);
 }
 
-static void dq_q4_k(const uint8_t *b, float *y) {  /* d, dmin fp16, 12 scale bytes, 128 bytes */
-    const float d = fp16(b), dmin = fp16(b + 2);
-    uint8_t sc[8], mn[8];
-    k_scales(b + 4, sc, mn);
-    const uint8_t *q = b + 16;
-    for (int c = 0; c < 4; c++) {  /* 64 weights: low nibbles sub-block 2c, high nibbles 2c+1 */
-        const float d1 = d * sc[2 * c], m1 = dmin * mn[2 * c], d2 = d * sc[2 * c + 1], m2 = dmin * mn[2 * c + 1];
-        for (int l = 0; l < 32; l++) {
-            y[64 * c + l] = d1 * (float)(q[32 * c + l] & 0xf) - m1;
-            y[64 * c + 32 + l] = d2 * (float)(q[32 * c + l] >> 4) - m2;
-        }
-    }
-}
-
 static void dq_q5_k(const uint8_t *b, float *y) {  /* d, dmin, 12 scale bytes, qh 32 bytes, 128 bytes */
     const float d = fp16(b), dmin = fp16(b + 2);
     uint8_t sc[8], mn[8];
@@ -207,7 +194,7 @@ typedef struct {
 
 static const block_type TYPES[] = {
     {2, QK, 18, dq_q4_0},     {3, QK, 20, dq_q4_1},     {6, QK, 22, dq_q5_0},     {7, QK, 24, dq_q5_1},
-    {8, QK, 34, dq_q8_0},     {12, QK_K, 144, dq_q4_k}, {13, QK_K, 176, dq_q5_k}, {14, QK_K, 210, dq_q6_k},
+    {8, QK, 34, dq_q8_0},     {12, QK_K, 144, 0 /* split at load: split_dq_q4_k */}, {13, QK_K, 176, dq_q5_k}, {14, QK_K, 210, dq_q6_k},
     {1, QK, 64, dq_f16},      {30, QK, 64, dq_bf16},    {Q8_M, QK, 40, dq_q8_m},
 };
 
@@ -282,6 +269,44 @@ static void split_row(int ggml_type, const uint8_t *src, int64_t nb, uint8_t *ds
     }
 }
 
+/* ---- Q4_K split: [nibbles of every sub-block of 32, in Q4_0's order (byte j: weight j low, j + 16 high)][6-bit
+ * scales, one byte each][6-bit mins][d float32 per super-block of 256][dmin float32 per super-block]: 152 bytes per
+ * 256 weights (the file's 144), the nibbles laid out as act16's integer products read Q4_0's. ---- */
+static inline int64_t q4_k_row_bytes(int64_t k) { return k / QK * 18 + k / QK_K * 8; }
+
+/* super-block u of a split Q4_K row (nsub sub-blocks) -> 256 floats, the values dq_q4_k gives (one rounding each) */
+static void split_dq_q4_k(const uint8_t *row, int64_t nsub, int64_t u, float *y) {
+    const float d = load_f32(row + nsub * 18 + 4 * u), dmin = load_f32(row + nsub * 18 + 4 * (nsub / 8 + u));
+    for (int64_t s = 8 * u; s < 8 * u + 8; s++, y += 32) {
+        const uint8_t *q = row + 16 * s;
+        const float d1 = d * row[16 * nsub + s], m1 = dmin * row[17 * nsub + s];
+        for (int j = 0; j < 16; j++) {
+            y[j] = d1 * (float)(q[j] & 0xf) - m1;
+            y[j + 16] = d1 * (float)(q[j] >> 4) - m1;
+        }
+    }
+}
+
+/* a row of the file's Q4_K super-blocks (nsub / 8 of them) -> the split row */
+static void split_q4_k_row(const uint8_t *src, int64_t nsub, uint8_t *dst) {
+    for (int64_t u = 0; u < nsub / 8; u++) {
+        const uint8_t *b = src + 144 * u, *q = b + 16;
+        uint8_t sc[8], mn[8];
+        k_scales(b + 4, sc, mn);
+        const float d = fp16(b), dmin = fp16(b + 2);
+        memcpy(dst + nsub * 18 + 4 * u, &d, 4);
+        memcpy(dst + nsub * 18 + 4 * (nsub / 8 + u), &dmin, 4);
+        for (int g = 0; g < 8; g++) {  /* sub-block g: the low (g even) or high nibbles of bytes 32 (g / 2) .. +31 */
+            const int64_t s = 8 * u + g;
+            dst[16 * nsub + s] = sc[g];
+            dst[17 * nsub + s] = mn[g];
+            uint8_t w[32];
+            for (int l = 0; l < 32; l++) w[l] = g & 1 ? q[32 * (g / 2) + l] >> 4 : q[32 * (g / 2) + l] & 0xf;
+            for (int j = 0; j < 16; j++) dst[16 * s + j] = (uint8_t)(w[j] | (w[j + 16] << 4));
+        }
+    }
+}
+
 /* ---- dot products of a float block with R activation rows ---- */
 
 #define RMAX 8  /* activation rows handled per pass over a weight row (more rows: the caller loops) */
@@ -317,6 +342,7 @@ typedef float vf;
 /* block b of row `row` (nb blocks) as floats, whatever the layout */
 static inline void row_block(const block_type *t, const uint8_t *row, int64_t nb, int64_t b, float *y) {
     if (split_quant_bytes(t->ggml_type)) split_dq(t->ggml_type, row, nb, b, y);
+    else if (t->ggml_type == 12) split_dq_q4_k(row, 8 * nb, b, y);
     else t->dq(row + b * t->block_bytes, y);
 }
 
@@ -376,28 +402,10 @@ static inline void split_block(int ggml_type, const uint8_t *row, int64_t nb, in
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
 }
 
-/* Q4_K and Q6_K (the common "K_M" files) in their file layout: group b of 32 weights is sub-block b % 8 of
- * super-block b / 8; its scales are decoded per group (a few scalar operations per 32 weights) and the weights
- * unpacked in registers to the values dq_q4_k / dq_q6_k give, rounded the same way (one rounding each). */
-static inline void q4_k_group(const uint8_t *row, int64_t b, __m512 *lo, __m512 *hi) {
-    const uint8_t *s = row + (b / 8) * 144;
-    const int g = (int)(b % 8);
-    const uint8_t *k = s + 4;  /* this group's 6-bit scale and min only (k_scales decodes all eight) */
-    int sc, mn;
-    k_scale(k, g, &sc, &mn);
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(fp16(s) * sc), _mm512_set1_ps(-(fp16(s + 2) * mn)));
-    const uint8_t *q = s + 16 + 32 * (g / 2);
-    __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
-    __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
-    if (g & 1) {  /* the high nibbles */
-        v0 = _mm512_srli_epi32(v0, 4);
-        v1 = _mm512_srli_epi32(v1, 4);
-    }
-    *lo = _mm512_permutexvar_ps(v0, table);
-    *hi = _mm512_permutexvar_ps(v1, table);
-}
-
+/* Q6_K (with Q4_K, the common "K_M" files; Q4_K is split at load and multiplied by act16.c) in its file layout:
+ * group b of 32 weights is sub-block b % 8 of super-block b / 8; its scales are decoded per group (a few scalar
+ * operations per 32 weights) and the weights unpacked in registers to the values dq_q6_k gives, rounded the same
+ * way (one rounding each). */
 static inline __m512 q6_k_half(const uint8_t *ql, int ql_shift, const uint8_t *qh, int qh_shift, float scale) {
     const __m512i low = _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)ql)),
                                                            ql_shift), _mm512_set1_epi32(0xf));
@@ -437,13 +445,12 @@ static inline void q5_k_group(const uint8_t *row, int64_t b, __m512 *lo, __m512 
     *hi = q5_k_half(q + 16, qh + 16, g, d, m);
 }
 
-static int has_fast_path(int ggml_type) {  /* Q8_0: act16.c's integer products, every row count */
-    return (split_quant_bytes(ggml_type) && ggml_type != 8) || ggml_type == 12 || ggml_type == 13 || ggml_type == 14;
+static int has_fast_path(int ggml_type) {  /* Q8_0, Q4_K: act16.c's integer products, every row count */
+    return (split_quant_bytes(ggml_type) && ggml_type != 8) || ggml_type == 13 || ggml_type == 14;
 }
 
 static inline void fast_block(int ggml_type, const uint8_t *row, int64_t nb, int64_t b, __m512 *lo, __m512 *hi) {
-    if (ggml_type == 12) q4_k_group(row, b, lo, hi);
-    else if (ggml_type == 13) q5_k_group(row, b, lo, hi);
+    if (ggml_type == 13) q5_k_group(row, b, lo, hi);
     else if (ggml_type == 14) q6_k_group(row, b, lo, hi);
     else split_block(ggml_type, row, nb, b, lo, hi);
 }
@@ -503,7 +510,7 @@ static inline __attribute__((always_inline)) void tile(int ggml_type, const uint
                                           tile_##T##_1_5, tile_##T##_1_6, tile_##T##_1_7, tile_##T##_1_8};
 
 typedef void (*tile_fn)(const uint8_t *, int64_t, int64_t, const float *, int64_t, float *, int64_t, int64_t, int64_t);
-TILES(2) TILES(3) TILES(1001) TILES(12) TILES(13) TILES(14)
+TILES(2) TILES(3) TILES(1001) TILES(13) TILES(14)
 
 static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
                       float *y, int64_t n, int64_t n0, int64_t n1) {
@@ -511,10 +518,10 @@ static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const 
     for (int64_t r0 = 0; r0 < rows; r0 += 8) {  /* activation rows, 8 at a time */
         const int nr = rows - r0 < 8 ? (int)(rows - r0) : 8;
         const tile_fn *wide = ggml_type == 2 ? WIDE_2 : ggml_type == 3 ? WIDE_3
-                            : ggml_type == Q8_M ? WIDE_1001 : ggml_type == 12 ? WIDE_12 : ggml_type == 13 ? WIDE_13
+                            : ggml_type == Q8_M ? WIDE_1001 : ggml_type == 13 ? WIDE_13
                             : WIDE_14;
         const tile_fn *narrow = ggml_type == 2 ? NARROW_2 : ggml_type == 3 ? NARROW_3
-                              : ggml_type == Q8_M ? NARROW_1001 : ggml_type == 12 ? NARROW_12
+                              : ggml_type == Q8_M ? NARROW_1001
                               : ggml_type == 13 ? NARROW_13 : NARROW_14;
         int64_t i = n0;
         for (; i + 2 <= n1; i += 2) wide[nr](w, row_bytes, nb, x, k, y, n, i, r0);
@@ -550,22 +557,7 @@ static inline __attribute__((always_inline)) void split_block8(const int T, cons
     w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, off);
 }
 
-/* Q4_K group b (sub-block b % 8 of super-block b / 8) and Q6_K group b, as q4_k_group / q6_k_group below */
-static inline __attribute__((always_inline)) void q4_k_group8(const uint8_t *row, int64_t b, __m256 w[4]) {
-    const uint8_t *s = row + (b / 8) * 144, *k = s + 4;
-    const int g = (int)(b % 8);
-    int sc, mn;
-    k_scale(k, g, &sc, &mn);
-    const __m256 d = _mm256_set1_ps(fp16(s) * sc), m = _mm256_set1_ps(-(fp16(s + 2) * mn));
-    const uint8_t *q = s + 16 + 32 * (g / 2);
-    const __m256i low4 = _mm256_set1_epi32(0xf);
-    for (int j = 0; j < 4; j++) {
-        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * j)));
-        v = _mm256_and_si256(g & 1 ? _mm256_srli_epi32(v, 4) : v, low4);
-        w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m);
-    }
-}
-
+/* Q6_K group b (sub-block b % 8 of super-block b / 8), as q6_k_group above */
 static inline __attribute__((always_inline)) void q6_k_group8(const uint8_t *row, int64_t b, __m256 w[4]) {
     const uint8_t *s = row + (b / 8) * 210;
     const int g = (int)(b % 8), h = g / 4, j = g % 4;
@@ -601,8 +593,7 @@ static inline __attribute__((always_inline)) void q5_k_group8(const uint8_t *row
 
 static inline __attribute__((always_inline)) void fast_block8(const int T, const uint8_t *row, int64_t nb, int64_t b,
                                                                __m256 w[4]) {
-    if (T == 12) q4_k_group8(row, b, w);
-    else if (T == 13) q5_k_group8(row, b, w);
+    if (T == 13) q5_k_group8(row, b, w);
     else if (T == 14) q6_k_group8(row, b, w);
     else split_block8(T, row, nb, b, w);
 }
@@ -643,10 +634,10 @@ typedef void (*tile8_fn)(const uint8_t *, int64_t, int64_t, const float *, int64
     TILE8(T, 2, 1) TILE8(T, 2, 2) TILE8(T, 1, 1) TILE8(T, 1, 2) \
     static const tile8_fn TILES8_##T[2][3] = {{0, tile8_##T##_1_1, tile8_##T##_1_2}, \
                                                {0, tile8_##T##_2_1, tile8_##T##_2_2}};
-TILES8(2) TILES8(3) TILES8(1001) TILES8(12) TILES8(13) TILES8(14)
+TILES8(2) TILES8(3) TILES8(1001) TILES8(13) TILES8(14)
 
-static int has_fast_path(int ggml_type) {  /* Q8_0: act16.c's integer products, every row count */
-    return (split_quant_bytes(ggml_type) && ggml_type != 8) || ggml_type == 12 || ggml_type == 13 || ggml_type == 14;
+static int has_fast_path(int ggml_type) {  /* Q8_0, Q4_K: act16.c's integer products, every row count */
+    return (split_quant_bytes(ggml_type) && ggml_type != 8) || ggml_type == 13 || ggml_type == 14;
 }
 
 /* weight rows two at a time, each pair against every activation row (two at a time) while it is in L1 */
@@ -654,7 +645,7 @@ static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const 
                       float *y, int64_t n, int64_t n0, int64_t n1) {
     const int64_t nb = k / QK;
     const tile8_fn (*tiles)[3] = ggml_type == 2 ? TILES8_2 : ggml_type == 3 ? TILES8_3
-                               : ggml_type == Q8_M ? TILES8_1001 : ggml_type == 12 ? TILES8_12
+                               : ggml_type == Q8_M ? TILES8_1001
                                : ggml_type == 13 ? TILES8_13 : TILES8_14;
     for (int64_t i = n0; i < n1; i += 2) {
         const int wide = i + 2 <= n1;
@@ -673,6 +664,7 @@ int64_t packed_row_bytes(int ggml_type, int64_t k) {
     const block_type *t = find_type(ggml_type);
     if (!t || k <= 0 || k % t->block_weights) return 0;
     const int qb = split_quant_bytes(ggml_type);
+    if (ggml_type == 12) return q4_k_row_bytes(k);
     return qb ? k / QK * (qb + 4 * split_scales(ggml_type)) : k / t->block_weights * t->block_bytes;
 }
 
@@ -683,6 +675,7 @@ int packed_repack(int ggml_type, const uint8_t *src, int64_t src_row_bytes, int6
     if (!out_bytes || src_row_bytes != k / t->block_weights * t->block_bytes) return -1;
     for (int64_t i = 0; i < rows; i++) {
         if (split_quant_bytes(ggml_type)) split_row(ggml_type, src + i * src_row_bytes, k / QK, dst + i * out_bytes);
+        else if (ggml_type == 12) split_q4_k_row(src + i * src_row_bytes, k / QK, dst + i * out_bytes);
         else memcpy(dst + i * out_bytes, src + i * src_row_bytes, src_row_bytes);
     }
     return 0;

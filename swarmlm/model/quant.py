@@ -12,7 +12,7 @@ One setting, `quant` (QUANT_NAMES):
   Q8_M's 0.0 % on SmolLM2's float copy); activations stay float32 (docs/RESULTS-perf.md "Packed weights").
 
 What a server announces (`announced_quant`) says whether its function differs from the checkpoint's: a GGUF served
-packed computes the file's own values (to float32 summation order; Q4_0 / Q4_1 / Q8_0 products round activations to int16
+packed computes the file's own values (to float32 summation order; Q4_0 / Q4_1 / Q8_0 / Q4_K products round activations to int16
 blocks, ~3e-5 relative, kernels/act16.c), so it announces "none", exactly as a server that dequantized the file;
 int8 / int4 change the weights' values and say so.
 """
