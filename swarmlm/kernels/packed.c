@@ -307,6 +307,14 @@ static void split_q4_k_row(const uint8_t *src, int64_t nsub, uint8_t *dst) {
     }
 }
 
+/* the types the vector builds unpack in registers (rows_fast); Q8_0 and Q4_K: act16.c's integer products at every
+ * row count */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+static int has_fast_path(int ggml_type) {
+    return (split_quant_bytes(ggml_type) && ggml_type != 8) || ggml_type == 13 || ggml_type == 14;
+}
+#endif
+
 /* ---- dot products of a float block with R activation rows ---- */
 
 #define RMAX 8  /* activation rows handled per pass over a weight row (more rows: the caller loops) */
@@ -443,10 +451,6 @@ static inline void q5_k_group(const uint8_t *row, int64_t b, __m512 *lo, __m512 
     const uint8_t *qh = s + 16, *q = s + 48 + 32 * (g / 2);
     *lo = q5_k_half(q, qh, g, d, m);
     *hi = q5_k_half(q + 16, qh + 16, g, d, m);
-}
-
-static int has_fast_path(int ggml_type) {  /* Q8_0, Q4_K: act16.c's integer products, every row count */
-    return (split_quant_bytes(ggml_type) && ggml_type != 8) || ggml_type == 13 || ggml_type == 14;
 }
 
 static inline void fast_block(int ggml_type, const uint8_t *row, int64_t nb, int64_t b, __m512 *lo, __m512 *hi) {
@@ -635,10 +639,6 @@ typedef void (*tile8_fn)(const uint8_t *, int64_t, int64_t, const float *, int64
     static const tile8_fn TILES8_##T[2][3] = {{0, tile8_##T##_1_1, tile8_##T##_1_2}, \
                                                {0, tile8_##T##_2_1, tile8_##T##_2_2}};
 TILES8(2) TILES8(3) TILES8(1001) TILES8(13) TILES8(14)
-
-static int has_fast_path(int ggml_type) {  /* Q8_0, Q4_K: act16.c's integer products, every row count */
-    return (split_quant_bytes(ggml_type) && ggml_type != 8) || ggml_type == 13 || ggml_type == 14;
-}
 
 /* weight rows two at a time, each pair against every activation row (two at a time) while it is in L1 */
 static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
