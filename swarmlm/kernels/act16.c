@@ -28,6 +28,7 @@
 #if defined(__SSE2__)
 #include <immintrin.h>
 #endif
+#include "ahead.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ACT16_WIDE 1
@@ -36,9 +37,6 @@
 #endif
 
 #define BLOCK_BYTES 16  /* a Q4 block's nibbles */
-#ifndef AHEAD
-#define AHEAD 4096  /* bytes of a weight row asked for ahead of their use (into L2) */
-#endif
 
 /* one chunk of one activation row, as the products read it */
 typedef struct {
@@ -154,17 +152,15 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
         const __mmask16 blocks = left >= 4 ? 0xffff : (__mmask16)((1u << left) - 1);
         __m512i v[2][4];
         __m512 d[2], m[2];
+        ask_ahead(row0, W * row_bytes, a->chunks_per_row, ch);
         for (int u = 0; u < W; u++) {
             const uint8_t *row = row0 + u * row_bytes;
             if (T == 8) {  /* 4 quarters of 8 cn bytes: one sign extension each */
                 const int64_t cn = left >= 4 ? 4 : left;
                 const __mmask32 quarter = (__mmask32)((1ULL << (8 * cn)) - 1);
-                _mm_prefetch((const char *)(row + 128 * ch + AHEAD), _MM_HINT_T1);
-                _mm_prefetch((const char *)(row + 128 * ch + 64 + AHEAD), _MM_HINT_T1);
                 for (int q = 0; q < 4; q++)
                     v[u][q] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(quarter, row + 128 * ch + 8 * cn * q));
             } else {
-                _mm_prefetch((const char *)(row + 64 * ch + AHEAD), _MM_HINT_T1);
                 const __m512i q = _mm512_maskz_loadu_epi8(bytes, row + 64 * ch);
                 v[u][0] = _mm512_and_si512(q, low4);
                 v[u][1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
@@ -233,18 +229,17 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
         const int64_t ch = half / 2, h = half % 2;
         __m256i v[2][4];
         __m256 d[2], m[2];
+        ask_ahead(row0, W * row_bytes, (nb + 1) / 2, half);
         for (int u = 0; u < W; u++) {
             const uint8_t *row = row0 + u * row_bytes;
             if (T == 8) {  /* this half of each quarter (of 8 cn bytes): 16 bytes, or 8 for a last single block */
                 const int64_t cn = nb - 4 * ch < 4 ? nb - 4 * ch : 4;
-                _mm_prefetch((const char *)(row + 64 * half + AHEAD), _MM_HINT_T1);
                 for (int q = 0; q < 4; q++) {
                     const uint8_t *at = row + 128 * ch + 8 * cn * q + 16 * h;
                     v[u][q] = _mm256_cvtepi8_epi16(two ? _mm_loadu_si128((const __m128i *)at)
                                                        : _mm_loadl_epi64((const __m128i *)at));
                 }
             } else {
-                _mm_prefetch((const char *)(row + 32 * half + AHEAD), _MM_HINT_T1);
                 const __m256i q = two ? _mm256_loadu_si256((const __m256i *)(row + 32 * half))
                                       : _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(row + 32 * half)));
                 const __m256i qz = two ? q : _mm256_inserti128_si256(q, _mm_setzero_si128(), 1);

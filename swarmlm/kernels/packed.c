@@ -26,6 +26,7 @@
 #if defined(__SSE2__)
 #include <immintrin.h>
 #endif
+#include "ahead.h"
 
 #define QK 32
 #define QK_K 256
@@ -377,17 +378,6 @@ static void rows_generic(const block_type *t, const uint8_t *w, int64_t row_byte
     }
 }
 
-#if defined(__SSE2__)
-/* Ask for the bytes `ahead` past [at, at + bytes) while these are computed: the hardware prefetcher alone kept a
- * single core at ~3 GB/s from memory here on short rows (SmolLM2's are 432 bytes). Into L2 (T1): on Llama-3.2-1B shapes
- * that read ~10 % faster than into L1 (T0), which ties up the line fill buffers the loads need. */
-#define PREFETCH_AHEAD 4096
-static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *at, int64_t bytes, int64_t ahead, const uint8_t *end) {
-    for (const uint8_t *p = at + ahead; p < at + ahead + bytes && p < end; p += 64)
-        _mm_prefetch((const char *)p, _MM_HINT_T1);
-}
-
-#endif
 
 #if defined(__AVX512F__)
 /* block b of a split row -> two vectors of 16 floats (weights 0-15, 16-31) */
@@ -475,10 +465,9 @@ static inline __attribute__((always_inline)) void tile(int ggml_type, const uint
             if (SPLIT) acc_hi[a][r] = _mm512_setzero_ps();
         }
     const uint8_t *row0 = w + i * row_bytes;
-    prefetch_ahead(row0, W * row_bytes, PREFETCH_AHEAD > W * row_bytes ? PREFETCH_AHEAD : W * row_bytes,
-                   w + n * row_bytes);
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + r0 * k + b * QK;
+        ask_ahead(row0, W * row_bytes, nb, b);
         __m512 lo[2], hi[2];
         for (int a = 0; a < W; a++) fast_block(ggml_type, row0 + a * row_bytes, nb, b, &lo[a], &hi[a]);
         for (int r = 0; r < R; r++) {  /* each activation row's block loaded once for the W weight rows */
@@ -612,6 +601,7 @@ static inline __attribute__((always_inline)) void tile8(const int T, const uint8
     const uint8_t *row0 = w + i * row_bytes;
     for (int64_t b = 0; b < nb; b++) {
         __m256 v[2][4];
+        ask_ahead(row0, W * row_bytes, nb, b);
         for (int a = 0; a < W; a++) fast_block8(T, row0 + a * row_bytes, nb, b, v[a]);
         for (int r = 0; r < R; r++) {
             const float *xb = x + (r0 + r) * k + b * QK;
@@ -649,7 +639,6 @@ static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const 
                                : ggml_type == 13 ? TILES8_13 : TILES8_14;
     for (int64_t i = n0; i < n1; i += 2) {
         const int wide = i + 2 <= n1;
-        prefetch_ahead(w + i * row_bytes, 2 * row_bytes, PREFETCH_AHEAD, w + n * row_bytes);
         for (int64_t r0 = 0; r0 < rows; r0 += 2)
             tiles[wide][rows - r0 < 2 ? 1 : 2](w, row_bytes, nb, x, k, y, n, i, r0);
     }
