@@ -11,8 +11,8 @@
  * so the result differs from the float32 product of the dequantized weights by that rounding alone (~3e-5 relative,
  * measured), the same on every x86 vector unit up to float32 summation order.
  *
- * Layout: weights as packed.c's split rows (16 bytes of nibbles per block, then the blocks' scales d as float32, then
- * Q4_1's mins m). A chunk is 4 blocks (128 weights, 64 bytes of nibbles); read as 32 16-bit words, word 8c + t of
+ * Layout: weights as packed.c's split rows (16 bytes of nibbles per block, then the blocks' scales d as the file's
+ * fp16, then Q4_1's mins m). A chunk is 4 blocks (128 weights, 64 bytes of nibbles); read as 32 16-bit words, word 8c + t of
  * block c's bytes 2t, 2t + 1 holds, from bit 0 up, the nibbles of weights 2t, 2t + 16, 2t + 1, 2t + 17 (GGUF keeps
  * weight j in the low nibble of byte j and weight j + 16 in its high nibble). So four shifts and masks give four
  * vectors of 32 weights each, and the activations are laid out once per call to match (act16_prepare): vector v word
@@ -174,10 +174,12 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
                 const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(blocks, bytes6 + nb)));
                 d[u] = _mm512_permutexvar_ps(spread, _mm512_mul_ps(_mm512_set1_ps(dd[0]), sc));
                 m[u] = _mm512_permutexvar_ps(spread, _mm512_mul_ps(_mm512_set1_ps(-dd[nb / 8]), mn));
-            } else {
-                const float *scales = (const float *)(row + nb * (T == 8 ? 32 : BLOCK_BYTES));
-                d[u] = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(blocks, scales + 4 * ch));
-                if (T == 3) m[u] = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(blocks, scales + nb + 4 * ch));
+            } else {  /* the chunk's fp16 scales (and mins) -> 4 lanes each */
+                const uint16_t *scales = (const uint16_t *)(row + nb * (T == 8 ? 32 : BLOCK_BYTES));
+                d[u] = _mm512_permutexvar_ps(spread, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(blocks, scales + 4 * ch)));
+                if (T == 3)
+                    m[u] = _mm512_permutexvar_ps(spread,
+                                                 _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(blocks, scales + nb + 4 * ch)));
             }
         }
         for (int r = 0; r < R; r++) {
@@ -256,14 +258,14 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
                 m[u] = _mm256_permutevar8x32_ps(
                     _mm256_castps128_ps256(_mm_setr_ps(-(dd[nb / 8] * bytes6[nb]), -(dd[nb / 8] * bytes6[nb + 1]), 0, 0)),
                     spread);
-            } else {
-                const float *scales = (const float *)(row + nb * (T == 8 ? 32 : BLOCK_BYTES)) + 2 * half;
-                const float *mins = scales + nb;
-                d[u] = _mm256_permutevar8x32_ps(
-                    _mm256_castps128_ps256(_mm_setr_ps(scales[0], two ? scales[1] : 0.0f, 0, 0)), spread);
+            } else {  /* fp16 scales (and mins) */
+                const uint16_t *scales = (const uint16_t *)(row + nb * (T == 8 ? 32 : BLOCK_BYTES)) + 2 * half;
+                const uint16_t *mins = scales + nb;
+                d[u] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_setr_ps(
+                    _cvtsh_ss(scales[0]), two ? _cvtsh_ss(scales[1]) : 0.0f, 0, 0)), spread);
                 if (T == 3)
-                    m[u] = _mm256_permutevar8x32_ps(
-                        _mm256_castps128_ps256(_mm_setr_ps(mins[0], two ? mins[1] : 0.0f, 0, 0)), spread);
+                    m[u] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_setr_ps(
+                        _cvtsh_ss(mins[0]), two ? _cvtsh_ss(mins[1]) : 0.0f, 0, 0)), spread);
             }
         }
         for (int r = 0; r < R; r++) {

@@ -10,10 +10,10 @@
  *
  * Per type one function turns a block into floats (`dq_*`), the same values gguf-py's dequantize gives. Q4_0, Q4_1
  * and Q8_0 (the common files; the llama-1b / llama-8b presets) are kept "split" (packed_repack): a row's quants for
- * all its blocks first, then its scales (and Q4_1's mins) as float32 -- 1.06-1.2x the file's bytes -- so the AVX-512
- * path loads a block's scale with no conversion and turns 16 nibbles into floats with one table lookup (vpermps:
- * the table is d * q + m for q = 0..15, one FMA per block). Q4_K is split too (split_q4_k_row: Q4_0's nibble order,
- * 6-bit scales as bytes, 1.06x) for act16.c. Every other type keeps the file's own block layout; Q5_K and Q6_K are
+ * all its blocks first, then its scales (and Q4_1's mins) as the file's fp16 -- the file's bytes exactly -- so the
+ * AVX-512 path turns 16 nibbles into floats with one table lookup (vpermps: the table is d * q + m for q = 0..15, one
+ * FMA per block) and act16.c reads a chunk's nibbles as one vector. Q4_K is split too (split_q4_k_row: Q4_0's nibble
+ * order, 6-bit scales as bytes, 1.06x) for act16.c. Every other type keeps the file's own block layout; Q5_K and Q6_K are
  * unpacked in registers from it too, the rest through a block buffer. CPUs without AVX-512 unpack the split types
  * and Q5_K / Q6_K in AVX2 registers (8 floats a vector; 5-15x the block buffer's speed).
  * Each fast tile is compiled once per type (the type a constant: no branch per block, ~2x on one row).
@@ -205,8 +205,9 @@ static const block_type *find_type(int ggml_type) {
     return 0;
 }
 
-/* ---- the split layout of Q4_0 / Q4_1 / Q8_0: [quants of every block][d float32 x nb][m float32 x nb (Q4_1)];
- * Q8_0's quants in act16's order within chunks of 4 blocks (q8_0_at) ---- */
+/* ---- the split layout of Q4_0 / Q4_1 / Q8_0: [quants of every block][d x nb][m x nb (Q4_1)], the scales as the
+ * file keeps them (fp16: the file's bytes exactly; Q8_M's float32); Q8_0's quants in act16's order within chunks of
+ * 4 blocks (q8_0_at) ---- */
 
 static int split_quant_bytes(int ggml_type) {  /* bytes of one block's quants; 0 = not a split type */
     return ggml_type == 2 || ggml_type == 3 ? 16 : ggml_type == 8 || ggml_type == Q8_M ? 32 : 0;
@@ -214,10 +215,17 @@ static int split_quant_bytes(int ggml_type) {  /* bytes of one block's quants; 0
 
 static int split_scales(int ggml_type) { return ggml_type == 3 || ggml_type == Q8_M ? 2 : 1; }
 
+static int split_scale_bytes(int ggml_type) { return ggml_type == Q8_M ? 4 : 2; }
+
 static inline float load_f32(const uint8_t *p) {
     float f;
     memcpy(&f, p, 4);
     return f;
+}
+
+/* scale i of a split row's scales (d of block i, or m of block i - nb) */
+static inline float split_scale(int ggml_type, const uint8_t *scales, int64_t i) {
+    return ggml_type == Q8_M ? load_f32(scales + 4 * i) : fp16(scales + 2 * i);
 }
 
 /* Q8_0's quants are kept in act16's order: a chunk of 4 blocks (fewer at a row's end: cn) is 4 quarters of 8 cn
@@ -233,17 +241,17 @@ static inline int64_t q8_0_at(int64_t nb, int64_t b, int j) {
 static void split_dq(int ggml_type, const uint8_t *row, int64_t nb, int64_t b, float *y) {
     const int qb = split_quant_bytes(ggml_type);
     const uint8_t *q = row + b * qb, *scales = row + nb * qb;
-    const float d = load_f32(scales + 4 * b);
+    const float d = split_scale(ggml_type, scales, b);
     if (ggml_type == 8) {
         for (int j = 0; j < 32; j++) y[j] = d * (float)((const int8_t *)row)[q8_0_at(nb, b, j)];
         return;
     }
     if (ggml_type == Q8_M) {
-        const float m = load_f32(scales + 4 * (nb + b));
+        const float m = split_scale(ggml_type, scales, nb + b);
         for (int j = 0; j < 32; j++) y[j] = __builtin_fmaf(d, (float)q[j], m);
         return;
     }
-    const float m = ggml_type == 3 ? load_f32(scales + 4 * (nb + b)) : -8.0f * d;
+    const float m = ggml_type == 3 ? split_scale(ggml_type, scales, nb + b) : -8.0f * d;
     for (int j = 0; j < 16; j++) {
         y[j] = d * (float)(q[j] & 0xf) + m;
         y[j + 16] = d * (float)(q[j] >> 4) + m;
@@ -253,7 +261,8 @@ static void split_dq(int ggml_type, const uint8_t *row, int64_t nb, int64_t b, f
 /* a row of file blocks -> the split row */
 static void split_row(int ggml_type, const uint8_t *src, int64_t nb, uint8_t *dst) {
     const block_type *t = find_type(ggml_type);
-    const int qb = split_quant_bytes(ggml_type), head = t->block_bytes - qb;  /* fp16 d (and m) precede the quants */
+    const int qb = split_quant_bytes(ggml_type), head = t->block_bytes - qb;  /* d (and m) precede the quants */
+    const int sb = split_scale_bytes(ggml_type);
     uint8_t *scales = dst + nb * qb;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = src + b * t->block_bytes;
@@ -261,12 +270,8 @@ static void split_row(int ggml_type, const uint8_t *src, int64_t nb, uint8_t *ds
             for (int j = 0; j < 32; j++) dst[q8_0_at(nb, b, j)] = blk[head + j];
         else
             memcpy(dst + b * qb, blk + head, qb);
-        const float d = ggml_type == Q8_M ? load_f32(blk) : fp16(blk);  /* Q8_M's d and m are float32 already */
-        memcpy(scales + 4 * b, &d, 4);
-        if (ggml_type == 3 || ggml_type == Q8_M) {
-            const float m = ggml_type == Q8_M ? load_f32(blk + 4) : fp16(blk + 2);
-            memcpy(scales + 4 * (nb + b), &m, 4);
-        }
+        memcpy(scales + sb * b, blk, sb);  /* copied as they are */
+        if (ggml_type == 3 || ggml_type == Q8_M) memcpy(scales + sb * (nb + b), blk + sb, sb);
     }
 }
 
@@ -384,16 +389,16 @@ static void rows_generic(const block_type *t, const uint8_t *w, int64_t row_byte
 static inline void split_block(int ggml_type, const uint8_t *row, int64_t nb, int64_t b, __m512 *lo, __m512 *hi) {
     const int qb = split_quant_bytes(ggml_type);
     const uint8_t *q = row + b * qb, *scales = row + nb * qb;
-    const __m512 d = _mm512_set1_ps(load_f32(scales + 4 * b));
+    const __m512 d = _mm512_set1_ps(split_scale(ggml_type, scales, b));
     if (ggml_type == Q8_M) {  /* d q + m, q unsigned */
-        const __m512 m = _mm512_set1_ps(load_f32(scales + 4 * (nb + b)));
+        const __m512 m = _mm512_set1_ps(split_scale(ggml_type, scales, nb + b));
         *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q))), d, m);
         *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), d, m);
         return;
     }
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 table = ggml_type == 3  /* the 16 values a nibble stands for: d q + m, or Q4_0's d (q - 8) */
-        ? _mm512_fmadd_ps(iota, d, _mm512_set1_ps(load_f32(scales + 4 * (nb + b))))
+        ? _mm512_fmadd_ps(iota, d, _mm512_set1_ps(split_scale(ggml_type, scales, nb + b)))
         : _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.0f)), d);
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
     *lo = _mm512_permutexvar_ps(v, table);  /* the lookup reads each lane's low 4 bits: the low nibble */
@@ -530,9 +535,9 @@ static inline __attribute__((always_inline)) void split_block8(const int T, cons
                                                                 __m256 w[4]) {
     const int qb = split_quant_bytes(T);
     const uint8_t *q = row + b * qb, *scales = row + nb * qb;
-    const __m256 d = _mm256_set1_ps(load_f32(scales + 4 * b));
+    const __m256 d = _mm256_set1_ps(split_scale(T, scales, b));
     if (T == Q8_M) {  /* d q + m (q unsigned) */
-        const __m256 m = _mm256_set1_ps(load_f32(scales + 4 * (nb + b)));
+        const __m256 m = _mm256_set1_ps(split_scale(T, scales, nb + b));
         for (int j = 0; j < 4; j++) {
             const __m128i v = _mm_loadl_epi64((const __m128i *)(q + 8 * j));
             w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), d, m);
@@ -540,7 +545,7 @@ static inline __attribute__((always_inline)) void split_block8(const int T, cons
         return;
     }
     /* Q4_1: d q + m; Q4_0: d (q - 8) = fma(q, d, -8 d) exactly (8 d is exact) */
-    const __m256 off = T == 3 ? _mm256_set1_ps(load_f32(scales + 4 * (nb + b)))
+    const __m256 off = T == 3 ? _mm256_set1_ps(split_scale(T, scales, nb + b))
                               : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
     const __m128i v = _mm_loadu_si128((const __m128i *)q), low4 = _mm_set1_epi8(0x0f);
     const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
@@ -654,7 +659,7 @@ int64_t packed_row_bytes(int ggml_type, int64_t k) {
     if (!t || k <= 0 || k % t->block_weights) return 0;
     const int qb = split_quant_bytes(ggml_type);
     if (ggml_type == 12) return q4_k_row_bytes(k);
-    return qb ? k / QK * (qb + 4 * split_scales(ggml_type)) : k / t->block_weights * t->block_bytes;
+    return qb ? k / QK * (qb + split_scale_bytes(ggml_type) * split_scales(ggml_type)) : k / t->block_weights * t->block_bytes;
 }
 
 /* rows of the file's blocks (src_row_bytes each) -> rows as held in memory (packed_row_bytes each) */

@@ -147,7 +147,7 @@ def file_row_bytes(type_name: str, cols: int) -> int:
 
 
 def held_row_bytes(type_name: str, cols: int) -> int:
-    """Bytes of one row of `cols` weights as held in memory (at most 1.2x the file's: Q4_1 split)."""
+    """Bytes of one row of `cols` weights as held in memory (the file's, but 1.06x for split Q4_K)."""
     return int(library().packed_row_bytes(PACKED_TYPES[type_name][0], cols))
 
 

@@ -66,8 +66,8 @@ def range_bytes(config: ServerConfig, blocks: BlockRange) -> int:
 
 
 def _held_packed_bytes(gguf, key: str, shape: list[int]) -> int:
-    """A GGUF matrix kept in its blocks, as the packed kernels hold it: the file's bytes, with Q4_0 / Q4_1 / Q8_0
-    scales widened to float32 and Q4_K's split (152 bytes per 256 values, 144 in the file) (model/packed.py held_row_bytes: 20 bytes per 32 Q4_0 values, 18 in the file)."""
+    """A GGUF matrix kept in its blocks, as the packed kernels hold it (model/packed.py held_row_bytes): the file's
+    bytes, but Q4_K's split (152 bytes per 256 values, 144 in the file)."""
     from swarmlm.model.packed import held_row_bytes
 
     type_name = gguf.tensors[gguf.hf_to_gguf[key]].tensor_type.name
