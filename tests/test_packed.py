@@ -21,7 +21,7 @@ QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16")  # what gg
 FILE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16")  # the tiny GGUFs' matrices (rows of 64 weights)
 
 
-ROUNDED_ACTIVATIONS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # kernels/act16.c: activations rounded to int16 per block of 32
+ROUNDED_ACTIVATIONS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # kernels/act16.c: activations rounded to int16 per block of 32
 ROUNDING_BOUND = 1e-4  # what that rounding may cost a product (relative L2; ~3e-5 measured on random activations)
 
 
@@ -245,7 +245,7 @@ def test_without_a_c_compiler_a_gguf_is_served_dequantized(tiny_gguf, monkeypatc
     assert stage.announced_quant == "none"
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_a_large_product_split_between_threads_computes_what_one_thread_does(type_name):
     """Products of THREADED_MIN_WEIGHTS or more are split by output rows between the kernels' worker threads, which
     read the activations the calling thread prepared (rounded to int16 blocks where the type rounds them)."""

@@ -57,7 +57,7 @@ static const int WEIGHT_OF[4][8] = {{0, 2, 4, 6, 8, 10, 12, 14}, {16, 18, 20, 22
 /* Does this type's product round activations to int16 blocks? On every build, so that every build and every
  * batch shape computes the same function up to float32 summation order. */
 int act16_rounds(int ggml_type) {
-    return ggml_type == 2 || ggml_type == 3 || ggml_type == 8 || ggml_type == 12 || ggml_type == 14;
+    return ggml_type == 2 || ggml_type == 3 || ggml_type == 8 || (ggml_type >= 12 && ggml_type <= 14);
 }
 
 /* Products of up to this many activation rows run in integers. Q4_0 / Q4_1 with more rows share each unpacked
@@ -65,7 +65,7 @@ int act16_rounds(int ggml_type) {
  * (act16_round_rows); Q8_0 is kept in this file's order (packed.c, q8_0_at) and always multiplied here. */
 int64_t act16_integer_rows(int ggml_type) {
 #if defined(ACT16_WIDE)
-    return ggml_type == 8 || ggml_type == 12 || ggml_type == 14 ? INT64_MAX : 4;
+    return ggml_type == 2 || ggml_type == 3 ? 4 : INT64_MAX;
 #else
     (void)ggml_type;
     return 0;
@@ -176,6 +176,19 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
                     v[u][2] = _mm512_sub_epi16(_mm512_or_si512(v[u][2], _mm512_and_si512(h, top)), thirty_two);
                     v[u][3] = _mm512_sub_epi16(_mm512_or_si512(v[u][3], _mm512_and_si512(_mm512_srli_epi16(h, 2), top)), thirty_two);
                 }
+                if (T == 13) {  /* split Q5_K: word w's 4 fifth bits (bit v: vector v's) in nibble w / 16 of byte w % 16 */
+                    const __m128i bits = _mm_loadu_si128((const __m128i *)(row + nb * BLOCK_BYTES + 16 * ch));
+                    const __m512i h = _mm512_and_si512(_mm512_srlv_epi16(_mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(bits)),
+                                                                         _mm512_setr_epi64(0, 0, 0, 0, 0x0004000400040004LL,
+                                                                                           0x0004000400040004LL, 0x0004000400040004LL,
+                                                                                           0x0004000400040004LL)),
+                                                       low4);
+                    const __m512i bit4 = _mm512_set1_epi16(16);
+                    v[u][0] = _mm512_or_si512(v[u][0], _mm512_and_si512(_mm512_slli_epi16(h, 4), bit4));
+                    v[u][1] = _mm512_or_si512(v[u][1], _mm512_and_si512(_mm512_slli_epi16(h, 3), bit4));
+                    v[u][2] = _mm512_or_si512(v[u][2], _mm512_and_si512(_mm512_slli_epi16(h, 2), bit4));
+                    v[u][3] = _mm512_or_si512(v[u][3], _mm512_and_si512(_mm512_slli_epi16(h, 1), bit4));
+                }
             }
             if (T == 14) {  /* the chunk's 8 int8 scales (each block's weights 0-15, 16-31) x its super-block's d */
                 const uint8_t *sc8 = row + nb * 24 + 8 * ch;
@@ -184,9 +197,11 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
                                                     _mm_loadl_epi64((const __m128i *)sc8))));
                 d[u] = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6), sc);
                 m[u] = _mm512_permutexvar_ps(_mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7), sc);
-            } else if (T == 12) {  /* packed.c's split Q4_K: a chunk's 6-bit scales and mins (bytes) x its super-block's d, dmin */
-                const uint8_t *bytes6 = row + nb * BLOCK_BYTES + 4 * ch;
-                const float *dd = (const float *)(row + nb * 18) + ch / 2;
+            } else if (T == 12 || T == 13) {  /* packed.c's split Q4_K / Q5_K: a chunk's 6-bit scales and mins (bytes) x its
+                                          * super-block's d, dmin (Q5_K: past its fifth bits) */
+                const int64_t fifth = T == 13 ? 4 * nb : 0;
+                const uint8_t *bytes6 = row + nb * BLOCK_BYTES + fifth + 4 * ch;
+                const float *dd = (const float *)(row + nb * 18 + fifth) + ch / 2;
                 const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(blocks, bytes6)));
                 const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(blocks, bytes6 + nb)));
                 d[u] = _mm512_permutexvar_ps(spread, _mm512_mul_ps(_mm512_set1_ps(dd[0]), sc));
@@ -230,7 +245,7 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
                                                              _mm512_madd_epi16(v[u][3], x3)));
 #endif
                 total[u][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(d[u], scale), total[u][r]);
-                if (T == 3 || T == 12) total[u][r] = _mm512_fmadd_ps(m[u], _mm512_load_ps(x->sum), total[u][r]);
+                if (T == 3 || T == 12 || T == 13) total[u][r] = _mm512_fmadd_ps(m[u], _mm512_load_ps(x->sum), total[u][r]);
             }
         }
     }
@@ -286,6 +301,15 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
                     v[u][2] = _mm256_sub_epi16(_mm256_or_si256(v[u][2], _mm256_and_si256(h, top)), thirty_two);
                     v[u][3] = _mm256_sub_epi16(_mm256_or_si256(v[u][3], _mm256_and_si256(_mm256_srli_epi16(h, 2), top)), thirty_two);
                 }
+                if (T == 13) {  /* split Q5_K: this half's words' fifth bits, nibble h of the chunk's 16 bytes */
+                    const __m256i bits = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + nb * BLOCK_BYTES + 16 * ch)));
+                    const __m256i hb = _mm256_and_si256(h ? _mm256_srli_epi16(bits, 4) : bits, low4);
+                    const __m256i bit4 = _mm256_set1_epi16(16);
+                    v[u][0] = _mm256_or_si256(v[u][0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), bit4));
+                    v[u][1] = _mm256_or_si256(v[u][1], _mm256_and_si256(_mm256_slli_epi16(hb, 3), bit4));
+                    v[u][2] = _mm256_or_si256(v[u][2], _mm256_and_si256(_mm256_slli_epi16(hb, 2), bit4));
+                    v[u][3] = _mm256_or_si256(v[u][3], _mm256_and_si256(_mm256_slli_epi16(hb, 1), bit4));
+                }
             }
             if (T == 14) {  /* this half's 2 blocks: scales of weights 0-15 and 16-31 x the super-block's d */
                 const int8_t *sc8 = (const int8_t *)(row + nb * 24 + 4 * half);
@@ -294,9 +318,11 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
                                       dd * sc8[2], dd * sc8[2]);
                 m[u] = _mm256_setr_ps(dd * sc8[1], dd * sc8[1], dd * sc8[1], dd * sc8[1], dd * sc8[3], dd * sc8[3],
                                       dd * sc8[3], dd * sc8[3]);
-            } else if (T == 12) {  /* split Q4_K: 6-bit scales and mins (bytes) x the super-block's d, dmin (a half: 2 groups) */
-                const uint8_t *bytes6 = row + nb * BLOCK_BYTES + 2 * half;
-                const float *dd = (const float *)(row + nb * 18) + half / 4;
+            } else if (T == 12 || T == 13) {  /* split Q4_K / Q5_K: 6-bit scales and mins (bytes) x the super-block's d,
+                                                 * dmin (a half: 2 groups) */
+                const int64_t fifth = T == 13 ? 4 * nb : 0;
+                const uint8_t *bytes6 = row + nb * BLOCK_BYTES + fifth + 2 * half;
+                const float *dd = (const float *)(row + nb * 18 + fifth) + half / 4;
                 d[u] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_setr_ps(dd[0] * bytes6[0], dd[0] * bytes6[1], 0, 0)),
                                                 spread);
                 m[u] = _mm256_permutevar8x32_ps(
@@ -333,7 +359,7 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
                 acc = _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(v[u][2], x2),
                                                              _mm256_madd_epi16(v[u][3], x3)));
                 total[u][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(d[u], scale), total[u][r]);
-                if (T == 3 || T == 12) total[u][r] = _mm256_fmadd_ps(m[u], _mm256_load_ps(x->sum + 8 * h), total[u][r]);
+                if (T == 3 || T == 12 || T == 13) total[u][r] = _mm256_fmadd_ps(m[u], _mm256_load_ps(x->sum + 8 * h), total[u][r]);
             }
         }
     }
@@ -351,15 +377,15 @@ typedef void (*tile_fn)(const uint8_t *, int64_t, int64_t, const act16 *, float 
     TILE(T, 2, 1) TILE(T, 2, 2) TILE(T, 2, 3) TILE(T, 2, 4) TILE(T, 1, 1) TILE(T, 1, 2) TILE(T, 1, 3) TILE(T, 1, 4) \
     static const tile_fn WIDE_##T[5] = {0, tile_##T##_2_1, tile_##T##_2_2, tile_##T##_2_3, tile_##T##_2_4}; \
     static const tile_fn NARROW_##T[5] = {0, tile_##T##_1_1, tile_##T##_1_2, tile_##T##_1_3, tile_##T##_1_4};
-TILES(2) TILES(3) TILES(8) TILES(12) TILES(14)
+TILES(2) TILES(3) TILES(8) TILES(12) TILES(13) TILES(14)
 
 /* columns [n0, n1) of y [rows, n]: two weight rows at a time, every activation row (4 at a time) while they are in L1 */
 static void act16_rows(int ggml_type, const uint8_t *w, int64_t row_bytes, const act16 *a, int64_t rows, int64_t k,
                        float *y, int64_t n, int64_t n0, int64_t n1) {
     const tile_fn *wide = ggml_type == 2 ? WIDE_2 : ggml_type == 3 ? WIDE_3 : ggml_type == 8 ? WIDE_8
-                        : ggml_type == 12 ? WIDE_12 : WIDE_14;
+                        : ggml_type == 12 ? WIDE_12 : ggml_type == 13 ? WIDE_13 : WIDE_14;
     const tile_fn *narrow = ggml_type == 2 ? NARROW_2 : ggml_type == 3 ? NARROW_3 : ggml_type == 8 ? NARROW_8
-                          : ggml_type == 12 ? NARROW_12 : NARROW_14;
+                          : ggml_type == 12 ? NARROW_12 : ggml_type == 13 ? NARROW_13 : NARROW_14;
     const int64_t nb = k / 32;
     int64_t i = n0;
     for (; i + 2 <= n1; i += 2)

@@ -132,21 +132,6 @@ static inline void k_scale(const uint8_t *k, int g, int *sc, int *mn) {
     *mn = g < 4 ? k[i + 4] & 63 : (k[i + 8] >> 4) | ((k[i + 4] >> 2) & 0x30);
 }
 
-static void dq_q5_k(const uint8_t *b, float *y) {  /* d, dmin, 12 scale bytes, qh 32 bytes, 128 bytes */
-    const float d = fp16(b), dmin = fp16(b + 2);
-    uint8_t sc[8], mn[8];
-    k_scales(b + 4, sc, mn);
-    const uint8_t *qh = b + 16, *q = b + 48;
-    for (int c = 0; c < 4; c++) {
-        const int g1 = 2 * c, g2 = 2 * c + 1;
-        const float d1 = d * sc[g1], m1 = dmin * mn[g1], d2 = d * sc[g2], m2 = dmin * mn[g2];
-        for (int l = 0; l < 32; l++) {
-            y[64 * c + l] = d1 * (float)((q[32 * c + l] & 0xf) | (((qh[l] >> g1) & 1) << 4)) - m1;
-            y[64 * c + 32 + l] = d2 * (float)((q[32 * c + l] >> 4) | (((qh[l] >> g2) & 1) << 4)) - m2;
-        }
-    }
-}
-
 static void dq_f16(const uint8_t *b, float *y) {
     for (int j = 0; j < QK; j++) y[j] = fp16(b + 2 * j);
 }
@@ -177,7 +162,7 @@ typedef struct {
 
 static const block_type TYPES[] = {
     {2, QK, 18, dq_q4_0},     {3, QK, 20, dq_q4_1},     {6, QK, 22, dq_q5_0},     {7, QK, 24, dq_q5_1},
-    {8, QK, 34, dq_q8_0},     {12, QK_K, 144, 0 /* split at load: split_dq_q4_k */}, {13, QK_K, 176, dq_q5_k}, {14, QK_K, 210, 0 /* split at load: split_dq_q6_k */},
+    {8, QK, 34, dq_q8_0},     {12, QK_K, 144, 0 /* split at load: split_dq_q4_k */}, {13, QK_K, 176, 0 /* split at load: split_dq_q45_k */}, {14, QK_K, 210, 0 /* split at load: split_dq_q6_k */},
     {1, QK, 64, dq_f16},      {30, QK, 64, dq_bf16},    {Q8_M, QK, 40, dq_q8_m},
 };
 
@@ -257,40 +242,59 @@ static void split_row(int ggml_type, const uint8_t *src, int64_t nb, uint8_t *ds
     }
 }
 
-/* ---- Q4_K split: [nibbles of every sub-block of 32, in Q4_0's order (byte j: weight j low, j + 16 high)][6-bit
- * scales, one byte each][6-bit mins][d float32 per super-block of 256][dmin float32 per super-block]: 152 bytes per
- * 256 weights (the file's 144), the nibbles laid out as act16's integer products read Q4_0's. ---- */
-static inline int64_t q4_k_row_bytes(int64_t k) { return k / QK * 18 + k / QK_K * 8; }
+/* where weight j of a sub-block sits in act16's word order: vector v, word t (q8_0_at's mapping) */
+static inline int act16_vector(int j) { return (j & 1) * 2 + (j >= 16); }
+static inline int act16_word(int j) { return (j & 15) >> 1; }
 
-/* super-block u of a split Q4_K row (nsub sub-blocks) -> 256 floats, the values dq_q4_k gives (one rounding each) */
-static void split_dq_q4_k(const uint8_t *row, int64_t nsub, int64_t u, float *y) {
-    const float d = load_f32(row + nsub * 18 + 4 * u), dmin = load_f32(row + nsub * 18 + 4 * (nsub / 8 + u));
+/* ---- Q4_K / Q5_K split: [nibbles of every sub-block of 32, in Q4_0's order (byte j: weight j low, j + 16 high)]
+ * [Q5_K: the fifth bits, 4 bytes per sub-block: chunk of 4 sub-blocks ch, word w = 8 c + t of act16's order has bit
+ * v of nibble w / 16 of byte 16 ch + w % 16 for its vector v's weight][6-bit scales, one byte each][6-bit mins]
+ * [d float32 per super-block of 256][dmin float32 per super-block]: 152 bytes per 256 weights (Q4_K's file: 144),
+ * 184 (Q5_K's: 176), the nibbles laid out as act16's integer products read Q4_0's. ---- */
+static inline int64_t k_high_bytes(int ggml_type) { return ggml_type == 13 ? 4 : 0; }  /* per sub-block */
+static inline int64_t q45_k_row_bytes(int ggml_type, int64_t k) {
+    return k / QK * (18 + k_high_bytes(ggml_type)) + k / QK_K * 8;
+}
+
+/* super-block u of a split Q4_K / Q5_K row (nsub sub-blocks) -> 256 floats, the values dq_q4_k / dq_q5_k give */
+static void split_dq_q45_k(int ggml_type, const uint8_t *row, int64_t nsub, int64_t u, float *y) {
+    const uint8_t *high = row + 16 * nsub, *rest = high + k_high_bytes(ggml_type) * nsub;
+    const float d = load_f32(rest + 2 * nsub + 4 * u), dmin = load_f32(rest + 2 * nsub + 4 * (nsub / 8 + u));
     for (int64_t s = 8 * u; s < 8 * u + 8; s++, y += 32) {
         const uint8_t *q = row + 16 * s;
-        const float d1 = d * row[16 * nsub + s], m1 = dmin * row[17 * nsub + s];
-        for (int j = 0; j < 16; j++) {
-            y[j] = d1 * (float)(q[j] & 0xf) - m1;
-            y[j + 16] = d1 * (float)(q[j] >> 4) - m1;
+        const float d1 = d * rest[s], m1 = dmin * rest[nsub + s];
+        for (int j = 0; j < 32; j++) {
+            const int w = 8 * (int)(s % 4) + act16_word(j);
+            const int fifth = ggml_type == 13 ? (high[16 * (s / 4) + w % 16] >> (4 * (w / 16) + act16_vector(j))) & 1 : 0;
+            y[j] = d1 * (float)((j < 16 ? q[j] & 0xf : q[j - 16] >> 4) | (fifth << 4)) - m1;
         }
     }
 }
 
-/* a row of the file's Q4_K super-blocks (nsub / 8 of them) -> the split row */
-static void split_q4_k_row(const uint8_t *src, int64_t nsub, uint8_t *dst) {
+/* a row of the file's Q4_K / Q5_K super-blocks (nsub / 8 of them) -> the split row */
+static void split_q45_k_row(int ggml_type, const uint8_t *src, int64_t nsub, uint8_t *dst) {
+    const int five = ggml_type == 13, size = five ? 176 : 144;
+    uint8_t *high = dst + 16 * nsub, *rest = high + k_high_bytes(ggml_type) * nsub;
+    memset(high, 0, k_high_bytes(ggml_type) * nsub);
     for (int64_t u = 0; u < nsub / 8; u++) {
-        const uint8_t *b = src + 144 * u, *q = b + 16;
+        const uint8_t *b = src + size * u, *q = b + (five ? 48 : 16), *qh = b + 16;
         uint8_t sc[8], mn[8];
         k_scales(b + 4, sc, mn);
         const float d = fp16(b), dmin = fp16(b + 2);
-        memcpy(dst + nsub * 18 + 4 * u, &d, 4);
-        memcpy(dst + nsub * 18 + 4 * (nsub / 8 + u), &dmin, 4);
+        memcpy(rest + 2 * nsub + 4 * u, &d, 4);
+        memcpy(rest + 2 * nsub + 4 * (nsub / 8 + u), &dmin, 4);
         for (int g = 0; g < 8; g++) {  /* sub-block g: the low (g even) or high nibbles of bytes 32 (g / 2) .. +31 */
             const int64_t s = 8 * u + g;
-            dst[16 * nsub + s] = sc[g];
-            dst[17 * nsub + s] = mn[g];
+            rest[s] = sc[g];
+            rest[nsub + s] = mn[g];
             uint8_t w[32];
             for (int l = 0; l < 32; l++) w[l] = g & 1 ? q[32 * (g / 2) + l] >> 4 : q[32 * (g / 2) + l] & 0xf;
             for (int j = 0; j < 16; j++) dst[16 * s + j] = (uint8_t)(w[j] | (w[j + 16] << 4));
+            if (five)  /* Q5_K's fifth bit of weight l of sub-block g: bit g of qh[l] */
+                for (int j = 0; j < 32; j++) {
+                    const int word = 8 * (int)(s % 4) + act16_word(j);
+                    high[16 * (s / 4) + word % 16] |= (uint8_t)(((qh[j] >> g) & 1) << (4 * (word / 16) + act16_vector(j)));
+                }
         }
     }
 }
@@ -300,10 +304,6 @@ static void split_q4_k_row(const uint8_t *src, int64_t nsub, uint8_t *dst) {
  * c's weight WEIGHT_OF[v][t]][the two int8 scales of each sub-block (its weights 0-15, 16-31)][d fp16 per super-block
  * of 256]: 210 bytes per 256 weights, the file's. The quants are unsigned 6-bit (the value is d sc (q - 32)). ---- */
 static inline int64_t q6_k_row_bytes(int64_t k) { return k / QK * 26 + k / QK_K * 2; }
-
-/* where weight j of a sub-block sits in act16's word order: vector v, word t (q8_0_at's mapping) */
-static inline int act16_vector(int j) { return (j & 1) * 2 + (j >= 16); }
-static inline int act16_word(int j) { return (j & 15) >> 1; }
 
 /* the file's Q6_K super-block -> its 256 unsigned 6-bit quants, in weight order (as dq_q6_k reads them) */
 static void q6_k_quants(const uint8_t *b, uint8_t *q) {
@@ -351,12 +351,10 @@ static void split_dq_q6_k(const uint8_t *row, int64_t nsub, int64_t u, float *y)
         }
 }
 
-/* the types the vector builds unpack in registers (rows_fast); Q8_0, Q4_K and Q6_K: act16.c's integer products at
- * every row count */
+/* the types the vector builds unpack in registers (rows_fast); Q8_0 and the K-quants: act16.c's integer products
+ * at every row count */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-static int has_fast_path(int ggml_type) {
-    return (split_quant_bytes(ggml_type) && ggml_type != 8) || ggml_type == 13;
-}
+static int has_fast_path(int ggml_type) { return split_quant_bytes(ggml_type) && ggml_type != 8; }
 #endif
 
 /* ---- dot products of a float block with R activation rows ---- */
@@ -394,7 +392,7 @@ typedef float vf;
 /* block b of row `row` (nb blocks) as floats, whatever the layout */
 static inline void row_block(const block_type *t, const uint8_t *row, int64_t nb, int64_t b, float *y) {
     if (split_quant_bytes(t->ggml_type)) split_dq(t->ggml_type, row, nb, b, y);
-    else if (t->ggml_type == 12) split_dq_q4_k(row, 8 * nb, b, y);
+    else if (t->ggml_type == 12 || t->ggml_type == 13) split_dq_q45_k(t->ggml_type, row, 8 * nb, b, y);
     else if (t->ggml_type == 14) split_dq_q6_k(row, 8 * nb, b, y);
     else t->dq(row + b * t->block_bytes, y);
 }
@@ -444,29 +442,8 @@ static inline void split_block(int ggml_type, const uint8_t *row, int64_t nb, in
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
 }
 
-/* Q5_K (the "Q5_K_M" files): Q4_K's nibbles plus a fifth bit per weight from qh (bit g of qh[l] for group g) */
-static inline __m512 q5_k_half(const uint8_t *q, const uint8_t *qh, int g, __m512 d, __m512 m) {
-    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
-    v = _mm512_and_si512(g & 1 ? _mm512_srli_epi32(v, 4) : v, _mm512_set1_epi32(0xf));
-    const __m512i h = _mm512_slli_epi32(_mm512_and_si512(
-        _mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qh)), g), _mm512_set1_epi32(1)), 4);
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_or_si512(v, h)), d, m);
-}
-
-static inline void q5_k_group(const uint8_t *row, int64_t b, __m512 *lo, __m512 *hi) {
-    const uint8_t *s = row + (b / 8) * 176, *k = s + 4;
-    const int g = (int)(b % 8);
-    int sc, mn;
-    k_scale(k, g, &sc, &mn);
-    const __m512 d = _mm512_set1_ps(fp16(s) * sc), m = _mm512_set1_ps(-(fp16(s + 2) * mn));
-    const uint8_t *qh = s + 16, *q = s + 48 + 32 * (g / 2);
-    *lo = q5_k_half(q, qh, g, d, m);
-    *hi = q5_k_half(q + 16, qh + 16, g, d, m);
-}
-
 static inline void fast_block(int ggml_type, const uint8_t *row, int64_t nb, int64_t b, __m512 *lo, __m512 *hi) {
-    if (ggml_type == 13) q5_k_group(row, b, lo, hi);
-    else split_block(ggml_type, row, nb, b, lo, hi);
+    split_block(ggml_type, row, nb, b, lo, hi);
 }
 
 /* A tile: W weight rows x R activation rows; a block of each weight row is unpacked once and used for all R
@@ -523,7 +500,7 @@ static inline __attribute__((always_inline)) void tile(int ggml_type, const uint
                                           tile_##T##_1_5, tile_##T##_1_6, tile_##T##_1_7, tile_##T##_1_8};
 
 typedef void (*tile_fn)(const uint8_t *, int64_t, int64_t, const float *, int64_t, float *, int64_t, int64_t, int64_t);
-TILES(2) TILES(3) TILES(1001) TILES(13)
+TILES(2) TILES(3) TILES(1001)
 
 static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
                       float *y, int64_t n, int64_t n0, int64_t n1) {
@@ -531,9 +508,9 @@ static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const 
     for (int64_t r0 = 0; r0 < rows; r0 += 8) {  /* activation rows, 8 at a time */
         const int nr = rows - r0 < 8 ? (int)(rows - r0) : 8;
         const tile_fn *wide = ggml_type == 2 ? WIDE_2 : ggml_type == 3 ? WIDE_3
-                            : ggml_type == Q8_M ? WIDE_1001 : WIDE_13;
+                            : WIDE_1001;
         const tile_fn *narrow = ggml_type == 2 ? NARROW_2 : ggml_type == 3 ? NARROW_3
-                              : ggml_type == Q8_M ? NARROW_1001 : NARROW_13;
+                              : NARROW_1001;
         int64_t i = n0;
         for (; i + 2 <= n1; i += 2) wide[nr](w, row_bytes, nb, x, k, y, n, i, r0);
         for (; i < n1; i++) narrow[nr](w, row_bytes, nb, x, k, y, n, i, r0);
@@ -568,26 +545,9 @@ static inline __attribute__((always_inline)) void split_block8(const int T, cons
     w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, off);
 }
 
-static inline __attribute__((always_inline)) void q5_k_group8(const uint8_t *row, int64_t b, __m256 w[4]) {
-    const uint8_t *s = row + (b / 8) * 176, *k = s + 4;
-    const int g = (int)(b % 8);
-    int sc, mn;
-    k_scale(k, g, &sc, &mn);
-    const __m256 d = _mm256_set1_ps(fp16(s) * sc), m = _mm256_set1_ps(-(fp16(s + 2) * mn));
-    const uint8_t *qh = s + 16, *q = s + 48 + 32 * (g / 2);
-    for (int j = 0; j < 4; j++) {
-        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * j)));
-        v = _mm256_and_si256(g & 1 ? _mm256_srli_epi32(v, 4) : v, _mm256_set1_epi32(0xf));
-        const __m256i h = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + 8 * j))), g), _mm256_set1_epi32(1)), 4);
-        w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_or_si256(v, h)), d, m);
-    }
-}
-
 static inline __attribute__((always_inline)) void fast_block8(const int T, const uint8_t *row, int64_t nb, int64_t b,
                                                                __m256 w[4]) {
-    if (T == 13) q5_k_group8(row, b, w);
-    else split_block8(T, row, nb, b, w);
+    split_block8(T, row, nb, b, w);
 }
 
 /* W (1-2) weight rows x R (1-2) activation rows; two accumulators per pair (16 ymm registers in all) */
@@ -627,15 +587,14 @@ typedef void (*tile8_fn)(const uint8_t *, int64_t, int64_t, const float *, int64
     TILE8(T, 2, 1) TILE8(T, 2, 2) TILE8(T, 1, 1) TILE8(T, 1, 2) \
     static const tile8_fn TILES8_##T[2][3] = {{0, tile8_##T##_1_1, tile8_##T##_1_2}, \
                                                {0, tile8_##T##_2_1, tile8_##T##_2_2}};
-TILES8(2) TILES8(3) TILES8(1001) TILES8(13)
+TILES8(2) TILES8(3) TILES8(1001)
 
 /* weight rows two at a time, each pair against every activation row (two at a time) while it is in L1 */
 static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
                       float *y, int64_t n, int64_t n0, int64_t n1) {
     const int64_t nb = k / QK;
     const tile8_fn (*tiles)[3] = ggml_type == 2 ? TILES8_2 : ggml_type == 3 ? TILES8_3
-                               : ggml_type == Q8_M ? TILES8_1001
-                               : TILES8_13;
+                               : TILES8_1001;
     for (int64_t i = n0; i < n1; i += 2) {
         const int wide = i + 2 <= n1;
         for (int64_t r0 = 0; r0 < rows; r0 += 2)
@@ -652,7 +611,7 @@ int64_t packed_row_bytes(int ggml_type, int64_t k) {
     const block_type *t = find_type(ggml_type);
     if (!t || k <= 0 || k % t->block_weights) return 0;
     const int qb = split_quant_bytes(ggml_type);
-    if (ggml_type == 12) return q4_k_row_bytes(k);
+    if (ggml_type == 12 || ggml_type == 13) return q45_k_row_bytes(ggml_type, k);
     if (ggml_type == 14) return q6_k_row_bytes(k);
     return qb ? k / QK * (qb + split_scale_bytes(ggml_type) * split_scales(ggml_type)) : k / t->block_weights * t->block_bytes;
 }
@@ -664,7 +623,7 @@ int packed_repack(int ggml_type, const uint8_t *src, int64_t src_row_bytes, int6
     if (!out_bytes || src_row_bytes != k / t->block_weights * t->block_bytes) return -1;
     for (int64_t i = 0; i < rows; i++) {
         if (split_quant_bytes(ggml_type)) split_row(ggml_type, src + i * src_row_bytes, k / QK, dst + i * out_bytes);
-        else if (ggml_type == 12) split_q4_k_row(src + i * src_row_bytes, k / QK, dst + i * out_bytes);
+        else if (ggml_type == 12 || ggml_type == 13) split_q45_k_row(ggml_type, src + i * src_row_bytes, k / QK, dst + i * out_bytes);
         else if (ggml_type == 14) split_q6_k_row(src + i * src_row_bytes, k / QK, dst + i * out_bytes);
         else memcpy(dst + i * out_bytes, src + i * src_row_bytes, src_row_bytes);
     }
