@@ -3,20 +3,20 @@
  * A weight matrix W [N, K] is N rows of K/QK blocks, each block exactly as the file stores it. Every function here
  * computes y[r, n] = sum_k x[r, k] * W[n, k] for float32 activations x [R, K]: a block is turned into QK floats in
  * registers or a small L1 buffer and multiplied in float32, so the result is the dequantized weights' product up
- * to float32 summation order -- except Q4_0, Q4_1, Q8_0, Q4_K and Q6_K, whose activations are first rounded to int16
- * per block of 32 and multiplied in integers (act16.c; Q4_0 / Q4_1 products of more than act16_integer_rows rows:
- * these float tiles on the rounded values). Decoding is memory-bound, so reading 4-8x fewer bytes than float32 is
- * the whole gain; the unpacking must only keep up with memory.
+ * to float32 summation order -- except Q4_0, Q4_1, Q8_0 and the K-quants (Q4_K, Q5_K, Q6_K), whose activations are
+ * first rounded to int16 per block of 32 and multiplied in integers (act16.c; Q4_0 / Q4_1 products of more than
+ * act16_integer_rows rows: these float tiles on the rounded values). Decoding is memory-bound, so reading 4-8x fewer
+ * bytes than float32 is the whole gain; the unpacking must only keep up with memory.
  *
  * Per type one function turns a block into floats (`dq_*`), the same values gguf-py's dequantize gives. Q4_0, Q4_1
  * and Q8_0 (the common files; the llama-1b / llama-8b presets) are kept "split" (packed_repack): a row's quants for
  * all its blocks first, then its scales (and Q4_1's mins) as the file's fp16 -- the file's bytes exactly -- so the
  * AVX-512 path turns 16 nibbles into floats with one table lookup (vpermps: the table is d * q + m for q = 0..15, one
- * FMA per block) and act16.c reads a chunk's nibbles as one vector. Q4_K and Q6_K (the "K_M" files) are split too
- * (split_q4_k_row, split_q6_k_row: Q4_0's nibble order, scales as bytes; 1.06x and 1x the file) for act16.c. Every
- * other type keeps the file's own block layout; Q5_K is unpacked in registers from it too, the rest through a block
- * buffer. CPUs without AVX-512 unpack the split types and Q5_K in AVX2 registers (8 floats a vector; 5-15x the block
- * buffer's speed).
+ * FMA per block) and act16.c reads a chunk's nibbles as one vector. The K-quants (the "K_M" files) are split too
+ * (split_q45_k_row, split_q6_k_row: Q4_0's nibble order, their high bits in act16's word order, scales as bytes;
+ * 1.06x, 1.045x and 1x the file) for act16.c. Every other type keeps the file's own block layout and is unpacked
+ * through a block buffer. CPUs without AVX-512 unpack the split types in AVX2 registers (8 floats a vector; 5-15x the
+ * block buffer's speed).
  * Each fast tile is compiled once per type (the type a constant: no branch per block, ~2x on one row).
  * `packed_matmul_threads` splits a product's rows between this library's own worker threads (packed_set_threads).
  */

@@ -4,8 +4,8 @@ A `PackedLinear` holds its weight as the file holds it: `out_features` rows of `
 quantizes along the input axis, so a row of blocks is one output feature, and a row permutation -- transformers'
 Llama q/k reordering, BLOOM's fused qkv -- is applied to whole rows without touching a block). Its product is
 `swarmlm/kernels/packed.c`: each block unpacked to float32 in registers and multiplied by float32 activations, so the
-layer equals `nn.Linear` over the dequantized weight to float32 summation order -- except Q4_0, Q4_1, Q8_0, Q4_K and
-Q6_K, whose products first round the activations to int16 per block of 32 (`swarmlm/kernels/act16.c`: integer products where
+layer equals `nn.Linear` over the dequantized weight to float32 summation order -- except Q4_0, Q4_1, Q8_0 and the
+K-quants, whose products first round the activations to int16 per block of 32 (`swarmlm/kernels/act16.c`: integer products where
 the vector unit has them; ~3e-5 relative error, the same on every build and batch shape).
 
 How a call runs, by the number of activation rows R (tokens x sequences):
@@ -147,7 +147,7 @@ def file_row_bytes(type_name: str, cols: int) -> int:
 
 
 def held_row_bytes(type_name: str, cols: int) -> int:
-    """Bytes of one row of `cols` weights as held in memory (the file's, but 1.06x for split Q4_K)."""
+    """Bytes of one row of `cols` weights as held in memory (the file's; 1.06x / 1.045x for split Q4_K / Q5_K)."""
     return int(library().packed_row_bytes(PACKED_TYPES[type_name][0], cols))
 
 
