@@ -194,7 +194,9 @@ def run(args: argparse.Namespace) -> dict:
     ranges = even_split(int(config.num_hidden_layers), args.servers)
     caps = MemoryCgroup.available() and not args.no_cgroup
     server_args = ["--memory-mb", str(args.memory_mb), "--cache-mb", str(args.cache_mb), "--dtype", "float32",
-                   "--quant", "auto", "--rebalance-period", "0", "--open-idle-timeout", str(args.open_idle_timeout)]
+                   "--quant", "auto", "--rebalance-period", "0"]
+    if args.open_idle_timeout is not None:
+        server_args += ["--open-idle-timeout", str(args.open_idle_timeout)]
     swarm = LocalSwarm(str(path), threads=args.threads, server_args=server_args, start_timeout_s=1800,
                        with_dht=args.network == "loopback")
     groups: list[MemoryCgroup | None] = []
@@ -290,9 +292,9 @@ def main() -> int:
                         help="add a spare placed by its --memory-mb (no --blocks); SIGKILL a server it does not "
                              "replicate before step --kill-at: the spare takes its blocks, the same tokens")
     parser.add_argument("--kill-at", type=int, default=3)
-    parser.add_argument("--open-idle-timeout", type=float, default=120.0,
-                        help="servers' --open-idle-timeout: a downstream server's first step comes after the upstream "
-                             "ones' prefill (11 llama-8b blocks: ~8 s at load 15 here, past the 10 s default)")
+    parser.add_argument("--open-idle-timeout", type=float, default=None,
+                        help="servers' --open-idle-timeout (default: theirs; a downstream server's limit grows with "
+                             "the upstream blocks' measured prefill, ServerConfig.open_idle_limit_s)")
     parser.add_argument("--network", default="loopback",
                         help="loopback, or lan / wan / a topology file: each server on an emulated host (netem testbed)")
     parser.add_argument("--steps", type=int, default=8)

@@ -16,6 +16,9 @@ ANNOUNCED_QUANTS = ("none", "int8", "int4")
 # A DHT record lives at most this long after its writer's last store (swarm/records.py): servers' record_ttl_s must
 # fit under it. Defined here, with the settings it bounds: config sits below swarm in the layering.
 MAX_RECORD_TTL_S = 60.0
+# the route's earlier servers may be slower than this one, or the machine busier than when it was measured: a span's
+# first step may come this many times their estimated prefill after its open (ServerConfig.open_idle_limit_s)
+UPSTREAM_PREFILL_SLACK = 2.0
 
 # "auto" = the checkpoint's own dtype, except on a CPU: float16 runs as float32, and bfloat16 too unless the CPU
 # has bf16 matmul units (AMX), where bf16 is faster; see swarmlm/model/checkpoint.py auto_dtype
@@ -173,7 +176,10 @@ class ServerConfig:
     # after refusing a request at least this large, hand freed memory back to the OS (at most once a second)
     trim_refused_bytes: int = 16 << 20
     # Limits against greedy or hostile peers (docs/FAILURES.md, "Bounded resources"). A peer is a remote host.
-    open_idle_timeout_s: float = 10.0  # a session whose first step has not run this long after its open is closed
+    # a session whose first step has not come this long after its open is closed (opens cost no cache), plus the
+    # time the route's earlier servers take first: a span from block s waits for blocks 0..s-1 to prefill
+    # (open_idle_limit_s); a first step counts once admitted (its cache reserved), not once computed
+    open_idle_timeout_s: float = 10.0
     resume_grace_s: float = 5.0  # a session whose stream broke is closed unless resumed (with its secret) this soon
     max_sessions_per_peer: int = 32  # open sessions one host may hold here
     max_peer_cache_fraction: float = 0.5  # share of cache_bytes the sessions of one host may reserve
@@ -203,6 +209,14 @@ class ServerConfig:
     profile_cache_dir: str | None = None  # where start-up profiles are cached (None = ~/.cache/swarmlm)
     drain_timeout_s: float = 30.0  # on SIGTERM: how long open sessions may go on before the server stops
     rebalance_period_s: float = 30.0  # with blocks=None: how often to check whether moving helps (0 = never)
+
+    def open_idle_limit_s(self, upstream_prefill_s: float) -> float:
+        """How long a session opened here may wait for its first step: open_idle_timeout_s plus
+        UPSTREAM_PREFILL_SLACK x `upstream_prefill_s` (the blocks before its span over its batch x max_length tokens,
+        priced by this server's measured profile: the earlier servers compute its prompt first), the added part at
+        most session_idle_timeout_s - open_idle_timeout_s (what one step already buys a peer: no new hold)."""
+        room = max(0.0, self.session_idle_timeout_s - self.open_idle_timeout_s)
+        return self.open_idle_timeout_s + min(UPSTREAM_PREFILL_SLACK * max(0.0, upstream_prefill_s), room)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))  # torch.float32 -> "float32" (or refused)
