@@ -209,6 +209,9 @@ class ServerConfig:
     profile_cache_dir: str | None = None  # where start-up profiles are cached (None = ~/.cache/swarmlm)
     drain_timeout_s: float = 30.0  # on SIGTERM: how long open sessions may go on before the server stops
     rebalance_period_s: float = 30.0  # with blocks=None: how often to check whether moving helps (0 = never)
+    # a block that only joining / loading records cover for longer than this counts as uncovered again: a loader that
+    # never serves (stuck, or hostile) keeps spares off it no longer (a llama-8b move took 30-51 s here)
+    max_loading_s: float = 300.0
 
     def open_idle_limit_s(self, upstream_prefill_s: float) -> float:
         """How long a session opened here may wait for its first step: open_idle_timeout_s plus
@@ -237,7 +240,8 @@ class ServerConfig:
         if self.max_train_request_bytes > self.max_train_total_bytes:
             raise ValueError(f"max_train_request_bytes ({self.max_train_request_bytes}) must be at most "
                              f"max_train_total_bytes ({self.max_train_total_bytes}): such a request would never fit")
-        for name in ("join_settle_s", "drain_timeout_s", "rebalance_period_s", "train_admission_wait_s"):
+        for name in ("join_settle_s", "drain_timeout_s", "rebalance_period_s", "train_admission_wait_s",
+                     "max_loading_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.prefix_cache_bytes < 0:
@@ -276,6 +280,9 @@ class ClientConfig:
     # waits for the other recently seen sessions (of the last head time); fraction 0 = every session runs its own head
     head_batch_wait: StragglerWait = StragglerWait(fraction=1.0, max_s=1.0)
     wait_for_blocks_s: float = 30.0  # how long to wait for missing blocks before failing
+    # while servers announce every missing block as loading (a spare moving onto them: 30-51 s for llama-8b here),
+    # wait up to this long in all (if longer than wait_for_blocks_s): a stuck or hostile loader holds us no longer
+    wait_for_loading_s: float = 300.0
     step_timeout_s: float = 60.0  # one step through one server, at most (see hang_factor)
     # a server is hung (alive, not answering) when a step makes no progress there for hang_factor x its announced
     # compute time for that step, plus hang_floor_s (at most step_timeout_s): it is banned and failed over
@@ -340,6 +347,9 @@ class ClientConfig:
                              f"hang_floor_s ({self.hang_floor_s}) must be > 0")
         if self.records_max_age_s < 0:
             raise ValueError(f"records_max_age_s must be >= 0, got {self.records_max_age_s}")
+        if self.wait_for_blocks_s < 0 or self.wait_for_loading_s < 0:
+            raise ValueError(f"wait_for_blocks_s ({self.wait_for_blocks_s}) and wait_for_loading_s "
+                             f"({self.wait_for_loading_s}) must be >= 0")
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 0:
             raise ValueError(f"prefill_chunk_tokens must be None (auto), 0 (off) or positive, got {self.prefill_chunk_tokens}")
         if self.max_decode_burst < 1 or self.prefill_window < 1:

@@ -1,6 +1,8 @@
 """Failover under memory budgets (issue 35): a server dies mid-generation; a spare placed by its --memory-mb (no
 --blocks) moves onto the blocks nobody serves any more, within its budget, and the client goes on with the same
-tokens, saying once what it waits for. A spare without room stays where it is: the client waits, then the clear error.
+tokens, saying once what it waits for, and once that the spare is loading them. A spare without room stays where it
+is: the client waits, then the clear error. A "loading" record that never comes online holds the client only up to
+its wait_for_loading_s.
 
 A Q4_0 GGUF of tiny-llama's family with blocks of ~1.9 MiB, so that budgets in whole MiB tell 2, 3 or 4 blocks apart.
 """
@@ -17,7 +19,11 @@ from swarmlm.errors import MissingBlocks
 from swarmlm.model.gguf_writer import write_gguf
 from swarmlm.model.random_checkpoint import preset_config
 from swarmlm.server.placement import range_bytes
+from swarmlm.swarm.dht import announce, default_prefix, owner_subkey
+from swarmlm.swarm.dht_thread import ThreadDHT
+from swarmlm.swarm.identity import Identity
 from swarmlm.swarm.local import LocalSwarm, read_event
+from swarmlm.swarm.records import LOADING, ServerRecord
 from swarmlm.types import BlockRange
 from tests.swarm_helpers import client_of
 
@@ -76,8 +82,8 @@ def start(swarm: LocalSwarm, gguf: str, spare_blocks: int):
     return holders, spare
 
 
-def waits(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "waiting up to" in r.getMessage()]
+def waits(caplog, needle: str = "waiting up to") -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and needle in r.getMessage()]
 
 
 def test_a_spare_with_room_takes_the_dead_servers_blocks(gguf, caplog):
@@ -98,6 +104,8 @@ def test_a_spare_with_room_takes_the_dead_servers_blocks(gguf, caplog):
     assert moved["weight_bytes"] + CACHE_MB * MIB <= budget_mb(gguf, 3) * MIB  # within its budget
     lines = waits(caplog)
     assert len(lines) == 1 and "blocks 3-5" in lines[0] and "\n" not in lines[0], lines
+    loading = waits(caplog, "as loading")  # the spare's loading record, kept announced until it serves
+    assert len(loading) == 1 and spare.server_id[-8:] in loading[0] and "blocks 3-5" in loading[0], loading
 
 
 def test_without_room_the_client_waits_then_says_so(gguf, caplog):
@@ -114,3 +122,26 @@ def test_without_room_the_client_waits_then_says_so(gguf, caplog):
         assert spare.alive
     lines = waits(caplog)
     assert len(lines) == 1 and "blocks 3-5" in lines[0], lines
+
+
+def test_a_loading_record_that_never_serves_holds_the_client_only_so_long(gguf, caplog):
+    with LocalSwarm(gguf) as swarm:
+        swarm.start_dht()
+        swarm.start_server(BlockRange(0, 3), extra=memory_args(budget_mb(gguf, 3)))
+        stuck = Identity.generate()  # a peer announcing blocks 3-5 as loading, and never serving them
+        node = ThreadDHT(swarm.initial_peers, client_mode=False, validator=stuck.validator)
+        client = None
+        try:
+            record = ServerRecord(server_id=stuck.server_id, address="127.0.0.1:1", start=3, end=6, state=LOADING)
+            assert announce(node, default_prefix(gguf), record, 60, subkey=owner_subkey(stuck.server_id,
+                                                                                      stuck.validator))
+            client = client_of(swarm, wait_for_blocks_s=1.0, wait_for_loading_s=6.0, dtype="float32", quant="auto")
+            with caplog.at_level(logging.WARNING, logger="swarmlm"), \
+                    pytest.raises(MissingBlocks, match=f"waited 6 s; loading on {stuck.server_id[-8:]}"):
+                client.generate(torch.tensor([[1, 17, 250]]), max_new_tokens=2)
+        finally:
+            if client is not None:
+                client.close()
+            node.shutdown()
+    loading = waits(caplog, "as loading")
+    assert len(loading) == 1 and "blocks 3-5" in loading[0] and "up to 6 s in all" in loading[0], loading
