@@ -18,12 +18,9 @@ from swarmlm.config import ServerConfig
 from swarmlm.errors import MissingBlocks
 from swarmlm.model.gguf_writer import write_gguf
 from swarmlm.model.random_checkpoint import preset_config
+from swarmlm.bench.swarm_attacks import stuck_loader
 from swarmlm.server.placement import range_bytes
-from swarmlm.swarm.dht import announce, default_prefix, owner_subkey
-from swarmlm.swarm.dht_thread import ThreadDHT
-from swarmlm.swarm.identity import Identity
 from swarmlm.swarm.local import LocalSwarm, read_event
-from swarmlm.swarm.records import LOADING, ServerRecord
 from swarmlm.types import BlockRange
 from tests.swarm_helpers import client_of
 
@@ -124,24 +121,11 @@ def test_without_room_the_client_waits_then_says_so(gguf, caplog):
     assert len(lines) == 1 and "blocks 3-5" in lines[0], lines
 
 
-def test_a_loading_record_that_never_serves_holds_the_client_only_so_long(gguf, caplog):
+def test_a_loading_record_that_never_serves_holds_the_client_only_so_long(gguf):
     with LocalSwarm(gguf) as swarm:
         swarm.start_dht()
-        swarm.start_server(BlockRange(0, 3), extra=memory_args(budget_mb(gguf, 3)))
-        stuck = Identity.generate()  # a peer announcing blocks 3-5 as loading, and never serving them
-        node = ThreadDHT(swarm.initial_peers, client_mode=False, validator=stuck.validator)
-        client = None
-        try:
-            record = ServerRecord(server_id=stuck.server_id, address="127.0.0.1:1", start=3, end=6, state=LOADING)
-            assert announce(node, default_prefix(gguf), record, 60, subkey=owner_subkey(stuck.server_id,
-                                                                                      stuck.validator))
-            client = client_of(swarm, wait_for_blocks_s=1.0, wait_for_loading_s=6.0, dtype="float32", quant="auto")
-            with caplog.at_level(logging.WARNING, logger="swarmlm"), \
-                    pytest.raises(MissingBlocks, match=f"waited 6 s; loading on {stuck.server_id[-8:]}"):
-                client.generate(torch.tensor([[1, 17, 250]]), max_new_tokens=2)
-        finally:
-            if client is not None:
-                client.close()
-            node.shutdown()
-    loading = waits(caplog, "as loading")
-    assert len(loading) == 1 and "blocks 3-5" in loading[0] and "up to 6 s in all" in loading[0], loading
+        seen = stuck_loader(swarm, memory_args(budget_mb(gguf, 3)), wait_for_loading_s=6.0)
+    loader = seen["loader"][-8:]
+    assert f"blocks 3-5 (waited 6 s; loading on {loader})" in seen["error"], seen
+    lines = seen["loading_lines"]
+    assert len(lines) == 1 and "blocks 3-5" in lines[0] and "up to 6 s in all" in lines[0], lines
