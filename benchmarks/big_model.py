@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> dict:
     from swarmlm.machine import machine_info
     from swarmlm.model.checkpoint import load_config
     from swarmlm.bench.netem import Testbed, network_for
-    from swarmlm.swarm.local import LocalSwarm, even_split
+    from swarmlm.swarm.local import LocalSwarm, even_split, read_event
 
     path = model_file(args.preset, args.gguf, args.seed)
     ref = reference(path, args.steps)
@@ -233,7 +233,8 @@ def run(args: argparse.Namespace) -> dict:
                                  "--memory-mb")
             failover = {"spare_blocks_at_start": spare.ready["blocks"], "killed_blocks": victim.ready["blocks"],
                         "killed_at_step": args.kill_at}
-            where = {"initial_peers": swarm.initial_peers, "wait_for_blocks_s": 1800.0}  # (reads the spare's move)
+            # the client's defaults: 30 s for missing blocks, up to 300 s in all once the spare announces them loading
+            where = {"initial_peers": swarm.initial_peers}
         elif testbed is None:
             where = {"servers": swarm.addresses}
         else:
