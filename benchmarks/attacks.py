@@ -513,7 +513,8 @@ def swarm_run(workdir: Path) -> list[dict]:
     model_dir = str(init_checkpoint("tiny-llama", workdir / "tiny-llama", seed=2))
     results = []
     for attack, kwargs in ((sa.adapter_versions, {"workdir": workdir, "by_name": 12, "pinned": 4}),
-                           (sa.lossy_wire_under_load, {"rounds": 10, "loaders": 4})):
+                           (sa.lossy_wire_under_load, {"rounds": 10, "loaders": 4}),
+                           (sa.stuck_loader, {})):
         with LocalSwarm(model_dir, log_dir=workdir / attack.__name__) as swarm:
             swarm.start_dht()
             t0 = time.perf_counter()
