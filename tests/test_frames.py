@@ -172,3 +172,44 @@ def test_blocking_reads_take_frames_in_order_and_time_out():
     assert call.read_blocking(5.0) is grpc.aio.EOF
     call.cancel()
     peer.close()
+
+
+
+def test_a_pushing_server_takes_only_a_signed_frame_port():
+    """A pushing server asks its target's Info with a fresh nonce and takes the framed port only when the target
+    signed it (server/frame_push.py): an Info whose port differs from the one signed (a hostile answer, or one
+    tampered with on the way), an unsigned one, or a signature over another nonce (a replayed answer) means gRPC
+    pushes (port 0)."""
+    from swarmlm.server.frame_push import FramePushes
+    from swarmlm.swarm.identity import Identity, sign_info
+    from swarmlm.wire import swarm_pb2 as pb
+
+    identity = Identity.generate()
+    old_nonce = b"n" * 16
+
+    def signed(nonce: bytes, port: int, signed_port: int) -> pb.InfoReply:
+        reply = pb.InfoReply(server_id=identity.server_id, model="m", frame_port=signed_port)
+        sign_info(identity, reply, nonce, "127.0.0.1:5000")
+        reply.frame_port = port
+        return reply
+
+    answers = {
+        "honest:1": lambda nonce: signed(nonce, 40001, 40001),
+        "wrong-port:1": lambda nonce: signed(nonce, 22, 40001),
+        "unsigned:1": lambda nonce: pb.InfoReply(server_id=identity.server_id, frame_port=40001),
+        "replayed:1": lambda nonce: signed(old_nonce, 40001, 40001),
+        "silent:1": lambda nonce: None,
+    }
+    nonces = []
+
+    async def info(address: str, nonce: bytes) -> pb.InfoReply | None:
+        nonces.append(nonce)
+        return answers[address](nonce)
+
+    async def ports() -> dict[str, int]:
+        pushes = FramePushes(info, None, 1 << 20)
+        return {address: await pushes.port(address) for address in answers}
+
+    assert asyncio.run(ports()) == {"honest:1": 40001, "wrong-port:1": 0, "unsigned:1": 0, "replayed:1": 0,
+                                    "silent:1": 0}
+    assert len(set(nonces)) == len(answers) and old_nonce not in nonces  # a fresh challenge each time
