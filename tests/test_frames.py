@@ -213,3 +213,58 @@ def test_a_pushing_server_takes_only_a_signed_frame_port():
     assert asyncio.run(ports()) == {"honest:1": 40001, "wrong-port:1": 0, "unsigned:1": 0, "replayed:1": 0,
                                     "silent:1": 0}
     assert len(set(nonces)) == len(answers) and old_nonce not in nonces  # a fresh challenge each time
+
+
+def _frames_until_close(host: str, port: int, data: bytes, half_close: bool) -> list[tuple[Kind, bytes]]:
+    """Send `data` on a new connection, then every frame the server sends until it closes."""
+    import socket
+
+    got, buf = [], bytearray()
+    with socket.create_connection((host, port), timeout=60) as sock:
+        sock.sendall(data)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
+        while chunk := sock.recv(1 << 16):
+            buf += chunk
+            while (frame := frames.parse_frame(buf, 1 << 24)) is not None:
+                got.append(frame)
+    return got
+
+
+def test_a_stream_sent_faster_than_its_inbox_takes_it_is_answered_in_order(tiny_bloom):
+    """Frames go from the socket straight into the session's inbox (server/frame_server.py FramedRequests.feed);
+    a client that writes 12 steps at once, more than the inbox (2) and its bytes in flight (3 steps) take, is held
+    back (reading pauses) and answered in order, every step; a frame that stalls mid-body ends its stream with a
+    one-line STATUS."""
+    import torch
+
+    from swarmlm.bench.frame_attacks import HELLO, frame_port, open_request
+    from swarmlm.types import BlockRange
+    from swarmlm.wire import codec
+    from swarmlm.wire import swarm_pb2 as pb
+    from tests.swarm_helpers import in_process_server
+
+    hidden = 64  # tiny-bloom's
+
+    def step(step_id: int) -> bytes:
+        request = pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(torch.randn(1, 1, hidden)),
+                                                            step_id=step_id))
+        return frames.frame(Kind.REQUEST, request.SerializeToString())
+
+    step_bytes = 4 * hidden  # float32 payload of one step
+    with in_process_server(tiny_bloom, BlockRange(0, 2), inbox_steps=2, max_peer_bytes_in_flight=3 * step_bytes,
+                           session_idle_timeout_s=2.0, open_idle_timeout_s=10.0) as server:
+        host, port = "127.0.0.1", frame_port(server.address)
+        stalled = HELLO + HEADER.pack(100, Kind.REQUEST) + b"x" * 10  # (the session's 10 s to open comes later)
+        burst = HELLO + open_request(2) + b"".join(step(i) for i in range(1, 13)) + frames.frame(Kind.END)
+        got = _frames_until_close(host, port, burst, half_close=True)
+        assert [k for k, _ in got] == [Kind.REPLY] * 13 + [Kind.STATUS]
+        replies = [pb.InferenceReply.FromString(body) for _, body in got[1:-1]]
+        assert [r.step_id for r in replies] == list(range(1, 13)), [r.error.message for r in replies]
+        assert not any(r.error.code for r in replies), [r.error.message for r in replies]
+        assert [r.position for r in replies] == list(range(1, 13))
+        assert frames.parse_status(got[-1][1]) == (grpc.StatusCode.OK, "")
+        status = _frames_until_close(host, port, stalled, half_close=False)
+        assert [k for k, _ in status] == [Kind.STATUS] and frames.parse_status(status[0][1]) == (
+            grpc.StatusCode.INVALID_ARGUMENT, "a frame of 100 bytes did not arrive within 2.0 s")
+        assert server.service.load.held == {}  # every step's bytes released
