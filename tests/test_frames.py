@@ -268,3 +268,25 @@ def test_a_stream_sent_faster_than_its_inbox_takes_it_is_answered_in_order(tiny_
         assert [k for k, _ in status] == [Kind.STATUS] and frames.parse_status(status[0][1]) == (
             grpc.StatusCode.INVALID_ARGUMENT, "a frame of 100 bytes did not arrive within 2.0 s")
         assert server.service.load.held == {}  # every step's bytes released
+
+
+def test_bytes_in_flight_wake_a_waiting_add_and_no_one_else():
+    """PeerBytes (server/sessions.py): an add that does not fit waits until a release makes room; a release with no
+    add waiting starts no wake-up task (it ran after every step's reply, on both transports)."""
+    from swarmlm.server.sessions import PeerBytes
+
+    async def run() -> tuple[int, bool, bool, dict]:
+        load = PeerBytes(100)
+        await load.add("a", 60)
+        tasks = len(asyncio.all_tasks())
+        load.release("a", 60)  # nobody waits
+        quiet = len(asyncio.all_tasks()) - tasks
+        await load.add("a", 60)
+        waiting = asyncio.ensure_future(load.add("a", 60))  # 120 > 100: waits
+        await asyncio.sleep(0.01)
+        blocked = not waiting.done()
+        load.release("a", 60)
+        await asyncio.wait_for(waiting, 5)
+        return quiet, blocked, waiting.done(), dict(load.held)
+
+    assert asyncio.run(run()) == (0, True, True, {"a": 60})
