@@ -203,6 +203,7 @@ class FramedRequests:
         self._pending: deque[Item] = deque()  # frames cut while the inbox had no room: taken in order by `feed`
         self._slow = False  # `feed` is taking pending frames: later ones wait behind them (reading paused)
         self._wake: asyncio.Future | None = None
+        self._feeding: asyncio.Task | None = None  # the task in `feed` (its cancellation ends the stream's intake)
 
     def __aiter__(self) -> "FramedRequests":
         return self
@@ -235,6 +236,7 @@ class FramedRequests:
         bytes have room now, else nothing is done) as each frame is cut; while that fails, reading pauses and this
         task `take`s the waiting frames in order (which waits for room). Returns at END; raises as __anext__."""
         conn = self.conn
+        self._feeding = asyncio.current_task()
         self._pending.extend(conn.queued)
         conn.queued.clear()
         conn.sink = lambda item: self._arrived(item, take_now)
@@ -255,6 +257,8 @@ class FramedRequests:
             conn.sink = None
 
     def _arrived(self, item: Item, take_now: Callable[[object], bool]) -> None:
+        if self._feeding.cancelling():  # the stream ended (its bytes in flight released): nothing more goes in
+            return
         if not self._slow and isinstance(item, tuple) and item[0] == Kind.REQUEST:
             try:
                 if take_now(self._request(item)):
