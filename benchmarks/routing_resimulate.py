@@ -15,11 +15,13 @@ for f in ["routing_bench.json", "routing_bench_16.json", "routing_bench_pinned.j
     a = r["args"]; ready = r["profiles"]; ids = list(ready)
     names = {ids[0]: "A", ids[1]: "B"}
     for mode in MODES:
-        real = r["real"][mode]["mean_per_token_ms"]
+        real = r["real"][mode]
         out = []
         for o in (0.0, None):
-            sim = summary(simulate(ready, r["client_rtt_s"][mode], 8, a["gap"], a["input"], a["output"], a["background"], mode,
-                                   message_overhead_s=o), names)
+            rows = simulate(ready, r["client_rtt_s"][mode], 8, a["gap"], a["input"], a["output"], a["background"],
+                            mode, message_overhead_s=o)
+            sim = summary(rows, names)
             out.append((sim["mean_per_token_ms"], sim["share"]["A"]))
-        print(f"{f:30s} {mode:14s} real {real:6.1f} (A {r['real'][mode]['share'][list(r['real'][mode]['share'])[0]]:.2f})"
+        real_a = real["share"][list(real["share"])[0]]
+        print(f"{f:30s} {mode:14s} real {real['mean_per_token_ms']:6.1f} (A {real_a:.2f})"
               f"  sim o=0 {out[0][0]:6.2f} (A {out[0][1]:.2f})  sim o=1.2ms {out[1][0]:6.2f} (A {out[1][1]:.2f})")

@@ -107,9 +107,9 @@ class PerfModel:
 
     def hop_cost_terms(self, client: str, server: str, l_in: int, l_out: int) -> tuple[float, float]:
         """The hop cost is affine in the block count k: (fixed_s, per_block_s) with cost = fixed + per_block * k.
-        fixed = tI + (l_out-1) t (links and messages), per_block = tauI(l_in) + (l_out-1) tau (compute, one session alone: a
-        router multiplies it by `load_factor(server, b)` for a server running b sessions). Memoised: the
-        planner asks for every (client, server) pair, sometimes twice."""
+        fixed = tI + (l_out-1) t (links and messages), per_block = tauI(l_in) + (l_out-1) tau (compute, one
+        session alone: a router multiplies it by `load_factor(server, b)` for a server running b sessions).
+        Memoised: the planner asks for every (client, server) pair, sometimes twice."""
         if self._terms_version != self.network.version:
             self._terms.clear()
             self._terms_version = self.network.version

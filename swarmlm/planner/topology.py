@@ -258,7 +258,8 @@ def _parse_network(doc: Mapping[str, Any], servers: list[ServerSpec], clients: l
 def parse_topology(doc: Any) -> Topology:
     d = _obj(doc, "topology")
     _keys(d, "topology", {"model", "servers", "clients", "workload"},
-          {"rtt_s", "bandwidth_bps", "clusters", "default_rtt_s", "name", "description", "message_overhead_s"})
+          {"rtt_s", "bandwidth_bps", "clusters", "default_rtt_s", "name", "description",
+           "message_overhead_s"})
     model = _parse_model(d["model"])
     servers = _parse_servers(d["servers"], model)
     clients = _parse_clients(d["clients"])
