@@ -95,9 +95,10 @@ class SchedulerConfig:
 # What a message costs beyond the network's round trip and the server's compute, on the default transport (gRPC
 # Inference streams): serialising, parsing, the wire stack's wake-ups and thread hand-offs on both ends. Measured:
 # `benchmarks/hop_breakdown.py --transports` step minus server compute per hop, tiny-bloom on loopback, medians
-# (docs/RESULTS-hop.md: 1.17-1.34 ms quiet). A prefill chunk's fixed cost (ChunkRule). The performance model's hop
-# costs (perf/model.py) take it as part of a link's RTT where the client measures one (Info probes over gRPC carry
-# part of it); a topology file's RTTs are the network's alone.
+# (docs/RESULTS-hop.md: 1.17-1.34 ms quiet). A prefill chunk's fixed cost (ChunkRule), and the performance model's
+# per-hop message cost (PerfModel.message_overhead_s: planner, router, simulator), on top of a link's RTT. (A live
+# client's RTT comes from Info probes, whose own unary call already carries part of such a cost: it is counted twice
+# there, alike for every route, so it changes no choice between routes of equal hop counts.)
 MESSAGE_OVERHEAD_S = 1.2e-3
 
 

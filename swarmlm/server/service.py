@@ -304,17 +304,39 @@ class SwarmService(pb_grpc.SwarmServicer):
     async def _read(self, request_iterator, inbox: asyncio.Queue, ended: asyncio.Event, peer: str,
                     charges: dict) -> None:
         """The client's messages into the inbox. A full inbox, or a peer with too many bytes in flight, holds the
-        stream back (HTTP/2 flow control)."""
+        stream back (HTTP/2 flow control). A framed stream puts each message in as its frame arrives (`feed`,
+        server/frame_server.py: no task between the socket and the step)."""
         try:
-            async for request in request_iterator:
-                if request is not UNPARSABLE and request.WhichOneof("kind") == "step":
-                    await self._charge(charges, request, peer, payload_bytes(request.step))
-                await inbox.put(request)
+            feed = getattr(request_iterator, "feed", None)
+            if feed is not None:
+                await feed(lambda request: self._take_now(inbox, peer, charges, request),
+                           lambda request: self._take(inbox, peer, charges, request))
+            else:
+                async for request in request_iterator:
+                    await self._take(inbox, peer, charges, request)
         except Exception:  # a broken stream: the session waits for a resume, for the grace only
             await inbox.put(_BROKEN)
             return
         ended.set()  # a clean end, even if the call is cancelled before the handler reads it
         await inbox.put(_END)
+
+    async def _take(self, inbox: asyncio.Queue, peer: str, charges: dict, request) -> None:
+        """One message of the client into its session's inbox, waiting for room (its step's bytes, then the inbox)."""
+        if request is not UNPARSABLE and request.WhichOneof("kind") == "step":
+            await self._charge(charges, request, peer, payload_bytes(request.step))
+        await inbox.put(request)
+
+    def _take_now(self, inbox: asyncio.Queue, peer: str, charges: dict, request) -> bool:
+        """`_take` if there is room now; False (nothing done) if it would have to wait."""
+        if inbox.full():
+            return False
+        if request is not UNPARSABLE and request.WhichOneof("kind") == "step":
+            nbytes = payload_bytes(request.step)
+            if not self.load.try_add(peer, nbytes):
+                return False
+            charges[id(request)] = (request, peer, nbytes)
+        inbox.put_nowait(request)
+        return True
 
     async def Push(self, request: pb.PushRequest, context) -> pb.PushReply:
         return await self.gate.serve(request, context, pb.PushReply(), "push", self._push)

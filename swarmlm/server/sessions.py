@@ -147,6 +147,7 @@ class PeerBytes:
         self.limit = limit
         self.held: Counter[str] = Counter()
         self._freed = asyncio.Condition()
+        self._waiting = 0  # adds waiting for room: a release wakes them (none: no wake-up task per release)
 
     def try_add(self, peer: str, nbytes: int) -> bool:
         if self.held[peer] and self.held[peer] + nbytes > self.limit:
@@ -155,14 +156,21 @@ class PeerBytes:
         return True
 
     async def add(self, peer: str, nbytes: int) -> None:
-        async with self._freed:
-            await self._freed.wait_for(lambda: self.try_add(peer, nbytes))
+        if self.try_add(peer, nbytes):
+            return
+        self._waiting += 1
+        try:
+            async with self._freed:
+                await self._freed.wait_for(lambda: self.try_add(peer, nbytes))
+        finally:
+            self._waiting -= 1
 
     def release(self, peer: str, nbytes: int) -> None:
         self.held[peer] -= nbytes
         if self.held[peer] <= 0:
             del self.held[peer]
-        asyncio.ensure_future(self._notify())
+        if self._waiting:
+            asyncio.ensure_future(self._notify())
 
     async def _notify(self) -> None:
         async with self._freed:
