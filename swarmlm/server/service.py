@@ -21,7 +21,7 @@ from swarmlm.config import ServerConfig
 from swarmlm.errors import CapacityExceeded, InvalidRequest, NotPermitted, PushRefused, UnknownSession
 from swarmlm.model.fingerprint import range_fingerprint
 from swarmlm.perf.model import ComputeProfile
-from swarmlm.server import prefix_cache
+from swarmlm.server import deep_prompt, prefix_cache
 from swarmlm.server.checks import StepChecks, check_cache_op, decode_step, payload_bytes, peer_host
 from swarmlm.server.prefix_cache import PrefixCache
 from swarmlm.server.push import Pusher, StepOrder, TargetCheck, check_targets
@@ -152,13 +152,16 @@ class SwarmService(pb_grpc.SwarmServicer):
         if not 1 <= msg.max_length <= self.config.max_length_tokens:
             raise InvalidRequest(f"max_length must be in [1, {self.config.max_length_tokens}], got {msg.max_length}")
         adapter = self._adapter(msg.adapter)
-        nbytes = self.stage.cache_bytes(blocks.length, msg.batch_size, msg.max_length)
+        prompts = deep_prompt.decode_prompts(msg.prompts, blocks, msg.max_length, self.stage.hidden_size)
+        nbytes = self.stage.cache_bytes(blocks.length, msg.batch_size, msg.max_length) \
+            + deep_prompt.prompt_bytes(prompts, torch.float32)
         keys = prefix_cache.check_keys(msg.prefix_keys, "prefix_keys")
-        if adapter and (keys or msg.prefix_scope):  # its rows differ from the base model's under the same keys
-            raise InvalidRequest("a session with an adapter does not use the prefix cache (no prefix_scope/keys)")
+        if (adapter or prompts is not None) and (keys or msg.prefix_scope):  # rows unlike the base model's
+            raise InvalidRequest("a session with an adapter or a deep prompt does not use the prefix cache "
+                                 "(no prefix_scope/keys)")
         digest = prefix_cache.check_scope(msg.prefix_scope) if msg.prefix_scope or keys else None
         # no cache allocated until a step
-        state = self.stage.new_state(blocks, msg.batch_size, msg.max_length, adapter)
+        state = self.stage.new_state(blocks, msg.batch_size, msg.max_length, adapter, prompts)
         session = self.sessions.open(owner, state, msg.batch_size, msg.max_length, nbytes)
         session.prefix_digest = digest
         if keys and self.prefixes is not None:
