@@ -340,8 +340,8 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         does not cover run plainly."""
         checked, _ = self._prepare_generation_config(generation_config, **kwargs)
         ids = inputs if inputs is not None else kwargs.get("input_ids")
-        # (a soft prompt's first step carries the prompt: _prompted_step, through transformers' loop)
-        if parse_mode(speculative) != 0 and ids is not None and self.prompts is None and decodes(checked, ids, kwargs):
+        # (a soft prompt's first step carries the prompt: _prompted_step, in either loop)
+        if parse_mode(speculative) != 0 and ids is not None and decodes(checked, ids, kwargs):
             return decoder_generate(self, ids, kwargs.get("attention_mask"), checked, session, generator, stats,
                                     speculative, draft_model, kwargs.get("streamer"))
         remote = RemoteCache(self, session, stats) if checked.use_cache else None
