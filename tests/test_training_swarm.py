@@ -263,3 +263,25 @@ def test_a_deep_prompt_generates_with_the_servers_caches_as_transformers_does(sw
     assert torch.equal(got.sequences, want.sequences[:, -got.sequences.shape[1]:])
     assert max((a - b).abs().max().item() for a, b in zip(got.scores, want.scores)) < 1e-4
     assert max((a - b).abs().max().item() for a, b in zip(got.scores, plain.scores)) > 1e-3  # the deep part counts
+
+
+def test_a_client_lora_generates_with_the_servers_caches_as_peft_does(swarm):
+    """A client's own LoRA in cached sessions (each server holds its blocks' matrices from the open and applies them
+    in every forward of the session): PEFT's greedy tokens and scores, both with their caches."""
+    model, peft, pairs = _lora_pair(swarm)
+    with torch.no_grad():
+        for _, b, _, peft_b in pairs:
+            b.mul_(10.0)  # a LoRA that changes the answer
+            peft_b.copy_(b)
+    ids = torch.randint(0, 512, (1, 6), generator=torch.Generator().manual_seed(5))
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    plain = client(swarm)
+    with torch.no_grad():
+        got = model.generate(ids, **kwargs)
+        want = peft.generate(input_ids=ids, **kwargs)
+        base = plain.generate(ids, **kwargs)
+    model.close()
+    plain.close()
+    assert torch.equal(got.sequences, want.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(got.scores, want.scores)) < 1e-4
+    assert max((a - b).abs().max().item() for a, b in zip(got.scores, base.scores)) > 1e-3  # the LoRA counts

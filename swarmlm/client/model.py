@@ -221,7 +221,8 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
             prefix = dataclasses.replace(prefix, scope=prefix_scope)
         deep = self.prompts.deep_prompts if self.prompts is not None else None
         session = InferenceSession(self.remote, batch_size, max_length, l_in_hint, l_out_hint, prefix,
-                                   deep.detach().float() if deep is not None else None)
+                                   deep.detach().float() if deep is not None else None,
+                                   self.lora.wire() if self.lora is not None else ())
         if self.head_batcher is not None:
             self.head_batcher.expect(session)  # its first head (after the prefill) may share a batch already
         return session
@@ -257,10 +258,6 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         tuned = self.prompts is not None or self.lora is not None
         if cache is None and (labels is not None or tuned or inputs_embeds is not None and inputs_embeds.requires_grad):
             return train_forward(self, input_ids, inputs_embeds, mask, labels, keep)
-        if self.lora is not None:
-            raise InvalidRequest("a client's own LoRA runs without the servers' caches: generate(..., "
-                                 "use_cache=False); or in cached sessions on servers that pre-load it "
-                                 "(save_adapter, server --adapters DIR, adapter=DIR)")
         if self.prompts is not None:
             return self._prompted_step(cache, input_ids, inputs_embeds, mask, keep)
         tokens_or_embeds = input_ids if input_ids is not None else inputs_embeds

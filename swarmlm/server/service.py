@@ -153,15 +153,16 @@ class SwarmService(pb_grpc.SwarmServicer):
             raise InvalidRequest(f"max_length must be in [1, {self.config.max_length_tokens}], got {msg.max_length}")
         adapter = self._adapter(msg.adapter)
         prompts = deep_prompt.decode_prompts(msg.prompts, blocks, msg.max_length, self.stage.hidden_size)
+        lora = self.training.decode_lora(msg.lora, blocks)  # a client's own, held by the session
         nbytes = self.stage.cache_bytes(blocks.length, msg.batch_size, msg.max_length) \
-            + deep_prompt.prompt_bytes(prompts, torch.float32)
+            + deep_prompt.prompt_bytes(prompts, torch.float32) + sum(4 * (d.a.numel() + d.b.numel()) for d in lora)
         keys = prefix_cache.check_keys(msg.prefix_keys, "prefix_keys")
-        if (adapter or prompts is not None) and (keys or msg.prefix_scope):  # rows unlike the base model's
-            raise InvalidRequest("a session with an adapter or a deep prompt does not use the prefix cache "
-                                 "(no prefix_scope/keys)")
+        if (adapter or prompts is not None or lora) and (keys or msg.prefix_scope):  # rows unlike the base's
+            raise InvalidRequest("a session with an adapter, a deep prompt or a LoRA does not use the prefix "
+                                 "cache (no prefix_scope/keys)")
         digest = prefix_cache.check_scope(msg.prefix_scope) if msg.prefix_scope or keys else None
         # no cache allocated until a step
-        state = self.stage.new_state(blocks, msg.batch_size, msg.max_length, adapter, prompts)
+        state = self.stage.new_state(blocks, msg.batch_size, msg.max_length, adapter, prompts, lora)
         session = self.sessions.open(owner, state, msg.batch_size, msg.max_length, nbytes)
         session.prefix_digest = digest
         if keys and self.prefixes is not None:
