@@ -500,12 +500,21 @@ def hostile_training_requests(hidden: int, blocks: int) -> list[tuple[str, objec
     ]
 
 
-def hostile_deep_prompt_opens(hidden: int, blocks: int) -> list[tuple[str, pb.InferenceRequest]]:
+def hostile_tuned_opens(hidden: int, blocks: int) -> list[tuple[str, pb.InferenceRequest]]:
     """(what, open) pairs a server must refuse at open (INVALID_ARGUMENT), before any cache is reserved: deep
-    prompts (OpenSession.prompts, [blocks, K, H], K <= max_length) that do not fit the session or are not numbers."""
-    def open_with(prompts: pb.Tensor, **fields) -> pb.InferenceRequest:
+    prompts (OpenSession.prompts, [blocks, K, H], K <= max_length) that do not fit the session or are not numbers,
+    and a client's LoRA (OpenSession.lora) that a training request could not carry either."""
+    def open_with(prompts: pb.Tensor | None, **fields) -> pb.InferenceRequest:
         base = dict(start_block=0, end_block=blocks, batch_size=1, max_length=64, prompts=prompts)
         return pb.InferenceRequest(open=pb.OpenSession(**{**base, **fields}))
+
+    def lora(**fields):  # (tiny-bloom's layer names)
+        base = dict(block=0, module="self_attention.query_key_value", scale=2.0,
+                    a=codec.encode(torch.randn(4, hidden)), b=codec.encode(torch.randn(3 * hidden, 4)))
+        return pb.LoraWeights(**{**base, **fields})
+
+    nan_b = torch.randn(3 * hidden, 4)
+    nan_b[0, 0] = float("nan")
 
     inf = torch.randn(blocks, 2, hidden)
     inf[0, 1, 0] = float("inf")
@@ -525,16 +534,27 @@ def hostile_deep_prompt_opens(hidden: int, blocks: int) -> list[tuple[str, pb.In
         ("prompts claiming 2^62 values", open_with(pb.Tensor(dtype="float32", shape=[1 << 31, 1 << 31, 1]))),
         ("prompts beside a prefix scope", open_with(codec.encode(torch.randn(blocks, 2, hidden)),
                                                     prefix_scope=b"s" * 16, prefix_keys=[b"k" * 16])),
+        ("LoRA on an unknown layer", open_with(None, lora=[lora(module="no.such.layer")])),
+        ("LoRA outside the range", open_with(None, lora=[lora(block=blocks + 1)])),
+        ("LoRA of rank 0", open_with(None, lora=[lora(a=pb.Tensor(dtype="float32", shape=[0, hidden]))])),
+        ("LoRA of rank 4096", open_with(None, lora=[lora(a=codec.encode(torch.randn(4096, hidden)),
+                                                         b=codec.encode(torch.randn(3 * hidden, 4096)))])),
+        ("LoRA of the wrong width", open_with(None, lora=[lora(a=codec.encode(torch.randn(4, hidden + 1)))])),
+        ("LoRA given twice", open_with(None, lora=[lora(), lora()])),
+        ("LoRA scale NaN", open_with(None, lora=[lora(scale=float("nan"))])),
+        ("LoRA with NaN", open_with(None, lora=[lora(b=codec.encode(nan_b))])),
+        ("LoRA on 5000 layers", open_with(None, lora=[lora()] * 5000)),
+        ("LoRA beside a prefix scope", open_with(None, lora=[lora()], prefix_scope=b"s" * 16)),
     ]
 
 
 @pytest.mark.slow
-def test_hostile_deep_prompts_are_refused_at_open_and_a_good_one_computes(attack_server, honest):
-    """Each hostile deep prompt is refused at open (nothing reserved, no session left); a well-formed one changes
-    the session's first K positions only, whichever steps write them; an honest client stays exact."""
+def test_hostile_deep_prompts_and_loras_are_refused_at_open_and_a_good_prompt_computes(attack_server, honest):
+    """Each hostile deep prompt or LoRA is refused at open (nothing reserved, no session left); a well-formed
+    prompt gives the same output whichever steps write its positions; an honest client stays exact."""
     address, hidden, blocks = attack_server
     before = _info(address).active_sessions
-    for what, request in hostile_deep_prompt_opens(hidden, blocks):
+    for what, request in hostile_tuned_opens(hidden, blocks):
         stream = RawStream(address)
         with pytest.raises(grpc.RpcError) as err:
             stream.send(request)

@@ -12,7 +12,7 @@ from swarmlm.server.deep_prompt import decode_prompts
 from swarmlm.server.stage import Stage, StepRequest
 from swarmlm.server.training import TrainRequest, forward_block
 from swarmlm.types import BlockRange, CacheOp
-from tests.test_attacks import hostile_deep_prompt_opens
+from tests.test_attacks import hostile_tuned_opens
 
 torch.set_num_threads(1)
 K = 3
@@ -25,13 +25,13 @@ def stage(request, checkpoints) -> Stage:
 
 def test_every_hostile_prompt_is_refused_from_its_header_or_values():
     blocks, hidden = 4, 32
-    for what, request in hostile_deep_prompt_opens(hidden, blocks):
-        if request.open.prefix_scope:  # (the service's check: tests/test_attacks.py)
+    for what, request in hostile_tuned_opens(hidden, blocks):
+        if request.open.prefix_scope or request.open.lora:  # (the service's checks: tests/test_attacks.py)
             continue
         with pytest.raises(InvalidRequest, match="prompts"):
             decode_prompts(request.open.prompts, BlockRange(0, blocks), 64, hidden)
-    ok = decode_prompts(hostile_deep_prompt_opens(hidden, blocks)[-1][1].open.prompts, BlockRange(0, blocks), 64,
-                        hidden)
+    good = next(r for what, r in hostile_tuned_opens(hidden, blocks) if what == "prompts beside a prefix scope")
+    ok = decode_prompts(good.open.prompts, BlockRange(0, blocks), 64, hidden)
     assert ok.shape == (blocks, 2, hidden) and ok.dtype == torch.float32
 
 
@@ -77,3 +77,31 @@ def test_prompted_steps_run_alone_and_later_ones_batch_with_other_sessions(stage
     apart = [stage.step(s, x[i], one) for i, s in enumerate(alone_states)]
     for a, b in zip(together, apart):
         assert (a - b).abs().max().item() < 1e-4
+
+
+def test_a_session_with_a_client_lora_equals_the_stateless_forward_and_runs_alone(stage):
+    """A client's own LoRA held by a session (OpenSession.lora): every step of it as the training path computes
+    the same LoRA, and none of its steps shares a forward with another session's."""
+    from swarmlm.server.lora import LoraDelta
+    from swarmlm.server.training import linear_layers
+
+    blocks, h = BlockRange(2, 5), stage.hidden_size
+    g = torch.Generator().manual_seed(2)
+    deltas = []
+    for block in (2, 4):
+        name, layer = next(iter(linear_layers(stage, block).items()))
+        deltas.append(LoraDelta(block, name, torch.randn(4, layer.in_features, generator=g),
+                                torch.randn(layer.out_features, 4, generator=g), 0.5))
+    x, ones = torch.randn(2, 6, h, generator=g), torch.ones(2, 6, dtype=torch.long)
+    want = x
+    for i in range(blocks.length):
+        want = forward_block(stage, TrainRequest(blocks, x, ones, None, tuple(deltas)), i, want)
+    state = stage.new_state(blocks, 2, 16, client_lora=tuple(deltas))
+    got = torch.cat([stage.step(state, x[:, :4], ones[:, :4]), stage.step(state, x[:, 4:5], ones[:, 4:5])], dim=1)
+    decode = StepRequest(state, x[:, 5:], ones[:, 5:])
+    other = StepRequest(stage.new_state(blocks, 2, 16), x[:, 5:], ones[:, 5:])
+    assert decode.batch_key != other.batch_key  # (its LoRA hooks must see no other session's rows)
+    got = torch.cat([got, stage.step_batch([decode])[0]], dim=1)
+    plain = stage.step(stage.new_state(blocks, 2, 16), x, ones)
+    assert (got - want).abs().max().item() < 1e-4
+    assert (got - plain).abs().max().item() > 1e-3

@@ -74,7 +74,7 @@ def _inference_request(rng: random.Random, hidden: int, blocks: int, address: st
             batch_size=rng.choice([0, 1, 2, 64, 1 << 31]), max_length=rng.choice([0, 1, 64, 2048, 1 << 31]),
             adapter=rng.choice(["", "", "my-adapter", "x" * 300, "../etc"]),
             prefix_scope=rng.randbytes(rng.choice([0, 0, 15, 16, 64, 65])), prefix_keys=_keys(rng),
-            prompts=_prompts(rng, hidden)))  # a deep prompt: random dtypes, shapes, bytes
+            prompts=_prompts(rng, hidden), lora=_lora(rng, hidden)))  # a deep prompt, a LoRA: random
     if rng.random() < 0.1:
         return pb.InferenceRequest(save=pb.PrefixSave(keys=_keys(rng)))
     return pb.InferenceRequest(session_id=rng.choice(["", "f" * 32, "x" * 500]), secret=rng.randbytes(16),
