@@ -361,6 +361,7 @@ class SwarmService(pb_grpc.SwarmServicer):
                 raise InvalidRequest("the first message of a stream must open a session or name an open one")
         except (InvalidRequest, CapacityExceeded, UnknownSession, NotPermitted) as exc:
             code, message = status_of(exc), message_of(exc)
+            self._refused_large(first.ByteSize())  # (an open may carry a deep prompt or LoRA matrices: MBs)
             if isinstance(exc, CapacityExceeded) and not self.accepting:  # draining: this server, not its load
                 code = grpc.StatusCode.UNAVAILABLE
         if code is not None:
