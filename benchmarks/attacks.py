@@ -346,6 +346,34 @@ def hostile_training(ctx, rounds: int = 20) -> tuple[int, str]:
     return rounds * len(cases), ", ".join(f"{n} x {c}" for c, n in sorted(codes.items()))
 
 
+def hostile_tuned_opens(ctx, rounds: int = 20) -> tuple[int, str]:
+    """Deep prompts (OpenSession.prompts) of wrong blocks, lengths, widths, dtypes, values or sizes, a client's
+    LoRA (OpenSession.lora) a training request could not carry, each also beside a prefix scope, `rounds` times
+    each: every open refused, no session left behind."""
+    from tests.test_attacks import hostile_tuned_opens as cases_of  # one list of cases, light in the tests
+
+    channel, st = stub(ctx.address)
+    before = st.Info(pb.InfoRequest()).active_sessions
+    codes: dict[str, int] = {}
+    cases = cases_of(ctx.hidden, ctx.blocks)
+    for _ in range(rounds):
+        for _, request in cases:
+            s = RawStream(st, timeout_s=60)
+            try:
+                s.send(request)
+                code = "OK"
+            except grpc.RpcError as exc:
+                code = exc.code().name
+            s.drop()
+            codes[code] = codes.get(code, 0) + 1
+    deadline = time.monotonic() + 30
+    while st.Info(pb.InfoRequest()).active_sessions != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    leaked = st.Info(pb.InfoRequest()).active_sessions - before
+    channel.close()
+    return rounds * len(cases), ", ".join(f"{n} x {c}" for c, n in sorted(codes.items())) + f"; sessions leaked: {leaked}"
+
+
 def training_flood(ctx, calls: int = 32, rows: int = 64, tokens: int = 128) -> tuple[int, str]:
     """`calls` concurrent Backwards of rows x tokens, each within the per-request bound (issue 39, hole 2): their sum
     is bounded by the server's training budget (--max-train-total-mb), the rest wait or are refused."""
@@ -403,6 +431,7 @@ ATTACKS: dict[str, Callable] = {
     "fuzz (random bytes + fields, every RPC)": fuzz,
     "hostile training requests (gradients, prompts, LoRA)": hostile_training,
     "training flood (32 concurrent Backwards of 64 x 128)": training_flood,
+    "hostile deep prompts and LoRAs at open (each bad open x 20)": hostile_tuned_opens,
     "hostile frames (framed step port: each case x 20 + 1000 random)": hostile_frames,
 }
 

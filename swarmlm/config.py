@@ -195,8 +195,8 @@ class ServerConfig:
     # a request that does not fit waits up to train_admission_wait_s for others to finish, then RESOURCE_EXHAUSTED
     max_train_total_bytes: int = 1 << 30
     train_admission_wait_s: float = 30.0
-    max_lora_rank: int = 64  # rank of a client's LoRA matrices sent with a request
-    max_lora_layers: int = 1024  # LoRA'd linear layers in one request
+    max_lora_rank: int = 64  # rank of a client's LoRA matrices sent with a request or a session's open
+    max_lora_layers: int = 1024  # LoRA'd linear layers in one request (or open)
     announce_period_s: float = 2.0  # how often the DHT record is refreshed
     record_ttl_s: float = 8.0  # DHT records expire this long after their last refresh
     # a server placing itself (blocks=None) announces its choice as joining, then re-checks it after 0.5-1.5x this

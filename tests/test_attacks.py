@@ -500,6 +500,89 @@ def hostile_training_requests(hidden: int, blocks: int) -> list[tuple[str, objec
     ]
 
 
+def hostile_tuned_opens(hidden: int, blocks: int) -> list[tuple[str, pb.InferenceRequest]]:
+    """(what, open) pairs a server must refuse at open (INVALID_ARGUMENT), before any cache is reserved: deep
+    prompts (OpenSession.prompts, [blocks, K, H], K <= max_length) that do not fit the session or are not numbers,
+    and a client's LoRA (OpenSession.lora) that a training request could not carry either."""
+    def open_with(prompts: pb.Tensor | None, **fields) -> pb.InferenceRequest:
+        base = dict(start_block=0, end_block=blocks, batch_size=1, max_length=64, prompts=prompts)
+        return pb.InferenceRequest(open=pb.OpenSession(**{**base, **fields}))
+
+    def lora(**fields):  # (tiny-bloom's layer names)
+        base = dict(block=0, module="self_attention.query_key_value", scale=2.0,
+                    a=codec.encode(torch.randn(4, hidden)), b=codec.encode(torch.randn(3 * hidden, 4)))
+        return pb.LoraWeights(**{**base, **fields})
+
+    nan_b = torch.randn(3 * hidden, 4)
+    nan_b[0, 0] = float("nan")
+
+    inf = torch.randn(blocks, 2, hidden)
+    inf[0, 1, 0] = float("inf")
+    short = codec.encode(torch.randn(blocks, 2, hidden))
+    short.data = short.data[:-4]
+    return [
+        ("prompts for one block more", open_with(codec.encode(torch.randn(blocks + 1, 2, hidden)))),
+        ("prompts for one block fewer", open_with(codec.encode(torch.randn(blocks - 1, 2, hidden)))),
+        ("prompts longer than max_length", open_with(codec.encode(torch.randn(blocks, 65, hidden)))),
+        ("prompts of no tokens", open_with(pb.Tensor(dtype="float32", shape=[blocks, 0, hidden]))),
+        ("prompts of another hidden size", open_with(codec.encode(torch.randn(blocks, 2, hidden + 1)))),
+        ("prompts with a batch dimension", open_with(codec.encode(torch.randn(blocks, 1, 2, hidden)))),
+        ("prompts of integers", open_with(codec.encode(torch.ones(blocks, 2, hidden, dtype=torch.int64)))),
+        ("prompts with inf", open_with(codec.encode(inf))),
+        ("prompts with NaN", open_with(codec.encode(torch.full((blocks, 2, hidden), float("nan"))))),
+        ("prompt bytes short of their shape", open_with(short)),
+        ("prompts claiming 2^62 values", open_with(pb.Tensor(dtype="float32", shape=[1 << 31, 1 << 31, 1]))),
+        ("prompts beside a prefix scope", open_with(codec.encode(torch.randn(blocks, 2, hidden)),
+                                                    prefix_scope=b"s" * 16, prefix_keys=[b"k" * 16])),
+        ("LoRA on an unknown layer", open_with(None, lora=[lora(module="no.such.layer")])),
+        ("LoRA outside the range", open_with(None, lora=[lora(block=blocks + 1)])),
+        ("LoRA of rank 0", open_with(None, lora=[lora(a=pb.Tensor(dtype="float32", shape=[0, hidden]))])),
+        ("LoRA of rank 4096", open_with(None, lora=[lora(a=codec.encode(torch.randn(4096, hidden)),
+                                                         b=codec.encode(torch.randn(3 * hidden, 4096)))])),
+        ("LoRA of the wrong width", open_with(None, lora=[lora(a=codec.encode(torch.randn(4, hidden + 1)))])),
+        ("LoRA given twice", open_with(None, lora=[lora(), lora()])),
+        ("LoRA scale NaN", open_with(None, lora=[lora(scale=float("nan"))])),
+        ("LoRA with NaN", open_with(None, lora=[lora(b=codec.encode(nan_b))])),
+        ("LoRA on 5000 layers", open_with(None, lora=[lora()] * 5000)),
+        ("LoRA beside a prefix scope", open_with(None, lora=[lora()], prefix_scope=b"s" * 16)),
+    ]
+
+
+@pytest.mark.slow
+def test_hostile_deep_prompts_and_loras_are_refused_at_open_and_a_good_prompt_computes(attack_server, honest):
+    """Each hostile deep prompt or LoRA is refused at open (nothing reserved, no session left); a well-formed
+    prompt gives the same output whichever steps write its positions; an honest client stays exact."""
+    address, hidden, blocks = attack_server
+    before = _info(address).active_sessions
+    for what, request in hostile_tuned_opens(hidden, blocks):
+        stream = RawStream(address)
+        with pytest.raises(grpc.RpcError) as err:
+            stream.send(request)
+        # (RESOURCE_EXHAUSTED: an open over --max-message-mb, refused by gRPC before the service sees it)
+        assert err.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), what
+        stream.drop()
+    assert _poll(lambda: _info(address).active_sessions == before)
+    x, prompts = torch.randn(1, 6, hidden), torch.randn(blocks, 3, hidden)
+    outputs = []
+    for deep, pieces in ((None, (6,)), (prompts, (6,)), (prompts, (2, 4))):  # (2, 4): the prompt split over steps
+        stream = RawStream(address)
+        stream.send(pb.InferenceRequest(open=pb.OpenSession(
+            start_block=0, end_block=blocks, batch_size=1, max_length=64,
+            prompts=codec.encode(deep) if deep is not None else None)))
+        at, parts = 0, []
+        for n in pieces:
+            reply = stream.send(_step(x[:, at:at + n]))
+            assert not reply.HasField("error"), reply.error
+            parts.append(codec.decode(reply.hidden))
+            at += n
+        outputs.append(torch.cat(parts, dim=1))
+        stream.end()
+    plain, deep_once, deep_split = outputs
+    assert torch.allclose(deep_once, deep_split, atol=1e-4)  # position-keyed: the same whatever the steps
+    assert (deep_once - plain).abs().max() > 1e-3  # it changes the output (from the prompt's positions on)
+    assert honest.poll_correct()
+
+
 def _training_call(stub, request):
     call = stub.Backward if isinstance(request, pb.BackwardRequest) else stub.Forward
     return call(request, timeout=60)

@@ -240,3 +240,31 @@ def test_the_only_server_of_some_blocks_dying_is_one_line_then_the_error(tiny_bl
     assert len(lines) == 2 and not any("\n" in line for line in lines), lines
     assert "failed" in lines[0] and "blocks 3-5" in lines[1] and "waiting up to 4 s" in lines[1], lines
     assert any("AioRpcError" in r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG)
+
+
+def test_a_replacement_gets_the_deep_prompt_and_generates_the_same_tokens(swarm, tiny_bloom):
+    """A deep prompt in cached sessions, and the server of its middle span SIGKILLed mid-answer: the replacement is
+    opened with its blocks' part of the prompt and the replay rebuilds the prompt's positions with it, so the tokens
+    and scores equal a stateless run's (each step one Forward with the prompts)."""
+    from tests.swarm_helpers import client_of
+
+    swarm_, client = swarm
+    restore(swarm_, client)
+    deep = client_of(swarm_, dtype="float32", tuning_mode="deep_ptune", pre_seq_len=3, ban_base_s=30.0)
+    with torch.no_grad():
+        deep.prompts.prompt_embeddings.normal_(0, 1.0, generator=torch.Generator().manual_seed(11))
+        deep.prompts.deep_prompts.normal_(0, 4.0, generator=torch.Generator().manual_seed(12))
+    ids = AutoTokenizer.from_pretrained(tiny_bloom)("the quick brown fox", return_tensors="pt").input_ids
+    try:
+        args = dict(max_new_tokens=12, do_sample=False, output_scores=True, return_dict_in_generate=True)
+        want = deep.generate(ids, use_cache=False, **args)
+        with deep.inference_session(max_length=ids.shape[1] + 3 + 12) as session:
+            kill = KillAt(swarm_, session, at=5, position=1)
+            got = deep.generate(ids, session=session, stopping_criteria=StoppingCriteriaList([kill]), **args)
+            failovers = sum(s.failovers for s in session.steps)
+    finally:
+        deep.close()
+    assert torch.equal(got.sequences, want.sequences)
+    # (a replacement without the prompt is off by ~1e-3 here: tiny-bloom's layer norms damp what is added)
+    assert max((a - b).abs().max().item() for a, b in zip(got.scores, want.scores)) < 1e-4
+    assert kill.calls >= 5 and failovers == 1

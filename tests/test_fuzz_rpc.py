@@ -73,7 +73,8 @@ def _inference_request(rng: random.Random, hidden: int, blocks: int, address: st
             start_block=rng.choice([0, 1, blocks, 1 << 31]), end_block=rng.choice([0, 1, blocks, blocks + 1]),
             batch_size=rng.choice([0, 1, 2, 64, 1 << 31]), max_length=rng.choice([0, 1, 64, 2048, 1 << 31]),
             adapter=rng.choice(["", "", "my-adapter", "x" * 300, "../etc"]),
-            prefix_scope=rng.randbytes(rng.choice([0, 0, 15, 16, 64, 65])), prefix_keys=_keys(rng)))
+            prefix_scope=rng.randbytes(rng.choice([0, 0, 15, 16, 64, 65])), prefix_keys=_keys(rng),
+            prompts=_prompts(rng, hidden), lora=_lora(rng, hidden)))  # a deep prompt, a LoRA: random
     if rng.random() < 0.1:
         return pb.InferenceRequest(save=pb.PrefixSave(keys=_keys(rng)))
     return pb.InferenceRequest(session_id=rng.choice(["", "f" * 32, "x" * 500]), secret=rng.randbytes(16),
@@ -84,9 +85,12 @@ def _live_session(rng: random.Random, hidden: int, blocks: int) -> list[pb.Infer
     """A real session (open, a prefill of up to 3 rows) then steps of well-formed tensors with random cache ops."""
     rows, tokens = rng.randint(1, 3), rng.randint(1, 40)
     scope = rng.choice([b"", b"s" * 16, rng.randbytes(16)])  # b"s" * 16: sessions of one scope may meet
+    deep = rng.random() < 0.3  # a well-formed deep prompt (then no prefix cache: that open would be refused)
+    prompts = codec.encode(torch.randn(blocks, rng.randint(1, 48), hidden)) if deep else None
     requests = [pb.InferenceRequest(open=pb.OpenSession(start_block=0, end_block=blocks, batch_size=rng.randint(1, 4),
-                                                        max_length=48, prefix_scope=scope,
-                                                        prefix_keys=[bytes([k]) * 16 for k in range(3)])),
+                                                        max_length=48, prefix_scope=b"" if deep else scope,
+                                                        prefix_keys=[] if deep else
+                                                        [bytes([k]) * 16 for k in range(3)], prompts=prompts)),
                 pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(torch.randn(rows, tokens, hidden))))]
     for _ in range(rng.randint(1, 4)):
         shape = (rng.choice([1, 2, 3, 4, 5]), rng.choice([1, 1, 2, 12]), hidden)

@@ -237,3 +237,51 @@ def test_a_prompt_tuned_model_generates_as_peft_does(swarm):
         want = peft.generate(input_ids=ids, max_new_tokens=5, do_sample=False, use_cache=False)
     model.close()
     assert torch.equal(got, want[:, -got.shape[1]:])
+
+
+def test_a_deep_prompt_generates_with_the_servers_caches_as_transformers_does(swarm):
+    """A deep prompt in cached sessions (each server holds its blocks' part from the open): the same greedy tokens
+    and scores as transformers + PEFT's soft prompt with the deep prompt added at every layer, run stateless."""
+    model = client(swarm, tuning_mode="deep_ptune", pre_seq_len=K)
+    ref = reference(swarm)
+    peft = get_peft_model(ref, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=K))
+    with torch.no_grad():
+        model.prompts.prompt_embeddings.normal_(0, 1.0, generator=torch.Generator().manual_seed(7))
+        model.prompts.deep_prompts.normal_(0, 1.0, generator=torch.Generator().manual_seed(8))
+        peft.prompt_encoder["default"].embedding.weight.copy_(model.prompts.prompt_embeddings)
+    _add_deep_prompts(ref, model.prompts.deep_prompts.detach().clone())
+    ids = torch.randint(0, 512, (1, 6), generator=torch.Generator().manual_seed(5))
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        got = model.generate(ids, **kwargs)  # cached: the servers add the prompt at positions 0..K-1
+        want = peft.generate(input_ids=ids, use_cache=False, **kwargs)  # (the hooks see the whole sequence)
+        shallow = client(swarm, tuning_mode="ptune", pre_seq_len=K)  # the same soft prompt, no deep prompt
+        shallow.prompts.prompt_embeddings.copy_(model.prompts.prompt_embeddings)
+        plain = shallow.generate(ids, **kwargs)
+    model.close()
+    shallow.close()
+    assert torch.equal(got.sequences, want.sequences[:, -got.sequences.shape[1]:])
+    assert max((a - b).abs().max().item() for a, b in zip(got.scores, want.scores)) < 1e-4
+    assert max((a - b).abs().max().item() for a, b in zip(got.scores, plain.scores)) > 1e-3  # the deep part counts
+
+
+def test_a_client_lora_generates_with_the_servers_caches_as_peft_does(swarm):
+    """A client's own LoRA in cached sessions (each server holds its blocks' matrices from the open and applies them
+    in every forward of the session): PEFT's greedy tokens and scores, both with their caches."""
+    model, peft, pairs = _lora_pair(swarm)
+    with torch.no_grad():
+        for _, b, _, peft_b in pairs:
+            b.mul_(10.0)  # a LoRA that changes the answer
+            peft_b.copy_(b)
+    ids = torch.randint(0, 512, (1, 6), generator=torch.Generator().manual_seed(5))
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    plain = client(swarm)
+    with torch.no_grad():
+        got = model.generate(ids, **kwargs)
+        want = peft.generate(input_ids=ids, **kwargs)
+        base = plain.generate(ids, **kwargs)
+    model.close()
+    plain.close()
+    assert torch.equal(got.sequences, want.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(got.scores, want.scores)) < 1e-4
+    assert max((a - b).abs().max().item() for a, b in zip(got.scores, base.scores)) > 1e-3  # the LoRA counts

@@ -79,12 +79,21 @@ def test_a_lora_and_a_soft_prompt_are_served_beside_the_base_model_by_one_gatewa
         soft.save_adapter(tmp_path / "my-prompt")
         want_api["my-prompt"] = soft.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:]
         soft.close()
+        deep = DistributedModelForCausalLM.from_pretrained(tiny_llama, servers=[plain_server.address],
+                                                           dtype="float32", tuning_mode="deep_ptune", pre_seq_len=2)
+        with torch.no_grad():
+            deep.prompts.prompt_embeddings.normal_(0, 1.0, generator=torch.Generator().manual_seed(7))
+            deep.prompts.deep_prompts.normal_(0, 1.0, generator=torch.Generator().manual_seed(8))
+        deep.save_adapter(tmp_path / "my-deep")
+        want_deep = deep.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False)[0, ids.shape[1]:]
+        deep.close()
         plain = DistributedModelForCausalLM.from_pretrained(tiny_llama, servers=[plain_server.address],
                                                             dtype="float32")
         want_api["base"] = plain.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:]
         plain.close()
     assert all(len(w) > 0 for w in want_api.values())
     assert len({tuple(w.tolist()) for w in want_api.values()}) == 3  # three models, three answers
+    want_api["my-deep"] = want_deep  # (the servers' sessions hold its blocks' prompts)
     base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     peft = PeftModel.from_pretrained(base, folder).eval()  # the folder is PEFT's format
     assert peft.generate(input_ids=IDS, max_new_tokens=8, do_sample=False)[0, IDS.shape[1]:].tolist() == want
@@ -97,13 +106,14 @@ def test_a_lora_and_a_soft_prompt_are_served_beside_the_base_model_by_one_gatewa
         assert _greedy(by_folder) == want and _greedy(by_name) == want  # in cached sessions, on the server
         by_folder.close()
         by_name.close()
-    # one gateway serves the base model, the LoRA (servers pre-load it) and the soft prompt (the gateway holds it),
-    # each under its own id: a request's `model` selects one, and each gives its Python client's tokens
+    # one gateway serves the base model, the LoRA (servers pre-load it), the soft and the deep prompt (the gateway
+    # holds them), each under its own id: a request's `model` selects one, and each gives its Python client's tokens
     with gateway_stack(tiny_llama, tmp_path / "logs", ["--adapter", str(folder), "--adapter",
-                                                       str(tmp_path / "my-prompt")],
+                                                       str(tmp_path / "my-prompt"), "--adapter",
+                                                       str(tmp_path / "my-deep")],
                        server_extra=lambda i: ["--adapters", str(folder)]) as (_, gateway):
         listed = [m["id"] for m in httpx.get(f"{gateway.url}/v1/models", timeout=30).json()["data"]]
-        assert listed == [Path(tiny_llama).name, "my-lora", "my-prompt"]
+        assert listed == [Path(tiny_llama).name, "my-lora", "my-prompt", "my-deep"]
         for name in (*listed, str(tmp_path / "my-prompt")):  # (the folder as given is accepted too)
             reply = httpx.post(f"{gateway.url}/v1/completions", timeout=120, json={
                 "model": name, "prompt": prompt, "max_tokens": 6, "temperature": 0, "n": 2}).json()
@@ -156,13 +166,42 @@ def test_the_cli_takes_a_tuned_model_and_a_server_refuses_a_missing_adapter_in_o
         tuned.close()
         deep = DistributedModelForCausalLM.from_pretrained(tiny_llama, servers=[server.address], dtype="float32",
                                                            tuning_mode="deep_ptune", pre_seq_len=2)
+        with torch.no_grad():
+            deep.prompts.deep_prompts.normal_(0, 1.0, generator=torch.Generator().manual_seed(6))
+        want_deep = _greedy(deep, use_cache=False)
         deep.save_adapter(tmp_path / "deep-prompt")
         deep.close()
-        done = swarmlm("api", "--model", tiny_llama, "--servers", server.address, "--adapter",
-                       str(tmp_path / "deep-prompt"))  # refused before anything loads, in one line
-        assert done.returncode == 2 and "deep prompt" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+        done = swarmlm("generate", "--model", tiny_llama, "--servers", server.address, "--dtype", "float32",
+                       "--adapter", str(tmp_path / "deep-prompt"), "--input-ids", ",".join(map(str, IDS[0].tolist())),
+                       "--max-new-tokens", "8", "--json")  # with the servers' caches now
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["token_ids"] == want_deep
         done = swarmlm("generate", "--model", tiny_llama, "--servers", server.address, "--dtype", "float32",
                        "--adapter", str(tmp_path / "my-prompt"), "--input-ids", ",".join(map(str, IDS[0].tolist())),
                        "--max-new-tokens", "8", "--json")
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["token_ids"] == want
+
+
+@pytest.mark.parametrize("mode", ["ptune", "deep_ptune"])
+def test_speculative_generation_with_a_prompt_equals_plain_greedy(tiny_llama, mode):
+    """generate(speculative=...) runs the decoding room with the soft (and deep) prompt in front of the session's
+    first step: the same tokens as transformers' loop, one row or a left-padded batch, drafts accepted or not."""
+    ids = torch.tensor([[5, 17, 42, 99, 5, 17, 42, 99, 5, 17], [0, 0, 8, 9, 10, 8, 9, 10, 8, 9]])
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    with in_process_server(tiny_llama, BlockRange(0, 6)) as server:
+        model = DistributedModelForCausalLM.from_pretrained(tiny_llama, servers=[server.address], dtype="float32",
+                                                            tuning_mode=mode, pre_seq_len=3)
+        with torch.no_grad():
+            model.prompts.prompt_embeddings.normal_(0, 1.0, generator=torch.Generator().manual_seed(9))
+            if model.prompts.deep_prompts is not None:
+                model.prompts.deep_prompts.normal_(0, 1.0, generator=torch.Generator().manual_seed(10))
+        for rows in (slice(0, 1), slice(0, 2)):
+            kwargs = dict(attention_mask=mask[rows], max_new_tokens=10, do_sample=False, pad_token_id=0)
+            want = model.generate(ids[rows], **kwargs)  # transformers' loop over the servers' caches
+            for speculative in (2, "auto"):
+                got = model.generate(ids[rows], speculative=speculative, **kwargs)
+                assert model.last_stats.speculation is not None  # (the decoding room ran it)
+                assert torch.equal(got, want), (speculative, got, want)
+        model.close()

@@ -95,11 +95,8 @@ def run(args: argparse.Namespace) -> int:
                            max_prompt_chars=args.max_prompt_chars, max_body_bytes=args.max_body_bytes,
                            body_timeout_s=args.body_timeout, request_timeout_s=args.request_timeout,
                            allowed_hosts=(*LOCAL_HOSTS, *own, *args.allow_host), speculative=args.speculative)
-    for ref in args.adapter:  # checked before anything loads
-        settings = find_tuned(ref)[0]
-        if settings is not None and settings.mode == "deep_ptune":
-            raise ValueError(f"--adapter {ref}: a deep prompt generates without the servers' caches (swarmlm chat and "
-                             "generate take it); the API serves soft prompts and LoRAs (docs/FINETUNING.md)")
+    for ref in args.adapter:  # a missing or unreadable folder is one line before anything loads
+        find_tuned(ref)
     tokenizer = load_tokenizer(args.model)
     model = DistributedModelForCausalLM.from_pretrained(
         args.model, initial_peers=args.initial_peers, servers=args.servers, threads=args.threads,

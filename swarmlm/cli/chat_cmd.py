@@ -13,7 +13,7 @@ import sys
 import threading
 
 from swarmlm.cli.args import model_ref
-from swarmlm.cli.generate_cmd import add_client, add_sampling, cache_options, connect, sampling_options, stdin_prompt
+from swarmlm.cli.generate_cmd import add_client, add_sampling, connect, sampling_options, stdin_prompt
 
 PROMPT = ">>> "
 HELP = "/reset forgets the conversation, /exit or Ctrl-D leaves, Ctrl-C stops an answer"
@@ -134,8 +134,7 @@ def answer(model, tokenizer, conversation: Conversation, args: argparse.Namespac
     with ctrl_c.answer():
         model.generate(ids, max_new_tokens=args.max_new_tokens, tokenizer=tokenizer, streamer=printer,
                        stopping_criteria=StoppingCriteriaList([ctrl_c.criterion()]),
-                       generator=torch.Generator().manual_seed(args.seed), **sampling_options(args),
-                       **cache_options(model))
+                       generator=torch.Generator().manual_seed(args.seed), **sampling_options(args))
     if ctrl_c.stop.is_set():
         print("[stopped]", file=sys.stderr, flush=True)
     return printer.text

@@ -89,12 +89,6 @@ def connect(args: argparse.Namespace, model_name: str):
     )
 
 
-def cache_options(model) -> dict:
-    """generate()'s use_cache for this model: deep prompts run without the servers' caches (docs/FINETUNING.md)."""
-    deep = model.prompts is not None and model.prompts.deep_prompts is not None
-    return {"use_cache": False} if deep else {}
-
-
 def stdin_prompt(verb: str) -> str:
     """The prompt piped on stdin (a terminal on stdin is not a prompt: the user gets told what to pass)."""
     if sys.stdin is None or sys.stdin.isatty():
@@ -142,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
             draft = AutoModelForCausalLM.from_pretrained(args.draft_model)
         out = model.generate(input_ids, max_new_tokens=args.max_new_tokens, tokenizer=tokenizer, streamer=streamer,
                              generator=torch.Generator().manual_seed(args.seed), speculative=args.speculative,
-                             draft_model=draft, **sampling_options(args), **cache_options(model))
+                             draft_model=draft, **sampling_options(args))
     finally:
         model.close()
     new = out[0, input_ids.shape[1]:].tolist()

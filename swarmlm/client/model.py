@@ -219,7 +219,10 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         prefix = self.prefix_context
         if prefix is not None and prefix_scope is not None:
             prefix = dataclasses.replace(prefix, scope=prefix_scope)
-        session = InferenceSession(self.remote, batch_size, max_length, l_in_hint, l_out_hint, prefix)
+        deep = self.prompts.deep_prompts if self.prompts is not None else None
+        session = InferenceSession(self.remote, batch_size, max_length, l_in_hint, l_out_hint, prefix,
+                                   deep.detach().float() if deep is not None else None,
+                                   self.lora.wire() if self.lora is not None else ())
         if self.head_batcher is not None:
             self.head_batcher.expect(session)  # its first head (after the prefill) may share a batch already
         return session
@@ -255,10 +258,6 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         tuned = self.prompts is not None or self.lora is not None
         if cache is None and (labels is not None or tuned or inputs_embeds is not None and inputs_embeds.requires_grad):
             return train_forward(self, input_ids, inputs_embeds, mask, labels, keep)
-        if self.lora is not None or self.prompts is not None and self.prompts.deep_prompts is not None:
-            raise InvalidRequest("deep prompts and a client's own LoRA run without the servers' caches: "
-                                 "generate(..., use_cache=False); a LoRA runs in cached sessions on servers that "
-                                 "pre-load it (save_adapter, server --adapters DIR, adapter=DIR)")
         if self.prompts is not None:
             return self._prompted_step(cache, input_ids, inputs_embeds, mask, keep)
         tokens_or_embeds = input_ids if input_ids is not None else inputs_embeds
@@ -338,8 +337,8 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         does not cover run plainly."""
         checked, _ = self._prepare_generation_config(generation_config, **kwargs)
         ids = inputs if inputs is not None else kwargs.get("input_ids")
-        # (a soft prompt's first step carries the prompt: _prompted_step, through transformers' loop)
-        if parse_mode(speculative) != 0 and ids is not None and self.prompts is None and decodes(checked, ids, kwargs):
+        # (a soft prompt's first step carries the prompt: _prompted_step, in either loop)
+        if parse_mode(speculative) != 0 and ids is not None and decodes(checked, ids, kwargs):
             return decoder_generate(self, ids, kwargs.get("attention_mask"), checked, session, generator, stats,
                                     speculative, draft_model, kwargs.get("streamer"))
         remote = RemoteCache(self, session, stats) if checked.use_cache else None

@@ -29,6 +29,7 @@ from swarmlm.perf.model import ComputeProfile
 from swarmlm.swarm.records import ServerRecord
 from swarmlm.types import CacheOp, Route, Span
 from swarmlm.wire import compress
+from swarmlm.wire import swarm_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,14 @@ class PrefixContext:
 
 class InferenceSession:
     def __init__(self, remote: RemoteSequence, batch: int, max_length: int, l_in_hint: int = 16,
-                 l_out_hint: int = 16, prefix: PrefixContext | None = None) -> None:
+                 l_out_hint: int = 16, prefix: PrefixContext | None = None,
+                 deep_prompts: torch.Tensor | None = None, lora: Sequence[pb.LoraWeights] = ()) -> None:
         self.remote = remote
+        # [blocks, K, H]: a deep prompt; each span's server gets its blocks' part at open (every open: a
+        # replacement too) and adds it at the session's first K positions (server/deep_prompt.py); a client's own
+        # LoRA likewise (each server applies its blocks' part in every forward of the session)
+        assert deep_prompts is None and not lora or prefix is None, "a tuned model's rows are not the base's"
+        self.deep_prompts, self.lora = deep_prompts, tuple(lora)
         self.batch = batch
         self.max_length = max_length
         self.l_in_hint = l_in_hint
@@ -126,7 +133,9 @@ class InferenceSession:
                 # an open computes nothing: a server that does not answer it within the hang floor is hung
                 stream = SpanStream(self.remote.channels, span, min(cfg.step_timeout_s, cfg.hang_floor_s))
                 scope = self.prefix_context.scope if keys else b""
-                held = await stream.open(self.batch, self.max_length, scope, keys)
+                prompts = self.deep_prompts[span.start:span.end] if self.deep_prompts is not None else None
+                lora = [w for w in self.lora if span.start <= w.block < span.end]
+                held = await stream.open(self.batch, self.max_length, scope, keys, prompts, lora)
                 admission = self.remote.router.admit([span], self.l_in_hint, self.l_out_hint)
                 opened.append(OpenSpan(span, stream, admission, prefix_tokens=held))
         except BaseException:

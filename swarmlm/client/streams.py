@@ -206,14 +206,17 @@ class SpanStream:
                                    step_id=self._step_id))
 
     async def open(self, batch: int, max_length: int, prefix_scope: bytes = b"",
-                   prefix_keys: Sequence[bytes] = ()) -> int:
-        """Open the session; with prefix keys, it may start from a cached prefix: returns the tokens it holds."""
+                   prefix_keys: Sequence[bytes] = (), prompts: torch.Tensor | None = None,
+                   lora: Sequence[pb.LoraWeights] = ()) -> int:
+        """Open the session; with prefix keys, it may start from a cached prefix: returns the tokens it holds.
+        prompts: the span's deep prompt [span blocks, K, H]; lora: a client's own LoRA on the span's blocks
+        (docs/PROTOCOL.md)."""
         try:
             self.call = await self.channels.open_stream(self.span.address)
             await self.call.write(pb.InferenceRequest(open=pb.OpenSession(
                 start_block=self.span.start, end_block=self.span.end, batch_size=batch, max_length=max_length,
-                adapter=self.channels.adapter,
-
+                adapter=self.channels.adapter, prompts=codec.encode(prompts) if prompts is not None else None,
+                lora=list(lora),
                 prefix_scope=prefix_scope, prefix_keys=list(prefix_keys))))
             async with asyncio.timeout(self.timeout_s):
                 reply = await self.call.read()

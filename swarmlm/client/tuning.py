@@ -20,6 +20,8 @@ from torch import nn
 from swarmlm.client.autograd import LoraSpec
 from swarmlm.model import tuned
 from swarmlm.model.tuned import TUNING_MODES, TunedSettings, TuningMode, block_linears  # noqa: F401  (re-exported)
+from swarmlm.wire import codec
+from swarmlm.wire import swarm_pb2 as pb
 
 
 class PromptTuning(nn.Module):
@@ -71,6 +73,11 @@ class ClientLora(nn.Module):
 
     def triples(self) -> list[tuple[LoraSpec, torch.Tensor, torch.Tensor]]:
         return list(zip(self.specs, self.a, self.b))
+
+    def wire(self) -> list[pb.LoraWeights]:
+        """The matrices as they are now, for an inference session's opens (each server takes its blocks')."""
+        return [pb.LoraWeights(block=s.block, module=s.module, scale=s.scale, a=codec.encode(a.detach().float()),
+                               b=codec.encode(b.detach().float())) for s, a, b in self.triples()]
 
 
 def save_trainable(module: nn.Module, path: str | Path) -> None:

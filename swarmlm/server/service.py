@@ -21,7 +21,7 @@ from swarmlm.config import ServerConfig
 from swarmlm.errors import CapacityExceeded, InvalidRequest, NotPermitted, PushRefused, UnknownSession
 from swarmlm.model.fingerprint import range_fingerprint
 from swarmlm.perf.model import ComputeProfile
-from swarmlm.server import prefix_cache
+from swarmlm.server import deep_prompt, prefix_cache
 from swarmlm.server.checks import StepChecks, check_cache_op, decode_step, payload_bytes, peer_host
 from swarmlm.server.prefix_cache import PrefixCache
 from swarmlm.server.push import Pusher, StepOrder, TargetCheck, check_targets
@@ -158,13 +158,17 @@ class SwarmService(pb_grpc.SwarmServicer):
         if not 1 <= msg.max_length <= self.config.max_length_tokens:
             raise InvalidRequest(f"max_length must be in [1, {self.config.max_length_tokens}], got {msg.max_length}")
         adapter = self._adapter(msg.adapter)
-        nbytes = self.stage.cache_bytes(blocks.length, msg.batch_size, msg.max_length)
+        prompts = deep_prompt.decode_prompts(msg.prompts, blocks, msg.max_length, self.stage.hidden_size)
+        lora = self.training.decode_lora(msg.lora, blocks)  # a client's own, held by the session
+        nbytes = self.stage.cache_bytes(blocks.length, msg.batch_size, msg.max_length) \
+            + deep_prompt.prompt_bytes(prompts, torch.float32) + sum(4 * (d.a.numel() + d.b.numel()) for d in lora)
         keys = prefix_cache.check_keys(msg.prefix_keys, "prefix_keys")
-        if adapter and (keys or msg.prefix_scope):  # its rows differ from the base model's under the same keys
-            raise InvalidRequest("a session with an adapter does not use the prefix cache (no prefix_scope/keys)")
+        if (adapter or prompts is not None or lora) and (keys or msg.prefix_scope):  # rows unlike the base's
+            raise InvalidRequest("a session with an adapter, a deep prompt or a LoRA does not use the prefix "
+                                 "cache (no prefix_scope/keys)")
         digest = prefix_cache.check_scope(msg.prefix_scope) if msg.prefix_scope or keys else None
         # no cache allocated until a step
-        state = self.stage.new_state(blocks, msg.batch_size, msg.max_length, adapter)
+        state = self.stage.new_state(blocks, msg.batch_size, msg.max_length, adapter, prompts, lora)
         # its first step comes after the blocks before its span have run its prompt (at most max_length tokens)
         upstream_s = self.stats.profile.step_s(blocks.start, msg.batch_size, msg.max_length, cached=False)
         session = self.sessions.open(owner, state, msg.batch_size, msg.max_length, nbytes,
@@ -388,6 +392,7 @@ class SwarmService(pb_grpc.SwarmServicer):
                 raise InvalidRequest("the first message of a stream must open a session or name an open one")
         except (InvalidRequest, CapacityExceeded, UnknownSession, NotPermitted) as exc:
             code, message = status_of(exc), message_of(exc)
+            self._refused_large(first.ByteSize())  # (an open may carry a deep prompt or LoRA matrices: MBs)
             if isinstance(exc, CapacityExceeded) and not self.accepting:  # draining: this server, not its load
                 code = grpc.StatusCode.UNAVAILABLE
         if code is not None:

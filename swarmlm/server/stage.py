@@ -6,6 +6,7 @@ rounding (packed weights compute in float32 per row: model/packed.py).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from swarmlm.model.decode_span import SpanDecoder
 from swarmlm.model.packed import packed_types
 from swarmlm.model.quant import announced_quant, check_quant, weight_bytes
 from swarmlm.model.source import resolve
+from swarmlm.server import deep_prompt
 from swarmlm.server.adapters import MAX_ADAPTERS, adapter_fingerprint, load_adapter, locate_adapter
 from swarmlm.server.kv_cache import Member, SpanCache, StepCache, left_pad
 from swarmlm.server.lora import LoraDelta, lora_hooks
@@ -29,6 +31,8 @@ class SpanState:
     cache: SpanCache
     mask: torch.Tensor  # [B, position] int64, 1 = real token
     lora_adapter: str = ""  # a pre-loaded LoRA adapter the session runs with ("" = none; server/adapters.py)
+    prompts: torch.Tensor | None = None  # [blocks, K, H] float32: its deep prompt (server/deep_prompt.py)
+    client_lora: tuple[LoraDelta, ...] = ()  # a client's own LoRA on these blocks, sent at open
 
     @property
     def position(self) -> int:
@@ -45,7 +49,7 @@ class SpanState:
         keep = self.position if op is None else op.kept(self.position)
         if keep == 0:
             return SpanState(self.blocks, self.cache.truncated(0), torch.zeros(rows, 0, dtype=torch.long),
-                             self.lora_adapter)
+                             self.lora_adapter, self.prompts, self.client_lora)
         moved = op is not None and op.rows is not None and op.rows != tuple(range(self.rows))
         if keep == self.position and not moved:
             return self
@@ -53,7 +57,7 @@ class SpanState:
         if moved:  # (the identity, frequent in beam search, costs no copy)
             index = torch.tensor(op.rows, dtype=torch.long)
             cache, mask = cache.selected(index), mask[index]
-        return SpanState(self.blocks, cache, mask, self.lora_adapter)
+        return SpanState(self.blocks, cache, mask, self.lora_adapter, self.prompts, self.client_lora)
 
 
 @dataclass(frozen=True)
@@ -71,9 +75,21 @@ class StepRequest:
         return int(self.hidden.shape[0] * self.hidden.shape[1])  # rows x new tokens: the step's compute size
 
     @property
-    def batch_key(self) -> tuple[int, int, int, str]:
-        # steps batch together when they run the same blocks on the same number of new tokens, with one adapter
-        return (self.state.blocks.start, self.state.blocks.end, int(self.hidden.shape[1]), self.state.lora_adapter)
+    def start(self) -> int:
+        """The session position its new tokens take (after the cache op)."""
+        return self.state.position if self.op is None else self.op.kept(self.state.position)
+
+    @property
+    def prompted(self) -> bool:
+        """Does the step write positions of its session's deep prompt?"""
+        return deep_prompt.touches(self.state.prompts, self.start)
+
+    @property
+    def batch_key(self) -> tuple[int, int, int, str, int]:
+        # steps batch together when they run the same blocks on the same number of new tokens, with one adapter;
+        # a step writing its session's deep prompt, or of a session with a client's own LoRA, runs alone
+        return (self.state.blocks.start, self.state.blocks.end, int(self.hidden.shape[1]), self.state.lora_adapter,
+                id(self.state) if self.prompted or self.state.client_lora else 0)
 
 
 class Stage:
@@ -122,11 +138,14 @@ class Stage:
         return 2 * num_blocks * batch * max_length * self.kv_dim * self.dtype.itemsize
 
     def new_state(self, blocks: BlockRange, batch: int, max_length: int | None = None,
-                  lora_adapter: str = "") -> SpanState:
-        """max_length: tokens the session may reach, if known: its cache never grows past them."""
+                  lora_adapter: str = "", prompts: torch.Tensor | None = None,
+                  client_lora: tuple[LoraDelta, ...] = ()) -> SpanState:
+        """max_length: tokens the session may reach, if known: its cache never grows past them. prompts: its deep
+        prompt [blocks, K, H], if any; client_lora: a client's own LoRA on these blocks."""
         assert self.blocks.contains(blocks) and (not lora_adapter or lora_adapter in self.lora_adapters)
+        assert prompts is None or prompts.shape[0] == blocks.length
         return SpanState(blocks, SpanCache(blocks.length, max_length), torch.zeros(batch, 0, dtype=torch.long),
-                         lora_adapter)
+                         lora_adapter, prompts, client_lora)
 
     def step(self, state: SpanState, hidden: torch.Tensor, new_mask: torch.Tensor,
              op: CacheOp | None = None) -> torch.Tensor:
@@ -154,11 +173,15 @@ class Stage:
         mask = masks[0] if len(requests) == 1 else left_pad(masks, cache.past + t)  # [sum B, past + T]
         hidden = torch.cat([r.hidden for r in requests], dim=0).to(self.dtype)  # [sum B, T, H]
         local = slice(first.state.blocks.start - self.blocks.start, first.state.blocks.end - self.blocks.start)
-        decoder = self._span_decoder(local) if not first.state.lora_adapter else None
+        plain = not (first.state.lora_adapter or first.prompted or first.state.client_lora)
+        decoder = self._span_decoder(local) if plain else None
         if decoder is not None and decoder.usable(hidden, [r.mask for r in requests]):  # one kernel call (model/decode_span.py)
             out = decoder.step(hidden, [(m.cache, m.rows) for m in members], masks)
         else:
-            with lora_hooks(self.modules, self.blocks.start, self.lora_adapters.get(first.state.lora_adapter, ())):
+            prompt = deep_prompt.prompt_hooks(self.modules[local], first.state.prompts, starts[0].position) \
+                if first.prompted else contextlib.nullcontext()  # (a prompted step runs alone: batch_key)
+            deltas = (*self.lora_adapters.get(first.state.lora_adapter, ()), *first.state.client_lora)
+            with lora_hooks(self.modules, self.blocks.start, deltas), prompt:
                 out = self.adapter.forward_span(self.config, self.modules[local], hidden, cache, mask)
         # only after success: a failed forward leaves every session's committed length and mask as they were
         cache.commit(t)

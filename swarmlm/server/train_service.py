@@ -54,6 +54,11 @@ def _message_bytes(request) -> int:
     return total
 
 
+def _decoded(weights: list[pb.LoraWeights]) -> tuple[LoraDelta, ...]:
+    return tuple(LoraDelta(w.block, w.module, codec.decode(w.a, "lora.a", finite=True).float(),
+                           codec.decode(w.b, "lora.b", finite=True).float(), float(w.scale)) for w in weights)
+
+
 class TrainBudget:
     """The estimated memory of every training request admitted here, summed, stays within `total` bytes: a request
     that does not fit waits (at most `wait_s`) for others to finish, then is refused. `peak`: the largest sum held."""
@@ -129,12 +134,13 @@ class TrainingRpcs:
         lora = self._lora_headers(request.lora, blocks)
         hidden, mask = decode_step(request.hidden, request.attention_mask, b, t, h)
         prompts = codec.decode(request.prompts, "prompts", finite=True).float() if k else None
-        deltas = tuple(
-            LoraDelta(w.block, w.module, codec.decode(w.a, "lora.a", finite=True).float(),
-                      codec.decode(w.b, "lora.b", finite=True).float(), float(w.scale))
-            for w in lora)
+        deltas = _decoded(lora)
         grad = codec.decode(request.grad_output, "grad_output", finite=True) if with_grad else None
         return TrainRequest(blocks, hidden, mask, prompts, deltas), grad
+
+    def decode_lora(self, weights, blocks) -> tuple[LoraDelta, ...]:
+        """A client's LoRA for `blocks` (a request's or a session's), headers checked first, then the data."""
+        return _decoded(self._lora_headers(weights, blocks))
 
     def _lora_headers(self, weights, blocks) -> list[pb.LoraWeights]:
         if len(weights) > self.config.max_lora_layers:

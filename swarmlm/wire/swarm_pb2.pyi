@@ -39,7 +39,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("start_block", "end_block", "batch_size", "max_length", "adapter", "prefix_scope", "prefix_keys")
+    __slots__ = ("start_block", "end_block", "batch_size", "max_length", "adapter", "prefix_scope", "prefix_keys", "prompts", "lora")
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
     END_BLOCK_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,8 @@ class OpenSession(_message.Message):
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SCOPE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     start_block: int
     end_block: int
     batch_size: int
@@ -54,7 +56,9 @@ class OpenSession(_message.Message):
     adapter: str
     prefix_scope: bytes
     prefix_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_length: _Optional[int] = ..., adapter: _Optional[str] = ..., prefix_scope: _Optional[bytes] = ..., prefix_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    prompts: Tensor
+    lora: _containers.RepeatedCompositeFieldContainer[LoraWeights]
+    def __init__(self, start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_length: _Optional[int] = ..., adapter: _Optional[str] = ..., prefix_scope: _Optional[bytes] = ..., prefix_keys: _Optional[_Iterable[bytes]] = ..., prompts: _Optional[_Union[Tensor, _Mapping]] = ..., lora: _Optional[_Iterable[_Union[LoraWeights, _Mapping]]] = ...) -> None: ...
 
 class PrefixSave(_message.Message):
     __slots__ = ("keys",)
