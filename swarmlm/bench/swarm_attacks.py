@@ -190,7 +190,10 @@ def push_relay_hijack(swarm, generations: int = 2, new_tokens: int = 6) -> dict:
 
         def publish() -> None:
             while not stop.is_set():
-                announce(attacker, prefix, lie, 8.0, subkey=owner_subkey(key.server_id, key.validator))
+                try:
+                    announce(attacker, prefix, lie, 8.0, subkey=owner_subkey(key.server_id, key.validator))
+                except Exception:  # (the attacker's node stopping under it at the end)
+                    return
                 stop.wait(1.0)
 
         threading.Thread(target=publish, daemon=True).start()
