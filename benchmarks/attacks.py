@@ -515,7 +515,8 @@ def swarm_run(workdir: Path, only: list[str]) -> list[dict]:
     results = []
     for attack, kwargs in ((sa.adapter_versions, {"workdir": workdir, "by_name": 12, "pinned": 4}),
                            (sa.lossy_wire_under_load, {"rounds": 10, "loaders": 4}),
-                           (sa.push_relay_hijack, {"generations": 8, "new_tokens": 12})):
+                           (sa.push_relay_hijack, {"generations": 8, "new_tokens": 12}),
+                           (sa.stuck_loader, {})):
         if only and not any(o in attack.__name__ for o in only):
             continue
         with LocalSwarm(model_dir, log_dir=workdir / attack.__name__) as swarm:

@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> dict:
     from swarmlm.machine import machine_info
     from swarmlm.model.checkpoint import load_config
     from swarmlm.bench.netem import Testbed, network_for
-    from swarmlm.swarm.local import LocalSwarm, even_split
+    from swarmlm.swarm.local import LocalSwarm, even_split, read_event
 
     path = model_file(args.preset, args.gguf, args.seed)
     ref = reference(path, args.steps)
@@ -194,7 +194,9 @@ def run(args: argparse.Namespace) -> dict:
     ranges = even_split(int(config.num_hidden_layers), args.servers)
     caps = MemoryCgroup.available() and not args.no_cgroup
     server_args = ["--memory-mb", str(args.memory_mb), "--cache-mb", str(args.cache_mb), "--dtype", "float32",
-                   "--quant", "auto", "--rebalance-period", "0", "--open-idle-timeout", str(args.open_idle_timeout)]
+                   "--quant", "auto", "--rebalance-period", "0"]
+    if args.open_idle_timeout is not None:
+        server_args += ["--open-idle-timeout", str(args.open_idle_timeout)]
     swarm = LocalSwarm(str(path), threads=args.threads, server_args=server_args, start_timeout_s=1800,
                        with_dht=args.network == "loopback")
     groups: list[MemoryCgroup | None] = []
@@ -231,7 +233,8 @@ def run(args: argparse.Namespace) -> dict:
                                  "--memory-mb")
             failover = {"spare_blocks_at_start": spare.ready["blocks"], "killed_blocks": victim.ready["blocks"],
                         "killed_at_step": args.kill_at}
-            where = {"initial_peers": swarm.initial_peers, "wait_for_blocks_s": 1800.0}  # (reads the spare's move)
+            # the client's defaults: 30 s for missing blocks, up to 300 s in all once the spare announces them loading
+            where = {"initial_peers": swarm.initial_peers}
         elif testbed is None:
             where = {"servers": swarm.addresses}
         else:
@@ -290,9 +293,9 @@ def main() -> int:
                         help="add a spare placed by its --memory-mb (no --blocks); SIGKILL a server it does not "
                              "replicate before step --kill-at: the spare takes its blocks, the same tokens")
     parser.add_argument("--kill-at", type=int, default=3)
-    parser.add_argument("--open-idle-timeout", type=float, default=120.0,
-                        help="servers' --open-idle-timeout: a downstream server's first step comes after the upstream "
-                             "ones' prefill (11 llama-8b blocks: ~8 s at load 15 here, past the 10 s default)")
+    parser.add_argument("--open-idle-timeout", type=float, default=None,
+                        help="servers' --open-idle-timeout (default: theirs; a downstream server's limit grows with "
+                             "the upstream blocks' measured prefill, ServerConfig.open_idle_limit_s)")
     parser.add_argument("--network", default="loopback",
                         help="loopback, or lan / wan / a topology file: each server on an emulated host (netem testbed)")
     parser.add_argument("--steps", type=int, default=8)

@@ -17,7 +17,8 @@ there): what a long burst of compute between messages adds to each part.
 of each, side by side (docs/RESULTS-hop.md). --push on|off|auto: the clients' push setting.
 
 --ab: this tree against git revision REV (exported with `git archive`, client and servers both), rounds alternating
-in one run, each round a fresh swarm (medians, and the median of per-round ratios of the caller's step).
+in one run, each round a fresh swarm (medians, and the median of per-round ratios of the caller's step); with
+--frames, both on the framed step port.
 """
 from __future__ import annotations
 
@@ -104,6 +105,7 @@ def main() -> None:
     ap.add_argument("--push", choices=("auto", "on", "off"), default="auto", help="the client's push setting")
     ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="this tree vs --base, alternating")
     ap.add_argument("--base", default="HEAD", help="git revision to compare with (--ab)")
+    ap.add_argument("--frames", action="store_true", help="the client on the framed step port (with --ab, --json)")
     ap.add_argument("--json", action="store_true", help="one round (warm-up + 1 session), as JSON")
     ap.add_argument("--local", action="store_true", help="also the same blocks in this process + the client's head")
     ap.add_argument("--rounds", type=int, default=4, help="sessions of 100 steps (with --local: alternating)")
@@ -120,7 +122,8 @@ def main() -> None:
     with LocalSwarm(model_dir, threads=1, with_dht=False, server_args=server_args) as swarm:
         swarm.start(even_split(int(load_config(model_dir).num_hidden_layers), args.servers))
         push = {"auto": "auto", "on": True, "off": False}[args.push]
-        client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=push)
+        client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=push,
+                                                             **({"frames": True} if args.frames else {}))
         if args.transports:
             grpc_client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=push,
                                                                       frames=False)
@@ -198,13 +201,15 @@ def compare(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as base:
         archive = subprocess.run(["git", "archive", args.base], cwd=repo, check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", base], input=archive, check=True)
+        print("load average (1, 5, 15 min) at start: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
         trees = {"this tree": str(repo), args.base: base}
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
         for r in range(args.ab):
             for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
                 env = dict(os.environ, PYTHONPATH=trees[name])
                 out = subprocess.run([sys.executable, __file__, "--json", "--servers", str(args.servers), "--preset",
-                                      args.preset], env=env, cwd=trees[name], check=True, capture_output=True,
+                                      args.preset, "--push", args.push, *(["--frames"] if args.frames else [])],
+                                     env=env, cwd=trees[name], check=True, capture_output=True,
                                      text=True).stdout
                 runs[name].append(json.loads(out.strip().splitlines()[-1]))
     new, old = runs["this tree"], runs[args.base]
@@ -214,6 +219,7 @@ def compare(args: argparse.Namespace) -> None:
     key = "the caller's session.step"
     ratio = statistics.median(a[key] / b[key] for a, b in zip(new, old))
     print(f"per-round ratio of the step, this tree / {args.base}: {ratio:.3f}")
+    print("load average (1, 5, 15 min) at end: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
 
 
 if __name__ == "__main__":

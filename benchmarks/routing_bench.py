@@ -129,9 +129,11 @@ def one_round(model_dir: str, clients: list[DistributedModelForCausalLM], views:
 
 
 def simulate(servers: dict[str, dict], client_rtts: list[dict[str, float]], num_blocks: int, gap_s: float,
-             l_in: int, l_out: int, n_background: int, mode: str, extra_s: float = 0.0) -> list[dict]:
+             l_in: int, l_out: int, n_background: int, mode: str, extra_s: float = 0.0,
+             message_overhead_s: float | None = None) -> list[dict]:
     """The real run's topology through the simulator: client i has the RTTs real client i measured (its shortest
-    route is the real one's), plus `extra_s` on every link (the calibrated run)."""
+    route is the real one's), plus `extra_s` on every link (the calibrated run); each hop's message cost is the
+    performance model's default unless `message_overhead_s` is given."""
     names = list(servers)
     n_clients = len(client_rtts)
     rtts = [{n: rtt.get(n, 0.001) + extra_s for n in names} for rtt in client_rtts]
@@ -147,6 +149,7 @@ def simulate(servers: dict[str, dict], client_rtts: list[dict[str, float]], num_
         "rtt_s": {**{f"c{i}": rtt for i, rtt in enumerate(rtts)},
                   "background": {names[0]: bg_rtt, names[1]: 1000.0}},
         "workload": {"input_tokens": l_in, "output_tokens": l_out, "concurrency": n_clients},
+        **({} if message_overhead_s is None else {"message_overhead_s": message_overhead_s}),
     }
     topology = parse_topology(doc)
     plan = Plan("fixed", mode, n_clients, {n: BlockRange(0, num_blocks) for n in names},
@@ -158,9 +161,10 @@ def simulate(servers: dict[str, dict], client_rtts: list[dict[str, float]], num_
     for r in sorted(result.sim.records, key=lambda r: r.arrival_s):
         if r.client_id != "background":
             server = r.route[0].server_id
-            # a simulated decode step is the link's RTT + the server's compute at its load
+            # a simulated decode step is the link's RTT + the messages' cost + the server's compute at its load
             rows.append({"per_token_s": r.per_token_s, "server": server,
-                         "server_step_s": r.decode_per_token_s - rtts[r.request_id][server]})
+                         "server_step_s": r.decode_per_token_s - rtts[r.request_id][server]
+                         - topology.perf.message_overhead_s})
     return rows
 
 
@@ -209,7 +213,7 @@ def add_results(report: dict, real: dict, ready: dict, client_rtts: dict, num_bl
     report["calibrated"] = {}
     for mode in MODES:
         sim = simulate(ready, client_rtts[mode], num_blocks, args.gap, args.input, args.output, args.background, mode,
-                       extra_s=outside_s)
+                       extra_s=outside_s, message_overhead_s=0.0)  # (the messages' cost is in outside_s)
         report["calibrated"][mode] = summary(sim, names)
 
 

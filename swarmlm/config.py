@@ -16,6 +16,9 @@ ANNOUNCED_QUANTS = ("none", "int8", "int4")
 # A DHT record lives at most this long after its writer's last store (swarm/records.py): servers' record_ttl_s must
 # fit under it. Defined here, with the settings it bounds: config sits below swarm in the layering.
 MAX_RECORD_TTL_S = 60.0
+# the route's earlier servers may be slower than this one, or the machine busier than when it was measured: a span's
+# first step may come this many times their estimated prefill after its open (ServerConfig.open_idle_limit_s)
+UPSTREAM_PREFILL_SLACK = 2.0
 
 # "auto" = the checkpoint's own dtype, except on a CPU: float16 runs as float32, and bfloat16 too unless the CPU
 # has bf16 matmul units (AMX), where bf16 is faster; see swarmlm/model/checkpoint.py auto_dtype
@@ -92,9 +95,10 @@ class SchedulerConfig:
 # What a message costs beyond the network's round trip and the server's compute, on the default transport (gRPC
 # Inference streams): serialising, parsing, the wire stack's wake-ups and thread hand-offs on both ends. Measured:
 # `benchmarks/hop_breakdown.py --transports` step minus server compute per hop, tiny-bloom on loopback, medians
-# (docs/RESULTS-hop.md: 1.17-1.34 ms quiet). A prefill chunk's fixed cost (ChunkRule). The performance model's hop
-# costs (perf/model.py) take it as part of a link's RTT where the client measures one (Info probes over gRPC carry
-# part of it); a topology file's RTTs are the network's alone.
+# (docs/RESULTS-hop.md: 1.17-1.34 ms quiet). A prefill chunk's fixed cost (ChunkRule), and the performance model's
+# per-hop message cost (PerfModel.message_overhead_s: planner, router, simulator), on top of a link's RTT. (A live
+# client's RTT comes from Info probes, whose own unary call already carries part of such a cost: it is counted twice
+# there, alike for every route, so it changes no choice between routes of equal hop counts.)
 MESSAGE_OVERHEAD_S = 1.2e-3
 
 
@@ -173,7 +177,10 @@ class ServerConfig:
     # after refusing a request at least this large, hand freed memory back to the OS (at most once a second)
     trim_refused_bytes: int = 16 << 20
     # Limits against greedy or hostile peers (docs/FAILURES.md, "Bounded resources"). A peer is a remote host.
-    open_idle_timeout_s: float = 10.0  # a session whose first step has not run this long after its open is closed
+    # a session whose first step has not come this long after its open is closed (opens cost no cache), plus the
+    # time the route's earlier servers take first: a span from block s waits for blocks 0..s-1 to prefill
+    # (open_idle_limit_s); a first step counts once admitted (its cache reserved), not once computed
+    open_idle_timeout_s: float = 10.0
     resume_grace_s: float = 5.0  # a session whose stream broke is closed unless resumed (with its secret) this soon
     max_sessions_per_peer: int = 32  # open sessions one host may hold here
     max_peer_cache_fraction: float = 0.5  # share of cache_bytes the sessions of one host may reserve
@@ -203,6 +210,17 @@ class ServerConfig:
     profile_cache_dir: str | None = None  # where start-up profiles are cached (None = ~/.cache/swarmlm)
     drain_timeout_s: float = 30.0  # on SIGTERM: how long open sessions may go on before the server stops
     rebalance_period_s: float = 30.0  # with blocks=None: how often to check whether moving helps (0 = never)
+    # a block that only joining / loading records cover for longer than this counts as uncovered again: a loader that
+    # never serves (stuck, or hostile) keeps spares off it no longer (a llama-8b move took 30-51 s here)
+    max_loading_s: float = 300.0
+
+    def open_idle_limit_s(self, upstream_prefill_s: float) -> float:
+        """How long a session opened here may wait for its first step: open_idle_timeout_s plus
+        UPSTREAM_PREFILL_SLACK x `upstream_prefill_s` (the blocks before its span over its batch x max_length tokens,
+        priced by this server's measured profile: the earlier servers compute its prompt first), the added part at
+        most session_idle_timeout_s - open_idle_timeout_s (what one step already buys a peer: no new hold)."""
+        room = max(0.0, self.session_idle_timeout_s - self.open_idle_timeout_s)
+        return self.open_idle_timeout_s + min(UPSTREAM_PREFILL_SLACK * max(0.0, upstream_prefill_s), room)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))  # torch.float32 -> "float32" (or refused)
@@ -223,7 +241,8 @@ class ServerConfig:
         if self.max_train_request_bytes > self.max_train_total_bytes:
             raise ValueError(f"max_train_request_bytes ({self.max_train_request_bytes}) must be at most "
                              f"max_train_total_bytes ({self.max_train_total_bytes}): such a request would never fit")
-        for name in ("join_settle_s", "drain_timeout_s", "rebalance_period_s", "train_admission_wait_s"):
+        for name in ("join_settle_s", "drain_timeout_s", "rebalance_period_s", "train_admission_wait_s",
+                     "max_loading_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.prefix_cache_bytes < 0:
@@ -262,6 +281,9 @@ class ClientConfig:
     # waits for the other recently seen sessions (of the last head time); fraction 0 = every session runs its own head
     head_batch_wait: StragglerWait = StragglerWait(fraction=1.0, max_s=1.0)
     wait_for_blocks_s: float = 30.0  # how long to wait for missing blocks before failing
+    # while servers announce every missing block as loading (a spare moving onto them: 30-51 s for llama-8b here),
+    # wait up to this long in all (if longer than wait_for_blocks_s): a stuck or hostile loader holds us no longer
+    wait_for_loading_s: float = 300.0
     step_timeout_s: float = 60.0  # one step through one server, at most (see hang_factor)
     # a server is hung (alive, not answering) when a step makes no progress there for hang_factor x its announced
     # compute time for that step, plus hang_floor_s (at most step_timeout_s): it is banned and failed over
@@ -326,6 +348,9 @@ class ClientConfig:
                              f"hang_floor_s ({self.hang_floor_s}) must be > 0")
         if self.records_max_age_s < 0:
             raise ValueError(f"records_max_age_s must be >= 0, got {self.records_max_age_s}")
+        if self.wait_for_blocks_s < 0 or self.wait_for_loading_s < 0:
+            raise ValueError(f"wait_for_blocks_s ({self.wait_for_blocks_s}) and wait_for_loading_s "
+                             f"({self.wait_for_loading_s}) must be >= 0")
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 0:
             raise ValueError(f"prefill_chunk_tokens must be None (auto), 0 (off) or positive, got {self.prefill_chunk_tokens}")
         if self.max_decode_burst < 1 or self.prefill_window < 1:

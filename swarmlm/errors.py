@@ -37,7 +37,7 @@ class MissingBlocks(SwarmError):
 
     def __init__(self, missing: list[int], detail: str = "") -> None:
         self.missing = missing
-        ranges = _compress(missing)
+        ranges = block_ranges(missing)
         super().__init__(f"no server in the swarm serves blocks {ranges}" + (f" ({detail})" if detail else ""))
 
 
@@ -65,7 +65,7 @@ class PlanningError(SwarmError, ValueError):
     """A topology or placement request cannot be satisfied (unknown names, not enough memory, uncovered blocks)."""
 
 
-def _compress(blocks: list[int]) -> str:
+def block_ranges(blocks: list[int]) -> str:
     """[0,1,2,5] -> '0-2, 5'."""
     out: list[str] = []
     for b in sorted(set(blocks)):

@@ -5,6 +5,7 @@ import itertools
 import math
 import random
 
+from swarmlm.config import MESSAGE_OVERHEAD_S
 from swarmlm.perf.model import ClientSpec, ComputeProfile, ModelSpec, Network, ServerSpec, Workload
 from swarmlm.planner.placement import request_clients
 from swarmlm.planner.topology import Topology
@@ -13,14 +14,15 @@ from swarmlm.types import BlockRange, Span
 
 def make_topology(servers: list[tuple[str, float, float, float]], rtt: dict[tuple[str, str], float],
                   clients: list[str], num_blocks: int, block_bytes: float = 1.0, cache_bytes: float = 0.5,
-                  l_in: int = 10, l_out: int = 8, concurrency: int = 2) -> Topology:
+                  l_in: int = 10, l_out: int = 8, concurrency: int = 2,
+                  message_overhead_s: float = MESSAGE_OVERHEAD_S) -> Topology:
     """servers: (name, memory_bytes, prefill_b_s, decode_s); prefill is b + 0.001 * l_in per block."""
     specs = tuple(ServerSpec(n, mem, ComputeProfile(0.001 if pre else 0.0, pre, dec)) for n, mem, pre, dec in servers)
     net = Network()
     for (a, b), v in rtt.items():
         net.set_link(a, b, v)
     return Topology(ModelSpec(num_blocks, block_bytes, cache_bytes), specs, tuple(ClientSpec(c) for c in clients),
-                    net, Workload(l_in, l_out, concurrency=concurrency))
+                    net, Workload(l_in, l_out, concurrency=concurrency), message_overhead_s=message_overhead_s)
 
 
 def random_topology(rng: random.Random, n_servers: int, n_clients: int, num_blocks: int, concurrency: int,

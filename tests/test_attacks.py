@@ -191,10 +191,10 @@ def test_sessions_reserve_at_the_first_step_within_quotas():
     # expiry: b never stepped; a and other did
     a.stepped = other.stepped = True
     b.opened_s -= 11
-    assert table.expire(idle_timeout_s=120, open_idle_timeout_s=10, resume_grace_s=5) == [b.session_id]
+    assert table.expire(idle_timeout_s=120, resume_grace_s=5) == [b.session_id]
     table.detach(a.session_id)
     a.detached_s -= 6
-    assert table.expire(idle_timeout_s=120, open_idle_timeout_s=10, resume_grace_s=5) == [a.session_id]
+    assert table.expire(idle_timeout_s=120, resume_grace_s=5) == [a.session_id]
     assert list(table.sessions) == [other.session_id]
 
 

@@ -172,3 +172,121 @@ def test_blocking_reads_take_frames_in_order_and_time_out():
     assert call.read_blocking(5.0) is grpc.aio.EOF
     call.cancel()
     peer.close()
+
+
+
+def test_a_pushing_server_takes_only_a_signed_frame_port():
+    """A pushing server asks its target's Info with a fresh nonce and takes the framed port only when the target
+    signed it (server/frame_push.py): an Info whose port differs from the one signed (a hostile answer, or one
+    tampered with on the way), an unsigned one, or a signature over another nonce (a replayed answer) means gRPC
+    pushes (port 0)."""
+    from swarmlm.server.frame_push import FramePushes
+    from swarmlm.swarm.identity import Identity, sign_info
+    from swarmlm.wire import swarm_pb2 as pb
+
+    identity = Identity.generate()
+    old_nonce = b"n" * 16
+
+    def signed(nonce: bytes, port: int, signed_port: int) -> pb.InfoReply:
+        reply = pb.InfoReply(server_id=identity.server_id, model="m", frame_port=signed_port)
+        sign_info(identity, reply, nonce, "127.0.0.1:5000")
+        reply.frame_port = port
+        return reply
+
+    answers = {
+        "honest:1": lambda nonce: signed(nonce, 40001, 40001),
+        "wrong-port:1": lambda nonce: signed(nonce, 22, 40001),
+        "unsigned:1": lambda nonce: pb.InfoReply(server_id=identity.server_id, frame_port=40001),
+        "replayed:1": lambda nonce: signed(old_nonce, 40001, 40001),
+        "silent:1": lambda nonce: None,
+    }
+    nonces = []
+
+    async def info(address: str, nonce: bytes) -> pb.InfoReply | None:
+        nonces.append(nonce)
+        return answers[address](nonce)
+
+    async def ports() -> dict[str, int]:
+        pushes = FramePushes(info, None, 1 << 20)
+        return {address: await pushes.port(address) for address in answers}
+
+    assert asyncio.run(ports()) == {"honest:1": 40001, "wrong-port:1": 0, "unsigned:1": 0, "replayed:1": 0,
+                                    "silent:1": 0}
+    assert len(set(nonces)) == len(answers) and old_nonce not in nonces  # a fresh challenge each time
+
+
+def _frames_until_close(host: str, port: int, data: bytes, half_close: bool) -> list[tuple[Kind, bytes]]:
+    """Send `data` on a new connection, then every frame the server sends until it closes."""
+    import socket
+
+    got, buf = [], bytearray()
+    with socket.create_connection((host, port), timeout=60) as sock:
+        sock.sendall(data)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
+        while chunk := sock.recv(1 << 16):
+            buf += chunk
+            while (frame := frames.parse_frame(buf, 1 << 24)) is not None:
+                got.append(frame)
+    return got
+
+
+def test_a_stream_sent_faster_than_its_inbox_takes_it_is_answered_in_order(tiny_bloom):
+    """Frames go from the socket straight into the session's inbox (server/frame_server.py FramedRequests.feed);
+    a client that writes 12 steps at once, more than the inbox (2) and its bytes in flight (3 steps) take, is held
+    back (reading pauses) and answered in order, every step; a frame that stalls mid-body ends its stream with a
+    one-line STATUS."""
+    import torch
+
+    from swarmlm.bench.frame_attacks import HELLO, frame_port, open_request
+    from swarmlm.types import BlockRange
+    from swarmlm.wire import codec
+    from swarmlm.wire import swarm_pb2 as pb
+    from tests.swarm_helpers import in_process_server
+
+    hidden = 64  # tiny-bloom's
+
+    def step(step_id: int) -> bytes:
+        request = pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(torch.randn(1, 1, hidden)),
+                                                            step_id=step_id))
+        return frames.frame(Kind.REQUEST, request.SerializeToString())
+
+    step_bytes = 4 * hidden  # float32 payload of one step
+    with in_process_server(tiny_bloom, BlockRange(0, 2), inbox_steps=2, max_peer_bytes_in_flight=3 * step_bytes,
+                           session_idle_timeout_s=2.0, open_idle_timeout_s=10.0) as server:
+        host, port = "127.0.0.1", frame_port(server.address)
+        stalled = HELLO + HEADER.pack(100, Kind.REQUEST) + b"x" * 10  # (the session's 10 s to open comes later)
+        burst = HELLO + open_request(2) + b"".join(step(i) for i in range(1, 13)) + frames.frame(Kind.END)
+        got = _frames_until_close(host, port, burst, half_close=True)
+        assert [k for k, _ in got] == [Kind.REPLY] * 13 + [Kind.STATUS]
+        replies = [pb.InferenceReply.FromString(body) for _, body in got[1:-1]]
+        assert [r.step_id for r in replies] == list(range(1, 13)), [r.error.message for r in replies]
+        assert not any(r.error.code for r in replies), [r.error.message for r in replies]
+        assert [r.position for r in replies] == list(range(1, 13))
+        assert frames.parse_status(got[-1][1]) == (grpc.StatusCode.OK, "")
+        status = _frames_until_close(host, port, stalled, half_close=False)
+        assert [k for k, _ in status] == [Kind.STATUS] and frames.parse_status(status[0][1]) == (
+            grpc.StatusCode.INVALID_ARGUMENT, "a frame of 100 bytes did not arrive within 2.0 s")
+        assert server.service.load.held == {}  # every step's bytes released
+
+
+def test_bytes_in_flight_wake_a_waiting_add_and_no_one_else():
+    """PeerBytes (server/sessions.py): an add that does not fit waits until a release makes room; a release with no
+    add waiting starts no wake-up task (it ran after every step's reply, on both transports)."""
+    from swarmlm.server.sessions import PeerBytes
+
+    async def run() -> tuple[int, bool, bool, dict]:
+        load = PeerBytes(100)
+        await load.add("a", 60)
+        tasks = len(asyncio.all_tasks())
+        load.release("a", 60)  # nobody waits
+        quiet = len(asyncio.all_tasks()) - tasks
+        await load.add("a", 60)
+        waiting = asyncio.ensure_future(load.add("a", 60))  # 120 > 100: waits
+        await asyncio.sleep(0.01)
+        blocked = not waiting.done()
+        load.release("a", 60)
+        await asyncio.wait_for(waiting, 5)
+        return quiet, blocked, waiting.done(), dict(load.held)
+
+    assert asyncio.run(run()) == (0, True, True, {"a": 60})

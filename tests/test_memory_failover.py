@@ -1,6 +1,8 @@
 """Failover under memory budgets (issue 35): a server dies mid-generation; a spare placed by its --memory-mb (no
 --blocks) moves onto the blocks nobody serves any more, within its budget, and the client goes on with the same
-tokens, saying once what it waits for. A spare without room stays where it is: the client waits, then the clear error.
+tokens, saying once what it waits for, and once that the spare is loading them. A spare without room stays where it
+is: the client waits, then the clear error. A "loading" record that never comes online holds the client only up to
+its wait_for_loading_s.
 
 A Q4_0 GGUF of tiny-llama's family with blocks of ~1.9 MiB, so that budgets in whole MiB tell 2, 3 or 4 blocks apart.
 """
@@ -16,6 +18,7 @@ from swarmlm.config import ServerConfig
 from swarmlm.errors import MissingBlocks
 from swarmlm.model.gguf_writer import write_gguf
 from swarmlm.model.random_checkpoint import preset_config
+from swarmlm.bench.swarm_attacks import stuck_loader
 from swarmlm.server.placement import range_bytes
 from swarmlm.swarm.local import LocalSwarm, read_event
 from swarmlm.types import BlockRange
@@ -76,8 +79,8 @@ def start(swarm: LocalSwarm, gguf: str, spare_blocks: int):
     return holders, spare
 
 
-def waits(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "waiting up to" in r.getMessage()]
+def waits(caplog, needle: str = "waiting up to") -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and needle in r.getMessage()]
 
 
 def test_a_spare_with_room_takes_the_dead_servers_blocks(gguf, caplog):
@@ -98,6 +101,8 @@ def test_a_spare_with_room_takes_the_dead_servers_blocks(gguf, caplog):
     assert moved["weight_bytes"] + CACHE_MB * MIB <= budget_mb(gguf, 3) * MIB  # within its budget
     lines = waits(caplog)
     assert len(lines) == 1 and "blocks 3-5" in lines[0] and "\n" not in lines[0], lines
+    loading = waits(caplog, "as loading")  # the spare's loading record, kept announced until it serves
+    assert len(loading) == 1 and spare.server_id[-8:] in loading[0] and "blocks 3-5" in loading[0], loading
 
 
 def test_without_room_the_client_waits_then_says_so(gguf, caplog):
@@ -114,3 +119,13 @@ def test_without_room_the_client_waits_then_says_so(gguf, caplog):
         assert spare.alive
     lines = waits(caplog)
     assert len(lines) == 1 and "blocks 3-5" in lines[0], lines
+
+
+def test_a_loading_record_that_never_serves_holds_the_client_only_so_long(gguf):
+    with LocalSwarm(gguf) as swarm:
+        swarm.start_dht()
+        seen = stuck_loader(swarm, memory_args(budget_mb(gguf, 3)), wait_for_loading_s=6.0)
+    loader = seen["loader"][-8:]
+    assert f"blocks 3-5 (waited 6 s; loading on {loader})" in seen["error"], seen
+    lines = seen["loading_lines"]
+    assert len(lines) == 1 and "blocks 3-5" in lines[0] and "up to 6 s in all" in lines[0], lines

@@ -72,13 +72,14 @@ def test_both_rows_or_neither():
 def test_hop_times_grow_with_the_servers_sessions():
     net = Network()
     net.set_link("c", "s", 0.004)
-    perf = PerfModel({"s": ComputeProfile(0.001, 0.002, 0.010, 0.025, 0.040)}, net)
-    assert perf.decode_hop_s("c", "s", 3) == pytest.approx(0.004 + 3 * 0.010)
-    assert perf.decode_hop_s("c", "s", 3, sessions=4) == pytest.approx(0.004 + 3 * 0.010 * 2.5)
-    assert perf.prefill_hop_s("c", "s", 3, 10, sessions=16) == pytest.approx(0.004 + 3 * 0.012 * 4.0)
+    perf = PerfModel({"s": ComputeProfile(0.001, 0.002, 0.010, 0.025, 0.040)}, net, message_overhead_s=0.001)
+    # a hop: RTT 0.004 + its messages' own cost 0.001 + blocks x compute x f(sessions)
+    assert perf.decode_hop_s("c", "s", 3) == pytest.approx(0.005 + 3 * 0.010)
+    assert perf.decode_hop_s("c", "s", 3, sessions=4) == pytest.approx(0.005 + 3 * 0.010 * 2.5)
+    assert perf.prefill_hop_s("c", "s", 3, 10, sessions=16) == pytest.approx(0.005 + 3 * 0.012 * 4.0)
     assert perf.load_factor("s", 2) == pytest.approx(1.5)
     # the BPRR edge weight stays the one-session cost: routers apply the load factor themselves
-    assert perf.hop_cost_terms("c", "s", 10, 5) == pytest.approx((5 * 0.004, 0.012 + 4 * 0.010))
+    assert perf.hop_cost_terms("c", "s", 10, 5) == pytest.approx((5 * 0.005, 0.012 + 4 * 0.010))
 
 
 def test_a_real_stage_profile_measures_the_batched_rows(tiny_bloom):

@@ -42,13 +42,14 @@ def test_network_matrix_clusters_and_defaults():
 def test_perf_model_without_topology_and_live_updates():
     net = Network()
     net.set_link("c", "s", 0.02)
-    perf = PerfModel({"s": ComputeProfile(0.0, 0.05, 0.004)}, net)
+    perf = PerfModel({"s": ComputeProfile(0.0, 0.05, 0.004)}, net, message_overhead_s=0.001)
     spans = [Span("s", 0, 10)]
-    assert perf.ttft_s("c", spans, 20) == pytest.approx(0.02 + 10 * 0.05)
-    assert perf.decode_step_s("c", spans) == pytest.approx(0.02 + 10 * 0.004)
+    assert perf.ttft_s("c", spans, 20) == pytest.approx(0.02 + 0.001 + 10 * 0.05)  # RTT + o + compute
+    assert perf.decode_step_s("c", spans) == pytest.approx(0.02 + 0.001 + 10 * 0.004)
     perf.set_profile("s", ComputeProfile(0.0, 0.05, 0.002))  # the server re-announced a faster profile
-    assert perf.decode_step_s("c", spans) == pytest.approx(0.02 + 10 * 0.002)
-    assert perf.hop_cost_terms("c", "s", 20, 5) == pytest.approx((5 * 0.02, 0.05 + 4 * 0.002))
+    assert perf.decode_step_s("c", spans) == pytest.approx(0.02 + 0.001 + 10 * 0.002)
+    # 5 round trips (the prompt's, then 4 tokens'), each RTT + o; per block: the prompt + 4 decode steps
+    assert perf.hop_cost_terms("c", "s", 20, 5) == pytest.approx((5 * (0.02 + 0.001), 0.05 + 4 * 0.002))
 
 
 @pytest.mark.parametrize("make", [
@@ -68,9 +69,9 @@ def test_specs_validate(make):
 def test_memoised_hop_costs_follow_network_and_profile_changes():
     net = Network()
     net.set_link("c", "s", 0.02)
-    perf = PerfModel({"s": ComputeProfile(0.0, 0.05, 0.004)}, net)
-    assert perf.hop_cost_terms("c", "s", 20, 2)[0] == pytest.approx(0.04)
+    perf = PerfModel({"s": ComputeProfile(0.0, 0.05, 0.004)}, net, message_overhead_s=0.001)
+    assert perf.hop_cost_terms("c", "s", 20, 2)[0] == pytest.approx(2 * (0.02 + 0.001))  # 2 round trips, RTT + o
     net.set_link("s", "c", 0.1)  # a new RTT measurement
-    assert perf.hop_cost_terms("c", "s", 20, 2)[0] == pytest.approx(0.2)
+    assert perf.hop_cost_terms("c", "s", 20, 2)[0] == pytest.approx(2 * (0.1 + 0.001))
     perf.set_profile("s", ComputeProfile(0.0, 0.01, 0.004))
     assert perf.hop_cost_terms("c", "s", 20, 2)[1] == pytest.approx(0.01 + 0.004)

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from tests.planner_fixtures import _chains
+from swarmlm.config import MESSAGE_OVERHEAD_S
 from swarmlm.errors import MissingBlocks
 from swarmlm.perf.model import ComputeProfile, Network, PerfModel
 from swarmlm.planner.routing import WaitingAwareRouter, bprr_hop_cost, shortest_route
@@ -76,13 +77,19 @@ def _perf(rtts: dict[str, float], decode: dict[str, float]) -> PerfModel:
 def test_bprr_hop_cost_is_the_paper_edge_weight():
     net = Network()
     net.set_link("c", "s", 0.02)
-    perf = PerfModel({"s": ComputeProfile(0.0001, 0.03, 0.003)}, net)
+    # the paper's setup: its RTTs were measured end to end, so no message cost on top (o = 0)
+    perf = PerfModel({"s": ComputeProfile(0.0001, 0.03, 0.003)}, net, message_overhead_s=0.0)
     l_in, l_out, k = 20, 128, 3
     expect = (0.02 + (l_out - 1) * 0.02) + ((0.0001 * l_in + 0.03) + (l_out - 1) * 0.003) * k
     assert bprr_hop_cost(perf, "c", l_in, l_out)(None, "s", 0, k) == pytest.approx(expect)
     spans = [Span("s", 0, k)]
     assert perf.request_time_s("c", spans, l_in, l_out) == pytest.approx(expect)
     assert perf.per_token_s("c", spans, l_in, l_out) == pytest.approx(expect / l_out)
+    # by default every one of the l_out round trips (the prompt's, then one per further token) adds o
+    perf = PerfModel({"s": ComputeProfile(0.0001, 0.03, 0.003)}, net)
+    with_o = expect + l_out * MESSAGE_OVERHEAD_S  # 1.2 ms each: + 0.1536 s over 128 tokens
+    assert bprr_hop_cost(perf, "c", l_in, l_out)(None, "s", 0, k) == pytest.approx(with_o)
+    assert perf.request_time_s("c", spans, l_in, l_out) == pytest.approx(with_o)
 
 
 def test_hidden_state_transfer_adds_serialisation_time():
@@ -90,7 +97,8 @@ def test_hidden_state_transfer_adds_serialisation_time():
     net.set_link("c", "s", 0.01, bandwidth_bps=8e6)  # 1 MB/s
     perf = PerfModel({"s": ComputeProfile(0, 0, 0)}, net, hidden_bytes_per_token=1000.0)
     assert perf.transfer_s("c", "s", 1000.0) == pytest.approx(0.005 + 0.001)
-    assert perf.prefill_hop_s("c", "s", 1, 10) == pytest.approx(0.01 + 2 * 0.01)
+    # RTT + o + 10 tokens x 1000 bytes each way at 1 MB/s (no compute)
+    assert perf.prefill_hop_s("c", "s", 1, 10) == pytest.approx(0.01 + MESSAGE_OVERHEAD_S + 2 * 0.01)
 
 
 def test_waiting_aware_router_detours_around_a_full_server():

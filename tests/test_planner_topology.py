@@ -33,6 +33,18 @@ def test_issue_example_is_accepted():
     assert any("'s2'" in w for w in t.warnings)  # RTT for an undeclared name: tolerated, reported
 
 
+def test_a_hops_message_cost_defaults_to_the_measured_one_and_may_be_zero():
+    from swarmlm.config import MESSAGE_OVERHEAD_S
+
+    assert parse_topology(two_servers()).perf.message_overhead_s == MESSAGE_OVERHEAD_S
+    end_to_end = parse_topology({**two_servers(), "message_overhead_s": 0})  # RTTs measured end to end
+    assert end_to_end.perf.message_overhead_s == 0.0
+    # one decode hop through s1's 6 blocks: RTT 0.01 (+ o) + 6 x 0.003
+    assert end_to_end.perf.decode_hop_s("c1", "s1", 6) == pytest.approx(0.01 + 6 * 0.003)
+    assert parse_topology(two_servers()).perf.decode_hop_s("c1", "s1", 6) == pytest.approx(
+        0.01 + MESSAGE_OVERHEAD_S + 6 * 0.003)
+
+
 def test_yaml_and_json_files(tmp_path):
     import yaml
     (tmp_path / "t.yaml").write_text(yaml.safe_dump(two_servers()))
@@ -85,6 +97,7 @@ def _mutate(path: list, value=None, delete: bool = False) -> dict:
     (["rtt_s", "c1", "s2"], None, True, "no RTT between client 'c1' and server 's2'"),
     (["clients"], [], False, "clients must be a non-empty list"),
     (["model", "block_bytes"], "big", False, "model.block_bytes must be a finite number"),
+    (["message_overhead_s"], -0.001, False, "message_overhead_s must be >= 0"),
 ])
 def test_errors_name_the_field(path, value, delete, message):
     with pytest.raises(PlanningError) as info:

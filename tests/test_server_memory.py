@@ -40,8 +40,7 @@ def test_a_block_counts_at_its_bytes_as_loaded(q4):
     blocks = BlockRange(1, 4)
     norms = _file_bytes(q4, range(1, 4), matrices_only=False)  # F32 vectors: float32 either way
     file_bytes = _file_bytes(q4, range(1, 4), matrices_only=True)
-    held = file_bytes // 18 * 20  # Q4_0 held with float32 scales: 20 bytes per 32 values (model/packed.py)
-    assert range_bytes(auto, blocks) == held + norms
+    assert range_bytes(auto, blocks) == file_bytes + norms  # Q4_0 held as the file's bytes (model/packed.py)
     floats = 3 * (64 * 64 + 64 * 32 * 2 + 64 * 64 + 64 * 128 * 3) * 4  # 3 blocks' q, k, v, o, MLP at float32
     assert range_bytes(none, blocks) == floats + norms
     assert range_bytes(auto, blocks) * 6 < range_bytes(none, blocks)  # Q4_0: 18 bytes per 32 values, not 128

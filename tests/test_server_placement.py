@@ -10,7 +10,8 @@ import pytest
 
 from swarmlm.config import ServerConfig
 from swarmlm.server.placement import (
-    ahead_of, block_throughput, choose_blocks, choose_blocks_from, model_spec, settle, should_move,
+    LoadingWatch, ahead_of, block_throughput, choose_blocks, choose_blocks_from, first_loader, model_spec, settle,
+    should_move, uncovered,
 )
 from swarmlm.swarm.records import JOINING, LOADING, ServerRecord
 from swarmlm.types import BlockRange
@@ -141,3 +142,30 @@ def test_a_given_range_is_announced_as_loading_before_it_loads(tiny_bloom):
     assert choose_blocks(cfg, dht=None, prefix="p", server_id="fixed", announce=board.announce) == BlockRange(2, 5)
     record = board.records["fixed"]
     assert (record.state, record.start, record.end, record.address) == (LOADING, 2, 5, "127.0.0.1:4321")
+
+
+def loader(sid: str, start: int, end: int) -> ServerRecord:
+    return ServerRecord(server_id=sid, address="127.0.0.1:1", start=start, end=end, state=LOADING)
+
+
+def test_of_two_spares_loading_one_gap_the_larger_id_backs_off():
+    a, b = loader("a" * 8, 3, 6), loader("b" * 8, 2, 5)  # both saw blocks 3-5 uncovered in the same check
+    records = {r.server_id: r for r in (a, b, rec("c", 0, 3))}
+    assert first_loader(b, records) == a  # b sees a's record: a goes on, b stays where it was
+    assert first_loader(a, records) is None  # a sees b's: b yields, not a
+    assert first_loader(loader("b" * 8, 6, 8), records) is None  # other blocks: both go on
+
+
+def test_a_loader_that_never_serves_stops_keeping_spares_off_its_blocks():
+    watch = LoadingWatch(limit_s=300.0)
+    serving = rec("s", 0, 3)
+    for sid, t in (("hostile-1", 0.0), ("hostile-2", 200.0)):  # announcing loading forever, under new ids
+        records = watch.trusted({"s": serving, sid: loader(sid, 3, 6)}, 6, t)
+        assert sid in records and uncovered(records, 6) == []  # a move may take minutes: trusted for now
+    records = watch.trusted({"s": serving, "hostile-3": loader("hostile-3", 3, 6)}, 6, 301.0)
+    assert set(records) == {"s"} and uncovered(records, 6) == [3, 4, 5]  # the blocks are a gap again
+    assert first_loader(loader("z", 3, 6), watch.without_stale({"hostile-3": loader("hostile-3", 3, 6)}, 301.0)) \
+        is None  # nor does one make a spare back off
+    # a block served online meanwhile starts the clock afresh
+    watch.trusted({"s": serving, "t": rec("t", 3, 6)}, 6, 302.0)
+    assert "l" in watch.trusted({"s": serving, "l": loader("l", 3, 6)}, 6, 400.0)

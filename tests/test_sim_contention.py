@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from swarmlm.client.router import CLIENT, LiveRouter, SwarmView
+from swarmlm.config import MESSAGE_OVERHEAD_S as O  # a hop's messages, beyond RTT and compute
 from swarmlm.config import ClientConfig
 from swarmlm.perf.model import ComputeProfile, Network, PerfModel
 from swarmlm.sim.arrivals import SimRequest
@@ -63,8 +64,9 @@ def test_without_contention_ws_rr_and_shortest_agree():
 
 
 def test_a_loaded_server_steps_slower():
-    # k sessions admitted together on one server: while all run, every decode step costs RTT + L tau f(k); the
-    # first admitted has the shortest prefill and ends first, so all of its steps run at that load
+    # k sessions admitted together on one server: while all run, every decode step costs RTT + o + L tau f(k) (o:
+    # the messages' own cost, config.MESSAGE_OVERHEAD_S); the first admitted has the shortest prefill and ends
+    # first, so all of its steps run at that load
     net = Network()
     net.set_link("c", "A", 0.002)
     perf = PerfModel({"A": CONTENDED}, net)
@@ -75,13 +77,13 @@ def test_a_loaded_server_steps_slower():
             res = run_simulation([SimServerConfig("A", 0, L, slots=1000)], perf, FixedRouter(route), reqs,
                                  token_events=token_events)
             first = res.records[0]
-            assert first.decode_per_token_s == pytest.approx(0.002 + L * TAU * f, abs=1e-12), k
+            assert first.decode_per_token_s == pytest.approx(0.002 + O + L * TAU * f, abs=1e-12), k
             assert all(r.decode_per_token_s <= first.decode_per_token_s + 1e-12 for r in res.records)
     # uncontended profiles keep the paper's model: a step does not depend on the load
     perf = PerfModel({"A": PAPER}, net)
     res = run_simulation([SimServerConfig("A", 0, L, slots=1000)], perf, FixedRouter(route),
                          [SimRequest(i, "c", 0.0, 8, 20) for i in range(16)])
-    assert {round(r.decode_per_token_s, 12) for r in res.records} == {round(0.002 + L * TAU, 12)}
+    assert {round(r.decode_per_token_s, 12) for r in res.records} == {round(0.002 + O + L * TAU, 12)}
 
 
 def test_sessions_ending_speed_up_the_others():
@@ -94,8 +96,8 @@ def test_sessions_ending_speed_up_the_others():
     res = run_simulation([SimServerConfig("A", 0, L, slots=1000)], perf, FixedRouter(route), reqs)
     long, short = res.records
     f2 = CONTENDED.load_factor(2)
-    assert short.decode_per_token_s == pytest.approx(L * TAU * f2, abs=1e-12)
-    assert L * TAU < long.decode_per_token_s < L * TAU * f2
+    assert short.decode_per_token_s == pytest.approx(O + L * TAU * f2, abs=1e-12)  # RTT 0 + o + compute
+    assert O + L * TAU < long.decode_per_token_s < O + L * TAU * f2
 
 
 def _live_router(sessions: dict[str, int], rtt: dict[str, float]) -> LiveRouter:

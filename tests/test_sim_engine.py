@@ -77,18 +77,19 @@ def test_cluster_allocation_is_all_or_nothing():
 
 # -- the hand-computed 2-server, 3-request scenario -----------------------------------------------------
 # client c; server A runs blocks [0, 2) with 2 slots (one session), B runs [2, 4) with 4 slots (two sessions).
-# l_in = 10, l_out = 3, hidden state 1000 bytes/token; link c-B is 8 Mbit/s (1 ms per token each way).
-#   prefill hop A = RTT 0.010 + 2 blocks * (0.001 * 10 + 0.010)       = 0.050
-#   prefill hop B = RTT 0.020 + 2 * 10 ms transfer + 2 blocks * 0.020 = 0.080   -> TTFT 0.130
-#   decode hop  A = 0.010 + 2 * 0.005                                 = 0.020
-#   decode hop  B = 0.020 + 2 * 1 ms + 2 * 0.002                      = 0.026   -> step 0.046
-#   one request = 0.130 + 2 * 0.046 = 0.222
+# l_in = 10, l_out = 3, hidden state 1000 bytes/token; link c-B is 8 Mbit/s (1 ms per token each way); each hop's
+# messages cost o = 0.002 beyond the RTT (PerfModel.message_overhead_s).
+#   prefill hop A = RTT 0.010 + o 0.002 + 2 blocks * (0.001 * 10 + 0.010)       = 0.052
+#   prefill hop B = RTT 0.020 + o 0.002 + 2 * 10 ms transfer + 2 blocks * 0.020 = 0.082   -> TTFT 0.134
+#   decode hop  A = 0.010 + 0.002 + 2 * 0.005                                   = 0.022
+#   decode hop  B = 0.020 + 0.002 + 2 * 1 ms + 2 * 0.002                        = 0.028   -> step 0.050
+#   one request = 0.134 + 2 * 0.050 = 0.234
 def _two_server_setup():
     net = Network()
     net.set_link("c", "A", 0.010)
     net.set_link("c", "B", 0.020, bandwidth_bps=8e6)
     perf = PerfModel({"A": ComputeProfile(0.001, 0.010, 0.005), "B": ComputeProfile(0.0, 0.020, 0.002)}, net,
-                     hidden_bytes_per_token=1000)
+                     hidden_bytes_per_token=1000, message_overhead_s=0.002)
     servers = [SimServerConfig("A", 0, 2, slots=2), SimServerConfig("B", 2, 4, slots=4)]
     route = Route((Span("A", 0, 2), Span("B", 2, 4)))
     requests = [SimRequest(i, "c", t, 10, 3) for i, t in enumerate((0.0, 0.05, 0.1))]
@@ -103,18 +104,19 @@ def _times(result):
 def test_hand_computed_scenario_queue_mode(token_events):
     servers, perf, router, requests = _two_server_setup()
     res = run_simulation(servers, perf, router, requests, ClientBehaviour(wait_mode="queue"), token_events)
-    # r0 runs at once; r1 and r2 queue at A; r1 starts when r0 ends (0.222), r2 when r1 ends (0.444)
-    expected = [(0.0, 0.130, 0.222), (0.172, 0.302, 0.444), (0.344, 0.474, 0.666)]
+    # r0 runs at once; r1 and r2 queue at A; r1 starts when r0 ends (0.234), r2 when r1 ends (0.468)
+    # (wait, TTFT from arrival, finish): r1 (0.234 - 0.05, 0.184 + 0.134, 0.468), r2 (0.468 - 0.1, ..., 0.702)
+    expected = [(0.0, 0.134, 0.234), (0.184, 0.318, 0.468), (0.368, 0.502, 0.702)]
     for got, want in zip(_times(res), expected):
         assert got == pytest.approx(want, abs=1e-12)
     r = res.records[1]
-    assert r.decode_per_token_s == pytest.approx(0.046, abs=1e-12)
-    assert r.per_token_s == pytest.approx((0.444 - 0.05) / 3, abs=1e-12)
-    # r1 and r2 each tried once on arrival and once when woken: at 0.222 only r1 fits, so only r1 is woken
+    assert r.decode_per_token_s == pytest.approx(0.050, abs=1e-12)
+    assert r.per_token_s == pytest.approx((0.468 - 0.05) / 3, abs=1e-12)
+    # r1 and r2 each tried once on arrival and once when woken: at 0.234 only r1 fits, so only r1 is woken
     assert [x.attempts for x in res.records] == [1, 2, 2]
     a, b = res.servers
     assert (a.peak_slots, b.peak_slots) == (2, 2)  # never above the slots; B never had two sessions at once
-    assert a.slot_s == pytest.approx(2 * 0.666, abs=1e-12)  # A was full the whole run
+    assert a.slot_s == pytest.approx(2 * 0.702, abs=1e-12)  # A was full the whole run
     assert a.compute_s == pytest.approx(3 * 2 * (0.020 + 2 * 0.005), abs=1e-12)
     assert res.summary["requests"] == 3 and res.summary["completed"] == 3
 
@@ -122,9 +124,9 @@ def test_hand_computed_scenario_queue_mode(token_events):
 def test_hand_computed_scenario_backoff_mode():
     servers, perf, router, requests = _two_server_setup()
     res = run_simulation(servers, perf, router, requests, ClientBehaviour("backoff", retry_initial_s=0.1))
-    # r1: refused at 0.05, 0.15 (+0.1, +0.2) -> admitted 0.35. r2: refused 0.1, 0.2, 0.4 (+0.1, +0.2, +0.4)
-    # -> admitted 0.8 (r1 still holds A at 0.4, until 0.572)
-    expected = [(0.0, 0.130, 0.222), (0.30, 0.430, 0.572), (0.70, 0.830, 1.022)]
+    # r1: refused at 0.05, 0.15 (+0.1, +0.2) -> admitted 0.35 (r0 left at 0.234), ends 0.35 + 0.234 = 0.584.
+    # r2: refused 0.1, 0.2, 0.4 (+0.1, +0.2, +0.4) -> admitted 0.8 (r1 still holds A at 0.4), ends 1.034
+    expected = [(0.0, 0.134, 0.234), (0.30, 0.434, 0.584), (0.70, 0.834, 1.034)]
     for got, want in zip(_times(res), expected):
         assert got == pytest.approx(want, abs=1e-12)
     assert [x.attempts for x in res.records] == [1, 3, 4]
@@ -134,7 +136,7 @@ def test_client_times_out_like_the_real_client():
     servers, perf, router, requests = _two_server_setup()
     res = run_simulation(servers, perf, router, requests, ClientBehaviour(wait_mode="queue", timeout_s=0.2))
     statuses = [r.status for r in res.records]
-    assert statuses == ["done", "done", "timeout"]  # r2 would start at 0.444 > its deadline 0.1 + 0.2
+    assert statuses == ["done", "done", "timeout"]  # r2 would start at 0.468 > its deadline 0.1 + 0.2
     assert res.records[2].finish_s == pytest.approx(0.3) and math.isnan(res.records[2].ttft_s)
     assert res.summary["timed_out"] == 1 and res.summary["completed"] == 2
 
@@ -176,5 +178,5 @@ def test_a_queue_head_that_times_out_lets_the_next_one_through():
     requests = [SimRequest(0, "c", 0.0, 10, 3), SimRequest(1, "c", 0.01, 10, 3), SimRequest(2, "c", 0.15, 10, 3)]
     res = run_simulation(servers, perf, router, requests, ClientBehaviour("queue", timeout_s=0.2))
     r0, r1, r2 = res.records
-    assert r1.status == "timeout" and r1.finish_s == pytest.approx(0.21)  # deadline before r0 ends at 0.222
-    assert r2.status == "done" and r2.start_s == pytest.approx(0.222, abs=1e-12) and r2.attempts == 2
+    assert r1.status == "timeout" and r1.finish_s == pytest.approx(0.21)  # deadline before r0 ends at 0.234
+    assert r2.status == "done" and r2.start_s == pytest.approx(0.234, abs=1e-12) and r2.attempts == 2

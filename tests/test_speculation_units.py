@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from swarmlm.client.decoding.drafting import DraftModel, PromptLookup
 from swarmlm.client.decoding.verification import verify_greedy, verify_sampling
+from swarmlm.config import MESSAGE_OVERHEAD_S
 from swarmlm.perf.model import ComputeProfile, Network, PerfModel
 from swarmlm.perf.speculation import AcceptanceByMatch, AcceptanceEstimate, choose_draft_length, expected_tokens
 from swarmlm.types import Span
@@ -90,8 +91,9 @@ def route_cost(rtt_s: float, decode_s: float, prefill_a_s: float, servers: int =
 
 def test_round_trips_dominate_so_drafts_pay():
     wan = route_cost(rtt_s=0.05, decode_s=0.002, prefill_a_s=0.0005)  # 100 ms of links, 16 ms of compute
-    assert wan(1) == pytest.approx(0.1 + 8 * 0.002)
-    assert wan(5) == pytest.approx(0.1 + 8 * (0.002 + 4 * 0.0005))
+    o = 2 * MESSAGE_OVERHEAD_S  # each of the 2 hops' messages (PerfModel.message_overhead_s)
+    assert wan(1) == pytest.approx(0.1 + o + 8 * 0.002)
+    assert wan(5) == pytest.approx(0.1 + o + 8 * (0.002 + 4 * 0.0005))
     k = choose_draft_length(0.8, wan, k_max=8)
     assert k >= 4
     assert choose_draft_length(0.95, wan, k_max=8) >= k  # more acceptance, longer drafts

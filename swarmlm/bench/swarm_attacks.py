@@ -9,6 +9,8 @@
   (before, `auto` chose int8 on a link measured slow, and a gateway's greedy answers changed).
 - `push_relay_hijack`: a stranger's record names a relayed server's address with a relay of its own; a server
   pushing to that address must go through the relay of the server's own record (before, the last record read won).
+- `stuck_loader`: a peer announces the blocks nobody serves as `loading` and never serves them: a client waiting for
+  them waits `wait_for_loading_s` in all, says so once, then `MissingBlocks` naming the loader (issue 35).
 """
 from __future__ import annotations
 
@@ -244,3 +246,47 @@ def _generate_pushed(swarm, n: int, generations: int, new_tokens: int, result: d
         result["steps"] += len(steps)
         result["pushed"] += sum(bool(s.hops) and s.hops[0].pushed for s in steps)
         result["push_refused"] += sum(s.push_refused for s in steps)
+
+
+def stuck_loader(swarm, server_args=(), wait_for_loading_s: float = 6.0) -> dict:
+    """On `swarm` (a LocalSwarm with a DHT, no server yet): a server of the first half of the blocks, and a stranger's
+    record announcing the second half as loading (a fresh key, never serving). A client with wait_for_blocks_s 1 s
+    generates: the error it ends with and its warnings about loading blocks."""
+    import logging
+
+    from swarmlm.errors import MissingBlocks
+    from swarmlm.model.checkpoint import load_config
+    from swarmlm.swarm.dht import announce, default_prefix, owner_subkey
+    from swarmlm.swarm.dht_thread import ThreadDHT
+    from swarmlm.swarm.identity import Identity
+    from swarmlm.client.model import DistributedModelForCausalLM
+    from swarmlm.swarm.records import LOADING, ServerRecord
+
+    blocks = int(load_config(swarm.model_dir).num_hidden_layers)
+    swarm.start_server(BlockRange(0, blocks // 2), extra=list(server_args))
+    stranger = Identity.generate()
+    node = ThreadDHT(swarm.initial_peers, client_mode=False, validator=stranger.validator)
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda r: lines.append(r.getMessage()) if "as loading" in r.getMessage() else None
+    logging.getLogger("swarmlm").addHandler(handler)
+    client, error = None, ""
+    try:
+        record = ServerRecord(server_id=stranger.server_id, address="127.0.0.1:1", start=blocks // 2, end=blocks,
+                              state=LOADING)
+        announce(node, default_prefix(swarm.model_dir), record, 60,
+                 subkey=owner_subkey(stranger.server_id, stranger.validator))
+        client = DistributedModelForCausalLM.from_pretrained(
+            swarm.model_dir, initial_peers=swarm.initial_peers, wait_for_blocks_s=1.0,
+            wait_for_loading_s=wait_for_loading_s, dtype="float32", quant="auto")
+        try:
+            client.generate(torch.tensor([[1, 17, 250]]), max_new_tokens=2)
+        except MissingBlocks as exc:
+            error = str(exc)
+    finally:
+        logging.getLogger("swarmlm").removeHandler(handler)
+        if client is not None:
+            client.close()
+        node.shutdown()
+    return {"attack": "a stranger announces the missing blocks as loading, forever", "loader": stranger.server_id,
+            "error": error, "loading_lines": lines}

@@ -51,6 +51,8 @@ def add_parser(sub) -> None:
                         "localhost, 127.0.0.1, ::1 and --host when it is one address")
     p.add_argument("--wait-for-blocks", type=float, default=30.0,
                    help="seconds a request waits for missing blocks to appear before a 503")
+    p.add_argument("--wait-for-loading", type=float, default=300.0,
+                   help="seconds in all a request waits while servers announce every missing block as loading")
     p.add_argument("--threads", type=int, default=usable_cores(),
                    help="torch threads for the embeddings and LM head (default: the cores this process may use, "
                         "here %(default)s)")
@@ -101,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.model)
     model = DistributedModelForCausalLM.from_pretrained(
         args.model, initial_peers=args.initial_peers, servers=args.servers, threads=args.threads,
-        wait_for_blocks_s=args.wait_for_blocks, swarm_key=args.swarm_key, quant=args.quant,
+        wait_for_blocks_s=args.wait_for_blocks,
+        wait_for_loading_s=args.wait_for_loading, swarm_key=args.swarm_key, quant=args.quant,
         require_full_precision=args.require_full_precision, wire_dtype=args.wire_dtype, dtype=args.dtype,
         push=args.push, prefix_cache=not args.no_prefix_cache, prefix_share=args.share_prefixes,
     )

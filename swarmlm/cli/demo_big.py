@@ -90,10 +90,10 @@ def run_big(console, args: argparse.Namespace) -> int:
     memory_mb = args.memory_mb or budget_mb(path, ranges, args.cache_mb)
     steps = args.max_new_tokens or BIG_NEW_TOKENS
     ids = load_tokenizer(str(path))(PROMPT).input_ids
-    # (the servers share this machine's cores: a downstream server's first step waits for the upstream ones' prefill,
-    # longer than the 10 s an opened session may stay idle by default on a loaded machine)
+    # (a downstream server's first step waits for the upstream ones' prefill: its open-idle limit grows with it,
+    # ServerConfig.open_idle_limit_s)
     server_args = ["--memory-mb", str(memory_mb), "--cache-mb", str(args.cache_mb), "--dtype", "float32",
-                   "--quant", "auto", "--open-idle-timeout", "120"]
+                   "--quant", "auto"]
     swarm = LocalSwarm(str(path), threads=args.threads, server_args=server_args, start_timeout_s=1800)
     try:
         with console.status(f"starting a DHT and {args.servers} servers ({', '.join(map(str, ranges))}), each within "

@@ -28,6 +28,9 @@ def add_client(p: argparse.ArgumentParser) -> None:
                    help="direct host:port list instead of a DHT")
     p.add_argument("--wait-for-blocks", type=float, default=30.0, metavar="SECONDS",
                    help="how long to wait for servers of missing blocks before giving up")
+    p.add_argument("--wait-for-loading", type=float, default=300.0, metavar="SECONDS",
+                   help="while servers announce every missing block as loading (a spare moving onto them), wait up "
+                        "to this long in all")
     p.add_argument("--routing", default="waiting-aware", choices=["shortest", "waiting-aware"],
                    help="how the route through the servers is chosen")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the client's embeddings and head")
@@ -80,6 +83,7 @@ def connect(args: argparse.Namespace, model_name: str):
         model_name, initial_peers=args.initial_peers, servers=args.servers, dtype=args.dtype,
         dht_prefix=args.dht_prefix, routing=args.routing, threads=args.threads, push=args.push,
         prefill_chunk_tokens=args.prefill_chunks, wait_for_blocks_s=args.wait_for_blocks,
+        wait_for_loading_s=args.wait_for_loading,
         swarm_key=args.swarm_key, quant=args.quant, require_full_precision=args.require_full_precision,
         wire_dtype=args.wire_dtype, adapter=args.adapter,
     )

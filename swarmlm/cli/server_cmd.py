@@ -88,7 +88,8 @@ def add_parser(sub) -> None:
                    help="close sessions idle this long, seconds")
     # limits against greedy or hostile peers (docs/FAILURES.md); a peer is a remote host
     p.add_argument("--open-idle-timeout", type=float, default=SERVER.open_idle_timeout_s,
-                   help="close a session whose first step has not run this long after its open, seconds")
+                   help="close a session whose first step has not come this long after its open, seconds, plus twice the "
+                        "measured prefill of the blocks before its span (at most --idle-timeout)")
     p.add_argument("--resume-grace", type=float, default=SERVER.resume_grace_s,
                    help="close a session whose stream broke unless it is resumed (with its secret) this soon, seconds")
     p.add_argument("--max-sessions-per-peer", type=int, default=SERVER.max_sessions_per_peer,

@@ -13,10 +13,10 @@ import grpc
 from swarmlm.client.router import LiveRouter, SwarmView
 from swarmlm.client.streams import Channels, LoopThread, info
 from swarmlm.config import ClientConfig
-from swarmlm.errors import MissingBlocks, SwarmAccessDenied
+from swarmlm.errors import MissingBlocks, SwarmAccessDenied, block_ranges
 from swarmlm.swarm.identity import new_nonce, signed_address, verify_info
 from swarmlm.swarm.private import client_interceptors
-from swarmlm.swarm.records import ServerRecord, record_from_info
+from swarmlm.swarm.records import LOADING, ONLINE, ServerRecord, record_from_info
 from swarmlm.types import Route, Span
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ class RemoteSequence:
         self.weights_check: Callable[[int, int, str], str | None] | None = share.weights_check if share else None
         self.view = SwarmView(config)
         self.unreachable: dict[str, str] = {}  # --servers addresses that did not answer -> why (for the error)
+        self.loading: dict[str, ServerRecord] = {}  # servers announcing blocks they are loading (never routed to)
         # servers whose failure was logged once at WARNING (again: at DEBUG)
         self.reported: set[str] = share.reported if share else set()
         self.router = LiveRouter(self.view, num_blocks)
@@ -66,7 +67,10 @@ class RemoteSequence:
         if self.dht is not None:
             from swarmlm.swarm.dht import fetch_records
 
-            records = fetch_records(self.dht, self.prefix, range(self.num_blocks), swarm_key=self.config.swarm_key)
+            records = fetch_records(self.dht, self.prefix, range(self.num_blocks), swarm_key=self.config.swarm_key,
+                                    joining=True)
+            self.loading = {sid: r for sid, r in records.items() if r.state == LOADING}
+            records = {sid: r for sid, r in records.items() if r.state == ONLINE}
             records = self._through_relays({sid: r for sid, r in records.items()
                                             if (sid, r.address) not in self.rejected})
         else:
@@ -194,30 +198,45 @@ class RemoteSequence:
 
     def route(self, start: int, end: int, l_in: int, l_out: int, batch: int = 1, max_length: int = 0,
               refresh: bool = False, prefix_held=None) -> Route:
-        """A chain over blocks [start, end); waits up to wait_for_blocks_s for missing blocks to appear. The swarm is
-        read again first if asked, or if the last read is older than records_max_age_s (load changes)."""
-        deadline = time.monotonic() + self.config.wait_for_blocks_s
+        """A chain over blocks [start, end); waits up to wait_for_blocks_s for missing blocks to appear, and up to
+        wait_for_loading_s in all while servers announce every missing block as loading. The swarm is read again
+        first if asked, or if the last read is older than records_max_age_s (load changes)."""
+        cfg = self.config
+        t0 = time.monotonic()
         if refresh or not self.view.records or time.monotonic() - self.view.read_s > self.config.records_max_age_s:
             self.refresh()
-        missing = None
+        missing, told_loading = None, False
         while True:
             try:
                 return self.router.route(start, end, l_in, l_out, batch, max_length, prefix_held)
             except MissingBlocks as exc:
-                if missing is None and time.monotonic() < deadline:  # one line per wait: what, and for how long
+                if missing is None and time.monotonic() < t0 + cfg.wait_for_blocks_s:  # one line: what, how long
                     log.warning("%s: waiting up to %.0f s for a server to take them (a server with room in its "
-                                "--memory-mb moves onto them)", exc, self.config.wait_for_blocks_s)
+                                "--memory-mb moves onto them)", exc, cfg.wait_for_blocks_s)
                 missing = exc.missing
-                if time.monotonic() >= deadline:
+                loaders = self._loading(missing)
+                if loaders and not told_loading and cfg.wait_for_loading_s > cfg.wait_for_blocks_s:
+                    told_loading = True  # (one more line, once: the wait grows while they load)
+                    log.warning("server %s announces blocks %s as loading: waiting for it up to %.0f s in all",
+                                ", ".join(sid[-8:] for sid in loaders), block_ranges(missing), cfg.wait_for_loading_s)
+                limit_s = max(cfg.wait_for_loading_s if loaders else 0.0, cfg.wait_for_blocks_s)
+                if time.monotonic() >= t0 + limit_s:
                     down = ", ".join(f"{a} ({why})" for a, why in self.unreachable.items())  # "refused" vs nobody
                     adapter = self.config.active_adapter
-                    raise MissingBlocks(exc.missing, f"waited {self.config.wait_for_blocks_s:.0f} s"
+                    raise MissingBlocks(exc.missing, f"waited {limit_s:.0f} s"
+                                        + (f"; loading on {', '.join(sid[-8:] for sid in loaders)}" if loaders else "")
                                         + (f"; unreachable: {down}" if down else "")
                                         + (f"; with adapter {adapter!r}: servers pre-load it with --adapters DIR"
                                            if adapter else "")) from None
             time.sleep(0.5)
             self.refresh()
             self._recheck_banned(missing)
+
+    def _loading(self, missing) -> list[str]:
+        """Servers announcing missing blocks as loading, if together they cover every one of them (else none)."""
+        covering = {sid: r for sid, r in self.loading.items() if any(r.start <= b < r.end for b in missing)}
+        covered = all(any(r.start <= b < r.end for r in covering.values()) for b in missing)
+        return sorted(covering) if covered and missing else []
 
     def _recheck_banned(self, missing) -> None:
         """Banned servers that would serve missing blocks are asked again: one that passes the connect check

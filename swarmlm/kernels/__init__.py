@@ -22,6 +22,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("packed.c", "act16.c", "decode.c")]
+HEADERS = [Path(__file__).with_name("ahead.h")]  # included by the sources: part of the build's name, not compiled alone
 CACHE = Path.home() / ".cache" / "swarmlm" / "kernels"
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno", "-fopenmp-simd", "-pthread"]
 
@@ -41,7 +42,7 @@ def _compiler() -> str:
 def _build(cc: str, march: str) -> Path:
     flags = [*FLAGS, f"-march={march}"]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(source + repr((version, flags, _cpu_flags())).encode()).hexdigest()[:16]
     target = CACHE / f"packed-{key}.so"
     if target.is_file():

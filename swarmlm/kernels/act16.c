@@ -11,8 +11,8 @@
  * so the result differs from the float32 product of the dequantized weights by that rounding alone (~3e-5 relative,
  * measured), the same on every x86 vector unit up to float32 summation order.
  *
- * Layout: weights as packed.c's split rows (16 bytes of nibbles per block, then the blocks' scales d as float32, then
- * Q4_1's mins m). A chunk is 4 blocks (128 weights, 64 bytes of nibbles); read as 32 16-bit words, word 8c + t of
+ * Layout: weights as packed.c's split rows (16 bytes of nibbles per block, then the blocks' scales d as the file's
+ * fp16, then Q4_1's mins m). A chunk is 4 blocks (128 weights, 64 bytes of nibbles); read as 32 16-bit words, word 8c + t of
  * block c's bytes 2t, 2t + 1 holds, from bit 0 up, the nibbles of weights 2t, 2t + 16, 2t + 1, 2t + 17 (GGUF keeps
  * weight j in the low nibble of byte j and weight j + 16 in its high nibble). So four shifts and masks give four
  * vectors of 32 weights each, and the activations are laid out once per call to match (act16_prepare): vector v word
@@ -28,6 +28,7 @@
 #if defined(__SSE2__)
 #include <immintrin.h>
 #endif
+#include "ahead.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ACT16_WIDE 1
@@ -36,9 +37,6 @@
 #endif
 
 #define BLOCK_BYTES 16  /* a Q4 block's nibbles */
-#ifndef AHEAD
-#define AHEAD 4096  /* bytes of a weight row asked for ahead of their use (into L2) */
-#endif
 
 /* one chunk of one activation row, as the products read it */
 typedef struct {
@@ -58,14 +56,16 @@ static const int WEIGHT_OF[4][8] = {{0, 2, 4, 6, 8, 10, 12, 14}, {16, 18, 20, 22
 
 /* Does this type's product round activations to int16 blocks? On every build, so that every build and every
  * batch shape computes the same function up to float32 summation order. */
-int act16_rounds(int ggml_type) { return ggml_type == 2 || ggml_type == 3 || ggml_type == 8 || ggml_type == 12; }
+int act16_rounds(int ggml_type) {
+    return ggml_type == 2 || ggml_type == 3 || ggml_type == 8 || (ggml_type >= 12 && ggml_type <= 14);
+}
 
 /* Products of up to this many activation rows run in integers. Q4_0 / Q4_1 with more rows share each unpacked
  * block between more FMAs, so packed.c's float tiles are as fast there, on the rounded activations
  * (act16_round_rows); Q8_0 is kept in this file's order (packed.c, q8_0_at) and always multiplied here. */
 int64_t act16_integer_rows(int ggml_type) {
 #if defined(ACT16_WIDE)
-    return ggml_type == 8 || ggml_type == 12 ? INT64_MAX : 4;
+    return ggml_type == 2 || ggml_type == 3 ? 4 : INT64_MAX;
 #else
     (void)ggml_type;
     return 0;
@@ -154,34 +154,64 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
         const __mmask16 blocks = left >= 4 ? 0xffff : (__mmask16)((1u << left) - 1);
         __m512i v[2][4];
         __m512 d[2], m[2];
+        ask_ahead(row0, W * row_bytes, a->chunks_per_row, ch);
         for (int u = 0; u < W; u++) {
             const uint8_t *row = row0 + u * row_bytes;
             if (T == 8) {  /* 4 quarters of 8 cn bytes: one sign extension each */
                 const int64_t cn = left >= 4 ? 4 : left;
                 const __mmask32 quarter = (__mmask32)((1ULL << (8 * cn)) - 1);
-                _mm_prefetch((const char *)(row + 128 * ch + AHEAD), _MM_HINT_T1);
-                _mm_prefetch((const char *)(row + 128 * ch + 64 + AHEAD), _MM_HINT_T1);
                 for (int q = 0; q < 4; q++)
                     v[u][q] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(quarter, row + 128 * ch + 8 * cn * q));
             } else {
-                _mm_prefetch((const char *)(row + 64 * ch + AHEAD), _MM_HINT_T1);
                 const __m512i q = _mm512_maskz_loadu_epi8(bytes, row + 64 * ch);
                 v[u][0] = _mm512_and_si512(q, low4);
                 v[u][1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
                 v[u][2] = _mm512_and_si512(_mm512_srli_epi16(q, 8), low4);
                 v[u][3] = _mm512_srli_epi16(q, 12);
+                if (T == 14) {  /* split Q6_K: each weight's 2 high bits (bits 2v of its word's byte), then q - 32 */
+                    const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + nb * BLOCK_BYTES + 32 * ch)));
+                    const __m512i top = _mm512_set1_epi16(0x30), thirty_two = _mm512_set1_epi16(32);
+                    v[u][0] = _mm512_sub_epi16(_mm512_or_si512(v[u][0], _mm512_and_si512(_mm512_slli_epi16(h, 4), top)), thirty_two);
+                    v[u][1] = _mm512_sub_epi16(_mm512_or_si512(v[u][1], _mm512_and_si512(_mm512_slli_epi16(h, 2), top)), thirty_two);
+                    v[u][2] = _mm512_sub_epi16(_mm512_or_si512(v[u][2], _mm512_and_si512(h, top)), thirty_two);
+                    v[u][3] = _mm512_sub_epi16(_mm512_or_si512(v[u][3], _mm512_and_si512(_mm512_srli_epi16(h, 2), top)), thirty_two);
+                }
+                if (T == 13) {  /* split Q5_K: word w's 4 fifth bits (bit v: vector v's) in nibble w / 16 of byte w % 16 */
+                    const __m128i bits = _mm_loadu_si128((const __m128i *)(row + nb * BLOCK_BYTES + 16 * ch));
+                    const __m512i h = _mm512_and_si512(_mm512_srlv_epi16(_mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(bits)),
+                                                                         _mm512_setr_epi64(0, 0, 0, 0, 0x0004000400040004LL,
+                                                                                           0x0004000400040004LL, 0x0004000400040004LL,
+                                                                                           0x0004000400040004LL)),
+                                                       low4);
+                    const __m512i bit4 = _mm512_set1_epi16(16);
+                    v[u][0] = _mm512_or_si512(v[u][0], _mm512_and_si512(_mm512_slli_epi16(h, 4), bit4));
+                    v[u][1] = _mm512_or_si512(v[u][1], _mm512_and_si512(_mm512_slli_epi16(h, 3), bit4));
+                    v[u][2] = _mm512_or_si512(v[u][2], _mm512_and_si512(_mm512_slli_epi16(h, 2), bit4));
+                    v[u][3] = _mm512_or_si512(v[u][3], _mm512_and_si512(_mm512_slli_epi16(h, 1), bit4));
+                }
             }
-            if (T == 12) {  /* packed.c's split Q4_K: a chunk's 6-bit scales and mins (bytes) x its super-block's d, dmin */
-                const uint8_t *bytes6 = row + nb * BLOCK_BYTES + 4 * ch;
-                const float *dd = (const float *)(row + nb * 18) + ch / 2;
+            if (T == 14) {  /* the chunk's 8 int8 scales (each block's weights 0-15, 16-31) x its super-block's d */
+                const uint8_t *sc8 = row + nb * 24 + 8 * ch;
+                const float dd = _cvtsh_ss(*(const uint16_t *)(row + nb * 26 + 2 * (ch / 2)));
+                const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                    _mm_loadl_epi64((const __m128i *)sc8))));
+                d[u] = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6), sc);
+                m[u] = _mm512_permutexvar_ps(_mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7), sc);
+            } else if (T == 12 || T == 13) {  /* packed.c's split Q4_K / Q5_K: a chunk's 6-bit scales and mins (bytes) x its
+                                          * super-block's d, dmin (Q5_K: past its fifth bits) */
+                const int64_t fifth = T == 13 ? 4 * nb : 0;
+                const uint8_t *bytes6 = row + nb * BLOCK_BYTES + fifth + 4 * ch;
+                const float *dd = (const float *)(row + nb * 18 + fifth) + ch / 2;
                 const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(blocks, bytes6)));
                 const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(blocks, bytes6 + nb)));
                 d[u] = _mm512_permutexvar_ps(spread, _mm512_mul_ps(_mm512_set1_ps(dd[0]), sc));
                 m[u] = _mm512_permutexvar_ps(spread, _mm512_mul_ps(_mm512_set1_ps(-dd[nb / 8]), mn));
-            } else {
-                const float *scales = (const float *)(row + nb * (T == 8 ? 32 : BLOCK_BYTES));
-                d[u] = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(blocks, scales + 4 * ch));
-                if (T == 3) m[u] = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(blocks, scales + nb + 4 * ch));
+            } else {  /* the chunk's fp16 scales (and mins) -> 4 lanes each */
+                const uint16_t *scales = (const uint16_t *)(row + nb * (T == 8 ? 32 : BLOCK_BYTES));
+                d[u] = _mm512_permutexvar_ps(spread, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(blocks, scales + 4 * ch)));
+                if (T == 3)
+                    m[u] = _mm512_permutexvar_ps(spread,
+                                                 _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(blocks, scales + nb + 4 * ch)));
             }
         }
         for (int r = 0; r < R; r++) {
@@ -191,6 +221,18 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
             const __m512 scale = _mm512_load_ps(x->scale);
             const __m512i start = T == 2 ? _mm512_load_si512(x->offset) : _mm512_setzero_si512();
             for (int u = 0; u < W; u++) {
+                if (T == 14) {  /* two sums per block: its weights 0-15 (vectors 0, 2) and 16-31 (1, 3), own scales */
+#if defined(__AVX512VNNI__)
+                    const __m512i lo = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(start, v[u][0], x0), v[u][2], x2);
+                    const __m512i hi = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(start, v[u][1], x1), v[u][3], x3);
+#else
+                    const __m512i lo = _mm512_add_epi32(_mm512_madd_epi16(v[u][0], x0), _mm512_madd_epi16(v[u][2], x2));
+                    const __m512i hi = _mm512_add_epi32(_mm512_madd_epi16(v[u][1], x1), _mm512_madd_epi16(v[u][3], x3));
+#endif
+                    total[u][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(d[u], scale), total[u][r]);
+                    total[u][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(m[u], scale), total[u][r]);
+                    continue;
+                }
 #if defined(__AVX512VNNI__)
                 __m512i acc = _mm512_dpwssd_epi32(start, v[u][0], x0);
                 acc = _mm512_dpwssd_epi32(acc, v[u][1], x1);
@@ -203,7 +245,7 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
                                                              _mm512_madd_epi16(v[u][3], x3)));
 #endif
                 total[u][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(d[u], scale), total[u][r]);
-                if (T == 3 || T == 12) total[u][r] = _mm512_fmadd_ps(m[u], _mm512_load_ps(x->sum), total[u][r]);
+                if (T == 3 || T == 12 || T == 13) total[u][r] = _mm512_fmadd_ps(m[u], _mm512_load_ps(x->sum), total[u][r]);
             }
         }
     }
@@ -233,18 +275,17 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
         const int64_t ch = half / 2, h = half % 2;
         __m256i v[2][4];
         __m256 d[2], m[2];
+        ask_ahead(row0, W * row_bytes, (nb + 1) / 2, half);
         for (int u = 0; u < W; u++) {
             const uint8_t *row = row0 + u * row_bytes;
             if (T == 8) {  /* this half of each quarter (of 8 cn bytes): 16 bytes, or 8 for a last single block */
                 const int64_t cn = nb - 4 * ch < 4 ? nb - 4 * ch : 4;
-                _mm_prefetch((const char *)(row + 64 * half + AHEAD), _MM_HINT_T1);
                 for (int q = 0; q < 4; q++) {
                     const uint8_t *at = row + 128 * ch + 8 * cn * q + 16 * h;
                     v[u][q] = _mm256_cvtepi8_epi16(two ? _mm_loadu_si128((const __m128i *)at)
                                                        : _mm_loadl_epi64((const __m128i *)at));
                 }
             } else {
-                _mm_prefetch((const char *)(row + 32 * half + AHEAD), _MM_HINT_T1);
                 const __m256i q = two ? _mm256_loadu_si256((const __m256i *)(row + 32 * half))
                                       : _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(row + 32 * half)));
                 const __m256i qz = two ? q : _mm256_inserti128_si256(q, _mm_setzero_si128(), 1);
@@ -252,23 +293,49 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
                 v[u][1] = _mm256_and_si256(_mm256_srli_epi16(qz, 4), low4);
                 v[u][2] = _mm256_and_si256(_mm256_srli_epi16(qz, 8), low4);
                 v[u][3] = _mm256_srli_epi16(qz, 12);
+                if (T == 14) {  /* split Q6_K: the 2 high bits (this half's 16 bytes of them), then q - 32 */
+                    const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + nb * BLOCK_BYTES + 16 * half)));
+                    const __m256i top = _mm256_set1_epi16(0x30), thirty_two = _mm256_set1_epi16(32);
+                    v[u][0] = _mm256_sub_epi16(_mm256_or_si256(v[u][0], _mm256_and_si256(_mm256_slli_epi16(h, 4), top)), thirty_two);
+                    v[u][1] = _mm256_sub_epi16(_mm256_or_si256(v[u][1], _mm256_and_si256(_mm256_slli_epi16(h, 2), top)), thirty_two);
+                    v[u][2] = _mm256_sub_epi16(_mm256_or_si256(v[u][2], _mm256_and_si256(h, top)), thirty_two);
+                    v[u][3] = _mm256_sub_epi16(_mm256_or_si256(v[u][3], _mm256_and_si256(_mm256_srli_epi16(h, 2), top)), thirty_two);
+                }
+                if (T == 13) {  /* split Q5_K: this half's words' fifth bits, nibble h of the chunk's 16 bytes */
+                    const __m256i bits = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + nb * BLOCK_BYTES + 16 * ch)));
+                    const __m256i hb = _mm256_and_si256(h ? _mm256_srli_epi16(bits, 4) : bits, low4);
+                    const __m256i bit4 = _mm256_set1_epi16(16);
+                    v[u][0] = _mm256_or_si256(v[u][0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), bit4));
+                    v[u][1] = _mm256_or_si256(v[u][1], _mm256_and_si256(_mm256_slli_epi16(hb, 3), bit4));
+                    v[u][2] = _mm256_or_si256(v[u][2], _mm256_and_si256(_mm256_slli_epi16(hb, 2), bit4));
+                    v[u][3] = _mm256_or_si256(v[u][3], _mm256_and_si256(_mm256_slli_epi16(hb, 1), bit4));
+                }
             }
-            if (T == 12) {  /* split Q4_K: 6-bit scales and mins (bytes) x the super-block's d, dmin (a half: 2 groups) */
-                const uint8_t *bytes6 = row + nb * BLOCK_BYTES + 2 * half;
-                const float *dd = (const float *)(row + nb * 18) + half / 4;
+            if (T == 14) {  /* this half's 2 blocks: scales of weights 0-15 and 16-31 x the super-block's d */
+                const int8_t *sc8 = (const int8_t *)(row + nb * 24 + 4 * half);
+                const float dd = _cvtsh_ss(*(const uint16_t *)(row + nb * 26 + 2 * (half / 4)));
+                d[u] = _mm256_setr_ps(dd * sc8[0], dd * sc8[0], dd * sc8[0], dd * sc8[0], dd * sc8[2], dd * sc8[2],
+                                      dd * sc8[2], dd * sc8[2]);
+                m[u] = _mm256_setr_ps(dd * sc8[1], dd * sc8[1], dd * sc8[1], dd * sc8[1], dd * sc8[3], dd * sc8[3],
+                                      dd * sc8[3], dd * sc8[3]);
+            } else if (T == 12 || T == 13) {  /* split Q4_K / Q5_K: 6-bit scales and mins (bytes) x the super-block's d,
+                                                 * dmin (a half: 2 groups) */
+                const int64_t fifth = T == 13 ? 4 * nb : 0;
+                const uint8_t *bytes6 = row + nb * BLOCK_BYTES + fifth + 2 * half;
+                const float *dd = (const float *)(row + nb * 18 + fifth) + half / 4;
                 d[u] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_setr_ps(dd[0] * bytes6[0], dd[0] * bytes6[1], 0, 0)),
                                                 spread);
                 m[u] = _mm256_permutevar8x32_ps(
                     _mm256_castps128_ps256(_mm_setr_ps(-(dd[nb / 8] * bytes6[nb]), -(dd[nb / 8] * bytes6[nb + 1]), 0, 0)),
                     spread);
-            } else {
-                const float *scales = (const float *)(row + nb * (T == 8 ? 32 : BLOCK_BYTES)) + 2 * half;
-                const float *mins = scales + nb;
-                d[u] = _mm256_permutevar8x32_ps(
-                    _mm256_castps128_ps256(_mm_setr_ps(scales[0], two ? scales[1] : 0.0f, 0, 0)), spread);
+            } else {  /* fp16 scales (and mins) */
+                const uint16_t *scales = (const uint16_t *)(row + nb * (T == 8 ? 32 : BLOCK_BYTES)) + 2 * half;
+                const uint16_t *mins = scales + nb;
+                d[u] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_setr_ps(
+                    _cvtsh_ss(scales[0]), two ? _cvtsh_ss(scales[1]) : 0.0f, 0, 0)), spread);
                 if (T == 3)
-                    m[u] = _mm256_permutevar8x32_ps(
-                        _mm256_castps128_ps256(_mm_setr_ps(mins[0], two ? mins[1] : 0.0f, 0, 0)), spread);
+                    m[u] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_setr_ps(
+                        _cvtsh_ss(mins[0]), two ? _cvtsh_ss(mins[1]) : 0.0f, 0, 0)), spread);
             }
         }
         for (int r = 0; r < R; r++) {
@@ -280,12 +347,19 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
             const __m256 scale = _mm256_load_ps(x->scale + 8 * h);
             const __m256i start = T == 2 ? _mm256_load_si256((const __m256i *)(x->offset + 8 * h)) : _mm256_setzero_si256();
             for (int u = 0; u < W; u++) {
+                if (T == 14) {  /* two sums per block: its weights 0-15 (vectors 0, 2) and 16-31 (1, 3), own scales */
+                    const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(v[u][0], x0), _mm256_madd_epi16(v[u][2], x2));
+                    const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(v[u][1], x1), _mm256_madd_epi16(v[u][3], x3));
+                    total[u][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(d[u], scale), total[u][r]);
+                    total[u][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(m[u], scale), total[u][r]);
+                    continue;
+                }
                 __m256i acc = _mm256_add_epi32(_mm256_add_epi32(start, _mm256_madd_epi16(v[u][0], x0)),
                                                _mm256_madd_epi16(v[u][1], x1));
                 acc = _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(v[u][2], x2),
                                                              _mm256_madd_epi16(v[u][3], x3)));
                 total[u][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(d[u], scale), total[u][r]);
-                if (T == 3 || T == 12) total[u][r] = _mm256_fmadd_ps(m[u], _mm256_load_ps(x->sum + 8 * h), total[u][r]);
+                if (T == 3 || T == 12 || T == 13) total[u][r] = _mm256_fmadd_ps(m[u], _mm256_load_ps(x->sum + 8 * h), total[u][r]);
             }
         }
     }
@@ -303,13 +377,15 @@ typedef void (*tile_fn)(const uint8_t *, int64_t, int64_t, const act16 *, float 
     TILE(T, 2, 1) TILE(T, 2, 2) TILE(T, 2, 3) TILE(T, 2, 4) TILE(T, 1, 1) TILE(T, 1, 2) TILE(T, 1, 3) TILE(T, 1, 4) \
     static const tile_fn WIDE_##T[5] = {0, tile_##T##_2_1, tile_##T##_2_2, tile_##T##_2_3, tile_##T##_2_4}; \
     static const tile_fn NARROW_##T[5] = {0, tile_##T##_1_1, tile_##T##_1_2, tile_##T##_1_3, tile_##T##_1_4};
-TILES(2) TILES(3) TILES(8) TILES(12)
+TILES(2) TILES(3) TILES(8) TILES(12) TILES(13) TILES(14)
 
 /* columns [n0, n1) of y [rows, n]: two weight rows at a time, every activation row (4 at a time) while they are in L1 */
 static void act16_rows(int ggml_type, const uint8_t *w, int64_t row_bytes, const act16 *a, int64_t rows, int64_t k,
                        float *y, int64_t n, int64_t n0, int64_t n1) {
-    const tile_fn *wide = ggml_type == 2 ? WIDE_2 : ggml_type == 3 ? WIDE_3 : ggml_type == 8 ? WIDE_8 : WIDE_12;
-    const tile_fn *narrow = ggml_type == 2 ? NARROW_2 : ggml_type == 3 ? NARROW_3 : ggml_type == 8 ? NARROW_8 : NARROW_12;
+    const tile_fn *wide = ggml_type == 2 ? WIDE_2 : ggml_type == 3 ? WIDE_3 : ggml_type == 8 ? WIDE_8
+                        : ggml_type == 12 ? WIDE_12 : ggml_type == 13 ? WIDE_13 : WIDE_14;
+    const tile_fn *narrow = ggml_type == 2 ? NARROW_2 : ggml_type == 3 ? NARROW_3 : ggml_type == 8 ? NARROW_8
+                          : ggml_type == 12 ? NARROW_12 : ggml_type == 13 ? NARROW_13 : NARROW_14;
     const int64_t nb = k / 32;
     int64_t i = n0;
     for (; i + 2 <= n1; i += 2)

@@ -3,19 +3,20 @@
  * A weight matrix W [N, K] is N rows of K/QK blocks, each block exactly as the file stores it. Every function here
  * computes y[r, n] = sum_k x[r, k] * W[n, k] for float32 activations x [R, K]: a block is turned into QK floats in
  * registers or a small L1 buffer and multiplied in float32, so the result is the dequantized weights' product up
- * to float32 summation order -- except Q4_0, Q4_1, Q8_0 and Q4_K, whose activations are first rounded to int16 per block of
- * 32 and multiplied in integers (act16.c; Q4 products of more than act16_integer_rows rows: these float tiles on
- * the rounded values). Decoding is memory-bound, so reading 4-8x fewer bytes than
- * float32 is the whole gain; the unpacking must only keep up with memory.
+ * to float32 summation order -- except Q4_0, Q4_1, Q8_0 and the K-quants (Q4_K, Q5_K, Q6_K), whose activations are
+ * first rounded to int16 per block of 32 and multiplied in integers (act16.c; Q4_0 / Q4_1 products of more than
+ * act16_integer_rows rows: these float tiles on the rounded values). Decoding is memory-bound, so reading 4-8x fewer
+ * bytes than float32 is the whole gain; the unpacking must only keep up with memory.
  *
  * Per type one function turns a block into floats (`dq_*`), the same values gguf-py's dequantize gives. Q4_0, Q4_1
  * and Q8_0 (the common files; the llama-1b / llama-8b presets) are kept "split" (packed_repack): a row's quants for
- * all its blocks first, then its scales (and Q4_1's mins) as float32 -- 1.06-1.2x the file's bytes -- so the AVX-512
- * path loads a block's scale with no conversion and turns 16 nibbles into floats with one table lookup (vpermps:
- * the table is d * q + m for q = 0..15, one FMA per block). Q4_K is split too (split_q4_k_row: Q4_0's nibble order,
- * 6-bit scales as bytes, 1.06x) for act16.c. Every other type keeps the file's own block layout; Q5_K and Q6_K are
- * unpacked in registers from it too, the rest through a block buffer. CPUs without AVX-512 unpack the split types
- * and Q5_K / Q6_K in AVX2 registers (8 floats a vector; 5-15x the block buffer's speed).
+ * all its blocks first, then its scales (and Q4_1's mins) as the file's fp16 -- the file's bytes exactly -- so the
+ * AVX-512 path turns 16 nibbles into floats with one table lookup (vpermps: the table is d * q + m for q = 0..15, one
+ * FMA per block) and act16.c reads a chunk's nibbles as one vector. The K-quants (the "K_M" files) are split too
+ * (split_q45_k_row, split_q6_k_row: Q4_0's nibble order, their high bits in act16's word order, scales as bytes;
+ * 1.06x, 1.045x and 1x the file) for act16.c. Every other type keeps the file's own block layout and is unpacked
+ * through a block buffer. CPUs without AVX-512 unpack the split types in AVX2 registers (8 floats a vector; 5-15x the
+ * block buffer's speed).
  * Each fast tile is compiled once per type (the type a constant: no branch per block, ~2x on one row).
  * `packed_matmul_threads` splits a product's rows between this library's own worker threads (packed_set_threads).
  */
@@ -26,6 +27,7 @@
 #if defined(__SSE2__)
 #include <immintrin.h>
 #endif
+#include "ahead.h"
 
 #define QK 32
 #define QK_K 256
@@ -130,40 +132,6 @@ static inline void k_scale(const uint8_t *k, int g, int *sc, int *mn) {
     *mn = g < 4 ? k[i + 4] & 63 : (k[i + 8] >> 4) | ((k[i + 4] >> 2) & 0x30);
 }
 
-static void dq_q5_k(const uint8_t *b, float *y) {  /* d, dmin, 12 scale bytes, qh 32 bytes, 128 bytes */
-    const float d = fp16(b), dmin = fp16(b + 2);
-    uint8_t sc[8], mn[8];
-    k_scales(b + 4, sc, mn);
-    const uint8_t *qh = b + 16, *q = b + 48;
-    for (int c = 0; c < 4; c++) {
-        const int g1 = 2 * c, g2 = 2 * c + 1;
-        const float d1 = d * sc[g1], m1 = dmin * mn[g1], d2 = d * sc[g2], m2 = dmin * mn[g2];
-        for (int l = 0; l < 32; l++) {
-            y[64 * c + l] = d1 * (float)((q[32 * c + l] & 0xf) | (((qh[l] >> g1) & 1) << 4)) - m1;
-            y[64 * c + 32 + l] = d2 * (float)((q[32 * c + l] >> 4) | (((qh[l] >> g2) & 1) << 4)) - m2;
-        }
-    }
-}
-
-static void dq_q6_k(const uint8_t *b, float *y) {  /* ql 128, qh 64, 16 int8 scales, d fp16 */
-    const uint8_t *ql = b, *qh = b + 128;
-    const int8_t *sc = (const int8_t *)(b + 192);
-    const float d = fp16(b + 208);
-    for (int h = 0; h < 2; h++) {  /* 128 weights per half: 4 groups of 32 */
-        for (int l = 0; l < 32; l++) {
-            const int q1 = ((ql[64 * h + l] & 0xf) | (((qh[32 * h + l] >> 0) & 3) << 4)) - 32;
-            const int q2 = ((ql[64 * h + 32 + l] & 0xf) | (((qh[32 * h + l] >> 2) & 3) << 4)) - 32;
-            const int q3 = ((ql[64 * h + l] >> 4) | (((qh[32 * h + l] >> 4) & 3) << 4)) - 32;
-            const int q4 = ((ql[64 * h + 32 + l] >> 4) | (((qh[32 * h + l] >> 6) & 3) << 4)) - 32;
-            const int s = 8 * h + l / 16;
-            y[128 * h + l] = (d * (float)sc[s]) * (float)q1;
-            y[128 * h + 32 + l] = (d * (float)sc[s + 2]) * (float)q2;
-            y[128 * h + 64 + l] = (d * (float)sc[s + 4]) * (float)q3;
-            y[128 * h + 96 + l] = (d * (float)sc[s + 6]) * (float)q4;
-        }
-    }
-}
-
 static void dq_f16(const uint8_t *b, float *y) {
     for (int j = 0; j < QK; j++) y[j] = fp16(b + 2 * j);
 }
@@ -194,7 +162,7 @@ typedef struct {
 
 static const block_type TYPES[] = {
     {2, QK, 18, dq_q4_0},     {3, QK, 20, dq_q4_1},     {6, QK, 22, dq_q5_0},     {7, QK, 24, dq_q5_1},
-    {8, QK, 34, dq_q8_0},     {12, QK_K, 144, 0 /* split at load: split_dq_q4_k */}, {13, QK_K, 176, dq_q5_k}, {14, QK_K, 210, dq_q6_k},
+    {8, QK, 34, dq_q8_0},     {12, QK_K, 144, 0 /* split at load: split_dq_q4_k */}, {13, QK_K, 176, 0 /* split at load: split_dq_q45_k */}, {14, QK_K, 210, 0 /* split at load: split_dq_q6_k */},
     {1, QK, 64, dq_f16},      {30, QK, 64, dq_bf16},    {Q8_M, QK, 40, dq_q8_m},
 };
 
@@ -204,8 +172,9 @@ static const block_type *find_type(int ggml_type) {
     return 0;
 }
 
-/* ---- the split layout of Q4_0 / Q4_1 / Q8_0: [quants of every block][d float32 x nb][m float32 x nb (Q4_1)];
- * Q8_0's quants in act16's order within chunks of 4 blocks (q8_0_at) ---- */
+/* ---- the split layout of Q4_0 / Q4_1 / Q8_0: [quants of every block][d x nb][m x nb (Q4_1)], the scales as the
+ * file keeps them (fp16: the file's bytes exactly; Q8_M's float32); Q8_0's quants in act16's order within chunks of
+ * 4 blocks (q8_0_at) ---- */
 
 static int split_quant_bytes(int ggml_type) {  /* bytes of one block's quants; 0 = not a split type */
     return ggml_type == 2 || ggml_type == 3 ? 16 : ggml_type == 8 || ggml_type == Q8_M ? 32 : 0;
@@ -213,10 +182,17 @@ static int split_quant_bytes(int ggml_type) {  /* bytes of one block's quants; 0
 
 static int split_scales(int ggml_type) { return ggml_type == 3 || ggml_type == Q8_M ? 2 : 1; }
 
+static int split_scale_bytes(int ggml_type) { return ggml_type == Q8_M ? 4 : 2; }
+
 static inline float load_f32(const uint8_t *p) {
     float f;
     memcpy(&f, p, 4);
     return f;
+}
+
+/* scale i of a split row's scales (d of block i, or m of block i - nb) */
+static inline float split_scale(int ggml_type, const uint8_t *scales, int64_t i) {
+    return ggml_type == Q8_M ? load_f32(scales + 4 * i) : fp16(scales + 2 * i);
 }
 
 /* Q8_0's quants are kept in act16's order: a chunk of 4 blocks (fewer at a row's end: cn) is 4 quarters of 8 cn
@@ -232,17 +208,17 @@ static inline int64_t q8_0_at(int64_t nb, int64_t b, int j) {
 static void split_dq(int ggml_type, const uint8_t *row, int64_t nb, int64_t b, float *y) {
     const int qb = split_quant_bytes(ggml_type);
     const uint8_t *q = row + b * qb, *scales = row + nb * qb;
-    const float d = load_f32(scales + 4 * b);
+    const float d = split_scale(ggml_type, scales, b);
     if (ggml_type == 8) {
         for (int j = 0; j < 32; j++) y[j] = d * (float)((const int8_t *)row)[q8_0_at(nb, b, j)];
         return;
     }
     if (ggml_type == Q8_M) {
-        const float m = load_f32(scales + 4 * (nb + b));
+        const float m = split_scale(ggml_type, scales, nb + b);
         for (int j = 0; j < 32; j++) y[j] = __builtin_fmaf(d, (float)q[j], m);
         return;
     }
-    const float m = ggml_type == 3 ? load_f32(scales + 4 * (nb + b)) : -8.0f * d;
+    const float m = ggml_type == 3 ? split_scale(ggml_type, scales, nb + b) : -8.0f * d;
     for (int j = 0; j < 16; j++) {
         y[j] = d * (float)(q[j] & 0xf) + m;
         y[j + 16] = d * (float)(q[j] >> 4) + m;
@@ -252,7 +228,8 @@ static void split_dq(int ggml_type, const uint8_t *row, int64_t nb, int64_t b, f
 /* a row of file blocks -> the split row */
 static void split_row(int ggml_type, const uint8_t *src, int64_t nb, uint8_t *dst) {
     const block_type *t = find_type(ggml_type);
-    const int qb = split_quant_bytes(ggml_type), head = t->block_bytes - qb;  /* fp16 d (and m) precede the quants */
+    const int qb = split_quant_bytes(ggml_type), head = t->block_bytes - qb;  /* d (and m) precede the quants */
+    const int sb = split_scale_bytes(ggml_type);
     uint8_t *scales = dst + nb * qb;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = src + b * t->block_bytes;
@@ -260,59 +237,124 @@ static void split_row(int ggml_type, const uint8_t *src, int64_t nb, uint8_t *ds
             for (int j = 0; j < 32; j++) dst[q8_0_at(nb, b, j)] = blk[head + j];
         else
             memcpy(dst + b * qb, blk + head, qb);
-        const float d = ggml_type == Q8_M ? load_f32(blk) : fp16(blk);  /* Q8_M's d and m are float32 already */
-        memcpy(scales + 4 * b, &d, 4);
-        if (ggml_type == 3 || ggml_type == Q8_M) {
-            const float m = ggml_type == Q8_M ? load_f32(blk + 4) : fp16(blk + 2);
-            memcpy(scales + 4 * (nb + b), &m, 4);
-        }
+        memcpy(scales + sb * b, blk, sb);  /* copied as they are */
+        if (ggml_type == 3 || ggml_type == Q8_M) memcpy(scales + sb * (nb + b), blk + sb, sb);
     }
 }
 
-/* ---- Q4_K split: [nibbles of every sub-block of 32, in Q4_0's order (byte j: weight j low, j + 16 high)][6-bit
- * scales, one byte each][6-bit mins][d float32 per super-block of 256][dmin float32 per super-block]: 152 bytes per
- * 256 weights (the file's 144), the nibbles laid out as act16's integer products read Q4_0's. ---- */
-static inline int64_t q4_k_row_bytes(int64_t k) { return k / QK * 18 + k / QK_K * 8; }
+/* where weight j of a sub-block sits in act16's word order: vector v, word t (q8_0_at's mapping) */
+static inline int act16_vector(int j) { return (j & 1) * 2 + (j >= 16); }
+static inline int act16_word(int j) { return (j & 15) >> 1; }
 
-/* super-block u of a split Q4_K row (nsub sub-blocks) -> 256 floats, the values dq_q4_k gives (one rounding each) */
-static void split_dq_q4_k(const uint8_t *row, int64_t nsub, int64_t u, float *y) {
-    const float d = load_f32(row + nsub * 18 + 4 * u), dmin = load_f32(row + nsub * 18 + 4 * (nsub / 8 + u));
+/* ---- Q4_K / Q5_K split: [nibbles of every sub-block of 32, in Q4_0's order (byte j: weight j low, j + 16 high)]
+ * [Q5_K: the fifth bits, 4 bytes per sub-block: chunk of 4 sub-blocks ch, word w = 8 c + t of act16's order has bit
+ * v of nibble w / 16 of byte 16 ch + w % 16 for its vector v's weight][6-bit scales, one byte each][6-bit mins]
+ * [d float32 per super-block of 256][dmin float32 per super-block]: 152 bytes per 256 weights (Q4_K's file: 144),
+ * 184 (Q5_K's: 176), the nibbles laid out as act16's integer products read Q4_0's. ---- */
+static inline int64_t k_high_bytes(int ggml_type) { return ggml_type == 13 ? 4 : 0; }  /* per sub-block */
+static inline int64_t q45_k_row_bytes(int ggml_type, int64_t k) {
+    return k / QK * (18 + k_high_bytes(ggml_type)) + k / QK_K * 8;
+}
+
+/* super-block u of a split Q4_K / Q5_K row (nsub sub-blocks) -> 256 floats, the values dq_q4_k / dq_q5_k give */
+static void split_dq_q45_k(int ggml_type, const uint8_t *row, int64_t nsub, int64_t u, float *y) {
+    const uint8_t *high = row + 16 * nsub, *rest = high + k_high_bytes(ggml_type) * nsub;
+    const float d = load_f32(rest + 2 * nsub + 4 * u), dmin = load_f32(rest + 2 * nsub + 4 * (nsub / 8 + u));
     for (int64_t s = 8 * u; s < 8 * u + 8; s++, y += 32) {
         const uint8_t *q = row + 16 * s;
-        const float d1 = d * row[16 * nsub + s], m1 = dmin * row[17 * nsub + s];
-        for (int j = 0; j < 16; j++) {
-            y[j] = d1 * (float)(q[j] & 0xf) - m1;
-            y[j + 16] = d1 * (float)(q[j] >> 4) - m1;
+        const float d1 = d * rest[s], m1 = dmin * rest[nsub + s];
+        for (int j = 0; j < 32; j++) {
+            const int w = 8 * (int)(s % 4) + act16_word(j);
+            const int fifth = ggml_type == 13 ? (high[16 * (s / 4) + w % 16] >> (4 * (w / 16) + act16_vector(j))) & 1 : 0;
+            y[j] = d1 * (float)((j < 16 ? q[j] & 0xf : q[j - 16] >> 4) | (fifth << 4)) - m1;
         }
     }
 }
 
-/* a row of the file's Q4_K super-blocks (nsub / 8 of them) -> the split row */
-static void split_q4_k_row(const uint8_t *src, int64_t nsub, uint8_t *dst) {
+/* a row of the file's Q4_K / Q5_K super-blocks (nsub / 8 of them) -> the split row */
+static void split_q45_k_row(int ggml_type, const uint8_t *src, int64_t nsub, uint8_t *dst) {
+    const int five = ggml_type == 13, size = five ? 176 : 144;
+    uint8_t *high = dst + 16 * nsub, *rest = high + k_high_bytes(ggml_type) * nsub;
+    memset(high, 0, k_high_bytes(ggml_type) * nsub);
     for (int64_t u = 0; u < nsub / 8; u++) {
-        const uint8_t *b = src + 144 * u, *q = b + 16;
+        const uint8_t *b = src + size * u, *q = b + (five ? 48 : 16), *qh = b + 16;
         uint8_t sc[8], mn[8];
         k_scales(b + 4, sc, mn);
         const float d = fp16(b), dmin = fp16(b + 2);
-        memcpy(dst + nsub * 18 + 4 * u, &d, 4);
-        memcpy(dst + nsub * 18 + 4 * (nsub / 8 + u), &dmin, 4);
+        memcpy(rest + 2 * nsub + 4 * u, &d, 4);
+        memcpy(rest + 2 * nsub + 4 * (nsub / 8 + u), &dmin, 4);
         for (int g = 0; g < 8; g++) {  /* sub-block g: the low (g even) or high nibbles of bytes 32 (g / 2) .. +31 */
             const int64_t s = 8 * u + g;
-            dst[16 * nsub + s] = sc[g];
-            dst[17 * nsub + s] = mn[g];
+            rest[s] = sc[g];
+            rest[nsub + s] = mn[g];
             uint8_t w[32];
             for (int l = 0; l < 32; l++) w[l] = g & 1 ? q[32 * (g / 2) + l] >> 4 : q[32 * (g / 2) + l] & 0xf;
             for (int j = 0; j < 16; j++) dst[16 * s + j] = (uint8_t)(w[j] | (w[j + 16] << 4));
+            if (five)  /* Q5_K's fifth bit of weight l of sub-block g: bit g of qh[l] */
+                for (int j = 0; j < 32; j++) {
+                    const int word = 8 * (int)(s % 4) + act16_word(j);
+                    high[16 * (s / 4) + word % 16] |= (uint8_t)(((qh[j] >> g) & 1) << (4 * (word / 16) + act16_vector(j)));
+                }
         }
     }
 }
 
-/* the types the vector builds unpack in registers (rows_fast); Q8_0 and Q4_K: act16.c's integer products at every
- * row count */
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-static int has_fast_path(int ggml_type) {
-    return (split_quant_bytes(ggml_type) && ggml_type != 8) || ggml_type == 13 || ggml_type == 14;
+/* ---- Q6_K split: [the 4 low bits of every sub-block of 32, in Q4_0's order][the 2 high bits, 8 bytes per sub-block
+ * in act16's word order: chunk of 4 sub-blocks ch, byte 32 ch + 8 c + t holds, from bit 2 v up, those of sub-block
+ * c's weight WEIGHT_OF[v][t]][the two int8 scales of each sub-block (its weights 0-15, 16-31)][d fp16 per super-block
+ * of 256]: 210 bytes per 256 weights, the file's. The quants are unsigned 6-bit (the value is d sc (q - 32)). ---- */
+static inline int64_t q6_k_row_bytes(int64_t k) { return k / QK * 26 + k / QK_K * 2; }
+
+/* the file's Q6_K super-block -> its 256 unsigned 6-bit quants, in weight order (as dq_q6_k reads them) */
+static void q6_k_quants(const uint8_t *b, uint8_t *q) {
+    const uint8_t *ql = b, *qh = b + 128;
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 32; l++) {
+            q[128 * h + l] = (ql[64 * h + l] & 0xf) | ((qh[32 * h + l] & 3) << 4);
+            q[128 * h + 32 + l] = (ql[64 * h + 32 + l] & 0xf) | (((qh[32 * h + l] >> 2) & 3) << 4);
+            q[128 * h + 64 + l] = (ql[64 * h + l] >> 4) | (((qh[32 * h + l] >> 4) & 3) << 4);
+            q[128 * h + 96 + l] = (ql[64 * h + 32 + l] >> 4) | (((qh[32 * h + l] >> 6) & 3) << 4);
+        }
 }
+
+/* a row of the file's Q6_K super-blocks (nsub / 8 of them) -> the split row */
+static void split_q6_k_row(const uint8_t *src, int64_t nsub, uint8_t *dst) {
+    uint8_t *high = dst + 16 * nsub, *scales = dst + 24 * nsub, *d = dst + 26 * nsub;
+    memset(high, 0, 8 * nsub);
+    for (int64_t u = 0; u < nsub / 8; u++) {
+        const uint8_t *b = src + 210 * u;
+        uint8_t q[QK_K];
+        q6_k_quants(b, q);
+        memcpy(d + 2 * u, b + 208, 2);
+        for (int g = 0; g < 8; g++) {
+            const int64_t s = 8 * u + g;
+            const uint8_t *w = q + 32 * g;
+            for (int j = 0; j < 16; j++) dst[16 * s + j] = (uint8_t)((w[j] & 0xf) | ((w[j + 16] & 0xf) << 4));
+            for (int j = 0; j < 32; j++)
+                high[32 * (s / 4) + 8 * (s % 4) + act16_word(j)] |= (uint8_t)((w[j] >> 4) << (2 * act16_vector(j)));
+            scales[2 * s] = b[192 + 2 * g];  /* the file's scale i covers weights 16 i .. 16 i + 15 */
+            scales[2 * s + 1] = b[192 + 2 * g + 1];
+        }
+    }
+}
+
+/* super-block u of a split Q6_K row (nsub sub-blocks) -> 256 floats, the values dq_q6_k gives ((d sc) (q - 32)) */
+static void split_dq_q6_k(const uint8_t *row, int64_t nsub, int64_t u, float *y) {
+    const uint8_t *high = row + 16 * nsub;
+    const int8_t *scales = (const int8_t *)(row + 24 * nsub);
+    const float d = fp16(row + 26 * nsub + 2 * u);
+    for (int64_t s = 8 * u; s < 8 * u + 8; s++, y += 32)
+        for (int j = 0; j < 32; j++) {
+            const int low = j < 16 ? row[16 * s + j] & 0xf : row[16 * s + j - 16] >> 4;
+            const int h = (high[32 * (s / 4) + 8 * (s % 4) + act16_word(j)] >> (2 * act16_vector(j))) & 3;
+            y[j] = (d * (float)scales[2 * s + (j >= 16)]) * (float)((low | (h << 4)) - 32);
+        }
+}
+
+/* the types the vector builds unpack in registers (rows_fast); Q8_0 and the K-quants: act16.c's integer products
+ * at every row count */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+static int has_fast_path(int ggml_type) { return split_quant_bytes(ggml_type) && ggml_type != 8; }
 #endif
 
 /* ---- dot products of a float block with R activation rows ---- */
@@ -350,7 +392,8 @@ typedef float vf;
 /* block b of row `row` (nb blocks) as floats, whatever the layout */
 static inline void row_block(const block_type *t, const uint8_t *row, int64_t nb, int64_t b, float *y) {
     if (split_quant_bytes(t->ggml_type)) split_dq(t->ggml_type, row, nb, b, y);
-    else if (t->ggml_type == 12) split_dq_q4_k(row, 8 * nb, b, y);
+    else if (t->ggml_type == 12 || t->ggml_type == 13) split_dq_q45_k(t->ggml_type, row, 8 * nb, b, y);
+    else if (t->ggml_type == 14) split_dq_q6_k(row, 8 * nb, b, y);
     else t->dq(row + b * t->block_bytes, y);
 }
 
@@ -377,86 +420,30 @@ static void rows_generic(const block_type *t, const uint8_t *w, int64_t row_byte
     }
 }
 
-#if defined(__SSE2__)
-/* Ask for the bytes `ahead` past [at, at + bytes) while these are computed: the hardware prefetcher alone kept a
- * single core at ~3 GB/s from memory here on short rows (SmolLM2's are 432 bytes). Into L2 (T1): on Llama-3.2-1B shapes
- * that read ~10 % faster than into L1 (T0), which ties up the line fill buffers the loads need. */
-#define PREFETCH_AHEAD 4096
-static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *at, int64_t bytes, int64_t ahead, const uint8_t *end) {
-    for (const uint8_t *p = at + ahead; p < at + ahead + bytes && p < end; p += 64)
-        _mm_prefetch((const char *)p, _MM_HINT_T1);
-}
-
-#endif
 
 #if defined(__AVX512F__)
 /* block b of a split row -> two vectors of 16 floats (weights 0-15, 16-31) */
 static inline void split_block(int ggml_type, const uint8_t *row, int64_t nb, int64_t b, __m512 *lo, __m512 *hi) {
     const int qb = split_quant_bytes(ggml_type);
     const uint8_t *q = row + b * qb, *scales = row + nb * qb;
-    const __m512 d = _mm512_set1_ps(load_f32(scales + 4 * b));
+    const __m512 d = _mm512_set1_ps(split_scale(ggml_type, scales, b));
     if (ggml_type == Q8_M) {  /* d q + m, q unsigned */
-        const __m512 m = _mm512_set1_ps(load_f32(scales + 4 * (nb + b)));
+        const __m512 m = _mm512_set1_ps(split_scale(ggml_type, scales, nb + b));
         *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q))), d, m);
         *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), d, m);
         return;
     }
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 table = ggml_type == 3  /* the 16 values a nibble stands for: d q + m, or Q4_0's d (q - 8) */
-        ? _mm512_fmadd_ps(iota, d, _mm512_set1_ps(load_f32(scales + 4 * (nb + b))))
+        ? _mm512_fmadd_ps(iota, d, _mm512_set1_ps(split_scale(ggml_type, scales, nb + b)))
         : _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.0f)), d);
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
     *lo = _mm512_permutexvar_ps(v, table);  /* the lookup reads each lane's low 4 bits: the low nibble */
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
 }
 
-/* Q6_K (with Q4_K, the common "K_M" files; Q4_K is split at load and multiplied by act16.c) in its file layout:
- * group b of 32 weights is sub-block b % 8 of super-block b / 8; its scales are decoded per group (a few scalar
- * operations per 32 weights) and the weights unpacked in registers to the values dq_q6_k gives, rounded the same
- * way (one rounding each). */
-static inline __m512 q6_k_half(const uint8_t *ql, int ql_shift, const uint8_t *qh, int qh_shift, float scale) {
-    const __m512i low = _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)ql)),
-                                                           ql_shift), _mm512_set1_epi32(0xf));
-    const __m512i high = _mm512_slli_epi32(_mm512_and_si512(
-        _mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qh)), qh_shift), _mm512_set1_epi32(3)), 4);
-    const __m512i q = _mm512_sub_epi32(_mm512_or_si512(low, high), _mm512_set1_epi32(32));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(scale));
-}
-
-static inline void q6_k_group(const uint8_t *row, int64_t b, __m512 *lo, __m512 *hi) {
-    const uint8_t *s = row + (b / 8) * 210;
-    const int g = (int)(b % 8), h = g / 4, j = g % 4;
-    const uint8_t *ql = s + 64 * h + 32 * (j & 1), *qh = s + 128 + 32 * h;
-    const int8_t *sc = (const int8_t *)(s + 192 + 8 * h + 2 * j);
-    const float d = fp16(s + 208);
-    *lo = q6_k_half(ql, 4 * (j >> 1), qh, 2 * j, d * (float)sc[0]);
-    *hi = q6_k_half(ql + 16, 4 * (j >> 1), qh + 16, 2 * j, d * (float)sc[1]);
-}
-
-/* Q5_K (the "Q5_K_M" files): Q4_K's nibbles plus a fifth bit per weight from qh (bit g of qh[l] for group g) */
-static inline __m512 q5_k_half(const uint8_t *q, const uint8_t *qh, int g, __m512 d, __m512 m) {
-    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
-    v = _mm512_and_si512(g & 1 ? _mm512_srli_epi32(v, 4) : v, _mm512_set1_epi32(0xf));
-    const __m512i h = _mm512_slli_epi32(_mm512_and_si512(
-        _mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qh)), g), _mm512_set1_epi32(1)), 4);
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_or_si512(v, h)), d, m);
-}
-
-static inline void q5_k_group(const uint8_t *row, int64_t b, __m512 *lo, __m512 *hi) {
-    const uint8_t *s = row + (b / 8) * 176, *k = s + 4;
-    const int g = (int)(b % 8);
-    int sc, mn;
-    k_scale(k, g, &sc, &mn);
-    const __m512 d = _mm512_set1_ps(fp16(s) * sc), m = _mm512_set1_ps(-(fp16(s + 2) * mn));
-    const uint8_t *qh = s + 16, *q = s + 48 + 32 * (g / 2);
-    *lo = q5_k_half(q, qh, g, d, m);
-    *hi = q5_k_half(q + 16, qh + 16, g, d, m);
-}
-
 static inline void fast_block(int ggml_type, const uint8_t *row, int64_t nb, int64_t b, __m512 *lo, __m512 *hi) {
-    if (ggml_type == 13) q5_k_group(row, b, lo, hi);
-    else if (ggml_type == 14) q6_k_group(row, b, lo, hi);
-    else split_block(ggml_type, row, nb, b, lo, hi);
+    split_block(ggml_type, row, nb, b, lo, hi);
 }
 
 /* A tile: W weight rows x R activation rows; a block of each weight row is unpacked once and used for all R
@@ -475,10 +462,9 @@ static inline __attribute__((always_inline)) void tile(int ggml_type, const uint
             if (SPLIT) acc_hi[a][r] = _mm512_setzero_ps();
         }
     const uint8_t *row0 = w + i * row_bytes;
-    prefetch_ahead(row0, W * row_bytes, PREFETCH_AHEAD > W * row_bytes ? PREFETCH_AHEAD : W * row_bytes,
-                   w + n * row_bytes);
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + r0 * k + b * QK;
+        ask_ahead(row0, W * row_bytes, nb, b);
         __m512 lo[2], hi[2];
         for (int a = 0; a < W; a++) fast_block(ggml_type, row0 + a * row_bytes, nb, b, &lo[a], &hi[a]);
         for (int r = 0; r < R; r++) {  /* each activation row's block loaded once for the W weight rows */
@@ -514,7 +500,7 @@ static inline __attribute__((always_inline)) void tile(int ggml_type, const uint
                                           tile_##T##_1_5, tile_##T##_1_6, tile_##T##_1_7, tile_##T##_1_8};
 
 typedef void (*tile_fn)(const uint8_t *, int64_t, int64_t, const float *, int64_t, float *, int64_t, int64_t, int64_t);
-TILES(2) TILES(3) TILES(1001) TILES(13) TILES(14)
+TILES(2) TILES(3) TILES(1001)
 
 static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
                       float *y, int64_t n, int64_t n0, int64_t n1) {
@@ -522,11 +508,9 @@ static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const 
     for (int64_t r0 = 0; r0 < rows; r0 += 8) {  /* activation rows, 8 at a time */
         const int nr = rows - r0 < 8 ? (int)(rows - r0) : 8;
         const tile_fn *wide = ggml_type == 2 ? WIDE_2 : ggml_type == 3 ? WIDE_3
-                            : ggml_type == Q8_M ? WIDE_1001 : ggml_type == 13 ? WIDE_13
-                            : WIDE_14;
+                            : WIDE_1001;
         const tile_fn *narrow = ggml_type == 2 ? NARROW_2 : ggml_type == 3 ? NARROW_3
-                              : ggml_type == Q8_M ? NARROW_1001
-                              : ggml_type == 13 ? NARROW_13 : NARROW_14;
+                              : NARROW_1001;
         int64_t i = n0;
         for (; i + 2 <= n1; i += 2) wide[nr](w, row_bytes, nb, x, k, y, n, i, r0);
         for (; i < n1; i++) narrow[nr](w, row_bytes, nb, x, k, y, n, i, r0);
@@ -541,9 +525,9 @@ static inline __attribute__((always_inline)) void split_block8(const int T, cons
                                                                 __m256 w[4]) {
     const int qb = split_quant_bytes(T);
     const uint8_t *q = row + b * qb, *scales = row + nb * qb;
-    const __m256 d = _mm256_set1_ps(load_f32(scales + 4 * b));
+    const __m256 d = _mm256_set1_ps(split_scale(T, scales, b));
     if (T == Q8_M) {  /* d q + m (q unsigned) */
-        const __m256 m = _mm256_set1_ps(load_f32(scales + 4 * (nb + b)));
+        const __m256 m = _mm256_set1_ps(split_scale(T, scales, nb + b));
         for (int j = 0; j < 4; j++) {
             const __m128i v = _mm_loadl_epi64((const __m128i *)(q + 8 * j));
             w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), d, m);
@@ -551,7 +535,7 @@ static inline __attribute__((always_inline)) void split_block8(const int T, cons
         return;
     }
     /* Q4_1: d q + m; Q4_0: d (q - 8) = fma(q, d, -8 d) exactly (8 d is exact) */
-    const __m256 off = T == 3 ? _mm256_set1_ps(load_f32(scales + 4 * (nb + b)))
+    const __m256 off = T == 3 ? _mm256_set1_ps(split_scale(T, scales, nb + b))
                               : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
     const __m128i v = _mm_loadu_si128((const __m128i *)q), low4 = _mm_set1_epi8(0x0f);
     const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
@@ -561,45 +545,9 @@ static inline __attribute__((always_inline)) void split_block8(const int T, cons
     w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, off);
 }
 
-/* Q6_K group b (sub-block b % 8 of super-block b / 8), as q6_k_group above */
-static inline __attribute__((always_inline)) void q6_k_group8(const uint8_t *row, int64_t b, __m256 w[4]) {
-    const uint8_t *s = row + (b / 8) * 210;
-    const int g = (int)(b % 8), h = g / 4, j = g % 4;
-    const uint8_t *ql = s + 64 * h + 32 * (j & 1), *qh = s + 128 + 32 * h;
-    const int8_t *sc = (const int8_t *)(s + 192 + 8 * h + 2 * j);
-    const float d = fp16(s + 208);
-    const int ql_shift = 4 * (j >> 1), qh_shift = 2 * j;
-    for (int c = 0; c < 4; c++) {
-        const __m256i low = _mm256_and_si256(_mm256_srli_epi32(
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 8 * c))), ql_shift), _mm256_set1_epi32(0xf));
-        const __m256i high = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + 8 * c))), qh_shift), _mm256_set1_epi32(3)), 4);
-        const __m256i q = _mm256_sub_epi32(_mm256_or_si256(low, high), _mm256_set1_epi32(32));
-        w[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(d * (float)sc[c / 2]));
-    }
-}
-
-static inline __attribute__((always_inline)) void q5_k_group8(const uint8_t *row, int64_t b, __m256 w[4]) {
-    const uint8_t *s = row + (b / 8) * 176, *k = s + 4;
-    const int g = (int)(b % 8);
-    int sc, mn;
-    k_scale(k, g, &sc, &mn);
-    const __m256 d = _mm256_set1_ps(fp16(s) * sc), m = _mm256_set1_ps(-(fp16(s + 2) * mn));
-    const uint8_t *qh = s + 16, *q = s + 48 + 32 * (g / 2);
-    for (int j = 0; j < 4; j++) {
-        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * j)));
-        v = _mm256_and_si256(g & 1 ? _mm256_srli_epi32(v, 4) : v, _mm256_set1_epi32(0xf));
-        const __m256i h = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + 8 * j))), g), _mm256_set1_epi32(1)), 4);
-        w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_or_si256(v, h)), d, m);
-    }
-}
-
 static inline __attribute__((always_inline)) void fast_block8(const int T, const uint8_t *row, int64_t nb, int64_t b,
                                                                __m256 w[4]) {
-    if (T == 13) q5_k_group8(row, b, w);
-    else if (T == 14) q6_k_group8(row, b, w);
-    else split_block8(T, row, nb, b, w);
+    split_block8(T, row, nb, b, w);
 }
 
 /* W (1-2) weight rows x R (1-2) activation rows; two accumulators per pair (16 ymm registers in all) */
@@ -612,6 +560,7 @@ static inline __attribute__((always_inline)) void tile8(const int T, const uint8
     const uint8_t *row0 = w + i * row_bytes;
     for (int64_t b = 0; b < nb; b++) {
         __m256 v[2][4];
+        ask_ahead(row0, W * row_bytes, nb, b);
         for (int a = 0; a < W; a++) fast_block8(T, row0 + a * row_bytes, nb, b, v[a]);
         for (int r = 0; r < R; r++) {
             const float *xb = x + (r0 + r) * k + b * QK;
@@ -638,18 +587,16 @@ typedef void (*tile8_fn)(const uint8_t *, int64_t, int64_t, const float *, int64
     TILE8(T, 2, 1) TILE8(T, 2, 2) TILE8(T, 1, 1) TILE8(T, 1, 2) \
     static const tile8_fn TILES8_##T[2][3] = {{0, tile8_##T##_1_1, tile8_##T##_1_2}, \
                                                {0, tile8_##T##_2_1, tile8_##T##_2_2}};
-TILES8(2) TILES8(3) TILES8(1001) TILES8(13) TILES8(14)
+TILES8(2) TILES8(3) TILES8(1001)
 
 /* weight rows two at a time, each pair against every activation row (two at a time) while it is in L1 */
 static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
                       float *y, int64_t n, int64_t n0, int64_t n1) {
     const int64_t nb = k / QK;
     const tile8_fn (*tiles)[3] = ggml_type == 2 ? TILES8_2 : ggml_type == 3 ? TILES8_3
-                               : ggml_type == Q8_M ? TILES8_1001
-                               : ggml_type == 13 ? TILES8_13 : TILES8_14;
+                               : TILES8_1001;
     for (int64_t i = n0; i < n1; i += 2) {
         const int wide = i + 2 <= n1;
-        prefetch_ahead(w + i * row_bytes, 2 * row_bytes, PREFETCH_AHEAD, w + n * row_bytes);
         for (int64_t r0 = 0; r0 < rows; r0 += 2)
             tiles[wide][rows - r0 < 2 ? 1 : 2](w, row_bytes, nb, x, k, y, n, i, r0);
     }
@@ -664,8 +611,9 @@ int64_t packed_row_bytes(int ggml_type, int64_t k) {
     const block_type *t = find_type(ggml_type);
     if (!t || k <= 0 || k % t->block_weights) return 0;
     const int qb = split_quant_bytes(ggml_type);
-    if (ggml_type == 12) return q4_k_row_bytes(k);
-    return qb ? k / QK * (qb + 4 * split_scales(ggml_type)) : k / t->block_weights * t->block_bytes;
+    if (ggml_type == 12 || ggml_type == 13) return q45_k_row_bytes(ggml_type, k);
+    if (ggml_type == 14) return q6_k_row_bytes(k);
+    return qb ? k / QK * (qb + split_scale_bytes(ggml_type) * split_scales(ggml_type)) : k / t->block_weights * t->block_bytes;
 }
 
 /* rows of the file's blocks (src_row_bytes each) -> rows as held in memory (packed_row_bytes each) */
@@ -675,7 +623,8 @@ int packed_repack(int ggml_type, const uint8_t *src, int64_t src_row_bytes, int6
     if (!out_bytes || src_row_bytes != k / t->block_weights * t->block_bytes) return -1;
     for (int64_t i = 0; i < rows; i++) {
         if (split_quant_bytes(ggml_type)) split_row(ggml_type, src + i * src_row_bytes, k / QK, dst + i * out_bytes);
-        else if (ggml_type == 12) split_q4_k_row(src + i * src_row_bytes, k / QK, dst + i * out_bytes);
+        else if (ggml_type == 12 || ggml_type == 13) split_q45_k_row(ggml_type, src + i * src_row_bytes, k / QK, dst + i * out_bytes);
+        else if (ggml_type == 14) split_q6_k_row(src + i * src_row_bytes, k / QK, dst + i * out_bytes);
         else memcpy(dst + i * out_bytes, src + i * src_row_bytes, src_row_bytes);
     }
     return 0;

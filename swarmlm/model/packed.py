@@ -4,8 +4,8 @@ A `PackedLinear` holds its weight as the file holds it: `out_features` rows of `
 quantizes along the input axis, so a row of blocks is one output feature, and a row permutation -- transformers'
 Llama q/k reordering, BLOOM's fused qkv -- is applied to whole rows without touching a block). Its product is
 `swarmlm/kernels/packed.c`: each block unpacked to float32 in registers and multiplied by float32 activations, so the
-layer equals `nn.Linear` over the dequantized weight to float32 summation order -- except Q4_0, Q4_1, Q8_0 and Q4_K,
-whose products first round the activations to int16 per block of 32 (`swarmlm/kernels/act16.c`: integer products where
+layer equals `nn.Linear` over the dequantized weight to float32 summation order -- except Q4_0, Q4_1, Q8_0 and the
+K-quants, whose products first round the activations to int16 per block of 32 (`swarmlm/kernels/act16.c`: integer products where
 the vector unit has them; ~3e-5 relative error, the same on every build and batch shape).
 
 How a call runs, by the number of activation rows R (tokens x sequences):
@@ -17,6 +17,7 @@ Gradients (training through the swarm) flow to the input through the dequantized
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +33,10 @@ DEQUANT_CHUNK_BYTES = 16 << 20  # float32 bytes of weight unpacked at a time abo
 # products of at least this many weights are split between torch's number of threads (the kernels' own workers):
 # smaller ones finish before a sleeping worker wakes (SmolLM2's 576 x 1536 takes ~40 us on one thread)
 THREADED_MIN_WEIGHTS = 1 << 20
+# weights are held in 2 MiB pages where the OS allows (Linux transparent huge pages, asked for per mapping): a product
+# reads its weight rows as one stream, and with 4 KiB pages every page costs a TLB walk and stops the hardware
+# prefetcher; Llama-3.2-1B's Q4_0 blocks read ~1.15x faster from 2 MiB pages (docs/RESULTS-packed.md, round 4)
+HUGE_PAGE_BYTES = 2 << 20
 
 # GGMLQuantizationType numbers this module keeps packed (the kernels in packed.c): name -> (number, weights per
 # block, bytes per block)
@@ -142,8 +147,22 @@ def file_row_bytes(type_name: str, cols: int) -> int:
 
 
 def held_row_bytes(type_name: str, cols: int) -> int:
-    """Bytes of one row of `cols` weights as held in memory (at most 1.2x the file's: Q4_1 split)."""
+    """Bytes of one row of `cols` weights as held in memory (the file's; 1.06x / 1.045x for split Q4_K / Q5_K)."""
     return int(library().packed_row_bytes(PACKED_TYPES[type_name][0], cols))
+
+
+def held_buffer(rows: int, row_bytes: int) -> torch.Tensor:
+    """uint8 [rows, row_bytes] for packed weights: from a private mapping asked to be backed by huge pages (its
+    2 MiB-aligned part; the tail takes small pages, so memory is the bytes asked for), or torch's allocator for
+    less than a huge page or where the OS has no such advice."""
+    size = rows * row_bytes
+    if size < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(rows, row_bytes, dtype=torch.uint8)
+    region = mmap.mmap(-1, size + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive; unmapped with its last view
+    start = -whole.data_ptr() % HUGE_PAGE_BYTES  # untouched pages before it cost no memory
+    return whole[start:start + size].view(rows, row_bytes)
 
 
 def packed_from_numpy(type_name: str, raw: np.ndarray, cols: int, name: str = "tensor") -> PackedTensor:
@@ -159,7 +178,7 @@ def packed_from_numpy(type_name: str, raw: np.ndarray, cols: int, name: str = "t
             raise PackedError(f"{type_name} rows of {cols} weights take {file_row_bytes(type_name, cols)} bytes in "
                               f"the file, got {rows.shape[1] if rows.ndim == 2 else '?'}")
         src = np.ascontiguousarray(rows)
-        data = torch.empty(src.shape[0], held_row_bytes(type_name, cols), dtype=torch.uint8)
+        data = held_buffer(src.shape[0], held_row_bytes(type_name, cols))
         _check(library().packed_repack(PACKED_TYPES[type_name][0], src.ctypes.data, src.shape[1], src.shape[0], cols,
                                        data.data_ptr()))
         return PackedTensor(type_name, data, cols)

@@ -8,8 +8,10 @@ BPRR model (arXiv 2512.21884, section "performance models"), all times in second
     request time = sum of hop costs over the route's spans
 
 The client relays hidden states between consecutive servers (as Petals does), so only client<->server links
-matter: tI_cj = RTT_cj + 2 * l_in * h / bw_cj and t_cj = RTT_cj + 2 * h / bw_cj, h = hidden bytes per token
-(0 by default: the paper's RTTs already include the small per-token payload).
+matter: tI_cj = RTT_cj + o + 2 * l_in * h / bw_cj and t_cj = RTT_cj + o + 2 * h / bw_cj, h = hidden bytes per token
+(0 by default: the paper's RTTs already include the small per-token payload), o = what a message costs beyond the
+network's round trip and the compute (serialising, parsing, the stack's wake-ups: `config.MESSAGE_OVERHEAD_S`,
+measured on the default transport; 0 reproduces the paper, whose RTTs were measured end to end).
 
 Compute contention (our addition; the paper measured GPU servers, whose step time does not grow with load): a server
 running b sessions at once steps each of them in tau_j * f_j(b) per block, f_j(b) = the cost of one batched decode
@@ -21,6 +23,7 @@ from __future__ import annotations
 import math
 from typing import Iterable, Mapping, Sequence
 
+from swarmlm.config import MESSAGE_OVERHEAD_S
 from swarmlm.perf.compute import CONTENTION_ROWS, ComputeProfile
 from swarmlm.perf.network import Network
 from swarmlm.perf.specs import ClientSpec, ModelSpec, ServerSpec, Workload
@@ -45,17 +48,22 @@ class PerfModel:
     """
 
     def __init__(self, profiles: Mapping[str, ComputeProfile], network: Network,
-                 hidden_bytes_per_token: float = 0.0) -> None:
+                 hidden_bytes_per_token: float = 0.0, message_overhead_s: float = MESSAGE_OVERHEAD_S) -> None:
+        if message_overhead_s < 0:
+            raise ValueError(f"message_overhead_s must be >= 0, got {message_overhead_s}")
         self.profiles: dict[str, ComputeProfile] = dict(profiles)
         self.network = network
         self.hidden_bytes_per_token = hidden_bytes_per_token
+        self.message_overhead_s = message_overhead_s  # o: per hop (a request and its reply), beyond RTT and compute
         # (client, server, l_in, l_out) -> hop cost terms; dropped when profiles or the network change
         self._terms: dict[tuple[str, str, int, int], tuple[float, float]] = {}
         self._terms_version = network.version
 
     @classmethod
-    def from_specs(cls, servers: Iterable[ServerSpec], network: Network, model: ModelSpec | None = None) -> "PerfModel":
-        return cls({s.name: s.profile for s in servers}, network, model.hidden_bytes_per_token if model else 0.0)
+    def from_specs(cls, servers: Iterable[ServerSpec], network: Network, model: ModelSpec | None = None,
+                   message_overhead_s: float = MESSAGE_OVERHEAD_S) -> "PerfModel":
+        return cls({s.name: s.profile for s in servers}, network, model.hidden_bytes_per_token if model else 0.0,
+                   message_overhead_s)
 
     def set_profile(self, server: str, profile: ComputeProfile) -> None:
         self.profiles[server] = profile
@@ -68,13 +76,14 @@ class PerfModel:
         return self.network.rtt_s(a, b) / 2 + (8.0 * nbytes / bw if nbytes and math.isfinite(bw) else 0.0)
 
     def round_trip_s(self, client: str, server: str, tokens: int) -> float:
-        """tI_cj (tokens = l_in) or t_cj (tokens = 1): hidden states to the server and back.
+        """tI_cj (tokens = l_in) or t_cj (tokens = 1): hidden states to the server and back, and the messages' own
+        cost (o).
 
         Same as transfer_s(client, server, n) + transfer_s(server, client, n), with one lookup per link
         (the planner calls this ~10^5 times on 1,000-server topologies)."""
         rtt, bw = self.network.link(client, server)
         nbytes = tokens * self.hidden_bytes_per_token
-        return rtt + (2 * 8.0 * nbytes / bw if nbytes and math.isfinite(bw) else 0.0)
+        return rtt + self.message_overhead_s + (2 * 8.0 * nbytes / bw if nbytes and math.isfinite(bw) else 0.0)
 
     # -- hops ---------------------------------------------------------------------------------------------
     def prefill_hop_s(self, client: str, server: str, blocks: int, l_in: int, sessions: int = 1) -> float:
@@ -98,9 +107,9 @@ class PerfModel:
 
     def hop_cost_terms(self, client: str, server: str, l_in: int, l_out: int) -> tuple[float, float]:
         """The hop cost is affine in the block count k: (fixed_s, per_block_s) with cost = fixed + per_block * k.
-        fixed = tI + (l_out-1) t (links), per_block = tauI(l_in) + (l_out-1) tau (compute, one session alone: a
-        router multiplies it by `load_factor(server, b)` for a server running b sessions). Memoised: the
-        planner asks for every (client, server) pair, sometimes twice."""
+        fixed = tI + (l_out-1) t (links and messages), per_block = tauI(l_in) + (l_out-1) tau (compute, one
+        session alone: a router multiplies it by `load_factor(server, b)` for a server running b sessions).
+        Memoised: the planner asks for every (client, server) pair, sometimes twice."""
         if self._terms_version != self.network.version:
             self._terms.clear()
             self._terms_version = self.network.version
@@ -109,7 +118,7 @@ class PerfModel:
         if terms is None:
             profile = self.profiles[server]
             rtt, bw = self.network.link(client, server)
-            fixed = l_out * rtt
+            fixed = l_out * (rtt + self.message_overhead_s)
             if self.hidden_bytes_per_token and math.isfinite(bw):
                 # hidden states both ways: l_in tokens for the prompt, one per decode step
                 fixed += 2 * 8.0 * self.hidden_bytes_per_token * (l_in + (l_out - 1)) / bw
@@ -143,13 +152,15 @@ class PerfModel:
         chain, client -> s_1 -> ... -> s_N -> client, and each of the N - 1 pushes costs PUSH_HOP_S more than the
         relayed message it replaces. A server-to-server RTT nobody measured is taken as the larger of the client's
         RTTs to the two servers (the servers are no closer to each other than to the client: the cautious guess).
+        Every server handles one message per token either way (o each: relayed in its round trip, pushed here).
         <= 0: push does not pay (always so for one server)."""
         if len(spans) < 2:
             return 0.0
         ids = [s.server_id for s in spans]
         h = self.hidden_bytes_per_token
         relayed = sum(self.round_trip_s(client, sid, 1) for sid in ids)
-        pushed = self.transfer_s(client, ids[0], h) + self.transfer_s(ids[-1], client, h)
+        pushed = self.transfer_s(client, ids[0], h) + self.transfer_s(ids[-1], client, h) + \
+            len(ids) * self.message_overhead_s
         for a, b in zip(ids, ids[1:]):
             rtt = self.network.known_rtt_s(a, b)
             if rtt is None:

@@ -12,6 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping
 
+from swarmlm.config import MESSAGE_OVERHEAD_S
 from swarmlm.errors import PlanningError
 from swarmlm.perf.model import ClientSpec, ComputeProfile, ModelSpec, Network, PerfModel, ServerSpec, Workload
 
@@ -25,6 +26,8 @@ class Topology:
     workload: Workload
     max_concurrency: int | None = None  # cap on R when it is derived from the arrival rate
     warnings: tuple[str, ...] = field(default=())  # tolerated oddities (e.g. RTTs for names not declared)
+    # what a hop's messages cost beyond the RTT and compute (PerfModel); 0 when the RTTs were measured end to end
+    message_overhead_s: float = MESSAGE_OVERHEAD_S
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -35,7 +38,7 @@ class Topology:
     @cached_property
     def perf(self) -> PerfModel:
         """One PerfModel per topology, so its memoised hop costs are shared by every planning step."""
-        return PerfModel.from_specs(self.servers, self.network, self.model)
+        return PerfModel.from_specs(self.servers, self.network, self.model, self.message_overhead_s)
 
     @cached_property
     def worst_round_trip_s(self) -> dict[str, float]:
@@ -255,7 +258,8 @@ def _parse_network(doc: Mapping[str, Any], servers: list[ServerSpec], clients: l
 def parse_topology(doc: Any) -> Topology:
     d = _obj(doc, "topology")
     _keys(d, "topology", {"model", "servers", "clients", "workload"},
-          {"rtt_s", "bandwidth_bps", "clusters", "default_rtt_s", "name", "description"})
+          {"rtt_s", "bandwidth_bps", "clusters", "default_rtt_s", "name", "description",
+           "message_overhead_s"})
     model = _parse_model(d["model"])
     servers = _parse_servers(d["servers"], model)
     clients = _parse_clients(d["clients"])
@@ -270,7 +274,10 @@ def parse_topology(doc: Any) -> Topology:
     workload, cap = _parse_workload(d["workload"])
     warnings: list[str] = []
     network = _parse_network(d, servers, clients, warnings)
-    return Topology(model, tuple(servers), tuple(clients), network, workload, cap, tuple(dict.fromkeys(warnings)))
+    overhead_s = _num(d["message_overhead_s"], "message_overhead_s") if "message_overhead_s" in d \
+        else MESSAGE_OVERHEAD_S
+    return Topology(model, tuple(servers), tuple(clients), network, workload, cap, tuple(dict.fromkeys(warnings)),
+                    overhead_s)
 
 
 def load_topology(path: str | Path) -> Topology:

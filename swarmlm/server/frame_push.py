@@ -1,8 +1,10 @@
 """Pushes over the next server's framed step port (wire/frames.py): a PUSH frame per step, answered by one STATUS,
 on connections kept per target (a few idle ones each, so concurrent sessions' pushes do not wait for each other).
 
-Where the port comes from: the target's own Info (asked once per `port_ttl_s`), never from the client's message. A
-target without one, or whose port does not answer, is pushed to with gRPC (server/push.py)."""
+Where the port comes from: the target's own Info, asked with a fresh nonce once per `port_ttl_s` and taken only when
+it passes the connect check (swarm/identity.py: the port is among the fields the target signs over our nonce), never
+from the client's message. A target without a signed port, or whose port does not answer, is pushed to with gRPC
+(server/push.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +14,7 @@ from typing import Awaitable, Callable
 
 import grpc
 
+from swarmlm.swarm.identity import new_nonce, verify_info
 from swarmlm.swarm.private import make_token
 from swarmlm.wire import frames
 from swarmlm.wire import swarm_pb2 as pb
@@ -23,12 +26,13 @@ MAX_IDLE_PER_TARGET = 4  # idle connections kept per target
 MAX_TARGETS = 64  # targets with a known port or idle connections (least recently used forgotten first)
 
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+InfoCall = Callable[[str, bytes], Awaitable["pb.InfoReply | None"]]  # (address, nonce) -> the target's Info or None
 
 
 class FramePushes:
-    def __init__(self, info: Callable[[str], Awaitable["pb.InfoReply | None"]], swarm_key: bytes | None,
-                 max_message_bytes: int, port_ttl_s: float = 30.0) -> None:
-        self.info = info  # the target's Info over gRPC (Pusher.info)
+    def __init__(self, info: InfoCall, swarm_key: bytes | None, max_message_bytes: int,
+                 port_ttl_s: float = 30.0) -> None:
+        self.info = info  # the target's Info over gRPC, with a nonce to sign (Pusher.info)
         self.swarm_key = swarm_key
         self.max_message_bytes = max_message_bytes
         self.port_ttl_s = port_ttl_s
@@ -44,10 +48,17 @@ class FramePushes:
         if known is not None and known[1] > now:
             self._ports.move_to_end(address)
             return known[0]
-        reply = await self.info(address)
-        port = reply.frame_port if reply is not None and 0 < reply.frame_port < 65536 else 0
+        port = await self._signed_port(address)
         self._remember(address, port, now + self.port_ttl_s)
         return port
+
+    async def _signed_port(self, address: str) -> int:
+        """The framed port the target signs in its connect check (0: no Info, no valid signature, or no port)."""
+        nonce = new_nonce()
+        reply = await self.info(address, nonce)
+        if reply is None or verify_info(reply, nonce) is not None:
+            return 0
+        return reply.frame_port if 0 < reply.frame_port < 65536 else 0
 
     def _remember(self, address: str, port: int, until: float) -> None:
         self._ports[address] = (port, until)

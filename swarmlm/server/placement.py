@@ -29,7 +29,7 @@ from swarmlm.model.families import family_for
 from swarmlm.model.quant import keeps_file_blocks, loaded_bytes
 from swarmlm.perf.model import ComputeProfile, ModelSpec, ServerSpec
 from swarmlm.planner.placement import blocks_for_concurrency, choose_range, lexicographic_window, petals_num_blocks
-from swarmlm.swarm.records import JOINING, LOADING, ServerRecord
+from swarmlm.swarm.records import JOINING, LOADING, ONLINE, ServerRecord
 from swarmlm.types import BlockRange
 
 log = logging.getLogger(__name__)
@@ -66,8 +66,8 @@ def range_bytes(config: ServerConfig, blocks: BlockRange) -> int:
 
 
 def _held_packed_bytes(gguf, key: str, shape: list[int]) -> int:
-    """A GGUF matrix kept in its blocks, as the packed kernels hold it: the file's bytes, with Q4_0 / Q4_1 / Q8_0
-    scales widened to float32 and Q4_K's split (152 bytes per 256 values, 144 in the file) (model/packed.py held_row_bytes: 20 bytes per 32 Q4_0 values, 18 in the file)."""
+    """A GGUF matrix kept in its blocks, as the packed kernels hold it (model/packed.py held_row_bytes): the file's
+    bytes, but Q4_K's and Q5_K's splits (152 and 184 bytes per 256 values, 144 and 176 in the file)."""
     from swarmlm.model.packed import held_row_bytes
 
     type_name = gguf.tensors[gguf.hf_to_gguf[key]].tensor_type.name
@@ -261,3 +261,37 @@ def should_move(config: ServerConfig, me: ServerRecord, records: dict[str, Serve
         log.warning("not moving to %s: %s", candidate, exc)
         return None
     return candidate
+
+
+class LoadingWatch:
+    """Blocks that only joining / loading records cover, and since when (this server's clock): after `limit_s` their
+    loaders stop counting, so a spare may move onto them. Kept per block, not per server, so a hostile peer cannot
+    restart the clock by announcing under new ids; a block some server serves online is forgotten."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self.since: dict[int, float] = {}  # block -> when only loaders were first seen on it
+
+    def trusted(self, records: dict[str, ServerRecord], num_blocks: int, now: float) -> dict[str, ServerRecord]:
+        """Note what the swarm's `records` (all its blocks) cover now; return them without the loaders of blocks
+        that nobody has served for longer than limit_s."""
+        online = {b for r in records.values() if r.state == ONLINE for b in range(r.start, min(r.end, num_blocks))}
+        waiting = {b for r in records.values() if r.state != ONLINE
+                   for b in range(r.start, min(r.end, num_blocks))} - online
+        self.since = {b: self.since.get(b, now) for b in waiting}
+        return self.without_stale(records, now)
+
+    def without_stale(self, records: dict[str, ServerRecord], now: float) -> dict[str, ServerRecord]:
+        """`records` (any subset) without the loaders of the blocks found stale so far."""
+        stale = {b for b, t in self.since.items() if now - t > self.limit_s}
+        return {sid: r for sid, r in records.items()
+                if r.state == ONLINE or not any(r.start <= b < r.end for b in stale)}
+
+
+def first_loader(me: ServerRecord, records: dict[str, ServerRecord]) -> ServerRecord | None:
+    """Another server loading blocks that `me` (announced as loading) is about to load, with a smaller id: two spares
+    that took one gap in the same check saw each other only after announcing; every server orders them the same
+    way, so exactly one (the smallest id) goes on."""
+    rivals = [r for sid, r in records.items() if sid < me.server_id and r.state == LOADING
+              and r.start < me.end and me.start < r.end]
+    return min(rivals, key=lambda r: r.server_id, default=None)

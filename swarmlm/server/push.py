@@ -237,10 +237,11 @@ class Pusher:
             if granted:
                 link.answered(kind)
 
-    async def info(self, address: str, timeout_s: float = 2.0) -> pb.InfoReply | None:
-        """The Info of the server at `address`, or None if nothing there answers as one."""
+    async def info(self, address: str, nonce: bytes = b"", timeout_s: float = 2.0) -> pb.InfoReply | None:
+        """The Info of the server at `address` (signed over `nonce` if given), or None if nothing there answers as
+        one."""
         try:
-            return await self._stub(address).Info(pb.InfoRequest(), timeout=timeout_s)
+            return await self._stub(address).Info(pb.InfoRequest(nonce=nonce), timeout=timeout_s)
         except (grpc.aio.AioRpcError, OSError, ValueError):
             return None
 

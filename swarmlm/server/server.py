@@ -225,62 +225,106 @@ class Server:
     async def _rebalance_loop(self) -> None:
         """Every period: would moving raise the swarm's weakest block throughput enough? Then move. Blocks that nobody
         serves any more (a dead server's) are looked for more often, every GAP_CHECK_S: clients wait for them."""
-        from swarmlm.server.placement import model_spec, should_move, uncovered
+        from swarmlm.server.placement import LoadingWatch, model_spec, should_move, uncovered
         from swarmlm.swarm.dht import fetch_records
 
         loop = asyncio.get_running_loop()
         model = await loop.run_in_executor(None, model_spec, self.config)
         period = self.config.rebalance_period_s
         next_check = time.monotonic() + period
+        watch = LoadingWatch(self.config.max_loading_s)  # (loaders that never serve stop counting)
         while True:
             await asyncio.sleep(min(period, GAP_CHECK_S))
             try:
                 records = await loop.run_in_executor(None, lambda: fetch_records(  # joiners count: no move onto them
                     self.dht, self.prefix, range(model.num_blocks), swarm_key=self.config.swarm_key, joining=True))
+                records = watch.trusted(records, model.num_blocks, time.monotonic())
                 if time.monotonic() < next_check and not uncovered(records, model.num_blocks):
                     continue
                 next_check = time.monotonic() + period
                 target = should_move(self.config, self.record(), records, model)
                 if target is not None:
-                    await self._move(target)
+                    await self._move(target, watch)
             except Exception:
                 log.exception("rebalancing check failed; staying")
 
-    async def _move(self, blocks: BlockRange) -> None:
-        """Serve `blocks` instead: withdraw, hand open sessions back to their clients' failover, free the old blocks,
-        load the new ones (only their bytes are read; never both held: the memory limit holds), announce."""
-        from swarmlm.swarm.dht import announce
-
+    async def _move(self, blocks: BlockRange, watch) -> None:
+        """Serve `blocks` instead: announce them as loading (kept announced until loaded; clients wait for it), back
+        off if a server of a smaller id announced loading them too, else withdraw, hand open sessions back to their
+        clients' failover, free the old blocks, load the new ones (only their bytes are read; never both held: the
+        memory limit holds), announce."""
         log.info("rebalancing: moving from %s to %s", self.stage.blocks, blocks)
-        cfg = self.config
         loop = asyncio.get_running_loop()
         with self._moving:
             self.service.accepting = False
             # the new range as loading: clients stop routing here, other servers placing themselves count it
             loading = dataclasses.replace(self.record(LOADING), start=blocks.start, end=blocks.end)
-            await loop.run_in_executor(None, lambda: announce(
-                self.dht, self.prefix, loading, cfg.record_ttl_s, subkey=self.subkey, swarm_key=cfg.swarm_key))
-            deadline = time.monotonic() + min(cfg.drain_timeout_s, 5.0)
-            while self.service.sessions.sessions and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-            for sid in list(self.service.sessions.sessions):  # their next step fails: clients fail over
-                self.service.sessions.close(sid)
-            if self.service.prefixes is not None:
-                self.service.prefixes.shrink_to(0)  # (kept for the old blocks only)
-            old = self.stage.blocks
-            self.stage.release()
-            gc.collect()
+            await loop.run_in_executor(None, self._store, loading)
+            keeper = asyncio.create_task(self._keep_announced(loading))
             try:
-                stage = await loop.run_in_executor(None, self._load_stage, blocks)
-            except Exception:  # (a file gone, memory refused): serve the old blocks again
-                log.exception("loading %s failed: reloading %s", blocks, old)
-                stage, blocks = await loop.run_in_executor(None, self._load_stage, old), old
-            profile = await loop.run_in_executor(None, cached_profile, stage, cfg.threads, cfg.profile_cache_dir)
-            self.stage = self.service.stage = stage
-            self.service.stats = dataclasses.replace(self.service.stats, **measured_speeds(profile))
+                rival = await self._rival_loader(loading, watch)
+                if rival is not None:
+                    log.info("not moving to %s: server %s (a smaller id) announced loading %d:%d too", blocks,
+                             rival.server_id, rival.start, rival.end)
+                    self.service.accepting = True
+                    return
+                stage, blocks = await self._swap_blocks(blocks)
+            finally:
+                keeper.cancel()
             self.service.accepting = True
         print(json.dumps({"event": "moved", "server_id": self.server_id, "blocks": [blocks.start, blocks.end],
                           "weight_bytes": stage.weight_bytes}), flush=True)
+
+    def _store(self, record: ServerRecord) -> None:
+        from swarmlm.swarm.dht import announce
+
+        announce(self.dht, self.prefix, record, self.config.record_ttl_s, subkey=self.subkey,
+                 swarm_key=self.config.swarm_key)
+
+    async def _keep_announced(self, record: ServerRecord) -> None:
+        """Re-announce `record` every announce period (a move outlasts record_ttl_s: 30-51 s for llama-8b here)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.config.announce_period_s)
+            try:
+                await loop.run_in_executor(None, self._store, record)
+            except Exception as exc:  # retried next period
+                log.warning("announcing the loading range failed: %s", exc)
+
+    async def _rival_loader(self, me: ServerRecord, watch) -> ServerRecord | None:
+        """After one announce period (records of servers that chose in the same check have landed): a server of a
+        smaller id loading the same blocks (placement.first_loader), not one stuck past max_loading_s."""
+        from swarmlm.server.placement import first_loader
+        from swarmlm.swarm.dht import fetch_records
+
+        await asyncio.sleep(self.config.announce_period_s)
+        records = await asyncio.get_running_loop().run_in_executor(None, lambda: fetch_records(
+            self.dht, self.prefix, range(me.start, me.end), swarm_key=self.config.swarm_key, joining=True))
+        return first_loader(me, watch.without_stale(records, time.monotonic()))
+
+    async def _swap_blocks(self, blocks: BlockRange) -> tuple[Stage, BlockRange]:
+        """Close the sessions, free the old blocks, load `blocks` (the old ones again if that fails)."""
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + min(cfg.drain_timeout_s, 5.0)
+        while self.service.sessions.sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        for sid in list(self.service.sessions.sessions):  # their next step fails: clients fail over
+            self.service.sessions.close(sid)
+        if self.service.prefixes is not None:
+            self.service.prefixes.shrink_to(0)  # (kept for the old blocks only)
+        old = self.stage.blocks
+        self.stage.release()
+        gc.collect()
+        try:
+            stage = await loop.run_in_executor(None, self._load_stage, blocks)
+        except Exception:  # (a file gone, memory refused): serve the old blocks again
+            log.exception("loading %s failed: reloading %s", blocks, old)
+            stage, blocks = await loop.run_in_executor(None, self._load_stage, old), old
+        profile = await loop.run_in_executor(None, cached_profile, stage, cfg.threads, cfg.profile_cache_dir)
+        self.stage = self.service.stage = stage
+        self.service.stats = dataclasses.replace(self.service.stats, **measured_speeds(profile))
+        return stage, blocks
 
     def _load_stage(self, blocks: BlockRange) -> Stage:
         cfg = self.config

@@ -55,6 +55,12 @@ class ServerStats:
     decode_4rows_s_per_block: float = 0.0  # one decode forward of 4 / 16 rows: compute contention (perf/model.py)
     decode_16rows_s_per_block: float = 0.0
 
+    @property
+    def profile(self) -> ComputeProfile:
+        """The measured speeds as the performance model prices steps with them."""
+        return ComputeProfile(self.prefill_a_s, self.prefill_b_s, self.decode_s_per_block,
+                              self.decode_4rows_s_per_block, self.decode_16rows_s_per_block)
+
 
 def measured_speeds(profile: ComputeProfile) -> dict[str, float]:
     """A ComputeProfile as the server announces it: ServerStats' speed fields (also the keys of its ready line)."""
@@ -159,7 +165,10 @@ class SwarmService(pb_grpc.SwarmServicer):
         digest = prefix_cache.check_scope(msg.prefix_scope) if msg.prefix_scope or keys else None
         # no cache allocated until a step
         state = self.stage.new_state(blocks, msg.batch_size, msg.max_length, adapter)
-        session = self.sessions.open(owner, state, msg.batch_size, msg.max_length, nbytes)
+        # its first step comes after the blocks before its span have run its prompt (at most max_length tokens)
+        upstream_s = self.stats.profile.step_s(blocks.start, msg.batch_size, msg.max_length, cached=False)
+        session = self.sessions.open(owner, state, msg.batch_size, msg.max_length, nbytes,
+                                     open_idle_s=self.config.open_idle_limit_s(upstream_s))
         session.prefix_digest = digest
         if keys and self.prefixes is not None:
             prefix_cache.start_from_prefix(self.prefixes, self.sessions, session, keys)
@@ -234,7 +243,7 @@ class SwarmService(pb_grpc.SwarmServicer):
                     continue
                 if request is _EXPIRED:
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                        f"session closed: no step within {self.config.open_idle_timeout_s} s of its "
+                                        f"session closed: no step within {session.open_idle_s:.0f} s of its "
                                         f"open, or idle for {self.config.session_idle_timeout_s} s")
                 if request.WhichOneof("kind") == "save":  # no reply unless refused
                     try:
@@ -295,17 +304,39 @@ class SwarmService(pb_grpc.SwarmServicer):
     async def _read(self, request_iterator, inbox: asyncio.Queue, ended: asyncio.Event, peer: str,
                     charges: dict) -> None:
         """The client's messages into the inbox. A full inbox, or a peer with too many bytes in flight, holds the
-        stream back (HTTP/2 flow control)."""
+        stream back (HTTP/2 flow control). A framed stream puts each message in as its frame arrives (`feed`,
+        server/frame_server.py: no task between the socket and the step)."""
         try:
-            async for request in request_iterator:
-                if request is not UNPARSABLE and request.WhichOneof("kind") == "step":
-                    await self._charge(charges, request, peer, payload_bytes(request.step))
-                await inbox.put(request)
+            feed = getattr(request_iterator, "feed", None)
+            if feed is not None:
+                await feed(lambda request: self._take_now(inbox, peer, charges, request),
+                           lambda request: self._take(inbox, peer, charges, request))
+            else:
+                async for request in request_iterator:
+                    await self._take(inbox, peer, charges, request)
         except Exception:  # a broken stream: the session waits for a resume, for the grace only
             await inbox.put(_BROKEN)
             return
         ended.set()  # a clean end, even if the call is cancelled before the handler reads it
         await inbox.put(_END)
+
+    async def _take(self, inbox: asyncio.Queue, peer: str, charges: dict, request) -> None:
+        """One message of the client into its session's inbox, waiting for room (its step's bytes, then the inbox)."""
+        if request is not UNPARSABLE and request.WhichOneof("kind") == "step":
+            await self._charge(charges, request, peer, payload_bytes(request.step))
+        await inbox.put(request)
+
+    def _take_now(self, inbox: asyncio.Queue, peer: str, charges: dict, request) -> bool:
+        """`_take` if there is room now; False (nothing done) if it would have to wait."""
+        if inbox.full():
+            return False
+        if request is not UNPARSABLE and request.WhichOneof("kind") == "step":
+            nbytes = payload_bytes(request.step)
+            if not self.load.try_add(peer, nbytes):
+                return False
+            charges[id(request)] = (request, peer, nbytes)
+        inbox.put_nowait(request)
+        return True
 
     async def Push(self, request: pb.PushRequest, context) -> pb.PushReply:
         return await self.gate.serve(request, context, pb.PushReply(), "push", self._push)
@@ -406,6 +437,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             if error is not None:
                 self.sessions.close(sid)
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"session closed: {error}")
+            session.stepped = True  # admitted: a long first step does not count against its open_idle_s
         try:  # batched with other sessions' steps of the same shape; decode steps go first
             out, timing = await self._compute(session.state, hidden, mask, op)
         except Exception as exc:  # unexpected (a bug or an OOM): close the session rather than trust it
@@ -414,7 +446,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         if error is not None:
             self.sessions.close(sid)
             await context.abort(grpc.StatusCode.INTERNAL, f"step failed, session closed: {error}")
-        session.stepped = True
+        session.last_used_s = time.monotonic()  # idle from the step's end: a long step is no idle time
         encode_start = time.perf_counter()
         reply_hidden = compress.encode_like(out, step.hidden.dtype)  # in the request's wire format (wire/compress.py)
         encode_s = time.perf_counter() - encode_start
@@ -522,7 +554,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         cfg = self.config
         while True:
             await asyncio.sleep(period_s)
-            for sid in self.sessions.expire(cfg.session_idle_timeout_s, cfg.open_idle_timeout_s, cfg.resume_grace_s):
+            for sid in self.sessions.expire(cfg.session_idle_timeout_s, cfg.resume_grace_s):
                 self.attached.discard(sid)
                 inbox = self.inboxes.get(sid)
                 if inbox is not None:  # its stream ends too (a full inbox: its next step finds no session)

@@ -33,9 +33,10 @@ class Session:
     max_length: int
     needed_bytes: int  # cache for max_length tokens, reserved at the first step
     reserved_bytes: int = 0
-    stepped: bool = False  # a step has run (an open that never steps expires after open_idle_timeout_s)
+    stepped: bool = False  # a step was admitted (its cache reserved); until then it expires after open_idle_s
+    open_idle_s: float = 10.0  # how long after its open its first step may come (ServerConfig.open_idle_limit_s)
     opened_s: float = field(default_factory=time.monotonic)
-    last_used_s: float = field(default_factory=time.monotonic)
+    last_used_s: float = field(default_factory=time.monotonic)  # its last step's arrival, then that step's end
     detached_s: float | None = None  # when its stream broke; None while a stream holds it (or before)
     prefix_digest: bytes | None = None  # the prefix-cache scope named at open (server/prefix_cache.py)
 
@@ -72,7 +73,8 @@ class SessionTable:
     def held_by(self, owner: str) -> int:
         return sum(1 for s in self.sessions.values() if s.owner == owner)
 
-    def open(self, owner: str, state: SpanState, batch: int, max_length: int, nbytes: int) -> Session:
+    def open(self, owner: str, state: SpanState, batch: int, max_length: int, nbytes: int,
+             open_idle_s: float = 10.0) -> Session:
         if len(self.sessions) >= self.max_sessions:
             raise CapacityExceeded(f"server has {len(self.sessions)} sessions open, the limit is {self.max_sessions}")
         if self.held_by(owner) >= self.max_sessions_per_peer:
@@ -80,7 +82,8 @@ class SessionTable:
         if nbytes > self.max_peer_cache_bytes:
             raise CapacityExceeded(f"session needs {nbytes} bytes of attention cache, over the per-peer limit of "
                                    f"{self.max_peer_cache_bytes} (the server has {self.cache_bytes})")
-        session = Session(uuid.uuid4().hex, secrets.token_bytes(SECRET_BYTES), owner, state, batch, max_length, nbytes)
+        session = Session(uuid.uuid4().hex, secrets.token_bytes(SECRET_BYTES), owner, state, batch, max_length, nbytes,
+                          open_idle_s=open_idle_s)
         self.sessions[session.session_id] = session
         return session
 
@@ -120,13 +123,14 @@ class SessionTable:
         if session is not None:
             session.detached_s = time.monotonic()
 
-    def expire(self, idle_timeout_s: float, open_idle_timeout_s: float, resume_grace_s: float) -> list[str]:
-        """Close sessions idle too long, opened and never stepped too long, or detached past the grace."""
+    def expire(self, idle_timeout_s: float, resume_grace_s: float) -> list[str]:
+        """Close sessions idle too long, opened and never stepped past their open_idle_s, or detached past the
+        grace."""
         now = time.monotonic()
 
         def stale(s: Session) -> bool:
             return (now - s.last_used_s > idle_timeout_s
-                    or (not s.stepped and now - s.opened_s > open_idle_timeout_s)
+                    or (not s.stepped and now - s.opened_s > s.open_idle_s)
                     or (s.detached_s is not None and now - s.detached_s > resume_grace_s))
 
         gone = [sid for sid, s in self.sessions.items() if stale(s)]
@@ -143,6 +147,7 @@ class PeerBytes:
         self.limit = limit
         self.held: Counter[str] = Counter()
         self._freed = asyncio.Condition()
+        self._waiting = 0  # adds waiting for room: a release wakes them (none: no wake-up task per release)
 
     def try_add(self, peer: str, nbytes: int) -> bool:
         if self.held[peer] and self.held[peer] + nbytes > self.limit:
@@ -151,14 +156,21 @@ class PeerBytes:
         return True
 
     async def add(self, peer: str, nbytes: int) -> None:
-        async with self._freed:
-            await self._freed.wait_for(lambda: self.try_add(peer, nbytes))
+        if self.try_add(peer, nbytes):
+            return
+        self._waiting += 1
+        try:
+            async with self._freed:
+                await self._freed.wait_for(lambda: self.try_add(peer, nbytes))
+        finally:
+            self._waiting -= 1
 
     def release(self, peer: str, nbytes: int) -> None:
         self.held[peer] -= nbytes
         if self.held[peer] <= 0:
             del self.held[peer]
-        asyncio.ensure_future(self._notify())
+        if self._waiting:
+            asyncio.ensure_future(self._notify())
 
     async def _notify(self) -> None:
         async with self._freed:

@@ -58,7 +58,7 @@ class MemoPerfModel(PerfModel):
     """The same PerfModel with hop times cached per (client, server, blocks, l_in[, l_out])."""
 
     def __init__(self, perf: PerfModel) -> None:
-        super().__init__(perf.profiles, perf.network, perf.hidden_bytes_per_token)
+        super().__init__(perf.profiles, perf.network, perf.hidden_bytes_per_token, perf.message_overhead_s)
         self._prefill: dict[tuple, float] = {}
         self._decode: dict[tuple, float] = {}
         self._hop: dict[tuple, float] = {}
