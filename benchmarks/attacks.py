@@ -7,7 +7,7 @@ after and at its peak (psutil, sampled every 20 ms). The table goes to docs/FAIL
     .venv/bin/python benchmarks/attacks.py [--only NAME ...] [--model tiny-bloom]
     .venv/bin/python benchmarks/attacks.py --gateway [--only NAME ...]   # the gateway's (benchmarks/gateway_attacks.py)
     .venv/bin/python benchmarks/attacks.py --relay     # the relay's (servers behind NAT, swarmlm/bench/relay_attacks.py)
-    .venv/bin/python benchmarks/attacks.py --swarm     # a swarm's (adapter versions, lossy wire: swarm_attacks.py)
+    .venv/bin/python benchmarks/attacks.py --swarm [--only NAME ...]   # a swarm's (swarmlm/bench/swarm_attacks.py)
 
 The light versions of the same cases run in tests/test_attacks.py, tests/test_fuzz_rpc.py and
 tests/test_api_hostile.py.
@@ -535,15 +535,19 @@ def _record_hijack_row() -> dict:
     return result
 
 
-def swarm_run(workdir: Path) -> list[dict]:
-    """Attacks that need a swarm (issue 39, holes 7 and 8; swarmlm/bench/swarm_attacks.py), on tiny-llama, heavy."""
+def swarm_run(workdir: Path, only: list[str]) -> list[dict]:
+    """Attacks that need a swarm (issue 39, holes 7 and 8, hole 1 between servers; swarmlm/bench/swarm_attacks.py),
+    on tiny-llama, heavy."""
     from swarmlm.bench import swarm_attacks as sa
 
     model_dir = str(init_checkpoint("tiny-llama", workdir / "tiny-llama", seed=2))
     results = []
     for attack, kwargs in ((sa.adapter_versions, {"workdir": workdir, "by_name": 12, "pinned": 4}),
                            (sa.lossy_wire_under_load, {"rounds": 10, "loaders": 4}),
+                           (sa.push_relay_hijack, {"generations": 8, "new_tokens": 12}),
                            (sa.stuck_loader, {})):
+        if only and not any(o in attack.__name__ for o in only):
+            continue
         with LocalSwarm(model_dir, log_dir=workdir / attack.__name__) as swarm:
             swarm.start_dht()
             t0 = time.perf_counter()
@@ -590,7 +594,8 @@ def main() -> None:
     ap.add_argument("--slice-cost", action="store_true", help="only: a Forward in one piece vs in slices, in-process")
     ap.add_argument("--gateway", action="store_true", help="the attacks on `swarmlm api` instead of a server's")
     ap.add_argument("--relay", action="store_true", help="the attacks on the relay (servers behind NAT)")
-    ap.add_argument("--swarm", action="store_true", help="the attacks that need a swarm (adapter versions, lossy wire)")
+    ap.add_argument("--swarm", action="store_true",
+                    help="the attacks that need a swarm (adapter versions, lossy wire, push relay)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = args.model
@@ -600,7 +605,7 @@ def main() -> None:
         slice_cost(model_dir)
         return
     if args.swarm:
-        results = swarm_run(Path(tempfile.mkdtemp(prefix="swarmlm-swarm-attacks-")))
+        results = swarm_run(Path(tempfile.mkdtemp(prefix="swarmlm-swarm-attacks-")), args.only)
         if args.out:
             Path(args.out).write_text(json.dumps({"machine": machine_info(), "swarm": results}, indent=1))
         return

@@ -708,3 +708,17 @@ def test_a_loaded_relayed_link_never_turns_greedy_answers_lossy(tiny_llama, tmp_
     assert seen["answers"] == 4 and seen["exact"] == 4, seen
     assert seen["wire_formats"] == ["float32"], seen
     assert seen["load_requests"] >= 1, seen  # (the stranger's load did go through the relay)
+
+
+@pytest.mark.slow
+def test_a_strangers_record_never_moves_a_servers_push_tunnel_to_its_relay(tiny_llama, tmp_path):
+    from swarmlm.bench.swarm_attacks import push_relay_hijack
+    from swarmlm.swarm.local import LocalSwarm
+
+    with LocalSwarm(tiny_llama, log_dir=tmp_path / "logs") as swarm:
+        swarm.start_dht()
+        seen = push_relay_hijack(swarm, generations=1, new_tokens=4)
+    assert seen["owner_is_server"] == [True, True], seen  # (both orders of the two records)
+    assert seen["tunnel_through_own_relay"] == [True, True], seen
+    assert seen["answers"] == 1 and seen["exact"] == 1, seen
+    assert seen["push_refused"] == 0 and seen["pushed"] == seen["steps"] > 0, seen

@@ -286,12 +286,12 @@ def record_hijack(swarm, server, ids, new_tokens: int, clients: int = 2) -> list
     return out
 
 
-def _record_with_relay(dht, prefix: str, server_id: str, stop: threading.Event, tries: int = 100):
-    """The server's record once it names its relay."""
+def _record_with_relay(dht, prefix: str, server_id: str, stop: threading.Event, tries: int = 100, block: int = 0):
+    """The server's record (under `block`) once it names its relay."""
     from swarmlm.swarm.dht import fetch_records
 
     for _ in range(tries):
-        record = fetch_records(dht, prefix, [0]).get(server_id)
+        record = fetch_records(dht, prefix, [block]).get(server_id)
         if record is not None and record.relay:
             return record
         stop.wait(0.2)

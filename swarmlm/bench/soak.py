@@ -8,10 +8,15 @@ Faults (one at a time, on a server whose blocks another server also serves):
   hang       SIGSTOP for 8-30 s, then SIGCONT
   partition  every port the server's process tree listens on dropped by nftables (in and out) for 30 s
   move       SIGTERM, restarted on other blocks (the ones that leave the fewest blocks single-served)
+  relay      SIGKILL of a relay node (`swarmlm dht` with a fixed identity and port; the next one in turn), back at the
+             same address 5 s later: the relayed servers listening through it move to another relay
+Servers in `relayed` are behind NAT (`--reachability relayed`), reached through the `relays` relay nodes (listed
+first in everyone's initial peers, so relayed servers listen through them; the bootstrap node relays too).
 The CLI is benchmarks/soak.py; the short form is tests/test_soak.py."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -24,10 +29,11 @@ from pathlib import Path
 import psutil
 
 from swarmlm.bench.soak_clients import KINDS
+from swarmlm.bench.soak_faults import Partition, RelayNode, listen_ports
 from swarmlm.swarm.local import LocalSwarm, ServerProcess
 from swarmlm.types import BlockRange
 
-FAULTS = ("kill", "hang", "partition", "move")
+FAULTS = ("kill", "hang", "partition", "move", "relay")
 CLIENTS = ("greedy", "greedy", "sampling", "speculative", "beam", "api", "api", "train")
 
 
@@ -43,13 +49,19 @@ class SoakConfig:
     seed: int = 0
     ranges: tuple[BlockRange, ...] = (BlockRange(0, 3), BlockRange(3, 6), BlockRange(0, 3), BlockRange(3, 6))
     clients: tuple[str, ...] = CLIENTS
-    faults: tuple[str, ...] = FAULTS
+    faults: tuple[str, ...] = ("kill", "hang", "partition", "move")
+    relayed: tuple[int, ...] = ()  # slots (indices in `ranges`) of the servers behind NAT
+    relays: int = 0  # relay nodes besides the bootstrap node (the "relay" fault kills them)
 
     def __post_init__(self) -> None:
         if self.duration_s <= 0 or self.fault_every_s <= 0 or self.sample_every_s <= 0:
             raise ValueError("duration_s, fault_every_s and sample_every_s must be > 0")
         if unknown := set(self.clients) - set(KINDS) or set(self.faults) - set(FAULTS):
             raise ValueError(f"unknown client kinds or faults: {sorted(unknown)}")
+        if not set(self.relayed) <= set(range(len(self.ranges))):
+            raise ValueError(f"relayed slots {sorted(self.relayed)} are not servers (0..{len(self.ranges) - 1})")
+        if "relay" in self.faults and self.relays < 1:
+            raise ValueError("the relay fault needs relays >= 1 (relay nodes to kill)")
 
 
 @dataclass
@@ -73,7 +85,9 @@ class Soak:
         self.roles: dict[int, str] = {}  # pid -> role, for every process we started
         self.seen: dict[int, tuple[str, float]] = {}  # pid -> (role, create time): every process ever sampled
         self.faults: list[Fault] = []
-        self.busy: set[int] = set()  # slots under a fault now
+        self.busy: set[int | str] = set()  # slots under a fault now (relay nodes: "relay<i>")
+        self.relay_nodes: list[RelayNode] = []
+        self.next_relay = 0  # the relay the next relay fault kills (in turn)
         self.t0 = 0.0
         self._done = threading.Event()
 
@@ -84,7 +98,15 @@ class Soak:
         self.stop_file.unlink(missing_ok=True)
         self.swarm.start_dht()
         self.roles[self.swarm.dht_proc.pid] = "dht"
-        servers = [self.swarm.start_server(r, wait=False) for r in self.config.ranges]
+        bootstrap = list(self.swarm.initial_peers)
+        self.relay_nodes = [RelayNode(self.swarm, f"relay{i}", bootstrap, self.out / "logs")
+                            for i in range(self.config.relays)]
+        for i, node in enumerate(self.relay_nodes):
+            self.roles[node.proc.pid] = f"relay{i}"
+        # relays first: a server behind NAT listens through the first relay that takes it
+        self.swarm.initial_peers = [a for node in self.relay_nodes for a in node.addrs] + bootstrap
+        servers = [self.swarm.start_server(r, wait=False, extra=self._extra(slot))
+                   for slot, r in enumerate(self.config.ranges)]
         self.gateway = GatewayProcess(self.config.model_dir, self.swarm.initial_peers,
                                       extra=["--speculative", "auto"], log_path=self.out / "logs" / "api.err").start()
         self.roles[self.gateway.proc.pid] = "api"
@@ -95,6 +117,9 @@ class Soak:
             self._start_client(i, kind)
         self._wait_clients_ready()
         self.t0 = time.time()
+
+    def _extra(self, slot: int) -> list[str]:
+        return ["--reachability", "relayed"] if slot in self.config.relayed else []
 
     def _wait_clients_ready(self, timeout_s: float = 600.0) -> None:
         """Until every client printed its ready line (a busy machine takes a while to import torch 8 times)."""
@@ -123,12 +148,12 @@ class Soak:
             if time.time() - self.t0 > self.config.duration_s - 5:
                 return
             kind = self.rng.choice(self.config.faults)
-            slot = self._target()
+            slot = self._relay_target() if kind == "relay" else self._target()
             if slot is not None:
                 fault = Fault(round(time.time() - self.t0, 1), kind, slot)
                 self.faults.append(fault)
                 self._append("faults.jsonl", asdict(fault))
-                self.busy.add(slot)
+                self.busy.add(_busy_key(fault))
                 threading.Thread(target=self._apply, args=(fault,), daemon=True).start()
             k += 1
 
@@ -140,10 +165,25 @@ class Soak:
                                         for b in _blocks(servers[i]))]
         return self.rng.choice(ok) if ok else None
 
+    def _relay_target(self) -> int | None:
+        """The next relay node in turn (the one a relayed server moved to after the last relay fault, mostly)."""
+        i = self.next_relay
+        if f"relay{i}" in self.busy:
+            return None
+        self.next_relay = (i + 1) % len(self.relay_nodes)
+        return i
+
     def _apply(self, fault: Fault) -> None:
-        server = self.swarm.servers[fault.slot]
+        server = self.swarm.servers[fault.slot] if fault.kind != "relay" else None
         try:
-            if fault.kind == "kill":
+            if fault.kind == "relay":
+                node = self.relay_nodes[fault.slot]
+                node.proc.kill()  # the main pid only: its p2pd must die with it
+                node.proc.wait(60)
+                time.sleep(5)
+                node.start()  # (the same identity and port: the same address)
+                self.roles[node.proc.pid] = node.name
+            elif fault.kind == "kill":
                 server.proc.kill()  # the main pid only: what it started must die with it (swarm/lifetime.py)
                 time.sleep(5)
                 self._restart(fault.slot, _range(server))
@@ -153,7 +193,7 @@ class Soak:
                 time.sleep(s)
                 server.proc.send_signal(signal.SIGCONT)
             elif fault.kind == "partition":
-                with Partition(_listen_ports(server.proc.pid)) as part:
+                with Partition(listen_ports(server.proc.pid)) as part:
                     fault.detail["ports"] = part.ports
                     time.sleep(self.config.partition_s)
             elif fault.kind == "move":
@@ -167,14 +207,14 @@ class Soak:
         finally:
             fault.detail["end"] = round(time.time() - self.t0, 1)
             self._append("faults.jsonl", {"end": asdict(fault)})
-            self.busy.discard(fault.slot)
+            self.busy.discard(_busy_key(fault))
 
     def _restart(self, slot: int, blocks: BlockRange) -> None:
         old = self.swarm.servers[slot]
         old.proc.wait(60)  # (reaped: no zombie)
         if old.proc.stdout:
             old.proc.stdout.close()
-        new = self.swarm.start_server(blocks, wait=False)  # (appended: put in the slot once ready)
+        new = self.swarm.start_server(blocks, wait=False, extra=self._extra(slot))  # (appended: slotted once ready)
         self.roles[new.proc.pid] = f"server{slot}"
         try:
             self.swarm.wait_ready([new])
@@ -280,40 +320,8 @@ class Soak:
             f.write(json.dumps(row) + "\n")
 
 
-class Partition:
-    """An nftables table dropping TCP to and from `ports` (on every interface, loopback included)."""
-
-    TABLE = "swarmlm_soak"
-
-    def __init__(self, ports: list[int]) -> None:
-        self.ports = sorted(ports)
-
-    def __enter__(self) -> "Partition":
-        if not self.ports:
-            raise RuntimeError("no listening ports to partition")
-        ports = ", ".join(map(str, self.ports))
-        rules = (f"table inet {self.TABLE} {{\n chain input {{ type filter hook input priority -10; "
-                 f"tcp dport {{ {ports} }} drop; tcp sport {{ {ports} }} drop; }}\n}}\n")
-        subprocess.run(["nft", "-f", "-"], input=rules, text=True, check=True, capture_output=True)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.clear()
-
-    @classmethod
-    def clear(cls) -> None:
-        subprocess.run(["nft", "delete", "table", "inet", cls.TABLE], capture_output=True)
-
-
-def _listen_ports(pid: int) -> list[int]:
-    ports = set()
-    root = psutil.Process(pid)
-    for p in [root, *root.children(recursive=True)]:
-        try:
-            ports |= {c.laddr.port for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
-        except psutil.Error:
-            continue
-    return list(ports)
+def _busy_key(fault: Fault):
+    return f"relay{fault.slot}" if fault.kind == "relay" else fault.slot
 
 
 def _server_state(server: ServerProcess, slot: int, faulted: bool) -> dict:
@@ -322,17 +330,29 @@ def _server_state(server: ServerProcess, slot: int, faulted: bool) -> dict:
     from swarmlm.wire.channel import sync_channel
 
     state = {"slot": slot, "blocks": f"{_range(server).start}:{_range(server).end}", "alive": server.alive,
-             "sessions": None, "prefix_entries": None}
+             "sessions": None, "prefix_entries": None, "relay": None}
     if server.alive and server.address and not faulted:  # (not a server still starting, or one faulted now)
-        channel = sync_channel(server.address)
+        channel = sync_channel(_local_address(server))
         try:
-            info = pb_grpc.SwarmStub(channel).Info(pb.InfoRequest(), timeout=5)
-            state.update(sessions=info.active_sessions, prefix_entries=info.prefix_cache.entries)
+            # (with a nonce: its signed address names the relay it listens through now, behind NAT)
+            info = pb_grpc.SwarmStub(channel).Info(pb.InfoRequest(nonce=os.urandom(16)), timeout=5)
+            state.update(sessions=info.active_sessions, prefix_entries=info.prefix_cache.entries,
+                         relay=info.signed_address.partition(" via ")[2] or None)
         except Exception as exc:
             state["error"] = type(exc).__name__
         finally:
             channel.close()
     return state
+
+
+def _local_address(server: ServerProcess) -> str:
+    """Where the harness reaches a server: its address, or behind NAT its gRPC port on loopback (its main process
+    listens on that port alone; its P2P daemons are its children)."""
+    if not server.address.startswith("p2p/"):
+        return server.address
+    ports = [c.laddr.port for c in psutil.Process(server.proc.pid).net_connections("tcp")
+             if c.status == psutil.CONN_LISTEN]
+    return f"127.0.0.1:{ports[0]}" if len(ports) == 1 else server.address
 
 
 def _range(server: ServerProcess) -> BlockRange:

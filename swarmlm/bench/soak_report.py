@@ -97,11 +97,11 @@ def plot(out: Path) -> Path | None:
         whole = pts[0][0] <= 0.5 and pts[-1][0] >= last - 0.5  # (lived the whole run: named in the legend)
         ax.plot([x for x, _ in pts], [y for _, y in pts], lw=1, alpha=1.0 if whole else 0.4,
                 label=role if whole else None)
-    colors = {"kill": "red", "hang": "orange", "partition": "blue", "move": "green"}
+    colors = {"kill": "red", "hang": "orange", "partition": "blue", "move": "green", "relay": "purple"}
     for f in _rows(out / "faults.jsonl"):
         if "kind" in f:
             ax.axvline(f["t"] / 60, color=colors.get(f["kind"], "gray"), alpha=0.35, lw=1)
-    ax.set_xlabel("minutes (faults: red kill, orange hang, blue partition, green move)")
+    ax.set_xlabel("minutes (faults: red kill, orange hang, blue partition, green move, purple relay)")
     ax.set_ylabel("RSS (MB)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="whole run")
     path = out / "rss.png"

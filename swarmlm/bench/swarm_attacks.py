@@ -1,5 +1,5 @@
-"""Attacks that need a swarm, not one server (issue 39, holes 7 and 8); rows of `benchmarks/attacks.py --swarm`,
-light versions in tests/test_attacks.py.
+"""Attacks that need a swarm, not one server (issue 39, holes 7 and 8, and hole 1 between servers); rows of
+`benchmarks/attacks.py --swarm`, light versions in tests/test_attacks.py.
 
 - `adapter_versions`: a stranger's server announces an honest adapter's name with weights of its own. Clients
   asking by name must never mix the two versions in one generation, clients pinning `name@fingerprint` must never
@@ -7,6 +7,8 @@ light versions in tests/test_attacks.py.
 - `lossy_wire_under_load`: a stranger loads a relayed server's relay with big transfers while clients with the
   default wire format (`auto`) generate greedily through that relay: their answers must stay transformers'
   (before, `auto` chose int8 on a link measured slow, and a gateway's greedy answers changed).
+- `push_relay_hijack`: a stranger's record names a relayed server's address with a relay of its own; a server
+  pushing to that address must go through the relay of the server's own record (before, the last record read won).
 - `stuck_loader`: a peer announces the blocks nobody serves as `loading` and never serves them: a client waiting for
   them waits `wait_for_loading_s` in all, says so once, then `MissingBlocks` naming the loader (issue 35).
 """
@@ -151,6 +153,99 @@ def lossy_wire_under_load(swarm, rounds: int = 4, loaders: int = 2, load_tokens:
     result["load_requests"] = sent[0]
     result["wire_formats"] = sorted(result["wire_formats"])
     return result
+
+
+def push_relay_hijack(swarm, generations: int = 2, new_tokens: int = 6) -> dict:
+    """(Hole 1, between servers.) On `swarm` (a LocalSwarm with a DHT, no server yet): server A, direct, on the first
+    half of the blocks; server B, behind NAT (its relay: the DHT node), on the second half. A stranger with a fresh
+    key of its own publishes B's record under its own id, naming a dead relay, every second. Then:
+    - in process, a pushing server's network (server/network.py) reads the two records in both orders: after its
+      relay check, B's address must be owned by B and tunnelled through B's relay, whichever record came last;
+    - `generations` clients generate greedily with push on (A pushes to B): every answer must be transformers',
+      and A's pushes must go through (no step refused to push)."""
+    import asyncio
+    import dataclasses
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from swarmlm.bench.relay_attacks import _record_with_relay
+    from swarmlm.config import ServerConfig
+    from swarmlm.server.network import ServerNetwork
+    from swarmlm.swarm.dht import announce, default_prefix, fetch_records, owner_subkey
+    from swarmlm.swarm.dht_thread import ThreadDHT
+    from swarmlm.swarm.identity import Identity
+
+    n = int(AutoConfig.from_pretrained(swarm.model_dir).num_hidden_layers)
+    a = swarm.start_server(BlockRange(0, n // 2), wait=False)
+    b = swarm.start_server(BlockRange(n // 2, n), extra=["--reachability", "relayed"], wait=False)
+    swarm.wait_ready([a, b])
+    prefix, key = default_prefix(swarm.model_dir), Identity.generate()
+    attacker = ThreadDHT(swarm.initial_peers, client_mode=False, validator=key.validator)
+    stop = threading.Event()
+    result = {"attack": "a stranger's record naming a relayed push target with a dead relay (hole 1, pushes)",
+              "owner_is_server": [], "tunnel_through_own_relay": [], "answers": 0, "exact": 0, "steps": 0,
+              "pushed": 0, "push_refused": 0}
+    try:
+        honest = _record_with_relay(attacker, prefix, b.server_id, stop, block=n // 2)
+        lie = dataclasses.replace(honest, server_id=key.server_id,
+                                  relay=f"/ip4/127.0.0.1/tcp/9/p2p/{honest.relay.split('/')[-1]}")  # dead port
+
+        def publish() -> None:
+            while not stop.is_set():
+                try:
+                    announce(attacker, prefix, lie, 8.0, subkey=owner_subkey(key.server_id, key.validator))
+                except Exception:  # (the attacker's node stopping under it at the end)
+                    return
+                stop.wait(1.0)
+
+        threading.Thread(target=publish, daemon=True).start()
+        for _ in range(150):  # (its record readable: then the readers come)
+            if key.server_id in fetch_records(attacker, prefix, [n // 2]) or stop.wait(0.2):
+                break
+        else:
+            raise RuntimeError("the stranger's record was not stored")
+        for order in ((honest, lie), (lie, honest)):  # whichever record a read lists last
+            network = ServerNetwork(ServerConfig(model_dir=swarm.model_dir, blocks=None, reachability="direct",
+                                                 initial_peers=tuple(swarm.initial_peers)))
+            try:
+                network.learn(order)
+                asyncio.run(network.check_relay(honest.address))
+                network.learn(order)  # (read again: an owned address's tunnel moves only with its owner's record)
+                result["owner_is_server"].append(network.owners.get(honest.address) == b.server_id)
+                result["tunnel_through_own_relay"].append(network.tunnels.relays.get(honest.address) == honest.relay)
+            finally:
+                network.close()
+        _generate_pushed(swarm, n, generations, new_tokens, result, AutoModelForCausalLM)
+    finally:
+        stop.set()
+        attacker.shutdown()
+    return result
+
+
+def _generate_pushed(swarm, n: int, generations: int, new_tokens: int, result: dict, auto_model) -> None:
+    from swarmlm.client.model import DistributedModelForCausalLM
+
+    ref = auto_model.from_pretrained(swarm.model_dir, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(generations):
+        ids = torch.randint(4, 256, (1, 8), generator=gen)
+        with torch.no_grad():
+            want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False)[0, 8:].tolist()
+        client = DistributedModelForCausalLM.from_pretrained(swarm.model_dir, initial_peers=swarm.initial_peers,
+                                                             push="on")
+        try:
+            with torch.no_grad():
+                got = client.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                      min_new_tokens=new_tokens, do_sample=False)[0, 8:].tolist()
+            steps = client.last_stats.steps
+        finally:
+            client.close()
+        result["answers"] += 1
+        result["exact"] += got == want
+        result["steps"] += len(steps)
+        result["pushed"] += sum(bool(s.hops) and s.hops[0].pushed for s in steps)
+        result["push_refused"] += sum(s.push_refused for s in steps)
 
 
 def stuck_loader(swarm, server_args=(), wait_for_loading_s: float = 6.0) -> dict:

@@ -1,4 +1,5 @@
-"""`swarmlm dht [--host H] [--port P] [--addr-file PATH]`: a bootstrap node for a swarm."""
+"""`swarmlm dht [--host H] [--port P] [--identity FILE] [--addr-file PATH]`: a bootstrap node (and relay) for a
+swarm."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +18,9 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=0, help="the port to listen on (0: any free port)")
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="ADDR",
                    help="other DHT nodes to join (none: this node starts a new swarm)")
+    p.add_argument("--identity", metavar="FILE",
+                   help="this node's P2P key (created if missing): with --port, it comes back at the same address "
+                        "after a restart (peers and relayed servers that list it find it again)")
     p.add_argument("--addr-file", help="also write the address here (one per line)")
     p.add_argument("--no-relay", action="store_true",
                    help="answer dial-backs only: relay no server behind NAT (docs/PROTOCOL.md, Servers behind NAT)")
@@ -37,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise SystemExit(f"swarmlm dht: cannot create {args.new_swarm_key}: {exc.strerror}") from None
     # with a swarm key this node stores and serves only records that carry its MAC (swarm/private.py)
-    dht = start_dht(args.initial_peers, host=args.host, port=args.port, swarm_key=swarm_key)
+    dht = start_dht(args.initial_peers, host=args.host, port=args.port, swarm_key=swarm_key,
+                    identity_path=args.identity)
     from swarmlm.swarm.relay import start_relay
 
     relay, _ = start_relay(dht, swarm_key, relaying=not args.no_relay)  # on the DHT's daemon: same address

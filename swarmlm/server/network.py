@@ -1,18 +1,32 @@
 """How a server is reached: at its host:port, or from behind NAT through a relay (swarm/reach.py).
 
 In a swarm (initial peers given) a server runs one P2P daemon of its own (besides its DHT node's): it asks a relay to dial its port back before it joins, listens through a relay if that failed, and
-reaches relayed servers it pushes to. The dial-back reaches a plain socket on the port gRPC takes afterwards."""
+reaches relayed servers it pushes to. The dial-back reaches a plain socket on the port gRPC takes afterwards.
+
+Pushes to a relayed server go through the relay of that server's own record, never one a stranger's record names
+(issue 39, hole 1, as the client's `RemoteSequence._through_relays`): a `p2p/<peer id>` address's records are claims
+until one claimant passes the connect check through the relay it names (its id, its key, and that relay signed in
+its Info: swarm/identity.py); that server then owns the address, and only its records move the tunnel."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 
+import grpc
+
 from swarmlm.config import ServerConfig
+from swarmlm.swarm.identity import new_nonce, signed_address, verify_info
 from swarmlm.swarm.p2p_link import P2PNode, parse_relay_addr
+from swarmlm.swarm.private import client_interceptors
 from swarmlm.swarm.reach import Reach, RelayListener, Tunnels, check_reach
-from swarmlm.wire.channel import P2P_PREFIX
+from swarmlm.wire import swarm_pb2 as pb
+from swarmlm.wire import swarm_pb2_grpc as pb_grpc
+from swarmlm.wire.channel import P2P_PREFIX, aio_channel, is_p2p_address
 
 log = logging.getLogger(__name__)
+MAX_CLAIMS = 4  # servers claiming one p2p address in one read whose relays are tried (the first passing owns it)
+MAX_ADDRESSES = 4096  # p2p addresses remembered (owners and claims): beyond, forgotten rather than grown
 
 
 class ServerNetwork:
@@ -22,6 +36,9 @@ class ServerNetwork:
         self.node = P2PNode(host=config.host)
         self.tunnels = Tunnels(self.node.p2p, self.node.loop, config.swarm_key)
         self.listener: RelayListener | None = None
+        self.owners: dict[str, str] = {}  # p2p address -> the server id that passed the connect check through its relay
+        self.claims: dict[str, dict[str, str]] = {}  # p2p address without owner -> {server id: relay} (latest read)
+        self._checking: asyncio.Lock | None = None  # one connect check at a time: the tunnel holds one relay
         self.port = config.port  # (0: gRPC picks one, unless the check below picked it)
         try:
             self.reach = self._decide()
@@ -67,10 +84,62 @@ class ServerNetwork:
         return self.listener.relay if self.listener is not None else ""
 
     def learn(self, records) -> None:
-        """Relayed servers among `records` (DHT reads) become reachable for pushes."""
+        """Relayed servers among `records` (a DHT read): an address's owner moves its tunnel to the relay its own
+        record names; records of an address without owner are claims (`check_relay` tries them); a record naming
+        an owned address under another id changes nothing."""
+        fresh: dict[str, dict[str, str]] = {}
         for r in records:
-            if r.relayed and r.relay:
+            if not (r.relayed and r.relay):
+                continue
+            owner = self.owners.get(r.address)
+            if owner == r.server_id:
                 self.tunnels.add(r.address, r.relay)
+            elif owner is None and len(claims := fresh.setdefault(r.address, {})) < MAX_CLAIMS:
+                claims[r.server_id] = r.relay
+        if len(self.claims) + len(fresh) > MAX_ADDRESSES:
+            self.claims.clear()
+        self.claims.update(fresh)
+
+    def may_serve(self, record) -> bool:
+        """Can `record`'s server be what its address reaches (not another server's relayed address)?"""
+        return not record.relayed or self.owners.get(record.address, record.server_id) == record.server_id
+
+    async def check_relay(self, address: str) -> bool:
+        """May pushes go to `address`? A direct one, yes; a relayed one once it has an owner: the first claimant
+        (of the latest read) that passes the connect check through the relay its record names. A claim that fails
+        leaves no tunnel behind."""
+        if not is_p2p_address(address) or address in self.owners:
+            return True
+        if self._checking is None:
+            self._checking = asyncio.Lock()
+        async with self._checking:
+            if address in self.owners:
+                return True
+            for server_id, relay in self.claims.pop(address, {}).items():
+                self.tunnels.add(address, relay)
+                why = await self._connect_check(address, server_id, relay)
+                if why is None:
+                    if len(self.owners) >= MAX_ADDRESSES:
+                        self.owners.clear()
+                    self.owners[address] = server_id
+                    return True
+                log.warning("not pushing to %s through relay %s (claimed by %s): %s", address, relay, server_id, why)
+            self.tunnels.remove(address)
+            return False
+
+    async def _connect_check(self, address: str, server_id: str, relay: str) -> str | None:
+        """Why the server at `address`, reached through `relay` (a fresh connection: the tunnel's relay now), is
+        not `server_id` listening there; None if it is."""
+        nonce = new_nonce()
+        channel = aio_channel(address, interceptors=client_interceptors(self.config.swarm_key))
+        try:
+            reply = await pb_grpc.SwarmStub(channel).Info(pb.InfoRequest(nonce=nonce),
+                                                         timeout=self.config.push_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return f"no answer ({exc.code().name})"
+        finally:
+            await channel.close()
+        return verify_info(reply, nonce, server_id, signed_address(address, relay))
 
     def close(self) -> None:
         if self.listener is not None:

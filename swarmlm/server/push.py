@@ -16,7 +16,8 @@ Trust: a push carries the target session's secret (the client hands it to the se
 who only knows a session id cannot push into it. A server dials only servers of its swarm (`TargetCheck`): with a
 DHT, addresses announced for the block after the session's span; without one (direct --servers mode), addresses
 that answer Info as a server of the same model serving that block, probed at most once per `ttl_s` each and at
-most `max_probes_per_min` in all, so a client cannot use a server to scan a network.
+most `max_probes_per_min` in all, so a client cannot use a server to scan a network. A relayed target
+(`p2p/<peer id>`) is reached only through the relay its own server's record names (server/network.py).
 """
 from __future__ import annotations
 
@@ -78,6 +79,8 @@ class TargetCheck:
         self.directory = directory
         self.probe = probe
         self.serves = serves  # does this Info describe a server of our model that serves the block?
+        # a relayed (p2p/) address: is it reached through its own server's relay? (server/network.py); None = yes
+        self.relay_check: Callable[[str], Awaitable[bool]] | None = None
         self.ttl_s = ttl_s
         self.max_probes_per_min = max_probes_per_min
         self._known: dict[tuple[str, int], tuple[bool, float]] = {}  # -> (allowed, until)
@@ -93,6 +96,8 @@ class TargetCheck:
             ok = address in await self._announced(block, now)
             if not ok:  # (not remembered: a server that just started or moved is pushed to once announced; the
                 return False  # DHT is read at most once a second per block anyway)
+            if self.relay_check is not None and not await self.relay_check(address):
+                return False  # (not remembered either: the next read's claims are tried again)
         else:
             ok = await self._probe(address, block, now)
         if len(self._known) > 4096:  # bounded: forget everything rather than grow

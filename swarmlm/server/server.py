@@ -104,8 +104,8 @@ class Server:
 
         records = await asyncio.get_running_loop().run_in_executor(
             None, lambda: fetch_records(self.dht, self.prefix, [block], swarm_key=self.config.swarm_key))
-        self.network.learn(records.values())  # relayed ones: pushed to through their relays
-        return {r.address for r in records.values() if r.start <= block < r.end}
+        self.network.learn(records.values())  # relayed ones: pushed to through their own relays (server/network.py)
+        return {r.address for r in records.values() if r.start <= block < r.end and self.network.may_serve(r)}
 
     def _announce_loop(self) -> None:
         from swarmlm.swarm.dht import announce
@@ -149,6 +149,7 @@ class Server:
         self.service = SwarmService(cfg, self.stage, self._scheduler, stats)
         if self.dht is not None:  # pushes go only to servers announced for the next block (server/push.py)
             self.service.targets.directory = self._announced
+            self.service.targets.relay_check = self.network.check_relay  # (the target's own relay)
         self.service.identity = self.identity  # signs the clients' connect checks (Info with a nonce)
         gate = server_interceptors(cfg.swarm_key)  # a private swarm's gate
         self._grpc = grpc.aio.server(options=server_options(cfg.max_message_bytes), interceptors=gate,

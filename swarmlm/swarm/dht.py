@@ -39,12 +39,13 @@ def default_prefix(model_dir: str | Path) -> str:
 
 def start_dht(
     initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0, client_mode: bool = False,
-    validator: RSASignatureValidator | None = None, swarm_key: bytes | None = None,
+    validator: RSASignatureValidator | None = None, swarm_key: bytes | None = None, identity_path: str | None = None,
 ) -> ThreadDHT:
     """A DHT node that signs the records it owns and refuses records that break swarmlm's rules (see above); it
-    runs in this process (no forked child to outlive it) and its p2pd dies with it (swarm/lifetime.py)."""
+    runs in this process (no forked child to outlive it) and its p2pd dies with it (swarm/lifetime.py).
+    `identity_path`: its P2P key file (created if missing; None: a fresh key, a new peer id each start)."""
     return ThreadDHT(initial_peers, host=host, port=port, client_mode=client_mode, validator=validator,
-                     swarm_key=swarm_key)
+                     swarm_key=swarm_key, identity_path=identity_path)
 
 
 def owner_subkey(server_id: str, validator: RSASignatureValidator | None = None) -> str:

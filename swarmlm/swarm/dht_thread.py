@@ -38,7 +38,7 @@ class ThreadDHT:
     def __init__(self, initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0,
                  client_mode: bool = True, validator: RSASignatureValidator | None = None,
                  start_timeout_s: float = 60.0, swarm_key: bytes | None = None,
-                 rejoin_period_s: float = REJOIN_PERIOD_S) -> None:
+                 rejoin_period_s: float = REJOIN_PERIOD_S, identity_path: str | None = None) -> None:
         bind_p2pd_to_owner()  # (its p2pd dies with this process)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="swarmlm-dht", daemon=True)
@@ -51,6 +51,7 @@ class ThreadDHT:
             initial_peers=list(initial_peers), client_mode=client_mode,
             host_maddrs=[f"/ip4/{host}/tcp/{port}"],
             record_validator=CompositeValidator(validators(validator, swarm_key)),
+            **({"identity_path": identity_path} if identity_path else {}),  # (a fixed peer id: swarmlm dht --identity)
         )
         try:
             self.node = self._call(create).result(start_timeout_s)

@@ -145,6 +145,10 @@ class Tunnels:
         self.relays[address] = relay
         register_p2p_endpoint(address, self.endpoint)
 
+    def remove(self, address: str) -> None:
+        """New connections to `address` go nowhere (they fail as a dead server's) until it is added again."""
+        self.relays.pop(address, None)
+
     def endpoint(self, address: str) -> str:
         port = self.ports.get(address)
         if port is None:
