@@ -413,7 +413,7 @@ def test_decode_steps_are_not_stuck_behind_a_long_forward(attack_server, honest)
                                                                          hidden=codec.encode(x)), timeout=600)
         result["end"] = time.monotonic()
         t = reply.timing  # the server's own time for it: it began no earlier than this before its end
-        result["start"] = result["end"] - (t.decode_s + t.queued_s + t.compute_s + t.encode_s)
+        result["start"] = result["end"] - (t.parse_s + t.queued_s + t.compute_s + t.encode_s)
 
     thread = threading.Thread(target=forward)
     thread.start()

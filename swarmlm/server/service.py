@@ -397,7 +397,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         if error is not None:
             self._refused_large(nbytes)
             return self._refused(session, step_id, error)
-        decoded = time.perf_counter()
+        parsed = time.perf_counter()
         if not session.stepped:  # the cache is reserved at the first step, not at open
             try:
                 self.sessions.reserve(session)
@@ -422,7 +422,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             session_id=sid, step_id=step_id, hidden=reply_hidden, position=session.state.position,
             pushed=len(request.step.push) > 0,
             timing=pb.Timing(
-                queued_s=timing.queued_s, compute_s=timing.compute_s, decode_s=decoded - started, encode_s=encode_s,
+                queued_s=timing.queued_s, compute_s=timing.compute_s, parse_s=parsed - started, encode_s=encode_s,
                 batch_size=timing.batched_steps,
             ),
         )
@@ -474,13 +474,13 @@ class SwarmService(pb_grpc.SwarmServicer):
         b, t = self.checks.shape(request.hidden, None, 0, self.config.max_length_tokens)
         admission.charge(b * t * self.stage.hidden_size)
         hidden, mask = decode_step(request.hidden, request.attention_mask, b, t, self.stage.hidden_size)
-        decoded = time.perf_counter()
+        parsed = time.perf_counter()
         out, timing = await self._compute(self.stage.new_state(blocks, b, t), hidden, mask)
         encode_start = time.perf_counter()
         reply = compress.encode_like(out, request.hidden.dtype)  # in the request's wire format
         return pb.ForwardReply(
             hidden=reply,
-            timing=pb.Timing(queued_s=timing.queued_s, compute_s=timing.compute_s, decode_s=decoded - started,
+            timing=pb.Timing(queued_s=timing.queued_s, compute_s=timing.compute_s, parse_s=parsed - started,
                              encode_s=time.perf_counter() - encode_start, batch_size=timing.batched_steps),
         )
 

@@ -238,11 +238,11 @@ class TrainingRpcs:
                                    f"budget (this one needs ~{need >> 20} MiB): retry later")
         try:
             req, grad = self.parse(request, with_grad)
-            decoded = time.perf_counter()
+            parsed = time.perf_counter()
             *results, queued, compute = await run(req, grad)
             encode_start = time.perf_counter()
             reply = encode(*results)
-            reply.timing.CopyFrom(pb.Timing(queued_s=queued, compute_s=compute, decode_s=decoded - started,
+            reply.timing.CopyFrom(pb.Timing(queued_s=queued, compute_s=compute, parse_s=parsed - started,
                                             encode_s=time.perf_counter() - encode_start, batch_size=1))
             return reply
         finally:
