@@ -131,7 +131,7 @@ class HopTiming:
     client_io_s: float  # client: serialising the request + parsing the reply
     tokens: int
     pushed: bool = False  # the server pushed its output on to the next server of the route
-    batched_steps: int = 1  # steps (of all sessions) that shared the server's forward (the wire's Timing.batch_size)
+    batched_steps: int = 1  # steps (of all sessions) that shared the server's forward
 
     @property
     def network_s(self) -> float:
@@ -343,7 +343,7 @@ class SpanStream:
         timing = HopTiming(
             self.span.server_id, wall_s=t2 - started, queued_s=tm.queued_s, compute_s=tm.compute_s,
             server_io_s=tm.parse_s + tm.encode_s, client_io_s=sent.encode_s + (t3 - t2), tokens=sent.tokens,
-            pushed=reply.pushed, batched_steps=max(1, min(tm.batch_size, MAX_REPORTED_BATCH)),
+            pushed=reply.pushed, batched_steps=max(1, min(tm.batched_steps, MAX_REPORTED_BATCH)),
         )
         if sent.clean:
             self.channels.bandwidth(self.span.address).observe(

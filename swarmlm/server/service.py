@@ -423,7 +423,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             pushed=len(request.step.push) > 0,
             timing=pb.Timing(
                 queued_s=timing.queued_s, compute_s=timing.compute_s, parse_s=parsed - started, encode_s=encode_s,
-                batch_size=timing.batched_steps,
+                batched_steps=timing.batched_steps,
             ),
         )
 
@@ -481,7 +481,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         return pb.ForwardReply(
             hidden=reply,
             timing=pb.Timing(queued_s=timing.queued_s, compute_s=timing.compute_s, parse_s=parsed - started,
-                             encode_s=time.perf_counter() - encode_start, batch_size=timing.batched_steps),
+                             encode_s=time.perf_counter() - encode_start, batched_steps=timing.batched_steps),
         )
 
     async def _info(self, request: pb.InfoRequest, admission: Admission) -> pb.InfoReply:

@@ -243,7 +243,7 @@ class TrainingRpcs:
             encode_start = time.perf_counter()
             reply = encode(*results)
             reply.timing.CopyFrom(pb.Timing(queued_s=queued, compute_s=compute, parse_s=parsed - started,
-                                            encode_s=time.perf_counter() - encode_start, batch_size=1))
+                                            encode_s=time.perf_counter() - encode_start, batched_steps=1))
             return reply
         finally:
             await self.budget.release(need)
