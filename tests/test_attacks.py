@@ -535,7 +535,7 @@ def test_planted_prefixes_stay_in_their_scope_and_bad_saves_are_refused(attack_s
     address, hidden, blocks = attack_server
     ids = honest.ids[0].tolist()
     model = honest.client
-    salt = span_salts(model.remote.prefix, f"{model.dtype} none", [Span("x", 0, blocks, address)],
+    salt = span_salts(model.remote.dht_prefix, f"{model.dtype} none", [Span("x", 0, blocks, address)],
                       lambda s: "none", lambda s: "float32")[0]
     keys = keys_for(salt, ids, leave=1)
     assert keys

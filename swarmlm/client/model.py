@@ -38,7 +38,7 @@ from swarmlm.model.fingerprint import WeightsCheck
 from swarmlm.model.quant import quantize_client_modules
 from swarmlm.model.source import resolve
 from swarmlm.types import CacheOp
-from swarmlm.swarm.dht import default_prefix
+from swarmlm.swarm.dht import default_dht_prefix
 
 
 def _generation_config(model_dir: str, config) -> GenerationConfig:
@@ -72,14 +72,14 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
             self.client_modules, self.generation_config = base.client_modules, base.generation_config
         self.num_blocks = int(self.config.num_hidden_layers)
         if base is None:
-            self.remote = RemoteSequence(config, self.num_blocks, config.dht_prefix or default_prefix(model_dir))
+            self.remote = RemoteSequence(config, self.num_blocks, config.dht_prefix or default_dht_prefix(model_dir))
             self.remote.weights_check = WeightsCheck(model_dir)  # refuse servers of other weights under this name
         else:  # (a LoRA the servers pre-load: routed to them alone; a soft prompt: the base's servers)
             self.remote = base.remote.sibling(config.active_adapter) if config.active_adapter else base.remote
         self.owns_remote = base is None
         # the servers' prefix caches (client/prefix.py): this client's scope and the keys' salt (not with an
         # adapter: its rows are not the base model's)
-        self.prefix_context = PrefixContext(client_scope(config), self.remote.prefix, f"{self.dtype} {config.quant}",
+        self.prefix_context = PrefixContext(client_scope(config), self.remote.dht_prefix, f"{self.dtype} {config.quant}",
                                             self.embed) \
             if config.prefix_cache and not config.active_adapter and tuning_mode is None else None
         eos = self.generation_config.eos_token_id

@@ -40,7 +40,7 @@ class Server:
         self.config = config
         self.dht = None
         self.network = None  # in a swarm: reachability, relaying, tunnels to relayed servers (server/network.py)
-        self.prefix = None
+        self.dht_prefix = None
         self.stage: Stage | None = None
         self.service: SwarmService | None = None
         self.address = ""
@@ -57,10 +57,10 @@ class Server:
 
     # ---- start-up -----------------------------------------------------------------------------------
     def _start_dht(self) -> None:
-        from swarmlm.swarm.dht import default_prefix, fetch_records, owner_subkey, start_dht
+        from swarmlm.swarm.dht import default_dht_prefix, fetch_records, owner_subkey, start_dht
 
         cfg = self.config
-        self.prefix = cfg.dht_prefix or default_prefix(cfg.model_dir)
+        self.dht_prefix = cfg.dht_prefix or default_dht_prefix(cfg.model_dir)
         if cfg.initial_peers:
             from swarmlm.server.network import ServerNetwork
 
@@ -71,7 +71,7 @@ class Server:
             self.subkey = owner_subkey(self.server_id, validator)
             if cfg.blocks is not None:  # (choosing blocks reads the swarm's records anyway)
                 try:  # without the key, a private swarm's records stop us here: SwarmAccessDenied
-                    fetch_records(self.dht, self.prefix, range(cfg.blocks.start, cfg.blocks.end),
+                    fetch_records(self.dht, self.dht_prefix, range(cfg.blocks.start, cfg.blocks.end),
                                   swarm_key=cfg.swarm_key)
                 except BaseException:
                     self.dht.shutdown()
@@ -82,14 +82,14 @@ class Server:
 
         announce = self._announce_joining if self.dht is not None else None
         address = self.network.address(self.network.port) if self.network is not None else None
-        return choose_blocks(self.config, self.dht, self.prefix, self.server_id, announce, address)
+        return choose_blocks(self.config, self.dht, self.dht_prefix, self.server_id, announce, address)
 
     def _announce_joining(self, record: ServerRecord) -> None:
         """Its range before it serves (joining, loading): servers placing themselves see it, clients do not."""
         from swarmlm.swarm.dht import announce
 
         try:
-            announce(self.dht, self.prefix, record, self.config.record_ttl_s, subkey=self.subkey,
+            announce(self.dht, self.dht_prefix, record, self.config.record_ttl_s, subkey=self.subkey,
                      swarm_key=self.config.swarm_key)
         except Exception as exc:  # placement goes on with what it sees; a lost record only costs a rebalance
             log.warning("announcing the joining range failed: %s", exc)
@@ -103,7 +103,7 @@ class Server:
         from swarmlm.swarm.dht import fetch_records
 
         records = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: fetch_records(self.dht, self.prefix, [block], swarm_key=self.config.swarm_key))
+            None, lambda: fetch_records(self.dht, self.dht_prefix, [block], swarm_key=self.config.swarm_key))
         self.network.learn(records.values())  # relayed ones: pushed to through their relays
         return {r.address for r in records.values() if r.start <= block < r.end}
 
@@ -113,7 +113,7 @@ class Server:
         while not self._stopping.is_set():
             try:
                 with self._moving:
-                    announce(self.dht, self.prefix, self.record(), self.config.record_ttl_s, subkey=self.subkey,
+                    announce(self.dht, self.dht_prefix, self.record(), self.config.record_ttl_s, subkey=self.subkey,
                              swarm_key=self.config.swarm_key)
             except Exception as exc:  # a missed refresh is retried; the record lives for ttl
                 log.warning("announce failed: %s", exc)
@@ -144,7 +144,7 @@ class Server:
         log.info("loading blocks %s of %s (dtype %s)", blocks, cfg.model_dir, cfg.dtype)  # minutes for big models
         self.stage = self._load_stage(blocks)
         profile = cached_profile(self.stage, cfg.threads, cfg.profile_cache_dir)
-        stats = ServerStats(server_id=self.server_id, model=self.prefix or "", **measured_speeds(profile))
+        stats = ServerStats(server_id=self.server_id, model=self.dht_prefix or "", **measured_speeds(profile))
         self._scheduler = Scheduler(cfg.threads, cfg.scheduler)
         self.service = SwarmService(cfg, self.stage, self._scheduler, stats)
         if self.dht is not None:  # pushes go only to servers announced for the next block (server/push.py)
@@ -213,7 +213,7 @@ class Server:
             from swarmlm.swarm.dht import announce
 
             try:
-                announce(self.dht, self.prefix, self.record(OFFLINE), self.config.record_ttl_s, subkey=self.subkey,
+                announce(self.dht, self.dht_prefix, self.record(OFFLINE), self.config.record_ttl_s, subkey=self.subkey,
                          swarm_key=self.config.swarm_key)
             except Exception as exc:
                 log.warning("withdrawal failed: %s", exc)
@@ -235,7 +235,7 @@ class Server:
             await asyncio.sleep(min(period, GAP_CHECK_S))
             try:
                 records = await loop.run_in_executor(None, lambda: fetch_records(  # joiners count: no move onto them
-                    self.dht, self.prefix, range(model.num_blocks), swarm_key=self.config.swarm_key, joining=True))
+                    self.dht, self.dht_prefix, range(model.num_blocks), swarm_key=self.config.swarm_key, joining=True))
                 if time.monotonic() < next_check and not uncovered(records, model.num_blocks):
                     continue
                 next_check = time.monotonic() + period
@@ -258,7 +258,7 @@ class Server:
             # the new range as loading: clients stop routing here, other servers placing themselves count it
             loading = dataclasses.replace(self.record(LOADING), start=blocks.start, end=blocks.end)
             await loop.run_in_executor(None, lambda: announce(
-                self.dht, self.prefix, loading, cfg.record_ttl_s, subkey=self.subkey, swarm_key=cfg.swarm_key))
+                self.dht, self.dht_prefix, loading, cfg.record_ttl_s, subkey=self.subkey, swarm_key=cfg.swarm_key))
             deadline = time.monotonic() + min(cfg.drain_timeout_s, 5.0)
             while self.service.sessions.sessions and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
