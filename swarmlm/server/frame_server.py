@@ -14,6 +14,7 @@ import logging
 import grpc
 
 from swarmlm.config import ServerConfig
+from swarmlm.server.inbound import UNPARSABLE
 from swarmlm.swarm.private import HINT, TokenChecker
 from swarmlm.wire import frames
 from swarmlm.wire import swarm_pb2 as pb
@@ -141,8 +142,6 @@ class FrameServer:
         """REQUEST frames as parsed InferenceRequests (UNPARSABLE when they do not parse, as on gRPC), until END.
         A framing error ends the iteration with an exception (a broken stream to the handler) and is kept in
         `broken` for the STATUS."""
-        from swarmlm.server.service import UNPARSABLE
-
         while True:
             try:
                 got = await frames.read_frame(reader, self.max_body_bytes, self.body_timeout_s)
@@ -163,8 +162,6 @@ class FrameServer:
 
     async def _pushes(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """PUSH frames, each answered by one STATUS (the service's Push handler decides), until the pusher closes."""
-        from swarmlm.server.service import UNPARSABLE
-
         while True:
             got = await frames.read_frame(reader, self.max_body_bytes, self.body_timeout_s)
             if got is None:

@@ -22,9 +22,10 @@ from swarmlm.config import ServerConfig
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.perf.profile import cached_profile
 from swarmlm.server.scheduler import Scheduler
-from swarmlm.server.service import ServerStats, SwarmService, add_to_server, measured_speeds
+from swarmlm.server.service import ServerStats, SwarmService, measured_speeds
 from swarmlm.server.auth import server_interceptors
 from swarmlm.server.frame_server import FrameServer
+from swarmlm.server.inbound import add_to_server
 from swarmlm.server.stage import Stage
 from swarmlm.swarm.identity import Identity
 from swarmlm.swarm.records import LOADING, OFFLINE, ONLINE, ServerRecord, record_from_info
@@ -165,7 +166,7 @@ class Server:
         elif cfg.frames:  # the same handlers on a framed port (server/frame_server.py), checked by the same gate
             self._frames = FrameServer(self.service, cfg, gate[0].checker if gate else None)
             self.service.frame_port = await self._frames.start(cfg.host)
-        self._tasks = [asyncio.create_task(self.service.expire_loop())]
+        self._tasks = [asyncio.create_task(self.service.streams.expire_loop())]
         if self.dht is not None:
             self._announcer = threading.Thread(target=self._announce_loop, name="swarmlm-announce", daemon=True)
             self._announcer.start()
