@@ -301,19 +301,19 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
             raise InvalidRequest(f"token ids must be in [0, {self.config.vocab_size})")
         return input_ids
 
-    def _logits(self, session: InferenceSession, tokens: torch.Tensor, mask: torch.Tensor | None, keep: slice,
+    def _logits(self, session: InferenceSession, inputs: torch.Tensor, mask: torch.Tensor | None, keep: slice,
                 stats: GenerationStats | None, op: CacheOp | None = None) -> torch.Tensor:
-        """tokens: ids [B, T], or embeddings [B, T, H] (inputs_embeds)."""
+        """inputs: token ids [B, T], or embeddings [B, T, H] (inputs_embeds)."""
         t0 = time.perf_counter()
-        ids = tokens if tokens.dim() == 2 else None
+        ids = inputs if inputs.dim() == 2 else None
         held = session.prefix_held(ids) if ids is not None else 0  # a cached prefix's tokens are not sent
         if held:
             if keep != slice(-1, None):
                 raise InvalidRequest("a session that started from a cached prefix gives the last position's logits "
                                      "only (open it without prompt_ids for all of them)")
-            tokens, ids, mask = tokens[:, held:], ids[:, held:], mask[:, held:] if mask is not None else None
+            inputs, ids, mask = inputs[:, held:], ids[:, held:], mask[:, held:] if mask is not None else None
         with torch.inference_mode():
-            hidden = self.embed(tokens) if ids is not None else self.embed_inputs(tokens)
+            hidden = self.embed(inputs) if ids is not None else self.embed_inputs(inputs)
         t1 = time.perf_counter()
         out = session.step(hidden, mask, op, token_ids=ids)[:, keep]
         t2 = time.perf_counter()
