@@ -79,7 +79,7 @@ def seeds(ctx: Ctx) -> tuple[int, str]:
 def forged_record(ctx: Ctx) -> tuple[int, str]:
     from hivemind.utils import get_dht_time
 
-    from swarmlm.swarm.dht import default_prefix, fetch_records, owner_subkey
+    from swarmlm.swarm.dht import default_dht_prefix, fetch_records, owner_subkey
     from swarmlm.swarm.dht_thread import ThreadDHT
     from swarmlm.swarm.identity import Identity
     from tests.test_identity import RawDHT
@@ -87,16 +87,16 @@ def forged_record(ctx: Ctx) -> tuple[int, str]:
     reader, attacker = ThreadDHT(ctx.initial_peers), Identity.generate()
     raw = RawDHT(ctx.initial_peers, attacker)
     try:
-        prefix = default_prefix(ctx.model)
+        dht_prefix = default_dht_prefix(ctx.model)
         records = {}
         for _ in range(60):  # a node that just joined may not find the records at once
-            records = fetch_records(reader, prefix, range(6))
+            records = fetch_records(reader, dht_prefix, range(6))
             if records:
                 break
             time.sleep(1)
         honest = next(iter(records.values()))
         forged = replace(honest, server_id=attacker.server_id, address="127.0.0.1:9", max_length=1)
-        raw.write(prefix, forged, owner_subkey(attacker.server_id, attacker.validator), get_dht_time() + 30)
+        raw.write(dht_prefix, forged, owner_subkey(attacker.server_id, attacker.validator), get_dht_time() + 30)
         out = []
         for _ in range(5):
             out.append(str(ctx.post({**HONEST, "max_tokens": 2}).status_code))
@@ -183,7 +183,7 @@ def prefix_timing(ctx: Ctx, guesses: int = 20) -> tuple[int, str]:
     """Issue 39, hole 6: user "a" asks with a PIN in the prompt; user "b" guesses it, watching the servers' prefix hit
     counters (Info) after each guess. Before: the right guess alone raised hit_tokens (a shared scope, public
     counters)."""
-    from swarmlm.swarm.dht import default_prefix, fetch_records
+    from swarmlm.swarm.dht import default_dht_prefix, fetch_records
     from swarmlm.swarm.dht_thread import ThreadDHT
     from swarmlm.wire import swarm_pb2 as pb
     from swarmlm.wire import swarm_pb2_grpc as pb_grpc
@@ -192,7 +192,7 @@ def prefix_timing(ctx: Ctx, guesses: int = 20) -> tuple[int, str]:
     text = "Customer record. Name: A. Example. Address: 1 Main Street. Account PIN: {pin:02d}. " * 2
     reader = ThreadDHT(ctx.initial_peers)
     try:
-        addresses = [r.address for r in fetch_records(reader, default_prefix(ctx.model), range(6)).values()]
+        addresses = [r.address for r in fetch_records(reader, default_dht_prefix(ctx.model), range(6)).values()]
     finally:
         reader.shutdown()
 

@@ -9,9 +9,9 @@ __version__ = "0.1.0"
 
 # Imported on first use, so `import swarmlm` (and `swarmlm plan`) does not load torch.
 _LAZY = {
-    "AutoDistributedModelForCausalLM": "swarmlm.client.model",
+    "AutoDistributedModelForCausalLM": "swarmlm.client.auto",
     "DistributedModelForCausalLM": "swarmlm.client.model",
-    "AutoTokenizer": "swarmlm.client.model",
+    "AutoTokenizer": "swarmlm.client.auto",
 }
 __all__ = ["__version__", *_LAZY]
 

@@ -21,7 +21,7 @@ from hivemind.utils import get_dht_time
 from transformers import AutoTokenizer
 
 from swarmlm.api.process import GatewayProcess
-from swarmlm.swarm.dht import default_prefix, fetch_records, owner_subkey
+from swarmlm.swarm.dht import default_dht_prefix, fetch_records, owner_subkey
 from swarmlm.swarm.dht_thread import ThreadDHT
 from swarmlm.swarm.identity import Identity
 from swarmlm.swarm.local import LocalSwarm
@@ -147,10 +147,10 @@ def test_a_request_past_its_deadline_ends_with_504_and_frees_its_slot(strict, ti
 
 
 # ---- hole 2: a forged record does not set the context ----------------------------------------------------------
-def _some_record(dht, prefix: str):
+def _some_record(dht, dht_prefix: str):
     """A server's record, as any peer reads it (a node that just joined may need a few tries)."""
     deadline = time.monotonic() + 60
-    while not (records := fetch_records(dht, prefix, range(6))):
+    while not (records := fetch_records(dht, dht_prefix, range(6))):
         assert time.monotonic() < deadline, "no record in the DHT"
         time.sleep(0.5)
     return next(iter(records.values()))
@@ -161,10 +161,10 @@ def test_a_forged_unreachable_record_does_not_set_the_context(swarm, main, tiny_
     attacker = Identity.generate()
     raw = RawDHT(swarm.initial_peers, attacker)
     try:
-        prefix = default_prefix(tiny_bloom)
-        honest = _some_record(reader, prefix)
+        dht_prefix = default_dht_prefix(tiny_bloom)
+        honest = _some_record(reader, dht_prefix)
         forged = replace(honest, server_id=attacker.server_id, address="127.0.0.1:9", max_length=1)
-        raw.write(prefix, forged, owner_subkey(attacker.server_id, attacker.validator), get_dht_time() + 60)
+        raw.write(dht_prefix, forged, owner_subkey(attacker.server_id, attacker.validator), get_dht_time() + 60)
         want = greedy(PROMPT, 6)
         for _ in range(3):  # the gateway re-reads the swarm between requests (records older than 2 s)
             got = _post(main, {"model": tiny_bloom, "prompt": PROMPT, "max_tokens": 6, "temperature": 0})

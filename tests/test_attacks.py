@@ -413,7 +413,7 @@ def test_decode_steps_are_not_stuck_behind_a_long_forward(attack_server, honest)
                                                                          hidden=codec.encode(x)), timeout=600)
         result["end"] = time.monotonic()
         t = reply.timing  # the server's own time for it: it began no earlier than this before its end
-        result["start"] = result["end"] - (t.decode_s + t.queued_s + t.compute_s + t.encode_s)
+        result["start"] = result["end"] - (t.parse_s + t.queued_s + t.compute_s + t.encode_s)
 
     thread = threading.Thread(target=forward)
     thread.start()
@@ -618,7 +618,7 @@ def test_planted_prefixes_stay_in_their_scope_and_bad_saves_are_refused(attack_s
     address, hidden, blocks = attack_server
     ids = honest.ids[0].tolist()
     model = honest.client
-    salt = span_salts(model.remote.prefix, f"{model.dtype} none", [Span("x", 0, blocks, address)],
+    salt = span_salts(model.remote.dht_prefix, f"{model.dtype} none", [Span("x", 0, blocks, address)],
                       lambda s: "none", lambda s: "float32")[0]
     keys = keys_for(salt, ids, leave=1)
     assert keys

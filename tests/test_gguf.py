@@ -113,7 +113,7 @@ def test_a_quantization_type_gguf_py_cannot_dequantize_is_one_line_and_exit_2(ti
 def test_a_hub_snapshots_gguf_file_is_selected_by_gguf_file(tiny, tmp_path, monkeypatch):
     from huggingface_hub import constants
 
-    from swarmlm.client.model import gguf_in_snapshot
+    from swarmlm.model.source import gguf_in_snapshot
     from tests.hub_layout import add_to_hub_cache
 
     _, gguf = tiny

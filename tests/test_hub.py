@@ -25,7 +25,7 @@ from swarmlm.model.families import family_for
 from swarmlm.model.fingerprint import Fingerprints, WeightsCheck, dht_prefix, model_identity
 from swarmlm.model.random_checkpoint import init_checkpoint
 from swarmlm.model.source import ModelNotFound, resolve
-from swarmlm.swarm.dht import default_prefix
+from swarmlm.swarm.dht import default_dht_prefix
 from swarmlm.swarm.local import LocalSwarm
 from swarmlm.types import BlockRange
 from tests.hub_layout import add_to_hub_cache
@@ -190,7 +190,7 @@ def test_dtype_takes_what_transformers_takes(checkpoints):
 def test_identity_is_the_config_not_the_path_and_fingerprints_are_the_weights(checkpoints, tmp_path):
     first, second, resharded, other = (checkpoints[k] for k in ("first", "second", "resharded", "other"))
     assert model_identity(first) == model_identity(second) == model_identity(other)
-    assert default_prefix(first) == default_prefix(second) == dht_prefix(first)
+    assert default_dht_prefix(first) == default_dht_prefix(second) == dht_prefix(first)
     assert model_identity(first).startswith("qwen3-")
     assert model_identity(init_checkpoint("tiny-mistral", tmp_path / "m")) != model_identity(first)
     assert dht_prefix("Org/Some.Model") == "Org--Some-Model"

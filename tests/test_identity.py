@@ -36,9 +36,9 @@ class RawDHT(ThreadDHT):
         self.node = self._call(DHTNode.create(initial_peers=list(initial_peers), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                                               record_validator=key.validator)).result(60)
 
-    def write(self, prefix: str, record: ServerRecord, subkey: str, expiration: float) -> None:
+    def write(self, dht_prefix: str, record: ServerRecord, subkey: str, expiration: float) -> None:
         for b in range(record.start, record.end):
-            self.store(block_key(prefix, b), record.to_dict(), expiration_time=expiration, subkey=subkey)
+            self.store(block_key(dht_prefix, b), record.to_dict(), expiration_time=expiration, subkey=subkey)
 
 
 def test_an_id_is_its_public_key_and_persists(tmp_path):
@@ -124,7 +124,7 @@ def swarm(tiny_bloom, tmp_path_factory):
         client = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers)
         try:
             rogue_swarm.initial_peers = swarm.initial_peers
-            rogue = rogue_swarm.start_server(BlockRange(0, 3), extra=["--dht-prefix", client.remote.prefix])
+            rogue = rogue_swarm.start_server(BlockRange(0, 3), extra=["--dht-prefix", client.remote.dht_prefix])
             yield swarm, rogue, client
         finally:
             client.close()
@@ -143,15 +143,15 @@ def test_forged_and_rogue_records_never_reach_a_route(swarm, reference):
     attacker = Identity.generate()
     raw = RawDHT(swarm.initial_peers, attacker)
     try:
-        honest = fetch_records(remote.dht, remote.prefix, range(6))
+        honest = fetch_records(remote.dht, remote.dht_prefix, range(6))
         lure = dict(decode_s=1e-9, prefill_a_s=1e-9, prefill_b_s=0.0, cache_bytes_free=1 << 30)
         until = get_dht_time() + MAX_RECORD_TTL_S - 1
         # 1. the victim's id pointing at the rogue server, signed by the attacker's key: every reader ignores it
-        raw.write(remote.prefix, replace(honest[victim.server_id], address=rogue.address, **lure),
+        raw.write(remote.dht_prefix, replace(honest[victim.server_id], address=rogue.address, **lure),
                   owner_subkey(victim.server_id, attacker.validator), until)
         # 2. a valid record under the attacker's own id, copying the honest server's range, fingerprint and address,
         #    and faster (the router would pick it): that server cannot sign for the attacker's id
-        raw.write(remote.prefix, replace(honest[victim.server_id], server_id=attacker.server_id, **lure),
+        raw.write(remote.dht_prefix, replace(honest[victim.server_id], server_id=attacker.server_id, **lure),
                   owner_subkey(attacker.server_id, attacker.validator), until)
 
         ids, want = reference

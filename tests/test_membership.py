@@ -11,7 +11,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarmlm.model.random_checkpoint import init_checkpoint
-from swarmlm.swarm.dht import announce, default_prefix, fetch_records, owner_subkey, visible_addrs
+from swarmlm.swarm.dht import announce, default_dht_prefix, fetch_records, owner_subkey, visible_addrs
 from swarmlm.swarm.dht_thread import ThreadDHT
 from swarmlm.swarm.identity import Identity
 from swarmlm.swarm.local import LocalSwarm
@@ -141,27 +141,27 @@ def test_joining_and_loading_records_are_seen_by_placement_only():
 def test_dead_server_leaves_routes_within_seconds(tiny_bloom):
     with server_processes(tiny_bloom, [BlockRange(0, 6), BlockRange(0, 6)]) as swarm:
         reader = ThreadDHT(swarm.initial_peers, client_mode=True)  # what clients run (no fork)
-        prefix = default_prefix(tiny_bloom)
+        dht_prefix = default_dht_prefix(tiny_bloom)
         try:
-            assert len(fetch_records(reader, prefix, range(6))) == 2
+            assert len(fetch_records(reader, dht_prefix, range(6))) == 2
             victim = swarm.servers[0]
             swarm.kill(victim, signal.SIGKILL)
             # the record lives 8 s after its last refresh; 40 s leaves a busy machine room (a record that never
             # expires, or lives as long as the 60 s cap, still fails)
-            _until_gone(reader, prefix, victim.server_id, 40, "a dead server's record outlived its TTL")
+            _until_gone(reader, dht_prefix, victim.server_id, 40, "a dead server's record outlived its TTL")
             # a clean shutdown withdraws the record (an offline record), then the process exits cleanly
             other = swarm.servers[1]
             swarm.kill(other, signal.SIGTERM)
-            _until_gone(reader, prefix, other.server_id, 40, "SIGTERM did not withdraw the record")
+            _until_gone(reader, dht_prefix, other.server_id, 40, "SIGTERM did not withdraw the record")
             assert other.proc.wait(60) == 0
             assert "withdrawal failed" not in other.log_path.read_text()
         finally:
             reader.shutdown()
 
 
-def _until_gone(reader, prefix: str, server_id: str, timeout_s: float, message: str) -> None:
+def _until_gone(reader, dht_prefix: str, server_id: str, timeout_s: float, message: str) -> None:
     deadline = time.monotonic() + timeout_s
-    while server_id in fetch_records(reader, prefix, range(6)):
+    while server_id in fetch_records(reader, dht_prefix, range(6)):
         assert time.monotonic() < deadline, message
         time.sleep(0.1)
 
@@ -169,7 +169,7 @@ def _until_gone(reader, prefix: str, server_id: str, timeout_s: float, message: 
 def _until_seen(reader, path: str, count: int, num_blocks: int, timeout_s: float = 60.0) -> None:
     """Poll the DHT (instead of sleeping a guessed time) until `count` servers' records are visible."""
     deadline = time.monotonic() + timeout_s
-    while len(records := fetch_records(reader, default_prefix(path), range(num_blocks))) < count:
+    while len(records := fetch_records(reader, default_dht_prefix(path), range(num_blocks))) < count:
         assert time.monotonic() < deadline, f"only {len(records)} of {count} servers visible in the DHT"
         time.sleep(0.2)
 
@@ -225,7 +225,7 @@ def test_rebalancing_covers_blocks_a_dead_server_left(tiny_bloom):
             swarm.kill(lost, signal.SIGKILL)
             deadline = time.time() + 120  # the lost record expires (8 s), then a rebalancing check (every 1 s)
             while True:
-                records = fetch_records(reader, default_prefix(tiny_bloom), range(6))
+                records = fetch_records(reader, default_dht_prefix(tiny_bloom), range(6))
                 if records.get(mover.server_id) and records[mover.server_id].start == 3:
                     break
                 assert time.time() < deadline, f"the server did not move: {records}"

@@ -13,7 +13,7 @@ from swarmlm.planner.placement import (PlacementOptions, amortised_block_time_s,
                                        choose_concurrency,
                                        choose_range, is_feasible, max_concurrency, petals_num_blocks,
                                        place_cg_bprr, request_clients, session_capacity)
-from swarmlm.planner.routing import bprr_hop_cost, shortest_route
+from swarmlm.planner.hop_graph import bprr_hop_cost, shortest_route
 from swarmlm.types import BlockRange
 
 

@@ -10,7 +10,8 @@ from tests.planner_fixtures import _chains
 from swarmlm.config import MESSAGE_OVERHEAD_S
 from swarmlm.errors import MissingBlocks
 from swarmlm.perf.model import ComputeProfile, Network, PerfModel
-from swarmlm.planner.routing import WaitingAwareRouter, bprr_hop_cost, shortest_route
+from swarmlm.planner.hop_graph import bprr_hop_cost, shortest_route
+from swarmlm.planner.routing import WaitingAwareRouter
 from swarmlm.types import BlockRange, Route, Span
 
 
@@ -153,7 +154,7 @@ def test_router_partial_hops_take_only_their_blocks_and_release_frees_slots():
 
 @pytest.mark.parametrize("seed", range(30))
 def test_affine_fast_path_matches_the_generic_search(seed):
-    from swarmlm.planner.routing import HopGraph
+    from swarmlm.planner.hop_graph import HopGraph
     rng = random.Random(1000 + seed)
     L = rng.randint(1, 8)
     ranges = _random_ranges(rng, rng.randint(1, 12), L)

@@ -14,7 +14,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.errors import SwarmAccessDenied
-from swarmlm.swarm.dht import announce, default_prefix, fetch_records
+from swarmlm.swarm.dht import announce, default_dht_prefix, fetch_records
 from swarmlm.swarm.dht_thread import ThreadDHT
 from swarmlm.swarm.identity import Identity
 from swarmlm.swarm.private import AUTH_WINDOW_S, TokenChecker, create_swarm_key, load_swarm_key, make_token
@@ -116,9 +116,9 @@ def test_a_server_without_the_key_is_refused_and_cannot_announce(swarm, tiny_blo
     keyless = ThreadDHT(swarm.initial_peers, client_mode=False)
     member = ThreadDHT(swarm.initial_peers, client_mode=True, swarm_key=load_swarm_key(key_file))
     try:
-        prefix = default_prefix(tiny_bloom)
-        announce(keyless, prefix, ServerRecord(server_id=me.server_id, address="127.0.0.1:9", start=0, end=6), 30)
-        seen = fetch_records(member, prefix, range(6), swarm_key=load_swarm_key(key_file))
+        dht_prefix = default_dht_prefix(tiny_bloom)
+        announce(keyless, dht_prefix, ServerRecord(server_id=me.server_id, address="127.0.0.1:9", start=0, end=6), 30)
+        seen = fetch_records(member, dht_prefix, range(6), swarm_key=load_swarm_key(key_file))
         assert set(seen) == {s.server_id for s in swarm.servers[:2]}  # (not the refused stranger)
     finally:
         member.shutdown()

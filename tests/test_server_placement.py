@@ -139,7 +139,7 @@ def test_without_settling_a_joiner_announces_its_first_choice_as_final(tiny_bloo
 def test_a_given_range_is_announced_as_loading_before_it_loads(tiny_bloom):
     cfg = ServerConfig(model_dir=tiny_bloom, blocks=BlockRange(2, 5), port=4321)
     board = Board()
-    assert choose_blocks(cfg, dht=None, prefix="p", server_id="fixed", announce=board.announce) == BlockRange(2, 5)
+    assert choose_blocks(cfg, dht=None, dht_prefix="p", server_id="fixed", announce=board.announce) == BlockRange(2, 5)
     record = board.records["fixed"]
     assert (record.state, record.start, record.end, record.address) == (LOADING, 2, 5, "127.0.0.1:4321")
 

@@ -190,7 +190,7 @@ def test_every_unary_rpc_gives_an_error_class_the_same_status(tiny_bloom, error)
         admission.charge(1000)  # held until the call ends, whatever happens
         raise exc_type("refused here")
 
-    service._forward = service._info = service._push = service.training.backward = refuse
+    service._forward = service._info = service.streams.push = service.training.backward = refuse
     calls = {"Forward": pb.ForwardRequest(), "Backward": pb.BackwardRequest(), "Info": pb.InfoRequest(),
              "Push": pb.PushRequest()}
 

@@ -243,28 +243,28 @@ def record_hijack(swarm, server, ids, new_tokens: int, clients: int = 2) -> list
     import dataclasses
 
     from swarmlm.client.model import DistributedModelForCausalLM
-    from swarmlm.swarm.dht import announce, default_prefix, fetch_records, owner_subkey
+    from swarmlm.swarm.dht import announce, default_dht_prefix, fetch_records, owner_subkey
     from swarmlm.swarm.dht_thread import ThreadDHT
     from swarmlm.swarm.identity import Identity
 
-    prefix = default_prefix(swarm.model_dir)
+    dht_prefix = default_dht_prefix(swarm.model_dir)
     key = Identity.generate()
     signer, stranger = key.validator, key.server_id
     attacker = ThreadDHT(swarm.initial_peers, client_mode=False, validator=signer)
     stop, out = threading.Event(), []
     try:
-        honest = _record_with_relay(attacker, prefix, server.server_id, stop)
+        honest = _record_with_relay(attacker, dht_prefix, server.server_id, stop)
         lie = dataclasses.replace(honest, server_id=stranger,
                                   relay=f"/ip4/127.0.0.1/tcp/9/p2p/{honest.relay.split('/')[-1]}")  # dead port
 
         def publish() -> None:
             while not stop.is_set():
-                announce(attacker, prefix, lie, 8.0, subkey=owner_subkey(stranger, signer))
+                announce(attacker, dht_prefix, lie, 8.0, subkey=owner_subkey(stranger, signer))
                 stop.wait(1.0)
 
         threading.Thread(target=publish, daemon=True).start()
         for _ in range(150):  # (its record readable: then the clients come)
-            if stranger in fetch_records(attacker, prefix, [honest.start]) or stop.wait(0.2):
+            if stranger in fetch_records(attacker, dht_prefix, [honest.start]) or stop.wait(0.2):
                 break
         else:
             raise RuntimeError("the stranger's record was not stored")
@@ -286,12 +286,12 @@ def record_hijack(swarm, server, ids, new_tokens: int, clients: int = 2) -> list
     return out
 
 
-def _record_with_relay(dht, prefix: str, server_id: str, stop: threading.Event, tries: int = 100, block: int = 0):
+def _record_with_relay(dht, dht_prefix: str, server_id: str, stop: threading.Event, tries: int = 100, block: int = 0):
     """The server's record (under `block`) once it names its relay."""
     from swarmlm.swarm.dht import fetch_records
 
     for _ in range(tries):
-        record = fetch_records(dht, prefix, [block]).get(server_id)
+        record = fetch_records(dht, dht_prefix, [block]).get(server_id)
         if record is not None and record.relay:
             return record
         stop.wait(0.2)

@@ -171,7 +171,7 @@ def push_relay_hijack(swarm, generations: int = 2, new_tokens: int = 6) -> dict:
     from swarmlm.bench.relay_attacks import _record_with_relay
     from swarmlm.config import ServerConfig
     from swarmlm.server.network import ServerNetwork
-    from swarmlm.swarm.dht import announce, default_prefix, fetch_records, owner_subkey
+    from swarmlm.swarm.dht import announce, default_dht_prefix, fetch_records, owner_subkey
     from swarmlm.swarm.dht_thread import ThreadDHT
     from swarmlm.swarm.identity import Identity
 
@@ -179,7 +179,7 @@ def push_relay_hijack(swarm, generations: int = 2, new_tokens: int = 6) -> dict:
     a = swarm.start_server(BlockRange(0, n // 2), wait=False)
     b = swarm.start_server(BlockRange(n // 2, n), extra=["--reachability", "relayed"], wait=False)
     swarm.wait_ready([a, b])
-    prefix, key = default_prefix(swarm.model_dir), Identity.generate()
+    prefix, key = default_dht_prefix(swarm.model_dir), Identity.generate()
     attacker = ThreadDHT(swarm.initial_peers, client_mode=False, validator=key.validator)
     stop = threading.Event()
     result = {"attack": "a stranger's record naming a relayed push target with a dead relay (hole 1, pushes)",
@@ -256,7 +256,7 @@ def stuck_loader(swarm, server_args=(), wait_for_loading_s: float = 6.0) -> dict
 
     from swarmlm.errors import MissingBlocks
     from swarmlm.model.checkpoint import load_config
-    from swarmlm.swarm.dht import announce, default_prefix, owner_subkey
+    from swarmlm.swarm.dht import announce, default_dht_prefix, owner_subkey
     from swarmlm.swarm.dht_thread import ThreadDHT
     from swarmlm.swarm.identity import Identity
     from swarmlm.client.model import DistributedModelForCausalLM
@@ -274,7 +274,7 @@ def stuck_loader(swarm, server_args=(), wait_for_loading_s: float = 6.0) -> dict
     try:
         record = ServerRecord(server_id=stranger.server_id, address="127.0.0.1:1", start=blocks // 2, end=blocks,
                               state=LOADING)
-        announce(node, default_prefix(swarm.model_dir), record, 60,
+        announce(node, default_dht_prefix(swarm.model_dir), record, 60,
                  subkey=owner_subkey(stranger.server_id, stranger.validator))
         client = DistributedModelForCausalLM.from_pretrained(
             swarm.model_dir, initial_peers=swarm.initial_peers, wait_for_blocks_s=1.0,

@@ -104,7 +104,7 @@ def model_ref(args: argparse.Namespace) -> str:
         if args.model not in CATALOG:  # a hub id: its config, from the cache or the hub if it can be reached
             resolve(args.model, getattr(args, "revision", None)).file("config.json")
     if getattr(args, "gguf_file", None):
-        from swarmlm.client.model import gguf_in_snapshot
+        from swarmlm.model.source import gguf_in_snapshot
 
         return gguf_in_snapshot(args.model, args.gguf_file, getattr(args, "revision", None))
     if getattr(args, "revision", None) is None:

@@ -8,7 +8,6 @@ in this process share one head matmul (head_batcher.py).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from pathlib import Path
@@ -23,22 +22,23 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from swarmlm.client.autograd import RemoteTrainer
 from swarmlm.client.remote_cache import GenerationStats, RemoteCache
 from swarmlm.client.training_forward import train_forward
-from swarmlm.client.tuning import (TUNING_MODES, ClientLora, PromptTuning, TuningMode, find_tuned, load_adapter_weights,
-                                   load_trainable, save_adapter, save_trainable)
+from swarmlm.client.tuning import (TUNING_MODES, ClientLora, PromptTuning, TuningMode, adapter_tuning,
+                                   load_adapter_weights, load_trainable, save_adapter, save_trainable)
 from swarmlm.client.head_batcher import HeadBatcher
 from swarmlm.client.remote import RemoteSequence
 from swarmlm.client.prefix import client_scope
 from swarmlm.client.session import InferenceSession, PrefixContext
 from swarmlm.client.decoding.drafts import SpeculativeMode, parse_mode
 from swarmlm.client.decoding.generate import decoder_generate, decodes
+from swarmlm.client.decoding.sampling import sampling_rng
 from swarmlm.config import ClientConfig, dtype_name
 from swarmlm.errors import InvalidRequest
 from swarmlm.model.checkpoint import load_client_modules, parse_dtype
 from swarmlm.model.fingerprint import WeightsCheck
 from swarmlm.model.quant import quantize_client_modules
-from swarmlm.model.source import resolve
+from swarmlm.model.source import gguf_in_snapshot, resolve, with_revision
 from swarmlm.types import CacheOp
-from swarmlm.swarm.dht import default_prefix
+from swarmlm.swarm.dht import default_dht_prefix
 
 
 def _generation_config(model_dir: str, config) -> GenerationConfig:
@@ -72,14 +72,14 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
             self.client_modules, self.generation_config = base.client_modules, base.generation_config
         self.num_blocks = int(self.config.num_hidden_layers)
         if base is None:
-            self.remote = RemoteSequence(config, self.num_blocks, config.dht_prefix or default_prefix(model_dir))
+            self.remote = RemoteSequence(config, self.num_blocks, config.dht_prefix or default_dht_prefix(model_dir))
             self.remote.weights_check = WeightsCheck(model_dir)  # refuse servers of other weights under this name
         else:  # (a LoRA the servers pre-load: routed to them alone; a soft prompt: the base's servers)
             self.remote = base.remote.sibling(config.active_adapter) if config.active_adapter else base.remote
         self.owns_remote = base is None
         # the servers' prefix caches (client/prefix.py): this client's scope and the keys' salt (not with an
         # adapter: its rows are not the base model's)
-        self.prefix_context = PrefixContext(client_scope(config), self.remote.prefix, f"{self.dtype} {config.quant}",
+        self.prefix_context = PrefixContext(client_scope(config), self.remote.dht_prefix, f"{self.dtype} {config.quant}",
                                             self.embed) \
             if config.prefix_cache and not config.active_adapter and tuning_mode is None else None
         eos = self.generation_config.eos_token_id
@@ -120,7 +120,7 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
             raise ValueError("give initial_peers (a DHT address) or servers (host:port list)")
         if adapter is not None and tuning_mode is not None:
             raise ValueError(f"adapter={adapter!r} brings its own settings: give no tuning_mode")
-        folder, served, saved = _adapter_tuning(adapter)
+        folder, served, saved = adapter_tuning(adapter)
         if served is not None:  # the servers apply it in their cached sessions (server/adapters.py)
             kwargs["active_adapter"] = served
         tuning_mode, pre_seq_len = saved.get("tuning_mode", tuning_mode), saved.get("pre_seq_len", pre_seq_len)
@@ -145,7 +145,7 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         (it owns the DHT node)."""
         if self.prompts is not None or self.lora is not None or self.client_config.active_adapter:
             raise ValueError("with_adapter() on a model that is tuned already: call it on the base model")
-        folder, served, tuning = _adapter_tuning(adapter)
+        folder, served, tuning = adapter_tuning(adapter)
         config = dataclasses.replace(self.client_config, active_adapter=served)
         model = type(self)(self.model_dir, config, base=self, **tuning)
         if served is None:
@@ -300,19 +300,19 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
             raise InvalidRequest(f"token ids must be in [0, {self.config.vocab_size})")
         return input_ids
 
-    def _logits(self, session: InferenceSession, tokens: torch.Tensor, mask: torch.Tensor | None, keep: slice,
+    def _logits(self, session: InferenceSession, inputs: torch.Tensor, mask: torch.Tensor | None, keep: slice,
                 stats: GenerationStats | None, op: CacheOp | None = None) -> torch.Tensor:
-        """tokens: ids [B, T], or embeddings [B, T, H] (inputs_embeds)."""
+        """inputs: token ids [B, T], or embeddings [B, T, H] (inputs_embeds)."""
         t0 = time.perf_counter()
-        ids = tokens if tokens.dim() == 2 else None
+        ids = inputs if inputs.dim() == 2 else None
         held = session.prefix_held(ids) if ids is not None else 0  # a cached prefix's tokens are not sent
         if held:
             if keep != slice(-1, None):
                 raise InvalidRequest("a session that started from a cached prefix gives the last position's logits "
                                      "only (open it without prompt_ids for all of them)")
-            tokens, ids, mask = tokens[:, held:], ids[:, held:], mask[:, held:] if mask is not None else None
+            inputs, ids, mask = inputs[:, held:], ids[:, held:], mask[:, held:] if mask is not None else None
         with torch.inference_mode():
-            hidden = self.embed(tokens) if ids is not None else self.embed_inputs(tokens)
+            hidden = self.embed(inputs) if ids is not None else self.embed_inputs(inputs)
         t1 = time.perf_counter()
         out = session.step(hidden, mask, op, token_ids=ids)[:, keep]
         t2 = time.perf_counter()
@@ -349,7 +349,7 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
             kwargs["cache"] = remote
         out = None
         try:
-            with _sampling_rng(generator):
+            with sampling_rng(generator):
                 out = super().generate(inputs, generation_config, **kwargs)
         finally:
             if remote is not None:
@@ -376,17 +376,6 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
             self.remote.close()
 
 
-def _adapter_tuning(adapter: str | Path | None) -> tuple[Path | None, str | None, dict]:
-    """adapter= (find_tuned): (its folder, the name servers pre-load it by (a LoRA) or None, the tuning options of a
-    soft prompt the client holds ({} otherwise))."""
-    if adapter is None:
-        return None, None, {}
-    settings, folder, served = find_tuned(adapter)
-    if served is not None or settings is None:
-        return folder, served, {}
-    return folder, None, dict(tuning_mode=settings.mode, pre_seq_len=settings.pre_seq_len)
-
-
 def lm_head(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """head(x), for several rows of a plain linear head as W @ x^T: MKL's single-threaded sgemm takes a few rows
     against bloomz-560m's [250,880 x 1,024] weight ~1.6x faster that way than as x @ W^T (8 rows: 504 vs 800 ms on
@@ -398,63 +387,3 @@ def lm_head(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if head.bias is not None:
         out = out + head.bias
     return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-@contextlib.contextmanager
-def _sampling_rng(generator: torch.Generator | None):
-    """transformers samples with torch's global generator: run it from `generator`'s state, then hand the advanced
-    state back to `generator` and restore the global one."""
-    if generator is None:
-        yield
-        return
-    with torch.random.fork_rng(devices=[]):
-        torch.set_rng_state(generator.get_state())
-        try:
-            yield
-        finally:
-            generator.set_state(torch.get_rng_state())
-
-
-def with_revision(name_or_path: str | Path, revision: str | None) -> str:
-    """`org/name` + revision -> `org/name@revision` (how every loader takes a pinned hub id)."""
-    name = str(name_or_path)
-    if revision is None:
-        return name
-    if Path(name).expanduser().is_dir():
-        raise ValueError(f"revision {revision!r} applies to hub ids, but {name} is a local directory")
-    if "@" in name:
-        raise ValueError(f"{name} already names a revision; revision={revision!r} too")
-    return f"{name}@{revision}"
-
-
-def gguf_in_snapshot(name_or_path: str | Path, gguf_file: str, revision: str | None = None) -> str:
-    """The path of a GGUF file in a checkpoint directory or a hub id's snapshot (downloaded if allowed)."""
-    if not gguf_file.lower().endswith(".gguf"):
-        raise ValueError(f"gguf_file must name a .gguf file, got {gguf_file!r}")
-    return str(resolve(with_revision(name_or_path, revision)).file(gguf_file))
-
-
-class AutoTokenizer:
-    """As transformers' AutoTokenizer, for every name `from_pretrained` takes: a directory, a GGUF file, a catalog
-    name (`smollm2-135m-instruct`) or a hub id; the same loader as the model's (checkpoint.load_tokenizer)."""
-
-    def __init__(self) -> None:
-        raise EnvironmentError("use AutoTokenizer.from_pretrained(name_or_path)")
-
-    @staticmethod
-    def from_pretrained(name_or_path: str | Path, revision: str | None = None):
-        from swarmlm.model.checkpoint import load_tokenizer
-
-        return load_tokenizer(with_revision(name_or_path, revision))
-
-
-class AutoDistributedModelForCausalLM:
-    """As transformers' AutoModelForCausalLM: `from_pretrained` reads the family from config.json. One client class
-    serves every family (the family adapters differ on the servers), so this returns a DistributedModelForCausalLM."""
-
-    def __init__(self) -> None:
-        raise EnvironmentError("use AutoDistributedModelForCausalLM.from_pretrained(name_or_path, initial_peers=...)")
-
-    @staticmethod
-    def from_pretrained(name_or_path: str | Path, *args, **kwargs) -> DistributedModelForCausalLM:
-        return DistributedModelForCausalLM.from_pretrained(name_or_path, *args, **kwargs)

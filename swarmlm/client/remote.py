@@ -25,12 +25,12 @@ log = logging.getLogger(__name__)
 class RemoteSequence:
     """All blocks of one model as served by the swarm."""
 
-    def __init__(self, config: ClientConfig, num_blocks: int, prefix: str,
+    def __init__(self, config: ClientConfig, num_blocks: int, dht_prefix: str,
                  share: "RemoteSequence | None" = None) -> None:
         """`share`: another view of the same swarm (sibling()) whose DHT node, relays and verdicts this one uses."""
         self.config = config
         self.num_blocks = num_blocks
-        self.prefix = prefix
+        self.dht_prefix = dht_prefix
         self.loop = LoopThread.get()
         self.channels = Channels(config, interceptors=client_interceptors(config.swarm_key))
         # the connect check (swarm/identity.py): (server id, address) pairs that failed it are never routed to
@@ -67,7 +67,7 @@ class RemoteSequence:
         if self.dht is not None:
             from swarmlm.swarm.dht import fetch_records
 
-            records = fetch_records(self.dht, self.prefix, range(self.num_blocks), swarm_key=self.config.swarm_key,
+            records = fetch_records(self.dht, self.dht_prefix, range(self.num_blocks), swarm_key=self.config.swarm_key,
                                     joining=True)
             self.loading = {sid: r for sid, r in records.items() if r.state == LOADING}
             records = {sid: r for sid, r in records.items() if r.state == ONLINE}
@@ -262,7 +262,7 @@ class RemoteSequence:
         """The same swarm seen with another adapter (or none): its own view, routes and channels (its sessions open
         with that adapter, on the servers that pre-load it), the DHT node, relays and connect-check verdicts shared."""
         return RemoteSequence(dataclasses.replace(self.config, active_adapter=active_adapter), self.num_blocks,
-                              self.prefix, share=self)
+                              self.dht_prefix, share=self)
 
     def close(self) -> None:
         if not self.owner:

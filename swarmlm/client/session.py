@@ -1,4 +1,4 @@
-"""An inference session through a chain of servers: open, step, close, and failover with history replay.
+"""An inference session through a chain of servers: open, step, close, and failover (failover.py) with history replay.
 
 A step runs as attempts of the step engine (pipeline.py: chunks through every span, hop by hop or pipelined, every
 reply bounded by its server's hang timeout, a watchdog behind them). An attempt that is not complete names the
@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from swarmlm.client.chunking import chunk_tokens_for_hop, split
+from swarmlm.client.failover import replace_hop
 from swarmlm.client import prefix as prefix_keys
 from swarmlm.client.pipeline import AttemptOutcome, Chunk, Hop, OpenSpan, StepPipeline, hang_timeout_s, watchdog_s
 from swarmlm.client.remote import RemoteSequence, report_failure
@@ -27,7 +28,7 @@ from swarmlm.client.streams import HopTiming, SpanStream
 from swarmlm.errors import InvalidRequest, ServerFailed, ServerHung
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.swarm.records import ServerRecord
-from swarmlm.types import CacheOp, Route, Span
+from swarmlm.types import CacheOp, Span
 from swarmlm.wire import compress
 from swarmlm.wire import swarm_pb2 as pb
 
@@ -302,7 +303,7 @@ class InferenceSession:
             broken = outcome.to_replace()
             f0 = time.perf_counter()
             for i in sorted(broken, reverse=True):  # from the end, so earlier indices stay valid
-                hops[i:i + 1] = await self._replace(hops[i], broken[i], record)
+                hops[i:i + 1] = await replace_hop(self, hops[i], broken[i], record)
                 self.spans = [h.open_span for h in hops]
             record.failover_s += time.perf_counter() - f0
             outcome = None
@@ -345,78 +346,6 @@ class InferenceSession:
         if record.stalls > self.remote.config.max_retries:
             stuck = hops[outcome.unsettled[0]]
             raise ServerFailed(stuck.span.server_id, "the step stalled there on every attempt")
-
-    async def _replace(self, hop: Hop, exc: ServerFailed | None, record: StepRecord) -> list[Hop]:
-        """A new chain over the hop's blocks, its caches rebuilt from the span's history; bounded attempts, each
-        failed server banned. The new hops carry on from the chunks the old one answered."""
-        broken = hop.open_span
-        await self._close_spans([broken])
-        loop = self.remote.loop.loop
-        while True:
-            if exc is None:
-                record.reopened += 1
-                log.info("reopening blocks [%d, %d) left mid-step", broken.span.start, broken.span.end)
-            else:
-                record.failovers += 1
-                if record.failovers > self.remote.config.max_retries:
-                    raise exc
-                self.remote.view.ban(exc.server_id)
-                report_failure(self.remote.reported, exc.server_id, f"failover: {exc}; re-routing blocks "
-                               f"[{broken.span.start}, {broken.span.end})", exc)
-            # route the broken part again from a fresh view of the swarm (blocking DHT reads go to a thread)
-            route = await loop.run_in_executor(None, self._reroute, broken.span)
-            try:
-                replacement = await self._open_spans(route.spans)
-            except ServerFailed as again:
-                exc = again
-                continue
-            try:
-                await self._replay(await self._history_of(broken), replacement)
-            except ServerFailed as again:
-                await self._close_spans(replacement)
-                exc = again
-                continue
-            done = hop.answered
-            hops = [Hop(s, [None] * done, written=done) for s in replacement]
-            hops[-1].outputs = list(hop.outputs)  # the chain's answers so far are the broken span's
-            return hops
-
-    def _reroute(self, span: Span) -> Route:
-        return self.remote.route(span.start, span.end, self.l_in_hint, self.l_out_hint, self.batch,
-                                 self.max_length, refresh=True)
-
-    async def _history_of(self, broken: OpenSpan) -> list[Chunk]:
-        """A span's inputs to replay: its history, after the inputs of the cached prefix it started from (never
-        sent: the embeddings of those tokens, run through fresh sessions over the blocks before the span)."""
-        if not broken.prefix_tokens:
-            return broken.history
-        ids = torch.tensor([self.prompt[:broken.prefix_tokens]])
-        hidden = self.prefix_context.embed(ids)
-        if broken.span.start > 0:
-            loop = self.remote.loop.loop
-            route = await loop.run_in_executor(None, lambda: self.remote.route(
-                0, broken.span.start, broken.prefix_tokens, 1, 1, self.max_length, refresh=True))
-            upstream = await self._open_spans(route.spans)
-            try:
-                for s in upstream:
-                    bound = self._hang_timeout_s(s.span, 1, broken.prefix_tokens, cached=False)
-                    hidden, _ = await s.stream.step(hidden, None, bound)
-            finally:
-                await self._close_spans(upstream)
-        rows = torch.tensor(broken.prefix_rows)
-        return [(hidden[rows], torch.ones(len(rows), broken.prefix_tokens, dtype=torch.long)), *broken.history]
-
-    async def _replay(self, history: list[Chunk], spans: list[OpenSpan]) -> None:
-        """Send the broken span's past inputs through its replacement chain so their caches match."""
-        if not history:
-            return
-        hidden = torch.cat([h for h, _ in history], dim=1)
-        mask = torch.cat([m for _, m in history], dim=1)
-        for opened in spans:
-            bound = self._hang_timeout_s(opened.span, *hidden.shape[:2], cached=bool(opened.history))
-            out, _ = await opened.stream.step(hidden, mask, bound)
-            opened.answered(hidden, mask)
-            hidden = out
 
     def route_spans(self) -> list[Span]:
         """The route as it is now (after any failover)."""

@@ -131,7 +131,7 @@ class HopTiming:
     client_io_s: float  # client: serialising the request + parsing the reply
     tokens: int
     pushed: bool = False  # the server pushed its output on to the next server of the route
-    batched_steps: int = 1  # steps (of all sessions) that shared the server's forward (the wire's Timing.batch_size)
+    batched_steps: int = 1  # steps (of all sessions) that shared the server's forward
 
     @property
     def network_s(self) -> float:
@@ -339,14 +339,14 @@ class SpanStream:
         out = codec.decode(reply.hidden, "reply hidden")
         t3 = time.perf_counter()
         self.position = reply.position
-        tm = reply.timing  # (its decode_s: the server parsing the request, not a decode step)
+        tm = reply.timing
         # a pipelined chunk waits at the server until the previous one is answered: its wall time starts then
         started = max(sent.written_s or t2, self._last_reply_s)
         self._last_reply_s = t2
         timing = HopTiming(
             self.span.server_id, wall_s=t2 - started, queued_s=tm.queued_s, compute_s=tm.compute_s,
-            server_io_s=tm.decode_s + tm.encode_s, client_io_s=sent.encode_s + (t3 - t2), tokens=sent.tokens,
-            pushed=reply.pushed, batched_steps=max(1, min(tm.batch_size, MAX_REPORTED_BATCH)),
+            server_io_s=tm.parse_s + tm.encode_s, client_io_s=sent.encode_s + (t3 - t2), tokens=sent.tokens,
+            pushed=reply.pushed, batched_steps=max(1, min(tm.batched_steps, MAX_REPORTED_BATCH)),
         )
         if sent.clean:
             self.channels.bandwidth(self.span.address).observe(

@@ -161,3 +161,14 @@ def find_tuned(ref: str | Path) -> tuple[TunedSettings | None, Path | None, str 
         raise FileNotFoundError(f"adapter {text!r}: no such directory (give a folder saved by save_adapter, or the "
                                 "name of an adapter servers pre-load)")
     return None, None, text
+
+
+def adapter_tuning(adapter: str | Path | None) -> tuple[Path | None, str | None, dict]:
+    """adapter= (find_tuned): (its folder, the name servers pre-load it by (a LoRA) or None, the tuning options of a
+    soft prompt the client holds ({} otherwise))."""
+    if adapter is None:
+        return None, None, {}
+    settings, folder, served = find_tuned(adapter)
+    if served is not None or settings is None:
+        return folder, served, {}
+    return folder, None, dict(tuning_mode=settings.mode, pre_seq_len=settings.pre_seq_len)

@@ -170,3 +170,22 @@ def hub_reachable(endpoint: str, timeout_s: float = 3.0) -> bool:
         return True
     except OSError:
         return False
+
+
+def with_revision(name_or_path: str | Path, revision: str | None) -> str:
+    """`org/name` + revision -> `org/name@revision` (how every loader takes a pinned hub id)."""
+    name = str(name_or_path)
+    if revision is None:
+        return name
+    if Path(name).expanduser().is_dir():
+        raise ValueError(f"revision {revision!r} applies to hub ids, but {name} is a local directory")
+    if "@" in name:
+        raise ValueError(f"{name} already names a revision; revision={revision!r} too")
+    return f"{name}@{revision}"
+
+
+def gguf_in_snapshot(name_or_path: str | Path, gguf_file: str, revision: str | None = None) -> str:
+    """The path of a GGUF file in a checkpoint directory or a hub id's snapshot (downloaded if allowed)."""
+    if not gguf_file.lower().endswith(".gguf"):
+        raise ValueError(f"gguf_file must name a .gguf file, got {gguf_file!r}")
+    return str(resolve(with_revision(name_or_path, revision)).file(gguf_file))

@@ -26,7 +26,7 @@ from scipy.sparse import lil_matrix
 
 from swarmlm.errors import PlanningError
 from swarmlm.planner.placement import PlacementOptions, PlacementResult, place_cg_bprr, request_clients
-from swarmlm.planner.routing import HopGraph, bprr_hop_cost
+from swarmlm.planner.hop_graph import HopGraph, bprr_hop_cost
 from swarmlm.planner.topology import Topology
 from swarmlm.types import BlockRange, Span
 

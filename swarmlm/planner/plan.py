@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from swarmlm.errors import PlanningError
+from swarmlm.planner.hop_graph import HopCost, uncovered_blocks
 from swarmlm.planner.placement import (Placement, PlacementFn, PlacementOptions, PlacementResult,
                                        blocks_for_concurrency, cache_slots, choose_concurrency, is_feasible,
                                        max_feasible_concurrency, place_cg_bprr, place_petals, request_clients)
-from swarmlm.planner.routing import HopCost, WaitingAwareRouter, uncovered_blocks
+from swarmlm.planner.routing import WaitingAwareRouter
 from swarmlm.planner.topology import Topology
 from swarmlm.types import Span
 

@@ -21,6 +21,7 @@ from typing import Awaitable, Callable
 import grpc
 
 from swarmlm.config import ServerConfig
+from swarmlm.server.inbound import UNPARSABLE
 from swarmlm.swarm.private import HINT, TokenChecker
 from swarmlm.wire import frames
 from swarmlm.wire import swarm_pb2 as pb
@@ -213,7 +214,6 @@ class FramedRequests:
 
     def _request(self, item: Item):
         """A frame as a request; StopAsyncIteration at END; the stream's end as an exception otherwise."""
-        from swarmlm.server.service import UNPARSABLE
 
         if item is None:
             raise ConnectionResetError("the connection ended without END")
@@ -357,8 +357,6 @@ class FrameServer:
 
     async def _pushes(self, conn: FrameConnection) -> None:
         """PUSH frames, each answered by one STATUS (the service's Push handler decides), until the pusher closes."""
-        from swarmlm.server.service import UNPARSABLE
-
         while True:
             got = await conn.next_frame()
             if got is None:

@@ -208,7 +208,7 @@ def settle(config: ServerConfig, model: ModelSpec, me: ServerRecord,
     return blocks
 
 
-def choose_blocks(config: ServerConfig, dht, prefix: str, server_id: str = "",
+def choose_blocks(config: ServerConfig, dht, dht_prefix: str, server_id: str = "",
                   announce: Callable[[ServerRecord], None] | None = None, address: str | None = None) -> BlockRange:
     """The range to load: --blocks as given; alone (no DHT), the first window; in a swarm, settled with the other
     joiners. In a swarm (`announce` stores a record) the range is announced as loading before it loads, so servers
@@ -228,7 +228,7 @@ def choose_blocks(config: ServerConfig, dht, prefix: str, server_id: str = "",
         return choose_blocks_from(config, {}, model)
 
     def fetch() -> dict[str, ServerRecord]:
-        return fetch_records(dht, prefix, range(model.num_blocks), swarm_key=config.swarm_key, joining=True)
+        return fetch_records(dht, dht_prefix, range(model.num_blocks), swarm_key=config.swarm_key, joining=True)
 
     blocks = settle(config, model, me, fetch, announce)
     log.info("chose blocks %s (%s)", blocks, config.placement)

@@ -100,7 +100,7 @@ class Batchable:
 @dataclass(eq=False)
 class Job:
     priority: StepKind  # DECODE or PREFILL
-    tokens: int  # rows x new tokens: the job's share of a round's budget
+    batch_tokens: int  # rows x new tokens: the job's share of a round's budget (max_batch_tokens)
     enqueued_s: float
     future: Future
     work: Batchable
@@ -128,19 +128,19 @@ def plan_round(queue: list[Job], max_tokens: int, max_prefill_skips: int) -> lis
         nonlocal used
         groups.setdefault(job.group_key, []).append(job)
         members.add(job.member)
-        used += job.tokens
+        used += job.batch_tokens
 
     for job in queue:
         if job.priority != DECODE or job.member in members:
             continue
-        if used and used + job.tokens > max_tokens:
+        if used and used + job.batch_tokens > max_tokens:
             break  # in arrival order: a later, smaller decode does not overtake this one
         take(job)
     oldest = True
     for job in queue:
         if job.priority != PREFILL or job.member in members:
             continue
-        if used == 0 or used + job.tokens <= max_tokens:
+        if used == 0 or used + job.batch_tokens <= max_tokens:
             take(job)
         elif oldest and job.skipped >= max_prefill_skips:
             take(job)  # waited long enough: runs even though the round goes over budget
@@ -172,10 +172,10 @@ class Scheduler:
     def queue_length(self) -> int:
         return len(self._queue)
 
-    async def submit_batchable(self, work: Batchable, priority: StepKind, tokens: int) -> tuple[Any, JobTiming]:
-        """Run `work` in a round, batched with queued items of its key; `tokens` is its size within the round's
-        budget."""
-        return await self._submit(Job(priority, tokens, 0.0, Future(), work))
+    async def submit_batchable(self, work: Batchable, priority: StepKind, batch_tokens: int) -> tuple[Any, JobTiming]:
+        """Run `work` in a round, batched with queued items of its key; `batch_tokens` (rows x new tokens) is its
+        size within the round's budget."""
+        return await self._submit(Job(priority, batch_tokens, 0.0, Future(), work))
 
     async def submit_step(
         self, stage: Stage, state: SpanState, hidden: torch.Tensor, mask: torch.Tensor, op: CacheOp | None = None
@@ -184,7 +184,7 @@ class Scheduler:
         request = StepRequest(state, hidden, mask, op)
         priority = StepKind.of(hidden.shape[1])
         work = Batchable(stage.step_batch, request.batch_key, request, member=id(state))
-        return await self.submit_batchable(work, priority, request.tokens)
+        return await self.submit_batchable(work, priority, request.batch_tokens)
 
     async def _submit(self, job: Job) -> tuple[Any, JobTiming]:
         with self._cv:

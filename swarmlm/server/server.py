@@ -22,9 +22,10 @@ from swarmlm.config import ServerConfig
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.perf.profile import cached_profile
 from swarmlm.server.scheduler import Scheduler
-from swarmlm.server.service import ServerStats, SwarmService, add_to_server, measured_speeds
+from swarmlm.server.service import ServerStats, SwarmService, measured_speeds
 from swarmlm.server.auth import server_interceptors
 from swarmlm.server.frame_server import FrameServer
+from swarmlm.server.inbound import add_to_server
 from swarmlm.server.stage import Stage
 from swarmlm.swarm.identity import Identity
 from swarmlm.swarm.records import LOADING, OFFLINE, ONLINE, ServerRecord, record_from_info
@@ -40,7 +41,7 @@ class Server:
         self.config = config
         self.dht = None
         self.network = None  # in a swarm: reachability, relaying, tunnels to relayed servers (server/network.py)
-        self.prefix = None
+        self.dht_prefix = None
         self.stage: Stage | None = None
         self.service: SwarmService | None = None
         self.address = ""
@@ -57,10 +58,10 @@ class Server:
 
     # ---- start-up -----------------------------------------------------------------------------------
     def _start_dht(self) -> None:
-        from swarmlm.swarm.dht import default_prefix, fetch_records, owner_subkey, start_dht
+        from swarmlm.swarm.dht import default_dht_prefix, fetch_records, owner_subkey, start_dht
 
         cfg = self.config
-        self.prefix = cfg.dht_prefix or default_prefix(cfg.model_dir)
+        self.dht_prefix = cfg.dht_prefix or default_dht_prefix(cfg.model_dir)
         if cfg.initial_peers:
             from swarmlm.server.network import ServerNetwork
 
@@ -71,7 +72,7 @@ class Server:
             self.subkey = owner_subkey(self.server_id, validator)
             if cfg.blocks is not None:  # (choosing blocks reads the swarm's records anyway)
                 try:  # without the key, a private swarm's records stop us here: SwarmAccessDenied
-                    fetch_records(self.dht, self.prefix, range(cfg.blocks.start, cfg.blocks.end),
+                    fetch_records(self.dht, self.dht_prefix, range(cfg.blocks.start, cfg.blocks.end),
                                   swarm_key=cfg.swarm_key)
                 except BaseException:
                     self.dht.shutdown()
@@ -82,14 +83,14 @@ class Server:
 
         announce = self._announce_joining if self.dht is not None else None
         address = self.network.address(self.network.port) if self.network is not None else None
-        return choose_blocks(self.config, self.dht, self.prefix, self.server_id, announce, address)
+        return choose_blocks(self.config, self.dht, self.dht_prefix, self.server_id, announce, address)
 
     def _announce_joining(self, record: ServerRecord) -> None:
         """Its range before it serves (joining, loading): servers placing themselves see it, clients do not."""
         from swarmlm.swarm.dht import announce
 
         try:
-            announce(self.dht, self.prefix, record, self.config.record_ttl_s, subkey=self.subkey,
+            announce(self.dht, self.dht_prefix, record, self.config.record_ttl_s, subkey=self.subkey,
                      swarm_key=self.config.swarm_key)
         except Exception as exc:  # placement goes on with what it sees; a lost record only costs a rebalance
             log.warning("announcing the joining range failed: %s", exc)
@@ -103,7 +104,7 @@ class Server:
         from swarmlm.swarm.dht import fetch_records
 
         records = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: fetch_records(self.dht, self.prefix, [block], swarm_key=self.config.swarm_key))
+            None, lambda: fetch_records(self.dht, self.dht_prefix, [block], swarm_key=self.config.swarm_key))
         self.network.learn(records.values())  # relayed ones: pushed to through their own relays (server/network.py)
         return {r.address for r in records.values() if r.start <= block < r.end and self.network.may_serve(r)}
 
@@ -113,7 +114,7 @@ class Server:
         while not self._stopping.is_set():
             try:
                 with self._moving:
-                    announce(self.dht, self.prefix, self.record(), self.config.record_ttl_s, subkey=self.subkey,
+                    announce(self.dht, self.dht_prefix, self.record(), self.config.record_ttl_s, subkey=self.subkey,
                              swarm_key=self.config.swarm_key)
             except Exception as exc:  # a missed refresh is retried; the record lives for ttl
                 log.warning("announce failed: %s", exc)
@@ -144,7 +145,7 @@ class Server:
         log.info("loading blocks %s of %s (dtype %s)", blocks, cfg.model_dir, cfg.dtype)  # minutes for big models
         self.stage = self._load_stage(blocks)
         profile = cached_profile(self.stage, cfg.threads, cfg.profile_cache_dir)
-        stats = ServerStats(server_id=self.server_id, model=self.prefix or "", **measured_speeds(profile))
+        stats = ServerStats(server_id=self.server_id, model=self.dht_prefix or "", **measured_speeds(profile))
         self._scheduler = Scheduler(cfg.threads, cfg.scheduler)
         self.service = SwarmService(cfg, self.stage, self._scheduler, stats)
         if self.dht is not None:  # pushes go only to servers announced for the next block (server/push.py)
@@ -166,7 +167,7 @@ class Server:
         elif cfg.frames:  # the same handlers on a framed port (server/frame_server.py), checked by the same gate
             self._frames = FrameServer(self.service, cfg, gate[0].checker if gate else None)
             self.service.frame_port = await self._frames.start(cfg.host)
-        self._tasks = [asyncio.create_task(self.service.expire_loop())]
+        self._tasks = [asyncio.create_task(self.service.streams.expire_loop())]
         if self.dht is not None:
             self._announcer = threading.Thread(target=self._announce_loop, name="swarmlm-announce", daemon=True)
             self._announcer.start()
@@ -214,7 +215,7 @@ class Server:
             from swarmlm.swarm.dht import announce
 
             try:
-                announce(self.dht, self.prefix, self.record(OFFLINE), self.config.record_ttl_s, subkey=self.subkey,
+                announce(self.dht, self.dht_prefix, self.record(OFFLINE), self.config.record_ttl_s, subkey=self.subkey,
                          swarm_key=self.config.swarm_key)
             except Exception as exc:
                 log.warning("withdrawal failed: %s", exc)
@@ -237,7 +238,7 @@ class Server:
             await asyncio.sleep(min(period, GAP_CHECK_S))
             try:
                 records = await loop.run_in_executor(None, lambda: fetch_records(  # joiners count: no move onto them
-                    self.dht, self.prefix, range(model.num_blocks), swarm_key=self.config.swarm_key, joining=True))
+                    self.dht, self.dht_prefix, range(model.num_blocks), swarm_key=self.config.swarm_key, joining=True))
                 records = watch.trusted(records, model.num_blocks, time.monotonic())
                 if time.monotonic() < next_check and not uncovered(records, model.num_blocks):
                     continue
@@ -278,7 +279,7 @@ class Server:
     def _store(self, record: ServerRecord) -> None:
         from swarmlm.swarm.dht import announce
 
-        announce(self.dht, self.prefix, record, self.config.record_ttl_s, subkey=self.subkey,
+        announce(self.dht, self.dht_prefix, record, self.config.record_ttl_s, subkey=self.subkey,
                  swarm_key=self.config.swarm_key)
 
     async def _keep_announced(self, record: ServerRecord) -> None:
@@ -299,7 +300,7 @@ class Server:
 
         await asyncio.sleep(self.config.announce_period_s)
         records = await asyncio.get_running_loop().run_in_executor(None, lambda: fetch_records(
-            self.dht, self.prefix, range(me.start, me.end), swarm_key=self.config.swarm_key, joining=True))
+            self.dht, self.dht_prefix, range(me.start, me.end), swarm_key=self.config.swarm_key, joining=True))
         return first_loader(me, watch.without_stale(records, time.monotonic()))
 
     async def _swap_blocks(self, blocks: BlockRange) -> tuple[Stage, BlockRange]:

@@ -71,7 +71,7 @@ class StepRequest:
     op: CacheOp | None = None
 
     @property
-    def tokens(self) -> int:
+    def batch_tokens(self) -> int:
         return int(self.hidden.shape[0] * self.hidden.shape[1])  # rows x new tokens: the step's compute size
 
     @property

@@ -166,18 +166,18 @@ class TrainingRpcs:
         return list(weights)
 
     # ---- compute -----------------------------------------------------------------------------------------
-    async def _job(self, fn, tokens: int) -> tuple[object, JobTiming]:
+    async def _job(self, fn, batch_tokens: int) -> tuple[object, JobTiming]:
         """One block's work on the compute thread, as prefill: decodes of other sessions go first."""
         return await self.scheduler.submit_batchable(
-            Batchable(_call_each, object(), fn, member=object()), StepKind.PREFILL, tokens)
+            Batchable(_call_each, object(), fn, member=object()), StepKind.PREFILL, batch_tokens)
 
     async def run_forward(self, req: TrainRequest) -> tuple[list[torch.Tensor], float, float]:
         """Every block's input and the span's output (inputs[-1]); queued and compute seconds."""
         inputs, queued, compute = [req.hidden], 0.0, 0.0
-        tokens = int(req.hidden.shape[0] * req.hidden.shape[1])
+        batch_tokens = int(req.hidden.shape[0] * req.hidden.shape[1])
         for i in range(req.blocks.length):
             out, timing = await self._job(
-                lambda i=i, x=inputs[-1]: training.forward_block(self.stage, req, i, x), tokens)
+                lambda i=i, x=inputs[-1]: training.forward_block(self.stage, req, i, x), batch_tokens)
             inputs.append(out)
             queued, compute = queued + timing.queued_s, compute + timing.compute_s
         return inputs, queued, compute
@@ -187,14 +187,14 @@ class TrainingRpcs:
         span's forward then runs once here), else recompute each block when its turn comes (block inputs kept by a
         pass without autograd: twice)."""
         b, t = req.hidden.shape[:2]
-        tokens, n = int(b * t), req.blocks.length
+        batch_tokens, n = int(b * t), req.blocks.length
         keep = training.backward_bytes(self.stage, n, b, t, kept_graphs=n) <= self.config.max_train_request_bytes
         queued = compute = 0.0
         graphs, hidden = [], req.hidden
         if keep:
             for i in range(n):
                 graph, timing = await self._job(lambda i=i, x=hidden: training.block_graph(self.stage, req, i, x),
-                                                tokens)
+                                                batch_tokens)
                 graphs.append(graph)
                 hidden = graph.out.detach()
                 queued, compute = queued + timing.queued_s, compute + timing.compute_s
@@ -205,7 +205,7 @@ class TrainingRpcs:
         for i in reversed(range(n)):
             work = (lambda i=i, g=grad: training.differentiate(graphs.pop(), req, g)) if keep else \
                 (lambda i=i, g=grad: training.backward_block(self.stage, req, i, inputs[i], g))
-            grads, timing = await self._job(work, tokens)
+            grads, timing = await self._job(work, batch_tokens)
             grad, prompt_grads[i] = grads.hidden, grads.prompt
             lora_grads.update({(req.blocks.start + i, *key): g for key, g in grads.lora.items()})
             queued, compute = queued + timing.queued_s, compute + timing.compute_s
@@ -244,12 +244,12 @@ class TrainingRpcs:
                                    f"budget (this one needs ~{need >> 20} MiB): retry later")
         try:
             req, grad = self.parse(request, with_grad)
-            decoded = time.perf_counter()
+            parsed = time.perf_counter()
             *results, queued, compute = await run(req, grad)
             encode_start = time.perf_counter()
             reply = encode(*results)
-            reply.timing.CopyFrom(pb.Timing(queued_s=queued, compute_s=compute, decode_s=decoded - started,
-                                            encode_s=time.perf_counter() - encode_start, batch_size=1))
+            reply.timing.CopyFrom(pb.Timing(queued_s=queued, compute_s=compute, parse_s=parsed - started,
+                                            encode_s=time.perf_counter() - encode_start, batched_steps=1))
             return reply
         finally:
             await self.budget.release(need)

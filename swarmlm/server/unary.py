@@ -17,10 +17,10 @@ import grpc
 
 from swarmlm.errors import CapacityExceeded, InvalidRequest, NotPermitted, UnknownSession
 from swarmlm.server.checks import peer_host
+from swarmlm.server.inbound import UNPARSABLE
 from swarmlm.server.sessions import PeerBytes
 
 log = logging.getLogger(__name__)
-UNPARSABLE = object()  # what a message that does not parse becomes (service.add_to_server)
 
 # the one map from an error class to the status a peer sees (the stream's first message uses it too); anything
 # else is a bug or an OOM: INTERNAL

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 AnyDHT = hivemind.DHT | ThreadDHT
 
 
-def default_prefix(model_dir: str | Path) -> str:
+def default_dht_prefix(model_dir: str | Path) -> str:
     """DHT namespace from the model's identity (hub id, or a hash of a directory's config.json): servers and
     clients of one model agree on it whatever the path (swarmlm/model/fingerprint.py)."""
     from swarmlm.model.fingerprint import dht_prefix
@@ -57,8 +57,8 @@ def visible_addrs(dht: AnyDHT) -> list[str]:
     return [str(a) for a in dht.get_visible_maddrs()]
 
 
-def announce(dht: AnyDHT, prefix: str, record: ServerRecord, ttl_s: float, timeout_s: float = 10.0,
-             subkey: str | None = None, swarm_key: bytes | None = None) -> bool:
+def announce(dht: AnyDHT, dht_prefix: str, record: ServerRecord, ttl_s: float, timeout_s: float = 10.0,
+                 subkey: str | None = None, swarm_key: bytes | None = None) -> bool:
     """Store the (signed) record under every block it serves; True if every store was accepted."""
     if not 0 < ttl_s <= MAX_RECORD_TTL_S:
         raise ValueError(f"record ttl must be in (0, {MAX_RECORD_TTL_S}] s, got {ttl_s}")
@@ -66,7 +66,7 @@ def announce(dht: AnyDHT, prefix: str, record: ServerRecord, ttl_s: float, timeo
     subkey = subkey or owner_subkey(record.server_id)
     value = with_mac(swarm_key, subkey, expiration, record.to_dict())
     futures = [
-        dht.store(block_key(prefix, b), value, expiration_time=expiration, subkey=subkey,
+        dht.store(block_key(dht_prefix, b), value, expiration_time=expiration, subkey=subkey,
                   return_future=True)
         for b in range(record.start, record.end)
     ]
@@ -74,7 +74,7 @@ def announce(dht: AnyDHT, prefix: str, record: ServerRecord, ttl_s: float, timeo
 
 
 def fetch_records(
-    dht: AnyDHT, prefix: str, blocks: Iterable[int], timeout_s: float = 10.0, swarm_key: bytes | None = None,
+    dht: AnyDHT, dht_prefix: str, blocks: Iterable[int], timeout_s: float = 10.0, swarm_key: bytes | None = None,
     joining: bool = False,
 ) -> dict[str, ServerRecord]:
     """Online servers with a valid, unexpired record on any of `blocks`, by server id (newest record wins); with
@@ -83,7 +83,7 @@ def fetch_records(
     A record counts only if its subkey's key hashes to its id and its expiration is within MAX_RECORD_TTL_S (the DHT
     checked the signature by that key); with `swarm_key`, only if its MAC is valid too. Without a key, records
     carrying a MAC mean the swarm is private: SwarmAccessDenied."""
-    futures = {b: dht.get(block_key(prefix, b), latest=True, return_future=True) for b in blocks}
+    futures = {b: dht.get(block_key(dht_prefix, b), latest=True, return_future=True) for b in blocks}
     found: dict[str, tuple[float, ServerRecord]] = {}
     refused = ""  # records we cannot read: the swarm is private and we lack (the right) key
     now = get_dht_time()
@@ -106,8 +106,8 @@ def fetch_records(
             if prev is None or item.expiration_time > prev[0]:
                 found[record.server_id] = (item.expiration_time, record)
     if refused and not found:
-        raise refuse_keyless(f"the DHT namespace {prefix!r}" + (" (our swarm key is not its key)"
-                                                                if refused.startswith("wrong") else ""))
+        raise refuse_keyless(f"the DHT namespace {dht_prefix!r}" + (" (our swarm key is not its key)"
+                                                                    if refused.startswith("wrong") else ""))
     wanted = (ONLINE, JOINING, LOADING) if joining else (ONLINE,)
     return {sid: rec for sid, (_, rec) in found.items() if rec.state in wanted}
 

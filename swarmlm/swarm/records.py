@@ -144,5 +144,5 @@ def record_from_info(info, address: str, state: str = ONLINE, relay: str = "") -
     })
 
 
-def block_key(prefix: str, block: int) -> str:
-    return f"{prefix}.block{block}"
+def block_key(dht_prefix: str, block: int) -> str:
+    return f"{dht_prefix}.block{block}"

@@ -62,7 +62,7 @@ class RelayService:
     def __init__(self, node: P2PNode, swarm_key: bytes | None = None, limits: RelayLimits = RelayLimits(),
                  relaying: bool = True) -> None:
         self.node, self.limits, self.relaying = node, limits, relaying  # relaying=False: dial-backs only
-        self.tokens = TokenChecker(swarm_key) if swarm_key is not None else None
+        self.checker = TokenChecker(swarm_key) if swarm_key is not None else None
         self.listeners: dict[str, asyncio.StreamWriter] = {}  # server peer id -> its LISTEN stream
         self.circuits: dict[str, list[tuple[str, str]]] = {}  # server peer id -> (dialer, its host) per circuit
         # cookie -> (server peer id, its ACCEPT stream once taken, set when the circuit is over)
@@ -74,9 +74,9 @@ class RelayService:
             node.run(node.p2p.add_binary_stream_handler(proto, _guarded(handler)), 30)
 
     def _refused(self, proto: str, token: str) -> str | None:
-        if self.tokens is None:
+        if self.checker is None:
             return None
-        why = self.tokens.check(proto, None if token == "-" else token)
+        why = self.checker.check(proto, None if token == "-" else token)
         return f"this relay belongs to a private swarm ({why})" if why else None
 
     async def _listen(self, info, reader, writer) -> None:

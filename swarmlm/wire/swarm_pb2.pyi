@@ -17,18 +17,18 @@ class Tensor(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queued_s", "compute_s", "decode_s", "encode_s", "batch_size")
+    __slots__ = ("queued_s", "compute_s", "parse_s", "encode_s", "batched_steps")
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
-    DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    PARSE_S_FIELD_NUMBER: _ClassVar[int]
     ENCODE_S_FIELD_NUMBER: _ClassVar[int]
-    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_STEPS_FIELD_NUMBER: _ClassVar[int]
     queued_s: float
     compute_s: float
-    decode_s: float
+    parse_s: float
     encode_s: float
-    batch_size: int
-    def __init__(self, queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., encode_s: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    batched_steps: int
+    def __init__(self, queued_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., parse_s: _Optional[float] = ..., encode_s: _Optional[float] = ..., batched_steps: _Optional[int] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message")

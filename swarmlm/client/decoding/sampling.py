@@ -7,6 +7,7 @@ API request (the gateway), it gives transformers' own logits processors in gener
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -152,3 +153,18 @@ class Sampling:
         if self.greedy:
             return int(scores.argmax(dim=-1))
         return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator))
+
+
+@contextlib.contextmanager
+def sampling_rng(generator: torch.Generator | None):
+    """transformers samples with torch's global generator: run it from `generator`'s state, then hand the advanced
+    state back to `generator` and restore the global one."""
+    if generator is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(generator.get_state())
+        try:
+            yield
+        finally:
+            generator.set_state(torch.get_rng_state())
