@@ -230,7 +230,7 @@ def test_the_avx2_and_scalar_builds_compute_the_same_values(march, monkeypatch):
         want = reference_values(type_name, raw, 9, 256)
         packed = packed_from_numpy(type_name, raw, 256)
         assert torch.equal(packed.dequantize(), want), type_name
-        for rows in (3, 6):  # integer products and float tiles (act16_integer_rows) for the rounding types
+        for rows in (3, 6):  # integer products (vector builds), rounded activations x blocks (plain C)
             x = torch.randn(rows, 256)
             assert rel_l2(packed.matmul(x), product_reference(type_name, x, want)) < 1e-5, type_name
 

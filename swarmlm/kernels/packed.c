@@ -4,19 +4,17 @@
  * computes y[r, n] = sum_k x[r, k] * W[n, k] for float32 activations x [R, K]: a block is turned into QK floats in
  * registers or a small L1 buffer and multiplied in float32, so the result is the dequantized weights' product up
  * to float32 summation order -- except Q4_0, Q4_1, Q8_0 and the K-quants (Q4_K, Q5_K, Q6_K), whose activations are
- * first rounded to int16 per block of 32 and multiplied in integers (act16.c; Q4_0 / Q4_1 products of more than
- * act16_integer_rows rows: these float tiles on the rounded values). Decoding is memory-bound, so reading 4-8x fewer
- * bytes than float32 is the whole gain; the unpacking must only keep up with memory.
+ * first rounded to int16 per block of 32 and multiplied in integers at every row count (act16.c; the plain-C build
+ * multiplies the same rounded activations by the dequantized blocks). Decoding is memory-bound, so reading 4-8x
+ * fewer bytes than float32 is the whole gain; the unpacking must only keep up with memory.
  *
  * Per type one function turns a block into floats (`dq_*`), the same values gguf-py's dequantize gives. Q4_0, Q4_1
  * and Q8_0 (the common files; the llama-1b / llama-8b presets) are kept "split" (packed_repack): a row's quants for
- * all its blocks first, then its scales (and Q4_1's mins) as the file's fp16 -- the file's bytes exactly -- so the
- * AVX-512 path turns 16 nibbles into floats with one table lookup (vpermps: the table is d * q + m for q = 0..15, one
- * FMA per block) and act16.c reads a chunk's nibbles as one vector. The K-quants (the "K_M" files) are split too
- * (split_q45_k_row, split_q6_k_row: Q4_0's nibble order, their high bits in act16's word order, scales as bytes;
- * 1.06x, 1.045x and 1x the file) for act16.c. Every other type keeps the file's own block layout and is unpacked
- * through a block buffer. CPUs without AVX-512 unpack the split types in AVX2 registers (8 floats a vector; 5-15x the
- * block buffer's speed).
+ * all its blocks first, then its scales (and Q4_1's mins) as the file's fp16 -- the file's bytes exactly -- so
+ * act16.c reads a chunk's nibbles as one vector. The K-quants (the "K_M" files) are split too (split_q45_k_row,
+ * split_q6_k_row: Q4_0's nibble order, their high bits in act16's word order, scales as bytes; 1.06x, 1.045x and 1x
+ * the file). Q8_M (swarmlm's own int8) is unpacked in AVX-512 / AVX2 registers by the float tiles below; every other
+ * type keeps the file's own block layout and is unpacked through a block buffer.
  * Each fast tile is compiled once per type (the type a constant: no branch per block, ~2x on one row).
  * `packed_matmul_threads` splits a product's rows between this library's own worker threads (packed_set_threads).
  */
@@ -354,7 +352,7 @@ static void split_dq_q6_k(const uint8_t *row, int64_t nsub, int64_t u, float *y)
 /* the types the vector builds unpack in registers (rows_fast); Q8_0 and the K-quants: act16.c's integer products
  * at every row count */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-static int has_fast_path(int ggml_type) { return split_quant_bytes(ggml_type) && ggml_type != 8; }
+static int has_fast_path(int ggml_type) { return ggml_type == Q8_M; }
 #endif
 
 /* ---- dot products of a float block with R activation rows ---- */
@@ -427,19 +425,9 @@ static inline void split_block(int ggml_type, const uint8_t *row, int64_t nb, in
     const int qb = split_quant_bytes(ggml_type);
     const uint8_t *q = row + b * qb, *scales = row + nb * qb;
     const __m512 d = _mm512_set1_ps(split_scale(ggml_type, scales, b));
-    if (ggml_type == Q8_M) {  /* d q + m, q unsigned */
-        const __m512 m = _mm512_set1_ps(split_scale(ggml_type, scales, nb + b));
-        *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q))), d, m);
-        *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), d, m);
-        return;
-    }
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 table = ggml_type == 3  /* the 16 values a nibble stands for: d q + m, or Q4_0's d (q - 8) */
-        ? _mm512_fmadd_ps(iota, d, _mm512_set1_ps(split_scale(ggml_type, scales, nb + b)))
-        : _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.0f)), d);
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
-    *lo = _mm512_permutexvar_ps(v, table);  /* the lookup reads each lane's low 4 bits: the low nibble */
-    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+    const __m512 m = _mm512_set1_ps(split_scale(ggml_type, scales, nb + b));  /* Q8_M: d q + m, q unsigned */
+    *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q))), d, m);
+    *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), d, m);
 }
 
 static inline void fast_block(int ggml_type, const uint8_t *row, int64_t nb, int64_t b, __m512 *lo, __m512 *hi) {
@@ -500,17 +488,14 @@ static inline __attribute__((always_inline)) void tile(int ggml_type, const uint
                                           tile_##T##_1_5, tile_##T##_1_6, tile_##T##_1_7, tile_##T##_1_8};
 
 typedef void (*tile_fn)(const uint8_t *, int64_t, int64_t, const float *, int64_t, float *, int64_t, int64_t, int64_t);
-TILES(2) TILES(3) TILES(1001)
+TILES(1001)
 
 static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
                       float *y, int64_t n, int64_t n0, int64_t n1) {
     const int64_t nb = k / QK;
     for (int64_t r0 = 0; r0 < rows; r0 += 8) {  /* activation rows, 8 at a time */
         const int nr = rows - r0 < 8 ? (int)(rows - r0) : 8;
-        const tile_fn *wide = ggml_type == 2 ? WIDE_2 : ggml_type == 3 ? WIDE_3
-                            : WIDE_1001;
-        const tile_fn *narrow = ggml_type == 2 ? NARROW_2 : ggml_type == 3 ? NARROW_3
-                              : NARROW_1001;
+        const tile_fn *wide = WIDE_1001, *narrow = NARROW_1001;  /* (Q8_M: the only type rows_fast is for) */
         int64_t i = n0;
         for (; i + 2 <= n1; i += 2) wide[nr](w, row_bytes, nb, x, k, y, n, i, r0);
         for (; i < n1; i++) narrow[nr](w, row_bytes, nb, x, k, y, n, i, r0);
@@ -526,23 +511,11 @@ static inline __attribute__((always_inline)) void split_block8(const int T, cons
     const int qb = split_quant_bytes(T);
     const uint8_t *q = row + b * qb, *scales = row + nb * qb;
     const __m256 d = _mm256_set1_ps(split_scale(T, scales, b));
-    if (T == Q8_M) {  /* d q + m (q unsigned) */
-        const __m256 m = _mm256_set1_ps(split_scale(T, scales, nb + b));
-        for (int j = 0; j < 4; j++) {
-            const __m128i v = _mm_loadl_epi64((const __m128i *)(q + 8 * j));
-            w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), d, m);
-        }
-        return;
+    const __m256 m = _mm256_set1_ps(split_scale(T, scales, nb + b));  /* Q8_M: d q + m (q unsigned) */
+    for (int j = 0; j < 4; j++) {
+        const __m128i v = _mm_loadl_epi64((const __m128i *)(q + 8 * j));
+        w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), d, m);
     }
-    /* Q4_1: d q + m; Q4_0: d (q - 8) = fma(q, d, -8 d) exactly (8 d is exact) */
-    const __m256 off = T == 3 ? _mm256_set1_ps(split_scale(T, scales, nb + b))
-                              : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-    const __m128i v = _mm_loadu_si128((const __m128i *)q), low4 = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
-    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, off);
-    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, off);
-    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, off);
-    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, off);
 }
 
 static inline __attribute__((always_inline)) void fast_block8(const int T, const uint8_t *row, int64_t nb, int64_t b,
@@ -587,14 +560,13 @@ typedef void (*tile8_fn)(const uint8_t *, int64_t, int64_t, const float *, int64
     TILE8(T, 2, 1) TILE8(T, 2, 2) TILE8(T, 1, 1) TILE8(T, 1, 2) \
     static const tile8_fn TILES8_##T[2][3] = {{0, tile8_##T##_1_1, tile8_##T##_1_2}, \
                                                {0, tile8_##T##_2_1, tile8_##T##_2_2}};
-TILES8(2) TILES8(3) TILES8(1001)
+TILES8(1001)
 
 /* weight rows two at a time, each pair against every activation row (two at a time) while it is in L1 */
 static void rows_fast(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
                       float *y, int64_t n, int64_t n0, int64_t n1) {
     const int64_t nb = k / QK;
-    const tile8_fn (*tiles)[3] = ggml_type == 2 ? TILES8_2 : ggml_type == 3 ? TILES8_3
-                               : TILES8_1001;
+    const tile8_fn (*tiles)[3] = TILES8_1001;  /* (Q8_M: the only type rows_fast is for) */
     for (int64_t i = n0; i < n1; i += 2) {
         const int wide = i + 2 <= n1;
         for (int64_t r0 = 0; r0 < rows; r0 += 2)
