@@ -16,11 +16,22 @@ import dataclasses
 import statistics
 import functools
 import threading
+import time
 from typing import Iterator, Sequence
 
 from swarmlm.bench.raw_stream import RawStream, greedy_steps  # noqa: F401  (the tests' stream driver and greedy loop)
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.channel import sync_channel
+
+
+def poll_until(condition, deadline_s: float = 60.0) -> bool:
+    """True once `condition()` is, checked every 0.1 s; False if it never is within `deadline_s`."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def stub(address: str) -> pb_grpc.SwarmStub:

@@ -27,7 +27,7 @@ from swarmlm.wire import codec
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.channel import sync_channel
-from tests.swarm_helpers import RawStream, greedy_reference, server_processes
+from tests.swarm_helpers import RawStream, greedy_reference, poll_until, server_processes
 
 # long enough that the prefill is computed in slices (--max-batch-tokens 32)
 PROMPT = "the quick brown fox jumps over the lazy dog " * 5
@@ -88,13 +88,8 @@ def _info(address: str) -> pb.InfoReply:
         return pb_grpc.SwarmStub(channel).Info(pb.InfoRequest(), timeout=30)
 
 
-def _poll(condition, deadline_s: float = DEADLINE_S) -> bool:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return False
+def _poll(condition) -> bool:
+    return poll_until(condition, DEADLINE_S)
 
 
 # ---- the relay (servers behind NAT, swarm/relay.py): floods, garbage, lies; heavy in benchmarks/attacks.py ----

@@ -4,7 +4,6 @@ block s is stepped only once blocks 0..s-1 ran the prompt, so its open-idle limi
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import grpc
 import pytest
@@ -15,7 +14,7 @@ from swarmlm.perf.compute import ComputeProfile
 from swarmlm.types import BlockRange
 from swarmlm.wire import codec
 from swarmlm.wire import swarm_pb2 as pb
-from tests.swarm_helpers import RawStream, in_process_server
+from tests.swarm_helpers import RawStream, in_process_server, poll_until
 
 H = 64  # tiny-bloom hidden size
 
@@ -35,15 +34,6 @@ def _step(rows: int = 1, tokens: int = 4) -> pb.InferenceRequest:
     return pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(torch.randn(rows, tokens, H))))
 
 
-def _wait_for(condition, deadline_s: float = 60.0) -> bool:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_a_later_span_outlives_the_base_timeout_while_a_first_span_expires(tiny_bloom):
     with in_process_server(tiny_bloom, BlockRange(0, 2), open_idle_timeout_s=1.0) as server:
         service = server.service
@@ -52,7 +42,7 @@ def test_a_later_span_outlives_the_base_timeout_while_a_first_span_expires(tiny_
         first, _ = RawStream.open(server.address, 0, 2)  # block 0: stepped at once by its client, or never
         later, opened = RawStream.open(server.address, 1, 2)  # waits for block 0's prefill on another server
         try:
-            assert _wait_for(lambda: len(service.sessions.sessions) == 1)  # the first span's 1 s passed
+            assert poll_until(lambda: len(service.sessions.sessions) == 1)  # the first span's 1 s passed
             assert opened.session_id in service.sessions.sessions
             with pytest.raises(grpc.RpcError) as err:
                 first.send(_step())

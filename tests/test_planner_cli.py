@@ -39,9 +39,11 @@ def test_cg_bprr_on_two_servers_splits_the_model(topo_file, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["placement"] == {"s1": [0, 3], "s2": [3, 6]}  # floor(4e9 / (1e9 + 2e7)) = 3 blocks each
     assert out["routes"]["c1"] == ["s1", "s2"]
-    # 2 hops: prompt (RTT + 3 blocks of a*20+b) + 127 decode steps (RTT + 3 * tau)
-    ttft = (0.01 + 3 * 0.032) + (0.02 + 3 * 0.032)
-    per_token = (ttft + 127 * ((0.01 + 3 * 0.003) + (0.02 + 3 * 0.003))) / 128
+    # 2 hops: prompt (RTT + the per-message overhead o + 3 blocks of a*20+b) + 127 decode steps (RTT + o + 3 * tau)
+    from swarmlm.config import MESSAGE_OVERHEAD_S as o
+
+    ttft = (0.01 + o + 3 * 0.032) + (0.02 + o + 3 * 0.032)
+    per_token = (ttft + 127 * ((0.01 + o + 3 * 0.003) + (0.02 + o + 3 * 0.003))) / 128
     assert out["predicted"]["ttft_s"] == pytest.approx(ttft)
     assert out["predicted"]["per_token_s"] == pytest.approx(per_token)
 
