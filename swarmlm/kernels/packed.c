@@ -196,10 +196,13 @@ static inline float split_scale(int ggml_type, const uint8_t *scales, int64_t i)
 /* Q8_0's quants are kept in act16's order: a chunk of 4 blocks (fewer at a row's end: cn) is 4 quarters of 8 cn
  * bytes, quarter v byte 8 c + t = block c's weight WEIGHT_OF[v][t] (act16.c), so that one sign extension gives
  * the integer products a vector; where weight j of block b is: */
+/* where weight j of a block sits in act16's word order: vector v (WEIGHT_OF's row), word t */
+static inline int act16_vector(int j) { return (j & 1) * 2 + (j >= 16); }
+static inline int act16_word(int j) { return (j & 15) >> 1; }
+
 static inline int64_t q8_0_at(int64_t nb, int64_t b, int j) {
     const int64_t chunk = b / 4, cn = nb - 4 * chunk < 4 ? nb - 4 * chunk : 4;
-    const int v = (j & 1) * 2 + (j >= 16), t = (j & 15) >> 1;
-    return 128 * chunk + 8 * cn * v + 8 * (b % 4) + t;
+    return 128 * chunk + 8 * cn * act16_vector(j) + 8 * (b % 4) + act16_word(j);
 }
 
 /* block b of a split row (nb blocks) -> 32 floats, the values dq_* gives for the file's block */
@@ -239,10 +242,6 @@ static void split_row(int ggml_type, const uint8_t *src, int64_t nb, uint8_t *ds
         if (ggml_type == 3 || ggml_type == Q8_M) memcpy(scales + sb * (nb + b), blk + sb, sb);
     }
 }
-
-/* where weight j of a sub-block sits in act16's word order: vector v, word t (q8_0_at's mapping) */
-static inline int act16_vector(int j) { return (j & 1) * 2 + (j >= 16); }
-static inline int act16_word(int j) { return (j & 15) >> 1; }
 
 /* ---- Q4_K / Q5_K split: [nibbles of every sub-block of 32, in Q4_0's order (byte j: weight j low, j + 16 high)]
  * [Q5_K: the fifth bits, 4 bytes per sub-block: chunk of 4 sub-blocks ch, word w = 8 c + t of act16's order has bit
