@@ -112,3 +112,22 @@ def test_other_cpus_builds_decode_as_the_blocks_forward(checkpoints, march, monk
     monkeypatch.setattr(packed_module, "library", lambda: other)
     fast, plain = twin_stages(checkpoints["tiny-qwen2"], BlockRange(0, 3), quant="int4")
     run_both((fast, plain), scenario(fast.hidden_size))
+
+
+def test_the_one_call_decoder_splits_its_products_between_torchs_threads(checkpoints):
+    """A server whose every step is a short one (decode, a short prompt) never runs PackedTensor.matmul: the one-call
+    decoder itself tells the kernels' pool torch's thread count (a server with --threads 2 once decoded on one)."""
+    from swarmlm.kernels import library
+
+    stage = Stage(checkpoints["tiny-llama"], BlockRange(0, 2), quant="int8")
+    decoder = stage._span_decoder(slice(0, 2))
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            state = stage.new_state(stage.blocks, 1, 8)
+            with torch.inference_mode():
+                stage.step_batch([StepRequest(state, torch.randn(1, 3, stage.hidden_size), torch.ones(1, 3), None)])
+            assert decoder is not None and library().packed_threads() == threads
+    finally:
+        torch.set_num_threads(before)

@@ -715,6 +715,11 @@ int packed_set_threads(int n) {
     return 0;
 }
 
+/* the number of threads a product may use now (the caller included) */
+int packed_threads(void) {
+    return threads_wanted;
+}
+
 /* packed_matmul over all n rows, split between the threads when the product is large enough to pay for it */
 int packed_matmul_threads(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
                           float *y, int64_t n, int64_t min_weights) {

@@ -22,7 +22,7 @@ from torch import nn
 
 from swarmlm.kernels import library
 from swarmlm.model.families.base import SLIDING, padded_positions
-from swarmlm.model.packed import DIRECT_ROWS, THREADED_MIN_WEIGHTS, PackedLinear, PackedError
+from swarmlm.model.packed import DIRECT_ROWS, THREADED_MIN_WEIGHTS, PackedLinear, PackedError, threaded_library
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 PRODUCTS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
@@ -123,7 +123,7 @@ class SpanDecoder:
         cos, sin = self.rotary(x[:, None], position_ids=torch.cat(positions).reshape(-1, 1))
         cos, sin = cos.reshape(len(x), -1).float().contiguous(), sin.reshape(len(x), -1).float().contiguous()
         ptrs, longs = ctypes.c_void_p * len(x), ctypes.c_int64 * len(x)
-        code = library().decode_span(
+        code = threaded_library().decode_span(
             ctypes.byref(self.dims), self.blocks, len(self.blocks), x.data_ptr(), len(x), ptrs(*keys), ptrs(*values),
             longs(*strides), longs(*caps), longs(*lengths), ptrs(*mask_rows), cos.data_ptr(), sin.data_ptr())
         if code != 0:

@@ -108,8 +108,7 @@ class PackedTensor:
         if rows > DIRECT_ROWS:
             return self._matmul_dequantized(x)
         y = torch.empty(rows, self.rows, dtype=torch.float32)
-        lib = library()
-        _follow_torch_threads(lib)
+        lib = threaded_library()
         _check(lib.packed_matmul_threads(self.ggml_type, self.data.data_ptr(), self.data.shape[1], x.data_ptr(), rows,
                                          self.cols, y.data_ptr(), self.rows, THREADED_MIN_WEIGHTS))
         return y
@@ -128,11 +127,15 @@ class PackedTensor:
 _threads = [1]  # what the kernels' pool was last told (torch.set_num_threads is the one setting)
 
 
-def _follow_torch_threads(lib) -> None:
+def threaded_library():
+    """The kernels, their pool told torch's thread count first: every caller of a threaded product (PackedTensor
+    and the one-call decoder) goes through here, so `torch.set_num_threads` is the one setting."""
+    lib = library()
     n = torch.get_num_threads()
     if n != _threads[0]:
         lib.packed_set_threads(n)
         _threads[0] = n
+    return lib
 
 
 def _check(code: int) -> None:
