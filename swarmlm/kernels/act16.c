@@ -202,11 +202,11 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
                                           * super-block's d, dmin (Q5_K: past its fifth bits) */
                 const int64_t fifth = T == 13 ? 4 * nb : 0;
                 const uint8_t *bytes6 = row + nb * BLOCK_BYTES + fifth + 4 * ch;
-                const float *dd = (const float *)(row + nb * 18 + fifth) + ch / 2;
+                const uint16_t *dd = (const uint16_t *)(row + nb * 18 + fifth) + ch / 2;  /* fp16 d, then dmin */
                 const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(blocks, bytes6)));
                 const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(blocks, bytes6 + nb)));
-                d[u] = _mm512_permutexvar_ps(spread, _mm512_mul_ps(_mm512_set1_ps(dd[0]), sc));
-                m[u] = _mm512_permutexvar_ps(spread, _mm512_mul_ps(_mm512_set1_ps(-dd[nb / 8]), mn));
+                d[u] = _mm512_permutexvar_ps(spread, _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(dd[0])), sc));
+                m[u] = _mm512_permutexvar_ps(spread, _mm512_mul_ps(_mm512_set1_ps(-_cvtsh_ss(dd[nb / 8])), mn));
             } else {  /* the chunk's fp16 scales (and mins) -> 4 lanes each */
                 const uint16_t *scales = (const uint16_t *)(row + nb * (T == 8 ? 32 : BLOCK_BYTES));
                 d[u] = _mm512_permutexvar_ps(spread, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(blocks, scales + 4 * ch)));
@@ -323,12 +323,12 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
                                                  * dmin (a half: 2 groups) */
                 const int64_t fifth = T == 13 ? 4 * nb : 0;
                 const uint8_t *bytes6 = row + nb * BLOCK_BYTES + fifth + 2 * half;
-                const float *dd = (const float *)(row + nb * 18 + fifth) + half / 4;
-                d[u] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_setr_ps(dd[0] * bytes6[0], dd[0] * bytes6[1], 0, 0)),
+                const uint16_t *dd = (const uint16_t *)(row + nb * 18 + fifth) + half / 4;  /* fp16 d, then dmin */
+                const float d0 = _cvtsh_ss(dd[0]), m0 = _cvtsh_ss(dd[nb / 8]);
+                d[u] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_setr_ps(d0 * bytes6[0], d0 * bytes6[1], 0, 0)),
                                                 spread);
                 m[u] = _mm256_permutevar8x32_ps(
-                    _mm256_castps128_ps256(_mm_setr_ps(-(dd[nb / 8] * bytes6[nb]), -(dd[nb / 8] * bytes6[nb + 1]), 0, 0)),
-                    spread);
+                    _mm256_castps128_ps256(_mm_setr_ps(-(m0 * bytes6[nb]), -(m0 * bytes6[nb + 1]), 0, 0)), spread);
             } else {  /* fp16 scales (and mins) */
                 const uint16_t *scales = (const uint16_t *)(row + nb * (T == 8 ? 32 : BLOCK_BYTES)) + 2 * half;
                 const uint16_t *mins = scales + nb;

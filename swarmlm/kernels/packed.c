@@ -12,7 +12,7 @@
  * and Q8_0 (the common files; the llama-1b / llama-8b presets) are kept "split" (packed_repack): a row's quants for
  * all its blocks first, then its scales (and Q4_1's mins) as the file's fp16 -- the file's bytes exactly -- so
  * act16.c reads a chunk's nibbles as one vector. The K-quants (the "K_M" files) are split too (split_q45_k_row,
- * split_q6_k_row: Q4_0's nibble order, their high bits in act16's word order, scales as bytes; 1.06x, 1.045x and 1x
+ * split_q6_k_row: Q4_0's nibble order, their high bits in act16's word order, scales as bytes; 1.03x, 1.02x and 1x
  * the file). Q8_M (swarmlm's own int8) is unpacked in AVX-512 / AVX2 registers by the float tiles below; every other
  * type keeps the file's own block layout and is unpacked through a block buffer.
  * Each fast tile is compiled once per type (the type a constant: no branch per block, ~2x on one row).
@@ -246,17 +246,18 @@ static void split_row(int ggml_type, const uint8_t *src, int64_t nb, uint8_t *ds
 /* ---- Q4_K / Q5_K split: [nibbles of every sub-block of 32, in Q4_0's order (byte j: weight j low, j + 16 high)]
  * [Q5_K: the fifth bits, 4 bytes per sub-block: chunk of 4 sub-blocks ch, word w = 8 c + t of act16's order has bit
  * v of nibble w / 16 of byte 16 ch + w % 16 for its vector v's weight][6-bit scales, one byte each][6-bit mins]
- * [d float32 per super-block of 256][dmin float32 per super-block]: 152 bytes per 256 weights (Q4_K's file: 144),
- * 184 (Q5_K's: 176), the nibbles laid out as act16's integer products read Q4_0's. ---- */
+ * [d per super-block of 256][dmin per super-block], both the file's fp16: 148 bytes per 256 weights (Q4_K's file:
+ * 144, its 6-bit scales and mins packed in 12 bytes), 180 (Q5_K's: 176), the nibbles laid out as act16's integer
+ * products read Q4_0's. ---- */
 static inline int64_t k_high_bytes(int ggml_type) { return ggml_type == 13 ? 4 : 0; }  /* per sub-block */
 static inline int64_t q45_k_row_bytes(int ggml_type, int64_t k) {
-    return k / QK * (18 + k_high_bytes(ggml_type)) + k / QK_K * 8;
+    return k / QK * (18 + k_high_bytes(ggml_type)) + k / QK_K * 4;
 }
 
 /* super-block u of a split Q4_K / Q5_K row (nsub sub-blocks) -> 256 floats, the values dq_q4_k / dq_q5_k give */
 static void split_dq_q45_k(int ggml_type, const uint8_t *row, int64_t nsub, int64_t u, float *y) {
     const uint8_t *high = row + 16 * nsub, *rest = high + k_high_bytes(ggml_type) * nsub;
-    const float d = load_f32(rest + 2 * nsub + 4 * u), dmin = load_f32(rest + 2 * nsub + 4 * (nsub / 8 + u));
+    const float d = fp16(rest + 2 * nsub + 2 * u), dmin = fp16(rest + 2 * nsub + 2 * (nsub / 8 + u));
     for (int64_t s = 8 * u; s < 8 * u + 8; s++, y += 32) {
         const uint8_t *q = row + 16 * s;
         const float d1 = d * rest[s], m1 = dmin * rest[nsub + s];
@@ -277,9 +278,8 @@ static void split_q45_k_row(int ggml_type, const uint8_t *src, int64_t nsub, uin
         const uint8_t *b = src + size * u, *q = b + (five ? 48 : 16), *qh = b + 16;
         uint8_t sc[8], mn[8];
         k_scales(b + 4, sc, mn);
-        const float d = fp16(b), dmin = fp16(b + 2);
-        memcpy(rest + 2 * nsub + 4 * u, &d, 4);
-        memcpy(rest + 2 * nsub + 4 * (nsub / 8 + u), &dmin, 4);
+        memcpy(rest + 2 * nsub + 2 * u, b, 2);  /* d and dmin: the file's fp16 */
+        memcpy(rest + 2 * nsub + 2 * (nsub / 8 + u), b + 2, 2);
         for (int g = 0; g < 8; g++) {  /* sub-block g: the low (g even) or high nibbles of bytes 32 (g / 2) .. +31 */
             const int64_t s = 8 * u + g;
             rest[s] = sc[g];

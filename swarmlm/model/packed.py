@@ -150,7 +150,8 @@ def file_row_bytes(type_name: str, cols: int) -> int:
 
 
 def held_row_bytes(type_name: str, cols: int) -> int:
-    """Bytes of one row of `cols` weights as held in memory (the file's; 1.06x / 1.045x for split Q4_K / Q5_K)."""
+    """Bytes of one row of `cols` weights as held in memory: the file's, but 1.03x / 1.02x for split Q4_K / Q5_K
+    (their 6-bit scales and mins kept as bytes)."""
     return int(library().packed_row_bytes(PACKED_TYPES[type_name][0], cols))
 
 

@@ -67,7 +67,7 @@ def range_bytes(config: ServerConfig, blocks: BlockRange) -> int:
 
 def _held_packed_bytes(gguf, key: str, shape: list[int]) -> int:
     """A GGUF matrix kept in its blocks, as the packed kernels hold it (model/packed.py held_row_bytes): the file's
-    bytes, but Q4_K's and Q5_K's splits (152 and 184 bytes per 256 values, 144 and 176 in the file)."""
+    bytes, but Q4_K's and Q5_K's splits (148 and 180 bytes per 256 values, 144 and 176 in the file)."""
     from swarmlm.model.packed import held_row_bytes
 
     type_name = gguf.tensors[gguf.hf_to_gguf[key]].tensor_type.name
