@@ -46,9 +46,18 @@ typedef struct {
     float sum[16];       /* lane 4c: scale x that sum (Q4_1's mins multiply it) */
 } act_chunk;
 
+/* one super-chunk of one activation row for one-lane products (act16_one_lane): 16 blocks, 512 activations */
+typedef struct {
+    int16_t q[16][32];   /* vector 4 g + v, lane j (words 2j, 2j + 1): block j's activations 8 g + 2 v, 8 g + 2 v + 1 */
+    float scale[16];     /* lane j: block j's scale */
+    int32_t offset[16];  /* lane j: -8 x the sum of block j's int16 values (Q4_0's weights are nibble - 8) */
+} act_super;
+
 typedef struct {
     const act_chunk *chunks;  /* rows x chunks_per_row */
     int64_t chunks_per_row;
+    const act_super *supers;  /* rows x supers_per_row, for one-lane products (else 0) */
+    int64_t supers_per_row;
 } act16;
 
 static const int WEIGHT_OF[4][8] = {{0, 2, 4, 6, 8, 10, 12, 14}, {16, 18, 20, 22, 24, 26, 28, 30},
@@ -69,6 +78,20 @@ int64_t act16_integer_rows(int ggml_type) {
     return INT64_MAX;
 #else
     (void)ggml_type;
+    return 0;
+#endif
+}
+
+/* Are rows of nb blocks of this type laid out one lane per block (packed.c one_lane_at)? Q4_0 rows of whole
+ * super-chunks (16 blocks, 512 weights) on the AVX-512 builds: a vpdpwssd lane adds all 32 products of one block, so
+ * the float work (convert, scale, add) is once per 16 blocks instead of per 4 -- 1.2-1.5x the 4-lanes-per-block tiles
+ * at 1-8 rows, measured (docs/RESULTS-packed.md round 5). The other types, other widths and the other builds keep
+ * chunks of 4 blocks. */
+int act16_one_lane(int ggml_type, int64_t nb) {
+#if defined(ACT16_WIDE) && ACT16_WIDE
+    return ggml_type == 2 && nb > 0 && nb % 16 == 0;
+#else
+    (void)ggml_type, (void)nb;
     return 0;
 #endif
 }
@@ -111,6 +134,38 @@ static void prepare_block(const float *x, act_chunk *ch, int c) {
 
 static _Thread_local act_chunk *buffer;
 static _Thread_local int64_t buffer_chunks;
+static _Thread_local act_super *super_buffer;
+static _Thread_local int64_t super_buffer_count;
+
+/* x [rows, k] (k a whole number of super-chunks) -> the calling thread's one-lane buffer; 0 if out of memory */
+static int act16_prepare_supers(const float *x, int64_t rows, int64_t k, act16 *out) {
+    const int64_t blocks = k / 32, per_row = blocks / 16, need = rows * per_row;
+    if (need > super_buffer_count) {
+        free(super_buffer);
+        super_buffer = aligned_alloc(64, need * sizeof(act_super));
+        super_buffer_count = super_buffer ? need : 0;
+        if (!super_buffer) return 0;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < blocks; b++) {
+            act_super *a = super_buffer + r * per_row + b / 16;
+            const int j = (int)(b % 16);
+            int16_t v[32];
+            int32_t total;
+            a->scale[j] = round_block(x + r * k + 32 * b, v, &total);
+            a->offset[j] = -8 * total;
+            for (int g = 0; g < 4; g++)
+                for (int t = 0; t < 4; t++) {
+                    a->q[4 * g + t][2 * j] = v[8 * g + 2 * t];
+                    a->q[4 * g + t][2 * j + 1] = v[8 * g + 2 * t + 1];
+                }
+        }
+    out->chunks = 0;
+    out->chunks_per_row = 0;
+    out->supers = super_buffer;
+    out->supers_per_row = per_row;
+    return 1;
+}
 
 /* x [rows, k] -> the calling thread's buffer of prepared chunks (valid until its next call); 0 if out of memory */
 static int act16_prepare(const float *x, int64_t rows, int64_t k, act16 *out) {
@@ -135,6 +190,8 @@ static int act16_prepare(const float *x, int64_t rows, int64_t k, act16 *out) {
         }
     out->chunks = buffer;
     out->chunks_per_row = per_row;
+    out->supers = 0;
+    out->supers_per_row = 0;
     return 1;
 }
 
@@ -396,12 +453,86 @@ static void act16_rows(int ggml_type, const uint8_t *w, int64_t row_bytes, const
 }
 #endif
 
+#if defined(ACT16_WIDE) && ACT16_WIDE
+/* one-lane Q4_0 (act16_one_lane): W weight rows x R activation rows over whole super-chunks; group g (64 bytes) of a
+ * super-chunk gives 4 vectors after shifts and masks, lane j of each two of block j's weights (packed.c one_lane_at) */
+static inline __attribute__((always_inline)) void lane_tile(const uint8_t *w, int64_t row_bytes, const act16 *a,
+                                                            float *y, int64_t n, int64_t i, int64_t r0, const int W,
+                                                            const int R) {
+    const int64_t ns = a->supers_per_row;
+    __m512 total[2][4];
+    for (int u = 0; u < W; u++)
+        for (int r = 0; r < R; r++) total[u][r] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi16(0xf);
+    const uint8_t *row0 = w + i * row_bytes;
+    for (int64_t s = 0; s < ns; s++) {
+        __m512i acc[2][4];
+        for (int r = 0; r < R; r++) {
+            const __m512i start = _mm512_load_si512(a->supers[(r0 + r) * ns + s].offset);
+            for (int u = 0; u < W; u++) acc[u][r] = start;
+        }
+        for (int g = 0; g < 4; g++) {
+            __m512i v[2][4];
+            ask_ahead(row0, W * row_bytes, 4 * ns, 4 * s + g);
+            for (int u = 0; u < W; u++) {
+                const __m512i q = _mm512_loadu_si512(row0 + u * row_bytes + 256 * s + 64 * g);
+                v[u][0] = _mm512_and_si512(q, low4);
+                v[u][1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+                v[u][2] = _mm512_and_si512(_mm512_srli_epi16(q, 8), low4);
+                v[u][3] = _mm512_srli_epi16(q, 12);
+            }
+            for (int r = 0; r < R; r++) {
+                const act_super *x = a->supers + (r0 + r) * ns + s;
+                for (int t = 0; t < 4; t++) {
+                    const __m512i xv = _mm512_load_si512(x->q[4 * g + t]);
+                    for (int u = 0; u < W; u++)
+#if defined(__AVX512VNNI__)
+                        acc[u][r] = _mm512_dpwssd_epi32(acc[u][r], v[u][t], xv);
+#else
+                        acc[u][r] = _mm512_add_epi32(acc[u][r], _mm512_madd_epi16(v[u][t], xv));
+#endif
+                }
+            }
+        }
+        for (int u = 0; u < W; u++) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row0 + u * row_bytes + 256 * ns + 32 * s)));
+            for (int r = 0; r < R; r++)
+                total[u][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[u][r]),
+                                              _mm512_mul_ps(d, _mm512_load_ps(a->supers[(r0 + r) * ns + s].scale)),
+                                              total[u][r]);
+        }
+    }
+    for (int u = 0; u < W; u++)
+        for (int r = 0; r < R; r++) y[(r0 + r) * n + i + u] = _mm512_reduce_add_ps(total[u][r]);
+}
+
+typedef void (*lane_fn)(const uint8_t *, int64_t, const act16 *, float *, int64_t, int64_t, int64_t);
+#define LANE_TILE(W, R) \
+    static void lane_##W##_##R(const uint8_t *w, int64_t rb, const act16 *a, float *y, int64_t n, int64_t i, int64_t r0) { \
+        lane_tile(w, rb, a, y, n, i, r0, W, R); \
+    }
+LANE_TILE(2, 1) LANE_TILE(2, 2) LANE_TILE(2, 3) LANE_TILE(2, 4) LANE_TILE(1, 1) LANE_TILE(1, 2) LANE_TILE(1, 3) LANE_TILE(1, 4)
+static const lane_fn LANE_WIDE[5] = {0, lane_2_1, lane_2_2, lane_2_3, lane_2_4};
+static const lane_fn LANE_NARROW[5] = {0, lane_1_1, lane_1_2, lane_1_3, lane_1_4};
+
+static void lane_rows(const uint8_t *w, int64_t row_bytes, const act16 *a, int64_t rows, float *y, int64_t n,
+                      int64_t n0, int64_t n1) {
+    int64_t i = n0;
+    for (; i + 2 <= n1; i += 2)
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) LANE_WIDE[rows - r0 < 4 ? rows - r0 : 4](w, row_bytes, a, y, n, i, r0);
+    for (; i < n1; i++)
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) LANE_NARROW[rows - r0 < 4 ? rows - r0 : 4](w, row_bytes, a, y, n, i, r0);
+}
+#endif
+
 /* ---- the entry points packed.c calls (for the types act16_rounds) ---- */
 
 /* prepare x [rows, k] in the calling thread's buffer; returns it (opaque), or 0 when out of memory */
-const void *act16_prepare_rows(const float *x, int64_t rows, int64_t k) {
+const void *act16_prepare_rows(int ggml_type, const float *x, int64_t rows, int64_t k) {
     static _Thread_local act16 prepared;
-    return act16_prepare(x, rows, k, &prepared) ? &prepared : 0;
+    const int ok = act16_one_lane(ggml_type, k / 32) ? act16_prepare_supers(x, rows, k, &prepared)
+                                                     : act16_prepare(x, rows, k, &prepared);
+    return ok ? &prepared : 0;
 }
 
 /* x [rows, k] rounded as the integer products round it (scale x its int16 value), in the calling thread's buffer
@@ -427,7 +558,14 @@ const float *act16_round_rows(const float *x, int64_t rows, int64_t k) {
 void act16_product(int ggml_type, const uint8_t *w, int64_t row_bytes, const void *prepared, int64_t rows, int64_t k,
                    float *y, int64_t n, int64_t n0, int64_t n1) {
 #if defined(ACT16_WIDE)
-    act16_rows(ggml_type, w, row_bytes, (const act16 *)prepared, rows, k, y, n, n0, n1);
+    const act16 *a = (const act16 *)prepared;
+#if ACT16_WIDE
+    if (a->supers) {
+        lane_rows(w, row_bytes, a, rows, y, n, n0, n1);
+        return;
+    }
+#endif
+    act16_rows(ggml_type, w, row_bytes, a, rows, k, y, n, n0, n1);
 #else
     (void)ggml_type, (void)w, (void)row_bytes, (void)prepared, (void)rows, (void)k, (void)y, (void)n, (void)n0, (void)n1;
 #endif

@@ -33,7 +33,8 @@
 /* act16.c: Q4_0 / Q4_1 / Q8_0 / Q4_K products with activations rounded to int16 blocks (in integers where the vector unit can) */
 int act16_rounds(int ggml_type);
 int64_t act16_integer_rows(int ggml_type);
-const void *act16_prepare_rows(const float *x, int64_t rows, int64_t k);
+const void *act16_prepare_rows(int ggml_type, const float *x, int64_t rows, int64_t k);
+int act16_one_lane(int ggml_type, int64_t nb);
 const float *act16_round_rows(const float *x, int64_t rows, int64_t k);
 void act16_product(int ggml_type, const uint8_t *w, int64_t row_bytes, const void *prepared, int64_t rows, int64_t k,
                    float *y, int64_t n, int64_t n0, int64_t n1);
@@ -205,6 +206,16 @@ static inline int64_t q8_0_at(int64_t nb, int64_t b, int j) {
     return 128 * chunk + 8 * cn * act16_vector(j) + 8 * (b % 4) + act16_word(j);
 }
 
+/* One-lane Q4_0 rows (act16_one_lane: whole super-chunks of 16 blocks on the AVX-512 builds): super-chunk s = blocks
+ * 16 s .. 16 s + 15 is 256 bytes, 4 groups of 64; in group g, 16-bit word 2 j + e (e = 0, 1) holds block 16 s + j's
+ * weights 8 g + e, 8 g + e + 2, 8 g + e + 4, 8 g + e + 6 in its nibbles from bit 0 up. Where weight w of block b is
+ * (byte of the row, and the nibble's shift in it): */
+static inline int64_t one_lane_at(int64_t b, int w, int *shift) {
+    const int g = w / 8, e = w % 2, t = (w % 8) / 2;
+    *shift = 4 * (t % 2);
+    return 256 * (b / 16) + 64 * g + 4 * (b % 16) + 2 * e + t / 2;
+}
+
 /* block b of a split row (nb blocks) -> 32 floats, the values dq_* gives for the file's block */
 static void split_dq(int ggml_type, const uint8_t *row, int64_t nb, int64_t b, float *y) {
     const int qb = split_quant_bytes(ggml_type);
@@ -220,6 +231,14 @@ static void split_dq(int ggml_type, const uint8_t *row, int64_t nb, int64_t b, f
         return;
     }
     const float m = ggml_type == 3 ? split_scale(ggml_type, scales, nb + b) : -8.0f * d;
+    if (act16_one_lane(ggml_type, nb)) {
+        for (int j = 0; j < 32; j++) {
+            int shift;
+            const int64_t at = one_lane_at(b, j, &shift);
+            y[j] = d * (float)((row[at] >> shift) & 0xf) + m;
+        }
+        return;
+    }
     for (int j = 0; j < 16; j++) {
         y[j] = d * (float)(q[j] & 0xf) + m;
         y[j + 16] = d * (float)(q[j] >> 4) + m;
@@ -236,6 +255,13 @@ static void split_row(int ggml_type, const uint8_t *src, int64_t nb, uint8_t *ds
         const uint8_t *blk = src + b * t->block_bytes;
         if (ggml_type == 8)
             for (int j = 0; j < 32; j++) dst[q8_0_at(nb, b, j)] = blk[head + j];
+        else if (act16_one_lane(ggml_type, nb))
+            for (int j = 0; j < 32; j++) {  /* GGUF: weight j in the low nibble of byte j, j + 16 in the high */
+                int shift;
+                const int64_t at = one_lane_at(b, j, &shift);
+                const uint8_t q = j < 16 ? blk[head + j] & 0xf : blk[head + j - 16] >> 4;
+                dst[at] = (uint8_t)((dst[at] & ~(0xf << shift)) | (q << shift));
+            }
         else
             memcpy(dst + b * qb, blk + head, qb);
         memcpy(scales + sb * b, blk, sb);  /* copied as they are */
@@ -607,7 +633,7 @@ static const float *activations(int ggml_type, const float *x, int64_t rows, int
     *prepared = 0;
     if (!act16_rounds(ggml_type)) return x;
     if (rows > act16_integer_rows(ggml_type)) return act16_round_rows(x, rows, k);
-    *prepared = act16_prepare_rows(x, rows, k);
+    *prepared = act16_prepare_rows(ggml_type, x, rows, k);
     return *prepared ? x : 0;
 }
 
