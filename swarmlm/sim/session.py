@@ -58,7 +58,7 @@ class SimSession:
     """Mutable per-request state; touched only by this module's events and its host's admit/finish (SessionHost)."""
 
     __slots__ = ("req", "phase", "attempts", "queued_at", "route", "needs", "admitted_s", "first_s", "step_s",
-                 "tokens")
+                 "n_tokens")
 
     def __init__(self, req: SimRequest) -> None:
         self.req = req
@@ -70,7 +70,7 @@ class SimSession:
         self.admitted_s = math.nan  # when it got its slots
         self.first_s = math.nan  # when the first token reached the client
         self.step_s = 0.0  # one decode step through the route, seconds
-        self.tokens = 0  # tokens delivered to the client so far
+        self.n_tokens = 0  # tokens delivered to the client so far
 
 
 class SessionHost(Protocol):
@@ -153,7 +153,7 @@ class Token:
 
     def handle(self, state: SessionHost) -> Iterable:
         s = self.session
-        s.tokens = self.index
+        s.n_tokens = self.index
         if self.index == 1:
             s.first_s = self.time_s
         l_out = s.req.output_tokens
