@@ -68,7 +68,8 @@ def _chat_request(tracer: Tracer, client, model_dir: str, tokens: int):
     (the second may end early at an eos: the tokens it made count)."""
     from fastapi.testclient import TestClient
 
-    from swarmlm.api.app import GatewayConfig, create_app
+    from swarmlm.api.app import create_app
+    from swarmlm.api.config import GatewayConfig
     from swarmlm.model.checkpoint import load_tokenizer
 
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 1,

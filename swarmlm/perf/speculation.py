@@ -20,9 +20,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Union
 
 MAX_DRAFT_TOKENS = 16  # the most drafts one pass may carry (k_max's upper bound)
+SpeculativeMode = Union[str, int]  # "auto": k from the rule per pass, "off": plain decoding, an int: that fixed k
+
+
+def parse_mode(mode: SpeculativeMode) -> int | None:
+    """"off" -> 0, "auto" -> None (the rule), an int (or its text) -> that fixed draft length."""
+    if mode in ("auto", None):
+        return None
+    if mode == "off":
+        return 0
+    try:
+        k = int(mode)
+    except (TypeError, ValueError):
+        raise ValueError(f"speculative must be 'auto', 'off' or a draft length, got {mode!r}") from None
+    if not 0 <= k <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"a fixed draft length must be in [0, {MAX_DRAFT_TOKENS}], got {k}")
+    return k
+
+
 OUTLIER = 4.0  # a pass slower than this many times its corrected price is not learned from
 
 

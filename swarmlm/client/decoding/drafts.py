@@ -9,32 +9,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Union
 
 import torch
 
 from swarmlm.client.decoding.drafting import PromptLookup
-from swarmlm.perf.speculation import MAX_DRAFT_TOKENS, choose_draft_length
+from swarmlm.perf.speculation import MAX_DRAFT_TOKENS, SpeculativeMode, choose_draft_length, parse_mode
 
-SpeculativeMode = Union[str, int]  # "auto": k from the rule per pass, "off": plain decoding, an int: that fixed k
 DEFAULT_MAX_DRAFT = 8  # k_max for "auto"
 DRAFT_MODEL_KIND = 0  # a draft model's drafts in the acceptance estimate (prompt lookup's: the match length, >= 1)
 PROMPT_LOOKUP = PromptLookup()  # stateless: every row drafts with it
-
-
-def parse_mode(mode: SpeculativeMode) -> int | None:
-    """"off" -> 0, "auto" -> None (the rule), an int (or its text) -> that fixed draft length."""
-    if mode in ("auto", None):
-        return None
-    if mode == "off":
-        return 0
-    try:
-        k = int(mode)
-    except (TypeError, ValueError):
-        raise ValueError(f"speculative must be 'auto', 'off' or a draft length, got {mode!r}") from None
-    if not 0 <= k <= MAX_DRAFT_TOKENS:
-        raise ValueError(f"a fixed draft length must be in [0, {MAX_DRAFT_TOKENS}], got {k}")
-    return k
 
 
 @dataclass
