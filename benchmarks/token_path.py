@@ -124,7 +124,7 @@ def main() -> None:
     if chat is not None:
         (entered, handed), (entered_more, handed_more), extra = chat
         result["chat_request"] = {"files": len(entered), "handovers": sum(handed.values()),
-                                  "calls": sum(entered.values())}
+                                  "calls": sum(entered.values()), "per_file_calls": dict(sorted(entered.items()))}
         if extra > 0:  # the gateway's decode token: the difference, per extra token
             result["chat_decode_token"] = {
                 "files": sum(1 for f in entered_more if entered_more[f] > entered[f]),
