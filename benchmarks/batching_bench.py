@@ -195,7 +195,7 @@ def generate_one(client: DistributedModelForCausalLM, i: int, tokens: int) -> di
     t0 = time.time()  # wall clock: comparable across processes
     out = client.generate(gen_prompt(i), max_new_tokens=tokens, do_sample=False, eos_token_id=None, stats=stats)
     t1 = time.time()
-    decode = [h.batched_steps for step in stats.steps if step.tokens == 1 for h in step.hops]
+    decode = [h.batched_steps for step in stats.steps if step.n_tokens == 1 for h in step.hops]
     return {"start": t0, "end": t1, "tokens": out[0].tolist(), "server_batches": decode, "head_s": stats.head_s}
 
 

@@ -109,7 +109,7 @@ def one_round(model_dir: str, clients: list[DistributedModelForCausalLM], views:
         route = stats.route
         # the servers' side of each decode step (waiting for the compute thread + the forward that ran it) and the
         # client's own compute per token (embeddings, LM head, sampling): where the per-token time goes
-        hops = [h for step in stats.steps if step.tokens == 1 for h in step.hops]
+        hops = [h for step in stats.steps if step.n_tokens == 1 for h in step.hops]
         results[i] = {"per_token_s": e2e / l_out, "server": route[0].server_id, "hops": len(route),
                       "arrival_s": i * gap_s, "seen": dict(views[i]),
                       "server_step_s": statistics.median(h.queued_s + h.compute_s for h in hops),

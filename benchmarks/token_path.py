@@ -68,7 +68,8 @@ def _chat_request(tracer: Tracer, client, model_dir: str, tokens: int):
     (the second may end early at an eos: the tokens it made count)."""
     from fastapi.testclient import TestClient
 
-    from swarmlm.api.app import GatewayConfig, create_app
+    from swarmlm.api.app import create_app
+    from swarmlm.api.config import GatewayConfig
     from swarmlm.model.checkpoint import load_tokenizer
 
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 1,
@@ -123,7 +124,7 @@ def main() -> None:
     if chat is not None:
         (entered, handed), (entered_more, handed_more), extra = chat
         result["chat_request"] = {"files": len(entered), "handovers": sum(handed.values()),
-                                  "calls": sum(entered.values())}
+                                  "calls": sum(entered.values()), "per_file_calls": dict(sorted(entered.items()))}
         if extra > 0:  # the gateway's decode token: the difference, per extra token
             result["chat_decode_token"] = {
                 "files": sum(1 for f in entered_more if entered_more[f] > entered[f]),

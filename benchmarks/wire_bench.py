@@ -55,7 +55,7 @@ def one_request(model: DistributedModelForCausalLM, ids: torch.Tensor, new_token
         return channels.wire_dtype_for(address[server_id], 4 * values) if server_id in address else "float32"
 
     sent = sum(2 * wire_bytes(n, dtype(hop.server_id, n))  # request + reply of every hop
-               for step in stats.steps for hop in step.hops for n in [hop.tokens * ids.shape[0] * hidden])
+               for step in stats.steps for hop in step.hops for n in [hop.n_tokens * ids.shape[0] * hidden])
     prompt_values = ids.numel() * hidden
     decode_s = stats.total_s - stats.ttft_s
     return {

@@ -18,9 +18,9 @@ class StepKind(enum.Enum):
     PREFILL = "prefill"  # several tokens: a prompt, a chunk of one, or a failover replay
 
     @classmethod
-    def of(cls, tokens: int) -> "StepKind":
+    def of(cls, n_tokens: int) -> "StepKind":
         """The kind of a step carrying `tokens` new tokens per sequence."""
-        return cls.DECODE if tokens == 1 else cls.PREFILL
+        return cls.DECODE if n_tokens == 1 else cls.PREFILL
 
 
 @dataclass(frozen=True, order=True)

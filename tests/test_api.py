@@ -334,7 +334,7 @@ def test_one_decoder_copies_the_prompt_and_drops_ended_rows(swarm, reference, ti
             if not decoder.live:
                 break
             passed = decoder.step()
-        prefills = [r for r in decoder.cache.session.steps if r.tokens == len(ids)]
+        prefills = [r for r in decoder.cache.session.steps if r.n_tokens == len(ids)]
     finally:
         decoder.close()
         model.close()

@@ -126,7 +126,7 @@ def test_decoder_rows_speculate(stack, ref, tiny_bloom):
 
 
 def test_gateway_config_refuses_a_bad_speculative_mode():
-    from swarmlm.api.app import GatewayConfig
+    from swarmlm.api.config import GatewayConfig
 
     assert GatewayConfig(model_name="m", speculative="auto").speculative == "auto"
     for bad in ("sometimes", 17, -1):

@@ -77,7 +77,7 @@ def test_strategy_config_is_validated():
 
 def _hop(wall, queued, compute, server_io, client_io):
     return HopTiming("s", wall_s=wall, queued_s=queued, compute_s=compute, server_io_s=server_io,
-                     client_io_s=client_io, tokens=1)
+                     client_io_s=client_io, n_tokens=1)
 
 
 def test_decomposition_parts_come_from_their_own_clocks():

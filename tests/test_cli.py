@@ -171,6 +171,26 @@ def test_server_flags_default_to_the_config_fields(tiny_bloom):
     assert server_config(args) == ServerConfig(model_dir=tiny_bloom, blocks=None)
 
 
+def test_gateway_flags_default_to_the_config_fields(tiny_bloom):
+    """Each gateway setting is defined once (api/config.py): `swarmlm api`'s defaults are GatewayConfig's, its
+    waits ClientConfig's."""
+    import dataclasses
+
+    from swarmlm.api.config import LOCAL_HOSTS, GatewayConfig
+    from swarmlm.cli.api_cmd import gateway_config
+    from swarmlm.cli.main import build_parser
+    from swarmlm.config import ClientConfig
+
+    args = build_parser("api").parse_args(["api", "--model", tiny_bloom])
+    config = gateway_config(args)
+    assert config.allowed_hosts == (*LOCAL_HOSTS, "127.0.0.1")  # and --host, one address
+    assert config == dataclasses.replace(GatewayConfig(model_name=config.model_name), allowed_hosts=LOCAL_HOSTS + (
+        "127.0.0.1",), model_aliases=config.model_aliases)
+    client = ClientConfig()
+    assert (args.wait_for_blocks, args.wait_for_loading, args.push) == \
+        (client.wait_for_blocks_s, client.wait_for_loading_s, client.push)
+
+
 def test_a_server_computes_on_every_core_it_may_use_by_default(tiny_bloom):
     """Issue 37: a server uses the machine's cores unless told (--threads N), within its affinity mask."""
     import os

@@ -24,6 +24,24 @@ def _read_all(data: bytes, max_body_bytes: int = 1024) -> list:
     return asyncio.run(run())
 
 
+def test_both_transports_parse_requests_through_one_table():
+    """server/inbound.py's METHODS and request_of serve gRPC and the framed port alike: a request reads back as
+    sent, bytes that do not parse are UNPARSABLE (the handlers answer INVALID_ARGUMENT); the framed port has no
+    parser of its own."""
+    import inspect
+
+    from swarmlm.server import frame_server
+    from swarmlm.server.inbound import METHODS, UNPARSABLE, request_of
+    from swarmlm.wire import swarm_pb2 as pb
+
+    assert set(METHODS) == set(pb.DESCRIPTOR.services_by_name["Swarm"].methods_by_name)
+    for method, (request_type, _, _) in METHODS.items():
+        assert request_of(method, b"\xff\xff\xff") is UNPARSABLE
+        sample = request_type()
+        assert request_of(method, sample.SerializeToString()) == sample
+    assert "FromString" not in inspect.getsource(frame_server)
+
+
 def test_frames_read_back_as_written():
     data = frames.hello(Purpose.STREAM, "v1.tok") + frames.frame(Kind.REQUEST, b"abc") + frames.frame(Kind.END)
     got = _read_all(data)

@@ -72,11 +72,11 @@ def test_the_hang_timeout_follows_the_announced_speed():
     rec = ComputeProfile(prefill_a_s=0.001, prefill_b_s=0.02, decode_s=0.01)
     span = Span("s", 0, 4)
     # a decode step, a prompt from scratch, a speculative pass of 4 tokens past the cache (extend_s, as pass_s)
-    assert hang_timeout_s(cfg, rec, span, rows=1, tokens=1, cached=True) == pytest.approx(5.0 + 10 * 0.01 * 4)
-    assert hang_timeout_s(cfg, rec, span, rows=2, tokens=100, cached=False) == pytest.approx(
+    assert hang_timeout_s(cfg, rec, span, rows=1, n_tokens=1, cached=True) == pytest.approx(5.0 + 10 * 0.01 * 4)
+    assert hang_timeout_s(cfg, rec, span, rows=2, n_tokens=100, cached=False) == pytest.approx(
         5.0 + 10 * (0.001 * 200 + 0.02) * 4)
-    assert hang_timeout_s(cfg, rec, span, rows=1, tokens=4, cached=True) == pytest.approx(
+    assert hang_timeout_s(cfg, rec, span, rows=1, n_tokens=4, cached=True) == pytest.approx(
         5.0 + 10 * (0.01 + 0.001 * 3) * 4)
-    assert hang_timeout_s(cfg, rec, span, rows=64, tokens=2048, cached=False) == 60.0  # capped
-    assert hang_timeout_s(cfg, None, span, rows=1, tokens=1, cached=True) == 5.0  # nothing announced: the floor
+    assert hang_timeout_s(cfg, rec, span, rows=64, n_tokens=2048, cached=False) == 60.0  # capped
+    assert hang_timeout_s(cfg, None, span, rows=1, n_tokens=1, cached=True) == 5.0  # nothing announced: the floor
     assert watchdog_s(cfg) > 60.0  # behind every reply's own bound

@@ -65,16 +65,16 @@ from types import SimpleNamespace  # noqa: E402
 from swarmlm.bench.microbatch import MicroBatchPlanner  # noqa: E402
 
 
-def _step(compute_s: float, network_s: float, tokens: int = 1):
+def _step(compute_s: float, network_s: float, n_tokens: int = 1):
     hop = SimpleNamespace(compute_s=compute_s, network_s=network_s)
-    return SimpleNamespace(tokens=tokens, hops=[hop, SimpleNamespace(compute_s=compute_s / 2, network_s=0.0)],
+    return SimpleNamespace(n_tokens=n_tokens, hops=[hop, SimpleNamespace(compute_s=compute_s / 2, network_s=0.0)],
                            failovers=0)
 
 
 def test_planner_falls_back_until_it_has_measured_a_decode_step():
     planner = MicroBatchPlanner(bytes_per_row=4096, profile_decode_s=0.01, bandwidth_bps=lambda: 1e9)
     assert planner.choose(8, fallback=3) == 3 and planner.choose(2, fallback=3) == 2
-    planner.observe(2, [_step(0.02, 0.001, tokens=40)])  # a prefill teaches nothing about decode
+    planner.observe(2, [_step(0.02, 0.001, n_tokens=40)])  # a prefill teaches nothing about decode
     assert not planner.samples
 
 

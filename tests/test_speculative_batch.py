@@ -106,7 +106,7 @@ def test_batch_stats_sum_the_rows_and_count_trips():
     b.record(1, 4, 1)
     b.resent = 3
     total = SpeculationStats.of_rows([a, b], passes=1)
-    assert (total.passes, total.drafted, total.accepted, total.tokens, total.resent) == (1, 8, 5, 7, 3)
+    assert (total.passes, total.drafted, total.accepted, total.n_tokens, total.resent) == (1, 8, 5, 7, 3)
     assert [r["accepted"] for r in total.to_dict()["rows"]] == [4, 1]
     assert "rows" not in a.to_dict()
 
@@ -197,7 +197,7 @@ def test_sampled_batches_and_copies_speculate(swarm):
     assert (out[:, :len(PROMPTS[0])] == torch.tensor(PROMPTS[:1])).all()
     spec = client.last_stats.speculation
     assert len(spec["rows"]) == 3 and spec["drafted"] > 0
-    prefills = [r for r in client.last_stats.steps if r.tokens == len(PROMPTS[0])]
+    prefills = [r for r in client.last_stats.steps if r.n_tokens == len(PROMPTS[0])]
     assert len(prefills) == 1  # the prompt went through the swarm once
 
 

@@ -49,14 +49,14 @@ def test_speculative_greedy_gives_plain_greedy_tokens(swarm, mode):
 class KillAfter:
     """A streamer that SIGKILLs the server of `position` in the route once `tokens` new tokens have come out."""
 
-    def __init__(self, local, session, position: int, tokens: int) -> None:
-        self.local, self.session, self.position, self.tokens = local, session, position, tokens
+    def __init__(self, local, session, position: int, n_tokens: int) -> None:
+        self.local, self.session, self.position, self.n_tokens = local, session, position, n_tokens
         self.seen = -1  # the prompt comes first
         self.killed = None
 
     def put(self, value: torch.Tensor) -> None:
         self.seen += 1 if self.seen < 0 else value.numel()
-        if self.killed is None and self.seen >= self.tokens:
+        if self.killed is None and self.seen >= self.n_tokens:
             victim_id = self.session.spans[self.position].span.server_id
             self.killed = next(s for s in self.local.servers if s.server_id == victim_id)
             self.local.kill(self.killed, signal.SIGKILL)
@@ -72,7 +72,7 @@ def test_a_server_killed_during_speculative_generation_changes_nothing(swarm, po
     local, client, path, ranges = swarm
     prompt = PROMPTS[0]
     with client.inference_session(max_length=len(prompt) + NEW_TOKENS + 8) as session:
-        killer = KillAfter(local, session, position, tokens=6)
+        killer = KillAfter(local, session, position, n_tokens=6)
         out = client.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                               speculative=4, streamer=killer, session=session)
     assert killer.killed is not None

@@ -21,7 +21,6 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from swarmlm.api.schemas import error_body
 
-LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 ANY_HOST = "*"
 
 
@@ -93,9 +92,10 @@ async def _refuse(send, status: int, message: str, code: str) -> None:
 
 class HeaderDeadlineH11(H11Protocol):
     """uvicorn's h11 protocol, closing a connection whose next request's headers take longer than
-    `header_timeout_s` from their first byte (or from the connection's start)."""
+    `header_timeout_s` from their first byte (or from the connection's start). Made by header_deadline_protocol
+    (GatewayConfig.header_timeout_s)."""
 
-    header_timeout_s = 10.0
+    header_timeout_s: float
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)

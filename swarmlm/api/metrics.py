@@ -20,7 +20,7 @@ WINDOW_S = 300.0
 @dataclass
 class _Bucket:
     start_s: float  # wall clock (time.time) of the bucket's start
-    tokens: int = 0
+    n_tokens: int = 0
     requests: int = 0
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
@@ -56,7 +56,7 @@ class GatewayMetrics:
     def token(self) -> None:
         with self.lock:
             self.total_tokens += 1
-            self._bucket().tokens += 1
+            self._bucket().n_tokens += 1
 
     def finished(self, ttft_s: float, tpot_s: float | None) -> None:
         """One choice ended: its time to first token and mean time per later token (None with one token)."""
@@ -83,7 +83,7 @@ class GatewayMetrics:
             "total_requests": total_req,
             "total_tokens": total_tok,
             "requests_per_s": sum(b.requests for b in recent) / span_s,
-            "tokens_per_s": sum(b.tokens for b in recent) / span_s,
+            "tokens_per_s": sum(b.n_tokens for b in recent) / span_s,
             "ttft_s": _pcts(ttft),
             "tpot_s": _pcts(tpot),
             "history": self._history(buckets, now),
@@ -100,7 +100,7 @@ class GatewayMetrics:
             if start < self.started_s - self.bucket_s:
                 continue  # before the gateway started
             width_s = self.bucket_s if k else max(now - start, 1.0)  # the current bucket is still filling
-            points.append({"t": start, "tokens_per_s": b.tokens / width_s, "requests": b.requests,
+            points.append({"t": start, "tokens_per_s": b.n_tokens / width_s, "requests": b.requests,
                            "ttft_p50_s": _num(percentile(b.ttft_s, 50)), "tpot_p50_s": _num(percentile(b.tpot_s, 50))})
         return points
 

@@ -79,7 +79,7 @@ class MicroBatchPlanner:
     def observe(self, rows: int, steps) -> None:
         """Decode steps (one token) of a finished session of `rows` sequences: their slowest hop's times."""
         new = [(rows, max(h.compute_s for h in step.hops), max(h.network_s for h in step.hops))
-               for step in steps if step.tokens == 1 and step.hops and not step.failovers]
+               for step in steps if step.n_tokens == 1 and step.hops and not step.failovers]
         with self._lock:
             self.samples = (self.samples + new)[-self.window:]
 

@@ -240,12 +240,12 @@ def trips_per_token(records: list[RequestRecord]) -> dict:
     """Tokens per pass through the route, client round trips per token (a relayed step makes one per hop, a pushed
     one a single trip along the chain) and speculation's acceptance rate (drafts accepted / sent), over the run.
     A batched session's passes and trips are in each of its rows' records, as its tokens are counted per row."""
-    tokens = sum(r.generated_tokens for r in records)
+    n_tokens = sum(r.generated_tokens for r in records)
     passes = sum(r.passes for r in records)
     drafted = sum(r.drafted for r in records)  # each row's own drafts (a batch's rows draft on their own)
     accepted = sum(r.accepted for r in records)
-    return {"tokens_per_pass": tokens / passes if passes else 0.0,
-            "round_trips_per_token": sum(r.round_trips for r in records) / tokens if tokens else 0.0,
+    return {"tokens_per_pass": n_tokens / passes if passes else 0.0,
+            "round_trips_per_token": sum(r.round_trips for r in records) / n_tokens if n_tokens else 0.0,
             "acceptance_rate": accepted / drafted if drafted else None, "drafted_tokens": drafted}
 
 

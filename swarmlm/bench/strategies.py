@@ -173,11 +173,11 @@ def _payload_bytes(model, steps, batch: int, hidden_size: int) -> tuple[int, int
     sent = received = 0
     for step in steps:
         for hop in step.hops:
-            values = hop.tokens * batch * hidden_size
+            values = hop.n_tokens * batch * hidden_size
             record = records.get(hop.server_id)
             wire = channels.wire_dtype_for(record.address, 4 * values) if record is not None else channels.wire_dtype
             nbytes = math.ceil(values * compress.bytes_per_value(wire if wire != "auto" else "float32"))
-            sent += nbytes + hop.tokens * batch * 8
+            sent += nbytes + hop.n_tokens * batch * 8
             received += nbytes
     return sent, received
 

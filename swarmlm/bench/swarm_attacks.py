@@ -143,8 +143,8 @@ def lossy_wire_under_load(swarm, rounds: int = 4, loaders: int = 2, load_tokens:
                                           min_new_tokens=8, do_sample=False)
                 result["answers"] += 1
                 result["exact"] += got[0, prompt.shape[1]:].tolist() == expected
-            for tokens in (1, 40, 2048):  # a decode step's, a prompt's, a long prompt's message
-                result["wire_formats"].add(client.remote.channels.wire_dtype_for(server.address, tokens * message))
+            for n_tokens in (1, 40, 2048):  # a decode step's, a prompt's, a long prompt's message
+                result["wire_formats"].add(client.remote.channels.wire_dtype_for(server.address, n_tokens * message))
     finally:
         stop.set()
         for t in threads:

@@ -7,8 +7,11 @@ import argparse
 import json
 import sys
 
-from swarmlm.cli.args import add_client_precision, add_dtype, add_push, add_speculative, add_swarm_key
+from swarmlm.api.config import LOCAL_HOSTS, GatewayConfig
+from swarmlm.cli.args import add_client_precision, add_dtype, add_push, add_speculative, add_swarm_key, add_waits
 from swarmlm.config import usable_cores
+
+GATEWAY = GatewayConfig(model_name="(defaults)")  # the flags' defaults: each setting's one definition is its field
 
 # --help lists these first ("common options"), the rest under "advanced options"
 COMMON = ("--model", "--initial-peers", "--servers", "--adapter", "--served-model-name", "--host", "--port",
@@ -35,24 +38,23 @@ def add_parser(sub) -> None:
                    help="the interface to listen on (0.0.0.0: every interface; set --api-key then)")
     p.add_argument("--port", type=int, default=8000, help="0 = any free port (printed in the ready line)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--max-streams-per-client", type=int, default=32,
+    p.add_argument("--max-streams-per-client", type=int, default=GATEWAY.max_streams_per_client,
                    help="concurrent choices (sessions) per API key, or per client IP without one; more get 429")
-    p.add_argument("--max-choices-per-request", type=int, default=16, help="prompts x n of one request")
-    p.add_argument("--max-prompt-chars", type=int, default=262_144,
+    p.add_argument("--max-choices-per-request", type=int, default=GATEWAY.max_choices_per_request,
+                   help="prompts x n of one request")
+    p.add_argument("--max-prompt-chars", type=int, default=GATEWAY.max_prompt_chars,
                    help="characters of a request's prompts or messages (checked before tokenizing)")
-    p.add_argument("--max-body-bytes", type=int, default=2 << 20, help="larger request bodies get 413")
-    p.add_argument("--request-timeout", type=float, default=600.0,
+    p.add_argument("--max-body-bytes", type=int, default=GATEWAY.max_body_bytes, help="larger request bodies get 413")
+    p.add_argument("--request-timeout", type=float, default=GATEWAY.request_timeout_s,
                    help="seconds a request may generate before it ends with 504")
-    p.add_argument("--header-timeout", type=float, default=10.0,
+    p.add_argument("--header-timeout", type=float, default=GATEWAY.header_timeout_s,
                    help="seconds a connection has to send a request's headers before it is closed")
-    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request's body has to arrive (408)")
+    p.add_argument("--body-timeout", type=float, default=GATEWAY.body_timeout_s,
+                   help="seconds a request's body has to arrive (408)")
     p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                    help="also answer requests whose Host header names NAME (repeatable; '*' = any). Default: "
                         "localhost, 127.0.0.1, ::1 and --host when it is one address")
-    p.add_argument("--wait-for-blocks", type=float, default=30.0,
-                   help="seconds a request waits for missing blocks to appear before a 503")
-    p.add_argument("--wait-for-loading", type=float, default=300.0,
-                   help="seconds in all a request waits while servers announce every missing block as loading")
+    add_waits(p)
     p.add_argument("--threads", type=int, default=usable_cores(),
                    help="torch threads for the embeddings and LM head (default: the cores this process may use, "
                         "here %(default)s)")
@@ -65,8 +67,24 @@ def add_parser(sub) -> None:
                    help="private swarm only: share cached prefixes with every holder of the swarm key")
     add_client_precision(p)
     add_push(p)
-    add_speculative(p)
+    add_speculative(p, GATEWAY.speculative)
     add_swarm_key(p)
+
+
+def gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    """The flags as the gateway's settings (served ids from --model / --served-model-name / --adapter)."""
+    from swarmlm.model.source import served_name
+
+    own = () if args.host in ("0.0.0.0", "::", "") else (args.host,)
+    name = args.served_model_name or served_name(args.model)
+    ids = {ref: served_name(ref) for ref in args.adapter}  # --adapter as given -> its served id
+    aliases = tuple((given, served) for given, served in [(args.model, name), *ids.items()] if given != served)
+    return GatewayConfig(model_name=name, adapter_names=tuple(ids.values()), model_aliases=aliases,
+                         api_key=args.api_key, max_streams_per_client=args.max_streams_per_client,
+                         max_choices_per_request=args.max_choices_per_request, max_prompt_chars=args.max_prompt_chars,
+                         max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout,
+                         body_timeout_s=args.body_timeout, request_timeout_s=args.request_timeout,
+                         allowed_hosts=(*LOCAL_HOSTS, *own, *args.allow_host), speculative=args.speculative)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,27 +92,16 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from swarmlm.api.app import GatewayConfig, create_app
+    from swarmlm.api.app import create_app
     from swarmlm.client.model import DistributedModelForCausalLM
     from swarmlm.client.tuning import find_tuned
     from swarmlm.model.checkpoint import load_tokenizer
     from swarmlm.errors import SwarmAccessDenied
 
-    from swarmlm.api.guard import LOCAL_HOSTS, header_deadline_protocol
+    from swarmlm.api.guard import header_deadline_protocol
 
-    own = () if args.host in ("0.0.0.0", "::", "") else (args.host,)
-    from swarmlm.model.source import served_name
-
-    name = args.served_model_name or served_name(args.model)
-    ids = {ref: served_name(ref) for ref in args.adapter}  # --adapter as given -> its served id
-    aliases = tuple((given, served) for given, served in [(args.model, name), *ids.items()] if given != served)
-    config = GatewayConfig(model_name=name, adapter_names=tuple(ids.values()), model_aliases=aliases,
-                           api_key=args.api_key,
-                           max_streams_per_client=args.max_streams_per_client,
-                           max_choices_per_request=args.max_choices_per_request,
-                           max_prompt_chars=args.max_prompt_chars, max_body_bytes=args.max_body_bytes,
-                           body_timeout_s=args.body_timeout, request_timeout_s=args.request_timeout,
-                           allowed_hosts=(*LOCAL_HOSTS, *own, *args.allow_host), speculative=args.speculative)
+    config = gateway_config(args)
+    ids = dict(zip(args.adapter, config.adapter_names))  # --adapter as given -> its served id
     for ref in args.adapter:  # a missing or unreadable folder is one line before anything loads
         find_tuned(ref)
     tokenizer = load_tokenizer(args.model)
@@ -124,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     sock.listen(1024)  # connections wait in the backlog until uvicorn accepts them
     host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
-                                           http=header_deadline_protocol(args.header_timeout)))
+                                           http=header_deadline_protocol(config.header_timeout_s)))
     # one JSON line for scripts and tests (the port when --port 0), then a line for people
     print(json.dumps({"event": "ready", "url": f"http://{host}:{port}", "model": config.model_name,
                       "adapters": list(config.adapter_names)}), flush=True)

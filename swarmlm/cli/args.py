@@ -3,6 +3,11 @@ from __future__ import annotations
 
 import argparse
 
+from swarmlm.config import ClientConfig
+from swarmlm.perf.speculation import parse_mode
+
+CLIENT = ClientConfig()  # the client flags' defaults: each setting's one definition is its config field
+
 
 def prefill_chunks(text: str) -> int | None:
     """--prefill-chunks auto|off|TOKENS -> ClientConfig.prefill_chunk_tokens (None: sized to the link and the
@@ -22,23 +27,34 @@ def add_prefill_chunks(p: argparse.ArgumentParser) -> None:
 
 def add_push(p: argparse.ArgumentParser) -> None:
     """--push auto|on|off -> ClientConfig.push (server-to-server push; auto: where the measured RTTs say it pays)."""
-    p.add_argument("--push", default="auto", choices=["auto", "on", "off"],
+    p.add_argument("--push", default=CLIENT.push, choices=["auto", "on", "off"],
                    help="servers push each output straight to the next server of the route (N + 1 links per token, "
                         "not 2N); auto (default): on routes where the measured RTTs say it saves time")
 
 
 def speculative(text: str) -> str:
-    """--speculative off|auto|K (client/decoding/decoder.py: parse_mode checks it again where it is used)."""
-    if text in ("off", "auto") or (text.isdigit() and 1 <= int(text) <= 16):
-        return text
-    raise argparse.ArgumentTypeError(f"--speculative must be 'off', 'auto' or a draft length 1..16, got {text!r}")
+    """--speculative off|auto|K, checked by perf/speculation.parse_mode (as everywhere it is used)."""
+    try:
+        parse_mode(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--speculative: {exc}") from None
+    return text
 
 
-def add_speculative(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative", type=speculative, default="off", metavar="off|auto|K",
+def add_speculative(p: argparse.ArgumentParser, default: str = "off") -> None:
+    p.add_argument("--speculative", type=speculative, default=default, metavar="off|auto|K",
                    help="speculative decoding (one sequence at a time): drafts by prompt lookup, verified by the "
                         "swarm in one pass; auto: the draft length from the measured acceptance and the route's "
-                        "cost (0 where it does not pay), K: always K drafts (default off)")
+                        "cost (0 where it does not pay), K: always K drafts (default %(default)s)")
+
+
+def add_waits(p: argparse.ArgumentParser) -> None:
+    """--wait-for-blocks / --wait-for-loading -> ClientConfig.wait_for_blocks_s / wait_for_loading_s."""
+    p.add_argument("--wait-for-blocks", type=float, default=CLIENT.wait_for_blocks_s, metavar="SECONDS",
+                   help="how long to wait for servers of missing blocks before giving up (the gateway: a 503)")
+    p.add_argument("--wait-for-loading", type=float, default=CLIENT.wait_for_loading_s, metavar="SECONDS",
+                   help="while servers announce every missing block as loading (a spare moving onto them), wait up "
+                        "to this long in all")
 
 
 SWARM_KEY_ENV = "SWARMLM_SWARM_KEY_FILE"

@@ -10,7 +10,7 @@ import json
 import sys
 
 from swarmlm.cli.args import (add_adapter, add_client_precision, add_model, add_prefill_chunks, add_push,
-                              add_speculative, add_swarm_key, model_ref)
+                              add_speculative, add_swarm_key, add_waits, model_ref)
 from swarmlm.types import describe_spans
 
 # --help lists these first ("common options"), the rest under "advanced options"
@@ -26,11 +26,7 @@ def add_client(p: argparse.ArgumentParser) -> None:
                    help="DHT multiaddrs (printed by `swarmlm dht`)")
     p.add_argument("--servers", nargs="*", default=[], metavar="HOST:PORT",
                    help="direct host:port list instead of a DHT")
-    p.add_argument("--wait-for-blocks", type=float, default=30.0, metavar="SECONDS",
-                   help="how long to wait for servers of missing blocks before giving up")
-    p.add_argument("--wait-for-loading", type=float, default=300.0, metavar="SECONDS",
-                   help="while servers announce every missing block as loading (a spare moving onto them), wait up "
-                        "to this long in all")
+    add_waits(p)
     p.add_argument("--routing", default="waiting-aware", choices=["shortest", "waiting-aware"],
                    help="how the route through the servers is chosen")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the client's embeddings and head")

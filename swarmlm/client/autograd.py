@@ -131,8 +131,8 @@ class RemoteTrainer:
         return tensor.float()
 
     # ---- ranges, with failover ---------------------------------------------------------------------------
-    def route(self, start: int, end: int, rows: int, tokens: int, refresh: bool = False) -> list[Span]:
-        return list(self.remote.route(start, end, tokens, 1, rows, tokens, refresh=refresh).spans)
+    def route(self, start: int, end: int, rows: int, n_tokens: int, refresh: bool = False) -> list[Span]:
+        return list(self.remote.route(start, end, n_tokens, 1, rows, n_tokens, refresh=refresh).spans)
 
     async def _forward_chain(self, call, spans, hidden, prompts, lora) -> list[torch.Tensor]:
         inputs = [hidden]
@@ -166,8 +166,8 @@ class RemoteTrainer:
                     raise
                 log.warning("training: %s; re-routing blocks [%d, %d)", exc, call.start, call.end)
                 self.remote.view.ban(exc.server_id)
-                rows, tokens = call.mask.shape
-                spans = self.route(call.start, call.end, rows, tokens, refresh=True)
+                rows, n_tokens = call.mask.shape
+                spans = self.route(call.start, call.end, rows, n_tokens, refresh=True)
 
     def forward(self, call: SpanCall, spans: list[Span], hidden, prompts, lora):
         """The range's output, the spans that computed it and their inputs."""
@@ -214,8 +214,8 @@ def run_route(trainer: RemoteTrainer, hidden: torch.Tensor, mask: torch.Tensor, 
               lora: list[tuple[LoraSpec, torch.Tensor, torch.Tensor]], num_blocks: int) -> torch.Tensor:
     """hidden [B, T, H] through blocks [0, num_blocks), one autograd node per span of the route.
     prompts: [num_blocks, B, K, H] or None; lora: (spec, a, b) per LoRA'd layer."""
-    rows, tokens = mask.shape
-    for span in trainer.route(0, num_blocks, rows, tokens):
+    rows, n_tokens = mask.shape
+    for span in trainer.route(0, num_blocks, rows, n_tokens):
         mine = [(s, a, b) for s, a, b in lora if span.start <= s.block < span.end]
         call = SpanCall(span.start, span.end, mask, tuple(s for s, _, _ in mine))
         part = prompts[span.start:span.end] if prompts is not None else None

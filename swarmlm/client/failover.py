@@ -1,6 +1,7 @@
 """Failover: a broken span's blocks routed again from a fresh view of the swarm, the replacement chain opened and
 replayed the span's history so its caches match; bounded attempts, each failed server banned (docs/FAILURES.md).
-`session` is the client/session.py InferenceSession whose step broke."""
+`session` is the client/session.py InferenceSession whose step broke; this module uses its public surface only
+(open_spans, close_spans, hang_timeout_s, remote, prompt, prefix_context, the routing hints)."""
 from __future__ import annotations
 
 import logging
@@ -19,7 +20,7 @@ async def replace_hop(session, hop: Hop, exc: ServerFailed | None, record) -> li
     """A new chain over the hop's blocks, its caches rebuilt from the span's history; bounded attempts, each
     failed server banned. The new hops carry on from the chunks the old one answered."""
     broken = hop.open_span
-    await session._close_spans([broken])
+    await session.close_spans([broken])
     loop = session.remote.loop.loop
     while True:
         if exc is None:
@@ -35,14 +36,14 @@ async def replace_hop(session, hop: Hop, exc: ServerFailed | None, record) -> li
         # route the broken part again from a fresh view of the swarm (blocking DHT reads go to a thread)
         route = await loop.run_in_executor(None, _reroute, session, broken.span)
         try:
-            replacement = await session._open_spans(route.spans)
+            replacement = await session.open_spans(route.spans)
         except ServerFailed as again:
             exc = again
             continue
         try:
             await _replay(session, await _history_of(session, broken), replacement)
         except ServerFailed as again:
-            await session._close_spans(replacement)
+            await session.close_spans(replacement)
             exc = again
             continue
         done = hop.answered
@@ -67,13 +68,13 @@ async def _history_of(session, broken: OpenSpan) -> list[Chunk]:
         loop = session.remote.loop.loop
         route = await loop.run_in_executor(None, lambda: session.remote.route(
             0, broken.span.start, broken.prefix_tokens, 1, 1, session.max_length, refresh=True))
-        upstream = await session._open_spans(route.spans)
+        upstream = await session.open_spans(route.spans)
         try:
             for s in upstream:
-                bound = session._hang_timeout_s(s.span, 1, broken.prefix_tokens, cached=False)
+                bound = session.hang_timeout_s(s.span, 1, broken.prefix_tokens, cached=False)
                 hidden, _ = await s.stream.step(hidden, None, bound)
         finally:
-            await session._close_spans(upstream)
+            await session.close_spans(upstream)
     rows = torch.tensor(broken.prefix_rows)
     return [(hidden[rows], torch.ones(len(rows), broken.prefix_tokens, dtype=torch.long)), *broken.history]
 
@@ -85,7 +86,7 @@ async def _replay(session, history: list[Chunk], spans: list[OpenSpan]) -> None:
     hidden = torch.cat([h for h, _ in history], dim=1)
     mask = torch.cat([m for _, m in history], dim=1)
     for opened in spans:
-        bound = session._hang_timeout_s(opened.span, *hidden.shape[:2], cached=bool(opened.history))
+        bound = session.hang_timeout_s(opened.span, *hidden.shape[:2], cached=bool(opened.history))
         out, _ = await opened.stream.step(hidden, mask, bound)
         opened.answered(hidden, mask)
         hidden = out

@@ -19,9 +19,8 @@ import grpc
 from swarmlm.swarm.private import make_token
 from swarmlm.wire import frames
 from swarmlm.wire import swarm_pb2 as pb
-from swarmlm.wire.frames import FrameError, Kind, Purpose
+from swarmlm.wire.frames import INFERENCE_METHOD, FrameError, Kind, Purpose
 
-INFERENCE_METHOD = "/swarmlm.Swarm/Inference"
 RECV_BYTES = 1 << 16  # read up to this much per recv (a decode reply is one recv)
 
 

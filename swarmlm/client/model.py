@@ -252,8 +252,8 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         if len(shape) != (2 if input_ids is not None else 3) or shape[1] == 0:
             raise InvalidRequest(f"input_ids must be [batch, tokens] (inputs_embeds [batch, tokens, hidden]) with "
                                  f"tokens >= 1, got {list(shape)}")
-        batch, tokens = shape[:2]
-        mask = attention_mask[:, -tokens:] if attention_mask is not None else None
+        batch, n_tokens = shape[:2]
+        mask = attention_mask[:, -n_tokens:] if attention_mask is not None else None
         keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
         tuned = self.prompts is not None or self.lora is not None
         if cache is None and (labels is not None or tuned or inputs_embeds is not None and inputs_embeds.requires_grad):
@@ -262,7 +262,7 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
             return self._prompted_step(cache, input_ids, inputs_embeds, mask, keep)
         tokens_or_embeds = input_ids if input_ids is not None else inputs_embeds
         if cache is None:
-            with self.inference_session(max_length=tokens, batch_size=batch, l_in_hint=tokens,
+            with self.inference_session(max_length=n_tokens, batch_size=batch, l_in_hint=n_tokens,
                                         l_out_hint=1) as session:
                 logits = self._logits(session, tokens_or_embeds, mask, keep, None)
             return CausalLMOutputWithPast(logits=logits)
@@ -271,7 +271,7 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         # forward gives the last position's logits only (all that generate() reads of a prefill)
         prompt = (input_ids[0] if input_ids is not None and cache.use_prefix and batch == 1
                   and (mask is None or bool(mask.all())) else None)
-        session = cache.session_for(batch, tokens, prompt)
+        session = cache.session_for(batch, n_tokens, prompt)
         if prompt is not None and session.prefix_held(input_ids):
             keep = slice(-1, None)
         logits = self._logits(session, tokens_or_embeds, mask, keep, cache.stats, cache.take_pending())

@@ -34,13 +34,13 @@ from swarmlm.wire import swarm_pb2 as pb
 Chunk = tuple[torch.Tensor, torch.Tensor]  # hidden [B, T, H], padding mask [B, T]
 
 
-def hang_timeout_s(config: ClientConfig, profile: ComputeProfile | None, span: Span, rows: int, tokens: int,
+def hang_timeout_s(config: ClientConfig, profile: ComputeProfile | None, span: Span, rows: int, n_tokens: int,
                    cached: bool) -> float:
     """How long a reply of this span's server may take before the server counts as hung: its announced compute time
     for `tokens` new tokens of `rows` sequences over the span's blocks, from scratch or past what its cache holds
     (`cached`; perf: `ComputeProfile.step_s`), times hang_factor, plus hang_floor_s (load, scheduling and the wire),
     at most step_timeout_s. A server that announces nothing gets the floor."""
-    compute = profile.step_s(span.length, rows, tokens, cached) if profile is not None else 0.0
+    compute = profile.step_s(span.length, rows, n_tokens, cached) if profile is not None else 0.0
     return min(config.step_timeout_s, config.hang_floor_s + config.hang_factor * compute)
 
 

@@ -256,7 +256,7 @@ class RemoteSequence:
     def pass_cost(self, spans: list[Span]) -> Callable[[int], float]:
         """tokens -> predicted seconds of one step of that many tokens on this route (speculation's draft length)."""
         push = self.push(spans)
-        return lambda tokens: self.router.pass_s(spans, tokens, push)
+        return lambda n_tokens: self.router.pass_s(spans, n_tokens, push)
 
     def sibling(self, active_adapter: str | None) -> "RemoteSequence":
         """The same swarm seen with another adapter (or none): its own view, routes and channels (its sessions open

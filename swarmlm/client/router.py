@@ -174,10 +174,10 @@ class LiveRouter:
         with self._lock:
             return self.perf.push_pays(CLIENT, spans)
 
-    def pass_s(self, spans: list[Span], tokens: int, push: bool) -> float:
+    def pass_s(self, spans: list[Span], n_tokens: int, push: bool) -> float:
         """Predicted seconds of one step of `tokens` tokens along `spans` (PerfModel.pass_s)."""
         with self._lock:
-            return self.perf.pass_s(CLIENT, spans, tokens, push)
+            return self.perf.pass_s(CLIENT, spans, n_tokens, push)
 
     def admit(self, spans: list[Span], l_in: int, l_out: int) -> str:
         """Count a session this client opened on `spans` until `release` (the router's load and slots)."""

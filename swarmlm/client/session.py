@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 class StepRecord:
     """One step through the whole chain: what each hop cost, and failovers."""
 
-    tokens: int
+    n_tokens: int
     wall_s: float
     hops: list[HopTiming]
     failovers: int = 0
@@ -85,7 +85,7 @@ class InferenceSession:
         self.open_s = 0.0  # routing + opening streams
         self.closed = False
         # entries are one sequence: a session of more rows opens from one (its first step's one row, copied to the
-        # others by a later step's cache op) and keeps none (`tokens` stops following at the copy)
+        # others by a later step's cache op) and keeps none (`held_ids` stops following at the copy)
         self.prefix_context = prefix
         self.held_ids: list[int] | None = [] if self.prefix_context is not None else None  # the ids servers hold
         self.prompt: list[int] = []  # the prompt named at open (its cached prefix is not sent again)
@@ -108,7 +108,7 @@ class InferenceSession:
             route = self.remote.route(0, self.remote.num_blocks, self.l_in_hint, self.l_out_hint, self.batch,
                                       self.max_length, refresh=attempts > 0, prefix_held=held)
             try:
-                self.spans = self.remote.loop.run(self._open_spans(route.spans, self.prompt))
+                self.spans = self.remote.loop.run(self.open_spans(route.spans, self.prompt))
                 if self.held_ids is not None:
                     self.held_ids = self.prompt[:self.position]  # what the servers hold from their caches
                 break
@@ -122,7 +122,8 @@ class InferenceSession:
         self.open_s = time.perf_counter() - t0
         return self
 
-    async def _open_spans(self, spans, prompt: Sequence[int] = ()) -> list[OpenSpan]:
+    # ---- what failover.py uses: open and close spans, bound a span's reply ----------------------------------
+    async def open_spans(self, spans, prompt: Sequence[int] = ()) -> list[OpenSpan]:
         """Open a session on each span; with a prompt, from the longest prefix of it every span has cached (a span
         holding more is cut to it by the first step's cache op)."""
         cfg = self.remote.config
@@ -140,7 +141,7 @@ class InferenceSession:
                 admission = self.remote.router.admit([span], self.l_in_hint, self.l_out_hint)
                 opened.append(OpenSpan(span, stream, admission, prefix_tokens=held))
         except BaseException:
-            await self._close_spans(opened)
+            await self.close_spans(opened)
             raise
         common = min((s.prefix_tokens for s in opened), default=0)
         if any(s.prefix_tokens != common for s in opened):
@@ -156,7 +157,7 @@ class InferenceSession:
             lambda s: view.records[s.server_id].quant if s.server_id in view.records else "?",
             lambda s: channels.wire_dtype_for(s.address, prefix_keys.PREFILL_BYTES))
 
-    async def _close_spans(self, spans: list[OpenSpan]) -> None:
+    async def close_spans(self, spans: list[OpenSpan]) -> None:
         for s in spans:
             await s.stream.close()
             self.remote.router.release(s.admission)
@@ -174,7 +175,7 @@ class InferenceSession:
                     await s.stream.save(prefix_keys.keys_for(salt, self.held_ids))
                 except ServerFailed as exc:  # a broken stream keeps nothing: not this session's failure
                     log.info("prefix not kept: %s", exc)
-        await self._close_spans(self.spans)
+        await self.close_spans(self.spans)
 
     def prefix_held(self, input_ids: torch.Tensor) -> int:
         """Tokens at the start of the first step's `input_ids` that the servers hold from a cached prefix (the
@@ -236,11 +237,11 @@ class InferenceSession:
     def chunk_tokens(self, hidden: torch.Tensor) -> int:
         """Tokens per message for this step (see chunking.py): fixed, off (0), or the largest of the hops' sizes."""
         cfg = self.remote.config
-        tokens = hidden.shape[1]
-        if tokens == 1 or cfg.prefill_chunk_tokens == 0:
-            return tokens
+        n_tokens = hidden.shape[1]
+        if n_tokens == 1 or cfg.prefill_chunk_tokens == 0:
+            return n_tokens
         if cfg.prefill_chunk_tokens is not None:
-            return min(cfg.prefill_chunk_tokens, tokens)
+            return min(cfg.prefill_chunk_tokens, n_tokens)
         sizes = []
         for s in self.spans:
             # in the format this link's messages go in (wire/compress.py), not the client's dtype
@@ -252,7 +253,7 @@ class InferenceSession:
             profile = self._profile(s.span)
             a, b = profile.prefill_step_terms(s.span.length, hidden.shape[0]) if profile is not None else (0.0, 0.0)
             sizes.append(chunk_tokens_for_hop(cfg.chunk_rule, bytes_per_token, est.bandwidth_bps, a, b))
-        return min(max(sizes), tokens)
+        return min(max(sizes), n_tokens)
 
     def _step_blocking(self, hidden: torch.Tensor, mask: torch.Tensor, op: CacheOp | None) -> torch.Tensor | None:
         """A decode step (one token per row, not pushed) through spans that are all on framed streams runs from the
@@ -264,7 +265,7 @@ class InferenceSession:
         t0 = time.perf_counter()
         record, chunks, hops = self._begin(hidden, mask, op)
         record.blocking = True
-        outcome = StepPipeline(hops, chunks, self.remote.config, self._hang_timeout_s).run_blocking()
+        outcome = StepPipeline(hops, chunks, self.remote.config, self.hang_timeout_s).run_blocking()
         if outcome.complete:
             record.hops.extend(outcome.timings)
             return self._finish(record, hops, chunks, t0)
@@ -278,7 +279,7 @@ class InferenceSession:
     def _begin(self, hidden: torch.Tensor, mask: torch.Tensor,
                op: CacheOp | None) -> tuple[StepRecord, list[Chunk], list[Hop]]:
         chunks = split(hidden, mask, self.chunk_tokens(hidden))
-        record = StepRecord(tokens=hidden.shape[1], wall_s=0.0, hops=[], chunks=len(chunks))
+        record = StepRecord(n_tokens=hidden.shape[1], wall_s=0.0, hops=[], chunks=len(chunks))
         for s in self.spans if op is not None else ():
             s.edit(op)  # what a failover replays from now on (the op itself goes with each span's first chunk)
         return record, chunks, [Hop(s, op=op) for s in self.spans]
@@ -290,7 +291,7 @@ class InferenceSession:
             if outcome is None:
                 # ClientConfig.push ("auto": where it pays); never again in a session where a server refused to push on
                 record.pushed = not self.push_refused and self.remote.push([h.span for h in hops])
-                outcome = await StepPipeline(hops, chunks, self.remote.config, self._hang_timeout_s,
+                outcome = await StepPipeline(hops, chunks, self.remote.config, self.hang_timeout_s,
                                              record.pushed).run()
             record.hops.extend(outcome.timings)
             if outcome.complete:
@@ -325,8 +326,9 @@ class InferenceSession:
             seen = self._profiles[span.server_id] = (record, profile_of(record))
         return seen[1]
 
-    def _hang_timeout_s(self, span: Span, rows: int, tokens: int, cached: bool) -> float:
-        return hang_timeout_s(self.remote.config, self._profile(span), span, rows, tokens, cached)
+    def hang_timeout_s(self, span: Span, rows: int, n_tokens: int, cached: bool) -> float:
+        """pipeline.hang_timeout_s with this session's config and the span's server's announced profile."""
+        return hang_timeout_s(self.remote.config, self._profile(span), span, rows, n_tokens, cached)
 
     def _push_refused(self, record: StepRecord) -> None:
         """A server refused to push on (it does not see the next server announced: that one just moved, or its own

@@ -129,7 +129,7 @@ class HopTiming:
     compute_s: float  # server: running the blocks
     server_io_s: float  # server: parsing + validating + serialising
     client_io_s: float  # client: serialising the request + parsing the reply
-    tokens: int
+    n_tokens: int
     pushed: bool = False  # the server pushed its output on to the next server of the route
     batched_steps: int = 1  # steps (of all sessions) that shared the server's forward
 
@@ -150,7 +150,7 @@ class _Sent:
     """A step written on the stream whose reply has not been read yet."""
 
     kind: StepKind
-    tokens: int
+    n_tokens: int
     request_bytes: int
     encode_s: float
     clean: bool  # nothing else of this client was in flight on the link: its timing measures the link
@@ -198,11 +198,11 @@ class SpanStream:
         """Every step of this stream takes the next id, written here or pushed here by another server."""
         return self._step_id + 1
 
-    def expect(self, tokens: int) -> None:
+    def expect(self, n_tokens: int) -> None:
         """Await the reply to a step the previous server pushed to this session (it takes the next id)."""
         self._step_id += 1
-        kind = StepKind.of(tokens)
-        self._pending.append(_Sent(kind, tokens, 0, 0.0, clean=False, written_s=time.perf_counter(), on_link=False,
+        kind = StepKind.of(n_tokens)
+        self._pending.append(_Sent(kind, n_tokens, 0, 0.0, clean=False, written_s=time.perf_counter(), on_link=False,
                                    step_id=self._step_id))
 
     async def open(self, batch: int, max_length: int, prefix_scope: bytes = b"",
@@ -254,7 +254,7 @@ class SpanStream:
             step_id=self._step_id, push=push, cache_op=cache_op.to_wire(op),
             # (no padding: no mask on the wire, the server reads an absent mask as all ones)
             attention_mask=codec.encode(mask) if mask is not None and not bool(mask.all()) else pb.Tensor()))
-        sent = _Sent(StepKind.of(hidden.shape[1]), tokens=hidden.shape[1],
+        sent = _Sent(StepKind.of(hidden.shape[1]), n_tokens=hidden.shape[1],
                      request_bytes=len(request.step.hidden.data), encode_s=time.perf_counter() - t0, clean=False,
                      on_link=False, step_id=self._step_id)
         self._pending.append(sent)
@@ -345,7 +345,7 @@ class SpanStream:
         self._last_reply_s = t2
         timing = HopTiming(
             self.span.server_id, wall_s=t2 - started, queued_s=tm.queued_s, compute_s=tm.compute_s,
-            server_io_s=tm.parse_s + tm.encode_s, client_io_s=sent.encode_s + (t3 - t2), tokens=sent.tokens,
+            server_io_s=tm.parse_s + tm.encode_s, client_io_s=sent.encode_s + (t3 - t2), n_tokens=sent.n_tokens,
             pushed=reply.pushed, batched_steps=max(1, min(tm.batched_steps, MAX_REPORTED_BATCH)),
         )
         if sent.clean:

@@ -14,9 +14,9 @@ from swarmlm.errors import InvalidRequest
 IGNORE = -100  # transformers' ignore_index
 
 
-def row_chunks(rows: int, tokens: int, chunk_tokens: int) -> list[slice]:
+def row_chunks(rows: int, n_tokens: int, chunk_tokens: int) -> list[slice]:
     """Rows in chunks of at most chunk_tokens rows x tokens (at least one row each)."""
-    per = max(1, chunk_tokens // tokens)
+    per = max(1, chunk_tokens // n_tokens)
     return [slice(start, min(start + per, rows)) for start in range(0, rows, per)]
 
 
@@ -25,9 +25,9 @@ def train_forward(model, input_ids: torch.Tensor | None, inputs_embeds: torch.Te
     if inputs_embeds is None:
         with torch.no_grad():
             inputs_embeds = model.client_modules.embed(_checked_ids(model, input_ids))
-    batch, tokens = inputs_embeds.shape[:2]
-    mask = torch.ones(batch, tokens, dtype=torch.long) if mask is None else mask.to(torch.long)
-    if labels is not None and tuple(labels.shape) != (batch, tokens):
+    batch, n_tokens = inputs_embeds.shape[:2]
+    mask = torch.ones(batch, n_tokens, dtype=torch.long) if mask is None else mask.to(torch.long)
+    if labels is not None and tuple(labels.shape) != (batch, n_tokens):
         raise InvalidRequest(f"labels must be [{batch}, {tokens}], got {list(labels.shape)}")
     prefix = 0
     if model.prompts is not None:  # the soft prompt before every sequence (as a token's embedding: BLOOM then

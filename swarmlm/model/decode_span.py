@@ -98,22 +98,22 @@ class SpanDecoder:
 
         The kernel sees B x T query rows, a sequence's tokens in order: token t of a row is written at position
         length + t and attends to positions up to its own (causal), through the row's mask."""
-        rows, tokens = hidden.shape[0], hidden.shape[1]
-        x = hidden.reshape(rows * tokens, -1).to(torch.float32).contiguous().clone()
+        rows, n_tokens = hidden.shape[0], hidden.shape[1]
+        x = hidden.reshape(rows * n_tokens, -1).to(torch.float32).contiguous().clone()
         keys, values, strides, caps, lengths, mask_rows, keep, positions = [], [], [], [], [], [], [], []
         for (cache, span), mask in zip(members, masks):
             n = span.stop - span.start
-            end = cache.length + tokens
+            end = cache.length + n_tokens
             assert mask.shape == (n, end), "a session's mask covers its committed tokens and the new ones"
             if end > cache.capacity:
                 cache._grow(end, x.new_empty(n, self.kv_heads, 1, self.head_dim))
             assert cache.keys.is_contiguous() and cache.values.is_contiguous()
             m = mask.to(torch.int64).contiguous()
             keep.append(m)
-            positions.append(padded_positions(m, tokens))
+            positions.append(padded_positions(m, n_tokens))
             layer_stride = n * self.kv_heads * cache.capacity * self.head_dim
             for j in range(n):
-                for t in range(tokens):
+                for t in range(n_tokens):
                     keys.append(cache.keys[0, j].data_ptr())
                     values.append(cache.values[0, j].data_ptr())
                     strides.append(layer_stride)

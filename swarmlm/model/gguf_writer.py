@@ -180,13 +180,13 @@ def _add_tokenizer(writer, config: PretrainedConfig, tokenizer_vocab: int, pad_t
     model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
     by_id = sorted(model["vocab"].items(), key=lambda kv: kv[1])
     assert [i for _, i in by_id] == list(range(len(by_id))), "token ids are 0..n-1"
-    tokens = [t for t, _ in by_id] + [f"[PAD{i}]" for i in range(len(by_id), config.vocab_size)]
+    vocab = [t for t, _ in by_id] + [f"[PAD{i}]" for i in range(len(by_id), config.vocab_size)]
     types = [CONTROL_TOKEN if t in SPECIAL_TOKENS else NORMAL_TOKEN for t, _ in by_id]
     types += [UNUSED_TOKEN] * (config.vocab_size - len(by_id))
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
+    writer.add_token_list(vocab)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
     writer.add_bos_token_id(BOS_ID)

@@ -26,10 +26,11 @@ def init_checkpoint(
     _check_fits_in_memory(preset_name, config, dtype)  # (before anything is written)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokens = dict(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
+    special_ids = dict(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                       pad_token_id=config.pad_token_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.generation_config.pad_token_id = tokens["pad_token_id"]
+    model.generation_config.pad_token_id = special_ids["pad_token_id"]
     model.save_pretrained(out, max_shard_size=max_shard_size)
     save_tokenizer(min(preset.tokenizer_vocab, config.vocab_size), out, pad=not preset.llama3_tokens)
     (out / "swarmlm.json").write_text(json.dumps({"preset": preset_name, "seed": seed, "dtype": str(dtype)}))
@@ -68,10 +69,10 @@ def preset_config(preset_name: str, num_layers: int | None = None):
     if num_layers is not None:
         shape["n_layer" if preset.family == "bloom" else "num_hidden_layers"] = num_layers
     if preset.llama3_tokens:  # no pad id, a list of eos ids
-        tokens = dict(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, PAD_ID], pad_token_id=None)
+        special_ids = dict(bos_token_id=BOS_ID, eos_token_id=[EOS_ID, PAD_ID], pad_token_id=None)
     else:
-        tokens = dict(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
-    return FAMILIES[preset.family].config_class(**shape, **tokens)
+        special_ids = dict(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    return FAMILIES[preset.family].config_class(**shape, **special_ids)
 
 
 def init_gguf(preset_name: str, out: str | Path, gguf_type: str = "q4_0", seed: int = 0,

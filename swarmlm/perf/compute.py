@@ -38,20 +38,20 @@ class ComputeProfile:
         """A prefill step of `rows` sequences over `blocks` blocks: (seconds per new token, fixed seconds per step)."""
         return self.prefill_a_s * rows * blocks, self.prefill_b_s * blocks
 
-    def extend_s(self, tokens: int) -> float:
+    def extend_s(self, n_tokens: int) -> float:
         """Seconds of one block for a step of `tokens` new tokens of one sequence past its cache (a decode step,
         a speculative pass, a later prefill chunk): the first at the decode cost, each further one at the prompt's
         marginal cost (a_j)."""
-        return self.decode_s + self.prefill_a_s * (tokens - 1)
+        return self.decode_s + self.prefill_a_s * (n_tokens - 1)
 
-    def step_s(self, blocks: int, rows: int, tokens: int, cached: bool) -> float:
+    def step_s(self, blocks: int, rows: int, n_tokens: int, cached: bool) -> float:
         """One step of `rows` sequences x `tokens` new tokens over `blocks` blocks, alone (rows unbatched: a
         bound): a prompt from scratch (not `cached`) at the prefill cost (a * rows * tokens + b per block), any
         step past the tokens a cache holds at `extend_s` per row and block."""
         if not cached:
             per_token, fixed = self.prefill_step_terms(blocks, rows)
-            return per_token * tokens + fixed
-        return self.extend_s(tokens) * rows * blocks
+            return per_token * n_tokens + fixed
+        return self.extend_s(n_tokens) * rows * blocks
 
     @property
     def contended(self) -> bool:

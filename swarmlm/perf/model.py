@@ -75,14 +75,14 @@ class PerfModel:
         bw = self.network.bandwidth_bps(a, b)
         return self.network.rtt_s(a, b) / 2 + (8.0 * nbytes / bw if nbytes and math.isfinite(bw) else 0.0)
 
-    def round_trip_s(self, client: str, server: str, tokens: int) -> float:
+    def round_trip_s(self, client: str, server: str, n_tokens: int) -> float:
         """tI_cj (tokens = l_in) or t_cj (tokens = 1): hidden states to the server and back, and the messages' own
         cost (o).
 
         Same as transfer_s(client, server, n) + transfer_s(server, client, n), with one lookup per link
         (the planner calls this ~10^5 times on 1,000-server topologies)."""
         rtt, bw = self.network.link(client, server)
-        nbytes = tokens * self.hidden_bytes_per_token
+        nbytes = n_tokens * self.hidden_bytes_per_token
         return rtt + self.message_overhead_s + (2 * 8.0 * nbytes / bw if nbytes and math.isfinite(bw) else 0.0)
 
     # -- hops ---------------------------------------------------------------------------------------------
@@ -136,12 +136,12 @@ class PerfModel:
         step = sum(self.decode_hop_s(client, s.server_id, s.length) for s in spans)
         return step - self.push_saving_s(client, spans) if push else step
 
-    def pass_s(self, client: str, spans: Sequence[Span], tokens: int, push: bool = False) -> float:
+    def pass_s(self, client: str, spans: Sequence[Span], n_tokens: int, push: bool = False) -> float:
         """One step of `tokens` new tokens (a speculative pass verifying tokens - 1 drafts) through every hop:
         round trips with `tokens` hidden states plus compute past the cache (`ComputeProfile.extend_s`, as the
         client's hang timeout prices such a step); pass_s(..., 1) is the decode step."""
-        step = sum(self.round_trip_s(client, s.server_id, tokens)
-                   + s.length * self.profiles[s.server_id].extend_s(tokens) for s in spans)
+        step = sum(self.round_trip_s(client, s.server_id, n_tokens)
+                   + s.length * self.profiles[s.server_id].extend_s(n_tokens) for s in spans)
         return step - self.push_saving_s(client, spans) if push else step
 
     # -- server-to-server push ------------------------------------------------------------------------------

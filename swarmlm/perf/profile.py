@@ -73,16 +73,16 @@ def measure(stage: Measurable, lengths: tuple[int, int] = (16, 128), decode_step
     h = stage.hidden_size
     gen = torch.Generator().manual_seed(0)
 
-    def prefill_s(tokens: int) -> float:
-        x = torch.randn(1, tokens, h, generator=gen)
+    def prefill_s(n_tokens: int) -> float:
+        x = torch.randn(1, n_tokens, h, generator=gen)
         t0 = time.perf_counter()
-        stage.forward(blocks, x, torch.ones(1, tokens, dtype=torch.long))
+        stage.forward(blocks, x, torch.ones(1, n_tokens, dtype=torch.long))
         return time.perf_counter() - t0
 
-    for tokens in lengths:  # warm-up: first calls at a new size allocate, and would skew the fit
-        prefill_s(tokens)
+    for n_tokens in lengths:  # warm-up: first calls at a new size allocate, and would skew the fit
+        prefill_s(n_tokens)
     # the median per length is robust to a burst of load elsewhere; two points define the line
-    medians = [statistics.median(prefill_s(tokens) / n for _ in range(repeats)) for tokens in lengths]
+    medians = [statistics.median(prefill_s(n_tokens) / n for _ in range(repeats)) for n_tokens in lengths]
     a, b = _fit_line(list(lengths), medians)
 
     # decode with 1, 4 and 16 rows after a short prompt; one step of each size in turn, so that a change of the

@@ -51,10 +51,10 @@ class ModelSpec:
         mlp_mats = 3 if getattr(config, "hidden_act", "") in ("silu", "swiglu") else 2
         params = 2 * hidden * hidden + 2 * hidden * kv_dim + mlp_mats * hidden * inter
         wbytes = dtype_bytes if weight_bytes_per_param is None else weight_bytes_per_param
-        tokens = l_in_max + l_max
+        n_tokens = l_in_max + l_max
         return cls(num_blocks=layers, block_bytes=float(params * wbytes),
-                   cache_bytes_per_session_block=float(2 * kv_dim * tokens * dtype_bytes),
-                   hidden_bytes_per_token=float(hidden * dtype_bytes), session_tokens=tokens)
+                   cache_bytes_per_session_block=float(2 * kv_dim * n_tokens * dtype_bytes),
+                   hidden_bytes_per_token=float(hidden * dtype_bytes), session_tokens=n_tokens)
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Union
 
 MAX_DRAFT_TOKENS = 16  # the most drafts one pass may carry (k_max's upper bound)
+SpeculativeMode = Union[str, int]  # "auto": k from the rule per pass, "off": plain decoding, an int: that fixed k
+
+
+def parse_mode(mode: SpeculativeMode) -> int | None:
+    """"off" -> 0, "auto" -> None (the rule), an int (or its text) -> that fixed draft length."""
+    if mode in ("auto", None):
+        return None
+    if mode == "off":
+        return 0
+    try:
+        k = int(mode)
+    except (TypeError, ValueError):
+        raise ValueError(f"speculative must be 'auto', 'off' or a draft length, got {mode!r}") from None
+    if not 0 <= k <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"a fixed draft length must be in [0, {MAX_DRAFT_TOKENS}], got {k}")
+    return k
+
+
 OUTLIER = 4.0  # a pass slower than this many times its corrected price is not learned from
 
 
@@ -151,14 +169,14 @@ class MeasuredPassCost:
         if not 0.0 < self.decay < 1.0:
             raise ValueError(f"decay must be in (0, 1), got {self.decay}")
 
-    def observe(self, tokens: int, predicted_s: float, measured_s: float) -> None:
+    def observe(self, n_tokens: int, predicted_s: float, measured_s: float) -> None:
         """One pass of `tokens` tokens: the model's price of it (uncorrected) and its measured wall time."""
-        if tokens < 1 or not predicted_s > 0 or measured_s < 0:
+        if n_tokens < 1 or not predicted_s > 0 or measured_s < 0:
             raise ValueError(f"need tokens >= 1, predicted_s > 0 and measured_s >= 0, got {tokens}, {predicted_s}, "
                              f"{measured_s}")
         if self.plain_passes and measured_s > OUTLIER * self.scale * predicted_s:
             return  # a failover's or a stalled pass says nothing about the next one
-        if tokens == 1:
+        if n_tokens == 1:
             self.scale = self._mean(self.scale, measured_s / predicted_s, self.plain_passes)
             self.plain_passes += 1
         else:
@@ -167,7 +185,7 @@ class MeasuredPassCost:
 
     def corrected(self, model: Callable[[int], float]) -> Callable[[int], float]:
         """tokens -> the corrected price of a pass, from the model's `model(tokens)`."""
-        return lambda tokens: self.scale * model(tokens) + (self.wide_s if tokens > 1 else 0.0)
+        return lambda n_tokens: self.scale * model(n_tokens) + (self.wide_s if n_tokens > 1 else 0.0)
 
     def _mean(self, mean: float, value: float, seen: int) -> float:
         return value if not seen else self.decay * mean + (1 - self.decay) * value

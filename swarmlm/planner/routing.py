@@ -210,9 +210,9 @@ class WaitingAwareRouter:
     def _minus_prefix(self, client: str, fixed: Mapping[str, float], per_block: Mapping[str, float],
                       held: Mapping[str, int]) -> tuple[dict[str, float], dict[str, float]]:
         fixed, per_block = dict(fixed), dict(per_block)
-        for sid, tokens in held.items():
+        for sid, n_tokens in held.items():
             if sid in fixed:
-                saved_fixed, saved_per_block = prefix_saving_terms(self.perf, client, sid, tokens)
+                saved_fixed, saved_per_block = prefix_saving_terms(self.perf, client, sid, n_tokens)
                 fixed[sid] = max(fixed[sid] - saved_fixed, 0.0)
                 per_block[sid] = max(per_block[sid] - saved_per_block, 0.0)
         return fixed, per_block

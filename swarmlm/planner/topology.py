@@ -122,13 +122,13 @@ def _parse_model(raw: Any) -> ModelSpec:
     m = _obj(raw, "model")
     _keys(m, "model", {"num_blocks", "block_bytes"},
           {"cache_bytes_per_session_block", "cache_bytes_per_token_block", "session_tokens", "hidden_bytes_per_token"})
-    tokens = _int(m.get("session_tokens", 0), "model.session_tokens", 0)
+    n_tokens = _int(m.get("session_tokens", 0), "model.session_tokens", 0)
     if "cache_bytes_per_session_block" in m:
         cache = _num(m["cache_bytes_per_session_block"], "model.cache_bytes_per_session_block", 0, strict=True)
     elif "cache_bytes_per_token_block" in m:
-        if not tokens:
+        if not n_tokens:
             raise PlanningError("model.cache_bytes_per_token_block needs model.session_tokens (l_in_max + l_max)")
-        cache = _num(m["cache_bytes_per_token_block"], "model.cache_bytes_per_token_block", 0, strict=True) * tokens
+        cache = _num(m["cache_bytes_per_token_block"], "model.cache_bytes_per_token_block", 0, strict=True) * n_tokens
     else:
         raise PlanningError("model: missing field cache_bytes_per_session_block "
                             "(or cache_bytes_per_token_block with session_tokens)")
@@ -136,7 +136,7 @@ def _parse_model(raw: Any) -> ModelSpec:
                      block_bytes=_num(m["block_bytes"], "model.block_bytes", 0, strict=True),
                      cache_bytes_per_session_block=cache,
                      hidden_bytes_per_token=_num(m.get("hidden_bytes_per_token", 0.0), "model.hidden_bytes_per_token"),
-                     session_tokens=tokens)
+                     session_tokens=n_tokens)
 
 
 def _parse_servers(raw: Any, model: ModelSpec) -> list[ServerSpec]:

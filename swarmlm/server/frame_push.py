@@ -19,9 +19,8 @@ from swarmlm.swarm.private import make_token
 from swarmlm.wire import frames
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire.channel import is_p2p_address
-from swarmlm.wire.frames import FrameError, Kind, Purpose
+from swarmlm.wire.frames import PUSH_METHOD, FrameError, Kind, Purpose
 
-PUSH_METHOD = "/swarmlm.Swarm/Push"
 MAX_IDLE_PER_TARGET = 4  # idle connections kept per target
 MAX_TARGETS = 64  # targets with a known port or idle connections (least recently used forgotten first)
 

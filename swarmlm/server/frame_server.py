@@ -21,15 +21,12 @@ from typing import Awaitable, Callable
 import grpc
 
 from swarmlm.config import ServerConfig
-from swarmlm.server.inbound import UNPARSABLE
+from swarmlm.server.inbound import request_of
 from swarmlm.swarm.private import HINT, TokenChecker
 from swarmlm.wire import frames
-from swarmlm.wire import swarm_pb2 as pb
-from swarmlm.wire.frames import FrameError, Kind, Purpose
+from swarmlm.wire.frames import INFERENCE_METHOD, PUSH_METHOD, FrameError, Kind, Purpose
 
 log = logging.getLogger(__name__)
-INFERENCE_METHOD = "/swarmlm.Swarm/Inference"  # the token of a stream: as for gRPC's Inference call
-PUSH_METHOD = "/swarmlm.Swarm/Push"
 
 
 class Aborted(Exception):
@@ -226,10 +223,7 @@ class FramedRequests:
         if kind != Kind.REQUEST:
             self.broken.append(FrameError(f"a {kind.name} frame inside a stream (expected REQUEST or END)"))
             raise self.broken[-1]
-        try:
-            return pb.InferenceRequest.FromString(body)
-        except Exception:  # DecodeError, or anything else a hostile byte string provokes
-            return UNPARSABLE
+        return request_of("Inference", body)
 
     async def feed(self, take_now: Callable[[object], bool], take: Callable[[object], Awaitable[None]]) -> None:
         """Every later request into the session's inbox: `take_now` (in data_received: the inbox and the peer's
@@ -366,12 +360,8 @@ class FrameServer:
             kind, body = got
             if kind != Kind.PUSH:
                 raise FrameError(f"a {kind.name} frame on a push connection (expected PUSH)")
-            try:
-                request = pb.PushRequest.FromString(body)
-            except Exception:
-                request = UNPARSABLE
             context = FrameContext(_peer_of(conn.transport))
-            await self.service.Push(request, context)
+            await self.service.Push(request_of("Push", body), context)
             conn.write(frames.status(context.code, context.details))
             await conn.drain()
 

@@ -53,8 +53,8 @@ class SpanCache:
         # [B, heads, end, d]: a view, and B and heads stay mergeable so BLOOM's reshape needs no copy
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
-    def commit(self, tokens: int) -> None:
-        self.length += tokens
+    def commit(self, n_tokens: int) -> None:
+        self.length += n_tokens
 
     def truncated(self, length: int) -> "SpanCache":
         """The first `length` tokens (<= self.length), on the same buffers."""
@@ -78,12 +78,12 @@ class SpanCache:
     @classmethod
     def holding(cls, keys: torch.Tensor, values: torch.Tensor, max_length: int) -> "SpanCache":
         """A cache that holds K/V [layers, B, heads, T, d] (copied: it writes after them), room for max_length."""
-        tokens = int(keys.shape[3])
+        n_tokens = int(keys.shape[3])
         cache = cls(int(keys.shape[0]), max_length)
-        cache._grow(min(max(2 * tokens, 64), max_length), keys[0, :, :, :1])  # like: [B, heads, 1, d]
-        cache.keys[:, :, :, :tokens] = keys
-        cache.values[:, :, :, :tokens] = values
-        cache.length = tokens
+        cache._grow(min(max(2 * n_tokens, 64), max_length), keys[0, :, :, :1])  # like: [B, heads, 1, d]
+        cache.keys[:, :, :, :n_tokens] = keys
+        cache.values[:, :, :, :n_tokens] = values
+        cache.length = n_tokens
         return cache
 
     def _grow(self, needed: int, like: torch.Tensor) -> None:
@@ -157,9 +157,9 @@ class StepCache(Cache):
             values[m.rows, :, pad:] = v
         return keys, values
 
-    def commit(self, tokens: int) -> None:
+    def commit(self, n_tokens: int) -> None:
         for m in self.members:
-            m.cache.commit(tokens)
+            m.cache.commit(n_tokens)
 
 
 def left_pad(masks: list[torch.Tensor], length: int) -> torch.Tensor:

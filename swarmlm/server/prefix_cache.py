@@ -64,10 +64,6 @@ class Entry:
     values_t: torch.Tensor
 
     @property
-    def tokens(self) -> int:
-        return len(self.keys) * RUN_TOKENS
-
-    @property
     def nbytes(self) -> int:
         return 2 * self.keys_t.numel() * self.keys_t.element_size()
 
@@ -111,11 +107,11 @@ class PrefixCache:
     def restore(self, entry: Entry, runs: int, max_length: int) -> tuple[SpanCache, torch.Tensor]:
         """A session's cache holding the entry's first `runs` runs (a copy: the session writes after them) and its
         padding mask."""
-        tokens = runs * RUN_TOKENS
-        cache = SpanCache.holding(entry.keys_t[:, :, :, :tokens], entry.values_t[:, :, :, :tokens], max_length)
+        n_tokens = runs * RUN_TOKENS
+        cache = SpanCache.holding(entry.keys_t[:, :, :, :n_tokens], entry.values_t[:, :, :, :n_tokens], max_length)
         self.stats.hits += 1
-        self.stats.hit_tokens += tokens
-        return cache, torch.ones(1, tokens, dtype=torch.long)
+        self.stats.hit_tokens += n_tokens
+        return cache, torch.ones(1, n_tokens, dtype=torch.long)
 
     def save(self, digest: bytes, blocks: BlockRange, keys: tuple[bytes, ...], cache: SpanCache,
              room_bytes: int) -> bool:
@@ -126,8 +122,8 @@ class PrefixCache:
         if (digest, blocks.start, blocks.end, keys[-1]) in self.index:  # already held: just touch it
             self._touch(self.index[(digest, blocks.start, blocks.end, keys[-1])][0])
             return True
-        tokens = len(keys) * RUN_TOKENS
-        nbytes = 2 * cache.keys[:, :, :, :tokens].numel() * cache.keys.element_size()
+        n_tokens = len(keys) * RUN_TOKENS
+        nbytes = 2 * cache.keys[:, :, :, :n_tokens].numel() * cache.keys.element_size()
         budget = min(self.limit_bytes, room_bytes)
         if nbytes > budget:
             self.stats.refused += 1
@@ -136,7 +132,7 @@ class PrefixCache:
         if need > 0 and self.scope_bytes.get(digest, 0) + nbytes > SCOPE_SHARE * self.limit_bytes:
             self._shrink_scope(digest, self.scope_bytes[digest] - need)  # a scope past its share pays first
         self.shrink_to(budget - nbytes)
-        kept = (cache.keys[:, :, :, :tokens].clone(), cache.values[:, :, :, :tokens].clone())  # compact copies
+        kept = (cache.keys[:, :, :, :n_tokens].clone(), cache.values[:, :, :, :n_tokens].clone())  # compact copies
         entry = Entry(digest, blocks, keys, *kept)
         serial = next(self._serials)
         self.entries[serial] = entry
@@ -230,11 +226,11 @@ def save_prefix(prefixes: PrefixCache | None, sessions, session, save) -> None:
         raise InvalidRequest("this server keeps no prefix cache (--prefix-cache-mb 0)")
     if session.prefix_digest is None:
         raise InvalidRequest("save: the session's open named no prefix_scope")
-    tokens = len(keys) * RUN_TOKENS
-    if state.rows != 1 or tokens > state.position:
+    n_tokens = len(keys) * RUN_TOKENS
+    if state.rows != 1 or n_tokens > state.position:
         raise InvalidRequest(f"save: {len(keys)} runs of {RUN_TOKENS} tokens, but the session holds "
                              f"{state.rows} rows x {state.position} tokens (a prefix is one row)")
-    if not bool(state.mask[:, :tokens].all()):
+    if not bool(state.mask[:, :n_tokens].all()):
         raise InvalidRequest("save: the prefix holds padding")
     prefixes.save(session.prefix_digest, state.blocks, keys, state.cache, sessions.free_bytes)
 

@@ -162,11 +162,11 @@ class SwarmService(pb_grpc.SwarmServicer):
         """Run new tokens in slices of at most one scheduler round (max_batch_tokens rows x tokens): a long prefill
         is split, so decode steps of other sessions run between its slices (the scheduler puts decodes first). The
         cache op goes with the first slice."""
-        rows, tokens = hidden.shape[:2]
-        self.tokens_computed += rows * tokens
+        rows, n_tokens = hidden.shape[:2]
+        self.tokens_computed += rows * n_tokens
         size = max(1, self.config.scheduler.max_batch_tokens // rows)
         outs, queued, compute, batch = [], 0.0, 0.0, 1
-        for start in range(0, tokens, size):
+        for start in range(0, n_tokens, size):
             piece = slice(start, start + size)
             out, timing = await self.scheduler.submit_step(
                 self.stage, state, hidden[:, piece], mask[:, piece], op if start == 0 else None)

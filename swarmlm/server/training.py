@@ -67,7 +67,7 @@ def linear_layers(stage: Stage, block: int) -> dict[str, nn.Module]:
     return lora.linear_layers(stage.modules[block - stage.blocks.start])
 
 
-def backward_bytes(stage: Stage, blocks: int, rows: int, tokens: int, kept_graphs: int = 1) -> int:
+def backward_bytes(stage: Stage, blocks: int, rows: int, n_tokens: int, kept_graphs: int = 1) -> int:
     """Estimated peak memory of one Backward: every block's input kept + the activations and scores of
     `kept_graphs` blocks (1: each block recomputed when its turn comes; `blocks`: every block's graph kept from one
     pass under autograd)."""
@@ -75,8 +75,8 @@ def backward_bytes(stage: Stage, blocks: int, rows: int, tokens: int, kept_graph
     width = int(stage.hidden_size)
     ffn = int(getattr(config, "intermediate_size", None) or getattr(config, "ffn_hidden_size", None) or 4 * width)
     heads = int(config.num_attention_heads)
-    graph = ACTIVATION_WIDTHS * width + 3 * ffn + 3 * heads * tokens  # 3: scores, probs, grads
-    return rows * tokens * (blocks * width + kept_graphs * graph) * stage.dtype.itemsize
+    graph = ACTIVATION_WIDTHS * width + 3 * ffn + 3 * heads * n_tokens  # 3: scores, probs, grads
+    return rows * n_tokens * (blocks * width + kept_graphs * graph) * stage.dtype.itemsize
 
 
 def with_prompt(hidden: torch.Tensor, prompts: torch.Tensor | None, i: int) -> torch.Tensor:

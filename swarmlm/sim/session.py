@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Literal
+from typing import Iterable, Literal, Protocol
 
 from swarmlm.errors import SwarmError
 from swarmlm.sim.arrivals import SimRequest
+from swarmlm.sim.cluster import Cluster
 from swarmlm.sim.metrics import STATUS_DONE, STATUS_TIMEOUT, RequestOutcome
+from swarmlm.sim.routers import SimRouter
 from swarmlm.types import Route
-
-if TYPE_CHECKING:
-    from swarmlm.sim.simulator import SimState
 
 WaitMode = Literal["backoff", "queue"]
 
@@ -56,10 +55,10 @@ class ClientBehaviour:
 
 
 class SimSession:
-    """Mutable per-request state; touched only by this module's events and SimState.admit/finish."""
+    """Mutable per-request state; touched only by this module's events and its host's admit/finish (SessionHost)."""
 
     __slots__ = ("req", "phase", "attempts", "queued_at", "route", "needs", "admitted_s", "first_s", "step_s",
-                 "tokens")
+                 "n_tokens")
 
     def __init__(self, req: SimRequest) -> None:
         self.req = req
@@ -71,7 +70,27 @@ class SimSession:
         self.admitted_s = math.nan  # when it got its slots
         self.first_s = math.nan  # when the first token reached the client
         self.step_s = 0.0  # one decode step through the route, seconds
-        self.tokens = 0  # tokens delivered to the client so far
+        self.n_tokens = 0  # tokens delivered to the client so far
+
+
+class SessionHost(Protocol):
+    """What the session events read and call of the simulation's state (`simulator.SimState` is the one host).
+
+    The events see only this surface, so this module never imports the simulator that schedules them."""
+
+    cluster: Cluster
+    router: SimRouter
+    behaviour: ClientBehaviour
+    contended: bool  # steps are timed one by one at the load of their moment
+    token_events: bool  # one event per token (False: one for a whole decode)
+
+    def admit(self, s: SimSession, route: Route, needs: list[tuple[str, int]], now_s: float) -> tuple[Token]: ...
+    def step_s(self, s: SimSession) -> float: ...
+    def finish(self, s: SimSession, now_s: float) -> list[Retry]: ...
+    def enqueue(self, s: SimSession, server_id: str, need: int) -> None: ...
+    def woken_done(self, server_id: str, need: int, now_s: float) -> list[Retry]: ...
+    def unqueue(self, s: SimSession, now_s: float) -> list[Retry]: ...
+    def record(self, s: SimSession, status: str, end_s: float) -> None: ...
 
 
 def needs_of(route: Route) -> list[tuple[str, int]]:
@@ -87,7 +106,7 @@ class Arrive:
     time_s: float
     req: SimRequest
 
-    def handle(self, state: "SimState") -> Iterable:
+    def handle(self, state: SessionHost) -> Iterable:
         return attempt(state, SimSession(self.req), self.time_s)
 
 
@@ -100,7 +119,7 @@ class Retry:
     woken_from: str = ""
     need: int = 0
 
-    def handle(self, state: "SimState") -> Iterable:
+    def handle(self, state: SessionHost) -> Iterable:
         out: list = []
         if self.session.phase == WAITING:  # otherwise stale: gave up meanwhile
             out += attempt(state, self.session, self.time_s)
@@ -114,7 +133,7 @@ class Timeout:
     time_s: float
     session: SimSession
 
-    def handle(self, state: "SimState") -> Iterable:
+    def handle(self, state: SessionHost) -> Iterable:
         s = self.session
         if s.phase not in (WAITING, QUEUED):
             return ()  # admitted in time
@@ -132,9 +151,9 @@ class Token:
     session: SimSession
     index: int
 
-    def handle(self, state: "SimState") -> Iterable:
+    def handle(self, state: SessionHost) -> Iterable:
         s = self.session
-        s.tokens = self.index
+        s.n_tokens = self.index
         if self.index == 1:
             s.first_s = self.time_s
         l_out = s.req.output_tokens
@@ -151,7 +170,7 @@ class Token:
         return (Token(s.first_s + self.index * s.step_s, s, self.index + 1),)
 
 
-def attempt(state: "SimState", s: SimSession, now_s: float) -> Iterable:
+def attempt(state: SessionHost, s: SimSession, now_s: float) -> Iterable:
     s.attempts += 1
     try:
         route = state.router.choose(s.req, now_s)
@@ -166,7 +185,7 @@ def attempt(state: "SimState", s: SimSession, now_s: float) -> Iterable:
     return _wait(state, s, now_s, blocked, dict(needs)[blocked])
 
 
-def _wait(state: "SimState", s: SimSession, now_s: float, blocked: str, need: int = 0) -> list:
+def _wait(state: SessionHost, s: SimSession, now_s: float, blocked: str, need: int = 0) -> list:
     """Refused by `blocked` ("" = no route at all), which lacked `need` slots: queue there or back off.
 
     The one Timeout is armed at the first refusal; a session admitted before it fires makes it stale."""

@@ -20,6 +20,9 @@ HEADER = struct.Struct(">IB")  # body bytes, kind
 HELLO_TIMEOUT_S = 5.0  # a connection that has not said HELLO by then is closed
 MAX_HELLO_BYTES = 512  # magic + purpose + token (a token is < 200 bytes)
 MAX_STATUS_BYTES = 4096
+# the gRPC method a framed connection stands for: its HELLO's private-swarm token is made for this name
+INFERENCE_METHOD = "/swarmlm.Swarm/Inference"
+PUSH_METHOD = "/swarmlm.Swarm/Push"
 
 
 class Kind(IntEnum):

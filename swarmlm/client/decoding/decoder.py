@@ -259,7 +259,7 @@ class Decoder:
         """tokens per row -> seconds of one pass of the session's rows (the whole batch's tokens travel together)."""
         cost = self.model.remote.pass_cost(self.cache.session.route_spans())
         rows = len(self.live)
-        return cost if rows == 1 else (lambda tokens: cost(rows * tokens))
+        return cost if rows == 1 else (lambda n_tokens: cost(rows * n_tokens))
 
     def _pick(self, row: Row, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """A draft model's next token: its argmax, or a sample from its processed distribution."""

@@ -9,32 +9,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Union
 
 import torch
 
 from swarmlm.client.decoding.drafting import PromptLookup
-from swarmlm.perf.speculation import MAX_DRAFT_TOKENS, choose_draft_length
+from swarmlm.perf.speculation import MAX_DRAFT_TOKENS, SpeculativeMode, choose_draft_length, parse_mode
 
-SpeculativeMode = Union[str, int]  # "auto": k from the rule per pass, "off": plain decoding, an int: that fixed k
 DEFAULT_MAX_DRAFT = 8  # k_max for "auto"
 DRAFT_MODEL_KIND = 0  # a draft model's drafts in the acceptance estimate (prompt lookup's: the match length, >= 1)
 PROMPT_LOOKUP = PromptLookup()  # stateless: every row drafts with it
-
-
-def parse_mode(mode: SpeculativeMode) -> int | None:
-    """"off" -> 0, "auto" -> None (the rule), an int (or its text) -> that fixed draft length."""
-    if mode in ("auto", None):
-        return None
-    if mode == "off":
-        return 0
-    try:
-        k = int(mode)
-    except (TypeError, ValueError):
-        raise ValueError(f"speculative must be 'auto', 'off' or a draft length, got {mode!r}") from None
-    if not 0 <= k <= MAX_DRAFT_TOKENS:
-        raise ValueError(f"a fixed draft length must be in [0, {MAX_DRAFT_TOKENS}], got {k}")
-    return k
 
 
 @dataclass
@@ -44,7 +27,7 @@ class SpeculationStats:
     passes: int = 0  # steps through the route after the prompt's
     drafted: int = 0  # draft tokens sent
     accepted: int = 0  # of them kept
-    tokens: int = 0  # tokens the passes yielded
+    n_tokens: int = 0  # tokens the passes yielded
     draft_s: float = 0.0  # client time spent drafting
     draft_lengths: list[int] = field(default_factory=list)  # k sent per pass
     by_kind: dict[int, list[int]] = field(default_factory=dict)  # draft kind -> [drafted, accepted]
@@ -58,7 +41,7 @@ class SpeculationStats:
         for row in rows:
             total.drafted += row.drafted
             total.accepted += row.accepted
-            total.tokens += row.tokens
+            total.n_tokens += row.n_tokens
             total.draft_s += row.draft_s
             total.resent += row.resent
             total.draft_lengths += row.draft_lengths
@@ -72,7 +55,7 @@ class SpeculationStats:
         self.passes += 1
         self.drafted += drafted
         self.accepted += accepted
-        self.tokens += accepted + 1
+        self.n_tokens += accepted + 1
         self.draft_lengths.append(drafted)
         if drafted:
             counts = self.by_kind.setdefault(kind, [0, 0])
@@ -81,14 +64,14 @@ class SpeculationStats:
 
     @property
     def tokens_per_pass(self) -> float:
-        return self.tokens / self.passes if self.passes else 0.0
+        return self.n_tokens / self.passes if self.passes else 0.0
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     def to_dict(self) -> dict:
-        return {"passes": self.passes, "drafted": self.drafted, "accepted": self.accepted, "tokens": self.tokens,
+        return {"passes": self.passes, "drafted": self.drafted, "accepted": self.accepted, "tokens": self.n_tokens,
                 "tokens_per_pass": self.tokens_per_pass, "acceptance_rate": self.acceptance_rate,
                 "mean_k": sum(self.draft_lengths) / len(self.draft_lengths) if self.draft_lengths else 0.0,
                 "by_kind": {str(kind): counts for kind, counts in sorted(self.by_kind.items())},
