@@ -129,9 +129,11 @@ class ServerNetwork:
 
     async def _connect_check(self, address: str, server_id: str, relay: str) -> str | None:
         """Why the server at `address`, reached through `relay` (a fresh connection: the tunnel's relay now), is
-        not `server_id` listening there; None if it is."""
+        not `server_id` listening there; None if it is. (`fresh`: a connection through `relay`, never one gRPC kept
+        from an earlier check through another relay, nor one in the backoff of a failed check: that answered
+        UNAVAILABLE at once, and the honest claim checked right after a stranger's dead relay lost its address.)"""
         nonce = new_nonce()
-        channel = aio_channel(address, interceptors=client_interceptors(self.config.swarm_key))
+        channel = aio_channel(address, interceptors=client_interceptors(self.config.swarm_key), fresh=True)
         try:
             reply = await pb_grpc.SwarmStub(channel).Info(pb.InfoRequest(nonce=nonce),
                                                          timeout=self.config.push_timeout_s)
