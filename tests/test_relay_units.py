@@ -1,5 +1,6 @@
-"""Servers behind NAT, the parts without processes: records, push targets, relay addresses, header lines, the
-channel registry (swarm/records.py, server/push.py, swarm/p2p_link.py, wire/channel.py)."""
+"""Servers behind NAT, the parts without servers: records, push targets, relay addresses, header lines, the
+channel registry, connect-check channels, the dial-back's port (swarm/records.py, server/push.py, swarm/p2p_link.py,
+wire/channel.py, server/network.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -161,3 +162,30 @@ def test_a_fresh_channel_reaches_what_its_address_reaches_now(tiny_llama):
     with in_process_server(tiny_llama, BlockRange(0, 2)) as server:
         seen = asyncio.run(checks(int(server.address.rsplit(":", 1)[1])))
     assert seen == [(False, False), (True, True)] * 3
+
+
+def test_the_port_a_dial_back_checked_stays_bound_until_grpc_takes_it(tiny_llama, tmp_path):
+    """A server that checks its reachability (a relay dials its port back) holds that port until gRPC binds it: a
+    port released after the check was taken by another process while the blocks loaded (CI under load: gRPC's bind
+    failed "Address already in use")."""
+    import errno
+    import socket
+
+    from swarmlm.config import ServerConfig
+    from swarmlm.server.network import ServerNetwork
+    from swarmlm.swarm.local import LocalSwarm
+
+    with LocalSwarm(tiny_llama, log_dir=tmp_path) as swarm:
+        swarm.start_dht()  # (a relay: it dials back)
+        network = ServerNetwork(ServerConfig(model_dir=tiny_llama, blocks=None, reachability="auto",
+                                             initial_peers=tuple(swarm.initial_peers)))
+        try:
+            assert network.reach.direct and "dial-back" in network.reach.why, network.reach
+            with socket.socket() as other, pytest.raises(OSError) as taken:  # another process's bind, meanwhile
+                other.bind(("127.0.0.1", network.port))
+            assert taken.value.errno == errno.EADDRINUSE
+            port = network.grpc_port()  # released for gRPC, which binds it at once
+            with socket.create_server(("127.0.0.1", port)):
+                pass
+        finally:
+            network.close()
