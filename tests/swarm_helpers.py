@@ -271,14 +271,18 @@ def assert_n_choices_share_a_session(gateway_url: str, swarm, body: dict, header
         assert time.monotonic() < deadline, f"sessions left open on the servers: {active_sessions(swarm)}"
         time.sleep(0.2)
 
-def even_out_view(client) -> None:
+def even_out_view(client, prefill_a_s: float | None = None) -> None:
     """Even out what decides a route at random on a busy machine, so that load alone decides: the same speed (each
     server measured its own at start, under whatever else ran then) and the same RTT to every
     server (loopback RTTs measured under load differ by several ms, and RTT x tokens would decide) and the same,
-    known contention (a tiny model's measured f(b) is ~1 within noise: its forward is mostly fixed overhead)."""
+    known contention (a tiny model's measured f(b) is ~1 within noise: its forward is mostly fixed overhead).
+    `prefill_a_s`: every server's per-token prefill instead of the measured one (a tiny model's is noise: measured
+    as 0 under load, its 128-token prefill no slower than its 16-token one, and then a held prefix saves nothing)."""
     view = client.remote.view
     speed = {f: statistics.median(getattr(r, f) for r in view.records.values())
              for f in ("decode_s", "prefill_a_s", "prefill_b_s")}  # one machine: one speed, not each start's noise
+    if prefill_a_s is not None:
+        speed["prefill_a_s"] = prefill_a_s
     for sid, r in view.records.items():
         view.rtt_s[sid] = 0.001
         view.records[sid] = dataclasses.replace(r, **speed, decode_4rows_s=2 * speed["decode_s"],

@@ -9,6 +9,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import psutil
@@ -48,12 +50,13 @@ def survivors(tree: list[psutil.Process]) -> list[str]:
     return left
 
 
-def kill_main_and_check(pid: int, tree: list[psutil.Process]) -> None:
+def kill_main_and_check(pid: int, tree: list[psutil.Process], sig: int = signal.SIGKILL,
+                        grace_s: float = GRACE_S) -> None:
     names = [" ".join(p.cmdline())[:80] for p in tree]
     assert not any("torch_shm_manager" in n for n in names), names  # (nothing uses torch's shared memory)
     sockets = p2pd_sockets(tree)
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + GRACE_S
+    os.kill(pid, sig)
+    deadline = time.monotonic() + grace_s
     while (left := survivors(tree)) and time.monotonic() < deadline:
         time.sleep(0.2)
     for p in tree:  # whatever failed the check below must not outlive this test either
@@ -61,7 +64,7 @@ def kill_main_and_check(pid: int, tree: list[psutil.Process]) -> None:
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    assert not left, f"alive {GRACE_S:.0f} s after a SIGKILL of {pid}:\n" + "\n".join(left)
+    assert not left, f"alive {grace_s:.0f} s after a {signal.Signals(sig).name} of {pid}:\n" + "\n".join(left)
     # each daemon stopped listening (it removes its socket file on SIGTERM almost always; a file it left behind is
     # swept by the next start: test_a_dead_daemons_socket_is_swept_and_a_live_one_kept)
     assert not [s for s in sockets if os.path.exists(s) and _listened_on(s)], sockets
@@ -111,3 +114,39 @@ def test_a_killed_gateway_leaves_nothing_running(tiny_llama, tmp_path):
             kill_main_and_check(gateway.proc.pid, descendants(gateway.proc.pid))
         finally:
             gateway.stop()
+
+
+# a process running a LocalSwarm whose servers a thread started and then ended (PR_SET_PDEATHSIG follows the thread
+# that forks: LocalSwarm forks on a spawner thread that lives as long as the process, swarm/lifetime.py). Its DHT
+# node and server get SIGTERM and stop in order (withdraw, gRPC's grace, the DHT node's shutdown): with the load
+# average at 20 to 27 on 2 cores that took 6 to 13 s, hence a longer wait than a p2pd's.
+ORDERLY_STOP_S = 30.0
+_SWARM_FROM_A_SHORT_THREAD = """
+import sys, threading, time
+from swarmlm.swarm.local import LocalSwarm
+from swarmlm.types import BlockRange
+
+swarm = LocalSwarm(sys.argv[1], log_dir=sys.argv[2])
+starter = threading.Thread(target=lambda: swarm.start([BlockRange(0, 6)]))
+starter.start()
+starter.join()
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_killed_process_running_a_local_swarm_leaves_nothing_running(tiny_llama, tmp_path, sig):
+    owner = subprocess.Popen([sys.executable, "-c", _SWARM_FROM_A_SHORT_THREAD, tiny_llama, str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline().strip() == "ready", (tmp_path / "server0.err").read_text()[-2000:]
+        tree = descendants(owner.pid)
+        assert len([p for p in tree if "swarmlm.cli.main" in " ".join(p.cmdline())]) == 2  # its DHT node, its server
+        assert p2pd_sockets(tree)  # and their daemons
+        kill_main_and_check(owner.pid, tree, sig, grace_s=ORDERLY_STOP_S)
+    finally:
+        owner.kill()
+        owner.wait(10)
+        owner.stdout.close()

@@ -1,5 +1,6 @@
-"""Servers behind NAT, the parts without processes: records, push targets, relay addresses, header lines, the
-channel registry (swarm/records.py, server/push.py, swarm/p2p_link.py, wire/channel.py)."""
+"""Servers behind NAT, the parts without servers: records, push targets, relay addresses, header lines, the
+channel registry, connect-check channels, the dial-back's port (swarm/records.py, server/push.py, swarm/p2p_link.py,
+wire/channel.py, server/network.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -108,3 +109,83 @@ def test_circuits_are_capped_per_server_per_dialer_and_per_host():
     assert circuit_refusal(relayed, "S", ("v", "relayed"), lim).endswith("from this host")
     everywhere = {"S": [("a", "1")], "T": [(p, h) for p, h in zip("bcdefgh", "2345678")]}  # 8 in all
     assert circuit_refusal(everywhere, "S", ("z", "9"), lim) == "too many relayed connections"
+
+
+def test_a_fresh_channel_reaches_what_its_address_reaches_now(tiny_llama):
+    """A connect check's channel (aio_channel fresh=True, server/network.py) connects now, whatever other channels to
+    the same address hold (gRPC shares connections between them; a push's channel stays open): after a call through a
+    dead relay failed, a check through a live one reaches the server (the shared connection, in its backoff, failed
+    it UNAVAILABLE at once: an honest server lost its address to a stranger's record naming a dead relay), and after
+    a call reached the server, a check through a dead relay fails (it never rides the earlier connection)."""
+    import grpc
+
+    from swarmlm.swarm.p2p_link import close, splice
+    from swarmlm.types import BlockRange
+    from swarmlm.wire import swarm_pb2_grpc as pb_grpc
+    from swarmlm.wire.channel import aio_channel
+    from tests.swarm_helpers import in_process_server
+
+    async def reaches(channel, wait: bool = False) -> bool:
+        try:
+            await pb_grpc.SwarmStub(channel).Info(pb.InfoRequest(), timeout=30, wait_for_ready=wait)
+            return True
+        except grpc.aio.AioRpcError:
+            return False
+
+    async def checks(server_port: int) -> list[tuple[bool, bool]]:
+        relay_alive = [False]
+
+        async def tunnel(reader, writer) -> None:  # a local port relayed to the server, or not (a dead relay)
+            if not relay_alive[0]:
+                close(writer)
+                return
+            await splice((reader, writer), await asyncio.open_connection("127.0.0.1", server_port))
+
+        tunnel_server = await asyncio.start_server(tunnel, "127.0.0.1", 0)
+        address = f"127.0.0.1:{tunnel_server.sockets[0].getsockname()[1]}"
+        other = aio_channel(address)  # another channel to the address, open all along
+        seen = []
+        try:
+            for alive in [False, True] * 3:
+                relay_alive[0] = alive
+                check = aio_channel(address, fresh=True)
+                try:
+                    seen.append((alive, await reaches(check)))
+                finally:
+                    await check.close()
+                await reaches(other, wait=alive)  # (the other channel connects, or fails, through the same relay)
+        finally:
+            await other.close()
+            tunnel_server.close()
+        return seen
+
+    with in_process_server(tiny_llama, BlockRange(0, 2)) as server:
+        seen = asyncio.run(checks(int(server.address.rsplit(":", 1)[1])))
+    assert seen == [(False, False), (True, True)] * 3
+
+
+def test_the_port_a_dial_back_checked_stays_bound_until_grpc_takes_it(tiny_llama, tmp_path):
+    """A server that checks its reachability (a relay dials its port back) holds that port until gRPC binds it: a
+    port released after the check was taken by another process while the blocks loaded (CI under load: gRPC's bind
+    failed "Address already in use")."""
+    import errno
+    import socket
+
+    from swarmlm.config import ServerConfig
+    from swarmlm.server.network import ServerNetwork
+    from swarmlm.swarm.local import LocalSwarm
+
+    with LocalSwarm(tiny_llama, log_dir=tmp_path) as swarm:
+        swarm.start_dht()  # (a relay: it dials back)
+        network = ServerNetwork(ServerConfig(model_dir=tiny_llama, blocks=None, reachability="auto",
+                                             initial_peers=tuple(swarm.initial_peers)))
+        try:
+            assert network.reach.direct and "dial-back" in network.reach.why, network.reach
+            with socket.socket() as other, pytest.raises(OSError) as taken:  # another process's bind, meanwhile
+                other.bind(("127.0.0.1", network.port))
+            assert taken.value.errno == errno.EADDRINUSE
+            port = network.grpc_port()  # released for gRPC, which binds it at once
+            with socket.create_server(("127.0.0.1", port)):
+                pass
+        finally:
+            network.close()

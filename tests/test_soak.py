@@ -1,6 +1,6 @@
-"""The soak's short form (benchmarks/soak.py; the hour is in docs/RESULTS-soak.md): 80 s, 8 checking clients
-and a fault every 15 s (a SIGKILL of a server's main pid and a partition among them): no wrong answer, every kind of
-request finished, no session and no process left behind."""
+"""The soak's short form (benchmarks/soak.py; the hour is in docs/RESULTS-soak.md): 45 s, 8 checking clients
+and a fault every 8 s, each kind at least once (a SIGKILL of a server's main pid, a SIGSTOP, a partition, a move):
+no wrong answer, every kind of request finished, no session and no process left behind."""
 from __future__ import annotations
 
 import json
@@ -18,16 +18,18 @@ pytestmark = pytest.mark.slow
 def test_a_minute_of_faults_gives_no_wrong_answer_and_leaves_nothing_behind(tiny_llama, tmp_path):
     clients = CLIENTS  # every kind, the speculative one included (docs/RESULTS-soak.md: its "wrong" answers were
     # the checker's, a prompt holding the pad id compared with a reference given another pad id)
-    config = SoakConfig(model_dir=tiny_llama, out_dir=tmp_path, duration_s=80, fault_every_s=15, partition_s=10,
+    # faults at 8, 16, 24, 32 and 40 s (none in the last 5 s), the kinds in turn: every kind once, one tick to spare
+    # for a kind that finds no server to take it (the others still under a fault, a killed one still restarting)
+    config = SoakConfig(model_dir=tiny_llama, out_dir=tmp_path, duration_s=45, fault_every_s=8, partition_s=10,
                         hang_s=(4, 8), sample_every_s=5, seed=3, faults=("kill", "partition", "hang", "move"),
                         clients=clients)
     soak = Soak(config)
     end = soak.run()
-    s = summary(tmp_path, 60, end)
+    s = summary(tmp_path, 30, end)
     print(markdown(s))
     assert plot(tmp_path) is not None
     assert s["faults"] >= 4 and not s["fault_errors"], s["fault_errors"]
-    assert {f.kind for f in soak.faults} & {"kill", "partition"}
+    assert {f.kind for f in soak.faults} == set(config.faults), soak.faults
     assert s["wrong"] == 0, [(w["client"], w["wrong"]) for w in s["wrong_examples"]]
     assert set(s["by_kind"]) == set(clients)
     # every kind finished requests; one caught by a fault may fail, with its error (s["errors"])
@@ -38,14 +40,14 @@ def test_a_minute_of_faults_gives_no_wrong_answer_and_leaves_nothing_behind(tiny
 
 def test_a_relayed_server_survives_its_relays_being_killed(tiny_llama, tmp_path):
     """A server behind NAT among the soak's (slot 1: blocks [3, 6), another replica beside it), two relay nodes, and
-    a relay killed every 10 s in turn (each back at its address 5 s later): the relayed server moves to another
-    relay, clients follow its record, and no answer is wrong."""
+    a relay killed every 10 s in turn (at 10 and 20 s; each back at its address 5 s later): the relayed server moves
+    to another relay, clients follow its record, and no answer is wrong."""
     clients = ("greedy", "api")
-    config = SoakConfig(model_dir=tiny_llama, out_dir=tmp_path, duration_s=45, fault_every_s=10, sample_every_s=5,
+    config = SoakConfig(model_dir=tiny_llama, out_dir=tmp_path, duration_s=30, fault_every_s=10, sample_every_s=5,
                         seed=4, faults=("relay",), relays=2, relayed=(1,), clients=clients)
     soak = Soak(config)
     end = soak.run()
-    s = summary(tmp_path, 30, end)
+    s = summary(tmp_path, 20, end)
     print(markdown(s))
     assert s["faults"] >= 2 and not s["fault_errors"], s["fault_errors"]  # (each relay came back at its address)
     assert {f.kind for f in soak.faults} == {"relay"}

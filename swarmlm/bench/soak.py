@@ -3,6 +3,9 @@ one fault per `fault_every_s` from a seeded schedule, for `duration_s`; every pr
 and every server's sessions and prefix entries sampled each `sample_every_s`. At the end: the clients stop, the
 sessions left on the servers, the swarm stops, and the processes still alive 10 s later (orphans).
 
+The schedule takes the fault kinds in turn, each round of them in a seeded order: every kind is applied once in any
+`len(faults)` faults in a row (a kind with no server to take it waits for the next tick).
+
 Faults (one at a time, on a server whose blocks another server also serves):
   kill       SIGKILL of the server's main pid (its helpers must die with it), restarted on the same blocks 5 s later
   hang       SIGSTOP for 8-30 s, then SIGCONT
@@ -143,13 +146,15 @@ class Soak:
 
     # ---- faults ---------------------------------------------------------------------------------------------
     def _fault_loop(self) -> None:
-        k = 1
+        k, kinds = 1, []
         while not self._done.wait(max(0.0, self.t0 + k * self.config.fault_every_s - time.time())):
             if time.time() - self.t0 > self.config.duration_s - 5:
                 return
-            kind = self.rng.choice(self.config.faults)
+            kinds = kinds or self.rng.sample(self.config.faults, len(self.config.faults))  # the next round
+            kind = kinds[0]
             slot = self._relay_target() if kind == "relay" else self._target()
             if slot is not None:
+                kinds.pop(0)
                 fault = Fault(round(time.time() - self.t0, 1), kind, slot)
                 self.faults.append(fault)
                 self._append("faults.jsonl", asdict(fault))
@@ -295,9 +300,10 @@ class Soak:
         last = self.sample()
         self._append("samples.jsonl", last)
         self._stop_all()
-        time.sleep(10)
-        orphans = [{"pid": pid, "role": role} for pid, (role, created) in self.seen.items()
-                   if _alive(pid, created) and pid != psutil.Process().pid]
+        deadline, me = time.time() + 10, psutil.Process().pid
+        while (orphans := [{"pid": pid, "role": role} for pid, (role, created) in self.seen.items()
+                           if pid != me and _alive(pid, created)]) and time.time() < deadline:
+            time.sleep(0.2)  # (alive 10 s after the stop: orphans)
         return {"sessions_at_end": sessions, "prefix_entries_at_end": [s["prefix_entries"] for s in last["servers"]],
                 "orphans": orphans, "faults": len(self.faults),
                 "fault_errors": [asdict(f) for f in self.faults if "error" in f.detail]}

@@ -40,6 +40,7 @@ class ServerNetwork:
         self.claims: dict[str, dict[str, str]] = {}  # p2p address without owner -> {server id: relay} (latest read)
         self._checking: asyncio.Lock | None = None  # one connect check at a time: the tunnel holds one relay
         self.port = config.port  # (0: gRPC picks one, unless the check below picked it)
+        self._port_held: socket.socket | None = None  # the checked port, bound until gRPC takes it (grpc_port)
         try:
             self.reach = self._decide()
         except BaseException:
@@ -57,19 +58,27 @@ class ServerNetwork:
             return Reach(True, cfg.announce_host or cfg.host, "direct (as configured)")
         if cfg.reachability == "relayed":
             return Reach(False, "", "relayed (as configured)")
-        # the port gRPC will take, listened on for the dial-back and closed again before gRPC binds it
+        # the port gRPC will take, listened on for the dial-back and held (bound) until gRPC binds it: released when
+        # the check ended, a picked port was taken by another process while the blocks loaded (seen in CI under load:
+        # gRPC's bind failed "Address already in use" and the server never started)
         sock = socket.create_server((cfg.host, cfg.port))
         sock.setblocking(False)
-        self.port = sock.getsockname()[1]
-        return self.node.run(check_reach(self.node, self.relays, sock, cfg.host, cfg.swarm_key), 60)
+        self.port, self._port_held = sock.getsockname()[1], sock
+        return self.node.run(check_reach(self.node, self.relays, sock.dup(), cfg.host, cfg.swarm_key), 60)
 
     @property
     def relayed(self) -> bool:
         return not self.reach.direct
 
     def grpc_port(self) -> int:
-        """The port gRPC listens on: the one checked (or the configured one)."""
+        """The port gRPC listens on: the one checked (released now, for gRPC to bind at once), or the configured one."""
+        self._release_port()
         return self.port
+
+    def _release_port(self) -> None:
+        if self._port_held is not None:
+            self._port_held.close()
+            self._port_held = None
 
     def address(self, port: int) -> str:
         return f"{P2P_PREFIX}{self.node.peer_id}" if self.relayed else f"{self.reach.host}:{port}"
@@ -129,9 +138,11 @@ class ServerNetwork:
 
     async def _connect_check(self, address: str, server_id: str, relay: str) -> str | None:
         """Why the server at `address`, reached through `relay` (a fresh connection: the tunnel's relay now), is
-        not `server_id` listening there; None if it is."""
+        not `server_id` listening there; None if it is. (`fresh`: a connection through `relay`, never one gRPC kept
+        from an earlier check through another relay, nor one in the backoff of a failed check: that answered
+        UNAVAILABLE at once, and the honest claim checked right after a stranger's dead relay lost its address.)"""
         nonce = new_nonce()
-        channel = aio_channel(address, interceptors=client_interceptors(self.config.swarm_key))
+        channel = aio_channel(address, interceptors=client_interceptors(self.config.swarm_key), fresh=True)
         try:
             reply = await pb_grpc.SwarmStub(channel).Info(pb.InfoRequest(nonce=nonce),
                                                          timeout=self.config.push_timeout_s)
@@ -142,6 +153,7 @@ class ServerNetwork:
         return verify_info(reply, nonce, server_id, signed_address(address, relay))
 
     def close(self) -> None:
+        self._release_port()
         if self.listener is not None:
             self.listener.stop()
         self.tunnels.close()

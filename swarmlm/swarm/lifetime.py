@@ -13,6 +13,10 @@ What a server, a `swarmlm dht` node, a gateway or a client starts, and how each 
   thread, which lives until the node is shut down (and then p2pd is stopped anyway).
 A watchdog polling the parent's pid would need one more process (or a thread in a Go binary we do not build);
 the kernel's signal needs neither and acts at once.
+- LocalSwarm's servers and `swarmlm dht` nodes (the tests', the demo's, the benchmarks' swarm): `popen_dying_with_us`
+  asks for the same signal, and forks every one of them on one thread that lives as long as the process (callers
+  start servers from any thread, short-lived ones included: a child forked there died with that thread at once, or,
+  before this, with nothing: a SIGTERMed or SIGKILLed test run left its swarm running).
 - p2pd's unix socket: removed by p2pd on SIGTERM almost always, but not always (seen once in CI after a SIGKILLed
   gateway: the daemon gone, its socket file left). A socket file in /tmp that nobody listens on and that is older than
   a minute is swept by the next process that starts a p2pd (`sweep_stale_p2pd_sockets`); the age keeps a daemon that
@@ -20,12 +24,16 @@ the kernel's signal needs neither and acts at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ctypes
 import errno
 import glob
 import os
+import queue
 import signal
 import socket
+import subprocess
+import threading
 import time
 import types
 
@@ -40,6 +48,38 @@ def die_with_parent(parent_pid: int) -> None:
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent_pid:  # it died between our fork and the prctl: the signal will never come
         os._exit(1)
+
+
+def popen_dying_with_us(args: list[str], **popen_kwargs) -> subprocess.Popen:
+    """`subprocess.Popen(args, **popen_kwargs)` whose child gets SIGTERM when this process dies, whatever kills it and
+    whichever thread calls this: the child is forked by this process's spawner thread, which never exits."""
+    parent, started = os.getpid(), concurrent.futures.Future()
+    _spawner_jobs().put((lambda: subprocess.Popen(args, preexec_fn=lambda: die_with_parent(parent), **popen_kwargs),
+                         started))
+    return started.result()
+
+
+_spawner: tuple[int, queue.SimpleQueue] | None = None  # (the pid it runs in: a forked child starts its own, jobs)
+_spawner_lock = threading.Lock()
+
+
+def _spawner_jobs() -> queue.SimpleQueue:
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or _spawner[0] != os.getpid():
+            jobs: queue.SimpleQueue = queue.SimpleQueue()
+            threading.Thread(target=_spawn_forever, args=(jobs,), name="swarmlm-spawner", daemon=True).start()
+            _spawner = (os.getpid(), jobs)
+        return _spawner[1]
+
+
+def _spawn_forever(jobs: queue.SimpleQueue) -> None:
+    while True:
+        start, started = jobs.get()
+        try:
+            started.set_result(start())
+        except BaseException as exc:  # (the caller raises it)
+            started.set_exception(exc)
 
 
 def _own_group_dying_with(parent_pid: int) -> None:

@@ -1,7 +1,8 @@
 """A swarm on this machine: a DHT bootstrap node and N server processes, started and always stopped together.
 
 Used by `swarmlm demo`, the tests and the benchmarks. Every process it starts is stopped on exit, on an error,
-and at interpreter exit (atexit), so nothing outlives its owner.
+and at interpreter exit (atexit), and gets SIGTERM from the kernel when its owner's process dies otherwise (a
+SIGTERM, a SIGKILL: swarm/lifetime.py `popen_dying_with_us`), so nothing outlives its owner.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from swarmlm.swarm.lifetime import popen_dying_with_us
 from swarmlm.types import BlockRange
 
 
@@ -121,11 +123,12 @@ class LocalSwarm:
     def _spawn(self, args: list[str], name: str, prefix: Sequence[str] = ()) -> tuple[subprocess.Popen, Path]:
         log = self.log_dir / f"{name}.err"
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads))
-        proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "swarmlm.cli.main", *args],
-            stdout=subprocess.PIPE, stderr=open(log, "w"), stdin=subprocess.DEVNULL, text=True, env=env,
-            start_new_session=True,  # Ctrl-C in a terminal reaches us, not them: we stop them in order
-        )
+        with open(log, "w") as err:
+            proc = popen_dying_with_us(  # (SIGTERM when this process dies, whatever kills it: swarm/lifetime.py)
+                [*prefix, sys.executable, "-m", "swarmlm.cli.main", *args],
+                stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, text=True, env=env,
+                start_new_session=True,  # Ctrl-C in a terminal reaches us, not them: we stop them in order
+            )
         _LIVE.add(proc)
         return proc, log
 

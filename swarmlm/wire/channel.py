@@ -50,12 +50,17 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[t
 
 
 def aio_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                interceptors: Sequence = ()) -> grpc.aio.Channel:
-    """`interceptors`: a private swarm's token on every call (swarm/private.client_interceptors)."""
+                interceptors: Sequence = (), fresh: bool = False) -> grpc.aio.Channel:
+    """`interceptors`: a private swarm's token on every call (swarm/private.client_interceptors). `fresh`: a
+    connection of its own, made now. Without it gRPC shares connections between channels of one target and options
+    (its global subchannel pool): a new channel may get a connection made earlier, or one still in the backoff after
+    a failure, which fails its calls UNAVAILABLE at once. A check of what a connection reaches now needs `fresh`."""
     # reconnect within a second once the address answers again (a restarted server), not after gRPC's default
     # backoff, which grows to two minutes while the server is down
     options = channel_options(max_message_bytes) + [("grpc.initial_reconnect_backoff_ms", 250),
                                                      ("grpc.max_reconnect_backoff_ms", 1000)]
+    if fresh:
+        options.append(("grpc.use_local_subchannel_pool", 1))
     return grpc.aio.insecure_channel(_target(address), options=options, interceptors=list(interceptors) or None)
 
 
