@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarmlm.swarm.lifetime import bind_p2pd_to_owner
@@ -38,7 +38,8 @@ class ThreadDHT:
     def __init__(self, initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0,
                  client_mode: bool = True, validator: RSASignatureValidator | None = None,
                  start_timeout_s: float = 60.0, swarm_key: bytes | None = None,
-                 rejoin_period_s: float = REJOIN_PERIOD_S, identity_path: str | None = None) -> None:
+                 rejoin_period_s: float = REJOIN_PERIOD_S, identity_path: str | None = None,
+                 replicate: Multiaddr | None = None) -> None:
         bind_p2pd_to_owner()  # (its p2pd dies with this process)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="swarmlm-dht", daemon=True)
@@ -47,14 +48,19 @@ class ThreadDHT:
         # A client-mode node stores nothing for others: it checks swarm-key MACs in fetch_records, not here, so a
         # record with a wrong MAC tells it the swarm is private (and does not hide the rest of that peer's answer)
         swarm_key = None if client_mode else swarm_key
-        create = DHTNode.create(
+        kwargs = dict(
             initial_peers=list(initial_peers), client_mode=client_mode,
-            host_maddrs=[f"/ip4/{host}/tcp/{port}"],
             record_validator=CompositeValidator(validators(validator, swarm_key)),
             **({"identity_path": identity_path} if identity_path else {}),  # (a fixed peer id: swarmlm dht --identity)
         )
+
+        async def create() -> DHTNode:  # on `replicate`, another P2P daemon of this process: one p2pd, not two
+            if replicate is not None:
+                return await DHTNode.create(p2p=await P2P.replicate(replicate), **kwargs)
+            return await DHTNode.create(host_maddrs=[f"/ip4/{host}/tcp/{port}"], **kwargs)
+
         try:
-            self.node = self._call(create).result(start_timeout_s)
+            self.node = self._call(create()).result(start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
