@@ -33,7 +33,7 @@ class ServerNetwork:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.relays = [p for p in config.initial_peers if _is_relay_addr(p)]
-        self.node = P2PNode(host=config.host)
+        self.node = P2PNode(host=config.host, initial_peers=config.initial_peers)  # (the DHT node's daemon too)
         self.tunnels = Tunnels(self.node.p2p, self.node.loop, config.swarm_key)
         self.listener: RelayListener | None = None
         self.owners: dict[str, str] = {}  # p2p address -> the server id that passed the connect check through its relay
