@@ -45,6 +45,7 @@ class ThreadDHT:
         self.thread = threading.Thread(target=self.loop.run_forever, name="swarmlm-dht", daemon=True)
         self.thread.start()
         self.node: DHTNode | None = None
+        self.replica: P2P | None = None  # its connection to another daemon of this process (`replicate`), if any
         # A client-mode node stores nothing for others: it checks swarm-key MACs in fetch_records, not here, so a
         # record with a wrong MAC tells it the swarm is private (and does not hide the rest of that peer's answer)
         swarm_key = None if client_mode else swarm_key
@@ -56,7 +57,8 @@ class ThreadDHT:
 
         async def create() -> DHTNode:  # on `replicate`, another P2P daemon of this process: one p2pd, not two
             if replicate is not None:
-                return await DHTNode.create(p2p=await P2P.replicate(replicate), **kwargs)
+                self.replica = await P2P.replicate(replicate)
+                return await DHTNode.create(p2p=self.replica, **kwargs)
             return await DHTNode.create(host_maddrs=[f"/ip4/{host}/tcp/{port}"], **kwargs)
 
         try:
@@ -113,7 +115,9 @@ class ThreadDHT:
         if self.loop.is_closed():
             return
         stops = [self.node.shutdown()] if self.node is not None else []
-        self.node = None
+        if self.replica is not None:  # (DHTNode leaves a P2P it was given running: its client socket goes here)
+            stops.append(self.replica.shutdown())
+        self.node = self.replica = None
         for coro in stops + [_cancel_all()]:  # in-flight handlers are cancelled, not destroyed with the loop
             try:
                 self._call(coro).result(timeout_s)
