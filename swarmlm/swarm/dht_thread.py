@@ -35,6 +35,8 @@ REJOIN_PERIOD_S = 5.0  # how often a node with no peer left pings its initial pe
 class ThreadDHT:
     """`hivemind.DHT`'s calls, served by a DHTNode on a daemon thread's event loop."""
 
+    replica: P2P | None = None  # its connection to another daemon of this process (`replicate`), if any
+
     def __init__(self, initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0,
                  client_mode: bool = True, validator: RSASignatureValidator | None = None,
                  start_timeout_s: float = 60.0, swarm_key: bytes | None = None,
@@ -45,7 +47,6 @@ class ThreadDHT:
         self.thread = threading.Thread(target=self.loop.run_forever, name="swarmlm-dht", daemon=True)
         self.thread.start()
         self.node: DHTNode | None = None
-        self.replica: P2P | None = None  # its connection to another daemon of this process (`replicate`), if any
         # A client-mode node stores nothing for others: it checks swarm-key MACs in fetch_records, not here, so a
         # record with a wrong MAC tells it the swarm is private (and does not hide the rest of that peer's answer)
         swarm_key = None if client_mode else swarm_key
