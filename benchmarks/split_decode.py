@@ -6,9 +6,11 @@ llama.cpp's RPC backend splitting the same file over N `ggml-rpc-server`s vs one
 
 swarmlm: one server holding blocks [0, L) and N servers holding an even split run side by side; two clients, one
 routed through each, decode greedily in rounds alternating between them (one torch thread everywhere, loopback,
-the client's defaults: transport, push; --transports: gRPC and framed clients, all alternating). Per token = the median over a round of `step_logits` for one token (embed,
-every hop, LM head); the ratio is one server's per-token time over N servers'. llama.cpp: `llama-bench -p 0 -n T
--t 1 -ngl 99 --rpc ...` against 1 and N `ggml-rpc-server -t 1`, alternating too (tokens per second, its own average).
+the client's defaults: transport, push; --transports: gRPC and framed clients, all alternating). Per token = the
+median over a round of `step_logits` for one token (embed, every hop, LM head); the ratio is one server's per-token
+time over N servers'. llama.cpp: `llama-bench -p 0 -n T -t 1 -ngl 99 --rpc ...` against 1 and N
+`ggml-rpc-server -t 1`, alternating too (tokens per second, its own average). --push-frames: the servers push on
+frames.
 """
 from __future__ import annotations
 
@@ -83,8 +85,8 @@ def llamacpp_ratio(bin_dir: Path, model: str, servers: int, rounds: int, tokens:
         for r in range(rounds):
             for name in (list(setups) if r % 2 == 0 else list(setups)[::-1]):
                 rpc = ",".join(f"127.0.0.1:{p}" for p in setups[name])
-                out = subprocess.run([str(bin_dir / "llama-bench"), "-m", model, "-p", "0", "-n", str(tokens), "-r", "1",
-                                      "-t", "1", "-ngl", "99", "-rpc", rpc, "-o", "json"],
+                out = subprocess.run([str(bin_dir / "llama-bench"), "-m", model, "-p", "0", "-n", str(tokens),
+                                      "-r", "1", "-t", "1", "-ngl", "99", "-rpc", rpc, "-o", "json"],
                                      check=True, capture_output=True, text=True).stdout
                 runs[name].append(1000 / json.loads(out)[0]["avg_ts"])
         print("load average at end: %.2f %.2f %.2f" % os.getloadavg())
