@@ -10,7 +10,8 @@ client's embeddings and LM head per token, in rounds alternating with the swarm'
 goes, swarm vs one process (`--preset bloomz-560m --servers 1 --local`).
 
 --head-between: rounds alternating with and without the client's LM head between steps (a real token computes it
-there): what a long burst of compute between messages adds to each part.
+there): what a long burst of compute between messages adds to each part (with --transports: the head between
+every step of both clients).
 
 --transports: rounds alternating between a client on gRPC's Inference streams and one on the framed step port
 (wire/frames.py), against the same servers: the per-hop overhead (step minus server compute, over the servers)
@@ -129,7 +130,8 @@ def main() -> None:
                                                                       frames=False)
             client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=push,
                                                                  frames=True)
-            assert alternating({"gRPC": grpc_client, "framed": client}, args.rounds, args.servers)["framed"] \
+            assert alternating({"gRPC": grpc_client, "framed": client}, args.rounds, args.servers,
+                               args.head_between)["framed"] \
                 .remote.channels.frame_ports and not grpc_client.remote.channels.frame_ports
             return
         if args.push_ab:
@@ -173,17 +175,18 @@ def main() -> None:
         print(f"{'token in one process (embed+blocks+head)':36s} {local:7.3f} ms   swarm/local {swarm / local:.3f}x")
 
 
-def alternating(clients: dict[str, DistributedModelForCausalLM], rounds: int,
-                servers: int) -> dict[str, DistributedModelForCausalLM]:
+def alternating(clients: dict[str, DistributedModelForCausalLM], rounds: int, servers: int,
+                head_between: bool = False) -> dict[str, DistributedModelForCausalLM]:
     """Rounds of 100 steps alternating between the clients (machine noise hits them alike): medians side by side,
-    and the per-hop overhead: the median over steps of (step - server compute) / servers."""
+    and the per-hop overhead: the median over steps of (step - server compute) / servers. `head_between`: the LM
+    head between steps, as a generated token computes it."""
     for client in clients.values():
         breakdown(client, 1, 20)  # warm-up (connections, caches)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in clients}
     print("load average (1, 5, 15 min) at start: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
     for r in range(rounds):
         for name in (list(clients) if r % 2 == 0 else list(clients)[::-1]):
-            runs[name].append(breakdown(clients[name], 1, 100))
+            runs[name].append(breakdown(clients[name], 1, 100, head_between))
     names = list(clients)
     print(f"{'part (medians of ' + str(rounds) + ' rounds, ms)':42s} " + " ".join(f"{n:>8s}" for n in names))
     med = {name: {k: statistics.median(run[k] for run in runs[name]) for k in runs[name][0]} for name in names}

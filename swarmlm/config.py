@@ -318,8 +318,8 @@ class ClientConfig:
     swarm_key: bytes | None = field(default=None, repr=False)  # a private swarm's shared secret (swarm/private.py)
     # Inference streams on a server's framed step port when its Info announces one (wire/frames.py); decode steps
     # then run from the caller's thread. Off by default: ~0.5 ms less per hop than gRPC with a core to spare, but
-    # 1-2.5x more on an oversubscribed machine (its threads wait longer for a CPU, docs/RESULTS-hop.md "Under
-    # load"); False = gRPC's Inference call always
+    # 1.2-4.6x more on an oversubscribed machine (its threads wait longer for a CPU, docs/RESULTS-hop.md "Under
+    # load", round 4); False = gRPC's Inference call always
     frames: bool = False
     # start sessions from prefixes the servers keep from earlier sessions and keep each finished session's prefix
     # (client/prefix.py); False = every session prefills its whole prompt

@@ -1,6 +1,7 @@
 """How a server is reached: at its host:port, or from behind NAT through a relay (swarm/reach.py).
 
-In a swarm (initial peers given) a server runs one P2P daemon of its own (besides its DHT node's): it asks a relay to dial its port back before it joins, listens through a relay if that failed, and
+In a swarm (initial peers given) a server runs one P2P daemon, which its DHT node uses too (a replica: one p2pd
+per server): it asks a relay to dial its port back before it joins, listens through a relay if that failed, and
 reaches relayed servers it pushes to. The dial-back reaches a plain socket on the port gRPC takes afterwards.
 
 Pushes to a relayed server go through the relay of that server's own record, never one a stranger's record names
@@ -33,7 +34,7 @@ class ServerNetwork:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.relays = [p for p in config.initial_peers if _is_relay_addr(p)]
-        self.node = P2PNode(host=config.host)
+        self.node = P2PNode(host=config.host, initial_peers=config.initial_peers)  # (the DHT node's daemon too)
         self.tunnels = Tunnels(self.node.p2p, self.node.loop, config.swarm_key)
         self.listener: RelayListener | None = None
         self.owners: dict[str, str] = {}  # p2p address -> the server id that passed the connect check through its relay

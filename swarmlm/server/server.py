@@ -68,7 +68,8 @@ class Server:
             self.network = ServerNetwork(cfg)  # behind NAT, its DHT node only asks (nobody could reach it)
             validator = self.identity.validator  # our key: it signs every record we announce
             self.dht = start_dht(cfg.initial_peers, host=cfg.host, validator=validator, swarm_key=cfg.swarm_key,
-                                 client_mode=self.network.relayed)
+                                 client_mode=self.network.relayed,  # (on the network's p2pd: one per server)
+                                 replicate=self.network.node.p2p.daemon_listen_maddr)
             self.subkey = owner_subkey(self.server_id, validator)
             if cfg.blocks is not None:  # (choosing blocks reads the swarm's records anyway)
                 try:  # without the key, a private swarm's records stop us here: SwarmAccessDenied

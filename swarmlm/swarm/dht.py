@@ -14,6 +14,7 @@ from typing import Iterable, Sequence
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
+from hivemind.utils.multiaddr import Multiaddr
 
 from swarmlm.swarm.dht_thread import ThreadDHT
 from swarmlm.swarm.identity import id_of
@@ -40,12 +41,15 @@ def default_dht_prefix(model_dir: str | Path) -> str:
 def start_dht(
     initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0, client_mode: bool = False,
     validator: RSASignatureValidator | None = None, swarm_key: bytes | None = None, identity_path: str | None = None,
+    replicate: Multiaddr | None = None,
 ) -> ThreadDHT:
     """A DHT node that signs the records it owns and refuses records that break swarmlm's rules (see above); it
     runs in this process (no forked child to outlive it) and its p2pd dies with it (swarm/lifetime.py).
-    `identity_path`: its P2P key file (created if missing; None: a fresh key, a new peer id each start)."""
+    `identity_path`: its P2P key file (created if missing; None: a fresh key, a new peer id each start).
+    `replicate`: the daemon address of a P2P daemon this process runs already: the node uses it (its peer id and
+    addresses) instead of starting its own p2pd."""
     return ThreadDHT(initial_peers, host=host, port=port, client_mode=client_mode, validator=validator,
-                     swarm_key=swarm_key, identity_path=identity_path)
+                     swarm_key=swarm_key, identity_path=identity_path, replicate=replicate)
 
 
 def owner_subkey(server_id: str, validator: RSASignatureValidator | None = None) -> str:

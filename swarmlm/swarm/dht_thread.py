@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarmlm.swarm.lifetime import bind_p2pd_to_owner
@@ -35,10 +35,13 @@ REJOIN_PERIOD_S = 5.0  # how often a node with no peer left pings its initial pe
 class ThreadDHT:
     """`hivemind.DHT`'s calls, served by a DHTNode on a daemon thread's event loop."""
 
+    replica: P2P | None = None  # its connection to another daemon of this process (`replicate`), if any
+
     def __init__(self, initial_peers: Sequence[str] = (), host: str = "127.0.0.1", port: int = 0,
                  client_mode: bool = True, validator: RSASignatureValidator | None = None,
                  start_timeout_s: float = 60.0, swarm_key: bytes | None = None,
-                 rejoin_period_s: float = REJOIN_PERIOD_S, identity_path: str | None = None) -> None:
+                 rejoin_period_s: float = REJOIN_PERIOD_S, identity_path: str | None = None,
+                 replicate: Multiaddr | None = None) -> None:
         bind_p2pd_to_owner()  # (its p2pd dies with this process)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="swarmlm-dht", daemon=True)
@@ -47,14 +50,20 @@ class ThreadDHT:
         # A client-mode node stores nothing for others: it checks swarm-key MACs in fetch_records, not here, so a
         # record with a wrong MAC tells it the swarm is private (and does not hide the rest of that peer's answer)
         swarm_key = None if client_mode else swarm_key
-        create = DHTNode.create(
+        kwargs = dict(
             initial_peers=list(initial_peers), client_mode=client_mode,
-            host_maddrs=[f"/ip4/{host}/tcp/{port}"],
             record_validator=CompositeValidator(validators(validator, swarm_key)),
             **({"identity_path": identity_path} if identity_path else {}),  # (a fixed peer id: swarmlm dht --identity)
         )
+
+        async def create() -> DHTNode:  # on `replicate`, another P2P daemon of this process: one p2pd, not two
+            if replicate is not None:
+                self.replica = await P2P.replicate(replicate)
+                return await DHTNode.create(p2p=self.replica, **kwargs)
+            return await DHTNode.create(host_maddrs=[f"/ip4/{host}/tcp/{port}"], **kwargs)
+
         try:
-            self.node = self._call(create).result(start_timeout_s)
+            self.node = self._call(create()).result(start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -107,7 +116,9 @@ class ThreadDHT:
         if self.loop.is_closed():
             return
         stops = [self.node.shutdown()] if self.node is not None else []
-        self.node = None
+        if self.replica is not None:  # (DHTNode leaves a P2P it was given running: its client socket goes here)
+            stops.append(self.replica.shutdown())
+        self.node = self.replica = None
         for coro in stops + [_cancel_all()]:  # in-flight handlers are cancelled, not destroyed with the loop
             try:
                 self._call(coro).result(timeout_s)

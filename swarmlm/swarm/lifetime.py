@@ -5,12 +5,13 @@ What a server, a `swarmlm dht` node, a gateway or a client starts, and how each 
   `DHT` forked a ~320 MB child that outlived a SIGKILLed parent and kept announcing it. Without that child no
   `MPFuture` exists, so torch's shared memory is never used and no `torch_shm_manager` is started (hivemind's
   mpfuture shares its futures' state bytes with torch's "file_system" strategy, which starts that manager).
-- p2pd (hivemind's Go daemon, one per DHT node and one per P2PNode): started by hivemind with fork+exec; we have
-  the child ask the kernel for SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG, kept across exec) before it
-  execs, in a process group of its own (a signal to its owner's group is for the owner, which stops it in
-  order). SIGTERM, not SIGKILL: p2pd then removes its unix socket in /tmp, as on a clean stop (a SIGKILLed one
-  leaves it behind). The signal follows the death of the *thread* that forked it: p2pd is forked by its node's event-loop
-  thread, which lives until the node is shut down (and then p2pd is stopped anyway).
+- p2pd (hivemind's Go daemon, one per DHT node and one per P2PNode, unless one replicates another's): started by
+  hivemind with fork+exec; we have the child ask the kernel for SIGTERM when its parent dies (prctl
+  PR_SET_PDEATHSIG, kept across exec) before it execs, in a process group of its own (a signal to its owner's
+  group is for the owner, which stops it in order). SIGTERM, not SIGKILL: p2pd then removes its unix socket in
+  /tmp, as on a clean stop (a SIGKILLed one leaves it behind). The signal follows the death of the *thread* that
+  forked it: p2pd is forked by its node's event-loop thread, which lives until the node is shut down (and then
+  p2pd is stopped anyway).
 A watchdog polling the parent's pid would need one more process (or a thread in a Go binary we do not build);
 the kernel's signal needs neither and acts at once.
 - LocalSwarm's servers and `swarmlm dht` nodes (the tests', the demo's, the benchmarks' swarm): `popen_dying_with_us`

@@ -16,7 +16,7 @@ import ipaddress
 import re
 import threading
 from concurrent.futures import Future
-from typing import Any, Awaitable, TypeVar
+from typing import Any, Awaitable, Sequence, TypeVar
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
@@ -183,7 +183,9 @@ class P2PNode:
     """One p2pd daemon (or a replica of another process's) driven from a daemon thread's event loop."""
 
     def __init__(self, host: str = "127.0.0.1", start_timeout_s: float = 30.0,
-                 replicate: Multiaddr | None = None) -> None:
+                 replicate: Multiaddr | None = None, initial_peers: Sequence[str] = ()) -> None:
+        """`initial_peers`: the daemon connects to them at start (as a DHT node's does: a DHT node on this daemon,
+        `ThreadDHT(replicate=...)`, reaches its initial peers through these connections)."""
         bind_p2pd_to_owner()  # (its p2pd dies with this process)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="swarmlm-p2p", daemon=True)
@@ -191,9 +193,9 @@ class P2PNode:
         self.p2p: P2P | None = None
         if replicate is not None:
             create = P2P.replicate(replicate)
-        else:  # it dials out only: no DHT, no NAT port mapping, no AutoNAT probing of others
-            create = P2P.create(host_maddrs=[f"/ip4/{host}/tcp/0"], dht_mode="client", auto_nat=False,
-                                nat_port_map=False, use_relay=False)
+        else:  # no libp2p DHT, no NAT port mapping, no AutoNAT probing of others
+            create = P2P.create(list(initial_peers), host_maddrs=[f"/ip4/{host}/tcp/0"], dht_mode="client",
+                                auto_nat=False, nat_port_map=False, use_relay=False)
         try:
             self.p2p = self.run(create, start_timeout_s)
         except BaseException:

@@ -1,0 +1,134 @@
+"""Decode through N servers vs through one server of every block, same GGUF (packed weights, --quant auto), beside
+llama.cpp's RPC backend splitting the same file over N `ggml-rpc-server`s vs one (issue 40, docs/RESULTS-hop.md).
+
+    python benchmarks/split_decode.py [--model FILE.gguf] [--servers 3] [--rounds 6] [--tokens 64]
+                                      [--llamacpp BUILD/bin]
+
+swarmlm: one server holding blocks [0, L) and N servers holding an even split run side by side; two clients, one
+routed through each, decode greedily in rounds alternating between them (one torch thread everywhere, loopback,
+the client's defaults: transport, push; --transports: gRPC and framed clients, all alternating). Per token = the
+median over a round of `step_logits` for one token (embed, every hop, LM head); the ratio is one server's per-token
+time over N servers'. llama.cpp: `llama-bench -p 0 -n T -t 1 -ngl 99 --rpc ...` against 1 and N
+`ggml-rpc-server -t 1`, alternating too (tokens per second, its own average). --push-frames: the servers push on
+frames.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from swarmlm.client.model import DistributedModelForCausalLM
+from swarmlm.machine import machine_line
+from swarmlm.model.checkpoint import load_config
+from swarmlm.swarm.local import LocalSwarm, even_split
+from swarmlm.types import BlockRange
+
+DEFAULT_MODEL = Path.home() / ".cache/swarmlm/gguf/SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2]  # any ids: the tokens decoded do not matter
+
+
+def per_token_ms(client: DistributedModelForCausalLM, tokens: int) -> float:
+    """Median ms per greedy token (embed + every hop + LM head) over one session of `tokens` tokens."""
+    times = []
+    with client.inference_session(max_length=len(PROMPT) + tokens + 1) as session:
+        logits = client.step_logits(session, torch.tensor([PROMPT]), last_only=True)
+        for _ in range(tokens):
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            t0 = time.perf_counter()
+            logits = client.step_logits(session, nxt, last_only=True)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+def swarmlm_ratio(model: str, servers: int, rounds: int, tokens: int, transports: list[bool | None],
+                  server_args: list[str]) -> None:
+    """`transports`: the clients' ClientConfig.frames (None: the default), each a pair of clients (1 and N servers)
+    on the same servers, all alternating."""
+    blocks = int(load_config(model).num_hidden_layers)
+    with LocalSwarm(model, threads=1, with_dht=False, server_args=["--quant", "auto", *server_args]) as swarm:
+        swarm.start([BlockRange(0, blocks), *even_split(blocks, servers)])
+        one, split = swarm.addresses[:1], swarm.addresses[1:]
+        clients = {(frames, name): DistributedModelForCausalLM.from_pretrained(
+                       model, servers=addrs, quant="auto", **({} if frames is None else {"frames": frames}))
+                   for frames in transports for name, addrs in (("1 server", one), (f"{servers} servers", split))}
+        for client in clients.values():
+            per_token_ms(client, 8)  # warm-up (connections, caches)
+        print("load average at start: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
+        runs: dict[tuple, list[float]] = {key: [] for key in clients}
+        for r in range(rounds):
+            for key in (list(clients) if r % 2 == 0 else list(clients)[::-1]):
+                runs[key].append(per_token_ms(clients[key], tokens))
+        print("load average at end: %.2f %.2f %.2f" % os.getloadavg())
+        framed = {frames: bool(clients[frames, "1 server"].remote.channels.frame_ports) for frames in transports}
+    for frames in transports:
+        pair = {name: v for (f, name), v in runs.items() if f == frames}
+        report("swarmlm", pair, f"transport: {'framed' if framed[frames] else 'gRPC'}")
+
+
+def llamacpp_ratio(bin_dir: Path, model: str, servers: int, rounds: int, tokens: int) -> None:
+    ports = [free_port() for _ in range(servers + 1)]
+    procs = [subprocess.Popen([str(bin_dir / "ggml-rpc-server"), "-t", "1", "-p", str(p)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for p in ports]
+    try:
+        time.sleep(2)
+        setups = {"1 server": ports[:1], f"{servers} servers": ports[1:]}
+        runs: dict[str, list[float]] = {name: [] for name in setups}
+        print("load average at start: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
+        for r in range(rounds):
+            for name in (list(setups) if r % 2 == 0 else list(setups)[::-1]):
+                rpc = ",".join(f"127.0.0.1:{p}" for p in setups[name])
+                out = subprocess.run([str(bin_dir / "llama-bench"), "-m", model, "-p", "0", "-n", str(tokens),
+                                      "-r", "1", "-t", "1", "-ngl", "99", "-rpc", rpc, "-o", "json"],
+                                     check=True, capture_output=True, text=True).stdout
+                runs[name].append(1000 / json.loads(out)[0]["avg_ts"])
+        print("load average at end: %.2f %.2f %.2f" % os.getloadavg())
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+    report("llama.cpp RPC", runs, "llama-bench tg, -t 1 -ngl 99")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def report(what: str, runs: dict[str, list[float]], note: str) -> None:
+    one, split = (statistics.median(v) for v in runs.values())
+    names = list(runs)
+    print(f"{what} ({note}): per token {names[0]} {one:.2f} ms, {names[1]} {split:.2f} ms; "
+          f"{names[1]} / {names[0]} speed {one / split:.3f}x  (rounds: {runs})", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(DEFAULT_MODEL), help="a GGUF file")
+    ap.add_argument("--servers", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--llamacpp", type=Path, help="llama.cpp's build/bin (ggml-rpc-server, llama-bench)")
+    ap.add_argument("--only", choices=("swarmlm", "llamacpp"), help="run one side only")
+    ap.add_argument("--transports", action="store_true", help="swarmlm on gRPC and on frames, all alternating")
+    ap.add_argument("--push-frames", action="store_true", help="the servers push on frames (server --push-frames)")
+    args = ap.parse_args()
+    print("machine:", machine_line(), flush=True)
+    torch.set_num_threads(1)
+    if args.only != "llamacpp":
+        swarmlm_ratio(args.model, args.servers, args.rounds, args.tokens,
+                      [False, True] if args.transports else [None], ["--push-frames"] if args.push_frames else [])
+    if args.llamacpp is not None and args.only != "swarmlm":
+        llamacpp_ratio(args.llamacpp, args.model, args.servers, args.rounds, args.tokens)
+
+
+if __name__ == "__main__":
+    main()
