@@ -717,3 +717,19 @@ def test_a_strangers_record_never_moves_a_servers_push_tunnel_to_its_relay(tiny_
     assert seen["tunnel_through_own_relay"] == [True, True], seen
     assert seen["answers"] == 1 and seen["exact"] == 1, seen
     assert seen["push_refused"] == 0 and seen["pushed"] == seen["steps"] > 0, seen
+
+
+@pytest.mark.slow
+def test_five_strangers_claiming_a_push_targets_address_cannot_keep_its_server_from_pushes(tiny_llama, tmp_path):
+    """(Issue 39, hole 1.) More stranger claims than a read checks (4): the claims are checked at once and chosen
+    fairly (never tried first), so the relayed server owns its address within two reads, whatever the order."""
+    from swarmlm.bench.swarm_attacks import push_relay_hijack
+    from swarmlm.swarm.local import LocalSwarm
+
+    with LocalSwarm(tiny_llama, log_dir=tmp_path / "logs") as swarm:
+        swarm.start_dht()
+        seen = push_relay_hijack(swarm, generations=2, new_tokens=4, strangers=5)
+    assert seen["owner_is_server"] == [True, True], seen  # (the honest record first, and last)
+    assert seen["tunnel_through_own_relay"] == [True, True], seen
+    assert seen["answers"] == 2 and seen["exact"] == 2, seen
+    assert seen["push_refused_per_generation"][-1] == 0 and seen["pushed"] > 0, seen

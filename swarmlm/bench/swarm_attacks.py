@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 import torch
+from hivemind.dht.crypto import RSASignatureValidator
 
 from swarmlm.types import BlockRange
 
@@ -155,14 +156,17 @@ def lossy_wire_under_load(swarm, rounds: int = 4, loaders: int = 2, load_tokens:
     return result
 
 
-def push_relay_hijack(swarm, generations: int = 2, new_tokens: int = 6) -> dict:
+def push_relay_hijack(swarm, generations: int = 2, new_tokens: int = 6, strangers: int = 1) -> dict:
     """(Hole 1, between servers.) On `swarm` (a LocalSwarm with a DHT, no server yet): server A, direct, on the first
-    half of the blocks; server B, behind NAT (its relay: the DHT node), on the second half. A stranger with a fresh
-    key of its own publishes B's record under its own id, naming a dead relay, every second. Then:
-    - in process, a pushing server's network (server/network.py) reads the two records in both orders: after its
-      relay check, B's address must be owned by B and tunnelled through B's relay, whichever record came last;
+    half of the blocks; server B, behind NAT (its relay: the DHT node), on the second half. `strangers` strangers,
+    each with a fresh key of its own, publish B's record under their own ids, naming a dead relay, every second.
+    Then:
+    - in process, a pushing server's network (server/network.py) reads the records with B's first and with B's
+      last, and checks the claims once per read until B owns its address (at most `rounds` reads): B's address
+      must be owned by B and tunnelled through B's relay, whichever record came last;
     - `generations` clients generate greedily with push on (A pushes to B): every answer must be transformers',
-      and A's pushes must go through (no step refused to push)."""
+      and A's pushes must go through (`push_refused` per generation: only the first may lose pushes, while A's
+      reads reach B's claim)."""
     import asyncio
     import dataclasses
 
@@ -170,7 +174,7 @@ def push_relay_hijack(swarm, generations: int = 2, new_tokens: int = 6) -> dict:
 
     from swarmlm.bench.relay_attacks import _record_with_relay
     from swarmlm.config import ServerConfig
-    from swarmlm.server.network import ServerNetwork
+    from swarmlm.server.network import MAX_CLAIMS, ServerNetwork
     from swarmlm.swarm.dht import announce, default_dht_prefix, fetch_records, owner_subkey
     from swarmlm.swarm.dht_thread import ThreadDHT
     from swarmlm.swarm.identity import Identity
@@ -179,18 +183,18 @@ def push_relay_hijack(swarm, generations: int = 2, new_tokens: int = 6) -> dict:
     a = swarm.start_server(BlockRange(0, n // 2), wait=False)
     b = swarm.start_server(BlockRange(n // 2, n), extra=["--reachability", "relayed"], wait=False)
     swarm.wait_ready([a, b])
-    prefix, key = default_dht_prefix(swarm.model_dir), Identity.generate()
-    attacker = ThreadDHT(swarm.initial_peers, client_mode=False, validator=key.validator)
-    stop = threading.Event()
-    result = {"attack": "a stranger's record naming a relayed push target with a dead relay (hole 1, pushes)",
-              "owner_is_server": [], "tunnel_through_own_relay": [], "answers": 0, "exact": 0, "steps": 0,
-              "pushed": 0, "push_refused": 0}
+    prefix, keys = default_dht_prefix(swarm.model_dir), [Identity.generate() for _ in range(strangers)]
+    attacker = ThreadDHT(swarm.initial_peers, client_mode=False, validator=_ManyKeys([k.validator for k in keys]))
+    stop, rounds = threading.Event(), -(-(strangers + 1) // MAX_CLAIMS)
+    result = {"attack": f"{strangers} strangers' records naming a relayed push target with a dead relay (hole 1, "
+                        "pushes)", "owner_is_server": [], "tunnel_through_own_relay": [], "answers": 0, "exact": 0,
+              "steps": 0, "pushed": 0, "push_refused": 0, "push_refused_per_generation": []}
     try:
         honest = _record_with_relay(attacker, prefix, b.server_id, stop, block=n // 2)
-        lie = dataclasses.replace(honest, server_id=key.server_id,
-                                  relay=f"/ip4/127.0.0.1/tcp/9/p2p/{honest.relay.split('/')[-1]}")  # dead port
+        dead = f"/ip4/127.0.0.1/tcp/9/p2p/{honest.relay.split('/')[-1]}"  # (a closed port)
+        lies = [dataclasses.replace(honest, server_id=k.server_id, relay=dead) for k in keys]
 
-        def publish() -> None:
+        def publish(key, lie) -> None:
             while not stop.is_set():
                 try:
                     announce(attacker, prefix, lie, 8.0, subkey=owner_subkey(key.server_id, key.validator))
@@ -198,18 +202,21 @@ def push_relay_hijack(swarm, generations: int = 2, new_tokens: int = 6) -> dict:
                     return
                 stop.wait(1.0)
 
-        threading.Thread(target=publish, daemon=True).start()
-        for _ in range(150):  # (its record readable: then the readers come)
-            if key.server_id in fetch_records(attacker, prefix, [n // 2]) or stop.wait(0.2):
+        for key, lie in zip(keys, lies):
+            threading.Thread(target=publish, args=(key, lie), daemon=True).start()
+        for _ in range(150):  # (their records readable: then the readers come)
+            if all(k.server_id in fetch_records(attacker, prefix, [n // 2]) for k in keys) or stop.wait(0.2):
                 break
         else:
-            raise RuntimeError("the stranger's record was not stored")
-        for order in ((honest, lie), (lie, honest)):  # whichever record a read lists last
+            raise RuntimeError("the strangers' records were not stored")
+        for order in ((honest, *lies), (*lies, honest)):  # whichever record a read lists last
             network = ServerNetwork(ServerConfig(model_dir=swarm.model_dir, blocks=None, reachability="direct",
                                                  initial_peers=tuple(swarm.initial_peers)))
             try:
-                network.learn(order)
-                asyncio.run(network.check_relay(honest.address))
+                for _ in range(rounds):
+                    network.learn(order)
+                    if asyncio.run(network.check_relay(honest.address)):
+                        break
                 network.learn(order)  # (read again: an owned address's tunnel moves only with its owner's record)
                 result["owner_is_server"].append(network.owners.get(honest.address) == b.server_id)
                 result["tunnel_through_own_relay"].append(network.tunnels.relays.get(honest.address) == honest.relay)
@@ -220,6 +227,20 @@ def push_relay_hijack(swarm, generations: int = 2, new_tokens: int = 6) -> dict:
         stop.set()
         attacker.shutdown()
     return result
+
+
+class _ManyKeys(RSASignatureValidator):
+    """One DHT node writing records under several keys: each record is signed by the key its subkey names."""
+
+    def __init__(self, signers: list[RSASignatureValidator]) -> None:
+        super().__init__(signers[0]._private_key)
+        self.signers = signers
+
+    def sign_value(self, record) -> bytes:
+        for signer in self.signers:
+            if signer.local_public_key in record.subkey:
+                return signer.sign_value(record)
+        return record.value
 
 
 def _generate_pushed(swarm, n: int, generations: int, new_tokens: int, result: dict, auto_model) -> None:
@@ -246,6 +267,7 @@ def _generate_pushed(swarm, n: int, generations: int, new_tokens: int, result: d
         result["steps"] += len(steps)
         result["pushed"] += sum(bool(s.hops) and s.hops[0].pushed for s in steps)
         result["push_refused"] += sum(s.push_refused for s in steps)
+        result["push_refused_per_generation"].append(sum(s.push_refused for s in steps))
 
 
 def stuck_loader(swarm, server_args=(), wait_for_loading_s: float = 6.0) -> dict:
