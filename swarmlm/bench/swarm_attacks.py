@@ -312,3 +312,57 @@ def stuck_loader(swarm, server_args=(), wait_for_loading_s: float = 6.0) -> dict
         node.shutdown()
     return {"attack": "a stranger announces the missing blocks as loading, forever", "loader": stranger.server_id,
             "error": error, "loading_lines": lines}
+
+
+def tampering_relay(swarm, new_tokens: int = 8, push: str = "on") -> dict:
+    """(Hole 1, end to end: the probe's relay that splices and flips.) On `swarm` (a LocalSwarm with a DHT, no server
+    yet): server A, direct, on the first half of the blocks; server R, behind NAT, on the second half, listening
+    through a relay that negates every hidden state crossing it (bench/tamper_relay.py: the client's steps to R, A's
+    pushes to R and R's replies). Once the relay has flipped a message, a direct spare of R's blocks starts. A client
+    (push `push`) generates greedily: its tokens must be transformers' (the flips refused by whichever end got them,
+    R failed over to the spare), not the flipped ones."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from swarmlm.bench.tamper_relay import TamperingRelay
+    from swarmlm.client.model import DistributedModelForCausalLM
+
+    n = int(AutoConfig.from_pretrained(swarm.model_dir).num_hidden_layers)
+    result = {"attack": f"a relay that splices and flips the sign of hidden states (hole 1, end to end; push {push})",
+              "answers": 0, "exact": 0, "flipped": 0, "failovers": 0}
+    with TamperingRelay() as relay:
+        peers = list(swarm.initial_peers)
+        a = swarm.start_server(BlockRange(0, n // 2), wait=False)
+        swarm.initial_peers = [relay.address, *peers]  # (relays first: R listens through the first that takes it)
+        try:
+            r = swarm.start_server(BlockRange(n // 2, n), extra=["--reachability", "relayed"], wait=False)
+        finally:
+            swarm.initial_peers = peers
+        swarm.wait_ready([a, r])
+        stop = threading.Event()
+
+        def spare() -> None:  # (R alone serves its blocks until the relay has shown what it does)
+            while relay.flipped == 0 and not stop.wait(0.1):
+                pass
+            if not stop.is_set():
+                swarm.start_server(BlockRange(n // 2, n), wait=False)
+
+        helper = threading.Thread(target=spare, daemon=True)
+        helper.start()
+        ids = torch.randint(4, 256, (1, 8), generator=torch.Generator().manual_seed(5))
+        ref = AutoModelForCausalLM.from_pretrained(swarm.model_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False)[0, 8:].tolist()
+        client = DistributedModelForCausalLM.from_pretrained(swarm.model_dir, initial_peers=swarm.initial_peers,
+                                                             push=push, max_retries=12)
+        try:
+            with torch.no_grad():
+                got = client.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                      min_new_tokens=new_tokens, do_sample=False)[0, 8:].tolist()
+            result["failovers"] = sum(s.failovers for s in client.last_stats.steps)
+        finally:
+            client.close()
+            stop.set()
+            helper.join(60)
+        result.update(answers=1, exact=int(got == want), flipped=relay.flipped)
+    return result

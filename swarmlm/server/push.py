@@ -33,6 +33,7 @@ from swarmlm.errors import InvalidRequest
 from swarmlm.types import StepKind
 from swarmlm.server.frame_push import FramePushes
 from swarmlm.server.sessions import SECRET_BYTES
+from swarmlm.wire import session_keys
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.channel import aio_channel
@@ -187,11 +188,14 @@ class Pusher:
         return stub
 
     async def push(self, target: pb.PushTarget, hidden: pb.Tensor, mask: pb.Tensor,
-                   rest: list[pb.PushTarget], op: pb.CacheOp | None = None) -> bool:
+                   rest: list[pb.PushTarget], op: pb.CacheOp | None = None, push_key: bytes = b"") -> bool:
         """Deliver one output to `target` (which pushes it on to `rest`), with the step's cache op: every span of a
-        session holds the same tokens and rows, so the op is the same there. True when the target accepted it."""
+        session holds the same tokens and rows, so the op is the same there; MACed with the target session's
+        `push_key` when it is keyed (wire/session_keys.py). True when the target accepted it."""
         request = pb.PushRequest(session_id=target.session_id, secret=target.secret, step=pb.InferenceStep(
             hidden=hidden, attention_mask=mask, step_id=target.step_id, push=rest, cache_op=op))
+        if push_key:
+            session_keys.sign(push_key, target.session_id, request)
         kind = StepKind.of(hidden.shape[1] if len(hidden.shape) == 3 else 0)
         link = self.links.get(target.address)
         call = None
