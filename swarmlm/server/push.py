@@ -13,7 +13,8 @@ A step can thus reach a server twice (a pushed copy and the client's own, after 
 harmless: `StepOrder` takes each id once and in order, and a duplicate gets no reply.
 
 Trust: a push carries the target session's secret (the client hands it to the servers of its route), so a stranger
-who only knows a session id cannot push into it. A server dials only servers of its swarm (`TargetCheck`): with a
+who only knows a session id cannot push into it; into a keyed session, also a MAC under that session's push key,
+which the client seals for the pushing server alone (wire/session_keys.py): a relay on the way cannot change it. A server dials only servers of its swarm (`TargetCheck`): with a
 DHT, addresses announced for the block after the session's span; without one (direct --servers mode), addresses
 that answer Info as a server of the same model serving that block, probed at most once per `ttl_s` each and at
 most `max_probes_per_min` in all, so a client cannot use a server to scan a network. A relayed target

@@ -70,7 +70,8 @@ class ServerKey:
         """The keys of a session opened with `client_share`; ValueError for a share that is not an X25519 key."""
         if len(client_share) != KEY_SHARE_BYTES:
             raise ValueError(f"a key share is {KEY_SHARE_BYTES} bytes, got {len(client_share)}")
-        shared = self._private.exchange(X25519PublicKey.from_public_bytes(bytes(client_share)))  # (low order: ValueError)
+        # (a low-order point gives no shared secret: ValueError)
+        shared = self._private.exchange(X25519PublicKey.from_public_bytes(bytes(client_share)))
         return _derive(shared, bytes(client_share), self.share)
 
 
