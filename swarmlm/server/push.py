@@ -66,6 +66,9 @@ def check_targets(targets) -> None:
             raise InvalidRequest("push: a pushed step needs a nonzero step id")
         if len(t.secret) != SECRET_BYTES:
             raise InvalidRequest(f"push: a target needs its session's {SECRET_BYTES}-byte secret")
+        if t.push_key and len(t.push_key) != session_keys.SEALED_KEY_BYTES:
+            raise InvalidRequest(f"push: a sealed push key is {session_keys.SEALED_KEY_BYTES} bytes, "
+                                 f"got {len(t.push_key)}")
 
 
 Directory = Callable[[int], Awaitable[set[str]]]  # addresses of servers announced for a block
