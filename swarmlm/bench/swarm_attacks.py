@@ -320,7 +320,8 @@ def tampering_relay(swarm, new_tokens: int = 8, push: str = "on") -> dict:
     through a relay that negates every hidden state crossing it (bench/tamper_relay.py: the client's steps to R, A's
     pushes to R and R's replies). Once the relay has flipped a message, a direct spare of R's blocks starts. A client
     (push `push`) generates greedily: its tokens must be transformers' (the flips refused by whichever end got them,
-    R failed over to the spare), not the flipped ones."""
+    R failed over to the spare), not the flipped ones. (The client waits up to 300 s for the spare and retries up to
+    12 times: how many times R fails before the spare is up depends on the machine's load, not on the keys.)"""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from swarmlm.bench.tamper_relay import TamperingRelay
@@ -354,7 +355,7 @@ def tampering_relay(swarm, new_tokens: int = 8, push: str = "on") -> dict:
             want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                 min_new_tokens=new_tokens, do_sample=False)[0, 8:].tolist()
         client = DistributedModelForCausalLM.from_pretrained(swarm.model_dir, initial_peers=swarm.initial_peers,
-                                                             push=push, max_retries=12)
+                                                             push=push, max_retries=12, wait_for_blocks_s=300.0)
         try:
             with torch.no_grad():
                 got = client.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
