@@ -808,7 +808,8 @@ def test_five_strangers_claiming_a_push_targets_address_cannot_keep_its_server_f
 
     with LocalSwarm(tiny_llama, log_dir=tmp_path / "logs") as swarm:
         swarm.start_dht()
-        seen = push_relay_hijack(swarm, generations=2, new_tokens=4, strangers=5)
+        # (1.5 s apart: the pushing server reads the DHT at most once a second, so each generation has a read)
+        seen = push_relay_hijack(swarm, generations=2, new_tokens=4, strangers=5, pause_s=1.5)
     assert seen["owner_is_server"] == [True, True], seen  # (the honest record first, and last)
     assert seen["tunnel_through_own_relay"] == [True, True], seen
     assert seen["answers"] == 2 and seen["exact"] == 2, seen

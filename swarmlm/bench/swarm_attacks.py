@@ -156,7 +156,8 @@ def lossy_wire_under_load(swarm, rounds: int = 4, loaders: int = 2, load_tokens:
     return result
 
 
-def push_relay_hijack(swarm, generations: int = 2, new_tokens: int = 6, strangers: int = 1) -> dict:
+def push_relay_hijack(swarm, generations: int = 2, new_tokens: int = 6, strangers: int = 1,
+                      pause_s: float = 0.0) -> dict:
     """(Hole 1, between servers.) On `swarm` (a LocalSwarm with a DHT, no server yet): server A, direct, on the first
     half of the blocks; server B, behind NAT (its relay: the DHT node), on the second half. `strangers` strangers,
     each with a fresh key of its own, publish B's record under their own ids, naming a dead relay, every second.
@@ -166,7 +167,8 @@ def push_relay_hijack(swarm, generations: int = 2, new_tokens: int = 6, stranger
       must be owned by B and tunnelled through B's relay, whichever record came last;
     - `generations` clients generate greedily with push on (A pushes to B): every answer must be transformers',
       and A's pushes must go through (`push_refused` per generation: only the first may lose pushes, while A's
-      reads reach B's claim)."""
+      reads reach B's claim; `pause_s` between generations, past A's one DHT read a second, so that each generation
+      comes after a read of its own)."""
     import asyncio
     import dataclasses
 
@@ -222,7 +224,7 @@ def push_relay_hijack(swarm, generations: int = 2, new_tokens: int = 6, stranger
                 result["tunnel_through_own_relay"].append(network.tunnels.relays.get(honest.address) == honest.relay)
             finally:
                 network.close()
-        _generate_pushed(swarm, n, generations, new_tokens, result, AutoModelForCausalLM)
+        _generate_pushed(swarm, n, generations, new_tokens, result, AutoModelForCausalLM, pause_s)
     finally:
         stop.set()
         attacker.shutdown()
@@ -243,12 +245,15 @@ class _ManyKeys(RSASignatureValidator):
         return record.value
 
 
-def _generate_pushed(swarm, n: int, generations: int, new_tokens: int, result: dict, auto_model) -> None:
+def _generate_pushed(swarm, n: int, generations: int, new_tokens: int, result: dict, auto_model,
+                     pause_s: float = 0.0) -> None:
     from swarmlm.client.model import DistributedModelForCausalLM
 
     ref = auto_model.from_pretrained(swarm.model_dir, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(3)
-    for _ in range(generations):
+    for g in range(generations):
+        if g and pause_s:
+            threading.Event().wait(pause_s)
         ids = torch.randint(4, 256, (1, 8), generator=gen)
         with torch.no_grad():
             want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
