@@ -545,6 +545,10 @@ def swarm_run(workdir: Path, only: list[str]) -> list[dict]:
     for attack, kwargs in ((sa.adapter_versions, {"workdir": workdir, "by_name": 12, "pinned": 4}),
                            (sa.lossy_wire_under_load, {"rounds": 10, "loaders": 4}),
                            (sa.push_relay_hijack, {"generations": 8, "new_tokens": 12}),
+                           (sa.push_relay_hijack, {"generations": 4, "new_tokens": 12, "strangers": 6,
+                                                   "pause_s": 1.5}),
+                           (sa.tampering_relay, {"new_tokens": 12, "push": "on"}),
+                           (sa.tampering_relay, {"new_tokens": 12, "push": "off"}),
                            (sa.stuck_loader, {})):
         if only and not any(o in attack.__name__ for o in only):
             continue

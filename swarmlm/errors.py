@@ -57,6 +57,12 @@ class ServerHung(ServerFailed):
         super().__init__(server_id, f"hung: no reply within {timeout_s:.1f} s")
 
 
+class ServerTampered(ServerFailed):
+    """A message of a keyed session failed its MAC check (wire/session_keys.py), at the client or at the server: it
+    was changed on the way (the server's relay?) or the server is bad. Banned for the longest ban, and not let back
+    by a passing connect check (the check does not go through what changed the message)."""
+
+
 class SwarmAccessDenied(SwarmError):
     """This peer lacks what the swarm requires (a private swarm's key): nothing will work until it has it."""
 

@@ -23,7 +23,7 @@ from swarmlm.server.push import TargetCheck
 from swarmlm.server.sessions import SessionTable
 from swarmlm.server.stage import SpanState, Stage
 from swarmlm.types import BlockRange, Span
-from swarmlm.wire import codec
+from swarmlm.wire import codec, session_keys
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.channel import sync_channel
@@ -90,6 +90,86 @@ def _info(address: str) -> pb.InfoReply:
 
 def _poll(condition) -> bool:
     return poll_until(condition, DEADLINE_S)
+
+
+# ---- keyed sessions (wire/session_keys.py, issue 39 hole 1): what a relay or proxy on the way changes is refused ----
+def _keyed_open_request(address: str, blocks: int) -> tuple[pb.InferenceRequest, session_keys.SessionKeys]:
+    """An open keyed with the server's key share (from its Info), MACed."""
+    from swarmlm.bench.raw_stream import open_request
+
+    share, keys = session_keys.client_keys(_info(address).key_share)
+    request = open_request(0, blocks, 1, 64)
+    request.open.key_share = share
+    return session_keys.sign(keys.client, "", request), keys
+
+
+def _keyed_open(address: str, blocks: int) -> tuple[RawStream, pb.InferenceReply, session_keys.SessionKeys]:
+    request, keys = _keyed_open_request(address, blocks)
+    stream = RawStream(address)
+    return stream, stream.send(request), keys
+
+
+def _flipped(data: bytes) -> bytes:
+    return bytes([data[0] ^ 0x80]) + data[1:]
+
+
+def _refused(send) -> grpc.StatusCode | None:
+    try:
+        send()
+    except grpc.RpcError as exc:
+        return exc.code()
+    return None
+
+
+def test_a_keyed_session_refuses_changed_and_replayed_messages_and_unmaced_pushes(attack_server, honest):
+    address, hidden, blocks = attack_server
+    a, opened, keys = _keyed_open(address, blocks)
+    sid = opened.session_id
+    assert session_keys.verified(keys.server, sid, opened)  # (the open reply carries the server's MAC)
+    x = torch.randn(1, 1, hidden)
+    out = a.send(session_keys.sign(keys.client, sid, _step(x, step_id=1)))
+    assert not out.HasField("error") and session_keys.verified(keys.server, sid, out)
+    out.hidden.data = _flipped(out.hidden.data)  # (a reply changed on the way fails the client's check)
+    assert not session_keys.verified(keys.server, sid, out)
+    changed = session_keys.sign(keys.client, sid, _step(x, step_id=2))
+    changed.step.hidden.data = _flipped(changed.step.hidden.data)
+    assert _refused(lambda: a.send(changed)) == grpc.StatusCode.PERMISSION_DENIED
+    b, opened_b, keys_b = _keyed_open(address, blocks)  # a's first step replayed into b: refused
+    assert _refused(lambda: b.send(session_keys.sign(keys.client, sid, _step(x, step_id=1)))) == \
+        grpc.StatusCode.PERMISSION_DENIED
+    request, _ = _keyed_open_request(address, blocks)
+    request.open.max_length += 1  # (an open changed after its MAC)
+    assert _refused(lambda: RawStream(address).send(request)) == grpc.StatusCode.PERMISSION_DENIED
+    c, opened_c, keys_c = _keyed_open(address, blocks)
+    push = pb.PushRequest(session_id=opened_c.session_id, secret=opened_c.session_secret,
+                          step=pb.InferenceStep(hidden=codec.encode(x), step_id=1))
+    with sync_channel(address) as channel:
+        stub = pb_grpc.SwarmStub(channel)
+        assert _refused(lambda: stub.Push(push, timeout=30)) == grpc.StatusCode.PERMISSION_DENIED  # no MAC
+        stub.Push(session_keys.sign(keys_c.push, opened_c.session_id, push), timeout=30)
+    pushed = c.read()
+    assert not pushed.HasField("error") and session_keys.verified(keys_c.server, opened_c.session_id, pushed)
+    c.end()
+    assert honest.poll_correct()
+
+
+def test_the_framed_port_refuses_a_keyed_sessions_changed_messages(attack_server, honest):
+    from swarmlm.bench import frame_attacks as fa
+    from swarmlm.wire import frames
+
+    address, hidden, blocks = attack_server
+    host, port = address.rsplit(":", 1)[0], fa.frame_port(address)
+    request, _ = _keyed_open_request(address, blocks)
+    request.open.max_length += 1  # (changed after its MAC)
+    answers = fa.exchange(host, port, fa.HELLO + frames.frame(frames.Kind.REQUEST, request.SerializeToString()),
+                          half_close=True)
+    assert answers[-1].startswith("STATUS PERMISSION_DENIED"), answers
+    request, keys = _keyed_open_request(address, blocks)
+    step = session_keys.sign(keys.client, "another-session", _step(torch.randn(1, 1, hidden), step_id=1))
+    answers = fa.exchange(host, port, fa.HELLO + frames.frame(frames.Kind.REQUEST, request.SerializeToString())
+                          + frames.frame(frames.Kind.REQUEST, step.SerializeToString()), half_close=True)
+    assert answers[0] == "REPLY" and answers[-1].startswith("STATUS PERMISSION_DENIED"), answers
+    assert honest.poll_correct()
 
 
 # ---- the relay (servers behind NAT, swarm/relay.py): floods, garbage, lies; heavy in benchmarks/attacks.py ----
@@ -717,3 +797,36 @@ def test_a_strangers_record_never_moves_a_servers_push_tunnel_to_its_relay(tiny_
     assert seen["tunnel_through_own_relay"] == [True, True], seen
     assert seen["answers"] == 1 and seen["exact"] == 1, seen
     assert seen["push_refused"] == 0 and seen["pushed"] == seen["steps"] > 0, seen
+
+
+@pytest.mark.slow
+def test_five_strangers_claiming_a_push_targets_address_cannot_keep_its_server_from_pushes(tiny_llama, tmp_path):
+    """(Issue 39, hole 1.) More stranger claims than a read checks (4): the claims are checked at once and chosen
+    fairly (never tried first), so the relayed server owns its address within two reads, whatever the order."""
+    from swarmlm.bench.swarm_attacks import push_relay_hijack
+    from swarmlm.swarm.local import LocalSwarm
+
+    with LocalSwarm(tiny_llama, log_dir=tmp_path / "logs") as swarm:
+        swarm.start_dht()
+        # (1.5 s apart: the pushing server reads the DHT at most once a second, so each generation has a read)
+        seen = push_relay_hijack(swarm, generations=2, new_tokens=4, strangers=5, pause_s=1.5)
+    assert seen["owner_is_server"] == [True, True], seen  # (the honest record first, and last)
+    assert seen["tunnel_through_own_relay"] == [True, True], seen
+    assert seen["answers"] == 2 and seen["exact"] == 2, seen
+    assert seen["push_refused_per_generation"][-1] == 0 and seen["pushed"] > 0, seen
+
+
+@pytest.mark.slow
+def test_a_relay_that_flips_hidden_states_is_refused_and_failed_over(tiny_llama, tmp_path):
+    """(Issue 39, hole 1: the session is keyed end to end.) The relayed server's own relay negates every hidden state
+    it passes (steps, pushes and replies): the ends refuse them by their MACs, and the client's answer is
+    transformers' (through the spare), not the flipped one's."""
+    from swarmlm.bench.swarm_attacks import tampering_relay
+    from swarmlm.swarm.local import LocalSwarm
+
+    with LocalSwarm(tiny_llama, log_dir=tmp_path / "logs") as swarm:
+        swarm.start_dht()
+        seen = tampering_relay(swarm, new_tokens=6, push="on")
+    assert seen["flipped"] >= 1, seen  # (the relay did change messages)
+    assert seen["answers"] == 1 and seen["exact"] == 1, seen
+    assert seen["failovers"] >= 1, seen

@@ -31,7 +31,18 @@ def _target(rng: random.Random, address: str) -> pb.PushTarget:
                                              "p2p/12D3KooWEat3ikUs8zTc2MPTy4pS4Q7UzYS5Micm32susyPnHjJX", "p2p/../x",
                                              "p2p/" + "Q" * 61]),
                          session_id=rng.choice(["", "ab", "f" * 32, "../x", "z" * 100]),
-                         step_id=rng.choice([0, 1, 2, 1 << 63]), secret=rng.randbytes(rng.choice([0, 16, 17])))
+                         step_id=rng.choice([0, 1, 2, 1 << 63]), secret=rng.randbytes(rng.choice([0, 16, 17])),
+                         push_key=rng.randbytes(rng.choice([0, 0, 32, 60, 61])))  # (sealed: 60 bytes)
+
+
+def _mac(rng: random.Random) -> bytes:
+    """A keyed session's MAC field (wire/session_keys.py): mostly absent, else random (16 bytes, or not)."""
+    return rng.randbytes(rng.choice([0, 0, 16, 16, 15, 300]))
+
+
+def _key_share(rng: random.Random) -> bytes:
+    """An open's X25519 key share: absent (unkeyed), random, all zeros (a low-order point), or a wrong size."""
+    return rng.choice([b"", b"", rng.randbytes(32), bytes(32), rng.randbytes(31), rng.randbytes(64)])
 
 
 def _lora(rng: random.Random, hidden: int) -> list[pb.LoraWeights]:
@@ -74,11 +85,12 @@ def _inference_request(rng: random.Random, hidden: int, blocks: int, address: st
             batch_size=rng.choice([0, 1, 2, 64, 1 << 31]), max_length=rng.choice([0, 1, 64, 2048, 1 << 31]),
             adapter=rng.choice(["", "", "my-adapter", "x" * 300, "../etc"]),
             prefix_scope=rng.randbytes(rng.choice([0, 0, 15, 16, 64, 65])), prefix_keys=_keys(rng),
-            prompts=_prompts(rng, hidden), lora=_lora(rng, hidden)))  # a deep prompt, a LoRA: random
+            prompts=_prompts(rng, hidden), lora=_lora(rng, hidden),  # a deep prompt, a LoRA: random
+            key_share=_key_share(rng)), mac=_mac(rng))
     if rng.random() < 0.1:
-        return pb.InferenceRequest(save=pb.PrefixSave(keys=_keys(rng)))
+        return pb.InferenceRequest(save=pb.PrefixSave(keys=_keys(rng)), mac=_mac(rng))
     return pb.InferenceRequest(session_id=rng.choice(["", "f" * 32, "x" * 500]), secret=rng.randbytes(16),
-                               step=_step(rng, hidden, address))
+                               step=_step(rng, hidden, address), mac=_mac(rng))
 
 
 def _live_session(rng: random.Random, hidden: int, blocks: int) -> list[pb.InferenceRequest]:
@@ -139,7 +151,7 @@ def _call(channel: grpc.Channel, rng: random.Random, rpc: str, hidden: int, bloc
             reply_type = pb.BackwardReply
         elif rpc == "Push":
             msg = pb.PushRequest(session_id=rng.choice(["", "f" * 32]), secret=rng.randbytes(16),
-                                 step=_step(rng, hidden, address))
+                                 step=_step(rng, hidden, address), mac=_mac(rng))
             reply_type = pb.PushReply
         else:
             msg = pb.InfoRequest()

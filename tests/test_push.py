@@ -55,6 +55,7 @@ def test_step_order_bounds_what_it_holds():
     (pb.PushTarget(address="h:99999", session_id="ab", step_id=1), "host:port"),
     (pb.PushTarget(address="h:1", session_id="../x", step_id=1), "session id"),
     (pb.PushTarget(address="h:1", session_id="ab", step_id=0), "nonzero"),
+    (pb.PushTarget(address="h:1", session_id="ab", step_id=1, secret=b"s" * 16, push_key=b"k" * 32), "sealed push key"),
 ])
 def test_bad_push_targets_are_refused(target, message):
     with pytest.raises(InvalidRequest, match=message):

@@ -338,27 +338,37 @@ def _server_state(server: ServerProcess, slot: int, faulted: bool) -> dict:
     state = {"slot": slot, "blocks": f"{_range(server).start}:{_range(server).end}", "alive": server.alive,
              "sessions": None, "prefix_entries": None, "relay": None}
     if server.alive and server.address and not faulted:  # (not a server still starting, or one faulted now)
-        channel = sync_channel(_local_address(server))
-        try:
-            # (with a nonce: its signed address names the relay it listens through now, behind NAT)
-            info = pb_grpc.SwarmStub(channel).Info(pb.InfoRequest(nonce=os.urandom(16)), timeout=5)
-            state.update(sessions=info.active_sessions, prefix_entries=info.prefix_cache.entries,
-                         relay=info.signed_address.partition(" via ")[2] or None)
-        except Exception as exc:
-            state["error"] = type(exc).__name__
-        finally:
-            channel.close()
+        for address in _local_addresses(server):
+            channel = sync_channel(address)
+            try:
+                # (with a nonce: its signed address names the relay it listens through now, behind NAT)
+                info = pb_grpc.SwarmStub(channel).Info(pb.InfoRequest(nonce=os.urandom(16)), timeout=5)
+                if info.server_id != server.server_id:  # (a push tunnel's port: another server answers)
+                    state["error"] = "another server"
+                    continue
+                state.update(sessions=info.active_sessions, prefix_entries=info.prefix_cache.entries,
+                             relay=info.signed_address.partition(" via ")[2] or None)
+                state.pop("error", None)
+                break
+            except Exception as exc:
+                state["error"] = type(exc).__name__
+            finally:
+                channel.close()
     return state
 
 
-def _local_address(server: ServerProcess) -> str:
-    """Where the harness reaches a server: its address, or behind NAT its gRPC port on loopback (its main process
-    listens on that port alone; its P2P daemons are its children)."""
+def _local_addresses(server: ServerProcess) -> list[str]:
+    """Where the harness may reach a server: its address, or behind NAT the ports its main process listens on, on
+    loopback (gRPC's, and the local ports of its push tunnels to relayed servers: each is asked until the server
+    itself answers; its P2P daemons are its children)."""
     if not server.address.startswith("p2p/"):
-        return server.address
-    ports = [c.laddr.port for c in psutil.Process(server.proc.pid).net_connections("tcp")
-             if c.status == psutil.CONN_LISTEN]
-    return f"127.0.0.1:{ports[0]}" if len(ports) == 1 else server.address
+        return [server.address]
+    try:
+        ports = sorted(c.laddr.port for c in psutil.Process(server.proc.pid).net_connections("tcp")
+                       if c.status == psutil.CONN_LISTEN)
+    except psutil.Error:
+        return []
+    return [f"127.0.0.1:{port}" for port in ports]
 
 
 def _range(server: ServerProcess) -> BlockRange:

@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 import torch
+from hivemind.dht.crypto import RSASignatureValidator
 
 from swarmlm.types import BlockRange
 
@@ -155,14 +156,19 @@ def lossy_wire_under_load(swarm, rounds: int = 4, loaders: int = 2, load_tokens:
     return result
 
 
-def push_relay_hijack(swarm, generations: int = 2, new_tokens: int = 6) -> dict:
+def push_relay_hijack(swarm, generations: int = 2, new_tokens: int = 6, strangers: int = 1,
+                      pause_s: float = 0.0) -> dict:
     """(Hole 1, between servers.) On `swarm` (a LocalSwarm with a DHT, no server yet): server A, direct, on the first
-    half of the blocks; server B, behind NAT (its relay: the DHT node), on the second half. A stranger with a fresh
-    key of its own publishes B's record under its own id, naming a dead relay, every second. Then:
-    - in process, a pushing server's network (server/network.py) reads the two records in both orders: after its
-      relay check, B's address must be owned by B and tunnelled through B's relay, whichever record came last;
+    half of the blocks; server B, behind NAT (its relay: the DHT node), on the second half. `strangers` strangers,
+    each with a fresh key of its own, publish B's record under their own ids, naming a dead relay, every second.
+    Then:
+    - in process, a pushing server's network (server/network.py) reads the records with B's first and with B's
+      last, and checks the claims once per read until B owns its address (at most `rounds` reads): B's address
+      must be owned by B and tunnelled through B's relay, whichever record came last;
     - `generations` clients generate greedily with push on (A pushes to B): every answer must be transformers',
-      and A's pushes must go through (no step refused to push)."""
+      and A's pushes must go through (`push_refused` per generation: only the first may lose pushes, while A's
+      reads reach B's claim; `pause_s` between generations, past A's one DHT read a second, so that each generation
+      comes after a read of its own)."""
     import asyncio
     import dataclasses
 
@@ -170,7 +176,7 @@ def push_relay_hijack(swarm, generations: int = 2, new_tokens: int = 6) -> dict:
 
     from swarmlm.bench.relay_attacks import _record_with_relay
     from swarmlm.config import ServerConfig
-    from swarmlm.server.network import ServerNetwork
+    from swarmlm.server.network import MAX_CLAIMS, ServerNetwork
     from swarmlm.swarm.dht import announce, default_dht_prefix, fetch_records, owner_subkey
     from swarmlm.swarm.dht_thread import ThreadDHT
     from swarmlm.swarm.identity import Identity
@@ -179,18 +185,18 @@ def push_relay_hijack(swarm, generations: int = 2, new_tokens: int = 6) -> dict:
     a = swarm.start_server(BlockRange(0, n // 2), wait=False)
     b = swarm.start_server(BlockRange(n // 2, n), extra=["--reachability", "relayed"], wait=False)
     swarm.wait_ready([a, b])
-    prefix, key = default_dht_prefix(swarm.model_dir), Identity.generate()
-    attacker = ThreadDHT(swarm.initial_peers, client_mode=False, validator=key.validator)
-    stop = threading.Event()
-    result = {"attack": "a stranger's record naming a relayed push target with a dead relay (hole 1, pushes)",
-              "owner_is_server": [], "tunnel_through_own_relay": [], "answers": 0, "exact": 0, "steps": 0,
-              "pushed": 0, "push_refused": 0}
+    prefix, keys = default_dht_prefix(swarm.model_dir), [Identity.generate() for _ in range(strangers)]
+    attacker = ThreadDHT(swarm.initial_peers, client_mode=False, validator=_ManyKeys([k.validator for k in keys]))
+    stop, rounds = threading.Event(), -(-(strangers + 1) // MAX_CLAIMS)
+    result = {"attack": f"{strangers} strangers' records naming a relayed push target with a dead relay (hole 1, "
+                        "pushes)", "owner_is_server": [], "tunnel_through_own_relay": [], "answers": 0, "exact": 0,
+              "steps": 0, "pushed": 0, "push_refused": 0, "push_refused_per_generation": []}
     try:
         honest = _record_with_relay(attacker, prefix, b.server_id, stop, block=n // 2)
-        lie = dataclasses.replace(honest, server_id=key.server_id,
-                                  relay=f"/ip4/127.0.0.1/tcp/9/p2p/{honest.relay.split('/')[-1]}")  # dead port
+        dead = f"/ip4/127.0.0.1/tcp/9/p2p/{honest.relay.split('/')[-1]}"  # (a closed port)
+        lies = [dataclasses.replace(honest, server_id=k.server_id, relay=dead) for k in keys]
 
-        def publish() -> None:
+        def publish(key, lie) -> None:
             while not stop.is_set():
                 try:
                     announce(attacker, prefix, lie, 8.0, subkey=owner_subkey(key.server_id, key.validator))
@@ -198,36 +204,56 @@ def push_relay_hijack(swarm, generations: int = 2, new_tokens: int = 6) -> dict:
                     return
                 stop.wait(1.0)
 
-        threading.Thread(target=publish, daemon=True).start()
-        for _ in range(150):  # (its record readable: then the readers come)
-            if key.server_id in fetch_records(attacker, prefix, [n // 2]) or stop.wait(0.2):
+        for key, lie in zip(keys, lies):
+            threading.Thread(target=publish, args=(key, lie), daemon=True).start()
+        for _ in range(150):  # (their records readable: then the readers come)
+            if all(k.server_id in fetch_records(attacker, prefix, [n // 2]) for k in keys) or stop.wait(0.2):
                 break
         else:
-            raise RuntimeError("the stranger's record was not stored")
-        for order in ((honest, lie), (lie, honest)):  # whichever record a read lists last
+            raise RuntimeError("the strangers' records were not stored")
+        for order in ((honest, *lies), (*lies, honest)):  # whichever record a read lists last
             network = ServerNetwork(ServerConfig(model_dir=swarm.model_dir, blocks=None, reachability="direct",
                                                  initial_peers=tuple(swarm.initial_peers)))
             try:
-                network.learn(order)
-                asyncio.run(network.check_relay(honest.address))
+                for _ in range(rounds):
+                    network.learn(order)
+                    if asyncio.run(network.check_relay(honest.address)):
+                        break
                 network.learn(order)  # (read again: an owned address's tunnel moves only with its owner's record)
                 result["owner_is_server"].append(network.owners.get(honest.address) == b.server_id)
                 result["tunnel_through_own_relay"].append(network.tunnels.relays.get(honest.address) == honest.relay)
             finally:
                 network.close()
-        _generate_pushed(swarm, n, generations, new_tokens, result, AutoModelForCausalLM)
+        _generate_pushed(swarm, n, generations, new_tokens, result, AutoModelForCausalLM, pause_s)
     finally:
         stop.set()
         attacker.shutdown()
     return result
 
 
-def _generate_pushed(swarm, n: int, generations: int, new_tokens: int, result: dict, auto_model) -> None:
+class _ManyKeys(RSASignatureValidator):
+    """One DHT node writing records under several keys: each record is signed by the key its subkey names."""
+
+    def __init__(self, signers: list[RSASignatureValidator]) -> None:
+        super().__init__(signers[0]._private_key)
+        self.signers = signers
+
+    def sign_value(self, record) -> bytes:
+        for signer in self.signers:
+            if signer.local_public_key in record.subkey:
+                return signer.sign_value(record)
+        return record.value
+
+
+def _generate_pushed(swarm, n: int, generations: int, new_tokens: int, result: dict, auto_model,
+                     pause_s: float = 0.0) -> None:
     from swarmlm.client.model import DistributedModelForCausalLM
 
     ref = auto_model.from_pretrained(swarm.model_dir, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(3)
-    for _ in range(generations):
+    for g in range(generations):
+        if g and pause_s:
+            threading.Event().wait(pause_s)
         ids = torch.randint(4, 256, (1, 8), generator=gen)
         with torch.no_grad():
             want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
@@ -246,6 +272,7 @@ def _generate_pushed(swarm, n: int, generations: int, new_tokens: int, result: d
         result["steps"] += len(steps)
         result["pushed"] += sum(bool(s.hops) and s.hops[0].pushed for s in steps)
         result["push_refused"] += sum(s.push_refused for s in steps)
+        result["push_refused_per_generation"].append(sum(s.push_refused for s in steps))
 
 
 def stuck_loader(swarm, server_args=(), wait_for_loading_s: float = 6.0) -> dict:
@@ -290,3 +317,58 @@ def stuck_loader(swarm, server_args=(), wait_for_loading_s: float = 6.0) -> dict
         node.shutdown()
     return {"attack": "a stranger announces the missing blocks as loading, forever", "loader": stranger.server_id,
             "error": error, "loading_lines": lines}
+
+
+def tampering_relay(swarm, new_tokens: int = 8, push: str = "on") -> dict:
+    """(Hole 1, end to end: the probe's relay that splices and flips.) On `swarm` (a LocalSwarm with a DHT, no server
+    yet): server A, direct, on the first half of the blocks; server R, behind NAT, on the second half, listening
+    through a relay that negates every hidden state crossing it (bench/tamper_relay.py: the client's steps to R, A's
+    pushes to R and R's replies). Once the relay has flipped a message, a direct spare of R's blocks starts. A client
+    (push `push`) generates greedily: its tokens must be transformers' (the flips refused by whichever end got them,
+    R failed over to the spare), not the flipped ones. (The client waits up to 300 s for the spare and retries up to
+    12 times: how many times R fails before the spare is up depends on the machine's load, not on the keys.)"""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from swarmlm.bench.tamper_relay import TamperingRelay
+    from swarmlm.client.model import DistributedModelForCausalLM
+
+    n = int(AutoConfig.from_pretrained(swarm.model_dir).num_hidden_layers)
+    result = {"attack": f"a relay that splices and flips the sign of hidden states (hole 1, end to end; push {push})",
+              "answers": 0, "exact": 0, "flipped": 0, "failovers": 0}
+    with TamperingRelay() as relay:
+        peers = list(swarm.initial_peers)
+        a = swarm.start_server(BlockRange(0, n // 2), wait=False)
+        swarm.initial_peers = [relay.address, *peers]  # (relays first: R listens through the first that takes it)
+        try:
+            r = swarm.start_server(BlockRange(n // 2, n), extra=["--reachability", "relayed"], wait=False)
+        finally:
+            swarm.initial_peers = peers
+        swarm.wait_ready([a, r])
+        stop = threading.Event()
+
+        def spare() -> None:  # (R alone serves its blocks until the relay has shown what it does)
+            while relay.flipped == 0 and not stop.wait(0.1):
+                pass
+            if not stop.is_set():
+                swarm.start_server(BlockRange(n // 2, n), wait=False)
+
+        helper = threading.Thread(target=spare, daemon=True)
+        helper.start()
+        ids = torch.randint(4, 256, (1, 8), generator=torch.Generator().manual_seed(5))
+        ref = AutoModelForCausalLM.from_pretrained(swarm.model_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False)[0, 8:].tolist()
+        client = DistributedModelForCausalLM.from_pretrained(swarm.model_dir, initial_peers=swarm.initial_peers,
+                                                             push=push, max_retries=12, wait_for_blocks_s=300.0)
+        try:
+            with torch.no_grad():
+                got = client.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                      min_new_tokens=new_tokens, do_sample=False)[0, 8:].tolist()
+            result["failovers"] = sum(s.failovers for s in client.last_stats.steps)
+        finally:
+            client.close()
+            stop.set()
+            helper.join(60)
+        result.update(answers=1, exact=int(got == want), flipped=relay.flipped)
+    return result

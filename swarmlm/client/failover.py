@@ -10,7 +10,7 @@ import torch
 
 from swarmlm.client.pipeline import Chunk, Hop, OpenSpan
 from swarmlm.client.remote import report_failure
-from swarmlm.errors import ServerFailed
+from swarmlm.errors import ServerFailed, ServerTampered
 from swarmlm.types import Route, Span
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ async def replace_hop(session, hop: Hop, exc: ServerFailed | None, record) -> li
             record.failovers += 1
             if record.failovers > session.remote.config.max_retries:
                 raise exc
-            session.remote.view.ban(exc.server_id)
+            session.remote.view.ban(exc.server_id, tampered=isinstance(exc, ServerTampered))
             report_failure(session.remote.reported, exc.server_id, f"failover: {exc}; re-routing blocks "
                            f"[{broken.span.start}, {broken.span.end})", exc)
         # route the broken part again from a fresh view of the swarm (blocking DHT reads go to a thread)

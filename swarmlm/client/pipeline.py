@@ -29,6 +29,7 @@ from swarmlm.config import ClientConfig
 from swarmlm.errors import PushRefused, ServerFailed
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.types import CacheOp, Span
+from swarmlm.wire import session_keys
 from swarmlm.wire import swarm_pb2 as pb
 
 Chunk = tuple[torch.Tensor, torch.Tensor]  # hidden [B, T, H], padding mask [B, T]
@@ -305,6 +306,7 @@ class StepPipeline:
         from the previous server (they take their stream's next step id now, so their replies can be read as soon
         as they come); the server of hop i is told to push on to them."""
         targets: list[pb.PushTarget] = []
+        pusher = self.hops[i].stream  # the server that pushes to the next target (its push key is sealed for it)
         for hop in self.hops[i + 1:] if self.push else ():
             if hop.claimed != k:  # a chunk of it is still to be sent by us: the push chain stops here
                 break
@@ -312,8 +314,12 @@ class StepPipeline:
                 break
             hop.stream.expect(self.chunks[k][0].shape[1])
             hop.written = k + 1
-            targets.append(pb.PushTarget(address=hop.span.address, session_id=hop.stream.session_id,
-                                         step_id=hop.base_id + k, secret=hop.stream.session_secret))
+            target = hop.stream
+            targets.append(pb.PushTarget(address=hop.span.address, session_id=target.session_id,
+                                         step_id=hop.base_id + k, secret=target.session_secret,
+                                         push_key=session_keys.seal_push_key(pusher.keys.seal, target.session_id,
+                                                                             target.keys.push)))
+            pusher = target
         return targets
 
     async def _send(self, i: int) -> None:

@@ -179,7 +179,9 @@ class RemoteSequence:
                     if len(self.p2p_owners) > 4096:
                         self.p2p_owners.clear()
                     self.p2p_owners[r.address] = r.server_id
-                self.view.bans.pop(r.server_id, None)  # it answers again (a restarted server): route to it at once
+                if not getattr(self.view.bans.get(r.server_id), "tampered", False):  # (a check does not pass
+                    self.view.bans.pop(r.server_id, None)  # what changed its messages) it answers again (a
+                    # restarted server): route to it at once
                 self.reported.discard(r.server_id)
             except Exception as exc:
                 if _is_unauthenticated(exc):

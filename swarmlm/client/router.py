@@ -39,6 +39,7 @@ UNKNOWN_SLOTS = 1 << 30  # a server that does not announce its cache size: never
 class Ban:
     until_s: float
     failures: int
+    tampered: bool = False  # its session's messages failed their MAC check: a connect check does not lift it
 
 
 @dataclass
@@ -79,12 +80,14 @@ class SwarmView:
             return ""
         return f"{self.config.active_adapter.partition('@')[0]}@{self.adapter_version}"
 
-    def ban(self, server_id: str) -> float:
-        """Avoid a failed server, longer each time it fails again (bounded exponential backoff)."""
+    def ban(self, server_id: str, tampered: bool = False) -> float:
+        """Avoid a failed server, longer each time it fails again (bounded exponential backoff); one whose messages
+        were changed on the way (`tampered`), for the longest ban at once."""
         prev = self.bans.get(server_id)
         failures = prev.failures + 1 if prev else 1
-        duration = min(self.config.ban_base_s * 2 ** (failures - 1), self.config.ban_max_s)
-        self.bans[server_id] = Ban(time.monotonic() + duration, failures)
+        duration = self.config.ban_max_s if tampered else min(self.config.ban_base_s * 2 ** (failures - 1),
+                                                               self.config.ban_max_s)
+        self.bans[server_id] = Ban(time.monotonic() + duration, failures, tampered)
         return duration
 
     def banned(self) -> frozenset[str]:

@@ -25,7 +25,7 @@ from swarmlm.client.pipeline import AttemptOutcome, Chunk, Hop, OpenSpan, StepPi
 from swarmlm.client.remote import RemoteSequence, report_failure
 from swarmlm.client.router import profile_of
 from swarmlm.client.streams import HopTiming, SpanStream
-from swarmlm.errors import InvalidRequest, ServerFailed, ServerHung
+from swarmlm.errors import InvalidRequest, ServerFailed, ServerHung, ServerTampered
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.swarm.records import ServerRecord
 from swarmlm.types import CacheOp, Span
@@ -118,7 +118,7 @@ class InferenceSession:
                     raise
                 report_failure(self.remote.reported, exc.server_id,
                                f"could not open a session: {exc}; routing around it", exc)
-                self.remote.view.ban(exc.server_id)
+                self.remote.view.ban(exc.server_id, tampered=isinstance(exc, ServerTampered))
         self.open_s = time.perf_counter() - t0
         return self
 

@@ -16,9 +16,9 @@ import torch
 from swarmlm.client.chunking import BandwidthEstimate
 from swarmlm.client.frame_call import FrameCall
 from swarmlm.config import ClientConfig
-from swarmlm.errors import InvalidRequest, PushRefused, ServerFailed, ServerHung
+from swarmlm.errors import InvalidRequest, PushRefused, ServerFailed, ServerHung, ServerTampered
 from swarmlm.types import CacheOp, Span, StepKind
-from swarmlm.wire import cache_op, codec, compress, frames
+from swarmlm.wire import cache_op, codec, compress, frames, session_keys
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.channel import aio_channel, is_p2p_address
@@ -66,6 +66,8 @@ class Channels:
         self.connect_timeout_s = config.connect_timeout_s
         # per address: the framed step port its Info announced (wire/frames.py); 0 or absent: gRPC's Inference
         self.frame_ports: dict[str, int] = {}
+        # per server id: the session key share its signed Info gave (wire/session_keys.py); sessions are keyed with it
+        self.key_shares: dict[str, bytes] = {}
         self.frames = config.frames
         self._stubs: dict[str, pb_grpc.SwarmStub] = {}
         self.links = Links(TransmissionPolicy.for_client(config))
@@ -91,10 +93,14 @@ class Channels:
         return compress.choose("auto-lossy", self.bandwidth(address).bandwidth_bps, address, float32_bytes)
 
     def note_info(self, address: str, reply: pb.InfoReply) -> None:
-        """Remember the framed port a server's Info announces (relayed servers: gRPC through the relay only); only
-        from a reply that passed the connect check (the port is among the fields it signs)."""
+        """Remember the framed port a server's Info announces (relayed servers: gRPC through the relay only) and its
+        session key share; only from a reply that passed the connect check (both are among the fields it signs)."""
         if self.frames and not is_p2p_address(address) and 0 < reply.frame_port < 65536:
             self.frame_ports[address] = reply.frame_port
+        if len(reply.key_share) == session_keys.KEY_SHARE_BYTES:
+            if len(self.key_shares) >= 4096:  # bounded: forget (and check again) rather than grow
+                self.key_shares.clear()
+            self.key_shares[reply.server_id] = reply.key_share
 
     async def open_stream(self, address: str):
         """An Inference stream to `address`: on its framed port when it has one that answers, else a gRPC call
@@ -140,6 +146,8 @@ class HopTiming:
 
 
 def _failed(span: Span, exc: BaseException) -> ServerFailed:
+    if isinstance(exc, grpc.aio.AioRpcError) and session_keys.TAMPERED in (exc.details() or ""):
+        return ServerTampered(span.server_id, f"{exc.code().name}: {exc.details()}")  # (our message was changed)
     if isinstance(exc, grpc.aio.AioRpcError):
         return ServerFailed(span.server_id, f"{exc.code().name}: {exc.details()}")
     return ServerFailed(span.server_id, f"{type(exc).__name__}: {exc}")
@@ -171,7 +179,11 @@ class SpanStream:
     """A session on one server: an open bidirectional stream; steps go in order.
 
     `send` and `receive` are separate so a prefill's chunks can be pipelined: chunk k+1 is written while chunk k is
-    computed, and replies are read in order by another task. Every write waits for its turn on the link."""
+    computed, and replies are read in order by another task. Every write waits for its turn on the link.
+
+    The session is keyed end to end with the server's signed key share (wire/session_keys.py): every message
+    carries our MAC, and a reply whose MAC does not match is the server's failure (whoever changed it on the way:
+    the failover routes around that server and its relay)."""
 
     def __init__(self, channels: Channels, span: Span, timeout_s: float) -> None:
         self.channels = channels
@@ -180,6 +192,7 @@ class SpanStream:
         self.call = None
         self.session_id = ""
         self.session_secret = b""
+        self.keys: session_keys.SessionKeys | None = None  # set by open()
         self.position = 0
         self._step_id = 0
         self._pending: deque[_Sent] = deque()  # written (or being written), reply not read yet; in order
@@ -211,13 +224,18 @@ class SpanStream:
         """Open the session; with prefix keys, it may start from a cached prefix: returns the tokens it holds.
         prompts: the span's deep prompt [span blocks, K, H]; lora: a client's own LoRA on the span's blocks
         (docs/PROTOCOL.md)."""
+        share = self.channels.key_shares.get(self.span.server_id, b"")
+        try:
+            key_share, self.keys = session_keys.client_keys(share)
+        except ValueError as exc:  # (its Info was never checked here, or gave no key)
+            raise ServerFailed(self.span.server_id, f"no session key from its signed Info ({exc})") from None
+        request = pb.InferenceRequest(open=pb.OpenSession(
+            start_block=self.span.start, end_block=self.span.end, batch_size=batch, max_length=max_length,
+            adapter=self.channels.adapter, prompts=codec.encode(prompts) if prompts is not None else None,
+            lora=list(lora), prefix_scope=prefix_scope, prefix_keys=list(prefix_keys), key_share=key_share))
         try:
             self.call = await self.channels.open_stream(self.span.address)
-            await self.call.write(pb.InferenceRequest(open=pb.OpenSession(
-                start_block=self.span.start, end_block=self.span.end, batch_size=batch, max_length=max_length,
-                adapter=self.channels.adapter, prompts=codec.encode(prompts) if prompts is not None else None,
-                lora=list(lora),
-                prefix_scope=prefix_scope, prefix_keys=list(prefix_keys))))
+            await self.call.write(session_keys.sign(self.keys.client, "", request))
             async with asyncio.timeout(self.timeout_s):
                 reply = await self.call.read()
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, OSError) as exc:
@@ -225,6 +243,9 @@ class SpanStream:
             raise _failed(self.span, exc) from exc
         if reply is grpc.aio.EOF:
             raise ServerFailed(self.span.server_id, "stream closed while opening a session")
+        if not session_keys.verified(self.keys.server, reply.session_id, reply):
+            await self.close()
+            raise ServerTampered(self.span.server_id, session_keys.REPLY_TAMPERED)
         self.session_id = reply.session_id
         self.session_secret = reply.session_secret  # push needs it: handed to the servers of this route only
         held = reply.prefix_tokens
@@ -240,7 +261,8 @@ class SpanStream:
         if self.call is None:  # closed already: nothing to keep
             return
         try:
-            await self.call.write(pb.InferenceRequest(save=pb.PrefixSave(keys=list(keys))))
+            await self.call.write(session_keys.sign(self.keys.client, self.session_id,
+                                                    pb.InferenceRequest(save=pb.PrefixSave(keys=list(keys)))))
         except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
             raise _failed(self.span, exc) from exc
 
@@ -254,6 +276,7 @@ class SpanStream:
             step_id=self._step_id, push=push, cache_op=cache_op.to_wire(op),
             # (no padding: no mask on the wire, the server reads an absent mask as all ones)
             attention_mask=codec.encode(mask) if mask is not None and not bool(mask.all()) else pb.Tensor()))
+        session_keys.sign(self.keys.client, self.session_id, request)
         sent = _Sent(StepKind.of(hidden.shape[1]), n_tokens=hidden.shape[1],
                      request_bytes=len(request.step.hidden.data), encode_s=time.perf_counter() - t0, clean=False,
                      on_link=False, step_id=self._step_id)
@@ -331,6 +354,8 @@ class SpanStream:
             self.link.answered(sent.kind)
         if reply is grpc.aio.EOF:
             raise ServerFailed(self.span.server_id, "stream closed by the server")
+        if not session_keys.verified(self.keys.server, self.session_id, reply):
+            raise ServerTampered(self.span.server_id, session_keys.REPLY_TAMPERED)
         if reply.HasField("error"):
             refusal = PushRefused if reply.error.code == "PUSH_REFUSED" else InvalidRequest
             raise refusal(f"{self.span.server_id}: {reply.error.message}")

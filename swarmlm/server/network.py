@@ -7,12 +7,17 @@ reaches relayed servers it pushes to. The dial-back reaches a plain socket on th
 Pushes to a relayed server go through the relay of that server's own record, never one a stranger's record names
 (issue 39, hole 1, as the client's `RemoteSequence._through_relays`): a `p2p/<peer id>` address's records are claims
 until one claimant passes the connect check through the relay it names (its id, its key, and that relay signed in
-its Info: swarm/identity.py); that server then owns the address, and only its records move the tunnel."""
+its Info: swarm/identity.py); that server then owns the address, and only its records move the tunnel. Claims are
+checked at once, each through its own one-off port (a dead relay costs one timeout, not one per claim), and a read's
+claims are chosen fairly: the claimants not tried yet first, then the longest ago, random among equals, so strangers
+who claim the address (any number of them) cannot keep the real server from being tried."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import socket
+import time
 
 import grpc
 
@@ -26,7 +31,7 @@ from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.channel import P2P_PREFIX, aio_channel, is_p2p_address
 
 log = logging.getLogger(__name__)
-MAX_CLAIMS = 4  # servers claiming one p2p address in one read whose relays are tried (the first passing owns it)
+MAX_CLAIMS = 4  # claims of one p2p address checked at once per read (the one passing owns the address)
 MAX_ADDRESSES = 4096  # p2p addresses remembered (owners and claims): beyond, forgotten rather than grown
 
 
@@ -39,7 +44,8 @@ class ServerNetwork:
         self.listener: RelayListener | None = None
         self.owners: dict[str, str] = {}  # p2p address -> the server id that passed the connect check through its relay
         self.claims: dict[str, dict[str, str]] = {}  # p2p address without owner -> {server id: relay} (latest read)
-        self._checking: asyncio.Lock | None = None  # one connect check at a time: the tunnel holds one relay
+        self.tried: dict[tuple[str, str], float] = {}  # (p2p address, claimant) -> when its claim last failed
+        self._checks: dict[str, asyncio.Task] = {}  # p2p address -> its claims being checked (one check at a time)
         self.port = config.port  # (0: gRPC picks one, unless the check below picked it)
         self._port_held: socket.socket | None = None  # the checked port, bound until gRPC takes it (grpc_port)
         try:
@@ -104,46 +110,62 @@ class ServerNetwork:
             owner = self.owners.get(r.address)
             if owner == r.server_id:
                 self.tunnels.add(r.address, r.relay)
-            elif owner is None and len(claims := fresh.setdefault(r.address, {})) < MAX_CLAIMS:
+            elif owner is None and len(claims := fresh.setdefault(r.address, {})) < MAX_ADDRESSES:
                 claims[r.server_id] = r.relay
         if len(self.claims) + len(fresh) > MAX_ADDRESSES:
             self.claims.clear()
-        self.claims.update(fresh)
+        self.claims.update({address: self._fair(address, claims) for address, claims in fresh.items()})
+
+    def _fair(self, address: str, claims: dict[str, str]) -> dict[str, str]:
+        """The `MAX_CLAIMS` of `claims` to check next: never tried first, then the longest ago, random among equals."""
+        order = sorted(claims, key=lambda sid: (self.tried.get((address, sid), 0.0), random.random()))
+        return {sid: claims[sid] for sid in order[:MAX_CLAIMS]}
 
     def may_serve(self, record) -> bool:
         """Can `record`'s server be what its address reaches (not another server's relayed address)?"""
         return not record.relayed or self.owners.get(record.address, record.server_id) == record.server_id
 
     async def check_relay(self, address: str) -> bool:
-        """May pushes go to `address`? A direct one, yes; a relayed one once it has an owner: the first claimant
-        (of the latest read) that passes the connect check through the relay its record names. A claim that fails
-        leaves no tunnel behind."""
+        """May pushes go to `address`? A direct one, yes; a relayed one once it has an owner: the claimant (of the
+        latest read) that passes the connect check through the relay its record names, all claims checked at once.
+        A claim that fails moves no tunnel."""
         if not is_p2p_address(address) or address in self.owners:
             return True
-        if self._checking is None:
-            self._checking = asyncio.Lock()
-        async with self._checking:
-            if address in self.owners:
-                return True
-            for server_id, relay in self.claims.pop(address, {}).items():
+        check = self._checks.get(address)
+        if check is None:  # (callers meanwhile wait for the same check)
+            check = self._checks[address] = asyncio.ensure_future(self._check_claims(address))
+            check.add_done_callback(lambda _: self._checks.pop(address, None))
+        return await asyncio.shield(check)
+
+    async def _check_claims(self, address: str) -> bool:
+        claims = self.claims.pop(address, {})
+        whys = await asyncio.gather(*(self._connect_check(address, sid, relay) for sid, relay in claims.items()))
+        winner = None
+        for (server_id, relay), why in zip(claims.items(), whys):
+            if why is None and winner is None:
+                winner = server_id
                 self.tunnels.add(address, relay)
-                why = await self._connect_check(address, server_id, relay)
-                if why is None:
-                    if len(self.owners) >= MAX_ADDRESSES:
-                        self.owners.clear()
-                    self.owners[address] = server_id
-                    return True
+                if len(self.owners) >= MAX_ADDRESSES:
+                    self.owners.clear()
+                self.owners[address] = server_id
+            elif why is not None:
                 log.warning("not pushing to %s through relay %s (claimed by %s): %s", address, relay, server_id, why)
-            self.tunnels.remove(address)
-            return False
+                if len(self.tried) >= MAX_ADDRESSES:
+                    self.tried.clear()
+                self.tried[(address, server_id)] = time.monotonic()
+        return winner is not None
 
     async def _connect_check(self, address: str, server_id: str, relay: str) -> str | None:
-        """Why the server at `address`, reached through `relay` (a fresh connection: the tunnel's relay now), is
-        not `server_id` listening there; None if it is. (`fresh`: a connection through `relay`, never one gRPC kept
-        from an earlier check through another relay, nor one in the backoff of a failed check: that answered
-        UNAVAILABLE at once, and the honest claim checked right after a stranger's dead relay lost its address.)"""
+        """Why the server at `address`, reached through `relay` (on a one-off port: the tunnel stays as it is), is
+        not `server_id` listening there; None if it is. (`fresh`: a connection of its own, never one gRPC kept from
+        an earlier check nor one in the backoff of a failed check, which answered UNAVAILABLE at once.)"""
         nonce = new_nonce()
-        channel = aio_channel(address, interceptors=client_interceptors(self.config.swarm_key), fresh=True)
+        try:
+            probe = await self.tunnels.probe(address, relay)
+        except OSError as exc:
+            return f"no local port to check it through ({exc})"
+        host, port = probe.sockets[0].getsockname()[:2]
+        channel = aio_channel(f"{host}:{port}", interceptors=client_interceptors(self.config.swarm_key), fresh=True)
         try:
             reply = await pb_grpc.SwarmStub(channel).Info(pb.InfoRequest(nonce=nonce),
                                                          timeout=self.config.push_timeout_s)
@@ -151,6 +173,7 @@ class ServerNetwork:
             return f"no answer ({exc.code().name})"
         finally:
             await channel.close()
+            self.tunnels.close_probe(probe)
         return verify_info(reply, nonce, server_id, signed_address(address, relay))
 
     def close(self) -> None:

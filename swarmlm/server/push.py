@@ -13,7 +13,8 @@ A step can thus reach a server twice (a pushed copy and the client's own, after 
 harmless: `StepOrder` takes each id once and in order, and a duplicate gets no reply.
 
 Trust: a push carries the target session's secret (the client hands it to the servers of its route), so a stranger
-who only knows a session id cannot push into it. A server dials only servers of its swarm (`TargetCheck`): with a
+who only knows a session id cannot push into it; into a keyed session, also a MAC under that session's push key,
+which the client seals for the pushing server alone (wire/session_keys.py): a relay on the way cannot change it. A server dials only servers of its swarm (`TargetCheck`): with a
 DHT, addresses announced for the block after the session's span; without one (direct --servers mode), addresses
 that answer Info as a server of the same model serving that block, probed at most once per `ttl_s` each and at
 most `max_probes_per_min` in all, so a client cannot use a server to scan a network. A relayed target
@@ -33,6 +34,7 @@ from swarmlm.errors import InvalidRequest
 from swarmlm.types import StepKind
 from swarmlm.server.frame_push import FramePushes
 from swarmlm.server.sessions import SECRET_BYTES
+from swarmlm.wire import session_keys
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.channel import aio_channel
@@ -64,6 +66,9 @@ def check_targets(targets) -> None:
             raise InvalidRequest("push: a pushed step needs a nonzero step id")
         if len(t.secret) != SECRET_BYTES:
             raise InvalidRequest(f"push: a target needs its session's {SECRET_BYTES}-byte secret")
+        if t.push_key and len(t.push_key) != session_keys.SEALED_KEY_BYTES:
+            raise InvalidRequest(f"push: a sealed push key is {session_keys.SEALED_KEY_BYTES} bytes, "
+                                 f"got {len(t.push_key)}")
 
 
 Directory = Callable[[int], Awaitable[set[str]]]  # addresses of servers announced for a block
@@ -187,11 +192,14 @@ class Pusher:
         return stub
 
     async def push(self, target: pb.PushTarget, hidden: pb.Tensor, mask: pb.Tensor,
-                   rest: list[pb.PushTarget], op: pb.CacheOp | None = None) -> bool:
+                   rest: list[pb.PushTarget], op: pb.CacheOp | None = None, push_key: bytes = b"") -> bool:
         """Deliver one output to `target` (which pushes it on to `rest`), with the step's cache op: every span of a
-        session holds the same tokens and rows, so the op is the same there. True when the target accepted it."""
+        session holds the same tokens and rows, so the op is the same there; MACed with the target session's
+        `push_key` when it is keyed (wire/session_keys.py). True when the target accepted it."""
         request = pb.PushRequest(session_id=target.session_id, secret=target.secret, step=pb.InferenceStep(
             hidden=hidden, attention_mask=mask, step_id=target.step_id, push=rest, cache_op=op))
+        if push_key:
+            session_keys.sign(push_key, target.session_id, request)
         kind = StepKind.of(hidden.shape[1] if len(hidden.shape) == 3 else 0)
         link = self.links.get(target.address)
         call = None

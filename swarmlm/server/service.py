@@ -38,6 +38,7 @@ from swarmlm.types import CacheOp
 from swarmlm.wire import cache_op, codec, compress
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
+from swarmlm.wire.session_keys import ServerKey
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +90,10 @@ class SwarmService(pb_grpc.SwarmServicer):
         # where pushes may go; server.py gives it the DHT's directory when there is a DHT
         self.targets = TargetCheck(None, self.pusher.info, self._serves)
         self.accepting = True  # False while draining for shutdown: new sessions go elsewhere
+        self.session_key = ServerKey()  # its share is in our signed Info: sessions keyed end to end with it
         self.streams = SessionStreams(config, self.sessions, self.load, self.pusher, self.prefixes, self._open,
-                                      self._step, lambda: self.accepting, self._refused_large)  # (session_stream.py)
+                                      self._step, lambda: self.accepting, self._refused_large,
+                                      self.session_key)  # (session_stream.py)
         self.num_model_blocks = int(stage.config.num_hidden_layers)
         self.gate = UnaryGate(self.load, config.trim_refused_bytes)  # every unary RPC's admission (server/unary.py)
         # Forward with prompts / LoRA, and Backward (server/train_service.py)
@@ -289,6 +292,7 @@ class SwarmService(pb_grpc.SwarmServicer):
 
     def info(self) -> pb.InfoReply:
         return pb.InfoReply(
+            key_share=self.session_key.share,  # (signed with the rest: clients key their sessions with it)
             server_id=self.stats.server_id, model=self.stats.model,
             start_block=self.stage.blocks.start, end_block=self.stage.blocks.end,
             num_blocks=self.num_model_blocks, hidden_size=self.stage.hidden_size,

@@ -5,6 +5,10 @@ one inbox; `StepOrder` runs each step id once, in order, and every reply goes ba
 peer with too many bytes in flight, holds the stream (or the pusher) back. What a step may be and how it is
 computed is the service's (server/service.py: `open_session`, `run_step`); this module moves steps and replies.
 The framed port (server/frame_server.py) serves the same handlers.
+
+A keyed session (wire/session_keys.py) takes no message whose MAC does not match: a bad open, resume or push is
+refused, a bad message on the stream ends the stream and the session (PERMISSION_DENIED: someone on the way changed
+it); every reply carries the server's MAC.
 """
 from __future__ import annotations
 
@@ -23,12 +27,14 @@ from swarmlm.server.prefix_cache import PrefixCache
 from swarmlm.server.push import Pusher, StepOrder
 from swarmlm.server.sessions import PeerBytes, Session, SessionTable
 from swarmlm.server.unary import Admission, message_of, status_of
+from swarmlm.wire import session_keys
 from swarmlm.wire import swarm_pb2 as pb
 
 log = logging.getLogger(__name__)
 _END = object()  # the client half-closed its stream
 _BROKEN = object()  # the client's stream broke
 _EXPIRED = object()  # the expiry loop closed the session
+_TAMPERED = object()  # a message of a keyed session whose MAC does not match
 
 OpenSession = Callable[[pb.OpenSession, str], Session]  # (the open message, its peer) -> the new session
 RunStep = Callable[[Session, pb.InferenceRequest, object], Awaitable[pb.InferenceReply]]  # (..., grpc context)
@@ -43,15 +49,29 @@ def refused_reply(session: Session, step_id: int, exc: Exception) -> pb.Inferenc
     )
 
 
+def _sealed(session: Session, reply: pb.InferenceReply) -> pb.InferenceReply:
+    """A reply with the server's MAC when the session is keyed."""
+    return reply if session.keys is None else session_keys.sign(session.keys.server, session.session_id, reply)
+
+
+def _checked(session: Session, request):
+    """A message from the session's stream, or `_TAMPERED` if the session is keyed and its MAC does not match."""
+    if session.keys is None or request is UNPARSABLE:
+        return request
+    return request if session_keys.verified(session.keys.client, session.session_id, request) else _TAMPERED
+
+
 class SessionStreams:
     """The streams of a server's sessions: the ones held now (`attached`), their inboxes, their pushes on."""
 
     def __init__(self, config: ServerConfig, sessions: SessionTable, load: PeerBytes, pusher: Pusher,
                  prefixes: PrefixCache | None, open_session: OpenSession, run_step: RunStep,
-                 accepting: Callable[[], bool], refused_open: Callable[[int], None]) -> None:
+                 accepting: Callable[[], bool], refused_open: Callable[[int], None],
+                 server_key: session_keys.ServerKey) -> None:
         self.config, self.sessions, self.load, self.pusher, self.prefixes = config, sessions, load, pusher, prefixes
         self.open_session, self.run_step, self.accepting = open_session, run_step, accepting
         self.refused_open = refused_open  # (its message's bytes): a refused open of many MB gives its memory back
+        self.server_key = server_key  # keys the sessions opened with a key share
         self.attached: set[str] = set()  # sessions held by a live stream
         self.inboxes: dict[str, asyncio.Queue] = {}  # per attached session: its steps, from the stream and pushes
         self._pushes: dict[str, asyncio.Task] = {}  # per session: its latest push (pushes of a session go in order)
@@ -81,10 +101,11 @@ class SessionStreams:
                 inbox.put_nowait(first)
             else:
                 order = StepOrder(self.config.max_steps_ahead)
-                yield pb.InferenceReply(session_id=sid, position=session.state.position,
-                                        session_secret=session.secret,  # only ever on the opener's stream
-                                        prefix_tokens=session.state.position)
-            reader = asyncio.ensure_future(self._read(request_iterator, inbox, ended, peer, charges))
+                yield _sealed(session, pb.InferenceReply(
+                    session_id=sid, position=session.state.position,
+                    session_secret=session.secret,  # only ever on the opener's stream
+                    prefix_tokens=session.state.position))
+            reader = asyncio.ensure_future(self._read(request_iterator, inbox, ended, peer, charges, session))
             while True:
                 async with asyncio.timeout(self.config.session_idle_timeout_s):  # (wait_for may drop a cancellation)
                     request = await inbox.get()
@@ -92,8 +113,13 @@ class SessionStreams:
                     clean_end = request is _END
                     return
                 if request is UNPARSABLE:
-                    yield refused_reply(session, 0, InvalidRequest("a message does not parse; it was dropped"))
+                    yield _sealed(session, refused_reply(session, 0, InvalidRequest(
+                        "a message does not parse; it was dropped")))
                     continue
+                if request is _TAMPERED:
+                    self.sessions.close(sid)
+                    await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"a message's {session_keys.TAMPERED} "
+                                        "(changed on the way): session closed")
                 if request is _EXPIRED:
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                         f"session closed: no step within {session.open_idle_s:.0f} s of its "
@@ -102,14 +128,14 @@ class SessionStreams:
                     try:
                         prefix_cache.save_prefix(self.prefixes, self.sessions, session, request.save)
                     except InvalidRequest as exc:
-                        yield refused_reply(session, 0, exc)
+                        yield _sealed(session, refused_reply(session, 0, exc))
                     continue
                 try:
                     ready = order.admit(request)
                 except InvalidRequest as exc:
                     ready, refusal = [], refused_reply(session, request.step.step_id, exc)
                     self._release(charges, request)
-                    yield refusal
+                    yield _sealed(session, refusal)
                     continue
                 if not order.holds(request) and all(step is not request for step in ready):
                     self._release(charges, request)  # the other copy of a step already taken
@@ -117,8 +143,8 @@ class SessionStreams:
                     reply = await self.run_step(session, step, context)
                     self._release(charges, step)
                     if reply.pushed:  # before the reply: the next server waits for the push, the client does not
-                        self._push_after(sid, reply, step)  # wait for a middle server's reply
-                    yield reply
+                        self._push_after(session, reply, step)  # wait for a middle server's reply
+                    yield _sealed(session, reply)
         except asyncio.TimeoutError:
             if session is not None:
                 self.sessions.close(session.session_id)
@@ -155,18 +181,18 @@ class SessionStreams:
             self.load.release(charge[1], charge[2])
 
     async def _read(self, request_iterator, inbox: asyncio.Queue, ended: asyncio.Event, peer: str,
-                    charges: dict) -> None:
+                    charges: dict, session: Session) -> None:
         """The client's messages into the inbox. A full inbox, or a peer with too many bytes in flight, holds the
         stream back (HTTP/2 flow control). A framed stream puts each message in as its frame arrives (`feed`,
         server/frame_server.py: no task between the socket and the step)."""
         try:
             feed = getattr(request_iterator, "feed", None)
             if feed is not None:
-                await feed(lambda request: self._take_now(inbox, peer, charges, request),
-                           lambda request: self._take(inbox, peer, charges, request))
+                await feed(lambda request: self._take_now(inbox, peer, charges, _checked(session, request)),
+                           lambda request: self._take(inbox, peer, charges, _checked(session, request)))
             else:
                 async for request in request_iterator:
-                    await self._take(inbox, peer, charges, request)
+                    await self._take(inbox, peer, charges, _checked(session, request))
         except Exception:  # a broken stream: the session waits for a resume, for the grace only
             await inbox.put(_BROKEN)
             return
@@ -175,7 +201,7 @@ class SessionStreams:
 
     async def _take(self, inbox: asyncio.Queue, peer: str, charges: dict, request) -> None:
         """One message of the client into its session's inbox, waiting for room (its step's bytes, then the inbox)."""
-        if request is not UNPARSABLE and request.WhichOneof("kind") == "step":
+        if request is not UNPARSABLE and request is not _TAMPERED and request.WhichOneof("kind") == "step":
             await self._charge(charges, request, peer, payload_bytes(request.step))
         await inbox.put(request)
 
@@ -183,7 +209,7 @@ class SessionStreams:
         """`_take` if there is room now; False (nothing done) if it would have to wait."""
         if inbox.full():
             return False
-        if request is not UNPARSABLE and request.WhichOneof("kind") == "step":
+        if request is not UNPARSABLE and request is not _TAMPERED and request.WhichOneof("kind") == "step":
             nbytes = payload_bytes(request.step)
             if not self.load.try_add(peer, nbytes):
                 return False
@@ -201,6 +227,8 @@ class SessionStreams:
             raise UnknownSession(f"no stream holds session {request.session_id[:80]!r} here")
         if not session.owned_by(request.secret):
             raise NotPermitted("a push must carry the session's secret")
+        if session.keys is not None and not session_keys.verified(session.keys.push, session.session_id, request):
+            raise NotPermitted("a push into a keyed session must carry its push key's MAC (missing or wrong)")
         if request.step.step_id == 0:
             raise InvalidRequest("a pushed step needs a nonzero step id")
         # counted while it waits for room; once queued, the inbox bound (ServerConfig.inbox_steps) holds it
@@ -227,11 +255,15 @@ class SessionStreams:
             if kind == "open":
                 if not self.accepting():
                     raise CapacityExceeded("server is shutting down")
+                keys = self._open_keys(first)
                 session = self.open_session(first.open, peer)
+                session.keys = keys
             elif kind == "step" and first.session_id:
                 session = self.sessions.get(first.session_id)
                 if not session.owned_by(first.secret):
                     raise NotPermitted("resuming a session needs its secret")
+                if _checked(session, first) is _TAMPERED:
+                    raise NotPermitted(f"resume: its {session_keys.TAMPERED} (missing or changed)")
                 if session.session_id in self.attached:
                     raise InvalidRequest(f"session {first.session_id} is held by another stream")
             else:
@@ -247,18 +279,38 @@ class SessionStreams:
         self.attached.add(session.session_id)
         return session
 
-    def _push_after(self, sid: str, reply: pb.InferenceReply, request: pb.InferenceRequest) -> None:
-        """Push a step's output on to the next server, after this session's earlier pushes (in step order). A push
-        that fails is logged: the client's stream to that server then breaks or times out, and its failover
-        re-sends the step."""
-        targets = list(request.step.push)
+    def _open_keys(self, first: pb.InferenceRequest) -> session_keys.SessionKeys | None:
+        """The keys of a session opened with a key share (None: unkeyed), once the open's MAC matches them."""
+        if not first.open.key_share:
+            return None
+        try:
+            keys = self.server_key.keys(first.open.key_share)
+        except ValueError as exc:
+            raise InvalidRequest(f"open: bad key share ({exc})") from None
+        if not session_keys.verified(keys.client, "", first):
+            raise NotPermitted(f"open: its {session_keys.TAMPERED} (from its key share): changed on the way")
+        return keys
+
+    def _push_after(self, session: Session, reply: pb.InferenceReply, request: pb.InferenceRequest) -> None:
+        """Push a step's output on to the next server, after this session's earlier pushes (in step order), MACed
+        with the next session's push key (sealed for us in the target). A push that fails is logged: the client's
+        stream to that server then breaks or times out, and its failover re-sends the step."""
+        sid, targets = session.session_id, list(request.step.push)
+        push_key = b""
+        if session.keys is not None and targets[0].push_key:
+            push_key = session_keys.open_push_key(session.keys.seal, targets[0].session_id, targets[0].push_key)
+            if push_key is None:
+                log.warning("step %d of session %s: the push key for %s is not sealed for us; not pushed",
+                            request.step.step_id, sid, targets[0].address)
+                return
         previous = self._pushes.get(sid)
 
         async def push() -> None:
             if previous is not None:
                 await asyncio.gather(previous, return_exceptions=True)
             if not await self.pusher.push(targets[0], reply.hidden, request.step.attention_mask, targets[1:],
-                                          request.step.cache_op if request.step.HasField("cache_op") else None):
+                                          request.step.cache_op if request.step.HasField("cache_op") else None,
+                                          push_key):
                 log.warning("push of step %d of session %s to %s failed", request.step.step_id, sid,
                             targets[0].address)
             if self._pushes.get(sid) is task:

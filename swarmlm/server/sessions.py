@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from swarmlm.errors import CapacityExceeded, UnknownSession
 from swarmlm.server.prefix_cache import PrefixCache
 from swarmlm.server.stage import SpanState
+from swarmlm.wire.session_keys import SessionKeys
 
 SECRET_BYTES = 16  # 128 bits
 
@@ -39,6 +40,7 @@ class Session:
     last_used_s: float = field(default_factory=time.monotonic)  # its last step's arrival, then that step's end
     detached_s: float | None = None  # when its stream broke; None while a stream holds it (or before)
     prefix_digest: bytes | None = None  # the prefix-cache scope named at open (server/prefix_cache.py)
+    keys: SessionKeys | None = None  # end-to-end keys (wire/session_keys.py); None: an unkeyed session, no MACs
 
     def owned_by(self, secret: bytes) -> bool:
         return hmac.compare_digest(self.secret, bytes(secret))

@@ -103,10 +103,11 @@ def _private_key(key: RSAPrivateKey) -> rsa.RSAPrivateKey:
 # ---- the connect check ---------------------------------------------------------------------------------------
 def info_payload(nonce: bytes, reply: pb.InfoReply, address: str) -> bytes:
     """What a server signs in its Info reply: the client's nonce, its id, its address, model, fingerprint,
-    adapters with theirs, and its framed step port (length-prefixed, so no two field lists give the same bytes)."""
+    adapters with theirs, its framed step port and its session key share (swarm/../wire/session_keys.py)
+    (length-prefixed, so no two field lists give the same bytes)."""
     parts = [_INFO_DOMAIN, nonce, reply.server_id.encode(), address.encode(), reply.model.encode(),
              getattr(reply, "fingerprint", "").encode(), ",".join(reply.adapters).encode(),
-             str(reply.frame_port).encode()]
+             str(reply.frame_port).encode(), reply.key_share]
     return b"".join(struct.pack("!I", len(p)) + p for p in parts)
 
 

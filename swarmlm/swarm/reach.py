@@ -145,10 +145,6 @@ class Tunnels:
         self.relays[address] = relay
         register_p2p_endpoint(address, self.endpoint)
 
-    def remove(self, address: str) -> None:
-        """New connections to `address` go nowhere (they fail as a dead server's) until it is added again."""
-        self.relays.pop(address, None)
-
     def endpoint(self, address: str) -> str:
         port = self.ports.get(address)
         if port is None:
@@ -162,18 +158,35 @@ class Tunnels:
             lambda r, w: self._relay(address, r, w), sock=sock))
 
     async def _relay(self, address: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer, relay = address[len(P2P_PREFIX):], self.relays.get(address, "")
+        await self._via(address, self.relays.get(address, ""), reader, writer)
+
+    async def _via(self, address: str, relay: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                   tunnel: bool = True) -> None:
+        peer = address[len(P2P_PREFIX):]
         try:
             _, r, w = await open_stream(self.p2p, relay, DIAL_PROTO)
             w.write(header("DIAL", peer, _token(self.swarm_key, DIAL_PROTO)))
             await expect_ok(r, f"relay {relay} to {address}")
         except (LinkError, ValueError) as exc:  # the client's call fails UNAVAILABLE: a dead server, failover
             log.warning("cannot reach %s: %s", address, exc)
-            self.failures[address] = str(exc)
+            if tunnel:
+                self.failures[address] = str(exc)
             close(writer)
             return
-        self.failures.pop(address, None)
+        if tunnel:
+            self.failures.pop(address, None)
         await splice((reader, writer), (r, w))
+
+    async def probe(self, address: str, relay: str) -> asyncio.AbstractServer:
+        """A one-off local port (in `server.sockets`) whose connections reach `address` through `relay`, whatever
+        the tunnel's relay is: a claim is checked through the relay it names without moving the tunnel (several
+        claims at once). The caller closes the server (`close_probe`)."""
+        sock = socket.create_server(("127.0.0.1", 0))
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(asyncio.start_server(
+            lambda r, w: self._via(address, relay, r, w, tunnel=False), sock=sock), self.loop))
+
+    def close_probe(self, server: asyncio.AbstractServer) -> None:
+        self.loop.call_soon_threadsafe(server.close)
 
     def close(self) -> None:
         for address in self.relays:

@@ -68,6 +68,7 @@ class RelayService:
         # cookie -> (server peer id, its ACCEPT stream once taken, set when the circuit is over)
         self.pending: dict[str, tuple[str, asyncio.Future, asyncio.Event]] = {}
         self.dialbacks = asyncio.Semaphore(limits.max_dialbacks)
+        self.splice = splice  # copies a circuit's bytes both ways (a hostile relay's may not: bench/tamper_relay.py)
         handlers = {LISTEN_PROTO: self._listen, DIAL_PROTO: self._dial, ACCEPT_PROTO: self._accept,
                     DIALBACK_PROTO: self._dialback}
         for proto, handler in handlers.items():
@@ -129,7 +130,7 @@ class RelayService:
             theirs = await asyncio.wait_for(accepted, self.limits.accept_timeout_s)
             writer.write(header("OK"))
             await writer.drain()
-            await splice((reader, writer), theirs, self.limits.circuit_idle_s)
+            await self.splice((reader, writer), theirs, self.limits.circuit_idle_s)
         except asyncio.TimeoutError:
             _refuse(writer, "server did not take the connection")
         finally:

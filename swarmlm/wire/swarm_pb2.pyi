@@ -39,7 +39,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("start_block", "end_block", "batch_size", "max_length", "adapter", "prefix_scope", "prefix_keys", "prompts", "lora")
+    __slots__ = ("start_block", "end_block", "batch_size", "max_length", "adapter", "prefix_scope", "prefix_keys", "prompts", "lora", "key_share")
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
     END_BLOCK_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class OpenSession(_message.Message):
     PREFIX_KEYS_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    KEY_SHARE_FIELD_NUMBER: _ClassVar[int]
     start_block: int
     end_block: int
     batch_size: int
@@ -58,7 +59,8 @@ class OpenSession(_message.Message):
     prefix_keys: _containers.RepeatedScalarFieldContainer[bytes]
     prompts: Tensor
     lora: _containers.RepeatedCompositeFieldContainer[LoraWeights]
-    def __init__(self, start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_length: _Optional[int] = ..., adapter: _Optional[str] = ..., prefix_scope: _Optional[bytes] = ..., prefix_keys: _Optional[_Iterable[bytes]] = ..., prompts: _Optional[_Union[Tensor, _Mapping]] = ..., lora: _Optional[_Iterable[_Union[LoraWeights, _Mapping]]] = ...) -> None: ...
+    key_share: bytes
+    def __init__(self, start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_length: _Optional[int] = ..., adapter: _Optional[str] = ..., prefix_scope: _Optional[bytes] = ..., prefix_keys: _Optional[_Iterable[bytes]] = ..., prompts: _Optional[_Union[Tensor, _Mapping]] = ..., lora: _Optional[_Iterable[_Union[LoraWeights, _Mapping]]] = ..., key_share: _Optional[bytes] = ...) -> None: ...
 
 class PrefixSave(_message.Message):
     __slots__ = ("keys",)
@@ -67,16 +69,18 @@ class PrefixSave(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PushTarget(_message.Message):
-    __slots__ = ("address", "session_id", "step_id", "secret")
+    __slots__ = ("address", "session_id", "step_id", "secret", "push_key")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
+    PUSH_KEY_FIELD_NUMBER: _ClassVar[int]
     address: str
     session_id: str
     step_id: int
     secret: bytes
-    def __init__(self, address: _Optional[str] = ..., session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., secret: _Optional[bytes] = ...) -> None: ...
+    push_key: bytes
+    def __init__(self, address: _Optional[str] = ..., session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., secret: _Optional[bytes] = ..., push_key: _Optional[bytes] = ...) -> None: ...
 
 class CacheOp(_message.Message):
     __slots__ = ("truncate_to", "rows")
@@ -101,21 +105,23 @@ class InferenceStep(_message.Message):
     def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., step_id: _Optional[int] = ..., push: _Optional[_Iterable[_Union[PushTarget, _Mapping]]] = ..., cache_op: _Optional[_Union[CacheOp, _Mapping]] = ...) -> None: ...
 
 class InferenceRequest(_message.Message):
-    __slots__ = ("session_id", "open", "step", "save", "secret")
+    __slots__ = ("session_id", "open", "step", "save", "secret", "mac")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SAVE_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     open: OpenSession
     step: InferenceStep
     save: PrefixSave
     secret: bytes
-    def __init__(self, session_id: _Optional[str] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., step: _Optional[_Union[InferenceStep, _Mapping]] = ..., save: _Optional[_Union[PrefixSave, _Mapping]] = ..., secret: _Optional[bytes] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, session_id: _Optional[str] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., step: _Optional[_Union[InferenceStep, _Mapping]] = ..., save: _Optional[_Union[PrefixSave, _Mapping]] = ..., secret: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class InferenceReply(_message.Message):
-    __slots__ = ("session_id", "hidden", "timing", "step_id", "position", "error", "pushed", "session_secret", "prefix_tokens")
+    __slots__ = ("session_id", "hidden", "timing", "step_id", "position", "error", "pushed", "session_secret", "prefix_tokens", "mac")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +131,7 @@ class InferenceReply(_message.Message):
     PUSHED_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     hidden: Tensor
     timing: Timing
@@ -134,17 +141,20 @@ class InferenceReply(_message.Message):
     pushed: bool
     session_secret: bytes
     prefix_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., step_id: _Optional[int] = ..., position: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., pushed: _Optional[bool] = ..., session_secret: _Optional[bytes] = ..., prefix_tokens: _Optional[int] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, session_id: _Optional[str] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., step_id: _Optional[int] = ..., position: _Optional[int] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., pushed: _Optional[bool] = ..., session_secret: _Optional[bytes] = ..., prefix_tokens: _Optional[int] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("session_id", "step", "secret")
+    __slots__ = ("session_id", "step", "secret", "mac")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: InferenceStep
     secret: bytes
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[_Union[InferenceStep, _Mapping]] = ..., secret: _Optional[bytes] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[_Union[InferenceStep, _Mapping]] = ..., secret: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ()
@@ -225,7 +235,7 @@ class InfoRequest(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("server_id", "model", "start_block", "end_block", "num_blocks", "hidden_size", "dtype", "cache_bytes_total", "cache_bytes_free", "active_sessions", "queue_length", "max_length", "max_batch", "max_message_bytes", "decode_s_per_block", "prefill_a_s", "prefill_b_s", "version", "session_bytes_per_block_token", "fingerprint", "quant", "weight_bytes", "adapters", "decode_4rows_s_per_block", "decode_16rows_s_per_block", "prefix_cache", "tokens_computed", "public_key", "signature", "signed_address", "frame_port")
+    __slots__ = ("server_id", "model", "start_block", "end_block", "num_blocks", "hidden_size", "dtype", "cache_bytes_total", "cache_bytes_free", "active_sessions", "queue_length", "max_length", "max_batch", "max_message_bytes", "decode_s_per_block", "prefill_a_s", "prefill_b_s", "version", "session_bytes_per_block_token", "fingerprint", "quant", "weight_bytes", "adapters", "decode_4rows_s_per_block", "decode_16rows_s_per_block", "prefix_cache", "tokens_computed", "public_key", "signature", "signed_address", "key_share", "frame_port")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +266,7 @@ class InfoReply(_message.Message):
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     SIGNED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KEY_SHARE_FIELD_NUMBER: _ClassVar[int]
     FRAME_PORT_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     model: str
@@ -287,8 +298,9 @@ class InfoReply(_message.Message):
     public_key: bytes
     signature: bytes
     signed_address: str
+    key_share: bytes
     frame_port: int
-    def __init__(self, server_id: _Optional[str] = ..., model: _Optional[str] = ..., start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., cache_bytes_total: _Optional[int] = ..., cache_bytes_free: _Optional[int] = ..., active_sessions: _Optional[int] = ..., queue_length: _Optional[int] = ..., max_length: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., decode_s_per_block: _Optional[float] = ..., prefill_a_s: _Optional[float] = ..., prefill_b_s: _Optional[float] = ..., version: _Optional[str] = ..., session_bytes_per_block_token: _Optional[int] = ..., fingerprint: _Optional[str] = ..., quant: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., decode_4rows_s_per_block: _Optional[float] = ..., decode_16rows_s_per_block: _Optional[float] = ..., prefix_cache: _Optional[_Union[PrefixCacheInfo, _Mapping]] = ..., tokens_computed: _Optional[int] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., signed_address: _Optional[str] = ..., frame_port: _Optional[int] = ...) -> None: ...
+    def __init__(self, server_id: _Optional[str] = ..., model: _Optional[str] = ..., start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., cache_bytes_total: _Optional[int] = ..., cache_bytes_free: _Optional[int] = ..., active_sessions: _Optional[int] = ..., queue_length: _Optional[int] = ..., max_length: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., decode_s_per_block: _Optional[float] = ..., prefill_a_s: _Optional[float] = ..., prefill_b_s: _Optional[float] = ..., version: _Optional[str] = ..., session_bytes_per_block_token: _Optional[int] = ..., fingerprint: _Optional[str] = ..., quant: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., decode_4rows_s_per_block: _Optional[float] = ..., decode_16rows_s_per_block: _Optional[float] = ..., prefix_cache: _Optional[_Union[PrefixCacheInfo, _Mapping]] = ..., tokens_computed: _Optional[int] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., signed_address: _Optional[str] = ..., key_share: _Optional[bytes] = ..., frame_port: _Optional[int] = ...) -> None: ...
 
 class PrefixCacheInfo(_message.Message):
     __slots__ = ("limit_bytes", "bytes", "entries", "hits", "hit_tokens", "evictions", "tags")

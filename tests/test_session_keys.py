@@ -1,0 +1,75 @@
+"""End-to-end session keys (wire/session_keys.py, issue 39 hole 1): both ends derive the same keys, a MAC covers
+every byte of a message and its session, and a push key opens only where it was sealed for."""
+from __future__ import annotations
+
+import torch
+
+from swarmlm.wire import codec, session_keys
+from swarmlm.wire import swarm_pb2 as pb
+
+
+def _step(step_id: int = 1) -> pb.InferenceRequest:
+    return pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(torch.randn(1, 2, 8)), step_id=step_id))
+
+
+def _keyed() -> tuple[session_keys.SessionKeys, session_keys.SessionKeys]:
+    server = session_keys.ServerKey()
+    share, client = session_keys.client_keys(server.share)
+    return client, server.keys(share)
+
+
+def test_both_ends_derive_the_same_keys_and_each_open_gets_its_own():
+    client, server = _keyed()
+    assert client == server
+    assert len({client.client, client.server, client.push, client.seal}) == 4
+    other, _ = _keyed()
+    assert other != client
+
+
+def test_a_changed_byte_anywhere_in_a_message_fails_its_mac():
+    keys, _ = _keyed()
+    message = session_keys.sign(keys.client, "s1", _step())
+    assert session_keys.verified(keys.client, "s1", message)
+    raw = bytearray(message.SerializeToString())
+    for i in range(len(raw)):  # every byte of the wire form (the MAC's own bytes too)
+        changed = bytearray(raw)
+        changed[i] ^= 0x80
+        parsed = pb.InferenceRequest()
+        try:
+            parsed.ParseFromString(bytes(changed))
+        except Exception:
+            continue  # (no longer a message: refused as unparsable)
+        assert not session_keys.verified(keys.client, "s1", parsed), i
+
+
+def test_a_message_of_another_session_or_direction_or_without_mac_is_refused():
+    keys, _ = _keyed()
+    other, _ = _keyed()
+    message = session_keys.sign(keys.client, "s1", _step())
+    assert not session_keys.verified(other.client, "s1", message)  # replayed into another session
+    assert not session_keys.verified(keys.client, "s2", message)  # another session id
+    assert not session_keys.verified(keys.server, "s1", message)  # reflected back as the server's
+    assert not session_keys.verified(keys.client, "s1", _step())  # no MAC at all
+
+
+def test_a_push_key_opens_only_for_its_seal_key_and_session():
+    pusher, _ = _keyed()
+    target, _ = _keyed()
+    sealed = session_keys.seal_push_key(pusher.seal, "t1", target.push)
+    assert session_keys.open_push_key(pusher.seal, "t1", sealed) == target.push
+    assert session_keys.open_push_key(target.seal, "t1", sealed) is None
+    assert session_keys.open_push_key(pusher.seal, "t2", sealed) is None
+    changed = bytearray(sealed)
+    changed[20] ^= 1
+    assert session_keys.open_push_key(pusher.seal, "t1", bytes(changed)) is None
+    assert session_keys.open_push_key(pusher.seal, "t1", b"short") is None
+
+
+def test_a_key_share_that_is_not_a_key_is_refused():
+    server = session_keys.ServerKey()
+    for bad in (b"", b"x" * 31, bytes(32)):  # (all zeros: a low-order point, no shared secret)
+        try:
+            server.keys(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad!r} accepted")
