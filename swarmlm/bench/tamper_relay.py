@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from swarmlm.swarm.p2p_link import P2PNode, close
+from swarmlm.swarm.p2p_link import P2PNode, until_one_ends
 from swarmlm.swarm.relay import RelayLimits, RelayService
 from swarmlm.wire import swarm_pb2 as pb
 
@@ -40,14 +40,7 @@ class TamperingRelay(RelayService):
     async def _flipping_splice(self, dialer, server, idle_timeout_s: float | None = None) -> None:
         tasks = [asyncio.create_task(self._pipe(dialer[0], server[1], _TOWARDS_SERVER, preface=True)),
                  asyncio.create_task(self._pipe(server[0], dialer[1], _TOWARDS_DIALER, preface=False))]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for _, writer in (dialer, server):
-                close(writer)
+        await until_one_ends(tasks, (dialer[1], server[1]))
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, kinds, preface: bool) -> None:
         """HTTP/2 frames from `reader` to `writer`, each DATA frame's hidden states negated."""

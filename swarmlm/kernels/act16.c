@@ -132,6 +132,15 @@ static void prepare_block(const float *x, act_chunk *ch, int c) {
     ch->sum[4 * c] = scale * (float)total;
 }
 
+/* a thread's buffer of at least `need` items of `size` bytes (64-byte aligned), grown when short; 0 if out of memory */
+static int grown(void **buffer, int64_t *count, int64_t need, size_t size) {
+    if (need <= *count) return 1;
+    free(*buffer);
+    *buffer = aligned_alloc(64, ((need * size + 63) / 64) * 64);
+    *count = *buffer ? need : 0;
+    return *buffer != 0;
+}
+
 static _Thread_local act_chunk *buffer;
 static _Thread_local int64_t buffer_chunks;
 static _Thread_local act_super *super_buffer;
@@ -140,12 +149,7 @@ static _Thread_local int64_t super_buffer_count;
 /* x [rows, k] (k a whole number of super-chunks) -> the calling thread's one-lane buffer; 0 if out of memory */
 static int act16_prepare_supers(const float *x, int64_t rows, int64_t k, act16 *out) {
     const int64_t blocks = k / 32, per_row = blocks / 16, need = rows * per_row;
-    if (need > super_buffer_count) {
-        free(super_buffer);
-        super_buffer = aligned_alloc(64, need * sizeof(act_super));
-        super_buffer_count = super_buffer ? need : 0;
-        if (!super_buffer) return 0;
-    }
+    if (!grown((void **)&super_buffer, &super_buffer_count, need, sizeof(act_super))) return 0;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < blocks; b++) {
             act_super *a = super_buffer + r * per_row + b / 16;
@@ -170,12 +174,7 @@ static int act16_prepare_supers(const float *x, int64_t rows, int64_t k, act16 *
 /* x [rows, k] -> the calling thread's buffer of prepared chunks (valid until its next call); 0 if out of memory */
 static int act16_prepare(const float *x, int64_t rows, int64_t k, act16 *out) {
     const int64_t blocks = k / 32, per_row = (blocks + 3) / 4, need = rows * per_row;
-    if (need > buffer_chunks) {
-        free(buffer);
-        buffer = aligned_alloc(64, need * sizeof(act_chunk));
-        buffer_chunks = buffer ? need : 0;
-        if (!buffer) return 0;
-    }
+    if (!grown((void **)&buffer, &buffer_chunks, need, sizeof(act_chunk))) return 0;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t ch = 0; ch < per_row; ch++) {
             act_chunk *chunk = buffer + r * per_row + ch;

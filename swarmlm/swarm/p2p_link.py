@@ -138,13 +138,18 @@ async def splice(a: tuple[asyncio.StreamReader, asyncio.StreamWriter],
     tasks = [asyncio.create_task(_pipe(a[0], b[1], last)), asyncio.create_task(_pipe(b[0], a[1], last))]
     if idle_timeout_s is not None:
         tasks.append(asyncio.create_task(_until_idle(last, idle_timeout_s)))
+    await until_one_ends(tasks, (a[1], b[1]))
+
+
+async def until_one_ends(tasks: list[asyncio.Task], writers) -> None:
+    """Wait until one of `tasks` (a splice's directions) ends, then cancel the others and close `writers`."""
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for _, writer in (a, b):
+        for writer in writers:
             close(writer)
 
 
