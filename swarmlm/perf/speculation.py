@@ -170,9 +170,9 @@ class MeasuredPassCost:
             raise ValueError(f"decay must be in (0, 1), got {self.decay}")
 
     def observe(self, n_tokens: int, predicted_s: float, measured_s: float) -> None:
-        """One pass of `tokens` tokens: the model's price of it (uncorrected) and its measured wall time."""
+        """One pass of `n_tokens` tokens: the model's price of it (uncorrected) and its measured wall time."""
         if n_tokens < 1 or not predicted_s > 0 or measured_s < 0:
-            raise ValueError(f"need tokens >= 1, predicted_s > 0 and measured_s >= 0, got {tokens}, {predicted_s}, "
+            raise ValueError(f"need n_tokens >= 1, predicted_s > 0 and measured_s >= 0, got {n_tokens}, {predicted_s}, "
                              f"{measured_s}")
         if self.plain_passes and measured_s > OUTLIER * self.scale * predicted_s:
             return  # a failover's or a stalled pass says nothing about the next one
