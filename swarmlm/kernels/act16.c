@@ -51,11 +51,12 @@ typedef struct {
     int16_t q[16][32];   /* vector 4 g + v, lane j (words 2j, 2j + 1): block j's activations 8 g + 2 v, 8 g + 2 v + 1 */
     float scale[16];     /* lane j: block j's scale */
     int32_t offset[16];  /* lane j: -8 x the sum of block j's int16 values (Q4_0's weights are nibble - 8) */
+    float sum[16];       /* lane j: scale x that sum (Q4_1's mins multiply it) */
 } act_super;
 
 typedef struct {
-    const act_chunk *chunks;  /* rows x chunks_per_row */
-    int64_t chunks_per_row;
+    const act_chunk *chunks;  /* rows x chunks_per_row (one-lane rows: only the tail's, from first_chunk on), or 0 */
+    int64_t chunks_per_row, first_chunk;
     const act_super *supers;  /* rows x supers_per_row, for one-lane products (else 0) */
     int64_t supers_per_row;
 } act16;
@@ -82,14 +83,14 @@ int64_t act16_integer_rows(int ggml_type) {
 #endif
 }
 
-/* Are rows of nb blocks of this type laid out one lane per block (packed.c one_lane_at)? Q4_0 rows of whole
- * super-chunks (16 blocks, 512 weights) on the AVX-512 builds: a vpdpwssd lane adds all 32 products of one block, so
- * the float work (convert, scale, add) is once per 16 blocks instead of per 4 -- 1.2-1.5x the 4-lanes-per-block tiles
- * at 1-8 rows, measured (docs/RESULTS-packed.md round 5). The other types, other widths and the other builds keep
- * chunks of 4 blocks. */
+/* Are rows of nb blocks of this type laid out one lane per block (packed.c one_lane_at)? Q4_0 / Q4_1 rows of at
+ * least one super-chunk (16 blocks, 512 weights) on the AVX-512 builds: in a row's whole super-chunks a vpdpwssd lane
+ * adds all 32 products of one block, so the float work (convert, scale, add) is once per 16 blocks instead of per 4
+ * -- 1.2-1.5x the 4-lanes-per-block tiles at 1-8 rows, measured (docs/RESULTS-packed.md round 5); the rest of the
+ * row (its tail, fewer than 16 blocks) stays in chunks of 4. The other types and builds keep chunks of 4. */
 int act16_one_lane(int ggml_type, int64_t nb) {
 #if defined(ACT16_WIDE) && ACT16_WIDE
-    return ggml_type == 2 && nb > 0 && nb % 16 == 0;
+    return (ggml_type == 2 || ggml_type == 3) && nb >= 16;
 #else
     (void)ggml_type, (void)nb;
     return 0;
@@ -146,37 +147,45 @@ static _Thread_local int64_t buffer_chunks;
 static _Thread_local act_super *super_buffer;
 static _Thread_local int64_t super_buffer_count;
 
-/* x [rows, k] (k a whole number of super-chunks) -> the calling thread's one-lane buffer; 0 if out of memory */
+static int act16_prepare(const float *x, int64_t rows, int64_t k, int64_t first_chunk, act16 *out);
+
+/* x [rows, k] (k at least one super-chunk) -> the calling thread's one-lane buffers: the whole super-chunks one lane
+ * per block, the tail in chunks of 4; 0 if out of memory */
 static int act16_prepare_supers(const float *x, int64_t rows, int64_t k, act16 *out) {
     const int64_t blocks = k / 32, per_row = blocks / 16, need = rows * per_row;
     if (!grown((void **)&super_buffer, &super_buffer_count, need, sizeof(act_super))) return 0;
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t b = 0; b < 16 * per_row; b++) {
             act_super *a = super_buffer + r * per_row + b / 16;
             const int j = (int)(b % 16);
             int16_t v[32];
             int32_t total;
             a->scale[j] = round_block(x + r * k + 32 * b, v, &total);
             a->offset[j] = -8 * total;
+            a->sum[j] = a->scale[j] * (float)total;
             for (int g = 0; g < 4; g++)
                 for (int t = 0; t < 4; t++) {
                     a->q[4 * g + t][2 * j] = v[8 * g + 2 * t];
                     a->q[4 * g + t][2 * j + 1] = v[8 * g + 2 * t + 1];
                 }
         }
-    out->chunks = 0;
-    out->chunks_per_row = 0;
     out->supers = super_buffer;
     out->supers_per_row = per_row;
-    return 1;
+    if (blocks % 16 == 0) {
+        out->chunks = 0;
+        out->chunks_per_row = out->first_chunk = 0;
+        return 1;
+    }
+    return act16_prepare(x, rows, k, 4 * per_row, out);  /* the tail, in chunks of 4 */
 }
 
-/* x [rows, k] -> the calling thread's buffer of prepared chunks (valid until its next call); 0 if out of memory */
-static int act16_prepare(const float *x, int64_t rows, int64_t k, act16 *out) {
+/* x [rows, k] -> the calling thread's buffer of prepared chunks (valid until its next call), those from first_chunk
+ * on; 0 if out of memory */
+static int act16_prepare(const float *x, int64_t rows, int64_t k, int64_t first_chunk, act16 *out) {
     const int64_t blocks = k / 32, per_row = (blocks + 3) / 4, need = rows * per_row;
     if (!grown((void **)&buffer, &buffer_chunks, need, sizeof(act_chunk))) return 0;
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t ch = 0; ch < per_row; ch++) {
+        for (int64_t ch = first_chunk; ch < per_row; ch++) {
             act_chunk *chunk = buffer + r * per_row + ch;
             const int in_chunk = blocks - 4 * ch < 4 ? (int)(blocks - 4 * ch) : 4;
             if (in_chunk < 4) {
@@ -189,23 +198,24 @@ static int act16_prepare(const float *x, int64_t rows, int64_t k, act16 *out) {
         }
     out->chunks = buffer;
     out->chunks_per_row = per_row;
-    out->supers = 0;
-    out->supers_per_row = 0;
+    out->first_chunk = first_chunk;
+    if (!first_chunk) {
+        out->supers = 0;
+        out->supers_per_row = 0;
+    }
     return 1;
 }
 
 #if defined(ACT16_WIDE) && ACT16_WIDE
-/* W weight rows x R activation rows; a chunk's nibbles are unpacked once for the R rows */
-static inline __attribute__((always_inline)) void tile(const int T, const uint8_t *w, int64_t row_bytes, int64_t nb,
-                                                       const act16 *a, float *y, int64_t n, int64_t i, int64_t r0,
-                                                       const int W, const int R) {
-    __m512 total[2][4];
-    for (int u = 0; u < W; u++)
-        for (int r = 0; r < R; r++) total[u][r] = _mm512_setzero_ps();
+/* the chunks from a->first_chunk on, W weight rows x R activation rows, added into total (lanes of one block's
+ * partial sums); a chunk's nibbles are unpacked once for the R rows */
+static inline __attribute__((always_inline)) void chunk_sums(const int T, const uint8_t *w, int64_t row_bytes,
+                                                             int64_t nb, const act16 *a, int64_t i, int64_t r0,
+                                                             const int W, const int R, __m512 total[2][4]) {
     const __m512i low4 = _mm512_set1_epi16(0xf);
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     const uint8_t *row0 = w + i * row_bytes;
-    for (int64_t ch = 0; ch < a->chunks_per_row; ch++) {
+    for (int64_t ch = a->first_chunk; ch < a->chunks_per_row; ch++) {
         const int64_t left = nb - 4 * ch;
         const __mmask64 bytes = left >= 4 ? ~0ULL : (1ULL << (BLOCK_BYTES * left)) - 1;
         const __mmask16 blocks = left >= 4 ? 0xffff : (__mmask16)((1u << left) - 1);
@@ -306,6 +316,16 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
             }
         }
     }
+}
+
+/* W weight rows x R activation rows; a chunk's nibbles are unpacked once for the R rows */
+static inline __attribute__((always_inline)) void tile(const int T, const uint8_t *w, int64_t row_bytes, int64_t nb,
+                                                       const act16 *a, float *y, int64_t n, int64_t i, int64_t r0,
+                                                       const int W, const int R) {
+    __m512 total[2][4];
+    for (int u = 0; u < W; u++)
+        for (int r = 0; r < R; r++) total[u][r] = _mm512_setzero_ps();
+    chunk_sums(T, w, row_bytes, nb, a, i, r0, W, R, total);
     for (int u = 0; u < W; u++)
         for (int r = 0; r < R; r++) y[(r0 + r) * n + i + u] = _mm512_reduce_add_ps(total[u][r]);
 }
@@ -453,11 +473,12 @@ static void act16_rows(int ggml_type, const uint8_t *w, int64_t row_bytes, const
 #endif
 
 #if defined(ACT16_WIDE) && ACT16_WIDE
-/* one-lane Q4_0 (act16_one_lane): W weight rows x R activation rows over whole super-chunks; group g (64 bytes) of a
- * super-chunk gives 4 vectors after shifts and masks, lane j of each two of block j's weights (packed.c one_lane_at) */
-static inline __attribute__((always_inline)) void lane_tile(const uint8_t *w, int64_t row_bytes, const act16 *a,
-                                                            float *y, int64_t n, int64_t i, int64_t r0, const int W,
-                                                            const int R) {
+/* one-lane Q4_0 / Q4_1 (act16_one_lane): W weight rows x R activation rows over a row's whole super-chunks; group g
+ * (64 bytes) of a super-chunk gives 4 vectors after shifts and masks, lane j of each two of block j's weights
+ * (packed.c one_lane_at); the scales (and Q4_1's mins) are the row's fp16 ones, 16 per super-chunk */
+static inline __attribute__((always_inline)) void lane_tile(const int T, const uint8_t *w, int64_t row_bytes,
+                                                            int64_t nb, const act16 *a, float *y, int64_t n, int64_t i,
+                                                            int64_t r0, const int W, const int R) {
     const int64_t ns = a->supers_per_row;
     __m512 total[2][4];
     for (int u = 0; u < W; u++)
@@ -467,7 +488,7 @@ static inline __attribute__((always_inline)) void lane_tile(const uint8_t *w, in
     for (int64_t s = 0; s < ns; s++) {
         __m512i acc[2][4];
         for (int r = 0; r < R; r++) {
-            const __m512i start = _mm512_load_si512(a->supers[(r0 + r) * ns + s].offset);
+            const __m512i start = T == 2 ? _mm512_load_si512(a->supers[(r0 + r) * ns + s].offset) : _mm512_setzero_si512();
             for (int u = 0; u < W; u++) acc[u][r] = start;
         }
         for (int g = 0; g < 4; g++) {
@@ -494,33 +515,45 @@ static inline __attribute__((always_inline)) void lane_tile(const uint8_t *w, in
             }
         }
         for (int u = 0; u < W; u++) {
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row0 + u * row_bytes + 256 * ns + 32 * s)));
-            for (int r = 0; r < R; r++)
-                total[u][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[u][r]),
-                                              _mm512_mul_ps(d, _mm512_load_ps(a->supers[(r0 + r) * ns + s].scale)),
+            const uint8_t *scales = row0 + u * row_bytes + 16 * nb + 32 * s;  /* d x nb, then Q4_1's m x nb */
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
+            const __m512 m = T == 3 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 2 * nb)))
+                                    : _mm512_setzero_ps();
+            for (int r = 0; r < R; r++) {
+                const act_super *x = a->supers + (r0 + r) * ns + s;
+                total[u][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[u][r]), _mm512_mul_ps(d, _mm512_load_ps(x->scale)),
                                               total[u][r]);
+                if (T == 3) total[u][r] = _mm512_fmadd_ps(m, _mm512_load_ps(x->sum), total[u][r]);
+            }
         }
     }
+    if (a->chunks) chunk_sums(T, w, row_bytes, nb, a, i, r0, W, R, total);  /* the tail, from a->first_chunk on */
     for (int u = 0; u < W; u++)
         for (int r = 0; r < R; r++) y[(r0 + r) * n + i + u] = _mm512_reduce_add_ps(total[u][r]);
 }
 
-typedef void (*lane_fn)(const uint8_t *, int64_t, const act16 *, float *, int64_t, int64_t, int64_t);
-#define LANE_TILE(W, R) \
-    static void lane_##W##_##R(const uint8_t *w, int64_t rb, const act16 *a, float *y, int64_t n, int64_t i, int64_t r0) { \
-        lane_tile(w, rb, a, y, n, i, r0, W, R); \
-    }
-LANE_TILE(2, 1) LANE_TILE(2, 2) LANE_TILE(2, 3) LANE_TILE(2, 4) LANE_TILE(1, 1) LANE_TILE(1, 2) LANE_TILE(1, 3) LANE_TILE(1, 4)
-static const lane_fn LANE_WIDE[5] = {0, lane_2_1, lane_2_2, lane_2_3, lane_2_4};
-static const lane_fn LANE_NARROW[5] = {0, lane_1_1, lane_1_2, lane_1_3, lane_1_4};
+typedef void (*lane_fn)(const uint8_t *, int64_t, int64_t, const act16 *, float *, int64_t, int64_t, int64_t);
+#define LANE_TILE(T, W, R) \
+    static void lane_##T##_##W##_##R(const uint8_t *w, int64_t rb, int64_t nb, const act16 *a, float *y, int64_t n, \
+                                     int64_t i, int64_t r0) { lane_tile(T, w, rb, nb, a, y, n, i, r0, W, R); }
+#define LANE_TILES(T) \
+    LANE_TILE(T, 2, 1) LANE_TILE(T, 2, 2) LANE_TILE(T, 2, 3) LANE_TILE(T, 2, 4) \
+    LANE_TILE(T, 1, 1) LANE_TILE(T, 1, 2) LANE_TILE(T, 1, 3) LANE_TILE(T, 1, 4) \
+    static const lane_fn LANE_WIDE_##T[5] = {0, lane_##T##_2_1, lane_##T##_2_2, lane_##T##_2_3, lane_##T##_2_4}; \
+    static const lane_fn LANE_NARROW_##T[5] = {0, lane_##T##_1_1, lane_##T##_1_2, lane_##T##_1_3, lane_##T##_1_4};
+LANE_TILES(2) LANE_TILES(3)
 
-static void lane_rows(const uint8_t *w, int64_t row_bytes, const act16 *a, int64_t rows, float *y, int64_t n,
-                      int64_t n0, int64_t n1) {
+/* columns [n0, n1) of y for one-lane rows: per weight row (pair), its super-chunks and then its tail in chunks of 4,
+ * into the same sums */
+static void lane_rows(int ggml_type, const uint8_t *w, int64_t row_bytes, const act16 *a, int64_t rows, int64_t k,
+                      float *y, int64_t n, int64_t n0, int64_t n1) {
+    const lane_fn *wide = ggml_type == 2 ? LANE_WIDE_2 : LANE_WIDE_3, *narrow = ggml_type == 2 ? LANE_NARROW_2 : LANE_NARROW_3;
+    const int64_t nb = k / 32;
     int64_t i = n0;
     for (; i + 2 <= n1; i += 2)
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) LANE_WIDE[rows - r0 < 4 ? rows - r0 : 4](w, row_bytes, a, y, n, i, r0);
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) wide[rows - r0 < 4 ? rows - r0 : 4](w, row_bytes, nb, a, y, n, i, r0);
     for (; i < n1; i++)
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) LANE_NARROW[rows - r0 < 4 ? rows - r0 : 4](w, row_bytes, a, y, n, i, r0);
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) narrow[rows - r0 < 4 ? rows - r0 : 4](w, row_bytes, nb, a, y, n, i, r0);
 }
 #endif
 
@@ -530,7 +563,7 @@ static void lane_rows(const uint8_t *w, int64_t row_bytes, const act16 *a, int64
 const void *act16_prepare_rows(int ggml_type, const float *x, int64_t rows, int64_t k) {
     static _Thread_local act16 prepared;
     const int ok = act16_one_lane(ggml_type, k / 32) ? act16_prepare_supers(x, rows, k, &prepared)
-                                                     : act16_prepare(x, rows, k, &prepared);
+                                                     : act16_prepare(x, rows, k, 0, &prepared);
     return ok ? &prepared : 0;
 }
 
@@ -560,7 +593,7 @@ void act16_product(int ggml_type, const uint8_t *w, int64_t row_bytes, const voi
     const act16 *a = (const act16 *)prepared;
 #if ACT16_WIDE
     if (a->supers) {
-        lane_rows(w, row_bytes, a, rows, y, n, n0, n1);
+        lane_rows(ggml_type, w, row_bytes, a, rows, k, y, n, n0, n1);
         return;
     }
 #endif

@@ -206,10 +206,11 @@ static inline int64_t q8_0_at(int64_t nb, int64_t b, int j) {
     return 128 * chunk + 8 * cn * act16_vector(j) + 8 * (b % 4) + act16_word(j);
 }
 
-/* One-lane Q4_0 rows (act16_one_lane: whole super-chunks of 16 blocks on the AVX-512 builds): super-chunk s = blocks
- * 16 s .. 16 s + 15 is 256 bytes, 4 groups of 64; in group g, 16-bit word 2 j + e (e = 0, 1) holds block 16 s + j's
- * weights 8 g + e, 8 g + e + 2, 8 g + e + 4, 8 g + e + 6 in its nibbles from bit 0 up. Where weight w of block b is
- * (byte of the row, and the nibble's shift in it): */
+/* One-lane Q4_0 / Q4_1 rows (act16_one_lane: rows of 16 blocks or more, on the AVX-512 builds): the row's whole
+ * super-chunks one lane per block -- super-chunk s = blocks 16 s .. 16 s + 15 is 256 bytes, 4 groups of 64; in group g,
+ * 16-bit word 2 j + e (e = 0, 1) holds block 16 s + j's weights 8 g + e, 8 g + e + 2, 8 g + e + 4, 8 g + e + 6 in its
+ * nibbles from bit 0 up -- and its tail (fewer than 16 blocks) where the split layout has it (16 bytes per block, in
+ * place). Where weight w of a super-chunk's block b is (byte of the row, and the nibble's shift in it): */
 static inline int64_t one_lane_at(int64_t b, int w, int *shift) {
     const int g = w / 8, e = w % 2, t = (w % 8) / 2;
     *shift = 4 * (t % 2);
@@ -231,7 +232,7 @@ static void split_dq(int ggml_type, const uint8_t *row, int64_t nb, int64_t b, f
         return;
     }
     const float m = ggml_type == 3 ? split_scale(ggml_type, scales, nb + b) : -8.0f * d;
-    if (act16_one_lane(ggml_type, nb)) {
+    if (act16_one_lane(ggml_type, nb) && b < 16 * (nb / 16)) {
         for (int j = 0; j < 32; j++) {
             int shift;
             const int64_t at = one_lane_at(b, j, &shift);
@@ -255,7 +256,7 @@ static void split_row(int ggml_type, const uint8_t *src, int64_t nb, uint8_t *ds
         const uint8_t *blk = src + b * t->block_bytes;
         if (ggml_type == 8)
             for (int j = 0; j < 32; j++) dst[q8_0_at(nb, b, j)] = blk[head + j];
-        else if (act16_one_lane(ggml_type, nb))
+        else if (act16_one_lane(ggml_type, nb) && b < 16 * (nb / 16))
             for (int j = 0; j < 32; j++) {  /* GGUF: weight j in the low nibble of byte j, j + 16 in the high */
                 int shift;
                 const int64_t at = one_lane_at(b, j, &shift);
