@@ -28,7 +28,7 @@ def train_forward(model, input_ids: torch.Tensor | None, inputs_embeds: torch.Te
     batch, n_tokens = inputs_embeds.shape[:2]
     mask = torch.ones(batch, n_tokens, dtype=torch.long) if mask is None else mask.to(torch.long)
     if labels is not None and tuple(labels.shape) != (batch, n_tokens):
-        raise InvalidRequest(f"labels must be [{batch}, {tokens}], got {list(labels.shape)}")
+        raise InvalidRequest(f"labels must be [{batch}, {n_tokens}], got {list(labels.shape)}")
     prefix = 0
     if model.prompts is not None:  # the soft prompt before every sequence (as a token's embedding: BLOOM then
         inputs_embeds, mask = model.prompts.prepend(inputs_embeds, mask)  # normalises it too); no label there
