@@ -456,13 +456,10 @@ typedef void (*tile_fn)(const uint8_t *, int64_t, int64_t, const act16 *, float 
     static const tile_fn NARROW_##T[5] = {0, tile_##T##_1_1, tile_##T##_1_2, tile_##T##_1_3, tile_##T##_1_4};
 TILES(2) TILES(3) TILES(8) TILES(12) TILES(13) TILES(14)
 
-/* columns [n0, n1) of y [rows, n]: two weight rows at a time, every activation row (4 at a time) while they are in L1 */
-static void act16_rows(int ggml_type, const uint8_t *w, int64_t row_bytes, const act16 *a, int64_t rows, int64_t k,
-                       float *y, int64_t n, int64_t n0, int64_t n1) {
-    const tile_fn *wide = ggml_type == 2 ? WIDE_2 : ggml_type == 3 ? WIDE_3 : ggml_type == 8 ? WIDE_8
-                        : ggml_type == 12 ? WIDE_12 : ggml_type == 13 ? WIDE_13 : WIDE_14;
-    const tile_fn *narrow = ggml_type == 2 ? NARROW_2 : ggml_type == 3 ? NARROW_3 : ggml_type == 8 ? NARROW_8
-                          : ggml_type == 12 ? NARROW_12 : ggml_type == 13 ? NARROW_13 : NARROW_14;
+/* columns [n0, n1) of y [rows, n] by a type's tiles: two weight rows at a time, every activation row (4 at a time)
+ * while they are in L1 */
+static void walk_rows(const tile_fn *wide, const tile_fn *narrow, const uint8_t *w, int64_t row_bytes, const act16 *a,
+                      int64_t rows, int64_t k, float *y, int64_t n, int64_t n0, int64_t n1) {
     const int64_t nb = k / 32;
     int64_t i = n0;
     for (; i + 2 <= n1; i += 2)
@@ -532,28 +529,35 @@ static inline __attribute__((always_inline)) void lane_tile(const int T, const u
         for (int r = 0; r < R; r++) y[(r0 + r) * n + i + u] = _mm512_reduce_add_ps(total[u][r]);
 }
 
-typedef void (*lane_fn)(const uint8_t *, int64_t, int64_t, const act16 *, float *, int64_t, int64_t, int64_t);
 #define LANE_TILE(T, W, R) \
     static void lane_##T##_##W##_##R(const uint8_t *w, int64_t rb, int64_t nb, const act16 *a, float *y, int64_t n, \
                                      int64_t i, int64_t r0) { lane_tile(T, w, rb, nb, a, y, n, i, r0, W, R); }
 #define LANE_TILES(T) \
     LANE_TILE(T, 2, 1) LANE_TILE(T, 2, 2) LANE_TILE(T, 2, 3) LANE_TILE(T, 2, 4) \
     LANE_TILE(T, 1, 1) LANE_TILE(T, 1, 2) LANE_TILE(T, 1, 3) LANE_TILE(T, 1, 4) \
-    static const lane_fn LANE_WIDE_##T[5] = {0, lane_##T##_2_1, lane_##T##_2_2, lane_##T##_2_3, lane_##T##_2_4}; \
-    static const lane_fn LANE_NARROW_##T[5] = {0, lane_##T##_1_1, lane_##T##_1_2, lane_##T##_1_3, lane_##T##_1_4};
+    static const tile_fn LANE_WIDE_##T[5] = {0, lane_##T##_2_1, lane_##T##_2_2, lane_##T##_2_3, lane_##T##_2_4}; \
+    static const tile_fn LANE_NARROW_##T[5] = {0, lane_##T##_1_1, lane_##T##_1_2, lane_##T##_1_3, lane_##T##_1_4};
 LANE_TILES(2) LANE_TILES(3)
 
-/* columns [n0, n1) of y for one-lane rows: per weight row (pair), its super-chunks and then its tail in chunks of 4,
- * into the same sums */
-static void lane_rows(int ggml_type, const uint8_t *w, int64_t row_bytes, const act16 *a, int64_t rows, int64_t k,
-                      float *y, int64_t n, int64_t n0, int64_t n1) {
-    const lane_fn *wide = ggml_type == 2 ? LANE_WIDE_2 : LANE_WIDE_3, *narrow = ggml_type == 2 ? LANE_NARROW_2 : LANE_NARROW_3;
-    const int64_t nb = k / 32;
-    int64_t i = n0;
-    for (; i + 2 <= n1; i += 2)
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) wide[rows - r0 < 4 ? rows - r0 : 4](w, row_bytes, nb, a, y, n, i, r0);
-    for (; i < n1; i++)
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) narrow[rows - r0 < 4 ? rows - r0 : 4](w, row_bytes, nb, a, y, n, i, r0);
+#endif
+
+#if defined(ACT16_WIDE)
+/* columns [n0, n1) of y [rows, n] as act16_prepare_rows laid the activations out: one-lane rows (a row's super-chunks,
+ * then its tail in chunks of 4, into the same sums) or chunks of 4 */
+static void act16_rows(int ggml_type, const uint8_t *w, int64_t row_bytes, const act16 *a, int64_t rows, int64_t k,
+                       float *y, int64_t n, int64_t n0, int64_t n1) {
+    const int t = ggml_type;
+#if ACT16_WIDE
+    if (a->supers) {
+        walk_rows(t == 2 ? LANE_WIDE_2 : LANE_WIDE_3, t == 2 ? LANE_NARROW_2 : LANE_NARROW_3, w, row_bytes, a, rows, k,
+                  y, n, n0, n1);
+        return;
+    }
+#endif
+    walk_rows(t == 2 ? WIDE_2 : t == 3 ? WIDE_3 : t == 8 ? WIDE_8 : t == 12 ? WIDE_12 : t == 13 ? WIDE_13 : WIDE_14,
+              t == 2 ? NARROW_2 : t == 3 ? NARROW_3 : t == 8 ? NARROW_8 : t == 12 ? NARROW_12 : t == 13 ? NARROW_13
+                                                                                         : NARROW_14,
+              w, row_bytes, a, rows, k, y, n, n0, n1);
 }
 #endif
 
@@ -590,14 +594,7 @@ const float *act16_round_rows(const float *x, int64_t rows, int64_t k) {
 void act16_product(int ggml_type, const uint8_t *w, int64_t row_bytes, const void *prepared, int64_t rows, int64_t k,
                    float *y, int64_t n, int64_t n0, int64_t n1) {
 #if defined(ACT16_WIDE)
-    const act16 *a = (const act16 *)prepared;
-#if ACT16_WIDE
-    if (a->supers) {
-        lane_rows(ggml_type, w, row_bytes, a, rows, k, y, n, n0, n1);
-        return;
-    }
-#endif
-    act16_rows(ggml_type, w, row_bytes, a, rows, k, y, n, n0, n1);
+    act16_rows(ggml_type, w, row_bytes, (const act16 *)prepared, rows, k, y, n, n0, n1);
 #else
     (void)ggml_type, (void)w, (void)row_bytes, (void)prepared, (void)rows, (void)k, (void)y, (void)n, (void)n0, (void)n1;
 #endif
