@@ -38,7 +38,7 @@ nftables:
 		|| echo "could not install nftables (not root?): tests/test_nat.py will be skipped"
 
 test: $(STAMP) cc chromium nftables
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -x -n 2 --dist loadfile --durations=15
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

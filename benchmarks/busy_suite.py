@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PYTEST = [sys.executable, "-m", "pytest", "-q", "-x", "--durations=15"]  # what `make test` runs
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-x", "-n", "2", "--dist", "loadfile", "--durations=15"]  # what `make test` runs
 
 HOG = "while True:\n    pass\n"
 

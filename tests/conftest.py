@@ -79,6 +79,15 @@ import time as _time  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
+def no_terminal_size_from_outside():
+    """pytest-xdist's workers export COLUMNS=80 and LINES=24 (`make test` runs two): a test that renders for a pipe
+    (the status table) or sets its own width must see what a plain run sees."""
+    saved = {name: _os.environ.pop(name) for name in ("COLUMNS", "LINES") if name in _os.environ}
+    yield
+    _os.environ.update(saved)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def temp_files_under_pytest(tmp_path_factory):
     """Temp files of the tests and of the processes they start (LocalSwarm's logs, multiprocessing's dirs) go under
     pytest's base temp dir, which pytest prunes itself (it keeps the last 3 runs): a run adds nothing to /tmp."""
@@ -153,3 +162,12 @@ def no_processes_left_behind(request):
             except Exception:
                 pass
         pytest.fail(f"{request.module.__name__} left processes running:\n" + "\n".join(described), pytrace=False)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Files with the most `slow` tests first (each file's order kept): `make test` hands out whole files to two
+    workers as they free up, and a long file started last would leave one worker alone at the end."""
+    slow_per_file: dict = {}
+    for item in items:
+        slow_per_file[item.path] = slow_per_file.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow_per_file[item.path])
