@@ -85,8 +85,8 @@ def reference_values(type_name: str, raw: np.ndarray, rows: int, cols: int) -> t
 @pytest.mark.parametrize("type_name", list(PACKED_TYPES))
 @pytest.mark.parametrize("width", ["super-chunks", "other"])
 def test_every_type_unpacks_to_gguf_pys_values_and_multiplies_as_they_do(type_name, width):
-    """Both layouts of a row: whole super-chunks of 16 blocks (Q4_0's one lane per block on AVX-512), and widths
-    that are not (chunks of 4 blocks, a partial last chunk: 18 blocks; the K-quants' 3 super-blocks)."""
+    """Both layouts of a row: whole super-chunks of 16 blocks (Q4_0 / Q4_1 / Q8_0: one lane per block on AVX-512),
+    and widths that are not (chunks of 4 blocks, a partial last chunk: 18 blocks; the K-quants' 3 super-blocks)."""
     block = PACKED_TYPES[type_name][1]
     rows, cols = 48, 512 if width == "super-chunks" else (576 if block == 32 else 768)
     raw = raw_blocks(type_name, rows, cols)

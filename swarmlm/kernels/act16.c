@@ -83,14 +83,15 @@ int64_t act16_integer_rows(int ggml_type) {
 #endif
 }
 
-/* Are rows of nb blocks of this type laid out one lane per block (packed.c one_lane_at)? Q4_0 / Q4_1 rows of at
- * least one super-chunk (16 blocks, 512 weights) on the AVX-512 builds: in a row's whole super-chunks a vpdpwssd lane
- * adds all 32 products of one block, so the float work (convert, scale, add) is once per 16 blocks instead of per 4
- * -- 1.2-1.5x the 4-lanes-per-block tiles at 1-8 rows, measured (docs/RESULTS-packed.md round 5); the rest of the
- * row (its tail, fewer than 16 blocks) stays in chunks of 4. The other types and builds keep chunks of 4. */
+/* Are rows of nb blocks of this type laid out one lane per block (packed.c one_lane_at, q8_0_at)? Q4_0 / Q4_1 /
+ * Q8_0 rows of at least one super-chunk (16 blocks, 512 weights) on the AVX-512 builds: in a row's whole super-chunks
+ * a vpdpwssd lane adds all 32 products of one block, so the float work (convert, scale, add) is once per 16 blocks
+ * instead of per 4 -- 1.2-1.5x the 4-lanes-per-block tiles at 1-8 rows, measured (docs/RESULTS-packed.md rounds 5,
+ * 6); the rest of the row (its tail, fewer than 16 blocks) stays in chunks of 4. The K-quants and the other builds
+ * keep chunks of 4. */
 int act16_one_lane(int ggml_type, int64_t nb) {
 #if defined(ACT16_WIDE) && ACT16_WIDE
-    return (ggml_type == 2 || ggml_type == 3) && nb >= 16;
+    return (ggml_type == 2 || ggml_type == 3 || ggml_type == 8) && nb >= 16;
 #else
     (void)ggml_type, (void)nb;
     return 0;
@@ -470,9 +471,10 @@ static void walk_rows(const tile_fn *wide, const tile_fn *narrow, const uint8_t 
 #endif
 
 #if defined(ACT16_WIDE) && ACT16_WIDE
-/* one-lane Q4_0 / Q4_1 (act16_one_lane): W weight rows x R activation rows over a row's whole super-chunks; group g
- * (64 bytes) of a super-chunk gives 4 vectors after shifts and masks, lane j of each two of block j's weights
- * (packed.c one_lane_at); the scales (and Q4_1's mins) are the row's fp16 ones, 16 per super-chunk */
+/* one-lane Q4_0 / Q4_1 / Q8_0 (act16_one_lane): W weight rows x R activation rows over a row's whole super-chunks;
+ * group g of a super-chunk gives 4 vectors, lane j of vector t two of block j's weights -- Q4's 64 bytes after shifts
+ * and masks (packed.c one_lane_at), Q8_0's 4 x 32 bytes by a sign extension each (packed.c q8_0_at) --; the scales
+ * (and Q4_1's mins) are the row's fp16 ones, 16 per super-chunk */
 static inline __attribute__((always_inline)) void lane_tile(const int T, const uint8_t *w, int64_t row_bytes,
                                                             int64_t nb, const act16 *a, float *y, int64_t n, int64_t i,
                                                             int64_t r0, const int W, const int R) {
@@ -492,6 +494,12 @@ static inline __attribute__((always_inline)) void lane_tile(const int T, const u
             __m512i v[2][4];
             ask_ahead(row0, W * row_bytes, 4 * ns, 4 * s + g);
             for (int u = 0; u < W; u++) {
+                if (T == 8) {
+                    for (int t = 0; t < 4; t++)
+                        v[u][t] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                            (const __m256i *)(row0 + u * row_bytes + 512 * s + 128 * g + 32 * t)));
+                    continue;
+                }
                 const __m512i q = _mm512_loadu_si512(row0 + u * row_bytes + 256 * s + 64 * g);
                 v[u][0] = _mm512_and_si512(q, low4);
                 v[u][1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
@@ -512,7 +520,7 @@ static inline __attribute__((always_inline)) void lane_tile(const int T, const u
             }
         }
         for (int u = 0; u < W; u++) {
-            const uint8_t *scales = row0 + u * row_bytes + 16 * nb + 32 * s;  /* d x nb, then Q4_1's m x nb */
+            const uint8_t *scales = row0 + u * row_bytes + (T == 8 ? 32 : 16) * nb + 32 * s;  /* d x nb, Q4_1's m x nb */
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
             const __m512 m = T == 3 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 2 * nb)))
                                     : _mm512_setzero_ps();
@@ -537,7 +545,7 @@ static inline __attribute__((always_inline)) void lane_tile(const int T, const u
     LANE_TILE(T, 1, 1) LANE_TILE(T, 1, 2) LANE_TILE(T, 1, 3) LANE_TILE(T, 1, 4) \
     static const tile_fn LANE_WIDE_##T[5] = {0, lane_##T##_2_1, lane_##T##_2_2, lane_##T##_2_3, lane_##T##_2_4}; \
     static const tile_fn LANE_NARROW_##T[5] = {0, lane_##T##_1_1, lane_##T##_1_2, lane_##T##_1_3, lane_##T##_1_4};
-LANE_TILES(2) LANE_TILES(3)
+LANE_TILES(2) LANE_TILES(3) LANE_TILES(8)
 
 #endif
 
@@ -549,8 +557,8 @@ static void act16_rows(int ggml_type, const uint8_t *w, int64_t row_bytes, const
     const int t = ggml_type;
 #if ACT16_WIDE
     if (a->supers) {
-        walk_rows(t == 2 ? LANE_WIDE_2 : LANE_WIDE_3, t == 2 ? LANE_NARROW_2 : LANE_NARROW_3, w, row_bytes, a, rows, k,
-                  y, n, n0, n1);
+        walk_rows(t == 2 ? LANE_WIDE_2 : t == 3 ? LANE_WIDE_3 : LANE_WIDE_8,
+                  t == 2 ? LANE_NARROW_2 : t == 3 ? LANE_NARROW_3 : LANE_NARROW_8, w, row_bytes, a, rows, k, y, n, n0, n1);
         return;
     }
 #endif
