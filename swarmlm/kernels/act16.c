@@ -196,6 +196,10 @@ static int act16_prepare(const float *x, int64_t rows, int64_t k, int64_t first_
                 memset(chunk->sum, 0, sizeof chunk->sum);
             }
             for (int c = 0; c < in_chunk; c++) prepare_block(x + r * k + 32 * (4 * ch + c), chunk, c);
+            if (first_chunk && in_chunk <= 2)  /* a one-lane row's tail of 1-2 blocks, also in slots 2, 3: the two
+                                                * weight rows of a tile share one chunk (pair_tail_sums); the tiles of
+                                                * one weight row find zero weights and scales there */
+                for (int c = 0; c < in_chunk; c++) prepare_block(x + r * k + 32 * (4 * ch + c), chunk, 2 + c);
         }
     out->chunks = buffer;
     out->chunks_per_row = per_row;
@@ -315,6 +319,59 @@ static inline __attribute__((always_inline)) void chunk_sums(const int T, const 
                 total[u][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(d[u], scale), total[u][r]);
                 if (T == 3 || T == 12 || T == 13) total[u][r] = _mm512_fmadd_ps(m[u], _mm512_load_ps(x->sum), total[u][r]);
             }
+        }
+    }
+}
+
+/* a one-lane row's tail of 1-2 blocks (n), for two weight rows at once: row i's blocks in slots 0, 1 of one chunk,
+ * row i + 1's in slots 2, 3, against the activations' tail chunk that holds the blocks in both (act16_prepare); lanes
+ * 0-7 add into row i's sums, 8-15 into row i + 1's. Half the products and float work of a chunk per weight row. */
+static inline __attribute__((always_inline)) void pair_tail_sums(const int T, const uint8_t *w, int64_t row_bytes,
+                                                                 int64_t nb, const act16 *a, int64_t i, int64_t r0,
+                                                                 const int R, __m512 total[2][4]) {
+    const int64_t ch = a->first_chunk, n = nb - 4 * ch;
+    const uint8_t *u0 = w + i * row_bytes, *u1 = u0 + row_bytes;
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m512i v[4];
+    if (T == 8) {  /* quarter q: 8 n bytes of each row (act16's order), row i + 1's from byte 16 of the vector's 32 */
+        const __mmask32 lo = (__mmask32)((1u << (8 * n)) - 1), hi = lo << 16;
+        for (int q = 0; q < 4; q++) {
+            const int64_t at = 128 * ch + 8 * n * q;
+            v[q] = _mm512_cvtepi8_epi16(_mm256_mask_loadu_epi8(_mm256_maskz_loadu_epi8(lo, u0 + at), hi, u1 + at - 16));
+        }
+    } else {  /* 16 n bytes of nibbles of each row, row i + 1's from byte 32 */
+        const __m512i low4 = _mm512_set1_epi16(0xf);
+        const __mmask64 lo = (1ULL << (16 * n)) - 1, hi = lo << 32;
+        const __m512i q = _mm512_mask_loadu_epi8(_mm512_maskz_loadu_epi8(lo, u0 + 64 * ch), hi, u1 + 64 * ch - 32);
+        v[0] = _mm512_and_si512(q, low4);
+        v[1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+        v[2] = _mm512_and_si512(_mm512_srli_epi16(q, 8), low4);
+        v[3] = _mm512_srli_epi16(q, 12);
+    }
+    const __mmask8 lo = (__mmask8)((1u << n) - 1), hi = (__mmask8)(lo << 2);
+    const uint16_t *d0 = (const uint16_t *)(u0 + nb * (T == 8 ? 32 : BLOCK_BYTES)) + 4 * ch;
+    const uint16_t *d1 = (const uint16_t *)(u1 + nb * (T == 8 ? 32 : BLOCK_BYTES)) + 4 * ch;
+    const __m512 d = _mm512_permutexvar_ps(spread, _mm512_cvtph_ps(_mm256_zextsi128_si256(
+                                                       _mm_mask_loadu_epi16(_mm_maskz_loadu_epi16(lo, d0), hi, d1 - 2))));
+    const __m512 m = T == 3 ? _mm512_permutexvar_ps(spread, _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_mask_loadu_epi16(
+                                  _mm_maskz_loadu_epi16(lo, d0 + nb), hi, d1 + nb - 2))))
+                            : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) {
+        const act_chunk *x = a->chunks + (r0 + r) * a->chunks_per_row + ch;
+        __m512i acc = T == 2 ? _mm512_load_si512(x->offset) : _mm512_setzero_si512();
+        for (int t = 0; t < 4; t++)
+#if defined(__AVX512VNNI__)
+            acc = _mm512_dpwssd_epi32(acc, v[t], _mm512_load_si512(x->q + 32 * t));
+#else
+            acc = _mm512_add_epi32(acc, _mm512_madd_epi16(v[t], _mm512_load_si512(x->q + 32 * t)));
+#endif
+        const __m512 products = _mm512_cvtepi32_ps(acc), dx = _mm512_mul_ps(d, _mm512_load_ps(x->scale));
+        total[0][r] = _mm512_mask3_fmadd_ps(products, dx, total[0][r], 0x00ff);
+        total[1][r] = _mm512_mask3_fmadd_ps(products, dx, total[1][r], 0xff00);
+        if (T == 3) {
+            const __m512 sum = _mm512_load_ps(x->sum);
+            total[0][r] = _mm512_mask3_fmadd_ps(m, sum, total[0][r], 0x00ff);
+            total[1][r] = _mm512_mask3_fmadd_ps(m, sum, total[1][r], 0xff00);
         }
     }
 }
@@ -532,7 +589,10 @@ static inline __attribute__((always_inline)) void lane_tile(const int T, const u
             }
         }
     }
-    if (a->chunks) chunk_sums(T, w, row_bytes, nb, a, i, r0, W, R, total);  /* the tail, from a->first_chunk on */
+    if (a->chunks && W == 2 && nb - 4 * a->first_chunk <= 2)  /* the tail, from a->first_chunk on */
+        pair_tail_sums(T, w, row_bytes, nb, a, i, r0, R, total);
+    else if (a->chunks)
+        chunk_sums(T, w, row_bytes, nb, a, i, r0, W, R, total);
     for (int u = 0; u < W; u++)
         for (int r = 0; r < R; r++) y[(r0 + r) * n + i + u] = _mm512_reduce_add_ps(total[u][r]);
 }
