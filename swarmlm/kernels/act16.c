@@ -323,6 +323,35 @@ static inline __attribute__((always_inline)) void chunk_sums(const int T, const 
     }
 }
 
+/* y[r0 + r, i + u] = the sum of total[u][r]'s lanes. A tile of 2 x 4 adds its 8 vectors' lanes as one tree (~30
+ * vector operations instead of 8 reductions of 8: ~a seventh of a 576-wide tile's work) */
+static inline __attribute__((always_inline)) void store_sums(__m512 total[2][4], float *y, int64_t n, int64_t i,
+                                                             int64_t r0, const int W, const int R) {
+    if (W != 2 || R != 4) {
+        for (int u = 0; u < W; u++)
+            for (int r = 0; r < R; r++) y[(r0 + r) * n + i + u] = _mm512_reduce_add_ps(total[u][r]);
+        return;
+    }
+    __m512 half[4], quarter[2];
+    for (int r = 0; r < 4; r++)  /* vector k = 2 r + u: 256-bit halves added, (u = 0 | u = 1) */
+        half[r] = _mm512_add_ps(_mm512_shuffle_f32x4(total[0][r], total[1][r], _MM_SHUFFLE(1, 0, 1, 0)),
+                                _mm512_shuffle_f32x4(total[0][r], total[1][r], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int p = 0; p < 2; p++)  /* 128-bit quarter j: 4 partial sums of vector 4 p + j */
+        quarter[p] = _mm512_add_ps(_mm512_shuffle_f32x4(half[2 * p], half[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(half[2 * p], half[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* quarter j: lanes (vector j, vector 4 + j, ...) after interleaving, then each lane pair's other half added */
+    const __m512 pairs = _mm512_add_ps(_mm512_unpacklo_ps(quarter[0], quarter[1]), _mm512_unpackhi_ps(quarter[0], quarter[1]));
+    const __m512 sums = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, _MM_SHUFFLE(1, 0, 3, 2)));
+    /* lane 0 of quarter j: vector j; lane 1: vector 4 + j -> vectors 0..7 = (r, u) in order */
+    const __m256 out = _mm512_castps512_ps256(
+        _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), sums));
+    const __m128 low = _mm256_castps256_ps128(out), high = _mm256_extractf128_ps(out, 1);
+    _mm_storel_pi((__m64 *)(y + r0 * n + i), low);
+    _mm_storeh_pi((__m64 *)(y + (r0 + 1) * n + i), low);
+    _mm_storel_pi((__m64 *)(y + (r0 + 2) * n + i), high);
+    _mm_storeh_pi((__m64 *)(y + (r0 + 3) * n + i), high);
+}
+
 /* a one-lane row's tail of 1-2 blocks (n), for two weight rows at once: row i's blocks in slots 0, 1 of one chunk,
  * row i + 1's in slots 2, 3, against the activations' tail chunk that holds the blocks in both (act16_prepare); lanes
  * 0-7 add into row i's sums, 8-15 into row i + 1's. Half the products and float work of a chunk per weight row. */
@@ -384,8 +413,7 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
     for (int u = 0; u < W; u++)
         for (int r = 0; r < R; r++) total[u][r] = _mm512_setzero_ps();
     chunk_sums(T, w, row_bytes, nb, a, i, r0, W, R, total);
-    for (int u = 0; u < W; u++)
-        for (int r = 0; r < R; r++) y[(r0 + r) * n + i + u] = _mm512_reduce_add_ps(total[u][r]);
+    store_sums(total, y, n, i, r0, W, R);
 }
 #elif defined(ACT16_WIDE)
 /* AVX2: half a chunk (2 blocks, 32 bytes of nibbles) at a time; the same activation layout, read by halves */
@@ -593,8 +621,7 @@ static inline __attribute__((always_inline)) void lane_tile(const int T, const u
         pair_tail_sums(T, w, row_bytes, nb, a, i, r0, R, total);
     else if (a->chunks)
         chunk_sums(T, w, row_bytes, nb, a, i, r0, W, R, total);
-    for (int u = 0; u < W; u++)
-        for (int r = 0; r < R; r++) y[(r0 + r) * n + i + u] = _mm512_reduce_add_ps(total[u][r]);
+    store_sums(total, y, n, i, r0, W, R);
 }
 
 #define LANE_TILE(T, W, R) \
