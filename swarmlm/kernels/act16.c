@@ -323,8 +323,9 @@ static inline __attribute__((always_inline)) void chunk_sums(const int T, const 
     }
 }
 
-/* y[r0 + r, i + u] = the sum of total[u][r]'s lanes. A tile of 2 x 4 adds its 8 vectors' lanes as one tree (~30
- * vector operations instead of 8 reductions of 8: ~a seventh of a 576-wide tile's work) */
+/* y[r0 + r, i + u] = the sum of total[u][r]'s lanes. A tile of 2 x 4 adds its 8 vectors' lanes as one tree: ~30
+ * vector operations instead of 8 reductions of ~8 (by count ~1/7 of a 576-wide 2 x 4 tile's operations), the
+ * additions in the same order, so the same bits */
 static inline __attribute__((always_inline)) void store_sums(__m512 total[2][4], float *y, int64_t n, int64_t i,
                                                              int64_t r0, const int W, const int R) {
     if (W != 2 || R != 4) {
