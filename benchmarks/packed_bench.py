@@ -277,6 +277,8 @@ def batching(args) -> None:
                                              add_generation_prompt=True, return_tensors="pt", return_dict=True)
                ["input_ids"] for t in topics[:args.sessions]]
     blocks = int(load_config(model).num_hidden_layers)
+    # the mask given: else generate() infers one from the pad id, and SmolLM2's pad is <|im_end|>, which every chat
+    # prompt holds (with the end-of-sequence id past the vocabulary, those prompt tokens would be masked out)
     kwargs = _fixed_length(load_config(model), args.tokens)
     with LocalSwarm(model, threads=1, with_dht=False) as swarm:
         swarm.start([BlockRange(0, blocks)])
@@ -285,12 +287,12 @@ def batching(args) -> None:
         rates = {"one by one": [], f"{args.sessions} at once": []}
         for _ in range(args.rounds):
             t0 = time.perf_counter()
-            alone = [client.generate(p, **kwargs) for p in prompts]
+            alone = [client.generate(p, attention_mask=torch.ones_like(p), **kwargs) for p in prompts]
             rates["one by one"].append(len(prompts) * args.tokens / (time.perf_counter() - t0))
             together: list = [None] * len(prompts)
 
             def run(i: int) -> None:
-                together[i] = client.generate(prompts[i], **kwargs)
+                together[i] = client.generate(prompts[i], attention_mask=torch.ones_like(prompts[i]), **kwargs)
 
             threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
             t0 = time.perf_counter()

@@ -85,8 +85,8 @@ def reference_values(type_name: str, raw: np.ndarray, rows: int, cols: int) -> t
 @pytest.mark.parametrize("type_name", list(PACKED_TYPES))
 @pytest.mark.parametrize("width", ["super-chunks", "other"])
 def test_every_type_unpacks_to_gguf_pys_values_and_multiplies_as_they_do(type_name, width):
-    """Both layouts of a row: whole super-chunks of 16 blocks (Q4_0's one lane per block on AVX-512), and widths
-    that are not (chunks of 4 blocks, a partial last chunk: 18 blocks; the K-quants' 3 super-blocks)."""
+    """Both layouts of a row: whole super-chunks of 16 blocks (Q4_0 / Q4_1 / Q8_0: one lane per block on AVX-512),
+    and widths that are not (chunks of 4 blocks, a partial last chunk: 18 blocks; the K-quants' 3 super-blocks)."""
     block = PACKED_TYPES[type_name][1]
     rows, cols = 48, 512 if width == "super-chunks" else (576 if block == 32 else 768)
     raw = raw_blocks(type_name, rows, cols)
@@ -105,6 +105,20 @@ def test_every_type_unpacks_to_gguf_pys_values_and_multiplies_as_they_do(type_na
         got = packed.matmul(x)
         assert rel_l2(got, product_reference(type_name, x, want)) < 1e-5, batch
         assert rel_l2(got, x @ want.T) < tolerance(type_name), batch
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("cols", [544, 576])
+def test_a_one_lane_rows_short_tail_is_shared_by_two_weight_rows_and_alone_by_the_last(type_name, cols):
+    """Rows of a super-chunk and a tail of 1 or 2 blocks: the tiles of two weight rows multiply both rows' tails in
+    one chunk, an odd last row alone (act16.c pair_tail_sums); both equal the reference, at 1-8 activation rows."""
+    rows = 9
+    raw = raw_blocks(type_name, rows, cols, seed=3)
+    want = reference_values(type_name, raw, rows, cols)
+    packed = packed_from_numpy(type_name, raw, cols)
+    for batch in (1, 2, 5, 8):
+        x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch))
+        assert rel_l2(packed.matmul(x), product_reference(type_name, x, want)) < 1e-5, batch
 
 
 def test_rounding_activations_to_int16_blocks_is_what_changes_a_q4_product():

@@ -83,14 +83,15 @@ int64_t act16_integer_rows(int ggml_type) {
 #endif
 }
 
-/* Are rows of nb blocks of this type laid out one lane per block (packed.c one_lane_at)? Q4_0 / Q4_1 rows of at
- * least one super-chunk (16 blocks, 512 weights) on the AVX-512 builds: in a row's whole super-chunks a vpdpwssd lane
- * adds all 32 products of one block, so the float work (convert, scale, add) is once per 16 blocks instead of per 4
- * -- 1.2-1.5x the 4-lanes-per-block tiles at 1-8 rows, measured (docs/RESULTS-packed.md round 5); the rest of the
- * row (its tail, fewer than 16 blocks) stays in chunks of 4. The other types and builds keep chunks of 4. */
+/* Are rows of nb blocks of this type laid out one lane per block (packed.c one_lane_at, q8_0_at)? Q4_0 / Q4_1 /
+ * Q8_0 rows of at least one super-chunk (16 blocks, 512 weights) on the AVX-512 builds: in a row's whole super-chunks
+ * a vpdpwssd lane adds all 32 products of one block, so the float work (convert, scale, add) is once per 16 blocks
+ * instead of per 4 -- 1.2-1.5x the 4-lanes-per-block tiles at 1-8 rows, measured (docs/RESULTS-packed.md rounds 5,
+ * 6); the rest of the row (its tail, fewer than 16 blocks) stays in chunks of 4. The K-quants and the other builds
+ * keep chunks of 4. */
 int act16_one_lane(int ggml_type, int64_t nb) {
 #if defined(ACT16_WIDE) && ACT16_WIDE
-    return (ggml_type == 2 || ggml_type == 3) && nb >= 16;
+    return (ggml_type == 2 || ggml_type == 3 || ggml_type == 8) && nb >= 16;
 #else
     (void)ggml_type, (void)nb;
     return 0;
@@ -195,6 +196,10 @@ static int act16_prepare(const float *x, int64_t rows, int64_t k, int64_t first_
                 memset(chunk->sum, 0, sizeof chunk->sum);
             }
             for (int c = 0; c < in_chunk; c++) prepare_block(x + r * k + 32 * (4 * ch + c), chunk, c);
+            if (first_chunk && in_chunk <= 2)  /* a one-lane row's tail of 1-2 blocks, also in slots 2, 3: the two
+                                                * weight rows of a tile share one chunk (pair_tail_sums); the tiles of
+                                                * one weight row find zero weights and scales there */
+                for (int c = 0; c < in_chunk; c++) prepare_block(x + r * k + 32 * (4 * ch + c), chunk, 2 + c);
         }
     out->chunks = buffer;
     out->chunks_per_row = per_row;
@@ -318,6 +323,89 @@ static inline __attribute__((always_inline)) void chunk_sums(const int T, const 
     }
 }
 
+/* y[r0 + r, i + u] = the sum of total[u][r]'s lanes. A tile of 2 x 4 adds its 8 vectors' lanes as one tree: ~30
+ * vector operations instead of 8 reductions of ~8 (by count ~1/7 of a 576-wide 2 x 4 tile's operations), the
+ * additions in the same order, so the same bits */
+static inline __attribute__((always_inline)) void store_sums(__m512 total[2][4], float *y, int64_t n, int64_t i,
+                                                             int64_t r0, const int W, const int R) {
+    if (W != 2 || R != 4) {
+        for (int u = 0; u < W; u++)
+            for (int r = 0; r < R; r++) y[(r0 + r) * n + i + u] = _mm512_reduce_add_ps(total[u][r]);
+        return;
+    }
+    __m512 half[4], quarter[2];
+    for (int r = 0; r < 4; r++)  /* vector k = 2 r + u: 256-bit halves added, (u = 0 | u = 1) */
+        half[r] = _mm512_add_ps(_mm512_shuffle_f32x4(total[0][r], total[1][r], _MM_SHUFFLE(1, 0, 1, 0)),
+                                _mm512_shuffle_f32x4(total[0][r], total[1][r], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int p = 0; p < 2; p++)  /* 128-bit quarter j: 4 partial sums of vector 4 p + j */
+        quarter[p] = _mm512_add_ps(_mm512_shuffle_f32x4(half[2 * p], half[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(half[2 * p], half[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* quarter j: lanes (vector j, vector 4 + j, ...) after interleaving, then each lane pair's other half added */
+    const __m512 pairs = _mm512_add_ps(_mm512_unpacklo_ps(quarter[0], quarter[1]), _mm512_unpackhi_ps(quarter[0], quarter[1]));
+    const __m512 sums = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, _MM_SHUFFLE(1, 0, 3, 2)));
+    /* lane 0 of quarter j: vector j; lane 1: vector 4 + j -> vectors 0..7 = (r, u) in order */
+    const __m256 out = _mm512_castps512_ps256(
+        _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), sums));
+    const __m128 low = _mm256_castps256_ps128(out), high = _mm256_extractf128_ps(out, 1);
+    _mm_storel_pi((__m64 *)(y + r0 * n + i), low);
+    _mm_storeh_pi((__m64 *)(y + (r0 + 1) * n + i), low);
+    _mm_storel_pi((__m64 *)(y + (r0 + 2) * n + i), high);
+    _mm_storeh_pi((__m64 *)(y + (r0 + 3) * n + i), high);
+}
+
+/* a one-lane row's tail of 1-2 blocks (n), for two weight rows at once: row i's blocks in slots 0, 1 of one chunk,
+ * row i + 1's in slots 2, 3, against the activations' tail chunk that holds the blocks in both (act16_prepare); lanes
+ * 0-7 add into row i's sums, 8-15 into row i + 1's. Half the products and float work of a chunk per weight row. */
+static inline __attribute__((always_inline)) void pair_tail_sums(const int T, const uint8_t *w, int64_t row_bytes,
+                                                                 int64_t nb, const act16 *a, int64_t i, int64_t r0,
+                                                                 const int R, __m512 total[2][4]) {
+    const int64_t ch = a->first_chunk, n = nb - 4 * ch;
+    const uint8_t *u0 = w + i * row_bytes, *u1 = u0 + row_bytes;
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m512i v[4];
+    if (T == 8) {  /* quarter q: 8 n bytes of each row (act16's order), row i + 1's from byte 16 of the vector's 32 */
+        const __mmask32 lo = (__mmask32)((1u << (8 * n)) - 1), hi = lo << 16;
+        for (int q = 0; q < 4; q++) {
+            const int64_t at = 128 * ch + 8 * n * q;
+            v[q] = _mm512_cvtepi8_epi16(_mm256_mask_loadu_epi8(_mm256_maskz_loadu_epi8(lo, u0 + at), hi, u1 + at - 16));
+        }
+    } else {  /* 16 n bytes of nibbles of each row, row i + 1's from byte 32 */
+        const __m512i low4 = _mm512_set1_epi16(0xf);
+        const __mmask64 lo = (1ULL << (16 * n)) - 1, hi = lo << 32;
+        const __m512i q = _mm512_mask_loadu_epi8(_mm512_maskz_loadu_epi8(lo, u0 + 64 * ch), hi, u1 + 64 * ch - 32);
+        v[0] = _mm512_and_si512(q, low4);
+        v[1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+        v[2] = _mm512_and_si512(_mm512_srli_epi16(q, 8), low4);
+        v[3] = _mm512_srli_epi16(q, 12);
+    }
+    const __mmask8 lo = (__mmask8)((1u << n) - 1), hi = (__mmask8)(lo << 2);
+    const uint16_t *d0 = (const uint16_t *)(u0 + nb * (T == 8 ? 32 : BLOCK_BYTES)) + 4 * ch;
+    const uint16_t *d1 = (const uint16_t *)(u1 + nb * (T == 8 ? 32 : BLOCK_BYTES)) + 4 * ch;
+    const __m512 d = _mm512_permutexvar_ps(spread, _mm512_cvtph_ps(_mm256_zextsi128_si256(
+                                                       _mm_mask_loadu_epi16(_mm_maskz_loadu_epi16(lo, d0), hi, d1 - 2))));
+    const __m512 m = T == 3 ? _mm512_permutexvar_ps(spread, _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_mask_loadu_epi16(
+                                  _mm_maskz_loadu_epi16(lo, d0 + nb), hi, d1 + nb - 2))))
+                            : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) {
+        const act_chunk *x = a->chunks + (r0 + r) * a->chunks_per_row + ch;
+        __m512i acc = T == 2 ? _mm512_load_si512(x->offset) : _mm512_setzero_si512();
+        for (int t = 0; t < 4; t++)
+#if defined(__AVX512VNNI__)
+            acc = _mm512_dpwssd_epi32(acc, v[t], _mm512_load_si512(x->q + 32 * t));
+#else
+            acc = _mm512_add_epi32(acc, _mm512_madd_epi16(v[t], _mm512_load_si512(x->q + 32 * t)));
+#endif
+        const __m512 products = _mm512_cvtepi32_ps(acc), dx = _mm512_mul_ps(d, _mm512_load_ps(x->scale));
+        total[0][r] = _mm512_mask3_fmadd_ps(products, dx, total[0][r], 0x00ff);
+        total[1][r] = _mm512_mask3_fmadd_ps(products, dx, total[1][r], 0xff00);
+        if (T == 3) {
+            const __m512 sum = _mm512_load_ps(x->sum);
+            total[0][r] = _mm512_mask3_fmadd_ps(m, sum, total[0][r], 0x00ff);
+            total[1][r] = _mm512_mask3_fmadd_ps(m, sum, total[1][r], 0xff00);
+        }
+    }
+}
+
 /* W weight rows x R activation rows; a chunk's nibbles are unpacked once for the R rows */
 static inline __attribute__((always_inline)) void tile(const int T, const uint8_t *w, int64_t row_bytes, int64_t nb,
                                                        const act16 *a, float *y, int64_t n, int64_t i, int64_t r0,
@@ -326,8 +414,7 @@ static inline __attribute__((always_inline)) void tile(const int T, const uint8_
     for (int u = 0; u < W; u++)
         for (int r = 0; r < R; r++) total[u][r] = _mm512_setzero_ps();
     chunk_sums(T, w, row_bytes, nb, a, i, r0, W, R, total);
-    for (int u = 0; u < W; u++)
-        for (int r = 0; r < R; r++) y[(r0 + r) * n + i + u] = _mm512_reduce_add_ps(total[u][r]);
+    store_sums(total, y, n, i, r0, W, R);
 }
 #elif defined(ACT16_WIDE)
 /* AVX2: half a chunk (2 blocks, 32 bytes of nibbles) at a time; the same activation layout, read by halves */
@@ -470,9 +557,10 @@ static void walk_rows(const tile_fn *wide, const tile_fn *narrow, const uint8_t 
 #endif
 
 #if defined(ACT16_WIDE) && ACT16_WIDE
-/* one-lane Q4_0 / Q4_1 (act16_one_lane): W weight rows x R activation rows over a row's whole super-chunks; group g
- * (64 bytes) of a super-chunk gives 4 vectors after shifts and masks, lane j of each two of block j's weights
- * (packed.c one_lane_at); the scales (and Q4_1's mins) are the row's fp16 ones, 16 per super-chunk */
+/* one-lane Q4_0 / Q4_1 / Q8_0 (act16_one_lane): W weight rows x R activation rows over a row's whole super-chunks;
+ * group g of a super-chunk gives 4 vectors, lane j of vector t two of block j's weights -- Q4's 64 bytes after shifts
+ * and masks (packed.c one_lane_at), Q8_0's 4 x 32 bytes by a sign extension each (packed.c q8_0_at) --; the scales
+ * (and Q4_1's mins) are the row's fp16 ones, 16 per super-chunk */
 static inline __attribute__((always_inline)) void lane_tile(const int T, const uint8_t *w, int64_t row_bytes,
                                                             int64_t nb, const act16 *a, float *y, int64_t n, int64_t i,
                                                             int64_t r0, const int W, const int R) {
@@ -492,6 +580,12 @@ static inline __attribute__((always_inline)) void lane_tile(const int T, const u
             __m512i v[2][4];
             ask_ahead(row0, W * row_bytes, 4 * ns, 4 * s + g);
             for (int u = 0; u < W; u++) {
+                if (T == 8) {
+                    for (int t = 0; t < 4; t++)
+                        v[u][t] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                            (const __m256i *)(row0 + u * row_bytes + 512 * s + 128 * g + 32 * t)));
+                    continue;
+                }
                 const __m512i q = _mm512_loadu_si512(row0 + u * row_bytes + 256 * s + 64 * g);
                 v[u][0] = _mm512_and_si512(q, low4);
                 v[u][1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
@@ -512,7 +606,7 @@ static inline __attribute__((always_inline)) void lane_tile(const int T, const u
             }
         }
         for (int u = 0; u < W; u++) {
-            const uint8_t *scales = row0 + u * row_bytes + 16 * nb + 32 * s;  /* d x nb, then Q4_1's m x nb */
+            const uint8_t *scales = row0 + u * row_bytes + (T == 8 ? 32 : 16) * nb + 32 * s;  /* d x nb, Q4_1's m x nb */
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
             const __m512 m = T == 3 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 2 * nb)))
                                     : _mm512_setzero_ps();
@@ -524,9 +618,11 @@ static inline __attribute__((always_inline)) void lane_tile(const int T, const u
             }
         }
     }
-    if (a->chunks) chunk_sums(T, w, row_bytes, nb, a, i, r0, W, R, total);  /* the tail, from a->first_chunk on */
-    for (int u = 0; u < W; u++)
-        for (int r = 0; r < R; r++) y[(r0 + r) * n + i + u] = _mm512_reduce_add_ps(total[u][r]);
+    if (a->chunks && W == 2 && nb - 4 * a->first_chunk <= 2)  /* the tail, from a->first_chunk on */
+        pair_tail_sums(T, w, row_bytes, nb, a, i, r0, R, total);
+    else if (a->chunks)
+        chunk_sums(T, w, row_bytes, nb, a, i, r0, W, R, total);
+    store_sums(total, y, n, i, r0, W, R);
 }
 
 #define LANE_TILE(T, W, R) \
@@ -537,7 +633,7 @@ static inline __attribute__((always_inline)) void lane_tile(const int T, const u
     LANE_TILE(T, 1, 1) LANE_TILE(T, 1, 2) LANE_TILE(T, 1, 3) LANE_TILE(T, 1, 4) \
     static const tile_fn LANE_WIDE_##T[5] = {0, lane_##T##_2_1, lane_##T##_2_2, lane_##T##_2_3, lane_##T##_2_4}; \
     static const tile_fn LANE_NARROW_##T[5] = {0, lane_##T##_1_1, lane_##T##_1_2, lane_##T##_1_3, lane_##T##_1_4};
-LANE_TILES(2) LANE_TILES(3)
+LANE_TILES(2) LANE_TILES(3) LANE_TILES(8)
 
 #endif
 
@@ -549,8 +645,8 @@ static void act16_rows(int ggml_type, const uint8_t *w, int64_t row_bytes, const
     const int t = ggml_type;
 #if ACT16_WIDE
     if (a->supers) {
-        walk_rows(t == 2 ? LANE_WIDE_2 : LANE_WIDE_3, t == 2 ? LANE_NARROW_2 : LANE_NARROW_3, w, row_bytes, a, rows, k,
-                  y, n, n0, n1);
+        walk_rows(t == 2 ? LANE_WIDE_2 : t == 3 ? LANE_WIDE_3 : LANE_WIDE_8,
+                  t == 2 ? LANE_NARROW_2 : t == 3 ? LANE_NARROW_3 : LANE_NARROW_8, w, row_bytes, a, rows, k, y, n, n0, n1);
         return;
     }
 #endif

@@ -196,12 +196,16 @@ static inline float split_scale(int ggml_type, const uint8_t *scales, int64_t i)
 
 /* Q8_0's quants are kept in act16's order: a chunk of 4 blocks (fewer at a row's end: cn) is 4 quarters of 8 cn
  * bytes, quarter v byte 8 c + t = block c's weight WEIGHT_OF[v][t] (act16.c), so that one sign extension gives
- * the integer products a vector; where weight j of block b is: */
-/* where weight j of a block sits in act16's word order: vector v (WEIGHT_OF's row), word t */
+ * the integer products a vector; a one-lane row's (act16_one_lane) whole super-chunks of 16 blocks are 16 groups of
+ * 32 bytes instead, one sign extension giving a vector whose lane i holds two of block i's weights. Where weight j
+ * of a block sits in act16's word order: vector v (WEIGHT_OF's row), word t; and in the row (q8_0_at): */
 static inline int act16_vector(int j) { return (j & 1) * 2 + (j >= 16); }
 static inline int act16_word(int j) { return (j & 15) >> 1; }
 
 static inline int64_t q8_0_at(int64_t nb, int64_t b, int j) {
+    if (act16_one_lane(8, nb) && b < 16 * (nb / 16))  /* one lane per block: a super-chunk's 16 groups of 32 bytes,
+                                                       * group t byte 2 i + e = block 16 s + i's weight 2 t + e */
+        return 512 * (b / 16) + 32 * (j / 2) + 2 * (b % 16) + j % 2;
     const int64_t chunk = b / 4, cn = nb - 4 * chunk < 4 ? nb - 4 * chunk : 4;
     return 128 * chunk + 8 * cn * act16_vector(j) + 8 * (b % 4) + act16_word(j);
 }
