@@ -33,7 +33,6 @@ def test_both_transports_parse_requests_through_one_table():
 
     from swarmlm.server import frame_server
     from swarmlm.server.inbound import METHODS, UNPARSABLE, request_of
-    from swarmlm.wire import swarm_pb2 as pb
 
     assert set(METHODS) == set(pb.DESCRIPTOR.services_by_name["Swarm"].methods_by_name)
     for method, (request_type, _, _) in METHODS.items():
@@ -205,7 +204,6 @@ def test_a_pushed_step_waits_for_the_last_reply_or_a_broken_middle_stream():
 
 
 def test_blocking_reads_take_frames_in_order_and_time_out():
-    from swarmlm.wire import swarm_pb2 as pb
 
     replies = [pb.InferenceReply(step_id=i, position=i) for i in (1, 2)]
     call, peer = _client_end(b"".join(frames.frame(Kind.REPLY, r.SerializeToString()) for r in replies), close=False)
@@ -226,7 +224,6 @@ def test_a_pushing_server_takes_only_a_signed_frame_port():
     pushes (port 0)."""
     from swarmlm.server.frame_push import FramePushes
     from swarmlm.swarm.identity import Identity, sign_info
-    from swarmlm.wire import swarm_pb2 as pb
 
     identity = Identity.generate()
     old_nonce = b"n" * 16
@@ -285,7 +282,6 @@ def test_a_stream_sent_faster_than_its_inbox_takes_it_is_answered_in_order(tiny_
     from swarmlm.bench.frame_attacks import HELLO, frame_port, open_request
     from swarmlm.types import BlockRange
     from swarmlm.wire import codec
-    from swarmlm.wire import swarm_pb2 as pb
     from tests.swarm_helpers import in_process_server
 
     hidden = 64  # tiny-bloom's
