@@ -81,8 +81,11 @@ class SchedulerConfig:
     # two decode forwards), so sessions in lockstep share one forward
     batch_wait: StragglerWait = StragglerWait(fraction=0.05, max_s=0.01)
     # a lone session's decode step whose last forward took at most this long runs on the I/O loop's thread, without
-    # the two hand-offs to the compute thread and back; it blocks the loop that long (0 = never)
-    inline_decode_max_s: float = 0.05
+    # the two hand-offs to the compute thread and back; it blocks the loop that long (0 = never). Off by default:
+    # on a busy machine the thread that computes then also waits on the sockets, and the kernel wakes a thread that
+    # just ran long forwards late (framed steps 2.06 ms per hop outside compute inline vs 0.94 on the compute thread,
+    # gRPC 1.29 vs 1.50, one run alternated at load 7-9: docs/RESULTS-hop.md "Round 6")
+    inline_decode_max_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.max_prefill_skips < 0:
@@ -164,9 +167,9 @@ class ServerConfig:
     # also serve Inference streams and pushes as frames on plain TCP, on a second port of the same host (announced
     # in Info; relayed servers: gRPC only), for clients that opt in (ClientConfig.frames). False = gRPC only
     frames: bool = True
-    # push to the next server on its framed port when it announces one (server/frame_push.py); off by default, as
-    # the clients' framed streams (docs/RESULTS-hop.md)
-    push_frames: bool = False
+    # push to the next server on its framed port when it announces one (server/frame_push.py); False = pushes by
+    # gRPC always
+    push_frames: bool = True
     session_idle_timeout_s: float = 120.0  # a session with no step for this long is closed
     push_timeout_s: float = 10.0  # a push to the next server (server/push.py) not answered by then has failed
     # steps of one session waiting to run; a full inbox holds the client's stream and pushers back
@@ -317,10 +320,9 @@ class ClientConfig:
     push: PushMode = "auto"
     swarm_key: bytes | None = field(default=None, repr=False)  # a private swarm's shared secret (swarm/private.py)
     # Inference streams on a server's framed step port when its Info announces one (wire/frames.py); decode steps
-    # then run from the caller's thread. Off by default: ~0.5 ms less per hop than gRPC with a core to spare, but
-    # 1.2-4.6x more on an oversubscribed machine (its threads wait longer for a CPU, docs/RESULTS-hop.md "Under
-    # load", round 4); False = gRPC's Inference call always
-    frames: bool = False
+    # then run from the caller's thread. Less work per message than gRPC and faster side by side (docs/RESULTS-hop.md
+    # "Round 6"); False = gRPC's Inference call always
+    frames: bool = True
     # start sessions from prefixes the servers keep from earlier sessions and keep each finished session's prefix
     # (client/prefix.py); False = every session prefills its whole prompt
     prefix_cache: bool = True
