@@ -81,11 +81,10 @@ class SchedulerConfig:
     # two decode forwards), so sessions in lockstep share one forward
     batch_wait: StragglerWait = StragglerWait(fraction=0.05, max_s=0.01)
     # a lone session's decode step whose last forward took at most this long runs on the I/O loop's thread, without
-    # the two hand-offs to the compute thread and back; it blocks the loop that long (0 = never). Off by default:
-    # on a busy machine the thread that computes then also waits on the sockets, and the kernel wakes a thread that
-    # just ran long forwards late (framed steps 2.06 ms per hop outside compute inline vs 0.94 on the compute thread,
-    # gRPC 1.29 vs 1.50, one run alternated at load 7-9: docs/RESULTS-hop.md "Round 6")
-    inline_decode_max_s: float = 0.0
+    # the two hand-offs to the compute thread and back; it blocks the loop that long (0 = never). Side by side at
+    # load 7-9 (docs/RESULTS-hop.md "Round 6"): in real decoding (the client's LM head between steps) it helps framed
+    # steps (1.99 vs 3.95 ms per SmolLM2 hop outside compute); with steps back to back it hurts them (2.06 vs 0.94)
+    inline_decode_max_s: float = 0.05
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.max_prefill_skips < 0:

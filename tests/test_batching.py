@@ -397,26 +397,23 @@ def _threads_of(scheduler: Scheduler, plan: list[list[str]], forward_s: float = 
         scheduler.stop()
 
 
-INLINE = SchedulerConfig(inline_decode_max_s=0.05)  # (off by default: config.SchedulerConfig)
-
-
 def test_a_lone_sessions_decode_steps_skip_the_hand_off_to_the_compute_thread():
     main_thread = threading.current_thread().name  # asyncio.run's loop runs on it
-    rounds = _threads_of(scheduler := Scheduler(1, INLINE), [["a"]] * 5)
+    rounds = _threads_of(scheduler := Scheduler(1), [["a"]] * 5)
     # the first step goes to the worker (no forward time known yet); once the last decode rounds held only this
     # session and were short, its steps run on the caller's thread
     assert [r[0][0] for r in rounds] == ["swarmlm-compute"] + [main_thread] * 4, rounds
     assert scheduler.inline_runs == 4
     # a second session: both go to the worker and share forwards; alone again, the first goes back to inline
     plan = [["a"], ["a"], ["a", "b"], ["a", "b"], ["a", "b"], ["a"], ["a"], ["a"], ["a"]]
-    rounds = _threads_of(Scheduler(1, INLINE), plan)
+    rounds = _threads_of(Scheduler(1), plan)
     # "a" comes first and runs inline ("b" is new); "b", queued meanwhile, goes to the worker
     assert rounds[2] == [(main_thread, 1), ("swarmlm-compute", 1)], rounds
     assert rounds[3] == rounds[4] == [("swarmlm-compute", 2)] * 2, rounds  # from then on they batch
     assert rounds[5][0][0] == "swarmlm-compute"  # "b" is still among the last two rounds' sessions
     assert rounds[-1][0][0] == main_thread, rounds
     # a failing step inline fails alone and changes nothing for the next one
-    rounds = _threads_of(Scheduler(1, INLINE), [["a"], ["a"], ["abad"], ["a"]])
+    rounds = _threads_of(Scheduler(1), [["a"], ["a"], ["abad"], ["a"]])
     assert rounds[2] == [("error", 0)] and rounds[3] == [(main_thread, 1)], rounds
 
 
