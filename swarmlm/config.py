@@ -94,14 +94,15 @@ class SchedulerConfig:
             raise ValueError(f"inline_decode_max_s must be >= 0, got {self.inline_decode_max_s}")
 
 
-# What a message costs beyond the network's round trip and the server's compute, on the default transport (gRPC
-# Inference streams): serialising, parsing, the wire stack's wake-ups and thread hand-offs on both ends. Measured:
+# What a message costs beyond the network's round trip and the server's compute, on the default transport (framed
+# steps, wire/frames.py): serialising, parsing, the wire stack's wake-ups and thread hand-offs on both ends. Measured:
 # `benchmarks/hop_breakdown.py --transports` step minus server compute per hop, tiny-bloom on loopback, medians
-# (docs/RESULTS-hop.md: 1.17-1.34 ms quiet). A prefill chunk's fixed cost (ChunkRule), and the performance model's
-# per-hop message cost (PerfModel.message_overhead_s: planner, router, simulator), on top of a link's RTT. (A live
-# client's RTT comes from Info probes, whose own unary call already carries part of such a cost: it is counted twice
-# there, alike for every route, so it changes no choice between routes of equal hop counts.)
-MESSAGE_OVERHEAD_S = 1.2e-3
+# (docs/RESULTS-hop.md: framed 0.92-0.93 ms at load ~1, 0.75-0.83 ms at best under load; gRPC 1.17-1.34 ms). A
+# prefill chunk's fixed cost (ChunkRule), and the performance model's per-hop message cost
+# (PerfModel.message_overhead_s: planner, router, simulator), on top of a link's RTT. (A live client's RTT comes from
+# Info probes, whose own unary call already carries part of such a cost: it is counted twice there, alike for every
+# route, so it changes no choice between routes of equal hop counts.)
+MESSAGE_OVERHEAD_S = 0.9e-3
 
 
 @dataclass(frozen=True)
