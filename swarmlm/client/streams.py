@@ -218,6 +218,7 @@ class SpanStream:
         request, sent = self._request(hidden, mask, push, op)
         sent.clean = self.link.in_flight == 0 and len(self._pending) == 1  # (a read from another thread: a hint)
         sent.written_s = time.perf_counter()
+        self.link.written_outside(sent.kind)
         try:
             self.call.write_blocking(request, timeout_s)
         except TimeoutError as exc:
