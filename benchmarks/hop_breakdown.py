@@ -15,7 +15,9 @@ every step of both clients).
 
 --transports: rounds alternating between a client on gRPC's Inference streams and one on the framed step port
 (wire/frames.py), against the same servers: the per-hop overhead (step minus server compute, over the servers)
-of each, side by side (docs/RESULTS-hop.md). --push on|off|auto: the clients' push setting.
+of each, side by side (docs/RESULTS-hop.md), and the CPU time per step of the client and the servers together (it
+hardly grows with the machine's load, unlike wall time: the transports' work per message). --push on|off|auto: the
+clients' push setting.
 
 --ab: this tree against git revision REV (exported with `git archive`, client and servers both), rounds alternating
 in one run, each round a fresh swarm (medians, and the median of per-round ratios of the caller's step); with
