@@ -15,7 +15,9 @@ every step of both clients).
 
 --transports: rounds alternating between a client on gRPC's Inference streams and one on the framed step port
 (wire/frames.py), against the same servers: the per-hop overhead (step minus server compute, over the servers)
-of each, side by side (docs/RESULTS-hop.md). --push on|off|auto: the clients' push setting.
+of each, side by side (docs/RESULTS-hop.md), and the CPU time per step of the client and the servers together (it
+hardly grows with the machine's load, unlike wall time: the transports' work per message). --push on|off|auto: the
+clients' push setting.
 
 --ab: this tree against git revision REV (exported with `git archive`, client and servers both), rounds alternating
 in one run, each round a fresh swarm (medians, and the median of per-round ratios of the caller's step); with
@@ -44,15 +46,31 @@ from swarmlm.swarm.local import LocalSwarm, even_split
 PROMPT = list(range(10, 26))
 
 
+def cpu_s(pids: list[int]) -> float:
+    """CPU seconds used so far by this process (every thread) and the processes `pids` (user + system)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = time.process_time()
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
+
+
 def breakdown(client: DistributedModelForCausalLM, sessions: int = 4, steps: int = 100,
-              head_between: bool = False) -> dict[str, float]:
+              head_between: bool = False, pids: list[int] = ()) -> dict[str, float]:
     """Median milliseconds per decode step, per part. `head_between`: the client computes its LM head on each
-    step's output before the next step, as every generated token does (a long burst of compute between messages)."""
+    step's output before the next step, as every generated token does (a long burst of compute between messages).
+    `pids`: the servers' processes; then also the CPU time per step of the client and the servers together (the
+    mean over the steps, compute included: unlike wall time it hardly grows with the machine's load, so two
+    transports' difference in it is their difference in work per message)."""
     rows: list[dict[str, float]] = []
+    cpu = 0.0
     for _ in range(sessions):
         with client.inference_session(max_length=len(PROMPT) + steps + 1) as session:
             client.step_logits(session, torch.tensor([PROMPT]))
             x = client.embed(torch.tensor([[5]]))
+            cpu -= cpu_s(pids)
             for _ in range(steps):
                 t0 = time.perf_counter()
                 out = session.step(x)
@@ -74,7 +92,11 @@ def breakdown(client: DistributedModelForCausalLM, sessions: int = 4, steps: int
                     "client serialise + parse": cio,
                     "client: between hops + hand-off": (rec.wall_s - wall - cio) + (call - rec.wall_s),
                 })
-    return {k: statistics.median(r[k] for r in rows) * 1000 for k in rows[0]}
+            cpu += cpu_s(pids)
+    parts = {k: statistics.median(r[k] for r in rows) * 1000 for k in rows[0]}
+    if pids:
+        parts["CPU per step (client + servers)"] = cpu / len(rows) * 1000
+    return parts
 
 
 def local_parts(client: DistributedModelForCausalLM, stage, steps: int = 50) -> dict[str, float]:
@@ -122,6 +144,7 @@ def main() -> None:
     server_args = ["--push-frames"] if args.push_ab else []  # (framed pushes are off by default)
     with LocalSwarm(model_dir, threads=1, with_dht=False, server_args=server_args) as swarm:
         swarm.start(even_split(int(load_config(model_dir).num_hidden_layers), args.servers))
+        pids = [s.proc.pid for s in swarm.servers]
         push = {"auto": "auto", "on": True, "off": False}[args.push]
         client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=push,
                                                              **({"frames": True} if args.frames else {}))
@@ -131,7 +154,7 @@ def main() -> None:
             client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=push,
                                                                  frames=True)
             assert alternating({"gRPC": grpc_client, "framed": client}, args.rounds, args.servers,
-                               args.head_between)["framed"] \
+                               args.head_between, pids)["framed"] \
                 .remote.channels.frame_ports and not grpc_client.remote.channels.frame_ports
             return
         if args.push_ab:
@@ -139,7 +162,7 @@ def main() -> None:
                                                                   frames=True)
             pushed = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=True,
                                                                  frames=True)
-            alternating({"relayed": relayed, "pushed": pushed}, args.rounds, args.servers)
+            alternating({"relayed": relayed, "pushed": pushed}, args.rounds, args.servers, pids=pids)
             return
         if args.json:
             breakdown(client, 1, 20)  # warm-up
@@ -176,7 +199,7 @@ def main() -> None:
 
 
 def alternating(clients: dict[str, DistributedModelForCausalLM], rounds: int, servers: int,
-                head_between: bool = False) -> dict[str, DistributedModelForCausalLM]:
+                head_between: bool = False, pids: list[int] = ()) -> dict[str, DistributedModelForCausalLM]:
     """Rounds of 100 steps alternating between the clients (machine noise hits them alike): medians side by side,
     and the per-hop overhead: the median over steps of (step - server compute) / servers. `head_between`: the LM
     head between steps, as a generated token computes it."""
@@ -186,7 +209,7 @@ def alternating(clients: dict[str, DistributedModelForCausalLM], rounds: int, se
     print("load average (1, 5, 15 min) at start: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
     for r in range(rounds):
         for name in (list(clients) if r % 2 == 0 else list(clients)[::-1]):
-            runs[name].append(breakdown(clients[name], 1, 100, head_between))
+            runs[name].append(breakdown(clients[name], 1, 100, head_between, pids))
     names = list(clients)
     print(f"{'part (medians of ' + str(rounds) + ' rounds, ms)':42s} " + " ".join(f"{n:>8s}" for n in names))
     med = {name: {k: statistics.median(run[k] for run in runs[name]) for k in runs[name][0]} for name in names}

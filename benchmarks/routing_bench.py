@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from swarmlm.client.model import DistributedModelForCausalLM
-from swarmlm.client.streams import info
+from swarmlm.client.channels import info
 from swarmlm.machine import machine_info
 from swarmlm.model.checkpoint import load_config
 from swarmlm.model.random_checkpoint import default_checkpoint

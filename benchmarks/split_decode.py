@@ -106,8 +106,11 @@ def free_port() -> int:
 def report(what: str, runs: dict[str, list[float]], note: str) -> None:
     one, split = (statistics.median(v) for v in runs.values())
     names = list(runs)
+    # (each round runs both setups back to back: their ratio within a round is less at the mercy of the load)
+    paired = statistics.median(a / b for a, b in zip(*runs.values()))
     print(f"{what} ({note}): per token {names[0]} {one:.2f} ms, {names[1]} {split:.2f} ms; "
-          f"{names[1]} / {names[0]} speed {one / split:.3f}x  (rounds: {runs})", flush=True)
+          f"{names[1]} / {names[0]} speed {one / split:.3f}x, median of per-round ratios {paired:.3f}x  "
+          f"(rounds: {runs})", flush=True)
 
 
 def main() -> None:

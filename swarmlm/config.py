@@ -81,7 +81,9 @@ class SchedulerConfig:
     # two decode forwards), so sessions in lockstep share one forward
     batch_wait: StragglerWait = StragglerWait(fraction=0.05, max_s=0.01)
     # a lone session's decode step whose last forward took at most this long runs on the I/O loop's thread, without
-    # the two hand-offs to the compute thread and back; it blocks the loop that long (0 = never)
+    # the two hand-offs to the compute thread and back; it blocks the loop that long (0 = never). Side by side at
+    # load 7-9 (docs/RESULTS-hop.md "Round 6"): in real decoding (the client's LM head between steps) it helps framed
+    # steps (1.99 vs 3.95 ms per SmolLM2 hop outside compute); with steps back to back it hurts them (2.06 vs 0.94)
     inline_decode_max_s: float = 0.05
 
     def __post_init__(self) -> None:
@@ -317,9 +319,9 @@ class ClientConfig:
     push: PushMode = "auto"
     swarm_key: bytes | None = field(default=None, repr=False)  # a private swarm's shared secret (swarm/private.py)
     # Inference streams on a server's framed step port when its Info announces one (wire/frames.py); decode steps
-    # then run from the caller's thread. Off by default: ~0.5 ms less per hop than gRPC with a core to spare, but
-    # 1.2-4.6x more on an oversubscribed machine (its threads wait longer for a CPU, docs/RESULTS-hop.md "Under
-    # load", round 4); False = gRPC's Inference call always
+    # then run from the caller's thread. Off by default: less CPU per step than gRPC, but not faster side by side on
+    # a busy machine (docs/RESULTS-hop.md "Round 6": faster in real SmolLM2 decoding, slower with steps back to back,
+    # where the server's inline decode leaves its socket's thread waiting for a CPU); False = gRPC's Inference call
     frames: bool = False
     # start sessions from prefixes the servers keep from earlier sessions and keep each finished session's prefix
     # (client/prefix.py); False = every session prefills its whole prompt

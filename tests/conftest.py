@@ -51,7 +51,7 @@ def _dump_client_tasks(signum, frame) -> None:
     import asyncio
     import sys
 
-    from swarmlm.client.streams import LoopThread
+    from swarmlm.client.channels import LoopThread
 
     loop_thread = LoopThread._instance
     if loop_thread is None:

@@ -115,8 +115,10 @@ def test_a_lost_reply_is_caught_by_the_stall_watchdog(swarm, reference, monkeypa
     swarm_, shared_client = swarm
     restore(swarm_, shared_client)
     ids, want = reference
+    # (gRPC streams: the watchdog is the event loop's; a framed decode step from the caller's thread has only its
+    # replies' hang timeouts, tests/test_frames.py)
     client = DistributedModelForCausalLM.from_pretrained(swarm_.model_dir, initial_peers=swarm_.initial_peers,
-                                                         step_timeout_s=3.0)
+                                                         step_timeout_s=3.0, frames=False)
     receive, lost = SpanStream.receive, {"done": False}
 
     async def losing_receive(self, *args):

@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from swarmlm.wire import frames
+from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire.frames import HEADER, FrameError, Kind, Purpose
 
 
@@ -32,7 +33,6 @@ def test_both_transports_parse_requests_through_one_table():
 
     from swarmlm.server import frame_server
     from swarmlm.server.inbound import METHODS, UNPARSABLE, request_of
-    from swarmlm.wire import swarm_pb2 as pb
 
     assert set(METHODS) == set(pb.DESCRIPTOR.services_by_name["Swarm"].methods_by_name)
     for method, (request_type, _, _) in METHODS.items():
@@ -109,6 +109,8 @@ def test_framed_streams_and_framed_pushes_generate_exactly_and_fail_over(tiny_bl
             assert got == want
             assert client.remote.channels.frame_ports, "the client did not use the framed ports"
             assert any(h.pushed for step in session.steps for h in step.hops), "nothing was pushed"
+            assert any(step.pushed and step.blocking for step in session.steps), \
+                "no pushed decode step ran from the caller's thread"
         finally:
             client.close()
 
@@ -178,8 +180,30 @@ def test_a_hostile_server_is_a_one_line_rpc_error_on_the_blocking_path(data, cod
     call.cancel()
 
 
+def test_a_pushed_step_waits_for_the_last_reply_or_a_broken_middle_stream():
+    """FrameCall.wait_last: a middle server's reply does not wake the caller, the last one's does; a middle stream
+    that ends does (its server broke or refused the step); nothing within the timeout is False."""
+    middle, middle_peer = _client_end(b"", close=False)
+    last, last_peer = _client_end(b"", close=False)
+    from swarmlm.client.frame_call import FrameCall
+
+    try:
+        assert not FrameCall.wait_last([middle, last], 0.05)
+        middle_peer.sendall(frames.frame(Kind.REPLY, b""))
+        assert not FrameCall.wait_last([middle, last], 0.05)  # (a middle reply is read after the last one)
+        last_peer.sendall(frames.frame(Kind.REPLY, b""))
+        assert FrameCall.wait_last([middle, last], 5.0)
+        assert last.read_blocking(1.0) == pb.InferenceReply() and middle.read_blocking(1.0) == pb.InferenceReply()
+        assert not FrameCall.wait_last([middle, last], 0.05)
+        middle_peer.close()
+        assert FrameCall.wait_last([middle, last], 5.0)
+    finally:
+        for end in (middle, last):
+            end.cancel()
+        last_peer.close()
+
+
 def test_blocking_reads_take_frames_in_order_and_time_out():
-    from swarmlm.wire import swarm_pb2 as pb
 
     replies = [pb.InferenceReply(step_id=i, position=i) for i in (1, 2)]
     call, peer = _client_end(b"".join(frames.frame(Kind.REPLY, r.SerializeToString()) for r in replies), close=False)
@@ -200,7 +224,6 @@ def test_a_pushing_server_takes_only_a_signed_frame_port():
     pushes (port 0)."""
     from swarmlm.server.frame_push import FramePushes
     from swarmlm.swarm.identity import Identity, sign_info
-    from swarmlm.wire import swarm_pb2 as pb
 
     identity = Identity.generate()
     old_nonce = b"n" * 16
@@ -259,7 +282,6 @@ def test_a_stream_sent_faster_than_its_inbox_takes_it_is_answered_in_order(tiny_
     from swarmlm.bench.frame_attacks import HELLO, frame_port, open_request
     from swarmlm.types import BlockRange
     from swarmlm.wire import codec
-    from swarmlm.wire import swarm_pb2 as pb
     from tests.swarm_helpers import in_process_server
 
     hidden = 64  # tiny-bloom's

@@ -8,7 +8,7 @@ import pytest
 
 from swarmlm.client.model import DistributedModelForCausalLM
 from swarmlm.client.router import UNKNOWN_SLOTS
-from swarmlm.client.streams import info
+from swarmlm.client.channels import info
 from swarmlm.planner.routing import WaitingAwareRouter
 from swarmlm.types import BlockRange
 from tests.swarm_helpers import InProcessSwarm, even_out_view, in_process_swarm

@@ -80,7 +80,7 @@ def test_auto_is_exact_on_every_link_and_auto_lossy_chooses_by_bandwidth():
 
 
 def test_a_clients_auto_link_stays_exact_whatever_its_measured_bandwidth():
-    from swarmlm.client.streams import Channels
+    from swarmlm.client.channels import Channels
 
     got = []
     for setting in ("auto", "auto-lossy"):
@@ -108,7 +108,7 @@ def test_bytes_per_value_match_the_encoded_messages():
 def test_a_client_switches_to_compression_once_it_measures_a_slow_link():
     """Channels.wire_dtype_for under auto-lossy: float32 until the link is measured, then by the measured rate (the
     estimate is fed what SpanStream.receive feeds it: a message's bytes and its network time)."""
-    from swarmlm.client.streams import Channels
+    from swarmlm.client.channels import Channels
     from swarmlm.config import ClientConfig
 
     channels = Channels(ClientConfig(max_message_bytes=1 << 20, wire_dtype="auto-lossy"))

@@ -9,7 +9,7 @@ import asyncio
 import threading
 import time
 
-from swarmlm.client.streams import info
+from swarmlm.client.channels import info
 from swarmlm.swarm.records import ServerRecord
 
 UNREACHABLE = "unreachable"  # announced in the DHT but did not answer the Info RPC

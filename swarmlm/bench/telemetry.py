@@ -114,7 +114,7 @@ class TelemetrySampler:
         self.stop()
 
     def start(self) -> None:
-        from swarmlm.client.streams import Channels, LoopThread
+        from swarmlm.client.channels import Channels, LoopThread
         from swarmlm.config import ClientConfig
 
         self._loop, self._channels = LoopThread.get(), Channels(ClientConfig(max_message_bytes=4 << 20))
@@ -218,7 +218,7 @@ class TelemetrySampler:
         return totals
 
     def _rtts(self) -> dict[str, float]:
-        from swarmlm.client.streams import info
+        from swarmlm.client.channels import info
 
         targets = [t for t in self.tracked if t.address]
         if not targets:

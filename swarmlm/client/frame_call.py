@@ -130,6 +130,13 @@ class FrameCall:
                 raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"connection lost: {exc}") from None
             self._received(data)
 
+    def has_frame(self) -> bool:
+        """A whole frame (or the stream's end) is read already: `read_blocking` returns without waiting."""
+        if self._status is not None or self._closed:
+            return True
+        return len(self._buf) >= frames.HEADER.size and \
+            len(self._buf) >= frames.HEADER.size + frames.HEADER.unpack_from(self._buf)[0]
+
     def _wait(self, event: int, timeout_s: float) -> None:
         if timeout_s <= 0:
             raise TimeoutError
@@ -137,6 +144,23 @@ class FrameCall:
         poller.register(self._sock, event)
         if not poller.poll(timeout_s * 1000):
             raise TimeoutError
+
+    @staticmethod
+    def wait_last(calls: list["FrameCall"], timeout_s: float) -> bool:
+        """Sleep until the last call has bytes to read, or any of the others ends (a server that broke or refused
+        the step), at most `timeout_s`; False on the timeout. The others' replies, coming meanwhile, do not wake the
+        caller: a pushed decode step wakes its client once, for the route's last reply (they are read after it)."""
+        if calls[-1].has_frame():
+            return True
+        poller = select.poll()
+        for call in calls[:-1]:
+            if call._closed:
+                return True
+            poller.register(call._sock, select.POLLRDHUP)  # (POLLERR and POLLHUP come anyway)
+        if calls[-1]._closed:
+            return True
+        poller.register(calls[-1]._sock, select.POLLIN | select.POLLRDHUP)
+        return bool(poller.poll(max(timeout_s, 0.0) * 1000))
 
     # ---- both ----------------------------------------------------------------------------------------------
     def _check_writable(self) -> None:

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from swarmlm.client.frame_call import FrameCall
 from swarmlm.client.streams import HopTiming, SpanStream
 from swarmlm.config import ClientConfig
 from swarmlm.errors import PushRefused, ServerFailed
@@ -213,6 +214,10 @@ class StepPipeline:
             failed, stalled = await self._hop_by_hop()
         else:
             failed, stalled = await self._pipelined()
+        return self._outcome(failed, stalled)
+
+    def _outcome(self, failed: dict[int, BaseException], stalled: bool = False) -> AttemptOutcome:
+        """The attempt's outcome from its hops' failures (raises one that is not a server's failure)."""
         if stalled:
             unsettled = [i for i, h in enumerate(self.hops) if h.answered < len(self.chunks)]
             return AttemptOutcome(self.timings, {}, unsettled, stalled=True)
@@ -229,27 +234,40 @@ class StepPipeline:
 
     @property
     def blocking_ok(self) -> bool:
-        """One chunk, not pushed, nothing of it written yet, every hop on a framed stream: `run_blocking` can."""
-        return len(self.chunks) == 1 and not self.push and \
-            all(h.written == 0 and h.stream.blocking_ok for h in self.hops)
+        """One chunk, nothing of it written yet, every hop on a framed stream: `run_blocking` can."""
+        return len(self.chunks) == 1 and all(h.written == 0 and h.stream.blocking_ok for h in self.hops)
 
     def run_blocking(self) -> AttemptOutcome:
-        """The hop-by-hop attempt from the caller's thread (`blocking_ok` only): each hop's step written and its
-        reply awaited on the socket itself (SpanStream.step_blocking), no event loop involved; each reply bounded by
-        its hang timeout as in `_receive`. Raises what is not a server's failure, as `run`."""
+        """The attempt from the caller's thread (`blocking_ok` only), no event loop involved: each hop's step written
+        and its reply awaited on the socket itself (SpanStream.send_blocking, receive_blocking), each reply bounded
+        by its hang timeout as in `_receive`. Pushed, the first hop's step is written with the rest of the route
+        and the caller sleeps until the last hop's reply (the middle ones are read after it: one wake-up a step).
+        Raises what is not a server's failure, as `run`."""
         x, mask = self.chunks[0]
-        for i, hop in enumerate(self.hops):
-            bound = self.hang_timeout(hop.span, x.shape[0], x.shape[1], bool(hop.open_span.history))
-            source = self._source(i, 0)
+        bounds = [self.hang_timeout(h.span, x.shape[0], x.shape[1], bool(h.open_span.history)) for h in self.hops]
+        i = 0
+        while i < len(self.hops):
+            hop = self.hops[i]
             try:
-                out, timing = hop.stream.step_blocking(source, mask, bound, hop.op)
-            except ServerFailed as exc:
-                return AttemptOutcome(self.timings, {i: exc}, [])  # hops before it answered, after it: nothing
-            hop.written = 1
-            hop.open_span.answered(source, mask)
-            hop.outputs.append(out)
-            self.timings.append(timing)
+                targets = self._push_targets(i, 0)  # (the hops it pushes on to await their step: `written`)
+                hop.stream.send_blocking(self._source(i, 0), mask, bounds[i], targets, hop.op)
+                hop.written = 1
+                end = i + 1 + len(targets)
+                if targets:
+                    FrameCall.wait_last([h.stream.call for h in self.hops[i:end]], sum(bounds[i:end]))
+                for j in range(i, end):
+                    i = j
+                    self._answered(j, self.hops[j].stream.receive_blocking(bounds[j]))
+            except (ServerFailed, PushRefused) as exc:
+                return self._outcome({i: exc})
+            i += 1
         return AttemptOutcome(self.timings, {}, [])
+
+    def _answered(self, i: int, reply: tuple[torch.Tensor, HopTiming]) -> None:
+        hop = self.hops[i]
+        hop.open_span.answered(self._source(i, 0), self.chunks[0][1])
+        hop.outputs.append(reply[0])
+        self.timings.append(reply[1])
 
     # ---- the two ways to run the hops ---------------------------------------------------------------------
     async def _hop_by_hop(self) -> tuple[dict[int, BaseException], bool]:

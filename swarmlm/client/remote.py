@@ -11,7 +11,7 @@ from typing import Callable
 import grpc
 
 from swarmlm.client.router import LiveRouter, SwarmView
-from swarmlm.client.streams import Channels, LoopThread, info
+from swarmlm.client.channels import Channels, LoopThread, info
 from swarmlm.config import ClientConfig
 from swarmlm.errors import MissingBlocks, SwarmAccessDenied, block_ranges
 from swarmlm.swarm.identity import new_nonce, signed_address, verify_info

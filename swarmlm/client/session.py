@@ -256,16 +256,16 @@ class InferenceSession:
         return min(max(sizes), n_tokens)
 
     def _step_blocking(self, hidden: torch.Tensor, mask: torch.Tensor, op: CacheOp | None) -> torch.Tensor | None:
-        """A decode step (one token per row, not pushed) through spans that are all on framed streams runs from the
-        caller's thread (StepPipeline.run_blocking); a failover, if it needs one, goes on in the event loop.
+        """A decode step (one token per row, pushed or not) through spans that are all on framed streams runs from
+        the caller's thread (StepPipeline.run_blocking); a failover, if it needs one, goes on in the event loop.
         None: not such a step (the caller runs `_step` in the loop)."""
-        if hidden.shape[1] != 1 or not self.spans or not all(s.stream.blocking_ok for s in self.spans) or \
-                self.remote.push(self.route_spans()):
+        if hidden.shape[1] != 1 or not self.spans or not all(s.stream.blocking_ok for s in self.spans):
             return None
         t0 = time.perf_counter()
         record, chunks, hops = self._begin(hidden, mask, op)
         record.blocking = True
-        outcome = StepPipeline(hops, chunks, self.remote.config, self.hang_timeout_s).run_blocking()
+        record.pushed = not self.push_refused and self.remote.push([h.span for h in hops])
+        outcome = StepPipeline(hops, chunks, self.remote.config, self.hang_timeout_s, record.pushed).run_blocking()
         if outcome.complete:
             record.hops.extend(outcome.timings)
             return self._finish(record, hops, chunks, t0)

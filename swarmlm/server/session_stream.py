@@ -143,7 +143,8 @@ class SessionStreams:
                     reply = await self.run_step(session, step, context)
                     self._release(charges, step)
                     if reply.pushed:  # before the reply: the next server waits for the push, the client does not
-                        self._push_after(session, reply, step)  # wait for a middle server's reply
+                        self._push_after(session, reply, step)  # wait for a middle server's reply (it sleeps
+                        await asyncio.sleep(0)  # until the route's last one): the push task writes first
                     yield _sealed(session, reply)
         except asyncio.TimeoutError:
             if session is not None:

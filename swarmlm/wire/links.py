@@ -159,6 +159,11 @@ class LinkScheduler:
             self._writing = False
             self._dispatch()
 
+    def written_outside(self, kind: StepKind) -> None:
+        """A message written without a turn (a decode step from the caller's thread, client/streams.py): counted in
+        the stats, nothing else (it holds no place in the window)."""
+        self.stats.written[kind] += 1
+
     def answered(self, kind: StepKind) -> None:
         """A written message got its reply (or never will): frees its place in the window."""
         self.in_flight = max(self.in_flight - 1, 0)
