@@ -94,15 +94,14 @@ class SchedulerConfig:
             raise ValueError(f"inline_decode_max_s must be >= 0, got {self.inline_decode_max_s}")
 
 
-# What a message costs beyond the network's round trip and the server's compute, on the default transport (framed
-# steps, wire/frames.py): serialising, parsing, the wire stack's wake-ups and thread hand-offs on both ends. Measured:
+# What a message costs beyond the network's round trip and the server's compute, on the default transport (gRPC
+# Inference streams): serialising, parsing, the wire stack's wake-ups and thread hand-offs on both ends. Measured:
 # `benchmarks/hop_breakdown.py --transports` step minus server compute per hop, tiny-bloom on loopback, medians
-# (docs/RESULTS-hop.md: framed 0.92-0.93 ms at load ~1, 0.75-0.83 ms at best under load; gRPC 1.17-1.34 ms). A
-# prefill chunk's fixed cost (ChunkRule), and the performance model's per-hop message cost
-# (PerfModel.message_overhead_s: planner, router, simulator), on top of a link's RTT. (A live client's RTT comes from
-# Info probes, whose own unary call already carries part of such a cost: it is counted twice there, alike for every
-# route, so it changes no choice between routes of equal hop counts.)
-MESSAGE_OVERHEAD_S = 0.9e-3
+# (docs/RESULTS-hop.md: 1.17-1.34 ms quiet). A prefill chunk's fixed cost (ChunkRule), and the performance model's
+# per-hop message cost (PerfModel.message_overhead_s: planner, router, simulator), on top of a link's RTT. (A live
+# client's RTT comes from Info probes, whose own unary call already carries part of such a cost: it is counted twice
+# there, alike for every route, so it changes no choice between routes of equal hop counts.)
+MESSAGE_OVERHEAD_S = 1.2e-3
 
 
 @dataclass(frozen=True)
@@ -167,9 +166,9 @@ class ServerConfig:
     # also serve Inference streams and pushes as frames on plain TCP, on a second port of the same host (announced
     # in Info; relayed servers: gRPC only), for clients that opt in (ClientConfig.frames). False = gRPC only
     frames: bool = True
-    # push to the next server on its framed port when it announces one (server/frame_push.py); False = pushes by
-    # gRPC always
-    push_frames: bool = True
+    # push to the next server on its framed port when it announces one (server/frame_push.py); off by default, as
+    # the clients' framed streams (docs/RESULTS-hop.md)
+    push_frames: bool = False
     session_idle_timeout_s: float = 120.0  # a session with no step for this long is closed
     push_timeout_s: float = 10.0  # a push to the next server (server/push.py) not answered by then has failed
     # steps of one session waiting to run; a full inbox holds the client's stream and pushers back
@@ -320,9 +319,10 @@ class ClientConfig:
     push: PushMode = "auto"
     swarm_key: bytes | None = field(default=None, repr=False)  # a private swarm's shared secret (swarm/private.py)
     # Inference streams on a server's framed step port when its Info announces one (wire/frames.py); decode steps
-    # then run from the caller's thread. Less work per message than gRPC and faster side by side (docs/RESULTS-hop.md
-    # "Round 6"); False = gRPC's Inference call always
-    frames: bool = True
+    # then run from the caller's thread. Off by default: less CPU per step than gRPC, but not faster side by side on
+    # a busy machine (docs/RESULTS-hop.md "Round 6": faster in real SmolLM2 decoding, slower with steps back to back,
+    # where the server's inline decode leaves its socket's thread waiting for a CPU); False = gRPC's Inference call
+    frames: bool = False
     # start sessions from prefixes the servers keep from earlier sessions and keep each finished session's prefix
     # (client/prefix.py); False = every session prefills its whole prompt
     prefix_cache: bool = True
