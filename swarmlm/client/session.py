@@ -264,7 +264,7 @@ class InferenceSession:
         t0 = time.perf_counter()
         record, chunks, hops = self._begin(hidden, mask, op)
         record.blocking = True
-        record.pushed = not self.push_refused and self.remote.push([h.span for h in hops])
+        record.pushed = self._pushes(hops)
         outcome = StepPipeline(hops, chunks, self.remote.config, self.hang_timeout_s, record.pushed).run_blocking()
         if outcome.complete:
             record.hops.extend(outcome.timings)
@@ -284,13 +284,17 @@ class InferenceSession:
             s.edit(op)  # what a failover replays from now on (the op itself goes with each span's first chunk)
         return record, chunks, [Hop(s, op=op) for s in self.spans]
 
+    def _pushes(self, hops: list[Hop]) -> bool:
+        """Whether this step's route is pushed: ClientConfig.push ("auto": where it pays); never again in a session
+        where a server refused to push on."""
+        return not self.push_refused and self.remote.push([h.span for h in hops])
+
     async def _attempts(self, record: StepRecord, chunks: list[Chunk], hops: list[Hop], t0: float,
                         outcome: AttemptOutcome | None = None) -> torch.Tensor:
         """Attempts until every chunk is through every hop (`outcome`: the first one's, run already)."""
         while True:
             if outcome is None:
-                # ClientConfig.push ("auto": where it pays); never again in a session where a server refused to push on
-                record.pushed = not self.push_refused and self.remote.push([h.span for h in hops])
+                record.pushed = self._pushes(hops)
                 outcome = await StepPipeline(hops, chunks, self.remote.config, self.hang_timeout_s,
                                              record.pushed).run()
             record.hops.extend(outcome.timings)

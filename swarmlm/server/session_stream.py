@@ -142,9 +142,11 @@ class SessionStreams:
                 for step in ready:
                     reply = await self.run_step(session, step, context)
                     self._release(charges, step)
-                    if reply.pushed:  # before the reply: the next server waits for the push, the client does not
-                        self._push_after(session, reply, step)  # wait for a middle server's reply (it sleeps
-                        await asyncio.sleep(0)  # until the route's last one): the push task writes first
+                    if reply.pushed:
+                        # the push before the reply: the next server waits for the push, while the client sleeps
+                        # until the route's last reply, not this middle one (yielding once lets the push task write)
+                        self._push_after(session, reply, step)
+                        await asyncio.sleep(0)
                     yield _sealed(session, reply)
         except asyncio.TimeoutError:
             if session is not None:
