@@ -21,7 +21,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("packed.c", "act16.c", "decode.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("packed.c", "act16.c", "amx.c", "decode.c")]
 HEADERS = [Path(__file__).with_name("ahead.h")]  # included by the sources: part of the build's name, not compiled alone
 CACHE = Path.home() / ".cache" / "swarmlm" / "kernels"
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno", "-fopenmp-simd", "-pthread"]
@@ -90,6 +90,8 @@ def library(march: str = "native") -> ctypes.CDLL:
     lib.packed_threads.restype = ctypes.c_int
     lib.packed_isa.argtypes = []
     lib.packed_isa.restype = ctypes.c_int
+    lib.packed_set_amx.argtypes = [ctypes.c_int]
+    lib.packed_set_amx.restype = ctypes.c_int
     lib.decode_span.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.decode_span.restype = ctypes.c_int
     return lib

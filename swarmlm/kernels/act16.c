@@ -59,7 +59,14 @@ typedef struct {
     int64_t chunks_per_row, first_chunk;
     const act_super *supers;  /* rows x supers_per_row, for one-lane products (else 0) */
     int64_t supers_per_row;
+    const void *amx;  /* the activations as amx.c's tiles read them, when amx.c computes the product (else 0) */
 } act16;
+
+/* amx.c: Q4_0 / Q4_1 products of 8 rows or more on AMX tiles, where the CPU and the OS allow them */
+int amx_takes(int ggml_type, int64_t rows, int64_t nb);
+const void *amx_prepare_rows(const float *x, int64_t rows, int64_t k);
+void amx_product(int ggml_type, const uint8_t *w, int64_t row_bytes, const void *prepared, float *y, int64_t n,
+                 int64_t n0, int64_t n1);
 
 static const int WEIGHT_OF[4][8] = {{0, 2, 4, 6, 8, 10, 12, 14}, {16, 18, 20, 22, 24, 26, 28, 30},
                                     {1, 3, 5, 7, 9, 11, 13, 15}, {17, 19, 21, 23, 25, 27, 29, 31}};
@@ -662,9 +669,24 @@ static void act16_rows(int ggml_type, const uint8_t *w, int64_t row_bytes, const
 /* prepare x [rows, k] in the calling thread's buffer; returns it (opaque), or 0 when out of memory */
 const void *act16_prepare_rows(int ggml_type, const float *x, int64_t rows, int64_t k) {
     static _Thread_local act16 prepared;
+    if (amx_takes(ggml_type, rows, k / 32)) {
+        prepared = (act16){.amx = amx_prepare_rows(x, rows, k)};
+        return prepared.amx ? &prepared : 0;
+    }
+    prepared.amx = 0;
     const int ok = act16_one_lane(ggml_type, k / 32) ? act16_prepare_supers(x, rows, k, &prepared)
                                                      : act16_prepare(x, rows, k, 0, &prepared);
     return ok ? &prepared : 0;
+}
+
+/* the weight rows a thread should take together from these prepared activations: amx.c's tiles hold 16 */
+int64_t act16_row_group(const void *prepared) {
+    return prepared && ((const act16 *)prepared)->amx ? 16 : 2;
+}
+
+/* round_block for amx.c: its tiles hold the same int16 values */
+float act16_round_block(const float *x, int16_t v[32], int32_t *total) {
+    return round_block(x, v, total);
 }
 
 /* x [rows, k] rounded as the integer products round it (scale x its int16 value), in the calling thread's buffer
@@ -690,7 +712,12 @@ const float *act16_round_rows(const float *x, int64_t rows, int64_t k) {
 void act16_product(int ggml_type, const uint8_t *w, int64_t row_bytes, const void *prepared, int64_t rows, int64_t k,
                    float *y, int64_t n, int64_t n0, int64_t n1) {
 #if defined(ACT16_WIDE)
-    act16_rows(ggml_type, w, row_bytes, (const act16 *)prepared, rows, k, y, n, n0, n1);
+    const act16 *a = prepared;
+    if (a->amx) {
+        amx_product(ggml_type, w, row_bytes, a->amx, y, n, n0, n1);
+        return;
+    }
+    act16_rows(ggml_type, w, row_bytes, a, rows, k, y, n, n0, n1);
 #else
     (void)ggml_type, (void)w, (void)row_bytes, (void)prepared, (void)rows, (void)k, (void)y, (void)n, (void)n0, (void)n1;
 #endif

@@ -38,6 +38,7 @@ int act16_one_lane(int ggml_type, int64_t nb);
 const float *act16_round_rows(const float *x, int64_t rows, int64_t k);
 void act16_product(int ggml_type, const uint8_t *w, int64_t row_bytes, const void *prepared, int64_t rows, int64_t k,
                    float *y, int64_t n, int64_t n0, int64_t n1);
+int64_t act16_row_group(const void *prepared);
 
 static inline float fp16(const uint8_t *p) {
     uint16_t h;
@@ -761,13 +762,14 @@ int packed_matmul_threads(int ggml_type, const uint8_t *w, int64_t row_bytes, co
         pthread_mutex_unlock(&pool_busy);
         return -1;
     }
-    const int64_t chunk = ((n + 16 * threads_wanted - 1) / (16 * threads_wanted) + 1) & ~(int64_t)1;
     const void *prepared;
     const float *xa = activations(ggml_type, x, rows, k, &prepared);
     if (!xa) {
         pthread_mutex_unlock(&pool_busy);
         return -2;
     }
+    const int64_t group = act16_row_group(prepared);  /* whole tiles: 2 weight rows, 16 on AMX */
+    const int64_t chunk = ((n + 16 * threads_wanted - 1) / (16 * threads_wanted) + group - 1) / group * group;
     job = (product){t, w, row_bytes, rows, k, n, xa, y, chunk, prepared};
     atomic_store(&next_row, 0);
     atomic_store(&rows_done, 0);
