@@ -121,6 +121,50 @@ def test_a_one_lane_rows_short_tail_is_shared_by_two_weight_rows_and_alone_by_th
         assert rel_l2(packed.matmul(x), product_reference(type_name, x, want)) < 1e-5, batch
 
 
+def amx_expected() -> bool:
+    """Should the kernels multiply on AMX tiles here? Asked apart from them: the CPU's flags, a compiler that knows
+    AMX at -march=native, and Linux lending this process the tiles (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)."""
+    import ctypes
+    import platform
+    import shutil
+    import subprocess
+
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    if platform.machine() != "x86_64" or "amx_tile" not in flags or "amx_int8" not in flags:
+        return False
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    macros = subprocess.run([cc, "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True).stdout
+    return "__AMX_INT8__" in macros and ctypes.CDLL(None).syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+def test_products_of_8_rows_or_more_run_on_amx_tiles_where_the_cpu_has_them_and_equal_act16s(type_name):
+    """kernels/amx.c: Q4_0 / Q4_1 rows of a super-chunk or more, 8+ activation rows, on AMX where this CPU and OS
+    allow it (else act16.c: the switch says which). Both equal the reference of int16-rounded activations; shapes with
+    an odd or even tail, whole super-chunks, weight rows not a multiple of 16 and activation rows not of 8."""
+    from swarmlm.kernels import library
+
+    lib = library()
+    assert lib.packed_set_amx(1) == amx_expected()
+    try:
+        for rows, cols in ((9, 544), (33, 576), (20, 1024)):
+            raw = raw_blocks(type_name, rows, cols, seed=5)
+            want = reference_values(type_name, raw, rows, cols)
+            packed = packed_from_numpy(type_name, raw, cols)
+            for batch in (7, 8, 9, 16, 17, 40):
+                x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch))
+                x[:, 3] *= 40
+                lib.packed_set_amx(1)
+                tiles = packed.matmul(x)
+                lib.packed_set_amx(0)
+                vectors = packed.matmul(x)
+                reference = product_reference(type_name, x, want)
+                assert rel_l2(tiles, reference) < 1e-5 and rel_l2(vectors, reference) < 1e-5, (rows, cols, batch)
+                assert rel_l2(tiles, vectors) < 1e-5, (rows, cols, batch)
+    finally:
+        lib.packed_set_amx(1)
+
+
 def test_rounding_activations_to_int16_blocks_is_what_changes_a_q4_product():
     """The mutation check of the reference above: the rounding is real (a float product misses it by more than the
     kernels' summation order) and small (far below bfloat16's)."""
@@ -275,7 +319,7 @@ def test_a_large_product_split_between_threads_computes_what_one_thread_does(typ
     want = reference_values(type_name, raw, rows, cols)
     before = torch.get_num_threads()
     try:
-        for batch in (1, 6):
+        for batch in (1, 6, 8):  # 8: Q4_0 on AMX tiles where the CPU has them, 16 weight rows per thread's chunk
             x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch))
             torch.set_num_threads(1)
             alone = packed.matmul(x)
