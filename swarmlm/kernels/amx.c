@@ -1,4 +1,4 @@
-/* Q4_0 / Q4_1 products of 8 or more activation rows on AMX's int8 tiles (swarmlm's own code), with act16.c's
+/* Q4_0 / Q4_1 products of 5 or more activation rows on AMX's int8 tiles (swarmlm's own code), with act16.c's
  * rounding: the same int16 activations, the same integer sum per block, scaled in float32 as act16.c scales it.
  *
  * Why: act16.c's vpdpwssd multiplies 32 int16 pairs per instruction; one AMX tile product (TDPBSSD) multiplies
@@ -6,8 +6,8 @@
  * byte), and a weight's nibble (0..15) is a signed byte, so a block's integer sum is 256 x (TDPBSSD's hi sum) +
  * (TDPBUSD's lo sum), exact in int32 (|sum| < 2^24). Every block of 32 weights has its own scale, so each block's
  * sums leave the tile (a store, then vector loads) and are scaled in float32 -- that, and turning the nibbles into
- * the tile's layout, are most of the time: 1.3-1.7x act16.c at 8 rows on SmolLM2's shapes, ~1x on Llama-3.2-1B's,
- * slower below 8 rows (docs/RESULTS-packed.md, round 7).
+ * the tile's layout, are most of the time: 1.04-1.5x act16.c at 5-8 rows on SmolLM2's shapes, 1.2-1.8x at 16, ~1x
+ * on Llama-3.2-1B's at 8; slower at 3-4 rows (docs/RESULTS-packed.md, round 7).
  *
  * Tiles: B = 16 weight rows, A = 8 activation rows, two blocks per product (K = 64): A's rows 0-7 hold block 2p's
  * 32 activations in bytes 0-31 (zeros after), rows 8-15 block 2p + 1's in bytes 32-63 (zeros before); B's rows 0-7
@@ -35,7 +35,7 @@
 #include "ahead.h"
 #endif
 
-#define AMX_MIN_ROWS 8  /* below this act16.c is faster (4 rows: 0.6-1.0x, round 7) */
+#define AMX_MIN_ROWS 5  /* fewer rows: act16.c is faster (4 rows, one tile of 4 there: AMX 0.75-0.96x, round 7) */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
