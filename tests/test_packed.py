@@ -138,9 +138,9 @@ def amx_expected() -> bool:
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
-def test_products_of_5_rows_or_more_run_on_amx_tiles_where_the_cpu_has_them_and_equal_act16s(type_name):
-    """kernels/amx.c: Q4_0 / Q4_1 rows of a super-chunk or more, 5+ activation rows, on AMX where this CPU and OS
-    allow it (else act16.c: the switch says which; 4 rows always act16.c). Both equal the reference of int16-rounded activations; shapes with
+def test_products_of_8_rows_or_more_run_on_amx_tiles_where_the_cpu_has_them_and_equal_act16s(type_name):
+    """kernels/amx.c: Q4_0 / Q4_1 rows of a super-chunk or more, 8+ activation rows, on AMX where this CPU and OS
+    allow it (else act16.c: the switch says which; 7 rows always act16.c). Both equal the reference of int16-rounded activations; shapes with
     an odd or even tail, whole super-chunks, weight rows not a multiple of 16 and activation rows not of 8."""
     from swarmlm.kernels import library
 
@@ -151,7 +151,7 @@ def test_products_of_5_rows_or_more_run_on_amx_tiles_where_the_cpu_has_them_and_
             raw = raw_blocks(type_name, rows, cols, seed=5)
             want = reference_values(type_name, raw, rows, cols)
             packed = packed_from_numpy(type_name, raw, cols)
-            for batch in (4, 5, 8, 9, 16, 17, 40):
+            for batch in (7, 8, 9, 16, 17, 40):
                 x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch))
                 x[:, 3] *= 40
                 lib.packed_set_amx(1)
@@ -319,7 +319,7 @@ def test_a_large_product_split_between_threads_computes_what_one_thread_does(typ
     want = reference_values(type_name, raw, rows, cols)
     before = torch.get_num_threads()
     try:
-        for batch in (1, 6):  # 6: Q4_0 on AMX tiles where the CPU has them, 16 weight rows per thread's chunk
+        for batch in (1, 6, 8):  # 8: Q4_0 on AMX tiles where the CPU has them, 16 weight rows per thread's chunk
             x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch))
             torch.set_num_threads(1)
             alone = packed.matmul(x)

@@ -62,7 +62,7 @@ typedef struct {
     const void *amx;  /* the activations as amx.c's tiles read them, when amx.c computes the product (else 0) */
 } act16;
 
-/* amx.c: Q4_0 / Q4_1 products of 5 rows or more on AMX tiles, where the CPU and the OS allow them */
+/* amx.c: Q4_0 / Q4_1 products of 8 rows or more on AMX tiles, where the CPU and the OS allow them */
 int amx_takes(int ggml_type, int64_t rows, int64_t nb);
 const void *amx_prepare_rows(const float *x, int64_t rows, int64_t k);
 void amx_product(int ggml_type, const uint8_t *w, int64_t row_bytes, const void *prepared, float *y, int64_t n,

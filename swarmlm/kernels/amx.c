@@ -1,4 +1,4 @@
-/* Q4_0 / Q4_1 products of 5 or more activation rows on AMX's int8 tiles (swarmlm's own code), with act16.c's
+/* Q4_0 / Q4_1 products of 8 or more activation rows on AMX's int8 tiles (swarmlm's own code), with act16.c's
  * rounding: the same int16 activations, the same integer sum per block, scaled in float32 as act16.c scales it.
  *
  * Why: act16.c's vpdpwssd multiplies 32 int16 pairs per instruction; one AMX tile product (TDPBSSD) multiplies
@@ -6,8 +6,9 @@
  * byte), and a weight's nibble (0..15) is a signed byte, so a block's integer sum is 256 x (TDPBSSD's hi sum) +
  * (TDPBUSD's lo sum), exact in int32 (|sum| < 2^24). Every block of 32 weights has its own scale, so each block's
  * sums leave the tile (a store, then vector loads) and are scaled in float32 -- that, and turning the nibbles into
- * the tile's layout, are most of the time: 1.04-1.5x act16.c at 5-8 rows on SmolLM2's shapes, 1.2-1.8x at 16, ~1x
- * on Llama-3.2-1B's at 8; slower at 3-4 rows (docs/RESULTS-packed.md, round 7).
+ * the tile's layout, are most of the time. Measured against act16.c (docs/RESULTS-packed.md, round 7): SmolLM2's 210
+ * products of a step, each its own weights (from L3 / memory, as a server reads them), 1.14x at 8 rows and 1.43x at
+ * 16 (0.99x at 5); one product over and over (weights in L2) 1.2-1.5x at 8 rows, 1.5-1.8x at 16.
  *
  * Tiles: B = 16 weight rows, A = 8 activation rows, two blocks per product (K = 64): A's rows 0-7 hold block 2p's
  * 32 activations in bytes 0-31 (zeros after), rows 8-15 block 2p + 1's in bytes 32-63 (zeros before); B's rows 0-7
@@ -32,10 +33,10 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#include "ahead.h"
 #endif
 
-#define AMX_MIN_ROWS 5  /* fewer rows: act16.c is faster (4 rows, one tile of 4 there: AMX 0.75-0.96x, round 7) */
+#define AHEAD_ROWS 32  /* weight rows ahead whose bytes are asked for into L2 (64 read alike) */
+#define AMX_MIN_ROWS 8  /* 5-7 rows: no faster than act16.c over a model's weights (0.99x at 5), slower at 3-4 (round 7) */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -217,6 +218,19 @@ static inline __attribute__((always_inline)) void block_sums(const int T, const 
     }
 }
 
+/* the weights of the rows AHEAD_ROWS on, asked for into L2 a share at a time, one share per pair of blocks: asking for
+ * a group's 16 rows at once (as act16.c's ask_ahead asks for a step's share) overflows the queue of misses, and the
+ * dropped requests left the products over a model's weights at 0.8-0.9x act16.c instead of 1.05-1.2x (round 7) */
+typedef struct {
+    const char *at;
+    int64_t share;
+} ahead;
+
+static inline void ask_share(ahead *next) {
+    for (int64_t b = 0; b < next->share; b += 64) _mm_prefetch(next->at + b, _MM_HINT_T1);
+    next->at += next->share;
+}
+
 #define PAIR_PRODUCTS(TB, TH, TL, b_tile, a_hi, a_lo) do { \
         _tile_loadd(TB, b_tile, 64); _tile_loadd(1, a_hi, 64); _tile_zero(TH); _tile_dpbssd(TH, 1, TB); \
         _tile_loadd(2, a_lo, 64); _tile_zero(TL); _tile_dpbusd(TL, 2, TB); } while (0)
@@ -225,12 +239,13 @@ static inline __attribute__((always_inline)) void block_sums(const int T, const 
  * pair p - 1's sums are scaled, so the tile unit and the vector unit overlap (tiles 0, 3, 4 and 5, 6, 7 alternate) */
 static inline __attribute__((always_inline)) void blocks(const int T, const amx_act *a, int64_t G, int64_t b0,
                                                          int64_t count, uint8_t b_rows[16][512], const __m512 *d,
-                                                         const __m512 *m, __m512 *total, const int R) {
+                                                         const __m512 *m, __m512 *total, const int R, ahead *next) {
     _Alignas(64) int32_t c[2][512];
     const int64_t np = (count + 1) / 2, first = (G * a->np + b0 / 2) * 1024;
     for (int64_t p = 0; p <= np; p++) {
         if (p < np && p % 2) PAIR_PRODUCTS(5, 6, 7, b_rows[2 * p], a->hi + first + 1024 * p, a->lo + first + 1024 * p);
         else if (p < np) PAIR_PRODUCTS(0, 3, 4, b_rows[2 * p], a->hi + first + 1024 * p, a->lo + first + 1024 * p);
+        if (next) ask_share(next);
         if (p > 0) {
             const int64_t j = 2 * (p - 1);
             block_sums(T, a, G, b0 + j, c[(p - 1) % 2], 0, d[j], m[j], total, R);
@@ -255,18 +270,19 @@ static inline __attribute__((always_inline)) void weight_rows(const int T, const
     __m512 total[16], d[16], m[16];
     for (int q = 0; q < 16; q++) total[q] = _mm512_setzero_ps(), m[q] = _mm512_setzero_ps();
     const uint8_t *row0 = w + i * rb;
+    const int64_t pairs = ns * 8 + (nb % 16 + 1) / 2;  /* of the first group: the ones that ask ahead */
+    ahead next = {(const char *)row0 + AHEAD_ROWS * rb, (16 * rb + pairs - 1) / pairs};
     for (int64_t s = 0; s <= ns; s++) {
         if (s == ns && nb == 16 * ns) break;
         if (s < ns) {
-            ask_ahead(row0, valid * rb, ns, s);
             super_chunk_weights(T, row0, rb, valid, nb, s, b_rows, d, m);
         } else {
             tail_weights(T, row0, rb, valid, nb, b_rows, d, m);
         }
         const int64_t count = s < ns ? 16 : nb - 16 * ns;
         for (int64_t G = G0; G < G1; G++)
-            if (G == G1 - 1) blocks(T, a, G, 16 * s, count, b_rows, d, m, total + 8 * (G - G0), R);
-            else blocks(T, a, G, 16 * s, count, b_rows, d, m, total + 8 * (G - G0), 8);
+            if (G == G1 - 1) blocks(T, a, G, 16 * s, count, b_rows, d, m, total + 8 * (G - G0), R, G == G0 ? &next : 0);
+            else blocks(T, a, G, 16 * s, count, b_rows, d, m, total + 8 * (G - G0), 8, G == G0 ? &next : 0);
     }
     const __mmask16 mask = (__mmask16)((1u << valid) - 1);
     for (int64_t r = 8 * G0; r < 8 * G0 + 8 * (G1 - G0 - 1) + R; r++)
