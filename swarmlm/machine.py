@@ -101,10 +101,12 @@ def machine_line(info: dict | None = None) -> str:
 
 
 def _packed_kernels() -> str:
-    """The vector unit swarmlm's packed-weight kernels were built for here ("unavailable": no C compiler)."""
+    """The vector unit swarmlm's packed-weight kernels were built for here, "+amx" where 8-row Q4_0 / Q4_1 products
+    run on AMX tiles ("unavailable": no C compiler)."""
     from swarmlm.kernels import KernelUnavailable, library
 
     try:
-        return {3: "avx512-vnni", 2: "avx512", 1: "avx2"}.get(library().packed_isa(), "scalar")
+        lib = library()
+        return {3: "avx512-vnni", 2: "avx512", 1: "avx2"}.get(lib.packed_isa(), "scalar") + ("+amx" if lib.packed_amx() else "")
     except KernelUnavailable:
         return "unavailable"

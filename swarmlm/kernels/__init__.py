@@ -1,5 +1,5 @@
 """swarmlm's compiled kernels: packed.c (products from GGUF blocks), act16.c (Q4_0 / Q4_1 / Q8_0 / Q4_K products in integers over
-activations rounded to int16 blocks) and decode.c (a decode step of a span of
+activations rounded to int16 blocks; amx.c: Q4_0 / Q4_1 products of 8+ rows of them on AMX tiles) and decode.c (a decode step of a span of
 Llama-shaped blocks in one call), built once per machine with the system C compiler and loaded with ctypes.
 
 Built with `-O3 -march=native` (the CPU's own vector units: AVX-512 where it has them, else AVX2, else scalar C) into
@@ -92,6 +92,8 @@ def library(march: str = "native") -> ctypes.CDLL:
     lib.packed_isa.restype = ctypes.c_int
     lib.packed_set_amx.argtypes = [ctypes.c_int]
     lib.packed_set_amx.restype = ctypes.c_int
+    lib.packed_amx.argtypes = []
+    lib.packed_amx.restype = ctypes.c_int
     lib.decode_span.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.decode_span.restype = ctypes.c_int
     return lib

@@ -66,6 +66,11 @@ int packed_set_amx(int on) {
     return amx_wanted && amx_ready();
 }
 
+/* Do 8-row Q4_0 / Q4_1 products run on AMX here? (machine.py names it in every benchmark's line) */
+int packed_amx(void) {
+    return amx_wanted && amx_ready();
+}
+
 /* Does a product of `rows` activation rows of this type (rows of nb blocks) run here? */
 int amx_takes(int ggml_type, int64_t rows, int64_t nb) {
     return (ggml_type == 2 || ggml_type == 3) && nb >= 16 && rows >= AMX_MIN_ROWS && amx_wanted && amx_ready();
