@@ -6,7 +6,8 @@ Llama q/k reordering, BLOOM's fused qkv -- is applied to whole rows without touc
 `swarmlm/kernels/packed.c`: each block unpacked to float32 in registers and multiplied by float32 activations, so the
 layer equals `nn.Linear` over the dequantized weight to float32 summation order -- except Q4_0, Q4_1, Q8_0 and the
 K-quants, whose products first round the activations to int16 per block of 32 (`swarmlm/kernels/act16.c`: integer products where
-the vector unit has them; ~3e-5 relative error, the same on every build and batch shape).
+the vector unit has them, Q4_0 / Q4_1 at 8+ rows on AMX tiles where the CPU has them, `amx.c`: the same integer sums;
+~3e-5 relative error, the same on every build and batch shape).
 
 How a call runs, by the number of activation rows R (tokens x sequences):
 - R <= DIRECT_ROWS (decode, small batches, speculative passes): the kernel straight from the blocks. Memory-bound:
