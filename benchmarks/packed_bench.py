@@ -6,6 +6,7 @@ llama.cpp on the same file.
     python benchmarks/packed_bench.py memory [--model FILE.gguf]      # a server's RSS per block held
     python benchmarks/packed_bench.py batching --sessions 8            # N generations at once vs one by one
     python benchmarks/packed_bench.py span [--model FILE.gguf]         # a server's step: one kernel call vs transformers
+    python benchmarks/packed_bench.py amx --rows 1,5,8,16             # a step's packed products, AMX tiles vs act16
 
 `kernels`: median time of y = x W^T for 1 and 8 rows of x, per kernel: torch float32, torch's dynamic int8
 (`quantized::linear_dynamic`, activations quantized per call), weight-only int8 (`aten._weight_int8pack_mm`, bf16
@@ -311,6 +312,47 @@ def batching(args) -> None:
     print(f"| {one:.1f} tok/s | {many:.1f} tok/s | {many / one:.2f}x | {same} of {len(prompts)} |")
 
 
+# ---- amx --------------------------------------------------------------------------------------------------------
+def amx(args) -> None:
+    """Every packed product of a server's step over all blocks (each its own weights, read from memory as a server
+    reads them), on AMX tiles vs act16's vectors (kernels/amx.c; the same .so, switched, rounds alternated); thread
+    CPU time of all products, medians. Where the CPU has no AMX both columns are act16's."""
+    from swarmlm.kernels import library
+    from swarmlm.model.catalog import DEFAULT_MODEL, fetch
+    from swarmlm.model.checkpoint import load_config
+    from swarmlm.model.packed import PackedLinear
+    from swarmlm.server.stage import Stage
+    from swarmlm.types import BlockRange
+
+    torch.set_num_threads(1)
+    lib = library()
+    model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
+    stage = Stage(model, BlockRange(0, int(load_config(model).num_hidden_layers)))
+    layers = [m for m in stage.modules.modules() if isinstance(m, PackedLinear)]
+    print(f"{model}: the {len(layers)} packed products of a step, thread CPU time, median of {args.rounds} alternated "
+          f"rounds x 3; AMX here: {bool(lib.packed_amx())}; {machine_line()}\n")
+    print("| rows | act16 (ms) | AMX (ms) | ratio |")
+    print("|---|---|---|---|")
+    with torch.no_grad():  # the weights' pages touched once (the file is mapped) before any arm is timed
+        for m in layers:
+            m.packed.matmul(torch.zeros(1, m.in_features))
+    for rows in (int(r) for r in args.rows.split(",")):
+        xs = {n: torch.randn(rows, n) for n in {m.in_features for m in layers}}
+        times: dict[int, list[float]] = {0: [], 1: []}
+        with torch.no_grad():
+            for r in range(args.rounds):
+                for on in ((0, 1) if r % 2 else (1, 0)):
+                    lib.packed_set_amx(on)
+                    for _ in range(3):
+                        t0 = time.thread_time()
+                        for m in layers:
+                            m.packed.matmul(xs[m.in_features])
+                        times[on].append(time.thread_time() - t0)
+        lib.packed_set_amx(1)
+        off, on = (statistics.median(times[k]) * 1e3 for k in (0, 1))
+        print(f"| {rows} | {off:.2f} | {on:.2f} | {off / on:.2f}x |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -338,8 +380,13 @@ def main() -> None:
     sp.add_argument("--threads", type=int, default=1)
     sp.add_argument("--steps", type=int, default=10)
     sp.add_argument("--rounds", type=int, default=3)
+    a = sub.add_parser("amx")
+    a.add_argument("--model", default="smollm2-135m-instruct")
+    a.add_argument("--rows", default="1,5,8,16")
+    a.add_argument("--rounds", type=int, default=9)
     args = p.parse_args()
-    {"kernels": kernels, "decode": decode, "memory": memory, "batching": batching, "span": span}[args.what](args)
+    {"kernels": kernels, "decode": decode, "memory": memory, "batching": batching, "span": span,
+     "amx": amx}[args.what](args)
 
 
 if __name__ == "__main__":

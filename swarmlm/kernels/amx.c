@@ -6,9 +6,9 @@
  * byte), and a weight's nibble (0..15) is a signed byte, so a block's integer sum is 256 x (TDPBSSD's hi sum) +
  * (TDPBUSD's lo sum), exact in int32 (|sum| < 2^24). Every block of 32 weights has its own scale, so each block's
  * sums leave the tile (a store, then vector loads) and are scaled in float32 -- that, and turning the nibbles into
- * the tile's layout, are most of the time. Measured against act16.c (docs/RESULTS-packed.md, round 7): SmolLM2's 210
- * products of a step, each its own weights (from L3 / memory, as a server reads them), 1.14x at 8 rows and 1.43x at
- * 16 (0.99x at 5); one product over and over (weights in L2) 1.2-1.5x at 8 rows, 1.5-1.8x at 16.
+ * the tile's layout, are most of the time. Measured against act16.c (docs/RESULTS-packed.md round 7, packed_bench.py
+ * amx): SmolLM2's 210 products of a step, each its own weights (from memory, as a server reads them), 1.14x at 8 rows
+ * and 1.39x at 16 (0.99-1.01x at 5); one product over and over (weights in L2) 1.25-1.54x at 8 rows, 1.5-2x at 16.
  *
  * Tiles: B = 16 weight rows, A = 8 activation rows, two blocks per product (K = 64): A's rows 0-7 hold block 2p's
  * 32 activations in bytes 0-31 (zeros after), rows 8-15 block 2p + 1's in bytes 32-63 (zeros before); B's rows 0-7
