@@ -6,7 +6,7 @@ llama.cpp on the same file.
     python benchmarks/packed_bench.py memory [--model FILE.gguf]      # a server's RSS per block held
     python benchmarks/packed_bench.py batching --sessions 8            # N generations at once vs one by one
     python benchmarks/packed_bench.py span [--model FILE.gguf]         # a server's step: one kernel call vs transformers
-    python benchmarks/packed_bench.py amx --rows 1,5,8,16             # a step's packed products, AMX tiles vs act16
+    python benchmarks/packed_bench.py amx --rows 1,5,8,16             # a step's products, AMX tiles vs act16
 
 `kernels`: median time of y = x W^T for 1 and 8 rows of x, per kernel: torch float32, torch's dynamic int8
 (`quantized::linear_dynamic`, activations quantized per call), weight-only int8 (`aten._weight_int8pack_mm`, bf16

@@ -107,6 +107,7 @@ def _packed_kernels() -> str:
 
     try:
         lib = library()
-        return {3: "avx512-vnni", 2: "avx512", 1: "avx2"}.get(lib.packed_isa(), "scalar") + ("+amx" if lib.packed_amx() else "")
+        isa = {3: "avx512-vnni", 2: "avx512", 1: "avx2"}.get(lib.packed_isa(), "scalar")
+        return isa + ("+amx" if lib.packed_amx() else "")
     except KernelUnavailable:
         return "unavailable"

@@ -140,8 +140,9 @@ def amx_expected() -> bool:
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
 def test_products_of_8_rows_or_more_run_on_amx_tiles_where_the_cpu_has_them_and_equal_act16s(type_name):
     """kernels/amx.c: Q4_0 / Q4_1 rows of a super-chunk or more, 8+ activation rows, on AMX where this CPU and OS
-    allow it (else act16.c: the switch says which; 7 rows always act16.c). Both equal the reference of int16-rounded activations; shapes with
-    an odd or even tail, whole super-chunks, weight rows not a multiple of 16 and activation rows not of 8."""
+    allow it (else act16.c: the switch says which; 7 rows always act16.c). Both equal the reference of int16-rounded
+    activations; shapes with an odd or even tail, whole super-chunks, weight rows not a multiple of 16 and
+    activation rows not of 8."""
     from swarmlm.kernels import library
 
     lib = library()

@@ -36,7 +36,7 @@
 #endif
 
 #define AHEAD_ROWS 32  /* weight rows ahead whose bytes are asked for into L2 (64 read alike) */
-#define AMX_MIN_ROWS 8  /* 5-7 rows: no faster than act16.c over a model's weights (0.99x at 5), slower at 3-4 (round 7) */
+#define AMX_MIN_ROWS 8  /* 5-7 rows: no faster than act16.c over a model's weights (0.99x at 5), slower at 3-4 */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -218,7 +218,8 @@ static inline __attribute__((always_inline)) void block_sums(const int T, const 
         __m512i sums = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c + 16 * (row + q)), 8),
                                         _mm512_load_si512(c + 256 + 16 * (row + q)));
         if (T == 2) sums = _mm512_add_epi32(sums, _mm512_set1_epi32(a->offset[at + q]));
-        total[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(a->scale[at + q])), total[q]);
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a->scale[at + q]));
+        total[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, total[q]);
         if (T == 3) total[q] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->sum[at + q]), total[q]);
     }
 }
@@ -297,7 +298,9 @@ static inline __attribute__((always_inline)) void weight_rows(const int T, const
 typedef void (*rows_fn)(const uint8_t *, int64_t, const amx_act *, float *, int64_t, int64_t, int, int64_t, int64_t);
 #define ROWS(T, R) \
     static void rows_##T##_##R(const uint8_t *w, int64_t rb, const amx_act *a, float *y, int64_t n, int64_t i, \
-                               int valid, int64_t G0, int64_t G1) { weight_rows(T, w, rb, a, y, n, i, valid, G0, G1, R); }
+                               int valid, int64_t G0, int64_t G1) { \
+        weight_rows(T, w, rb, a, y, n, i, valid, G0, G1, R); \
+    }
 #define ALL_ROWS(T) ROWS(T, 1) ROWS(T, 2) ROWS(T, 3) ROWS(T, 4) ROWS(T, 5) ROWS(T, 6) ROWS(T, 7) ROWS(T, 8) \
     static const rows_fn ROWS_##T[9] = {0, rows_##T##_1, rows_##T##_2, rows_##T##_3, rows_##T##_4, rows_##T##_5, \
                                         rows_##T##_6, rows_##T##_7, rows_##T##_8};
