@@ -169,6 +169,9 @@ class ServerConfig:
     # push to the next server on its framed port when it announces one (server/frame_push.py); off by default, as
     # the clients' framed streams (docs/RESULTS-hop.md)
     push_frames: bool = False
+    # a framed connection whose stream ended cleanly waits this long for the client's next stream (its next
+    # session: clients keep such connections), then it is closed
+    frame_idle_timeout_s: float = 60.0
     session_idle_timeout_s: float = 120.0  # a session with no step for this long is closed
     push_timeout_s: float = 10.0  # a push to the next server (server/push.py) not answered by then has failed
     # steps of one session waiting to run; a full inbox holds the client's stream and pushers back
@@ -235,6 +238,7 @@ class ServerConfig:
         for name in ("cache_bytes", "max_sessions", "max_length_tokens", "max_batch", "max_message_bytes",
                      "max_sessions_per_peer", "max_peer_bytes_in_flight", "max_concurrent_rpcs",
                      "max_request_tokens", "max_attention_cost", "open_idle_timeout_s", "session_idle_timeout_s",
+                     "frame_idle_timeout_s",
                      "push_timeout_s", "max_train_request_bytes", "max_train_total_bytes", "max_lora_rank",
                      "max_lora_layers", "inbox_steps", "push_room_wait_s", "max_steps_ahead", "max_push_channels",
                      "trim_refused_bytes"):
@@ -319,10 +323,10 @@ class ClientConfig:
     push: PushMode = "auto"
     swarm_key: bytes | None = field(default=None, repr=False)  # a private swarm's shared secret (swarm/private.py)
     # Inference streams on a server's framed step port when its Info announces one (wire/frames.py); decode steps
-    # then run from the caller's thread. Off by default: less CPU per step than gRPC, but not faster side by side on
-    # a busy machine (docs/RESULTS-hop.md "Round 6": faster in real SmolLM2 decoding, slower with steps back to back,
-    # where the server's inline decode leaves its socket's thread waiting for a CPU); False = gRPC's Inference call
-    frames: bool = False
+    # then run from the caller's thread, and a connection whose stream ended cleanly is kept for the next session
+    # (client/channels.py). Faster than gRPC and less CPU per step on a free machine (docs/RESULTS-hop.md, round 6
+    # and 7); False = gRPC's Inference call
+    frames: bool = True
     # start sessions from prefixes the servers keep from earlier sessions and keep each finished session's prefix
     # (client/prefix.py); False = every session prefills its whole prompt
     prefix_cache: bool = True

@@ -150,13 +150,17 @@ class FrameConnection(asyncio.Protocol):
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def next_frame(self) -> Item:
+    async def wait_frame(self) -> None:
+        """Until a frame (or the end) is queued."""
         while not self.queued:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
+
+    async def next_frame(self) -> Item:
+        await self.wait_frame()
         item = self.queued.popleft()
         if not self.queued:
             self.resume()
@@ -202,6 +206,7 @@ class FramedRequests:
         self._slow = False  # `feed` is taking pending frames: later ones wait behind them (reading paused)
         self._wake: asyncio.Future | None = None
         self._feeding: asyncio.Task | None = None  # the task in `feed` (its cancellation ends the stream's intake)
+        self.ended = False  # END was read: the client ended this stream cleanly (its connection may carry another)
 
     def __aiter__(self) -> "FramedRequests":
         return self
@@ -219,6 +224,7 @@ class FramedRequests:
             raise item
         kind, body = item
         if kind == Kind.END:
+            self.ended = True
             raise StopAsyncIteration
         if kind != Kind.REQUEST:
             self.broken.append(FrameError(f"a {kind.name} frame inside a stream (expected REQUEST or END)"))
@@ -240,7 +246,9 @@ class FramedRequests:
                 while self._pending:
                     try:
                         request = self._request(self._pending.popleft())
-                    except StopAsyncIteration:
+                    except StopAsyncIteration:  # frames after END are the connection's: its next HELLO...
+                        conn.queued.extendleft(reversed(self._pending))
+                        self._pending.clear()
                         return
                     await take(request)
                 self._slow = False
@@ -273,6 +281,7 @@ class FrameServer:
         self.max_body_bytes = config.max_message_bytes
         self.body_timeout_s = config.session_idle_timeout_s  # a begun frame that stalls this long ends its stream
         self.max_connections = config.max_concurrent_rpcs  # as gRPC's limit on concurrent calls
+        self.idle_timeout_s = config.frame_idle_timeout_s  # a connection between streams waits this long for a HELLO
         self.checker = checker  # the gRPC interceptor's: one replay memory for both transports
         self.connections: set[asyncio.Task] = set()
         self.refused = 0  # connections refused: framing, swarm key or too many
@@ -296,13 +305,15 @@ class FrameServer:
         task.add_done_callback(self.connections.discard)
 
     async def _connection(self, conn: FrameConnection) -> None:
+        """A HELLO, then what it asked for: pushes until the pusher closes, or a stream; a stream the client ended
+        cleanly (END, answered by OK) leaves the connection open for the client's next HELLO (its next session)."""
         try:
             if len(self.connections) > self.max_connections:
                 raise Aborted(grpc.StatusCode.RESOURCE_EXHAUSTED, f"more than {self.max_connections} connections")
-            purpose = await self._hello(conn)
-            if purpose == Purpose.STREAM:
-                await self._stream(conn)
-            else:
+            purpose = await self._hello(conn, frames.HELLO_TIMEOUT_S)
+            while purpose == Purpose.STREAM and await self._stream(conn):
+                purpose = await self._next_hello(conn)
+            if purpose == Purpose.PUSH:
                 await self._pushes(conn)
         except (FrameError, Aborted) as exc:
             self.refused += isinstance(exc, FrameError)
@@ -316,16 +327,22 @@ class FrameServer:
         finally:
             conn.transport.close()
 
-    async def _hello(self, conn: FrameConnection) -> Purpose:
+    async def _hello(self, conn: FrameConnection, timeout_s: float) -> Purpose | None:
+        """The purpose of the HELLO that comes within `timeout_s` (None: the connection ended cleanly first), once
+        its token passes a private swarm's check (every stream of a connection shows a fresh one)."""
         try:
-            async with asyncio.timeout(frames.HELLO_TIMEOUT_S):
+            async with asyncio.timeout(timeout_s):
                 got = await conn.next_frame()
         except TimeoutError:
-            raise FrameError(f"no HELLO within {frames.HELLO_TIMEOUT_S} s") from None
+            raise FrameError(f"no HELLO within {timeout_s} s") from None
         if isinstance(got, FrameError):
             raise got
-        if got is None or got[0] != Kind.HELLO:
-            raise FrameError("the first frame must be HELLO")
+        if got is None:
+            return None
+        if got[0] != Kind.HELLO:
+            raise FrameError("a connection's first frame, and the first after a stream's end, must be HELLO")
+        if len(got[1]) > frames.MAX_HELLO_BYTES:
+            raise FrameError(f"oversized HELLO: {len(got[1])} bytes exceed the limit of {frames.MAX_HELLO_BYTES}")
         purpose, token = frames.parse_hello(got[1])
         if self.checker is not None:
             reason = self.checker.check(INFERENCE_METHOD if purpose == Purpose.STREAM else PUSH_METHOD, token)
@@ -335,10 +352,23 @@ class FrameServer:
                               f"this server belongs to a private swarm ({reason}): {HINT}")
         return purpose
 
-    async def _stream(self, conn: FrameConnection) -> None:
-        """One Inference stream: the service's own handler, fed by REQUEST frames, its replies as REPLY frames."""
+    async def _next_hello(self, conn: FrameConnection) -> Purpose | None:
+        """After a clean stream: the next HELLO, or None when the client closes or stays idle for `idle_timeout_s`
+        (then the connection closes without a word: the client's kept connection is simply gone)."""
+        conn.resume()  # (reading may have paused for the stream's inbox)
+        try:
+            async with asyncio.timeout(self.idle_timeout_s):
+                await conn.wait_frame()
+        except TimeoutError:
+            return None
+        return await self._hello(conn, frames.HELLO_TIMEOUT_S)
+
+    async def _stream(self, conn: FrameConnection) -> bool:
+        """One Inference stream: the service's own handler, fed by REQUEST frames, its replies as REPLY frames.
+        True when the client ended it (END) and it ended OK: the connection may carry the next stream."""
         broken: list[FrameError] = []
-        replies = self.service.Inference(FramedRequests(conn, broken), FrameContext(_peer_of(conn.transport)))
+        requests = FramedRequests(conn, broken)
+        replies = self.service.Inference(requests, FrameContext(_peer_of(conn.transport)))
         try:
             async for reply in replies:
                 conn.write(frames.frame(Kind.REPLY, reply.SerializeToString()))
@@ -348,6 +378,7 @@ class FrameServer:
         if broken:
             raise broken[0]
         await self._send_last(conn, frames.status(grpc.StatusCode.OK))
+        return requests.ended and not conn.transport.is_closing()
 
     async def _pushes(self, conn: FrameConnection) -> None:
         """PUSH frames, each answered by one STATUS (the service's Push handler decides), until the pusher closes."""
