@@ -94,14 +94,14 @@ class SchedulerConfig:
             raise ValueError(f"inline_decode_max_s must be >= 0, got {self.inline_decode_max_s}")
 
 
-# What a message costs beyond the network's round trip and the server's compute, on the default transport (gRPC
-# Inference streams): serialising, parsing, the wire stack's wake-ups and thread hand-offs on both ends. Measured:
+# What a message costs beyond the network's round trip and the server's compute, on the default transport (framed
+# steps, wire/frames.py): serialising, parsing, the wire stack's wake-ups and thread hand-offs on both ends. Measured:
 # `benchmarks/hop_breakdown.py --transports` step minus server compute per hop, tiny-bloom on loopback, medians
-# (docs/RESULTS-hop.md: 1.17-1.34 ms quiet). A prefill chunk's fixed cost (ChunkRule), and the performance model's
+# (docs/RESULTS-hop.md: framed 0.60-0.80 ms at 1-3 servers; gRPC's Inference streams 1.16-1.34 ms). A prefill chunk's fixed cost (ChunkRule), and the performance model's
 # per-hop message cost (PerfModel.message_overhead_s: planner, router, simulator), on top of a link's RTT. (A live
 # client's RTT comes from Info probes, whose own unary call already carries part of such a cost: it is counted twice
 # there, alike for every route, so it changes no choice between routes of equal hop counts.)
-MESSAGE_OVERHEAD_S = 1.2e-3
+MESSAGE_OVERHEAD_S = 0.7e-3
 
 
 @dataclass(frozen=True)
@@ -166,9 +166,9 @@ class ServerConfig:
     # also serve Inference streams and pushes as frames on plain TCP, on a second port of the same host (announced
     # in Info; relayed servers: gRPC only), for clients that opt in (ClientConfig.frames). False = gRPC only
     frames: bool = True
-    # push to the next server on its framed port when it announces one (server/frame_push.py); off by default, as
-    # the clients' framed streams (docs/RESULTS-hop.md)
-    push_frames: bool = False
+    # push to the next server on its framed port when it announces one (server/frame_push.py); False = gRPC's Push
+    # (framed: 0.77 vs 1.09 ms per pushed hop, docs/RESULTS-hop.md round 7)
+    push_frames: bool = True
     # a framed connection whose stream ended cleanly waits this long for the client's next stream (its next
     # session: clients keep such connections), then it is closed
     frame_idle_timeout_s: float = 60.0

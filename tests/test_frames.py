@@ -85,7 +85,7 @@ def test_bad_hellos_are_refused(body):
 
 @pytest.mark.slow
 def test_framed_streams_and_framed_pushes_generate_exactly_and_fail_over(tiny_bloom):
-    """Opted in (client frames=True, servers --push-frames): greedy tokens equal transformers', pushed through
+    """Framed streams and pushes (the defaults, named): greedy tokens equal transformers', pushed through
     the chain on the framed ports; a server killed mid-session is failed over to its replica."""
     import torch
 
