@@ -205,6 +205,37 @@ def test_sessions_share_a_kept_framed_connection_and_one_the_server_closed_is_re
             client.close()
 
 
+def test_a_full_framed_port_closes_its_longest_idle_connection_for_a_newcomer(tiny_bloom):
+    """Connections kept between streams never keep anyone out: with the port full (--max-concurrent-rpcs 2, both
+    connections idle after a clean stream), a new connection is served and the oldest idle one is closed; with the
+    port full of live streams, a newcomer is refused with RESOURCE_EXHAUSTED."""
+    import socket
+
+    from swarmlm.bench.frame_attacks import END, HELLO, exchange, frame_port, open_request
+    from swarmlm.types import BlockRange
+    from tests.swarm_helpers import in_process_server, poll_until
+
+    with in_process_server(tiny_bloom, BlockRange(0, 2), max_concurrent_rpcs=2) as server:
+        host, port = "127.0.0.1", frame_port(server.address)
+
+        def connection(data: bytes, statuses: int) -> socket.socket:
+            sock = socket.create_connection((host, port), timeout=60.0)
+            sock.sendall(data)
+            got = b""
+            while got.count(frames.status(grpc.StatusCode.OK)) < statuses:
+                got += sock.recv(1 << 16)
+            return sock
+
+        with connection(HELLO + open_request(2) + END, 1) as oldest, connection(HELLO + open_request(2) + END, 1):
+            assert poll_until(lambda: len(server._frames.idle) == 2, 30.0)
+            assert exchange(host, port, HELLO + open_request(2) + END, half_close=True) == ["REPLY", "STATUS OK "]
+            assert oldest.recv(1) == b""  # closed by the server, without a word
+        with connection(HELLO + open_request(2), 0), connection(HELLO + open_request(2), 0):  # two live streams
+            assert poll_until(lambda: len(server._frames.connections) == 2 and not server._frames.idle, 30.0)
+            answers = exchange(host, port, HELLO + open_request(2), half_close=True)
+            assert answers[-1].startswith("STATUS RESOURCE_EXHAUSTED"), answers
+
+
 def _client_end(peer_bytes: bytes, close: bool = True):
     """A FrameCall on one end of a socket pair whose other end sent `peer_bytes` (then closed)."""
     import socket
