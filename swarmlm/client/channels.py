@@ -142,10 +142,11 @@ class Channels:
         return None
 
     def close_idle(self) -> None:
-        for socks in self._idle.values():
+        """Close the kept framed connections (the client is closing; a session still open keeps its own)."""
+        idle, self._idle = self._idle, {}
+        for socks in idle.values():
             for sock in socks:
                 sock.close()
-        self._idle.clear()
 
     def stub(self, address: str) -> pb_grpc.SwarmStub:
         stub = self._stubs.get(address)
