@@ -75,8 +75,8 @@ class FrameCall:
     def reusable(self) -> bool:
         """Ended cleanly: this client's END written, the server's OK read, and no byte after it. Nothing is in
         flight on the connection either way, so the next stream may start on it."""
-        return (not self._closed and not self._peer_closed and self._writing_done and not self._buf and self._status is not None
-                and self._status[0] == grpc.StatusCode.OK)
+        return (not self._closed and not self._peer_closed and self._writing_done and not self._buf
+                and self._status is not None and self._status[0] == grpc.StatusCode.OK)
 
     def detach(self) -> socket.socket:
         """The connection of a `reusable` call, for the next stream; this call is closed without closing it."""
