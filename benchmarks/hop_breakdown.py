@@ -129,6 +129,9 @@ def main() -> None:
     ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="this tree vs --base, alternating")
     ap.add_argument("--base", default="HEAD", help="git revision to compare with (--ab)")
     ap.add_argument("--frames", action="store_true", help="the client on the framed step port (with --ab, --json)")
+    ap.add_argument("--push-frames", action=argparse.BooleanOptionalAction, default=None,
+                    help="the servers push on the next server's framed port, or on gRPC (default: the servers' "
+                         "default; --push-ab: on)")
     ap.add_argument("--json", action="store_true", help="one round (warm-up + 1 session), as JSON")
     ap.add_argument("--local", action="store_true", help="also the same blocks in this process + the client's head")
     ap.add_argument("--rounds", type=int, default=4, help="sessions of 100 steps (with --local: alternating)")
@@ -141,7 +144,8 @@ def main() -> None:
         return compare(args)
     torch.set_num_threads(1)
     model_dir = str(default_checkpoint(args.preset))
-    server_args = ["--push-frames"] if args.push_ab else []  # (framed pushes are off by default)
+    push_frames = True if args.push_ab else args.push_frames
+    server_args = [] if push_frames is None else ["--push-frames" if push_frames else "--no-push-frames"]
     with LocalSwarm(model_dir, threads=1, with_dht=False, server_args=server_args) as swarm:
         swarm.start(even_split(int(load_config(model_dir).num_hidden_layers), args.servers))
         pids = [s.proc.pid for s in swarm.servers]

@@ -9,8 +9,8 @@ routed through each, decode greedily in rounds alternating between them (one tor
 the client's defaults: transport, push; --transports: gRPC and framed clients, all alternating). Per token = the
 median over a round of `step_logits` for one token (embed, every hop, LM head); the ratio is one server's per-token
 time over N servers'. llama.cpp: `llama-bench -p 0 -n T -t 1 -ngl 99 --rpc ...` against 1 and N
-`ggml-rpc-server -t 1`, alternating too (tokens per second, its own average). --push-frames: the servers push on
-frames.
+`ggml-rpc-server -t 1`, alternating too (tokens per second, its own average). --push-frames / --no-push-frames: the
+servers push on frames / on gRPC.
 """
 from __future__ import annotations
 
@@ -35,9 +35,10 @@ DEFAULT_MODEL = Path.home() / ".cache/swarmlm/gguf/SmolLM2-135M-Instruct.Q4_1.gg
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2]  # any ids: the tokens decoded do not matter
 
 
-def per_token_ms(client: DistributedModelForCausalLM, tokens: int) -> float:
-    """Median ms per greedy token (embed + every hop + LM head) over one session of `tokens` tokens."""
-    times = []
+def per_token_ms(client: DistributedModelForCausalLM, tokens: int) -> tuple[float, float]:
+    """Median ms per greedy token (embed + every hop + LM head) over one session of `tokens` tokens, and the median
+    of its servers' compute (summed over the hops, as they report it: their forward alone)."""
+    times, computes = [], []
     with client.inference_session(max_length=len(PROMPT) + tokens + 1) as session:
         logits = client.step_logits(session, torch.tensor([PROMPT]), last_only=True)
         for _ in range(tokens):
@@ -45,7 +46,8 @@ def per_token_ms(client: DistributedModelForCausalLM, tokens: int) -> float:
             t0 = time.perf_counter()
             logits = client.step_logits(session, nxt, last_only=True)
             times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
+            computes.append(sum(h.compute_s for h in session.steps[-1].hops))
+    return statistics.median(times) * 1000, statistics.median(computes) * 1000
 
 
 def swarmlm_ratio(model: str, servers: int, rounds: int, tokens: int, transports: list[bool | None],
@@ -63,10 +65,17 @@ def swarmlm_ratio(model: str, servers: int, rounds: int, tokens: int, transports
             per_token_ms(client, 8)  # warm-up (connections, caches)
         print("load average at start: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
         runs: dict[tuple, list[float]] = {key: [] for key in clients}
+        computes: dict[tuple, list[float]] = {key: [] for key in clients}
         for r in range(rounds):
             for key in (list(clients) if r % 2 == 0 else list(clients)[::-1]):
-                runs[key].append(per_token_ms(clients[key], tokens))
+                wall_ms, compute_ms = per_token_ms(clients[key], tokens)
+                runs[key].append(wall_ms)
+                computes[key].append(compute_ms)
         print("load average at end: %.2f %.2f %.2f" % os.getloadavg())
+        for key, values in computes.items():  # (where an extra server's cost goes: its forward, or the hop)
+            transport = "default" if key[0] is None else "framed" if key[0] else "gRPC"
+            print(f"  {key[1]} ({transport}): servers' compute per token {statistics.median(values):.2f} ms; the "
+                  f"rest (hops, client): {statistics.median(runs[key]) - statistics.median(values):.2f} ms")
         framed = {frames: bool(clients[frames, "1 server"].remote.channels.frame_ports) for frames in transports}
     for frames in transports:
         pair = {name: v for (f, name), v in runs.items() if f == frames}
@@ -122,13 +131,15 @@ def main() -> None:
     ap.add_argument("--llamacpp", type=Path, help="llama.cpp's build/bin (ggml-rpc-server, llama-bench)")
     ap.add_argument("--only", choices=("swarmlm", "llamacpp"), help="run one side only")
     ap.add_argument("--transports", action="store_true", help="swarmlm on gRPC and on frames, all alternating")
-    ap.add_argument("--push-frames", action="store_true", help="the servers push on frames (server --push-frames)")
+    ap.add_argument("--push-frames", action=argparse.BooleanOptionalAction, default=None,
+                    help="the servers push on frames, or on gRPC (default: the servers' default)")
     args = ap.parse_args()
     print("machine:", machine_line(), flush=True)
     torch.set_num_threads(1)
     if args.only != "llamacpp":
         swarmlm_ratio(args.model, args.servers, args.rounds, args.tokens,
-                      [False, True] if args.transports else [None], ["--push-frames"] if args.push_frames else [])
+                      [False, True] if args.transports else [None],
+                      [] if args.push_frames is None else ["--push-frames" if args.push_frames else "--no-push-frames"])
     if args.llamacpp is not None and args.only != "swarmlm":
         llamacpp_ratio(args.llamacpp, args.model, args.servers, args.rounds, args.tokens)
 

@@ -94,14 +94,15 @@ class SchedulerConfig:
             raise ValueError(f"inline_decode_max_s must be >= 0, got {self.inline_decode_max_s}")
 
 
-# What a message costs beyond the network's round trip and the server's compute, on the default transport (gRPC
-# Inference streams): serialising, parsing, the wire stack's wake-ups and thread hand-offs on both ends. Measured:
+# What a message costs beyond the network's round trip and the server's compute, on the default transport (framed
+# steps, wire/frames.py): serialising, parsing, the wire stack's wake-ups and thread hand-offs on both ends. Measured:
 # `benchmarks/hop_breakdown.py --transports` step minus server compute per hop, tiny-bloom on loopback, medians
-# (docs/RESULTS-hop.md: 1.17-1.34 ms quiet). A prefill chunk's fixed cost (ChunkRule), and the performance model's
-# per-hop message cost (PerfModel.message_overhead_s: planner, router, simulator), on top of a link's RTT. (A live
-# client's RTT comes from Info probes, whose own unary call already carries part of such a cost: it is counted twice
-# there, alike for every route, so it changes no choice between routes of equal hop counts.)
-MESSAGE_OVERHEAD_S = 1.2e-3
+# (docs/RESULTS-hop.md: framed 0.60-0.80 ms at 1-3 servers; gRPC's Inference streams 1.16-1.34 ms). A prefill
+# chunk's fixed cost (ChunkRule), and the performance model's per-hop message cost (PerfModel.message_overhead_s:
+# planner, router, simulator), on top of a link's RTT. (A live client's RTT comes from Info probes, whose own unary
+# call already carries part of such a cost: it is counted twice there, alike for every route, so it changes no
+# choice between routes of equal hop counts.)
+MESSAGE_OVERHEAD_S = 0.7e-3
 
 
 @dataclass(frozen=True)
@@ -166,9 +167,12 @@ class ServerConfig:
     # also serve Inference streams and pushes as frames on plain TCP, on a second port of the same host (announced
     # in Info; relayed servers: gRPC only), for clients that opt in (ClientConfig.frames). False = gRPC only
     frames: bool = True
-    # push to the next server on its framed port when it announces one (server/frame_push.py); off by default, as
-    # the clients' framed streams (docs/RESULTS-hop.md)
-    push_frames: bool = False
+    # push to the next server on its framed port when it announces one (server/frame_push.py); False = gRPC's Push
+    # (framed: 0.77 vs 1.09 ms per pushed hop, docs/RESULTS-hop.md round 7)
+    push_frames: bool = True
+    # a framed connection whose stream ended cleanly waits this long for the client's next stream (its next
+    # session: clients keep such connections), then it is closed
+    frame_idle_timeout_s: float = 60.0
     session_idle_timeout_s: float = 120.0  # a session with no step for this long is closed
     push_timeout_s: float = 10.0  # a push to the next server (server/push.py) not answered by then has failed
     # steps of one session waiting to run; a full inbox holds the client's stream and pushers back
@@ -235,6 +239,7 @@ class ServerConfig:
         for name in ("cache_bytes", "max_sessions", "max_length_tokens", "max_batch", "max_message_bytes",
                      "max_sessions_per_peer", "max_peer_bytes_in_flight", "max_concurrent_rpcs",
                      "max_request_tokens", "max_attention_cost", "open_idle_timeout_s", "session_idle_timeout_s",
+                     "frame_idle_timeout_s",
                      "push_timeout_s", "max_train_request_bytes", "max_train_total_bytes", "max_lora_rank",
                      "max_lora_layers", "inbox_steps", "push_room_wait_s", "max_steps_ahead", "max_push_channels",
                      "trim_refused_bytes"):
@@ -319,10 +324,10 @@ class ClientConfig:
     push: PushMode = "auto"
     swarm_key: bytes | None = field(default=None, repr=False)  # a private swarm's shared secret (swarm/private.py)
     # Inference streams on a server's framed step port when its Info announces one (wire/frames.py); decode steps
-    # then run from the caller's thread. Off by default: less CPU per step than gRPC, but not faster side by side on
-    # a busy machine (docs/RESULTS-hop.md "Round 6": faster in real SmolLM2 decoding, slower with steps back to back,
-    # where the server's inline decode leaves its socket's thread waiting for a CPU); False = gRPC's Inference call
-    frames: bool = False
+    # then run from the caller's thread, and a connection whose stream ended cleanly is kept for the next session
+    # (client/channels.py). Faster than gRPC and less CPU per step on a free machine (docs/RESULTS-hop.md, round 6
+    # and 7); False = gRPC's Inference call
+    frames: bool = True
     # start sessions from prefixes the servers keep from earlier sessions and keep each finished session's prefix
     # (client/prefix.py); False = every session prefills its whole prompt
     prefix_cache: bool = True

@@ -172,6 +172,32 @@ def test_the_framed_port_refuses_a_keyed_sessions_changed_messages(attack_server
     assert honest.poll_correct()
 
 
+def test_a_stream_on_a_kept_framed_connection_inherits_nothing_from_the_stream_before(attack_server, honest):
+    """A framed connection carries one stream after another (client/channels.py keeps it between sessions): a
+    stream on a connection an earlier stream used gets no session and no standing from it, cannot take another
+    client's session, and that client's session serves on."""
+    from swarmlm.bench import frame_attacks as fa
+    from swarmlm.wire import frames
+
+    address, hidden, blocks = attack_server
+    host, port = address.rsplit(":", 1)[0], fa.frame_port(address)
+    owner, opened, keys = _keyed_open(address, blocks)  # another client's session, held by its live stream
+    before = fa.HELLO + fa.open_request(blocks) + fa.END  # an earlier stream on the same connection, ended cleanly
+    x = torch.randn(1, 1, hidden)
+    take_over = pb.InferenceRequest(session_id=opened.session_id, step=pb.InferenceStep(hidden=codec.encode(x),
+                                                                                      step_id=1))
+    answers = fa.exchange(host, port, before + fa.HELLO + frames.frame(frames.Kind.REQUEST,
+                                                                       take_over.SerializeToString()), half_close=True)
+    assert answers[:2] == ["REPLY", "STATUS OK "] and answers[2].startswith("STATUS PERMISSION_DENIED"), answers
+    answers = fa.exchange(host, port, before + fa.HELLO + frames.frame(frames.Kind.REQUEST,
+                                                                       _step(x).SerializeToString()), half_close=True)
+    assert answers[:2] == ["REPLY", "STATUS OK "] and answers[2].startswith("STATUS INVALID_ARGUMENT"), answers
+    out = owner.send(session_keys.sign(keys.client, opened.session_id, _step(x, step_id=1)))
+    assert not out.HasField("error") and session_keys.verified(keys.server, opened.session_id, out)
+    owner.end()
+    assert honest.poll_correct()
+
+
 # ---- the relay (servers behind NAT, swarm/relay.py): floods, garbage, lies; heavy in benchmarks/attacks.py ----
 @pytest.fixture(scope="module")
 def relay_bed():

@@ -85,7 +85,7 @@ def test_bad_hellos_are_refused(body):
 
 @pytest.mark.slow
 def test_framed_streams_and_framed_pushes_generate_exactly_and_fail_over(tiny_bloom):
-    """Opted in (client frames=True, servers --push-frames): greedy tokens equal transformers', pushed through
+    """Framed streams and pushes (the defaults, named): greedy tokens equal transformers', pushed through
     the chain on the framed ports; a server killed mid-session is failed over to its replica."""
     import torch
 
@@ -147,6 +147,93 @@ def test_decode_steps_run_from_the_callers_thread_and_fail_over(tiny_bloom):
         finally:
             for client in clients.values():
                 client.close()
+
+
+def test_sessions_share_a_kept_framed_connection_and_one_the_server_closed_is_replaced(tiny_bloom):
+    """A client keeps a framed connection whose stream ended cleanly (client/channels.py) and its next session
+    starts on it; one the server closed while idle (ServerConfig.frame_idle_timeout_s) is not used again; and a
+    kept one that ends as the session opens on it is replaced by a new connection, once. Every session's tokens
+    equal transformers'."""
+    import socket
+    import threading
+
+    import torch
+
+    from swarmlm.types import BlockRange
+    from tests.swarm_helpers import client_of, greedy_reference, in_process_swarm, poll_until
+
+    ids, want = greedy_reference(tiny_bloom, "one connection, many sessions", 3)
+    with in_process_swarm(tiny_bloom, [BlockRange(0, 6)], frame_idle_timeout_s=1.0) as swarm:
+        server, address = swarm.servers[0], swarm.addresses[0]
+        client = client_of(swarm, frames=True, push=False)
+        channels = client.remote.channels
+
+        def greedy() -> list[int]:
+            with torch.no_grad():
+                return client.generate(ids, max_new_tokens=3, do_sample=False)[0, ids.shape[1]:].tolist()
+
+        def kept_port() -> int:
+            (sock,) = channels._idle[address]
+            return sock.getsockname()[1]
+
+        try:
+            assert greedy() == want
+            first = kept_port()
+            assert greedy() == want and kept_port() == first  # the second session ran on the same connection
+            assert poll_until(lambda: not server._frames.connections, 30.0)  # closed by the server while idle
+            assert greedy() == want and kept_port() != first
+            # a kept connection that ends as it is taken: its peer reads the HELLO and closes
+            with socket.create_server(("127.0.0.1", 0)) as closer:
+                doomed = socket.create_connection(closer.getsockname())
+                doomed.setblocking(False)
+                peer, _ = closer.accept()
+                heard: list[bytes] = []
+
+                def hear_and_close() -> None:
+                    with peer:
+                        peer.settimeout(60.0)
+                        heard.append(peer.recv(4096))
+
+                closing = threading.Thread(target=hear_and_close)
+                closing.start()
+                channels._idle[address] = [doomed]
+                assert greedy() == want  # (the open, cut on the kept connection, went again on a new one)
+                closing.join(60.0)
+            assert heard and heard[0][frames.HEADER.size:].startswith(frames.MAGIC)  # the session began there
+            assert channels._idle[address][0] is not doomed
+        finally:
+            client.close()
+
+
+def test_a_full_framed_port_closes_its_longest_idle_connection_for_a_newcomer(tiny_bloom):
+    """Connections kept between streams never keep anyone out: with the port full (--max-concurrent-rpcs 2, both
+    connections idle after a clean stream), a new connection is served and the oldest idle one is closed; with the
+    port full of live streams, a newcomer is refused with RESOURCE_EXHAUSTED."""
+    import socket
+
+    from swarmlm.bench.frame_attacks import END, HELLO, exchange, frame_port, open_request
+    from swarmlm.types import BlockRange
+    from tests.swarm_helpers import in_process_server, poll_until
+
+    with in_process_server(tiny_bloom, BlockRange(0, 2), max_concurrent_rpcs=2) as server:
+        host, port = "127.0.0.1", frame_port(server.address)
+
+        def connection(data: bytes, statuses: int) -> socket.socket:
+            sock = socket.create_connection((host, port), timeout=60.0)
+            sock.sendall(data)
+            got = b""
+            while got.count(frames.status(grpc.StatusCode.OK)) < statuses:
+                got += sock.recv(1 << 16)
+            return sock
+
+        with connection(HELLO + open_request(2) + END, 1) as oldest, connection(HELLO + open_request(2) + END, 1):
+            assert poll_until(lambda: len(server._frames.idle) == 2, 30.0)
+            assert exchange(host, port, HELLO + open_request(2) + END, half_close=True) == ["REPLY", "STATUS OK "]
+            assert oldest.recv(1) == b""  # closed by the server, without a word
+        with connection(HELLO + open_request(2), 0), connection(HELLO + open_request(2), 0):  # two live streams
+            assert poll_until(lambda: len(server._frames.connections) == 2 and not server._frames.idle, 30.0)
+            answers = exchange(host, port, HELLO + open_request(2), half_close=True)
+            assert answers[-1].startswith("STATUS RESOURCE_EXHAUSTED"), answers
 
 
 def _client_end(peer_bytes: bytes, close: bool = True):
@@ -303,6 +390,11 @@ def test_a_stream_sent_faster_than_its_inbox_takes_it_is_answered_in_order(tiny_
         assert [r.step_id for r in replies] == list(range(1, 13)), [r.error.message for r in replies]
         assert not any(r.error.code for r in replies), [r.error.message for r in replies]
         assert [r.position for r in replies] == list(range(1, 13))
+        assert frames.parse_status(got[-1][1]) == (grpc.StatusCode.OK, "")
+        # the next stream sent at once behind the first one's END, on the same connection: held back the same way,
+        # then served in turn (frames read past the END are the next stream's)
+        got = _frames_until_close(host, port, burst + burst, half_close=True)
+        assert [k for k, _ in got] == ([Kind.REPLY] * 13 + [Kind.STATUS]) * 2
         assert frames.parse_status(got[-1][1]) == (grpc.StatusCode.OK, "")
         status = _frames_until_close(host, port, stalled, half_close=False)
         assert [k for k, _ in status] == [Kind.STATUS] and frames.parse_status(status[0][1]) == (

@@ -88,7 +88,7 @@ def test_bprr_hop_cost_is_the_paper_edge_weight():
     assert perf.per_token_s("c", spans, l_in, l_out) == pytest.approx(expect / l_out)
     # by default every one of the l_out round trips (the prompt's, then one per further token) adds o
     perf = PerfModel({"s": ComputeProfile(0.0001, 0.03, 0.003)}, net)
-    with_o = expect + l_out * MESSAGE_OVERHEAD_S  # 1.2 ms each: + 0.1536 s over 128 tokens
+    with_o = expect + l_out * MESSAGE_OVERHEAD_S  # 0.7 ms each: + 0.0896 s over 128 tokens
     assert bprr_hop_cost(perf, "c", l_in, l_out)(None, "s", 0, k) == pytest.approx(with_o)
     assert perf.request_time_s("c", spans, l_in, l_out) == pytest.approx(with_o)
 

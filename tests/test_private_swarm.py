@@ -155,3 +155,19 @@ def test_the_framed_port_takes_only_a_fresh_token_of_the_key_as_grpc_does(swarm,
     assert exchange(host, port, hello + open_request(3), half_close=True) == ["REPLY", "STATUS OK "]
     replayed = exchange(host, port, hello + open_request(3), half_close=True)
     assert replayed[-1].startswith("STATUS UNAUTHENTICATED") and "replayed" in replayed[-1], replayed
+    # a connection carries one stream after another: each stream's HELLO shows a fresh token of its own
+    end = frames.frame(frames.Kind.END)
+
+    def hello_fresh() -> bytes:
+        return frames.hello(frames.Purpose.STREAM, make_token(key, "/swarmlm.Swarm/Inference"))
+
+    def stream() -> bytes:  # a whole stream, ended cleanly
+        return hello_fresh() + open_request(3) + end
+
+    assert exchange(host, port, stream() + stream(), half_close=True) == \
+        ["REPLY", "STATUS OK ", "REPLY", "STATUS OK "]
+    answers = exchange(host, port, stream() + hello + open_request(3), half_close=True)  # (hello: a used token)
+    assert answers[:2] == ["REPLY", "STATUS OK "] and answers[2].startswith("STATUS UNAUTHENTICATED"), answers
+    answers = exchange(host, port, stream() + frames.hello(frames.Purpose.STREAM, None) + open_request(3),
+                       half_close=True)
+    assert answers[2].startswith("STATUS UNAUTHENTICATED"), answers

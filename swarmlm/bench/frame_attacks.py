@@ -29,8 +29,9 @@ def frame_port(address: str, swarm_key: bytes | None = None) -> int:
 
 
 def exchange(host: str, port: int, data: bytes, half_close: bool = False) -> list[str]:
-    """Send `data`, then read the server's frames until it closes: each as "REPLY", "STATUS CODE details", or a
-    last "closed" when the connection ended without a STATUS."""
+    """Send `data`, then read the server's frames: each as "REPLY", "STATUS CODE details", and a last "closed" when
+    the connection ended without a STATUS. Half-closed: until the server closes (a connection may carry one stream
+    after another); else until the first STATUS."""
     answers: list[str] = []
     with socket.create_connection((host, port), timeout=TIMEOUT_S) as sock:
         try:
@@ -53,10 +54,13 @@ def exchange(host: str, port: int, data: bytes, half_close: bool = False) -> lis
                 body, buf = buf[HEADER.size:HEADER.size + size], buf[HEADER.size + size:]
                 if kind == Kind.STATUS:
                     code, details = frames.parse_status(body)
-                    return answers + [f"STATUS {code.name} {details}"]
-                answers.append(Kind(kind).name if kind in Kind._value2member_map_ else f"kind {kind}")
+                    answers.append(f"STATUS {code.name} {details}")
+                    if not half_close:
+                        return answers
+                else:
+                    answers.append(Kind(kind).name if kind in Kind._value2member_map_ else f"kind {kind}")
             if not chunk:
-                return answers + ["closed"]
+                return answers if answers and answers[-1].startswith("STATUS") else answers + ["closed"]
 
 
 def open_request(blocks: int) -> bytes:
@@ -70,6 +74,7 @@ def _step(hidden: int) -> bytes:
 
 
 HELLO = frames.hello(Purpose.STREAM, None)
+END = frames.frame(Kind.END)
 
 
 def cases(hidden: int, blocks: int, max_body_bytes: int) -> dict[str, bytes]:
@@ -91,6 +96,12 @@ def cases(hidden: int, blocks: int, max_body_bytes: int) -> dict[str, bytes]:
         "garbage REQUEST body": HELLO + frames.frame(Kind.REQUEST, bytes(range(256)) * 4),
         "garbage step in a session": opened + frames.frame(Kind.REQUEST, b"\xff" * 300) + frames.frame(Kind.END),
         "a REQUEST on a push connection": frames.hello(Purpose.PUSH, None) + open_request(blocks),
+        # a connection that carried a stream to its clean end (END, OK) takes another HELLO, and only that
+        "garbage between streams": opened + END + b"GET / HTTP/1.1\r\n\r\n" + bytes(range(256)),
+        "a REQUEST after a stream's end, no HELLO": opened + END + open_request(blocks),
+        "a second stream sent before the first one's OK": opened + END + opened + END,
+        "a new stream after a refused one": HELLO + _step(hidden) + opened + END,
+        "a new stream after a broken frame": opened + HEADER.pack(4096, 200) + opened + END,
     }
 
 
@@ -98,6 +109,13 @@ def expected(name: str, answers: list[str]) -> bool:
     """Is this the clear refusal the case should get? Framing errors: a STATUS naming the problem (or, for a
     connection cut inside a frame, which the server cannot answer any more, a close)."""
     last = answers[-1] if answers else ""
+    if name == "a second stream sent before the first one's OK":  # pipelined, not hostile: both served
+        return answers == ["REPLY", "STATUS OK ", "REPLY", "STATUS OK "]
+    if name in ("a new stream after a refused one", "a new stream after a broken frame"):  # never served
+        return "REPLY" not in answers[1:] and (last == "closed" or last.startswith("STATUS INVALID_ARGUMENT"))
+    if name in ("garbage between streams", "a REQUEST after a stream's end, no HELLO"):
+        return answers[:2] == ["REPLY", "STATUS OK "] and last.startswith("STATUS INVALID_ARGUMENT") \
+            and len(answers) == 3
     if name.startswith("truncated"):
         return last == "closed" or last.startswith("STATUS INVALID_ARGUMENT truncated")
     if name == "garbage REQUEST body":  # a message that does not parse: as on gRPC
@@ -114,14 +132,17 @@ def run_cases(address: str, hidden: int, blocks: int, max_body_bytes: int) -> di
 
 
 def random_frames(rng: random.Random, hidden: int, blocks: int) -> bytes:
-    """A fuzzer's connection: a HELLO (or not), then random frames, random bytes, and valid ones mixed."""
+    """A fuzzer's connection: a HELLO (or not), then random frames, random bytes, and valid ones mixed (a stream's
+    END and the next stream's HELLO among them: a connection carries one stream after another)."""
     out = HELLO if rng.random() < 0.8 else frames.hello(Purpose.PUSH, None) if rng.random() < 0.5 else b""
     for _ in range(rng.randint(0, 5)):
         pick = rng.random()
         if pick < 0.25:
             out += open_request(blocks)
-        elif pick < 0.4:
+        elif pick < 0.35:
             out += _step(hidden)
+        elif pick < 0.45:  # the stream's end and the connection's next stream (or not: a HELLO out of turn)
+            out += END + (HELLO if rng.random() < 0.8 else b"") if rng.random() < 0.7 else HELLO
         elif pick < 0.6:
             out += frames.frame(rng.choice(list(Kind)), rng.randbytes(rng.randint(0, 300)))
         elif pick < 0.75:

@@ -41,8 +41,8 @@ def add_parser(sub) -> None:
                    help="serve decode steps and pushes on gRPC only, no framed step port beside it (a second TCP "
                         "port, any free one, on --host; docs/PROTOCOL.md, Framed steps)")
     p.add_argument("--push-frames", action=argparse.BooleanOptionalAction, default=SERVER.push_frames,
-                   help="push to the next server on its framed step port when it announces one (default: %(default)s:"
-                        " pushes on gRPC)")
+                   help="push to the next server on its framed step port when it announces one, else on gRPC "
+                        "(default: %(default)s)")
     p.add_argument("--quant", default=SERVER.quant, choices=QUANT_NAMES,
                    help="auto: a GGUF's quantized blocks kept as the file has them; none: dequantized; int8 / int4: a "
                         "float checkpoint's linear layers quantized weight-only in blocks of 32 (announced to "

@@ -1,10 +1,12 @@
 """The client's connections: one background event loop, and per server address a cached grpc.aio channel, its
-framed step port, its session key share and what its link was measured to carry (client/streams.py opens span
-streams on them)."""
+framed step port (and the framed connections kept between sessions), its session key share and what its link was
+measured to carry (client/streams.py opens span streams on them)."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import select
+import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -21,6 +23,7 @@ from swarmlm.wire.links import Links, LinkScheduler, TransmissionPolicy
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+MAX_IDLE_FRAMED = 4  # framed connections kept per server between sessions (concurrent sessions each hold one)
 
 
 class LoopThread:
@@ -62,6 +65,9 @@ class Channels:
         # per server id: the session key share its signed Info gave (wire/session_keys.py); sessions are keyed with it
         self.key_shares: dict[str, bytes] = {}
         self.frames = config.frames
+        # per address: framed connections whose last stream ended cleanly, kept for the next session (it saves a
+        # connect; and a connection that lives on is one `swarmlm bench`'s once-a-second telemetry sees)
+        self._idle: dict[str, list[socket.socket]] = {}
         self._stubs: dict[str, pb_grpc.SwarmStub] = {}
         self.links = Links(TransmissionPolicy.for_client(config))
         self.assumed_bandwidth_bps = config.assumed_bandwidth_bps
@@ -95,20 +101,52 @@ class Channels:
                 self.key_shares.clear()
             self.key_shares[reply.server_id] = reply.key_share
 
-    async def open_stream(self, address: str):
-        """An Inference stream to `address`: on its framed port when it has one that answers, else a gRPC call
-        (a framed port that does not answer is not tried again: a firewall that lets only gRPC's port through)."""
+    async def open_stream(self, address: str, fresh: bool = False):
+        """An Inference stream to `address`: on its framed port when it has one that answers (on a kept connection
+        unless `fresh`), else a gRPC call (a framed port that does not answer is not tried again: a firewall that
+        lets only gRPC's port through)."""
         port = self.frame_ports.get(address)
         if port:
             host, port = frames.frame_target(address, port)
+            idle = None if fresh else self._take_idle(address)
             try:
                 # (a TCP connect: a port a firewall drops is given up on in a second, not connect_timeout_s)
                 return await FrameCall.open(host, port, self.swarm_key, self.max_message_bytes,
-                                            min(self.connect_timeout_s, 1.0))
+                                            min(self.connect_timeout_s, 1.0), idle=idle)
             except (OSError, asyncio.TimeoutError) as exc:
+                if idle is not None:  # the kept connection broke: a new one
+                    return await self.open_stream(address, fresh=True)
                 log.info("framed port %s:%d of %s does not answer (%s): gRPC from now on", host, port, address, exc)
                 self.frame_ports.pop(address, None)
         return self.stub(address).Inference()
+
+    def end_stream(self, address: str, call) -> None:
+        """A stream is over: a framed one that ended cleanly keeps its connection for the next session (a few per
+        server), anything else is closed."""
+        idle = self._idle.setdefault(address, [])
+        if isinstance(call, FrameCall) and call.reusable and len(idle) < MAX_IDLE_FRAMED:
+            idle.append(call.detach())
+        else:
+            call.cancel()
+
+    def _take_idle(self, address: str) -> socket.socket | None:
+        """A kept connection to `address` the server has not closed (nor written to) meanwhile, or None."""
+        idle = self._idle.get(address, [])
+        while idle:
+            sock = idle.pop()
+            poller = select.poll()
+            poller.register(sock, select.POLLIN | select.POLLRDHUP)
+            if not poller.poll(0):  # (POLLERR and POLLHUP come anyway)
+                return sock
+            sock.close()  # closed by the server (its idle timeout, a restart), or bytes nobody asked for
+        return None
+
+    def close_idle(self) -> None:
+        """Close the kept framed connections (the client is closing; a session still open keeps its own)."""
+        idle, self._idle = self._idle, {}
+        for socks in idle.values():
+            for sock in socks:
+                sock.close()
 
     def stub(self, address: str) -> pb_grpc.SwarmStub:
         stub = self._stubs.get(address)

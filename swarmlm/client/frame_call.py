@@ -6,7 +6,11 @@ One non-blocking socket, two ways to use it, never at once: from the client's ev
 loop.sock_sendall / sock_recv), or from the caller's own thread (`write_blocking`, `read_blocking`: the thread
 that wants the reply writes the frame and sleeps in poll() on the socket until it comes, no hand-off to the loop
 thread and back). The session uses the blocking pair only for a decode step with nothing else of its own in flight
-(session.py), so the two never overlap on one call."""
+(session.py), so the two never overlap on one call.
+
+A connection outlives its stream: after the server's OK for a stream this client ended (END), nothing more is in
+flight either way, and client/channels.py keeps the socket for the next session to that server, which starts with
+a HELLO of its own (a fresh swarm-key token: every stream is authenticated as a new connection's would be)."""
 from __future__ import annotations
 
 import asyncio
@@ -29,35 +33,56 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 
 class FrameCall:
-    """One Inference stream on its own connection. Reads give InferenceReplies, then grpc.aio.EOF at the server's
-    OK, or raise AioRpcError with the server's status (or UNAVAILABLE when the connection breaks)."""
+    """One Inference stream on a connection (a new one, or one an earlier stream ended cleanly: `reused`). Reads
+    give InferenceReplies, then grpc.aio.EOF at the server's OK, or raise AioRpcError with the server's status (or
+    UNAVAILABLE when the connection breaks)."""
 
-    def __init__(self, sock: socket.socket, max_message_bytes: int) -> None:
+    def __init__(self, sock: socket.socket, max_message_bytes: int, reused: bool = False) -> None:
         self._sock = sock  # non-blocking, TCP_NODELAY
+        self.reused = reused
         self._buf = bytearray()  # bytes read, not yet taken as frames
         self._max = max_message_bytes
         self._status: tuple[grpc.StatusCode, str] | None = None  # the stream's end, once read
         self._writing_done = False
         self._closed = False
+        self._peer_closed = False  # the server closed its side
 
     @classmethod
     async def open(cls, host: str, port: int, swarm_key: bytes | None, max_message_bytes: int,
-                   timeout_s: float) -> "FrameCall":
-        """Connected, its HELLO written. OSError or TimeoutError if it fails."""
+                   timeout_s: float, idle: socket.socket | None = None) -> "FrameCall":
+        """A stream, its HELLO written: on `idle` (a connection an earlier stream ended cleanly) or a new
+        connection. OSError or TimeoutError if it fails (`idle` is then closed)."""
         loop = asyncio.get_running_loop()
         token = make_token(swarm_key, INFERENCE_METHOD) if swarm_key is not None else None
-        family, kind, proto, _, address = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
-        sock = socket.socket(family, kind, proto)
+        sock = idle
         try:
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a small frame goes at once
             async with asyncio.timeout(timeout_s):
-                await loop.sock_connect(sock, address)
+                if sock is None:
+                    family, kind, proto, _, address = (await loop.getaddrinfo(host, port,
+                                                                              type=socket.SOCK_STREAM))[0]
+                    sock = socket.socket(family, kind, proto)
+                    sock.setblocking(False)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a small frame goes at once
+                    await loop.sock_connect(sock, address)
                 await loop.sock_sendall(sock, frames.hello(Purpose.STREAM, token))
         except BaseException:
-            sock.close()
+            if sock is not None:
+                sock.close()
             raise
-        return cls(sock, max_message_bytes)
+        return cls(sock, max_message_bytes, reused=idle is not None)
+
+    @property
+    def reusable(self) -> bool:
+        """Ended cleanly: this client's END written, the server's OK read, and no byte after it. Nothing is in
+        flight on the connection either way, so the next stream may start on it."""
+        return (not self._closed and not self._peer_closed and self._writing_done and not self._buf
+                and self._status is not None and self._status[0] == grpc.StatusCode.OK)
+
+    def detach(self) -> socket.socket:
+        """The connection of a `reusable` call, for the next stream; this call is closed without closing it."""
+        assert self.reusable
+        self._closed = True
+        return self._sock
 
     @property
     def blocking_ok(self) -> bool:
@@ -169,6 +194,7 @@ class FrameCall:
 
     def _received(self, data: bytes) -> None:
         if not data:  # the server closed the connection
+            self._peer_closed = True
             if self._buf:
                 self.cancel()
                 raise rpc_error(grpc.StatusCode.INTERNAL, f"the server broke the framing: the connection ended "

@@ -267,6 +267,7 @@ class RemoteSequence:
                               self.dht_prefix, share=self)
 
     def close(self) -> None:
+        self.channels.close_idle()  # (its own, also a sibling's)
         if not self.owner:
             return
         if self.tunnels is not None:

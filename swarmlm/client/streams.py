@@ -133,11 +133,17 @@ class SpanStream:
             start_block=self.span.start, end_block=self.span.end, batch_size=batch, max_length=max_length,
             adapter=self.channels.adapter, prompts=codec.encode(prompts) if prompts is not None else None,
             lora=list(lora), prefix_scope=prefix_scope, prefix_keys=list(prefix_keys), key_share=key_share))
+        signed = session_keys.sign(self.keys.client, "", request)
         try:
-            self.call = await self.channels.open_stream(self.span.address)
-            await self.call.write(session_keys.sign(self.keys.client, "", request))
-            async with asyncio.timeout(self.timeout_s):
-                reply = await self.call.read()
+            try:
+                reply = await self._first_reply(signed)
+            except grpc.aio.AioRpcError as exc:
+                if not (isinstance(self.call, FrameCall) and self.call.reused
+                        and exc.code() == grpc.StatusCode.UNAVAILABLE):
+                    raise
+                # a kept connection the server closed as we took it (its idle timeout): once more, on a new one
+                self.channels.end_stream(self.span.address, self.call)
+                reply = await self._first_reply(signed, fresh=True)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, OSError) as exc:
             await self.close()
             raise _failed(self.span, exc) from exc
@@ -155,6 +161,12 @@ class SpanStream:
                                                     f"{len(prefix_keys)} keys")
         self.position = held
         return held
+
+    async def _first_reply(self, request: pb.InferenceRequest, fresh: bool = False):
+        self.call = await self.channels.open_stream(self.span.address, fresh=fresh)
+        await self.call.write(request)
+        async with asyncio.timeout(self.timeout_s):
+            return await self.call.read()
 
     async def save(self, keys: Sequence[bytes]) -> None:
         """Ask the server to keep the first len(keys) runs of tokens the session holds (no reply unless refused)."""
@@ -308,5 +320,5 @@ class SpanStream:
                 # every operation): the server expires the session on its own. A cancellation of *this* task
                 # still propagates.
                 _raise_if_cancelling()
-            self.call.cancel()
+            self.channels.end_stream(self.span.address, self.call)  # (a clean framed one: kept for the next)
             self.call = None
