@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from swarmlm.kernels import library
-from swarmlm.model.families.base import SLIDING, padded_positions
+from swarmlm.model.families.base import SLIDING
 from swarmlm.model.packed import DIRECT_ROWS, THREADED_MIN_WEIGHTS, PackedLinear, PackedError, threaded_library
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -89,8 +89,9 @@ class SpanDecoder:
     def usable(self, hidden: torch.Tensor, new_masks: list[torch.Tensor]) -> bool:
         """At most DIRECT_ROWS new tokens in all (rows x tokens: decode steps, speculative passes, short prompts), no
         gradients, every new token a real one (a padding query is transformers' business)."""
-        return (hidden.shape[0] * hidden.shape[1] <= DIRECT_ROWS and not torch.is_grad_enabled()
-                and all(bool(m.bool().all()) for m in new_masks))
+        if hidden.shape[0] * hidden.shape[1] > DIRECT_ROWS or torch.is_grad_enabled():
+            return False
+        return bool((new_masks[0] if len(new_masks) == 1 else torch.cat(new_masks)).all())  # [sum B, T]
 
     def step(self, hidden: torch.Tensor, members, masks: list[torch.Tensor]) -> torch.Tensor:
         """hidden [B, T, H]; members: (SpanCache, rows slice) per session, each cache's committed length + T equal to
@@ -100,7 +101,7 @@ class SpanDecoder:
         length + t and attends to positions up to its own (causal), through the row's mask."""
         rows, n_tokens = hidden.shape[0], hidden.shape[1]
         x = hidden.reshape(rows * n_tokens, -1).to(torch.float32).contiguous().clone()
-        keys, values, strides, caps, lengths, mask_rows, keep, positions = [], [], [], [], [], [], [], []
+        keys, values, strides, caps, lengths, mask_rows, keep = [], [], [], [], [], [], []
         for (cache, span), mask in zip(members, masks):
             n = span.stop - span.start
             end = cache.length + n_tokens
@@ -110,7 +111,6 @@ class SpanDecoder:
             assert cache.keys.is_contiguous() and cache.values.is_contiguous()
             m = mask.to(torch.int64).contiguous()
             keep.append(m)
-            positions.append(padded_positions(m, n_tokens))
             layer_stride = n * self.kv_heads * cache.capacity * self.head_dim
             for j in range(n):
                 for t in range(n_tokens):
@@ -120,7 +120,11 @@ class SpanDecoder:
                     caps.append(cache.capacity)
                     lengths.append(cache.length + t)
                     mask_rows.append(m[j].data_ptr())
-        cos, sin = self.rotary(x[:, None], position_ids=torch.cat(positions).reshape(-1, 1))
+        # every new token is real (`usable`): token t of a row sits at (the row's real tokens) - T + t, the position
+        # transformers derives from a left-padding mask (families/base.py padded_positions), for all rows in 3 ops
+        real = torch.cat([m.sum(1) for m in keep]) if len(keep) > 1 else keep[0].sum(1)  # [B]
+        positions = (real[:, None] - n_tokens + torch.arange(n_tokens)).reshape(-1, 1)  # [B x T, 1]
+        cos, sin = self.rotary(x[:, None], position_ids=positions)
         cos, sin = cos.reshape(len(x), -1).float().contiguous(), sin.reshape(len(x), -1).float().contiguous()
         ptrs, longs = ctypes.c_void_p * len(x), ctypes.c_int64 * len(x)
         code = threaded_library().decode_span(

@@ -170,7 +170,6 @@ class Stage:
             row += r.hidden.shape[0]
         cache = StepCache(members, offset=first.state.blocks.start - self.blocks.start)
         t = first.hidden.shape[1]
-        mask = masks[0] if len(requests) == 1 else left_pad(masks, cache.past + t)  # [sum B, past + T]
         hidden = torch.cat([r.hidden for r in requests], dim=0).to(self.dtype)  # [sum B, T, H]
         local = slice(first.state.blocks.start - self.blocks.start, first.state.blocks.end - self.blocks.start)
         plain = not (first.state.lora_adapter or first.prompted or first.state.client_lora)
@@ -178,6 +177,7 @@ class Stage:
         if decoder is not None and decoder.usable(hidden, [r.mask for r in requests]):  # one kernel call (model/decode_span.py)
             out = decoder.step(hidden, [(m.cache, m.rows) for m in members], masks)
         else:
+            mask = masks[0] if len(requests) == 1 else left_pad(masks, cache.past + t)  # [sum B, past + T]
             prompt = deep_prompt.prompt_hooks(self.modules[local], first.state.prompts, starts[0].position) \
                 if first.prompted else contextlib.nullcontext()  # (a prompted step runs alone: batch_key)
             deltas = (*self.lora_adapters.get(first.state.lora_adapter, ()), *first.state.client_lora)
