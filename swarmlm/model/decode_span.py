@@ -62,6 +62,10 @@ class SpanDecoder:
         self.blocks = (_Block * len(blocks))(*[_block(b, window if b.swarmlm_layer_type == SLIDING else 0)
                                                for b in blocks])
         self._held = list(blocks)  # the weights' tensors stay alive as long as the pointers above
+        rope = getattr(rotary, "rope_type", "default")
+        self._table_ok = "dynamic" not in rope and rope != "longrope"  # frequencies fixed: cos/sin from a table
+        self._table = torch.empty(2, 0, self.head_dim)  # [cos, sin] x positions x head_dim, float32
+        self._last_rows = None  # (key, arrays): the last step's per-row cache pointers (_cache_rows)
 
     @classmethod
     def of(cls, config, adapter, blocks: nn.ModuleList, dtype: torch.dtype) -> "SpanDecoder | None":
@@ -100,39 +104,66 @@ class SpanDecoder:
         The kernel sees B x T query rows, a sequence's tokens in order: token t of a row is written at position
         length + t and attends to positions up to its own (causal), through the row's mask."""
         rows, n_tokens = hidden.shape[0], hidden.shape[1]
-        x = hidden.reshape(rows * n_tokens, -1).to(torch.float32).contiguous().clone()
-        keys, values, strides, caps, lengths, mask_rows, keep = [], [], [], [], [], [], []
+        x = hidden.reshape(rows * n_tokens, -1).to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        lengths, mask_rows, keep, widest = [], [], [], 0
         for (cache, span), mask in zip(members, masks):
-            n = span.stop - span.start
-            end = cache.length + n_tokens
+            n, end = span.stop - span.start, cache.length + n_tokens
             assert mask.shape == (n, end), "a session's mask covers its committed tokens and the new ones"
             if end > cache.capacity:
                 cache._grow(end, x.new_empty(n, self.kv_heads, 1, self.head_dim))
-            assert cache.keys.is_contiguous() and cache.values.is_contiguous()
-            m = mask.to(torch.int64).contiguous()
+            m = mask if mask.dtype == torch.int64 and mask.is_contiguous() else mask.to(torch.int64).contiguous()
             keep.append(m)
-            layer_stride = n * self.kv_heads * cache.capacity * self.head_dim
-            for j in range(n):
-                for t in range(n_tokens):
-                    keys.append(cache.keys[0, j].data_ptr())
-                    values.append(cache.values[0, j].data_ptr())
-                    strides.append(layer_stride)
-                    caps.append(cache.capacity)
-                    lengths.append(cache.length + t)
-                    mask_rows.append(m[j].data_ptr())
+            widest = max(widest, end)
+            lengths += [cache.length + t for t in range(n_tokens)] * n
+            mask_rows += [m.data_ptr() + 8 * m.stride(0) * j for j in range(n) for _ in range(n_tokens)]
+        keys, values, strides, caps = self._cache_rows(members, n_tokens)
         # every new token is real (`usable`): token t of a row sits at (the row's real tokens) - T + t, the position
-        # transformers derives from a left-padding mask (families/base.py padded_positions), for all rows in 3 ops
-        real = torch.cat([m.sum(1) for m in keep]) if len(keep) > 1 else keep[0].sum(1)  # [B]
-        positions = (real[:, None] - n_tokens + torch.arange(n_tokens)).reshape(-1, 1)  # [B x T, 1]
-        cos, sin = self.rotary(x[:, None], position_ids=positions)
-        cos, sin = cos.reshape(len(x), -1).float().contiguous(), sin.reshape(len(x), -1).float().contiguous()
-        ptrs, longs = ctypes.c_void_p * len(x), ctypes.c_int64 * len(x)
+        # transformers derives from a left-padding mask (families/base.py padded_positions); each < widest
+        first = (torch.cat([m.sum(1) for m in keep]) if len(keep) > 1 else keep[0].sum(1)).sub_(n_tokens)  # [B]
+        positions = first if n_tokens == 1 else (first[:, None] + torch.arange(n_tokens)).reshape(-1)  # [B x T]
+        rotation = self._rotation(x, positions, widest)  # [2, B x T, head_dim]: cos, sin
+        cos, sin = rotation.data_ptr(), rotation.data_ptr() + rotation.stride(0) * rotation.element_size()
+        longs = ctypes.c_int64 * len(x)
         code = threaded_library().decode_span(
-            ctypes.byref(self.dims), self.blocks, len(self.blocks), x.data_ptr(), len(x), ptrs(*keys), ptrs(*values),
-            longs(*strides), longs(*caps), longs(*lengths), ptrs(*mask_rows), cos.data_ptr(), sin.data_ptr())
+            ctypes.byref(self.dims), self.blocks, len(self.blocks), x.data_ptr(), len(x), keys, values, strides, caps,
+            longs(*lengths), longs(*mask_rows), cos, sin)
         if code != 0:
             raise PackedError(f"the decode kernel refused the step (code {code})")
         return x.reshape(hidden.shape).to(hidden.dtype)
+
+    def _cache_rows(self, members, n_tokens: int) -> tuple:
+        """Per query row: its cache's K and V pointers for the span's first block, layer stride and capacity (ctypes
+        arrays). They change only when a cache grows or the batch changes, so the last step's are kept."""
+        key = (n_tokens, *[(c.keys.data_ptr(), c.values.data_ptr(), c.capacity, s.stop - s.start) for c, s in members])
+        if self._last_rows is None or self._last_rows[0] != key:
+            keys, values, strides, caps = [], [], [], []
+            for cache, span in members:
+                assert cache.keys.is_contiguous() and cache.values.is_contiguous()
+                n = span.stop - span.start
+                layer_stride = n * self.kv_heads * cache.capacity * self.head_dim
+                row_bytes = cache.keys.stride(1) * cache.keys.element_size()
+                for j in range(n):
+                    keys += [cache.keys.data_ptr() + j * row_bytes] * n_tokens
+                    values += [cache.values.data_ptr() + j * row_bytes] * n_tokens
+                    strides += [layer_stride] * n_tokens
+                    caps += [cache.capacity] * n_tokens
+            longs = ctypes.c_int64 * len(keys)
+            self._last_rows = key, (longs(*keys), longs(*values), longs(*strides), longs(*caps))
+        return self._last_rows[1]
+
+    def _rotation(self, x: torch.Tensor, positions: torch.Tensor, widest: int) -> torch.Tensor:
+        """cos and sin [2, B x T, head_dim] of the rows' positions (each < widest): rows of a table of the rotary
+        module's own values (its forward is elementwise in the position), grown by doubling; a rotary whose
+        frequencies depend on the positions seen (dynamic, longrope) is asked every step."""
+        if not self._table_ok:
+            cos, sin = self.rotary(x[:, None], position_ids=positions[:, None])
+            return torch.stack([cos.reshape(len(x), -1), sin.reshape(len(x), -1)]).float().contiguous()
+        table = self._table
+        if widest > table.shape[1]:
+            grown = torch.arange(max(widest, 2 * table.shape[1], 256))[None]
+            cos, sin = self.rotary(x[:1, None], position_ids=grown)  # [1, L, head_dim]
+            table = self._table = torch.stack([cos[0], sin[0]]).float()  # [2, L, head_dim]
+        return table.index_select(1, positions)
 
 
 def _linear(module: PackedLinear) -> _Linear:
