@@ -34,9 +34,9 @@ def twin_stages(model: str, blocks: BlockRange, quant: str) -> tuple[Stage, Stag
     return fast, plain
 
 
-def run_both(stages, steps) -> None:
+def run_both(stages, steps, max_length: int = 64) -> None:
     """steps: lists of (session index, hidden, new mask, op) run as one batch on both stages, outputs compared."""
-    states = [[stage.new_state(stage.blocks, 2, 64) for _ in range(2)] for stage in stages]
+    states = [[stage.new_state(stage.blocks, 2, max_length) for _ in range(2)] for stage in stages]
     for batch in steps:
         outs = [stage.step_batch([StepRequest(own[i], h, m, op) for i, h, m, op in batch])
                 for stage, own in zip(stages, states)]
@@ -131,3 +131,24 @@ def test_the_one_call_decoder_splits_its_products_between_torchs_threads(checkpo
             assert decoder is not None and library().packed_threads() == threads
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rope, prompt", [({"rope_type": "default"}, 250),  # decodes past the first cos/sin table
+                                          ({"rope_type": "dynamic", "factor": 2.0}, 10)])  # frequencies move at 16
+def test_positions_past_the_rotary_table_and_a_dynamic_rotary(tmp_path, rope, prompt, monkeypatch):
+    import json
+
+    path = init_checkpoint("tiny-llama", tmp_path / "model", seed=5)
+    config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_theta": 10000.0, **rope}
+    config["max_position_embeddings"] = 16 if rope["rope_type"] == "dynamic" else 2048
+    (path / "config.json").write_text(json.dumps(config))
+    fast, plain = twin_stages(str(path), BlockRange(0, 2), quant="int8")
+    calls = []
+    step = SpanDecoder.step
+    monkeypatch.setattr(SpanDecoder, "step", lambda self, *a: calls.append(1) or step(self, *a))
+    g = torch.Generator().manual_seed(1)
+    steps = [[(0, torch.randn(1, prompt, fast.hidden_size, generator=g), torch.ones(1, prompt), None)]]
+    steps += [[(0, torch.randn(1, 1, fast.hidden_size, generator=g), torch.ones(1, 1), None)] for _ in range(12)]
+    run_both((fast, plain), steps, max_length=prompt + 12)
+    assert len(calls) == (12 if prompt > DIRECT_ROWS else 13)  # every decode step (and a short prompt) took it
