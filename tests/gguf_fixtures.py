@@ -18,9 +18,11 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_tiny_gguf(checkpoint: str | Path, out: str | Path, architecture: str = "llama",
-                    mlp_type: str = "Q8_0", matrix_type: str | None = None) -> Path:
+                    mlp_type: str = "Q8_0", matrix_type: str | None = None,
+                    types: dict[str, str] | None = None) -> Path:
     """`mlp_type`: the MLP matrices' type; one gguf-py cannot dequantize (Q8_1) gets zero bytes of its size.
-    `matrix_type`: if given, every matrix (attention, MLP, embeddings, head) in this type (gguf-py quantizes it)."""
+    `matrix_type`: if given, every matrix (attention, MLP, embeddings, head) in this type (gguf-py quantizes it);
+    `types`: a matrix whose name contains a key gets that key's type instead (mixed files, as llama.cpp writes)."""
     import gguf
 
     checkpoint, out = Path(checkpoint), Path(out)
@@ -52,7 +54,8 @@ def write_tiny_gguf(checkpoint: str | Path, out: str | Path, architecture: str =
         if matrix_type == "F16" and value.ndim == 2:
             writer.add_tensor(name, value.astype(np.float16))
         elif matrix_type is not None and value.ndim == 2:
-            qtype = gguf.GGMLQuantizationType[matrix_type]
+            chosen = [t for part, t in (types or {}).items() if part in hf_name]
+            qtype = gguf.GGMLQuantizationType[chosen[0] if chosen else matrix_type]
             writer.add_tensor(name, gguf.quantize(value, qtype), raw_dtype=qtype)
         elif any(q in hf_name for q in Q8_MATRICES) and mlp_type == "Q8_0":
             writer.add_tensor(name, gguf.quantize(value, qtype), raw_dtype=qtype)

@@ -80,6 +80,16 @@ def test_a_ggufs_own_blocks_decode_in_one_call(checkpoints, tmp_path):
     run_both((fast, plain), scenario(fast.hidden_size))
 
 
+
+def test_products_of_other_types_between_those_that_share_their_input(checkpoints, tmp_path):
+    """decode.c's k and v take q's prepared activations, up takes gate's (kernels/packed.c `activations`): a file
+    whose q and down products are of a type that prepares none (Q5_0) leaves nothing stale for the next k."""
+    gguf = write_tiny_gguf(checkpoints["tiny-llama"], tmp_path / "mixed.gguf", matrix_type="Q4_0",
+                           types={"q_proj": "Q5_0", "down_proj": "Q5_0"})
+    fast, plain = twin_stages(str(gguf), BlockRange(0, 4), quant="auto")
+    assert fast._span_decoder(slice(0, 4)) is not None
+    run_both((fast, plain), scenario(fast.hidden_size))
+
 @pytest.mark.parametrize("name, quant", [("tiny-llama", "none"), ("tiny-gemma2", "int8"),
                                          ("tiny-bloom", "int8")])
 def test_what_the_kernel_does_not_compute_stays_with_transformers(checkpoints, name, quant):

@@ -689,6 +689,14 @@ float act16_round_block(const float *x, int16_t v[32], int32_t *total) {
     return round_block(x, v, total);
 }
 
+/* which form act16_prepare_rows / act16_round_rows give x [rows, k] for this type's products (types act16 rounds):
+ * products whose forms are equal can share one preparation of the same x */
+int act16_layout(int ggml_type, int64_t rows, int64_t k) {
+    if (rows > act16_integer_rows(ggml_type)) return 1;
+    if (amx_takes(ggml_type, rows, k / 32)) return 2;
+    return act16_one_lane(ggml_type, k / 32) ? 3 : 4;
+}
+
 /* x [rows, k] rounded as the integer products round it (scale x its int16 value), in the calling thread's buffer
  * (valid until its next call); 0 when out of memory */
 const float *act16_round_rows(const float *x, int64_t rows, int64_t k) {

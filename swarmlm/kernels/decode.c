@@ -18,8 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-int packed_matmul_threads(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
-                          float *y, int64_t n, int64_t min_weights);
+int packed_matmul_again(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
+                        float *y, int64_t n, int64_t min_weights, int again);
 
 typedef struct {
     int64_t type;  /* ggml type id (packed.c) */
@@ -41,8 +41,10 @@ typedef struct {
     int64_t min_weights;  /* products at least this large are split between threads */
 } span_dims;
 
-static int linear(const span_linear *L, const float *x, int64_t rows, float *y, int64_t min_weights) {
-    if (packed_matmul_threads((int)L->type, L->w, L->row_bytes, x, rows, L->k, y, L->n, min_weights) != 0) return -1;
+/* again: x is the previous product's input, unchanged (k and v after q, up after gate): its preparation is shared */
+static int linear(const span_linear *L, const float *x, int64_t rows, float *y, int64_t min_weights, int again) {
+    if (packed_matmul_again((int)L->type, L->w, L->row_bytes, x, rows, L->k, y, L->n, min_weights, again) != 0)
+        return -1;
     if (L->bias)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < L->n; i++) y[r * L->n + i] += L->bias[i];
@@ -150,7 +152,8 @@ int decode_span(const span_dims *D, const span_block *blocks, int64_t n_blocks, 
     for (int64_t l = 0; l < n_blocks && !status; l++) {
         const span_block *B = blocks + l;
         for (int64_t r = 0; r < rows; r++) rms_norm(x + r * H, B->norm_in, H, D->eps, xn + r * H);
-        if (linear(&B->q, xn, rows, q, D->min_weights) || linear(&B->k, xn, rows, k, D->min_weights) || linear(&B->v, xn, rows, v, D->min_weights)) {
+        if (linear(&B->q, xn, rows, q, D->min_weights, 0) || linear(&B->k, xn, rows, k, D->min_weights, 1) ||
+            linear(&B->v, xn, rows, v, D->min_weights, 1)) {
             status = -1;
             break;
         }
@@ -169,19 +172,19 @@ int decode_span(const span_dims *D, const span_block *blocks, int64_t n_blocks, 
             }
             attend(D, q + r * qn, K, V, cap[r], len[r] + 1, B->window, mask[r], scores, att + r * qn);
         }
-        if (linear(&B->o, att, rows, o, D->min_weights)) {
+        if (linear(&B->o, att, rows, o, D->min_weights, 0)) {
             status = -1;
             break;
         }
         for (int64_t i = 0; i < rows * H; i++) x[i] += o[i];
         for (int64_t r = 0; r < rows; r++) rms_norm(x + r * H, B->norm_post, H, D->eps, xn + r * H);
-        if (linear(&B->gate, xn, rows, gate, D->min_weights) || linear(&B->up, xn, rows, up, D->min_weights)) {
+        if (linear(&B->gate, xn, rows, gate, D->min_weights, 0) || linear(&B->up, xn, rows, up, D->min_weights, 1)) {
             status = -1;
             break;
         }
 #pragma omp simd
         for (int64_t i = 0; i < rows * I; i++) gate[i] = gate[i] / (1.0f + exp_approx(-gate[i])) * up[i];
-        if (linear(&B->down, gate, rows, down, D->min_weights)) {
+        if (linear(&B->down, gate, rows, down, D->min_weights, 0)) {
             status = -1;
             break;
         }

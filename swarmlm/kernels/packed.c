@@ -36,6 +36,7 @@ int64_t act16_integer_rows(int ggml_type);
 const void *act16_prepare_rows(int ggml_type, const float *x, int64_t rows, int64_t k);
 int act16_one_lane(int ggml_type, int64_t nb);
 const float *act16_round_rows(const float *x, int64_t rows, int64_t k);
+int act16_layout(int ggml_type, int64_t rows, int64_t k);
 void act16_product(int ggml_type, const uint8_t *w, int64_t row_bytes, const void *prepared, int64_t rows, int64_t k,
                    float *y, int64_t n, int64_t n0, int64_t n1);
 int64_t act16_row_group(const void *prepared);
@@ -634,13 +635,29 @@ int packed_repack(int ggml_type, const uint8_t *src, int64_t src_row_bytes, int6
 }
 
 /* The activations as a type's product reads them: x itself, or (types act16 rounds) prepared for the integer
- * products (*prepared) or rounded to int16 blocks in floats; 0 when out of memory. Prepared once per product. */
-static const float *activations(int ggml_type, const float *x, int64_t rows, int64_t k, const void **prepared) {
+ * products (*prepared) or rounded to int16 blocks in floats; 0 when out of memory. Prepared once per product, or
+ * once for products that share their input: `again` = x is unchanged since this thread's previous product (decode.c's
+ * k and v after q, up after gate), whose preparation is then taken as it is if it was of the same x laid out alike. */
+static const float *activations(int ggml_type, const float *x, int64_t rows, int64_t k, int again,
+                                const void **prepared) {
+    static _Thread_local struct { const float *x, *xa; const void *prepared; int64_t rows, k; int layout; } last;
     *prepared = 0;
-    if (!act16_rounds(ggml_type)) return x;
-    if (rows > act16_integer_rows(ggml_type)) return act16_round_rows(x, rows, k);
-    *prepared = act16_prepare_rows(ggml_type, x, rows, k);
-    return *prepared ? x : 0;
+    if (!act16_rounds(ggml_type)) {
+        last.xa = 0;  /* what a later `again` would find is no longer this thread's previous preparation */
+        return x;
+    }
+    const int layout = act16_layout(ggml_type, rows, k);
+    if (again && last.xa && last.x == x && last.rows == rows && last.k == k && last.layout == layout) {
+        *prepared = last.prepared;
+        return last.xa;
+    }
+    const float *xa = rows > act16_integer_rows(ggml_type) ? act16_round_rows(x, rows, k) : x;
+    if (xa == x) {
+        *prepared = act16_prepare_rows(ggml_type, x, rows, k);
+        if (!*prepared) xa = 0;
+    }
+    last.x = x, last.xa = xa, last.prepared = *prepared, last.rows = rows, last.k = k, last.layout = layout;
+    return xa;
 }
 
 /* columns [n0, n1) of y [rows, n] from activations as `activations` gave them */
@@ -666,7 +683,7 @@ int packed_matmul(int ggml_type, const uint8_t *w, int64_t row_bytes, const floa
     const block_type *t = find_type(ggml_type);
     if (!t || row_bytes != packed_row_bytes(ggml_type, k)) return -1;
     const void *prepared;
-    const float *xa = activations(ggml_type, x, rows, k, &prepared);
+    const float *xa = activations(ggml_type, x, rows, k, 0, &prepared);
     if (!xa) return -2;
     product_columns(t, w, row_bytes, xa, prepared, rows, k, y, n, n0, n1);
     return 0;
@@ -752,21 +769,18 @@ int packed_threads(void) {
     return threads_wanted;
 }
 
-/* packed_matmul over all n rows, split between the threads when the product is large enough to pay for it */
-int packed_matmul_threads(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
-                          float *y, int64_t n, int64_t min_weights) {
-    if (threads_wanted < 2 || n * k < min_weights || n < 4 || pthread_mutex_trylock(&pool_busy) != 0)
-        return packed_matmul(ggml_type, w, row_bytes, x, rows, k, y, n, 0, n);
+/* packed_matmul over all n rows, split between the threads when the product is large enough to pay for it; again:
+ * x unchanged since this thread's previous product (`activations`) */
+int packed_matmul_again(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
+                        float *y, int64_t n, int64_t min_weights, int again) {
     const block_type *t = find_type(ggml_type);
-    if (!t || row_bytes != packed_row_bytes(ggml_type, k)) {
-        pthread_mutex_unlock(&pool_busy);
-        return -1;
-    }
+    if (!t || row_bytes != packed_row_bytes(ggml_type, k)) return -1;
     const void *prepared;
-    const float *xa = activations(ggml_type, x, rows, k, &prepared);
-    if (!xa) {
-        pthread_mutex_unlock(&pool_busy);
-        return -2;
+    const float *xa = activations(ggml_type, x, rows, k, again, &prepared);
+    if (!xa) return -2;
+    if (threads_wanted < 2 || n * k < min_weights || n < 4 || pthread_mutex_trylock(&pool_busy) != 0) {
+        product_columns(t, w, row_bytes, xa, prepared, rows, k, y, n, 0, n);
+        return 0;
     }
     const int64_t group = act16_row_group(prepared);  /* whole tiles: 2 weight rows, 16 on AMX */
     const int64_t chunk = ((n + 16 * threads_wanted - 1) / (16 * threads_wanted) + group - 1) / group * group;
@@ -785,6 +799,11 @@ int packed_matmul_threads(int ggml_type, const uint8_t *w, int64_t row_bytes, co
     }
     pthread_mutex_unlock(&pool_busy);
     return 0;
+}
+
+int packed_matmul_threads(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
+                          float *y, int64_t n, int64_t min_weights) {
+    return packed_matmul_again(ggml_type, w, row_bytes, x, rows, k, y, n, min_weights, 0);
 }
 
 /* out [n1 - n0, k] = the float values of rows [n0, n1) */
