@@ -330,3 +330,28 @@ def test_a_large_product_split_between_threads_computes_what_one_thread_does(typ
             assert rel_l2(split, product_reference(type_name, x, want)) < 1e-5, batch
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 16])  # 8+: AMX tiles where the CPU has them
+def test_products_that_share_their_input_share_its_preparation(rows):
+    """kernels/packed.c `packed_matmul_again` (decode.c's k and v after q, up after gate): a product told that x is
+    the previous product's input takes that preparation when it was laid out alike, else prepares its own, and
+    equals the same product prepared afresh -- across types whose layouts are equal (Q4_0 / Q4_1: AMX or one lane
+    at 768 columns) or not (Q4_K, Q8_0 one lane, Q5_0: none)."""
+    from swarmlm.kernels import library
+
+    lib, cols = library(), 768  # whole K-quant blocks, 24 blocks of 32: a super-chunk and a tail
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+
+    def product(type_name: str, again: int) -> torch.Tensor:
+        packed = packed_from_numpy(type_name, raw_blocks(type_name, 48, cols, seed=len(type_name)), cols)
+        y = torch.empty(rows, packed.rows)
+        assert lib.packed_matmul_again(packed.ggml_type, packed.data.data_ptr(), packed.data.shape[1], x.data_ptr(),
+                                       rows, cols, y.data_ptr(), packed.rows, 1 << 62, again) == 0
+        return y
+
+    sequence = ["Q4_0", "Q4_1", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q4_0"]
+    fresh = [product(name, 0) for name in sequence]
+    shared = [product(name, int(i > 0)) for i, name in enumerate(sequence)]
+    for name, want, got in zip(sequence, fresh, shared):
+        assert torch.equal(got, want), name
