@@ -355,3 +355,38 @@ def test_products_that_share_their_input_share_its_preparation(rows):
     shared = [product(name, int(i > 0)) for i, name in enumerate(sequence)]
     for name, want, got in zip(sequence, fresh, shared):
         assert torch.equal(got, want), name
+
+
+
+def test_threaded_products_back_to_back_of_changing_sizes_each_take_their_own_rows(tiny_llama):
+    """The pool's workers never take (nor count) rows of a product other than the one they joined: a worker the OS
+    delayed between its last chunk of one product and its last look at the shared row counter used to take rows of
+    the next product before the caller reset that counter, and the caller then waited for rows nobody would count
+    (a llama-1b server's 2-thread decode hung there). The one-call decoder runs a block's products back to back in C,
+    of changing sizes (k, v, then o); here every one of them is split between 2 threads (no size threshold), many
+    steps, in a child process so that a hang fails the test instead of stopping the suite; each step's output
+    equals one thread's."""
+    import subprocess
+    import sys
+
+    script = f"""
+import torch
+import swarmlm.model.decode_span as decode_span
+from swarmlm.server.stage import Stage, StepRequest
+from swarmlm.types import BlockRange
+decode_span.THREADED_MIN_WEIGHTS = 0  # every product split between the threads, however small
+stage = Stage({tiny_llama!r}, BlockRange(0, 2), quant="int8")
+assert stage._span_decoder(slice(0, 2)) is not None
+x = torch.randn(1, 1, stage.hidden_size, generator=torch.Generator().manual_seed(0))
+def steps(threads, n):
+    torch.set_num_threads(threads)
+    state = stage.new_state(stage.blocks, 1, n + 1)
+    with torch.inference_mode():
+        return [stage.step_batch([StepRequest(state, x, torch.ones(1, 1), None)])[0] for i in range(n)]
+want = steps(1, 400)
+for _ in range(10):
+    assert all(torch.equal(a, b) for a, b in zip(steps(2, 400), want))
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

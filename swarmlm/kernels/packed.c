@@ -710,18 +710,28 @@ static product job;
 static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER, wake_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 static atomic_int generation;
-static atomic_llong next_row, rows_done;  /* of the product running: the next rows to take, and rows finished */
+static atomic_llong next_row, rows_done;  /* of the product running: (its generation << 32) | the next row to take,
+                                           * and rows finished */
+#define ROW_MASK 0xffffffffLL
 static int workers;  /* started so far (the pool only grows) */
 static int threads_wanted = 1;
 
-/* take chunks of rows until none is left: a thread the OS delays (a shared machine) holds back one chunk at most */
-static void take_rows(const product *p) {
+/* take chunks of rows of product `gen` until none is left: a thread the OS delays (a shared machine) holds back one
+ * chunk at most. A thread still here from an earlier product (delayed between its last chunk and its last look)
+ * takes nothing of a later one: next_row carries the generation of the product its rows belong to, and a chunk is
+ * taken only by a compare-and-swap on both, so no row is taken (nor counted) but by a thread of its own product. */
+static void take_rows(const product *p, unsigned gen) {
+    long long v = atomic_load_explicit(&next_row, memory_order_acquire);
     for (;;) {
-        const int64_t n0 = atomic_fetch_add(&next_row, p->chunk_rows);
-        if (n0 >= p->n) return;
+        if ((unsigned)((unsigned long long)v >> 32) != gen || (v & ROW_MASK) >= p->n) return;
+        if (!atomic_compare_exchange_weak_explicit(&next_row, &v, v + p->chunk_rows, memory_order_acq_rel,
+                                                   memory_order_acquire))
+            continue;
+        const int64_t n0 = v & ROW_MASK;
         const int64_t n1 = n0 + p->chunk_rows < p->n ? n0 + p->chunk_rows : p->n;
         product_columns(p->t, p->w, p->row_bytes, p->x, p->prepared, p->rows, p->k, p->y, p->n, n0, n1);
         atomic_fetch_add_explicit(&rows_done, n1 - n0, memory_order_release);
+        v = atomic_load_explicit(&next_row, memory_order_acquire);
     }
 }
 
@@ -743,8 +753,8 @@ static void *worker(void *arg) {
             while (atomic_load(&generation) == seen) pthread_cond_wait(&wake, &wake_lock);
             pthread_mutex_unlock(&wake_lock);
         }
-        seen = atomic_load(&generation);
-        if (part < threads_wanted) take_rows(&job);
+        seen = atomic_load_explicit(&generation, memory_order_acquire);
+        if (part < threads_wanted) take_rows(&job, (unsigned)seen);
     }
     return 0;
 }
@@ -785,13 +795,14 @@ int packed_matmul_again(int ggml_type, const uint8_t *w, int64_t row_bytes, cons
     const int64_t group = act16_row_group(prepared);  /* whole tiles: 2 weight rows, 16 on AMX */
     const int64_t chunk = ((n + 16 * threads_wanted - 1) / (16 * threads_wanted) + group - 1) / group * group;
     job = (product){t, w, row_bytes, rows, k, n, xa, y, chunk, prepared};
-    atomic_store(&next_row, 0);
     atomic_store(&rows_done, 0);
+    const unsigned gen = (unsigned)atomic_load(&generation) + 1;  /* (only pool_busy's holder changes it) */
+    atomic_store_explicit(&next_row, (long long)((unsigned long long)gen << 32), memory_order_release);
     pthread_mutex_lock(&wake_lock);
-    atomic_fetch_add_explicit(&generation, 1, memory_order_release);
+    atomic_store_explicit(&generation, (int)gen, memory_order_release);
     pthread_cond_broadcast(&wake);
     pthread_mutex_unlock(&wake_lock);
-    take_rows(&job);
+    take_rows(&job, gen);
     while (atomic_load_explicit(&rows_done, memory_order_acquire) < n) {
 #if defined(__SSE2__)
         _mm_pause();
