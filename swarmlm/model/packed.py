@@ -125,17 +125,15 @@ class PackedTensor:
         return y
 
 
-_threads = [1]  # what the kernels' pool was last told (torch.set_num_threads is the one setting)
-
-
 def threaded_library():
     """The kernels, their pool told torch's thread count first: every caller of a threaded product (PackedTensor
-    and the one-call decoder) goes through here, so `torch.set_num_threads` is the one setting."""
+    and the one-call decoder) goes through here, so `torch.set_num_threads` is the one setting. What a build's pool
+    was last told is kept on that build (tests load other builds beside the native one)."""
     lib = library()
     n = torch.get_num_threads()
-    if n != _threads[0]:
+    if n != getattr(lib, "pool_threads", 1):
         lib.packed_set_threads(n)
-        _threads[0] = n
+        lib.pool_threads = n
     return lib
 
 
