@@ -135,7 +135,8 @@ class SpanDecoder:
         """Per query row: its cache's K and V pointers for the span's first block, layer stride and capacity (ctypes
         arrays). They change only when a cache grows or the batch changes, so the last step's are kept."""
         key = (n_tokens, *[(c.keys.data_ptr(), c.values.data_ptr(), c.capacity, s.stop - s.start) for c, s in members])
-        if self._last_rows is None or self._last_rows[0] != key:
+        last = self._last_rows  # (read once: the I/O loop's inline decode and the compute thread share this decoder)
+        if last is None or last[0] != key:
             keys, values, strides, caps = [], [], [], []
             for cache, span in members:
                 assert cache.keys.is_contiguous() and cache.values.is_contiguous()
@@ -148,8 +149,8 @@ class SpanDecoder:
                     strides += [layer_stride] * n_tokens
                     caps += [cache.capacity] * n_tokens
             longs = ctypes.c_int64 * len(keys)
-            self._last_rows = key, (longs(*keys), longs(*values), longs(*strides), longs(*caps))
-        return self._last_rows[1]
+            last = self._last_rows = key, (longs(*keys), longs(*values), longs(*strides), longs(*caps))
+        return last[1]
 
     def _rotation(self, x: torch.Tensor, positions: torch.Tensor, widest: int) -> torch.Tensor:
         """cos and sin [2, B x T, head_dim] of the rows' positions (each < widest): rows of a table of the rotary
