@@ -203,6 +203,15 @@ def test_a_server_computes_on_every_core_it_may_use_by_default(tiny_bloom):
     assert server_config(parser.parse_args(["server", "--model", tiny_bloom, "--threads", "1"])).threads == 1
 
 
+def test_server_frame_idle_timeout_flag_reaches_the_config(tiny_bloom):
+    """How long a kept framed connection waits for its client's next stream is a server flag like the other limits."""
+    from swarmlm.cli.main import build_parser
+    from swarmlm.cli.server_cmd import server_config
+
+    args = build_parser("server").parse_args(["server", "--model", tiny_bloom, "--frame-idle-timeout", "7.5"])
+    assert server_config(args).frame_idle_timeout_s == 7.5
+
+
 @pytest.mark.parametrize("verb", ["server", "generate", "chat", "api"])
 def test_help_lists_the_common_options_first_and_the_rest_as_advanced(verb, capsys):
     """Issue 37: --help groups options (basic / advanced); every flag is in one of the groups, each with its help."""

@@ -87,6 +87,9 @@ def add_parser(sub) -> None:
                    help="largest gRPC message accepted, MiB")
     p.add_argument("--idle-timeout", type=float, default=SERVER.session_idle_timeout_s,
                    help="close sessions idle this long, seconds")
+    p.add_argument("--frame-idle-timeout", type=float, default=SERVER.frame_idle_timeout_s,
+                   help="close a framed connection this long after its last stream ended, seconds (clients keep one "
+                        "for their next session)")
     # limits against greedy or hostile peers (docs/FAILURES.md); a peer is a remote host
     p.add_argument("--open-idle-timeout", type=float, default=SERVER.open_idle_timeout_s,
                    help="close a session whose first step has not come this long after its open, seconds, plus twice the "
@@ -123,7 +126,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             max_batch_tokens=args.max_batch_tokens, max_prefill_skips=args.max_prefill_skips,
             batch_wait=replace(SCHEDULER.batch_wait, fraction=args.batch_wait),
             inline_decode_max_s=args.inline_decode_max_ms / 1000),
-        session_idle_timeout_s=args.idle_timeout, open_idle_timeout_s=args.open_idle_timeout,
+        session_idle_timeout_s=args.idle_timeout, frame_idle_timeout_s=args.frame_idle_timeout,
+        open_idle_timeout_s=args.open_idle_timeout,
         resume_grace_s=args.resume_grace, max_sessions_per_peer=args.max_sessions_per_peer,
         max_concurrent_rpcs=args.max_concurrent_rpcs, max_message_bytes=args.max_message_mb * MIB,
         dht_prefix=args.dht_prefix,
