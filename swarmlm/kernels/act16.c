@@ -554,22 +554,19 @@ typedef void (*tile_fn)(const uint8_t *, int64_t, int64_t, const act16 *, float 
     static const tile_fn NARROW_##T[5] = {0, tile_##T##_1_1, tile_##T##_1_2, tile_##T##_1_3, tile_##T##_1_4};
 TILES(2) TILES(3) TILES(8) TILES(12) TILES(13) TILES(14)
 
-/* the activation rows of the tile at r0 of `rows`, at most `most`: the rows split evenly (9 at most 8: 5 + 4) */
-static inline int64_t tile_rows(int64_t rows, int64_t r0, int64_t most) {
-    const int64_t left = rows - r0, tiles = (left + most - 1) / most;
-    return (left + tiles - 1) / tiles;
-}
-
 /* columns [n0, n1) of y [rows, n] by a type's tiles (tables by activation rows, up to `most`): two weight rows at a
- * time, every activation row while they are in L1 */
+ * time, every activation row while they are in L1; the rows split evenly between ceil(rows / most) tiles (9 at most
+ * 8: 5 + 4), worked out once (no division per tile) */
 static void walk_rows(const tile_fn *wide, const tile_fn *narrow, int64_t most, const uint8_t *w, int64_t row_bytes,
                       const act16 *a, int64_t rows, int64_t k, float *y, int64_t n, int64_t n0, int64_t n1) {
-    const int64_t nb = k / 32;
+    const int64_t nb = k / 32, tiles = (rows + most - 1) / most, base = rows / tiles, extra = rows % tiles;
     int64_t i = n0;
     for (; i + 2 <= n1; i += 2)
-        for (int64_t r0 = 0, r; r0 < rows; r0 += r) wide[r = tile_rows(rows, r0, most)](w, row_bytes, nb, a, y, n, i, r0);
+        for (int64_t t = 0, r0 = 0; t < tiles; r0 += base + (t < extra), t++)
+            wide[base + (t < extra)](w, row_bytes, nb, a, y, n, i, r0);
     for (; i < n1; i++)
-        for (int64_t r0 = 0, r; r0 < rows; r0 += r) narrow[r = tile_rows(rows, r0, most)](w, row_bytes, nb, a, y, n, i, r0);
+        for (int64_t t = 0, r0 = 0; t < tiles; r0 += base + (t < extra), t++)
+            narrow[base + (t < extra)](w, row_bytes, nb, a, y, n, i, r0);
 }
 #endif
 
