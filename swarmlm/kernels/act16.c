@@ -559,6 +559,7 @@ TILES(2) TILES(3) TILES(8) TILES(12) TILES(13) TILES(14)
  * 8: 5 + 4), worked out once (no division per tile) */
 static void walk_rows(const tile_fn *wide, const tile_fn *narrow, int64_t most, const uint8_t *w, int64_t row_bytes,
                       const act16 *a, int64_t rows, int64_t k, float *y, int64_t n, int64_t n0, int64_t n1) {
+    if (rows < 1) return;
     const int64_t nb = k / 32, tiles = (rows + most - 1) / most, base = rows / tiles, extra = rows % tiles;
     int64_t i = n0;
     for (; i + 2 <= n1; i += 2)
