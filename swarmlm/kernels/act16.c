@@ -37,6 +37,8 @@
 #endif
 
 #define BLOCK_BYTES 16  /* a Q4 block's nibbles */
+#define CHUNK_ROWS 4  /* activation rows of one tile over chunks of 4 blocks (act16_prepare's layout) */
+#define LANE_ROWS 8   /* ... and over one-lane super-chunks (AVX-512): a weight group is unpacked once for them all */
 
 /* one chunk of one activation row, as the products read it */
 typedef struct {
@@ -223,7 +225,7 @@ static int act16_prepare(const float *x, int64_t rows, int64_t k, int64_t first_
  * partial sums); a chunk's nibbles are unpacked once for the R rows */
 static inline __attribute__((always_inline)) void chunk_sums(const int T, const uint8_t *w, int64_t row_bytes,
                                                              int64_t nb, const act16 *a, int64_t i, int64_t r0,
-                                                             const int W, const int R, __m512 total[2][4]) {
+                                                             const int W, const int R, __m512 total[2][LANE_ROWS]) {
     const __m512i low4 = _mm512_set1_epi16(0xf);
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     const uint8_t *row0 = w + i * row_bytes;
@@ -330,34 +332,36 @@ static inline __attribute__((always_inline)) void chunk_sums(const int T, const 
     }
 }
 
-/* y[r0 + r, i + u] = the sum of total[u][r]'s lanes. A tile of 2 x 4 adds its 8 vectors' lanes as one tree: ~30
- * vector operations instead of 8 reductions of ~8 (by count ~1/7 of a 576-wide 2 x 4 tile's operations), the
- * additions in the same order, so the same bits */
-static inline __attribute__((always_inline)) void store_sums(__m512 total[2][4], float *y, int64_t n, int64_t i,
-                                                             int64_t r0, const int W, const int R) {
-    if (W != 2 || R != 4) {
-        for (int u = 0; u < W; u++)
-            for (int r = 0; r < R; r++) y[(r0 + r) * n + i + u] = _mm512_reduce_add_ps(total[u][r]);
-        return;
+/* y[r0 + r, i + u] = the sum of total[u][r]'s lanes. Two weight rows x 4 activation rows add their 8 vectors' lanes
+ * as one tree: ~30 vector operations instead of 8 reductions of ~8 (by count ~1/7 of a 576-wide 2 x 4 tile's
+ * operations), the additions in the same order, so the same bits */
+static inline __attribute__((always_inline)) void store_sums(__m512 total[2][LANE_ROWS], float *y, int64_t n,
+                                                             int64_t i, int64_t r0, const int W, const int R) {
+    int r4 = 0;
+    for (; W == 2 && r4 + 4 <= R; r4 += 4) {
+        __m512 half[4], quarter[2];
+        for (int r = 0; r < 4; r++)  /* vector k = 2 r + u: 256-bit halves added, (u = 0 | u = 1) */
+            half[r] = _mm512_add_ps(_mm512_shuffle_f32x4(total[0][r4 + r], total[1][r4 + r], _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(total[0][r4 + r], total[1][r4 + r], _MM_SHUFFLE(3, 2, 3, 2)));
+        for (int p = 0; p < 2; p++)  /* 128-bit quarter j: 4 partial sums of vector 4 p + j */
+            quarter[p] = _mm512_add_ps(_mm512_shuffle_f32x4(half[2 * p], half[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_f32x4(half[2 * p], half[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+        /* quarter j: lanes (vector j, vector 4 + j, ...) after interleaving, then each lane pair's other half added */
+        const __m512 pairs = _mm512_add_ps(_mm512_unpacklo_ps(quarter[0], quarter[1]),
+                                           _mm512_unpackhi_ps(quarter[0], quarter[1]));
+        const __m512 sums = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, _MM_SHUFFLE(1, 0, 3, 2)));
+        /* lane 0 of quarter j: vector j; lane 1: vector 4 + j -> vectors 0..7 = (r, u) in order */
+        const __m256 out = _mm512_castps512_ps256(
+            _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), sums));
+        const __m128 low = _mm256_castps256_ps128(out), high = _mm256_extractf128_ps(out, 1);
+        float *at = y + (r0 + r4) * n + i;
+        _mm_storel_pi((__m64 *)at, low);
+        _mm_storeh_pi((__m64 *)(at + n), low);
+        _mm_storel_pi((__m64 *)(at + 2 * n), high);
+        _mm_storeh_pi((__m64 *)(at + 3 * n), high);
     }
-    __m512 half[4], quarter[2];
-    for (int r = 0; r < 4; r++)  /* vector k = 2 r + u: 256-bit halves added, (u = 0 | u = 1) */
-        half[r] = _mm512_add_ps(_mm512_shuffle_f32x4(total[0][r], total[1][r], _MM_SHUFFLE(1, 0, 1, 0)),
-                                _mm512_shuffle_f32x4(total[0][r], total[1][r], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int p = 0; p < 2; p++)  /* 128-bit quarter j: 4 partial sums of vector 4 p + j */
-        quarter[p] = _mm512_add_ps(_mm512_shuffle_f32x4(half[2 * p], half[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(half[2 * p], half[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    /* quarter j: lanes (vector j, vector 4 + j, ...) after interleaving, then each lane pair's other half added */
-    const __m512 pairs = _mm512_add_ps(_mm512_unpacklo_ps(quarter[0], quarter[1]), _mm512_unpackhi_ps(quarter[0], quarter[1]));
-    const __m512 sums = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, _MM_SHUFFLE(1, 0, 3, 2)));
-    /* lane 0 of quarter j: vector j; lane 1: vector 4 + j -> vectors 0..7 = (r, u) in order */
-    const __m256 out = _mm512_castps512_ps256(
-        _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), sums));
-    const __m128 low = _mm256_castps256_ps128(out), high = _mm256_extractf128_ps(out, 1);
-    _mm_storel_pi((__m64 *)(y + r0 * n + i), low);
-    _mm_storeh_pi((__m64 *)(y + (r0 + 1) * n + i), low);
-    _mm_storel_pi((__m64 *)(y + (r0 + 2) * n + i), high);
-    _mm_storeh_pi((__m64 *)(y + (r0 + 3) * n + i), high);
+    for (int u = 0; u < W; u++)
+        for (int r = r4; r < R; r++) y[(r0 + r) * n + i + u] = _mm512_reduce_add_ps(total[u][r]);
 }
 
 /* a one-lane row's tail of 1-2 blocks (n), for two weight rows at once: row i's blocks in slots 0, 1 of one chunk,
@@ -365,7 +369,7 @@ static inline __attribute__((always_inline)) void store_sums(__m512 total[2][4],
  * 0-7 add into row i's sums, 8-15 into row i + 1's. Half the products and float work of a chunk per weight row. */
 static inline __attribute__((always_inline)) void pair_tail_sums(const int T, const uint8_t *w, int64_t row_bytes,
                                                                  int64_t nb, const act16 *a, int64_t i, int64_t r0,
-                                                                 const int R, __m512 total[2][4]) {
+                                                                 const int R, __m512 total[2][LANE_ROWS]) {
     const int64_t ch = a->first_chunk, n = nb - 4 * ch;
     const uint8_t *u0 = w + i * row_bytes, *u1 = u0 + row_bytes;
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
@@ -417,7 +421,7 @@ static inline __attribute__((always_inline)) void pair_tail_sums(const int T, co
 static inline __attribute__((always_inline)) void tile(const int T, const uint8_t *w, int64_t row_bytes, int64_t nb,
                                                        const act16 *a, float *y, int64_t n, int64_t i, int64_t r0,
                                                        const int W, const int R) {
-    __m512 total[2][4];
+    __m512 total[2][LANE_ROWS];
     for (int u = 0; u < W; u++)
         for (int r = 0; r < R; r++) total[u][r] = _mm512_setzero_ps();
     chunk_sums(T, w, row_bytes, nb, a, i, r0, W, R, total);
@@ -550,16 +554,20 @@ typedef void (*tile_fn)(const uint8_t *, int64_t, int64_t, const act16 *, float 
     static const tile_fn NARROW_##T[5] = {0, tile_##T##_1_1, tile_##T##_1_2, tile_##T##_1_3, tile_##T##_1_4};
 TILES(2) TILES(3) TILES(8) TILES(12) TILES(13) TILES(14)
 
-/* columns [n0, n1) of y [rows, n] by a type's tiles: two weight rows at a time, every activation row (4 at a time)
- * while they are in L1 */
-static void walk_rows(const tile_fn *wide, const tile_fn *narrow, const uint8_t *w, int64_t row_bytes, const act16 *a,
-                      int64_t rows, int64_t k, float *y, int64_t n, int64_t n0, int64_t n1) {
-    const int64_t nb = k / 32;
+/* columns [n0, n1) of y [rows, n] by a type's tiles (tables by activation rows, up to `most`): two weight rows at a
+ * time, every activation row while they are in L1; the rows split evenly between ceil(rows / most) tiles (9 at most
+ * 8: 5 + 4), worked out once (no division per tile) */
+static void walk_rows(const tile_fn *wide, const tile_fn *narrow, int64_t most, const uint8_t *w, int64_t row_bytes,
+                      const act16 *a, int64_t rows, int64_t k, float *y, int64_t n, int64_t n0, int64_t n1) {
+    if (rows < 1) return;
+    const int64_t nb = k / 32, tiles = (rows + most - 1) / most, base = rows / tiles, extra = rows % tiles;
     int64_t i = n0;
     for (; i + 2 <= n1; i += 2)
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) wide[rows - r0 < 4 ? rows - r0 : 4](w, row_bytes, nb, a, y, n, i, r0);
+        for (int64_t t = 0, r0 = 0; t < tiles; r0 += base + (t < extra), t++)
+            wide[base + (t < extra)](w, row_bytes, nb, a, y, n, i, r0);
     for (; i < n1; i++)
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) narrow[rows - r0 < 4 ? rows - r0 : 4](w, row_bytes, nb, a, y, n, i, r0);
+        for (int64_t t = 0, r0 = 0; t < tiles; r0 += base + (t < extra), t++)
+            narrow[base + (t < extra)](w, row_bytes, nb, a, y, n, i, r0);
 }
 #endif
 
@@ -572,13 +580,13 @@ static inline __attribute__((always_inline)) void lane_tile(const int T, const u
                                                             int64_t nb, const act16 *a, float *y, int64_t n, int64_t i,
                                                             int64_t r0, const int W, const int R) {
     const int64_t ns = a->supers_per_row;
-    __m512 total[2][4];
+    __m512 total[2][LANE_ROWS];
     for (int u = 0; u < W; u++)
         for (int r = 0; r < R; r++) total[u][r] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi16(0xf);
     const uint8_t *row0 = w + i * row_bytes;
     for (int64_t s = 0; s < ns; s++) {
-        __m512i acc[2][4];
+        __m512i acc[2][LANE_ROWS];
         for (int r = 0; r < R; r++) {
             const __m512i start = T == 2 ? _mm512_load_si512(a->supers[(r0 + r) * ns + s].offset) : _mm512_setzero_si512();
             for (int u = 0; u < W; u++) acc[u][r] = start;
@@ -599,10 +607,9 @@ static inline __attribute__((always_inline)) void lane_tile(const int T, const u
                 v[u][2] = _mm512_and_si512(_mm512_srli_epi16(q, 8), low4);
                 v[u][3] = _mm512_srli_epi16(q, 12);
             }
-            for (int r = 0; r < R; r++) {
-                const act_super *x = a->supers + (r0 + r) * ns + s;
-                for (int t = 0; t < 4; t++) {
-                    const __m512i xv = _mm512_load_si512(x->q[4 * g + t]);
+            for (int t = 0; t < 4; t++)  /* each accumulator's next product R x W instructions on (its latency) */
+                for (int r = 0; r < R; r++) {
+                    const __m512i xv = _mm512_load_si512(a->supers[(r0 + r) * ns + s].q[4 * g + t]);
                     for (int u = 0; u < W; u++)
 #if defined(__AVX512VNNI__)
                         acc[u][r] = _mm512_dpwssd_epi32(acc[u][r], v[u][t], xv);
@@ -610,7 +617,6 @@ static inline __attribute__((always_inline)) void lane_tile(const int T, const u
                         acc[u][r] = _mm512_add_epi32(acc[u][r], _mm512_madd_epi16(v[u][t], xv));
 #endif
                 }
-            }
         }
         for (int u = 0; u < W; u++) {
             const uint8_t *scales = row0 + u * row_bytes + (T == 8 ? 32 : 16) * nb + 32 * s;  /* d x nb, Q4_1's m x nb */
@@ -637,9 +643,13 @@ static inline __attribute__((always_inline)) void lane_tile(const int T, const u
                                      int64_t i, int64_t r0) { lane_tile(T, w, rb, nb, a, y, n, i, r0, W, R); }
 #define LANE_TILES(T) \
     LANE_TILE(T, 2, 1) LANE_TILE(T, 2, 2) LANE_TILE(T, 2, 3) LANE_TILE(T, 2, 4) \
+    LANE_TILE(T, 2, 5) LANE_TILE(T, 2, 6) LANE_TILE(T, 2, 7) LANE_TILE(T, 2, 8) \
     LANE_TILE(T, 1, 1) LANE_TILE(T, 1, 2) LANE_TILE(T, 1, 3) LANE_TILE(T, 1, 4) \
-    static const tile_fn LANE_WIDE_##T[5] = {0, lane_##T##_2_1, lane_##T##_2_2, lane_##T##_2_3, lane_##T##_2_4}; \
-    static const tile_fn LANE_NARROW_##T[5] = {0, lane_##T##_1_1, lane_##T##_1_2, lane_##T##_1_3, lane_##T##_1_4};
+    LANE_TILE(T, 1, 5) LANE_TILE(T, 1, 6) LANE_TILE(T, 1, 7) LANE_TILE(T, 1, 8) \
+    static const tile_fn LANE_WIDE_##T[LANE_ROWS + 1] = {0, lane_##T##_2_1, lane_##T##_2_2, lane_##T##_2_3, \
+        lane_##T##_2_4, lane_##T##_2_5, lane_##T##_2_6, lane_##T##_2_7, lane_##T##_2_8}; \
+    static const tile_fn LANE_NARROW_##T[LANE_ROWS + 1] = {0, lane_##T##_1_1, lane_##T##_1_2, lane_##T##_1_3, \
+        lane_##T##_1_4, lane_##T##_1_5, lane_##T##_1_6, lane_##T##_1_7, lane_##T##_1_8};
 LANE_TILES(2) LANE_TILES(3) LANE_TILES(8)
 
 #endif
@@ -653,14 +663,15 @@ static void act16_rows(int ggml_type, const uint8_t *w, int64_t row_bytes, const
 #if ACT16_WIDE
     if (a->supers) {
         walk_rows(t == 2 ? LANE_WIDE_2 : t == 3 ? LANE_WIDE_3 : LANE_WIDE_8,
-                  t == 2 ? LANE_NARROW_2 : t == 3 ? LANE_NARROW_3 : LANE_NARROW_8, w, row_bytes, a, rows, k, y, n, n0, n1);
+                  t == 2 ? LANE_NARROW_2 : t == 3 ? LANE_NARROW_3 : LANE_NARROW_8, LANE_ROWS, w, row_bytes, a, rows, k,
+                  y, n, n0, n1);
         return;
     }
 #endif
     walk_rows(t == 2 ? WIDE_2 : t == 3 ? WIDE_3 : t == 8 ? WIDE_8 : t == 12 ? WIDE_12 : t == 13 ? WIDE_13 : WIDE_14,
               t == 2 ? NARROW_2 : t == 3 ? NARROW_3 : t == 8 ? NARROW_8 : t == 12 ? NARROW_12 : t == 13 ? NARROW_13
                                                                                          : NARROW_14,
-              w, row_bytes, a, rows, k, y, n, n0, n1);
+              CHUNK_ROWS, w, row_bytes, a, rows, k, y, n, n0, n1);
 }
 #endif
 

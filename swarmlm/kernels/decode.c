@@ -17,6 +17,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 int packed_matmul_again(int ggml_type, const uint8_t *w, int64_t row_bytes, const float *x, int64_t rows, int64_t k,
                         float *y, int64_t n, int64_t min_weights, int again);
@@ -98,6 +101,72 @@ static float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+/* one head's scores over positions [first, n_pos) -> their softmax weights in place (masked positions 0) */
+static void softmax_weights(float *scores, const int64_t *mask, int64_t first, int64_t n_pos) {
+    float top = -INFINITY;
+    for (int64_t t = first; t < n_pos; t++)
+        if (mask[t] && scores[t] > top) top = scores[t];
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = first; t < n_pos; t++) {
+        scores[t] = mask[t] ? exp_approx(scores[t] - top) : 0.0f;
+        total += scores[t];
+    }
+#pragma omp simd
+    for (int64_t t = first; t < n_pos; t++) scores[t] = scores[t] / total;
+}
+
+#if defined(__AVX512F__)
+/* lane j = the sum of v[j]'s lanes: a transpose-add tree, ~3 vector operations per vector instead of a reduction's 8 */
+static inline __attribute__((always_inline)) __m512 lane_sums16(const __m512 v[16]) {
+    __m512 a[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)  /* per 128 bits: v[2i]'s pair sums, v[2i + 1]'s, interleaved */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  /* per 128 bits: the sums of v[4i..4i + 3] there */
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)  /* 128-bit quarters 0, 2 and 1, 3 added */
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* one head of C x 16 dimensions: scores 16 positions at a time (one vector of partial sums each, added by
+ * lane_sums16), then the weighted values in C registers. The plain loops below reduced every score alone and read
+ * and wrote the output per position: ~2.5x the operations. SmolLM2, ~100 positions, thread CPU per row and step:
+ * 0.71-0.78 ms -> 0.45-0.51 (a row's products cost ~0.85). Most of what is left is reading the row's cache from L3
+ * (the same attention over a cache just read: 0.21 ms; the query heads of one kv head taken together, or the next
+ * heads' cache asked for ahead, measured no faster). The same float32 arithmetic up to summation order. */
+static inline __attribute__((always_inline)) void attend_head(const int C, const float *qh, const float *K,
+                                                              const float *V, int64_t first, int64_t n_pos,
+                                                              const int64_t *mask, float scale, float *scores,
+                                                              float *o) {
+    __m512 q[8], acc[8];
+    for (int c = 0; c < C; c++) q[c] = _mm512_loadu_ps(qh + 16 * c);
+    for (int64_t t0 = first; t0 < n_pos; t0 += 16) {
+        const int64_t m = n_pos - t0 < 16 ? n_pos - t0 : 16;
+        __m512 dots[16];
+        for (int j = 0; j < 16; j++) {
+            dots[j] = _mm512_setzero_ps();
+            if (j < m)
+                for (int c = 0; c < C; c++)
+                    dots[j] = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(K + (t0 + j) * 16 * C + 16 * c), dots[j]);
+        }
+        _mm512_mask_storeu_ps(scores + t0, (__mmask16)((1u << m) - 1),
+                              _mm512_mul_ps(lane_sums16(dots), _mm512_set1_ps(scale)));
+    }
+    softmax_weights(scores, mask, first, n_pos);
+    for (int c = 0; c < C; c++) acc[c] = _mm512_setzero_ps();
+    for (int64_t t = first; t < n_pos; t++) {
+        if (!mask[t]) continue;  /* a padding position's value is never read (it may be anything) */
+        const __m512 p = _mm512_set1_ps(scores[t]);
+        for (int c = 0; c < C; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(V + t * 16 * C + 16 * c), acc[c]);
+    }
+    for (int c = 0; c < C; c++) _mm512_storeu_ps(o + 16 * c, acc[c]);
+}
+#endif
+
 /* one row's attention for every head: out [heads * d] */
 static void attend(const span_dims *D, const float *q, const float *keys, const float *values, int64_t cap,
                    int64_t n_pos, int64_t window, const int64_t *mask, float *scores, float *out) {
@@ -105,23 +174,23 @@ static void attend(const span_dims *D, const float *q, const float *keys, const 
     const int64_t first = window && n_pos > window ? n_pos - window : 0;
     for (int64_t h = 0; h < D->heads; h++) {
         const float *K = keys + (h / group) * cap * d, *V = values + (h / group) * cap * d, *qh = q + h * d;
-        float top = -INFINITY;
-        for (int64_t t = first; t < n_pos; t++) {
-            if (!mask[t]) continue;
-            scores[t] = dot(qh, K + t * d, d) * D->scale;
-            if (scores[t] > top) top = scores[t];
-        }
-        float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = first; t < n_pos; t++) {
-            scores[t] = mask[t] ? exp_approx(scores[t] - top) : 0.0f;
-            total += scores[t];
-        }
         float *o = out + h * d;
+#if defined(__AVX512F__)
+        switch (d) {  /* head sizes of 1, 2, 4 or 8 vectors (Llama-3.2-1B, SmolLM2: 64; Llama-3-8B: 128) */
+            case 16: attend_head(1, qh, K, V, first, n_pos, mask, D->scale, scores, o); continue;
+            case 32: attend_head(2, qh, K, V, first, n_pos, mask, D->scale, scores, o); continue;
+            case 64: attend_head(4, qh, K, V, first, n_pos, mask, D->scale, scores, o); continue;
+            case 128: attend_head(8, qh, K, V, first, n_pos, mask, D->scale, scores, o); continue;
+            default: break;
+        }
+#endif
+        for (int64_t t = first; t < n_pos; t++)
+            if (mask[t]) scores[t] = dot(qh, K + t * d, d) * D->scale;
+        softmax_weights(scores, mask, first, n_pos);
         memset(o, 0, sizeof(float) * d);
         for (int64_t t = first; t < n_pos; t++) {
             if (!mask[t]) continue;
-            const float p = scores[t] / total, *v = V + t * d;
+            const float p = scores[t], *v = V + t * d;
 #pragma omp simd
             for (int64_t i = 0; i < d; i++) o[i] += p * v[i];
         }
