@@ -22,6 +22,7 @@ WIRE_DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "bool": (torch.bool, 1),
 }
 _NAMES = {dt: name for name, (dt, _) in WIRE_DTYPES.items()}
+_NP_DTYPES = {name: np.dtype(np.bool_ if name == "bool" else name) for name in WIRE_DTYPES if name != "bfloat16"}
 MAX_RANK = 4
 MAX_KEPT_ZEROS = 1 << 16  # decode's finiteness check keeps its zeros for tensors up to this many values
 
@@ -75,19 +76,18 @@ def decode(msg: pb.Tensor, what: str = "tensor", max_elements: int = 1 << 28, fi
     if name == "bfloat16":
         array = np.frombuffer(data, dtype=np.int16).reshape(shape)
         return _finite(torch.from_numpy(array.copy()).view(torch.bfloat16), what, finite)
-    np_dtype = _np_dtype(name)
+    np_dtype = _NP_DTYPES[name]
     array = np.frombuffer(data, dtype=np_dtype)
     # checked with numpy, before the copy, in one call: a NaN or an infinity times zero is NaN, every finite value
     # times zero is 0, so the values' dot product with zeros is NaN exactly when one is not finite (a decode step's
     # checks run right after the server slept or computed, when every call costs ~10x: benchmarks/idle_cost.py)
     if finite and np_dtype.kind == "f" and count and math.isnan(array.dot(_zeros(np_dtype.str, count))):
         raise InvalidRequest(f"{what}: contains NaN or infinite values")
-    # copy: frombuffer views the immutable message bytes, and torch wants writable memory
-    return torch.from_numpy(array.copy()).view(shape)
+    # copy: frombuffer views the immutable message bytes, and torch wants writable memory (shaped by numpy: a torch
+    # call saved)
+    return torch.from_numpy(array.reshape(shape).copy())
 
 
-def _np_dtype(name: str) -> np.dtype:
-    return np.dtype(np.bool_ if name == "bool" else name)
 
 
 def _finite(values: torch.Tensor, what: str, check: bool) -> torch.Tensor:
@@ -115,7 +115,7 @@ def all_ones(msg: pb.Tensor) -> bool:
     if msg.dtype not in WIRE_DTYPES or msg.dtype.startswith(("float", "bfloat")):
         return False
     count = math.prod(msg.shape)
-    dtype = _np_dtype(msg.dtype).str
+    dtype = _NP_DTYPES[msg.dtype].str
     ones = _small_ones(dtype, count) if count <= 1024 else np.ones(count, dtype=dtype).tobytes()
     return msg.data == ones
 
