@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ _NAMES = {dt: name for name, (dt, _) in WIRE_DTYPES.items()}
 _NP_DTYPES = {name: np.dtype(np.bool_ if name == "bool" else name) for name in WIRE_DTYPES if name != "bfloat16"}
 MAX_RANK = 4
 MAX_KEPT_ZEROS = 1 << 16  # decode's finiteness check keeps its zeros for tensors up to this many values
+# the finiteness check's infinity x 0 sets the FPU's "invalid" flag, which numpy reports as a RuntimeWarning: expected
+# there (the check's answer), so not shown (a filter here rather than np.errstate, which costs more than the check)
+warnings.filterwarnings("ignore", "invalid value encountered in dot", RuntimeWarning, __name__)
 
 
 def encode(tensor: torch.Tensor) -> pb.Tensor:
