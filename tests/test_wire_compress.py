@@ -177,6 +177,29 @@ def test_decode_refuses_non_finite_values_in_every_format(wire_dtype):
             codec.decode(msg, "hidden", finite=True)  # ...refused with it
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_finiteness_check_finds_one_bad_value_anywhere_and_passes_huge_finite_ones(dtype):
+    # (the check is a dot product with zeros: a value that overflows when summed or squared must still pass)
+    biggest = torch.finfo(dtype).max
+    for count in (1, 7, 4096, codec.MAX_KEPT_ZEROS + 3):  # a kept row of zeros and a new one
+        x = torch.full((1, 1, count), biggest, dtype=dtype)
+        x[0, 0, ::2] = -biggest
+        assert torch.equal(codec.decode(codec.encode(x), finite=True), x)
+        for where in {0, count // 2, count - 1}:
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                y = x.clone()
+                y[0, 0, where] = bad
+                with pytest.raises(InvalidRequest, match="NaN or infinite"):
+                    codec.decode(codec.encode(y), "hidden", finite=True)
+
+
+def test_encode_sends_strided_and_grad_tensors_as_their_values():
+    x = torch.randn(4, 6, 8)
+    for view in (x.transpose(0, 2), x[:, ::2, 1:5], x.bfloat16().transpose(1, 2),
+                 x.clone().requires_grad_(True)):
+        assert torch.equal(codec.decode(codec.encode(view)), view.detach())
+
+
 def test_all_ones_recognises_only_integer_or_bool_tensors_of_ones():
     for dtype in (torch.int64, torch.int32, torch.uint8, torch.bool):
         assert codec.all_ones(codec.encode(torch.ones(2, 3, dtype=dtype)))

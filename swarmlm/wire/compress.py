@@ -32,6 +32,7 @@ FAST_LINK_BPS = 500e6  # auto: at or above this, float32 (exact): the bytes save
 SLOW_LINK_BPS = 50e6  # auto: below this, int8; in between, float16
 MIN_SAVING_S = 1e-3  # auto: a message whose float32 bytes take less than this on the link goes as float32
 _FP16_MAX = 65504.0
+_FLOAT_FORMATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def check_wire_dtype(name: str) -> str:
@@ -74,10 +75,10 @@ def encode_hidden(hidden: torch.Tensor, wire_dtype: str) -> pb.Tensor:
         return pack_int8(hidden)
     if wire_dtype == "float16" and hidden.abs().max() > _FP16_MAX:
         wire_dtype = "float32"  # out of fp16's range: exact rather than infinite
-    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(wire_dtype)
+    dtype = _FLOAT_FORMATS.get(wire_dtype)
     if dtype is None:
         raise ValueError(f"cannot send hidden states as {wire_dtype!r}")
-    return codec.encode(hidden.to(dtype))
+    return codec.encode(hidden if hidden.dtype == dtype else hidden.to(dtype))  # (a call saved right after a forward)
 
 
 def encode_like(hidden: torch.Tensor, request_dtype: str) -> pb.Tensor:
