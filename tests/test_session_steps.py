@@ -24,7 +24,8 @@ def test_a_whole_prompt_runs_from_the_callers_thread_and_a_chunked_one_through_t
                         got.append(int(client.step_logits(session, torch.tensor([[got[-1]]]))[0, -1].argmax()))
                 assert got == want, (chunk, framed, push)
                 prompt = session.steps[0]
-                assert prompt.n_tokens == ids.shape[1] and prompt.chunks == (1 if chunk is None else -(-ids.shape[1] // 2))
+                assert prompt.n_tokens == ids.shape[1]
+                assert prompt.chunks == (1 if chunk is None else -(-ids.shape[1] // 2))
                 assert prompt.blocking is blocking and prompt.pushed is push, (chunk, framed, push)
                 assert [s.blocking for s in session.steps[1:]] == [framed] * 3
             finally:
