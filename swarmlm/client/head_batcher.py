@@ -8,12 +8,9 @@ and the servers cannot batch them either. Here the head calls that are in flight
 
 How calls meet: the first caller of a forming batch (the leader) waits until every session that took part in
 one of the last two batches, or was announced (`expect`, when it opens) and has not called yet, and is still
-open, has arrived, at most `wait.fraction` x the last batch's head time (and `wait.max_s`:
-ClientConfig.head_batch_wait, config.StragglerWait, the rule the server's rounds wait by too); then it computes the
-whole batch and hands each caller its rows. An arrival wakes the leader alone, and a computed batch only its own
-callers: waking every waiting thread each time (they share one GIL) cost ~8 % of the client's CPU with 8 sessions
-(docs/RESULTS-packed.md round 10). A lone session never waits: nobody else is expected. A session that stops
-calling drops out of the expected set after two batches.
+open, has arrived, at most `wait.fraction` x the last batch's head time
+(and `wait.max_s`: ClientConfig.head_batch_wait, config.StragglerWait, the rule the server's rounds wait by too); then it computes the whole batch and hands each caller its rows. A lone session never waits:
+nobody else is expected. A session that stops calling drops out of the expected set after two batches.
 
 Why wait as long as a whole head: sessions that fell apart (into two groups, one at the head while the other is
 at the servers) would otherwise stay apart for good, and two heads of 4 rows cost the CPU about twice one head of 8.
@@ -30,7 +27,7 @@ import threading
 import time
 import weakref
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -45,7 +42,7 @@ class _Call:
     hidden: torch.Tensor  # [..., H]
     result: torch.Tensor | None = None
     error: BaseException | None = None
-    finished: threading.Event = field(default_factory=threading.Event)  # set when result or error is in
+    done: bool = False
 
 
 class HeadBatcher:
@@ -79,26 +76,24 @@ class HeadBatcher:
             self._sessions[call.key] = session
             self._announced.pop(call.key, None)
             self._pending.append(call)
-            leading = len(self._pending) == 1
-            if not leading:
-                self._cv.notify()  # the leader (the one thread waiting on _cv) may have everyone now
-        if not leading:  # the leader computes this call with its batch and wakes this thread alone
-            call.finished.wait()
-            return self._result(call)
-        with self._cv:
+            self._cv.notify_all()  # a waiting leader may have everyone now
             arrived, last_s = time.perf_counter(), self._last_s
-            while (left := self.wait.left_s(self._missing(), last_s, time.perf_counter() - arrived)) > 0:
-                self._cv.wait(min(left, POLL_S))  # a session it waits for may close without calling: look again
-            batch, self._pending = self._pending, []
-        try:
-            self._compute(batch)  # outside the lock: the next batch forms meanwhile
-            with self._cv:
-                self._recent.append({c.key for c in batch})
-                self._announced = {key: left - 1 for key, left in self._announced.items() if left > 1}
-                self.batch_sizes[len(batch)] += 1
-        finally:  # (whatever happens here, no caller of the batch is left waiting)
-            for c in batch[1:]:
-                c.finished.set()
+            while not call.done:
+                leading = self._pending and self._pending[0] is call
+                left = self.wait.left_s(self._missing(), last_s, time.perf_counter() - arrived) if leading else 0.0
+                if leading and left <= 0:
+                    batch, self._pending = self._pending, []
+                    break
+                # a leader looks again every few ms: a session it waits for may close without calling
+                self._cv.wait(min(left, POLL_S) if leading else None)
+            else:
+                return self._result(call)
+        self._compute(batch)  # outside the lock: the next batch forms meanwhile
+        with self._cv:
+            self._recent.append({c.key for c in batch})
+            self._announced = {key: left - 1 for key, left in self._announced.items() if left > 1}
+            self.batch_sizes[len(batch)] += 1
+            self._cv.notify_all()
         return self._result(call)
 
     def _missing(self) -> int:
@@ -125,6 +120,8 @@ class HeadBatcher:
             for c in batch:
                 c.error = exc
         self._last_s = time.perf_counter() - t0
+        for c in batch:
+            c.done = True
 
     @staticmethod
     def _result(call: _Call) -> torch.Tensor:
