@@ -216,9 +216,12 @@ class InferenceSession:
         if past + hidden.shape[1] > self.max_length:
             raise InvalidRequest(f"session max_length {self.max_length} reached ({past} tokens held)")
         mask = torch.ones(hidden.shape[:2], dtype=torch.long) if mask is None else mask.to(torch.long)
-        out = self._step_blocking(hidden, mask, op)
-        if out is None:
-            out = self.remote.loop.run(self._step(hidden, mask, op))
+        t0 = time.perf_counter()
+        record, chunks, hops = self._begin(hidden, mask, op)
+        if self._blocking_ok(chunks, hops):
+            out = self._step_blocking(record, chunks, hops, t0)
+        else:
+            out = self.remote.loop.run(self._attempts(record, chunks, hops, t0))
         self._track(token_ids, mask, op)
         return out
 
@@ -255,14 +258,20 @@ class InferenceSession:
             sizes.append(chunk_tokens_for_hop(cfg.chunk_rule, bytes_per_token, est.bandwidth_bps, a, b))
         return min(max(sizes), n_tokens)
 
-    def _step_blocking(self, hidden: torch.Tensor, mask: torch.Tensor, op: CacheOp | None) -> torch.Tensor | None:
-        """A decode step (one token per row, pushed or not) through spans that are all on framed streams runs from
-        the caller's thread (StepPipeline.run_blocking); a failover, if it needs one, goes on in the event loop.
-        None: not such a step (the caller runs `_step` in the loop)."""
-        if hidden.shape[1] != 1 or not self.spans or not all(s.stream.blocking_ok for s in self.spans):
-            return None
-        t0 = time.perf_counter()
-        record, chunks, hops = self._begin(hidden, mask, op)
+    def _blocking_ok(self, chunks: list[Chunk], hops: list[Hop]) -> bool:
+        """Does this step run from the caller's thread (`_step_blocking`)? Every span on a framed stream, the step
+        one message: a decode step (pushed or not), or a prompt short enough to go whole on a route not pushed (a
+        server that refuses to push a prompt on is noticed there only after the hops' hang bounds). Through the
+        loop thread instead, concurrent sessions' prompts each waited for that one thread's turn at the GIL: 8
+        sessions started together reached the server one per ~20 ms, and each of their first steps ran in a round
+        of its own (docs/RESULTS-packed.md round 10)."""
+        if len(chunks) != 1 or not hops or not all(h.stream.blocking_ok for h in hops):
+            return False
+        return chunks[0][0].shape[1] == 1 or not self._pushes(hops)
+
+    def _step_blocking(self, record: StepRecord, chunks: list[Chunk], hops: list[Hop], t0: float) -> torch.Tensor:
+        """The step from the caller's thread (StepPipeline.run_blocking); a failover, if it needs one, goes on in
+        the event loop."""
         record.blocking = True
         record.pushed = self._pushes(hops)
         outcome = StepPipeline(hops, chunks, self.remote.config, self.hang_timeout_s, record.pushed).run_blocking()
@@ -270,11 +279,6 @@ class InferenceSession:
             record.hops.extend(outcome.timings)
             return self._finish(record, hops, chunks, t0)
         return self.remote.loop.run(self._attempts(record, chunks, hops, t0, outcome))
-
-    async def _step(self, hidden: torch.Tensor, mask: torch.Tensor, op: CacheOp | None = None) -> torch.Tensor:
-        t0 = time.perf_counter()
-        record, chunks, hops = self._begin(hidden, mask, op)
-        return await self._attempts(record, chunks, hops, t0)
 
     def _begin(self, hidden: torch.Tensor, mask: torch.Tensor,
                op: CacheOp | None) -> tuple[StepRecord, list[Chunk], list[Hop]]:
