@@ -196,6 +196,8 @@ def test_a_packed_linear_is_the_linear_of_its_dequantized_weight_with_gradients(
     assert rel_l2(got, x.grad) < ROUNDING_BOUND  # the input's gradient flows through the dequantized weight (2 y)
     with torch.inference_mode():
         assert layer(torch.randn(3, 96, dtype=torch.bfloat16)).dtype == torch.bfloat16
+        assert layer(torch.randn(0, 96)).shape == (0, 40)  # no rows: an empty answer, as nn.Linear gives
+        assert layer(torch.randn(2, 0, 96)).shape == (2, 0, 40)
 
 
 def test_a_packed_embedding_looks_up_dequantized_rows():

@@ -106,6 +106,8 @@ class PackedTensor:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [R, cols] float32 contiguous -> x @ W.T [R, rows]."""
         rows = x.shape[0]
+        if rows == 0:  # (the kernels take at least one row)
+            return torch.empty(0, self.rows, dtype=torch.float32)
         if rows > DIRECT_ROWS:
             return self._matmul_dequantized(x)
         y = torch.empty(rows, self.rows, dtype=torch.float32)
