@@ -3,9 +3,10 @@
  * alternated between the builds, medians of thread CPU time. Not part of the package: a tool for kernel work.
  *
  *   cc -O2 benchmarks/products_ab.c -o /tmp/products_ab -ldl
- *   # a build of another tree's kernels (e.g. git archive main | tar x -C /tmp/old), and of this one:
- *   (cd /tmp/old/swarmlm/kernels && cc -O3 -shared -fPIC -std=gnu11 -fno-math-errno -fopenmp-simd -pthread \
- *       -march=native packed.c act16.c amx.c decode.c -o /tmp/old.so -lm)   # and likewise /tmp/new.so
+ *   # another tree's kernels (e.g. git archive main | tar x -C /tmp/old), built by that tree itself (its flags),
+ *   # copied to a file of their own; likewise this tree's to /tmp/new.so:
+ *   cp "$(cd /tmp/old && PYTHONPATH=$PWD python -c 'from swarmlm.kernels import library; print(library()._name)')" \
+ *       /tmp/old.so
  *   /tmp/products_ab step 1,2,3,4,5,8 9 /tmp/old.so /tmp/new.so        # SmolLM2's 30 blocks x 7 products
  *   /tmp/products_ab hot:576:1536 1,4 9 /tmp/old.so /tmp/new.so         # one N x K product over and over (in L2)
  *   AMX_OFF=1 /tmp/products_ab step 8 9 /tmp/a.so /tmp/b.so             # builds 1 (digits: indices) without AMX

@@ -2,8 +2,9 @@
 process: SmolLM2's blocks packed once, steps alternated between the builds over the same caches, thread CPU time,
 medians. A tool for kernel work (the builds must lay out weights alike):
 
-    (cd /tmp/old/swarmlm/kernels && cc -O3 -shared -fPIC -std=gnu11 -fno-math-errno -fopenmp-simd -pthread \\
-        -march=native packed.c act16.c amx.c decode.c -o /tmp/old.so -lm)   # another tree's kernels
+    # another tree's kernels, built by that tree itself (its own flags), copied to a file of their own:
+    cp "$(cd /tmp/old && PYTHONPATH=$PWD python -c 'from swarmlm.kernels import library; print(library()._name)')" \\
+        /tmp/old.so
     PYTHONPATH=$PWD python benchmarks/step_ab.py /tmp/old.so --rows 1,4,5
 
 Steps alternate old, new, new, old, ... so both see the same cache lengths (64 prompt positions, then 120 steps).
