@@ -162,3 +162,27 @@ def test_positions_past_the_rotary_table_and_a_dynamic_rotary(tmp_path, rope, pr
     steps += [[(0, torch.randn(1, 1, fast.hidden_size, generator=g), torch.ones(1, 1), None)] for _ in range(12)]
     run_both((fast, plain), steps, max_length=prompt + 12)
     assert len(calls) == (12 if prompt > DIRECT_ROWS else 13)  # every decode step (and a short prompt) took it
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (12, 2, 64), (6, 2, 128), (8, 1, 32), (4, 4, 16)])
+def test_query_heads_of_one_kv_head_attend_together(tmp_path, heads, kv_heads, head_dim, monkeypatch):
+    """decode.c takes up to 4 query heads of one kv head together (2 of 128 dimensions): groups of 3 (SmolLM2), of 6
+    (4 + 2), of 3 at 128 dimensions (2 + 1), of 8 (4 + 4) and of 1 decode as the blocks' own forward."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = init_checkpoint("tiny-llama", tmp_path / "model", seed=5, num_layers=2)
+    config = json.loads((path / "config.json").read_text())
+    config.update(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+    torch.manual_seed(7)
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")}))
+    for file in path.glob("*.safetensors*"):
+        file.unlink()
+    model.save_pretrained(path)
+    fast, plain = twin_stages(str(path), BlockRange(0, 2), quant="int8")
+    calls = []
+    step = SpanDecoder.step
+    monkeypatch.setattr(SpanDecoder, "step", lambda self, *a: calls.append(1) or step(self, *a))
+    run_both((fast, plain), scenario(fast.hidden_size))
+    assert len(calls) == 15

@@ -112,7 +112,7 @@ def test_every_type_unpacks_to_gguf_pys_values_and_multiplies_as_they_do(type_na
 def test_a_one_lane_rows_short_tail_is_shared_by_two_weight_rows_and_alone_by_the_last(type_name, cols):
     """Rows of a super-chunk and a tail of 1 or 2 blocks: the tiles of two weight rows multiply both rows' tails in
     one chunk, an odd last row alone (act16.c pair_tail_sums); both equal the reference, at 1-9 activation rows (a
-    tile of each size up to act16.c's LANE_ROWS, then 5 + 4)."""
+    tile of each size up to act16.c's LANE_ROWS (6), then two: 4 + 3, 4 + 4, 5 + 4)."""
     rows = 9
     raw = raw_blocks(type_name, rows, cols, seed=3)
     want = reference_values(type_name, raw, rows, cols)

@@ -38,7 +38,11 @@
 
 #define BLOCK_BYTES 16  /* a Q4 block's nibbles */
 #define CHUNK_ROWS 4  /* activation rows of one tile over chunks of 4 blocks (act16_prepare's layout) */
-#define LANE_ROWS 8   /* ... and over one-lane super-chunks (AVX-512): a weight group is unpacked once for them all */
+#define LANE_ROWS 6   /* ... and over one-lane super-chunks (AVX-512): a weight group is unpacked once for them all.
+                       * Not 8: a tile of 2 weight rows x R activation rows keeps 2R integer sums and 2R float sums
+                       * (plus 8 unpacked weight vectors) in AVX-512's 32 registers; at 7-8 rows they spilled, and 8
+                       * rows cost 2.2x 4 (AMD Zen 5, SmolLM2's products: 10.2-11.0 ms vs 4.4-4.8), as two tiles of 4
+                       * 8.4-9.3 ms (docs/RESULTS-packed.md round 11) */
 
 /* one chunk of one activation row, as the products read it */
 typedef struct {
@@ -555,8 +559,8 @@ typedef void (*tile_fn)(const uint8_t *, int64_t, int64_t, const act16 *, float 
 TILES(2) TILES(3) TILES(8) TILES(12) TILES(13) TILES(14)
 
 /* columns [n0, n1) of y [rows, n] by a type's tiles (tables by activation rows, up to `most`): two weight rows at a
- * time, every activation row while they are in L1; the rows split evenly between ceil(rows / most) tiles (9 at most
- * 8: 5 + 4), worked out once (no division per tile) */
+ * time, every activation row while they are in L1; the rows split evenly between ceil(rows / most) tiles (8 at most
+ * 6: 4 + 4), worked out once (no division per tile) */
 static void walk_rows(const tile_fn *wide, const tile_fn *narrow, int64_t most, const uint8_t *w, int64_t row_bytes,
                       const act16 *a, int64_t rows, int64_t k, float *y, int64_t n, int64_t n0, int64_t n1) {
     if (rows < 1) return;
@@ -642,14 +646,12 @@ static inline __attribute__((always_inline)) void lane_tile(const int T, const u
     static void lane_##T##_##W##_##R(const uint8_t *w, int64_t rb, int64_t nb, const act16 *a, float *y, int64_t n, \
                                      int64_t i, int64_t r0) { lane_tile(T, w, rb, nb, a, y, n, i, r0, W, R); }
 #define LANE_TILES(T) \
-    LANE_TILE(T, 2, 1) LANE_TILE(T, 2, 2) LANE_TILE(T, 2, 3) LANE_TILE(T, 2, 4) \
-    LANE_TILE(T, 2, 5) LANE_TILE(T, 2, 6) LANE_TILE(T, 2, 7) LANE_TILE(T, 2, 8) \
-    LANE_TILE(T, 1, 1) LANE_TILE(T, 1, 2) LANE_TILE(T, 1, 3) LANE_TILE(T, 1, 4) \
-    LANE_TILE(T, 1, 5) LANE_TILE(T, 1, 6) LANE_TILE(T, 1, 7) LANE_TILE(T, 1, 8) \
+    LANE_TILE(T, 2, 1) LANE_TILE(T, 2, 2) LANE_TILE(T, 2, 3) LANE_TILE(T, 2, 4) LANE_TILE(T, 2, 5) LANE_TILE(T, 2, 6) \
+    LANE_TILE(T, 1, 1) LANE_TILE(T, 1, 2) LANE_TILE(T, 1, 3) LANE_TILE(T, 1, 4) LANE_TILE(T, 1, 5) LANE_TILE(T, 1, 6) \
     static const tile_fn LANE_WIDE_##T[LANE_ROWS + 1] = {0, lane_##T##_2_1, lane_##T##_2_2, lane_##T##_2_3, \
-        lane_##T##_2_4, lane_##T##_2_5, lane_##T##_2_6, lane_##T##_2_7, lane_##T##_2_8}; \
+        lane_##T##_2_4, lane_##T##_2_5, lane_##T##_2_6}; \
     static const tile_fn LANE_NARROW_##T[LANE_ROWS + 1] = {0, lane_##T##_1_1, lane_##T##_1_2, lane_##T##_1_3, \
-        lane_##T##_1_4, lane_##T##_1_5, lane_##T##_1_6, lane_##T##_1_7, lane_##T##_1_8};
+        lane_##T##_1_4, lane_##T##_1_5, lane_##T##_1_6};
 LANE_TILES(2) LANE_TILES(3) LANE_TILES(8)
 
 #endif

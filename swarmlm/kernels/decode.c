@@ -104,12 +104,18 @@ static float dot(const float *a, const float *b, int64_t n) {
 /* one head's scores over positions [first, n_pos) -> their softmax weights in place (masked positions 0) */
 static void softmax_weights(float *scores, const int64_t *mask, int64_t first, int64_t n_pos) {
     float top = -INFINITY;
-    for (int64_t t = first; t < n_pos; t++)
-        if (mask[t] && scores[t] > top) top = scores[t];
+#pragma omp simd reduction(max : top)
+    for (int64_t t = first; t < n_pos; t++) {
+        const float s = mask[t] ? scores[t] : -INFINITY;
+        top = s > top ? s : top;
+    }
     float total = 0.0f;
+    /* no branch in the loop, so that it vectorizes (with `mask[t] ? exp_approx(...) : 0` it ran one position at a
+     * time); a masked position's score may be anything (its key is never written), so its exponent is taken of 0 */
 #pragma omp simd reduction(+ : total)
     for (int64_t t = first; t < n_pos; t++) {
-        scores[t] = mask[t] ? exp_approx(scores[t] - top) : 0.0f;
+        const float e = exp_approx(mask[t] ? scores[t] - top : 0.0f);
+        scores[t] = mask[t] ? e : 0.0f;
         total += scores[t];
     }
 #pragma omp simd
@@ -132,38 +138,66 @@ static inline __attribute__((always_inline)) __m512 lane_sums16(const __m512 v[1
                          _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* one head of C x 16 dimensions: scores 16 positions at a time (one vector of partial sums each, added by
- * lane_sums16), then the weighted values in C registers. The plain loops below reduced every score alone and read
- * and wrote the output per position: ~2.5x the operations. SmolLM2, ~100 positions, thread CPU per row and step:
- * 0.71-0.78 ms -> 0.45-0.51 (a row's products cost ~0.85). Most of what is left is reading the row's cache from L3
- * (the same attention over a cache just read: 0.21 ms; the query heads of one kv head taken together, or the next
- * heads' cache asked for ahead, measured no faster). The same float32 arithmetic up to summation order. */
-static inline __attribute__((always_inline)) void attend_head(const int C, const float *qh, const float *K,
-                                                              const float *V, int64_t first, int64_t n_pos,
-                                                              const int64_t *mask, float scale, float *scores,
-                                                              float *o) {
-    __m512 q[8], acc[8];
-    for (int c = 0; c < C; c++) q[c] = _mm512_loadu_ps(qh + 16 * c);
-    for (int64_t t0 = first; t0 < n_pos; t0 += 16) {
-        const int64_t m = n_pos - t0 < 16 ? n_pos - t0 : 16;
-        __m512 dots[16];
-        for (int j = 0; j < 16; j++) {
-            dots[j] = _mm512_setzero_ps();
-            if (j < m)
-                for (int c = 0; c < C; c++)
-                    dots[j] = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(K + (t0 + j) * 16 * C + 16 * c), dots[j]);
+/* G query heads of one kv head, C x 16 dimensions each: each head's scores 16 positions at a time (one vector of
+ * partial sums each, added by lane_sums16) and their softmax, then the G heads' weighted values together: a
+ * position's value vectors loaded once for the G heads, G x C accumulators. The plain loops below reduced every score
+ * alone and read and wrote the output per position: ~2.5x the operations. One head at a time, the values' pass was
+ * C accumulators each waiting for its previous multiply-add (4 cycles here, AMD Zen 5) at every position; with the
+ * group's heads together it is G x C independent ones. Each head's sums are added in the same order as one head at a
+ * time (the same bits). scores: G rows of `stride` floats. */
+static inline __attribute__((always_inline)) void attend_heads(const int C, const int G, const float *q, const float *K,
+                                                               const float *V, int64_t first, int64_t n_pos,
+                                                               const int64_t *mask, float scale, float *scores,
+                                                               int64_t stride, float *o) {
+    for (int g = 0; g < G; g++) {
+        float *sc = scores + g * stride;
+        __m512 qv[8];
+        for (int c = 0; c < C; c++) qv[c] = _mm512_loadu_ps(q + g * 16 * C + 16 * c);
+        for (int64_t t0 = first; t0 < n_pos; t0 += 16) {
+            const int64_t m = n_pos - t0 < 16 ? n_pos - t0 : 16;
+            __m512 dots[16];
+            for (int j = 0; j < 16; j++) {
+                dots[j] = _mm512_setzero_ps();
+                if (j < m)
+                    for (int c = 0; c < C; c++)
+                        dots[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(K + (t0 + j) * 16 * C + 16 * c), dots[j]);
+            }
+            _mm512_mask_storeu_ps(sc + t0, (__mmask16)((1u << m) - 1),
+                                  _mm512_mul_ps(lane_sums16(dots), _mm512_set1_ps(scale)));
         }
-        _mm512_mask_storeu_ps(scores + t0, (__mmask16)((1u << m) - 1),
-                              _mm512_mul_ps(lane_sums16(dots), _mm512_set1_ps(scale)));
+        softmax_weights(sc, mask, first, n_pos);
     }
-    softmax_weights(scores, mask, first, n_pos);
-    for (int c = 0; c < C; c++) acc[c] = _mm512_setzero_ps();
+    __m512 acc[4][8];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++) acc[g][c] = _mm512_setzero_ps();
     for (int64_t t = first; t < n_pos; t++) {
         if (!mask[t]) continue;  /* a padding position's value is never read (it may be anything) */
-        const __m512 p = _mm512_set1_ps(scores[t]);
-        for (int c = 0; c < C; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(V + t * 16 * C + 16 * c), acc[c]);
+        __m512 v[8];
+        for (int c = 0; c < C; c++) v[c] = _mm512_loadu_ps(V + t * 16 * C + 16 * c);
+        for (int g = 0; g < G; g++) {
+            const __m512 p = _mm512_set1_ps(scores[g * stride + t]);
+            for (int c = 0; c < C; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+        }
     }
-    for (int c = 0; c < C; c++) _mm512_storeu_ps(o + 16 * c, acc[c]);
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++) _mm512_storeu_ps(o + g * 16 * C + 16 * c, acc[g][c]);
+}
+
+#define ATTEND_GROUP 4  /* query heads taken together at most (16 accumulators at 64 dimensions; 8 vectors: 2) */
+
+/* heads [h, h + G) of one kv head, d = 16 C */
+static void attend_group(int64_t d, int64_t G, const float *q, const float *K, const float *V, int64_t first,
+                         int64_t n_pos, const int64_t *mask, float scale, float *scores, int64_t stride, float *o) {
+#define HEADS(C, G_) attend_heads(C, G_, q, K, V, first, n_pos, mask, scale, scores, stride, o); return
+#define GROUPS(C) switch (G) { case 1: HEADS(C, 1); case 2: HEADS(C, 2); case 3: HEADS(C, 3); default: HEADS(C, 4); }
+    switch (d) {
+        case 16: GROUPS(1);
+        case 32: GROUPS(2);
+        case 64: GROUPS(4);
+        default: if (G == 1) { HEADS(8, 1); } HEADS(8, 2);
+    }
+#undef GROUPS
+#undef HEADS
 }
 #endif
 
@@ -172,18 +206,21 @@ static void attend(const span_dims *D, const float *q, const float *keys, const 
                    int64_t n_pos, int64_t window, const int64_t *mask, float *scores, float *out) {
     const int64_t d = D->head_dim, group = D->heads / D->kv_heads;
     const int64_t first = window && n_pos > window ? n_pos - window : 0;
+#if defined(__AVX512F__)
+    if (d == 16 || d == 32 || d == 64 || d == 128) {  /* head sizes of 1, 2, 4 or 8 vectors (SmolLM2: 64) */
+        const int64_t most = d == 128 ? 2 : ATTEND_GROUP;
+        for (int64_t h = 0; h < D->heads;) {
+            const int64_t kv = h / group, end = (kv + 1) * group, G = end - h < most ? end - h : most;
+            attend_group(d, G, q + h * d, keys + kv * cap * d, values + kv * cap * d, first, n_pos, mask, D->scale,
+                         scores, n_pos, out + h * d);
+            h += G;
+        }
+        return;
+    }
+#endif
     for (int64_t h = 0; h < D->heads; h++) {
         const float *K = keys + (h / group) * cap * d, *V = values + (h / group) * cap * d, *qh = q + h * d;
         float *o = out + h * d;
-#if defined(__AVX512F__)
-        switch (d) {  /* head sizes of 1, 2, 4 or 8 vectors (Llama-3.2-1B, SmolLM2: 64; Llama-3-8B: 128) */
-            case 16: attend_head(1, qh, K, V, first, n_pos, mask, D->scale, scores, o); continue;
-            case 32: attend_head(2, qh, K, V, first, n_pos, mask, D->scale, scores, o); continue;
-            case 64: attend_head(4, qh, K, V, first, n_pos, mask, D->scale, scores, o); continue;
-            case 128: attend_head(8, qh, K, V, first, n_pos, mask, D->scale, scores, o); continue;
-            default: break;
-        }
-#endif
         for (int64_t t = first; t < n_pos; t++)
             if (mask[t]) scores[t] = dot(qh, K + t * d, d) * D->scale;
         softmax_weights(scores, mask, first, n_pos);
@@ -197,6 +234,12 @@ static void attend(const span_dims *D, const float *q, const float *keys, const 
     }
 }
 
+#if defined(__AVX512F__)
+#define ATTEND_SCORES ATTEND_GROUP  /* attend's scores: a row per head taken together */
+#else
+#define ATTEND_SCORES 1
+#endif
+
 /* x [rows, hidden] in place through n_blocks blocks; 0 on success, -1 if a product was refused, -2 out of memory */
 int decode_span(const span_dims *D, const span_block *blocks, int64_t n_blocks, float *x, int64_t rows,
                 float *const *kbase, float *const *vbase, const int64_t *layer_stride, const int64_t *cap,
@@ -207,7 +250,7 @@ int decode_span(const span_dims *D, const span_block *blocks, int64_t n_blocks, 
     /* every buffer starts on a 64-byte line: the products' vector loads of a misaligned row span two lines (malloc's
      * 16-byte alignment made an 8-row step of a 1B model ~15 % slower than the same products from torch's tensors) */
     const int64_t sizes[10] = {rows * H, rows * qn, rows * kvn, rows * kvn, rows * qn, rows * H, rows * I, rows * I,
-                               rows * H, longest};
+                               rows * H, ATTEND_SCORES * longest};
     int64_t need = 0;
     for (int i = 0; i < 10; i++) need += (sizes[i] + 15) / 16 * 16;
     float *buf = aligned_alloc(64, sizeof(float) * need);
