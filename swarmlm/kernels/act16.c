@@ -613,7 +613,12 @@ static inline __attribute__((always_inline)) void lane_tile(const int T, const u
             }
             for (int t = 0; t < 4; t++)  /* each accumulator's next product R x W instructions on (its latency) */
                 for (int r = 0; r < R; r++) {
-                    const __m512i xv = _mm512_load_si512(a->supers[(r0 + r) * ns + s].q[4 * g + t]);
+                    __m512i xv = _mm512_load_si512(a->supers[(r0 + r) * ns + s].q[4 * g + t]);
+                    /* in a register, loaded once for the W weight rows: left alone, gcc 12 folded the load into each
+                     * vpdpwssd, 2 loads of 64 bytes per product, and AMD Zen 5 loads 2 such a cycle: the loads, not
+                     * the 2 vpdpwssd a cycle, were the limit (4-6 rows: 1.08-1.13x, docs/RESULTS-packed.md round
+                     * 11). An empty asm that "changes" it ends the folding; it emits nothing. */
+                    if (W == 2) __asm__("" : "+v"(xv));
                     for (int u = 0; u < W; u++)
 #if defined(__AVX512VNNI__)
                         acc[u][r] = _mm512_dpwssd_epi32(acc[u][r], v[u][t], xv);
