@@ -38,6 +38,7 @@
 
 #define BLOCK_BYTES 16  /* a Q4 block's nibbles */
 #define CHUNK_ROWS 4  /* activation rows of one tile over chunks of 4 blocks (act16_prepare's layout) */
+#define TREE_ROWS_FROM 3  /* store_sums adds the lanes of 2 weight rows x this many activation rows (up to 4) as one tree */
 #define LANE_ROWS 6   /* ... and over one-lane super-chunks (AVX-512): a weight group is unpacked once for them all.
                        * Not 8: a tile of 2 weight rows x R activation rows keeps 2R integer sums and 2R float sums
                        * (plus 8 unpacked weight vectors) in AVX-512's 32 registers; at 7-8 rows they spilled, and 8
@@ -336,17 +337,20 @@ static inline __attribute__((always_inline)) void chunk_sums(const int T, const 
     }
 }
 
-/* y[r0 + r, i + u] = the sum of total[u][r]'s lanes. Two weight rows x 4 activation rows add their 8 vectors' lanes
+/* y[r0 + r, i + u] = the sum of total[u][r]'s lanes. Two weight rows x 3-4 activation rows add their 8 vectors' lanes
  * as one tree: ~30 vector operations instead of 8 reductions of ~8 (by count ~1/7 of a 576-wide 2 x 4 tile's
  * operations), the additions in the same order, so the same bits */
 static inline __attribute__((always_inline)) void store_sums(__m512 total[2][LANE_ROWS], float *y, int64_t n,
                                                              int64_t i, int64_t r0, const int W, const int R) {
     int r4 = 0;
-    for (; W == 2 && r4 + 4 <= R; r4 += 4) {
+    for (; W == 2 && r4 + TREE_ROWS_FROM <= R; r4 += 4) {
+        const int m = R - r4 < 4 ? R - r4 : 4;  /* 2-3 rows: the tree over zeros for the rest (6 lane sums of 3 rows
+                                                 * one by one cost ~1.6x the tree); the same bits for the rows kept */
         __m512 half[4], quarter[2];
         for (int r = 0; r < 4; r++)  /* vector k = 2 r + u: 256-bit halves added, (u = 0 | u = 1) */
-            half[r] = _mm512_add_ps(_mm512_shuffle_f32x4(total[0][r4 + r], total[1][r4 + r], _MM_SHUFFLE(1, 0, 1, 0)),
-                                    _mm512_shuffle_f32x4(total[0][r4 + r], total[1][r4 + r], _MM_SHUFFLE(3, 2, 3, 2)));
+            half[r] = r >= m ? _mm512_setzero_ps()
+                             : _mm512_add_ps(_mm512_shuffle_f32x4(total[0][r4 + r], total[1][r4 + r], _MM_SHUFFLE(1, 0, 1, 0)),
+                                             _mm512_shuffle_f32x4(total[0][r4 + r], total[1][r4 + r], _MM_SHUFFLE(3, 2, 3, 2)));
         for (int p = 0; p < 2; p++)  /* 128-bit quarter j: 4 partial sums of vector 4 p + j */
             quarter[p] = _mm512_add_ps(_mm512_shuffle_f32x4(half[2 * p], half[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
                                        _mm512_shuffle_f32x4(half[2 * p], half[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
@@ -361,8 +365,8 @@ static inline __attribute__((always_inline)) void store_sums(__m512 total[2][LAN
         float *at = y + (r0 + r4) * n + i;
         _mm_storel_pi((__m64 *)at, low);
         _mm_storeh_pi((__m64 *)(at + n), low);
-        _mm_storel_pi((__m64 *)(at + 2 * n), high);
-        _mm_storeh_pi((__m64 *)(at + 3 * n), high);
+        if (m > 2) _mm_storel_pi((__m64 *)(at + 2 * n), high);
+        if (m > 3) _mm_storeh_pi((__m64 *)(at + 3 * n), high);
     }
     for (int u = 0; u < W; u++)
         for (int r = r4; r < R; r++) y[(r0 + r) * n + i + u] = _mm512_reduce_add_ps(total[u][r]);
