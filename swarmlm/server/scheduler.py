@@ -110,7 +110,7 @@ class Job:
     work: Batchable
     skipped: int = 0  # rounds this job was passed over as the oldest prefill
     # the caller's future on its event loop (None for a step run on the caller's thread): set from `future` by
-    # `_deliver`; cancelling it (the caller gave up) cancels `future`, so a job not started yet is dropped
+    # `_deliver`; a caller that gave up cancels `future`, so a job not started yet is dropped
     waiter: asyncio.Future | None = None
 
     @property
@@ -215,11 +215,14 @@ class Scheduler:
                 self._running = True  # the worker starts no round meanwhile
             else:
                 job.waiter = asyncio.get_running_loop().create_future()
-                job.waiter.add_done_callback(lambda waiter: waiter.cancelled() and job.future.cancel())
                 self._queue.append(job)
                 self._cv.notify()
         if not inline:
-            return await job.waiter
+            try:
+                return await job.waiter
+            except asyncio.CancelledError:
+                job.future.cancel()  # the caller gave up: a job not started yet is dropped
+                raise
         started = time.perf_counter()
         try:
             self._run_group([job])
