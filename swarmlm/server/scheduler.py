@@ -163,7 +163,7 @@ def plan_round(queue: list[Job], max_tokens: int, max_prefill_skips: int) -> lis
 def _resolve_waiters(jobs: list[Job]) -> None:
     """(On the callers' loop.) Each job's outcome, from its finished `future`, to its `waiter`."""
     for job in jobs:
-        if job.waiter.done() or not job.future.done():  # the caller gave up (the job was dropped, or ran anyway)
+        if job.waiter.done() or not job.future.done():  # the caller gave up (its job dropped or run anyway)
             continue
         exc = job.future.exception()
         if exc is None:
