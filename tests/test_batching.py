@@ -303,6 +303,74 @@ def test_a_failing_item_fails_alone():
     assert isinstance(bad, ValueError)
 
 
+def test_a_batchs_results_reach_the_callers_loop_in_one_wake_up():
+    """Each call into another thread's event loop writes to its self-pipe (a syscall, a wake-up of that thread):
+    the 4 members of one forward are handed back with ONE call, not one per member (docs/RESULTS-packed.md round
+    11); each still gets its own result."""
+    scheduler = Scheduler(1)
+    hold, running = threading.Event(), threading.Event()
+    calls_from_worker: list[str] = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        call_soon_threadsafe = loop.call_soon_threadsafe
+
+        def counted(callback, *args, **kwargs):
+            if threading.current_thread() is scheduler._worker:
+                calls_from_worker.append(getattr(callback, "__name__", repr(callback)))
+            return call_soon_threadsafe(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counted
+        blocker = asyncio.ensure_future(scheduler.submit_batchable(_blocker(hold, running), PREFILL, 1))
+        await _until(running.is_set)
+        times_ten = lambda items: [i * 10 for i in items]  # (one function: items batch only with equal run_batch)
+        jobs = [asyncio.ensure_future(scheduler.submit_batchable(Batchable(times_ten, "k", i, member=i), DECODE, 1))
+                for i in range(4)]
+        await _until(lambda: scheduler.queue_length == 4)
+        hold.set()
+        await blocker
+        return await asyncio.gather(*jobs)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        scheduler.stop()
+    assert [r for r, _ in results] == [0, 10, 20, 30]
+    assert all(timing.batched_steps == 4 for _, timing in results)
+    assert len(calls_from_worker) == 2, calls_from_worker  # the blocker's forward, then the batch of 4
+
+
+def test_a_step_whose_caller_gave_up_before_its_round_is_not_run():
+    ran: list[str] = []
+
+    def run_batch(items):
+        ran.extend(items)
+        return [f"{i}!" for i in items]
+
+    scheduler = Scheduler(1)
+    hold, running = threading.Event(), threading.Event()
+
+    async def main():
+        blocker = asyncio.ensure_future(scheduler.submit_batchable(_blocker(hold, running), PREFILL, 1))
+        await _until(running.is_set)
+        gone, kept = (asyncio.ensure_future(scheduler.submit_batchable(Batchable(run_batch, "k", item, item),
+                                                                       DECODE, 1)) for item in ("gone", "kept"))
+        await _until(lambda: scheduler.queue_length == 2)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        await asyncio.sleep(0)  # (the waiter's done-callbacks run)
+        hold.set()
+        await blocker
+        return await kept
+
+    try:
+        result, timing = asyncio.run(main())
+    finally:
+        scheduler.stop()
+    assert result == "kept!" and ran == ["kept"] and timing.batched_steps == 1
+
+
 def _lockstep(scheduler: Scheduler, sessions: int, rounds, return_s) -> list[list[int]]:
     """`sessions` clients in lockstep: each waits `return_s(i)` after its reply (its round trip) and sends its next
     step, `rounds` steps (or `rounds[i]` for session i); a forward takes 20 ms. Returns the batch sizes each
