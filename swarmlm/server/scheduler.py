@@ -165,6 +165,9 @@ def _resolve_waiters(jobs: list[Job]) -> None:
     for job in jobs:
         if job.waiter.done() or not job.future.done():  # the caller gave up (its job dropped or run anyway)
             continue
+        if job.future.cancelled():  # (only its caller cancels it; its waiter then is cancelled already)
+            job.waiter.cancel()
+            continue
         exc = job.future.exception()
         if exc is None:
             job.waiter.set_result(job.future.result())
