@@ -1,7 +1,6 @@
 """Tensors <-> wire messages. Raw bytes + dtype + shape; every field a peer sends is checked before use."""
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 import warnings
@@ -43,16 +42,8 @@ def encode(tensor: torch.Tensor) -> pb.Tensor:
     if name is None:
         raise InvalidRequest(f"dtype {tensor.dtype} cannot be sent")
     # bfloat16 has no numpy twin: reinterpret its bits as int16 to get the raw bytes
-    return pb.Tensor(data=tensor_bytes(tensor), dtype=name, shape=tensor.shape)
-
-
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """A CPU tensor's values as bytes (row-major, native byte order), copied straight from its memory: not through
-    `.numpy()`, whose torch/numpy bridge was the costliest call of a decode step's message once the caches have gone
-    cold during a forward (docs/RESULTS-hop.md round 11)."""
-    tensor = tensor.contiguous()
-    nbytes = tensor.numel() * tensor.element_size()
-    return ctypes.string_at(tensor.data_ptr(), nbytes) if nbytes else b""
+    raw = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
+    return pb.Tensor(data=raw.numpy().tobytes(), dtype=name, shape=tensor.shape)
 
 
 def header(msg: pb.Tensor, what: str = "tensor", max_elements: int = 1 << 28) -> tuple[torch.dtype, tuple[int, ...]]:
@@ -87,24 +78,18 @@ def decode(msg: pb.Tensor, what: str = "tensor", max_elements: int = 1 << 28, fi
             f"{what}: {len(data)} bytes do not match shape {list(shape)} of {name} ({count * itemsize} bytes)"
         )
     if name == "bfloat16":
-        return _finite(_tensor_of(data, torch.bfloat16, shape), what, finite)
+        array = np.frombuffer(data, dtype=np.int16).reshape(shape)
+        return _finite(torch.from_numpy(array.copy()).view(torch.bfloat16), what, finite)
     np_dtype = _NP_DTYPES[name]
-    # checked with numpy on the message's own bytes, before the copy, in one call: a NaN or an infinity times zero
-    # is NaN, every finite value times zero is 0, so the values' dot product with zeros is NaN exactly when one is
-    # not finite (a decode step's checks run right after the server slept or computed, when every call costs ~10x:
-    # benchmarks/idle_cost.py)
-    if finite and np_dtype.kind == "f" and count and \
-            math.isnan(np.frombuffer(data, dtype=np_dtype).dot(_zeros(np_dtype.str, count))):
+    array = np.frombuffer(data, dtype=np_dtype)
+    # checked with numpy, before the copy, in one call: a NaN or an infinity times zero is NaN, every finite value
+    # times zero is 0, so the values' dot product with zeros is NaN exactly when one is not finite (a decode step's
+    # checks run right after the server slept or computed, when every call costs ~10x: benchmarks/idle_cost.py)
+    if finite and np_dtype.kind == "f" and count and math.isnan(array.dot(_zeros(np_dtype.str, count))):
         raise InvalidRequest(f"{what}: contains NaN or infinite values")
-    return _tensor_of(data, WIRE_DTYPES[name][0], shape)
-
-
-def _tensor_of(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A new tensor of a copy of `data` (its size checked already): a writable copy, since the message's bytes are
-    immutable; read by torch itself, not through numpy's bridge (`tensor_bytes` says why)."""
-    if not data:
-        return torch.empty(shape, dtype=dtype)  # (torch.frombuffer refuses an empty buffer)
-    return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
+    # copy: frombuffer views the immutable message bytes, and torch wants writable memory (shaped by numpy: a torch
+    # call saved)
+    return torch.from_numpy(array.reshape(shape).copy())
 
 
 
