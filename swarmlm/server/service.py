@@ -168,6 +168,8 @@ class SwarmService(pb_grpc.SwarmServicer):
         rows, n_tokens = hidden.shape[:2]
         self.tokens_computed += rows * n_tokens
         size = max(1, self.config.scheduler.max_batch_tokens // rows)
+        if n_tokens <= size:  # one slice (every decode step): the tensors themselves, no view made (each torch call
+            return await self.scheduler.submit_step(self.stage, state, hidden, mask, op)  # costs ~20 us cold)
         outs, queued, compute, batch = [], 0.0, 0.0, 1
         for start in range(0, n_tokens, size):
             piece = slice(start, start + size)

@@ -1,0 +1,68 @@
+"""A decode step's path makes no torch call it does not need: each costs ~20-60 us right after a forward or a sleep
+(docs/RESULTS-hop.md round 11). Same answers as the torch calls they replace."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from swarmlm.client.streams import SMALL_MASK, _all_set
+from swarmlm.types import BlockRange
+from swarmlm.wire import codec
+from swarmlm.wire import swarm_pb2 as pb
+from tests.swarm_helpers import RawStream, in_process_server
+
+H = 64  # tiny-bloom hidden size
+
+
+def test_all_set_answers_as_mask_all_for_every_shape_and_dtype():
+    torch.manual_seed(0)
+    shapes = [(1, 1), (1, 7), (3, 2), (4, 16), (1, SMALL_MASK), (2, SMALL_MASK), (1, 300), (5,), (2, 2, 2)]
+    for shape, dtype in itertools.product(shapes, (torch.long, torch.int32, torch.bool)):
+        ones = torch.ones(shape, dtype=dtype)
+        assert _all_set(ones)
+        for _ in range(5):
+            mask = (torch.rand(shape) > 0.2).to(dtype)
+            assert _all_set(mask) == bool(mask.all()), (shape, dtype, mask)
+        padded = ones.clone()
+        padded.view(-1)[-1] = 0
+        assert not _all_set(padded), (shape, dtype)
+
+
+def test_a_decode_steps_mask_is_checked_without_a_torch_reduction(monkeypatch):
+    def refused(*args, **kwargs):
+        raise AssertionError("a torch reduction on a decode step's mask")
+
+    monkeypatch.setattr(torch.Tensor, "all", refused)
+    assert _all_set(torch.ones(1, 1, dtype=torch.long))
+    assert not _all_set(torch.tensor([[1], [0]]))  # a batch of 2, one row padded
+
+
+@pytest.fixture(scope="module")
+def server(tiny_bloom):
+    with in_process_server(tiny_bloom, BlockRange(0, 2)) as server:
+        yield server
+
+
+def test_a_decode_step_reaches_the_scheduler_as_decoded_and_a_long_prompt_in_slices(server, monkeypatch):
+    scheduler = server.service.scheduler
+    seen: list[tuple[int, bool]] = []  # per forward submitted: its tokens, and whether its hidden is a view
+    submit = scheduler.submit_step
+
+    async def recording(stage, state, hidden, mask, op=None):
+        seen.append((hidden.shape[1], hidden._base is not None or mask._base is not None))
+        return await submit(stage, state, hidden, mask, op)
+
+    monkeypatch.setattr(scheduler, "submit_step", recording)
+    size = server.config.scheduler.max_batch_tokens
+    stream, opened = RawStream.open(server.address, 0, 2, max_length=size + 8)
+    try:
+        prompt = stream.send(pb.InferenceRequest(step=pb.InferenceStep(
+            hidden=codec.encode(torch.randn(1, size + 3, H)), step_id=1)))
+        step = stream.send(pb.InferenceRequest(step=pb.InferenceStep(
+            hidden=codec.encode(torch.randn(1, 1, H)), step_id=2)))
+    finally:
+        stream.end()
+    assert not prompt.HasField("error") and not step.HasField("error") and step.position == size + 4
+    assert seen == [(size, True), (3, True), (1, False)]
