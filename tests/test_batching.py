@@ -227,6 +227,13 @@ def _blocker(hold: threading.Event, running: threading.Event) -> Batchable:
     return Batchable(block, "blocker", None, "blocker")
 
 
+async def _busy(scheduler: Scheduler, hold: threading.Event, running: threading.Event) -> asyncio.Future:
+    """The worker thread held busy by `_blocker` (started): what is submitted next queues up for one round."""
+    blocker = asyncio.ensure_future(scheduler.submit_batchable(_blocker(hold, running), PREFILL, 1))
+    await _until(running.is_set)
+    return blocker
+
+
 def test_scheduler_batches_concurrent_decode_steps(tiny_llama):
     stage = Stage(tiny_llama, BlockRange(0, 6))
     h = stage.hidden_size
@@ -247,8 +254,7 @@ def test_scheduler_batches_concurrent_decode_steps(tiny_llama):
     order: list[str] = []
 
     async def main():
-        blocker = asyncio.ensure_future(scheduler.submit_batchable(_blocker(hold, running), PREFILL, 1))
-        await _until(running.is_set)  # the worker is now busy: what follows queues up, one round
+        blocker = await _busy(scheduler, hold, running)
 
         async def step(name, state, x, mask):
             out = await scheduler.submit_step(stage, state, x, mask)
@@ -284,8 +290,7 @@ def test_a_failing_item_fails_alone():
     hold, running = threading.Event(), threading.Event()
 
     async def main():
-        blocker = asyncio.ensure_future(scheduler.submit_batchable(_blocker(hold, running), PREFILL, 1))
-        await _until(running.is_set)
+        blocker = await _busy(scheduler, hold, running)
         jobs = [
             asyncio.ensure_future(scheduler.submit_batchable(Batchable(run_batch, "k", item, item), DECODE, 1))
             for item in ("a", "bad", "c")
@@ -321,8 +326,7 @@ def test_a_batchs_results_reach_the_callers_loop_in_one_wake_up():
             return call_soon_threadsafe(callback, *args, **kwargs)
 
         loop.call_soon_threadsafe = counted
-        blocker = asyncio.ensure_future(scheduler.submit_batchable(_blocker(hold, running), PREFILL, 1))
-        await _until(running.is_set)
+        blocker = await _busy(scheduler, hold, running)
         times_ten = lambda items: [i * 10 for i in items]  # (one function: items batch only with equal run_batch)
         jobs = [asyncio.ensure_future(scheduler.submit_batchable(Batchable(times_ten, "k", i, member=i), DECODE, 1))
                 for i in range(4)]
@@ -351,8 +355,7 @@ def test_a_step_whose_caller_gave_up_before_its_round_is_not_run():
     hold, running = threading.Event(), threading.Event()
 
     async def main():
-        blocker = asyncio.ensure_future(scheduler.submit_batchable(_blocker(hold, running), PREFILL, 1))
-        await _until(running.is_set)
+        blocker = await _busy(scheduler, hold, running)
         gone, kept = (asyncio.ensure_future(scheduler.submit_batchable(Batchable(run_batch, "k", item, item),
                                                                        DECODE, 1)) for item in ("gone", "kept"))
         await _until(lambda: scheduler.queue_length == 2)
