@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from swarmlm.client.streams import SMALL_MASK, _all_set
+from swarmlm.client.chunking import SMALL_MASK, all_set
 from swarmlm.types import BlockRange
 from swarmlm.wire import codec
 from swarmlm.wire import swarm_pb2 as pb
@@ -21,13 +21,13 @@ def test_all_set_answers_as_mask_all_for_every_shape_and_dtype():
     shapes = [(1, 1), (1, 7), (3, 2), (4, 16), (1, SMALL_MASK), (2, SMALL_MASK), (1, 300), (5,), (2, 2, 2)]
     for shape, dtype in itertools.product(shapes, (torch.long, torch.int32, torch.bool)):
         ones = torch.ones(shape, dtype=dtype)
-        assert _all_set(ones)
+        assert all_set(ones)
         for _ in range(5):
             mask = (torch.rand(shape) > 0.2).to(dtype)
-            assert _all_set(mask) == bool(mask.all()), (shape, dtype, mask)
+            assert all_set(mask) == bool(mask.all()), (shape, dtype, mask)
         padded = ones.clone()
         padded.view(-1)[-1] = 0
-        assert not _all_set(padded), (shape, dtype)
+        assert not all_set(padded), (shape, dtype)
 
 
 def test_a_decode_steps_mask_is_checked_without_a_torch_reduction(monkeypatch):
@@ -35,8 +35,8 @@ def test_a_decode_steps_mask_is_checked_without_a_torch_reduction(monkeypatch):
         raise AssertionError("a torch reduction on a decode step's mask")
 
     monkeypatch.setattr(torch.Tensor, "all", refused)
-    assert _all_set(torch.ones(1, 1, dtype=torch.long))
-    assert not _all_set(torch.tensor([[1], [0]]))  # a batch of 2, one row padded
+    assert all_set(torch.ones(1, 1, dtype=torch.long))
+    assert not all_set(torch.tensor([[1], [0]]))  # a batch of 2, one row padded
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from swarmlm.client.chunking import chunk_tokens_for_hop, split
+from swarmlm.client.chunking import all_set, chunk_tokens_for_hop, split
 from swarmlm.client.failover import replace_hop
 from swarmlm.client import prefix as prefix_keys
 from swarmlm.client.pipeline import AttemptOutcome, Chunk, Hop, OpenSpan, StepPipeline, hang_timeout_s, watchdog_s
@@ -229,7 +229,7 @@ class InferenceSession:
         """Follow the token ids the servers hold (to name them at close); one unpadded sequence only."""
         if self.held_ids is None:
             return
-        if token_ids is None or token_ids.shape[0] != 1 or not bool(mask.all()) or \
+        if token_ids is None or token_ids.shape[0] != 1 or not all_set(mask) or \
                 (op is not None and op.rows not in (None, (0,))):
             self.held_ids = None
             return

@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from swarmlm.client.channels import Channels
+from swarmlm.client.chunking import all_set
 from swarmlm.client.frame_call import FrameCall
 from swarmlm.errors import InvalidRequest, PushRefused, ServerFailed, ServerHung, ServerTampered
 from swarmlm.types import CacheOp, Span, StepKind
@@ -23,7 +24,6 @@ from swarmlm.wire.prefix_keys import RUN_TOKENS
 
 log = logging.getLogger(__name__)
 MAX_REPORTED_BATCH = 1 << 16  # a server's batch size is only reported; a larger claim is clamped, not trusted
-SMALL_MASK = 64  # [B, T] masks of up to this many values are checked in Python (`_all_set`)
 
 
 @dataclass
@@ -66,15 +66,6 @@ class _Sent:
     written_s: float = 0.0  # perf_counter when its write began (0 before its turn on the link)
     on_link: bool = True  # False: pushed here by the previous server, not written by this client
     step_id: int = 0
-
-
-def _all_set(mask: torch.Tensor) -> bool:
-    """No padding in this [B, T] mask (every value nonzero)? A decode step's few values are read as Python ints:
-    `mask.all()`, a torch reduction, cost ~30-60 us right after the client slept through a forward (docs/RESULTS-hop.md
-    round 11)."""
-    if mask.dim() == 2 and mask.numel() <= SMALL_MASK:
-        return all(all(row) for row in mask.tolist())
-    return bool(mask.all())
 
 
 def _raise_if_cancelling() -> None:
@@ -197,7 +188,7 @@ class SpanStream:
             hidden=compress.encode_hidden(hidden, self.channels.wire_dtype_for(self.span.address, 4 * hidden.numel())),
             step_id=self._step_id, push=push, cache_op=cache_op.to_wire(op),
             # (no padding: no mask on the wire, the server reads an absent mask as all ones)
-            attention_mask=pb.Tensor() if mask is None or _all_set(mask) else codec.encode(mask)))
+            attention_mask=pb.Tensor() if mask is None or all_set(mask) else codec.encode(mask)))
         session_keys.sign(self.keys.client, self.session_id, request)
         sent = _Sent(StepKind.of(hidden.shape[1]), n_tokens=hidden.shape[1],
                      request_bytes=len(request.step.hidden.data), encode_s=time.perf_counter() - t0, clean=False,
