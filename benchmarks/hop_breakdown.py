@@ -3,7 +3,7 @@
     the caller's session.step = server compute + server queue + server parse/serialise + wire and gRPC
                                 + client serialise/parse + the client's own work (between hops, hand-off to its loop)
 
-Usage: .venv/bin/python benchmarks/hop_breakdown.py [--servers N] [--preset tiny-bloom] [--spin-wait-ms MS] [--ab ROUNDS --base REV]
+Usage: .venv/bin/python benchmarks/hop_breakdown.py [--servers N] [--preset tiny-bloom] [--ab ROUNDS --base REV]
 
 --local: also the same blocks in this process (a Stage: what a swarm of one process would compute), and the
 client's embeddings and LM head per token, in rounds alternating with the swarm's: where a BLOOMZ token's time
@@ -133,8 +133,6 @@ def main() -> None:
                     help="the servers push on the next server's framed port, or on gRPC (default: the servers' "
                          "default; --push-ab: on)")
     ap.add_argument("--json", action="store_true", help="one round (warm-up + 1 session), as JSON")
-    ap.add_argument("--spin-wait-ms", type=float, default=None,
-                    help="the servers' --spin-wait-ms and the client's spin_wait_s (default: their defaults)")
     ap.add_argument("--local", action="store_true", help="also the same blocks in this process + the client's head")
     ap.add_argument("--rounds", type=int, default=4, help="sessions of 100 steps (with --local: alternating)")
     ap.add_argument("--head-between", action="store_true",
@@ -148,19 +146,17 @@ def main() -> None:
     model_dir = str(default_checkpoint(args.preset))
     push_frames = True if args.push_ab else args.push_frames
     server_args = [] if push_frames is None else ["--push-frames" if push_frames else "--no-push-frames"]
-    spin = {} if args.spin_wait_ms is None else {"spin_wait_s": args.spin_wait_ms / 1000}
-    server_args += [] if args.spin_wait_ms is None else ["--spin-wait-ms", str(args.spin_wait_ms)]
     with LocalSwarm(model_dir, threads=1, with_dht=False, server_args=server_args) as swarm:
         swarm.start(even_split(int(load_config(model_dir).num_hidden_layers), args.servers))
         pids = [s.proc.pid for s in swarm.servers]
         push = {"auto": "auto", "on": True, "off": False}[args.push]
-        client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=push, **spin,
+        client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=push,
                                                              **({"frames": True} if args.frames else {}))
         if args.transports:
             grpc_client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=push,
-                                                                      frames=False, **spin)
+                                                                      frames=False)
             client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=push,
-                                                                 frames=True, **spin)
+                                                                 frames=True)
             assert alternating({"gRPC": grpc_client, "framed": client}, args.rounds, args.servers,
                                args.head_between, pids)["framed"] \
                 .remote.channels.frame_ports and not grpc_client.remote.channels.frame_ports

@@ -103,12 +103,9 @@ class SchedulerConfig:
 # call already carries part of such a cost: it is counted twice there, alike for every route, so it changes no
 # choice between routes of equal hop counts.)
 MESSAGE_OVERHEAD_S = 0.7e-3
-# how long a decode hop's waits may poll without sleeping (wire/spin.py), the default of both ends' spin_wait_s. Off:
-# on this project's shared 2-vCPU machine a spinning wait made steps 3x slower at load 4-6 (a spinner at SCHED_IDLE
-# sees its message only when no normal-class task wants its CPU; one at the normal class takes the CPU its server
-# computes on) and nothing could be measured calm (docs/RESULTS-hop.md, round 12). 0.2 s covers a bloomz-560m
-# float32 forward (~65-100 ms here) for a machine where it pays.
-SPIN_WAIT_S = 0.0
+# how long a decode hop's waits may poll without sleeping (wire/spin.py), the default of both ends' spin_wait_s: above
+# a bloomz-560m float32 forward (~65-100 ms here), so neither end sleeps through a step of the models measured
+SPIN_WAIT_S = 0.2
 
 
 @dataclass(frozen=True)

@@ -212,17 +212,6 @@ def test_server_frame_idle_timeout_flag_reaches_the_config(tiny_bloom):
     assert server_config(args).frame_idle_timeout_s == 7.5
 
 
-def test_server_spin_wait_flag_reaches_the_config(tiny_bloom):
-    """--spin-wait-ms (wire/spin.py): milliseconds on the command line, seconds in the config; 0 = never spin."""
-    from swarmlm.cli.main import build_parser
-    from swarmlm.cli.server_cmd import server_config
-
-    parser = build_parser("server")
-    assert server_config(parser.parse_args(["server", "--model", tiny_bloom, "--spin-wait-ms", "150"])).spin_wait_s \
-        == 0.15
-    assert server_config(parser.parse_args(["server", "--model", tiny_bloom, "--spin-wait-ms", "0"])).spin_wait_s == 0
-
-
 @pytest.mark.parametrize("verb", ["server", "generate", "chat", "api"])
 def test_help_lists_the_common_options_first_and_the_rest_as_advanced(verb, capsys):
     """Issue 37: --help groups options (basic / advanced); every flag is in one of the groups, each with its help."""

@@ -360,8 +360,7 @@ def profile_model(model_dir: str, blocks: BlockRange | None, dtype: str, threads
 def run_server(config: ServerConfig) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     server = Server(config)
-    # with spin_wait_s, the loop's selector spins a while before it blocks while framed steps come (wire/spin.py)
-    spinning = lambda: asyncio.SelectorEventLoop(SpinningSelector(server.spin))  # noqa: E731
-    with asyncio.Runner(loop_factory=spinning if config.spin_wait_s > 0 else None) as runner:
+    # the loop's selector spins a while before it blocks, while framed steps come (wire/spin.py); the same events
+    with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(SpinningSelector(server.spin))) as runner:
         runner.run(server.serve())
     return 0
