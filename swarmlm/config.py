@@ -103,9 +103,6 @@ class SchedulerConfig:
 # call already carries part of such a cost: it is counted twice there, alike for every route, so it changes no
 # choice between routes of equal hop counts.)
 MESSAGE_OVERHEAD_S = 0.7e-3
-# how long a decode hop's waits may poll without sleeping (wire/spin.py), the default of both ends' spin_wait_s: above
-# a bloomz-560m float32 forward (~65-100 ms here), so neither end sleeps through a step of the models measured
-SPIN_WAIT_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -176,10 +173,6 @@ class ServerConfig:
     # a framed connection whose stream ended cleanly waits this long for the client's next stream (its next
     # session: clients keep such connections), then it is closed
     frame_idle_timeout_s: float = 60.0
-    # the loop's waits poll without sleeping (at idle priority) for up to this long after framed traffic, a few
-    # times the gap between its steps (wire/spin.py): a step's Python after a sleep costs 2-5x on a guest whose idle
-    # vCPU halts (docs/RESULTS-hop.md, round 12); 0 = always sleep
-    spin_wait_s: float = SPIN_WAIT_S
     session_idle_timeout_s: float = 120.0  # a session with no step for this long is closed
     push_timeout_s: float = 10.0  # a push to the next server (server/push.py) not answered by then has failed
     # steps of one session waiting to run; a full inbox holds the client's stream and pushers back
@@ -252,8 +245,6 @@ class ServerConfig:
                      "trim_refused_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.spin_wait_s < 0:
-            raise ValueError(f"spin_wait_s must be >= 0 (0 = never spin), got {self.spin_wait_s}")
         if self.max_train_request_bytes > self.max_train_total_bytes:
             raise ValueError(f"max_train_request_bytes ({self.max_train_request_bytes}) must be at most "
                              f"max_train_total_bytes ({self.max_train_total_bytes}): such a request would never fit")
@@ -337,9 +328,6 @@ class ClientConfig:
     # (client/channels.py). Faster than gRPC and less CPU per step on a free machine (docs/RESULTS-hop.md, round 6
     # and 7); False = gRPC's Inference call
     frames: bool = True
-    # a framed step's wait for its reply polls without sleeping (at idle priority) for up to this long before it
-    # sleeps (wire/spin.py, docs/RESULTS-hop.md round 12); 0 = always sleep
-    spin_wait_s: float = SPIN_WAIT_S
     # start sessions from prefixes the servers keep from earlier sessions and keep each finished session's prefix
     # (client/prefix.py); False = every session prefills its whole prompt
     prefix_cache: bool = True
@@ -360,8 +348,6 @@ class ClientConfig:
             raise ValueError(f"wire_dtype must be one of {', '.join(WIRE_DTYPE_NAMES)}, got {self.wire_dtype!r}")
         if self.threads < 1 or self.max_retries < 0:
             raise ValueError("threads must be >= 1 and max_retries >= 0")
-        if self.spin_wait_s < 0:
-            raise ValueError(f"spin_wait_s must be >= 0 (0 = never spin), got {self.spin_wait_s}")
         if self.train_chunk_tokens < 1:
             raise ValueError(f"train_chunk_tokens must be >= 1, got {self.train_chunk_tokens}")
         if not (self.step_timeout_s > 0 and self.hang_factor > 0 and self.hang_floor_s > 0):

@@ -87,10 +87,6 @@ def add_parser(sub) -> None:
                    help="largest gRPC message accepted, MiB")
     p.add_argument("--idle-timeout", type=float, default=SERVER.session_idle_timeout_s,
                    help="close sessions idle this long, seconds")
-    p.add_argument("--spin-wait-ms", type=float, default=SERVER.spin_wait_s * 1000,
-                   help="after framed traffic, the loop's waits poll without sleeping, at idle priority, for up to "
-                        "this long (a few times the gap between steps): a decode step's code stays warm in the CPU "
-                        "(0 = always sleep; docs/RESULTS-hop.md, round 12)")
     p.add_argument("--frame-idle-timeout", type=float, default=SERVER.frame_idle_timeout_s,
                    help="close a framed connection this long after its last stream ended, seconds (clients keep one "
                         "for their next session)")
@@ -131,7 +127,6 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             batch_wait=replace(SCHEDULER.batch_wait, fraction=args.batch_wait),
             inline_decode_max_s=args.inline_decode_max_ms / 1000),
         session_idle_timeout_s=args.idle_timeout, frame_idle_timeout_s=args.frame_idle_timeout,
-        spin_wait_s=args.spin_wait_ms / 1000,
         open_idle_timeout_s=args.open_idle_timeout,
         resume_grace_s=args.resume_grace, max_sessions_per_peer=args.max_sessions_per_peer,
         max_concurrent_rpcs=args.max_concurrent_rpcs, max_message_bytes=args.max_message_mb * MIB,

@@ -57,7 +57,6 @@ class Channels:
 
     def __init__(self, config: ClientConfig, interceptors: Sequence = ()) -> None:
         self.max_message_bytes = config.max_message_bytes
-        self.spin_wait_s = config.spin_wait_s  # framed steps' waits for their replies (client/frame_call.py)
         self.interceptors = interceptors  # a private swarm's token on every call (swarm/private.py)
         self.swarm_key = config.swarm_key  # (the framed port's HELLO carries the same token)
         self.connect_timeout_s = config.connect_timeout_s
@@ -113,7 +112,7 @@ class Channels:
             try:
                 # (a TCP connect: a port a firewall drops is given up on in a second, not connect_timeout_s)
                 return await FrameCall.open(host, port, self.swarm_key, self.max_message_bytes,
-                                            min(self.connect_timeout_s, 1.0), idle=idle, spin_wait_s=self.spin_wait_s)
+                                            min(self.connect_timeout_s, 1.0), idle=idle)
             except (OSError, asyncio.TimeoutError) as exc:
                 if idle is not None:  # the kept connection broke: a new one
                     return await self.open_stream(address, fresh=True)

@@ -24,7 +24,6 @@ from swarmlm.swarm.private import make_token
 from swarmlm.wire import frames
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire.frames import INFERENCE_METHOD, FrameError, Kind, Purpose
-from swarmlm.wire.spin import spin_poll
 
 RECV_BYTES = 1 << 16  # read up to this much per recv (a decode reply is one recv)
 
@@ -38,11 +37,9 @@ class FrameCall:
     give InferenceReplies, then grpc.aio.EOF at the server's OK, or raise AioRpcError with the server's status (or
     UNAVAILABLE when the connection breaks)."""
 
-    def __init__(self, sock: socket.socket, max_message_bytes: int, reused: bool = False,
-                 spin_wait_s: float = 0.0) -> None:
+    def __init__(self, sock: socket.socket, max_message_bytes: int, reused: bool = False) -> None:
         self._sock = sock  # non-blocking, TCP_NODELAY
         self.reused = reused
-        self.spin_wait_s = spin_wait_s  # a blocking wait polls without sleeping this long first (wire/spin.py)
         self._buf = bytearray()  # bytes read, not yet taken as frames
         self._max = max_message_bytes
         self._status: tuple[grpc.StatusCode, str] | None = None  # the stream's end, once read
@@ -52,7 +49,7 @@ class FrameCall:
 
     @classmethod
     async def open(cls, host: str, port: int, swarm_key: bytes | None, max_message_bytes: int,
-                   timeout_s: float, idle: socket.socket | None = None, spin_wait_s: float = 0.0) -> "FrameCall":
+                   timeout_s: float, idle: socket.socket | None = None) -> "FrameCall":
         """A stream, its HELLO written: on `idle` (a connection an earlier stream ended cleanly) or a new
         connection. OSError or TimeoutError if it fails (`idle` is then closed)."""
         loop = asyncio.get_running_loop()
@@ -72,7 +69,7 @@ class FrameCall:
             if sock is not None:
                 sock.close()
             raise
-        return cls(sock, max_message_bytes, reused=idle is not None, spin_wait_s=spin_wait_s)
+        return cls(sock, max_message_bytes, reused=idle is not None)
 
     @property
     def reusable(self) -> bool:
@@ -168,8 +165,6 @@ class FrameCall:
     def _wait(self, event: int, timeout_s: float) -> None:
         if timeout_s <= 0:
             raise TimeoutError
-        if spin_poll([(self._sock.fileno(), event)], min(self.spin_wait_s, timeout_s)):
-            return
         poller = select.poll()
         poller.register(self._sock, event)
         if not poller.poll(timeout_s * 1000):
@@ -179,19 +174,17 @@ class FrameCall:
     def wait_last(calls: list["FrameCall"], timeout_s: float) -> bool:
         """Sleep until the last call has bytes to read, or any of the others ends (a server that broke or refused
         the step), at most `timeout_s`; False on the timeout. The others' replies, coming meanwhile, do not wake the
-        caller: a pushed decode step wakes its client once, for the route's last reply (they are read after it).
-        Like `_wait`, it polls without sleeping for up to the last call's spin_wait_s first."""
+        caller: a pushed decode step wakes its client once, for the route's last reply (they are read after it)."""
         if calls[-1].has_frame():
             return True
-        if any(call._closed for call in calls):
-            return True
-        waits = [(call._sock.fileno(), select.POLLRDHUP) for call in calls[:-1]]  # (POLLERR, POLLHUP come anyway)
-        waits.append((calls[-1]._sock.fileno(), select.POLLIN | select.POLLRDHUP))
-        if spin_poll(waits, min(calls[-1].spin_wait_s, timeout_s)):
-            return True
         poller = select.poll()
-        for fd, events in waits:
-            poller.register(fd, events)
+        for call in calls[:-1]:
+            if call._closed:
+                return True
+            poller.register(call._sock, select.POLLRDHUP)  # (POLLERR and POLLHUP come anyway)
+        if calls[-1]._closed:
+            return True
+        poller.register(calls[-1]._sock, select.POLLIN | select.POLLRDHUP)
         return bool(poller.poll(max(timeout_s, 0.0) * 1000))
 
     # ---- both ----------------------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
 from typing import Awaitable, Callable
 
@@ -43,7 +42,6 @@ class FrameConnection(asyncio.Protocol):
         self.server.open(self)
 
     def data_received(self, data: bytes) -> None:
-        self.server.spin.note(time.monotonic())  # a step's traffic: the loop's next waits may spin (wire/spin.py)
         if self.done:
             return
         self.buf += data

@@ -25,7 +25,6 @@ from swarmlm.server.inbound import request_of
 from swarmlm.swarm.private import HINT, TokenChecker
 from swarmlm.wire import frames
 from swarmlm.wire.frames import INFERENCE_METHOD, PUSH_METHOD, FrameError, Kind, Purpose
-from swarmlm.wire.spin import SpinWindow
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +67,8 @@ def _peer_of(transport: asyncio.BaseTransport) -> str:
 
 
 class FrameServer:
-    def __init__(self, service, config: ServerConfig, checker: TokenChecker | None,
-                 spin: SpinWindow | None = None) -> None:
+    def __init__(self, service, config: ServerConfig, checker: TokenChecker | None) -> None:
         self.service = service  # server/service.SwarmService
-        self.spin = spin or SpinWindow(0.0)  # opened by every arrival: the loop's waits spin a while (wire/spin.py)
         self.max_body_bytes = config.max_message_bytes
         self.body_timeout_s = config.session_idle_timeout_s  # a begun frame that stalls this long ends its stream
         self.max_connections = config.max_concurrent_rpcs  # as gRPC's limit on concurrent calls

@@ -31,7 +31,6 @@ from swarmlm.swarm.identity import Identity
 from swarmlm.swarm.records import LOADING, OFFLINE, ONLINE, ServerRecord, record_from_info
 from swarmlm.types import BlockRange
 from swarmlm.wire.channel import server_options
-from swarmlm.wire.spin import SpinningSelector, SpinWindow
 
 log = logging.getLogger(__name__)
 GAP_CHECK_S = 2.0  # how often a placed server looks for blocks nobody serves (rebalance_period_s for the rest)
@@ -56,7 +55,6 @@ class Server:
         self._grpc: grpc.aio.Server | None = None
         self._frames: FrameServer | None = None  # the framed step port, beside gRPC (not when relayed)
         self._scheduler: Scheduler | None = None
-        self.spin = SpinWindow(config.spin_wait_s)  # when the loop's waits spin (wire/spin.py): framed traffic opens it
 
     # ---- start-up -----------------------------------------------------------------------------------
     def _start_dht(self) -> None:
@@ -168,7 +166,7 @@ class Server:
         if relayed:  # behind NAT: relayed connections to local_port (gRPC only: docs/PROTOCOL.md, "Framed steps")
             self.network.serve_relayed(local_port)
         elif cfg.frames:  # the same handlers on a framed port (server/frame_server.py), checked by the same gate
-            self._frames = FrameServer(self.service, cfg, gate[0].checker if gate else None, spin=self.spin)
+            self._frames = FrameServer(self.service, cfg, gate[0].checker if gate else None)
             self.service.frame_port = await self._frames.start(cfg.host)
         self._tasks = [asyncio.create_task(self.service.streams.expire_loop())]
         if self.dht is not None:
@@ -359,8 +357,5 @@ def profile_model(model_dir: str, blocks: BlockRange | None, dtype: str, threads
 
 def run_server(config: ServerConfig) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    server = Server(config)
-    # the loop's selector spins a while before it blocks, while framed steps come (wire/spin.py); the same events
-    with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(SpinningSelector(server.spin))) as runner:
-        runner.run(server.serve())
+    asyncio.run(Server(config).serve())
     return 0
