@@ -54,12 +54,7 @@ class HeadBatcher:
     def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], wait: StragglerWait) -> None:
         self.head = head
         self.wait = wait  # ClientConfig.head_batch_wait
-        # one lock, two wake-ups: arrivals wake only the forming batch's leader (`_arrived`); the other callers sleep
-        # until their batch is computed (`_computed`). With one condition for both, each arrival woke every waiting
-        # caller of the batch, each to find its batch not done and sleep again (8 sessions: ~30 wake-ups a batch)
-        self._lock = threading.Lock()
-        self._arrived = threading.Condition(self._lock)
-        self._computed = threading.Condition(self._lock)
+        self._cv = threading.Condition()
         self._pending: list[_Call] = []  # the forming batch, arrival order; its first call leads it
         self._sessions: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
         self._recent: deque[set[int]] = deque(maxlen=2)  # sessions of the last two batches
@@ -71,17 +66,17 @@ class HeadBatcher:
         """A session opened and will call soon: batches wait for its first call too (for the next two batches at
         most: a session that never calls the head is then forgotten). So sessions started together (their prefills
         of different lengths end at different times) share heads from their first token on."""
-        with self._lock:
+        with self._cv:
             self._sessions[id(session)] = session
             self._announced[id(session)] = 2
 
     def __call__(self, session: object, hidden: torch.Tensor) -> torch.Tensor:
         call = _Call(id(session), hidden)
-        with self._lock:
+        with self._cv:
             self._sessions[call.key] = session
             self._announced.pop(call.key, None)
             self._pending.append(call)
-            self._arrived.notify()  # a waiting leader may have everyone now (only a leader waits there)
+            self._cv.notify_all()  # a waiting leader may have everyone now
             arrived, last_s = time.perf_counter(), self._last_s
             while not call.done:
                 leading = self._pending and self._pending[0] is call
@@ -90,19 +85,15 @@ class HeadBatcher:
                     batch, self._pending = self._pending, []
                     break
                 # a leader looks again every few ms: a session it waits for may close without calling
-                if leading:
-                    self._arrived.wait(min(left, POLL_S))
-                else:
-                    self._computed.wait()
+                self._cv.wait(min(left, POLL_S) if leading else None)
             else:
                 return self._result(call)
         self._compute(batch)  # outside the lock: the next batch forms meanwhile
-        with self._lock:
+        with self._cv:
             self._recent.append({c.key for c in batch})
             self._announced = {key: left - 1 for key, left in self._announced.items() if left > 1}
             self.batch_sizes[len(batch)] += 1
-            self._computed.notify_all()  # this batch's callers
-            self._arrived.notify()  # the next batch's leader: whom it waits for changed
+            self._cv.notify_all()
         return self._result(call)
 
     def _missing(self) -> int:
