@@ -270,7 +270,9 @@ class PackedEmbedding(nn.Module):
             low, high = id_bounds(flat)
             if low < 0 or high >= self.num_embeddings:
                 raise IndexError(f"token id out of range [0, {self.num_embeddings})")
-        if flat.numel() == 1:  # a decode step's token: its one row, without unique / gather (torch calls cost cold)
+        # a decode step's one token: its row straight from the blocks, no unique / gather (each torch call costs tens
+        # of us cold); float ids go the general way, whose indexing refuses them
+        if flat.numel() == 1 and not flat.is_floating_point():
             rows, inverse = self.packed.dequantize(low, low + 1), None
         else:
             unique, inverse = torch.unique(flat, return_inverse=True)
