@@ -8,10 +8,14 @@ import pytest
 import torch
 
 from swarmlm.client.chunking import SMALL_MASK, all_set
+from swarmlm.client.model import checked_ids
+from swarmlm.errors import InvalidRequest
+from swarmlm.model.packed import SMALL_IDS, PackedEmbedding, id_bounds, packed_from_numpy
 from swarmlm.types import BlockRange
 from swarmlm.wire import codec
 from swarmlm.wire import swarm_pb2 as pb
 from tests.swarm_helpers import RawStream, in_process_server
+from tests.test_packed import raw_blocks
 
 H = 64  # tiny-bloom hidden size
 
@@ -37,6 +41,40 @@ def test_a_decode_steps_mask_is_checked_without_a_torch_reduction(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "all", refused)
     assert all_set(torch.ones(1, 1, dtype=torch.long))
     assert not all_set(torch.tensor([[1], [0]]))  # a batch of 2, one row padded
+
+
+def test_id_bounds_answer_as_min_and_max_for_every_size_and_dtype():
+    torch.manual_seed(0)
+    for shape, dtype in itertools.product([(1,), (1, 1), (3, 5), (1, SMALL_IDS), (2, SMALL_IDS), (700,)],
+                                          (torch.long, torch.int32)):
+        ids = torch.randint(-5, 1000, shape, dtype=dtype)
+        assert id_bounds(ids) == (int(ids.min()), int(ids.max())), (shape, dtype)
+
+
+def test_a_decode_tokens_embedding_and_id_check_run_without_torch_reductions_or_unique(monkeypatch):
+    packed = packed_from_numpy("Q8_0", raw_blocks("Q8_0", 100, 64), 64)
+    table = packed.dequantize()
+    for scale in (None, 2.0):
+        embedding = PackedEmbedding(packed, scale=scale)
+        want = [embedding(torch.tensor([[t, 0]]))[:, :1] for t in (0, 37, 99)]  # (the many-token path)
+        with monkeypatch.context() as refusing:
+            for name in ("min", "max", "aminmax"):
+                refusing.setattr(torch.Tensor, name, _refused)
+            refusing.setattr(torch, "unique", _refused)
+            refusing.setattr(torch, "aminmax", _refused)
+            for t, row in zip((0, 37, 99), want):
+                ids = torch.tensor([[t]])
+                got = embedding(checked_ids(ids, 100))
+                assert torch.equal(got, row) and torch.equal(got[0, 0], table[t] * (scale or 1.0))
+            for bad in (-1, 100):
+                with pytest.raises(InvalidRequest, match=r"token ids must be in \[0, 100\)"):
+                    checked_ids(torch.tensor([[bad]]), 100)
+                with pytest.raises(IndexError, match="out of range"):
+                    embedding(torch.tensor([[bad]]))
+
+
+def _refused(*args, **kwargs):
+    raise AssertionError("a torch reduction or unique on a decode step's ids")
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ from swarmlm.config import ClientConfig, dtype_name
 from swarmlm.errors import InvalidRequest
 from swarmlm.model.checkpoint import load_client_modules, parse_dtype
 from swarmlm.model.fingerprint import WeightsCheck
+from swarmlm.model.packed import id_bounds
 from swarmlm.model.quant import quantize_client_modules
 from swarmlm.model.source import gguf_in_snapshot, resolve, with_revision
 from swarmlm.types import CacheOp
@@ -269,7 +270,10 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         cache.before_forward()
         # generate()'s prompt (one unpadded sequence) may start from a prefix the servers cached: then its first
         # forward gives the last position's logits only (all that generate() reads of a prefill)
-        prompt = (input_ids[0] if input_ids is not None and cache.use_prefix and batch == 1
+        # (asked only before the session's first step: after it no step starts from a cached prefix, and every
+        # decode step would pay for a torch reduction it ignores)
+        starting = cache.session is None or not cache.session.steps
+        prompt = (input_ids[0] if starting and input_ids is not None and cache.use_prefix and batch == 1
                   and (mask is None or bool(mask.all())) else None)
         session = cache.session_for(batch, n_tokens, prompt)
         if prompt is not None and session.prefix_held(input_ids):
@@ -296,9 +300,7 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         return CausalLMOutputWithPast(logits=logits, cache=cache)
 
     def _checked(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size:
-            raise InvalidRequest(f"token ids must be in [0, {self.config.vocab_size})")
-        return input_ids
+        return checked_ids(input_ids, int(self.config.vocab_size))
 
     def _logits(self, session: InferenceSession, inputs: torch.Tensor, mask: torch.Tensor | None, keep: slice,
                 stats: GenerationStats | None, op: CacheOp | None = None) -> torch.Tensor:
@@ -376,12 +378,20 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
             self.remote.close()
 
 
+def checked_ids(input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """input_ids, refused unless every id is in [0, vocab_size)."""
+    low, high = id_bounds(input_ids) if input_ids.numel() else (0, 0)
+    if low < 0 or high >= vocab_size:
+        raise InvalidRequest(f"token ids must be in [0, {vocab_size})")
+    return input_ids
+
+
 def lm_head(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """head(x), for several rows of a plain linear head as W @ x^T: MKL's single-threaded sgemm takes a few rows
     against bloomz-560m's [250,880 x 1,024] weight ~1.6x faster that way than as x @ W^T (8 rows: 504 vs 800 ms on
     a busy machine; one row: the same), and several rows is what a batch of sessions' heads is."""
     x = x.contiguous()  # a last-position slice of a batch is strided: torch's bf16 matmul then runs 2.6x slower
-    if type(head) is not nn.Linear or x[..., 0].numel() < 2:
+    if type(head) is not nn.Linear or x.numel() < 2 * x.shape[-1]:
         return head(x)
     out = (head.weight @ x.reshape(-1, x.shape[-1]).T).T
     if head.bias is not None:

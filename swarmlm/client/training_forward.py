@@ -24,7 +24,7 @@ def train_forward(model, input_ids: torch.Tensor | None, inputs_embeds: torch.Te
                   mask: torch.Tensor | None, labels: torch.Tensor | None, keep: slice) -> CausalLMOutputWithPast:
     if inputs_embeds is None:
         with torch.no_grad():
-            inputs_embeds = model.client_modules.embed(_checked_ids(model, input_ids))
+            inputs_embeds = model.client_modules.embed(model._checked(input_ids))
     batch, n_tokens = inputs_embeds.shape[:2]
     mask = torch.ones(batch, n_tokens, dtype=torch.long) if mask is None else mask.to(torch.long)
     if labels is not None and tuple(labels.shape) != (batch, n_tokens):
@@ -46,9 +46,3 @@ def train_forward(model, input_ids: torch.Tensor | None, inputs_embeds: torch.Te
         full = torch.cat([torch.full((batch, prefix), IGNORE, dtype=labels.dtype), labels], dim=1)
         loss = ForCausalLMLoss(logits, full, int(model.config.vocab_size))
     return CausalLMOutputWithPast(loss=loss, logits=logits[:, prefix:][:, keep])
-
-
-def _checked_ids(model, input_ids: torch.Tensor) -> torch.Tensor:
-    if input_ids.min() < 0 or input_ids.max() >= model.config.vocab_size:
-        raise InvalidRequest(f"token ids must be in [0, {model.config.vocab_size})")
-    return input_ids

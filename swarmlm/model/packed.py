@@ -266,12 +266,34 @@ class PackedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
-        unique, inverse = torch.unique(flat, return_inverse=True)
-        rows = self.packed.select_rows(unique).dequantize()
+        if flat.numel():
+            low, high = id_bounds(flat)
+            if low < 0 or high >= self.num_embeddings:
+                raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        # a decode step's one token: its row straight from the blocks, no unique / gather (each torch call costs tens
+        # of us cold); float ids go the general way, whose indexing refuses them
+        if flat.numel() == 1 and not flat.is_floating_point():
+            rows, inverse = self.packed.dequantize(low, low + 1), None
+        else:
+            unique, inverse = torch.unique(flat, return_inverse=True)
+            rows = self.packed.select_rows(unique).dequantize()
         if self.scale is not None:
             rows = rows * torch.tensor(self.scale, dtype=rows.dtype)
-        return rows.to(self.dtype)[inverse].reshape(*ids.shape, self.embedding_dim)
+        rows = rows.to(self.dtype)
+        return (rows if inverse is None else rows[inverse]).reshape(*ids.shape, self.embedding_dim)
+
+
+SMALL_IDS = 64  # id tensors of up to this many values are bounded in Python (`id_bounds`)
+
+
+def id_bounds(ids: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of a non-empty integer tensor. A decode step's few ids are read as Python ints: min() and max(),
+    two torch reductions and two reads back, cost ~10-30 us each right after the client slept through a step
+    (docs/RESULTS-packed.md round 12)."""
+    if ids.numel() <= SMALL_IDS:
+        values = ids.reshape(-1).tolist()
+        return min(values), max(values)
+    low, high = torch.aminmax(ids)
+    return int(low), int(high)
 
 
