@@ -18,8 +18,8 @@ def protocol_refusal(announced: int) -> str | None:
     """Why a server announcing wire protocol `announced` is refused by this peer, or None if it speaks ours.
 
     0 (the field absent) is a release from before protocol numbers: refused too. Its wire format is unknown
-    (releases before it changed the MACs and the frames without a number to tell), so routing through it could
-    only fail later and less clearly; refusing it says what to do now."""
+    (releases before it changed the wire without a number to tell, e.g. the session keys' MAC on every message),
+    so routing through it could only fail later and less clearly; refusing it says what to do now."""
     if announced == PROTOCOL_VERSION:
         return None
     what = "announces no wire protocol (a swarmlm release before protocol numbers)" if announced == 0 else \
