@@ -82,7 +82,8 @@ def cases(hidden: int, blocks: int, max_body_bytes: int) -> dict[str, bytes]:
     opened = HELLO + open_request(blocks)
     return {
         "garbage instead of a HELLO": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(range(256)),
-        "wrong magic": frames.frame(Kind.HELLO, b"swarmlm-frames/9\n\x01"),
+        "wrong magic": frames.frame(Kind.HELLO, b"swarmlm-frame/1\n\x01"),
+        "another wire protocol's HELLO": frames.frame(Kind.HELLO, b"swarmlm-frames/9\n\x01"),
         "unknown purpose": frames.frame(Kind.HELLO, frames.MAGIC + b"\x09"),
         "a REQUEST before HELLO": open_request(blocks),
         "oversized HELLO": HEADER.pack(1 << 20, Kind.HELLO),
@@ -118,6 +119,8 @@ def expected(name: str, answers: list[str]) -> bool:
             and len(answers) == 3
     if name.startswith("truncated"):
         return last == "closed" or last.startswith("STATUS INVALID_ARGUMENT truncated")
+    if name == "another wire protocol's HELLO":  # told so, with both numbers (wire/protocol.py)
+        return last.startswith("STATUS INVALID_ARGUMENT the dialer speaks swarmlm wire protocol 9, this server")
     if name == "garbage REQUEST body":  # a message that does not parse: as on gRPC
         return last == "STATUS INVALID_ARGUMENT the message does not parse"
     if name == "garbage step in a session":  # the open's reply, the step's refusal (a REPLY with an error), OK

@@ -104,6 +104,7 @@ def fitted_columns(rows: list[list[str]], num_blocks: int, width: int) -> tuple[
 def render(view: dict, model: str, console) -> int:
     """The swarm view (SwarmWatcher.read) as a table fitted to the console's width and a coverage line; 0 if every
     block is served, else 1."""
+    from rich.markup import escape
     from rich.table import Table
 
     from swarmlm.model.source import served_name
@@ -120,6 +121,9 @@ def render(view: dict, model: str, console) -> int:
             cells[2] = f"[red]{s['state']}[/red]"
         table.add_row(*(cells[i] for i in keep))
     console.print(table)
+    for s in view["servers"]:  # why a server announced there is not used (another wire protocol, other weights...)
+        if s.get("refused"):
+            console.print(f"[red]server {escape(s['id'][-8:])} is refused: {escape(s['refused'])}[/red]")
     console.print("live servers per block: " + ", ".join(f"{r} {c}" for r, c in runs(view["coverage"])))
     if view["missing_blocks"]:
         missing = [r for r, c in runs(view["coverage"]) if c == 0]

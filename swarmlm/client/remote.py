@@ -18,6 +18,7 @@ from swarmlm.swarm.identity import new_nonce, signed_address, verify_info
 from swarmlm.swarm.private import client_interceptors
 from swarmlm.swarm.records import LOADING, ONLINE, ServerRecord, record_from_info
 from swarmlm.types import Route, Span
+from swarmlm.wire.protocol import protocol_refusal
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,11 @@ class RemoteSequence:
         self.dht_prefix = dht_prefix
         self.loop = LoopThread.get()
         self.channels = Channels(config, interceptors=client_interceptors(config.swarm_key))
-        # the connect check (swarm/identity.py): (server id, address) pairs that failed it are never routed to
+        # (server id, address) pairs that failed the connect check (swarm/identity.py), or announce another wire
+        # protocol (wire/protocol.py) or other weights -> why: never routed to
         self.rejected: dict[tuple[str, str], str] = share.rejected if share else {}
+        # servers of the last read that are refused, by id -> (record, why): named when blocks end up missing
+        self.refused: dict[str, tuple[ServerRecord, str]] = {}
         # p2p/<peer id> -> the server id that passed the connect check there, through the relay dialed: only that
         # server's own records set or change the relay of that address (a stranger's record naming it changes none)
         self.p2p_owners: dict[str, str] = share.p2p_owners if share else {}
@@ -70,14 +74,10 @@ class RemoteSequence:
             records = fetch_records(self.dht, self.dht_prefix, range(self.num_blocks), swarm_key=self.config.swarm_key,
                                     joining=True)
             self.loading = {sid: r for sid, r in records.items() if r.state == LOADING}
-            records = {sid: r for sid, r in records.items() if r.state == ONLINE}
-            records = self._through_relays({sid: r for sid, r in records.items()
-                                            if (sid, r.address) not in self.rejected})
+            records = self._through_relays(self._without_refused({sid: r for sid, r in records.items()
+                                                                  if r.state == ONLINE}))
         else:
-            records = self.loop.run(self._direct_records())
-        if self.weights_check is not None:  # other weights under this model's name: refused (model/fingerprint.py)
-            self._check_weights(records)
-            records = {sid: r for sid, r in records.items() if (sid, r.address) not in self.rejected}
+            records = self._without_refused(self.loop.run(self._direct_records()))
         unmeasured = [r for sid, r in records.items() if sid not in self.view.rtt_s]
         if unmeasured:  # measured (and checked) before they enter the view: an impostor is never routed to
             self.loop.run(self._measure(unmeasured))
@@ -106,11 +106,27 @@ class RemoteSequence:
             usable[sid] = r
         return usable
 
-    def _check_weights(self, records: dict[str, ServerRecord]) -> None:
+    def _without_refused(self, records: dict[str, ServerRecord]) -> dict[str, ServerRecord]:
+        """`records` but the servers this client must not use (kept in `refused`, with why): another wire protocol,
+        other weights under this model's name, or a failed connect check earlier."""
         for sid, r in records.items():
-            if (sid, r.address) not in self.rejected and (why := self.weights_check(r.start, r.end, r.fingerprint)):
+            if (sid, r.address) not in self.rejected and (why := self._why_refused(r)):
                 log.warning("server %s at %s is refused: %s", sid, r.address, why)
-                self.rejected[(sid, r.address)] = why
+                self._reject(r, why)
+        self.refused = {sid: (r, self.rejected[(sid, r.address)]) for sid, r in records.items()
+                        if (sid, r.address) in self.rejected}
+        return {sid: r for sid, r in records.items() if sid not in self.refused}
+
+    def _why_refused(self, r: ServerRecord) -> str | None:
+        """Another wire protocol first (its fingerprints and messages may not mean ours), then other weights
+        (model/fingerprint.py; set by the client model from its checkpoint)."""
+        return protocol_refusal(r.protocol) or \
+            (self.weights_check(r.start, r.end, r.fingerprint) if self.weights_check is not None else None)
+
+    def _reject(self, r: ServerRecord, why: str) -> None:
+        if len(self.rejected) > 4096:  # bounded: forget old verdicts rather than grow (peers choose their records)
+            self.rejected.clear()
+        self.rejected[(r.server_id, r.address)] = why
 
     async def _direct_records(self) -> dict[str, ServerRecord]:
         """Without a DHT: ask each configured server for its info."""
@@ -162,9 +178,7 @@ class RemoteSequence:
                     raise ConnectionError(f"reached through another relay than its own: {why}")  # (banned, retried)
                 if why is not None:
                     log.warning("server %s at %s fails the connect check, excluded: %s", r.server_id, r.address, why)
-                    if len(self.rejected) > 4096:  # bounded: forget old verdicts rather than grow
-                        self.rejected.clear()
-                    self.rejected[(r.server_id, r.address)] = why
+                    self._reject(r, why)
                     self.view.ban(r.server_id)
                     return
                 self.channels.note_info(r.address, reply)  # (its framed port: signed with the rest)
@@ -224,10 +238,13 @@ class RemoteSequence:
                 limit_s = max(cfg.wait_for_loading_s if loaders else 0.0, cfg.wait_for_blocks_s)
                 if time.monotonic() >= t0 + limit_s:
                     down = ", ".join(f"{a} ({why})" for a, why in self.unreachable.items())  # "refused" vs nobody
+                    refused = "; ".join(f"server {sid} at {r.address} is refused: {why}" for sid, (r, why)
+                                        in self.refused.items() if any(r.start <= b < r.end for b in exc.missing))
                     adapter = self.config.active_adapter
                     raise MissingBlocks(exc.missing, f"waited {limit_s:.0f} s"
                                         + (f"; loading on {', '.join(sid[-8:] for sid in loaders)}" if loaders else "")
                                         + (f"; unreachable: {down}" if down else "")
+                                        + (f"; {refused}" if refused else "")
                                         + (f"; with adapter {adapter!r}: servers pre-load it with --adapters DIR"
                                            if adapter else "")) from None
             time.sleep(0.5)

@@ -38,6 +38,7 @@ from swarmlm.types import CacheOp
 from swarmlm.wire import cache_op, codec, compress
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
+from swarmlm.wire.protocol import PROTOCOL_VERSION
 from swarmlm.wire.session_keys import ServerKey
 
 log = logging.getLogger(__name__)
@@ -304,6 +305,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             max_length=self.config.max_length_tokens, max_batch=self.config.max_batch,
             max_message_bytes=self.config.max_message_bytes, decode_s_per_block=self.stats.decode_s_per_block,
             prefill_a_s=self.stats.prefill_a_s, prefill_b_s=self.stats.prefill_b_s, version=__version__,
+            protocol=PROTOCOL_VERSION,  # (clients refuse another: wire/protocol.py)
             decode_4rows_s_per_block=self.stats.decode_4rows_s_per_block,
             decode_16rows_s_per_block=self.stats.decode_16rows_s_per_block,
             session_bytes_per_block_token=self.stage.cache_bytes(1, 1, 1),

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from swarmlm.config import ANNOUNCED_QUANTS, MAX_RECORD_TTL_S  # noqa: F401 (read from here by dht.py and tests)
+from swarmlm.wire.protocol import MAX_PROTOCOL
 
 # online: serving; offline: withdrawn. Before it serves, a server announces its range as joining (still choosing its
 # blocks), then loading (chosen; at once with --blocks): never routed to, but servers placing themselves count it, so
@@ -42,6 +43,7 @@ class ServerRecord:
     queue_length: int = 0
     max_length: int = 0
     version: str = ""
+    protocol: int = 0  # its wire protocol (wire/protocol.py); 0 = announced none: a release before the field
     fingerprint: str = ""  # the weights of [start, end) (swarmlm/model/fingerprint.py); clients compare their own
     quant: str = "none"  # do the weights compute other values than the checkpoint's: "none" | "int8" | "int4"
     weight_bytes: int = 0  # bytes the served blocks' weights take in memory (0 = not announced)
@@ -116,6 +118,8 @@ class ServerRecord:
             raise ValueError(f"record quant {record.quant!r}")
         if len(record.adapters) > 1400 or not all(_ADAPTER.match(n) for n in record.adapter_names):
             raise ValueError(f"record adapters {record.adapters[:80]!r}")
+        if record.protocol > MAX_PROTOCOL:
+            raise ValueError(f"record protocol {record.protocol} is over {MAX_PROTOCOL}")
         if not _TAGS.match(record.prefix_tags):
             raise ValueError("record prefix_tags must be at most 64 tags of 16 lowercase hex characters")
         return record
@@ -135,7 +139,7 @@ def record_from_info(info, address: str, state: str = ONLINE, relay: str = "") -
         "cache_bytes_total": info.cache_bytes_total,
         "session_bytes_per_block_token": info.session_bytes_per_block_token,
         "active_sessions": info.active_sessions, "queue_length": info.queue_length, "max_length": info.max_length,
-        "version": info.version,
+        "version": info.version, "protocol": info.protocol,
         "fingerprint": info.fingerprint,
         "quant": info.quant or "none", "weight_bytes": info.weight_bytes,  # (older servers send no quant)
         "decode_4rows_s": info.decode_4rows_s_per_block, "decode_16rows_s": info.decode_16rows_s_per_block,

@@ -15,7 +15,11 @@ from enum import IntEnum
 
 import grpc
 
-MAGIC = b"swarmlm-frames/1\n"
+from swarmlm.wire.protocol import PROTOCOL_VERSION
+
+# the wire protocol's number is in the magic: a server refuses a dialer of another protocol at its first frame
+MAGIC_PREFIX = b"swarmlm-frames/"
+MAGIC = MAGIC_PREFIX + b"%d\n" % PROTOCOL_VERSION
 HEADER = struct.Struct(">IB")  # body bytes, kind
 HELLO_TIMEOUT_S = 5.0  # a connection that has not said HELLO by then is closed
 MAX_HELLO_BYTES = 512  # magic + purpose + token (a token is < 200 bytes)
@@ -53,13 +57,23 @@ def hello(purpose: Purpose, token: str | None) -> bytes:
 
 def parse_hello(body: bytes) -> tuple[Purpose, str | None]:
     if not body.startswith(MAGIC) or len(body) < len(MAGIC) + 1:
-        raise FrameError("not a swarmlm frame connection (wrong magic in HELLO)")
+        raise FrameError(_wrong_magic(body))
     try:
         purpose = Purpose(body[len(MAGIC)])
         token = body[len(MAGIC) + 1:].decode("ascii")
     except (ValueError, UnicodeDecodeError):
         raise FrameError("HELLO: unknown purpose or a token that is not ASCII") from None
     return purpose, token or None
+
+
+def _wrong_magic(body: bytes) -> str:
+    """A dialer of another wire protocol is told so in one line (wire/protocol.py); anything else is not ours."""
+    number, newline, _ = body[len(MAGIC_PREFIX):].partition(b"\n")
+    if body.startswith(MAGIC_PREFIX) and newline and number.isdigit() and len(number) <= 5 \
+            and int(number) != PROTOCOL_VERSION:
+        return (f"the dialer speaks swarmlm wire protocol {int(number)}, this server protocol {PROTOCOL_VERSION}: "
+                "run the same swarmlm release on both")
+    return "not a swarmlm frame connection (wrong magic in HELLO)"
 
 
 def status(code: grpc.StatusCode, details: str = "") -> bytes:
