@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
+from packed_bench import chat_prompts, fixed_length  # (benchmarks/, this script's directory)
 from swarmlm.machine import machine_line
 
 PARTS = ("generate", "forward", "embed", "session.step", "head", "head matmul")
@@ -78,14 +79,9 @@ def main() -> None:
     torch.set_num_threads(1)
     model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
     tokenizer = load_tokenizer(model)
-    topics = ["a lighthouse", "the moon", "a river", "bread", "a violin", "winter", "a robot", "the sea", "a garden",
-              "trains", "a library", "rain", "mountains", "a cat", "coffee", "a bridge"]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Write a short poem about {t}."}],
-                                             add_generation_prompt=True, return_tensors="pt", return_dict=True)
-               ["input_ids"] for t in topics[:args.sessions]]
+    prompts = chat_prompts(tokenizer, args.sessions)  # packed_bench.py batching's prompts and generate() arguments
     config = load_config(model)
-    # exactly `tokens` greedy tokens: the end-of-sequence id past the vocabulary (as packed_bench.py decode)
-    kwargs = dict(max_new_tokens=args.tokens, do_sample=False, eos_token_id=int(config.vocab_size))
+    kwargs = fixed_length(config, args.tokens)
     n_tokens = len(prompts) * args.tokens
     modes = ("one by one", f"{len(prompts)} at once")
     process_ms = {m: [] for m in modes}

@@ -105,7 +105,7 @@ def kernels(args) -> None:
 
 
 # ---- decode -----------------------------------------------------------------------------------------------------
-def _fixed_length(config, tokens: int) -> dict:
+def fixed_length(config, tokens: int) -> dict:
     """generate() arguments for exactly `tokens` greedy tokens, as llama-bench decodes: the end-of-sequence id is one
     past the vocabulary (never chosen), so no logits processor runs (min_new_tokens would add two passes over the
     vocabulary per token: ~3 % of a Llama-3.2-1B token here, for transformers and swarmlm alike)."""
@@ -120,13 +120,13 @@ def _transformers_tps(model, ids: torch.Tensor, tokens: int) -> float:
         model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
         first = time.perf_counter() - t0
         t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, **_fixed_length(model.config, tokens))
+        out = model.generate(ids, attention_mask=mask, **fixed_length(model.config, tokens))
         assert out.shape[1] == ids.shape[1] + tokens
         return (tokens - 1) / (time.perf_counter() - t0 - first)
 
 
 def _swarm_tps(client, ids: torch.Tensor, tokens: int) -> float:
-    out = client.generate(ids, attention_mask=torch.ones_like(ids), **_fixed_length(client.config, tokens))
+    out = client.generate(ids, attention_mask=torch.ones_like(ids), **fixed_length(client.config, tokens))
     assert out.shape[1] == ids.shape[1] + tokens
     return client.last_stats.tokens_per_s
 
@@ -258,6 +258,17 @@ def span(args) -> None:
 
 
 # ---- batching ---------------------------------------------------------------------------------------------------
+TOPICS = ["a lighthouse", "the moon", "a river", "bread", "a violin", "winter", "a robot", "the sea", "a garden",
+          "trains", "a library", "rain", "mountains", "a cat", "coffee", "a bridge"]
+
+
+def chat_prompts(tokenizer, n: int) -> list[torch.Tensor]:
+    """N chat prompts (a short poem about each of the first N topics) as [1, T] id tensors."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": f"Write a short poem about {t}."}],
+                                          add_generation_prompt=True, return_tensors="pt", return_dict=True)
+            ["input_ids"] for t in TOPICS[:n]]
+
+
 def batching(args) -> None:
     """Decode tokens/s of N greedy generate() calls one after another vs N at once (N threads of one client, its
     heads batched), through one packed server of every block; the tokens must be the same."""
@@ -272,15 +283,11 @@ def batching(args) -> None:
     torch.set_num_threads(1)
     model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
     tokenizer = load_tokenizer(model)
-    topics = ["a lighthouse", "the moon", "a river", "bread", "a violin", "winter", "a robot", "the sea", "a garden",
-              "trains", "a library", "rain", "mountains", "a cat", "coffee", "a bridge"]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Write a short poem about {t}."}],
-                                             add_generation_prompt=True, return_tensors="pt", return_dict=True)
-               ["input_ids"] for t in topics[:args.sessions]]
+    prompts = chat_prompts(tokenizer, args.sessions)
     blocks = int(load_config(model).num_hidden_layers)
     # the mask given: else generate() infers one from the pad id, and SmolLM2's pad is <|im_end|>, which every chat
     # prompt holds (with the end-of-sequence id past the vocabulary, those prompt tokens would be masked out)
-    kwargs = _fixed_length(load_config(model), args.tokens)
+    kwargs = fixed_length(load_config(model), args.tokens)
     with LocalSwarm(model, threads=1, with_dht=False) as swarm:
         swarm.start([BlockRange(0, blocks)])
         client = DistributedModelForCausalLM.from_pretrained(model, servers=swarm.addresses, threads=1)
