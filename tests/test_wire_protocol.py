@@ -124,3 +124,16 @@ def test_blocks_only_other_protocols_serve_are_missing_with_the_reason(mixed):
         assert f"server {older.server_id} at {older.address} is refused: it announces no wire protocol" in text
     finally:
         client.close()
+
+
+def test_a_servers_loading_record_announces_its_protocol():
+    """Before it serves, a server announces its blocks as loading (joining, when it chooses): those records are its
+    own claims too, not a release's from before protocol numbers (0)."""
+    from swarmlm.config import ServerConfig
+    from swarmlm.server.placement import choose_blocks
+
+    announced = []
+    blocks = choose_blocks(ServerConfig(model_dir="unused: --blocks given", blocks=BlockRange(0, 2)), dht=None,
+                           dht_prefix="x", server_id="s1", announce=announced.append, address="127.0.0.1:1")
+    assert blocks == BlockRange(0, 2)
+    assert [(r.state, r.protocol) for r in announced] == [("loading", PROTOCOL_VERSION)]

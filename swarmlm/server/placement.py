@@ -31,6 +31,7 @@ from swarmlm.perf.model import ComputeProfile, ModelSpec, ServerSpec
 from swarmlm.planner.placement import blocks_for_concurrency, choose_range, lexicographic_window, petals_num_blocks
 from swarmlm.swarm.records import JOINING, LOADING, ONLINE, ServerRecord
 from swarmlm.types import BlockRange
+from swarmlm.wire.protocol import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 REBALANCE_GAIN = 0.2  # move only if the swarm's weakest block gets this much more throughput (Petals: ~25%)
@@ -217,7 +218,7 @@ def choose_blocks(config: ServerConfig, dht, dht_prefix: str, server_id: str = "
 
     # (port 0: not known before loading; a server behind NAT: its p2p address, server/network.py)
     address = address or f"{config.announce_host or config.host}:{config.port}"
-    me = ServerRecord(server_id=server_id, address=address, start=0, end=1, state=JOINING)
+    me = ServerRecord(server_id=server_id, address=address, start=0, end=1, state=JOINING, protocol=PROTOCOL_VERSION)
     if config.blocks is not None:
         if announce is not None:
             announce(dataclasses.replace(me, start=config.blocks.start, end=config.blocks.end, state=LOADING,
