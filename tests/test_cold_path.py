@@ -7,10 +7,10 @@ import itertools
 import pytest
 import torch
 
-from swarmlm.client.chunking import SMALL_MASK, all_set
 from swarmlm.client.model import checked_ids
 from swarmlm.errors import InvalidRequest
-from swarmlm.model.packed import SMALL_IDS, PackedEmbedding, id_bounds, packed_from_numpy
+from swarmlm.model.packed import PackedEmbedding, packed_from_numpy
+from swarmlm.small_reads import SMALL_VALUES, all_set, id_bounds
 from swarmlm.types import BlockRange
 from swarmlm.wire import codec
 from swarmlm.wire import swarm_pb2 as pb
@@ -22,7 +22,7 @@ H = 64  # tiny-bloom hidden size
 
 def test_all_set_answers_as_mask_all_for_every_shape_and_dtype():
     torch.manual_seed(0)
-    shapes = [(1, 1), (1, 7), (3, 2), (4, 16), (1, SMALL_MASK), (2, SMALL_MASK), (1, 300), (5,), (2, 2, 2)]
+    shapes = [(1, 1), (1, 7), (3, 2), (4, 16), (1, SMALL_VALUES), (2, SMALL_VALUES), (1, 300), (5,), (2, 2, 2)]
     for shape, dtype in itertools.product(shapes, (torch.long, torch.int32, torch.bool)):
         ones = torch.ones(shape, dtype=dtype)
         assert all_set(ones)
@@ -45,7 +45,7 @@ def test_a_decode_steps_mask_is_checked_without_a_torch_reduction(monkeypatch):
 
 def test_id_bounds_answer_as_min_and_max_for_every_size_and_dtype():
     torch.manual_seed(0)
-    for shape, dtype in itertools.product([(1,), (1, 1), (3, 5), (1, SMALL_IDS), (2, SMALL_IDS), (700,)],
+    for shape, dtype in itertools.product([(1,), (1, 1), (3, 5), (1, SMALL_VALUES), (2, SMALL_VALUES), (700,)],
                                           (torch.long, torch.int32)):
         ids = torch.randint(-5, 1000, shape, dtype=dtype)
         assert id_bounds(ids) == (int(ids.min()), int(ids.max())), (shape, dtype)

@@ -28,18 +28,6 @@ import torch
 
 from swarmlm.config import ChunkRule
 
-SMALL_MASK = 64  # [B, T] masks of up to this many values are checked in Python (`all_set`)
-
-
-def all_set(mask: torch.Tensor) -> bool:
-    """No padding in this [B, T] mask (every value nonzero)? A decode step's few values are read as Python ints:
-    `mask.all()`, a torch reduction, cost ~30-60 us right after the client slept through a forward (docs/RESULTS-hop.md
-    round 11)."""
-    if mask.dim() == 2 and mask.numel() <= SMALL_MASK:
-        return all(all(row) for row in mask.tolist())
-    return bool(mask.all())
-
-
 def chunk_tokens_for_hop(rule: ChunkRule, bytes_per_token: int, bandwidth_bps: float, compute_s_per_token: float,
                          compute_fixed_s: float) -> int:
     """The rule above for one hop. compute_s_per_token and compute_fixed_s are the whole span's (all its blocks)."""

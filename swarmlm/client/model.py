@@ -35,9 +35,9 @@ from swarmlm.config import ClientConfig, dtype_name
 from swarmlm.errors import InvalidRequest
 from swarmlm.model.checkpoint import load_client_modules, parse_dtype
 from swarmlm.model.fingerprint import WeightsCheck
-from swarmlm.model.packed import id_bounds
 from swarmlm.model.quant import quantize_client_modules
 from swarmlm.model.source import gguf_in_snapshot, resolve, with_revision
+from swarmlm.small_reads import id_bounds
 from swarmlm.types import CacheOp
 from swarmlm.swarm.dht import default_dht_prefix
 

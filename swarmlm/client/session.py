@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from swarmlm.client.chunking import all_set, chunk_tokens_for_hop, split
+from swarmlm.client.chunking import chunk_tokens_for_hop, split
 from swarmlm.client.failover import replace_hop
 from swarmlm.client import prefix as prefix_keys
 from swarmlm.client.pipeline import AttemptOutcome, Chunk, Hop, OpenSpan, StepPipeline, hang_timeout_s, watchdog_s
@@ -27,6 +27,7 @@ from swarmlm.client.router import profile_of
 from swarmlm.client.streams import HopTiming, SpanStream
 from swarmlm.errors import InvalidRequest, ServerFailed, ServerHung, ServerTampered
 from swarmlm.perf.model import ComputeProfile
+from swarmlm.small_reads import all_set
 from swarmlm.swarm.records import ServerRecord
 from swarmlm.types import CacheOp, Span
 from swarmlm.wire import compress

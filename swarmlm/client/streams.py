@@ -13,9 +13,9 @@ import grpc
 import torch
 
 from swarmlm.client.channels import Channels
-from swarmlm.client.chunking import all_set
 from swarmlm.client.frame_call import FrameCall
 from swarmlm.errors import InvalidRequest, PushRefused, ServerFailed, ServerHung, ServerTampered
+from swarmlm.small_reads import all_set
 from swarmlm.types import CacheOp, Span, StepKind
 from swarmlm.wire import cache_op, codec, compress, session_keys
 from swarmlm.wire import swarm_pb2 as pb

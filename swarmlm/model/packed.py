@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from swarmlm.kernels import library
+from swarmlm.small_reads import id_bounds
 
 # activation rows up to which the kernel reads the blocks directly: measured against dequantize + GEMM on Q4_1 at
 # 1536 x 576 and 8192 x 2048 (one thread), the kernel was faster up to 64 rows and slower at 128 (docs/RESULTS-packed.md)
@@ -281,19 +282,5 @@ class PackedEmbedding(nn.Module):
             rows = rows * torch.tensor(self.scale, dtype=rows.dtype)
         rows = rows.to(self.dtype)
         return (rows if inverse is None else rows[inverse]).reshape(*ids.shape, self.embedding_dim)
-
-
-SMALL_IDS = 64  # id tensors of up to this many values are bounded in Python (`id_bounds`)
-
-
-def id_bounds(ids: torch.Tensor) -> tuple[int, int]:
-    """(min, max) of a non-empty integer tensor. A decode step's few ids are read as Python ints: min() and max(),
-    two torch reductions and two reads back, cost ~10-30 us each right after the client slept through a step
-    (docs/RESULTS-packed.md round 12)."""
-    if ids.numel() <= SMALL_IDS:
-        values = ids.reshape(-1).tolist()
-        return min(values), max(values)
-    low, high = torch.aminmax(ids)
-    return int(low), int(high)
 
 
