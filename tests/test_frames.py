@@ -479,5 +479,20 @@ def test_a_refused_client_still_sending_reads_the_refusal_and_a_clean_end(tiny_b
                     call.read_blocking(30.0)
                 assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
                 call.cancel()
+        # closing connections count as closing, not as connections; each is cut at its bound, in time or in bytes
+        frame_server = server._frames
+        for linger_s, flood in ((0.5, False), (3600.0, True)):
+            frame_server.linger_s = linger_s
+            with socket.create_connection((host, port), timeout=60.0) as late:
+                while late.recv(1 << 16):
+                    pass
+                assert poll_until(lambda: len(frame_server.lingering) == 1 and len(frame_server.connections) == 2,
+                                  30.0)
+                if flood:  # more than LINGER_BYTES after the refusal: cut at once (not after an hour)
+                    try:
+                        late.sendall(b"x" * (2 * frame_server.linger_bytes))
+                    except ConnectionError:
+                        pass
+                assert poll_until(lambda: not frame_server.lingering, 30.0)  # (a silent peer never ends its side)
         for sock in live:
             sock.close()

@@ -28,7 +28,10 @@ from swarmlm.wire.frames import INFERENCE_METHOD, PUSH_METHOD, FrameError, Kind,
 
 log = logging.getLogger(__name__)
 
-LINGER_S = 2.0  # a closing connection reads (and discards) its peer's last bytes this long at most: close_gently
+# a closing connection reads (and discards) its peer's last bytes this long and this many at most (close_gently):
+# enough for a request that crossed a refusal (a bigger one is cut: its client still reads the STATUS)
+LINGER_S = 2.0
+LINGER_BYTES = 1 << 20
 
 
 class Aborted(Exception):
@@ -84,6 +87,7 @@ class FrameServer:
         # connections closing gently (FrameConnection.close_gently): no longer counted as connections, each cut
         # after LINGER_S; when as many linger as connections may be open, the next closes at once
         self.lingering: set[FrameConnection] = set()
+        self.linger_s, self.linger_bytes = LINGER_S, LINGER_BYTES
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str) -> int:
@@ -130,7 +134,7 @@ class FrameServer:
             log.exception("framed connection failed")
         finally:
             if gently and len(self.lingering) < self.max_connections:
-                conn.close_gently(LINGER_S, self.max_body_bytes)
+                conn.close_gently(self.linger_s, self.linger_bytes)
             else:
                 conn.transport.close()
 
