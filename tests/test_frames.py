@@ -250,6 +250,20 @@ def _client_end(peer_bytes: bytes, close: bool = True):
     return FrameCall(mine, 1024), theirs
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_write_after_the_servers_refusal_is_that_refusal_not_a_lost_connection(blocking):
+    """A server that refused (STATUS, then closed) before the client's request went out: the failed write reports
+    the refusal the server sent (here RESOURCE_EXHAUSTED, a full port), not UNAVAILABLE "connection lost"."""
+    call, _ = _client_end(frames.status(grpc.StatusCode.RESOURCE_EXHAUSTED, "more than 2 connections"))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        if blocking:
+            call.write_blocking(pb.InferenceRequest(), 5.0)
+        else:
+            asyncio.run(call.write(pb.InferenceRequest()))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "more than 2" in err.value.details()
+    call.cancel()
+
+
 @pytest.mark.parametrize("data, code, reason", [
     (HEADER.pack(5000, Kind.REPLY), grpc.StatusCode.INTERNAL, "oversized frame"),
     (HEADER.pack(1, 99) + b"x", grpc.StatusCode.INTERNAL, "unknown frame kind 99"),
@@ -422,3 +436,63 @@ def test_bytes_in_flight_wake_a_waiting_add_and_no_one_else():
         return quiet, blocked, waiting.done(), dict(load.held)
 
     assert asyncio.run(run()) == (0, True, True, {"a": 60})
+
+
+def test_a_refused_client_still_sending_reads_the_refusal_and_a_clean_end(tiny_bloom):
+    """A refusal is a STATUS, then a close that does not reset the connection: a client whose request crosses the
+    refusal (sent after the server said RESOURCE_EXHAUSTED and closed its side) still gets that STATUS and a clean
+    end, not a reset (which a kernel answers by discarding what the client had not read yet). Also through the
+    client's own FrameCall: the refusal is the RESOURCE_EXHAUSTED it is, not a lost connection."""
+    import select
+    import socket
+
+    from swarmlm.bench.frame_attacks import HELLO, frame_port, open_request
+    from swarmlm.client.frame_call import FrameCall
+    from swarmlm.types import BlockRange
+    from tests.swarm_helpers import in_process_server, poll_until
+
+    with in_process_server(tiny_bloom, BlockRange(0, 2), max_concurrent_rpcs=2) as server:
+        host, port = "127.0.0.1", frame_port(server.address)
+        live = [socket.create_connection((host, port), timeout=60.0) for _ in range(2)]
+        for sock in live:
+            sock.sendall(HELLO + open_request(2))
+        assert poll_until(lambda: len(server._frames.connections) == 2 and not server._frames.idle, 30.0)
+        refusal = frames.status(grpc.StatusCode.RESOURCE_EXHAUSTED, "more than 2 connections")
+        for _ in range(3):
+            with socket.create_connection((host, port), timeout=60.0) as late:
+                got = b""
+                while chunk := late.recv(1 << 16):  # the refusal, then the server's side closed: EOF
+                    got += chunk
+                assert got == refusal
+                late.sendall(HELLO + open_request(2))  # crossing the refusal
+                late.shutdown(socket.SHUT_WR)
+                assert late.recv(1 << 16) == b""  # a clean end: ConnectionResetError on a reset
+            with socket.create_connection((host, port), timeout=60.0) as sock:
+                sock.setblocking(False)
+                call = FrameCall(sock, 1 << 20)
+                hangup = select.poll()
+                hangup.register(sock, select.POLLRDHUP)
+                assert poll_until(lambda: hangup.poll(0), 30.0)  # the refusal came, and the server's side closed
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    call.write_blocking(pb.InferenceRequest(), 30.0)
+                    call.write_blocking(pb.InferenceRequest(), 30.0)
+                    call.read_blocking(30.0)
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+                call.cancel()
+        # closing connections count as closing, not as connections; each is cut at its bound, in time or in bytes
+        frame_server = server._frames
+        for linger_s, flood in ((0.5, False), (3600.0, True)):
+            frame_server.linger_s = linger_s
+            with socket.create_connection((host, port), timeout=60.0) as late:
+                while late.recv(1 << 16):
+                    pass
+                assert poll_until(lambda: len(frame_server.lingering) == 1 and len(frame_server.connections) == 2,
+                                  30.0)
+                if flood:  # more than LINGER_BYTES after the refusal: cut at once (not after an hour)
+                    try:
+                        late.sendall(b"x" * (2 * frame_server.linger_bytes))
+                    except ConnectionError:
+                        pass
+                assert poll_until(lambda: not frame_server.lingering, 30.0)  # (a silent peer never ends its side)
+        for sock in live:
+            sock.close()

@@ -133,23 +133,25 @@ def test_a_server_dying_on_a_pushed_route_loses_nothing(swarm, tiny_bloom, posit
     local, client, _ = swarm
     ids, want = greedy_reference(tiny_bloom, "the quick brown fox", 20)
     tokens = []
-    with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + 20) as session:
-        logits = client.step_logits(session, ids)
-        for n in range(20):
-            if n == 5:
-                victim_id = session.spans[position].span.server_id
-                victim = next(s for s in local.servers if s.server_id == victim_id)
-                local.kill(victim, signal.SIGKILL)
-                victim.proc.wait(60)
-            nxt = logits[:, -1:].argmax(-1)
-            tokens.append(int(nxt))
-            logits = client.step_logits(session, nxt)
-        assert sum(r.failovers for r in session.steps) >= 1
-    assert tokens == want
-    for server in list(local.servers):  # restore: every block served twice again
-        if not server.alive:
-            local.servers.remove(server)
-            local.start_server(BlockRange(*server.ready["blocks"]))
+    try:
+        with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + 20) as session:
+            logits = client.step_logits(session, ids)
+            for n in range(20):
+                if n == 5:
+                    victim_id = session.spans[position].span.server_id
+                    victim = next(s for s in local.servers if s.server_id == victim_id)
+                    local.kill(victim, signal.SIGKILL)
+                    victim.proc.wait(60)
+                nxt = logits[:, -1:].argmax(-1)
+                tokens.append(int(nxt))
+                logits = client.step_logits(session, nxt)
+            assert sum(r.failovers for r in session.steps) >= 1
+        assert tokens == want
+    finally:  # restore (also after a failure, which would else fail the next positions): every block served twice
+        for server in list(local.servers):
+            if not server.alive:
+                local.servers.remove(server)
+                local.start_server(BlockRange(*server.ready["blocks"]))
 
 
 # ---- the protocol, by hand -------------------------------------------------------------------------------------

@@ -137,3 +137,72 @@ def test_a_servers_loading_record_announces_its_protocol():
                            dht_prefix="x", server_id="s1", announce=announced.append, address="127.0.0.1:1")
     assert blocks == BlockRange(0, 2)
     assert [(r.state, r.protocol) for r in announced] == [("loading", PROTOCOL_VERSION)]
+
+
+# ---- servers of other protocols cover nothing: for placement, push targets, a client waiting on loaders ----------
+def _others_on(start: int, end: int, state: str = "online") -> dict[str, ServerRecord]:
+    """A newer release's server and one that announces none (0), both on [start, end)."""
+    return {sid: ServerRecord(server_id=sid, address=f"127.0.0.1:{port}", start=start, end=end, state=state,
+                              decode_s=0.001, cache_bytes_total=256 << 20, protocol=protocol)
+            for sid, port, protocol in (("QmNewer", 1, OTHER), ("QmOlder", 2, 0))}
+
+
+def test_a_server_placing_itself_ignores_servers_of_other_protocols(tiny_bloom, monkeypatch):
+    """Clients refuse them, so the blocks only they serve are a gap: a joining server takes them (its swarm: only
+    those two, on [0, 2)), a moving one does not back off for their loaders, and it pushes to none of them."""
+    import asyncio
+
+    from swarmlm.config import ServerConfig
+    from swarmlm.server.placement import LoadingWatch, choose_blocks
+    from swarmlm.server.server import Server
+    from swarmlm.swarm import dht as dht_module
+
+    records = _others_on(0, 2)
+    monkeypatch.setattr(dht_module, "fetch_records", lambda *args, **kwargs: dict(records))
+    config = ServerConfig(model_dir=tiny_bloom, blocks=None, num_blocks=2, join_settle_s=0, announce_period_s=0.01)
+    announced = []
+    assert choose_blocks(config, dht=object(), dht_prefix="p", server_id="QmMe", announce=announced.append,
+                         address="127.0.0.1:3") == BlockRange(0, 2)  # as in an empty swarm: the first window
+    assert [(r.state, r.start, r.end) for r in announced] == [("loading", 0, 2)]
+
+    server = Server(config)
+    server.dht, server.dht_prefix = object(), "p"
+    records = _others_on(0, 2, state="loading")  # both "loading" the gap this server moves to, with smaller ids
+    me = ServerRecord(server_id="QmZ", address="127.0.0.1:3", start=0, end=2, state="loading",
+                      protocol=PROTOCOL_VERSION)
+    assert asyncio.run(server._rival_loader(me, LoadingWatch(300.0))) is None
+
+    class Everyone:  # (server/network.py's: reachable, direct)
+        def learn(self, records) -> None:
+            pass
+
+        def may_serve(self, record) -> bool:
+            return True
+
+    server.network = Everyone()
+    records = {**_others_on(0, 2), "QmOurs": ServerRecord(server_id="QmOurs", address="127.0.0.1:4", start=0, end=2,
+                                                          protocol=PROTOCOL_VERSION)}
+    assert asyncio.run(server._announced(1)) == {"127.0.0.1:4"}
+
+
+def test_a_client_waits_only_for_loaders_of_its_protocol(monkeypatch):
+    """Blocks missing while servers of other protocols announce them as loading: the client would refuse those
+    servers once loaded, so it does not wait for them (wait_for_loading_s); a loader of its own protocol it does."""
+    from swarmlm.client.remote import RemoteSequence
+    from swarmlm.config import ClientConfig
+    from swarmlm.swarm import dht as dht_module
+
+    records = _others_on(3, 6, state="loading")
+    monkeypatch.setattr(dht_module, "fetch_records", lambda *args, **kwargs: dict(records))
+    remote = RemoteSequence(ClientConfig(servers=("127.0.0.1:1",)), num_blocks=6, dht_prefix="p")
+    try:
+        remote.dht = object()  # (records from the DHT: the patched read)
+        remote.refresh()
+        assert remote._loading([3, 4, 5]) == []
+        records["QmOurs"] = ServerRecord(server_id="QmOurs", address="127.0.0.1:4", start=3, end=6, state="loading",
+                                         protocol=PROTOCOL_VERSION)
+        remote.refresh()
+        assert remote._loading([3, 4, 5]) == ["QmOurs"]
+    finally:
+        remote.dht = None  # (not a node to shut down)
+        remote.close()

@@ -288,6 +288,7 @@ def stuck_loader(swarm, server_args=(), wait_for_loading_s: float = 6.0) -> dict
     from swarmlm.swarm.identity import Identity
     from swarmlm.client.model import DistributedModelForCausalLM
     from swarmlm.swarm.records import LOADING, ServerRecord
+    from swarmlm.wire.protocol import PROTOCOL_VERSION
 
     blocks = int(load_config(swarm.model_dir).num_hidden_layers)
     swarm.start_server(BlockRange(0, blocks // 2), extra=list(server_args))
@@ -299,8 +300,9 @@ def stuck_loader(swarm, server_args=(), wait_for_loading_s: float = 6.0) -> dict
     logging.getLogger("swarmlm").addHandler(handler)
     client, error = None, ""
     try:
+        # (of our wire protocol: a client waits only for such loaders, as it routes only to such servers)
         record = ServerRecord(server_id=stranger.server_id, address="127.0.0.1:1", start=blocks // 2, end=blocks,
-                              state=LOADING)
+                              state=LOADING, protocol=PROTOCOL_VERSION)
         announce(node, default_dht_prefix(swarm.model_dir), record, 60,
                  subkey=owner_subkey(stranger.server_id, stranger.validator))
         client = DistributedModelForCausalLM.from_pretrained(

@@ -96,7 +96,7 @@ class FrameCall:
             await asyncio.get_running_loop().sock_sendall(self._sock, frames.frame(Kind.REQUEST,
                                                                                    request.SerializeToString()))
         except OSError as exc:
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"connection lost: {exc}") from None
+            raise self._lost(exc) from None
 
     async def read(self):
         """The next reply, or grpc.aio.EOF after the server's OK."""
@@ -134,7 +134,7 @@ class FrameCall:
         except TimeoutError:  # (an OSError too: not a lost connection)
             raise
         except OSError as exc:
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"connection lost: {exc}") from None
+            raise self._lost(exc) from None
 
     def read_blocking(self, timeout_s: float):
         """As `read`, in this thread; TimeoutError if no whole frame comes within `timeout_s`."""
@@ -191,6 +191,21 @@ class FrameCall:
     def _check_writable(self) -> None:
         if self._writing_done or self._closed:
             raise asyncio.InvalidStateError("the stream is closed for writing")
+
+    def _lost(self, exc: OSError) -> grpc.aio.AioRpcError:
+        """A write failed: the error of the server's STATUS if one came before it closed (a refusal: a full port, a
+        swarm key), else UNAVAILABLE. (Bytes already received stay readable after a reset.)"""
+        lost = rpc_error(grpc.StatusCode.UNAVAILABLE, f"connection lost: {exc}")
+        try:
+            while self._status is None and (data := self._sock.recv(RECV_BYTES)):
+                self._buf += data
+                while self._status is None and self._take() is not None:  # (replies nobody reads now: skipped)
+                    pass
+        except grpc.aio.AioRpcError as status:  # the server's STATUS, or its framing broken
+            return status
+        except OSError:  # (nothing more to read, or the reset itself)
+            pass
+        return lost
 
     def _received(self, data: bytes) -> None:
         if not data:  # the server closed the connection

@@ -16,7 +16,7 @@ from swarmlm.config import ClientConfig
 from swarmlm.errors import MissingBlocks, SwarmAccessDenied, block_ranges
 from swarmlm.swarm.identity import new_nonce, signed_address, verify_info
 from swarmlm.swarm.private import client_interceptors
-from swarmlm.swarm.records import LOADING, ONLINE, ServerRecord, record_from_info
+from swarmlm.swarm.records import LOADING, ONLINE, ServerRecord, of_our_protocol, record_from_info
 from swarmlm.types import Route, Span
 from swarmlm.wire.protocol import protocol_refusal
 
@@ -46,7 +46,8 @@ class RemoteSequence:
         self.weights_check: Callable[[int, int, str], str | None] | None = share.weights_check if share else None
         self.view = SwarmView(config)
         self.unreachable: dict[str, str] = {}  # --servers addresses that did not answer -> why (for the error)
-        self.loading: dict[str, ServerRecord] = {}  # servers announcing blocks they are loading (never routed to)
+        # servers of our wire protocol announcing blocks they are loading (never routed to; waited for)
+        self.loading: dict[str, ServerRecord] = {}
         # servers whose failure was logged once at WARNING (again: at DEBUG)
         self.reported: set[str] = share.reported if share else set()
         self.router = LiveRouter(self.view, num_blocks)
@@ -73,7 +74,7 @@ class RemoteSequence:
 
             records = fetch_records(self.dht, self.dht_prefix, range(self.num_blocks), swarm_key=self.config.swarm_key,
                                     joining=True)
-            self.loading = {sid: r for sid, r in records.items() if r.state == LOADING}
+            self.loading = of_our_protocol({sid: r for sid, r in records.items() if r.state == LOADING})
             records = self._through_relays(self._without_refused({sid: r for sid, r in records.items()
                                                                   if r.state == ONLINE}))
         else:

@@ -35,6 +35,9 @@ class FrameConnection(asyncio.Protocol):
         self._waiter: asyncio.Future | None = None  # next_frame's
         self._can_write: asyncio.Future | None = None  # set while the transport's write buffer is full
         self._stall: asyncio.TimerHandle | None = None  # a begun frame's deadline
+        self.peer_ended = False  # the peer's EOF came: nothing more will arrive
+        self._discard_bytes: int | None = None  # closing by `close_gently`: bytes it still discards (None: not)
+        self._linger: asyncio.TimerHandle | None = None  # close_gently's bound in time
 
     # ---- bytes in -------------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:
@@ -42,6 +45,11 @@ class FrameConnection(asyncio.Protocol):
         self.server.open(self)
 
     def data_received(self, data: bytes) -> None:
+        if self._discard_bytes is not None:
+            self._discard_bytes -= len(data)
+            if self._discard_bytes < 0:  # a peer that keeps sending after the last word: cut off
+                self.transport.abort()
+            return
         if self.done:
             return
         self.buf += data
@@ -59,11 +67,18 @@ class FrameConnection(asyncio.Protocol):
             self._stall = None
 
     def eof_received(self) -> bool:
+        self.peer_ended = True
+        if self._discard_bytes is not None:
+            return False  # closing gently: the peer is done too, the transport closes
         if not self.done:
             self._put(self._truncated() if self.buf else None)
         return True  # keep the transport open to write the STATUS
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
+        self.server.lingering.discard(self)
         if not self.done:
             self._put(self._truncated() if self.buf else None)
         if self._can_write is not None and not self._can_write.done():
@@ -122,6 +137,29 @@ class FrameConnection(asyncio.Protocol):
     def resume(self) -> None:
         if self.transport is not None and not self.done and not self.transport.is_closing():
             self.transport.resume_reading()
+
+    # ---- the end ------------------------------------------------------------------------------------------
+    def close_gently(self, linger_s: float, max_bytes: int) -> None:
+        """Close without resetting the peer: closing a TCP socket with unread input sends RST, and a peer whose
+        request crossed our last frame (a refusal's STATUS) would then fail its next send and lose what it had not
+        read yet. So our side ends (FIN) and the peer's bytes are read and discarded until its EOF, at most
+        `linger_s` and `max_bytes` (then the connection is cut: a hostile peer holds nothing for longer)."""
+        transport = self.transport
+        if transport.is_closing():
+            return
+        if self.peer_ended or not transport.can_write_eof():
+            transport.close()
+            return
+        self.done = True  # no more frames
+        self.buf.clear()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        self._discard_bytes = max_bytes
+        self.server.lingering.add(self)
+        self._linger = asyncio.get_running_loop().call_later(linger_s, transport.abort)
+        transport.write_eof()  # (after what is still buffered)
+        transport.resume_reading()
 
     # ---- bytes out ------------------------------------------------------------------------------------------
     def write(self, data: bytes) -> None:

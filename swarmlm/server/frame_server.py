@@ -28,6 +28,11 @@ from swarmlm.wire.frames import INFERENCE_METHOD, PUSH_METHOD, FrameError, Kind,
 
 log = logging.getLogger(__name__)
 
+# a closing connection reads (and discards) its peer's last bytes this long and this many at most (close_gently):
+# enough for a request that crossed a refusal (a bigger one is cut: its client still reads the STATUS)
+LINGER_S = 2.0
+LINGER_BYTES = 1 << 20
+
 
 class Aborted(Exception):
     """`context.abort` of a handler: the stream ends with this status."""
@@ -79,6 +84,10 @@ class FrameServer:
         # new connection finds the server full, so kept connections never keep anyone out
         self.idle: dict[FrameConnection, None] = {}
         self.refused = 0  # connections refused: framing, swarm key or too many
+        # connections closing gently (FrameConnection.close_gently): no longer counted as connections, each cut
+        # after LINGER_S; when as many linger as connections may be open, the next closes at once
+        self.lingering: set[FrameConnection] = set()
+        self.linger_s, self.linger_bytes = LINGER_S, LINGER_BYTES
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str) -> int:
@@ -92,6 +101,8 @@ class FrameServer:
         for task in list(self.connections):
             task.cancel()
         await asyncio.gather(*self.connections, return_exceptions=True)
+        for conn in list(self.lingering):
+            conn.transport.abort()
 
     def open(self, conn: FrameConnection) -> None:
         task = asyncio.ensure_future(self._connection(conn))
@@ -101,6 +112,7 @@ class FrameServer:
     async def _connection(self, conn: FrameConnection) -> None:
         """A HELLO, then what it asked for: pushes until the pusher closes, or a stream; a stream the client ended
         cleanly (END, answered by OK) leaves the connection open for the client's next HELLO (its next session)."""
+        gently = True  # unless the server is stopping
         try:
             if len(self.connections) > self.max_connections and not self._close_oldest_idle():
                 raise Aborted(grpc.StatusCode.RESOURCE_EXHAUSTED, f"more than {self.max_connections} connections")
@@ -114,12 +126,17 @@ class FrameServer:
             code, details = (exc.code, exc.details) if isinstance(exc, Aborted) else \
                 (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             await self._send_last(conn, frames.status(code, details))
-        except (ConnectionError, asyncio.CancelledError):
+        except ConnectionError:
             pass
+        except asyncio.CancelledError:
+            gently = False
         except Exception:  # a bug: this connection ends, the server goes on
             log.exception("framed connection failed")
         finally:
-            conn.transport.close()
+            if gently and len(self.lingering) < self.max_connections:
+                conn.close_gently(self.linger_s, self.linger_bytes)
+            else:
+                conn.transport.close()
 
     async def _hello(self, conn: FrameConnection, timeout_s: float) -> Purpose | None:
         """The purpose of the HELLO that comes within `timeout_s` (None: the connection ended cleanly first), once

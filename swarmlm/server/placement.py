@@ -29,7 +29,7 @@ from swarmlm.model.families import family_for
 from swarmlm.model.quant import keeps_file_blocks, loaded_bytes
 from swarmlm.perf.model import ComputeProfile, ModelSpec, ServerSpec
 from swarmlm.planner.placement import blocks_for_concurrency, choose_range, lexicographic_window, petals_num_blocks
-from swarmlm.swarm.records import JOINING, LOADING, ONLINE, ServerRecord
+from swarmlm.swarm.records import JOINING, LOADING, ONLINE, ServerRecord, of_our_protocol
 from swarmlm.types import BlockRange
 from swarmlm.wire.protocol import PROTOCOL_VERSION
 
@@ -228,8 +228,9 @@ def choose_blocks(config: ServerConfig, dht, dht_prefix: str, server_id: str = "
     if dht is None or announce is None:
         return choose_blocks_from(config, {}, model)
 
-    def fetch() -> dict[str, ServerRecord]:
-        return fetch_records(dht, dht_prefix, range(model.num_blocks), swarm_key=config.swarm_key, joining=True)
+    def fetch() -> dict[str, ServerRecord]:  # (servers of another wire protocol cover nothing: clients refuse them)
+        return of_our_protocol(fetch_records(dht, dht_prefix, range(model.num_blocks), swarm_key=config.swarm_key,
+                                             joining=True))
 
     blocks = settle(config, model, me, fetch, announce)
     log.info("chose blocks %s (%s)", blocks, config.placement)

@@ -28,7 +28,7 @@ from swarmlm.server.frame_server import FrameServer
 from swarmlm.server.inbound import add_to_server
 from swarmlm.server.stage import Stage
 from swarmlm.swarm.identity import Identity
-from swarmlm.swarm.records import LOADING, OFFLINE, ONLINE, ServerRecord, record_from_info
+from swarmlm.swarm.records import LOADING, OFFLINE, ONLINE, ServerRecord, of_our_protocol, record_from_info
 from swarmlm.types import BlockRange
 from swarmlm.wire.channel import server_options
 
@@ -101,11 +101,11 @@ class Server:
         return record_from_info(self.service.info(), self.address, state, relay)
 
     async def _announced(self, block: int) -> set[str]:
-        """Addresses of the servers announced in the DHT for `block`."""
+        """Addresses of the servers of our wire protocol announced in the DHT for `block`."""
         from swarmlm.swarm.dht import fetch_records
 
-        records = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: fetch_records(self.dht, self.dht_prefix, [block], swarm_key=self.config.swarm_key))
+        records = of_our_protocol(await asyncio.get_running_loop().run_in_executor(
+            None, lambda: fetch_records(self.dht, self.dht_prefix, [block], swarm_key=self.config.swarm_key)))
         self.network.learn(records.values())  # relayed ones: pushed to through their own relays (server/network.py)
         return {r.address for r in records.values() if r.start <= block < r.end and self.network.may_serve(r)}
 
@@ -238,8 +238,9 @@ class Server:
         while True:
             await asyncio.sleep(min(period, GAP_CHECK_S))
             try:
-                records = await loop.run_in_executor(None, lambda: fetch_records(  # joiners count: no move onto them
-                    self.dht, self.dht_prefix, range(model.num_blocks), swarm_key=self.config.swarm_key, joining=True))
+                # joiners count (no move onto them); servers of another wire protocol do not (clients refuse them)
+                records = of_our_protocol(await loop.run_in_executor(None, lambda: fetch_records(
+                    self.dht, self.dht_prefix, range(model.num_blocks), swarm_key=self.config.swarm_key, joining=True)))
                 records = watch.trusted(records, model.num_blocks, time.monotonic())
                 if time.monotonic() < next_check and not uncovered(records, model.num_blocks):
                     continue
@@ -295,13 +296,14 @@ class Server:
 
     async def _rival_loader(self, me: ServerRecord, watch) -> ServerRecord | None:
         """After one announce period (records of servers that chose in the same check have landed): a server of a
-        smaller id loading the same blocks (placement.first_loader), not one stuck past max_loading_s."""
+        smaller id loading the same blocks (placement.first_loader), not one stuck past max_loading_s nor one of
+        another wire protocol."""
         from swarmlm.server.placement import first_loader
         from swarmlm.swarm.dht import fetch_records
 
         await asyncio.sleep(self.config.announce_period_s)
-        records = await asyncio.get_running_loop().run_in_executor(None, lambda: fetch_records(
-            self.dht, self.dht_prefix, range(me.start, me.end), swarm_key=self.config.swarm_key, joining=True))
+        records = of_our_protocol(await asyncio.get_running_loop().run_in_executor(None, lambda: fetch_records(
+            self.dht, self.dht_prefix, range(me.start, me.end), swarm_key=self.config.swarm_key, joining=True)))
         return first_loader(me, watch.without_stale(records, time.monotonic()))
 
     async def _swap_blocks(self, blocks: BlockRange) -> tuple[Stage, BlockRange]:

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from swarmlm.config import ANNOUNCED_QUANTS, MAX_RECORD_TTL_S  # noqa: F401 (read from here by dht.py and tests)
-from swarmlm.wire.protocol import MAX_PROTOCOL
+from swarmlm.wire.protocol import MAX_PROTOCOL, protocol_refusal
 
 # online: serving; offline: withdrawn. Before it serves, a server announces its range as joining (still choosing its
 # blocks), then loading (chosen; at once with --blocks): never routed to, but servers placing themselves count it, so
@@ -126,6 +126,13 @@ class ServerRecord:
 
 
 _P2P_ADDRESS = re.compile(r"^p2p/[1-9A-HJ-NP-Za-km-z]{40,60}$")  # a server behind NAT: its libp2p peer id
+
+
+def of_our_protocol(records: dict[str, ServerRecord]) -> dict[str, ServerRecord]:
+    """The servers that speak this release's wire protocol (wire/protocol.py protocol_refusal): clients route to no
+    other, so no other covers a block, for a server placing itself, for a client waiting on loaders, as a push
+    target."""
+    return {sid: r for sid, r in records.items() if protocol_refusal(r.protocol) is None}
 
 
 def record_from_info(info, address: str, state: str = ONLINE, relay: str = "") -> ServerRecord:
