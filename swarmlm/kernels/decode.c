@@ -12,7 +12,11 @@
  * Rows are independent sequences (one session's rows, or several sessions' batched): row r has its own cache
  * buffers (keys of block l, kv head h at kbase[r] + l * layer_stride[r] + h * cap[r] * head_dim), its own committed
  * length len[r] (the new token goes to position len[r]) and its own 0/1 mask over positions 0..len[r] (0 = padding:
- * never attended, as transformers gives it exactly zero weight; the new token's own entry is 1: the caller checks). */
+ * never attended, as transformers gives it exactly zero weight; the new token's own entry is 1: the caller checks).
+ *
+ * The caches hold float32 or float16 (D->kv_half; server/kv_cache.py): a new key and value are rounded to float16
+ * (to nearest even, as torch's .half()) when written, and every cached one is widened once as attention loads it
+ * (F16C's vcvtph2ps), so the attention reads half the bytes; everything it computes stays float32. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -42,6 +46,7 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
     float eps, scale;  /* RMSNorm epsilon; attention's score scale (head_dim ** -0.5) */
     int64_t min_weights;  /* products at least this large are split between threads */
+    int64_t kv_half;  /* 1: the caches hold float16 (_Float16), 0: float32 */
 } span_dims;
 
 /* again: x is the previous product's input, unchanged (k and v after q, up after gate): its preparation is shared */
@@ -145,8 +150,14 @@ static inline __attribute__((always_inline)) __m512 lane_sums16(const __m512 v[1
  * C accumulators each waiting for its previous multiply-add (4 cycles here, AMD Zen 5) at every position; with the
  * group's heads together it is G x C independent ones. Each head's sums are added in the same order as one head at a
  * time (the same bits). scores: G rows of `stride` floats. */
-static inline __attribute__((always_inline)) void attend_heads(const int C, const int G, const float *q, const float *K,
-                                                               const float *V, int64_t first, int64_t n_pos,
+/* 16 cached floats at element i of a key or value buffer: float32 as they are, float16 widened (HALF: float16) */
+static inline __attribute__((always_inline)) __m512 load_kv(const int HALF, const void *p, int64_t i) {
+    return HALF ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+                : _mm512_loadu_ps((const float *)p + i);
+}
+
+static inline __attribute__((always_inline)) void attend_heads(const int HALF, const int C, const int G, const float *q,
+                                                               const void *K, const void *V, int64_t first, int64_t n_pos,
                                                                const int64_t *mask, float scale, float *scores,
                                                                int64_t stride, float *o) {
     for (int g = 0; g < G; g++) {
@@ -160,7 +171,7 @@ static inline __attribute__((always_inline)) void attend_heads(const int C, cons
                 dots[j] = _mm512_setzero_ps();
                 if (j < m)
                     for (int c = 0; c < C; c++)
-                        dots[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(K + (t0 + j) * 16 * C + 16 * c), dots[j]);
+                        dots[j] = _mm512_fmadd_ps(qv[c], load_kv(HALF, K, (t0 + j) * 16 * C + 16 * c), dots[j]);
             }
             _mm512_mask_storeu_ps(sc + t0, (__mmask16)((1u << m) - 1),
                                   _mm512_mul_ps(lane_sums16(dots), _mm512_set1_ps(scale)));
@@ -173,7 +184,7 @@ static inline __attribute__((always_inline)) void attend_heads(const int C, cons
     for (int64_t t = first; t < n_pos; t++) {
         if (!mask[t]) continue;  /* a padding position's value is never read (it may be anything) */
         __m512 v[8];
-        for (int c = 0; c < C; c++) v[c] = _mm512_loadu_ps(V + t * 16 * C + 16 * c);
+        for (int c = 0; c < C; c++) v[c] = load_kv(HALF, V, t * 16 * C + 16 * c);
         for (int g = 0; g < G; g++) {
             const __m512 p = _mm512_set1_ps(scores[g * stride + t]);
             for (int c = 0; c < C; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
@@ -185,10 +196,13 @@ static inline __attribute__((always_inline)) void attend_heads(const int C, cons
 
 #define ATTEND_GROUP 4  /* query heads taken together at most (16 accumulators at 64 dimensions; 8 vectors: 2) */
 
-/* heads [h, h + G) of one kv head, d = 16 C */
-static void attend_group(int64_t d, int64_t G, const float *q, const float *K, const float *V, int64_t first,
+/* heads [h, h + G) of one kv head, d = 16 C; K, V: float16 (half) or float32 */
+static void attend_group(int half, int64_t d, int64_t G, const float *q, const void *K, const void *V, int64_t first,
                          int64_t n_pos, const int64_t *mask, float scale, float *scores, int64_t stride, float *o) {
-#define HEADS(C, G_) attend_heads(C, G_, q, K, V, first, n_pos, mask, scale, scores, stride, o); return
+#define HEADS(C, G_)                                                                                \
+    if (half) attend_heads(1, C, G_, q, K, V, first, n_pos, mask, scale, scores, stride, o);       \
+    else attend_heads(0, C, G_, q, K, V, first, n_pos, mask, scale, scores, stride, o);           \
+    return
 #define GROUPS(C) switch (G) { case 1: HEADS(C, 1); case 2: HEADS(C, 2); case 3: HEADS(C, 3); default: HEADS(C, 4); }
     switch (d) {
         case 16: GROUPS(1);
@@ -201,9 +215,16 @@ static void attend_group(int64_t d, int64_t G, const float *q, const float *K, c
 }
 #endif
 
-/* one row's attention for every head: out [heads * d] */
-static void attend(const span_dims *D, const float *q, const float *keys, const float *values, int64_t cap,
+/* element i of a cache buffer, float32 or float16 */
+static inline float kv_at(int half, const void *p, int64_t i) {
+    return half ? (float)((const _Float16 *)p)[i] : ((const float *)p)[i];
+}
+
+/* one row's attention for every head: out [heads * d]; keys, values: the row's buffers of this block (D->kv_half) */
+static void attend(const span_dims *D, const float *q, const void *keys, const void *values, int64_t cap,
                    int64_t n_pos, int64_t window, const int64_t *mask, float *scores, float *out) {
+    const int half = D->kv_half != 0;
+    const int64_t es = half ? 2 : 4;  /* bytes per cached element */
     const int64_t d = D->head_dim, group = D->heads / D->kv_heads;
     const int64_t first = window && n_pos > window ? n_pos - window : 0;
 #if defined(__AVX512F__)
@@ -211,25 +232,36 @@ static void attend(const span_dims *D, const float *q, const float *keys, const 
         const int64_t most = d == 128 ? 2 : ATTEND_GROUP;
         for (int64_t h = 0; h < D->heads;) {
             const int64_t kv = h / group, end = (kv + 1) * group, G = end - h < most ? end - h : most;
-            attend_group(d, G, q + h * d, keys + kv * cap * d, values + kv * cap * d, first, n_pos, mask, D->scale,
-                         scores, n_pos, out + h * d);
+            attend_group(half, d, G, q + h * d, (const char *)keys + kv * cap * d * es,
+                         (const char *)values + kv * cap * d * es, first, n_pos, mask, D->scale, scores, n_pos,
+                         out + h * d);
             h += G;
         }
         return;
     }
 #endif
     for (int64_t h = 0; h < D->heads; h++) {
-        const float *K = keys + (h / group) * cap * d, *V = values + (h / group) * cap * d, *qh = q + h * d;
+        const void *K = (const char *)keys + (h / group) * cap * d * es, *V = (const char *)values + (h / group) * cap * d * es;
+        const float *qh = q + h * d;
         float *o = out + h * d;
-        for (int64_t t = first; t < n_pos; t++)
-            if (mask[t]) scores[t] = dot(qh, K + t * d, d) * D->scale;
+        for (int64_t t = first; t < n_pos; t++) {
+            if (!mask[t]) continue;
+            if (!half) {
+                scores[t] = dot(qh, (const float *)K + t * d, d) * D->scale;
+                continue;
+            }
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t i = 0; i < d; i++) s += qh[i] * kv_at(1, K, t * d + i);
+            scores[t] = s * D->scale;
+        }
         softmax_weights(scores, mask, first, n_pos);
         memset(o, 0, sizeof(float) * d);
         for (int64_t t = first; t < n_pos; t++) {
             if (!mask[t]) continue;
-            const float p = scores[t], *v = V + t * d;
+            const float p = scores[t];
 #pragma omp simd
-            for (int64_t i = 0; i < d; i++) o[i] += p * v[i];
+            for (int64_t i = 0; i < d; i++) o[i] += p * kv_at(half, V, t * d + i);
         }
     }
 }
@@ -242,9 +274,10 @@ static void attend(const span_dims *D, const float *q, const float *keys, const 
 
 /* x [rows, hidden] in place through n_blocks blocks; 0 on success, -1 if a product was refused, -2 out of memory */
 int decode_span(const span_dims *D, const span_block *blocks, int64_t n_blocks, float *x, int64_t rows,
-                float *const *kbase, float *const *vbase, const int64_t *layer_stride, const int64_t *cap,
+                void *const *kbase, void *const *vbase, const int64_t *layer_stride, const int64_t *cap,
                 const int64_t *len, const int64_t *const *mask, const float *cos, const float *sin) {
     const int64_t H = D->hidden, d = D->head_dim, qn = D->heads * d, kvn = D->kv_heads * d, I = D->inter;
+    const int64_t es = D->kv_half ? 2 : 4;  /* bytes per cached element */
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; r++) longest = len[r] + 1 > longest ? len[r] + 1 : longest;
     /* every buffer starts on a 64-byte line: the products' vector loads of a misaligned row span two lines (malloc's
@@ -277,10 +310,22 @@ int decode_span(const span_dims *D, const span_block *blocks, int64_t n_blocks, 
                     rms_norm(k + r * kvn + h * d, B->k_norm, d, D->eps, k + r * kvn + h * d);
             rope(q + r * qn, D->heads, d, cos + r * d, sin + r * d);
             rope(k + r * kvn, D->kv_heads, d, cos + r * d, sin + r * d);
-            float *K = kbase[r] + l * layer_stride[r], *V = vbase[r] + l * layer_stride[r];
+            /* layer_stride, cap, len: in elements of the cache's type */
+            void *K = (char *)kbase[r] + l * layer_stride[r] * es, *V = (char *)vbase[r] + l * layer_stride[r] * es;
             for (int64_t h = 0; h < D->kv_heads; h++) {  /* the new token's key and value at position len[r] */
-                memcpy(K + (h * cap[r] + len[r]) * d, k + r * kvn + h * d, sizeof(float) * d);
-                memcpy(V + (h * cap[r] + len[r]) * d, v + r * kvn + h * d, sizeof(float) * d);
+                const int64_t at = (h * cap[r] + len[r]) * d;
+                const float *kh = k + r * kvn + h * d, *vh = v + r * kvn + h * d;
+                if (D->kv_half) {
+                    _Float16 *Kh = (_Float16 *)K + at, *Vh = (_Float16 *)V + at;
+#pragma omp simd
+                    for (int64_t i = 0; i < d; i++) {
+                        Kh[i] = (_Float16)kh[i];
+                        Vh[i] = (_Float16)vh[i];
+                    }
+                } else {
+                    memcpy((float *)K + at, kh, sizeof(float) * d);
+                    memcpy((float *)V + at, vh, sizeof(float) * d);
+                }
             }
             attend(D, q + r * qn, K, V, cap[r], len[r] + 1, B->window, mask[r], scores, att + r * qn);
         }

@@ -1,0 +1,40 @@
+"""What a server's attention caches hold, and what one cached token costs: the one place that decides both.
+
+`--kv-dtype` (ServerConfig.kv_dtype, config.KV_DTYPE_NAMES): "float32", "float16" or "auto". A float16 cache holds
+half the bytes per token (twice the context or sessions in the same --cache-mb) and halves what attention reads per
+decode step, which at long contexts is a step's larger read (SmolLM2: past ~1500 positions its float32 K/V outweigh
+its packed weights). Keys and values are rounded to float16 when written; attention computes in float32 from them
+(kernels/decode.c widens each as it loads it; server/kv_cache.py widens what the transformers path reads).
+
+"auto" = float32 on every server for now: the blocks' compute dtype (bfloat16 blocks keep a bfloat16 cache, as
+before); the measurements behind it are docs/RESULTS-packed.md "Round 13".
+
+A session's reservation (server/sessions.py via Stage.cache_bytes), the prefix cache's entries (their tensors' own
+bytes) and the announced `session_bytes_per_block_token` (the router's admission estimate) all follow from
+`cache_dtype` and `bytes_per_token` here.
+"""
+from __future__ import annotations
+
+import torch
+
+from swarmlm.config import KV_DTYPE_NAMES
+
+NAMED = {"float32": torch.float32, "float16": torch.float16}
+
+
+def cache_dtype(kv_dtype: str, compute: torch.dtype) -> torch.dtype:
+    """The dtype a server's attention caches hold, given --kv-dtype and the dtype its blocks compute in."""
+    if kv_dtype not in KV_DTYPE_NAMES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPE_NAMES)}, got {kv_dtype!r}")
+    if kv_dtype == "auto":
+        return compute
+    if compute != torch.float32:
+        # a narrower cache than float32 blocks only: bfloat16 blocks already keep a 2-byte cache of their own dtype
+        raise ValueError(f"kv_dtype {kv_dtype!r} needs float32 blocks (dtype float32); these compute in "
+                         f"{str(compute).removeprefix('torch.')}: use kv_dtype auto")
+    return NAMED[kv_dtype]
+
+
+def bytes_per_token(kv_dim: int, dtype: torch.dtype) -> int:
+    """Cache bytes of one token of one sequence in one block: its key and its value."""
+    return 2 * kv_dim * dtype.itemsize
