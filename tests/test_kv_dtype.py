@@ -41,23 +41,28 @@ def run_all(stages, steps, max_length: int = 64) -> list[list[torch.Tensor]]:
     return outs
 
 
-def kernel_and_transformers(model: str, blocks: BlockRange, quant: str) -> tuple[Stage, Stage, Stage]:
-    """float16 caches through the one-call decoder, float16 through transformers, float32 through the decoder."""
+def kernel_and_transformers(model: str, blocks: BlockRange, quant: str, wide_plain: bool = False) -> tuple:
+    """float16 caches through the one-call decoder, float16 through transformers, float32 through the decoder (and,
+    with wide_plain, float32 through transformers)."""
     fast, plain = (Stage(model, blocks, quant=quant, kv_dtype="float16") for _ in range(2))
     plain._span_decoder = lambda local: None
-    return fast, plain, Stage(model, blocks, quant=quant, kv_dtype="float32")
+    wide = [Stage(model, blocks, quant=quant, kv_dtype="float32") for _ in range(2 if wide_plain else 1)]
+    if wide_plain:
+        wide[1]._span_decoder = lambda local: None
+    return fast, plain, *wide
 
 
 @pytest.mark.parametrize("name", DECODED)
 def test_float16_caches_decode_in_one_call_as_transformers_and_near_float32(checkpoints, name, monkeypatch):
-    fast, plain, wide = kernel_and_transformers(checkpoints[name], BlockRange(0, 4), quant="int8")
+    stages = kernel_and_transformers(checkpoints[name], BlockRange(0, 4), quant="int8", wide_plain=True)
     calls = []
     step = SpanDecoder.step
     monkeypatch.setattr(SpanDecoder, "step", lambda self, *a: calls.append(self.kv_dtype) or step(self, *a))
-    got, want, f32 = run_all((fast, plain, wide), scenario(fast.hidden_size))
+    got, want, f32, f32_plain = run_all(stages, scenario(stages[0].hidden_size))
     assert calls.count(torch.float16) == 15 and calls.count(torch.float32) == 15  # both decoders ran every decode
-    for g, w, f in zip(got, want, f32):
+    for g, w, f, fp in zip(got, want, f32, f32_plain):
         assert rel_l2(g, w) < 1e-5  # the kernel and transformers read the same float16 bits
+        assert rel_l2(f, fp) < 1e-5  # and the same float32 ones
         assert rel_l2(g, f) < F16_STEP
     assert max(rel_l2(g, f) for g, f in zip(got, f32)) > 0  # the cache did hold float16
 
@@ -152,8 +157,20 @@ def test_a_bad_kv_dtype_is_one_clear_error():
     with pytest.raises(ValueError, match="kv_dtype must be one of auto, float32, float16, got 'int8'"):
         ServerConfig(model_dir="m", blocks=None, kv_dtype="int8")
     with pytest.raises(ValueError, match="kv_dtype 'float16' needs float32 blocks"):
-        cache_dtype("float16", torch.bfloat16)
-    assert cache_dtype("auto", torch.bfloat16) == torch.bfloat16 and cache_dtype("float16", torch.float32) == torch.float16
+        cache_dtype("float16", torch.bfloat16, packed=False)
+
+
+def test_packed_servers_keep_float16_caches_unless_told(checkpoints, tmp_path):
+    """auto: float16 beside packed float32 blocks (a GGUF's own, --quant int8), float32 where they are dequantized
+    (--quant none: the exactness path) or a float checkpoint's; bfloat16 blocks keep their own dtype."""
+    gguf = str(write_tiny_gguf(checkpoints["tiny-llama"], tmp_path / "tiny.gguf", matrix_type="Q4_0"))
+    blocks = BlockRange(0, 2)
+    assert Stage(gguf, blocks).kv_dtype == torch.float16
+    assert Stage(gguf, blocks, kv_dtype="float32").kv_dtype == torch.float32
+    assert Stage(gguf, blocks, quant="none").kv_dtype == torch.float32
+    assert Stage(checkpoints["tiny-llama"], blocks, quant="int8").kv_dtype == torch.float16
+    assert Stage(checkpoints["tiny-llama"], blocks).kv_dtype == torch.float32
+    assert cache_dtype("auto", torch.bfloat16, packed=True) == torch.bfloat16
 
 
 def test_the_server_command_takes_the_flag(checkpoints):
