@@ -106,8 +106,64 @@ static float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+#if defined(__AVX512F__)
+/* exp_approx of 16 floats: the same steps in vector form (gcc left the scalar loop below unvectorized: the exponent
+ * loop ran one position at a time, ~40 % of attention's time at 1024 positions, round 13) */
+static inline __m512 exp_approx16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* positions t0..t0 + 15 (of at most `m`) that the 0/1 int64 mask lets through */
+static inline __mmask16 mask16(const int64_t *mask, int64_t t0, int64_t m) {
+    const __mmask16 in = (__mmask16)(m >= 16 ? 0xffff : (1u << m) - 1);
+    const __mmask8 lo = _mm512_mask_test_epi64_mask((__mmask8)in, _mm512_maskz_loadu_epi64((__mmask8)in, mask + t0),
+                                                    _mm512_set1_epi64(-1));
+    const __mmask8 hi = _mm512_mask_test_epi64_mask((__mmask8)(in >> 8),
+                                                    _mm512_maskz_loadu_epi64((__mmask8)(in >> 8), mask + t0 + 8),
+                                                    _mm512_set1_epi64(-1));
+    return (__mmask16)(lo | (hi << 8));
+}
+#endif
+
 /* one head's scores over positions [first, n_pos) -> their softmax weights in place (masked positions 0) */
 static void softmax_weights(float *scores, const int64_t *mask, int64_t first, int64_t n_pos) {
+#if defined(__AVX512F__)
+    /* 16 positions at a time; a masked position's score may be anything (its key is never written): never used */
+    __m512 top16 = _mm512_set1_ps(-INFINITY);
+    for (int64_t t0 = first; t0 < n_pos; t0 += 16) {
+        const __mmask16 k = mask16(mask, t0, n_pos - t0);
+        top16 = _mm512_mask_max_ps(top16, k, top16, _mm512_maskz_loadu_ps(k, scores + t0));
+    }
+    const __m512 top_v = _mm512_set1_ps(_mm512_reduce_max_ps(top16));
+    __m512 total16 = _mm512_setzero_ps();
+    for (int64_t t0 = first; t0 < n_pos; t0 += 16) {
+        const int64_t m = n_pos - t0;
+        const __mmask16 in = (__mmask16)(m >= 16 ? 0xffff : (1u << m) - 1), k = mask16(mask, t0, m);
+        const __m512 e = _mm512_maskz_mov_ps(k, exp_approx16(_mm512_maskz_sub_ps(k, _mm512_maskz_loadu_ps(k, scores + t0),
+                                                                                  top_v)));
+        _mm512_mask_storeu_ps(scores + t0, in, e);
+        total16 = _mm512_add_ps(total16, e);
+    }
+    const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(total16));
+    for (int64_t t0 = first; t0 < n_pos; t0 += 16) {
+        const int64_t m = n_pos - t0;
+        const __mmask16 in = (__mmask16)(m >= 16 ? 0xffff : (1u << m) - 1);
+        _mm512_mask_storeu_ps(scores + t0, in, _mm512_div_ps(_mm512_maskz_loadu_ps(in, scores + t0), total));
+    }
+#else
     float top = -INFINITY;
 #pragma omp simd reduction(max : top)
     for (int64_t t = first; t < n_pos; t++) {
@@ -125,6 +181,7 @@ static void softmax_weights(float *scores, const int64_t *mask, int64_t first, i
     }
 #pragma omp simd
     for (int64_t t = first; t < n_pos; t++) scores[t] = scores[t] / total;
+#endif
 }
 
 #if defined(__AVX512F__)
