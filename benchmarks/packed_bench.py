@@ -7,6 +7,7 @@ llama.cpp on the same file.
     python benchmarks/packed_bench.py memory [--model FILE.gguf]      # a server's RSS per block held
     python benchmarks/packed_bench.py session-memory --tokens 2048 --kv-dtypes float32,float16  # RSS of a session
     python benchmarks/packed_bench.py prefill --length 1024 --kv-dtypes float32,float16  # prompt steps, in process
+    python benchmarks/packed_bench.py kv-step --depths 128,1024,2048   # a decode step per --kv-dtype, in process
     python benchmarks/packed_bench.py batching --sessions 8            # N generations at once vs one by one
     python benchmarks/packed_bench.py span [--model FILE.gguf]         # a server's step: one kernel call vs transformers
     python benchmarks/packed_bench.py amx --rows 1,5,8,16             # a step's products, AMX tiles vs act16
@@ -312,6 +313,42 @@ def prefill(args) -> None:
         print(f"| {kv} | {statistics.median(t) * 1e3:.0f} | {args.length / statistics.median(t):.0f} |")
 
 
+def kv_step(args) -> None:
+    """A server's decode step (the one-call decoder over every block), in process, per --kv-dtype, after a prompt of
+    each --depths length: steps alternated between the dtypes (float32, float16, float16, float32, ...) over caches
+    of equal length, thread CPU per step, medians."""
+    from swarmlm.model.catalog import DEFAULT_MODEL, fetch
+    from swarmlm.model.checkpoint import load_config
+    from swarmlm.server.stage import Stage
+    from swarmlm.types import BlockRange
+
+    torch.set_num_threads(1)
+    model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
+    blocks = BlockRange(0, int(load_config(model).num_hidden_layers))
+    stages = {kv: Stage(model, blocks, kv_dtype=kv) for kv in ("float32", "float16")}
+    h = stages["float32"].hidden_size
+    print(f"{model}: one decode step of {blocks.length} blocks after N positions, 1 thread, {args.steps} steps per "
+          f"dtype alternated, thread CPU, medians; {machine_line()}\n")
+    print("| positions | float32 K/V (ms) | float16 K/V (ms) | float32 / float16 |")
+    print("|---|---|---|---|")
+    for depth in [int(d) for d in args.depths.split(",")]:
+        prompt = torch.randn(1, depth, h, generator=torch.Generator().manual_seed(0))
+        states = {}
+        for kv, stage in stages.items():
+            states[kv] = stage.new_state(blocks, 1, depth + args.steps + 1)
+            stage.step(states[kv], prompt, torch.ones(1, depth))
+        times = {kv: [] for kv in stages}
+        order = list(stages)
+        for i in range(args.steps):
+            x = torch.randn(1, 1, h)
+            for kv in (order if i % 2 == 0 else order[::-1]):
+                t0 = time.thread_time()
+                stages[kv].step(states[kv], x, torch.ones(1, 1))
+                times[kv].append(time.thread_time() - t0)
+        f32, f16 = (statistics.median(times[kv]) * 1e3 for kv in ("float32", "float16"))
+        print(f"| {depth} | {f32:.2f} | {f16:.2f} | {f32 / f16:.2f}x |", flush=True)
+
+
 # ---- span -------------------------------------------------------------------------------------------------------
 def span(args) -> None:
     """One server's decode step over all blocks, in process: the one-call decoder (model/decode_span.py) against
@@ -479,6 +516,10 @@ def main() -> None:
     sm.add_argument("--model", default="smollm2-135m-instruct")
     sm.add_argument("--tokens", type=int, default=2048)
     sm.add_argument("--kv-dtypes", default="float32,float16")
+    ks = sub.add_parser("kv-step")
+    ks.add_argument("--model", default="smollm2-135m-instruct")
+    ks.add_argument("--depths", default="128,1024,2048")
+    ks.add_argument("--steps", type=int, default=60)
     pf = sub.add_parser("prefill")
     pf.add_argument("--model", default="smollm2-135m-instruct")
     pf.add_argument("--length", type=int, default=1024)
@@ -496,7 +537,7 @@ def main() -> None:
     a.add_argument("--rounds", type=int, default=9)
     args = p.parse_args()
     {"kernels": kernels, "decode": decode, "memory": memory, "batching": batching, "span": span,
-     "amx": amx, "session-memory": session_memory, "prefill": prefill}[args.what](args)
+     "amx": amx, "session-memory": session_memory, "prefill": prefill, "kv-step": kv_step}[args.what](args)
 
 
 if __name__ == "__main__":
