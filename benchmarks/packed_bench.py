@@ -276,7 +276,7 @@ def session_memory(args) -> None:
                 time.sleep(1)
                 holding = proc.memory_info().rss
             client.close()
-        reserved = blocks * (args.tokens + 8) * bytes_per_token(kv_dim, cache_dtype(kv, torch.float32, packed=True))
+        reserved = blocks * (args.tokens + 8) * bytes_per_token(kv_dim, cache_dtype(kv, torch.float32))
         print(f"| {kv} | {ready / 2**20:.0f} | {holding / 2**20:.0f} | {(holding - ready) / 2**20:.0f} MiB | "
               f"{reserved / 2**20:.0f} |", flush=True)
 

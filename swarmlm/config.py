@@ -13,7 +13,7 @@ QUANT_NAMES = ("auto", "none", "int8", "int4")
 # what a server announces: whether its weights compute other values than the checkpoint's (a GGUF kept in its own
 # blocks computes the file's values: "none")
 ANNOUNCED_QUANTS = ("none", "int8", "int4")
-# what a server's attention caches hold (swarmlm/server/kv_dtype.py): "auto" = its choice by measurement, "float32",
+# what a server's attention caches hold (swarmlm/server/kv_dtype.py): "auto" = the blocks' compute dtype, "float32",
 # or "float16" (half the bytes per cached token; K/V rounded to float16 when written, attention computed in float32)
 KV_DTYPE_NAMES = ("auto", "float32", "float16")
 # A DHT record lives at most this long after its writer's last store (swarm/records.py): servers' record_ttl_s must

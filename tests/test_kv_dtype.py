@@ -157,20 +157,17 @@ def test_a_bad_kv_dtype_is_one_clear_error():
     with pytest.raises(ValueError, match="kv_dtype must be one of auto, float32, float16, got 'int8'"):
         ServerConfig(model_dir="m", blocks=None, kv_dtype="int8")
     with pytest.raises(ValueError, match="kv_dtype 'float16' needs float32 blocks"):
-        cache_dtype("float16", torch.bfloat16, packed=False)
+        cache_dtype("float16", torch.bfloat16)
 
 
-def test_packed_servers_keep_float16_caches_unless_told(checkpoints, tmp_path):
-    """auto: float16 beside packed float32 blocks (a GGUF's own, --quant int8), float32 where they are dequantized
-    (--quant none: the exactness path) or a float checkpoint's; bfloat16 blocks keep their own dtype."""
+def test_caches_keep_the_blocks_dtype_unless_told(checkpoints, tmp_path):
+    """auto: the blocks' compute dtype, packed or not (float16 is opt-in: RESULTS-packed round 13)."""
     gguf = str(write_tiny_gguf(checkpoints["tiny-llama"], tmp_path / "tiny.gguf", matrix_type="Q4_0"))
     blocks = BlockRange(0, 2)
-    assert Stage(gguf, blocks).kv_dtype == torch.float16
-    assert Stage(gguf, blocks, kv_dtype="float32").kv_dtype == torch.float32
-    assert Stage(gguf, blocks, quant="none").kv_dtype == torch.float32
-    assert Stage(checkpoints["tiny-llama"], blocks, quant="int8").kv_dtype == torch.float16
-    assert Stage(checkpoints["tiny-llama"], blocks).kv_dtype == torch.float32
-    assert cache_dtype("auto", torch.bfloat16, packed=True) == torch.bfloat16
+    assert Stage(gguf, blocks).kv_dtype == torch.float32
+    assert Stage(gguf, blocks, kv_dtype="float16").kv_dtype == torch.float16
+    assert Stage(checkpoints["tiny-llama"], blocks, quant="int8").kv_dtype == torch.float32
+    assert cache_dtype("auto", torch.bfloat16) == torch.bfloat16 and cache_dtype("float16", torch.float32) == torch.float16
 
 
 def test_the_server_command_takes_the_flag(checkpoints):

@@ -171,8 +171,8 @@ static void softmax_weights(float *scores, const int64_t *mask, int64_t first, i
         top = s > top ? s : top;
     }
     float total = 0.0f;
-    /* no branch in the loop, so that it vectorizes (with `mask[t] ? exp_approx(...) : 0` it ran one position at a
-     * time); a masked position's score may be anything (its key is never written), so its exponent is taken of 0 */
+    /* no branch in the loop, meant to let it vectorize (gcc 12 still runs it one position at a time: hence the AVX-512
+     * version above); a masked position's score may be anything (its key is never written): its exponent is of 0 */
 #pragma omp simd reduction(+ : total)
     for (int64_t t = first; t < n_pos; t++) {
         const float e = exp_approx(mask[t] ? scores[t] - top : 0.0f);

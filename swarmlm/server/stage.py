@@ -107,8 +107,7 @@ class Stage:
             model_dir, blocks.start, blocks.end, self.dtype, self.quant, mmap)
         self.weight_bytes = weight_bytes(self.modules)  # what the blocks hold in memory (announced)
         self.packed_types = packed_types(self.modules)  # e.g. "Q4_1,Q8_0": the kernels its speed is measured with
-        # what the sessions' caches hold: float16 beside packed float32 blocks unless told (server/kv_dtype.py)
-        self.kv_dtype = cache_dtype(kv_dtype, self.dtype, bool(self.packed_types))
+        self.kv_dtype = cache_dtype(kv_dtype, self.dtype)  # what the sessions' caches hold (server/kv_dtype.py)
         self.hidden_size = int(self.config.hidden_size)
         self.lora_adapters: dict[str, tuple[LoraDelta, ...]] = {}  # name -> its LoRA on these blocks
         self._decoders: dict[tuple[int, int], SpanDecoder | None] = {}  # local block slice -> its one-call decoder
