@@ -8,6 +8,7 @@ chooses greedily (teacher forced: both score the same positions). Per prompt: re
 ||packed - float32|| / ||float32|| over every position, and how many positions keep the reference's argmax.
 
     python benchmarks/decode_accuracy.py --prompts 32 --steps 31    # SmolLM2-135M-Instruct's Q4_1 file (catalog)
+    python benchmarks/decode_accuracy.py --kv-dtypes float32,float16  # packed servers' caches in each (--kv-dtype)
 """
 from __future__ import annotations
 
@@ -45,26 +46,33 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a GGUF file (default: the catalog's default model)")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--steps", type=int, default=31, help="decode steps after each prompt")
+    parser.add_argument("--kv-dtypes", default="float32",
+                        help="the packed stage's attention caches, one row each (the reference's stay float32)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = args.model or fetch(DEFAULT_MODEL)
     blocks = BlockRange(0, load_config(model).num_hidden_layers)
-    reference, packed = Stage(model, blocks, quant="none"), Stage(model, blocks, quant="auto")
+    reference = Stage(model, blocks, quant="none", kv_dtype="float32")
+    packed = {kv: Stage(model, blocks, quant="auto", kv_dtype=kv) for kv in args.kv_dtypes.split(",")}
     reference_client, packed_client = load_client_modules(model, quant="none")[2], load_client_modules(model)[2]
     tokenizer = load_tokenizer(model)
-    errors, kept, positions = [], 0, 0
+    errors, kept, positions = {kv: [] for kv in packed}, dict.fromkeys(packed, 0), 0
     with torch.inference_mode():
         for prompt in builtin_prompts()[:args.prompts]:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}], add_generation_prompt=True,
                                                 return_tensors="pt", return_dict=True)["input_ids"]
             want, tokens = decode_logits(reference, reference_client, ids, [], args.steps)
-            got, _ = decode_logits(packed, packed_client, ids, tokens, args.steps)
-            errors.append(float((got - want).norm() / want.norm()))
-            kept += int((got.argmax(-1) == want.argmax(-1)).sum())
+            for kv, stage in packed.items():
+                got, _ = decode_logits(stage, packed_client, ids, tokens, args.steps)
+                errors[kv].append(float((got - want).norm() / want.norm()))
+                kept[kv] += int((got.argmax(-1) == want.argmax(-1)).sum())
             positions += want.shape[0]
-    print(f"{machine_line()}\n{model}: blocks {packed.packed_types}, packed vs dequantized float32, "
-          f"{len(errors)} prompts x {args.steps + 1} positions: logits error median {statistics.median(errors):.3%} "
-          f"max {max(errors):.3%}; greedy choice kept {kept}/{positions} ({kept / positions:.1%})")
+    print(machine_line())
+    for kv, stage in packed.items():
+        print(f"{model}: blocks {stage.packed_types}, --kv-dtype {kv}, packed vs dequantized float32 (float32 cache), "
+              f"{len(errors[kv])} prompts x {args.steps + 1} positions: logits error median "
+              f"{statistics.median(errors[kv]):.3%} max {max(errors[kv]):.3%}; greedy choice kept "
+              f"{kept[kv]}/{positions} ({kept[kv] / positions:.1%})")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,11 @@ llama.cpp on the same file.
 
     python benchmarks/packed_bench.py kernels                     # one matrix-vector product per kernel and shape
     python benchmarks/packed_bench.py decode --threads 1,2 --llama-bench PATH/llama-bench [--model FILE.gguf]
+    python benchmarks/packed_bench.py decode --threads 1 --depth 1024 --kv-dtypes float32,float16 --llama-bench ...
     python benchmarks/packed_bench.py memory [--model FILE.gguf]      # a server's RSS per block held
+    python benchmarks/packed_bench.py session-memory --tokens 2048 --kv-dtypes float32,float16  # RSS of a session
+    python benchmarks/packed_bench.py prefill --length 1024 --kv-dtypes float32,float16  # prompt steps, in process
+    python benchmarks/packed_bench.py kv-step --depths 128,1024,2048   # a decode step per --kv-dtype, in process
     python benchmarks/packed_bench.py batching --sessions 8            # N generations at once vs one by one
     python benchmarks/packed_bench.py span [--model FILE.gguf]         # a server's step: one kernel call vs transformers
     python benchmarks/packed_bench.py amx --rows 1,5,8,16             # a step's products, AMX tiles vs act16
@@ -18,10 +22,13 @@ a model past the caches.
 `decode`: tokens/s of greedy decoding (a chat prompt, 64 new tokens; rounds alternate between the setups so every
 setup sees the same machine load): plain transformers float32 in one process, swarmlm client + 1 server (packed,
 the file's own blocks) on loopback, and llama.cpp's llama-bench on the same file (`-p 0 -n 64`), per thread count.
+`--depth N`: every setup decodes after N cached positions (a prompt of N tokens of plain text; llama-bench `-d N`,
+its float16 K/V); `--kv-dtypes float32,float16`: one server per attention-cache dtype (--kv-dtype), side by side.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import statistics
@@ -131,9 +138,9 @@ def _swarm_tps(client, ids: torch.Tensor, tokens: int) -> float:
     return client.last_stats.tokens_per_s
 
 
-def _llama_bench_tps(binary: str, model: str, threads: int, tokens: int) -> float:
-    done = subprocess.run([binary, "-m", model, "-t", str(threads), "-p", "0", "-n", str(tokens), "-r", "1",
-                           "-o", "json"], capture_output=True, text=True, timeout=600)
+def _llama_bench_tps(binary: str, model: str, threads: int, tokens: int, depth: int = 0) -> float:
+    done = subprocess.run([binary, "-m", model, "-t", str(threads), "-p", "0", "-n", str(tokens), "-d", str(depth),
+                           "-r", "1", "-o", "json"], capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-400:])
     return float(json.loads(done.stdout)[0]["avg_ts"])
@@ -149,7 +156,11 @@ def decode(args) -> None:
     model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
     tokenizer = load_tokenizer(model)
     text = "Write a short story about a lighthouse."
-    if getattr(tokenizer, "chat_template", None):
+    if args.depth:  # N positions of plain text before the first decoded token, as llama-bench's -d N
+        story = " ".join(f"The lighthouse keeper wrote entry {i} in the log before the storm came." for i in range(800))
+        ids = tokenizer(story, return_tensors="pt")["input_ids"][:, :args.depth]
+        assert ids.shape[1] == args.depth, f"the text has only {ids.shape[1]} tokens"
+    elif getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]
     else:  # a preset's random model: no chat template
@@ -157,34 +168,39 @@ def decode(args) -> None:
     blocks = int(load_config(model).num_hidden_layers)
     reference = load_transformers_model(model)
     rows = {}
+    kv_dtypes = args.kv_dtypes.split(",")
+    cpp = "llama.cpp llama-bench, same file (f16 K/V)"
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
-        setups = {}
-        with LocalSwarm(model, threads=threads, server_args=["--quant", args.quant]) as swarm:
-            swarm.start([BlockRange(0, blocks)])
-            client = DistributedModelForCausalLM.from_pretrained(model, servers=swarm.addresses, quant=args.quant,
-                                                                 threads=args.client_threads or threads)
-            setups["transformers float32, one process"] = lambda: _transformers_tps(reference, ids, args.tokens)
-            setups[f"swarmlm client + 1 server (--quant {args.quant})"] = lambda: _swarm_tps(client, ids, args.tokens)
+        setups = {"transformers float32, one process": lambda: _transformers_tps(reference, ids, args.tokens)}
+        with contextlib.ExitStack() as stack:
+            for kv in kv_dtypes:  # one server per cache dtype, all ready before the first round
+                swarm = stack.enter_context(LocalSwarm(model, threads=threads, server_args=[
+                    "--quant", args.quant, "--kv-dtype", kv, "--max-length", str(args.depth + args.tokens + 64)]))
+                swarm.start([BlockRange(0, blocks)])
+                client = DistributedModelForCausalLM.from_pretrained(model, servers=swarm.addresses, quant=args.quant,
+                                                                     threads=args.client_threads or threads)
+                stack.callback(client.close)
+                setups[f"swarmlm client + 1 server (--quant {args.quant}, --kv-dtype {kv})"] = \
+                    lambda client=client: _swarm_tps(client, ids, args.tokens)
             if args.llama_bench:
-                setups["llama.cpp llama-bench, same file"] = lambda: _llama_bench_tps(args.llama_bench, model, threads,
-                                                                                     args.tokens)
+                setups[cpp] = lambda: _llama_bench_tps(args.llama_bench, model, threads, args.tokens, args.depth)
             samples = {name: [] for name in setups}
             for _ in range(args.rounds):  # alternated: every setup sees the same load
                 for name, run in setups.items():
                     samples[name].append(run())
-            client.close()
         rows[threads] = {name: statistics.median(v) for name, v in samples.items()}
-    print(f"{model}: greedy decode, {args.tokens} new tokens, median of {args.rounds} alternated rounds; "
-          f"{machine_line()}\n")
+    print(f"{model}: greedy decode, {args.tokens} new tokens after {ids.shape[1]} prompt positions, median of "
+          f"{args.rounds} alternated rounds; {machine_line()}\n")
     names = list(next(iter(rows.values())))
-    print("| threads | " + " | ".join(names) + " | swarmlm / transformers | swarmlm / llama.cpp |")
-    print("|---|" + "---|" * (len(names) + 2))
+    ours = [n for n in names if n.startswith("swarmlm")]
+    print("| threads | " + " | ".join(names) + " | " + " | ".join(
+        f"{n.split('(')[1].rstrip(')')}: / transformers, / llama.cpp" for n in ours) + " |")
+    print("|---|" + "---|" * (len(names) + len(ours)))
     for threads, tps in rows.items():
-        ours = tps[names[1]]
-        vs_cpp = f"{ours / tps[names[2]]:.2f}x" if len(names) > 2 else "-"
-        print(f"| {threads} | " + " | ".join(f"{tps[n]:.1f}" for n in names)
-              + f" | {ours / tps[names[0]]:.2f}x | {vs_cpp} |")
+        ratios = [f"{tps[n] / tps[names[0]]:.2f}x, " + (f"{tps[n] / tps[cpp]:.2f}x" if cpp in tps else "-")
+                  for n in ours]
+        print(f"| {threads} | " + " | ".join(f"{tps[n]:.1f}" for n in names) + " | " + " | ".join(ratios) + " |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"machine": machine_line(), "model": model, "tokens_per_s": rows}, f, indent=1)
@@ -221,6 +237,116 @@ def memory(args) -> None:
         print(f"| {quant} | {rss[1] / 2**20:.0f} | {rss[blocks] / 2**20:.0f} | "
               f"{(rss[blocks] - rss[1]) / extra:.2f}x ({(rss[blocks] - rss[1]) / 2**20:.0f} MiB for "
               f"{extra / 2**20:.0f} MiB) |", flush=True)
+
+
+def session_memory(args) -> None:
+    """RSS of a packed server of every block, ready, then holding one session of --tokens prompt tokens (its cache
+    reserved for them and 8 more), per --kv-dtype: what the session costs against the bytes its reservation counts
+    (the memory goal's "plus the KV cache it reserved")."""
+    import psutil
+
+    from swarmlm.client.model import DistributedModelForCausalLM
+    from swarmlm.model.catalog import DEFAULT_MODEL, fetch
+    from swarmlm.model.checkpoint import load_config
+    from swarmlm.server.kv_dtype import bytes_per_token, cache_dtype
+    from swarmlm.swarm.local import LocalSwarm
+    from swarmlm.types import BlockRange
+
+    torch.set_num_threads(1)
+    model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
+    config = load_config(model)
+    blocks = int(config.num_hidden_layers)
+    kv_dim = int(config.num_key_value_heads) * int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    ids = torch.randint(100, 1000, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    print(f"{model}; one session of {args.tokens} prompt tokens (reserved for {args.tokens + 8}), one packed server "
+          f"of {blocks} blocks; {machine_line()}\n")
+    print("| --kv-dtype | RSS ready (MiB) | RSS holding the session (MiB) | difference | reserved (MiB) |")
+    print("|---|---|---|---|---|")
+    for kv in args.kv_dtypes.split(","):
+        with LocalSwarm(model, threads=1, with_dht=False, server_args=[
+                "--kv-dtype", kv, "--max-length", str(args.tokens + 8), "--prefix-cache-mb", "0"]) as swarm:
+            swarm.start([BlockRange(0, blocks)])
+            proc = psutil.Process(swarm.servers[0].proc.pid)
+            client = DistributedModelForCausalLM.from_pretrained(model, servers=swarm.addresses, threads=1,
+                                                                 prefix_cache=False)
+            time.sleep(2)
+            ready = proc.memory_info().rss
+            with client.inference_session(max_length=args.tokens + 8) as session:
+                client.step_logits(session, ids, last_only=True)
+                time.sleep(1)
+                holding = proc.memory_info().rss
+            client.close()
+        reserved = blocks * (args.tokens + 8) * bytes_per_token(kv_dim, cache_dtype(kv, torch.float32))
+        print(f"| {kv} | {ready / 2**20:.0f} | {holding / 2**20:.0f} | {(holding - ready) / 2**20:.0f} MiB | "
+              f"{reserved / 2**20:.0f} |", flush=True)
+
+
+def prefill(args) -> None:
+    """A server's prompt steps in process (transformers' forward: more rows than the one-call decoder takes), per
+    --kv-dtype: a prompt of --length tokens in --chunk-token steps, each attending over the cache so far (a float16
+    cache is widened to float32 per block per step: the cost measured here); process CPU ms per prompt, medians of
+    --rounds alternated rounds."""
+    from swarmlm.model.catalog import DEFAULT_MODEL, fetch
+    from swarmlm.model.checkpoint import load_config
+    from swarmlm.server.stage import Stage
+    from swarmlm.types import BlockRange
+
+    torch.set_num_threads(1)
+    model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
+    blocks = BlockRange(0, int(load_config(model).num_hidden_layers))
+    stages = {kv: Stage(model, blocks, kv_dtype=kv) for kv in args.kv_dtypes.split(",")}
+    hidden = torch.randn(1, args.length, next(iter(stages.values())).hidden_size, generator=torch.Generator().manual_seed(0))
+    times = {kv: [] for kv in stages}
+    for _ in range(args.rounds):
+        for kv, stage in stages.items():
+            state = stage.new_state(blocks, 1, args.length)
+            t0 = time.process_time()
+            for start in range(0, args.length, args.chunk):
+                part = hidden[:, start:start + args.chunk]
+                stage.step(state, part, torch.ones(1, part.shape[1]))
+            times[kv].append(time.process_time() - t0)
+    print(f"{model}: a {args.length}-token prompt in steps of {args.chunk}, {blocks.length} blocks, 1 thread, median "
+          f"of {args.rounds} alternated rounds, process CPU; {machine_line()}\n")
+    print("| --kv-dtype | ms per prompt | tokens/s |")
+    print("|---|---|---|")
+    for kv, t in times.items():
+        print(f"| {kv} | {statistics.median(t) * 1e3:.0f} | {args.length / statistics.median(t):.0f} |")
+
+
+def kv_step(args) -> None:
+    """A server's decode step (the one-call decoder over every block), in process, per --kv-dtype, after a prompt of
+    each --depths length: steps alternated between the dtypes (float32, float16, float16, float32, ...) over caches
+    of equal length, thread CPU per step, medians."""
+    from swarmlm.model.catalog import DEFAULT_MODEL, fetch
+    from swarmlm.model.checkpoint import load_config
+    from swarmlm.server.stage import Stage
+    from swarmlm.types import BlockRange
+
+    torch.set_num_threads(1)
+    model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
+    blocks = BlockRange(0, int(load_config(model).num_hidden_layers))
+    stages = {kv: Stage(model, blocks, kv_dtype=kv) for kv in ("float32", "float16")}
+    h = stages["float32"].hidden_size
+    print(f"{model}: one decode step of {blocks.length} blocks after N positions, 1 thread, {args.steps} steps per "
+          f"dtype alternated, thread CPU, medians; {machine_line()}\n")
+    print("| positions | float32 K/V (ms) | float16 K/V (ms) | float32 / float16 |")
+    print("|---|---|---|---|")
+    for depth in [int(d) for d in args.depths.split(",")]:
+        prompt = torch.randn(1, depth, h, generator=torch.Generator().manual_seed(0))
+        states = {}
+        for kv, stage in stages.items():
+            states[kv] = stage.new_state(blocks, 1, depth + args.steps + 1)
+            stage.step(states[kv], prompt, torch.ones(1, depth))
+        times = {kv: [] for kv in stages}
+        order = list(stages)
+        for i in range(args.steps):
+            x = torch.randn(1, 1, h)
+            for kv in (order if i % 2 == 0 else order[::-1]):
+                t0 = time.thread_time()
+                stages[kv].step(states[kv], x, torch.ones(1, 1))
+                times[kv].append(time.thread_time() - t0)
+        f32, f16 = (statistics.median(times[kv]) * 1e3 for kv in ("float32", "float16"))
+        print(f"| {depth} | {f32:.2f} | {f16:.2f} | {f32 / f16:.2f}x |", flush=True)
 
 
 # ---- span -------------------------------------------------------------------------------------------------------
@@ -288,7 +414,7 @@ def batching(args) -> None:
     # the mask given: else generate() infers one from the pad id, and SmolLM2's pad is <|im_end|>, which every chat
     # prompt holds (with the end-of-sequence id past the vocabulary, those prompt tokens would be masked out)
     kwargs = fixed_length(load_config(model), args.tokens)
-    with LocalSwarm(model, threads=1, with_dht=False) as swarm:
+    with LocalSwarm(model, threads=1, with_dht=False, server_args=["--kv-dtype", args.kv_dtype]) as swarm:
         swarm.start([BlockRange(0, blocks)])
         client = DistributedModelForCausalLM.from_pretrained(model, servers=swarm.addresses, threads=1)
         client.generate(prompts[0], **kwargs)  # warm
@@ -312,8 +438,8 @@ def batching(args) -> None:
             same = sum(torch.equal(a, b) for a, b in zip(alone, together))
         client.close()
     one, many = (statistics.median(v) for v in rates.values())
-    print(f"{model}: {args.sessions} chat prompts x {args.tokens} greedy tokens, one packed server of all blocks, "
-          f"1 thread per process, median of {args.rounds} rounds; {machine_line()}\n")
+    print(f"{model}: {args.sessions} chat prompts x {args.tokens} greedy tokens, one packed server of all blocks "
+          f"(--kv-dtype {args.kv_dtype}), 1 thread per process, median of {args.rounds} rounds; {machine_line()}\n")
     print(f"| one by one | {args.sessions} at once | ratio | same tokens |")
     print("|---|---|---|---|")
     print(f"| {one:.1f} tok/s | {many:.1f} tok/s | {many / one:.2f}x | {same} of {len(prompts)} |")
@@ -374,6 +500,9 @@ def main() -> None:
     d.add_argument("--quant", default="auto")
     d.add_argument("--client-threads", type=int, default=0, help="the client's torch threads (default: --threads)")
     d.add_argument("--llama-bench", default="", help="path of llama.cpp's llama-bench, built from source")
+    d.add_argument("--depth", type=int, default=0,
+                   help="decode after this many cached positions (a plain-text prompt; llama-bench -d); 0: a chat prompt")
+    d.add_argument("--kv-dtypes", default="float32", help="one server per --kv-dtype, e.g. float32,float16")
     d.add_argument("--out", default="")
     m = sub.add_parser("memory")
     m.add_argument("--model", default="smollm2-135m-instruct")
@@ -382,6 +511,21 @@ def main() -> None:
     b.add_argument("--sessions", type=int, default=8)
     b.add_argument("--tokens", type=int, default=32)
     b.add_argument("--rounds", type=int, default=3)
+    b.add_argument("--kv-dtype", default="auto", help="the server's --kv-dtype")
+    sm = sub.add_parser("session-memory")
+    sm.add_argument("--model", default="smollm2-135m-instruct")
+    sm.add_argument("--tokens", type=int, default=2048)
+    sm.add_argument("--kv-dtypes", default="float32,float16")
+    ks = sub.add_parser("kv-step")
+    ks.add_argument("--model", default="smollm2-135m-instruct")
+    ks.add_argument("--depths", default="128,1024,2048")
+    ks.add_argument("--steps", type=int, default=60)
+    pf = sub.add_parser("prefill")
+    pf.add_argument("--model", default="smollm2-135m-instruct")
+    pf.add_argument("--length", type=int, default=1024)
+    pf.add_argument("--chunk", type=int, default=256)
+    pf.add_argument("--rounds", type=int, default=3)
+    pf.add_argument("--kv-dtypes", default="float32,float16")
     sp = sub.add_parser("span")
     sp.add_argument("--model", default="smollm2-135m-instruct")
     sp.add_argument("--threads", type=int, default=1)
@@ -393,7 +537,7 @@ def main() -> None:
     a.add_argument("--rounds", type=int, default=9)
     args = p.parse_args()
     {"kernels": kernels, "decode": decode, "memory": memory, "batching": batching, "span": span,
-     "amx": amx}[args.what](args)
+     "amx": amx, "session-memory": session_memory, "prefill": prefill, "kv-step": kv_step}[args.what](args)
 
 
 if __name__ == "__main__":

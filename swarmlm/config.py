@@ -13,6 +13,9 @@ QUANT_NAMES = ("auto", "none", "int8", "int4")
 # what a server announces: whether its weights compute other values than the checkpoint's (a GGUF kept in its own
 # blocks computes the file's values: "none")
 ANNOUNCED_QUANTS = ("none", "int8", "int4")
+# what a server's attention caches hold (swarmlm/server/kv_dtype.py): "auto" = the blocks' compute dtype, "float32",
+# or "float16" (half the bytes per cached token; K/V rounded to float16 when written, attention computed in float32)
+KV_DTYPE_NAMES = ("auto", "float32", "float16")
 # A DHT record lives at most this long after its writer's last store (swarm/records.py): servers' record_ttl_s must
 # fit under it. Defined here, with the settings it bounds: config sits below swarm in the layering.
 MAX_RECORD_TTL_S = 60.0
@@ -143,6 +146,7 @@ class ServerConfig:
     # the file's values computed), "int8" / "int4" quantize a float checkpoint weight-only in blocks of 32 (announced:
     # clients may refuse them), "none" dequantizes everything
     quant: str = "auto"
+    kv_dtype: str = "auto"  # the sessions' attention caches (KV_DTYPE_NAMES; server/kv_dtype.py)
     # keep full-precision weights as views of the checkpoint file's mapping (pages shared by the host's servers of
     # the same file) instead of copying them into the process: ~1.5x slower decode here (model/checkpoint.py)
     mmap_weights: bool = False
@@ -232,6 +236,8 @@ class ServerConfig:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))  # torch.float32 -> "float32" (or refused)
         if self.quant not in QUANT_NAMES:
             raise ValueError(f"quant must be one of {', '.join(QUANT_NAMES)}, got {self.quant!r}")
+        if self.kv_dtype not in KV_DTYPE_NAMES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPE_NAMES)}, got {self.kv_dtype!r}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if not 0 <= self.port < 65536:

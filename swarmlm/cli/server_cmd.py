@@ -5,7 +5,7 @@ import argparse
 from dataclasses import replace
 
 from swarmlm.cli.args import add_model, add_swarm_key, block_range, model_ref
-from swarmlm.config import QUANT_NAMES, SchedulerConfig, ServerConfig
+from swarmlm.config import KV_DTYPE_NAMES, QUANT_NAMES, SchedulerConfig, ServerConfig
 
 # the flags' defaults: each setting's one definition is its config field
 SERVER = ServerConfig(model_dir="", blocks=None)
@@ -47,6 +47,10 @@ def add_parser(sub) -> None:
                    help="auto: a GGUF's quantized blocks kept as the file has them; none: dequantized; int8 / int4: a "
                         "float checkpoint's linear layers quantized weight-only in blocks of 32 (announced to "
                         "clients) (model/quant.py)")
+    p.add_argument("--kv-dtype", default=SERVER.kv_dtype, choices=KV_DTYPE_NAMES,
+                   help="what the sessions' attention caches hold: float16 = half the bytes per cached token (twice "
+                        "the context or sessions in --cache-mb), keys and values rounded to float16; float32; auto = "
+                        "the blocks' compute dtype (server/kv_dtype.py)")
     p.add_argument("--adapters", nargs="*", default=[],
                    help="PEFT LoRA adapters to pre-load, directories or hub ids from the local HF cache (announced; clients "
                         "choose one per session with active_adapter=<directory or repo name>; docs/FINETUNING.md)")
@@ -131,7 +135,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         resume_grace_s=args.resume_grace, max_sessions_per_peer=args.max_sessions_per_peer,
         max_concurrent_rpcs=args.max_concurrent_rpcs, max_message_bytes=args.max_message_mb * MIB,
         dht_prefix=args.dht_prefix,
-        identity_file=args.identity, swarm_key=args.swarm_key, quant=args.quant,
+        identity_file=args.identity, swarm_key=args.swarm_key, quant=args.quant, kv_dtype=args.kv_dtype,
         mmap_weights=args.mmap_weights, adapters=tuple(args.adapters), max_train_request_bytes=args.max_train_mb * MIB,
         max_train_total_bytes=args.max_train_total_mb * MIB,
         drain_timeout_s=args.drain_timeout, rebalance_period_s=args.rebalance_period,

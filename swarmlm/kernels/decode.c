@@ -12,7 +12,11 @@
  * Rows are independent sequences (one session's rows, or several sessions' batched): row r has its own cache
  * buffers (keys of block l, kv head h at kbase[r] + l * layer_stride[r] + h * cap[r] * head_dim), its own committed
  * length len[r] (the new token goes to position len[r]) and its own 0/1 mask over positions 0..len[r] (0 = padding:
- * never attended, as transformers gives it exactly zero weight; the new token's own entry is 1: the caller checks). */
+ * never attended, as transformers gives it exactly zero weight; the new token's own entry is 1: the caller checks).
+ *
+ * The caches hold float32 or float16 (D->kv_half; server/kv_cache.py): a new key and value are rounded to float16
+ * (to nearest even, as torch's .half()) when written, and every cached one is widened once as attention loads it
+ * (F16C's vcvtph2ps), so the attention reads half the bytes; everything it computes stays float32. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -42,6 +46,7 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
     float eps, scale;  /* RMSNorm epsilon; attention's score scale (head_dim ** -0.5) */
     int64_t min_weights;  /* products at least this large are split between threads */
+    int64_t kv_half;  /* 1: the caches hold float16 (_Float16), 0: float32 */
 } span_dims;
 
 /* again: x is the previous product's input, unchanged (k and v after q, up after gate): its preparation is shared */
@@ -101,8 +106,64 @@ static float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+#if defined(__AVX512F__)
+/* exp_approx of 16 floats: the same steps in vector form (gcc left the scalar loop below unvectorized: the exponent
+ * loop ran one position at a time, ~40 % of attention's time at 1024 positions, round 13) */
+static inline __m512 exp_approx16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* positions t0..t0 + 15 (of at most `m`) that the 0/1 int64 mask lets through */
+static inline __mmask16 mask16(const int64_t *mask, int64_t t0, int64_t m) {
+    const __mmask16 in = (__mmask16)(m >= 16 ? 0xffff : (1u << m) - 1);
+    const __mmask8 lo = _mm512_mask_test_epi64_mask((__mmask8)in, _mm512_maskz_loadu_epi64((__mmask8)in, mask + t0),
+                                                    _mm512_set1_epi64(-1));
+    const __mmask8 hi = _mm512_mask_test_epi64_mask((__mmask8)(in >> 8),
+                                                    _mm512_maskz_loadu_epi64((__mmask8)(in >> 8), mask + t0 + 8),
+                                                    _mm512_set1_epi64(-1));
+    return (__mmask16)(lo | (hi << 8));
+}
+#endif
+
 /* one head's scores over positions [first, n_pos) -> their softmax weights in place (masked positions 0) */
 static void softmax_weights(float *scores, const int64_t *mask, int64_t first, int64_t n_pos) {
+#if defined(__AVX512F__)
+    /* 16 positions at a time; a masked position's score may be anything (its key is never written): never used */
+    __m512 top16 = _mm512_set1_ps(-INFINITY);
+    for (int64_t t0 = first; t0 < n_pos; t0 += 16) {
+        const __mmask16 k = mask16(mask, t0, n_pos - t0);
+        top16 = _mm512_mask_max_ps(top16, k, top16, _mm512_maskz_loadu_ps(k, scores + t0));
+    }
+    const __m512 top_v = _mm512_set1_ps(_mm512_reduce_max_ps(top16));
+    __m512 total16 = _mm512_setzero_ps();
+    for (int64_t t0 = first; t0 < n_pos; t0 += 16) {
+        const int64_t m = n_pos - t0;
+        const __mmask16 in = (__mmask16)(m >= 16 ? 0xffff : (1u << m) - 1), k = mask16(mask, t0, m);
+        const __m512 e = _mm512_maskz_mov_ps(k, exp_approx16(_mm512_maskz_sub_ps(k, _mm512_maskz_loadu_ps(k, scores + t0),
+                                                                                  top_v)));
+        _mm512_mask_storeu_ps(scores + t0, in, e);
+        total16 = _mm512_add_ps(total16, e);
+    }
+    const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(total16));
+    for (int64_t t0 = first; t0 < n_pos; t0 += 16) {
+        const int64_t m = n_pos - t0;
+        const __mmask16 in = (__mmask16)(m >= 16 ? 0xffff : (1u << m) - 1);
+        _mm512_mask_storeu_ps(scores + t0, in, _mm512_div_ps(_mm512_maskz_loadu_ps(in, scores + t0), total));
+    }
+#else
     float top = -INFINITY;
 #pragma omp simd reduction(max : top)
     for (int64_t t = first; t < n_pos; t++) {
@@ -110,8 +171,8 @@ static void softmax_weights(float *scores, const int64_t *mask, int64_t first, i
         top = s > top ? s : top;
     }
     float total = 0.0f;
-    /* no branch in the loop, so that it vectorizes (with `mask[t] ? exp_approx(...) : 0` it ran one position at a
-     * time); a masked position's score may be anything (its key is never written), so its exponent is taken of 0 */
+    /* no branch in the loop, meant to let it vectorize (gcc 12 still runs it one position at a time: hence the AVX-512
+     * version above); a masked position's score may be anything (its key is never written): its exponent is of 0 */
 #pragma omp simd reduction(+ : total)
     for (int64_t t = first; t < n_pos; t++) {
         const float e = exp_approx(mask[t] ? scores[t] - top : 0.0f);
@@ -120,6 +181,7 @@ static void softmax_weights(float *scores, const int64_t *mask, int64_t first, i
     }
 #pragma omp simd
     for (int64_t t = first; t < n_pos; t++) scores[t] = scores[t] / total;
+#endif
 }
 
 #if defined(__AVX512F__)
@@ -145,8 +207,14 @@ static inline __attribute__((always_inline)) __m512 lane_sums16(const __m512 v[1
  * C accumulators each waiting for its previous multiply-add (4 cycles here, AMD Zen 5) at every position; with the
  * group's heads together it is G x C independent ones. Each head's sums are added in the same order as one head at a
  * time (the same bits). scores: G rows of `stride` floats. */
-static inline __attribute__((always_inline)) void attend_heads(const int C, const int G, const float *q, const float *K,
-                                                               const float *V, int64_t first, int64_t n_pos,
+/* 16 cached floats at element i of a key or value buffer: float32 as they are, float16 widened (HALF: float16) */
+static inline __attribute__((always_inline)) __m512 load_kv(const int HALF, const void *p, int64_t i) {
+    return HALF ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+                : _mm512_loadu_ps((const float *)p + i);
+}
+
+static inline __attribute__((always_inline)) void attend_heads(const int HALF, const int C, const int G, const float *q,
+                                                               const void *K, const void *V, int64_t first, int64_t n_pos,
                                                                const int64_t *mask, float scale, float *scores,
                                                                int64_t stride, float *o) {
     for (int g = 0; g < G; g++) {
@@ -160,7 +228,7 @@ static inline __attribute__((always_inline)) void attend_heads(const int C, cons
                 dots[j] = _mm512_setzero_ps();
                 if (j < m)
                     for (int c = 0; c < C; c++)
-                        dots[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(K + (t0 + j) * 16 * C + 16 * c), dots[j]);
+                        dots[j] = _mm512_fmadd_ps(qv[c], load_kv(HALF, K, (t0 + j) * 16 * C + 16 * c), dots[j]);
             }
             _mm512_mask_storeu_ps(sc + t0, (__mmask16)((1u << m) - 1),
                                   _mm512_mul_ps(lane_sums16(dots), _mm512_set1_ps(scale)));
@@ -173,7 +241,7 @@ static inline __attribute__((always_inline)) void attend_heads(const int C, cons
     for (int64_t t = first; t < n_pos; t++) {
         if (!mask[t]) continue;  /* a padding position's value is never read (it may be anything) */
         __m512 v[8];
-        for (int c = 0; c < C; c++) v[c] = _mm512_loadu_ps(V + t * 16 * C + 16 * c);
+        for (int c = 0; c < C; c++) v[c] = load_kv(HALF, V, t * 16 * C + 16 * c);
         for (int g = 0; g < G; g++) {
             const __m512 p = _mm512_set1_ps(scores[g * stride + t]);
             for (int c = 0; c < C; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
@@ -185,10 +253,13 @@ static inline __attribute__((always_inline)) void attend_heads(const int C, cons
 
 #define ATTEND_GROUP 4  /* query heads taken together at most (16 accumulators at 64 dimensions; 8 vectors: 2) */
 
-/* heads [h, h + G) of one kv head, d = 16 C */
-static void attend_group(int64_t d, int64_t G, const float *q, const float *K, const float *V, int64_t first,
+/* heads [h, h + G) of one kv head, d = 16 C; K, V: float16 (half) or float32 */
+static void attend_group(int half, int64_t d, int64_t G, const float *q, const void *K, const void *V, int64_t first,
                          int64_t n_pos, const int64_t *mask, float scale, float *scores, int64_t stride, float *o) {
-#define HEADS(C, G_) attend_heads(C, G_, q, K, V, first, n_pos, mask, scale, scores, stride, o); return
+#define HEADS(C, G_)                                                                                \
+    if (half) attend_heads(1, C, G_, q, K, V, first, n_pos, mask, scale, scores, stride, o);       \
+    else attend_heads(0, C, G_, q, K, V, first, n_pos, mask, scale, scores, stride, o);           \
+    return
 #define GROUPS(C) switch (G) { case 1: HEADS(C, 1); case 2: HEADS(C, 2); case 3: HEADS(C, 3); default: HEADS(C, 4); }
     switch (d) {
         case 16: GROUPS(1);
@@ -201,9 +272,16 @@ static void attend_group(int64_t d, int64_t G, const float *q, const float *K, c
 }
 #endif
 
-/* one row's attention for every head: out [heads * d] */
-static void attend(const span_dims *D, const float *q, const float *keys, const float *values, int64_t cap,
+/* element i of a cache buffer, float32 or float16 */
+static inline float kv_at(int half, const void *p, int64_t i) {
+    return half ? (float)((const _Float16 *)p)[i] : ((const float *)p)[i];
+}
+
+/* one row's attention for every head: out [heads * d]; keys, values: the row's buffers of this block (D->kv_half) */
+static void attend(const span_dims *D, const float *q, const void *keys, const void *values, int64_t cap,
                    int64_t n_pos, int64_t window, const int64_t *mask, float *scores, float *out) {
+    const int half = D->kv_half != 0;
+    const int64_t es = half ? 2 : 4;  /* bytes per cached element */
     const int64_t d = D->head_dim, group = D->heads / D->kv_heads;
     const int64_t first = window && n_pos > window ? n_pos - window : 0;
 #if defined(__AVX512F__)
@@ -211,25 +289,36 @@ static void attend(const span_dims *D, const float *q, const float *keys, const 
         const int64_t most = d == 128 ? 2 : ATTEND_GROUP;
         for (int64_t h = 0; h < D->heads;) {
             const int64_t kv = h / group, end = (kv + 1) * group, G = end - h < most ? end - h : most;
-            attend_group(d, G, q + h * d, keys + kv * cap * d, values + kv * cap * d, first, n_pos, mask, D->scale,
-                         scores, n_pos, out + h * d);
+            attend_group(half, d, G, q + h * d, (const char *)keys + kv * cap * d * es,
+                         (const char *)values + kv * cap * d * es, first, n_pos, mask, D->scale, scores, n_pos,
+                         out + h * d);
             h += G;
         }
         return;
     }
 #endif
     for (int64_t h = 0; h < D->heads; h++) {
-        const float *K = keys + (h / group) * cap * d, *V = values + (h / group) * cap * d, *qh = q + h * d;
+        const void *K = (const char *)keys + (h / group) * cap * d * es, *V = (const char *)values + (h / group) * cap * d * es;
+        const float *qh = q + h * d;
         float *o = out + h * d;
-        for (int64_t t = first; t < n_pos; t++)
-            if (mask[t]) scores[t] = dot(qh, K + t * d, d) * D->scale;
+        for (int64_t t = first; t < n_pos; t++) {
+            if (!mask[t]) continue;
+            if (!half) {
+                scores[t] = dot(qh, (const float *)K + t * d, d) * D->scale;
+                continue;
+            }
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t i = 0; i < d; i++) s += qh[i] * kv_at(1, K, t * d + i);
+            scores[t] = s * D->scale;
+        }
         softmax_weights(scores, mask, first, n_pos);
         memset(o, 0, sizeof(float) * d);
         for (int64_t t = first; t < n_pos; t++) {
             if (!mask[t]) continue;
-            const float p = scores[t], *v = V + t * d;
+            const float p = scores[t];
 #pragma omp simd
-            for (int64_t i = 0; i < d; i++) o[i] += p * v[i];
+            for (int64_t i = 0; i < d; i++) o[i] += p * kv_at(half, V, t * d + i);
         }
     }
 }
@@ -242,9 +331,10 @@ static void attend(const span_dims *D, const float *q, const float *keys, const 
 
 /* x [rows, hidden] in place through n_blocks blocks; 0 on success, -1 if a product was refused, -2 out of memory */
 int decode_span(const span_dims *D, const span_block *blocks, int64_t n_blocks, float *x, int64_t rows,
-                float *const *kbase, float *const *vbase, const int64_t *layer_stride, const int64_t *cap,
+                void *const *kbase, void *const *vbase, const int64_t *layer_stride, const int64_t *cap,
                 const int64_t *len, const int64_t *const *mask, const float *cos, const float *sin) {
     const int64_t H = D->hidden, d = D->head_dim, qn = D->heads * d, kvn = D->kv_heads * d, I = D->inter;
+    const int64_t es = D->kv_half ? 2 : 4;  /* bytes per cached element */
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; r++) longest = len[r] + 1 > longest ? len[r] + 1 : longest;
     /* every buffer starts on a 64-byte line: the products' vector loads of a misaligned row span two lines (malloc's
@@ -277,10 +367,22 @@ int decode_span(const span_dims *D, const span_block *blocks, int64_t n_blocks, 
                     rms_norm(k + r * kvn + h * d, B->k_norm, d, D->eps, k + r * kvn + h * d);
             rope(q + r * qn, D->heads, d, cos + r * d, sin + r * d);
             rope(k + r * kvn, D->kv_heads, d, cos + r * d, sin + r * d);
-            float *K = kbase[r] + l * layer_stride[r], *V = vbase[r] + l * layer_stride[r];
+            /* layer_stride, cap, len: in elements of the cache's type */
+            void *K = (char *)kbase[r] + l * layer_stride[r] * es, *V = (char *)vbase[r] + l * layer_stride[r] * es;
             for (int64_t h = 0; h < D->kv_heads; h++) {  /* the new token's key and value at position len[r] */
-                memcpy(K + (h * cap[r] + len[r]) * d, k + r * kvn + h * d, sizeof(float) * d);
-                memcpy(V + (h * cap[r] + len[r]) * d, v + r * kvn + h * d, sizeof(float) * d);
+                const int64_t at = (h * cap[r] + len[r]) * d;
+                const float *kh = k + r * kvn + h * d, *vh = v + r * kvn + h * d;
+                if (D->kv_half) {
+                    _Float16 *Kh = (_Float16 *)K + at, *Vh = (_Float16 *)V + at;
+#pragma omp simd
+                    for (int64_t i = 0; i < d; i++) {
+                        Kh[i] = (_Float16)kh[i];
+                        Vh[i] = (_Float16)vh[i];
+                    }
+                } else {
+                    memcpy((float *)K + at, kh, sizeof(float) * d);
+                    memcpy((float *)V + at, vh, sizeof(float) * d);
+                }
             }
             attend(D, q + r * qn, K, V, cap[r], len[r] + 1, B->window, mask[r], scores, att + r * qn);
         }

@@ -43,13 +43,13 @@ class _Block(ctypes.Structure):
 class _Dims(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("min_weights", ctypes.c_int64)]
+                ("scale", ctypes.c_float), ("min_weights", ctypes.c_int64), ("kv_half", ctypes.c_int64)]
 
 
 class SpanDecoder:
     """One decode step (one new token per row) through `blocks` in one kernel call."""
 
-    def __init__(self, config, rotary: nn.Module, blocks: nn.ModuleList) -> None:
+    def __init__(self, config, rotary: nn.Module, blocks: nn.ModuleList, kv_dtype: torch.dtype = torch.float32) -> None:
         first = blocks[0]
         attn = first.self_attn
         self.rotary = rotary
@@ -57,7 +57,8 @@ class SpanDecoder:
         self.kv_heads = int(config.num_key_value_heads or config.num_attention_heads)
         self.dims = _Dims(int(config.hidden_size), int(config.num_attention_heads), self.kv_heads, self.head_dim,
                           int(first.mlp.gate_proj.out_features), float(first.input_layernorm.variance_epsilon),
-                          float(attn.scaling), THREADED_MIN_WEIGHTS)
+                          float(attn.scaling), THREADED_MIN_WEIGHTS, int(kv_dtype == torch.float16))
+        self.kv_dtype = kv_dtype  # the sessions' caches: float32, or float16 (rounded when written, widened when read)
         window = int(getattr(config, "sliding_window", None) or 0)
         self.blocks = (_Block * len(blocks))(*[_block(b, window if b.swarmlm_layer_type == SLIDING else 0)
                                                for b in blocks])
@@ -68,9 +69,13 @@ class SpanDecoder:
         self._last_rows = None  # (key, arrays): the last step's per-row cache pointers (_cache_rows)
 
     @classmethod
-    def of(cls, config, adapter, blocks: nn.ModuleList, dtype: torch.dtype) -> "SpanDecoder | None":
-        """The decoder for this span, or None if its blocks are not exactly what decode.c computes."""
+    def of(cls, config, adapter, blocks: nn.ModuleList, dtype: torch.dtype,
+           kv_dtype: torch.dtype = torch.float32) -> "SpanDecoder | None":
+        """The decoder for this span, or None if its blocks are not exactly what decode.c computes (kv_dtype: the
+        sessions' caches, float32 or float16)."""
         if adapter.name not in FAMILIES or dtype != torch.float32 or not len(blocks):
+            return None
+        if kv_dtype not in (torch.float32, torch.float16):
             return None
         if getattr(config, "hidden_act", None) != "silu" or getattr(config, "pretraining_tp", 1) not in (1, None):
             return None
@@ -88,7 +93,7 @@ class SpanDecoder:
             library()
         except Exception:  # noqa: BLE001 (no compiler: the blocks still run through transformers)
             return None
-        return cls(config, adapter.rotary(config), blocks)
+        return cls(config, adapter.rotary(config), blocks, kv_dtype)
 
     def usable(self, hidden: torch.Tensor, new_masks: list[torch.Tensor]) -> bool:
         """At most DIRECT_ROWS new tokens in all (rows x tokens: decode steps, speculative passes, short prompts), no
@@ -109,6 +114,7 @@ class SpanDecoder:
         for (cache, span), mask in zip(members, masks):
             n, end = span.stop - span.start, cache.length + n_tokens
             assert mask.shape == (n, end), "a session's mask covers its committed tokens and the new ones"
+            assert cache.dtype == self.kv_dtype, "the kernel reads caches of the decoder's kv_dtype"
             if end > cache.capacity:
                 cache._grow(end, x.new_empty(n, self.kv_heads, 1, self.head_dim))
             m = mask if mask.dtype == torch.int64 and mask.is_contiguous() else mask.to(torch.int64).contiguous()

@@ -64,6 +64,9 @@ def profile_key(stage: Measurable, threads: int) -> str:
         parts.append(f"packed={packed}")
     if getattr(stage, "mmap", False):  # weights read from the file's mapping run slower (checkpoint.load_blocks)
         parts.append("mmap")
+    kv = getattr(stage, "kv_dtype", None)  # a cache narrower than the blocks' dtype: attention reads other bytes
+    if kv is not None and kv != stage.dtype:
+        parts.append(f"kv={kv}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 

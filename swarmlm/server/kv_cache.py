@@ -17,6 +17,10 @@ A step's cache op (types.CacheOp) edits a copy: `truncated` shares the buffers w
 (the step then overwrites the cut tail in place: only a retry of the same op, which cuts it again, or a closed
 session ever follows a failed one), `selected` gathers the kept rows into new buffers. The session's cache is
 replaced by the edited one only when its step succeeds (server/stage.py).
+
+A cache may hold a narrower dtype than the blocks compute in (`SpanCache.dtype`: float16 K/V beside float32 blocks,
+half the bytes; server/kv_dtype.py): new K/V are rounded when written, and what a forward reads is widened back to the
+blocks' dtype (`StepCache.update`); model/decode_span.py's kernel does both itself.
 """
 from __future__ import annotations
 
@@ -29,9 +33,10 @@ from transformers.cache_utils import Cache
 class SpanCache:
     """K/V of one session's blocks: buffers [layers, batch, kv_heads, capacity, head_dim], first `length` valid."""
 
-    def __init__(self, num_layers: int, max_length: int | None = None) -> None:
+    def __init__(self, num_layers: int, max_length: int | None = None, dtype: torch.dtype | None = None) -> None:
         self.num_layers = num_layers
         self.max_length = max_length  # growth stops here: the session's cache reservation is for this many tokens
+        self.dtype = dtype  # what the buffers hold; None: the dtype of the first K/V written
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.length = 0  # committed tokens
@@ -59,14 +64,14 @@ class SpanCache:
     def truncated(self, length: int) -> "SpanCache":
         """The first `length` tokens (<= self.length), on the same buffers."""
         assert 0 <= length <= self.length
-        cut = SpanCache(self.num_layers, self.max_length)
+        cut = SpanCache(self.num_layers, self.max_length, self.dtype)
         if length:
             cut.keys, cut.values, cut.length = self.keys, self.values, length
         return cut
 
     def selected(self, rows: torch.Tensor) -> "SpanCache":
         """New row i = row rows[i], in new buffers of the same capacity (rows: int64 [B'], may repeat)."""
-        picked = SpanCache(self.num_layers, self.max_length)
+        picked = SpanCache(self.num_layers, self.max_length, self.dtype)
         picked.length = self.length
         if self.keys is not None:
             # whole rows, capacity included: one contiguous copy per row and layer is faster than gathering only the
@@ -77,9 +82,10 @@ class SpanCache:
 
     @classmethod
     def holding(cls, keys: torch.Tensor, values: torch.Tensor, max_length: int) -> "SpanCache":
-        """A cache that holds K/V [layers, B, heads, T, d] (copied: it writes after them), room for max_length."""
+        """A cache that holds K/V [layers, B, heads, T, d] (copied: it writes after them, in their dtype), room for
+        max_length."""
         n_tokens = int(keys.shape[3])
-        cache = cls(int(keys.shape[0]), max_length)
+        cache = cls(int(keys.shape[0]), max_length, keys.dtype)
         cache._grow(min(max(2 * n_tokens, 64), max_length), keys[0, :, :, :1])  # like: [B, heads, 1, d]
         cache.keys[:, :, :, :n_tokens] = keys
         cache.values[:, :, :, :n_tokens] = values
@@ -93,8 +99,10 @@ class SpanCache:
         capacity = max(needed, 2 * self.capacity)
         if self.max_length is not None and needed <= self.max_length:
             capacity = min(capacity, self.max_length)
-        keys = like.new_zeros(self.num_layers, b, heads, capacity, d)
-        values = like.new_zeros(self.num_layers, b, heads, capacity, d)
+        if self.dtype is None:
+            self.dtype = like.dtype
+        keys = like.new_zeros(self.num_layers, b, heads, capacity, d, dtype=self.dtype)
+        values = like.new_zeros(self.num_layers, b, heads, capacity, d, dtype=self.dtype)
         if self.keys is not None:
             keys[:, :, :, : self.capacity] = self.keys
             values[:, :, :, : self.capacity] = self.values
@@ -125,7 +133,10 @@ class StepCache(Cache):
         if len(self.members) == 1:
             cache = self.members[0].cache
             end = cache.write(layer, key_states, value_states)
-            return cache.view(layer, end)
+            keys, values = cache.view(layer, end)
+            if keys.dtype != key_states.dtype:  # a float16 cache: the blocks attend in their own dtype (a copy)
+                return keys.to(key_states.dtype), values.to(value_states.dtype)
+            return keys, values
         return self._gather(layer, key_states, value_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -333,7 +333,7 @@ class Server:
     def _load_stage(self, blocks: BlockRange) -> Stage:
         cfg = self.config
         t0 = time.perf_counter()
-        stage = Stage(cfg.model_dir, blocks, cfg.dtype, cfg.quant, cfg.mmap_weights)
+        stage = Stage(cfg.model_dir, blocks, cfg.dtype, cfg.quant, cfg.mmap_weights, cfg.kv_dtype)
         stage.load_adapters(cfg.adapters)
         log.info("loaded %d blocks in %.1f s (%.0f MiB)", blocks.length, time.perf_counter() - t0,
                  stage.weight_bytes / 2**20)

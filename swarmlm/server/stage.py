@@ -19,6 +19,7 @@ from swarmlm.model.source import resolve
 from swarmlm.server import deep_prompt
 from swarmlm.server.adapters import MAX_ADAPTERS, adapter_fingerprint, load_adapter, locate_adapter
 from swarmlm.server.kv_cache import Member, SpanCache, StepCache, left_pad
+from swarmlm.server.kv_dtype import bytes_per_token, cache_dtype
 from swarmlm.server.lora import LoraDelta, lora_hooks
 from swarmlm.types import BlockRange, CacheOp
 
@@ -94,7 +95,7 @@ class StepRequest:
 
 class Stage:
     def __init__(self, model_dir: str, blocks: BlockRange, dtype: str = "float32", quant: str = "auto",
-                 mmap: bool = False) -> None:
+                 mmap: bool = False, kv_dtype: str = "auto") -> None:
         self.blocks = blocks
         self.mmap = mmap  # weights left in the file's mapping (shared, slower; load_blocks)
         self.dtype = parse_dtype(dtype, model_dir)  # "auto": the checkpoint's own (checkpoint.auto_dtype)
@@ -106,6 +107,7 @@ class Stage:
             model_dir, blocks.start, blocks.end, self.dtype, self.quant, mmap)
         self.weight_bytes = weight_bytes(self.modules)  # what the blocks hold in memory (announced)
         self.packed_types = packed_types(self.modules)  # e.g. "Q4_1,Q8_0": the kernels its speed is measured with
+        self.kv_dtype = cache_dtype(kv_dtype, self.dtype)  # what the sessions' caches hold (server/kv_dtype.py)
         self.hidden_size = int(self.config.hidden_size)
         self.lora_adapters: dict[str, tuple[LoraDelta, ...]] = {}  # name -> its LoRA on these blocks
         self._decoders: dict[tuple[int, int], SpanDecoder | None] = {}  # local block slice -> its one-call decoder
@@ -135,7 +137,7 @@ class Stage:
 
     def cache_bytes(self, num_blocks: int, batch: int, max_length: int) -> int:
         # keys + values for every block, sequence and position the session may reach
-        return 2 * num_blocks * batch * max_length * self.kv_dim * self.dtype.itemsize
+        return num_blocks * batch * max_length * bytes_per_token(self.kv_dim, self.kv_dtype)
 
     def new_state(self, blocks: BlockRange, batch: int, max_length: int | None = None,
                   lora_adapter: str = "", prompts: torch.Tensor | None = None,
@@ -144,7 +146,8 @@ class Stage:
         prompt [blocks, K, H], if any; client_lora: a client's own LoRA on these blocks."""
         assert self.blocks.contains(blocks) and (not lora_adapter or lora_adapter in self.lora_adapters)
         assert prompts is None or prompts.shape[0] == blocks.length
-        return SpanState(blocks, SpanCache(blocks.length, max_length), torch.zeros(batch, 0, dtype=torch.long),
+        return SpanState(blocks, SpanCache(blocks.length, max_length, self.kv_dtype),
+                         torch.zeros(batch, 0, dtype=torch.long),
                          lora_adapter, prompts, client_lora)
 
     def step(self, state: SpanState, hidden: torch.Tensor, new_mask: torch.Tensor,
@@ -192,7 +195,8 @@ class Stage:
     def _span_decoder(self, local: slice) -> SpanDecoder | None:
         key = (local.start, local.stop)
         if key not in self._decoders:
-            self._decoders[key] = SpanDecoder.of(self.config, self.adapter, self.modules[local], self.dtype)
+            self._decoders[key] = SpanDecoder.of(self.config, self.adapter, self.modules[local], self.dtype,
+                                                 self.kv_dtype)
         return self._decoders[key]
 
     def forward(self, blocks: BlockRange, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
