@@ -138,6 +138,16 @@ def test_reservations_and_prefix_entries_hold_half_the_bytes(checkpoints):
     assert sizes[0] * 2 == sizes[1]
 
 
+def test_a_server_placing_itself_prices_a_session_as_its_stage_reserves_it(checkpoints):
+    from swarmlm.server.placement import model_spec
+
+    model = checkpoints["tiny-llama"]
+    for kv in ("float16", "float32"):
+        spec = model_spec(ServerConfig(model_dir=model, blocks=None, kv_dtype=kv, max_length_tokens=100))
+        stage = Stage(model, BlockRange(0, 1), quant="int8", kv_dtype=kv)
+        assert spec.cache_bytes_per_session_block == stage.cache_bytes(1, 1, 100)
+
+
 def test_cache_ops_keep_a_float16_cache():
     cache = SpanCache(2, 16, torch.float16)
     key = torch.randn(3, 2, 5, 8)

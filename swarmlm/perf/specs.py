@@ -31,12 +31,14 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config: object, l_in_max: int, l_max: int, dtype_bytes: float = 2.0,
-                    weight_bytes_per_param: float | None = None) -> "ModelSpec":
-        """Sizes from a transformers config: s_c = 2 * kv_dim * (l_in_max + l_max) * dtype_bytes.
+                    weight_bytes_per_param: float | None = None,
+                    cache_bytes_per_value: float | None = None) -> "ModelSpec":
+        """Sizes from a transformers config: s_c = 2 * kv_dim * (l_in_max + l_max) * cache_bytes_per_value.
 
         kv_dim = num_key_value_heads * head_dim (grouped-query attention keeps fewer K/V heads than query heads).
         Block weights are estimated from the usual decoder shapes (attention + MLP), `weight_bytes_per_param`
-        bytes each (defaults to dtype_bytes; 0.5 for NF4).
+        bytes each (defaults to dtype_bytes; 0.5 for NF4); cached keys and values `cache_bytes_per_value` each (defaults
+        to dtype_bytes; a server's own: server/kv_dtype.py).
         """
         hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0))
         layers = int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0))
@@ -53,7 +55,7 @@ class ModelSpec:
         wbytes = dtype_bytes if weight_bytes_per_param is None else weight_bytes_per_param
         n_tokens = l_in_max + l_max
         return cls(num_blocks=layers, block_bytes=float(params * wbytes),
-                   cache_bytes_per_session_block=float(2 * kv_dim * n_tokens * dtype_bytes),
+                   cache_bytes_per_session_block=float(2 * kv_dim * n_tokens * (cache_bytes_per_value or dtype_bytes)),
                    hidden_bytes_per_token=float(hidden * dtype_bytes), session_tokens=n_tokens)
 
 

@@ -29,6 +29,7 @@ from swarmlm.model.families import family_for
 from swarmlm.model.quant import keeps_file_blocks, loaded_bytes
 from swarmlm.perf.model import ComputeProfile, ModelSpec, ServerSpec
 from swarmlm.planner.placement import blocks_for_concurrency, choose_range, lexicographic_window, petals_num_blocks
+from swarmlm.server.kv_dtype import cache_dtype
 from swarmlm.swarm.records import JOINING, LOADING, ONLINE, ServerRecord, of_our_protocol
 from swarmlm.types import BlockRange
 from swarmlm.wire.protocol import PROTOCOL_VERSION
@@ -41,8 +42,9 @@ JOIN_CHECKS = 8  # a joining server re-checks its choice at most this many times
 def model_spec(config: ServerConfig) -> ModelSpec:
     """Bytes of one block (block 0, as loaded) and of one session's cache in one block."""
     cfg = load_config(config.model_dir)
-    itemsize = parse_dtype(config.dtype, config.model_dir).itemsize
-    spec = ModelSpec.from_config(cfg, l_in_max=0, l_max=config.max_length_tokens, dtype_bytes=itemsize)
+    dtype = parse_dtype(config.dtype, config.model_dir)
+    spec = ModelSpec.from_config(cfg, l_in_max=0, l_max=config.max_length_tokens, dtype_bytes=dtype.itemsize,
+                                 cache_bytes_per_value=cache_dtype(config.kv_dtype, dtype).itemsize)
     return dataclasses.replace(spec, block_bytes=float(range_bytes(config, BlockRange(0, 1))))  # measured
 
 
