@@ -9,6 +9,7 @@ llama.cpp on the same file.
     python benchmarks/packed_bench.py prefill --length 1024 --kv-dtypes float32,float16  # prompt steps, in process
     python benchmarks/packed_bench.py kv-step --depths 128,1024,2048   # a decode step per --kv-dtype, in process
     python benchmarks/packed_bench.py batching --sessions 8            # N generations at once vs one by one
+    python benchmarks/packed_bench.py batching --llama-batched-bench PATH/llama-batched-bench  # + llama.cpp's own
     python benchmarks/packed_bench.py span [--model FILE.gguf]         # a server's step: one kernel call vs transformers
     python benchmarks/packed_bench.py amx --rows 1,5,8,16             # a step's products, AMX tiles vs act16
 
@@ -395,6 +396,18 @@ def chat_prompts(tokenizer, n: int) -> list[torch.Tensor]:
             ["input_ids"] for t in TOPICS[:n]]
 
 
+def _llama_batched_tps(binary: str, model: str, threads: int, sessions: int, prompt: int, tokens: int) -> list[float]:
+    """llama.cpp's own batched decode on the same file (`llama-batched-bench`, built from source): text-generation
+    tokens/s of 1 sequence and of `sessions` sequences at once, each after `prompt` prompt tokens, on `threads`."""
+    done = subprocess.run([binary, "-m", model, "-c", str(sessions * (prompt + tokens) + 64), "-b", "512", "-ub", "512",
+                           "-npp", str(prompt), "-ntg", str(tokens), "-npl", f"1,{sessions}", "-t", str(threads),
+                           "--output-format", "jsonl"], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-400:])
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return [float(next(r["speed_tg"] for r in rows if r["pl"] == n)) for n in (1, sessions)]
+
+
 def batching(args) -> None:
     """Decode tokens/s of N greedy generate() calls one after another vs N at once (N threads of one client, its
     heads batched), through one packed server of every block; the tokens must be the same."""
@@ -443,6 +456,19 @@ def batching(args) -> None:
     print(f"| one by one | {args.sessions} at once | ratio | same tokens |")
     print("|---|---|---|---|")
     print(f"| {one:.1f} tok/s | {many:.1f} tok/s | {many / one:.2f}x | {same} of {len(prompts)} |")
+    if args.llama_batched_bench:  # the reference: llama.cpp batching the same file on this machine, in one process
+        prompt = round(statistics.median(p.shape[1] for p in prompts))
+        speeds = {t: [_llama_batched_tps(args.llama_batched_bench, model, t, args.sessions, prompt, args.tokens)
+                      for _ in range(args.rounds)] for t in (1, 2)}
+        alone, at_once = ({t: statistics.median(run[i] for run in speeds[t]) for t in speeds} for i in (0, 1))
+        print(f"\nllama.cpp llama-batched-bench, same file, {prompt}-token prompts, {args.tokens} tokens each, median "
+              f"of {args.rounds} runs (text-generation tokens/s):\n")
+        print(f"| threads | 1 sequence | {args.sessions} at once | ratio |")
+        print("|---|---|---|---|")
+        for t in speeds:
+            print(f"| {t} | {alone[t]:.1f} | {at_once[t]:.1f} | {at_once[t] / alone[t]:.2f}x |")
+        print(f"| {args.sessions} at once on 2 threads / 1 sequence on 1 thread (as above: one by one keeps one CPU "
+              f"busy at a time) | | | {at_once[2] / alone[1]:.2f}x |")
 
 
 # ---- amx --------------------------------------------------------------------------------------------------------
@@ -512,6 +538,8 @@ def main() -> None:
     b.add_argument("--tokens", type=int, default=32)
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--kv-dtype", default="auto", help="the server's --kv-dtype")
+    b.add_argument("--llama-batched-bench", default="", help="path of llama.cpp's llama-batched-bench (built from "
+                   "source): its own batching of the same file beside")
     sm = sub.add_parser("session-memory")
     sm.add_argument("--model", default="smollm2-135m-instruct")
     sm.add_argument("--tokens", type=int, default=2048)
