@@ -100,15 +100,15 @@ def test_stop_ends_the_generation_on_the_servers(page, stack):
         _ask(page, "Tell me a very long story.", temperature="0.7", max_tokens="1500")
         page.wait_for(f"{LAST_ANSWER} && Number({LAST_ANSWER}.dataset.tokens) >= 3", what="a few streamed tokens")
         if min(_active_sessions(swarm)) == 1:  # the answer's session is open on both servers
-            break
-        # random weights sample their end-of-text token now and then (1 in 512): then the answer ended by itself
+            page.click("#stop")
+        # random weights sample their end-of-text token now and then (1 in 512): an answer may end by itself before
+        # the check or before the click lands (the stop button is then disabled), and is asked again
         state = page.wait_for(f"{LAST_ANSWER}.dataset.state !== 'streaming' && {LAST_ANSWER}.dataset.state")
+        if state == "stopped":
+            break
         assert state == "done" and int(page.eval(f"{LAST_ANSWER}.dataset.tokens")) < 1500, state
     else:
-        pytest.fail("no answer was still streaming after 3 tokens in 6 attempts")
-    page.click("#stop")
-    state = page.wait_for(f"{LAST_ANSWER}.dataset.state !== 'streaming' && {LAST_ANSWER}.dataset.state")
-    assert state == "stopped"
+        pytest.fail("no answer was stopped while it streamed in 6 attempts")
     deadline = time.monotonic() + 60
     while _active_sessions(swarm) != [0, 0]:
         assert time.monotonic() < deadline, f"sessions left open on the servers: {_active_sessions(swarm)}"
