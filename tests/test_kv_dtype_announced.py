@@ -36,7 +36,8 @@ def test_records_carry_both_dtypes_and_an_older_servers_announce_none():
     older = record_from_info(pb.InfoReply(server_id="QmServer", start_block=0, end_block=2, dtype="float32"), "h:1")
     assert (older.dtype, older.kv_dtype, older.narrowed_cache) == ("float32", "", False)
     written_before = {k: v for k, v in record.to_dict().items() if k not in ("dtype", "kv_dtype")}
-    assert (lambda r: (r.dtype, r.kv_dtype, r.narrowed_cache))(ServerRecord.from_dict(written_before)) == ("", "", False)
+    before = ServerRecord.from_dict(written_before)
+    assert (before.dtype, before.kv_dtype, before.narrowed_cache) == ("", "", False)
     # caches of the blocks' own dtype compute the weights' values, whatever that dtype
     for dtype in ("float32", "bfloat16", "float16"):
         assert not _record(dtype=dtype, kv_dtype=dtype).narrowed_cache
