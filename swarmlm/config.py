@@ -16,6 +16,8 @@ ANNOUNCED_QUANTS = ("none", "int8", "int4")
 # what a server's attention caches hold (swarmlm/server/kv_dtype.py): "auto" = the blocks' compute dtype, "float32",
 # or "float16" (half the bytes per cached token; K/V rounded to float16 when written, attention computed in float32)
 KV_DTYPE_NAMES = ("auto", "float32", "float16")
+# what a server announces of its blocks' compute dtype and of its caches' dtype (swarm/records.py dtype, kv_dtype)
+ANNOUNCED_DTYPES = ("float32", "bfloat16", "float16")
 # A DHT record lives at most this long after its writer's last store (swarm/records.py): servers' record_ttl_s must
 # fit under it. Defined here, with the settings it bounds: config sits below swarm in the layering.
 MAX_RECORD_TTL_S = 60.0
@@ -284,7 +286,9 @@ class ClientConfig:
     servers: tuple[str, ...] = ()  # direct server addresses (host:port), bypassing the DHT
     dtype: str = "auto"  # dtype of hidden states on the wire and of the client's modules (DTYPE_NAMES, or a torch dtype)
     quant: str = "auto"  # the client's LM head and embeddings (QUANT_NAMES, swarmlm/model/quant.py)
-    require_full_precision: bool = False  # route only through servers announcing quant "none" (not int8 / int4)
+    # route only through servers computing their checkpoint's values: announcing quant "none" (not int8 / int4) and
+    # caches of their blocks' dtype (not float16 K/V beside float32 blocks: ServerRecord.narrowed_cache)
+    require_full_precision: bool = False
     # hidden states on the wire (swarmlm/wire/compress.py): "float32" (exact), "float16", "bfloat16", "int8"
     # (blockwise), or "auto": float32 on loopback and fast links (>= 500 Mbit/s, or not measured yet), float16,
     # int8 below 50 Mbit/s

@@ -418,6 +418,8 @@ def test_swarm_view_lists_servers_coverage_and_gateway_metrics(gateway, swarm):
     assert set(by_address) == {s.address for s in swarm.servers}
     assert sorted(s["blocks"] for s in view["servers"]) == [[0, 3], [3, 6]]
     assert all(s["state"] == "online" and s["last_seen_s_ago"] is not None for s in view["servers"])
+    # what their values are (read from their DHT records): float32 blocks and caches, unquantized
+    assert {(s["quant"], s["dtype"], s["kv_dtype"]) for s in view["servers"]} == {("none", "float32", "float32")}
     assert view["coverage"] == [1] * 6 and view["complete"] and view["missing_blocks"] == []
     g = view["gateway"]
     assert g["total_tokens"] > 0 and g["total_requests"] > 0 and g["ttft_s"]["p50"] > 0 and g["tpot_s"]["p90"] > 0

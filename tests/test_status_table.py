@@ -23,7 +23,8 @@ def _view() -> dict:
     for i, (start, end) in enumerate([(0, 10), (10, 20), (10, 20)]):
         servers.append({"id": f"12D3KooWServerIdentity{i:04d}xyz", "blocks": [start, end], "state": "online",
                         "address": f"server-{i}.rack-7.example.internal:4{i}000", "active_sessions": i,
-                        "queue_length": 0, "cache_bytes_free": 3 << 28, "tokens_per_s": 41.5, "rtt_s": 0.0123})
+                        "queue_length": 0, "cache_bytes_free": 3 << 28, "tokens_per_s": 41.5, "rtt_s": 0.0123,
+                        "quant": "none", "dtype": "float32", "kv_dtype": ("float16", "float32", "")[i]})
     coverage = [1] * 10 + [2] * 10 + [0] * 10
     return {"num_blocks": NUM_BLOCKS, "servers": servers, "coverage": coverage,
             "missing_blocks": list(range(20, 30)), "complete": False}
@@ -38,6 +39,7 @@ def test_piped_table_cuts_nothing():
         bar = "." * start + "#" * (end - start) + "." * (NUM_BLOCKS - end)
         row = [line for line in lines if s["address"] in line]  # the whole row on one line
         assert len(row) == 1 and s["id"][-8:] in row[0] and f"[{start}, {end})" in row[0] and bar in row[0], lines
+        assert (s["kv_dtype"] or "-") in row[0].split()  # the KV column ("-": a server before the field)
     assert max(len(line) for line in lines) > 80
     assert "SmolLM2-135M-Instruct: 3 servers, 30 blocks" in out.getvalue()  # a name, not the path
     assert "a-long-checkpoint-directory-name" not in out.getvalue()

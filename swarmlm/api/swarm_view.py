@@ -87,5 +87,10 @@ class SwarmWatcher:
             "last_seen_s_ago": (now - seen) if seen is not None else None,
             "version": r.version,
             "protocol": r.protocol,  # its wire protocol (wire/protocol.py; 0: announced none)
+            # do its steps compute other values than the checkpoint's: its weights' quantization, and its blocks' and
+            # caches' dtypes (kv_dtype float16 beside dtype float32: K/V rounded; "": a server before the fields)
+            "quant": r.quant,
+            "dtype": r.dtype,
+            "kv_dtype": r.kv_dtype,
             "refused": None,
         }

@@ -148,7 +148,8 @@ def add_client_precision(p: argparse.ArgumentParser) -> None:
                    help="the client's LM head and embeddings: auto = a GGUF's own blocks; none = dequantized; "
                         "int8 / int4 = quantized in blocks of 32 (swarmlm/model/quant.py)")
     p.add_argument("--require-full-precision", action="store_true",
-                   help="route only through servers that announce full-precision weights (quant none)")
+                   help="route only through servers that announce full-precision weights (quant none) and caches "
+                        "of their blocks' dtype (not --kv-dtype float16 beside float32 blocks)")
     p.add_argument("--wire-dtype", default="auto", choices=WIRE_DTYPE_NAMES,
                    help="hidden states on the wire (wire/compress.py); auto: float32 (exact) on every link; "
                         "auto-lossy: float32 on fast links, float16 or int8 on slow ones (answers may change)")

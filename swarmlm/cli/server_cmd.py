@@ -50,7 +50,8 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-dtype", default=SERVER.kv_dtype, choices=KV_DTYPE_NAMES,
                    help="what the sessions' attention caches hold: float16 = half the bytes per cached token (twice "
                         "the context or sessions in --cache-mb), keys and values rounded to float16; float32; auto = "
-                        "the blocks' compute dtype (server/kv_dtype.py)")
+                        "the blocks' compute dtype (server/kv_dtype.py). Announced in the server's record: "
+                        "clients with --require-full-precision avoid float16 caches beside float32 blocks")
     p.add_argument("--adapters", nargs="*", default=[],
                    help="PEFT LoRA adapters to pre-load, directories or hub ids from the local HF cache (announced; clients "
                         "choose one per session with active_adapter=<directory or repo name>; docs/FINETUNING.md)")

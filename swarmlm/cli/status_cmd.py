@@ -34,6 +34,8 @@ COLUMNS = [
     ("RTT ms", True, lambda s: f"{s['rtt_s'] * 1000:.1f}" if s["rtt_s"] is not None else "-"),
     ("queue", True, lambda s: str(s["queue_length"])),
     ("cache MiB", True, lambda s: f"{s['cache_bytes_free'] / 2**20:.0f}"),
+    ("quant", False, lambda s: s["quant"]),  # int8 / int4 weights compute other values than the checkpoint's
+    ("KV", False, lambda s: s["kv_dtype"] or "-"),  # its caches' dtype ("-": a server before the field)
 ]
 
 

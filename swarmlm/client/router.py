@@ -56,8 +56,9 @@ class SwarmView:
     adapter_version: str = ""
 
     def update(self, records: dict[str, ServerRecord]) -> None:
-        if self.config.require_full_precision:  # quantized servers (model/quant.py) are left out of every route
-            records = {sid: r for sid, r in records.items() if r.quant == "none"}
+        if self.config.require_full_precision:  # quantized servers (model/quant.py) and narrowed caches (float16 K/V
+            # beside float32 blocks, server/kv_dtype.py) are left out of every route: both compute other values
+            records = {sid: r for sid, r in records.items() if r.quant == "none" and not r.narrowed_cache}
         if self.config.active_adapter:  # only servers that pre-loaded the adapter (server --adapters)
             records = self._with_adapter(records)
         self.records = records

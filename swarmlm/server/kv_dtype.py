@@ -13,6 +13,9 @@ within issue 34's goals (<= 1 %, >= 99 %), and a decode step after 2048 position
 because a test that compares a packed SmolLM2 swarm with transformers (tests/test_gguf_smollm2.py: logits within
 0.1 % per step) fails with it: float16 K/V put that prompt's steps at 0.04-0.16 % (float32 K/V: 0.01-0.04 %).
 
+Servers announce the resulting dtype beside their blocks' (InfoReply.kv_dtype; swarm/records.py ServerRecord.dtype,
+kv_dtype, narrowed_cache): a client with require_full_precision leaves out float16 caches beside float32 blocks.
+
 A session's reservation (server/sessions.py via Stage.cache_bytes), the prefix cache's entries (their tensors' own
 bytes) and the announced `session_bytes_per_block_token` (the router's admission estimate) all follow from
 `cache_dtype` and `bytes_per_token` here.

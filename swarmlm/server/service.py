@@ -300,6 +300,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             start_block=self.stage.blocks.start, end_block=self.stage.blocks.end,
             num_blocks=self.num_model_blocks, hidden_size=self.stage.hidden_size,
             dtype=str(self.stage.dtype).removeprefix("torch."),  # what "auto" resolved to
+            kv_dtype=str(self.stage.kv_dtype).removeprefix("torch."),  # (float16 beside float32 blocks: K/V rounded)
             cache_bytes_total=self.sessions.cache_bytes, cache_bytes_free=self.sessions.free_bytes,
             active_sessions=len(self.sessions.sessions), queue_length=self.scheduler.queue_length,
             max_length=self.config.max_length_tokens, max_batch=self.config.max_batch,

@@ -7,7 +7,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from swarmlm.config import ANNOUNCED_QUANTS, MAX_RECORD_TTL_S  # noqa: F401 (read from here by dht.py and tests)
+from swarmlm.config import ANNOUNCED_DTYPES, ANNOUNCED_QUANTS, MAX_RECORD_TTL_S  # noqa: F401 (dht.py, tests read it)
 from swarmlm.wire.protocol import MAX_PROTOCOL, protocol_refusal
 
 # online: serving; offline: withdrawn. Before it serves, a server announces its range as joining (still choosing its
@@ -53,6 +53,18 @@ class ServerRecord:
     joined_at: float = 0.0  # joining/loading: wall-clock s of its first joining record; orders joiners (who yields)
     # pre-loaded LoRA adapters, comma-separated `name@fingerprint` (server/adapters.py); "" = none
     adapters: str = ""
+    # its blocks' compute dtype and its attention caches' (ANNOUNCED_DTYPES; server/kv_dtype.py). "" = not announced:
+    # a server from before these fields, whose caches held its blocks' dtype (--kv-dtype came with the fields), so
+    # an absent kv_dtype is never a narrowed cache
+    dtype: str = ""
+    kv_dtype: str = ""
+
+    @property
+    def narrowed_cache(self) -> bool:
+        """Caches of another dtype than its blocks' (server/kv_dtype.py allows one: float16 beside float32 blocks):
+        K/V rounded, so its steps differ slightly from what its weights alone compute (ClientConfig
+        require_full_precision leaves it out)."""
+        return bool(self.kv_dtype) and self.kv_dtype != self.dtype
 
     @property
     def adapter_names(self) -> tuple[str, ...]:
@@ -116,6 +128,12 @@ class ServerRecord:
             raise ValueError(f"record state {record.state!r}")
         if record.quant not in ANNOUNCED_QUANTS:
             raise ValueError(f"record quant {record.quant!r}")
+        for name in ("dtype", "kv_dtype"):
+            if getattr(record, name) not in ("", *ANNOUNCED_DTYPES):
+                raise ValueError(f"record {name} {getattr(record, name)[:80]!r} is not one of "
+                                 f"{', '.join(ANNOUNCED_DTYPES)}")
+        if record.kv_dtype and not record.dtype:  # (a cache's dtype means nothing without its blocks')
+            raise ValueError(f"record kv_dtype {record.kv_dtype!r} without its blocks' dtype")
         if len(record.adapters) > 1400 or not all(_ADAPTER.match(n) for n in record.adapter_names):
             raise ValueError(f"record adapters {record.adapters[:80]!r}")
         if record.protocol > MAX_PROTOCOL:
@@ -151,6 +169,7 @@ def record_from_info(info, address: str, state: str = ONLINE, relay: str = "") -
         "quant": info.quant or "none", "weight_bytes": info.weight_bytes,  # (older servers send no quant)
         "decode_4rows_s": info.decode_4rows_s_per_block, "decode_16rows_s": info.decode_16rows_s_per_block,
         "adapters": ",".join(info.adapters),
+        "dtype": info.dtype, "kv_dtype": info.kv_dtype,  # ("" kv_dtype: an older server, caches of its dtype)
         "prefix_tags": "".join(info.prefix_cache.tags),
     })
 
