@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-from packed_bench import chat_prompts, fixed_length  # (benchmarks/, this script's directory)
+from packed_bench import chat_prompts, fixed_length, model_file  # (benchmarks/, this script's directory)
 from swarmlm.machine import machine_line
 
 PARTS = ("generate", "forward", "embed", "session.step", "head", "head matmul")
@@ -71,13 +71,12 @@ def main() -> None:
     args = p.parse_args()
 
     from swarmlm.client.model import DistributedModelForCausalLM
-    from swarmlm.model.catalog import DEFAULT_MODEL, fetch
     from swarmlm.model.checkpoint import load_config, load_tokenizer
     from swarmlm.swarm.local import LocalSwarm
     from swarmlm.types import BlockRange
 
     torch.set_num_threads(1)
-    model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
+    model = model_file(args.model)
     tokenizer = load_tokenizer(model)
     prompts = chat_prompts(tokenizer, args.sessions)  # packed_bench.py batching's prompts and generate() arguments
     config = load_config(model)

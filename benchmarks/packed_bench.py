@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import re
 import statistics
 import subprocess
 import time
@@ -112,6 +111,13 @@ def kernels(args) -> None:
             json.dump({"machine": machine_line(), "kernels_us_cold_hot": results}, f, indent=1)
 
 
+def model_file(name: str) -> str:
+    """--model: the catalog's default model by name (its GGUF, fetched on first use), anything else a path."""
+    from swarmlm.model.catalog import DEFAULT_MODEL, fetch
+
+    return str(fetch(name)) if name == DEFAULT_MODEL else name
+
+
 # ---- decode -----------------------------------------------------------------------------------------------------
 def fixed_length(config, tokens: int) -> dict:
     """generate() arguments for exactly `tokens` greedy tokens, as llama-bench decodes: the end-of-sequence id is one
@@ -149,12 +155,11 @@ def _llama_bench_tps(binary: str, model: str, threads: int, tokens: int, depth: 
 
 def decode(args) -> None:
     from swarmlm.client.model import DistributedModelForCausalLM
-    from swarmlm.model.catalog import DEFAULT_MODEL, fetch
     from swarmlm.model.checkpoint import load_config, load_tokenizer, load_transformers_model
     from swarmlm.swarm.local import LocalSwarm
     from swarmlm.types import BlockRange
 
-    model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
+    model = model_file(args.model)
     tokenizer = load_tokenizer(model)
     text = "Write a short story about a lighthouse."
     if args.depth:  # N positions of plain text before the first decoded token, as llama-bench's -d N
@@ -213,13 +218,12 @@ def memory(args) -> None:
     blocks cost in memory against their bytes in the file."""
     import psutil
 
-    from swarmlm.model.catalog import DEFAULT_MODEL, fetch
     from swarmlm.model.checkpoint import load_config
     from swarmlm.model.gguf import open_gguf
     from swarmlm.swarm.local import LocalSwarm
     from swarmlm.types import BlockRange
 
-    model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
+    model = model_file(args.model)
     blocks = int(load_config(model).num_hidden_layers)
     checkpoint = open_gguf(model)
     file_bytes = {b: sum(checkpoint.packed_bytes(k) for k in checkpoint.keys() if k.startswith(f"model.layers.{b}."))
@@ -247,17 +251,16 @@ def session_memory(args) -> None:
     import psutil
 
     from swarmlm.client.model import DistributedModelForCausalLM
-    from swarmlm.model.catalog import DEFAULT_MODEL, fetch
     from swarmlm.model.checkpoint import load_config
-    from swarmlm.server.kv_dtype import bytes_per_token, cache_dtype
+    from swarmlm.perf.specs import ModelSpec
+    from swarmlm.server.kv_dtype import cache_dtype
     from swarmlm.swarm.local import LocalSwarm
     from swarmlm.types import BlockRange
 
     torch.set_num_threads(1)
-    model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
+    model = model_file(args.model)
     config = load_config(model)
     blocks = int(config.num_hidden_layers)
-    kv_dim = int(config.num_key_value_heads) * int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     ids = torch.randint(100, 1000, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     print(f"{model}; one session of {args.tokens} prompt tokens (reserved for {args.tokens + 8}), one packed server "
           f"of {blocks} blocks; {machine_line()}\n")
@@ -277,7 +280,9 @@ def session_memory(args) -> None:
                 time.sleep(1)
                 holding = proc.memory_info().rss
             client.close()
-        reserved = blocks * (args.tokens + 8) * bytes_per_token(kv_dim, cache_dtype(kv, torch.float32))
+        spec = ModelSpec.from_config(config, l_in_max=0, l_max=args.tokens + 8,  # (as placement prices a session)
+                                     cache_bytes_per_value=cache_dtype(kv, torch.float32).itemsize)
+        reserved = blocks * spec.cache_bytes_per_session_block
         print(f"| {kv} | {ready / 2**20:.0f} | {holding / 2**20:.0f} | {(holding - ready) / 2**20:.0f} MiB | "
               f"{reserved / 2**20:.0f} |", flush=True)
 
@@ -287,13 +292,12 @@ def prefill(args) -> None:
     --kv-dtype: a prompt of --length tokens in --chunk-token steps, each attending over the cache so far (a float16
     cache is widened to float32 per block per step: the cost measured here); process CPU ms per prompt, medians of
     --rounds alternated rounds."""
-    from swarmlm.model.catalog import DEFAULT_MODEL, fetch
     from swarmlm.model.checkpoint import load_config
     from swarmlm.server.stage import Stage
     from swarmlm.types import BlockRange
 
     torch.set_num_threads(1)
-    model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
+    model = model_file(args.model)
     blocks = BlockRange(0, int(load_config(model).num_hidden_layers))
     stages = {kv: Stage(model, blocks, kv_dtype=kv) for kv in args.kv_dtypes.split(",")}
     hidden = torch.randn(1, args.length, next(iter(stages.values())).hidden_size, generator=torch.Generator().manual_seed(0))
@@ -318,13 +322,12 @@ def kv_step(args) -> None:
     """A server's decode step (the one-call decoder over every block), in process, per --kv-dtype, after a prompt of
     each --depths length: steps alternated between the dtypes (float32, float16, float16, float32, ...) over caches
     of equal length, thread CPU per step, medians."""
-    from swarmlm.model.catalog import DEFAULT_MODEL, fetch
     from swarmlm.model.checkpoint import load_config
     from swarmlm.server.stage import Stage
     from swarmlm.types import BlockRange
 
     torch.set_num_threads(1)
-    model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
+    model = model_file(args.model)
     blocks = BlockRange(0, int(load_config(model).num_hidden_layers))
     stages = {kv: Stage(model, blocks, kv_dtype=kv) for kv in ("float32", "float16")}
     h = stages["float32"].hidden_size
@@ -354,13 +357,12 @@ def kv_step(args) -> None:
 def span(args) -> None:
     """One server's decode step over all blocks, in process: the one-call decoder (model/decode_span.py) against
     transformers' forward of the same packed blocks, rounds alternated; milliseconds per step, medians."""
-    from swarmlm.model.catalog import DEFAULT_MODEL, fetch
     from swarmlm.model.checkpoint import load_config
     from swarmlm.server.stage import Stage
     from swarmlm.types import BlockRange
 
     torch.set_num_threads(args.threads)
-    model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
+    model = model_file(args.model)
     blocks = BlockRange(0, int(load_config(model).num_hidden_layers))
     fast, plain = Stage(model, blocks), Stage(model, blocks)
     plain._span_decoder = lambda local: None  # transformers' forward, the same packed products
@@ -414,13 +416,12 @@ def batching(args) -> None:
     import threading
 
     from swarmlm.client.model import DistributedModelForCausalLM
-    from swarmlm.model.catalog import DEFAULT_MODEL, fetch
     from swarmlm.model.checkpoint import load_config, load_tokenizer
     from swarmlm.swarm.local import LocalSwarm
     from swarmlm.types import BlockRange
 
     torch.set_num_threads(1)
-    model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
+    model = model_file(args.model)
     tokenizer = load_tokenizer(model)
     prompts = chat_prompts(tokenizer, args.sessions)
     blocks = int(load_config(model).num_hidden_layers)
@@ -477,7 +478,6 @@ def amx(args) -> None:
     reads them), on AMX tiles vs act16's vectors (kernels/amx.c; the same .so, switched, rounds alternated); thread
     CPU time of all products, medians. Where the CPU has no AMX both columns are act16's."""
     from swarmlm.kernels import library
-    from swarmlm.model.catalog import DEFAULT_MODEL, fetch
     from swarmlm.model.checkpoint import load_config
     from swarmlm.model.packed import PackedLinear
     from swarmlm.server.stage import Stage
@@ -485,7 +485,7 @@ def amx(args) -> None:
 
     torch.set_num_threads(1)
     lib = library()
-    model = str(fetch(args.model)) if args.model == DEFAULT_MODEL else args.model
+    model = model_file(args.model)
     stage = Stage(model, BlockRange(0, int(load_config(model).num_hidden_layers)))
     layers = [m for m in stage.modules.modules() if isinstance(m, PackedLinear)]
     print(f"{model}: the {len(layers)} packed products of a step, thread CPU time, median of {args.rounds} alternated "
