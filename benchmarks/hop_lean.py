@@ -1,0 +1,136 @@
+"""What a decode hop's own message work costs with nothing else around it (issue 40): the lower bound for a Python
+hop on this machine, to hold `hop_breakdown.py`'s per-hop overhead against.
+
+    .venv/bin/python benchmarks/hop_lean.py [--compute-ms 0,2,17,60] [--hidden 1024] [--steps 40]
+
+A client and a "server" process on loopback, blocking sockets, one thread each, no event loop, no session, no
+scheduler: per step the client builds a real `InferenceRequest` (the hidden state through `codec.encode`, keyed
+MAC), frames and sends it; the server parses it, checks its MAC, decodes it with the finiteness check, "computes"
+(sweeps a 256 MiB buffer for --compute-ms, as a forward evicts the caches), then encodes, MACs, serialises and sends
+an `InferenceReply` with its compute time; the client parses, checks and decodes it. Per hop = the client's step
+wall time minus the server's compute (hop_breakdown's measure). Medians over --steps steps after 5 warm-up steps.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import struct
+import time
+
+import numpy as np
+import torch
+
+from swarmlm.machine import machine_line
+from swarmlm.wire import codec
+from swarmlm.wire import swarm_pb2 as pb
+from swarmlm.wire.session_keys import sign, verified
+
+KEY, SESSION = b"k" * 32, "s" * 32
+LENGTH = struct.Struct("<I")
+WARM_UP = 5
+
+
+def _exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        r = sock.recv_into(view[got:])
+        if not r:
+            raise EOFError
+        got += r
+    return bytes(buf)
+
+
+def _frame(sock: socket.socket) -> bytes:
+    return _exact(sock, LENGTH.unpack(_exact(sock, LENGTH.size))[0])
+
+
+def _send(sock: socket.socket, message) -> None:
+    data = message.SerializeToString()
+    sock.sendall(LENGTH.pack(len(data)) + data)
+
+
+def _serve(sock: socket.socket, compute_s: float) -> None:
+    """The server's loop, until the client closes: returns its medians (us) through the socket's last reply."""
+    big = np.ones(64 << 20, dtype=np.float32)  # 256 MiB: what a forward's weights do to the caches
+    while True:
+        try:
+            body = _frame(sock)
+        except EOFError:
+            return
+        request = pb.InferenceRequest.FromString(body)
+        if not verified(KEY, SESSION, request):
+            raise ValueError("MAC mismatch")
+        hidden = codec.decode(request.step.hidden, finite=True)
+        started = time.perf_counter()
+        while time.perf_counter() - started < compute_s:
+            big[::16].sum()
+        out = hidden * 1.0
+        compute = time.perf_counter() - started
+        _send(sock, sign(KEY, SESSION, pb.InferenceReply(
+            session_id=SESSION, hidden=codec.encode(out), step_id=request.step.step_id, position=1,
+            timing=pb.Timing(compute_s=compute))))
+
+
+def lean_hop(compute_ms: float, hidden_size: int, steps: int) -> dict[str, float]:
+    """Medians in ms: the per-hop overhead, and the client's own work before and after the wire."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    pid = os.fork()
+    if pid == 0:  # the server
+        torch.set_num_threads(1)
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            _serve(conn, compute_ms / 1000)
+        finally:
+            os._exit(0)
+    listener_port = listener.getsockname()[1]
+    listener.close()
+    sock = socket.create_connection(("127.0.0.1", listener_port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    x = torch.randn(1, 1, hidden_size)
+    rows = []
+    try:
+        for i in range(steps + WARM_UP):
+            t0 = time.perf_counter()
+            _send(sock, sign(KEY, SESSION, pb.InferenceRequest(
+                session_id=SESSION, step=pb.InferenceStep(hidden=codec.encode(x), step_id=i + 1))))
+            t1 = time.perf_counter()
+            body = _frame(sock)
+            t2 = time.perf_counter()
+            reply = pb.InferenceReply.FromString(body)
+            if not verified(KEY, SESSION, reply):
+                raise ValueError("MAC mismatch")
+            codec.decode(reply.hidden, finite=True)
+            t3 = time.perf_counter()
+            if i >= WARM_UP:
+                rows.append({"per hop (step - compute)": t3 - t0 - reply.timing.compute_s,
+                             "client: build + send": t1 - t0, "client: parse + verify + decode": t3 - t2})
+    finally:
+        sock.close()
+        os.waitpid(pid, 0)
+    return {k: statistics.median(r[k] for r in rows) * 1000 for k in rows[0]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--compute-ms", default="0,2,17,60", help="the server's compute per step, comma-separated")
+    ap.add_argument("--hidden", type=int, default=1024, help="hidden size (bloomz-560m 1024, tiny-bloom 64)")
+    ap.add_argument("--steps", type=int, default=40)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print("machine:", machine_line(), flush=True)
+    print("load average (1, 5, 15 min) at start:", *os.getloadavg(), flush=True)
+    for compute_ms in (float(c) for c in args.compute_ms.split(",")):
+        parts = lean_hop(compute_ms, args.hidden, args.steps)
+        print(f"compute {compute_ms:g} ms, hidden {args.hidden}: " +
+              ", ".join(f"{k} {v:.3f}" for k, v in parts.items()) + " (ms, medians)", flush=True)
+    print("load average (1, 5, 15 min) at end:", *os.getloadavg(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
