@@ -30,13 +30,16 @@ def run_once(command: list[str], loop: str) -> str:
 def medians(outputs: list[str]) -> list[str]:
     """Each line shape (text without its decimals) of the first output, its numbers the medians over `outputs`."""
     numbers: dict[str, list[list[float]]] = {}
+    shapes: dict[str, str] = {}  # (spaces collapsed: a wider number moves the padding) -> the first line's shape
     for out in outputs:
         for line in out.splitlines():
             if DECIMAL.search(line):
-                numbers.setdefault(DECIMAL.sub("{}", line.replace("{", "{{").replace("}", "}}")), []).append(
-                    [float(x) for x in DECIMAL.findall(line)])
-    return [shape.format(*(f"{statistics.median(col):.3f}" for col in zip(*rows)))
-            for shape, rows in numbers.items()]
+                shape = DECIMAL.sub("{}", line.replace("{", "{{").replace("}", "}}"))
+                key = " ".join(shape.split())
+                shapes.setdefault(key, shape)
+                numbers.setdefault(key, []).append([float(x) for x in DECIMAL.findall(line)])
+    return [shapes[key].format(*(f"{statistics.median(col):.3f}" for col in zip(*rows)))
+            for key, rows in numbers.items()]
 
 
 def main() -> None:
