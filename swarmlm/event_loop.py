@@ -14,6 +14,7 @@ no command line reaches; an unknown value is an error, not a silent default."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 from typing import Coroutine, Literal, TypeVar
 
@@ -30,11 +31,9 @@ def kind() -> LoopKind:
         raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected one of {', '.join(CHOICES)}")
     if wanted == "asyncio":
         return "asyncio"
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("uvloop") is None:
         if wanted == "uvloop":
-            raise ImportError(f"{ENV}=uvloop, but uvloop is not installed (pip install uvloop)") from None
+            raise ImportError(f"{ENV}=uvloop, but uvloop is not installed (pip install uvloop)")
         return "asyncio"
     return "uvloop"
 
