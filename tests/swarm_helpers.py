@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Iterator, Sequence
 
+from swarmlm import event_loop
 from swarmlm.bench.raw_stream import RawStream, greedy_steps  # noqa: F401  (the tests' stream driver and greedy loop)
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.channel import sync_channel
@@ -48,7 +49,7 @@ def in_process_server(model_dir: str, blocks, **settings) -> Iterator:
     from swarmlm.server.server import Server
 
     server = Server(ServerConfig(model_dir=model_dir, blocks=blocks, **{"drain_timeout_s": 0.0, **settings}))
-    loop = asyncio.new_event_loop()
+    loop = event_loop.new_loop()  # (a server's own loop: swarmlm server runs on it too)
     thread = threading.Thread(target=loop.run_forever, name="in-process-server", daemon=True)
     thread.start()
     try:

@@ -154,9 +154,10 @@ def test_a_killed_process_running_a_local_swarm_leaves_nothing_running(tiny_llam
 
 
 SPAWN_BESIDE_GRPC = r"""
-import asyncio, subprocess, sys, threading
+import subprocess, sys, threading
 import swarmlm  # (first, as every swarmlm process imports it: it sets gRPC's fork handling before gRPC loads)
 import grpc
+from swarmlm import event_loop
 from swarmlm.swarm.lifetime import popen_dying_with_us
 
 async def serve_and_call(ready, stop):
@@ -174,7 +175,7 @@ async def serve_and_call(ready, stop):
     await server.stop(0)
 
 ready, stop = threading.Event(), threading.Event()
-thread = threading.Thread(target=lambda: asyncio.run(serve_and_call(ready, stop)))
+thread = threading.Thread(target=lambda: event_loop.run(serve_and_call(ready, stop)))  # (the loop servers run)
 thread.start()
 ready.wait(30)
 codes = [popen_dying_with_us([sys.executable, "-c", "pass"] if i == 0 else ["true"], stdout=subprocess.DEVNULL,

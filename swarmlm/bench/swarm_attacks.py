@@ -169,11 +169,11 @@ def push_relay_hijack(swarm, generations: int = 2, new_tokens: int = 6, stranger
       and A's pushes must go through (`push_refused` per generation: only the first may lose pushes, while A's
       reads reach B's claim; `pause_s` between generations, past A's one DHT read a second, so that each generation
       comes after a read of its own)."""
-    import asyncio
     import dataclasses
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from swarmlm import event_loop
     from swarmlm.bench.relay_attacks import _record_with_relay
     from swarmlm.config import ServerConfig
     from swarmlm.server.network import MAX_CLAIMS, ServerNetwork
@@ -217,7 +217,7 @@ def push_relay_hijack(swarm, generations: int = 2, new_tokens: int = 6, stranger
             try:
                 for _ in range(rounds):
                     network.learn(order)
-                    if asyncio.run(network.check_relay(honest.address)):
+                    if event_loop.run(network.check_relay(honest.address)):
                         break
                 network.learn(order)  # (read again: an owned address's tunnel moves only with its owner's record)
                 result["owner_is_server"].append(network.owners.get(honest.address) == b.server_id)

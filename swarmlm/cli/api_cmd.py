@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     from swarmlm.errors import SwarmAccessDenied
 
     from swarmlm.api.guard import header_deadline_protocol
+    from swarmlm import event_loop
 
     config = gateway_config(args)
     ids = dict(zip(args.adapter, config.adapter_names))  # --adapter as given -> its served id
@@ -130,8 +131,10 @@ def run(args: argparse.Namespace) -> int:
     sock.bind((args.host, args.port))
     sock.listen(1024)  # connections wait in the backlog until uvicorn accepts them
     host, port = sock.getsockname()[:2]
+    # the loop swarmlm's other processes run (uvicorn's own "auto" would pick uvloop whatever SWARMLM_EVENT_LOOP says)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
-                                           http=header_deadline_protocol(config.header_timeout_s)))
+                                           http=header_deadline_protocol(config.header_timeout_s),
+                                           loop=event_loop.kind()))
     # one JSON line for scripts and tests (the port when --port 0), then a line for people
     print(json.dumps({"event": "ready", "url": f"http://{host}:{port}", "model": config.model_name,
                       "adapters": list(config.adapter_names)}), flush=True)

@@ -12,6 +12,7 @@ import time
 from concurrent.futures import Future
 from typing import Awaitable, Sequence, TypeVar
 
+from swarmlm import event_loop
 from swarmlm.client.chunking import BandwidthEstimate
 from swarmlm.client.frame_call import FrameCall
 from swarmlm.config import ClientConfig
@@ -33,7 +34,7 @@ class LoopThread:
     _lock = threading.Lock()
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = event_loop.new_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="swarmlm-client-io", daemon=True)
         self.thread.start()
 

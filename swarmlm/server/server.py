@@ -18,6 +18,7 @@ import time
 import grpc
 import torch
 
+from swarmlm import event_loop
 from swarmlm.config import ServerConfig
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.perf.profile import cached_profile
@@ -344,6 +345,7 @@ class Server:
         print(json.dumps({
             "event": "ready", "server_id": self.server_id, "address": self.address,
             "blocks": [self.stage.blocks.start, self.stage.blocks.end], **measured_speeds(profile),
+            "event_loop": event_loop.name_of(asyncio.get_running_loop()),  # (SWARMLM_EVENT_LOOP's A/B runs check it)
         }), flush=True)
 
 
@@ -359,5 +361,5 @@ def profile_model(model_dir: str, blocks: BlockRange | None, dtype: str, threads
 
 def run_server(config: ServerConfig) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(Server(config).serve())
+    event_loop.run(Server(config).serve())
     return 0

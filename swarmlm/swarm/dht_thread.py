@@ -24,6 +24,7 @@ from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from swarmlm import event_loop
 from swarmlm.swarm.lifetime import bind_p2pd_to_owner
 from swarmlm.swarm.validation import validators
 
@@ -43,7 +44,7 @@ class ThreadDHT:
                  rejoin_period_s: float = REJOIN_PERIOD_S, identity_path: str | None = None,
                  replicate: Multiaddr | None = None) -> None:
         bind_p2pd_to_owner()  # (its p2pd dies with this process)
-        self.loop = asyncio.new_event_loop()
+        self.loop = event_loop.new_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="swarmlm-dht", daemon=True)
         self.thread.start()
         self.node: DHTNode | None = None

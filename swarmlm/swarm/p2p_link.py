@@ -21,6 +21,7 @@ from typing import Any, Awaitable, Sequence, TypeVar
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from swarmlm import event_loop
 from swarmlm.swarm.lifetime import bind_p2pd_to_owner
 
 T = TypeVar("T")
@@ -192,7 +193,7 @@ class P2PNode:
         """`initial_peers`: the daemon connects to them at start (as a DHT node's does: a DHT node on this daemon,
         `ThreadDHT(replicate=...)`, reaches its initial peers through these connections)."""
         bind_p2pd_to_owner()  # (its p2pd dies with this process)
-        self.loop = asyncio.new_event_loop()
+        self.loop = event_loop.new_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="swarmlm-p2p", daemon=True)
         self.thread.start()
         self.p2p: P2P | None = None
