@@ -232,7 +232,7 @@ def beside_llamacpp(args: argparse.Namespace, swarm_hops: dict[str, float]) -> N
     result = per_hop(args.llamacpp, gguf, int(load_config(str(model_dir)).num_hidden_layers), args.servers,
                      args.rounds, tokens=64)
     print("llama.cpp: load average (1, 5, 15 min) at end: %.2f %.2f %.2f" % os.getloadavg())
-    print(f"\nper hop, ms ({args.preset}; llama.cpp: llama-bench tg 64 tokens, -t 1, blocks on the RPC servers, "
+    print(f"\nper hop, ms ({args.preset}; llama.cpp: llama-bench tg 64 tokens, -t 1, -lm none, blocks on the RPC servers, "
           f"medians of {args.rounds} rounds; swarmlm: (step - server compute) / {args.servers} servers)")
     rows = table_rows(result)
     print(rows[0] + "".join(f" {name:>15s}" for name in swarm_hops))

@@ -6,7 +6,7 @@ round 14): the reference next to `hop_breakdown.py`'s per-hop overhead.
 
 The preset's random checkpoint (safetensors) is converted once to a float32 GGUF by llama.cpp's own converter
 (`convert_hf_to_gguf.py`, two levels above BUILD/bin unless --converter) into `<checkpoint>/model-f32.gguf`, then
-reused. `llama-bench -p 0 -n T -t 1 -r 1` decodes T tokens in rounds alternating between: local (no RPC device:
+reused. `llama-bench -p 0 -n T -t 1 -r 1 -lm none` decodes T tokens in rounds alternating between: local (no RPC device:
 every layer on the CPU in this process) and the blocks over 1..N `ggml-rpc-server -t 1` (llama.cpp splits the
 layers evenly). Per hop = (ms per token through k servers - ms per token local) / k: what a server costs a token
 besides its blocks' compute, as hop_breakdown's (step - server compute) / servers.
@@ -112,9 +112,11 @@ def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 20.0) -
 
 def bench_ms(bin_dir: Path, gguf: Path, tokens: int, rpc: list[str], ngl: int) -> float:
     """ms per generated token of one llama-bench run (`tokens` tokens, one CPU thread), over the RPC servers `rpc`
-    (none: local)."""
+    (none: local). `-lm none`: every process reads its weights into buffers of its own, as an RPC server does with
+    what it is sent; llama.cpp's default maps the file, and a bloomz-560m token then took ~18 ms longer in one
+    process here (77.8 vs 59.9 ms, docs/RESULTS-hop.md round 14), which would pass for a negative cost per hop."""
     cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-r", "1", "-t", "1",
-           "-o", "json", *(["-ngl", str(ngl), "-rpc", ",".join(rpc)] if rpc else ["-ngl", "0"])]
+           "-lm", "none", "-o", "json", *(["-ngl", str(ngl), "-rpc", ",".join(rpc)] if rpc else ["-ngl", "0"])]
     out = subprocess.run(cmd, env=dict(os.environ, LD_LIBRARY_PATH=str(bin_dir)), check=True, capture_output=True,
                          text=True).stdout
     return 1000 / json.loads(out)[0]["avg_ts"]
