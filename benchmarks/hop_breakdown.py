@@ -19,6 +19,10 @@ of each, side by side (docs/RESULTS-hop.md), and the CPU time per step of the cl
 hardly grows with the machine's load, unlike wall time: the transports' work per message). --push on|off|auto: the
 clients' push setting.
 
+--llamacpp BUILD/bin (with the default mode or --transports): after swarmlm's rounds, the same preset's checkpoint
+as a float32 GGUF (llama.cpp's converter, once, into the checkpoint's directory) through llama.cpp locally and over
+1..N `ggml-rpc-server`s (benchmarks/llamacpp_hop.py), its per hop beside swarmlm's in one table.
+
 --ab: this tree against git revision REV (exported with `git archive`, client and servers both), rounds alternating
 in one run, each round a fresh swarm (medians, and the median of per-round ratios of the caller's step); with
 --frames, both on the framed step port.
@@ -138,11 +142,24 @@ def main() -> None:
     ap.add_argument("--head-between", action="store_true",
                     help="the client's LM head between steps, as in generation (without --local: rounds alternate "
                          "with and without it)")
+    ap.add_argument("--llamacpp", type=Path, metavar="BUILD/bin",
+                    help="also llama.cpp's RPC backend per hop at the same shapes (default mode or --transports)")
+    ap.add_argument("--converter", type=Path, help="llama.cpp's convert_hf_to_gguf.py (default: beside --llamacpp)")
     args = ap.parse_args()
+    if args.llamacpp and (args.ab or args.push_ab or args.json or args.local or args.head_between):
+        ap.error("--llamacpp goes with the default mode or --transports only")
     print("machine:", machine_line(), flush=True)  # where the figures below come from
     if args.ab:
         return compare(args)
     torch.set_num_threads(1)
+    swarm_hops = run_swarm(args)
+    if args.llamacpp is not None:
+        beside_llamacpp(args, swarm_hops)
+
+
+def run_swarm(args: argparse.Namespace) -> dict[str, float]:
+    """The swarm's rounds as the mode asks, printed; the per-hop overhead (ms) of the default mode and of each
+    --transports client (empty for the other modes)."""
     model_dir = str(default_checkpoint(args.preset))
     push_frames = True if args.push_ab else args.push_frames
     server_args = [] if push_frames is None else ["--push-frames" if push_frames else "--no-push-frames"]
@@ -157,21 +174,21 @@ def main() -> None:
                                                                       frames=False)
             client = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=push,
                                                                  frames=True)
-            assert alternating({"gRPC": grpc_client, "framed": client}, args.rounds, args.servers,
-                               args.head_between, pids)["framed"] \
-                .remote.channels.frame_ports and not grpc_client.remote.channels.frame_ports
-            return
+            per_hop = alternating({"gRPC": grpc_client, "framed": client}, args.rounds, args.servers,
+                                  args.head_between, pids)
+            assert client.remote.channels.frame_ports and not grpc_client.remote.channels.frame_ports
+            return {f"swarmlm {name}": ms for name, ms in per_hop.items()}
         if args.push_ab:
             relayed = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=False,
                                                                   frames=True)
             pushed = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses, push=True,
                                                                  frames=True)
             alternating({"relayed": relayed, "pushed": pushed}, args.rounds, args.servers, pids=pids)
-            return
+            return {}
         if args.json:
             breakdown(client, 1, 20)  # warm-up
             print(json.dumps(breakdown(client, 1, 100)))
-            return
+            return {}
         if not args.local and args.head_between:
             runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
             for r in range(args.rounds):  # alternating: machine noise hits both alike
@@ -181,11 +198,12 @@ def main() -> None:
             for part in runs[False][0]:
                 a, b = (statistics.median(run[part] for run in runs[h]) for h in (False, True))
                 print(f"{part:36s} {a:9.3f} {b:20.3f} ms")
-            return
+            return {}
         if not args.local:
-            for part, ms in breakdown(client, args.rounds).items():
+            parts = breakdown(client, args.rounds)
+            for part, ms in parts.items():
                 print(f"{part:36s} {ms:7.3f} ms")
-            return
+            return {"swarmlm": parts["step - server compute"] / args.servers}
         from swarmlm.server.stage import Stage
         from swarmlm.types import BlockRange
 
@@ -200,13 +218,34 @@ def main() -> None:
         local = med["local: the same blocks in-process"] + med["client embed"] + med["client LM head"]
         print(f"{'token through the swarm (embed+step+head)':36s} {swarm:7.3f} ms")
         print(f"{'token in one process (embed+blocks+head)':36s} {local:7.3f} ms   swarm/local {swarm / local:.3f}x")
+        return {}
+
+
+def beside_llamacpp(args: argparse.Namespace, swarm_hops: dict[str, float]) -> None:
+    """The preset's GGUF through llama.cpp locally and over 1..N RPC servers (rounds alternating), its per hop in
+    one table with swarmlm's per hop at N servers (both: what a server costs a token besides its blocks' compute)."""
+    from llamacpp_hop import converter_of, gguf_f32, per_hop, table_rows
+
+    model_dir = default_checkpoint(args.preset)
+    gguf = gguf_f32(Path(model_dir), args.converter or converter_of(args.llamacpp))
+    print("llama.cpp: load average (1, 5, 15 min) at start: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
+    result = per_hop(args.llamacpp, gguf, int(load_config(str(model_dir)).num_hidden_layers), args.servers,
+                     args.rounds, tokens=64)
+    print("llama.cpp: load average (1, 5, 15 min) at end: %.2f %.2f %.2f" % os.getloadavg())
+    print(f"\nper hop, ms ({args.preset}; llama.cpp: llama-bench tg 64 tokens, -t 1, -lm none, blocks on the RPC servers, "
+          f"medians of {args.rounds} rounds; swarmlm: (step - server compute) / {args.servers} servers)")
+    rows = table_rows(result)
+    print(rows[0] + "".join(f" {name:>15s}" for name in swarm_hops))
+    for name, row in zip(result, rows[1:]):
+        at_n = name == f"{args.servers} rpc"
+        print(row + "".join(f" {(f'{ms:.3f}' if at_n else ''):>15s}" for ms in swarm_hops.values()))
 
 
 def alternating(clients: dict[str, DistributedModelForCausalLM], rounds: int, servers: int,
-                head_between: bool = False, pids: list[int] = ()) -> dict[str, DistributedModelForCausalLM]:
+                head_between: bool = False, pids: list[int] = ()) -> dict[str, float]:
     """Rounds of 100 steps alternating between the clients (machine noise hits them alike): medians side by side,
-    and the per-hop overhead: the median over steps of (step - server compute) / servers. `head_between`: the LM
-    head between steps, as a generated token computes it."""
+    and the per-hop overhead: the median over rounds of (step - server compute) / servers, ms, returned per client.
+    `head_between`: the LM head between steps, as a generated token computes it."""
     for client in clients.values():
         breakdown(client, 1, 20)  # warm-up (connections, caches)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in clients}
@@ -222,7 +261,7 @@ def alternating(clients: dict[str, DistributedModelForCausalLM], rounds: int, se
     per_hop = {n: statistics.median(run["step - server compute"] for run in runs[n]) / servers for n in names}
     print(f"{'per-hop overhead (step - compute) / ' + str(servers):42s} " + " ".join(f"{per_hop[n]:8.3f}" for n in names))
     print("load average (1, 5, 15 min) at end: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
-    return clients
+    return per_hop
 
 
 def compare(args: argparse.Namespace) -> None:
