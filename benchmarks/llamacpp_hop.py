@@ -110,13 +110,15 @@ def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 20.0) -
     raise TimeoutError(f"ggml-rpc-server on port {port} not listening after {timeout_s} s")
 
 
-def bench_ms(bin_dir: Path, gguf: Path, tokens: int, rpc: list[str], ngl: int) -> float:
+def bench_ms(bin_dir: Path, gguf: Path, tokens: int, rpc: list[str], ngl: int, mapped: bool = False) -> float:
     """ms per generated token of one llama-bench run (`tokens` tokens, one CPU thread), over the RPC servers `rpc`
-    (none: local). `-lm none`: every process reads its weights into buffers of its own, as an RPC server does with
-    what it is sent; llama.cpp's default maps the file, and a bloomz-560m token then took ~18 ms longer in one
-    process here (77.8 vs 59.9 ms, docs/RESULTS-hop.md round 14), which would pass for a negative cost per hop."""
+    (none: local). Unless `mapped`, `-lm none`: every process reads its weights into buffers of its own, as an RPC
+    server does with what it is sent; llama.cpp's default maps the file, and a bloomz-560m token then took ~18 ms
+    longer in one process here (77.8 vs 59.9 ms, docs/RESULTS-hop.md round 14), which would pass for a negative cost
+    per hop."""
     cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-r", "1", "-t", "1",
-           "-lm", "none", "-o", "json", *(["-ngl", str(ngl), "-rpc", ",".join(rpc)] if rpc else ["-ngl", "0"])]
+           *([] if mapped else ["-lm", "none"]), "-o", "json",
+           *(["-ngl", str(ngl), "-rpc", ",".join(rpc)] if rpc else ["-ngl", "0"])]
     out = subprocess.run(cmd, env=dict(os.environ, LD_LIBRARY_PATH=str(bin_dir)), check=True, capture_output=True,
                          text=True).stdout
     return 1000 / json.loads(out)[0]["avg_ts"]

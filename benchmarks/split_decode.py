@@ -15,11 +15,8 @@ servers push on frames / on gRPC.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -83,33 +80,17 @@ def swarmlm_ratio(model: str, servers: int, rounds: int, tokens: int, transports
 
 
 def llamacpp_ratio(bin_dir: Path, model: str, servers: int, rounds: int, tokens: int) -> None:
-    ports = [free_port() for _ in range(servers + 1)]
-    procs = [subprocess.Popen([str(bin_dir / "ggml-rpc-server"), "-t", "1", "-p", str(p)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL) for p in ports]
-    try:
-        time.sleep(2)
-        setups = {"1 server": ports[:1], f"{servers} servers": ports[1:]}
+    from llamacpp_hop import bench_ms, rpc_servers  # (benchmarks/: this script's directory)
+
+    with rpc_servers(bin_dir, servers + 1) as addresses:
+        setups = {"1 server": addresses[:1], f"{servers} servers": addresses[1:]}
         runs: dict[str, list[float]] = {name: [] for name in setups}
         print("load average at start: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
         for r in range(rounds):
             for name in (list(setups) if r % 2 == 0 else list(setups)[::-1]):
-                rpc = ",".join(f"127.0.0.1:{p}" for p in setups[name])
-                out = subprocess.run([str(bin_dir / "llama-bench"), "-m", model, "-p", "0", "-n", str(tokens),
-                                      "-r", "1", "-t", "1", "-ngl", "99", "-rpc", rpc, "-o", "json"],
-                                     check=True, capture_output=True, text=True).stdout
-                runs[name].append(1000 / json.loads(out)[0]["avg_ts"])
+                runs[name].append(bench_ms(bin_dir, Path(model), tokens, setups[name], ngl=99, mapped=True))
         print("load average at end: %.2f %.2f %.2f" % os.getloadavg())
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait(10)
     report("llama.cpp RPC", runs, "llama-bench tg, -t 1 -ngl 99")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def report(what: str, runs: dict[str, list[float]], note: str) -> None:

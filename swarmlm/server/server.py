@@ -101,12 +101,17 @@ class Server:
         relay = self.network.relay if self.network is not None else ""
         return record_from_info(self.service.info(), self.address, state, relay)
 
-    async def _announced(self, block: int) -> set[str]:
-        """Addresses of the servers of our wire protocol announced in the DHT for `block`."""
+    async def _peers(self, blocks, joining: bool = False) -> dict[str, ServerRecord]:
+        """The DHT's records for `blocks` (fetched off the loop) of servers of our wire protocol: clients refuse any
+        other, so no other covers a block, is a push target or a rival loader. `joining`: joining / loading too."""
         from swarmlm.swarm.dht import fetch_records
 
-        records = of_our_protocol(await asyncio.get_running_loop().run_in_executor(
-            None, lambda: fetch_records(self.dht, self.dht_prefix, [block], swarm_key=self.config.swarm_key)))
+        return of_our_protocol(await asyncio.get_running_loop().run_in_executor(None, lambda: fetch_records(
+            self.dht, self.dht_prefix, blocks, swarm_key=self.config.swarm_key, joining=joining)))
+
+    async def _announced(self, block: int) -> set[str]:
+        """Addresses of the servers of our wire protocol announced in the DHT for `block`."""
+        records = await self._peers([block])
         self.network.learn(records.values())  # relayed ones: pushed to through their own relays (server/network.py)
         return {r.address for r in records.values() if r.start <= block < r.end and self.network.may_serve(r)}
 
@@ -229,7 +234,6 @@ class Server:
         """Every period: would moving raise the swarm's weakest block throughput enough? Then move. Blocks that nobody
         serves any more (a dead server's) are looked for more often, every GAP_CHECK_S: clients wait for them."""
         from swarmlm.server.placement import LoadingWatch, model_spec, should_move, uncovered
-        from swarmlm.swarm.dht import fetch_records
 
         loop = asyncio.get_running_loop()
         model = await loop.run_in_executor(None, model_spec, self.config)
@@ -240,8 +244,7 @@ class Server:
             await asyncio.sleep(min(period, GAP_CHECK_S))
             try:
                 # joiners count (no move onto them); servers of another wire protocol do not (clients refuse them)
-                records = of_our_protocol(await loop.run_in_executor(None, lambda: fetch_records(
-                    self.dht, self.dht_prefix, range(model.num_blocks), swarm_key=self.config.swarm_key, joining=True)))
+                records = await self._peers(range(model.num_blocks), joining=True)
                 records = watch.trusted(records, model.num_blocks, time.monotonic())
                 if time.monotonic() < next_check and not uncovered(records, model.num_blocks):
                     continue
@@ -300,11 +303,9 @@ class Server:
         smaller id loading the same blocks (placement.first_loader), not one stuck past max_loading_s nor one of
         another wire protocol."""
         from swarmlm.server.placement import first_loader
-        from swarmlm.swarm.dht import fetch_records
 
         await asyncio.sleep(self.config.announce_period_s)
-        records = of_our_protocol(await asyncio.get_running_loop().run_in_executor(None, lambda: fetch_records(
-            self.dht, self.dht_prefix, range(me.start, me.end), swarm_key=self.config.swarm_key, joining=True)))
+        records = await self._peers(range(me.start, me.end), joining=True)
         return first_loader(me, watch.without_stale(records, time.monotonic()))
 
     async def _swap_blocks(self, blocks: BlockRange) -> tuple[Stage, BlockRange]:
