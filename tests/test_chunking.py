@@ -182,8 +182,10 @@ def _count(events: list[tuple[str, str, float]], server_id: str, kind: str) -> i
 
 @pytest.mark.slow
 def test_server_dying_mid_prefill_keeps_the_logits_exact(swarm, monkeypatch):
-    """The middle server is killed when its third chunk's answer is due: it is replaced and replayed; the other
-    servers, left with chunks written but unanswered, are reopened and replayed; the logits do not change."""
+    """The middle server is killed as the client sends the prompt's third chunk (so it cannot have answered every
+    chunk yet, however fast it pushes and answers: killed on a reply's due time instead, it sometimes had): it is
+    replaced and replayed; the other servers, left with chunks written but unanswered, are reopened and replayed;
+    the logits do not change."""
     path, swarm_, ref = swarm
     for server in list(swarm_.servers):  # earlier tests may have killed some: every block twice again
         if not server.alive:
@@ -191,23 +193,23 @@ def test_server_dying_mid_prefill_keeps_the_logits_exact(swarm, monkeypatch):
             swarm_.start_server(BlockRange(*server.ready["blocks"]))
     ids = torch.randint(3, 500, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(1))
     client = _client(swarm_, prefill_chunk_tokens=6)
-    receive = SpanStream.receive
-    state = {"victim": None, "seen": 0, "killed": False}
+    send = SpanStream.send
+    state = {"first": None, "victim": None, "seen": 0, "killed": False}
 
-    async def dying_receive(self, *args, **kwargs):
-        if self.span.server_id == state["victim"] and not state["killed"]:
+    async def killing_send(self, *args, **kwargs):
+        if self.span.server_id == state["first"] and not state["killed"]:
             state["seen"] += 1
             if state["seen"] == 3:
                 state["killed"] = True
-                victim = next(s for s in swarm_.servers if s.server_id == self.span.server_id)
+                victim = next(s for s in swarm_.servers if s.server_id == state["victim"])
                 swarm_.kill(victim, signal.SIGKILL)
                 victim.proc.wait(60)
-        return await receive(self, *args, **kwargs)
+        return await send(self, *args, **kwargs)
 
-    monkeypatch.setattr(SpanStream, "receive", dying_receive)
+    monkeypatch.setattr(SpanStream, "send", killing_send)
     try:
         with client.inference_session(max_length=PROMPT_TOKENS + 2) as session:
-            state["victim"] = session.spans[1].span.server_id
+            state["first"], state["victim"] = session.spans[0].span.server_id, session.spans[1].span.server_id
             got = client.step_logits(session, ids)
             nxt = got[:, -1:].argmax(-1)
             got_next = client.step_logits(session, nxt)
