@@ -230,7 +230,9 @@ def _sleep_until(deadline: float) -> None:
 class _Relay:
     def __init__(self) -> None:
         self.serializers: dict[str, _Serializer] = collections.defaultdict(_Serializer)
-        self.lock = threading.Lock()
+        # reentrant: the SIGTERM handler (its parent died) runs `shutdown` in the main thread, which may be inside
+        # `shutdown` already (the same death closes its control pipe): a plain Lock would deadlock it there for good
+        self.lock = threading.RLock()
         self.listeners: list[socket.socket] = []
         self.conns: set[socket.socket] = set()
 
