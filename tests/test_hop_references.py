@@ -51,3 +51,17 @@ def test_gguf_conversion_refuses_a_missing_converter(tmp_path):
         llamacpp_hop.gguf_f32(tmp_path, missing)
     assert not (tmp_path / llamacpp_hop.GGUF_NAME).exists()
     assert llamacpp_hop.converter_of(tmp_path / "build" / "bin") == tmp_path.resolve() / "convert_hf_to_gguf.py"
+
+
+def test_span_split_reports_one_span_beside_n(tmp_path):
+    """benchmarks/span_split.py (what splitting costs the compute alone, in one process) runs on a packed GGUF and
+    reports both setups' per-token CPU time."""
+    from swarmlm.model.random_checkpoint import init_gguf
+
+    model = init_gguf("tiny-llama", tmp_path / "tiny.q4_0.gguf", "q4_0", seed=5)
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "span_split.py"), "--model", str(model), "--spans", "2",
+                          "--rounds", "1", "--tokens", "2"],
+                         check=True, capture_output=True, text=True, timeout=120, cwd=BENCHMARKS).stdout
+    row = re.search(r"1 span ([0-9.]+) ms, 2 spans ([0-9.]+) ms", out)
+    assert row, out
+    assert float(row[1]) > 0 and float(row[2]) > 0
