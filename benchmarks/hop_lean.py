@@ -2,6 +2,7 @@
 hop on this machine, to hold `hop_breakdown.py`'s per-hop overhead against.
 
     .venv/bin/python benchmarks/hop_lean.py [--compute-ms 0,2,17,60] [--hidden 1024] [--steps 40]
+                                            [--wires protobuf,bare]
 
 A client and a "server" process on loopback, blocking sockets, one thread each, no event loop, no session, no
 scheduler: per step the client builds a real `InferenceRequest` (the hidden state through `codec.encode`, keyed
@@ -9,10 +10,17 @@ MAC), frames and sends it; the server parses it, checks its MAC, decodes it with
 (sweeps a 256 MiB buffer for --compute-ms, as a forward evicts the caches), then encodes, MACs, serialises and sends
 an `InferenceReply` with its compute time; the client parses, checks and decodes it. Per hop = the client's step
 wall time minus the server's compute (hop_breakdown's measure). Medians over --steps steps after 5 warm-up steps.
+
+--wires: `protobuf` is the product's message work as above; `bare` the least a checked message can cost in Python
+(a fixed struct + raw float32 + the keyed BLAKE2b tag, the finiteness check in numpy; no protobuf, no torch): what
+Python alone costs on this VM, whatever the wire format.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
+import math
 import os
 import socket
 import statistics
@@ -25,7 +33,7 @@ import torch
 from swarmlm.machine import machine_line
 from swarmlm.wire import codec
 from swarmlm.wire import swarm_pb2 as pb
-from swarmlm.wire.session_keys import sign, verified
+from swarmlm.wire.session_keys import MAC_BYTES, sign, verified
 
 KEY, SESSION = b"k" * 32, "s" * 32
 LENGTH = struct.Struct("<I")
@@ -47,34 +55,113 @@ def _frame(sock: socket.socket) -> bytes:
     return _exact(sock, LENGTH.unpack(_exact(sock, LENGTH.size))[0])
 
 
-def _send(sock: socket.socket, message) -> None:
-    data = message.SerializeToString()
+def _send(sock: socket.socket, data: bytes) -> None:
     sock.sendall(LENGTH.pack(len(data)) + data)
 
 
-def _serve(sock: socket.socket, compute_s: float) -> None:
-    """The server's loop, until the client closes: returns its medians (us) through the socket's last reply."""
+class ProtobufWire:
+    """The product's message work: protobuf messages, the codec (torch tensors, finiteness check), keyed MAC."""
+
+    @staticmethod
+    def sample(hidden_size: int) -> torch.Tensor:
+        return torch.randn(1, 1, hidden_size)
+
+    @staticmethod
+    def request(hidden: torch.Tensor, step_id: int) -> bytes:
+        return sign(KEY, SESSION, pb.InferenceRequest(session_id=SESSION, step=pb.InferenceStep(
+            hidden=codec.encode(hidden), step_id=step_id))).SerializeToString()
+
+    @staticmethod
+    def parse_request(body: bytes) -> tuple[int, torch.Tensor]:
+        request = pb.InferenceRequest.FromString(body)
+        if not verified(KEY, SESSION, request):
+            raise ValueError("MAC mismatch")
+        return request.step.step_id, codec.decode(request.step.hidden, finite=True)
+
+    @staticmethod
+    def reply(hidden: torch.Tensor, step_id: int, compute_s: float) -> bytes:
+        return sign(KEY, SESSION, pb.InferenceReply(
+            session_id=SESSION, hidden=codec.encode(hidden * 1.0), step_id=step_id, position=1,
+            timing=pb.Timing(compute_s=compute_s))).SerializeToString()
+
+    @staticmethod
+    def parse_reply(body: bytes) -> float:
+        reply = pb.InferenceReply.FromString(body)
+        if not verified(KEY, SESSION, reply):
+            raise ValueError("MAC mismatch")
+        codec.decode(reply.hidden, finite=True)
+        return reply.timing.compute_s
+
+
+class BareWire:
+    """The least a checked message can cost in Python: a fixed struct (step id or compute time) + raw float32 + a
+    keyed BLAKE2b tag, the finiteness check in numpy; no protobuf, no torch."""
+
+    HEAD = struct.Struct("<Qd")  # step id, compute seconds
+
+    @staticmethod
+    def sample(hidden_size: int) -> np.ndarray:
+        return np.random.default_rng(0).standard_normal(hidden_size, dtype=np.float32)
+
+    @classmethod
+    def _sealed(cls, head: bytes, hidden: np.ndarray) -> bytes:
+        body = head + hidden.tobytes()
+        return body + _tag(body)
+
+    @classmethod
+    def _opened(cls, body: bytes) -> tuple[tuple, np.ndarray]:
+        data, tag = body[:-MAC_BYTES], body[-MAC_BYTES:]
+        if not hmac.compare_digest(tag, _tag(data)):
+            raise ValueError("MAC mismatch")
+        values = np.frombuffer(data, dtype=np.float32, offset=cls.HEAD.size)
+        if math.isnan(values.dot(np.zeros(values.size, np.float32))):
+            raise ValueError("not finite")
+        return cls.HEAD.unpack_from(data), values.copy()
+
+    @classmethod
+    def request(cls, hidden: np.ndarray, step_id: int) -> bytes:
+        return cls._sealed(cls.HEAD.pack(step_id, 0.0), hidden)
+
+    @classmethod
+    def parse_request(cls, body: bytes) -> tuple[int, np.ndarray]:
+        (step_id, _), values = cls._opened(body)
+        return step_id, values
+
+    @classmethod
+    def reply(cls, hidden: np.ndarray, step_id: int, compute_s: float) -> bytes:
+        return cls._sealed(cls.HEAD.pack(step_id, compute_s), hidden * 1.0)
+
+    @classmethod
+    def parse_reply(cls, body: bytes) -> float:
+        (_, compute_s), _ = cls._opened(body)
+        return compute_s
+
+
+WIRES = {"protobuf": ProtobufWire, "bare": BareWire}
+
+
+def _tag(data: bytes) -> bytes:
+    digest = hashlib.blake2b(SESSION.encode() + b"\n", digest_size=MAC_BYTES, key=KEY)
+    digest.update(data)
+    return digest.digest()
+
+
+def _serve(sock: socket.socket, compute_s: float, wire) -> None:
+    """The server's loop, until the client closes."""
     big = np.ones(64 << 20, dtype=np.float32)  # 256 MiB: what a forward's weights do to the caches
     while True:
         try:
             body = _frame(sock)
         except EOFError:
             return
-        request = pb.InferenceRequest.FromString(body)
-        if not verified(KEY, SESSION, request):
-            raise ValueError("MAC mismatch")
-        hidden = codec.decode(request.step.hidden, finite=True)
+        step_id, hidden = wire.parse_request(body)
         started = time.perf_counter()
         while time.perf_counter() - started < compute_s:
             big[::16].sum()
-        out = hidden * 1.0
-        compute = time.perf_counter() - started
-        _send(sock, sign(KEY, SESSION, pb.InferenceReply(
-            session_id=SESSION, hidden=codec.encode(out), step_id=request.step.step_id, position=1,
-            timing=pb.Timing(compute_s=compute))))
+        _send(sock, wire.reply(hidden, step_id, time.perf_counter() - started))
 
 
-def lean_hop(compute_ms: float, hidden_size: int, steps: int) -> dict[str, float]:
+def lean_hop(compute_ms: float, hidden_size: int, steps: int, wire=ProtobufWire) -> dict[str, float]:
     """Medians in ms: the per-hop overhead, and the client's own work before and after the wire."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -85,30 +172,26 @@ def lean_hop(compute_ms: float, hidden_size: int, steps: int) -> dict[str, float
         conn, _ = listener.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            _serve(conn, compute_ms / 1000)
+            _serve(conn, compute_ms / 1000, wire)
         finally:
             os._exit(0)
     listener_port = listener.getsockname()[1]
     listener.close()
     sock = socket.create_connection(("127.0.0.1", listener_port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    x = torch.randn(1, 1, hidden_size)
+    x = wire.sample(hidden_size)
     rows = []
     try:
         for i in range(steps + WARM_UP):
             t0 = time.perf_counter()
-            _send(sock, sign(KEY, SESSION, pb.InferenceRequest(
-                session_id=SESSION, step=pb.InferenceStep(hidden=codec.encode(x), step_id=i + 1))))
+            _send(sock, wire.request(x, i + 1))
             t1 = time.perf_counter()
             body = _frame(sock)
             t2 = time.perf_counter()
-            reply = pb.InferenceReply.FromString(body)
-            if not verified(KEY, SESSION, reply):
-                raise ValueError("MAC mismatch")
-            codec.decode(reply.hidden, finite=True)
+            compute_s = wire.parse_reply(body)
             t3 = time.perf_counter()
             if i >= WARM_UP:
-                rows.append({"per hop (step - compute)": t3 - t0 - reply.timing.compute_s,
+                rows.append({"per hop (step - compute)": t3 - t0 - compute_s,
                              "client: build + send": t1 - t0, "client: parse + verify + decode": t3 - t2})
     finally:
         sock.close()
@@ -121,14 +204,17 @@ def main() -> None:
     ap.add_argument("--compute-ms", default="0,2,17,60", help="the server's compute per step, comma-separated")
     ap.add_argument("--hidden", type=int, default=1024, help="hidden size (bloomz-560m 1024, tiny-bloom 64)")
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--wires", default="protobuf,bare", help=f"comma-separated, of {', '.join(WIRES)}")
     args = ap.parse_args()
+    wires = [WIRES[name] for name in args.wires.split(",")]
     torch.set_num_threads(1)
     print("machine:", machine_line(), flush=True)
     print("load average (1, 5, 15 min) at start:", *os.getloadavg(), flush=True)
     for compute_ms in (float(c) for c in args.compute_ms.split(",")):
-        parts = lean_hop(compute_ms, args.hidden, args.steps)
-        print(f"compute {compute_ms:g} ms, hidden {args.hidden}: " +
-              ", ".join(f"{k} {v:.3f}" for k, v in parts.items()) + " (ms, medians)", flush=True)
+        for wire in wires:
+            parts = lean_hop(compute_ms, args.hidden, args.steps, wire)
+            print(f"{wire.__name__}, compute {compute_ms:g} ms, hidden {args.hidden}: " +
+                  ", ".join(f"{k} {v:.3f}" for k, v in parts.items()) + " (ms, medians)", flush=True)
     print("load average (1, 5, 15 min) at end:", *os.getloadavg(), flush=True)
 
 
