@@ -127,7 +127,7 @@ def test_prefill_padding_queries_and_gradients_are_left_to_transformers(checkpoi
         masks = [torch.cat([state.mask, torch.tensor([[1], [0]])], dim=1)]
         assert decoder.step(torch.randn(2, 1, stage.hidden_size), [(state.cache, slice(0, 2))], masks) is None
         assert torch.equal(state.cache.keys[:, :, :, :3], keys) and not state.cache.keys[:, :, :, 3:].any()
-    assert not decoder.usable(one)  # gradients on
+    assert decoder.usable(one) and not decoder.usable(one.requires_grad_())  # gradients wanted for the input
 
 
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2 + FMA, and plain C: other CPUs' code paths

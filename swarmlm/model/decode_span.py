@@ -97,9 +97,11 @@ class SpanDecoder:
         return cls(config, adapter.rotary(config), blocks, kv_dtype)
 
     def usable(self, hidden: torch.Tensor) -> bool:
-        """At most DIRECT_ROWS new tokens in all (rows x tokens: decode steps, speculative passes, short prompts), no
-        gradients. (A step with a padding query is refused by `step` itself: the kernel reads the masks anyway.)"""
-        return hidden.shape[0] * hidden.shape[1] <= DIRECT_ROWS and not torch.is_grad_enabled()
+        """At most DIRECT_ROWS new tokens in all (rows x tokens: decode steps, speculative passes, short prompts), and
+        no gradients wanted for them. (A step with a padding query is refused by `step` itself: the kernel reads the
+        masks anyway.)"""
+        wanted = hidden.requires_grad and torch.is_grad_enabled()
+        return hidden.shape[0] * hidden.shape[1] <= DIRECT_ROWS and not wanted
 
     def step(self, hidden: torch.Tensor, members, masks: list[torch.Tensor]) -> torch.Tensor | None:
         """hidden [B, T, H]; members: (SpanCache, rows slice) per session, each cache's committed length + T equal to
