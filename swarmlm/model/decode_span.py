@@ -9,9 +9,13 @@ summation order of the blocks' own forward.
 It takes a span only when that is exactly what the blocks compute (`SpanDecoder.of`): Llama, Mistral, Qwen2 or Qwen3 blocks
 whose seven products are all packed (a GGUF's own blocks, or --quant int8/int4), SiLU, RMSNorm, full or sliding-window
 attention (config.sliding_window on the layers the family marks sliding), float32; and a step only when it has at
-most DIRECT_ROWS new tokens in all, every one real (`usable`): decode steps, speculative passes, short prompts.
-Anything else -- other families, float weights, LoRA adapters, long prompts, gradients -- runs through transformers
-as before (server/stage.py decides per step).
+most DIRECT_ROWS new tokens in all (`usable`: decode steps, speculative passes, short prompts), every one real (the
+kernel refuses a padding query: `step` returns None). Anything else -- other families, float weights, LoRA adapters,
+long prompts, gradients, padding queries -- runs through transformers as before (server/stage.py decides per step).
+
+Each call's own cost is kept small, as every server pays it once per token with its caches cold (docs/RESULTS-hop.md
+round 15): two torch ops (the input's copy, which the kernel works on in place; the caller's mask concatenation),
+the per-row arrays kept while the caches stay, the rotary positions counted by the kernel from the masks.
 """
 from __future__ import annotations
 
