@@ -161,7 +161,8 @@ class Stage:
         All requests run the same sub-range on the same number of new tokens (equal `batch_key`), each session at
         most once. Caches and masks (cache ops included) change only if the whole forward succeeds. No gradients:
         transformers' forward runs in inference mode; the one-call decoder takes no tensor that wants them and needs
-        no mode (entering it costs a decode step ~20 us when its code is out of the CPU's caches)."""
+        no mode (entering it cost a decode step 25-30 us with its code out of the CPU's caches: docs/RESULTS-hop.md
+        round 15)."""
         first = requests[0]
         if len(requests) > 1:
             assert all(r.batch_key == first.batch_key for r in requests), "only steps with equal batch_key batch"
