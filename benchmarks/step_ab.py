@@ -1,6 +1,7 @@
 """A server's one-call decode step (kernels/decode.c) with another build of the kernels beside this tree's, in one
 process: SmolLM2's blocks packed once, steps alternated between the builds over the same caches, thread CPU time,
-medians. A tool for kernel work (the builds must lay out weights alike):
+medians. A tool for kernel work (the builds must lay out weights alike and take decode_span's arguments alike: the
+rotary table and per-row flag of session 47 on):
 
     # another tree's kernels, built by that tree itself (its own flags), copied to a file of their own:
     cp "$(cd /tmp/old && PYTHONPATH=$PWD python -c 'from swarmlm.kernels import library; print(library()._name)')" \\
@@ -36,7 +37,7 @@ def main() -> None:
 
     builds = {"other": ctypes.CDLL(args.other), "this": library()}
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    builds["other"].decode_span.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    builds["other"].decode_span.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64]
     builds["other"].decode_span.restype = ctypes.c_int
     for lib in builds.values():
         lib.packed_set_threads(1)

@@ -44,6 +44,21 @@ def run_both(stages, steps, max_length: int = 64) -> None:
             assert rel_l2(got, want) < 1e-5
 
 
+def kernel_steps(monkeypatch, what=lambda decoder: 1) -> list:
+    """A list that gets what(decoder) for every step the one-call decoder computes (not for those it refuses: a
+    padding query)."""
+    calls, step = [], SpanDecoder.step
+
+    def counted(self, *args):
+        out = step(self, *args)
+        if out is not None:
+            calls.append(what(self))
+        return out
+
+    monkeypatch.setattr(SpanDecoder, "step", counted)
+    return calls
+
+
 def scenario(hidden_size: int) -> list:
     g = torch.Generator().manual_seed(0)
 
@@ -66,9 +81,7 @@ def scenario(hidden_size: int) -> list:
 @pytest.mark.parametrize("name", DECODED)
 def test_a_decode_step_in_one_call_is_the_blocks_forward(checkpoints, name, monkeypatch):
     fast, plain = twin_stages(checkpoints[name], BlockRange(0, 4), quant="int8")
-    calls = []
-    step = SpanDecoder.step
-    monkeypatch.setattr(SpanDecoder, "step", lambda self, *a: calls.append(1) or step(self, *a))
+    calls = kernel_steps(monkeypatch)
     run_both((fast, plain), scenario(fast.hidden_size))
     assert len(calls) == 15  # every step of the fast stage but the left-padded prompt (a padding query) took it
 
@@ -102,13 +115,19 @@ def test_prefill_padding_queries_and_gradients_are_left_to_transformers(checkpoi
     decoder = stage._span_decoder(slice(0, 2))
     one = torch.zeros(2, 1, stage.hidden_size)
     with torch.inference_mode():
-        assert decoder.usable(one, [torch.ones(2, 1)])
-        assert decoder.usable(torch.zeros(2, 5, stage.hidden_size), [torch.ones(2, 5)])  # a draft, a short prompt
-        assert not decoder.usable(torch.zeros(2, 40, stage.hidden_size), [torch.ones(2, 40)])  # a longer prompt
-        assert not decoder.usable(one, [torch.tensor([[1], [0]])])  # a padding query
+        assert decoder.usable(one)
+        assert decoder.usable(torch.zeros(2, 5, stage.hidden_size))  # a draft, a short prompt
+        assert not decoder.usable(torch.zeros(2, 40, stage.hidden_size))  # a longer prompt
         past = DIRECT_ROWS + 1
-        assert not decoder.usable(torch.zeros(past, 1, stage.hidden_size), [torch.ones(past, 1)])
-    assert not decoder.usable(one, [torch.ones(2, 1)])  # gradients on
+        assert not decoder.usable(torch.zeros(past, 1, stage.hidden_size))
+        # a padding query: the kernel refuses the step before it computes or writes anything
+        state = stage.new_state(stage.blocks, 2, 8)
+        stage.step(state, torch.randn(2, 3, stage.hidden_size), torch.ones(2, 3))
+        keys = state.cache.keys[:, :, :, :3].clone()
+        masks = [torch.cat([state.mask, torch.tensor([[1], [0]])], dim=1)]
+        assert decoder.step(torch.randn(2, 1, stage.hidden_size), [(state.cache, slice(0, 2))], masks) is None
+        assert torch.equal(state.cache.keys[:, :, :, :3], keys) and not state.cache.keys[:, :, :, 3:].any()
+    assert decoder.usable(one) and not decoder.usable(one.requires_grad_())  # gradients wanted for the input
 
 
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2 + FMA, and plain C: other CPUs' code paths
@@ -154,9 +173,7 @@ def test_positions_past_the_rotary_table_and_a_dynamic_rotary(tmp_path, rope, pr
     config["max_position_embeddings"] = 16 if rope["rope_type"] == "dynamic" else 2048
     (path / "config.json").write_text(json.dumps(config))
     fast, plain = twin_stages(str(path), BlockRange(0, 2), quant="int8")
-    calls = []
-    step = SpanDecoder.step
-    monkeypatch.setattr(SpanDecoder, "step", lambda self, *a: calls.append(1) or step(self, *a))
+    calls = kernel_steps(monkeypatch)
     g = torch.Generator().manual_seed(1)
     steps = [[(0, torch.randn(1, prompt, fast.hidden_size, generator=g), torch.ones(1, prompt), None)]]
     steps += [[(0, torch.randn(1, 1, fast.hidden_size, generator=g), torch.ones(1, 1), None)] for _ in range(12)]
@@ -181,8 +198,6 @@ def test_query_heads_of_one_kv_head_attend_together(tmp_path, heads, kv_heads, h
         file.unlink()
     model.save_pretrained(path)
     fast, plain = twin_stages(str(path), BlockRange(0, 2), quant="int8")
-    calls = []
-    step = SpanDecoder.step
-    monkeypatch.setattr(SpanDecoder, "step", lambda self, *a: calls.append(1) or step(self, *a))
+    calls = kernel_steps(monkeypatch)
     run_both((fast, plain), scenario(fast.hidden_size))
     assert len(calls) == 15

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from swarmlm.config import ServerConfig
-from swarmlm.model.decode_span import SpanDecoder
 from swarmlm.model.random_checkpoint import init_checkpoint
 from swarmlm.server.kv_cache import SpanCache
 from swarmlm.server.kv_dtype import cache_dtype
@@ -16,7 +15,7 @@ from swarmlm.server.prefix_cache import PrefixCache
 from swarmlm.server.stage import Stage, StepRequest
 from swarmlm.types import BlockRange, CacheOp
 from tests.gguf_fixtures import write_tiny_gguf
-from tests.test_decode_span import DECODED, rel_l2, scenario
+from tests.test_decode_span import DECODED, kernel_steps, rel_l2, scenario
 
 torch.set_num_threads(1)
 F16_STEP = 3e-3  # a step through 2-4 blocks from float16 K/V (2^-11 relative each) against float32 ones
@@ -55,9 +54,7 @@ def kernel_and_transformers(model: str, blocks: BlockRange, quant: str, wide_pla
 @pytest.mark.parametrize("name", DECODED)
 def test_float16_caches_decode_in_one_call_as_transformers_and_near_float32(checkpoints, name, monkeypatch):
     stages = kernel_and_transformers(checkpoints[name], BlockRange(0, 4), quant="int8", wide_plain=True)
-    calls = []
-    step = SpanDecoder.step
-    monkeypatch.setattr(SpanDecoder, "step", lambda self, *a: calls.append(self.kv_dtype) or step(self, *a))
+    calls = kernel_steps(monkeypatch, lambda decoder: decoder.kv_dtype)
     got, want, f32, f32_plain = run_all(stages, scenario(stages[0].hidden_size))
     assert calls.count(torch.float16) == 15 and calls.count(torch.float32) == 15  # both decoders ran every decode
     for g, w, f, fp in zip(got, want, f32, f32_plain):

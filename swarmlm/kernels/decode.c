@@ -14,6 +14,11 @@
  * length len[r] (the new token goes to position len[r]) and its own 0/1 mask over positions 0..len[r] (0 = padding:
  * never attended, as transformers gives it exactly zero weight; the new token's own entry is 1: the caller checks).
  *
+ * Rotary positions come from the same masks, as transformers derives them (families/base.py padded_positions): a
+ * query row's position is the number of real tokens at positions 0..len[r] (its own included) - 1; its cos and sin
+ * are that row of a table of the rotary module's values (rotary: cos rows, then sin rows, rope_rows each). A rotary
+ * whose values are not a table of positions (dynamic, longrope) gives one row per query row instead (rope_by_row).
+ *
  * The caches hold float32 or float16 (D->kv_half; server/kv_cache.py): a new key and value are rounded to float16
  * (to nearest even, as torch's .half()) when written, and every cached one is widened once as attention loads it
  * (F16C's vcvtph2ps), so the attention reads half the bytes; everything it computes stays float32. */
@@ -329,21 +334,56 @@ static void attend(const span_dims *D, const float *q, const void *keys, const v
 #define ATTEND_SCORES 1
 #endif
 
-/* x [rows, hidden] in place through n_blocks blocks; 0 on success, -1 if a product was refused, -2 out of memory */
+#define MAX_QUERY_ROWS 256  /* query rows of one call at most (model/decode_span.py sends at most DIRECT_ROWS, 64) */
+
+/* a thread's scratch buffer of at least `need` floats (64-byte aligned), kept between calls and grown when short (a
+ * call of its own would be an allocation and a release per step); 0 if out of memory */
+static float *scratch(int64_t need) {
+    static _Thread_local float *buffer;
+    static _Thread_local int64_t held;
+    if (need > held) {
+        free(buffer);
+        buffer = aligned_alloc(64, sizeof(float) * need);
+        held = buffer ? need : 0;
+    }
+    return buffer;
+}
+
+/* x [rows, hidden] in place through n_blocks blocks; 0 on success, -1 if a product was refused, -2 out of memory,
+ * -3 if a query row is padding (its own mask entry 0: transformers' business; nothing is written), -4 if a row's
+ * position is past the rotary table or rows are too many (nothing is written) */
 int decode_span(const span_dims *D, const span_block *blocks, int64_t n_blocks, float *x, int64_t rows,
                 void *const *kbase, void *const *vbase, const int64_t *layer_stride, const int64_t *cap,
-                const int64_t *len, const int64_t *const *mask, const float *cos, const float *sin) {
+                const int64_t *len, const int64_t *const *mask, const float *rotary, int64_t rope_rows,
+                int64_t rope_by_row) {
     const int64_t H = D->hidden, d = D->head_dim, qn = D->heads * d, kvn = D->kv_heads * d, I = D->inter;
     const int64_t es = D->kv_half ? 2 : 4;  /* bytes per cached element */
-    int64_t longest = 0;
-    for (int64_t r = 0; r < rows; r++) longest = len[r] + 1 > longest ? len[r] + 1 : longest;
+    if (rows > MAX_QUERY_ROWS || (rope_by_row && rows > rope_rows)) return -4;
+    int64_t longest = 0, table_row[MAX_QUERY_ROWS];
+    for (int64_t r = 0; r < rows; r++) {
+        if (!mask[r][len[r]]) return -3;
+        longest = len[r] + 1 > longest ? len[r] + 1 : longest;
+        if (rope_by_row) {
+            table_row[r] = r;
+            continue;
+        }
+        /* a row's next token (same mask, one position on) adds its own entry; any other row counts its mask */
+        if (r > 0 && mask[r] == mask[r - 1] && len[r] == len[r - 1] + 1) {
+            table_row[r] = table_row[r - 1] + 1;
+        } else {
+            int64_t real = 0;
+            for (int64_t t = 0; t <= len[r]; t++) real += mask[r][t] != 0;
+            table_row[r] = real - 1;
+        }
+        if (table_row[r] >= rope_rows) return -4;
+    }
     /* every buffer starts on a 64-byte line: the products' vector loads of a misaligned row span two lines (malloc's
      * 16-byte alignment made an 8-row step of a 1B model ~15 % slower than the same products from torch's tensors) */
     const int64_t sizes[10] = {rows * H, rows * qn, rows * kvn, rows * kvn, rows * qn, rows * H, rows * I, rows * I,
                                rows * H, ATTEND_SCORES * longest};
     int64_t need = 0;
     for (int i = 0; i < 10; i++) need += (sizes[i] + 15) / 16 * 16;
-    float *buf = aligned_alloc(64, sizeof(float) * need);
+    float *buf = scratch(need);
     if (!buf) return -2;
     float *part[10];
     int64_t at = 0;
@@ -365,8 +405,9 @@ int decode_span(const span_dims *D, const span_block *blocks, int64_t n_blocks, 
             if (B->k_norm)
                 for (int64_t h = 0; h < D->kv_heads; h++)
                     rms_norm(k + r * kvn + h * d, B->k_norm, d, D->eps, k + r * kvn + h * d);
-            rope(q + r * qn, D->heads, d, cos + r * d, sin + r * d);
-            rope(k + r * kvn, D->kv_heads, d, cos + r * d, sin + r * d);
+            const float *cos = rotary + table_row[r] * d, *sin = rotary + (rope_rows + table_row[r]) * d;
+            rope(q + r * qn, D->heads, d, cos, sin);
+            rope(k + r * kvn, D->kv_heads, d, cos, sin);
             /* layer_stride, cap, len: in elements of the cache's type */
             void *K = (char *)kbase[r] + l * layer_stride[r] * es, *V = (char *)vbase[r] + l * layer_stride[r] * es;
             for (int64_t h = 0; h < D->kv_heads; h++) {  /* the new token's key and value at position len[r] */
@@ -404,6 +445,5 @@ int decode_span(const span_dims *D, const span_block *blocks, int64_t n_blocks, 
         }
         for (int64_t i = 0; i < rows * H; i++) x[i] += down[i];
     }
-    free(buf);
     return status;
 }

@@ -9,9 +9,13 @@ summation order of the blocks' own forward.
 It takes a span only when that is exactly what the blocks compute (`SpanDecoder.of`): Llama, Mistral, Qwen2 or Qwen3 blocks
 whose seven products are all packed (a GGUF's own blocks, or --quant int8/int4), SiLU, RMSNorm, full or sliding-window
 attention (config.sliding_window on the layers the family marks sliding), float32; and a step only when it has at
-most DIRECT_ROWS new tokens in all, every one real (`usable`): decode steps, speculative passes, short prompts.
-Anything else -- other families, float weights, LoRA adapters, long prompts, gradients -- runs through transformers
-as before (server/stage.py decides per step).
+most DIRECT_ROWS new tokens in all (`usable`: decode steps, speculative passes, short prompts), every one real (the
+kernel refuses a padding query: `step` returns None). Anything else -- other families, float weights, LoRA adapters,
+long prompts, gradients, padding queries -- runs through transformers as before (server/stage.py decides per step).
+
+Each call's own cost is kept small, as every server pays it once per token with its caches cold (docs/RESULTS-hop.md
+round 15): two torch ops (the input's copy, which the kernel works on in place; the caller's mask concatenation),
+the per-row arrays kept while the caches stay, the rotary positions counted by the kernel from the masks.
 """
 from __future__ import annotations
 
@@ -67,6 +71,7 @@ class SpanDecoder:
         self._table_ok = "dynamic" not in rope and rope != "longrope"  # frequencies fixed: cos/sin from a table
         self._table = torch.empty(2, 0, self.head_dim)  # [cos, sin] x positions x head_dim, float32
         self._last_rows = None  # (key, arrays): the last step's per-row cache pointers (_cache_rows)
+        self._dims = ctypes.byref(self.dims)
 
     @classmethod
     def of(cls, config, adapter, blocks: nn.ModuleList, dtype: torch.dtype,
@@ -95,21 +100,27 @@ class SpanDecoder:
             return None
         return cls(config, adapter.rotary(config), blocks, kv_dtype)
 
-    def usable(self, hidden: torch.Tensor, new_masks: list[torch.Tensor]) -> bool:
-        """At most DIRECT_ROWS new tokens in all (rows x tokens: decode steps, speculative passes, short prompts), no
-        gradients, every new token a real one (a padding query is transformers' business)."""
-        if hidden.shape[0] * hidden.shape[1] > DIRECT_ROWS or torch.is_grad_enabled():
-            return False
-        return bool((new_masks[0] if len(new_masks) == 1 else torch.cat(new_masks)).all())  # [sum B, T]
+    def usable(self, hidden: torch.Tensor) -> bool:
+        """At most DIRECT_ROWS new tokens in all (rows x tokens: decode steps, speculative passes, short prompts), and
+        no gradients wanted for them. (A step with a padding query is refused by `step` itself: the kernel reads the
+        masks anyway.)"""
+        wanted = hidden.requires_grad and torch.is_grad_enabled()
+        return hidden.shape[0] * hidden.shape[1] <= DIRECT_ROWS and not wanted
 
-    def step(self, hidden: torch.Tensor, members, masks: list[torch.Tensor]) -> torch.Tensor:
+    def step(self, hidden: torch.Tensor, members, masks: list[torch.Tensor]) -> torch.Tensor | None:
         """hidden [B, T, H]; members: (SpanCache, rows slice) per session, each cache's committed length + T equal to
         its mask's width; the new K/V are written past the committed length (counted by the caller's commit).
+        Returns the span's output [B, T, H] float32 (the blocks' dtype), or None if a new token is padding (a padding
+        query is transformers' business: nothing was computed, no cache written).
 
         The kernel sees B x T query rows, a sequence's tokens in order: token t of a row is written at position
-        length + t and attends to positions up to its own (causal), through the row's mask."""
-        rows, n_tokens = hidden.shape[0], hidden.shape[1]
-        x = hidden.reshape(rows * n_tokens, -1).to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        length + t and attends to positions up to its own (causal), through the row's mask; its rotary position is
+        the kernel's to count from the same mask (the real tokens up to its own - 1, as transformers derives it)."""
+        n_tokens = hidden.shape[1]
+        # the kernel works in place on a float32 copy: [B, T, H] contiguous is its [B x T, H] (the caller's tensor
+        # stays as it was); a clone when it is float32 already (half of `to`'s cost)
+        x = hidden.clone(memory_format=torch.contiguous_format) if hidden.dtype == torch.float32 else \
+            hidden.to(torch.float32, memory_format=torch.contiguous_format)
         lengths, mask_rows, keep, widest = [], [], [], 0
         for (cache, span), mask in zip(members, masks):
             n, end = span.stop - span.start, cache.length + n_tokens
@@ -118,28 +129,27 @@ class SpanDecoder:
             if end > cache.capacity:
                 cache._grow(end, x.new_empty(n, self.kv_heads, 1, self.head_dim))
             m = mask if mask.dtype == torch.int64 and mask.is_contiguous() else mask.to(torch.int64).contiguous()
-            keep.append(m)
+            keep.append(m)  # (alive until the kernel returns: it reads the rows through their addresses)
             widest = max(widest, end)
-            lengths += [cache.length + t for t in range(n_tokens)] * n
-            mask_rows += [m.data_ptr() + 8 * m.stride(0) * j for j in range(n) for _ in range(n_tokens)]
-        keys, values, strides, caps = self._cache_rows(members, n_tokens)
-        # every new token is real (`usable`): token t of a row sits at (the row's real tokens) - T + t, the position
-        # transformers derives from a left-padding mask (families/base.py padded_positions); each < widest
-        first = (torch.cat([m.sum(1) for m in keep]) if len(keep) > 1 else keep[0].sum(1)).sub_(n_tokens)  # [B]
-        positions = first if n_tokens == 1 else (first[:, None] + torch.arange(n_tokens)).reshape(-1)  # [B x T]
-        rotation = self._rotation(x, positions, widest)  # [2, B x T, head_dim]: cos, sin
-        cos, sin = rotation.data_ptr(), rotation.data_ptr() + rotation.stride(0) * rotation.element_size()
-        longs = ctypes.c_int64 * len(x)
+            lengths += list(range(cache.length, end)) * n  # token t of a row: written at length + t
+            row_bytes = 8 * m.stride(0)
+            mask_rows += [row for row in range(m.data_ptr(), m.data_ptr() + n * row_bytes, row_bytes)
+                          for _ in range(n_tokens)]
+        keys, values, strides, caps, longs = self._cache_rows(members, n_tokens)
+        rope, by_row = self._rope(x, keep, n_tokens, widest)
         code = threaded_library().decode_span(
-            ctypes.byref(self.dims), self.blocks, len(self.blocks), x.data_ptr(), len(x), keys, values, strides, caps,
-            longs(*lengths), longs(*mask_rows), cos, sin)
+            self._dims, self.blocks, len(self.blocks), x.data_ptr(), len(lengths), keys, values, strides, caps,
+            longs(*lengths), longs(*mask_rows), rope.data_ptr(), rope.shape[1], by_row)
+        if code == -3:
+            return None
         if code != 0:
             raise PackedError(f"the decode kernel refused the step (code {code})")
-        return x.reshape(hidden.shape).to(hidden.dtype)
+        return x
 
     def _cache_rows(self, members, n_tokens: int) -> tuple:
         """Per query row: its cache's K and V pointers for the span's first block, layer stride and capacity (ctypes
-        arrays). They change only when a cache grows or the batch changes, so the last step's are kept."""
+        arrays), and the arrays' type. They change only when a cache grows or the batch changes, so the last step's are
+        kept."""
         key = (n_tokens, *[(c.keys.data_ptr(), c.values.data_ptr(), c.capacity, s.stop - s.start) for c, s in members])
         last = self._last_rows  # (read once: the I/O loop's inline decode and the compute thread share this decoder)
         if last is None or last[0] != key:
@@ -155,22 +165,29 @@ class SpanDecoder:
                     strides += [layer_stride] * n_tokens
                     caps += [cache.capacity] * n_tokens
             longs = ctypes.c_int64 * len(keys)
-            last = self._last_rows = key, (longs(*keys), longs(*values), longs(*strides), longs(*caps))
+            last = self._last_rows = key, (longs(*keys), longs(*values), longs(*strides), longs(*caps), longs)
         return last[1]
 
-    def _rotation(self, x: torch.Tensor, positions: torch.Tensor, widest: int) -> torch.Tensor:
-        """cos and sin [2, B x T, head_dim] of the rows' positions (each < widest): rows of a table of the rotary
-        module's own values (its forward is elementwise in the position), grown by doubling; a rotary whose
-        frequencies depend on the positions seen (dynamic, longrope) is asked every step."""
-        if not self._table_ok:
-            cos, sin = self.rotary(x[:, None], position_ids=positions[:, None])
-            return torch.stack([cos.reshape(len(x), -1), sin.reshape(len(x), -1)]).float().contiguous()
-        table = self._table
-        if widest > table.shape[1]:
-            grown = torch.arange(max(widest, 2 * table.shape[1], 256))[None]
-            cos, sin = self.rotary(x[:1, None], position_ids=grown)  # [1, L, head_dim]
-            table = self._table = torch.stack([cos[0], sin[0]]).float()  # [2, L, head_dim]
-        return table.index_select(1, positions)
+    def _rope(self, x: torch.Tensor, masks: list[torch.Tensor], n_tokens: int, widest: int) -> tuple[torch.Tensor, int]:
+        """cos and sin [2, L, head_dim] for the kernel, and whether row r takes table row r (1) or the row of its
+        position (0; every position < widest). A table of the rotary module's own values by position (its forward
+        is elementwise in the position), grown by doubling; a rotary whose frequencies depend on the positions seen
+        (dynamic, longrope) is asked every step for the rows' own positions."""
+        if self._table_ok:
+            table = self._table
+            if widest > table.shape[1]:
+                grown = torch.arange(max(widest, 2 * table.shape[1], 256))[None]
+                cos, sin = self.rotary(x.view(-1, x.shape[-1])[:1, None], position_ids=grown)  # [1, L, head_dim]
+                table = self._table = torch.stack([cos[0], sin[0]]).float().contiguous()  # [2, L, head_dim]
+            return table, 0
+        # every new token is real (else the kernel refuses the step): token t of a row sits at (the row's real
+        # tokens) - T + t, the position transformers derives from a left-padding mask (families/base.py
+        # padded_positions)
+        first = torch.cat([m.sum(1) for m in masks]).sub_(n_tokens)  # [B]
+        positions = (first[:, None] + torch.arange(n_tokens)).reshape(-1)  # [B x T]
+        rows = x.reshape(len(positions), 1, -1)
+        cos, sin = self.rotary(rows, position_ids=positions[:, None])
+        return torch.stack([cos.reshape(len(rows), -1), sin.reshape(len(rows), -1)]).float().contiguous(), 1
 
 
 def _linear(module: PackedLinear) -> _Linear:

@@ -168,10 +168,6 @@ class StepCache(Cache):
             values[m.rows, :, pad:] = v
         return keys, values
 
-    def commit(self, n_tokens: int) -> None:
-        for m in self.members:
-            m.cache.commit(n_tokens)
-
 
 def left_pad(masks: list[torch.Tensor], length: int) -> torch.Tensor:
     """[B_i, L_i] 0/1 masks -> one [sum B_i, length] mask, each right-aligned; the added columns are padding (0)."""

@@ -155,42 +155,56 @@ class Stage:
         """Run the session's blocks on new tokens after `op`; append to its cache and mask. hidden: [B, T, H]."""
         return self.step_batch([StepRequest(state, hidden, new_mask, op)])[0]
 
-    @torch.inference_mode()
     def step_batch(self, requests: list[StepRequest]) -> list[torch.Tensor]:
         """Run several sessions' steps as one forward; outputs in request order, each [B_i, T, H].
 
         All requests run the same sub-range on the same number of new tokens (equal `batch_key`), each session at
-        most once. Caches and masks (cache ops included) change only if the whole forward succeeds."""
+        most once. Caches and masks (cache ops included) change only if the whole forward succeeds. No gradients:
+        transformers' forward runs in inference mode; the one-call decoder takes no tensor that wants them and needs
+        no mode (entering it cost a decode step 25-30 us with its code out of the CPU's caches: docs/RESULTS-hop.md
+        round 15)."""
         first = requests[0]
-        assert all(r.batch_key == first.batch_key for r in requests), "only steps with equal batch_key batch"
-        assert len({id(r.state) for r in requests}) == len(requests), "a session appears twice in one batch"
+        if len(requests) > 1:
+            assert all(r.batch_key == first.batch_key for r in requests), "only steps with equal batch_key batch"
+            assert len({id(r.state) for r in requests}) == len(requests), "a session appears twice in one batch"
         starts = [r.state.edited(r.op, int(r.hidden.shape[0])) for r in requests]
         assert all(s.rows == r.hidden.shape[0] for s, r in zip(starts, requests)), "rows checked by the service"
-        masks = [torch.cat([s.mask, r.mask.to(torch.long)], dim=1) for s, r in zip(starts, requests)]
-        members, row = [], 0
+        masks = [torch.cat([s.mask, r.mask if r.mask.dtype == torch.long else r.mask.to(torch.long)], dim=1)
+                 for s, r in zip(starts, requests)]
+        members, row = [], 0  # (the session's edited cache, its rows in the batch)
         for s, r in zip(starts, requests):
-            members.append(Member(s.cache, slice(row, row + r.hidden.shape[0])))
+            members.append((s.cache, slice(row, row + r.hidden.shape[0])))
             row += r.hidden.shape[0]
-        cache = StepCache(members, offset=first.state.blocks.start - self.blocks.start)
         t = first.hidden.shape[1]
-        hidden = torch.cat([r.hidden for r in requests], dim=0).to(self.dtype)  # [sum B, T, H]
+        # (one session: its own tensor, not a copy: the decoder copies it, transformers' blocks do not write into it)
+        hidden = first.hidden if len(requests) == 1 else torch.cat([r.hidden for r in requests], dim=0)  # [sum B, T, H]
         local = slice(first.state.blocks.start - self.blocks.start, first.state.blocks.end - self.blocks.start)
-        plain = not (first.state.lora_adapter or first.prompted or first.state.client_lora)
+        plain = not (first.state.lora_adapter or first.state.client_lora or first.prompted)
         decoder = self._span_decoder(local) if plain else None
-        if decoder is not None and decoder.usable(hidden, [r.mask for r in requests]):  # one kernel call (model/decode_span.py)
-            out = decoder.step(hidden, [(m.cache, m.rows) for m in members], masks)
-        else:
-            mask = masks[0] if len(requests) == 1 else left_pad(masks, cache.past + t)  # [sum B, past + T]
-            prompt = deep_prompt.prompt_hooks(self.modules[local], first.state.prompts, starts[0].position) \
-                if first.prompted else contextlib.nullcontext()  # (a prompted step runs alone: batch_key)
-            deltas = (*self.lora_adapters.get(first.state.lora_adapter, ()), *first.state.client_lora)
-            with lora_hooks(self.modules, self.blocks.start, deltas), prompt:
-                out = self.adapter.forward_span(self.config, self.modules[local], hidden, cache, mask)
+        out = None
+        if decoder is not None and decoder.usable(hidden):  # one kernel call (model/decode_span.py), or None
+            out = decoder.step(hidden, members, masks)
+        if out is None:
+            out = self._forward(requests, starts, members, masks, hidden.to(self.dtype), local)
         # only after success: a failed forward leaves every session's committed length and mask as they were
-        cache.commit(t)
-        for r, m, member in zip(requests, masks, members):
-            r.state.cache, r.state.mask = member.cache, m
-        return [out[m.rows] for m in members]
+        for (cache, _), r, m in zip(members, requests, masks):
+            cache.commit(t)
+            r.state.cache, r.state.mask = cache, m
+        return [out] if len(requests) == 1 else [out[rows] for _, rows in members]
+
+    @torch.inference_mode()
+    def _forward(self, requests: list[StepRequest], starts: list[SpanState], members: list, masks: list[torch.Tensor],
+                 hidden: torch.Tensor, local: slice) -> torch.Tensor:
+        """The steps through transformers' forward of the blocks (with the session's adapters and deep prompt);
+        writes the new K/V past the caches' committed lengths (the caller commits)."""
+        first, t = requests[0], hidden.shape[1]
+        cache = StepCache([Member(c, rows) for c, rows in members], offset=first.state.blocks.start - self.blocks.start)
+        mask = masks[0] if len(requests) == 1 else left_pad(masks, cache.past + t)  # [sum B, past + T]
+        prompt = deep_prompt.prompt_hooks(self.modules[local], first.state.prompts, starts[0].position) \
+            if first.prompted else contextlib.nullcontext()  # (a prompted step runs alone: batch_key)
+        deltas = (*self.lora_adapters.get(first.state.lora_adapter, ()), *first.state.client_lora)
+        with lora_hooks(self.modules, self.blocks.start, deltas), prompt:
+            return self.adapter.forward_span(self.config, self.modules[local], hidden, cache, mask)
 
     def _span_decoder(self, local: slice) -> SpanDecoder | None:
         key = (local.start, local.stop)
