@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from swarmlm.client.channels import Channels
+from swarmlm.client.chunking import BandwidthEstimate
 from swarmlm.client.frame_call import FrameCall
 from swarmlm.errors import InvalidRequest, PushRefused, ServerFailed, ServerHung, ServerTampered
 from swarmlm.small_reads import all_set
@@ -24,6 +25,7 @@ from swarmlm.wire.prefix_keys import RUN_TOKENS
 
 log = logging.getLogger(__name__)
 MAX_REPORTED_BATCH = 1 << 16  # a server's batch size is only reported; a larger claim is clamped, not trusted
+_NO_MASK = pb.Tensor()  # a step without padding: an empty mask (copied into each request, never changed)
 
 
 @dataclass
@@ -98,10 +100,15 @@ class SpanStream:
         self._step_id = 0
         self._pending: deque[_Sent] = deque()  # written (or being written), reply not read yet; in order
         self._last_reply_s = 0.0
+        self._link: LinkScheduler | None = None
+        self._bandwidth: BandwidthEstimate | None = None
 
     @property
     def link(self) -> LinkScheduler:
-        return self.channels.link(self.span.address)
+        """The link scheduler of this span's address (the client's one for it: Links never replaces one)."""
+        if self._link is None:
+            self._link = self.channels.link(self.span.address)
+        return self._link
 
     @property
     def unanswered(self) -> int:
@@ -186,9 +193,9 @@ class SpanStream:
         self._step_id += 1
         request = pb.InferenceRequest(step=pb.InferenceStep(
             hidden=compress.encode_hidden(hidden, self.channels.wire_dtype_for(self.span.address, 4 * hidden.numel())),
-            step_id=self._step_id, push=push, cache_op=cache_op.to_wire(op),
+            step_id=self._step_id, push=push, cache_op=cache_op.to_wire(op) if op is not None else None,
             # (no padding: no mask on the wire, the server reads an absent mask as all ones)
-            attention_mask=pb.Tensor() if mask is None or all_set(mask) else codec.encode(mask)))
+            attention_mask=_NO_MASK if mask is None or all_set(mask) else codec.encode(mask)))
         session_keys.sign(self.keys.client, self.session_id, request)
         sent = _Sent(StepKind.of(hidden.shape[1]), n_tokens=hidden.shape[1],
                      request_bytes=len(request.step.hidden.data), encode_s=time.perf_counter() - t0, clean=False,
@@ -229,9 +236,10 @@ class SpanStream:
         does not ask the link scheduler for a turn (that lives on the loop thread): a decode step goes first there
         anyway."""
         request, sent = self._request(hidden, mask, push, op)
-        sent.clean = self.link.in_flight == 0 and len(self._pending) == 1  # (a read from another thread: a hint)
+        link = self.link
+        sent.clean = link.in_flight == 0 and len(self._pending) == 1  # (a read from another thread: a hint)
         sent.written_s = time.perf_counter()
-        self.link.written_outside(sent.kind)
+        link.written_outside(sent.kind)
         try:
             self.call.write_blocking(request, timeout_s)
         except TimeoutError as exc:
@@ -296,8 +304,9 @@ class SpanStream:
             pushed=reply.pushed, batched_steps=max(1, min(tm.batched_steps, MAX_REPORTED_BATCH)),
         )
         if sent.clean:
-            self.channels.bandwidth(self.span.address).observe(
-                sent.request_bytes + len(reply.hidden.data), timing.network_s)
+            if self._bandwidth is None:  # (the client's estimate of this address: Channels never replaces one)
+                self._bandwidth = self.channels.bandwidth(self.span.address)
+            self._bandwidth.observe(sent.request_bytes + len(reply.hidden.data), timing.network_s)
         return out, timing
 
     async def step(self, hidden: torch.Tensor, mask: torch.Tensor | None,
