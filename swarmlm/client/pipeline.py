@@ -264,7 +264,9 @@ class StepPipeline:
             hop = self.hops[i]
             try:
                 targets = self._push_targets(i, 0)  # (the hops it pushes on to await their step: `written`)
-                hop.stream.send_blocking(self._source(i, 0), self._wire_mask(0), bounds[i], targets, hop.op)
+                source = self._source(i, 0)  # (relayed: the previous reply's bytes go on as they came, if float32)
+                encoded = self.hops[i - 1].stream.as_sent(source) if i > 0 else None
+                hop.stream.send_blocking(source, self._wire_mask(0), bounds[i], targets, hop.op, encoded)
                 hop.written = 1
                 end = i + 1 + len(targets)
                 if targets:

@@ -254,7 +254,7 @@ class InferenceSession:
             return
         if op is not None:
             self.held_ids = self.held_ids[:op.kept(len(self.held_ids))]
-        self.held_ids.extend(token_ids[0].tolist())
+        self.held_ids.extend(token_ids.tolist()[0])  # (one torch call: no row view first)
 
     def chunk_tokens(self, hidden: torch.Tensor) -> int:
         """Tokens per message for this step (see chunking.py): fixed, off (0), or the largest of the hops' sizes."""

@@ -102,6 +102,7 @@ class SpanStream:
         self._last_reply_s = 0.0
         self._link: LinkScheduler | None = None
         self._bandwidth: BandwidthEstimate | None = None
+        self._last_answer: tuple[torch.Tensor, pb.Tensor] | None = None  # the last reply's output, its checked message
 
     @property
     def link(self) -> LinkScheduler:
@@ -187,12 +188,15 @@ class SpanStream:
             raise _failed(self.span, exc) from exc
 
     def _request(self, hidden: torch.Tensor, mask: torch.Tensor | None, push: list[pb.PushTarget],
-                 op: CacheOp | None) -> tuple[pb.InferenceRequest, _Sent]:
-        """The next step's message, and its place among the replies (taken now, with its id)."""
+                 op: CacheOp | None, encoded: pb.Tensor | None = None) -> tuple[pb.InferenceRequest, _Sent]:
+        """The next step's message, and its place among the replies (taken now, with its id). `encoded`: `hidden`
+        as float32 on the wire already (`as_sent`), used when this link's format is float32."""
         t0 = time.perf_counter()
         self._step_id += 1
+        wire_dtype = self.channels.wire_dtype_for(self.span.address, 4 * hidden.numel())
         request = pb.InferenceRequest(step=pb.InferenceStep(
-            hidden=compress.encode_hidden(hidden, self.channels.wire_dtype_for(self.span.address, 4 * hidden.numel())),
+            hidden=encoded if encoded is not None and wire_dtype == "float32" else
+            compress.encode_hidden(hidden, wire_dtype),
             step_id=self._step_id, push=push, cache_op=cache_op.to_wire(op) if op is not None else None,
             # (no padding: no mask on the wire, the server reads an absent mask as all ones)
             attention_mask=_NO_MASK if mask is None or all_set(mask) else codec.encode(mask)))
@@ -231,11 +235,12 @@ class SpanStream:
         return isinstance(self.call, FrameCall) and self.call.blocking_ok and not self._pending
 
     def send_blocking(self, hidden: torch.Tensor, mask: torch.Tensor | None, timeout_s: float,
-                      push: list[pb.PushTarget] = (), op: CacheOp | None = None) -> None:
+                      push: list[pb.PushTarget] = (), op: CacheOp | None = None,
+                      encoded: pb.Tensor | None = None) -> None:
         """`send` from the caller's thread (`blocking_ok` streams only): no hand-off to the client's loop thread. It
         does not ask the link scheduler for a turn (that lives on the loop thread): a decode step goes first there
-        anyway."""
-        request, sent = self._request(hidden, mask, push, op)
+        anyway. `encoded`: see `_request`."""
+        request, sent = self._request(hidden, mask, push, op, encoded)
         link = self.link
         sent.clean = link.in_flight == 0 and len(self._pending) == 1  # (a read from another thread: a hint)
         sent.written_s = time.perf_counter()
@@ -246,6 +251,15 @@ class SpanStream:
             raise ServerHung(self.span.server_id, timeout_s) from exc
         except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
             raise _failed(self.span, exc) from exc
+
+    def as_sent(self, output: torch.Tensor) -> pb.Tensor | None:
+        """`output`, this stream's last reply's (checked) output, as its server sent it if that was float32: the next
+        hop's request can carry the same bytes (float32 decodes and encodes back to them) without a cold encode
+        right after a wait. A fresh message of the data, dtype and shape: nothing else of the reply goes on."""
+        last = self._last_answer
+        if last is None or last[0] is not output or last[1].dtype != "float32":
+            return None
+        return pb.Tensor(data=last[1].data, dtype="float32", shape=last[1].shape)
 
     def receive_blocking(self, timeout_s: float) -> tuple[torch.Tensor, HopTiming]:
         """`receive` in the caller's thread: it sleeps on the socket itself until the reply comes."""
@@ -291,7 +305,9 @@ class SpanStream:
             raise refusal(f"{self.span.server_id}: {reply.error.message}")
         if reply.step_id != sent.step_id:
             raise ServerFailed(self.span.server_id, f"reply to step {reply.step_id}, expected step {sent.step_id}")
-        out = codec.decode(reply.hidden, "reply hidden")
+        hidden = reply.hidden
+        out = codec.decode(hidden, "reply hidden")
+        self._last_answer = (out, hidden)
         t3 = time.perf_counter()
         self.position = reply.position
         tm = reply.timing
