@@ -496,3 +496,39 @@ def test_a_refused_client_still_sending_reads_the_refusal_and_a_clean_end(tiny_b
                 assert poll_until(lambda: not frame_server.lingering, 30.0)  # (a silent peer never ends its side)
         for sock in live:
             sock.close()
+
+
+def test_a_blocking_read_sleeps_until_the_reply_then_reads_it_once():
+    """read_blocking waits in poll() before it reads: a reply that comes later is taken with one recv, none that
+    fails for want of bytes (a raised BlockingIOError is one more cold call per decode step). A cancelled call's
+    read is UNAVAILABLE without a wait."""
+    import socket
+    import threading
+
+    from swarmlm.client.frame_call import FrameCall
+
+    class CountingSocket(socket.socket):
+        recvs = 0
+
+        def recv(self, *args):
+            CountingSocket.recvs += 1
+            return super().recv(*args)
+
+    raw, peer = socket.socketpair()
+    mine = CountingSocket(fileno=raw.detach())
+    mine.setblocking(False)
+    call = FrameCall(mine, 1024)
+    reply = pb.InferenceReply(step_id=3)
+    later = threading.Timer(0.1, peer.sendall, [frames.frame(Kind.REPLY, reply.SerializeToString())])
+    later.start()
+    try:
+        assert call.read_blocking(5.0) == reply
+        assert CountingSocket.recvs == 1
+        call.cancel()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            call.read_blocking(5.0)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        later.join()
+        call.cancel()
+        peer.close()

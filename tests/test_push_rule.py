@@ -80,3 +80,21 @@ def test_the_live_router_decides_from_measured_rtts():
     view.rtt_s.update({f"s{i}": 0.0005 for i in range(3)})  # the same servers measured on loopback
     router.route(0, 6, 8, 8)
     assert not router.push_pays(list(route.spans))
+
+
+def test_the_live_router_keeps_its_push_answer_until_it_syncs():
+    """A session asks before every step: the performance model answers once per chain of servers, again only after
+    the router synced (the links it decides from change there alone)."""
+    view = SwarmView(ClientConfig())
+    view.update({f"s{i}": ServerRecord(f"s{i}", f"h{i}:1", 2 * i, 2 * i + 2, decode_s=0.003) for i in range(3)})
+    router = LiveRouter(view, num_blocks=6)
+    view.rtt_s.update({f"s{i}": 0.05 for i in range(3)})
+    spans = list(router.route(0, 6, 8, 8).spans)
+    asked = []
+    model_answer = router.perf.push_pays
+    router.perf.push_pays = lambda client, chain: asked.append(len(chain)) or model_answer(client, chain)
+    assert all(router.push_pays(spans) for _ in range(3)) and asked == [3]
+    assert not router.push_pays(spans[:1]) and asked == [3, 1]
+    view.rtt_s.update({f"s{i}": 0.0005 for i in range(3)})
+    router.route(0, 6, 8, 8)
+    assert not router.push_pays(spans) and asked == [3, 1, 3]

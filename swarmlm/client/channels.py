@@ -74,6 +74,8 @@ class Channels:
         self.assumed_bandwidth_bps = config.assumed_bandwidth_bps
         self._bandwidth: dict[str, BandwidthEstimate] = {}
         self.wire_dtype = config.wire_dtype  # hidden states' format, "auto-lossy" = per link (wire/compress.py)
+        # a setting other than "auto-lossy" gives one format whatever the link: chosen once, not per message
+        self._fixed_wire_dtype = compress.choose(self.wire_dtype, 0.0) if self.wire_dtype != "auto-lossy" else ""
         self.adapter = config.active_adapter or ""  # sessions open with this pre-loaded LoRA adapter
 
     def link(self, address: str) -> LinkScheduler:
@@ -89,7 +91,7 @@ class Channels:
         """The hidden states' wire format towards `address` for a message of `float32_bytes` (as float32; None: a
         large one) (wire/compress.py): fixed, or by the link's bandwidth and the message's size."""
         if self.wire_dtype != "auto-lossy":
-            return compress.choose(self.wire_dtype, 0.0)  # ("auto": float32, exact)
+            return self._fixed_wire_dtype  # ("auto": float32, exact)
         return compress.choose("auto-lossy", self.bandwidth(address).bandwidth_bps, address, float32_bytes)
 
     def note_info(self, address: str, reply: pb.InfoReply) -> None:

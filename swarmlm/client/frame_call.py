@@ -46,6 +46,7 @@ class FrameCall:
         self._writing_done = False
         self._closed = False
         self._peer_closed = False  # the server closed its side
+        self._pollers: dict[int, select.poll] = {}  # event -> a poller of this socket for it (_wait)
 
     @classmethod
     async def open(cls, host: str, port: int, swarm_key: bytes | None, max_message_bytes: int,
@@ -137,20 +138,21 @@ class FrameCall:
             raise self._lost(exc) from None
 
     def read_blocking(self, timeout_s: float):
-        """As `read`, in this thread; TimeoutError if no whole frame comes within `timeout_s`."""
+        """As `read`, in this thread; TimeoutError if no whole frame comes within `timeout_s`. It sleeps in poll()
+        before each recv (a decode step's reply is never there as soon as its request is written: a recv first
+        would fail, and a raised BlockingIOError is one more cold call per step)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            got = self._take()
+            got = self._take() if self._buf or self._status is not None else None  # (nothing read yet: no call)
             if got is not None:
                 return got
+            # (closed: the recv says so at once, as it did before any wait)
+            if not self._closed and not self._ready(select.POLLIN, deadline - time.monotonic()):
+                raise TimeoutError
             try:
-                try:
-                    data = self._sock.recv(RECV_BYTES)
-                except BlockingIOError:
-                    self._wait(select.POLLIN, deadline - time.monotonic())
-                    continue
-            except TimeoutError:  # (an OSError too: not a lost connection)
-                raise
+                data = self._sock.recv(RECV_BYTES)
+            except BlockingIOError:  # (woken with nothing to read after all)
+                continue
             except OSError as exc:
                 raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"connection lost: {exc}") from None
             self._received(data)
@@ -163,12 +165,16 @@ class FrameCall:
             len(self._buf) >= frames.HEADER.size + frames.HEADER.unpack_from(self._buf)[0]
 
     def _wait(self, event: int, timeout_s: float) -> None:
-        if timeout_s <= 0:
+        if timeout_s <= 0 or not self._ready(event, timeout_s):
             raise TimeoutError
-        poller = select.poll()
-        poller.register(self._sock, event)
-        if not poller.poll(timeout_s * 1000):
-            raise TimeoutError
+
+    def _ready(self, event: int, timeout_s: float) -> bool:
+        """Sleep until the socket is ready for `event` (or broken), at most `timeout_s` (at or below 0: just look)."""
+        poller = self._pollers.get(event)
+        if poller is None:  # (one per event, kept: a decode step's read makes none)
+            poller = self._pollers[event] = select.poll()
+            poller.register(self._sock, event)
+        return bool(poller.poll(max(timeout_s, 0.0) * 1000))
 
     @staticmethod
     def wait_last(calls: list["FrameCall"], timeout_s: float) -> bool:

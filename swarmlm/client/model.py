@@ -316,7 +316,9 @@ class DistributedModelForCausalLM(nn.Module, GenerationMixin):
         with torch.inference_mode():
             hidden = self.embed(inputs) if ids is not None else self.embed_inputs(inputs)
         t1 = time.perf_counter()
-        out = session.step(hidden, mask, op, token_ids=ids)[:, keep]
+        out = session.step(hidden, mask, op, token_ids=ids)
+        if keep != slice(None) and not (keep == slice(-1, None) and out.shape[1] == 1):  # (else all of it: no view
+            out = out[:, keep]  # made, a torch call saved per decode step right after the servers' forward)
         t2 = time.perf_counter()
         logits = self.head_batcher(session, out) if self.head_batcher is not None else self.head(out)
         if stats is not None:

@@ -198,14 +198,28 @@ class StepPipeline:
     each output on to the next hop (the session's choice for this route, RemoteSequence.push)."""
 
     def __init__(self, hops: list[Hop], chunks: list[Chunk], config: ClientConfig,
-                 hang_timeout: Callable[[Span, int, int, bool], float], push: bool = False) -> None:
+                 hang_timeout: Callable[[Span, int, int, bool], float], push: bool = False,
+                 padded: bool = True) -> None:
         self.hops = hops
         self.chunks = chunks
         self.push = push
+        # False: no chunk's mask has padding (the session knows it already): none is looked at again, none is sent
+        self.padded = padded
         self.watchdog_s = watchdog_s(config)
         self.hang_timeout = hang_timeout
-        self.progress = _Progress()  # notified whenever a hop writes or answers a chunk
+        self._progress: _Progress | None = None  # (made by the event loop's attempt only: run_blocking needs none)
         self.timings: list[HopTiming] = []
+
+    @property
+    def progress(self) -> _Progress:
+        """Notified whenever a hop writes or answers a chunk (the tasks of `run` wait on it)."""
+        if self._progress is None:
+            self._progress = _Progress()
+        return self._progress
+
+    def _wire_mask(self, k: int) -> torch.Tensor | None:
+        """Chunk k's mask for its message (None: no padding, no mask on the wire)."""
+        return self.chunks[k][1] if self.padded else None
 
     async def run(self) -> AttemptOutcome:
         """Raises what is not a server's failure (e.g. InvalidRequest); a server's failure, or its refusal to push
@@ -243,14 +257,16 @@ class StepPipeline:
         by its hang timeout as in `_receive`. Pushed, the first hop's step is written with the rest of the route
         and the caller sleeps until the last hop's reply (the middle ones are read after it: one wake-up a step).
         Raises what is not a server's failure, as `run`."""
-        x, mask = self.chunks[0]
+        x = self.chunks[0][0]
         bounds = [self.hang_timeout(h.span, x.shape[0], x.shape[1], bool(h.open_span.history)) for h in self.hops]
         i = 0
         while i < len(self.hops):
             hop = self.hops[i]
             try:
                 targets = self._push_targets(i, 0)  # (the hops it pushes on to await their step: `written`)
-                hop.stream.send_blocking(self._source(i, 0), mask, bounds[i], targets, hop.op)
+                source = self._source(i, 0)  # (relayed: the previous reply's bytes go on as they came, if float32)
+                encoded = self.hops[i - 1].stream.as_sent(source) if i > 0 else None
+                hop.stream.send_blocking(source, self._wire_mask(0), bounds[i], targets, hop.op, encoded)
                 hop.written = 1
                 end = i + 1 + len(targets)
                 if targets:
@@ -350,7 +366,7 @@ class StepPipeline:
                 hop.written = max(hop.written, k + 1)
                 continue
             targets = self._push_targets(i, k)
-            await hop.stream.send(self._source(i, k), self.chunks[k][1], targets, hop.op if k == 0 else None)
+            await hop.stream.send(self._source(i, k), self._wire_mask(k), targets, hop.op if k == 0 else None)
             hop.written = max(hop.written, k + 1)
             self.progress.notify()
 

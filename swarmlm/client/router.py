@@ -33,6 +33,7 @@ from swarmlm.types import BlockRange, Route, Span
 CLIENT = "client"  # this client's node name in the performance model
 DEFAULT_RTT_S = 0.005  # a server's RTT until a probe has measured it
 UNKNOWN_SLOTS = 1 << 30  # a server that does not announce its cache size: never waited for
+MAX_KEPT_PUSH_ANSWERS = 1024  # push_pays answers kept between syncs (chains of servers; a bound, not a tuning)
 
 
 @dataclass
@@ -125,12 +126,14 @@ class LiveRouter:
         self.router = WaitingAwareRouter(self.perf, num_blocks)
         self._synced: dict[str, tuple] = {}  # server id -> what the router was last told about it
         self._admitted = 0
+        self._push_pays: dict[tuple[str, ...], bool] = {}  # chain of server ids -> push_pays, until the next _sync
         # sessions open on the client's I/O thread, routes are chosen on the callers' threads: one at a time
         self._lock = threading.Lock()
 
     def _sync(self, bytes_per_block_token: int) -> None:
         """Tell the router what changed: servers gone or new, profiles, RTTs, slots and load."""
         records = self.view.records
+        self._push_pays.clear()  # (the links may change below)
         for sid in [s for s in self._synced if s not in records]:
             self.router.remove_server(sid)
             del self._synced[sid]
@@ -174,9 +177,17 @@ class LiveRouter:
         return Route(tuple(Span(s.server_id, s.start, s.end, records[s.server_id].address) for s in hops.spans))
 
     def push_pays(self, spans: list[Span]) -> bool:
-        """Whether server-to-server push saves time on `spans`, from the measured RTTs (PerfModel.push_pays)."""
+        """Whether server-to-server push saves time on `spans`, from the measured RTTs (PerfModel.push_pays). Its
+        answer depends on the servers' links only, which change in `_sync` alone: kept per chain of servers until
+        then (a session asks before every step, ~50 calls of the performance model each time)."""
+        key = tuple(s.server_id for s in spans)
         with self._lock:
-            return self.perf.push_pays(CLIENT, spans)
+            pays = self._push_pays.get(key)
+            if pays is None:
+                if len(self._push_pays) >= MAX_KEPT_PUSH_ANSWERS:
+                    self._push_pays.clear()
+                pays = self._push_pays[key] = self.perf.push_pays(CLIENT, spans)
+            return pays
 
     def pass_s(self, spans: list[Span], n_tokens: int, push: bool) -> float:
         """Predicted seconds of one step of `tokens` tokens along `spans` (PerfModel.pass_s)."""

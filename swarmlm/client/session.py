@@ -27,7 +27,7 @@ from swarmlm.client.router import profile_of
 from swarmlm.client.streams import HopTiming, SpanStream
 from swarmlm.errors import InvalidRequest, ServerFailed, ServerHung, ServerTampered
 from swarmlm.perf.model import ComputeProfile
-from swarmlm.small_reads import all_set
+from swarmlm.small_reads import SMALL_VALUES, all_set
 from swarmlm.swarm.records import ServerRecord
 from swarmlm.types import CacheOp, Span
 from swarmlm.wire import compress
@@ -91,6 +91,10 @@ class InferenceSession:
         self.held_ids: list[int] | None = [] if self.prefix_context is not None else None  # the ids servers hold
         self.prompt: list[int] = []  # the prompt named at open (its cached prefix is not sent again)
         self._align: CacheOp | None = None  # cuts every span to the prefix all of them hold, with the first step
+        self._kept_ones: dict[torch.Size, torch.Tensor] = {}  # [B, T] -> an all-ones mask of a decode step's shape
+        # (server id, rows, cached) -> (span, its server's record, the bound): a decode step's hang timeouts, worked
+        # out again only when the span or the record (its announced profile) changes
+        self._decode_bounds: dict[tuple[str, int, bool], tuple[Span, ServerRecord | None, float]] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def open(self, prompt_ids: Sequence[int] | None = None) -> "InferenceSession":
@@ -216,27 +220,41 @@ class InferenceSession:
                                  f"{list(hidden.shape)}")
         if past + hidden.shape[1] > self.max_length:
             raise InvalidRequest(f"session max_length {self.max_length} reached ({past} tokens held)")
-        mask = torch.ones(hidden.shape[:2], dtype=torch.long) if mask is None else mask.to(torch.long)
+        if mask is None:
+            mask, padded = self._ones(hidden.shape[:2]), False
+        else:  # (a torch call saved when it is long already: each costs ~10x right after a forward)
+            mask = mask if mask.dtype == torch.long else mask.to(torch.long)
+            padded = not all_set(mask)
         t0 = time.perf_counter()
         record, chunks, hops = self._begin(hidden, mask, op)
         if self._blocking_ok(chunks, hops):
-            out = self._step_blocking(record, chunks, hops, t0)
+            out = self._step_blocking(record, chunks, hops, t0, padded)
         else:
-            out = self.remote.loop.run(self._attempts(record, chunks, hops, t0))
-        self._track(token_ids, mask, op)
+            out = self.remote.loop.run(self._attempts(record, chunks, hops, t0, padded=padded))
+        self._track(token_ids, padded, op)
         return out
 
-    def _track(self, token_ids: torch.Tensor | None, mask: torch.Tensor, op: CacheOp | None) -> None:
+    def _ones(self, shape: torch.Size) -> torch.Tensor:
+        """An all-ones [B, T] mask (no padding); a decode step's is made once per shape and kept (never written to:
+        chunks, the history and replays only read or slice it), so a step without a mask makes no tensor."""
+        if shape[0] * shape[1] > SMALL_VALUES:
+            return torch.ones(shape, dtype=torch.long)
+        ones = self._kept_ones.get(shape)
+        if ones is None:
+            ones = self._kept_ones[shape] = torch.ones(shape, dtype=torch.long)
+        return ones
+
+    def _track(self, token_ids: torch.Tensor | None, padded: bool, op: CacheOp | None) -> None:
         """Follow the token ids the servers hold (to name them at close); one unpadded sequence only."""
         if self.held_ids is None:
             return
-        if token_ids is None or token_ids.shape[0] != 1 or not all_set(mask) or \
+        if token_ids is None or token_ids.shape[0] != 1 or padded or \
                 (op is not None and op.rows not in (None, (0,))):
             self.held_ids = None
             return
         if op is not None:
             self.held_ids = self.held_ids[:op.kept(len(self.held_ids))]
-        self.held_ids.extend(token_ids[0].tolist())
+        self.held_ids.extend(token_ids.tolist()[0])  # (one torch call: no row view first)
 
     def chunk_tokens(self, hidden: torch.Tensor) -> int:
         """Tokens per message for this step (see chunking.py): fixed, off (0), or the largest of the hops' sizes."""
@@ -270,16 +288,18 @@ class InferenceSession:
             return False
         return chunks[0][0].shape[1] == 1 or not self._pushes(hops)
 
-    def _step_blocking(self, record: StepRecord, chunks: list[Chunk], hops: list[Hop], t0: float) -> torch.Tensor:
+    def _step_blocking(self, record: StepRecord, chunks: list[Chunk], hops: list[Hop], t0: float,
+                       padded: bool) -> torch.Tensor:
         """The step from the caller's thread (StepPipeline.run_blocking); a failover, if it needs one, goes on in
         the event loop."""
         record.blocking = True
         record.pushed = self._pushes(hops)
-        outcome = StepPipeline(hops, chunks, self.remote.config, self.hang_timeout_s, record.pushed).run_blocking()
+        outcome = StepPipeline(hops, chunks, self.remote.config, self.hang_timeout_s, record.pushed,
+                               padded).run_blocking()
         if outcome.complete:
             record.hops.extend(outcome.timings)
             return self._finish(record, hops, chunks, t0)
-        return self.remote.loop.run(self._attempts(record, chunks, hops, t0, outcome))
+        return self.remote.loop.run(self._attempts(record, chunks, hops, t0, outcome, padded))
 
     def _begin(self, hidden: torch.Tensor, mask: torch.Tensor,
                op: CacheOp | None) -> tuple[StepRecord, list[Chunk], list[Hop]]:
@@ -292,16 +312,16 @@ class InferenceSession:
     def _pushes(self, hops: list[Hop]) -> bool:
         """Whether this step's route is pushed: ClientConfig.push ("auto": where it pays); never again in a session
         where a server refused to push on."""
-        return not self.push_refused and self.remote.push([h.span for h in hops])
+        return not self.push_refused and len(hops) > 1 and self.remote.push([h.span for h in hops])
 
     async def _attempts(self, record: StepRecord, chunks: list[Chunk], hops: list[Hop], t0: float,
-                        outcome: AttemptOutcome | None = None) -> torch.Tensor:
+                        outcome: AttemptOutcome | None = None, padded: bool = True) -> torch.Tensor:
         """Attempts until every chunk is through every hop (`outcome`: the first one's, run already)."""
         while True:
             if outcome is None:
                 record.pushed = self._pushes(hops)
                 outcome = await StepPipeline(hops, chunks, self.remote.config, self.hang_timeout_s,
-                                             record.pushed).run()
+                                             record.pushed, padded).run()
             record.hops.extend(outcome.timings)
             if outcome.complete:
                 break
@@ -336,8 +356,17 @@ class InferenceSession:
         return seen[1]
 
     def hang_timeout_s(self, span: Span, rows: int, n_tokens: int, cached: bool) -> float:
-        """pipeline.hang_timeout_s with this session's config and the span's server's announced profile."""
-        return hang_timeout_s(self.remote.config, self._profile(span), span, rows, n_tokens, cached)
+        """pipeline.hang_timeout_s with this session's config and the span's server's announced profile (a decode
+        step's kept while neither changes: the same answer, a handful of calls fewer per hop)."""
+        if n_tokens != 1:
+            return hang_timeout_s(self.remote.config, self._profile(span), span, rows, n_tokens, cached)
+        record = self.remote.view.records.get(span.server_id)
+        key = (span.server_id, rows, cached)
+        kept = self._decode_bounds.get(key)
+        if kept is None or kept[0] is not span or kept[1] is not record:
+            bound = hang_timeout_s(self.remote.config, self._profile(span), span, rows, 1, cached)
+            kept = self._decode_bounds[key] = (span, record, bound)
+        return kept[2]
 
     def _push_refused(self, record: StepRecord) -> None:
         """A server refused to push on (it does not see the next server announced: that one just moved, or its own

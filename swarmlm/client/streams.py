@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from swarmlm.client.channels import Channels
+from swarmlm.client.chunking import BandwidthEstimate
 from swarmlm.client.frame_call import FrameCall
 from swarmlm.errors import InvalidRequest, PushRefused, ServerFailed, ServerHung, ServerTampered
 from swarmlm.small_reads import all_set
@@ -24,6 +25,7 @@ from swarmlm.wire.prefix_keys import RUN_TOKENS
 
 log = logging.getLogger(__name__)
 MAX_REPORTED_BATCH = 1 << 16  # a server's batch size is only reported; a larger claim is clamped, not trusted
+_NO_MASK = pb.Tensor()  # a step without padding: an empty mask (copied into each request, never changed)
 
 
 @dataclass
@@ -98,10 +100,16 @@ class SpanStream:
         self._step_id = 0
         self._pending: deque[_Sent] = deque()  # written (or being written), reply not read yet; in order
         self._last_reply_s = 0.0
+        self._link: LinkScheduler | None = None
+        self._bandwidth: BandwidthEstimate | None = None
+        self._last_answer: tuple[torch.Tensor, pb.Tensor] | None = None  # the last reply's output, its checked message
 
     @property
     def link(self) -> LinkScheduler:
-        return self.channels.link(self.span.address)
+        """The link scheduler of this span's address (the client's one for it: Links never replaces one)."""
+        if self._link is None:
+            self._link = self.channels.link(self.span.address)
+        return self._link
 
     @property
     def unanswered(self) -> int:
@@ -180,15 +188,18 @@ class SpanStream:
             raise _failed(self.span, exc) from exc
 
     def _request(self, hidden: torch.Tensor, mask: torch.Tensor | None, push: list[pb.PushTarget],
-                 op: CacheOp | None) -> tuple[pb.InferenceRequest, _Sent]:
-        """The next step's message, and its place among the replies (taken now, with its id)."""
+                 op: CacheOp | None, encoded: pb.Tensor | None = None) -> tuple[pb.InferenceRequest, _Sent]:
+        """The next step's message, and its place among the replies (taken now, with its id). `encoded`: `hidden`
+        as float32 on the wire already (`as_sent`), used when this link's format is float32."""
         t0 = time.perf_counter()
         self._step_id += 1
+        wire_dtype = self.channels.wire_dtype_for(self.span.address, 4 * hidden.numel())
         request = pb.InferenceRequest(step=pb.InferenceStep(
-            hidden=compress.encode_hidden(hidden, self.channels.wire_dtype_for(self.span.address, 4 * hidden.numel())),
-            step_id=self._step_id, push=push, cache_op=cache_op.to_wire(op),
+            hidden=encoded if encoded is not None and wire_dtype == "float32" else
+            compress.encode_hidden(hidden, wire_dtype),
+            step_id=self._step_id, push=push, cache_op=cache_op.to_wire(op) if op is not None else None,
             # (no padding: no mask on the wire, the server reads an absent mask as all ones)
-            attention_mask=pb.Tensor() if mask is None or all_set(mask) else codec.encode(mask)))
+            attention_mask=_NO_MASK if mask is None or all_set(mask) else codec.encode(mask)))
         session_keys.sign(self.keys.client, self.session_id, request)
         sent = _Sent(StepKind.of(hidden.shape[1]), n_tokens=hidden.shape[1],
                      request_bytes=len(request.step.hidden.data), encode_s=time.perf_counter() - t0, clean=False,
@@ -224,20 +235,31 @@ class SpanStream:
         return isinstance(self.call, FrameCall) and self.call.blocking_ok and not self._pending
 
     def send_blocking(self, hidden: torch.Tensor, mask: torch.Tensor | None, timeout_s: float,
-                      push: list[pb.PushTarget] = (), op: CacheOp | None = None) -> None:
+                      push: list[pb.PushTarget] = (), op: CacheOp | None = None,
+                      encoded: pb.Tensor | None = None) -> None:
         """`send` from the caller's thread (`blocking_ok` streams only): no hand-off to the client's loop thread. It
         does not ask the link scheduler for a turn (that lives on the loop thread): a decode step goes first there
-        anyway."""
-        request, sent = self._request(hidden, mask, push, op)
-        sent.clean = self.link.in_flight == 0 and len(self._pending) == 1  # (a read from another thread: a hint)
+        anyway. `encoded`: see `_request`."""
+        request, sent = self._request(hidden, mask, push, op, encoded)
+        link = self.link
+        sent.clean = link.in_flight == 0 and len(self._pending) == 1  # (a read from another thread: a hint)
         sent.written_s = time.perf_counter()
-        self.link.written_outside(sent.kind)
+        link.written_outside(sent.kind)
         try:
             self.call.write_blocking(request, timeout_s)
         except TimeoutError as exc:
             raise ServerHung(self.span.server_id, timeout_s) from exc
         except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
             raise _failed(self.span, exc) from exc
+
+    def as_sent(self, output: torch.Tensor) -> pb.Tensor | None:
+        """`output`, this stream's last reply's (checked) output, as its server sent it if that was float32: the next
+        hop's request can carry the same bytes (float32 decodes and encodes back to them) without a cold encode
+        right after a wait. A fresh message of the data, dtype and shape: nothing else of the reply goes on."""
+        last = self._last_answer
+        if last is None or last[0] is not output or last[1].dtype != "float32":
+            return None
+        return pb.Tensor(data=last[1].data, dtype="float32", shape=last[1].shape)
 
     def receive_blocking(self, timeout_s: float) -> tuple[torch.Tensor, HopTiming]:
         """`receive` in the caller's thread: it sleeps on the socket itself until the reply comes."""
@@ -283,7 +305,9 @@ class SpanStream:
             raise refusal(f"{self.span.server_id}: {reply.error.message}")
         if reply.step_id != sent.step_id:
             raise ServerFailed(self.span.server_id, f"reply to step {reply.step_id}, expected step {sent.step_id}")
-        out = codec.decode(reply.hidden, "reply hidden")
+        hidden = reply.hidden
+        out = codec.decode(hidden, "reply hidden")
+        self._last_answer = (out, hidden)
         t3 = time.perf_counter()
         self.position = reply.position
         tm = reply.timing
@@ -296,8 +320,9 @@ class SpanStream:
             pushed=reply.pushed, batched_steps=max(1, min(tm.batched_steps, MAX_REPORTED_BATCH)),
         )
         if sent.clean:
-            self.channels.bandwidth(self.span.address).observe(
-                sent.request_bytes + len(reply.hidden.data), timing.network_s)
+            if self._bandwidth is None:  # (the client's estimate of this address: Channels never replaces one)
+                self._bandwidth = self.channels.bandwidth(self.span.address)
+            self._bandwidth.observe(sent.request_bytes + len(reply.hidden.data), timing.network_s)
         return out, timing
 
     async def step(self, hidden: torch.Tensor, mask: torch.Tensor | None,
