@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from concurrent.futures import Future
 
 import pytest
 import torch
@@ -161,7 +160,7 @@ def test_cache_grows_by_doubling_up_to_the_sessions_max_length():
 # ---- round planning (pure) ---------------------------------------------------------------------------------------
 def _job(priority: int, batch_tokens: int, key="k", member=None) -> Job:
     member = member if member is not None else object()
-    return Job(priority, batch_tokens, 0.0, Future(), work=Batchable(_noop, key, None, member))
+    return Job(priority, batch_tokens, 0.0, work=Batchable(_noop, key, None, member))
 
 
 def _noop(items):

@@ -104,3 +104,63 @@ def test_a_decode_step_reaches_the_scheduler_as_decoded_and_a_long_prompt_in_sli
         stream.end()
     assert not prompt.HasField("error") and not step.HasField("error") and step.position == size + 4
     assert seen == [(size, True), (3, True), (1, False)]
+
+
+def test_a_framed_decode_step_makes_none_of_the_calls_round_15_took_off_its_server_path(server, monkeypatch):
+    """A framed decode step on the server (inline on its loop, from the frame's bytes to its reply written) goes
+    through no concurrent Future, asyncio Queue or timeout and no threading Condition, and makes no torch.ones for
+    its mask (each call costs ~10x its warm time right after a forward: docs/RESULTS-hop.md round 15); the mask it
+    computes with is the kept all-ones tensor, still all ones after the steps."""
+    import socket
+    import sys
+
+    from swarmlm.bench.frame_attacks import END, HELLO, frame_port, open_request
+    from swarmlm.server import checks
+    from swarmlm.wire import frames
+    from swarmlm.wire.frames import Kind
+
+    stage, scheduler = server.service.stage, server.service.scheduler
+    inner, inline_before = stage.step_batch, scheduler.inline_runs
+    masks, seen, forwards = [], set(), 0
+
+    def profile(frame, event, arg) -> None:
+        if event == "call":
+            seen.add(frame.f_code.co_filename)
+        elif event == "c_call":
+            seen.add(getattr(arg, "__name__", ""))
+
+    def step_batch(requests):  # the model's own calls are not counted: from the 3rd forward's end to the 8th's start
+        nonlocal forwards
+        forwards += 1
+        masks.append(requests[0].mask)
+        sys.setprofile(None)
+        try:
+            return inner(requests)
+        finally:
+            if 3 <= forwards < 8:
+                sys.setprofile(profile)
+
+    monkeypatch.setattr(stage, "step_batch", step_batch)
+    buf = bytearray()
+
+    def reply(sock) -> tuple[Kind, bytes]:
+        while (got := frames.parse_frame(buf, 1 << 24)) is None:
+            buf.extend(sock.recv(1 << 16))
+        return got
+
+    with socket.create_connection(("127.0.0.1", frame_port(server.address)), timeout=60) as sock:
+        sock.sendall(HELLO + open_request(2))
+        assert reply(sock)[0] == Kind.REPLY
+        for step_id in range(1, 9):
+            request = pb.InferenceRequest(step=pb.InferenceStep(hidden=codec.encode(torch.randn(1, 1, H)),
+                                                                step_id=step_id))
+            sock.sendall(frames.frame(Kind.REQUEST, request.SerializeToString()))
+            kind, body = reply(sock)
+            assert kind == Kind.REPLY and pb.InferenceReply.FromString(body).position == step_id
+        sock.sendall(END)
+        assert reply(sock)[0] == Kind.STATUS
+    assert forwards == 8 and scheduler.inline_runs - inline_before >= 5  # (steps 4-7 inline on the loop)
+    dropped = ("concurrent/futures/_base.py", "asyncio/queues.py", "asyncio/timeouts.py", "threading.py")
+    assert not [f for f in seen if f.endswith(dropped)], sorted(seen)
+    assert "ones" not in seen and "SerializeToString" in seen  # (the profile saw the C calls too)
+    assert all(mask is checks.all_ones(1, 1) for mask in masks) and torch.equal(masks[0], torch.ones(1, 1).long())

@@ -73,3 +73,50 @@ def test_a_key_share_that_is_not_a_key_is_refused():
         except ValueError:
             continue
         raise AssertionError(f"{bad!r} accepted")
+
+
+def _reply() -> pb.InferenceReply:
+    return pb.InferenceReply(session_id="s1", step_id=7, hidden=codec.encode(torch.randn(1, 1, 8)), position=9,
+                             pushed=True, timing=pb.Timing(queued_s=0.5, compute_s=0.25, batched_steps=2))
+
+
+def test_signed_bytes_are_the_signed_message_serialized_once():
+    """`signed_bytes` (a server's reply, serialized once with its MAC appended) gives the bytes of `sign` then
+    `SerializeToString`, for every MACed message type, and leaves the message without a MAC."""
+    keys, _ = _keyed()
+    push = pb.PushRequest(session_id="s1", step=_step().step, secret=bytes(16))
+    for message in (_reply(), _step(), push):
+        want = session_keys.sign(keys.server, "s1", type(message).FromString(message.SerializeToString()))
+        assert session_keys.signed_bytes(keys.server, "s1", message) == want.SerializeToString()
+        assert not message.mac
+    signed = session_keys.sign(keys.server, "s1", _reply())
+    try:
+        session_keys.signed_bytes(keys.server, "s1", signed)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a message with a MAC signed again")
+
+
+def test_a_mac_checked_on_the_message_bytes_passes_and_fails_as_the_reserialized_check():
+    """`verified_bytes` (a framed request's MAC, checked on the bytes it came in) answers as `verified` for every
+    changed byte, for the wrong key or session, and for a MAC that is not the last field (checked the slow way)."""
+    keys, _ = _keyed()
+    raw = session_keys.signed_bytes(keys.client, "s1", _step())
+    message = pb.InferenceRequest.FromString(raw)
+    assert session_keys.verified_bytes(keys.client, "s1", message, raw)
+    assert not session_keys.verified_bytes(keys.client, "s2", message, raw)
+    assert not session_keys.verified_bytes(keys.server, "s1", message, raw)
+    for i in range(len(raw)):
+        changed = bytearray(raw)
+        changed[i] ^= 0x80
+        try:
+            parsed = pb.InferenceRequest.FromString(bytes(changed))
+        except Exception:
+            continue
+        assert session_keys.verified_bytes(keys.client, "s1", parsed, bytes(changed)) == \
+            session_keys.verified(keys.client, "s1", parsed), i
+    mac_first = raw[-18:] + raw[:-18]  # the same message, its MAC first: valid protobuf, checked re-serialized
+    assert session_keys.verified_bytes(keys.client, "s1", pb.InferenceRequest.FromString(mac_first), mac_first)
+    unsigned = _step().SerializeToString()
+    assert not session_keys.verified_bytes(keys.client, "s1", pb.InferenceRequest.FromString(unsigned), unsigned)

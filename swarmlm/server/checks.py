@@ -4,6 +4,7 @@ limit is a ServerConfig setting (docs/FAILURES.md, "Bounded resources"); the wir
 keys, frame headers) are constants of the modules that check them."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -16,6 +17,7 @@ from swarmlm.wire import swarm_pb2 as pb
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MASK_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.bool)
+SMALL_MASK = 64  # masks of up to this many values (decode steps, short passes) are kept per shape: `all_ones`
 
 
 class StepChecks:
@@ -69,11 +71,14 @@ def payload_bytes(step: pb.InferenceStep) -> int:
     """The bytes a step's tensors declare (from their headers: nothing is copied); 0 if a header is invalid."""
     total = 0
     for msg in (step.hidden, step.attention_mask):
+        name = msg.dtype
+        if not name:  # not sent (or no dtype: an invalid header, nothing counted)
+            continue
         try:
-            _, shape = codec.header(msg) if codec.is_set(msg) else (None, ())
+            _, shape = codec.header(msg)
         except InvalidRequest:
             continue
-        total += math.prod(shape) * codec.WIRE_DTYPES.get(msg.dtype, (None, 1))[1] if shape else 0  # packed: ~1
+        total += math.prod(shape) * codec.WIRE_DTYPES.get(name, (None, 1))[1]  # packed: ~1
     return total
 
 
@@ -88,15 +93,29 @@ def decode_step(hidden_msg: pb.Tensor, mask_msg: pb.Tensor, b: int, t: int,
                 hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The tensors of a request whose header passed `StepChecks.shape`: hidden [b, t, hidden_size] (finite)
     and its mask [b, t] (0 or 1; all ones when not sent)."""
-    if codec.is_set(mask_msg):  # the mask's header too, before anything is decoded
+    masked = codec.is_set(mask_msg)
+    if masked:  # the mask's header too, before anything is decoded
         mask_dtype, mask_shape = codec.header(mask_msg, "attention_mask", max_elements=b * t)
         if mask_dtype not in MASK_DTYPES or mask_shape != (b, t):
             raise InvalidRequest(
                 f"attention_mask: expected an integer [{b}, {t}] tensor, got {mask_dtype} {list(mask_shape)}")
-    hidden = codec.decode(hidden_msg, "hidden", max_elements=b * t * hidden_size, finite=True)
-    if not codec.is_set(mask_msg) or codec.all_ones(mask_msg):  # (no padding: the usual case, checked cheaply)
-        return hidden, torch.ones(b, t, dtype=torch.long)
+    # (its header is the one `StepChecks.shape` checked: [b, t, hidden_size])
+    hidden = codec.decode_checked(hidden_msg, (b, t, hidden_size), "hidden", finite=True)
+    if not masked or codec.all_ones(mask_msg):  # (no padding: the usual case, checked cheaply)
+        return hidden, all_ones(b, t)
     mask = codec.decode(mask_msg, "attention_mask", max_elements=b * t).to(torch.long)
     if ((mask != 0) & (mask != 1)).any():
         raise InvalidRequest("attention_mask: values must be 0 or 1")
     return hidden, mask
+
+
+def all_ones(b: int, t: int) -> torch.Tensor:
+    """The mask of a step without padding, [b, t] int64; for a decode step's few tokens one tensor per shape, kept:
+    a torch call per step saved (~30 us right after a forward, docs/RESULTS-hop.md round 11). Shared, so never
+    written: the stage reads a step's mask (it concatenates it to the session's)."""
+    return _small_ones(b, t) if b * t <= SMALL_MASK else torch.ones(b, t, dtype=torch.long)
+
+
+@functools.lru_cache(maxsize=64)  # (decode steps' shapes recur; the bound keeps odd ones from piling up)
+def _small_ones(b: int, t: int) -> torch.Tensor:
+    return torch.ones(b, t, dtype=torch.long)

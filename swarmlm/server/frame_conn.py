@@ -4,6 +4,7 @@ service's request iterator (`FramedRequests`: straight into the session's inbox,
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import deque
 from typing import Awaitable, Callable
@@ -54,7 +55,7 @@ class FrameConnection(asyncio.Protocol):
             return
         self.buf += data
         try:
-            while not self.done and (got := frames.parse_frame(self.buf, self.limit)) is not None:
+            while self.buf and not self.done and (got := frames.parse_frame(self.buf, self.limit)) is not None:
                 self.limit = self.server.max_body_bytes
                 self._put(got)
         except FrameError as exc:
@@ -218,26 +219,29 @@ class FramedRequests:
             raise self.broken[-1]
         return request_of("Inference", body)
 
-    async def feed(self, take_now: Callable[[object], bool], take: Callable[[object], Awaitable[None]]) -> None:
+    async def feed(self, take_now: Callable[[object, bytes], bool],
+                   take: Callable[[object, bytes], Awaitable[None]]) -> None:
         """Every later request into the session's inbox: `take_now` (in data_received: the inbox and the peer's
         bytes have room now, else nothing is done) as each frame is cut; while that fails, reading pauses and this
-        task `take`s the waiting frames in order (which waits for room). Returns at END; raises as __anext__."""
+        task `take`s the waiting frames in order (which waits for room). Both get the request and the bytes it was
+        parsed from (its MAC is checked on them). Returns at END; raises as __anext__."""
         conn = self.conn
         self._feeding = asyncio.current_task()
         self._pending.extend(conn.queued)
         conn.queued.clear()
-        conn.sink = lambda item: self._arrived(item, take_now)
+        conn.sink = functools.partial(self._arrived, take_now=take_now)
         try:
             while True:
                 self._slow = bool(self._pending)
                 while self._pending:
+                    item = self._pending.popleft()
                     try:
-                        request = self._request(self._pending.popleft())
+                        request = self._request(item)
                     except StopAsyncIteration:  # frames after END are the connection's: its next HELLO...
                         conn.queued.extendleft(reversed(self._pending))
                         self._pending.clear()
                         return
-                    await take(request)
+                    await take(request, item[1])
                 self._slow = False
                 conn.resume()
                 self._wake = asyncio.get_running_loop().create_future()
@@ -250,7 +254,7 @@ class FramedRequests:
             return
         if not self._slow and isinstance(item, tuple) and item[0] == Kind.REQUEST:
             try:
-                if take_now(self._request(item)):
+                if take_now(self._request(item), item[1]):
                     return
             except Exception:  # (a bug: the stream ends, as a broken reader's would)
                 log.exception("a framed request could not be queued")

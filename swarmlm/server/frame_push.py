@@ -67,9 +67,9 @@ class FramePushes:
             for _, writer in self._idle.pop(old, []):
                 writer.close()
 
-    async def send(self, address: str, port: int, request: pb.PushRequest, timeout_s: float) -> Connection:
-        """Write one push on a kept (or new) connection; its answer: `answer`. OSError / TimeoutError when the
-        connection fails (it is dropped; the caller decides)."""
+    async def send(self, address: str, port: int, request: bytes, timeout_s: float) -> Connection:
+        """Write one push (a PushRequest serialized) on a kept (or new) connection; its answer: `answer`.
+        OSError / TimeoutError when the connection fails (it is dropped; the caller decides)."""
         idle = self._idle.get(address, [])
         conn = idle.pop() if idle else None
         if conn is None or conn[1].is_closing():
@@ -77,7 +77,7 @@ class FramePushes:
             token = make_token(self.swarm_key, PUSH_METHOD) if self.swarm_key is not None else None
             conn = await frames.connect(host, port, Purpose.PUSH, token, timeout_s)
         try:
-            conn[1].write(frames.frame(Kind.PUSH, request.SerializeToString()))
+            conn[1].write(frames.frame(Kind.PUSH, request))
             async with asyncio.timeout(timeout_s):
                 await conn[1].drain()
         except BaseException:

@@ -193,8 +193,8 @@ class FrameServer:
         requests = FramedRequests(conn, broken)
         replies = self.service.Inference(requests, FrameContext(_peer_of(conn.transport)))
         try:
-            async for reply in replies:
-                conn.write(frames.frame(Kind.REPLY, reply.SerializeToString()))
+            async for reply in replies:  # (serialized by the handler: server/session_stream.py)
+                conn.write(frames.frame(Kind.REPLY, reply))
                 await conn.drain()
         finally:
             await replies.aclose()

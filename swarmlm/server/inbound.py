@@ -34,7 +34,9 @@ def add_to_server(service, server) -> None:
     def handler(method: str):
         _, reply_type, streaming = METHODS[method]
         make = grpc.stream_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
-        return make(getattr(service, method), lambda data: request_of(method, data), reply_type.SerializeToString)
+        # (Inference's replies come serialized, MAC and all: server/session_stream.py; gRPC sends bytes as they are)
+        serialize = None if streaming else reply_type.SerializeToString
+        return make(getattr(service, method), lambda data: request_of(method, data), serialize)
 
     handlers = {method: handler(method) for method in METHODS}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("swarmlm.Swarm", handlers),))

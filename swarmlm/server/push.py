@@ -198,18 +198,18 @@ class Pusher:
         `push_key` when it is keyed (wire/session_keys.py). True when the target accepted it."""
         request = pb.PushRequest(session_id=target.session_id, secret=target.secret, step=pb.InferenceStep(
             hidden=hidden, attention_mask=mask, step_id=target.step_id, push=rest, cache_op=op))
-        if push_key:
-            session_keys.sign(push_key, target.session_id, request)
         kind = StepKind.of(hidden.shape[1] if len(hidden.shape) == 3 else 0)
         link = self.links.get(target.address)
         call = None
         try:
             port = await self.framed.port(target.address) if self.framed is not None else 0
-            accepted = await self._framed(link, kind, target.address, port, request) if port else None
+            accepted = await self._framed(link, kind, target.address, port, request, push_key) if port else None
             if accepted is not None:
                 self.pushed += accepted
                 self.failed += not accepted
                 return accepted
+            if push_key:
+                session_keys.sign(push_key, target.session_id, request)
             async with link.turn(kind):
                 call = self._stub(target.address).Push(request, timeout=self.timeout_s)
                 await asyncio.sleep(0)  # let the call start writing before the next message's turn
@@ -223,15 +223,19 @@ class Pusher:
             if call is not None:
                 link.answered(kind)
 
-    async def _framed(self, link, kind: StepKind, address: str, port: int, request: pb.PushRequest) -> bool | None:
-        """A push on the framed port: whether the target accepted it, or None when the port does not take the
-        connection (then forgotten: this push and later ones go by gRPC). Held on the link like a gRPC push: its
-        turn until written, in flight until answered."""
+    async def _framed(self, link, kind: StepKind, address: str, port: int, request: pb.PushRequest,
+                      push_key: bytes) -> bool | None:
+        """A push on the framed port (MACed with `push_key` if given, serialized once: `signed_bytes`): whether
+        the target accepted it, or None when the port does not take the connection (then forgotten: this push and
+        later ones go by gRPC). Held on the link like a gRPC push: its turn until written, in flight until
+        answered."""
+        data = session_keys.signed_bytes(push_key, request.session_id, request) if push_key else \
+            request.SerializeToString()
         granted = written = False
         try:
             async with link.turn(kind):
                 granted = True
-                conn = await self.framed.send(address, port, request, self.timeout_s)
+                conn = await self.framed.send(address, port, data, self.timeout_s)
                 written = True
             async with asyncio.timeout(self.timeout_s):
                 code, _ = await self.framed.answer(address, conn)

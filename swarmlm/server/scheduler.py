@@ -39,9 +39,8 @@ import asyncio
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Coroutine, Hashable
 
 import torch
 
@@ -66,11 +65,16 @@ class StragglerGate:
     fruitless: int = 0  # consecutive waits that gathered nobody
     skipped: int = 0  # waits skipped since the last try
 
+    def may_open(self, expected: set[Hashable]) -> bool:
+        """Can a wait start at all with these `expected` members? (Not for a lone session, or when waits are off;
+        asked before the scheduler gathers what `opens` needs.)"""
+        return self.wait.fraction != 0 and len(expected) >= 2
+
     def opens(self, expected: set[Hashable], queued: set[Hashable], decode_queued: bool) -> bool:
         """Does a wait start now? `expected`: the members of the last two decode rounds; `queued`: the members with
         a step queued. A lone session, prefill-only work or nobody missing: no wait; after 4 fruitless waits, the
         next RETRY_WAIT_AFTER are skipped."""
-        if self.wait.fraction == 0 or len(expected) < 2 or not decode_queued or expected <= queued:
+        if not self.may_open(expected) or not decode_queued or expected <= queued:
             return False
         if self.fruitless >= 4 and self.skipped < RETRY_WAIT_AFTER:
             self.skipped += 1  # waits have not paid lately
@@ -106,20 +110,22 @@ class Job:
     priority: StepKind  # DECODE or PREFILL
     batch_tokens: int  # rows x new tokens: the job's share of a round's budget (max_batch_tokens)
     enqueued_s: float
-    future: Future
     work: Batchable
     skipped: int = 0  # rounds this job was passed over as the oldest prefill
-    # the caller's future on its event loop (None for a step run on the caller's thread): set from `future` by
-    # `_deliver`; a caller that gave up cancels `future`, so a job not started yet is dropped
+    # the caller's future on its event loop (None for a step run on the caller's thread): its outcome, given by
+    # `_deliver`; a caller that gives up before a round takes the job takes it out of the queue (never run)
     waiter: asyncio.Future | None = None
+    # what the worker's forward gave (written on the worker, read on the caller's loop after `_deliver`; plain
+    # fields rather than a concurrent Future: each of its calls takes a lock, ~15 calls per step, all cold)
+    outcome: Any = None  # (result, JobTiming)
+    error: BaseException | None = None  # what the forward raised instead
+    # the work's, kept as fields (read several times per round: properties would be a Python call each time)
+    group_key: Hashable = field(init=False)  # jobs of equal keys (and run_batch) share a forward
+    member: Hashable = field(init=False)
 
-    @property
-    def group_key(self) -> Hashable:
-        return self.work.run_batch, self.work.key
-
-    @property
-    def member(self) -> Hashable:
-        return self.work.member
+    def __post_init__(self) -> None:
+        self.group_key = (self.work.run_batch, self.work.key)
+        self.member = self.work.member
 
 
 def plan_round(queue: list[Job], max_tokens: int, max_prefill_skips: int) -> list[list[Job]]:
@@ -161,18 +167,14 @@ def plan_round(queue: list[Job], max_tokens: int, max_prefill_skips: int) -> lis
 
 
 def _resolve_waiters(jobs: list[Job]) -> None:
-    """(On the callers' loop.) Each job's outcome, from its finished `future`, to its `waiter`."""
+    """(On the callers' loop.) Each run job's outcome to its `waiter`."""
     for job in jobs:
-        if job.waiter.done() or not job.future.done():  # the caller gave up (its job dropped or run anyway)
+        if job.waiter.done():  # the caller gave up after a round took its job (it ran anyway)
             continue
-        if job.future.cancelled():  # (only its caller cancels it; its waiter then is cancelled already)
-            job.waiter.cancel()
-            continue
-        exc = job.future.exception()
-        if exc is None:
-            job.waiter.set_result(job.future.result())
+        if job.error is None:
+            job.waiter.set_result(job.outcome)
         else:
-            job.waiter.set_exception(exc)
+            job.waiter.set_exception(job.error)
 
 
 class Scheduler:
@@ -185,7 +187,10 @@ class Scheduler:
         self.gate = StragglerGate(config.batch_wait)  # waits for stragglers before a round (or not)
         self._queue: list[Job] = []  # arrival order
         self._running = False  # a round (on the worker) or an inline step (on the caller's thread) is computing
-        self._cv = threading.Condition()
+        # the queue's lock, taken as itself (a Condition's `with` is two Python calls more, twice per inline step);
+        # the worker waits on the Condition over it
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._stopped = False
         self._worker = threading.Thread(target=self._run, name="swarmlm-compute", daemon=True)
         self._worker.start()
@@ -194,22 +199,25 @@ class Scheduler:
     def queue_length(self) -> int:
         return len(self._queue)
 
-    async def submit_batchable(self, work: Batchable, priority: StepKind, batch_tokens: int) -> tuple[Any, JobTiming]:
+    # (submit_batchable and submit_step return `_submit`'s coroutine rather than await it: one coroutine frame per
+    # step to create and resume, not three; each call costs ~10x its warm time right after a forward)
+    def submit_batchable(self, work: Batchable, priority: StepKind,
+                         batch_tokens: int) -> Coroutine[Any, Any, tuple[Any, JobTiming]]:
         """Run `work` in a round, batched with queued items of its key; `batch_tokens` (rows x new tokens) is its
-        size within the round's budget."""
-        return await self._submit(Job(priority, batch_tokens, 0.0, Future(), work))
+        size within the round's budget. (Await the result.)"""
+        return self._submit(Job(priority, batch_tokens, 0.0, work))
 
-    async def submit_step(
+    def submit_step(
         self, stage: Stage, state: SpanState, hidden: torch.Tensor, mask: torch.Tensor, op: CacheOp | None = None
-    ) -> tuple[torch.Tensor, JobTiming]:
-        """One session's step on `stage` (after its cache op): batched with other sessions' steps of the same shape."""
+    ) -> Coroutine[Any, Any, tuple[torch.Tensor, JobTiming]]:
+        """One session's step on `stage` (after its cache op): batched with other sessions' steps of the same shape.
+        (Await the result.)"""
         request = StepRequest(state, hidden, mask, op)
-        priority = StepKind.of(hidden.shape[1])
         work = Batchable(stage.step_batch, request.batch_key, request, member=id(state))
-        return await self.submit_batchable(work, priority, request.batch_tokens)
+        return self._submit(Job(StepKind.of(hidden.shape[1]), request.batch_tokens, 0.0, work))
 
     async def _submit(self, job: Job) -> tuple[Any, JobTiming]:
-        with self._cv:
+        with self._lock:
             if self._stopped:
                 raise RuntimeError("scheduler is stopped")
             job.enqueued_s = time.perf_counter()
@@ -224,18 +232,24 @@ class Scheduler:
             try:
                 return await job.waiter
             except asyncio.CancelledError:
-                job.future.cancel()  # the caller gave up: a job not started yet is dropped
+                self._drop(job)  # the caller gave up: a job no round took yet is dropped
                 raise
         started = time.perf_counter()
-        try:
-            self._run_group([job])
+        try:  # (nothing to hand over: the result is returned, an exception raised, as the worker's would be)
+            result = job.work.run_batch([job.work.item])[0]
         finally:
-            with self._cv:
+            compute_s = time.perf_counter() - started
+            with self._lock:
                 self.inline_runs += 1
-                self._round_done({job.member}, time.perf_counter() - started)
+                self._round_done({job.member}, compute_s)
                 if self._queue:  # work came meanwhile: the worker starts it (else it sleeps on: no wake-up to pay)
                     self._cv.notify()
-        return job.future.result()  # (raises the step's exception, as the worker's future would)
+        return result, JobTiming(started - job.enqueued_s, compute_s)
+
+    def _drop(self, job: Job) -> None:
+        with self._lock:
+            if job in self._queue:  # (identity: jobs compare by it)
+                self._queue.remove(job)
 
     def _lone_decode(self, job: Job) -> bool:
         """(Holding the lock.) Does `job` run on the caller's thread? See the module's docstring."""
@@ -246,7 +260,7 @@ class Scheduler:
     def _run(self) -> None:
         torch.set_num_threads(self.threads)  # this thread does all compute: set its threads explicitly
         while True:
-            with self._cv:
+            with self._lock:
                 while (not self._queue or self._running) and not self._stopped:
                     self._cv.wait()
                 if self._stopped and not self._queue:
@@ -263,7 +277,7 @@ class Scheduler:
                 if group[0].priority == DECODE:
                     decode |= {job.member for job in group}
                     decode_s += time.perf_counter() - started
-            with self._cv:
+            with self._lock:
                 self._round_done(decode, decode_s)
 
     def _round_done(self, decode: set[Hashable], decode_s: float) -> None:
@@ -276,6 +290,8 @@ class Scheduler:
     def _wait_for_stragglers(self) -> None:
         """(Holding the lock.) Give the recent decode rounds' sessions that are not queued yet a moment to arrive."""
         expected = set().union(*self._recent)
+        if not self.gate.may_open(expected):  # (a lone session: nothing more to gather)
+            return
 
         def missing() -> int:
             return len(expected - {job.member for job in self._queue})
@@ -313,16 +329,13 @@ class Scheduler:
                 pass
 
     def _compute_group(self, group: list[Job]) -> None:
-        group = [job for job in group if job.future.set_running_or_notify_cancel()]  # drop cancelled callers
-        if not group:
-            return
         started = time.perf_counter()
         work = group[0].work
         try:
             results = work.run_batch([job.work.item for job in group])
         except BaseException as exc:  # the caller decides; the worker keeps serving
             if len(group) == 1:
-                group[0].future.set_exception(exc)
+                group[0].error = exc
                 return
             # a failed batch changed no session (steps commit only on success): run each alone, so only the
             # step that fails on its own reports an error
@@ -331,19 +344,19 @@ class Scheduler:
             return
         compute_s = time.perf_counter() - started
         for job, result in zip(group, results):
-            job.future.set_result((result, JobTiming(started - job.enqueued_s, compute_s, len(group))))
+            job.outcome = (result, JobTiming(started - job.enqueued_s, compute_s, len(group)))
 
     @staticmethod
     def _finish(job: Job, fn: Callable[[], Any], started: float) -> None:
         try:
             result = fn()
         except BaseException as exc:  # the caller decides; the worker keeps serving
-            job.future.set_exception(exc)
+            job.error = exc
             return
-        job.future.set_result((result, JobTiming(started - job.enqueued_s, time.perf_counter() - started)))
+        job.outcome = (result, JobTiming(started - job.enqueued_s, time.perf_counter() - started))
 
     def stop(self) -> None:
-        with self._cv:
+        with self._lock:
             self._stopped = True
             self._cv.notify_all()
         self._worker.join(timeout=10)

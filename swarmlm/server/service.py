@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable
 
 import grpc
 import torch
@@ -161,16 +161,22 @@ class SwarmService(pb_grpc.SwarmServicer):
                 and info.hidden_size == self.stage.hidden_size and info.start_block <= block < info.end_block)
 
     # ---- compute ----------------------------------------------------------------------------------------
-    async def _compute(self, state: SpanState, hidden: torch.Tensor, mask: torch.Tensor,
-                       op: CacheOp | None = None) -> tuple[torch.Tensor, JobTiming]:
+    def _compute(self, state: SpanState, hidden: torch.Tensor, mask: torch.Tensor,
+                 op: CacheOp | None = None) -> Awaitable[tuple[torch.Tensor, JobTiming]]:
         """Run new tokens in slices of at most one scheduler round (max_batch_tokens rows x tokens): a long prefill
         is split, so decode steps of other sessions run between its slices (the scheduler puts decodes first). The
-        cache op goes with the first slice."""
+        cache op goes with the first slice. (Await the result.)"""
         rows, n_tokens = hidden.shape[:2]
         self.tokens_computed += rows * n_tokens
         size = max(1, self.config.scheduler.max_batch_tokens // rows)
         if n_tokens <= size:  # one slice (every decode step): the tensors themselves, no view made (each torch call
-            return await self.scheduler.submit_step(self.stage, state, hidden, mask, op)  # costs ~20 us cold)
+            # costs ~20 us cold), and the scheduler's own coroutine: no frame of ours in between to resume
+            return self.scheduler.submit_step(self._stage, state, hidden, mask, op)
+        return self._compute_slices(state, hidden, mask, op, size)
+
+    async def _compute_slices(self, state: SpanState, hidden: torch.Tensor, mask: torch.Tensor, op: CacheOp | None,
+                              size: int) -> tuple[torch.Tensor, JobTiming]:
+        n_tokens = hidden.shape[1]
         outs, queued, compute, batch = [], 0.0, 0.0, 1
         for start in range(0, n_tokens, size):
             piece = slice(start, start + size)
@@ -202,14 +208,15 @@ class SwarmService(pb_grpc.SwarmServicer):
             b, t = self.checks.shape(step.hidden, rows, past, session.max_length)
             if b > session.batch:
                 raise InvalidRequest(f"hidden: {b} rows exceed the batch of {session.batch} reserved at open")
-            nbytes = b * t * self.stage.hidden_size
+            hidden_size = self.checks.hidden_size
+            nbytes = b * t * hidden_size
             if step.push:
                 check_targets(step.push)
                 nxt = session.state.blocks.end
                 if not await self.targets.allowed(step.push[0].address, nxt):
                     raise PushRefused(f"push: {step.push[0].address[:80]!r} is not a server of this swarm "
                                       f"serving block {nxt}")
-            hidden, mask = decode_step(step.hidden, step.attention_mask, b, t, self.stage.hidden_size)
+            hidden, mask = decode_step(step.hidden, step.attention_mask, b, t, hidden_size)
         except InvalidRequest as exc:
             error = exc
         except UnknownSession as exc:

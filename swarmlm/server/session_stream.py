@@ -13,6 +13,7 @@ it); every reply carries the server's MAC.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Awaitable, Callable
 
@@ -23,6 +24,7 @@ from swarmlm.errors import CapacityExceeded, InvalidRequest, NotPermitted, PushR
 from swarmlm.server import prefix_cache
 from swarmlm.server.checks import payload_bytes, peer_host
 from swarmlm.server.inbound import UNPARSABLE
+from swarmlm.server.inbox import Inbox
 from swarmlm.server.prefix_cache import PrefixCache
 from swarmlm.server.push import Pusher, StepOrder
 from swarmlm.server.sessions import PeerBytes, Session, SessionTable
@@ -49,16 +51,23 @@ def refused_reply(session: Session, step_id: int, exc: Exception) -> pb.Inferenc
     )
 
 
-def _sealed(session: Session, reply: pb.InferenceReply) -> pb.InferenceReply:
-    """A reply with the server's MAC when the session is keyed."""
-    return reply if session.keys is None else session_keys.sign(session.keys.server, session.session_id, reply)
+def _sealed(session: Session, reply: pb.InferenceReply) -> bytes:
+    """A reply as the stream sends it: serialized, with the server's MAC when the session is keyed (serialized once:
+    each protobuf call costs ~10x its warm time right after a forward, docs/RESULTS-hop.md round 11)."""
+    if session.keys is None:
+        return reply.SerializeToString()
+    return session_keys.signed_bytes(session.keys.server, session.session_id, reply)
 
 
-def _checked(session: Session, request):
-    """A message from the session's stream, or `_TAMPERED` if the session is keyed and its MAC does not match."""
+def _checked(session: Session, request, data: bytes | None = None):
+    """A message from the session's stream, or `_TAMPERED` if the session is keyed and its MAC does not match.
+    `data`: the bytes it was parsed from, when the transport has them (framed): the MAC is checked on them."""
     if session.keys is None or request is UNPARSABLE:
         return request
-    return request if session_keys.verified(session.keys.client, session.session_id, request) else _TAMPERED
+    keys, sid = session.keys, session.session_id
+    ok = session_keys.verified(keys.client, sid, request) if data is None else \
+        session_keys.verified_bytes(keys.client, sid, request, data)
+    return request if ok else _TAMPERED
 
 
 class SessionStreams:
@@ -73,12 +82,12 @@ class SessionStreams:
         self.refused_open = refused_open  # (its message's bytes): a refused open of many MB gives its memory back
         self.server_key = server_key  # keys the sessions opened with a key share
         self.attached: set[str] = set()  # sessions held by a live stream
-        self.inboxes: dict[str, asyncio.Queue] = {}  # per attached session: its steps, from the stream and pushes
+        self.inboxes: dict[str, Inbox] = {}  # per attached session: its steps, from the stream and pushes
         self._pushes: dict[str, asyncio.Task] = {}  # per session: its latest push (pushes of a session go in order)
 
     async def serve(self, request_iterator, context: grpc.aio.ServicerContext):
         """One session. Its steps come from this stream and from pushes (an inbox merges them); `StepOrder` runs
-        each step id once, in order; every reply goes back on this stream."""
+        each step id once, in order; every reply goes back on this stream, serialized (`_sealed`)."""
         peer = peer_host(context)
         session: Session | None = None
         clean_end = False
@@ -93,7 +102,7 @@ class SessionStreams:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the message does not parse")
             session = await self._attach(first, peer, context)
             sid = session.session_id
-            inbox: asyncio.Queue = asyncio.Queue(maxsize=self.config.inbox_steps)
+            inbox = Inbox(self.config.inbox_steps)
             self.inboxes[sid] = inbox
             if first.WhichOneof("kind") == "step":
                 order = StepOrder(self.config.max_steps_ahead, last_id=max(first.step.step_id - 1, 0))
@@ -107,8 +116,7 @@ class SessionStreams:
                     prefix_tokens=session.state.position))
             reader = asyncio.ensure_future(self._read(request_iterator, inbox, ended, peer, charges, session))
             while True:
-                async with asyncio.timeout(self.config.session_idle_timeout_s):  # (wait_for may drop a cancellation)
-                    request = await inbox.get()
+                request = await inbox.get(self.config.session_idle_timeout_s)
                 if request is _END or request is _BROKEN:
                     clean_end = request is _END
                     return
@@ -137,7 +145,7 @@ class SessionStreams:
                     self._release(charges, request)
                     yield _sealed(session, refusal)
                     continue
-                if not order.holds(request) and all(step is not request for step in ready):
+                if not (ready and ready[0] is request) and not order.holds(request):  # (admit: it comes first)
                     self._release(charges, request)  # the other copy of a step already taken
                 for step in ready:
                     reply = await self.run_step(session, step, context)
@@ -183,7 +191,7 @@ class SessionStreams:
         if charge is not None:
             self.load.release(charge[1], charge[2])
 
-    async def _read(self, request_iterator, inbox: asyncio.Queue, ended: asyncio.Event, peer: str,
+    async def _read(self, request_iterator, inbox: Inbox, ended: asyncio.Event, peer: str,
                     charges: dict, session: Session) -> None:
         """The client's messages into the inbox. A full inbox, or a peer with too many bytes in flight, holds the
         stream back (HTTP/2 flow control). A framed stream puts each message in as its frame arrives (`feed`,
@@ -191,8 +199,8 @@ class SessionStreams:
         try:
             feed = getattr(request_iterator, "feed", None)
             if feed is not None:
-                await feed(lambda request: self._take_now(inbox, peer, charges, _checked(session, request)),
-                           lambda request: self._take(inbox, peer, charges, _checked(session, request)))
+                await feed(functools.partial(self._take_now, inbox, peer, charges, session),
+                           lambda request, data: self._take(inbox, peer, charges, _checked(session, request, data)))
             else:
                 async for request in request_iterator:
                     await self._take(inbox, peer, charges, _checked(session, request))
@@ -202,16 +210,18 @@ class SessionStreams:
         ended.set()  # a clean end, even if the call is cancelled before the handler reads it
         await inbox.put(_END)
 
-    async def _take(self, inbox: asyncio.Queue, peer: str, charges: dict, request) -> None:
+    async def _take(self, inbox: Inbox, peer: str, charges: dict, request) -> None:
         """One message of the client into its session's inbox, waiting for room (its step's bytes, then the inbox)."""
         if request is not UNPARSABLE and request is not _TAMPERED and request.WhichOneof("kind") == "step":
             await self._charge(charges, request, peer, payload_bytes(request.step))
         await inbox.put(request)
 
-    def _take_now(self, inbox: asyncio.Queue, peer: str, charges: dict, request) -> bool:
-        """`_take` if there is room now; False (nothing done) if it would have to wait."""
+    def _take_now(self, inbox: Inbox, peer: str, charges: dict, session: Session, request, data: bytes) -> bool:
+        """`_take` of a framed request (its MAC checked on `data`) if there is room now; False (nothing done) if it
+        would have to wait."""
         if inbox.full():
             return False
+        request = _checked(session, request, data)
         if request is not UNPARSABLE and request is not _TAMPERED and request.WhichOneof("kind") == "step":
             nbytes = payload_bytes(request.step)
             if not self.load.try_add(peer, nbytes):

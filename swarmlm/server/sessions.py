@@ -13,7 +13,6 @@ import hmac
 import secrets
 import time
 import uuid
-from collections import Counter
 from dataclasses import dataclass, field
 
 from swarmlm.errors import CapacityExceeded, UnknownSession
@@ -147,14 +146,15 @@ class PeerBytes:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.held: Counter[str] = Counter()
+        self.held: dict[str, int] = {}  # (a plain dict: Counter's missing keys cost a Python call each, per step)
         self._freed = asyncio.Condition()
         self._waiting = 0  # adds waiting for room: a release wakes them (none: no wake-up task per release)
 
     def try_add(self, peer: str, nbytes: int) -> bool:
-        if self.held[peer] and self.held[peer] + nbytes > self.limit:
+        held = self.held.get(peer, 0)
+        if held and held + nbytes > self.limit:
             return False
-        self.held[peer] += nbytes
+        self.held[peer] = held + nbytes
         return True
 
     async def add(self, peer: str, nbytes: int) -> None:
@@ -168,9 +168,11 @@ class PeerBytes:
             self._waiting -= 1
 
     def release(self, peer: str, nbytes: int) -> None:
-        self.held[peer] -= nbytes
-        if self.held[peer] <= 0:
-            del self.held[peer]
+        left = self.held.get(peer, 0) - nbytes
+        if left > 0:
+            self.held[peer] = left
+        else:
+            self.held.pop(peer, None)
         if self._waiting:
             asyncio.ensure_future(self._notify())
 

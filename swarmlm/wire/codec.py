@@ -67,6 +67,12 @@ def decode(msg: pb.Tensor, what: str = "tensor", max_elements: int = 1 << 28, fi
     """A torch tensor from a peer's message, or InvalidRequest saying what is wrong with it. `finite`: refuse NaN
     and infinite values too."""
     _, shape = header(msg, what, max_elements)
+    return decode_checked(msg, shape, what, finite)
+
+
+def decode_checked(msg: pb.Tensor, shape: tuple[int, ...], what: str = "tensor", finite: bool = False) -> torch.Tensor:
+    """`decode` of a message whose header passed `header` already, which gave `shape` (a server's step checks its
+    header against its limits first: read once, not again here)."""
     name = msg.dtype
     if name == int8_block.INT8_BLOCK:
         return _finite(int8_block.unpack_int8(msg.data, shape, what), what, finite)

@@ -38,6 +38,9 @@ class Kind(IntEnum):
     PUSH = 6  # server -> server: a PushRequest; answered by one STATUS (OK or the refusal), then the next PUSH
 
 
+_KINDS: dict[int, Kind] = dict(Kind._value2member_map_)
+
+
 class Purpose(IntEnum):
     STREAM = 1  # one Inference stream: REQUEST... END from the client; REPLY... STATUS from the server
     PUSH = 2  # a sequence of pushes: PUSH from the pusher, STATUS for each
@@ -108,9 +111,10 @@ def parse_frame(buf: bytearray, max_body_bytes: int) -> tuple[Kind, bytes] | Non
     header that breaks the framing (unknown kind, over the limit) is a FrameError as soon as it is there."""
     if len(buf) < HEADER.size:
         return None
-    size, kind = HEADER.unpack_from(buf)
-    if kind not in Kind._value2member_map_:
-        raise FrameError(f"unknown frame kind {kind}")
+    size, number = HEADER.unpack_from(buf)
+    kind = _KINDS.get(number)  # (a dict's lookup: Kind(number) is two Python calls, on every frame)
+    if kind is None:
+        raise FrameError(f"unknown frame kind {number}")
     if size > max_body_bytes:
         raise FrameError(f"oversized frame: {size} bytes exceed the limit of {max_body_bytes}")
     end = HEADER.size + size
@@ -118,7 +122,7 @@ def parse_frame(buf: bytearray, max_body_bytes: int) -> tuple[Kind, bytes] | Non
         return None
     body = bytes(buf[HEADER.size:end])
     del buf[:end]
-    return Kind(kind), body
+    return kind, body
 
 
 async def read_frame(reader: asyncio.StreamReader, max_body_bytes: int,
