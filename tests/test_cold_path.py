@@ -10,7 +10,7 @@ import torch
 from swarmlm.client.model import checked_ids
 from swarmlm.errors import InvalidRequest
 from swarmlm.model.packed import PackedEmbedding, packed_from_numpy
-from swarmlm.small_reads import SMALL_VALUES, all_set, id_bounds
+from swarmlm.small_reads import SMALL_VALUES, all_set, id_bounds, no_padding_mask
 from swarmlm.types import BlockRange
 from swarmlm.wire import codec
 from swarmlm.wire import swarm_pb2 as pb
@@ -115,7 +115,6 @@ def test_a_framed_decode_step_makes_none_of_the_calls_round_15_took_off_its_serv
     import sys
 
     from swarmlm.bench.frame_attacks import END, HELLO, frame_port, open_request
-    from swarmlm.server import checks
     from swarmlm.wire import frames
     from swarmlm.wire.frames import Kind
 
@@ -163,4 +162,4 @@ def test_a_framed_decode_step_makes_none_of_the_calls_round_15_took_off_its_serv
     dropped = ("concurrent/futures/_base.py", "asyncio/queues.py", "asyncio/timeouts.py", "threading.py")
     assert not [f for f in seen if f.endswith(dropped)], sorted(seen)
     assert "ones" not in seen and "SerializeToString" in seen  # (the profile saw the C calls too)
-    assert all(mask is checks.all_ones(1, 1) for mask in masks) and torch.equal(masks[0], torch.ones(1, 1).long())
+    assert all(mask is no_padding_mask(1, 1) for mask in masks) and torch.equal(masks[0], torch.ones(1, 1).long())

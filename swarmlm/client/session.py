@@ -27,7 +27,7 @@ from swarmlm.client.router import profile_of
 from swarmlm.client.streams import HopTiming, SpanStream
 from swarmlm.errors import InvalidRequest, ServerFailed, ServerHung, ServerTampered
 from swarmlm.perf.model import ComputeProfile
-from swarmlm.small_reads import SMALL_VALUES, all_set
+from swarmlm.small_reads import all_set, no_padding_mask
 from swarmlm.swarm.records import ServerRecord
 from swarmlm.types import CacheOp, Span
 from swarmlm.wire import compress
@@ -91,7 +91,6 @@ class InferenceSession:
         self.held_ids: list[int] | None = [] if self.prefix_context is not None else None  # the ids servers hold
         self.prompt: list[int] = []  # the prompt named at open (its cached prefix is not sent again)
         self._align: CacheOp | None = None  # cuts every span to the prefix all of them hold, with the first step
-        self._kept_ones: dict[torch.Size, torch.Tensor] = {}  # [B, T] -> an all-ones mask of a decode step's shape
         # (server id, rows, cached) -> (span, its server's record, the bound): a decode step's hang timeouts, worked
         # out again only when the span or the record (its announced profile) changes
         self._decode_bounds: dict[tuple[str, int, bool], tuple[Span, ServerRecord | None, float]] = {}
@@ -221,7 +220,7 @@ class InferenceSession:
         if past + hidden.shape[1] > self.max_length:
             raise InvalidRequest(f"session max_length {self.max_length} reached ({past} tokens held)")
         if mask is None:
-            mask, padded = self._ones(hidden.shape[:2]), False
+            mask, padded = no_padding_mask(*hidden.shape[:2]), False  # (a decode step's: kept, no tensor made)
         else:  # (a torch call saved when it is long already: each costs ~10x right after a forward)
             mask = mask if mask.dtype == torch.long else mask.to(torch.long)
             padded = not all_set(mask)
@@ -233,16 +232,6 @@ class InferenceSession:
             out = self.remote.loop.run(self._attempts(record, chunks, hops, t0, padded=padded))
         self._track(token_ids, padded, op)
         return out
-
-    def _ones(self, shape: torch.Size) -> torch.Tensor:
-        """An all-ones [B, T] mask (no padding); a decode step's is made once per shape and kept (never written to:
-        chunks, the history and replays only read or slice it), so a step without a mask makes no tensor."""
-        if shape[0] * shape[1] > SMALL_VALUES:
-            return torch.ones(shape, dtype=torch.long)
-        ones = self._kept_ones.get(shape)
-        if ones is None:
-            ones = self._kept_ones[shape] = torch.ones(shape, dtype=torch.long)
-        return ones
 
     def _track(self, token_ids: torch.Tensor | None, padded: bool, op: CacheOp | None) -> None:
         """Follow the token ids the servers hold (to name them at close); one unpadded sequence only."""

@@ -4,20 +4,19 @@ limit is a ServerConfig setting (docs/FAILURES.md, "Bounded resources"); the wir
 keys, frame headers) are constants of the modules that check them."""
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from swarmlm.config import ServerConfig
 from swarmlm.errors import InvalidRequest
+from swarmlm.small_reads import no_padding_mask
 from swarmlm.types import BlockRange, CacheOp
 from swarmlm.wire import codec
 from swarmlm.wire import swarm_pb2 as pb
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MASK_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.bool)
-SMALL_MASK = 64  # masks of up to this many values (decode steps, short passes) are kept per shape: `all_ones`
 
 
 class StepChecks:
@@ -102,20 +101,9 @@ def decode_step(hidden_msg: pb.Tensor, mask_msg: pb.Tensor, b: int, t: int,
     # (its header is the one `StepChecks.shape` checked: [b, t, hidden_size])
     hidden = codec.decode_checked(hidden_msg, (b, t, hidden_size), "hidden", finite=True)
     if not masked or codec.all_ones(mask_msg):  # (no padding: the usual case, checked cheaply)
-        return hidden, all_ones(b, t)
+        return hidden, no_padding_mask(b, t)  # (kept per shape: a torch call per step saved)
     mask = codec.decode(mask_msg, "attention_mask", max_elements=b * t).to(torch.long)
     if ((mask != 0) & (mask != 1)).any():
         raise InvalidRequest("attention_mask: values must be 0 or 1")
     return hidden, mask
 
-
-def all_ones(b: int, t: int) -> torch.Tensor:
-    """The mask of a step without padding, [b, t] int64; for a decode step's few tokens one tensor per shape, kept:
-    a torch call per step saved (~30 us right after a forward, docs/RESULTS-hop.md round 11). Shared, so never
-    written: the stage reads a step's mask (it concatenates it to the session's)."""
-    return _small_ones(b, t) if b * t <= SMALL_MASK else torch.ones(b, t, dtype=torch.long)
-
-
-@functools.lru_cache(maxsize=64)  # (decode steps' shapes recur; the bound keeps odd ones from piling up)
-def _small_ones(b: int, t: int) -> torch.Tensor:
-    return torch.ones(b, t, dtype=torch.long)
