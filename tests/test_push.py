@@ -109,12 +109,7 @@ def test_cache_ops_travel_with_the_pushed_steps(swarm, tiny_bloom, mode):
     want = reference_generate(tiny_bloom, ids, max_new_tokens=8, **args)
     got = client.generate(ids, max_new_tokens=8, do_sample=False, **args)
     assert torch.equal(got, want)
-    steps = client.last_stats.steps
-    assert all(record.pushed for record in steps)
-    # a step tried again (a server slow past its hang timeout on a loaded machine) keeps its first attempt's hops
-    # too: the hops of the steps that went through at once are the route's, every one but the last pushed on
-    clean = [record for record in steps if not (record.failovers or record.stalls or record.hung or record.reopened)]
-    assert clean and all(h.pushed for record in clean for h in record.hops[:-1])
+    assert all(h.pushed for record in client.last_stats.steps for h in record.hops[:-1])
 
 
 @pytest.mark.slow
