@@ -102,12 +102,13 @@ class SchedulerConfig:
 # What a message costs beyond the network's round trip and the server's compute, on the default transport (framed
 # steps, wire/frames.py): serialising, parsing, the wire stack's wake-ups and thread hand-offs on both ends. Measured:
 # `benchmarks/hop_breakdown.py --transports` step minus server compute per hop, tiny-bloom on loopback, medians
-# (docs/RESULTS-hop.md: framed 0.60-0.80 ms at 1-3 servers; gRPC's Inference streams 1.16-1.34 ms). A prefill
+# (docs/RESULTS-hop.md rounds 14-15, calm: framed 0.23-0.34 ms at 1-3 servers; gRPC's Inference streams 0.58-0.78
+# ms; a hop after a long forward costs more: bloomz-560m framed 1.0-1.4 ms, its caches cold). A prefill
 # chunk's fixed cost (ChunkRule), and the performance model's per-hop message cost (PerfModel.message_overhead_s:
 # planner, router, simulator), on top of a link's RTT. (A live client's RTT comes from Info probes, whose own unary
 # call already carries part of such a cost: it is counted twice there, alike for every route, so it changes no
 # choice between routes of equal hop counts.)
-MESSAGE_OVERHEAD_S = 0.7e-3
+MESSAGE_OVERHEAD_S = 0.3e-3
 
 
 @dataclass(frozen=True)
