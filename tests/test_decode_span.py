@@ -203,24 +203,13 @@ def test_query_heads_of_one_kv_head_attend_together(tmp_path, heads, kv_heads, h
     assert len(calls) == 15
 
 
-def test_a_decode_steps_span_call_makes_no_failed_lookup_and_no_torch_copy(checkpoints):
+def test_a_decode_steps_span_call_makes_no_failed_lookup(checkpoints):
     """What every server of a chain pays once per token with its caches cold (docs/RESULTS-hop.md round 16): no
-    ctypes attribute lookup that fails (a missing symbol and an AttributeError, ~30 us cold) and no torch copy of the
-    hidden states (the kernel copies them into an empty output); the caller's tensor stays as it was."""
+    ctypes attribute lookup that fails (a missing symbol and an AttributeError, ~20-30 us cold); the caller's tensor
+    stays as it was, the output is the blocks' own."""
     import sys
 
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from swarmlm.kernels import library
-
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     fast, plain = twin_stages(checkpoints["tiny-llama"], BlockRange(0, 2), quant="int8")
     states = [stage.new_state(stage.blocks, 1, 16) for stage in (fast, plain)]
@@ -243,6 +232,3 @@ def test_a_decode_steps_span_call_makes_no_failed_lookup_and_no_torch_copy(check
     assert "__getattr__" not in called and "__getitem__" not in called  # (CDLL's, for a name it does not hold)
     assert torch.equal(token, kept) and got.data_ptr() != token.data_ptr()
     assert rel_l2(got, plain.step(states[1], token, one)) < 1e-5
-    with Ops() as ops:
-        fast.step(states[0], token, one)
-    assert not {"clone", "copy_", "_to_copy"} & set(ops.names), ops.names

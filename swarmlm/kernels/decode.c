@@ -349,13 +349,10 @@ static float *scratch(int64_t need) {
     return buffer;
 }
 
-/* input [rows, hidden] through n_blocks blocks into x [rows, hidden] (x may be input itself: then in place); 0 on
- * success, -1 if a product was refused, -2 out of memory, -3 if a query row is padding (its own mask entry 0:
- * transformers' business; nothing is written), -4 if a row's position is past the rotary table or rows are too many
- * (nothing is written). The copy is here, not the caller's: a torch copy costs a cold decode step ~15 us more than
- * the empty output it replaces (docs/RESULTS-hop.md round 16). */
-int decode_span(const span_dims *D, const span_block *blocks, int64_t n_blocks, const float *input, float *x,
-                int64_t rows,
+/* x [rows, hidden] in place through n_blocks blocks; 0 on success, -1 if a product was refused, -2 out of memory,
+ * -3 if a query row is padding (its own mask entry 0: transformers' business; nothing is written), -4 if a row's
+ * position is past the rotary table or rows are too many (nothing is written) */
+int decode_span(const span_dims *D, const span_block *blocks, int64_t n_blocks, float *x, int64_t rows,
                 void *const *kbase, void *const *vbase, const int64_t *layer_stride, const int64_t *cap,
                 const int64_t *len, const int64_t *const *mask, const float *rotary, int64_t rope_rows,
                 int64_t rope_by_row) {
@@ -391,7 +388,6 @@ int decode_span(const span_dims *D, const span_block *blocks, int64_t n_blocks, 
     float *part[10];
     int64_t at = 0;
     for (int i = 0; i < 10; at += (sizes[i] + 15) / 16 * 16, i++) part[i] = buf + at;
-    if (x != input) memcpy(x, input, sizeof(float) * rows * H);
     float *xn = part[0], *q = part[1], *k = part[2], *v = part[3], *att = part[4], *o = part[5], *gate = part[6],
           *up = part[7], *down = part[8], *scores = part[9];
     int status = 0;

@@ -14,7 +14,7 @@ kernel refuses a padding query: `step` returns None). Anything else -- other fam
 long prompts, gradients, padding queries -- runs through transformers as before (server/stage.py decides per step).
 
 Each call's own cost is kept small, as every server pays it once per token with its caches cold (docs/RESULTS-hop.md
-rounds 15-16): two torch ops (the empty output, which the kernel fills from the input; the caller's mask
+rounds 15-16): two torch ops (the input's copy, which the kernel works on in place; the caller's mask
 concatenation), the per-row arrays kept while the caches stay (a step writes its lengths and mask rows into them),
 the rotary positions counted by the kernel from the masks.
 """
@@ -118,12 +118,11 @@ class SpanDecoder:
         length + t and attends to positions up to its own (causal), through the row's mask; its rotary position is
         the kernel's to count from the same mask (the real tokens up to its own - 1, as transformers derives it)."""
         n_tokens = hidden.shape[1]
-        # the kernel copies the input into its output itself (an empty tensor costs a cold step ~15 us less than a
-        # torch copy); an input of another dtype or layout is converted first, and that copy is the output
-        if hidden.dtype == torch.float32 and hidden.is_contiguous():
-            source, x = hidden, torch.empty(hidden.shape, dtype=torch.float32)  # [B, T, H] = the kernel's [B x T, H]
-        else:
-            source = x = hidden.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        # the kernel works in place on a float32 copy: [B, T, H] contiguous is its [B x T, H] (the caller's tensor
+        # stays as it was); a clone when it is float32 already (half of `to`'s cost). (An empty output the kernel
+        # copies the input into measured no cheaper cold: docs/RESULTS-hop.md round 16.)
+        x = hidden.clone(memory_format=torch.contiguous_format) if hidden.dtype == torch.float32 else \
+            hidden.to(torch.float32, memory_format=torch.contiguous_format)
         widest = 0
         for (cache, span), mask in zip(members, masks):  # growth first: the rows' cache pointers follow it
             end = cache.length + n_tokens
@@ -145,8 +144,8 @@ class SpanDecoder:
                 row += row_bytes
         rope, by_row = self._rope(x, keep, n_tokens, widest)
         code = threaded_library().decode_span(
-            self._dims, self.blocks, len(self.blocks), source.data_ptr(), x.data_ptr(), q, keys, values, strides,
-            caps, lengths, mask_rows, rope.data_ptr(), rope.shape[1], by_row)
+            self._dims, self.blocks, len(self.blocks), x.data_ptr(), q, keys, values, strides, caps, lengths,
+            mask_rows, rope.data_ptr(), rope.shape[1], by_row)
         if code == -3:
             return None
         if code != 0:
@@ -157,7 +156,7 @@ class SpanDecoder:
         """Per query row: its cache's K and V pointers for the span's first block, layer stride and capacity, and
         two arrays for the step to fill (its length and mask row: `step`), all ctypes int64 arrays. The first four
         change only when a cache grows or the batch changes, so the last step's arrays are kept (made again, a cold
-        step paid ~10 us more for two small arrays). The arrays a step fills are shared by the steps of one key:
+        step paid ~20 us more for two small arrays). The arrays a step fills are shared by the steps of one key:
         the same caches' buffers, that is one session's, whose steps never run at once."""
         key = (n_tokens, *[(c.keys.data_ptr(), c.values.data_ptr(), c.capacity, s.stop - s.start) for c, s in members])
         last = self._last_rows  # (read once: the I/O loop's inline decode and the compute thread share this decoder)
