@@ -201,3 +201,34 @@ def test_query_heads_of_one_kv_head_attend_together(tmp_path, heads, kv_heads, h
     calls = kernel_steps(monkeypatch)
     run_both((fast, plain), scenario(fast.hidden_size))
     assert len(calls) == 15
+
+
+def test_a_decode_steps_span_call_makes_no_failed_lookup(checkpoints):
+    """What every server of a chain pays once per token with its caches cold (docs/RESULTS-hop.md round 16): no
+    ctypes attribute lookup that fails (a missing symbol and an AttributeError, ~20-30 us cold); the caller's tensor
+    stays as it was, the output is the blocks' own."""
+    import sys
+
+    from swarmlm.kernels import library
+
+    fast, plain = twin_stages(checkpoints["tiny-llama"], BlockRange(0, 2), quant="int8")
+    states = [stage.new_state(stage.blocks, 1, 16) for stage in (fast, plain)]
+    prompt, token = torch.randn(1, 4, fast.hidden_size), torch.randn(1, 1, fast.hidden_size)
+    one = torch.ones(1, 1, dtype=torch.long)  # (as the server's: a mask of another dtype is converted, a copy)
+    for stage, state in zip((fast, plain), states):
+        stage.step(state, prompt, torch.ones(1, 4, dtype=torch.long))
+    kept = token.clone()
+    called, before = [], torch.get_num_threads()
+    torch.set_num_threads(1)  # a server's default, with the kernels as a server process first loads them
+    library.cache_clear()
+    library()
+    sys.setprofile(lambda frame, event, arg: called.append(frame.f_code.co_name) if event == "call" else None)
+    try:
+        got = fast.step(states[0], token, one)
+    finally:
+        sys.setprofile(None)
+        torch.set_num_threads(before)
+    assert fast._span_decoder(slice(0, 2)) is not None and "_forward" not in called  # the kernel computed it
+    assert "__getattr__" not in called and "__getitem__" not in called  # (CDLL's, for a name it does not hold)
+    assert torch.equal(token, kept) and got.data_ptr() != token.data_ptr()
+    assert rel_l2(got, plain.step(states[1], token, one)) < 1e-5

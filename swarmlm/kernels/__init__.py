@@ -99,6 +99,9 @@ def library(march: str = "native") -> ctypes.CDLL:
     lib.packed_amx.restype = ctypes.c_int
     lib.decode_span.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64]
     lib.decode_span.restype = ctypes.c_int
+    # what the worker pool was last told (model/packed.py threaded_library), an attribute of this build from the start:
+    # a missing one is a failed symbol lookup and an AttributeError each time it is read (cold, ~30 us a decode step)
+    lib.pool_threads = lib.packed_threads()
     return lib
 
 

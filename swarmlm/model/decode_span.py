@@ -14,8 +14,9 @@ kernel refuses a padding query: `step` returns None). Anything else -- other fam
 long prompts, gradients, padding queries -- runs through transformers as before (server/stage.py decides per step).
 
 Each call's own cost is kept small, as every server pays it once per token with its caches cold (docs/RESULTS-hop.md
-round 15): two torch ops (the input's copy, which the kernel works on in place; the caller's mask concatenation),
-the per-row arrays kept while the caches stay, the rotary positions counted by the kernel from the masks.
+rounds 15-16): two torch ops (the input's copy, which the kernel works on in place; the caller's mask
+concatenation), the per-row arrays kept while the caches stay (a step writes its lengths and mask rows into them),
+the rotary positions counted by the kernel from the masks.
 """
 from __future__ import annotations
 
@@ -118,28 +119,33 @@ class SpanDecoder:
         the kernel's to count from the same mask (the real tokens up to its own - 1, as transformers derives it)."""
         n_tokens = hidden.shape[1]
         # the kernel works in place on a float32 copy: [B, T, H] contiguous is its [B x T, H] (the caller's tensor
-        # stays as it was); a clone when it is float32 already (half of `to`'s cost)
+        # stays as it was); a clone when it is float32 already (half of `to`'s cost). (An empty output the kernel
+        # copies the input into measured no cheaper cold: docs/RESULTS-hop.md round 16.)
         x = hidden.clone(memory_format=torch.contiguous_format) if hidden.dtype == torch.float32 else \
             hidden.to(torch.float32, memory_format=torch.contiguous_format)
-        lengths, mask_rows, keep, widest = [], [], [], 0
-        for (cache, span), mask in zip(members, masks):
-            n, end = span.stop - span.start, cache.length + n_tokens
-            assert mask.shape == (n, end), "a session's mask covers its committed tokens and the new ones"
+        widest = 0
+        for (cache, span), mask in zip(members, masks):  # growth first: the rows' cache pointers follow it
+            end = cache.length + n_tokens
+            assert mask.shape == (span.stop - span.start, end), "a mask covers the committed tokens and the new ones"
             assert cache.dtype == self.kv_dtype, "the kernel reads caches of the decoder's kv_dtype"
             if end > cache.capacity:
-                cache._grow(end, x.new_empty(n, self.kv_heads, 1, self.head_dim))
+                cache._grow(end, x.new_empty(span.stop - span.start, self.kv_heads, 1, self.head_dim))
+            widest = max(widest, end)
+        keys, values, strides, caps, lengths, mask_rows = self._cache_rows(members, n_tokens)
+        keep, q = [], 0
+        for (cache, span), mask in zip(members, masks):  # this step's lengths and mask rows, per query row
             m = mask if mask.dtype == torch.int64 and mask.is_contiguous() else mask.to(torch.int64).contiguous()
             keep.append(m)  # (alive until the kernel returns: it reads the rows through their addresses)
-            widest = max(widest, end)
-            lengths += list(range(cache.length, end)) * n  # token t of a row: written at length + t
-            row_bytes = 8 * m.stride(0)
-            mask_rows += [row for row in range(m.data_ptr(), m.data_ptr() + n * row_bytes, row_bytes)
-                          for _ in range(n_tokens)]
-        keys, values, strides, caps, longs = self._cache_rows(members, n_tokens)
+            row, row_bytes = m.data_ptr(), 8 * m.stride(0)
+            for _ in range(span.stop - span.start):
+                for t in range(n_tokens):  # token t of a row: written at length + t
+                    lengths[q], mask_rows[q] = cache.length + t, row
+                    q += 1
+                row += row_bytes
         rope, by_row = self._rope(x, keep, n_tokens, widest)
         code = threaded_library().decode_span(
-            self._dims, self.blocks, len(self.blocks), x.data_ptr(), len(lengths), keys, values, strides, caps,
-            longs(*lengths), longs(*mask_rows), rope.data_ptr(), rope.shape[1], by_row)
+            self._dims, self.blocks, len(self.blocks), x.data_ptr(), q, keys, values, strides, caps, lengths,
+            mask_rows, rope.data_ptr(), rope.shape[1], by_row)
         if code == -3:
             return None
         if code != 0:
@@ -147,9 +153,11 @@ class SpanDecoder:
         return x
 
     def _cache_rows(self, members, n_tokens: int) -> tuple:
-        """Per query row: its cache's K and V pointers for the span's first block, layer stride and capacity (ctypes
-        arrays), and the arrays' type. They change only when a cache grows or the batch changes, so the last step's are
-        kept."""
+        """Per query row: its cache's K and V pointers for the span's first block, layer stride and capacity, and
+        two arrays for the step to fill (its length and mask row: `step`), all ctypes int64 arrays. The first four
+        change only when a cache grows or the batch changes, so the last step's arrays are kept (made again, a cold
+        step paid ~20 us more for two small arrays). The arrays a step fills are shared by the steps of one key:
+        the same caches' buffers, that is one session's, whose steps never run at once."""
         key = (n_tokens, *[(c.keys.data_ptr(), c.values.data_ptr(), c.capacity, s.stop - s.start) for c, s in members])
         last = self._last_rows  # (read once: the I/O loop's inline decode and the compute thread share this decoder)
         if last is None or last[0] != key:
@@ -165,7 +173,7 @@ class SpanDecoder:
                     strides += [layer_stride] * n_tokens
                     caps += [cache.capacity] * n_tokens
             longs = ctypes.c_int64 * len(keys)
-            last = self._last_rows = key, (longs(*keys), longs(*values), longs(*strides), longs(*caps), longs)
+            last = self._last_rows = key, (longs(*keys), longs(*values), longs(*strides), longs(*caps), longs(), longs())
         return last[1]
 
     def _rope(self, x: torch.Tensor, masks: list[torch.Tensor], n_tokens: int, widest: int) -> tuple[torch.Tensor, int]:

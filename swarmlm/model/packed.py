@@ -134,7 +134,7 @@ def threaded_library():
     was last told is kept on that build (tests load other builds beside the native one)."""
     lib = library()
     n = torch.get_num_threads()
-    if n != getattr(lib, "pool_threads", 1):
+    if n != lib.pool_threads:
         lib.packed_set_threads(n)
         lib.pool_threads = n
     return lib
