@@ -215,7 +215,7 @@ class FrameServer:
             if kind != Kind.PUSH:
                 raise FrameError(f"a {kind.name} frame on a push connection (expected PUSH)")
             context = FrameContext(_peer_of(conn.transport))
-            await self.service.Push(request_of("Push", body), context)
+            await self.service.Push(request_of("Push", body), context, body)
             conn.write(frames.status(context.code, context.details))
             await conn.drain()
 

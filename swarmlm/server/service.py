@@ -9,6 +9,7 @@ are returned, not raised, so no traceback keeps a refused request's buffers aliv
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -262,8 +263,10 @@ class SwarmService(pb_grpc.SwarmServicer):
         gRPC's handler registration expects."""
         return self.streams.serve
 
-    async def Push(self, request: pb.PushRequest, context) -> pb.PushReply:
-        return await self.gate.serve(request, context, pb.PushReply(), "push", self.streams.push)
+    async def Push(self, request: pb.PushRequest, context, data: bytes | None = None) -> pb.PushReply:
+        """`data`: the bytes `request` was parsed from (the framed port has them: its MAC is checked on them)."""
+        handle = self.streams.push if data is None else functools.partial(self.streams.push, data=data)
+        return await self.gate.serve(request, context, pb.PushReply(), "push", handle)
 
     async def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardReply:
         return await self.gate.serve(request, context, pb.ForwardReply(), "forward", self._forward)
