@@ -25,6 +25,7 @@ from swarmlm.model.fingerprint import range_fingerprint
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.server import deep_prompt, prefix_cache
 from swarmlm.server.checks import StepChecks, check_cache_op, decode_step
+from swarmlm.server.inbound import request_of
 from swarmlm.server.prefix_cache import PrefixCache
 from swarmlm.server.push import Pusher, TargetCheck, check_targets
 from swarmlm.server.scheduler import JobTiming, Scheduler
@@ -267,6 +268,12 @@ class SwarmService(pb_grpc.SwarmServicer):
         """`data`: the bytes `request` was parsed from (the framed port has them: its MAC is checked on them)."""
         handle = self.streams.push if data is None else functools.partial(self.streams.push, data=data)
         return await self.gate.serve(request, context, pb.PushReply(), "push", handle)
+
+    def push_now(self, data: bytes, context) -> pb.PushReply | None:
+        """`Push` of a framed push's bytes if it is answered without waiting (its status on `context`, refusals
+        included); None when it would wait for room (nothing done: then `Push` it)."""
+        return self.gate.serve_now(request_of("Push", data), context, pb.PushReply(), "push",
+                                   functools.partial(self.streams.push_now, data=data))
 
     async def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardReply:
         return await self.gate.serve(request, context, pb.ForwardReply(), "forward", self._forward)

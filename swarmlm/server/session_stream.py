@@ -231,10 +231,35 @@ class SessionStreams:
         return True
 
     async def push(self, request: pb.PushRequest, admission: Admission, data: bytes | None = None) -> pb.PushReply:
-        """A step pushed by the previous server of a route; accepted only into a session a client's stream holds
-        (its reply has to go somewhere), and only with that session's secret. Validated like any step when its turn
-        comes. `data`: the bytes it was parsed from, when the transport has them (framed): its MAC is checked on
-        them (`verified_bytes`: no re-serialization)."""
+        """A step pushed by the previous server of a route (`_pushed_step` checks it), into its session's inbox; a
+        full inbox holds the pusher back, as a full stream holds the client back. `data`: the bytes it was parsed
+        from, when the transport has them (framed): its MAC is checked on them."""
+        inbox, step = self._pushed_step(request, admission, data)
+        if not inbox.full():  # (room now: no timeout to arm)
+            inbox.put_nowait(step)
+            return pb.PushReply()
+        try:
+            async with asyncio.timeout(self.config.push_room_wait_s):
+                await inbox.put(step)
+        except asyncio.TimeoutError:
+            raise CapacityExceeded("the session has too many steps waiting") from None
+        return pb.PushReply()
+
+    def push_now(self, request: pb.PushRequest, admission: Admission, data: bytes) -> pb.PushReply | None:
+        """`push` if its session's inbox has room now; None (nothing queued) if it would have to wait."""
+        inbox, step = self._pushed_step(request, admission, data)
+        if inbox.full():
+            return None
+        inbox.put_nowait(step)
+        return pb.PushReply()
+
+    def _pushed_step(self, request: pb.PushRequest, admission: Admission,
+                     data: bytes | None) -> tuple[Inbox, pb.InferenceRequest]:
+        """A pushed step's session inbox and the step, or the refusal: accepted only into a session a client's
+        stream holds (its reply has to go somewhere), only with that session's secret (and its push key's MAC if
+        keyed: on `data`, the bytes it was parsed from, when given: `verified_bytes`, no re-serialization). Its
+        bytes are charged to the pusher (`admission`) while it waits for room; once queued, the inbox bound
+        (ServerConfig.inbox_steps) holds it. Validated like any step when its turn comes."""
         session = self.sessions.sessions.get(request.session_id)
         inbox = self.inboxes.get(request.session_id)
         if session is None or inbox is None:
@@ -247,18 +272,8 @@ class SessionStreams:
             raise NotPermitted("a push into a keyed session must carry its push key's MAC (missing or wrong)")
         if request.step.step_id == 0:
             raise InvalidRequest("a pushed step needs a nonzero step id")
-        # counted while it waits for room; once queued, the inbox bound (ServerConfig.inbox_steps) holds it
         admission.charge(payload_bytes(request.step))
-        step = pb.InferenceRequest(session_id=request.session_id, step=request.step)
-        if not inbox.full():  # (room now: no timeout to arm)
-            inbox.put_nowait(step)
-            return pb.PushReply()
-        try:  # a full inbox holds the pusher back, as a full stream holds the client back
-            async with asyncio.timeout(self.config.push_room_wait_s):
-                await inbox.put(step)
-        except asyncio.TimeoutError:
-            raise CapacityExceeded("the session has too many steps waiting") from None
-        return pb.PushReply()
+        return inbox, pb.InferenceRequest(session_id=request.session_id, step=request.step)
 
     async def _next(self, request_iterator) -> pb.InferenceRequest | None:
         try:
