@@ -58,6 +58,8 @@ class PushConnection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if data == frames.OK_STATUS and not self.buf and self._answered is not None:  # the usual answer, whole
+            return self._done(grpc.StatusCode.OK, "")
         self.buf += data
         try:
             got = frames.parse_frame(self.buf, frames.MAX_STATUS_BYTES)

@@ -235,7 +235,8 @@ class FrameServer:
         if isinstance(item, tuple) and item[0] == Kind.PUSH and conn.writable():
             context = FrameContext(peer)
             if self.service.push_now(item[1], context) is not None:
-                conn.write(frames.status(context.code, context.details))
+                ok = context.code is grpc.StatusCode.OK
+                conn.write(frames.OK_STATUS if ok else frames.status(context.code, context.details))
                 return
         conn.queue(item)
 
