@@ -10,7 +10,8 @@ the client's defaults: transport, push; --transports: gRPC and framed clients, a
 median over a round of `step_logits` for one token (embed, every hop, LM head); the ratio is one server's per-token
 time over N servers'. llama.cpp: `llama-bench -p 0 -n T -t 1 -ngl 99 --rpc ...` against 1 and N
 `ggml-rpc-server -t 1`, alternating too (tokens per second, its own average). --push-frames / --no-push-frames: the
-servers push on frames / on gRPC.
+servers push on frames / on gRPC. --push on|off|auto: the N-server client's push setting; --push-ab: two N-server
+clients, relayed and pushed, alternating with the one-server client.
 """
 from __future__ import annotations
 
@@ -48,16 +49,21 @@ def per_token_ms(client: DistributedModelForCausalLM, tokens: int) -> tuple[floa
 
 
 def swarmlm_ratio(model: str, servers: int, rounds: int, tokens: int, transports: list[bool | None],
-                  server_args: list[str]) -> None:
-    """`transports`: the clients' ClientConfig.frames (None: the default), each a pair of clients (1 and N servers)
-    on the same servers, all alternating."""
+                  server_args: list[str], pushes: dict[str, str | bool] | None = None) -> None:
+    """`transports`: the clients' ClientConfig.frames (None: the default), each a set of clients (1 server, then N
+    servers with each of `pushes`: name -> ClientConfig.push; default: the client's default) on the same servers,
+    all alternating."""
+    pushes = pushes or {"": None}
     blocks = int(load_config(model).num_hidden_layers)
     with LocalSwarm(model, threads=1, with_dht=False, server_args=["--quant", "auto", *server_args]) as swarm:
         swarm.start([BlockRange(0, blocks), *even_split(blocks, servers)])
         one, split = swarm.addresses[:1], swarm.addresses[1:]
+        setups = [("1 server", one, None)] + [(f"{servers} servers{' ' + p if p else ''}", split, push)
+                                               for p, push in pushes.items()]
         clients = {(frames, name): DistributedModelForCausalLM.from_pretrained(
-                       model, servers=addrs, quant="auto", **({} if frames is None else {"frames": frames}))
-                   for frames in transports for name, addrs in (("1 server", one), (f"{servers} servers", split))}
+                       model, servers=addrs, quant="auto", **({} if frames is None else {"frames": frames}),
+                       **({} if push is None else {"push": push}))
+                   for frames in transports for name, addrs, push in setups}
         for client in clients.values():
             per_token_ms(client, 8)  # warm-up (connections, caches)
         print("load average at start: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
@@ -75,8 +81,9 @@ def swarmlm_ratio(model: str, servers: int, rounds: int, tokens: int, transports
                   f"rest (hops, client): {statistics.median(runs[key]) - statistics.median(values):.2f} ms")
         framed = {frames: bool(clients[frames, "1 server"].remote.channels.frame_ports) for frames in transports}
     for frames in transports:
-        pair = {name: v for (f, name), v in runs.items() if f == frames}
-        report("swarmlm", pair, f"transport: {'framed' if framed[frames] else 'gRPC'}")
+        for name, _, _ in setups[1:]:
+            pair = {n: runs[frames, n] for n in ("1 server", name)}
+            report("swarmlm", pair, f"transport: {'framed' if framed[frames] else 'gRPC'}")
 
 
 def llamacpp_ratio(bin_dir: Path, model: str, servers: int, rounds: int, tokens: int) -> None:
@@ -114,13 +121,20 @@ def main() -> None:
     ap.add_argument("--transports", action="store_true", help="swarmlm on gRPC and on frames, all alternating")
     ap.add_argument("--push-frames", action=argparse.BooleanOptionalAction, default=None,
                     help="the servers push on frames, or on gRPC (default: the servers' default)")
+    ap.add_argument("--push", choices=("auto", "on", "off"), help="the N-server client's push (default: its default)")
+    ap.add_argument("--push-ab", action="store_true", help="N servers relayed and pushed, alternating")
     args = ap.parse_args()
+    if args.push and args.push_ab:
+        ap.error("--push or --push-ab, not both")
+    setting = {"auto": "auto", "on": True, "off": False}
+    pushes = {"relayed": False, "pushed": True} if args.push_ab else {"": setting[args.push]} if args.push else None
     print("machine:", machine_line(), flush=True)
     torch.set_num_threads(1)
     if args.only != "llamacpp":
         swarmlm_ratio(args.model, args.servers, args.rounds, args.tokens,
                       [False, True] if args.transports else [None],
-                      [] if args.push_frames is None else ["--push-frames" if args.push_frames else "--no-push-frames"])
+                      [] if args.push_frames is None else ["--push-frames" if args.push_frames else "--no-push-frames"],
+                      pushes)
     if args.llamacpp is not None and args.only != "swarmlm":
         llamacpp_ratio(args.llamacpp, args.model, args.servers, args.rounds, args.tokens)
 

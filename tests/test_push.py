@@ -243,3 +243,75 @@ def test_a_refused_push_is_sent_again_without_push_and_stays_exact(tiny_bloom):
             assert not any(r.pushed for r in session.steps[1:])
     finally:
         boot.shutdown()
+
+
+# ---- a pushed step's path: written from the step's path, taken as it arrives -----------------------------------
+
+def test_a_decode_push_is_written_at_once_and_its_answer_read_where_it_arrives(tiny_bloom):
+    """Once a target's framed port is known and a connection to it is kept, a pushing server writes a decode step's
+    push from the step's own path (`Pusher.push_now`: no task, no turn on an idle link); the target takes it into
+    the session's inbox and answers OK, read where the answer arrives. No known port: nothing is written (None)."""
+    import asyncio
+
+    with in_process_server(tiny_bloom, RANGES[0]) as a, in_process_server(tiny_bloom, RANGES[1]) as b:
+        call_a, _, _ = _open(a.address, RANGES[0])
+        call_b, sid_b, secret_b = _open(b.address, RANGES[1])
+        x = torch.randn(1, 1, 64)
+        target = pb.PushTarget(address=b.address, session_id=sid_b, step_id=1, secret=secret_b)
+        assert call_a.send(_step(x, 1, [target])).pushed  # the first push learns b's framed port
+        assert call_b.read().step_id == 1
+        pusher, loop = a.service.pusher, a._tasks[0].get_loop()
+
+        async def push_now(step_id: int, address: str):
+            done = pusher.push_now(pb.PushTarget(address=address, session_id=sid_b, step_id=step_id,
+                                                 secret=secret_b), codec.encode(x), pb.Tensor(), [])
+            return None if done is None else await done
+
+        assert asyncio.run_coroutine_threadsafe(push_now(2, b.address), loop).result(30) is True
+        got = call_b.read()
+        assert got.step_id == 2 and got.position == 2 and not got.HasField("error")
+        assert asyncio.run_coroutine_threadsafe(push_now(3, "127.0.0.1:9"), loop).result(30) is None
+        for call in (call_a, call_b):
+            call.end()
+
+
+def test_framed_pushes_written_back_to_back_are_answered_in_order(tiny_bloom):
+    """Pushes are taken as their frames arrive (server/frame_server.py `_push_now`) until one would wait (the
+    session's inbox full): it and every push after it go through the connection's task, in order. Each push gets
+    one STATUS, in the order written, refusals included; the session answers every accepted step in order."""
+    import socket
+
+    from swarmlm.wire import frames
+    from swarmlm.wire.frames import Kind, Purpose
+
+    with in_process_server(tiny_bloom, RANGES[1], inbox_steps=2) as b:
+        call_b, sid_b, secret_b = _open(b.address, RANGES[1])
+        x = torch.randn(1, 1, 64)
+
+        def push(step_id: int, secret: bytes = secret_b) -> bytes:
+            request = pb.PushRequest(session_id=sid_b, secret=secret,
+                                     step=pb.InferenceStep(hidden=codec.encode(x), step_id=step_id))
+            return frames.frame(Kind.PUSH, request.SerializeToString())
+
+        statuses, buf = [], bytearray()
+
+        def read_statuses(sock, n: int) -> None:
+            while len(statuses) < n:
+                while (got := frames.parse_frame(buf, 1 << 16)) is None:
+                    buf.extend(sock.recv(1 << 16))
+                assert got[0] == Kind.STATUS
+                statuses.append(frames.parse_status(got[1])[0])
+
+        with socket.create_connection(("127.0.0.1", b.service.frame_port), timeout=60) as sock:
+            # one write (one read, mostly): steps 1 and 2 fill the inbox (2) before the session's task runs, so
+            # step 3 waits for room, and 4 and 5 behind it
+            sock.sendall(frames.hello(Purpose.PUSH, None) + push(1) + push(2, b"w" * 16) + push(2) + push(3)
+                         + push(4) + push(5))
+            read_statuses(sock, 6)
+            sock.sendall(push(6))  # nothing waits any more: taken as it arrives
+            read_statuses(sock, 7)
+        assert statuses == [grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED] + [grpc.StatusCode.OK] * 5
+        replies = [call_b.read() for _ in range(6)]
+        assert [r.step_id for r in replies] == [1, 2, 3, 4, 5, 6] and not any(r.HasField("error") for r in replies)
+        assert [r.position for r in replies] == [1, 2, 3, 4, 5, 6]
+        call_b.end()

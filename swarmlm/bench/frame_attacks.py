@@ -73,7 +73,18 @@ def _step(hidden: int) -> bytes:
     return frames.frame(Kind.REQUEST, request.SerializeToString())
 
 
+def _push(rng: random.Random | None, hidden: int) -> bytes:
+    """A PUSH frame: a parsable PushRequest into nobody's session (random ids and secrets when `rng` is given)."""
+    pick = rng.randbytes if rng is not None else (lambda n: b"s" * n)
+    request = pb.PushRequest(session_id=pick(16).hex(), secret=pick(16),
+                             step=pb.InferenceStep(hidden=codec.encode(torch.randn(1, 1, hidden)),
+                                                   step_id=rng.randint(0, 3) if rng is not None else 1),
+                             mac=pick(16) if rng is None or rng.random() < 0.5 else b"")
+    return frames.frame(Kind.PUSH, request.SerializeToString())
+
+
 HELLO = frames.hello(Purpose.STREAM, None)
+PUSH_HELLO = frames.hello(Purpose.PUSH, None)
 END = frames.frame(Kind.END)
 
 
@@ -96,7 +107,11 @@ def cases(hidden: int, blocks: int, max_body_bytes: int) -> dict[str, bytes]:
         "interleaved: a PUSH inside a stream": opened + frames.frame(Kind.PUSH, b"\x0a\x01x"),
         "garbage REQUEST body": HELLO + frames.frame(Kind.REQUEST, bytes(range(256)) * 4),
         "garbage step in a session": opened + frames.frame(Kind.REQUEST, b"\xff" * 300) + frames.frame(Kind.END),
-        "a REQUEST on a push connection": frames.hello(Purpose.PUSH, None) + open_request(blocks),
+        "a REQUEST on a push connection": PUSH_HELLO + open_request(blocks),
+        # pushes are answered as their frames arrive (server/frame_server.py `_push_now`): one STATUS each, in order,
+        # then the frame that breaks the connection's rule is refused in its turn
+        "pushes back to back, then a REQUEST": PUSH_HELLO + _push(None, hidden) * 3 + frames.frame(
+            Kind.PUSH, b"\xff" * 40) + open_request(blocks),
         # a connection that carried a stream to its clean end (END, OK) takes another HELLO, and only that
         "garbage between streams": opened + END + b"GET / HTTP/1.1\r\n\r\n" + bytes(range(256)),
         "a REQUEST after a stream's end, no HELLO": opened + END + open_request(blocks),
@@ -123,6 +138,11 @@ def expected(name: str, answers: list[str]) -> bool:
         return last.startswith("STATUS INVALID_ARGUMENT the dialer speaks swarmlm wire protocol 9, this server")
     if name == "garbage REQUEST body":  # a message that does not parse: as on gRPC
         return last == "STATUS INVALID_ARGUMENT the message does not parse"
+    if name == "pushes back to back, then a REQUEST":  # nobody's session (3x), a push that does not parse, then
+        nobody = "STATUS NOT_FOUND no stream holds session " + repr("73" * 16)
+        return len(answers) == 5 and all(a.startswith(nobody) for a in answers[:3]) and \
+            answers[3] == "STATUS INVALID_ARGUMENT the request does not parse" and \
+            answers[4].startswith("STATUS INVALID_ARGUMENT a REQUEST frame on a push connection")
     if name == "garbage step in a session":  # the open's reply, the step's refusal (a REPLY with an error), OK
         return answers == ["REPLY", "REPLY", "STATUS OK "]
     return last.startswith("STATUS INVALID_ARGUMENT") and len(last) > len("STATUS INVALID_ARGUMENT ") + 10
@@ -137,10 +157,13 @@ def run_cases(address: str, hidden: int, blocks: int, max_body_bytes: int) -> di
 def random_frames(rng: random.Random, hidden: int, blocks: int) -> bytes:
     """A fuzzer's connection: a HELLO (or not), then random frames, random bytes, and valid ones mixed (a stream's
     END and the next stream's HELLO among them: a connection carries one stream after another)."""
-    out = HELLO if rng.random() < 0.8 else frames.hello(Purpose.PUSH, None) if rng.random() < 0.5 else b""
+    pushing = rng.random() >= 0.8 and rng.random() < 0.5
+    out = PUSH_HELLO if pushing else HELLO if rng.random() < 0.8 else b""
     for _ in range(rng.randint(0, 5)):
         pick = rng.random()
-        if pick < 0.25:
+        if pushing and pick < 0.4:  # (pushes: taken as they arrive, server/frame_server.py `_push_now`)
+            out += _push(rng, hidden)
+        elif pick < 0.25:
             out += open_request(blocks)
         elif pick < 0.35:
             out += _step(hidden)

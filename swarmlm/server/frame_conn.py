@@ -115,6 +115,11 @@ class FrameConnection(asyncio.Protocol):
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
+    def queue(self, item: Item) -> None:
+        """A sink hands `item` back: it and every later frame wait in `queued` (the sink is removed)."""
+        self.sink = None
+        self._put(item)
+
     async def wait_frame(self) -> None:
         """Until a frame (or the end) is queued."""
         while not self.queued:
@@ -167,6 +172,10 @@ class FrameConnection(asyncio.Protocol):
         if self.transport.is_closing():
             raise ConnectionResetError("the connection is closed")
         self.transport.write(data)
+
+    def writable(self) -> bool:
+        """Open, and its write buffer under the transport's limit (a write now needs no `drain`)."""
+        return self._can_write is None and not self.transport.is_closing()
 
     async def drain(self) -> None:
         if self._can_write is not None:

@@ -1,6 +1,12 @@
 """Pushes over the next server's framed step port (wire/frames.py): a PUSH frame per step, answered by one STATUS,
 on connections kept per target (a few idle ones each, so concurrent sessions' pushes do not wait for each other).
 
+A connection is a `PushConnection` (an asyncio Protocol): `write` puts a push on the wire from the caller's own
+path (no task, no await: server/push.py writes a decode step's push this way right after the forward) and its
+STATUS is read where it arrives (`data_received` calls the push's callback), so a push costs its pusher no task, no
+stream reader and no `asyncio.timeout`s: each Python call right after a forward costs ~10-30x its warm time
+(docs/RESULTS-hop.md round 15, round 16 "A pushed step's cost").
+
 Where the port comes from: the target's own Info, asked with a fresh nonce once per `port_ttl_s` and taken only when
 it passes the connect check (swarm/identity.py: the port is among the fields the target signs over our nonce), never
 from the client's message. A target without a signed port, or whose port does not answer, is pushed to with gRPC
@@ -24,8 +30,64 @@ from swarmlm.wire.frames import PUSH_METHOD, FrameError, Kind, Purpose
 MAX_IDLE_PER_TARGET = 4  # idle connections kept per target
 MAX_TARGETS = 64  # targets with a known port or idle connections (least recently used forgotten first)
 
-Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 InfoCall = Callable[[str, bytes], Awaitable["pb.InfoReply | None"]]  # (address, nonce) -> the target's Info or None
+Answered = Callable[["PushConnection", "grpc.StatusCode | None", str], None]  # code None: no answer (broken, late)
+
+
+class PushConnection(asyncio.Protocol):
+    """One connection to a target's framed port: one push at a time, its STATUS read as it arrives."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self._answered: Answered | None = None  # the push in flight's callback
+        self._timer: asyncio.TimerHandle | None = None  # its deadline
+        self.broken = False  # lost, timed out or answered with something else than one STATUS: not used again
+
+    def usable(self) -> bool:
+        return not self.broken and self._answered is None and not self.transport.is_closing()
+
+    def write(self, data: bytes, timeout_s: float, answered: Answered) -> None:
+        """Write one push (a PushRequest serialized); `answered(self, code, details)` once its STATUS comes (code
+        None: none within `timeout_s`, or the connection broke: then it is closed)."""
+        self._answered = answered
+        self._timer = asyncio.get_running_loop().call_later(timeout_s, self._fail, "no answer in time")
+        self.transport.write(frames.frame(Kind.PUSH, data))
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if data == frames.OK_STATUS and not self.buf and self._answered is not None:  # the usual answer, whole
+            return self._done(grpc.StatusCode.OK, "")
+        self.buf += data
+        try:
+            got = frames.parse_frame(self.buf, frames.MAX_STATUS_BYTES)
+        except FrameError as exc:
+            return self._fail(str(exc))
+        if got is None:
+            return
+        if got[0] != Kind.STATUS or self.buf or self._answered is None:
+            return self._fail("the target did not answer a push with one STATUS")
+        code, details = frames.parse_status(got[1])
+        self._done(code, details)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail("the connection was lost")
+
+    def _fail(self, why: str) -> None:
+        self.broken = True
+        if self.transport is not None:
+            self.transport.close()
+        self._done(None, why)
+
+    def _done(self, code: grpc.StatusCode | None, details: str) -> None:
+        answered, self._answered = self._answered, None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if answered is not None:
+            answered(self, code, details)
 
 
 class FramePushes:
@@ -36,7 +98,12 @@ class FramePushes:
         self.max_message_bytes = max_message_bytes
         self.port_ttl_s = port_ttl_s
         self._ports: OrderedDict[str, tuple[int, float]] = OrderedDict()  # address -> (port or 0, until)
-        self._idle: dict[str, list[Connection]] = {}
+        self._idle: dict[str, list[PushConnection]] = {}
+
+    def known_port(self, address: str) -> int | None:
+        """The target's framed port if known and fresh (0: none, push with gRPC); None: ask `port`."""
+        known = self._ports.get(address)
+        return known[0] if known is not None and known[1] > time.monotonic() else None
 
     async def port(self, address: str) -> int:
         """The target's framed port (0: none, push with gRPC)."""
@@ -64,43 +131,35 @@ class FramePushes:
         self._ports.move_to_end(address)
         while len(self._ports) > MAX_TARGETS:
             old, _ = self._ports.popitem(last=False)
-            for _, writer in self._idle.pop(old, []):
-                writer.close()
+            for conn in self._idle.pop(old, []):
+                conn.transport.close()
 
-    async def send(self, address: str, port: int, request: bytes, timeout_s: float) -> Connection:
-        """Write one push (a PushRequest serialized) on a kept (or new) connection; its answer: `answer`.
-        OSError / TimeoutError when the connection fails (it is dropped; the caller decides)."""
-        idle = self._idle.get(address, [])
-        conn = idle.pop() if idle else None
-        if conn is None or conn[1].is_closing():
-            host, port = frames.frame_target(address, port)
-            token = make_token(self.swarm_key, PUSH_METHOD) if self.swarm_key is not None else None
-            conn = await frames.connect(host, port, Purpose.PUSH, token, timeout_s)
-        try:
-            conn[1].write(frames.frame(Kind.PUSH, request))
-            async with asyncio.timeout(timeout_s):
-                await conn[1].drain()
-        except BaseException:
-            conn[1].close()
-            raise
+    def idle(self, address: str) -> PushConnection | None:
+        """A kept connection to `address` free for a push now, or None."""
+        idle = self._idle.get(address)
+        while idle:
+            conn = idle.pop()
+            if conn.usable():
+                return conn
+            conn.transport.close()
+        return None
+
+    async def connect(self, address: str, port: int, timeout_s: float) -> PushConnection:
+        """A new connection to the target's framed port, its HELLO written. OSError / TimeoutError if it fails."""
+        host, port = frames.frame_target(address, port)
+        token = make_token(self.swarm_key, PUSH_METHOD) if self.swarm_key is not None else None
+        async with asyncio.timeout(timeout_s):
+            _, conn = await asyncio.get_running_loop().create_connection(PushConnection, host, port)
+        conn.transport.write(frames.hello(Purpose.PUSH, token))
         return conn
 
-    async def answer(self, address: str, conn: Connection) -> tuple[grpc.StatusCode, str]:
-        """The target's status for the push written on `conn` (FrameError / OSError if the connection fails)."""
-        reader, writer = conn
-        try:
-            got = await frames.read_frame(reader, frames.MAX_STATUS_BYTES)
-            if got is None or got[0] != Kind.STATUS:
-                raise FrameError("the target did not answer a push with a STATUS")
-        except BaseException:
-            writer.close()
-            raise
-        code, details = frames.parse_status(got[1])
-        if code == grpc.StatusCode.OK and len(self._idle.setdefault(address, [])) < MAX_IDLE_PER_TARGET:
-            self._idle[address].append(conn)
+    def keep(self, address: str, conn: PushConnection) -> None:
+        """`conn` answered OK: kept for the next push to `address` (closed if enough are kept)."""
+        idle = self._idle.setdefault(address, [])
+        if len(idle) < MAX_IDLE_PER_TARGET and conn.usable():
+            idle.append(conn)
         else:
-            writer.close()
-        return code, details
+            conn.transport.close()
 
     def forget(self, address: str) -> None:
         """The framed port did not answer: gRPC for this target until the port is asked again."""
@@ -108,6 +167,6 @@ class FramePushes:
 
     async def close(self) -> None:
         for conns in self._idle.values():
-            for _, writer in conns:
-                writer.close()
+            for conn in conns:
+                conn.transport.close()
         self._idle.clear()

@@ -15,6 +15,7 @@ a STATUS saying why and is closed; other connections are not affected.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 import grpc
@@ -204,20 +205,40 @@ class FrameServer:
         return requests.ended and not conn.transport.is_closing()
 
     async def _pushes(self, conn: FrameConnection) -> None:
-        """PUSH frames, each answered by one STATUS (the service's Push handler decides), until the pusher closes."""
-        while True:
-            got = await conn.next_frame()
-            if got is None:
+        """PUSH frames, each answered by one STATUS (the service's Push handler decides), until the pusher closes.
+        While nothing waits here, each push is taken as its frame is cut (`_push_now`, in data_received: no task
+        between the socket and the session's inbox); one that would wait (a full inbox, a full write buffer), and
+        every frame after it, go through this task in order."""
+        peer = _peer_of(conn.transport)
+        try:
+            while True:
+                if not conn.queued:
+                    conn.sink = functools.partial(self._push_now, conn, peer)
+                got = await conn.next_frame()
+                if got is None:
+                    return
+                if isinstance(got, FrameError):
+                    raise got
+                kind, body = got
+                if kind != Kind.PUSH:
+                    raise FrameError(f"a {kind.name} frame on a push connection (expected PUSH)")
+                context = FrameContext(peer)
+                await self.service.Push(request_of("Push", body), context, body)
+                conn.write(frames.status(context.code, context.details))
+                await conn.drain()
+        finally:
+            conn.sink = None
+
+    def _push_now(self, conn: FrameConnection, peer: str, item) -> None:
+        """A frame of a push connection as it is cut: a push the service takes now is answered now; anything else
+        (another frame, the end, a push that would wait) goes to `_pushes`, with every frame after it."""
+        if isinstance(item, tuple) and item[0] == Kind.PUSH and conn.writable():
+            context = FrameContext(peer)
+            if self.service.push_now(item[1], context) is not None:
+                ok = context.code is grpc.StatusCode.OK
+                conn.write(frames.OK_STATUS if ok else frames.status(context.code, context.details))
                 return
-            if isinstance(got, FrameError):
-                raise got
-            kind, body = got
-            if kind != Kind.PUSH:
-                raise FrameError(f"a {kind.name} frame on a push connection (expected PUSH)")
-            context = FrameContext(_peer_of(conn.transport))
-            await self.service.Push(request_of("Push", body), context)
-            conn.write(frames.status(context.code, context.details))
-            await conn.drain()
+        conn.queue(item)
 
     @staticmethod
     async def _send_last(conn: FrameConnection, data: bytes) -> None:

@@ -23,6 +23,7 @@ most `max_probes_per_min` in all, so a client cannot use a server to scan a netw
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import time
 from collections import OrderedDict
@@ -38,7 +39,6 @@ from swarmlm.wire import session_keys
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.channel import aio_channel
-from swarmlm.wire.frames import FrameError
 from swarmlm.wire.links import Links, TransmissionPolicy
 
 MAX_PUSH_TARGETS = 64  # the rest of a route: more servers than any route has
@@ -191,23 +191,42 @@ class Pusher:
         self._channels[address] = (channel, stub)
         return stub
 
+    def push_now(self, target: pb.PushTarget, hidden: pb.Tensor, mask: pb.Tensor, rest: list[pb.PushTarget],
+                 op: pb.CacheOp | None = None, push_key: bytes = b"") -> asyncio.Future | None:
+        """`push`, written now from the caller's path when nothing has to be awaited first: the target's framed
+        port known, a kept connection free, no message waiting for its turn on the link (so decode-first has
+        nothing to order). The future: whether the target accepted it. None: nothing done, use `push`."""
+        framed = self.framed
+        if framed is None:
+            return None
+        link = self.links.get(target.address)
+        if not framed.known_port(target.address) or not link.free():
+            return None
+        conn = framed.idle(target.address)
+        if conn is None:
+            return None
+        done = asyncio.get_running_loop().create_future()
+        data = self._request_bytes(target, hidden, mask, rest, op, push_key)
+        conn.write(data, self.timeout_s, functools.partial(self._answered, target.address, done))
+        link.written_outside(StepKind.of(hidden.shape[1] if len(hidden.shape) == 3 else 0))
+        return done
+
     async def push(self, target: pb.PushTarget, hidden: pb.Tensor, mask: pb.Tensor,
                    rest: list[pb.PushTarget], op: pb.CacheOp | None = None, push_key: bytes = b"") -> bool:
         """Deliver one output to `target` (which pushes it on to `rest`), with the step's cache op: every span of a
         session holds the same tokens and rows, so the op is the same there; MACed with the target session's
         `push_key` when it is keyed (wire/session_keys.py). True when the target accepted it."""
-        request = pb.PushRequest(session_id=target.session_id, secret=target.secret, step=pb.InferenceStep(
-            hidden=hidden, attention_mask=mask, step_id=target.step_id, push=rest, cache_op=op))
         kind = StepKind.of(hidden.shape[1] if len(hidden.shape) == 3 else 0)
         link = self.links.get(target.address)
         call = None
         try:
             port = await self.framed.port(target.address) if self.framed is not None else 0
-            accepted = await self._framed(link, kind, target.address, port, request, push_key) if port else None
-            if accepted is not None:
-                self.pushed += accepted
-                self.failed += not accepted
-                return accepted
+            if port:
+                data = self._request_bytes(target, hidden, mask, rest, op, push_key)
+                accepted = await self._framed(link, kind, target.address, port, data)
+                if accepted is not None:
+                    return accepted
+            request = self._request(target, hidden, mask, rest, op)
             if push_key:
                 session_keys.sign(push_key, target.session_id, request)
             async with link.turn(kind):
@@ -223,31 +242,48 @@ class Pusher:
             if call is not None:
                 link.answered(kind)
 
-    async def _framed(self, link, kind: StepKind, address: str, port: int, request: pb.PushRequest,
-                      push_key: bytes) -> bool | None:
-        """A push on the framed port (MACed with `push_key` if given, serialized once: `signed_bytes`): whether
-        the target accepted it, or None when the port does not take the connection (then forgotten: this push and
-        later ones go by gRPC). Held on the link like a gRPC push: its turn until written, in flight until
-        answered."""
-        data = session_keys.signed_bytes(push_key, request.session_id, request) if push_key else \
+    @staticmethod
+    def _request(target: pb.PushTarget, hidden: pb.Tensor, mask: pb.Tensor, rest: list[pb.PushTarget],
+                 op: pb.CacheOp | None) -> pb.PushRequest:
+        return pb.PushRequest(session_id=target.session_id, secret=target.secret, step=pb.InferenceStep(
+            hidden=hidden, attention_mask=mask, step_id=target.step_id, push=rest, cache_op=op))
+
+    def _request_bytes(self, target: pb.PushTarget, hidden: pb.Tensor, mask: pb.Tensor, rest: list[pb.PushTarget],
+                       op: pb.CacheOp | None, push_key: bytes) -> bytes:
+        """The push serialized once, MACed with `push_key` if given (`signed_bytes`)."""
+        request = self._request(target, hidden, mask, rest, op)
+        return session_keys.signed_bytes(push_key, target.session_id, request) if push_key else \
             request.SerializeToString()
-        granted = written = False
+
+    def _answered(self, address: str, done: asyncio.Future, conn, code: grpc.StatusCode | None, _: str) -> None:
+        """A framed push's answer (code None: none came): counted, its connection kept if OK, `done` resolved."""
+        accepted = code == grpc.StatusCode.OK
+        self.pushed += accepted
+        self.failed += not accepted
+        if accepted:
+            self.framed.keep(address, conn)
+        if not done.done():
+            done.set_result(accepted)
+
+    async def _framed(self, link, kind: StepKind, address: str, port: int, data: bytes) -> bool | None:
+        """A push (`data`: a PushRequest serialized, MACed) on the framed port: whether the target accepted it, or
+        None when the port does not take the connection (then forgotten: this push and later ones go by gRPC).
+        Held on the link like a gRPC push: its turn until written, in flight until answered."""
+        done = asyncio.get_running_loop().create_future()
+        async with link.turn(kind):
+            conn = self.framed.idle(address)
+            if conn is None:
+                try:
+                    conn = await self.framed.connect(address, port, self.timeout_s)
+                except (OSError, TimeoutError):
+                    self.framed.forget(address)
+                    link.answered(kind)
+                    return None
+            conn.write(data, self.timeout_s, functools.partial(self._answered, address, done))
         try:
-            async with link.turn(kind):
-                granted = True
-                conn = await self.framed.send(address, port, data, self.timeout_s)
-                written = True
-            async with asyncio.timeout(self.timeout_s):
-                code, _ = await self.framed.answer(address, conn)
-            return code == grpc.StatusCode.OK
-        except (OSError, FrameError, TimeoutError):
-            if not written:
-                self.framed.forget(address)
-                return None
-            return False
+            return await done
         finally:
-            if granted:
-                link.answered(kind)
+            link.answered(kind)
 
     async def info(self, address: str, nonce: bytes = b"", timeout_s: float = 2.0) -> pb.InfoReply | None:
         """The Info of the server at `address` (signed over `nonce` if given), or None if nothing there answers as

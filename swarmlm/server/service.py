@@ -9,6 +9,7 @@ are returned, not raised, so no traceback keeps a refused request's buffers aliv
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from swarmlm.model.fingerprint import range_fingerprint
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.server import deep_prompt, prefix_cache
 from swarmlm.server.checks import StepChecks, check_cache_op, decode_step
+from swarmlm.server.inbound import request_of
 from swarmlm.server.prefix_cache import PrefixCache
 from swarmlm.server.push import Pusher, TargetCheck, check_targets
 from swarmlm.server.scheduler import JobTiming, Scheduler
@@ -262,8 +264,16 @@ class SwarmService(pb_grpc.SwarmServicer):
         gRPC's handler registration expects."""
         return self.streams.serve
 
-    async def Push(self, request: pb.PushRequest, context) -> pb.PushReply:
-        return await self.gate.serve(request, context, pb.PushReply(), "push", self.streams.push)
+    async def Push(self, request: pb.PushRequest, context, data: bytes | None = None) -> pb.PushReply:
+        """`data`: the bytes `request` was parsed from (the framed port has them: its MAC is checked on them)."""
+        handle = self.streams.push if data is None else functools.partial(self.streams.push, data=data)
+        return await self.gate.serve(request, context, pb.PushReply(), "push", handle)
+
+    def push_now(self, data: bytes, context) -> pb.PushReply | None:
+        """`Push` of a framed push's bytes if it is answered without waiting (its status on `context`, refusals
+        included); None when it would wait for room (nothing done: then `Push` it)."""
+        return self.gate.serve_now(request_of("Push", data), context, pb.PushReply(), "push",
+                                   functools.partial(self.streams.push_now, data=data))
 
     async def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardReply:
         return await self.gate.serve(request, context, pb.ForwardReply(), "forward", self._forward)

@@ -150,10 +150,10 @@ class SessionStreams:
                 for step in ready:
                     reply = await self.run_step(session, step, context)
                     self._release(charges, step)
-                    if reply.pushed:
+                    if reply.pushed and not self._push_after(session, reply, step):
                         # the push before the reply: the next server waits for the push, while the client sleeps
-                        # until the route's last reply, not this middle one (yielding once lets the push task write)
-                        self._push_after(session, reply, step)
+                        # until the route's last reply, not this middle one (a push not written at once is a
+                        # task: yielding once lets it write)
                         await asyncio.sleep(0)
                     yield _sealed(session, reply)
         except asyncio.TimeoutError:
@@ -230,29 +230,50 @@ class SessionStreams:
         inbox.put_nowait(request)
         return True
 
-    async def push(self, request: pb.PushRequest, admission: Admission) -> pb.PushReply:
-        """A step pushed by the previous server of a route; accepted only into a session a client's stream holds
-        (its reply has to go somewhere), and only with that session's secret. Validated like any step when its turn
-        comes."""
+    async def push(self, request: pb.PushRequest, admission: Admission, data: bytes | None = None) -> pb.PushReply:
+        """A step pushed by the previous server of a route (`_pushed_step` checks it), into its session's inbox; a
+        full inbox holds the pusher back, as a full stream holds the client back. `data`: the bytes it was parsed
+        from, when the transport has them (framed): its MAC is checked on them."""
+        inbox, step = self._pushed_step(request, admission, data)
+        if not inbox.full():  # (room now: no timeout to arm)
+            inbox.put_nowait(step)
+            return pb.PushReply()
+        try:
+            async with asyncio.timeout(self.config.push_room_wait_s):
+                await inbox.put(step)
+        except asyncio.TimeoutError:
+            raise CapacityExceeded("the session has too many steps waiting") from None
+        return pb.PushReply()
+
+    def push_now(self, request: pb.PushRequest, admission: Admission, data: bytes) -> pb.PushReply | None:
+        """`push` if its session's inbox has room now; None (nothing queued) if it would have to wait."""
+        inbox, step = self._pushed_step(request, admission, data)
+        if inbox.full():
+            return None
+        inbox.put_nowait(step)
+        return pb.PushReply()
+
+    def _pushed_step(self, request: pb.PushRequest, admission: Admission,
+                     data: bytes | None) -> tuple[Inbox, pb.InferenceRequest]:
+        """A pushed step's session inbox and the step, or the refusal: accepted only into a session a client's
+        stream holds (its reply has to go somewhere), only with that session's secret (and its push key's MAC if
+        keyed: on `data`, the bytes it was parsed from, when given: `verified_bytes`, no re-serialization). Its
+        bytes are charged to the pusher (`admission`) while it waits for room; once queued, the inbox bound
+        (ServerConfig.inbox_steps) holds it. Validated like any step when its turn comes."""
         session = self.sessions.sessions.get(request.session_id)
         inbox = self.inboxes.get(request.session_id)
         if session is None or inbox is None:
             raise UnknownSession(f"no stream holds session {request.session_id[:80]!r} here")
         if not session.owned_by(request.secret):
             raise NotPermitted("a push must carry the session's secret")
-        if session.keys is not None and not session_keys.verified(session.keys.push, session.session_id, request):
+        if session.keys is not None and not (
+                session_keys.verified(session.keys.push, session.session_id, request) if data is None else
+                session_keys.verified_bytes(session.keys.push, session.session_id, request, data)):
             raise NotPermitted("a push into a keyed session must carry its push key's MAC (missing or wrong)")
         if request.step.step_id == 0:
             raise InvalidRequest("a pushed step needs a nonzero step id")
-        # counted while it waits for room; once queued, the inbox bound (ServerConfig.inbox_steps) holds it
         admission.charge(payload_bytes(request.step))
-        step = pb.InferenceRequest(session_id=request.session_id, step=request.step)
-        try:  # a full inbox holds the pusher back, as a full stream holds the client back
-            async with asyncio.timeout(self.config.push_room_wait_s):
-                await inbox.put(step)
-        except asyncio.TimeoutError:
-            raise CapacityExceeded("the session has too many steps waiting") from None
-        return pb.PushReply()
+        return inbox, pb.InferenceRequest(session_id=request.session_id, step=request.step)
 
     async def _next(self, request_iterator) -> pb.InferenceRequest | None:
         try:
@@ -304,33 +325,44 @@ class SessionStreams:
             raise NotPermitted(f"open: its {session_keys.TAMPERED} (from its key share): changed on the way")
         return keys
 
-    def _push_after(self, session: Session, reply: pb.InferenceReply, request: pb.InferenceRequest) -> None:
+    def _push_after(self, session: Session, reply: pb.InferenceReply, request: pb.InferenceRequest) -> bool:
         """Push a step's output on to the next server, after this session's earlier pushes (in step order), MACed
-        with the next session's push key (sealed for us in the target). A push that fails is logged: the client's
-        stream to that server then breaks or times out, and its failover re-sends the step."""
-        sid, targets = session.session_id, list(request.step.push)
+        with the next session's push key (sealed for us in the target). True when it is written already (nothing
+        to wait for: `Pusher.push_now`), else a task writes it. A push that fails is logged: the client's stream to
+        that server then breaks or times out, and its failover re-sends the step."""
+        sid, step, targets = session.session_id, request.step, request.step.push
         push_key = b""
         if session.keys is not None and targets[0].push_key:
             push_key = session_keys.open_push_key(session.keys.seal, targets[0].session_id, targets[0].push_key)
             if push_key is None:
                 log.warning("step %d of session %s: the push key for %s is not sealed for us; not pushed",
-                            request.step.step_id, sid, targets[0].address)
-                return
+                            step.step_id, sid, targets[0].address)
+                return True
+        args = (targets[0], reply.hidden, step.attention_mask, targets[1:],
+                step.cache_op if step.HasField("cache_op") else None, push_key)
         previous = self._pushes.get(sid)
+        now = self.pusher.push_now(*args) if previous is None or previous.done() else None
+        if now is not None:
+            self._pushes[sid] = now
+            now.add_done_callback(functools.partial(self._pushed, sid, step.step_id, targets[0].address))
+            return True
 
-        async def push() -> None:
+        async def push() -> bool:
             if previous is not None:
                 await asyncio.gather(previous, return_exceptions=True)
-            if not await self.pusher.push(targets[0], reply.hidden, request.step.attention_mask, targets[1:],
-                                          request.step.cache_op if request.step.HasField("cache_op") else None,
-                                          push_key):
-                log.warning("push of step %d of session %s to %s failed", request.step.step_id, sid,
-                            targets[0].address)
-            if self._pushes.get(sid) is task:
-                del self._pushes[sid]
+            return await self.pusher.push(*args)
 
         task = asyncio.ensure_future(push())
         self._pushes[sid] = task
+        task.add_done_callback(functools.partial(self._pushed, sid, step.step_id, targets[0].address))
+        return False
+
+    def _pushed(self, sid: str, step_id: int, address: str, push: asyncio.Future) -> None:
+        """A push of session `sid` ended: a failure logged; the session's latest push forgotten."""
+        if push.cancelled() or push.exception() is not None or not push.result():
+            log.warning("push of step %d of session %s to %s failed", step_id, sid, address)
+        if self._pushes.get(sid) is push:
+            del self._pushes[sid]
 
     async def expire_loop(self, period_s: float = 0.5) -> None:
         cfg = self.config

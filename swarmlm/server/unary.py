@@ -108,10 +108,25 @@ class UnaryGate:
         try:
             return await handle(request, admission)
         except Exception as exc:  # the mapped refusals, and INTERNAL for the rest
-            if status_of(exc) == grpc.StatusCode.INTERNAL:
-                log.exception("%s failed", what)
-            elif request.ByteSize() >= self.trim_bytes:
-                self.trim()
-            return refuse(context, exc, empty, what)
+            return self._refused(request, context, exc, empty, what)
         finally:
             admission.release()
+
+    def serve_now(self, request, context, empty, what: str, handle: Callable[[object, Admission], object]):
+        """`serve` of a handler that answers without waiting: its reply (None: it would wait; nothing done)."""
+        if request is UNPARSABLE:
+            return refuse(context, InvalidRequest("the request does not parse"), empty)
+        admission = Admission(self.load, peer_host(context))
+        try:
+            return handle(request, admission)
+        except Exception as exc:
+            return self._refused(request, context, exc, empty, what)
+        finally:
+            admission.release()
+
+    def _refused(self, request, context, exc: Exception, empty, what: str):
+        if status_of(exc) == grpc.StatusCode.INTERNAL:
+            log.exception("%s failed", what)
+        elif request.ByteSize() >= self.trim_bytes:
+            self.trim()
+        return refuse(context, exc, empty, what)

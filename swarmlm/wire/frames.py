@@ -84,6 +84,9 @@ def status(code: grpc.StatusCode, details: str = "") -> bytes:
     return frame(Kind.STATUS, text)
 
 
+OK_STATUS = status(grpc.StatusCode.OK)  # the frame of the usual answer (a push's): built once, compared whole
+
+
 def parse_status(body: bytes) -> tuple[grpc.StatusCode, str]:
     """A STATUS body from a peer; an unknown code name is UNKNOWN (with the details kept)."""
     name, _, details = body.decode("utf-8", "replace").partition("\n")

@@ -159,6 +159,10 @@ class LinkScheduler:
             self._writing = False
             self._dispatch()
 
+    def free(self) -> bool:
+        """Nothing is being written or waits for its turn: a message written now passes no one."""
+        return not self._writing and not self._waiting
+
     def written_outside(self, kind: StepKind) -> None:
         """A message written without a turn (a decode step from the caller's thread, client/streams.py): counted in
         the stats, nothing else (it holds no place in the window)."""
