@@ -2,8 +2,12 @@
 every byte of a message and its session, and a push key opens only where it was sealed for."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
+from swarmlm.client.pipeline import OpenSpan
+from swarmlm.server.sessions import Session
 from swarmlm.wire import codec, session_keys
 from swarmlm.wire import swarm_pb2 as pb
 
@@ -63,6 +67,39 @@ def test_a_push_key_opens_only_for_its_seal_key_and_session():
     changed[20] ^= 1
     assert session_keys.open_push_key(pusher.seal, "t1", bytes(changed)) is None
     assert session_keys.open_push_key(pusher.seal, "t1", b"short") is None
+
+
+def test_a_session_opens_the_same_sealed_push_key_once_and_nothing_else(monkeypatch):
+    """A client seals a push key once per pair of sessions (OpenSpan.sealed_push_key); the pushing server's session
+    opens those bytes once (Session.push_key), and still refuses a key not sealed for it, after a kept one too."""
+    pusher, _ = _keyed()
+    target, _ = _keyed()
+    stranger, _ = _keyed()
+    session = Session("s1", b"x" * 16, "peer", None, 1, 8, 0, keys=pusher)
+    opened = []
+    real = session_keys.open_push_key
+    monkeypatch.setattr(session_keys, "open_push_key", lambda *a: opened.append(a) or real(*a))
+    sealed = session_keys.seal_push_key(pusher.seal, "t1", target.push)
+    assert session.push_key("t1", sealed) == target.push
+    assert session.push_key("t1", sealed) == target.push and len(opened) == 1  # kept: not opened again
+    assert session.push_key("t2", sealed) is None  # sealed for another next session
+    assert session.push_key("t1", session_keys.seal_push_key(stranger.seal, "t1", target.push)) is None
+    changed = bytearray(sealed)
+    changed[20] ^= 1
+    assert session.push_key("t1", bytes(changed)) is None
+    assert session.push_key("t1", sealed) == target.push
+
+
+def test_a_client_span_seals_a_next_sessions_push_key_once():
+    pusher, _ = _keyed()
+    target, _ = _keyed()
+    span = OpenSpan(None, SimpleNamespace(keys=pusher, session_id="p1"))
+    next_session = SimpleNamespace(keys=target, session_id="t1")
+    sealed = span.sealed_push_key(next_session)
+    assert span.sealed_push_key(next_session) == sealed  # the same bytes step after step
+    assert session_keys.open_push_key(pusher.seal, "t1", sealed) == target.push
+    other = span.sealed_push_key(SimpleNamespace(keys=target, session_id="t2"))  # a reopened next session
+    assert other != sealed and session_keys.open_push_key(pusher.seal, "t2", other) == target.push
 
 
 def test_a_key_share_that_is_not_a_key_is_refused():

@@ -52,6 +52,9 @@ def watchdog_s(config: ClientConfig) -> float:
     return config.step_timeout_s + config.hang_floor_s
 
 
+MAX_SEALED_PUSH_KEYS = 16  # next sessions whose sealed push key a span keeps (a failover opens new ones)
+
+
 @dataclass
 class OpenSpan:
     """A span of the route with its open stream: what the session keeps per span from step to step."""
@@ -65,10 +68,22 @@ class OpenSpan:
     prefix_tokens: int = 0
     prefix_rows: tuple[int, ...] = (0,)
     _history_tokens: int = 0  # tokens of `history` (kept, not summed each step: a decode step reads it)
+    _sealed_push_keys: dict[str, bytes] = field(default_factory=dict)  # next session id -> its push key sealed
 
     @property
     def position(self) -> int:
         return self.prefix_tokens + self._history_tokens
+
+    def sealed_push_key(self, target: SpanStream) -> bytes:
+        """`target`'s push key sealed for this span's server (wire/session_keys.py): sealed once per target
+        session and kept, the same bytes step after step, so that server opens it once (Session.push_key)."""
+        sealed = self._sealed_push_keys.get(target.session_id)
+        if sealed is None:
+            if len(self._sealed_push_keys) >= MAX_SEALED_PUSH_KEYS:  # (next sessions reopened by failovers)
+                self._sealed_push_keys.clear()
+            sealed = self._sealed_push_keys[target.session_id] = session_keys.seal_push_key(
+                self.stream.keys.seal, target.session_id, target.keys.push)
+        return sealed
 
     def answered(self, hidden: torch.Tensor, mask: torch.Tensor) -> None:
         """A chunk sent and answered joins the history."""
@@ -340,7 +355,7 @@ class StepPipeline:
         from the previous server (they take their stream's next step id now, so their replies can be read as soon
         as they come); the server of hop i is told to push on to them."""
         targets: list[pb.PushTarget] = []
-        pusher = self.hops[i].stream  # the server that pushes to the next target (its push key is sealed for it)
+        pusher = self.hops[i].open_span  # the server that pushes to the next target (its push key is sealed for it)
         for hop in self.hops[i + 1:] if self.push else ():
             if hop.claimed != k:  # a chunk of it is still to be sent by us: the push chain stops here
                 break
@@ -351,9 +366,8 @@ class StepPipeline:
             target = hop.stream
             targets.append(pb.PushTarget(address=hop.span.address, session_id=target.session_id,
                                          step_id=hop.base_id + k, secret=target.session_secret,
-                                         push_key=session_keys.seal_push_key(pusher.keys.seal, target.session_id,
-                                                                             target.keys.push)))
-            pusher = target
+                                         push_key=pusher.sealed_push_key(target)))
+            pusher = hop.open_span
         return targets
 
     async def _send(self, i: int) -> None:

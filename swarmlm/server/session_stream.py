@@ -333,7 +333,7 @@ class SessionStreams:
         sid, step, targets = session.session_id, request.step, request.step.push
         push_key = b""
         if session.keys is not None and targets[0].push_key:
-            push_key = session_keys.open_push_key(session.keys.seal, targets[0].session_id, targets[0].push_key)
+            push_key = session.push_key(targets[0].session_id, targets[0].push_key)
             if push_key is None:
                 log.warning("step %d of session %s: the push key for %s is not sealed for us; not pushed",
                             step.step_id, sid, targets[0].address)

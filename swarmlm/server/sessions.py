@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from swarmlm.errors import CapacityExceeded, UnknownSession
 from swarmlm.server.prefix_cache import PrefixCache
 from swarmlm.server.stage import SpanState
+from swarmlm.wire import session_keys
 from swarmlm.wire.session_keys import SessionKeys
 
 SECRET_BYTES = 16  # 128 bits
@@ -40,9 +41,23 @@ class Session:
     detached_s: float | None = None  # when its stream broke; None while a stream holds it (or before)
     prefix_digest: bytes | None = None  # the prefix-cache scope named at open (server/prefix_cache.py)
     keys: SessionKeys | None = None  # end-to-end keys (wire/session_keys.py); None: an unkeyed session, no MACs
+    # the push key opened last: (sealed, the next server's session, key); a client seals one per route, not per step
+    _opened_push_key: tuple[bytes, str, bytes] | None = field(default=None, repr=False)
 
     def owned_by(self, secret: bytes) -> bool:
         return hmac.compare_digest(self.secret, bytes(secret))
+
+    def push_key(self, target_session: str, sealed: bytes) -> bytes | None:
+        """The push key of `target_session` (on the next server) that a step's push target carries sealed for this
+        session's server (`session_keys.open_push_key`), or None if it was not sealed for us. The same sealed bytes
+        step after step are opened once (a ChaCha20-Poly1305 decryption each pushed step, cold, otherwise)."""
+        last = self._opened_push_key
+        if last is not None and last[1] == target_session and hmac.compare_digest(last[0], sealed):
+            return last[2]
+        key = session_keys.open_push_key(self.keys.seal, target_session, sealed)
+        if key is not None:
+            self._opened_push_key = (bytes(sealed), target_session, key)
+        return key
 
 
 class SessionTable:
