@@ -259,50 +259,25 @@ class StepPipeline:
         Raises what is not a server's failure, as `run`."""
         x = self.chunks[0][0]
         bounds = [self.hang_timeout(h.span, x.shape[0], x.shape[1], bool(h.open_span.history)) for h in self.hops]
-        # relayed, a reply that goes on to the next hop is checked when read but decoded only once its bytes are
-        # written there (float32 on both links): the tensor (for the history) is made while that server computes,
-        # not between the two. (hop index, its timing) of such a reply, until then
-        waiting: tuple[int, HopTiming] | None = None
         i = 0
         while i < len(self.hops):
             hop = self.hops[i]
             try:
                 targets = self._push_targets(i, 0)  # (the hops it pushes on to await their step: `written`)
-                if waiting is not None:
-                    encoded = self.hops[i - 1].stream.as_sent(None)
-                    if encoded is not None and hop.stream.takes_float32(x.shape):
-                        hop.stream.send_blocking(None, self._wire_mask(0), bounds[i], targets, hop.op, encoded,
-                                                 x.shape)
-                    else:  # (another wire format: decoded first, encoded for this link)
-                        waiting = self._settle(waiting)
-                if waiting is None:
-                    source = self._source(i, 0)  # (relayed: the previous reply's bytes go on as they came, if float32)
-                    encoded = self.hops[i - 1].stream.as_sent(source) if i > 0 else None
-                    hop.stream.send_blocking(source, self._wire_mask(0), bounds[i], targets, hop.op, encoded)
+                source = self._source(i, 0)  # (relayed: the previous reply's bytes go on as they came, if float32)
+                encoded = self.hops[i - 1].stream.as_sent(source) if i > 0 else None
+                hop.stream.send_blocking(source, self._wire_mask(0), bounds[i], targets, hop.op, encoded)
                 hop.written = 1
-                waiting = self._settle(waiting)
                 end = i + 1 + len(targets)
                 if targets:
                     FrameCall.wait_last([h.stream.call for h in self.hops[i:end]], sum(bounds[i:end]))
                 for j in range(i, end):
                     i = j
-                    later = j + 1 < len(self.hops) and not self.push  # (relayed on: decoded after its write)
-                    out, timing = self.hops[j].stream.receive_blocking(bounds[j], decode=not later)
-                    if later:
-                        waiting = (j, timing)
-                    else:
-                        self._answered(j, (out, timing))
+                    self._answered(j, self.hops[j].stream.receive_blocking(bounds[j]))
             except (ServerFailed, PushRefused) as exc:
-                self._settle(waiting)  # (its reply was read and checked: answered, as before)
                 return self._outcome({i: exc})
             i += 1
         return AttemptOutcome(self.timings, {}, [])
-
-    def _settle(self, waiting: tuple[int, HopTiming] | None) -> None:
-        """A reply read without its output (`run_blocking`'s `waiting`): decoded now and taken as answered."""
-        if waiting is not None:
-            j, timing = waiting
-            self._answered(j, (self.hops[j].stream.decoded(timing), timing))
 
     def _answered(self, i: int, reply: tuple[torch.Tensor, HopTiming]) -> None:
         hop = self.hops[i]

@@ -187,28 +187,22 @@ class SpanStream:
         except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
             raise _failed(self.span, exc) from exc
 
-    def _request(self, hidden: torch.Tensor | None, mask: torch.Tensor | None, push: list[pb.PushTarget],
-                 op: CacheOp | None, encoded: pb.Tensor | None = None,
-                 shape: torch.Size | None = None) -> tuple[pb.InferenceRequest, _Sent]:
+    def _request(self, hidden: torch.Tensor, mask: torch.Tensor | None, push: list[pb.PushTarget],
+                 op: CacheOp | None, encoded: pb.Tensor | None = None) -> tuple[pb.InferenceRequest, _Sent]:
         """The next step's message (its MAC not set yet: `send` signs it, `send_blocking` serializes it with its MAC
         once), and its place among the replies (taken now, with its id). `encoded`: `hidden` as float32 on the wire
-        already (`as_sent`), used when this link's format is float32; without `hidden` (not decoded yet: only
-        where `takes_float32`), `shape` is the step's [B, T, H]."""
+        already (`as_sent`), used when this link's format is float32."""
         t0 = time.perf_counter()
         self._step_id += 1
-        if hidden is not None:
-            shape = hidden.shape
-            wire_dtype = self.channels.wire_dtype_for(self.span.address, 4 * hidden.numel())
-            if encoded is None or wire_dtype != "float32":
-                encoded = compress.encode_hidden(hidden, wire_dtype)
-        elif encoded is None or not self.takes_float32(shape):
-            raise ValueError("a step without its hidden tensor goes only as float32 bytes sent already")
+        wire_dtype = self.channels.wire_dtype_for(self.span.address, 4 * hidden.numel())
+        if encoded is None or wire_dtype != "float32":
+            encoded = compress.encode_hidden(hidden, wire_dtype)
         request = pb.InferenceRequest(step=pb.InferenceStep(
             hidden=encoded, step_id=self._step_id, push=push,
             cache_op=cache_op.to_wire(op) if op is not None else None,
             # (no padding: no mask on the wire, the server reads an absent mask as all ones)
             attention_mask=_NO_MASK if mask is None or all_set(mask) else codec.encode(mask)))
-        sent = _Sent(StepKind.of(shape[1]), n_tokens=shape[1], request_bytes=len(encoded.data),
+        sent = _Sent(StepKind.of(hidden.shape[1]), n_tokens=hidden.shape[1], request_bytes=len(encoded.data),
                      encode_s=time.perf_counter() - t0, clean=False, on_link=False, step_id=self._step_id)
         self._pending.append(sent)
         return request, sent
@@ -240,17 +234,13 @@ class SpanStream:
         framed stream with nothing in flight."""
         return isinstance(self.call, FrameCall) and self.call.blocking_ok and not self._pending
 
-    def takes_float32(self, shape: torch.Size) -> bool:
-        """Does a step of hidden states of `shape` go to this span's server as float32 (the link's wire format)?"""
-        return self.channels.wire_dtype_for(self.span.address, 4 * shape.numel()) == "float32"
-
-    def send_blocking(self, hidden: torch.Tensor | None, mask: torch.Tensor | None, timeout_s: float,
+    def send_blocking(self, hidden: torch.Tensor, mask: torch.Tensor | None, timeout_s: float,
                       push: list[pb.PushTarget] = (), op: CacheOp | None = None,
-                      encoded: pb.Tensor | None = None, shape: torch.Size | None = None) -> None:
+                      encoded: pb.Tensor | None = None) -> None:
         """`send` from the caller's thread (`blocking_ok` streams only): no hand-off to the client's loop thread. It
         does not ask the link scheduler for a turn (that lives on the loop thread): a decode step goes first there
-        anyway. `encoded`, `shape`: see `_request`."""
-        request, sent = self._request(hidden, mask, push, op, encoded, shape)
+        anyway. `encoded`: see `_request`."""
+        request, sent = self._request(hidden, mask, push, op, encoded)
         data = session_keys.signed_bytes(self.keys.client, self.session_id, request)  # (serialized once, MACed)
         link = self.link
         sent.clean = link.in_flight == 0 and len(self._pending) == 1  # (a read from another thread: a hint)
@@ -272,27 +262,15 @@ class SpanStream:
             return None
         return pb.Tensor(data=last[1].data, dtype="float32", shape=last[1].shape)
 
-    def receive_blocking(self, timeout_s: float, decode: bool = True) -> tuple[torch.Tensor | None, HopTiming]:
-        """`receive` in the caller's thread: it sleeps on the socket itself until the reply comes. `decode=False`:
-        the reply is checked as ever (its hidden states' header and length included) but its output is not made
-        yet (None): `as_sent(None)` gives its bytes for the next hop, `decoded` the tensor after that."""
+    def receive_blocking(self, timeout_s: float) -> tuple[torch.Tensor, HopTiming]:
+        """`receive` in the caller's thread: it sleeps on the socket itself until the reply comes."""
         try:
             reply = self.call.read_blocking(timeout_s)
         except TimeoutError as exc:
             raise ServerHung(self.span.server_id, timeout_s) from exc
         except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
             raise _failed(self.span, exc) from exc
-        return self._answer(reply, time.perf_counter(), self.call.reply_bytes, decode)
-
-    def decoded(self, timing: HopTiming) -> torch.Tensor:
-        """The output of the last reply, read with `decode=False` (checked then): made now, its time added to the
-        hop's client work (`timing`, that reply's)."""
-        t0 = time.perf_counter()
-        hidden = self._last_answer[1]
-        out = codec.decode_checked(hidden, tuple(hidden.shape), "reply hidden")
-        self._last_answer = (out, hidden)
-        timing.client_io_s += time.perf_counter() - t0
-        return out
+        return self._answer(reply, time.perf_counter(), self.call.reply_bytes)
 
     async def receive(self, timeout_s: float | None = None) -> tuple[torch.Tensor, HopTiming]:
         """The reply to the oldest unanswered step. No reply within `timeout_s` (default: the stream's) is a failure
@@ -315,10 +293,9 @@ class SpanStream:
         return self._answer(reply, time.perf_counter(), self.call.reply_bytes if isinstance(self.call, FrameCall)
                             else None)
 
-    def _answer(self, reply, t2: float, data: bytes | None = None,
-                decode: bool = True) -> tuple[torch.Tensor | None, HopTiming]:
+    def _answer(self, reply, t2: float, data: bytes | None = None) -> tuple[torch.Tensor, HopTiming]:
         """The oldest unanswered step's reply (read at `t2`; `data`: its wire form, if the transport kept it),
-        checked: its output (None without `decode`: see `receive_blocking`) and timing."""
+        checked: its output and timing."""
         sent = self._pending.popleft()
         if sent.on_link:
             self.link.answered(sent.kind)
@@ -334,11 +311,7 @@ class SpanStream:
         if reply.step_id != sent.step_id:
             raise ServerFailed(self.span.server_id, f"reply to step {reply.step_id}, expected step {sent.step_id}")
         hidden = reply.hidden
-        if decode:
-            out = codec.decode(hidden, "reply hidden")
-        else:
-            out = None
-            codec.checked(hidden, "reply hidden")
+        out = codec.decode(hidden, "reply hidden")
         self._last_answer = (out, hidden)
         t3 = time.perf_counter()
         self.position = reply.position

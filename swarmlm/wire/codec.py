@@ -70,36 +70,19 @@ def decode(msg: pb.Tensor, what: str = "tensor", max_elements: int = 1 << 28, fi
     return decode_checked(msg, shape, what, finite)
 
 
-def checked(msg: pb.Tensor, what: str = "tensor", max_elements: int = 1 << 28) -> tuple[int, ...]:
-    """The shape of a peer's message after every check `decode` makes without its values: the header, and the data's
-    length for a raw dtype (a packed one's is checked as it unpacks). A client relaying a hop's reply checks it so,
-    sends its bytes on, and decodes it (`decode_checked`) while the next server computes."""
-    _, shape = header(msg, what, max_elements)
-    name = msg.dtype
-    if name in WIRE_DTYPES:
-        _check_length(msg.data, shape, name, what)
-    return shape
-
-
-def _check_length(data: bytes, shape: tuple[int, ...], name: str, what: str) -> int:
-    """The values' count; InvalidRequest if `data` is not exactly that many values of dtype `name`."""
-    itemsize = WIRE_DTYPES[name][1]
-    count = math.prod(shape)
-    if len(data) != count * itemsize:
-        raise InvalidRequest(
-            f"{what}: {len(data)} bytes do not match shape {list(shape)} of {name} ({count * itemsize} bytes)"
-        )
-    return count
-
-
 def decode_checked(msg: pb.Tensor, shape: tuple[int, ...], what: str = "tensor", finite: bool = False) -> torch.Tensor:
     """`decode` of a message whose header passed `header` already, which gave `shape` (a server's step checks its
     header against its limits first: read once, not again here)."""
     name = msg.dtype
     if name == int8_block.INT8_BLOCK:
         return _finite(int8_block.unpack_int8(msg.data, shape, what), what, finite)
+    itemsize = WIRE_DTYPES[name][1]
+    count = math.prod(shape)
     data = msg.data  # (each read of a bytes field copies it: read it once)
-    count = _check_length(data, shape, name, what)
+    if len(data) != count * itemsize:
+        raise InvalidRequest(
+            f"{what}: {len(data)} bytes do not match shape {list(shape)} of {name} ({count * itemsize} bytes)"
+        )
     if name == "bfloat16":
         array = np.frombuffer(data, dtype=np.int16).reshape(shape)
         return _finite(torch.from_numpy(array.copy()).view(torch.bfloat16), what, finite)
