@@ -257,7 +257,7 @@ def test_a_write_after_the_servers_refusal_is_that_refusal_not_a_lost_connection
     call, _ = _client_end(frames.status(grpc.StatusCode.RESOURCE_EXHAUSTED, "more than 2 connections"))
     with pytest.raises(grpc.aio.AioRpcError) as err:
         if blocking:
-            call.write_blocking(pb.InferenceRequest().SerializeToString(), 5.0)
+            call.write_blocking(pb.InferenceRequest(), 5.0)
         else:
             asyncio.run(call.write(pb.InferenceRequest()))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "more than 2" in err.value.details()
@@ -474,8 +474,8 @@ def test_a_refused_client_still_sending_reads_the_refusal_and_a_clean_end(tiny_b
                 hangup.register(sock, select.POLLRDHUP)
                 assert poll_until(lambda: hangup.poll(0), 30.0)  # the refusal came, and the server's side closed
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    call.write_blocking(pb.InferenceRequest().SerializeToString(), 30.0)
-                    call.write_blocking(pb.InferenceRequest().SerializeToString(), 30.0)
+                    call.write_blocking(pb.InferenceRequest(), 30.0)
+                    call.write_blocking(pb.InferenceRequest(), 30.0)
                     call.read_blocking(30.0)
                 assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
                 call.cancel()

@@ -47,9 +47,6 @@ class FrameCall:
         self._closed = False
         self._peer_closed = False  # the server closed its side
         self._pollers: dict[int, select.poll] = {}  # event -> a poller of this socket for it (_wait)
-        # the wire form of the last reply taken: its MAC is checked on these bytes (session_keys.verified_bytes),
-        # not on the message serialized again
-        self.reply_bytes = b""
 
     @classmethod
     async def open(cls, host: str, port: int, swarm_key: bytes | None, max_message_bytes: int,
@@ -125,11 +122,10 @@ class FrameCall:
             pass
 
     # ---- from the caller's thread ------------------------------------------------------------------------
-    def write_blocking(self, data: bytes, timeout_s: float) -> None:
-        """As `write`, in this thread, of a request serialized already (`data`: session_keys.signed_bytes, one
-        serialization with its MAC); TimeoutError if the socket takes nothing for `timeout_s`."""
+    def write_blocking(self, request: pb.InferenceRequest, timeout_s: float) -> None:
+        """As `write`, in this thread; TimeoutError if the socket takes nothing for `timeout_s`."""
         self._check_writable()
-        view = memoryview(frames.frame(Kind.REQUEST, data))
+        view = memoryview(frames.frame(Kind.REQUEST, request.SerializeToString()))
         try:
             while view:
                 try:
@@ -241,9 +237,7 @@ class FrameCall:
         kind, body = got
         if kind == Kind.REPLY:
             try:
-                reply = pb.InferenceReply.FromString(body)
-                self.reply_bytes = body
-                return reply
+                return pb.InferenceReply.FromString(body)
             except Exception:  # a hostile byte string
                 self.cancel()
                 raise rpc_error(grpc.StatusCode.INTERNAL, "a reply that does not parse") from None

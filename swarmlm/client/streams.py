@@ -189,21 +189,21 @@ class SpanStream:
 
     def _request(self, hidden: torch.Tensor, mask: torch.Tensor | None, push: list[pb.PushTarget],
                  op: CacheOp | None, encoded: pb.Tensor | None = None) -> tuple[pb.InferenceRequest, _Sent]:
-        """The next step's message (its MAC not set yet: `send` signs it, `send_blocking` serializes it with its MAC
-        once), and its place among the replies (taken now, with its id). `encoded`: `hidden` as float32 on the wire
-        already (`as_sent`), used when this link's format is float32."""
+        """The next step's message, and its place among the replies (taken now, with its id). `encoded`: `hidden`
+        as float32 on the wire already (`as_sent`), used when this link's format is float32."""
         t0 = time.perf_counter()
         self._step_id += 1
         wire_dtype = self.channels.wire_dtype_for(self.span.address, 4 * hidden.numel())
-        if encoded is None or wire_dtype != "float32":
-            encoded = compress.encode_hidden(hidden, wire_dtype)
         request = pb.InferenceRequest(step=pb.InferenceStep(
-            hidden=encoded, step_id=self._step_id, push=push,
-            cache_op=cache_op.to_wire(op) if op is not None else None,
+            hidden=encoded if encoded is not None and wire_dtype == "float32" else
+            compress.encode_hidden(hidden, wire_dtype),
+            step_id=self._step_id, push=push, cache_op=cache_op.to_wire(op) if op is not None else None,
             # (no padding: no mask on the wire, the server reads an absent mask as all ones)
             attention_mask=_NO_MASK if mask is None or all_set(mask) else codec.encode(mask)))
-        sent = _Sent(StepKind.of(hidden.shape[1]), n_tokens=hidden.shape[1], request_bytes=len(encoded.data),
-                     encode_s=time.perf_counter() - t0, clean=False, on_link=False, step_id=self._step_id)
+        session_keys.sign(self.keys.client, self.session_id, request)
+        sent = _Sent(StepKind.of(hidden.shape[1]), n_tokens=hidden.shape[1],
+                     request_bytes=len(request.step.hidden.data), encode_s=time.perf_counter() - t0, clean=False,
+                     on_link=False, step_id=self._step_id)
         self._pending.append(sent)
         return request, sent
 
@@ -221,7 +221,7 @@ class SpanStream:
             # control, so a large message is mostly across the link by then (and would read as a fast link)
             sent.written_s = time.perf_counter()
             try:
-                await self.call.write(session_keys.sign(self.keys.client, self.session_id, request))
+                await self.call.write(request)
             except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
                 raise _failed(self.span, exc) from exc
             except asyncio.CancelledError as exc:
@@ -241,13 +241,12 @@ class SpanStream:
         does not ask the link scheduler for a turn (that lives on the loop thread): a decode step goes first there
         anyway. `encoded`: see `_request`."""
         request, sent = self._request(hidden, mask, push, op, encoded)
-        data = session_keys.signed_bytes(self.keys.client, self.session_id, request)  # (serialized once, MACed)
         link = self.link
         sent.clean = link.in_flight == 0 and len(self._pending) == 1  # (a read from another thread: a hint)
         sent.written_s = time.perf_counter()
         link.written_outside(sent.kind)
         try:
-            self.call.write_blocking(data, timeout_s)
+            self.call.write_blocking(request, timeout_s)
         except TimeoutError as exc:
             raise ServerHung(self.span.server_id, timeout_s) from exc
         except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
@@ -270,7 +269,7 @@ class SpanStream:
             raise ServerHung(self.span.server_id, timeout_s) from exc
         except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
             raise _failed(self.span, exc) from exc
-        return self._answer(reply, time.perf_counter(), self.call.reply_bytes)
+        return self._answer(reply, time.perf_counter())
 
     async def receive(self, timeout_s: float | None = None) -> tuple[torch.Tensor, HopTiming]:
         """The reply to the oldest unanswered step. No reply within `timeout_s` (default: the stream's) is a failure
@@ -290,20 +289,16 @@ class SpanStream:
         except asyncio.CancelledError as exc:
             _raise_if_cancelling()
             raise ServerFailed(self.span.server_id, "stream cancelled") from exc
-        return self._answer(reply, time.perf_counter(), self.call.reply_bytes if isinstance(self.call, FrameCall)
-                            else None)
+        return self._answer(reply, time.perf_counter())
 
-    def _answer(self, reply, t2: float, data: bytes | None = None) -> tuple[torch.Tensor, HopTiming]:
-        """The oldest unanswered step's reply (read at `t2`; `data`: its wire form, if the transport kept it),
-        checked: its output and timing."""
+    def _answer(self, reply, t2: float) -> tuple[torch.Tensor, HopTiming]:
+        """The oldest unanswered step's reply (read at `t2`), checked: its output and timing."""
         sent = self._pending.popleft()
         if sent.on_link:
             self.link.answered(sent.kind)
         if reply is grpc.aio.EOF:
             raise ServerFailed(self.span.server_id, "stream closed by the server")
-        # (on the bytes that came, when there are: the same verdict as `verified`, no second serialization)
-        if not (session_keys.verified(self.keys.server, self.session_id, reply) if data is None else
-                session_keys.verified_bytes(self.keys.server, self.session_id, reply, data)):
+        if not session_keys.verified(self.keys.server, self.session_id, reply):
             raise ServerTampered(self.span.server_id, session_keys.REPLY_TAMPERED)
         if reply.HasField("error"):
             refusal = PushRefused if reply.error.code == "PUSH_REFUSED" else InvalidRequest
@@ -327,7 +322,7 @@ class SpanStream:
         if sent.clean:
             if self._bandwidth is None:  # (the client's estimate of this address: Channels never replaces one)
                 self._bandwidth = self.channels.bandwidth(self.span.address)
-            self._bandwidth.observe(sent.request_bytes + len(hidden.data), timing.network_s)
+            self._bandwidth.observe(sent.request_bytes + len(reply.hidden.data), timing.network_s)
         return out, timing
 
     async def step(self, hidden: torch.Tensor, mask: torch.Tensor | None,
