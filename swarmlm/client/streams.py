@@ -124,7 +124,6 @@ class SpanStream:
         self._last_reply_s = 0.0
         self._link: LinkScheduler | None = None
         self._bandwidth: BandwidthEstimate | None = None
-        self._last_answer: tuple[torch.Tensor, pb.Tensor] | None = None  # the last reply's output, its checked message
 
     @property
     def link(self) -> LinkScheduler:
@@ -213,7 +212,7 @@ class SpanStream:
                  op: CacheOp | None, encoded: pb.Tensor | None = None,
                  shape: torch.Size | None = None) -> tuple[pb.InferenceRequest, _Sent]:
         """The next step's message, and its place among the replies (taken now, with its id). `encoded`: `hidden`
-        as float32 on the wire already (`as_sent`), used when this link's format is float32; without `hidden`
+        as float32 on the wire already (`Undecoded.as_sent`), used when this link's format is float32; without `hidden`
         (a reply kept `Undecoded`: only where `takes_float32`), `shape` is the step's [B, T, H]."""
         t0 = time.perf_counter()
         self._step_id += 1
@@ -286,15 +285,6 @@ class SpanStream:
         except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
             raise _failed(self.span, exc) from exc
 
-    def as_sent(self, output: torch.Tensor) -> pb.Tensor | None:
-        """`output`, this stream's last reply's (checked) output, as its server sent it if that was float32: the next
-        hop's request can carry the same bytes (float32 decodes and encodes back to them) without a cold encode
-        right after a wait. A fresh message of the data, dtype and shape: nothing else of the reply goes on."""
-        last = self._last_answer
-        if last is None or last[0] is not output or last[1].dtype != "float32":
-            return None
-        return pb.Tensor(data=last[1].data, dtype="float32", shape=last[1].shape)
-
     def receive_blocking(self, timeout_s: float,
                          keep_undecoded: bool = False) -> tuple[torch.Tensor | Undecoded, HopTiming]:
         """`receive` in the caller's thread: it sleeps on the socket itself until the reply comes. `keep_undecoded`:
@@ -342,11 +332,8 @@ class SpanStream:
         if reply.step_id != sent.step_id:
             raise ServerFailed(self.span.server_id, f"reply to step {reply.step_id}, expected step {sent.step_id}")
         hidden = reply.hidden
-        if keep_undecoded and hidden.dtype == "float32":
-            out = Undecoded(hidden, codec.checked(hidden, "reply hidden"))
-        else:
-            out = codec.decode(hidden, "reply hidden")
-            self._last_answer = (out, hidden)
+        out = Undecoded(hidden, codec.checked(hidden, "reply hidden")) if keep_undecoded and hidden.dtype == "float32" \
+            else codec.decode(hidden, "reply hidden")
         t3 = time.perf_counter()
         self.position = reply.position
         tm = reply.timing
