@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from swarmlm.client.frame_call import FrameCall
-from swarmlm.client.streams import HopTiming, SpanStream
+from swarmlm.client.streams import HopTiming, SpanStream, Undecoded
 from swarmlm.config import ClientConfig
 from swarmlm.errors import PushRefused, ServerFailed
 from swarmlm.perf.model import ComputeProfile
@@ -62,7 +62,9 @@ class OpenSpan:
     span: Span
     stream: SpanStream
     admission: str = ""  # this session's entry in the client's router (its load on the server), until closed
-    history: list[Chunk] = field(default_factory=list)  # inputs sent and answered, in order (for a replay)
+    # inputs sent and answered, in order (for a replay); a relayed input may be kept as its server sent it
+    # (`Undecoded`, made a tensor only when `history` is read: a failover or a cache op, not a decode step)
+    _history: list[tuple[torch.Tensor | Undecoded, torch.Tensor]] = field(default_factory=list)
     # tokens the server held from a cached prefix before the history (never sent: a replay recomputes their
     # inputs), and the prefix's row behind each row the server holds (cache ops may copy it)
     prefix_tokens: int = 0
@@ -85,16 +87,33 @@ class OpenSpan:
                 self.stream.keys.seal, target.session_id, target.keys.push)
         return sealed
 
-    def answered(self, hidden: torch.Tensor, mask: torch.Tensor) -> None:
+    @property
+    def history(self) -> list[Chunk]:
+        """The inputs sent and answered, as tensors."""
+        for n, (hidden, mask) in enumerate(self._history):
+            if isinstance(hidden, Undecoded):
+                self._history[n] = (hidden.tensor(), mask)
+        return self._history
+
+    @history.setter
+    def history(self, chunks: list[Chunk]) -> None:
+        self._history = chunks
+
+    @property
+    def cached(self) -> bool:
+        """Its server holds tokens of this session's steps (a step's bound is then past a cache)."""
+        return bool(self._history)
+
+    def answered(self, hidden: torch.Tensor | Undecoded, mask: torch.Tensor) -> None:
         """A chunk sent and answered joins the history."""
-        self.history.append((hidden, mask))
+        self._history.append((hidden, mask))
         self._history_tokens += hidden.shape[1]
 
     @property
     def rows(self) -> int:
         """Sequences its server holds (0 while it holds no token)."""
-        if self.history:
-            return int(self.history[0][0].shape[0])
+        if self._history:
+            return int(self._history[0][0].shape[0])
         return len(self.prefix_rows) if self.prefix_tokens else 0
 
     def edit(self, op: CacheOp) -> None:
@@ -273,26 +292,40 @@ class StepPipeline:
         and the caller sleeps until the last hop's reply (the middle ones are read after it: one wake-up a step).
         Raises what is not a server's failure, as `run`."""
         x = self.chunks[0][0]
-        bounds = [self.hang_timeout(h.span, x.shape[0], x.shape[1], bool(h.open_span.history)) for h in self.hops]
+        bounds = [self.hang_timeout(h.span, x.shape[0], x.shape[1], h.open_span.cached) for h in self.hops]
         i = 0
         while i < len(self.hops):
             hop = self.hops[i]
             try:
                 targets = self._push_targets(i, 0)  # (the hops it pushes on to await their step: `written`)
-                source = self._source(i, 0)  # (relayed: the previous reply's bytes go on as they came, if float32)
-                encoded = self.hops[i - 1].stream.as_sent(source) if i > 0 else None
-                hop.stream.send_blocking(source, self._wire_mask(0), bounds[i], targets, hop.op, encoded)
+                source = self._source(i, 0)
+                if isinstance(source, Undecoded) and not hop.stream.takes_float32(x.shape):
+                    source = self.hops[i - 1].outputs[0] = source.tensor()  # (another wire format: encoded here)
+                if isinstance(source, Undecoded):  # relayed: the previous reply's bytes go on as they came
+                    hop.stream.send_blocking(None, self._wire_mask(0), bounds[i], targets, hop.op, source.as_sent(),
+                                             x.shape)
+                else:
+                    hop.stream.send_blocking(source, self._wire_mask(0), bounds[i], targets, hop.op)
                 hop.written = 1
                 end = i + 1 + len(targets)
                 if targets:
                     FrameCall.wait_last([h.stream.call for h in self.hops[i:end]], sum(bounds[i:end]))
                 for j in range(i, end):
                     i = j
-                    self._answered(j, self.hops[j].stream.receive_blocking(bounds[j]))
+                    # relayed on to another hop, a float32 reply is checked but not made a tensor: only its bytes
+                    # go on (the history keeps it as it came: a failover's replay makes it one)
+                    relayed = j + 1 < len(self.hops) and not self.push
+                    self._answered(j, self.hops[j].stream.receive_blocking(bounds[j], keep_undecoded=relayed))
             except (ServerFailed, PushRefused) as exc:
+                self._decode_outputs()
                 return self._outcome({i: exc})
             i += 1
         return AttemptOutcome(self.timings, {}, [])
+
+    def _decode_outputs(self) -> None:
+        """Outputs kept undecoded made tensors: an attempt that goes on in the event loop sends them from there."""
+        for hop in self.hops:
+            hop.outputs = [out.tensor() if isinstance(out, Undecoded) else out for out in hop.outputs]
 
     def _answered(self, i: int, reply: tuple[torch.Tensor, HopTiming]) -> None:
         hop = self.hops[i]
@@ -392,7 +425,7 @@ class StepPipeline:
             # (pushed, the next server may answer before the client has read it: its reply waits in the stream)
             await self.progress.wait_for(lambda: hop.written > k and (i == 0 or self.hops[i - 1].answered > k))
             x = self.chunks[k][0]
-            cached = bool(hop.open_span.history)  # (this chunk joins the history once answered)
+            cached = hop.open_span.cached  # (this chunk joins the history once answered)
             out, timing = await hop.stream.receive(self.hang_timeout(hop.span, x.shape[0], x.shape[1], cached))
             hop.open_span.answered(self._source(i, k), self.chunks[k][1])
             hop.outputs.append(out)

@@ -48,6 +48,28 @@ class HopTiming:
         return max(self.wall_s - self.queued_s - self.compute_s - self.server_io_s, 0.0)
 
 
+class Undecoded:
+    """A reply's float32 hidden states, checked (header and length) but not made a tensor: a relayed hop's output
+    goes on as its bytes, and becomes a tensor only if something needs one (`tensor`: a failover's replay)."""
+
+    __slots__ = ("message", "shape", "_tensor")
+
+    def __init__(self, message: pb.Tensor, shape: tuple[int, ...]) -> None:
+        self.message = message  # the reply's (checked) hidden states
+        self.shape = shape
+        self._tensor: torch.Tensor | None = None
+
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            self._tensor = codec.decode_checked(self.message, self.shape, "reply hidden")
+        return self._tensor
+
+    def as_sent(self) -> pb.Tensor:
+        """The same values as the next hop's request: a fresh message of the data, dtype and shape (nothing else of
+        the reply goes on)."""
+        return pb.Tensor(data=self.message.data, dtype="float32", shape=self.shape)
+
+
 def _failed(span: Span, exc: BaseException) -> ServerFailed:
     if isinstance(exc, grpc.aio.AioRpcError) and session_keys.TAMPERED in (exc.details() or ""):
         return ServerTampered(span.server_id, f"{exc.code().name}: {exc.details()}")  # (our message was changed)
@@ -102,7 +124,6 @@ class SpanStream:
         self._last_reply_s = 0.0
         self._link: LinkScheduler | None = None
         self._bandwidth: BandwidthEstimate | None = None
-        self._last_answer: tuple[torch.Tensor, pb.Tensor] | None = None  # the last reply's output, its checked message
 
     @property
     def link(self) -> LinkScheduler:
@@ -187,13 +208,21 @@ class SpanStream:
         except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
             raise _failed(self.span, exc) from exc
 
-    def _request(self, hidden: torch.Tensor, mask: torch.Tensor | None, push: list[pb.PushTarget],
-                 op: CacheOp | None, encoded: pb.Tensor | None = None) -> tuple[pb.InferenceRequest, _Sent]:
+    def _request(self, hidden: torch.Tensor | None, mask: torch.Tensor | None, push: list[pb.PushTarget],
+                 op: CacheOp | None, encoded: pb.Tensor | None = None,
+                 shape: torch.Size | None = None) -> tuple[pb.InferenceRequest, _Sent]:
         """The next step's message, and its place among the replies (taken now, with its id). `encoded`: `hidden`
-        as float32 on the wire already (`as_sent`), used when this link's format is float32."""
+        as float32 on the wire already (`Undecoded.as_sent`), used when this link's format is float32; without `hidden`
+        (a reply kept `Undecoded`: only where `takes_float32`), `shape` is the step's [B, T, H]."""
         t0 = time.perf_counter()
         self._step_id += 1
-        wire_dtype = self.channels.wire_dtype_for(self.span.address, 4 * hidden.numel())
+        if hidden is None:
+            if encoded is None or not self.takes_float32(shape):
+                raise ValueError("a step without its tensor goes only as float32 bytes")
+            wire_dtype = "float32"
+        else:
+            shape = hidden.shape
+            wire_dtype = self.channels.wire_dtype_for(self.span.address, 4 * hidden.numel())
         request = pb.InferenceRequest(step=pb.InferenceStep(
             hidden=encoded if encoded is not None and wire_dtype == "float32" else
             compress.encode_hidden(hidden, wire_dtype),
@@ -201,7 +230,7 @@ class SpanStream:
             # (no padding: no mask on the wire, the server reads an absent mask as all ones)
             attention_mask=_NO_MASK if mask is None or all_set(mask) else codec.encode(mask)))
         session_keys.sign(self.keys.client, self.session_id, request)
-        sent = _Sent(StepKind.of(hidden.shape[1]), n_tokens=hidden.shape[1],
+        sent = _Sent(StepKind.of(shape[1]), n_tokens=shape[1],
                      request_bytes=len(request.step.hidden.data), encode_s=time.perf_counter() - t0, clean=False,
                      on_link=False, step_id=self._step_id)
         self._pending.append(sent)
@@ -234,13 +263,17 @@ class SpanStream:
         framed stream with nothing in flight."""
         return isinstance(self.call, FrameCall) and self.call.blocking_ok and not self._pending
 
-    def send_blocking(self, hidden: torch.Tensor, mask: torch.Tensor | None, timeout_s: float,
+    def takes_float32(self, shape: torch.Size) -> bool:
+        """Does a step of hidden states of `shape` go to this span's server as float32 (the link's wire format)?"""
+        return self.channels.wire_dtype_for(self.span.address, 4 * shape.numel()) == "float32"
+
+    def send_blocking(self, hidden: torch.Tensor | None, mask: torch.Tensor | None, timeout_s: float,
                       push: list[pb.PushTarget] = (), op: CacheOp | None = None,
-                      encoded: pb.Tensor | None = None) -> None:
+                      encoded: pb.Tensor | None = None, shape: torch.Size | None = None) -> None:
         """`send` from the caller's thread (`blocking_ok` streams only): no hand-off to the client's loop thread. It
         does not ask the link scheduler for a turn (that lives on the loop thread): a decode step goes first there
-        anyway. `encoded`: see `_request`."""
-        request, sent = self._request(hidden, mask, push, op, encoded)
+        anyway. `encoded`, `shape`: see `_request`."""
+        request, sent = self._request(hidden, mask, push, op, encoded, shape)
         link = self.link
         sent.clean = link.in_flight == 0 and len(self._pending) == 1  # (a read from another thread: a hint)
         sent.written_s = time.perf_counter()
@@ -252,24 +285,17 @@ class SpanStream:
         except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
             raise _failed(self.span, exc) from exc
 
-    def as_sent(self, output: torch.Tensor) -> pb.Tensor | None:
-        """`output`, this stream's last reply's (checked) output, as its server sent it if that was float32: the next
-        hop's request can carry the same bytes (float32 decodes and encodes back to them) without a cold encode
-        right after a wait. A fresh message of the data, dtype and shape: nothing else of the reply goes on."""
-        last = self._last_answer
-        if last is None or last[0] is not output or last[1].dtype != "float32":
-            return None
-        return pb.Tensor(data=last[1].data, dtype="float32", shape=last[1].shape)
-
-    def receive_blocking(self, timeout_s: float) -> tuple[torch.Tensor, HopTiming]:
-        """`receive` in the caller's thread: it sleeps on the socket itself until the reply comes."""
+    def receive_blocking(self, timeout_s: float,
+                         keep_undecoded: bool = False) -> tuple[torch.Tensor | Undecoded, HopTiming]:
+        """`receive` in the caller's thread: it sleeps on the socket itself until the reply comes. `keep_undecoded`:
+        a float32 output is checked as ever but given as `Undecoded` (a relayed hop's: its bytes go on)."""
         try:
             reply = self.call.read_blocking(timeout_s)
         except TimeoutError as exc:
             raise ServerHung(self.span.server_id, timeout_s) from exc
         except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
             raise _failed(self.span, exc) from exc
-        return self._answer(reply, time.perf_counter())
+        return self._answer(reply, time.perf_counter(), keep_undecoded)
 
     async def receive(self, timeout_s: float | None = None) -> tuple[torch.Tensor, HopTiming]:
         """The reply to the oldest unanswered step. No reply within `timeout_s` (default: the stream's) is a failure
@@ -291,7 +317,7 @@ class SpanStream:
             raise ServerFailed(self.span.server_id, "stream cancelled") from exc
         return self._answer(reply, time.perf_counter())
 
-    def _answer(self, reply, t2: float) -> tuple[torch.Tensor, HopTiming]:
+    def _answer(self, reply, t2: float, keep_undecoded: bool = False) -> tuple[torch.Tensor | Undecoded, HopTiming]:
         """The oldest unanswered step's reply (read at `t2`), checked: its output and timing."""
         sent = self._pending.popleft()
         if sent.on_link:
@@ -306,8 +332,8 @@ class SpanStream:
         if reply.step_id != sent.step_id:
             raise ServerFailed(self.span.server_id, f"reply to step {reply.step_id}, expected step {sent.step_id}")
         hidden = reply.hidden
-        out = codec.decode(hidden, "reply hidden")
-        self._last_answer = (out, hidden)
+        out = Undecoded(hidden, codec.checked(hidden, "reply hidden")) if keep_undecoded and hidden.dtype == "float32" \
+            else codec.decode(hidden, "reply hidden")
         t3 = time.perf_counter()
         self.position = reply.position
         tm = reply.timing

@@ -70,6 +70,20 @@ def decode(msg: pb.Tensor, what: str = "tensor", max_elements: int = 1 << 28, fi
     return decode_checked(msg, shape, what, finite)
 
 
+def checked(msg: pb.Tensor, what: str = "tensor", max_elements: int = 1 << 28) -> tuple[int, ...]:
+    """The shape of a peer's raw-dtype message after every check `decode` makes without its values (`finite`): the
+    header and the data's length. (A client relaying a reply checks it so and sends its bytes on undecoded.)"""
+    _, shape = header(msg, what, max_elements)
+    name = msg.dtype
+    if name not in WIRE_DTYPES:
+        raise InvalidRequest(f"{what}: {name} is not a raw dtype")
+    count, itemsize = math.prod(shape), WIRE_DTYPES[name][1]
+    if len(msg.data) != count * itemsize:
+        raise InvalidRequest(
+            f"{what}: {len(msg.data)} bytes do not match shape {list(shape)} of {name} ({count * itemsize} bytes)")
+    return shape
+
+
 def decode_checked(msg: pb.Tensor, shape: tuple[int, ...], what: str = "tensor", finite: bool = False) -> torch.Tensor:
     """`decode` of a message whose header passed `header` already, which gave `shape` (a server's step checks its
     header against its limits first: read once, not again here)."""
