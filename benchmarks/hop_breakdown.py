@@ -86,6 +86,8 @@ def breakdown(client: DistributedModelForCausalLM, sessions: int = 4, steps: int
                 wall, queued = sum(h.wall_s for h in hops), sum(h.queued_s for h in hops)
                 compute, sio = sum(h.compute_s for h in hops), sum(h.server_io_s for h in hops)
                 cio = sum(h.client_io_s for h in hops)
+                if rec.pushed:  # one chain out and back: its hops' walls overlap, the step's own wall is the chain's
+                    wall = rec.wall_s - cio
                 rows.append({
                     "step - server compute": call - compute,
                     "the caller's session.step": call,
