@@ -210,10 +210,11 @@ class FrameServer:
         between the socket and the session's inbox); one that would wait (a full inbox, a full write buffer), and
         every frame after it, go through this task in order."""
         peer = _peer_of(conn.transport)
+        take_now = functools.partial(self._push_now, conn, peer)
         try:
             while True:
                 if not conn.queued:
-                    conn.sink = functools.partial(self._push_now, conn, peer)
+                    conn.sink = take_now
                 got = await conn.next_frame()
                 if got is None:
                     return

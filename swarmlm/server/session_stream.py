@@ -246,10 +246,12 @@ class SessionStreams:
         return pb.PushReply()
 
     def push_now(self, request: pb.PushRequest, admission: Admission, data: bytes) -> pb.PushReply | None:
-        """`push` if its session's inbox has room now; None (nothing queued) if it would have to wait."""
-        inbox, step = self._pushed_step(request, admission, data)
-        if inbox.full():
+        """`push` if its session's inbox has room now; None (nothing checked, nothing queued) if it would have to
+        wait: `push` then checks it once, where it waits."""
+        inbox = self.inboxes.get(request.session_id)
+        if inbox is not None and inbox.full():
             return None
+        inbox, step = self._pushed_step(request, admission, data)
         inbox.put_nowait(step)
         return pb.PushReply()
 
@@ -327,8 +329,8 @@ class SessionStreams:
 
     def _push_after(self, session: Session, reply: pb.InferenceReply, request: pb.InferenceRequest) -> bool:
         """Push a step's output on to the next server, after this session's earlier pushes (in step order), MACed
-        with the next session's push key (sealed for us in the target). True when it is written already (nothing
-        to wait for: `Pusher.push_now`), else a task writes it. A push that fails is logged: the client's stream to
+        with the next session's push key (sealed for us in the target). True when nothing is left to write (written
+        already: `Pusher.push_now`; or not pushed at all, logged), False when a task writes it. A push that fails is logged: the client's stream to
         that server then breaks or times out, and its failover re-sends the step."""
         sid, step, targets = session.session_id, request.step, request.step.push
         push_key = b""
