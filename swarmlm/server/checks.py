@@ -38,11 +38,16 @@ class StepChecks:
             raise InvalidRequest(f"hidden: dtype {dtype} is not a float type")
         if len(shape) != 3:
             raise InvalidRequest(f"hidden: expected shape [batch, tokens, {self.hidden_size}], got {list(shape)}")
-        b, t, h = shape
+        return self.dims(*shape, batch, past, max_length)
+
+    def dims(self, b: int, t: int, h: int, batch: int | None, past: int, max_length: int) -> tuple[int, int]:
+        """`shape`'s checks of the dims [b, t, h] of a step's hidden states (a protobuf step's header, a compact
+        STEP's: wire/compact.py): every size and cost limit."""
+        cfg = self.config
         if h != self.hidden_size:
             raise InvalidRequest(f"hidden: hidden size {h} does not match the model's {self.hidden_size}")
         if t < 1 or b < 1:
-            raise InvalidRequest(f"hidden: empty shape {list(shape)}")
+            raise InvalidRequest(f"hidden: empty shape {[b, t, h]}")
         if batch is not None and b != batch:
             raise InvalidRequest(f"hidden: batch {b} does not match the session's batch {batch}")
         if b > cfg.max_batch:
