@@ -13,6 +13,7 @@ from swarmlm.errors import InvalidRequest
 from swarmlm.small_reads import no_padding_mask
 from swarmlm.types import BlockRange, CacheOp
 from swarmlm.wire import codec
+from swarmlm.wire.compact import CompactStep
 from swarmlm.wire import swarm_pb2 as pb
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -72,7 +73,10 @@ def peer_host(context) -> str:
 
 
 def payload_bytes(step: pb.InferenceStep) -> int:
-    """The bytes a step's tensors declare (from their headers: nothing is copied); 0 if a header is invalid."""
+    """The bytes a step's tensors declare (from their headers: nothing is copied); 0 if a header is invalid. A
+    compact STEP's: the bytes its values take."""
+    if type(step) is CompactStep:
+        return step.nbytes
     total = 0
     for msg in (step.hidden, step.attention_mask):
         name = msg.dtype

@@ -23,6 +23,7 @@ import hmac
 import struct
 
 import numpy as np
+import torch
 
 from swarmlm.errors import InvalidRequest
 from swarmlm.wire import frames
@@ -51,10 +52,9 @@ def _head_le(packed_frame_head: bytes) -> bytes:
     return packed_frame_head[frames.HEADER.size:]
 
 
-def step_frame(key: bytes, session_id: str, step_id: int, b: int, t: int, h: int, values) -> bytes:
-    """A whole STEP frame (frame header included): `values`, B*T*H float32 in C order (bytes, or an array's buffer)."""
-    nbytes = b * t * h * 4
-    head = _STEP_FRAME_HEAD.pack(STEP_HEAD.size + nbytes + MAC_BYTES, Kind.STEP, step_id, b, t, h)
+def step_frame(key: bytes, session_id: str, step_id: int, b: int, t: int, h: int, values: bytes | memoryview) -> bytes:
+    """A whole STEP frame (frame header included): `values` the B*T*H float32 in C order (bytes, or a byte view)."""
+    head = _STEP_FRAME_HEAD.pack(STEP_HEAD.size + len(values) + MAC_BYTES, Kind.STEP, step_id, b, t, h)
     return b"".join((head, values, _tag(key, _STEP_PERSON, session_id, head[frames.HEADER.size:], values)))
 
 
@@ -110,6 +110,15 @@ class CompactStep:
         return np.frombuffer(self.body, dtype=np.float32, count=self.b * self.t * self.h, offset=STEP_HEAD.size)
 
 
+def float32_bytes(tensor) -> bytes:
+    """A server's output as an ANSWER's values: float32, C order."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.dtype != torch.float32:
+        tensor = tensor.float()
+    return tensor.numpy().tobytes()
+
+
 class AnswerFrame(bytes):
     """A whole ANSWER frame, ready to write: the stream's loop sends it as it is (`pushed`: never)."""
 
@@ -130,14 +139,15 @@ class Answer:
     """An ANSWER frame's body as the client reads it (`opened` checks it)."""
 
     __slots__ = ("body", "step_id", "position", "batched_steps", "queued_s", "compute_s", "parse_s", "encode_s")
+    pushed = False  # (a STEP is never pushed on)
 
     def __init__(self, body: bytes) -> None:
         self.body = body
 
     def opened(self, key: bytes, session_id: str, count: int) -> "Answer":
-        """Checked: its MAC under the server key `key` first (anything else is tampered: False is returned by
-        raising nothing, see below), then its length for `count` values. Returns self with its fields set;
-        InvalidRequest if its MAC does not match (`tampered`) or its length is not the step's."""
+        """Checked: its MAC under the server key `key` first, then its length for `count` values. Returns self with
+        its fields set; `Tampered` if its MAC does not match (or it has none), InvalidRequest if its length is not
+        the step's."""
         body = self.body
         size = len(body) - MAC_BYTES
         view = memoryview(body)
