@@ -1,7 +1,8 @@
 """Hostile frames against a server's framed step port (wire/frames.py), light in tests/test_attacks.py and
 tests/test_fuzz_rpc.py, heavy in benchmarks/attacks.py. Each case opens its own connection with a blocking socket
 and returns what the server answered: "STATUS <CODE> <details>", "REPLY ..." or "closed" (it closed without a
-word: a connection cut inside a frame cannot be answered)."""
+word: a connection cut inside a frame cannot be answered). Compact decode frames (wire/compact.py): hostile STEPs
+in a keyed session of their own (`KeyedStream`, `compact_cases`)."""
 from __future__ import annotations
 
 import random
@@ -81,6 +82,12 @@ def _push(rng: random.Random | None, hidden: int) -> bytes:
                                                    step_id=rng.randint(0, 3) if rng is not None else 1),
                              mac=pick(16) if rng is None or rng.random() < 0.5 else b"")
     return frames.frame(Kind.PUSH, request.SerializeToString())
+
+
+def _compact_head(step_id: int, b: int, t: int, h: int) -> bytes:
+    from swarmlm.wire.compact import STEP_HEAD
+
+    return STEP_HEAD.pack(step_id, b, t, h)
 
 
 HELLO = frames.hello(Purpose.STREAM, None)
@@ -165,8 +172,11 @@ def random_frames(rng: random.Random, hidden: int, blocks: int) -> bytes:
             out += _push(rng, hidden)
         elif pick < 0.25:
             out += open_request(blocks)
-        elif pick < 0.35:
+        elif pick < 0.3:
             out += _step(hidden)
+        elif pick < 0.35:  # a compact STEP of plausible dims (wire/compact.py), its MAC random: no session is keyed
+            out += frames.frame(Kind.STEP, _compact_head(rng.randint(0, 3), 1, 1, hidden) +
+                                rng.randbytes(hidden * 4 + 16 + rng.choice([0, 0, -4, 4])))
         elif pick < 0.45:  # the stream's end and the connection's next stream (or not: a HELLO out of turn)
             out += END + (HELLO if rng.random() < 0.8 else b"") if rng.random() < 0.7 else HELLO
         elif pick < 0.6:
@@ -204,6 +214,14 @@ class KeyedStream:
         if kind != Kind.REPLY or not session_keys.verified(self.keys.server, reply.session_id, reply):
             raise RuntimeError(f"the open was not answered by a signed reply: {kind.name} {reply}")
         self.session_id = reply.session_id
+
+    @classmethod
+    def plain(cls, host: str, port: int) -> "KeyedStream":
+        """A connection without a HELLO or session yet (for `exchange`: its answers read as a keyed stream's)."""
+        stream = cls.__new__(cls)
+        stream.sock = socket.create_connection((host, port), timeout=TIMEOUT_S)
+        stream._buf = bytearray()
+        return stream
 
     def __enter__(self) -> "KeyedStream":
         return self
@@ -296,7 +314,7 @@ def _values(b: int, t: int, hidden: int, fill: float | None = None):
     return values
 
 
-def compact_cases(hidden: int, max_batch: int) -> dict[str, object]:
+def compact_cases(hidden: int, max_batch: int = 64) -> dict[str, object]:
     """Name -> a hostile STEP case: the bytes sent on a plain connection, or a function of a `KeyedStream` giving the
     bytes sent after its open (then END; the stream half-closes and reads)."""
     from swarmlm.wire import compact
@@ -330,6 +348,9 @@ def compact_cases(hidden: int, max_batch: int) -> dict[str, object]:
         "STEP over the server's max_batch": lambda s: s.step_frame(_values(max_batch + 1, 1, hidden), 1),
         "STEP over the session's max_length": lambda s: s.step_frame(_values(1, 17, hidden), 1),
         "STEP of another hidden size": lambda s: s.step_frame(_values(1, 1, hidden + 1), 1),
+        "STEP of an unkeyed session": HELLO + open_request(1) + frames.frame(
+            Kind.STEP, compact.step_frame(b"k" * 32, "", 1, 1, 1, hidden, _values(1, 1, hidden).tobytes())[
+                HEADER.size:]) + END,
         "STEP with NaN": lambda s: s.step_frame(_values(1, 1, hidden, float("nan")), 1),
         "STEP with inf": lambda s: s.step_frame(_values(1, 1, hidden, float("inf")), 1),
         "STEP replayed": lambda s: s.step_frame(_values(1, 1, hidden), 1) * 2,
@@ -351,6 +372,8 @@ def compact_expected(name: str, answers: list[str]) -> bool:
                 "STEP over the session's max_length": "would exceed the max_length 16",
                 "STEP of another hidden size": "does not match the model's",
                 "STEP with NaN": "contains NaN or infinite values", "STEP with inf": "contains NaN or infinite values"}
+    if name == "STEP of an unkeyed session":  # the open's reply, the refusal, the clean end
+        return answers[0] == "REPLY" and answers[1:] == ["REPLY a compact STEP needs a keyed session", "STATUS OK "]
     if name in refusals:  # a REPLY with the error; the session goes on to its clean end
         return len(answers) == 2 and answers[0].startswith("REPLY ") and refusals[name] in answers[0] \
             and answers[1] == "STATUS OK "
@@ -363,13 +386,14 @@ def compact_expected(name: str, answers: list[str]) -> bool:
     return last.startswith("STATUS INVALID_ARGUMENT " + wants[name])
 
 
-def run_compact_cases(address: str, hidden: int, blocks: int, max_batch: int) -> dict[str, list[str]]:
+def run_compact_cases(address: str, hidden: int, blocks: int, max_batch: int = 64) -> dict[str, list[str]]:
     """Each compact case on a connection (and a keyed session) of its own: what the server answered."""
     host, port = address.rsplit(":", 1)[0], frame_port(address)
     results = {}
     for name, case in compact_cases(hidden, max_batch).items():
         if isinstance(case, bytes):
-            results[name] = exchange(host, port, case, half_close=True)
+            with KeyedStream.plain(host, port) as stream:
+                results[name] = stream.exchange(case)
             continue
         with KeyedStream(address, blocks) as stream:
             results[name] = stream.exchange(case(stream) + END)
