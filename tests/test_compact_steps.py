@@ -3,18 +3,16 @@ session goes as a STEP and is answered by an ANSWER, with the same tokens as the
 gets one clear answer and the server goes on serving its other sessions."""
 from __future__ import annotations
 
-import socket
 
-import grpc
 import numpy as np
 import pytest
 import torch
 
 from swarmlm.bench import frame_attacks as fa
 from swarmlm.types import BlockRange
-from swarmlm.wire import compact, frames
+from swarmlm.wire import compact
 from swarmlm.wire import swarm_pb2 as pb
-from swarmlm.wire.frames import HEADER, Kind
+from swarmlm.wire.frames import HEADER
 from swarmlm.wire.session_keys import MAC_BYTES
 from tests.swarm_helpers import client_of, greedy_reference, in_process_server, in_process_swarm
 

@@ -236,7 +236,7 @@ class SpanStream:
         else:
             request = pb.InferenceRequest(step=pb.InferenceStep(
                 hidden=encoded.as_sent() if encoded is not None and wire_dtype == "float32" else
-                compress.encode_hidden(hidden if hidden is not None else encoded.tensor(), wire_dtype),
+                compress.encode_hidden(hidden, wire_dtype),
                 step_id=self._step_id, push=push, cache_op=cache_op.to_wire(op) if op is not None else None,
                 # (no padding: no mask on the wire, the server reads an absent mask as all ones)
                 attention_mask=_NO_MASK if unmasked else codec.encode(mask)))
