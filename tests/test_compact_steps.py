@@ -33,9 +33,14 @@ class _Counted:
         monkeypatch.setattr(module, name, counted)
 
 
-def test_plain_decode_steps_go_compact_and_equal_the_protobuf_path(tiny_bloom, monkeypatch):
+@pytest.mark.parametrize("from_the_loop", [False, True])
+def test_plain_decode_steps_go_compact_and_equal_the_protobuf_path(tiny_bloom, monkeypatch, from_the_loop):
     """Framed, relayed through 2 servers: every decode step is a STEP answered by an ANSWER on both hops (the
-    prefill and the open stay protobuf), and the greedy tokens equal transformers' and a gRPC client's."""
+    prefill and the open stay protobuf), and the greedy tokens equal transformers' and a gRPC client's; from the
+    caller's thread (`send_blocking`) or, with that path off, from the client's event loop (`send`)."""
+    if from_the_loop:
+        from swarmlm.client.streams import SpanStream
+        monkeypatch.setattr(SpanStream, "blocking_ok", property(lambda self: False))
     ids, want = greedy_reference(tiny_bloom, "compact frames both ways", 6)
     steps = _Counted(monkeypatch, compact, "step_frame")
     answers = _Counted(monkeypatch, compact, "answer_frame")
@@ -52,6 +57,7 @@ def test_plain_decode_steps_go_compact_and_equal_the_protobuf_path(tiny_bloom, m
                         logits = client.step_logits(session, torch.tensor([[tokens[-1]]]))
                         tokens.append(int(logits[0, -1].argmax()))
                 got[framed] = (tokens, steps.calls - before)
+                assert all(step.blocking is (framed and not from_the_loop) for step in session.steps[1:])
             finally:
                 client.close()
     assert got[True][0] == want and got[False][0] == want
