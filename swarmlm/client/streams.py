@@ -342,12 +342,12 @@ class SpanStream:
             self.link.answered(sent.kind)
         if reply is grpc.aio.EOF:
             raise ServerFailed(self.span.server_id, "stream closed by the server")
-        if type(reply) is not compact.Answer and not session_keys.verified(self.keys.server, self.session_id, reply):
-            raise ServerTampered(self.span.server_id, session_keys.REPLY_TAMPERED)
         if type(reply) is compact.Answer:  # a compact STEP's (wire/compact.py): its timing is its own fields
             out, reply_bytes = self._compact_output(reply, sent, keep_undecoded)
             tm = reply
         else:
+            if not session_keys.verified(self.keys.server, self.session_id, reply):
+                raise ServerTampered(self.span.server_id, session_keys.REPLY_TAMPERED)
             out, reply_bytes = self._reply_output(reply, sent, keep_undecoded)
             tm = reply.timing
         if reply.step_id != sent.step_id:
@@ -370,7 +370,7 @@ class SpanStream:
 
     def _reply_output(self, reply: pb.InferenceReply, sent: _Sent,
                       keep_undecoded: bool) -> tuple[torch.Tensor | Undecoded, int]:
-        """A REPLY's output (its MAC checked already) and its bytes; a refusal raised."""
+        """A REPLY's output (its MAC checked already) and its bytes; a refusal raised (a refused STEP's too)."""
         if reply.HasField("error"):
             refusal = PushRefused if reply.error.code == "PUSH_REFUSED" else InvalidRequest
             raise refusal(f"{self.span.server_id}: {reply.error.message}")

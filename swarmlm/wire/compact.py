@@ -1,6 +1,6 @@
 """Compact frames for the plain decode step of a keyed session on a framed stream (docs/PROTOCOL.md, "Framed steps"):
-STEP (client -> server) and ANSWER (server -> client), a fixed little-endian struct + the raw float32 hidden states +
-a 16-byte keyed BLAKE2b MAC, instead of an InferenceRequest / InferenceReply. The same checks as the protobuf step
+STEP (client -> server) and ANSWER (server -> client), a fixed big-endian header + the raw float32 hidden states
+(little-endian, as a Tensor's bytes) + a 16-byte keyed BLAKE2b MAC, instead of an InferenceRequest / InferenceReply. The same checks as the protobuf step
 (the server's dims and limits, finiteness, the MAC under the session's client / server key), with fewer Python calls:
 no protobuf message is built, serialized or parsed, and the MAC is taken over the frame's bytes as they are.
 
@@ -12,8 +12,9 @@ The MAC is keyed BLAKE2b (RFC 7693) of session id + "\\n" + every body byte befo
 "swarmlm-answer": a different BLAKE2b parameter block from the protobuf messages' MAC (no personalisation), so no
 compact frame's MAC can ever be taken for a protobuf message's, nor a STEP's for an ANSWER's.
 
-Only a step with no mask (no padding), no push targets, no cache op, float32 on the link goes compact; everything
-else (opens, prefills that are not plain, pushed routes, replays of another shape) stays protobuf. A refused STEP
+Only a decode step (T = 1) with no mask (no padding), no push targets, no cache op, float32 on the link goes compact
+(client/streams.py `SpanStream._compact`); everything else (opens, prefills, replays, speculation's passes, pushed
+routes, saves) stays protobuf. A refused STEP
 is answered by the usual protobuf REPLY with its error.
 """
 from __future__ import annotations
@@ -45,11 +46,6 @@ def _tag(key: bytes, person: bytes, session_id: str, *parts) -> bytes:
     for part in parts:
         digest.update(part)
     return digest.digest()
-
-
-def _head_le(packed_frame_head: bytes) -> bytes:
-    """(a frame head's body part; only for the MAC, which covers the body as sent)"""
-    return packed_frame_head[frames.HEADER.size:]
 
 
 def step_frame(key: bytes, session_id: str, step_id: int, b: int, t: int, h: int, values: bytes | memoryview) -> bytes:
