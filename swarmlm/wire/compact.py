@@ -63,13 +63,17 @@ class CompactStep:
     """A STEP frame's body as the server's step path takes it: duck-typed where it meets an InferenceRequest (a
     step of the stream's session, its `step.step_id`), its MAC checked by `verified`, its values by `values`."""
 
-    __slots__ = ("body", "step_id", "b", "t", "h")
+    __slots__ = ("body", "step_id", "b", "t", "h", "nbytes")
     session_id = ""  # (the stream's session: a STEP names none)
     push = ()  # (never pushed on)
+    # a step (StepOrder, the stream's loop and `_step` ask): a C method, not a Python function, called ~4 times a step
+    WhichOneof = {"kind": "step"}.get
 
     def __init__(self, body: bytes) -> None:
         self.body = body
-        if len(body) >= STEP_HEAD.size:
+        size = len(body)
+        self.nbytes = max(size - STEP_HEAD.size - MAC_BYTES, 0)  # its values' bytes (its charge while it waits)
+        if size >= STEP_HEAD.size:
             self.step_id, self.b, self.t, self.h = STEP_HEAD.unpack_from(body)
         else:  # (no MAC either: `verified` refuses it)
             self.step_id, self.b, self.t, self.h = 0, 0, 0, 0
@@ -77,15 +81,6 @@ class CompactStep:
     @property
     def step(self) -> "CompactStep":  # (StepOrder reads request.step.step_id)
         return self
-
-    @staticmethod
-    def WhichOneof(_: str) -> str:  # (a step: StepOrder and the stream's loop ask)
-        return "step"
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes its values take (its charge while it waits)."""
-        return max(len(self.body) - STEP_HEAD.size - MAC_BYTES, 0)
 
     def verified(self, key: bytes, session_id: str) -> bool:
         """Does the frame end with the MAC of all its bytes before it, under the client key `key`? (A body too short
