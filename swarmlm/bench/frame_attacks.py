@@ -209,10 +209,12 @@ class KeyedStream:
         opened = session_keys.sign(self.keys.client, "", pb.InferenceRequest(open=pb.OpenSession(
             start_block=0, end_block=blocks, batch_size=batch, max_length=max_length, key_share=share)))
         self.send(HELLO + frames.frame(Kind.REQUEST, opened.SerializeToString()))
-        kind, body = self.frame()
+        kind, body = self.frame() or (None, b"")
+        if kind != Kind.REPLY:
+            raise RuntimeError(f"the open was not answered by a reply: {kind and kind.name} {body[:300]!r}")
         reply = pb.InferenceReply.FromString(body)
-        if kind != Kind.REPLY or not session_keys.verified(self.keys.server, reply.session_id, reply):
-            raise RuntimeError(f"the open was not answered by a signed reply: {kind.name} {reply}")
+        if not session_keys.verified(self.keys.server, reply.session_id, reply):
+            raise RuntimeError(f"the open's reply does not carry the server key's MAC: {reply}")
         self.session_id = reply.session_id
 
     @classmethod
