@@ -13,7 +13,9 @@ wall time minus the server's compute (hop_breakdown's measure). Medians over --s
 
 --wires: `protobuf` is the product's message work as above; `bare` the least a checked message can cost in Python
 (a fixed struct + raw float32 + the keyed BLAKE2b tag, the finiteness check in numpy; no protobuf, no torch): what
-Python alone costs on this VM, whatever the wire format.
+Python alone costs on this VM, whatever the wire format; `compact` the product's compact decode frames (STEP /
+ANSWER, wire/compact.py) with the server's checks and torch tensors on both ends. Every wire's messages go as
+frames (wire/frames.py: 4 bytes length, 1 byte kind).
 """
 from __future__ import annotations
 
@@ -30,13 +32,15 @@ import time
 import numpy as np
 import torch
 
+from swarmlm.config import ServerConfig
 from swarmlm.machine import machine_line
-from swarmlm.wire import codec
+from swarmlm.server.checks import StepChecks
+from swarmlm.types import BlockRange
+from swarmlm.wire import codec, compact, frames
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire.session_keys import MAC_BYTES, sign, verified
 
 KEY, SESSION = b"k" * 32, "s" * 32
-LENGTH = struct.Struct("<I")
 WARM_UP = 5
 
 
@@ -52,11 +56,13 @@ def _exact(sock: socket.socket, n: int) -> bytes:
 
 
 def _frame(sock: socket.socket) -> bytes:
-    return _exact(sock, LENGTH.unpack(_exact(sock, LENGTH.size))[0])
+    """A frame's body (wire/frames.py: 4 bytes length, 1 byte kind, the body)."""
+    return _exact(sock, frames.HEADER.unpack(_exact(sock, frames.HEADER.size))[0])
 
 
-def _send(sock: socket.socket, data: bytes) -> None:
-    sock.sendall(LENGTH.pack(len(data)) + data)
+def _send(sock: socket.socket, data: bytes, framed: bool) -> None:
+    """`data` as a frame (a compact wire's messages are whole frames already)."""
+    sock.sendall(data if framed else frames.frame(frames.Kind.REQUEST, data))
 
 
 class ProtobufWire:
@@ -137,7 +143,45 @@ class BareWire:
         return compute_s
 
 
-WIRES = {"protobuf": ProtobufWire, "bare": BareWire}
+class CompactWire:
+    """The product's compact decode frames (wire/compact.py): STEP and ANSWER, a fixed struct + raw float32 + a
+    personalised keyed BLAKE2b tag, the server's dims and length checks, the finiteness check in numpy, torch
+    tensors on both ends (from_numpy / .numpy()): what the client's `send_blocking` / `_answer` and the server's
+    `_step` do with a plain decode step."""
+
+    FRAMED = True  # its messages are whole frames
+
+    @staticmethod
+    def sample(hidden_size: int) -> torch.Tensor:
+        return torch.randn(1, 1, hidden_size)
+
+    @staticmethod
+    def request(hidden: torch.Tensor, step_id: int) -> bytes:
+        b, t, h = hidden.shape
+        return compact.step_frame(KEY, SESSION, step_id, b, t, h, compact.float32_bytes(hidden))
+
+    @staticmethod
+    def parse_request(body: bytes) -> tuple[int, torch.Tensor]:
+        step = compact.CompactStep(body)
+        if not step.verified(KEY, SESSION):
+            raise ValueError("MAC mismatch")
+        b, t = CHECKS.dims(step.b, step.t, step.h, 1, 0, 2048)
+        return step.step_id, codec.tensor_of(step.values(), (b, t, step.h), "hidden", finite=True)
+
+    @staticmethod
+    def reply(hidden: torch.Tensor, step_id: int, compute_s: float) -> bytes:
+        return compact.answer_frame(KEY, SESSION, step_id, 1, compact.float32_bytes(hidden * 1.0), 0.0, compute_s,
+                                    0.0, 0.0, 1)
+
+    @staticmethod
+    def parse_reply(body: bytes) -> float:
+        answer = compact.Answer(body).opened(KEY, SESSION, CHECKS.hidden_size)
+        codec.tensor_of(np.frombuffer(answer.data(), dtype=np.float32), (1, 1, CHECKS.hidden_size))
+        return answer.compute_s
+
+
+CHECKS: StepChecks | None = None  # the server's limits (set per run)
+WIRES = {"protobuf": ProtobufWire, "bare": BareWire, "compact": CompactWire}
 
 
 def _tag(data: bytes) -> bytes:
@@ -158,11 +202,13 @@ def _serve(sock: socket.socket, compute_s: float, wire) -> None:
         started = time.perf_counter()
         while time.perf_counter() - started < compute_s:
             big[::16].sum()
-        _send(sock, wire.reply(hidden, step_id, time.perf_counter() - started))
+        _send(sock, wire.reply(hidden, step_id, time.perf_counter() - started), getattr(wire, "FRAMED", False))
 
 
 def lean_hop(compute_ms: float, hidden_size: int, steps: int, wire=ProtobufWire) -> dict[str, float]:
     """Medians in ms: the per-hop overhead, and the client's own work before and after the wire."""
+    global CHECKS
+    CHECKS = StepChecks(ServerConfig("", BlockRange(0, 1)), BlockRange(0, 1), hidden_size)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
@@ -184,7 +230,7 @@ def lean_hop(compute_ms: float, hidden_size: int, steps: int, wire=ProtobufWire)
     try:
         for i in range(steps + WARM_UP):
             t0 = time.perf_counter()
-            _send(sock, wire.request(x, i + 1))
+            _send(sock, wire.request(x, i + 1), getattr(wire, "FRAMED", False))
             t1 = time.perf_counter()
             body = _frame(sock)
             t2 = time.perf_counter()

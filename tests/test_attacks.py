@@ -172,6 +172,19 @@ def test_the_framed_port_refuses_a_keyed_sessions_changed_messages(attack_server
     assert honest.poll_correct()
 
 
+def test_the_framed_port_refuses_hostile_compact_steps(attack_server, honest):
+    """Compact decode frames (wire/compact.py): a STEP tampered, cut, without its MAC or MACed in the protobuf
+    domain closes its session; one over the limits, of the wrong length or not finite is refused by a REPLY; one
+    before an open, on a push connection, or an ANSWER from a client breaks its stream; a replayed one runs once."""
+    from swarmlm.bench import frame_attacks as fa
+
+    address, hidden, blocks = attack_server
+    results = fa.run_compact_cases(address, hidden, blocks)
+    bad = {name: got for name, got in results.items() if not fa.compact_expected(name, got)}
+    assert not bad, bad
+    assert honest.poll_correct()
+
+
 def test_a_stream_on_a_kept_framed_connection_inherits_nothing_from_the_stream_before(attack_server, honest):
     """A framed connection carries one stream after another (client/channels.py keeps it between sessions): a
     stream on a connection an earlier stream used gets no session and no standing from it, cannot take another

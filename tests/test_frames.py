@@ -10,6 +10,7 @@ import pytest
 from swarmlm.wire import frames
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire.frames import HEADER, FrameError, Kind, Purpose
+from swarmlm.wire.protocol import PROTOCOL_VERSION
 
 
 def _read_all(data: bytes, max_body_bytes: int = 1024) -> list:
@@ -76,8 +77,8 @@ def test_a_stalled_frame_body_times_out():
         asyncio.run(run())
 
 
-@pytest.mark.parametrize("body", [b"", b"swarmlm-frames/2\n\x01", frames.MAGIC, frames.MAGIC + b"\x07",
-                                  frames.MAGIC + b"\x01\xff\xfe"])
+@pytest.mark.parametrize("body", [b"", b"swarmlm-frames/%d\n\x01" % (PROTOCOL_VERSION - 1), frames.MAGIC,
+                                  frames.MAGIC + b"\x07", frames.MAGIC + b"\x01\xff\xfe"])
 def test_bad_hellos_are_refused(body):
     with pytest.raises(FrameError):
         frames.parse_hello(body)

@@ -211,6 +211,41 @@ def test_fuzzing_the_framed_port_leaves_the_server_serving_exactly(attack_server
     assert honest.poll_correct()
 
 
+def fuzz_compact(address: str, count: int, seed: int, hidden: int, blocks: int) -> Counter:
+    """`count` keyed sessions, each sent a compact STEP (wire/compact.py) with random bytes changed, cut or added
+    (its header, values or MAC), then END: what each ended with ("STATUS CODE" or "closed")."""
+    from swarmlm.bench import frame_attacks as fa
+    from swarmlm.wire import frames
+
+    rng = random.Random(seed)
+    ends: Counter = Counter()
+    for _ in range(count):
+        with fa.KeyedStream(address, blocks) as stream:
+            frame = bytearray(stream.step_frame(fa._values(1, 1, hidden), 1))
+            body = frame[frames.HEADER.size:]
+            pick = rng.random()
+            if pick < 0.5:
+                for _ in range(rng.randint(1, 4)):
+                    body[rng.randrange(len(body))] = rng.randrange(256)
+            elif pick < 0.75:
+                del body[rng.randrange(len(body)):]
+            else:
+                body += rng.randbytes(rng.randint(1, 64))
+            answers = stream.exchange(frames.frame(frames.Kind.STEP, bytes(body)) + fa.END)
+        ends[" ".join(answers[-1].split()[:2])] += 1
+    return ends
+
+
+def test_fuzzing_compact_steps_closes_or_refuses_each_and_the_server_serves_on(attack_server, honest):
+    address, hidden, blocks = attack_server
+    ends = fuzz_compact(address, count=40, seed=17, hidden=hidden, blocks=blocks)
+    assert sum(ends.values()) == 40
+    # a changed STEP is a tampered one (its MAC): the session closed; never INTERNAL or UNKNOWN
+    assert set(ends) <= {"STATUS PERMISSION_DENIED", "STATUS INVALID_ARGUMENT", "STATUS OK"}, ends
+    assert ends["STATUS PERMISSION_DENIED"] > 0, ends
+    assert honest.poll_correct()
+
+
 @pytest.mark.slow
 def test_fuzzing_the_relay_leaves_it_relaying(relay_bed):
     """Random bytes and malformed headers into every relay protocol (swarm/relay.py): each stream gets an ERR or

@@ -36,7 +36,8 @@ def test_a_whole_prompt_runs_from_the_callers_thread_and_a_chunked_one_through_t
 def test_decode_steps_keep_one_mask_and_their_hang_bounds_until_the_record_changes(tiny_llama, monkeypatch):
     """A decode step without a mask makes none: the session keeps one all-ones mask per shape, and every step's
     history entry holds that same tensor. A padded mask given by the caller is the step's own. Relayed, the second
-    hop's request carries the first reply's float32 bytes as they came (one encode per step: the first hop's). A
+    hop's request carries the first reply's float32 bytes as they came (one encode per step: the first hop's, a
+    compact STEP's or a protobuf tensor's). A
     decode step's hang bound is the one pipeline.hang_timeout_s gives for the span's server record, worked out
     again when a new record (another announced profile) replaces it."""
     import dataclasses
@@ -48,6 +49,8 @@ def test_decode_steps_keep_one_mask_and_their_hang_bounds_until_the_record_chang
     encoded = []
     encode_hidden = streams.compress.encode_hidden
     monkeypatch.setattr(streams.compress, "encode_hidden", lambda h, w: encoded.append(w) or encode_hidden(h, w))
+    float32_bytes = streams.compact.float32_bytes  # (a compact STEP's encode: wire/compact.py)
+    monkeypatch.setattr(streams.compact, "float32_bytes", lambda h: encoded.append("float32") or float32_bytes(h))
     with server_processes(tiny_llama, [BlockRange(0, 3), BlockRange(3, 6)], dht=False) as swarm:
         client = client_of(swarm, frames=True, push=False)
         try:

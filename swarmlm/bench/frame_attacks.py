@@ -1,7 +1,8 @@
 """Hostile frames against a server's framed step port (wire/frames.py), light in tests/test_attacks.py and
 tests/test_fuzz_rpc.py, heavy in benchmarks/attacks.py. Each case opens its own connection with a blocking socket
 and returns what the server answered: "STATUS <CODE> <details>", "REPLY ..." or "closed" (it closed without a
-word: a connection cut inside a frame cannot be answered)."""
+word: a connection cut inside a frame cannot be answered). Compact decode frames (wire/compact.py): hostile STEPs
+in a keyed session of their own (`KeyedStream`, `compact_cases`)."""
 from __future__ import annotations
 
 import random
@@ -81,6 +82,12 @@ def _push(rng: random.Random | None, hidden: int) -> bytes:
                                                    step_id=rng.randint(0, 3) if rng is not None else 1),
                              mac=pick(16) if rng is None or rng.random() < 0.5 else b"")
     return frames.frame(Kind.PUSH, request.SerializeToString())
+
+
+def _compact_head(step_id: int, b: int, t: int, h: int) -> bytes:
+    from swarmlm.wire.compact import STEP_HEAD
+
+    return STEP_HEAD.pack(step_id, b, t, h)
 
 
 HELLO = frames.hello(Purpose.STREAM, None)
@@ -165,8 +172,11 @@ def random_frames(rng: random.Random, hidden: int, blocks: int) -> bytes:
             out += _push(rng, hidden)
         elif pick < 0.25:
             out += open_request(blocks)
-        elif pick < 0.35:
+        elif pick < 0.3:
             out += _step(hidden)
+        elif pick < 0.35:  # a compact STEP of plausible dims (wire/compact.py), its MAC random: no session is keyed
+            out += frames.frame(Kind.STEP, _compact_head(rng.randint(0, 3), 1, 1, hidden) +
+                                rng.randbytes(hidden * 4 + 16 + rng.choice([0, 0, -4, 4])))
         elif pick < 0.45:  # the stream's end and the connection's next stream (or not: a HELLO out of turn)
             out += END + (HELLO if rng.random() < 0.8 else b"") if rng.random() < 0.7 else HELLO
         elif pick < 0.6:
@@ -176,3 +186,217 @@ def random_frames(rng: random.Random, hidden: int, blocks: int) -> bytes:
         else:
             out += rng.randbytes(rng.randint(0, 200))
     return out
+
+
+# ---- compact decode frames (wire/compact.py): hostile STEPs in a keyed session ----------------------------------
+
+class KeyedStream:
+    """A keyed session opened on a server's framed port with a blocking socket, as a client would (its key share
+    from the server's Info), for hostile STEP frames: `step` and `request` write one and read the answer,
+    `exchange` writes bytes, half-closes and reads every frame until the server closes."""
+
+    def __init__(self, address: str, blocks: int, batch: int = 1, max_length: int = 16) -> None:
+        import grpc
+
+        from swarmlm.wire import session_keys
+        from swarmlm.wire import swarm_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(address) as channel:
+            info = pb_grpc.SwarmStub(channel).Info(pb.InfoRequest(), timeout=TIMEOUT_S)
+        share, self.keys = session_keys.client_keys(info.key_share)
+        self.sock = socket.create_connection((address.rsplit(":", 1)[0], info.frame_port), timeout=TIMEOUT_S)
+        self._buf = bytearray()
+        opened = session_keys.sign(self.keys.client, "", pb.InferenceRequest(open=pb.OpenSession(
+            start_block=0, end_block=blocks, batch_size=batch, max_length=max_length, key_share=share)))
+        self.send(HELLO + frames.frame(Kind.REQUEST, opened.SerializeToString()))
+        kind, body = self.frame() or (None, b"")
+        if kind != Kind.REPLY:
+            raise RuntimeError(f"the open was not answered by a reply: {kind and kind.name} {body[:300]!r}")
+        reply = pb.InferenceReply.FromString(body)
+        if not session_keys.verified(self.keys.server, reply.session_id, reply):
+            raise RuntimeError(f"the open's reply does not carry the server key's MAC: {reply}")
+        self.session_id = reply.session_id
+
+    @classmethod
+    def plain(cls, host: str, port: int) -> "KeyedStream":
+        """A connection without a HELLO or session yet (for `exchange`: its answers read as a keyed stream's)."""
+        stream = cls.__new__(cls)
+        stream.sock = socket.create_connection((host, port), timeout=TIMEOUT_S)
+        stream._buf = bytearray()
+        return stream
+
+    def __enter__(self) -> "KeyedStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def frame(self) -> tuple[Kind, bytes] | None:
+        """The server's next frame; None when it closed."""
+        while (got := frames.parse_frame(self._buf, 1 << 26)) is None:
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                return None
+            self._buf += chunk
+        return got
+
+    def step_frame(self, values, step_id: int, dims: tuple[int, int, int] | None = None) -> bytes:
+        """A STEP frame of `values` ([B, T, H] float32), MACed under the session's client key (`dims`: what its
+        header claims, default the values' own)."""
+        from swarmlm.wire import compact
+
+        b, t, h = dims or values.shape
+        return compact.step_frame(self.keys.client, self.session_id, step_id, b, t, h, values.tobytes())
+
+    def answer(self):
+        """The next answer: an ANSWER checked under the server key (`compact.Answer`), else a signed REPLY."""
+        from swarmlm.wire import compact, session_keys
+
+        kind, body = self.frame()
+        if kind == Kind.ANSWER:
+            answer = compact.Answer(body)
+            size = len(body) - compact.ANSWER_HEAD.size - len(body[-16:])
+            return answer.opened(self.keys.server, self.session_id, size // 4)
+        if kind != Kind.REPLY:
+            raise RuntimeError(f"a {kind.name} frame: {body[:200]!r}")
+        reply = pb.InferenceReply.FromString(body)
+        if not session_keys.verified(self.keys.server, self.session_id, reply):
+            raise RuntimeError("a reply without the server key's MAC")
+        return reply
+
+    def step(self, values, step_id: int):
+        self.send(self.step_frame(values, step_id))
+        return self.answer()
+
+    def request(self, values, step_id: int) -> pb.InferenceReply:
+        """A protobuf step of `values`, signed."""
+        from swarmlm.wire import session_keys
+
+        request = session_keys.sign(self.keys.client, self.session_id, pb.InferenceRequest(step=pb.InferenceStep(
+            hidden=codec.encode(torch.from_numpy(values)), step_id=step_id)))
+        self.send(frames.frame(Kind.REQUEST, request.SerializeToString()))
+        return self.answer()
+
+    def exchange(self, data: bytes) -> list[str]:
+        """Send `data`, half-close, then every frame until the server closes: "ANSWER", "REPLY" (+ " " and its
+        error, if refused), "STATUS CODE details", and "closed" when it closed without a STATUS."""
+        answers: list[str] = []
+        try:
+            self.send(data)
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            return ["closed"]
+        while True:
+            try:
+                got = self.frame()
+            except OSError:
+                got = None
+            if got is None:
+                return answers if answers and answers[-1].startswith("STATUS") else answers + ["closed"]
+            kind, body = got
+            if kind == Kind.STATUS:
+                code, details = frames.parse_status(body)
+                answers.append(f"STATUS {code.name} {details}")
+            elif kind == Kind.REPLY:
+                error = pb.InferenceReply.FromString(body).error.message
+                answers.append(f"REPLY {error}" if error else "REPLY")
+            else:
+                answers.append(kind.name)
+
+
+def _values(b: int, t: int, hidden: int, fill: float | None = None):
+    import numpy as np
+
+    values = np.random.default_rng(b * 100 + t).standard_normal((b, t, hidden), dtype=np.float32)
+    if fill is not None:
+        values[0, 0, hidden // 2] = fill
+    return values
+
+
+def compact_cases(hidden: int, max_batch: int = 64) -> dict[str, object]:
+    """Name -> a hostile STEP case: the bytes sent on a plain connection, or a function of a `KeyedStream` giving the
+    bytes sent after its open (then END; the stream half-closes and reads)."""
+    from swarmlm.wire import compact
+    from swarmlm.wire.session_keys import MAC_BYTES, _mac_of
+
+    def mac_flipped(s: KeyedStream) -> bytes:
+        frame = bytearray(s.step_frame(_values(1, 1, hidden), 1))
+        frame[-1] ^= 1
+        return bytes(frame)
+
+    def protobuf_domain(s: KeyedStream) -> bytes:  # the right key, the protobuf messages' MAC (no personalisation)
+        frame = s.step_frame(_values(1, 1, hidden), 1)[:-MAC_BYTES]
+        return frame + _mac_of(s.keys.client, s.session_id, frame[HEADER.size:])
+
+    def recut(frame: bytes, body_bytes: int) -> bytes:  # the frame's body cut to `body_bytes`, its header to match
+        return HEADER.pack(body_bytes, Kind.STEP) + frame[HEADER.size:HEADER.size + body_bytes]
+
+    one = compact.STEP_HEAD.size + hidden * 4 + MAC_BYTES
+    step = b"\x00" * compact.STEP_HEAD.size + b"\x00" * hidden * 4 + b"\x00" * MAC_BYTES
+    return {
+        "STEP before the session is open": HELLO + frames.frame(Kind.STEP, step),
+        "STEP on a push connection": PUSH_HELLO + frames.frame(Kind.STEP, step),
+        "STEP oversized": HELLO + HEADER.pack((1 << 32) - 1, Kind.STEP) + b"x" * 64,
+        "STEP truncated (header only)": lambda s: recut(s.step_frame(_values(1, 1, hidden), 1), 10),
+        "STEP without its MAC": lambda s: recut(s.step_frame(_values(1, 1, hidden), 1), one - MAC_BYTES),
+        "STEP with a changed MAC": mac_flipped,
+        "STEP MACed as a protobuf message": protobuf_domain,
+        "STEP of the wrong length for its dims":
+            lambda s: s.step_frame(_values(1, 1, hidden), 1, dims=(1, 2, hidden)),
+        "STEP over the session's batch": lambda s: s.step_frame(_values(2, 1, hidden), 1),  # (opened with 1)
+        "STEP over the server's max_batch": lambda s: s.step_frame(_values(max_batch + 1, 1, hidden), 1),
+        "STEP over the session's max_length": lambda s: s.step_frame(_values(1, 17, hidden), 1),
+        "STEP of another hidden size": lambda s: s.step_frame(_values(1, 1, hidden + 1), 1),
+        "STEP of an unkeyed session": HELLO + open_request(1) + frames.frame(
+            Kind.STEP, compact.step_frame(b"k" * 32, "", 1, 1, 1, hidden, _values(1, 1, hidden).tobytes())[
+                HEADER.size:]) + END,
+        "STEP with NaN": lambda s: s.step_frame(_values(1, 1, hidden, float("nan")), 1),
+        "STEP with inf": lambda s: s.step_frame(_values(1, 1, hidden, float("inf")), 1),
+        "STEP replayed": lambda s: s.step_frame(_values(1, 1, hidden), 1) * 2,
+        "ANSWER sent by a client": lambda s: compact.answer_frame(
+            s.keys.client, s.session_id, 1, 1, _values(1, 1, hidden).tobytes(), 0.0, 0.0, 0.0, 0.0, 1),
+    }
+
+
+def compact_expected(name: str, answers: list[str]) -> bool:
+    """Is this the clear answer the compact case should get?"""
+    last = answers[-1] if answers else ""
+    if name in ("STEP truncated (header only)", "STEP without its MAC", "STEP with a changed MAC",
+                "STEP MACed as a protobuf message"):  # as a tampered protobuf step: the session closed
+        return answers == ["STATUS PERMISSION_DENIED a message's MAC does not match the session's key (changed on "
+                           "the way): session closed"]
+    refusals = {"STEP of the wrong length for its dims": "do not match its dims",
+                "STEP over the session's batch": "rows exceed the batch of 1 reserved at open",
+                "STEP over the server's max_batch": "exceeds the limit of",
+                "STEP over the session's max_length": "would exceed the max_length 16",
+                "STEP of another hidden size": "does not match the model's",
+                "STEP with NaN": "contains NaN or infinite values", "STEP with inf": "contains NaN or infinite values"}
+    if name == "STEP of an unkeyed session":  # the open's reply, the refusal, the clean end
+        return answers[0] == "REPLY" and answers[1:] == ["REPLY a compact STEP needs a keyed session", "STATUS OK "]
+    if name in refusals:  # a REPLY with the error; the session goes on to its clean end
+        return len(answers) == 2 and answers[0].startswith("REPLY ") and refusals[name] in answers[0] \
+            and answers[1] == "STATUS OK "
+    if name == "STEP replayed":  # one answer: the copy is StepOrder's duplicate, dropped
+        return answers == ["ANSWER", "STATUS OK "]
+    wants = {"STEP before the session is open": "a compact STEP before a session is open",
+             "STEP on a push connection": "a STEP frame on a push connection",
+             "STEP oversized": "oversized frame",
+             "ANSWER sent by a client": "a ANSWER frame inside a stream"}
+    return last.startswith("STATUS INVALID_ARGUMENT " + wants[name])
+
+
+def run_compact_cases(address: str, hidden: int, blocks: int, max_batch: int = 64) -> dict[str, list[str]]:
+    """Each compact case on a connection (and a keyed session) of its own: what the server answered."""
+    host, port = address.rsplit(":", 1)[0], frame_port(address)
+    results = {}
+    for name, case in compact_cases(hidden, max_batch).items():
+        if isinstance(case, bytes):
+            with KeyedStream.plain(host, port) as stream:
+                results[name] = stream.exchange(case)
+            continue
+        with KeyedStream(address, blocks) as stream:
+            results[name] = stream.exchange(case(stream) + END)
+    return results

@@ -21,11 +21,16 @@ import time
 import grpc
 
 from swarmlm.swarm.private import make_token
-from swarmlm.wire import frames
+from swarmlm.wire import compact, frames
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire.frames import INFERENCE_METHOD, FrameError, Kind, Purpose
 
 RECV_BYTES = 1 << 16  # read up to this much per recv (a decode reply is one recv)
+
+
+def _frame_of(request: pb.InferenceRequest | bytes) -> bytes:
+    """A request's frame: a compact STEP is one already (bytes); an InferenceRequest goes in a REQUEST frame."""
+    return request if type(request) is bytes else frames.frame(Kind.REQUEST, request.SerializeToString())
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -34,7 +39,7 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 class FrameCall:
     """One Inference stream on a connection (a new one, or one an earlier stream ended cleanly: `reused`). Reads
-    give InferenceReplies, then grpc.aio.EOF at the server's OK, or raise AioRpcError with the server's status (or
+    give InferenceReplies (or a compact STEP's `compact.Answer`, unchecked: the stream checks it), then grpc.aio.EOF at the server's OK, or raise AioRpcError with the server's status (or
     UNAVAILABLE when the connection breaks)."""
 
     def __init__(self, sock: socket.socket, max_message_bytes: int, reused: bool = False) -> None:
@@ -91,11 +96,11 @@ class FrameCall:
         return not self._closed and not self._writing_done and self._status is None
 
     # ---- from the event loop -----------------------------------------------------------------------------
-    async def write(self, request: pb.InferenceRequest) -> None:
+    async def write(self, request: pb.InferenceRequest | bytes) -> None:
+        """Write a request (`bytes`: a whole frame already, a compact STEP: wire/compact.py)."""
         self._check_writable()
         try:
-            await asyncio.get_running_loop().sock_sendall(self._sock, frames.frame(Kind.REQUEST,
-                                                                                   request.SerializeToString()))
+            await asyncio.get_running_loop().sock_sendall(self._sock, _frame_of(request))
         except OSError as exc:
             raise self._lost(exc) from None
 
@@ -122,10 +127,10 @@ class FrameCall:
             pass
 
     # ---- from the caller's thread ------------------------------------------------------------------------
-    def write_blocking(self, request: pb.InferenceRequest, timeout_s: float) -> None:
+    def write_blocking(self, request: pb.InferenceRequest | bytes, timeout_s: float) -> None:
         """As `write`, in this thread; TimeoutError if the socket takes nothing for `timeout_s`."""
         self._check_writable()
-        view = memoryview(frames.frame(Kind.REQUEST, request.SerializeToString()))
+        view = memoryview(_frame_of(request))
         try:
             while view:
                 try:
@@ -235,6 +240,8 @@ class FrameCall:
         if got is None:
             return None
         kind, body = got
+        if kind == Kind.ANSWER:  # a compact STEP's (checked by the stream, which holds the session's keys)
+            return compact.Answer(body)
         if kind == Kind.REPLY:
             try:
                 return pb.InferenceReply.FromString(body)

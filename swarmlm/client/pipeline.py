@@ -302,8 +302,7 @@ class StepPipeline:
                 if isinstance(source, Undecoded) and not hop.stream.takes_float32(x.shape):
                     source = self.hops[i - 1].outputs[0] = source.tensor()  # (another wire format: encoded here)
                 if isinstance(source, Undecoded):  # relayed: the previous reply's bytes go on as they came
-                    hop.stream.send_blocking(None, self._wire_mask(0), bounds[i], targets, hop.op, source.as_sent(),
-                                             x.shape)
+                    hop.stream.send_blocking(None, self._wire_mask(0), bounds[i], targets, hop.op, source, x.shape)
                 else:
                     hop.stream.send_blocking(source, self._wire_mask(0), bounds[i], targets, hop.op)
                 hop.written = 1

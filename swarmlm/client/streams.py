@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import grpc
+import numpy as np
 import torch
 
 from swarmlm.client.channels import Channels
@@ -18,7 +19,7 @@ from swarmlm.client.frame_call import FrameCall
 from swarmlm.errors import InvalidRequest, PushRefused, ServerFailed, ServerHung, ServerTampered
 from swarmlm.small_reads import all_set
 from swarmlm.types import CacheOp, Span, StepKind
-from swarmlm.wire import cache_op, codec, compress, session_keys
+from swarmlm.wire import cache_op, codec, compact, compress, session_keys
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire.links import LinkScheduler
 from swarmlm.wire.prefix_keys import RUN_TOKENS
@@ -50,24 +51,25 @@ class HopTiming:
 
 class Undecoded:
     """A reply's float32 hidden states, checked (header and length) but not made a tensor: a relayed hop's output
-    goes on as its bytes, and becomes a tensor only if something needs one (`tensor`: a failover's replay)."""
+    goes on as its bytes (a compact STEP's values, or a Tensor message's: `as_sent`), and becomes a tensor only if
+    something needs one (`tensor`: a failover's replay)."""
 
-    __slots__ = ("message", "shape", "_tensor")
+    __slots__ = ("data", "shape", "_tensor")
 
-    def __init__(self, message: pb.Tensor, shape: tuple[int, ...]) -> None:
-        self.message = message  # the reply's (checked) hidden states
+    def __init__(self, data: bytes | memoryview, shape: tuple[int, ...]) -> None:
+        self.data = data  # the reply's (checked) float32 values: a REPLY's Tensor data, or a view of an ANSWER's
         self.shape = shape
         self._tensor: torch.Tensor | None = None
 
     def tensor(self) -> torch.Tensor:
         if self._tensor is None:
-            self._tensor = codec.decode_checked(self.message, self.shape, "reply hidden")
+            self._tensor = codec.tensor_of(np.frombuffer(self.data, dtype=np.float32), self.shape, "reply hidden")
         return self._tensor
 
     def as_sent(self) -> pb.Tensor:
-        """The same values as the next hop's request: a fresh message of the data, dtype and shape (nothing else of
+        """The same values as a protobuf request's: a fresh message of the data, dtype and shape (nothing else of
         the reply goes on)."""
-        return pb.Tensor(data=self.message.data, dtype="float32", shape=self.shape)
+        return pb.Tensor(data=bytes(self.data), dtype="float32", shape=self.shape)
 
 
 def _failed(span: Span, exc: BaseException) -> ServerFailed:
@@ -90,6 +92,7 @@ class _Sent:
     written_s: float = 0.0  # perf_counter when its write began (0 before its turn on the link)
     on_link: bool = True  # False: pushed here by the previous server, not written by this client
     step_id: int = 0
+    shape: tuple[int, ...] | None = None  # a compact STEP's [B, T, H] (its ANSWER has as many values); None: protobuf
 
 
 def _raise_if_cancelling() -> None:
@@ -209,11 +212,12 @@ class SpanStream:
             raise _failed(self.span, exc) from exc
 
     def _request(self, hidden: torch.Tensor | None, mask: torch.Tensor | None, push: list[pb.PushTarget],
-                 op: CacheOp | None, encoded: pb.Tensor | None = None,
-                 shape: torch.Size | None = None) -> tuple[pb.InferenceRequest, _Sent]:
+                 op: CacheOp | None, encoded: Undecoded | None = None,
+                 shape: torch.Size | None = None) -> tuple[pb.InferenceRequest | bytes, _Sent]:
         """The next step's message, and its place among the replies (taken now, with its id). `encoded`: `hidden`
-        as float32 on the wire already (`Undecoded.as_sent`), used when this link's format is float32; without `hidden`
-        (a reply kept `Undecoded`: only where `takes_float32`), `shape` is the step's [B, T, H]."""
+        as float32 bytes already (a relayed reply kept `Undecoded`), used when this link's format is float32;
+        without `hidden` (only where `takes_float32`), `shape` is the step's [B, T, H]. A plain decode step on a
+        framed stream (`_compact`) is a whole STEP frame (wire/compact.py), anything else an InferenceRequest."""
         t0 = time.perf_counter()
         self._step_id += 1
         if hidden is None:
@@ -223,18 +227,32 @@ class SpanStream:
         else:
             shape = hidden.shape
             wire_dtype = self.channels.wire_dtype_for(self.span.address, 4 * hidden.numel())
-        request = pb.InferenceRequest(step=pb.InferenceStep(
-            hidden=encoded if encoded is not None and wire_dtype == "float32" else
-            compress.encode_hidden(hidden, wire_dtype),
-            step_id=self._step_id, push=push, cache_op=cache_op.to_wire(op) if op is not None else None,
-            # (no padding: no mask on the wire, the server reads an absent mask as all ones)
-            attention_mask=_NO_MASK if mask is None or all_set(mask) else codec.encode(mask)))
-        session_keys.sign(self.keys.client, self.session_id, request)
-        sent = _Sent(StepKind.of(shape[1]), n_tokens=shape[1],
-                     request_bytes=len(request.step.hidden.data), encode_s=time.perf_counter() - t0, clean=False,
-                     on_link=False, step_id=self._step_id)
+        unmasked = mask is None or all_set(mask)
+        if unmasked and not push and op is None and wire_dtype == "float32" and self._compact(shape):
+            b, t, h = shape
+            values = encoded.data if encoded is not None else compact.float32_bytes(hidden)
+            request = compact.step_frame(self.keys.client, self.session_id, self._step_id, b, t, h, values)
+            nbytes, compact_shape = len(values), (b, t, h)
+        else:
+            request = pb.InferenceRequest(step=pb.InferenceStep(
+                hidden=encoded.as_sent() if encoded is not None and wire_dtype == "float32" else
+                compress.encode_hidden(hidden, wire_dtype),
+                step_id=self._step_id, push=push, cache_op=cache_op.to_wire(op) if op is not None else None,
+                # (no padding: no mask on the wire, the server reads an absent mask as all ones)
+                attention_mask=_NO_MASK if unmasked else codec.encode(mask)))
+            session_keys.sign(self.keys.client, self.session_id, request)
+            nbytes, compact_shape = len(request.step.hidden.data), None
+        sent = _Sent(StepKind.of(shape[1]), n_tokens=shape[1], request_bytes=nbytes,
+                     encode_s=time.perf_counter() - t0, clean=False, on_link=False, step_id=self._step_id,
+                     shape=compact_shape)
         self._pending.append(sent)
         return request, sent
+
+    def _compact(self, shape: torch.Size) -> bool:
+        """May a plain (no mask, push or cache op; float32) step of `shape` go as a compact STEP? A decode step of a
+        keyed session on a framed stream (its B and T within the header's fields)."""
+        return shape[1] == 1 and type(self.call) is FrameCall and self.keys is not None and \
+            compact.eligible_dims(shape[0], shape[1])
 
     async def send(self, hidden: torch.Tensor, mask: torch.Tensor | None, push: list[pb.PushTarget] = (),
                    op: CacheOp | None = None) -> None:
@@ -269,7 +287,7 @@ class SpanStream:
 
     def send_blocking(self, hidden: torch.Tensor | None, mask: torch.Tensor | None, timeout_s: float,
                       push: list[pb.PushTarget] = (), op: CacheOp | None = None,
-                      encoded: pb.Tensor | None = None, shape: torch.Size | None = None) -> None:
+                      encoded: Undecoded | None = None, shape: torch.Size | None = None) -> None:
         """`send` from the caller's thread (`blocking_ok` streams only): no hand-off to the client's loop thread. It
         does not ask the link scheduler for a turn (that lives on the loop thread): a decode step goes first there
         anyway. `encoded`, `shape`: see `_request`."""
@@ -324,19 +342,18 @@ class SpanStream:
             self.link.answered(sent.kind)
         if reply is grpc.aio.EOF:
             raise ServerFailed(self.span.server_id, "stream closed by the server")
-        if not session_keys.verified(self.keys.server, self.session_id, reply):
-            raise ServerTampered(self.span.server_id, session_keys.REPLY_TAMPERED)
-        if reply.HasField("error"):
-            refusal = PushRefused if reply.error.code == "PUSH_REFUSED" else InvalidRequest
-            raise refusal(f"{self.span.server_id}: {reply.error.message}")
+        if type(reply) is compact.Answer:  # a compact STEP's (wire/compact.py): its timing is its own fields
+            out, reply_bytes = self._compact_output(reply, sent, keep_undecoded)
+            tm = reply
+        else:
+            if not session_keys.verified(self.keys.server, self.session_id, reply):
+                raise ServerTampered(self.span.server_id, session_keys.REPLY_TAMPERED)
+            out, reply_bytes = self._reply_output(reply, sent, keep_undecoded)
+            tm = reply.timing
         if reply.step_id != sent.step_id:
             raise ServerFailed(self.span.server_id, f"reply to step {reply.step_id}, expected step {sent.step_id}")
-        hidden = reply.hidden
-        out = Undecoded(hidden, codec.checked(hidden, "reply hidden")) if keep_undecoded and hidden.dtype == "float32" \
-            else codec.decode(hidden, "reply hidden")
         t3 = time.perf_counter()
         self.position = reply.position
-        tm = reply.timing
         # a pipelined chunk waits at the server until the previous one is answered: its wall time starts then
         started = max(sent.written_s or t2, self._last_reply_s)
         self._last_reply_s = t2
@@ -348,8 +365,38 @@ class SpanStream:
         if sent.clean:
             if self._bandwidth is None:  # (the client's estimate of this address: Channels never replaces one)
                 self._bandwidth = self.channels.bandwidth(self.span.address)
-            self._bandwidth.observe(sent.request_bytes + len(reply.hidden.data), timing.network_s)
+            self._bandwidth.observe(sent.request_bytes + reply_bytes, timing.network_s)
         return out, timing
+
+    def _reply_output(self, reply: pb.InferenceReply, sent: _Sent,
+                      keep_undecoded: bool) -> tuple[torch.Tensor | Undecoded, int]:
+        """A REPLY's output (its MAC checked already) and its bytes; a refusal raised (a refused STEP's too)."""
+        if reply.HasField("error"):
+            refusal = PushRefused if reply.error.code == "PUSH_REFUSED" else InvalidRequest
+            raise refusal(f"{self.span.server_id}: {reply.error.message}")
+        hidden = reply.hidden
+        if keep_undecoded and hidden.dtype == "float32":
+            shape = codec.checked(hidden, "reply hidden")
+            data = hidden.data
+            return Undecoded(data, shape), len(data)
+        return codec.decode(hidden, "reply hidden"), len(hidden.data)
+
+    def _compact_output(self, answer: compact.Answer, sent: _Sent,
+                        keep_undecoded: bool) -> tuple[torch.Tensor | Undecoded, int]:
+        """An ANSWER's output, checked: its MAC under the server key, then its length for the STEP's dims."""
+        if sent.shape is None:
+            raise ServerFailed(self.span.server_id, "an ANSWER to a step that was not a compact STEP")
+        b, t, h = sent.shape
+        try:
+            answer.opened(self.keys.server, self.session_id, b * t * h)
+        except compact.Tampered:
+            raise ServerTampered(self.span.server_id, session_keys.REPLY_TAMPERED) from None
+        except InvalidRequest as exc:
+            raise ServerFailed(self.span.server_id, str(exc)) from None
+        data = answer.data()
+        if keep_undecoded:
+            return Undecoded(data, sent.shape), len(data)
+        return codec.tensor_of(np.frombuffer(data, dtype=np.float32), sent.shape, "reply hidden"), len(data)
 
     async def step(self, hidden: torch.Tensor, mask: torch.Tensor | None,
                    timeout_s: float | None = None, op: CacheOp | None = None) -> tuple[torch.Tensor, HopTiming]:

@@ -13,6 +13,7 @@ from swarmlm.errors import InvalidRequest
 from swarmlm.small_reads import no_padding_mask
 from swarmlm.types import BlockRange, CacheOp
 from swarmlm.wire import codec
+from swarmlm.wire.compact import CompactStep
 from swarmlm.wire import swarm_pb2 as pb
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -38,11 +39,16 @@ class StepChecks:
             raise InvalidRequest(f"hidden: dtype {dtype} is not a float type")
         if len(shape) != 3:
             raise InvalidRequest(f"hidden: expected shape [batch, tokens, {self.hidden_size}], got {list(shape)}")
-        b, t, h = shape
+        return self.dims(*shape, batch, past, max_length)
+
+    def dims(self, b: int, t: int, h: int, batch: int | None, past: int, max_length: int) -> tuple[int, int]:
+        """`shape`'s checks of the dims [b, t, h] of a step's hidden states (a protobuf step's header, a compact
+        STEP's: wire/compact.py): every size and cost limit."""
+        cfg = self.config
         if h != self.hidden_size:
             raise InvalidRequest(f"hidden: hidden size {h} does not match the model's {self.hidden_size}")
         if t < 1 or b < 1:
-            raise InvalidRequest(f"hidden: empty shape {list(shape)}")
+            raise InvalidRequest(f"hidden: empty shape {[b, t, h]}")
         if batch is not None and b != batch:
             raise InvalidRequest(f"hidden: batch {b} does not match the session's batch {batch}")
         if b > cfg.max_batch:
@@ -67,7 +73,10 @@ def peer_host(context) -> str:
 
 
 def payload_bytes(step: pb.InferenceStep) -> int:
-    """The bytes a step's tensors declare (from their headers: nothing is copied); 0 if a header is invalid."""
+    """The bytes a step's tensors declare (from their headers: nothing is copied); 0 if a header is invalid. A
+    compact STEP's: the bytes its values take."""
+    if type(step) is CompactStep:
+        return step.nbytes
     total = 0
     for msg in (step.hidden, step.attention_mask):
         name = msg.dtype

@@ -1,6 +1,6 @@
 """A framed connection's two halves for server/frame_server.py: the bytes cut into frames as they arrive
-(`FrameConnection`, an asyncio Protocol: flow control, stalls, the end), and a stream's REQUEST frames as the
-service's request iterator (`FramedRequests`: straight into the session's inbox, no reader task in between)."""
+(`FrameConnection`, an asyncio Protocol: flow control, stalls, the end), and a stream's REQUEST (and compact STEP)
+frames as the service's request iterator (`FramedRequests`: straight into the session's inbox, no reader task in between)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +11,7 @@ from typing import Awaitable, Callable
 
 from swarmlm.server.inbound import request_of
 from swarmlm.wire import frames
+from swarmlm.wire.compact import CompactStep
 from swarmlm.wire.frames import FrameError, Kind
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ class FrameConnection(asyncio.Protocol):
 
 class FramedRequests:
     """A stream's REQUEST frames as the service's request iterator: parsed InferenceRequests (UNPARSABLE when they
-    do not parse, as on gRPC), until END. A broken frame ends it with the FrameError (kept in `broken` for the
+    do not parse, as on gRPC), and STEP frames as `CompactStep`s (wire/compact.py), until END. A broken frame ends it with the FrameError (kept in `broken` for the
     STATUS); a connection that ends without END, with ConnectionResetError. The service reads the first request
     with `__anext__`, then lets `feed` put the rest into the session's inbox as they arrive."""
 
@@ -223,8 +224,10 @@ class FramedRequests:
         if kind == Kind.END:
             self.ended = True
             raise StopAsyncIteration
+        if kind == Kind.STEP:  # a compact decode step (wire/compact.py): checked by the session's stream and step
+            return CompactStep(body)
         if kind != Kind.REQUEST:
-            self.broken.append(FrameError(f"a {kind.name} frame inside a stream (expected REQUEST or END)"))
+            self.broken.append(FrameError(f"a {kind.name} frame inside a stream (expected REQUEST, STEP or END)"))
             raise self.broken[-1]
         return request_of("Inference", body)
 
@@ -261,7 +264,7 @@ class FramedRequests:
     def _arrived(self, item: Item, take_now: Callable[[object], bool]) -> None:
         if self._feeding.cancelling():  # the stream ended (its bytes in flight released): nothing more goes in
             return
-        if not self._slow and isinstance(item, tuple) and item[0] == Kind.REQUEST:
+        if not self._slow and isinstance(item, tuple) and (item[0] == Kind.STEP or item[0] == Kind.REQUEST):
             try:
                 if take_now(self._request(item), item[1]):
                     return

@@ -25,6 +25,7 @@ from swarmlm.server.frame_conn import FrameConnection, FramedRequests
 from swarmlm.server.inbound import request_of
 from swarmlm.swarm.private import HINT, TokenChecker
 from swarmlm.wire import frames
+from swarmlm.wire.compact import AnswerFrame
 from swarmlm.wire.frames import INFERENCE_METHOD, PUSH_METHOD, FrameError, Kind, Purpose
 
 log = logging.getLogger(__name__)
@@ -188,14 +189,16 @@ class FrameServer:
         return True
 
     async def _stream(self, conn: FrameConnection) -> bool:
-        """One Inference stream: the service's own handler, fed by REQUEST frames, its replies as REPLY frames.
+        """One Inference stream: the service's own handler, fed by REQUEST (and STEP) frames, its replies as REPLY
+        (and ANSWER) frames.
         True when the client ended it (END) and it ended OK: the connection may carry the next stream."""
         broken: list[FrameError] = []
         requests = FramedRequests(conn, broken)
         replies = self.service.Inference(requests, FrameContext(_peer_of(conn.transport)))
         try:
             async for reply in replies:  # (serialized by the handler: server/session_stream.py)
-                conn.write(frames.frame(Kind.REPLY, reply))
+                # (a compact STEP's ANSWER is a whole frame already: wire/compact.py)
+                conn.write(reply if type(reply) is AnswerFrame else frames.frame(Kind.REPLY, reply))
                 await conn.drain()
         finally:
             await replies.aclose()

@@ -34,12 +34,14 @@ from swarmlm.server.sessions import PeerBytes, Session, SessionTable
 from swarmlm.server.stage import SpanState, Stage
 from swarmlm.server.train_service import TrainingRpcs
 from swarmlm.server.unary import Admission, UnaryGate
+from swarmlm.small_reads import no_padding_mask
 from swarmlm.swarm.identity import Identity, sign_info, signed_address
 from swarmlm.swarm.private import client_interceptors
 from swarmlm.types import CacheOp
-from swarmlm.wire import cache_op, codec, compress
+from swarmlm.wire import cache_op, codec, compact, compress
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
+from swarmlm.wire.compact import AnswerFrame, CompactStep
 from swarmlm.wire.protocol import PROTOCOL_VERSION
 from swarmlm.wire.session_keys import ServerKey
 
@@ -193,9 +195,14 @@ class SwarmService(pb_grpc.SwarmServicer):
         if nbytes >= self.config.trim_refused_bytes:
             self.gate.trim()
 
-    async def _step(self, session: Session, request: pb.InferenceRequest, context) -> pb.InferenceReply:
+    async def _step(self, session: Session, request: pb.InferenceRequest | CompactStep,
+                    context) -> pb.InferenceReply | AnswerFrame:
+        """One step of a session: an InferenceRequest's, answered by an InferenceReply, or a compact STEP's
+        (wire/compact.py: no cache op, no mask, no push), answered by an ANSWER frame (a refusal by a reply)."""
         sid = session.session_id
-        step_id = request.step.step_id
+        compact_step = type(request) is CompactStep
+        step = request.step
+        step_id = step.step_id
         started = time.perf_counter()
         error, nbytes = None, 0
         try:
@@ -203,22 +210,30 @@ class SwarmService(pb_grpc.SwarmServicer):
                 raise InvalidRequest(f"this stream holds session {sid}, not {request.session_id[:80]}")
             if request.WhichOneof("kind") != "step":
                 raise InvalidRequest("a session is already open on this stream: expected a step")
+            if compact_step and session.keys is None:  # (its MAC is the session's client key's)
+                raise InvalidRequest("a compact STEP needs a keyed session")
             self.sessions.get(sid)  # refreshes last use; raises if expired meanwhile
-            step = request.step
-            op = cache_op.from_wire(step, self.config.max_batch)
+            op = None if compact_step else cache_op.from_wire(step, self.config.max_batch)
             past, rows = check_cache_op(op, session.state.position, session.state.rows, session.batch)
-            b, t = self.checks.shape(step.hidden, rows, past, session.max_length)
+            if compact_step:
+                b, t = self.checks.dims(step.b, step.t, step.h, rows, past, session.max_length)
+            else:
+                b, t = self.checks.shape(step.hidden, rows, past, session.max_length)
             if b > session.batch:
                 raise InvalidRequest(f"hidden: {b} rows exceed the batch of {session.batch} reserved at open")
             hidden_size = self.checks.hidden_size
             nbytes = b * t * hidden_size
-            if step.push:
-                check_targets(step.push)
-                nxt = session.state.blocks.end
-                if not await self.targets.allowed(step.push[0].address, nxt):
-                    raise PushRefused(f"push: {step.push[0].address[:80]!r} is not a server of this swarm "
-                                      f"serving block {nxt}")
-            hidden, mask = decode_step(step.hidden, step.attention_mask, b, t, hidden_size)
+            if compact_step:
+                hidden = codec.tensor_of(step.values(), (b, t, hidden_size), "hidden", finite=True)
+                mask = no_padding_mask(b, t)
+            else:
+                if step.push:
+                    check_targets(step.push)
+                    nxt = session.state.blocks.end
+                    if not await self.targets.allowed(step.push[0].address, nxt):
+                        raise PushRefused(f"push: {step.push[0].address[:80]!r} is not a server of this swarm "
+                                          f"serving block {nxt}")
+                hidden, mask = decode_step(step.hidden, step.attention_mask, b, t, hidden_size)
         except InvalidRequest as exc:
             error = exc
         except UnknownSession as exc:
@@ -246,6 +261,11 @@ class SwarmService(pb_grpc.SwarmServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"step failed, session closed: {error}")
         session.last_used_s = time.monotonic()  # idle from the step's end: a long step is no idle time
         encode_start = time.perf_counter()
+        if compact_step:
+            return compact.answer_frame(
+                session.keys.server, sid, step_id, session.state.position, compact.float32_bytes(out),
+                timing.queued_s, timing.compute_s, parsed - started, time.perf_counter() - encode_start,
+                timing.batched_steps)
         reply_hidden = compress.encode_like(out, step.hidden.dtype)  # in the request's wire format (wire/compress.py)
         encode_s = time.perf_counter() - encode_start
         return pb.InferenceReply(

@@ -31,6 +31,7 @@ from swarmlm.server.sessions import PeerBytes, Session, SessionTable
 from swarmlm.server.unary import Admission, message_of, status_of
 from swarmlm.wire import session_keys
 from swarmlm.wire import swarm_pb2 as pb
+from swarmlm.wire.compact import AnswerFrame, CompactStep
 
 log = logging.getLogger(__name__)
 _END = object()  # the client half-closed its stream
@@ -54,6 +55,8 @@ def refused_reply(session: Session, step_id: int, exc: Exception) -> pb.Inferenc
 def _sealed(session: Session, reply: pb.InferenceReply) -> bytes:
     """A reply as the stream sends it: serialized, with the server's MAC when the session is keyed (serialized once:
     each protobuf call costs ~10x its warm time right after a forward, docs/RESULTS-hop.md round 11)."""
+    if type(reply) is AnswerFrame:  # a compact STEP's answer: a whole frame, MACed (wire/compact.py)
+        return reply
     if session.keys is None:
         return reply.SerializeToString()
     return session_keys.signed_bytes(session.keys.server, session.session_id, reply)
@@ -63,8 +66,10 @@ def _checked(session: Session, request, data: bytes | None = None):
     """A message from the session's stream, or `_TAMPERED` if the session is keyed and its MAC does not match.
     `data`: the bytes it was parsed from, when the transport has them (framed): the MAC is checked on them."""
     if session.keys is None or request is UNPARSABLE:
-        return request
+        return request  # (a compact STEP of an unkeyed session is refused by its step)
     keys, sid = session.keys, session.session_id
+    if type(request) is CompactStep:
+        return request if request.verified(keys.client, sid) else _TAMPERED
     ok = session_keys.verified(keys.client, sid, request) if data is None else \
         session_keys.verified_bytes(keys.client, sid, request, data)
     return request if ok else _TAMPERED
@@ -100,6 +105,9 @@ class SessionStreams:
                 return
             if first is UNPARSABLE:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the message does not parse")
+            if type(first) is CompactStep:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "a compact STEP before a session is open: the first message must open or resume")
             session = await self._attach(first, peer, context)
             sid = session.session_id
             inbox = Inbox(self.config.inbox_steps)

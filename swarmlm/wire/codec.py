@@ -100,12 +100,18 @@ def decode_checked(msg: pb.Tensor, shape: tuple[int, ...], what: str = "tensor",
     if name == "bfloat16":
         array = np.frombuffer(data, dtype=np.int16).reshape(shape)
         return _finite(torch.from_numpy(array.copy()).view(torch.bfloat16), what, finite)
-    np_dtype = _NP_DTYPES[name]
-    array = np.frombuffer(data, dtype=np_dtype)
+    return tensor_of(np.frombuffer(data, dtype=_NP_DTYPES[name]), shape, what, finite)
+
+
+def tensor_of(array: np.ndarray, shape: tuple[int, ...], what: str = "tensor", finite: bool = False) -> torch.Tensor:
+    """A torch tensor of `shape` from the flat `array` of a peer's bytes (its length checked already), or
+    InvalidRequest if `finite` and a float value is NaN or infinite (a protobuf tensor's and a compact STEP's:
+    wire/compact.py)."""
+    count = array.size
     # checked with numpy, before the copy, in one call: a NaN or an infinity times zero is NaN, every finite value
     # times zero is 0, so the values' dot product with zeros is NaN exactly when one is not finite (a decode step's
     # checks run right after the server slept or computed, when every call costs ~10x: benchmarks/idle_cost.py)
-    if finite and np_dtype.kind == "f" and count and math.isnan(array.dot(_zeros(np_dtype.str, count))):
+    if finite and array.dtype.kind == "f" and count and math.isnan(array.dot(_zeros(array.dtype.str, count))):
         raise InvalidRequest(f"{what}: contains NaN or infinite values")
     # copy: frombuffer views the immutable message bytes, and torch wants writable memory (shaped by numpy: a torch
     # call saved)

@@ -36,13 +36,15 @@ class Kind(IntEnum):
     REPLY = 4  # server -> client: an InferenceReply
     STATUS = 5  # server -> client: the stream's end (or a push's answer): status code name, "\n", details
     PUSH = 6  # server -> server: a PushRequest; answered by one STATUS (OK or the refusal), then the next PUSH
+    STEP = 7  # client -> server: a plain decode step of a keyed session, compact (wire/compact.py)
+    ANSWER = 8  # server -> client: the answer to a STEP, compact (a refused STEP is answered by a REPLY)
 
 
 _KINDS: dict[int, Kind] = dict(Kind._value2member_map_)
 
 
 class Purpose(IntEnum):
-    STREAM = 1  # one Inference stream: REQUEST... END from the client; REPLY... STATUS from the server
+    STREAM = 1  # one Inference stream: REQUEST or STEP... END from the client; REPLY or ANSWER... STATUS from the server
     PUSH = 2  # a sequence of pushes: PUSH from the pusher, STATUS for each
 
 

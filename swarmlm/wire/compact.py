@@ -1,0 +1,160 @@
+"""Compact frames for the plain decode step of a keyed session on a framed stream (docs/PROTOCOL.md, "Framed steps"):
+STEP (client -> server) and ANSWER (server -> client), a fixed big-endian header + the raw float32 hidden states
+(little-endian, as a Tensor's bytes) + a 16-byte keyed BLAKE2b MAC, instead of an InferenceRequest / InferenceReply. The same checks as the protobuf step
+(the server's dims and limits, finiteness, the MAC under the session's client / server key), with fewer Python calls:
+no protobuf message is built, serialized or parsed, and the MAC is taken over the frame's bytes as they are.
+
+    STEP body:   step id (u64), B (u16), T (u16), H (u32) | B*T*H float32 | MAC (16)
+    ANSWER body: step id (u64), position (u32), batched steps (u32), queued_s, compute_s, parse_s, encode_s (f64 each)
+                 | B*T*H float32 (the STEP's B, T, H) | MAC (16)
+
+The MAC is keyed BLAKE2b (RFC 7693) of session id + "\\n" + every body byte before it, personalised "swarmlm-step" /
+"swarmlm-answer": a different BLAKE2b parameter block from the protobuf messages' MAC (no personalisation), so no
+compact frame's MAC can ever be taken for a protobuf message's, nor a STEP's for an ANSWER's.
+
+Only a decode step (T = 1) with no mask (no padding), no push targets, no cache op, float32 on the link goes compact
+(client/streams.py `SpanStream._compact`); everything else (opens, prefills, replays, speculation's passes, pushed
+routes, saves) stays protobuf. A refused STEP
+is answered by the usual protobuf REPLY with its error.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+
+import numpy as np
+import torch
+
+from swarmlm.errors import InvalidRequest
+from swarmlm.wire import frames
+from swarmlm.wire.frames import Kind
+from swarmlm.wire.session_keys import MAC_BYTES
+
+STEP_HEAD = struct.Struct(">QHHI")  # step id, B, T, H (network order, as the frame header: packed with it)
+ANSWER_HEAD = struct.Struct(">QIIdddd")  # step id, position, batched steps, queued, compute, parse, encode (s)
+MAX_DIM = 0xFFFF  # B and T are u16 on the wire: a step larger than this goes protobuf
+_STEP_PERSON, _ANSWER_PERSON = b"swarmlm-step", b"swarmlm-answer"
+_STEP_FRAME_HEAD = struct.Struct(">IBQHHI")  # frames.HEADER + STEP_HEAD: one pack per frame
+_ANSWER_FRAME_HEAD = struct.Struct(">IBQIIdddd")
+assert _STEP_FRAME_HEAD.size == frames.HEADER.size + STEP_HEAD.size  # (the struct's byte order only: no padding)
+assert _ANSWER_FRAME_HEAD.size == frames.HEADER.size + ANSWER_HEAD.size
+
+
+def _tag(key: bytes, person: bytes, session_id: str, *parts) -> bytes:
+    digest = hashlib.blake2b(session_id.encode() + b"\n", digest_size=MAC_BYTES, key=key, person=person)
+    for part in parts:
+        digest.update(part)
+    return digest.digest()
+
+
+def step_frame(key: bytes, session_id: str, step_id: int, b: int, t: int, h: int, values: bytes | memoryview) -> bytes:
+    """A whole STEP frame (frame header included): `values` the B*T*H float32 in C order (bytes, or a byte view)."""
+    head = _STEP_FRAME_HEAD.pack(STEP_HEAD.size + len(values) + MAC_BYTES, Kind.STEP, step_id, b, t, h)
+    return b"".join((head, values, _tag(key, _STEP_PERSON, session_id, head[frames.HEADER.size:], values)))
+
+
+def eligible_dims(b: int, t: int) -> bool:
+    """Do B and T fit a STEP's header?"""
+    return 0 < b <= MAX_DIM and 0 < t <= MAX_DIM
+
+
+class CompactStep:
+    """A STEP frame's body as the server's step path takes it: duck-typed where it meets an InferenceRequest (a
+    step of the stream's session, its `step.step_id`), its MAC checked by `verified`, its values by `values`."""
+
+    __slots__ = ("body", "step_id", "b", "t", "h", "nbytes")
+    session_id = ""  # (the stream's session: a STEP names none)
+    push = ()  # (never pushed on)
+    # a step (StepOrder, the stream's loop and `_step` ask): a C method, not a Python function, called ~4 times a step
+    WhichOneof = {"kind": "step"}.get
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        size = len(body)
+        self.nbytes = max(size - STEP_HEAD.size - MAC_BYTES, 0)  # its values' bytes (its charge while it waits)
+        if size >= STEP_HEAD.size:
+            self.step_id, self.b, self.t, self.h = STEP_HEAD.unpack_from(body)
+        else:  # (no MAC either: `verified` refuses it)
+            self.step_id, self.b, self.t, self.h = 0, 0, 0, 0
+
+    @property
+    def step(self) -> "CompactStep":  # (StepOrder reads request.step.step_id)
+        return self
+
+    def verified(self, key: bytes, session_id: str) -> bool:
+        """Does the frame end with the MAC of all its bytes before it, under the client key `key`? (A body too short
+        to hold a header and a MAC has none: False.)"""
+        body = self.body
+        size = len(body) - MAC_BYTES
+        if size < STEP_HEAD.size:
+            return False
+        view = memoryview(body)
+        return hmac.compare_digest(view[size:], _tag(key, _STEP_PERSON, session_id, view[:size]))
+
+    def values(self) -> np.ndarray:
+        """The values as a flat read-only float32 array over the body, once its length matches its dims."""
+        expected = STEP_HEAD.size + self.b * self.t * self.h * 4 + MAC_BYTES
+        if len(self.body) != expected:
+            raise InvalidRequest(f"STEP: {len(self.body)} bytes do not match its dims [{self.b}, {self.t}, {self.h}] "
+                                 f"({expected} bytes with header and MAC)")
+        return np.frombuffer(self.body, dtype=np.float32, count=self.b * self.t * self.h, offset=STEP_HEAD.size)
+
+
+def float32_bytes(tensor) -> bytes:
+    """A server's output as an ANSWER's values: float32, C order."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.dtype != torch.float32:
+        tensor = tensor.float()
+    return tensor.numpy().tobytes()
+
+
+class AnswerFrame(bytes):
+    """A whole ANSWER frame, ready to write: the stream's loop sends it as it is (`pushed`: never)."""
+
+    __slots__ = ()
+    pushed = False
+
+
+def answer_frame(key: bytes, session_id: str, step_id: int, position: int, values: bytes, queued_s: float,
+                 compute_s: float, parse_s: float, encode_s: float, batched_steps: int) -> AnswerFrame:
+    """The ANSWER to a STEP: `values` its output's float32 bytes (the STEP's dims)."""
+    head = _ANSWER_FRAME_HEAD.pack(ANSWER_HEAD.size + len(values) + MAC_BYTES, Kind.ANSWER, step_id, position,
+                                   batched_steps, queued_s, compute_s, parse_s, encode_s)
+    return AnswerFrame(b"".join((head, values, _tag(key, _ANSWER_PERSON, session_id, head[frames.HEADER.size:],
+                                                    values))))
+
+
+class Answer:
+    """An ANSWER frame's body as the client reads it (`opened` checks it)."""
+
+    __slots__ = ("body", "step_id", "position", "batched_steps", "queued_s", "compute_s", "parse_s", "encode_s")
+    pushed = False  # (a STEP is never pushed on)
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+    def opened(self, key: bytes, session_id: str, count: int) -> "Answer":
+        """Checked: its MAC under the server key `key` first, then its length for `count` values. Returns self with
+        its fields set; `Tampered` if its MAC does not match (or it has none), InvalidRequest if its length is not
+        the step's."""
+        body = self.body
+        size = len(body) - MAC_BYTES
+        view = memoryview(body)
+        if size < ANSWER_HEAD.size or not hmac.compare_digest(
+                view[size:], _tag(key, _ANSWER_PERSON, session_id, view[:size])):
+            raise Tampered()
+        if size != ANSWER_HEAD.size + count * 4:
+            raise InvalidRequest(f"ANSWER: {size - ANSWER_HEAD.size} value bytes, the step has {count * 4}")
+        (self.step_id, self.position, self.batched_steps, self.queued_s, self.compute_s, self.parse_s,
+         self.encode_s) = ANSWER_HEAD.unpack_from(body)
+        return self
+
+    def data(self) -> memoryview:
+        """The output's float32 bytes (a view of the body)."""
+        return memoryview(self.body)[ANSWER_HEAD.size:len(self.body) - MAC_BYTES]
+
+
+class Tampered(Exception):
+    """A compact frame whose MAC does not match its session's key (or that has none)."""
