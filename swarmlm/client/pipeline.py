@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from swarmlm.client.frame_call import FrameCall
 from swarmlm.client.streams import HopTiming, SpanStream, Undecoded
 from swarmlm.config import ClientConfig
 from swarmlm.errors import PushRefused, ServerFailed
@@ -288,7 +289,7 @@ class StepPipeline:
         """The attempt from the caller's thread (`blocking_ok` only), no event loop involved: each hop's step written
         and its reply awaited on the socket itself (SpanStream.send_blocking, receive_blocking), each reply bounded
         by its hang timeout as in `_receive`. Pushed, the first hop's step is written with the rest of the route
-        and each hop's reply is read as it comes, in route order.
+        and the caller sleeps until the last hop's reply (the middle ones are read after it: one wake-up a step).
         Raises what is not a server's failure, as `run`."""
         x = self.chunks[0][0]
         bounds = [self.hang_timeout(h.span, x.shape[0], x.shape[1], h.open_span.cached) for h in self.hops]
@@ -306,18 +307,16 @@ class StepPipeline:
                 else:
                     hop.stream.send_blocking(source, self._wire_mask(0), bounds[i], targets, hop.op)
                 hop.written = 1
-                i_first, end = i, i + 1 + len(targets)
-                # pushed, each reply is read as it comes: a middle one while the next servers compute (the client
-                # is idle then), not after the route's last reply, where it lengthened the step (RESULTS-hop round
-                # 17); hop j's reply comes after hops i..j have computed: its bound is theirs
+                end = i + 1 + len(targets)
+                if targets:
+                    FrameCall.wait_last([h.stream.call for h in self.hops[i:end]], sum(bounds[i:end]))
                 for j in range(i, end):
                     i = j
                     # a middle hop's float32 reply is checked but not made a tensor: relayed, only its bytes go on;
                     # pushed, the next server has it already (the history keeps it as it came: a failover's replay
                     # makes it one)
                     middle = j + 1 < len(self.hops)
-                    self._answered(j, self.hops[j].stream.receive_blocking(sum(bounds[i_first:j + 1]),
-                                                                         keep_undecoded=middle))
+                    self._answered(j, self.hops[j].stream.receive_blocking(bounds[j], keep_undecoded=middle))
             except (ServerFailed, PushRefused) as exc:
                 self._decode_outputs()
                 return self._outcome({i: exc})

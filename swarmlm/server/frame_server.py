@@ -72,13 +72,6 @@ def _peer_of(transport: asyncio.BaseTransport) -> str:
     return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
 
 
-
-def _write_ok(conn: FrameConnection) -> None:
-    """A push's OK answer, unless its connection closed meanwhile (then the pusher counts the push failed)."""
-    if not conn.transport.is_closing():
-        conn.transport.write(frames.OK_STATUS)
-
-
 class FrameServer:
     def __init__(self, service, config: ServerConfig, checker: TokenChecker | None) -> None:
         self.service = service  # server/service.SwarmService
@@ -243,14 +236,8 @@ class FrameServer:
         if isinstance(item, tuple) and item[0] == Kind.PUSH and conn.writable():
             context = FrameContext(peer)
             if self.service.push_now(item[1], context) is not None:
-                if context.code is grpc.StatusCode.OK:
-                    # written after the session's stream task has had its turn (the task's wake-up is already
-                    # scheduled: callbacks run in order): a decode step's forward starts without this write in front
-                    # of it, and the pusher's wake-up for the answer comes after it (RESULTS-hop round 17). A
-                    # refusal, or a frame after this one on the connection's task, is still written after it.
-                    asyncio.get_running_loop().call_soon(_write_ok, conn)
-                else:
-                    conn.write(frames.status(context.code, context.details))
+                ok = context.code is grpc.StatusCode.OK
+                conn.write(frames.OK_STATUS if ok else frames.status(context.code, context.details))
                 return
         conn.queue(item)
 
