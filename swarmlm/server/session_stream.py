@@ -155,7 +155,7 @@ class SessionStreams:
                         # the reply before the push (the framed port writes a reply as it is yielded and asks for
                         # the next one at once): the push wakes the next server, which can take this server's CPU
                         # before it writes anything more, and the client needs this reply to end the step
-                        # (docs/RESULTS-hop.md round 17)
+                        # (docs/RESULTS-hop.md round 17). A client not reading its replies holds its own pushes back
                         yield _sealed(session, reply)
                         self._push_after(session, reply, step)
                         continue
