@@ -311,10 +311,11 @@ class StepPipeline:
                     FrameCall.wait_last([h.stream.call for h in self.hops[i:end]], sum(bounds[i:end]))
                 for j in range(i, end):
                     i = j
-                    # relayed on to another hop, a float32 reply is checked but not made a tensor: only its bytes
-                    # go on (the history keeps it as it came: a failover's replay makes it one)
-                    relayed = j + 1 < len(self.hops) and not self.push
-                    self._answered(j, self.hops[j].stream.receive_blocking(bounds[j], keep_undecoded=relayed))
+                    # a middle hop's float32 reply is checked but not made a tensor: relayed, only its bytes go on;
+                    # pushed, the next server has it already (the history keeps it as it came: a failover's replay
+                    # makes it one)
+                    middle = j + 1 < len(self.hops)
+                    self._answered(j, self.hops[j].stream.receive_blocking(bounds[j], keep_undecoded=middle))
             except (ServerFailed, PushRefused) as exc:
                 self._decode_outputs()
                 return self._outcome({i: exc})

@@ -3,8 +3,10 @@
 Client-relayed, a token crosses 2N links through N servers (client -> s1 -> client -> s2 ...); pushed, N + 1
 (client -> s1 -> s2 -> ... -> client). With a step the client names the servers after this one that await it
 (address, its session there, the step id it takes there); the server pushes its output to the first of them with
-the rest of the list, and so on down the chain, starting each push before its reply to the client (the next server
-waits for the push; the client does not wait for a middle server's reply). Every server still replies to the
+the rest of the list, and so on down the chain: on gRPC starting each push before its reply to the client (the next
+server waits for the push; the client does not wait for a middle server's reply), on the framed port right after
+that reply is written (the push's wake-up of the next server can take this server's CPU before it writes anything
+more, and the client needs every reply to end the step: server/session_stream.py). Every server still replies to the
 client with its output: the client keeps each span's inputs for failover and reads every reply as soon as it
 comes. A push that fails is not retried: the client sees the next server's stream break or time out, and its
 failover re-sends the step from the inputs it kept.

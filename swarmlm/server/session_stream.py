@@ -94,6 +94,7 @@ class SessionStreams:
         """One session. Its steps come from this stream and from pushes (an inbox merges them); `StepOrder` runs
         each step id once, in order; every reply goes back on this stream, serialized (`_sealed`)."""
         peer = peer_host(context)
+        framed = hasattr(request_iterator, "feed")  # the framed port's stream (server/frame_server.py)
         session: Session | None = None
         clean_end = False
         reader: asyncio.Task | None = None
@@ -158,10 +159,18 @@ class SessionStreams:
                 for step in ready:
                     reply = await self.run_step(session, step, context)
                     self._release(charges, step)
+                    if reply.pushed and framed:
+                        # the reply before the push (the framed port writes a reply as it is yielded and asks for
+                        # the next one at once): the push wakes the next server, which can take this server's CPU
+                        # before it writes anything more, and the client needs this reply to end the step
+                        # (docs/RESULTS-hop.md round 17). A client not reading its replies holds its own pushes back
+                        yield _sealed(session, reply)
+                        self._push_after(session, reply, step)
+                        continue
                     if reply.pushed and not self._push_after(session, reply, step):
-                        # the push before the reply: the next server waits for the push, while the client sleeps
-                        # until the route's last reply, not this middle one (a push not written at once is a
-                        # task: yielding once lets it write)
+                        # gRPC: the push before the reply (a reply yielded may wait in gRPC's writer for a while):
+                        # the next server waits for the push, while the client sleeps until the route's last reply,
+                        # not this middle one (a push not written at once is a task: yielding once lets it write)
                         await asyncio.sleep(0)
                     yield _sealed(session, reply)
         except asyncio.TimeoutError:
