@@ -111,7 +111,7 @@ class _Stream:
     def receive_blocking(self, timeout_s: float, keep_undecoded: bool = False):
         self.log.append(("read", self.name, keep_undecoded))
         message = codec.encode(self.output)
-        out = Undecoded(message, codec.checked(message, "reply hidden")) if keep_undecoded else self.output
+        out = Undecoded(message.data, codec.checked(message, "reply hidden")) if keep_undecoded else self.output
         return out, HopTiming(self.name, 0.0, 0.0, 0.0, 0.0, 0.0, 1, pushed=keep_undecoded)
 
 

@@ -38,9 +38,9 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 
 class FrameCall:
-    """One Inference stream on a connection (a new one, or one an earlier stream ended cleanly: `reused`). Reads
-    give InferenceReplies (or a compact STEP's `compact.Answer`, unchecked: the stream checks it), then grpc.aio.EOF at the server's OK, or raise AioRpcError with the server's status (or
-    UNAVAILABLE when the connection breaks)."""
+    """One Inference stream on a connection (a new one, or one an earlier stream ended cleanly: `reused`). Reads give
+    InferenceReplies (or a compact STEP's `compact.Answer`, unchecked: the stream checks it), then grpc.aio.EOF at the
+    server's OK, or raise AioRpcError with the server's status (or UNAVAILABLE when the connection breaks)."""
 
     def __init__(self, sock: socket.socket, max_message_bytes: int, reused: bool = False) -> None:
         self._sock = sock  # non-blocking, TCP_NODELAY

@@ -1,6 +1,7 @@
 """A framed connection's two halves for server/frame_server.py: the bytes cut into frames as they arrive
 (`FrameConnection`, an asyncio Protocol: flow control, stalls, the end), and a stream's REQUEST (and compact STEP)
-frames as the service's request iterator (`FramedRequests`: straight into the session's inbox, no reader task in between)."""
+frames as the service's request iterator (`FramedRequests`: straight into the session's inbox, no reader task in
+between)."""
 from __future__ import annotations
 
 import asyncio
@@ -192,10 +193,11 @@ class FrameConnection(asyncio.Protocol):
 
 
 class FramedRequests:
-    """A stream's REQUEST frames as the service's request iterator: parsed InferenceRequests (UNPARSABLE when they
-    do not parse, as on gRPC), and STEP frames as `CompactStep`s (wire/compact.py), until END. A broken frame ends it with the FrameError (kept in `broken` for the
-    STATUS); a connection that ends without END, with ConnectionResetError. The service reads the first request
-    with `__anext__`, then lets `feed` put the rest into the session's inbox as they arrive."""
+    """A stream's REQUEST frames as the service's request iterator: parsed InferenceRequests (UNPARSABLE when they do
+    not parse, as on gRPC), and STEP frames as `CompactStep`s (wire/compact.py), until END. A broken frame ends it with
+    the FrameError (kept in `broken` for the STATUS); a connection that ends without END, with ConnectionResetError. The
+    service reads the first request with `__anext__`, then lets `feed` put the rest into the session's inbox as they
+    arrive."""
 
     def __init__(self, conn: FrameConnection, broken: list[FrameError]) -> None:
         self.conn = conn

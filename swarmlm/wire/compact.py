@@ -1,8 +1,9 @@
 """Compact frames for the plain decode step of a keyed session on a framed stream (docs/PROTOCOL.md, "Framed steps"):
 STEP (client -> server) and ANSWER (server -> client), a fixed big-endian header + the raw float32 hidden states
-(little-endian, as a Tensor's bytes) + a 16-byte keyed BLAKE2b MAC, instead of an InferenceRequest / InferenceReply. The same checks as the protobuf step
-(the server's dims and limits, finiteness, the MAC under the session's client / server key), with fewer Python calls:
-no protobuf message is built, serialized or parsed, and the MAC is taken over the frame's bytes as they are.
+(little-endian, as a Tensor's bytes) + a 16-byte keyed BLAKE2b MAC, instead of an InferenceRequest / InferenceReply. The
+same checks as the protobuf step (the server's dims and limits, finiteness, the MAC under the session's client / server
+key), with fewer Python calls: no protobuf message is built, serialized or parsed, and the MAC is taken over the frame's
+bytes as they are.
 
     STEP body:   step id (u64), B (u16), T (u16), H (u32) | B*T*H float32 | MAC (16)
     ANSWER body: step id (u64), position (u32), batched steps (u32), queued_s, compute_s, parse_s, encode_s (f64 each)
@@ -14,8 +15,7 @@ compact frame's MAC can ever be taken for a protobuf message's, nor a STEP's for
 
 Only a decode step (T = 1) with no mask (no padding), no push targets, no cache op, float32 on the link goes compact
 (client/streams.py `SpanStream._compact`); everything else (opens, prefills, replays, speculation's passes, pushed
-routes, saves) stays protobuf. A refused STEP
-is answered by the usual protobuf REPLY with its error.
+routes, saves) stays protobuf. A refused STEP is answered by the usual protobuf REPLY with its error.
 """
 from __future__ import annotations
 

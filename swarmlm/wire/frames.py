@@ -44,7 +44,7 @@ _KINDS: dict[int, Kind] = dict(Kind._value2member_map_)
 
 
 class Purpose(IntEnum):
-    STREAM = 1  # one Inference stream: REQUEST or STEP... END from the client; REPLY or ANSWER... STATUS from the server
+    STREAM = 1  # one Inference stream: REQUEST or STEP... END from the client; REPLY or ANSWER... STATUS from server
     PUSH = 2  # a sequence of pushes: PUSH from the pusher, STATUS for each
 
 
