@@ -77,10 +77,7 @@ def checked(msg: pb.Tensor, what: str = "tensor", max_elements: int = 1 << 28) -
     name = msg.dtype
     if name not in WIRE_DTYPES:
         raise InvalidRequest(f"{what}: {name} is not a raw dtype")
-    count, itemsize = math.prod(shape), WIRE_DTYPES[name][1]
-    if len(msg.data) != count * itemsize:
-        raise InvalidRequest(
-            f"{what}: {len(msg.data)} bytes do not match shape {list(shape)} of {name} ({count * itemsize} bytes)")
+    _sized(msg.data, shape, name, what)
     return shape
 
 
@@ -90,17 +87,19 @@ def decode_checked(msg: pb.Tensor, shape: tuple[int, ...], what: str = "tensor",
     name = msg.dtype
     if name == int8_block.INT8_BLOCK:
         return _finite(int8_block.unpack_int8(msg.data, shape, what), what, finite)
-    itemsize = WIRE_DTYPES[name][1]
-    count = math.prod(shape)
-    data = msg.data  # (each read of a bytes field copies it: read it once)
-    if len(data) != count * itemsize:
-        raise InvalidRequest(
-            f"{what}: {len(data)} bytes do not match shape {list(shape)} of {name} ({count * itemsize} bytes)"
-        )
+    data = _sized(msg.data, shape, name, what)  # (each read of a bytes field copies it: read it once)
     if name == "bfloat16":
         array = np.frombuffer(data, dtype=np.int16).reshape(shape)
         return _finite(torch.from_numpy(array.copy()).view(torch.bfloat16), what, finite)
     return tensor_of(np.frombuffer(data, dtype=_NP_DTYPES[name]), shape, what, finite)
+
+
+def _sized(data: bytes, shape: tuple[int, ...], name: str, what: str) -> bytes:
+    """`data`, if its length is that of `shape` in the raw dtype `name`; else InvalidRequest saying so."""
+    nbytes = math.prod(shape) * WIRE_DTYPES[name][1]
+    if len(data) != nbytes:
+        raise InvalidRequest(f"{what}: {len(data)} bytes do not match shape {list(shape)} of {name} ({nbytes} bytes)")
+    return data
 
 
 def tensor_of(array: np.ndarray, shape: tuple[int, ...], what: str = "tensor", finite: bool = False) -> torch.Tensor:
