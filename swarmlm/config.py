@@ -89,7 +89,7 @@ class SchedulerConfig:
     # the two hand-offs to the compute thread and back; it blocks the loop that long (0 = never). Side by side at
     # load 7-9 (docs/RESULTS-hop.md "Round 6"): in real decoding (the client's LM head between steps) it helps framed
     # steps (1.99 vs 3.95 ms per SmolLM2 hop outside compute); with steps back to back it hurts them (2.06 vs 0.94)
-    inline_decode_max_s: float = 0.05
+    inline_decode_max_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.max_prefill_skips < 0:
