@@ -88,8 +88,12 @@ class SchedulerConfig:
     # a lone session's decode step whose last forward took at most this long runs on the I/O loop's thread, without
     # the two hand-offs to the compute thread and back; it blocks the loop that long (0 = never). Side by side at
     # load 7-9 (docs/RESULTS-hop.md "Round 6"): in real decoding (the client's LM head between steps) it helps framed
-    # steps (1.99 vs 3.95 ms per SmolLM2 hop outside compute); with steps back to back it hurts them (2.06 vs 0.94)
-    inline_decode_max_s: float = 1.0
+    # steps (1.99 vs 3.95 ms per SmolLM2 hop outside compute); with steps back to back it hurts them (2.06 vs 0.94).
+    # A quarter second covers a float32 bloomz-560m span (60-100 ms a forward here), whose two hand-offs were the
+    # largest item of its hop (RESULTS-hop.md round 18), and stays far under every time a peer holds this server to
+    # (the client's hang floor 5 s, the DHT announce period 2 s): what waits meanwhile (Info, opens, another session's
+    # first step) would wait for this forward's CPU anyway
+    inline_decode_max_s: float = 0.25
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.max_prefill_skips < 0:
