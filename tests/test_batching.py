@@ -497,6 +497,13 @@ def test_no_inline_decode_when_switched_off_or_when_a_forward_is_long():
         SchedulerConfig(inline_decode_max_s=-1)
 
 
+def test_a_float32_bloomz_length_forward_runs_inline_by_default():
+    # a lone session's 60 ms forward (a float32 bloomz-560m span takes 60-100 ms here) skips the two hand-offs too
+    main_thread = threading.current_thread().name
+    rounds = _threads_of(Scheduler(1), [["a"]] * 3, forward_s=0.06)
+    assert [r[0][0] for r in rounds] == ["swarmlm-compute", main_thread, main_thread], rounds
+
+
 def test_one_straggler_wait_rule_for_server_rounds_and_client_heads():
     """config.StragglerWait.left_s decides both waits (server/scheduler.py, client/head_batcher.py): no clock."""
     wait = StragglerWait(fraction=0.5, max_s=0.01)
