@@ -47,12 +47,12 @@ class PushConnection(asyncio.Protocol):
     def usable(self) -> bool:
         return not self.broken and self._answered is None and not self.transport.is_closing()
 
-    def write(self, data: bytes, timeout_s: float, answered: Answered) -> None:
-        """Write one push (a PushRequest serialized); `answered(self, code, details)` once its STATUS comes (code
-        None: none within `timeout_s`, or the connection broke: then it is closed)."""
+    def write(self, frame: bytes, timeout_s: float, answered: Answered) -> None:
+        """Write one push (a whole PUSH or PUSH_STEP frame); `answered(self, code, details)` once its STATUS comes
+        (code None: none within `timeout_s`, or the connection broke: then it is closed)."""
         self._answered = answered
         self._timer = asyncio.get_running_loop().call_later(timeout_s, self._fail, "no answer in time")
-        self.transport.write(frames.frame(Kind.PUSH, data))
+        self.transport.write(frame)
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport

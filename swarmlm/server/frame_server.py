@@ -25,7 +25,7 @@ from swarmlm.server.frame_conn import FrameConnection, FramedRequests
 from swarmlm.server.inbound import request_of
 from swarmlm.swarm.private import HINT, TokenChecker
 from swarmlm.wire import frames
-from swarmlm.wire.compact import AnswerFrame
+from swarmlm.wire.compact import AnswerFrame, PushStep
 from swarmlm.wire.frames import INFERENCE_METHOD, PUSH_METHOD, FrameError, Kind, Purpose
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ class FrameServer:
         return requests.ended and not conn.transport.is_closing()
 
     async def _pushes(self, conn: FrameConnection) -> None:
-        """PUSH frames, each answered by one STATUS (the service's Push handler decides), until the pusher closes.
+        """PUSH (and compact PUSH_STEP: wire/compact.py) frames, each answered by one STATUS (the service's Push handler decides), until the pusher closes.
         While nothing waits here, each push is taken as its frame is cut (`_push_now`, in data_received: no task
         between the socket and the session's inbox); one that would wait (a full inbox, a full write buffer), and
         every frame after it, go through this task in order."""
@@ -224,10 +224,13 @@ class FrameServer:
                 if isinstance(got, FrameError):
                     raise got
                 kind, body = got
-                if kind != Kind.PUSH:
-                    raise FrameError(f"a {kind.name} frame on a push connection (expected PUSH)")
                 context = FrameContext(peer)
-                await self.service.Push(request_of("Push", body), context, body)
+                if kind == Kind.PUSH:
+                    await self.service.Push(request_of("Push", body), context, body)
+                elif kind == Kind.PUSH_STEP:
+                    await self.service.Push(PushStep(body), context)
+                else:
+                    raise FrameError(f"a {kind.name} frame on a push connection (expected PUSH or PUSH_STEP)")
                 conn.write(frames.status(context.code, context.details))
                 await conn.drain()
         finally:
@@ -236,9 +239,9 @@ class FrameServer:
     def _push_now(self, conn: FrameConnection, peer: str, item) -> None:
         """A frame of a push connection as it is cut: a push the service takes now is answered now; anything else
         (another frame, the end, a push that would wait) goes to `_pushes`, with every frame after it."""
-        if isinstance(item, tuple) and item[0] == Kind.PUSH and conn.writable():
+        if isinstance(item, tuple) and (item[0] == Kind.PUSH_STEP or item[0] == Kind.PUSH) and conn.writable():
             context = FrameContext(peer)
-            if self.service.push_now(item[1], context) is not None:
+            if self.service.push_now(item[0], item[1], context) is not None:
                 ok = context.code is grpc.StatusCode.OK
                 conn.write(frames.OK_STATUS if ok else frames.status(context.code, context.details))
                 return

@@ -37,10 +37,11 @@ from swarmlm.errors import InvalidRequest
 from swarmlm.types import StepKind
 from swarmlm.server.frame_push import FramePushes
 from swarmlm.server.sessions import SECRET_BYTES
-from swarmlm.wire import session_keys
+from swarmlm.wire import compact, session_keys
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.channel import aio_channel
+from swarmlm.wire.frames import Kind, frame
 from swarmlm.wire.links import Links, TransmissionPolicy
 
 MAX_PUSH_TARGETS = 64  # the rest of a route: more servers than any route has
@@ -180,6 +181,7 @@ class Pusher:
         self.framed = FramePushes(self.info, swarm_key, max_message_bytes) if frames else None
         self.pushed = 0
         self.failed = 0
+        self.compact_frames = 0  # pushes written as PUSH_STEP frames (wire/compact.py)
 
     def _stub(self, address: str) -> pb_grpc.SwarmStub:
         if address in self._channels:
@@ -208,7 +210,7 @@ class Pusher:
         if conn is None:
             return None
         done = asyncio.get_running_loop().create_future()
-        data = self._request_bytes(target, hidden, mask, rest, op, push_key)
+        data = self._frame(target, hidden, mask, rest, op, push_key)
         conn.write(data, self.timeout_s, functools.partial(self._answered, target.address, done))
         link.written_outside(StepKind.of(hidden.shape[1] if len(hidden.shape) == 3 else 0))
         return done
@@ -224,7 +226,7 @@ class Pusher:
         try:
             port = await self.framed.port(target.address) if self.framed is not None else 0
             if port:
-                data = self._request_bytes(target, hidden, mask, rest, op, push_key)
+                data = self._frame(target, hidden, mask, rest, op, push_key)
                 accepted = await self._framed(link, kind, target.address, port, data)
                 if accepted is not None:
                     return accepted
@@ -250,12 +252,20 @@ class Pusher:
         return pb.PushRequest(session_id=target.session_id, secret=target.secret, step=pb.InferenceStep(
             hidden=hidden, attention_mask=mask, step_id=target.step_id, push=rest, cache_op=op))
 
-    def _request_bytes(self, target: pb.PushTarget, hidden: pb.Tensor, mask: pb.Tensor, rest: list[pb.PushTarget],
-                       op: pb.CacheOp | None, push_key: bytes) -> bytes:
-        """The push serialized once, MACed with `push_key` if given (`signed_bytes`)."""
+    def _frame(self, target: pb.PushTarget, hidden: pb.Tensor, mask: pb.Tensor, rest: list[pb.PushTarget],
+               op: pb.CacheOp | None, push_key: bytes) -> bytes:
+        """The push as a whole frame for the target's framed port: a PUSH_STEP (wire/compact.py: the output's bytes
+        as they are, no protobuf) for a plain decode step into a keyed session with nothing to push on, else a PUSH
+        (the PushRequest serialized once, MACed with `push_key` if given: `signed_bytes`)."""
+        shape = hidden.shape
+        if push_key and not rest and op is None and not mask.dtype and hidden.dtype == "float32" and \
+                len(shape) == 3 and shape[1] == 1 and compact.eligible_dims(shape[0], 1):
+            self.compact_frames += 1
+            return compact.push_frame(push_key, target.session_id, target.secret, target.step_id, shape[0], 1,
+                                      shape[2], hidden.data)
         request = self._request(target, hidden, mask, rest, op)
-        return session_keys.signed_bytes(push_key, target.session_id, request) if push_key else \
-            request.SerializeToString()
+        return frame(Kind.PUSH, session_keys.signed_bytes(push_key, target.session_id, request) if push_key
+                            else request.SerializeToString())
 
     def _answered(self, address: str, done: asyncio.Future, conn, code: grpc.StatusCode | None, _: str) -> None:
         """A framed push's answer (code None: none came): counted, its connection kept if OK, `done` resolved."""
@@ -268,7 +278,7 @@ class Pusher:
             done.set_result(accepted)
 
     async def _framed(self, link, kind: StepKind, address: str, port: int, data: bytes) -> bool | None:
-        """A push (`data`: a PushRequest serialized, MACed) on the framed port: whether the target accepted it, or
+        """A push (`data`: a whole PUSH or PUSH_STEP frame, `_frame`) on the framed port: whether the target accepted it, or
         None when the port does not take the connection (then forgotten: this push and later ones go by gRPC).
         Held on the link like a gRPC push: its turn until written, in flight until answered."""
         done = asyncio.get_running_loop().create_future()

@@ -41,7 +41,8 @@ from swarmlm.types import CacheOp
 from swarmlm.wire import cache_op, codec, compact, compress
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
-from swarmlm.wire.compact import AnswerFrame, CompactStep
+from swarmlm.wire.compact import AnswerFrame, CompactStep, PushStep
+from swarmlm.wire.frames import Kind
 from swarmlm.wire.protocol import PROTOCOL_VERSION
 from swarmlm.wire.session_keys import ServerKey
 
@@ -197,8 +198,9 @@ class SwarmService(pb_grpc.SwarmServicer):
 
     async def _step(self, session: Session, request: pb.InferenceRequest | CompactStep,
                     context) -> pb.InferenceReply | AnswerFrame:
-        """One step of a session: an InferenceRequest's, answered by an InferenceReply, or a compact STEP's
-        (wire/compact.py: no cache op, no mask, no push), answered by an ANSWER frame (a refusal by a reply)."""
+        """One step of a session: an InferenceRequest's, answered by an InferenceReply, or a compact STEP's (or a
+        PUSH_STEP's; wire/compact.py: no cache op, no mask, no push), answered by an ANSWER frame (a refusal by a
+        reply; on a gRPC stream, which only a pushed one reaches, by a reply too)."""
         sid = session.session_id
         compact_step = type(request) is CompactStep
         step = request.step
@@ -261,16 +263,17 @@ class SwarmService(pb_grpc.SwarmServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"step failed, session closed: {error}")
         session.last_used_s = time.monotonic()  # idle from the step's end: a long step is no idle time
         encode_start = time.perf_counter()
-        if compact_step:
+        if compact_step and session.framed:  # (a PUSH_STEP's step in a session held by a gRPC stream: a REPLY)
             return compact.answer_frame(
                 session.keys.server, sid, step_id, session.state.position, compact.float32_bytes(out),
                 timing.queued_s, timing.compute_s, parsed - started, time.perf_counter() - encode_start,
                 timing.batched_steps)
-        reply_hidden = compress.encode_like(out, step.hidden.dtype)  # in the request's wire format (wire/compress.py)
+        # in the request's wire format (wire/compress.py); a compact step's is float32
+        reply_hidden = compress.encode_like(out, "float32" if compact_step else step.hidden.dtype)
         encode_s = time.perf_counter() - encode_start
         return pb.InferenceReply(
             session_id=sid, step_id=step_id, hidden=reply_hidden, position=session.state.position,
-            pushed=len(request.step.push) > 0,
+            pushed=len(step.push) > 0,
             timing=pb.Timing(
                 queued_s=timing.queued_s, compute_s=timing.compute_s, parse_s=parsed - started, encode_s=encode_s,
                 batched_steps=timing.batched_steps,
@@ -284,16 +287,19 @@ class SwarmService(pb_grpc.SwarmServicer):
         gRPC's handler registration expects."""
         return self.streams.serve
 
-    async def Push(self, request: pb.PushRequest, context, data: bytes | None = None) -> pb.PushReply:
-        """`data`: the bytes `request` was parsed from (the framed port has them: its MAC is checked on them)."""
+    async def Push(self, request: pb.PushRequest | PushStep, context, data: bytes | None = None) -> pb.PushReply:
+        """`data`: the bytes `request` was parsed from (the framed port has them: its MAC is checked on them). A
+        framed port's compact PUSH_STEP (wire/compact.py) comes as a `PushStep`."""
         handle = self.streams.push if data is None else functools.partial(self.streams.push, data=data)
         return await self.gate.serve(request, context, pb.PushReply(), "push", handle)
 
-    def push_now(self, data: bytes, context) -> pb.PushReply | None:
-        """`Push` of a framed push's bytes if it is answered without waiting (its status on `context`, refusals
-        included); None when it would wait for room (nothing done: then `Push` it)."""
-        return self.gate.serve_now(request_of("Push", data), context, pb.PushReply(), "push",
-                                   functools.partial(self.streams.push_now, data=data))
+    def push_now(self, kind: Kind, data: bytes, context) -> pb.PushReply | None:
+        """`Push` of a framed push's bytes (a PUSH's or a PUSH_STEP's) if it is answered without waiting (its status
+        on `context`, refusals included); None when it would wait for room (nothing done: then `Push` it)."""
+        compact_push = kind == Kind.PUSH_STEP
+        return self.gate.serve_now(PushStep(data) if compact_push else request_of("Push", data), context,
+                                   pb.PushReply(), "push", functools.partial(self.streams.push_now,
+                                                                              data=None if compact_push else data))
 
     async def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardReply:
         return await self.gate.serve(request, context, pb.ForwardReply(), "forward", self._forward)

@@ -35,9 +35,10 @@ class Kind(IntEnum):
     END = 3  # client -> server: no more requests (gRPC's half-close); empty body
     REPLY = 4  # server -> client: an InferenceReply
     STATUS = 5  # server -> client: the stream's end (or a push's answer): status code name, "\n", details
-    PUSH = 6  # server -> server: a PushRequest; answered by one STATUS (OK or the refusal), then the next PUSH
+    PUSH = 6  # server -> server: a PushRequest; answered by one STATUS (OK or the refusal), then the next push
     STEP = 7  # client -> server: a plain decode step of a keyed session, compact (wire/compact.py)
     ANSWER = 8  # server -> client: the answer to a STEP, compact (a refused STEP is answered by a REPLY)
+    PUSH_STEP = 9  # server -> server: a plain decode step pushed to a route's last server, compact (wire/compact.py)
 
 
 _KINDS: dict[int, Kind] = dict(Kind._value2member_map_)
@@ -45,7 +46,7 @@ _KINDS: dict[int, Kind] = dict(Kind._value2member_map_)
 
 class Purpose(IntEnum):
     STREAM = 1  # one Inference stream: REQUEST or STEP... END from the client; REPLY or ANSWER... STATUS from server
-    PUSH = 2  # a sequence of pushes: PUSH from the pusher, STATUS for each
+    PUSH = 2  # a sequence of pushes: PUSH or PUSH_STEP from the pusher, STATUS for each
 
 
 class FrameError(Exception):
