@@ -116,5 +116,38 @@ def test_a_push_step_into_an_unkeyed_session_is_refused(tiny_bloom):
             frame = compact.push_frame(KEY, opened.session_id, opened.session_secret, 1, 1, 1, HIDDEN, _values())
             with fa.KeyedStream.plain(host, port) as pusher:
                 answers = pusher.exchange(fa.PUSH_HELLO + frame)
-            assert answers[0].startswith(f"STATUS {grpc.StatusCode.PERMISSION_DENIED.name} a PUSH_STEP must carry")
+            assert answers[0].startswith(f"REFUSED 1 {grpc.StatusCode.PERMISSION_DENIED.name} a PUSH_STEP must carry")
             assert stream.exchange(fa.END) == ["STATUS OK "]
+
+
+def test_a_pushers_connection_takes_refusals_whenever_they_come_and_stays_usable():
+    """A PUSH_STEP is not answered unless refused: its REFUSED (naming its step) may come at any time, alone, split
+    across reads or just before a PUSH's STATUS; each goes to the pusher's `refused`, the STATUS to its push, and
+    the connection stays usable. A REFUSED too short for its step id breaks the connection."""
+    import grpc
+
+    from swarmlm.server.frame_push import PushConnection
+    from swarmlm.wire import frames
+
+    class Transport:
+        closed = False
+
+        def is_closing(self) -> bool:
+            return self.closed
+
+        def close(self) -> None:
+            self.closed = True
+
+    refusals, answers = [], []
+    conn = PushConnection(lambda *refusal: refusals.append(refusal))
+    conn.connection_made(Transport())
+    first = frames.refused(5, grpc.StatusCode.NOT_FOUND, "no stream holds session 'ab'")
+    conn.data_received(first[:7])
+    conn.data_received(first[7:])
+    assert refusals == [(5, grpc.StatusCode.NOT_FOUND, "no stream holds session 'ab'")] and conn.usable()
+    conn._answered = lambda c, code, details: answers.append(code)  # (a PUSH in flight, as `write` sets it)
+    conn.data_received(frames.refused(6, grpc.StatusCode.PERMISSION_DENIED, "x") + frames.OK_STATUS)
+    assert refusals[-1][:2] == (6, grpc.StatusCode.PERMISSION_DENIED) and answers == [grpc.StatusCode.OK]
+    assert conn.usable()
+    conn.data_received(frames.frame(frames.Kind.REFUSED, b"\x00\x01"))
+    assert conn.broken and not conn.usable()

@@ -302,6 +302,9 @@ class KeyedStream:
             if kind == Kind.STATUS:
                 code, details = frames.parse_status(body)
                 answers.append(f"STATUS {code.name} {details}")
+            elif kind == Kind.REFUSED:
+                step_id, code, details = frames.parse_refused(body)
+                answers.append(f"REFUSED {step_id} {code.name} {details}")
             elif kind == Kind.REPLY:
                 error = pb.InferenceReply.FromString(body).error.message
                 answers.append(f"REPLY {error}" if error else "REPLY")
@@ -469,23 +472,28 @@ def push_cases(hidden: int) -> dict[str, object]:
 def push_expected(name: str, answers: list[str], stream: list[str]) -> bool:
     """Is this the clear answer the push case should get? `answers`: the push connection's, `stream`: the session's
     stream's after its END."""
-    denied = "STATUS PERMISSION_DENIED a PUSH_STEP must carry its keyed session's push key MAC (missing or wrong)"
+    # an accepted PUSH_STEP is not answered; a refused one gets a REFUSED naming its step (the cases push step 1)
+    denied = "REFUSED 1 PERMISSION_DENIED a PUSH_STEP must carry its keyed session's push key MAC (missing or wrong)"
     untouched = stream == ["STATUS OK "]  # the session took nothing from it and ended cleanly
     if name == "PUSH_STEP honest":
-        return answers == ["STATUS OK "] and stream == ["ANSWER", "STATUS OK "]
+        return answers == [] and stream == ["ANSWER", "STATUS OK "]
     if name == "PUSH_STEP replayed":  # both taken, the copy dropped by the session's step order: one answer
-        return answers == ["STATUS OK "] * 2 and stream == ["ANSWER", "STATUS OK "]
-    if name == "PUSH_STEP interleaved with a PUSH":
-        return answers == ["STATUS OK "] * 3 and stream == ["ANSWER", "REPLY", "ANSWER", "STATUS OK "]
+        return answers == [] and stream == ["ANSWER", "STATUS OK "]
+    if name == "PUSH_STEP interleaved with a PUSH":  # (the PUSH's STATUS, always)
+        return answers == ["STATUS OK "] and stream == ["ANSWER", "REPLY", "ANSWER", "STATUS OK "]
     if name in ("PUSH_STEP without its MAC", "PUSH_STEP with a changed MAC", "PUSH_STEP with a changed value",
                 "PUSH_STEP MACed as a STEP", "PUSH_STEP MACed as a protobuf message", "PUSH_STEP under the client key"):
         return answers == [denied] and untouched
     if name == "PUSH_STEP with the wrong secret":
-        return answers == ["STATUS PERMISSION_DENIED a push must carry the session's secret"] and untouched
-    if name in ("PUSH_STEP truncated (header only)", "PUSH_STEP into an unknown session"):
-        return len(answers) == 1 and answers[0].startswith("STATUS NOT_FOUND no stream holds session") and untouched
+        return answers == ["REFUSED 1 PERMISSION_DENIED a push must carry the session's secret"] and untouched
+    if name == "PUSH_STEP into an unknown session":
+        return len(answers) == 1 and answers[0].startswith("REFUSED 1 NOT_FOUND no stream holds session") \
+            and untouched
+    if name == "PUSH_STEP truncated (header only)":  # too short for its step id too: it names step 0
+        return len(answers) == 1 and answers[0].startswith("REFUSED 0 NOT_FOUND no stream holds session") \
+            and untouched
     if name == "PUSH_STEP of step id 0":
-        return answers == ["STATUS INVALID_ARGUMENT a pushed step needs a nonzero step id"] and untouched
+        return answers == ["REFUSED 0 INVALID_ARGUMENT a pushed step needs a nonzero step id"] and untouched
     if name == "PUSH_STEP oversized":
         return answers[-1].startswith("STATUS INVALID_ARGUMENT oversized frame") and untouched
     if name == "PUSH_STEP inside a stream":  # on the session's own stream: the stream breaks
@@ -494,7 +502,7 @@ def push_expected(name: str, answers: list[str], stream: list[str]) -> bool:
                 "PUSH_STEP of the wrong length for its dims": "do not match its dims",
                 "PUSH_STEP of another hidden size": "does not match the model's"}
     # taken (the pusher cannot know), then refused by the session's step: a REPLY with the error, the session goes on
-    return answers == ["STATUS OK "] and len(stream) == 2 and stream[0].startswith("REPLY ") \
+    return answers == [] and len(stream) == 2 and stream[0].startswith("REPLY ") \
         and refusals[name] in stream[0] and stream[1] == "STATUS OK "
 
 
@@ -509,7 +517,7 @@ def run_push_cases(address: str, hidden: int, blocks: int) -> dict[str, tuple[li
                 continue
             with KeyedStream.plain(host, port) as pusher:
                 answers = pusher.exchange(PUSH_HELLO + case(stream))
-            if answers and answers[-1] == "closed":  # a push connection ends without a STATUS of its own
+            if answers and answers[-1] == "closed":  # a push connection ends without a word of its own
                 answers = answers[:-1]
             results[name] = (answers, stream.exchange(END))
     return results

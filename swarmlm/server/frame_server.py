@@ -36,6 +36,22 @@ LINGER_S = 2.0
 LINGER_BYTES = 1 << 20
 
 
+def _push_of(kind: Kind, body: bytes):
+    """A push frame's request: a PUSH's PushRequest (UNPARSABLE if it does not parse), a PUSH_STEP's `PushStep`."""
+    return PushStep(body) if kind == Kind.PUSH_STEP else request_of("Push", body)
+
+
+def _answer_push(conn: FrameConnection, request, context: "FrameContext") -> None:
+    """A push's answer: a PUSH's STATUS, always; a PUSH_STEP's only if it was refused (REFUSED, naming its step:
+    its pusher does not wait for an answer, docs/PROTOCOL.md "Compact pushes")."""
+    ok = context.code is grpc.StatusCode.OK
+    if type(request) is PushStep:
+        if not ok:
+            conn.write(frames.refused(request.step_id, context.code, context.details))
+    else:
+        conn.write(frames.OK_STATUS if ok else frames.status(context.code, context.details))
+
+
 class Aborted(Exception):
     """`context.abort` of a handler: the stream ends with this status."""
 
@@ -224,14 +240,12 @@ class FrameServer:
                 if isinstance(got, FrameError):
                     raise got
                 kind, body = got
-                context = FrameContext(peer)
-                if kind == Kind.PUSH:
-                    await self.service.Push(request_of("Push", body), context, body)
-                elif kind == Kind.PUSH_STEP:
-                    await self.service.Push(PushStep(body), context)
-                else:
+                if kind != Kind.PUSH and kind != Kind.PUSH_STEP:
                     raise FrameError(f"a {kind.name} frame on a push connection (expected PUSH or PUSH_STEP)")
-                conn.write(frames.status(context.code, context.details))
+                context = FrameContext(peer)
+                request = _push_of(kind, body)
+                await self.service.Push(request, context, None if type(request) is PushStep else body)
+                _answer_push(conn, request, context)
                 await conn.drain()
         finally:
             conn.sink = None
@@ -241,9 +255,9 @@ class FrameServer:
         (another frame, the end, a push that would wait) goes to `_pushes`, with every frame after it."""
         if isinstance(item, tuple) and (item[0] == Kind.PUSH_STEP or item[0] == Kind.PUSH) and conn.writable():
             context = FrameContext(peer)
-            if self.service.push_now(item[0], item[1], context) is not None:
-                ok = context.code is grpc.StatusCode.OK
-                conn.write(frames.OK_STATUS if ok else frames.status(context.code, context.details))
+            request = _push_of(*item)
+            if self.service.push_now(request, None if type(request) is PushStep else item[1], context) is not None:
+                _answer_push(conn, request, context)
                 return
         conn.queue(item)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import re
 import time
 from collections import OrderedDict
@@ -41,10 +42,13 @@ from swarmlm.wire import compact, session_keys
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.channel import aio_channel
-from swarmlm.wire.frames import Kind, frame
+from swarmlm.wire.frames import HEADER, Kind, frame
 from swarmlm.wire.links import Links, TransmissionPolicy
 
+log = logging.getLogger(__name__)
+
 MAX_PUSH_TARGETS = 64  # the rest of a route: more servers than any route has
+_KIND_AT = HEADER.size - 1  # a frame's kind byte
 _ADDRESS = re.compile(r"^[A-Za-z0-9.\-]{1,253}:[0-9]{1,5}$|^\[[0-9A-Fa-f:.]{2,45}\]:[0-9]{1,5}$")
 _P2P_ADDRESS = re.compile(r"^p2p/[1-9A-HJ-NP-Za-km-z]{40,60}$")  # a server behind NAT (swarm/records.py)
 _SESSION_ID = re.compile(r"^[0-9a-f]{1,64}$")
@@ -178,7 +182,7 @@ class Pusher:
         self.links = Links(TransmissionPolicy(prefill_window=None))
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, pb_grpc.SwarmStub]] = OrderedDict()
         # pushes on the target's framed port when it has one (server/frame_push.py); None = gRPC only
-        self.framed = FramePushes(self.info, swarm_key, max_message_bytes) if frames else None
+        self.framed = FramePushes(self.info, swarm_key, max_message_bytes, refused=self._refused) if frames else None
         self.pushed = 0
         self.failed = 0
         self.compact_frames = 0  # pushes written as PUSH_STEP frames (wire/compact.py)
@@ -196,10 +200,11 @@ class Pusher:
         return stub
 
     def push_now(self, target: pb.PushTarget, hidden: pb.Tensor, mask: pb.Tensor, rest: list[pb.PushTarget],
-                 op: pb.CacheOp | None = None, push_key: bytes = b"") -> asyncio.Future | None:
+                 op: pb.CacheOp | None = None, push_key: bytes = b"") -> asyncio.Future | bool | None:
         """`push`, written now from the caller's path when nothing has to be awaited first: the target's framed
         port known, a kept connection free, no message waiting for its turn on the link (so decode-first has
-        nothing to order). The future: whether the target accepted it. None: nothing done, use `push`."""
+        nothing to order). The future: whether the target accepted it; True: a PUSH_STEP, written and not
+        answered unless refused (`_refused`). None: nothing done, use `push`."""
         framed = self.framed
         if framed is None:
             return None
@@ -209,10 +214,13 @@ class Pusher:
         conn = framed.idle(target.address)
         if conn is None:
             return None
-        done = asyncio.get_running_loop().create_future()
         data = self._frame(target, hidden, mask, rest, op, push_key)
-        conn.write(data, self.timeout_s, functools.partial(self._answered, target.address, done))
         link.written_outside(StepKind.of(hidden.shape[1] if len(hidden.shape) == 3 else 0))
+        if data[_KIND_AT] == Kind.PUSH_STEP:
+            self._unanswered(target.address, conn, data)
+            return True
+        done = asyncio.get_running_loop().create_future()
+        conn.write(data, self.timeout_s, functools.partial(self._answered, target.address, done))
         return done
 
     async def push(self, target: pb.PushTarget, hidden: pb.Tensor, mask: pb.Tensor,
@@ -267,6 +275,20 @@ class Pusher:
         return frame(Kind.PUSH, session_keys.signed_bytes(push_key, target.session_id, request) if push_key
                             else request.SerializeToString())
 
+    def _unanswered(self, address: str, conn, data: bytes) -> None:
+        """A PUSH_STEP written on `conn`: counted as pushed (a refusal comes later, to `_refused`), `conn` kept."""
+        conn.write_unanswered(data)
+        self.pushed += 1
+        self.framed.keep(address, conn)
+
+    def _refused(self, step_id: int, code: grpc.StatusCode, details: str) -> None:
+        """A PUSH_STEP refused by its target (a REFUSED, whenever it comes): counted, logged. The client's stream to
+        that server gets no reply for the step, and its hang timeout and failover take it from there, as for a
+        push refused by a STATUS."""
+        self.pushed -= 1
+        self.failed += 1
+        log.warning("a compact push of step %d was refused: %s %s", step_id, code.name, details[:200])
+
     def _answered(self, address: str, done: asyncio.Future, conn, code: grpc.StatusCode | None, _: str) -> None:
         """A framed push's answer (code None: none came): counted, its connection kept if OK, `done` resolved."""
         accepted = code == grpc.StatusCode.OK
@@ -291,6 +313,10 @@ class Pusher:
                     self.framed.forget(address)
                     link.answered(kind)
                     return None
+            if data[_KIND_AT] == Kind.PUSH_STEP:
+                self._unanswered(address, conn, data)
+                link.answered(kind)
+                return True
             conn.write(data, self.timeout_s, functools.partial(self._answered, address, done))
         try:
             return await done

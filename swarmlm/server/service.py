@@ -25,7 +25,6 @@ from swarmlm.model.fingerprint import range_fingerprint
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.server import deep_prompt, prefix_cache
 from swarmlm.server.checks import StepChecks, check_cache_op, decode_step
-from swarmlm.server.inbound import request_of
 from swarmlm.server.prefix_cache import PrefixCache
 from swarmlm.server.push import Pusher, TargetCheck, check_targets
 from swarmlm.server.scheduler import JobTiming, Scheduler
@@ -42,7 +41,6 @@ from swarmlm.wire import cache_op, codec, compact, compress
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.compact import AnswerFrame, CompactStep, PushStep
-from swarmlm.wire.frames import Kind
 from swarmlm.wire.protocol import PROTOCOL_VERSION
 from swarmlm.wire.session_keys import ServerKey
 
@@ -293,13 +291,12 @@ class SwarmService(pb_grpc.SwarmServicer):
         handle = self.streams.push if data is None else functools.partial(self.streams.push, data=data)
         return await self.gate.serve(request, context, pb.PushReply(), "push", handle)
 
-    def push_now(self, kind: Kind, data: bytes, context) -> pb.PushReply | None:
-        """`Push` of a framed push's bytes (a PUSH's or a PUSH_STEP's) if it is answered without waiting (its status
-        on `context`, refusals included); None when it would wait for room (nothing done: then `Push` it)."""
-        compact_push = kind == Kind.PUSH_STEP
-        return self.gate.serve_now(PushStep(data) if compact_push else request_of("Push", data), context,
-                                   pb.PushReply(), "push", functools.partial(self.streams.push_now,
-                                                                              data=None if compact_push else data))
+    def push_now(self, request: pb.PushRequest | PushStep, data: bytes | None, context) -> pb.PushReply | None:
+        """`Push` of a framed push (a PUSH's request and the bytes it was parsed from, or a PUSH_STEP's `PushStep`)
+        if it is taken without waiting (its status on `context`, refusals included); None when it would wait for
+        room (nothing done: then `Push` it)."""
+        return self.gate.serve_now(request, context, pb.PushReply(), "push",
+                                   functools.partial(self.streams.push_now, data=data))
 
     async def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardReply:
         return await self.gate.serve(request, context, pb.ForwardReply(), "forward", self._forward)

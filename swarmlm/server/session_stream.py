@@ -372,6 +372,9 @@ class SessionStreams:
                 step.cache_op if step.HasField("cache_op") else None, push_key)
         previous = self._pushes.get(sid)
         now = self.pusher.push_now(*args) if previous is None or previous.done() else None
+        if now is True:  # a PUSH_STEP, written: not answered unless refused (then logged by the pusher)
+            self._pushes.pop(sid, None)
+            return True
         if now is not None:
             self._pushes[sid] = now
             now.add_done_callback(functools.partial(self._pushed, sid, step.step_id, targets[0].address))

@@ -85,15 +85,16 @@ class PushStep:
     `verified` its MAC under the session's push key, `step` its STEP part (a `CompactStep` over the same bytes).
     A body too short for its own header reads as session "" (no session has that id: refused as unknown)."""
 
-    __slots__ = ("body", "session_id", "secret", "_at")
+    __slots__ = ("body", "session_id", "secret", "step_id", "_at")
 
     def __init__(self, body: bytes) -> None:
         self.body = body
         n = body[0] if body else 0
         self._at = at = 1 + n + SECRET_BYTES  # where its STEP part starts
         if len(body) < at + STEP_HEAD.size + MAC_BYTES:
-            self.session_id, self.secret = "", b""
+            self.session_id, self.secret, self.step_id = "", b"", 0
             return
+        self.step_id = STEP_HEAD.unpack_from(body, at)[0]  # (a refusal names it)
         try:
             self.session_id = body[1:1 + n].decode("ascii")
         except UnicodeDecodeError:
