@@ -59,25 +59,31 @@ def test_a_short_or_undecodable_push_step_names_no_session():
         assert push.session_id == "" and not push.verified(KEY)
 
 
-def _tokens(client, ids: torch.Tensor, new: int) -> list[int]:
+def _tokens(client, ids: torch.Tensor, new: int, pushed: bool) -> list[int]:
     with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + new + 2) as session:
         logits = client.step_logits(session, ids)
         tokens = [int(logits[0, -1].argmax())]
         for _ in range(new - 1):
             logits = client.step_logits(session, torch.tensor([[tokens[-1]]]))
             tokens.append(int(logits[0, -1].argmax()))
-        assert all(len(s.hops) == 3 for s in session.steps)
+        for record in session.steps:  # (an ANSWER says it was pushed on as a REPLY does)
+            assert [h.pushed for h in record.hops] == ([True, True, False] if pushed else [False] * 3)
     return tokens
 
 
 @pytest.mark.parametrize("client_frames", [True, False])
-def test_decode_pushes_to_the_last_server_go_compact_and_give_the_same_tokens(tiny_bloom, client_frames):
+def test_decode_pushes_to_the_last_server_go_compact_and_give_the_same_tokens(tiny_bloom, client_frames,
+                                                                              monkeypatch):
     """3 servers, pushed: every decode step's push from the middle server to the last is a PUSH_STEP (the first
     server's push carries the rest of the route: a PushRequest), and the greedy tokens equal transformers' and a
-    relayed client's. The last server answers it on the client's stream: an ANSWER on a framed stream, a REPLY on a
-    gRPC one."""
+    relayed client's. On framed streams every decode step's three replies are ANSWERs, the two pushing servers'
+    flagged pushed; on gRPC streams they are REPLYs (gRPC carries protobuf only)."""
     new = 6
     ids, want = greedy_reference(tiny_bloom, "compact pushes on the last hop", new)
+    pushing_answers = []
+    real = compact.answer_frame
+    monkeypatch.setattr(compact, "answer_frame", lambda *a, **k: (pushing_answers.append(k.get("pushed_dims")),
+                                                                  real(*a, **k))[1])
     with in_process_swarm(tiny_bloom, [BlockRange(0, 2), BlockRange(2, 4), BlockRange(4, 6)]) as swarm:
         pushers = [s.service.pusher for s in swarm.servers]
         got = {}
@@ -85,16 +91,19 @@ def test_decode_pushes_to_the_last_server_go_compact_and_give_the_same_tokens(ti
             client = client_of(swarm, frames=client_frames, push=push)
             try:
                 before = [p.compact_frames for p in pushers]
-                got[push] = _tokens(client, ids, new)
+                pushing_answers.clear()
+                got[push] = _tokens(client, ids, new, push)
                 counts = [p.compact_frames - b for p, b in zip(pushers, before)]
             finally:
                 client.close()
+            flagged = sum(dims is not None for dims in pushing_answers)
             if push:
                 # (the prefill's pushes stay PushRequests; each decode step's second push is compact)
                 assert counts == [0, new - 1, 0], counts
                 assert pushers[1].failed == 0
+                assert (len(pushing_answers), flagged) == ((3 * (new - 1), 2 * (new - 1)) if client_frames else (0, 0))
             else:
-                assert counts == [0, 0, 0]
+                assert counts == [0, 0, 0] and flagged == 0
     assert got[True] == want and got[False] == want
 
 

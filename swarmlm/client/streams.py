@@ -238,6 +238,9 @@ class SpanStream:
             request = compact.step_frame(self.keys.client, self.session_id, self._step_id, b, t, h, values)
             nbytes, compact_shape = len(values), (b, t, h)
         else:
+            # a plain decode step with push targets is answered by an ANSWER (server/service.py `_answers_compact`)
+            compact_shape = tuple(shape) if unmasked and push and op is None and wire_dtype == "float32" and \
+                self._compact(shape) else None
             request = pb.InferenceRequest(step=pb.InferenceStep(
                 hidden=encoded.as_sent() if encoded is not None and wire_dtype == "float32" else
                 compress.encode_hidden(hidden, wire_dtype),
@@ -245,7 +248,7 @@ class SpanStream:
                 # (no padding: no mask on the wire, the server reads an absent mask as all ones)
                 attention_mask=_NO_MASK if unmasked else codec.encode(mask)))
             session_keys.sign(self.keys.client, self.session_id, request)
-            nbytes, compact_shape = len(request.step.hidden.data), None
+            nbytes = len(request.step.hidden.data)
         sent = _Sent(StepKind.of(shape[1]), n_tokens=shape[1], request_bytes=nbytes,
                      encode_s=time.perf_counter() - t0, clean=False, on_link=False, step_id=self._step_id,
                      shape=compact_shape)

@@ -73,6 +73,16 @@ def measured_speeds(profile: ComputeProfile) -> dict[str, float]:
             "decode_16rows_s_per_block": profile.decode_16rows_s}
 
 
+def _answers_compact(session: Session, step: pb.InferenceStep, op) -> bool:
+    """Is a protobuf step with push targets answered by an ANSWER? A plain decode step (T = 1, no mask, no cache op,
+    float32, B within u16) of a keyed session: the rule the client's `SpanStream._request` applies to such a step."""
+    if not step.push or session.keys is None or op is not None or step.attention_mask.dtype:
+        return False
+    hidden = step.hidden
+    return hidden.dtype == "float32" and len(hidden.shape) == 3 and hidden.shape[1] == 1 and \
+        compact.eligible_dims(hidden.shape[0], 1)
+
+
 class SwarmService(pb_grpc.SwarmServicer):
     def __init__(self, config: ServerConfig, stage: Stage, scheduler: Scheduler, stats: ServerStats) -> None:
         self.config = config
@@ -261,11 +271,15 @@ class SwarmService(pb_grpc.SwarmServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"step failed, session closed: {error}")
         session.last_used_s = time.monotonic()  # idle from the step's end: a long step is no idle time
         encode_start = time.perf_counter()
-        if compact_step and session.framed:  # (a PUSH_STEP's step in a session held by a gRPC stream: a REPLY)
+        # a STEP's, a PUSH_STEP's (in a session held by a gRPC stream: a REPLY) or a pushing plain decode step's answer
+        # is an ANSWER, the latter flagged and keeping its output for the push (the client takes an ANSWER for such a
+        # step: client/streams.py `_request`, `expect`)
+        pushing = not compact_step and session.framed and _answers_compact(session, step, op)
+        if (compact_step and session.framed) or pushing:
             return compact.answer_frame(
                 session.keys.server, sid, step_id, session.state.position, compact.float32_bytes(out),
                 timing.queued_s, timing.compute_s, parsed - started, time.perf_counter() - encode_start,
-                timing.batched_steps)
+                timing.batched_steps, pushed_dims=tuple(out.shape) if pushing else None)
         # in the request's wire format (wire/compress.py); a compact step's is float32
         reply_hidden = compress.encode_like(out, "float32" if compact_step else step.hidden.dtype)
         encode_s = time.perf_counter() - encode_start

@@ -368,7 +368,12 @@ class SessionStreams:
                 log.warning("step %d of session %s: the push key for %s is not sealed for us; not pushed",
                             step.step_id, sid, targets[0].address)
                 return True
-        args = (targets[0], reply.hidden, step.attention_mask, targets[1:],
+        if type(reply) is AnswerFrame:  # a plain decode step's ANSWER keeps its output's float32 bytes (compact.py)
+            values, dims = reply.output
+            hidden = pb.Tensor(data=values, dtype="float32", shape=dims)
+        else:
+            hidden = reply.hidden
+        args = (targets[0], hidden, step.attention_mask, targets[1:],
                 step.cache_op if step.HasField("cache_op") else None, push_key)
         previous = self._pushes.get(sid)
         now = self.pusher.push_now(*args) if previous is None or previous.done() else None

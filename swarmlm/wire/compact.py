@@ -6,8 +6,8 @@ key), with fewer Python calls: no protobuf message is built, serialized or parse
 bytes as they are.
 
     STEP body:   step id (u64), B (u16), T (u16), H (u32) | B*T*H float32 | MAC (16)
-    ANSWER body: step id (u64), position (u32), batched steps (u32), queued_s, compute_s, parse_s, encode_s (f64 each)
-                 | B*T*H float32 (the STEP's B, T, H) | MAC (16)
+    ANSWER body: step id (u64), position (u32), batched steps (u32), flags (u8: 1 = pushed on), queued_s, compute_s,
+                 parse_s, encode_s (f64 each) | B*T*H float32 (the step's B, T, H) | MAC (16)
     PUSH_STEP body (server -> server, on a push connection): session id length (u8), the target session's id (ASCII),
                  its secret (16) | a STEP body's header and values (step id, B, T, H | B*T*H float32) | MAC (16)
 
@@ -42,11 +42,12 @@ from swarmlm.wire.session_keys import MAC_BYTES
 SECRET_BYTES = 16  # a session's secret, 128 bits (server/sessions.py: a PUSH_STEP carries it)
 
 STEP_HEAD = struct.Struct(">QHHI")  # step id, B, T, H (network order, as the frame header: packed with it)
-ANSWER_HEAD = struct.Struct(">QIIdddd")  # step id, position, batched steps, queued, compute, parse, encode (s)
+ANSWER_HEAD = struct.Struct(">QIIBdddd")  # step id, position, batched steps, flags, queued, compute, parse, encode (s)
+PUSHED = 1  # an ANSWER's flag: the server pushed this step's output on (its step carried push targets)
 MAX_DIM = 0xFFFF  # B and T are u16 on the wire: a step larger than this goes protobuf
 _STEP_PERSON, _ANSWER_PERSON, _PUSH_PERSON = b"swarmlm-step", b"swarmlm-answer", b"swarmlm-push"
 _STEP_FRAME_HEAD = struct.Struct(">IBQHHI")  # frames.HEADER + STEP_HEAD: one pack per frame
-_ANSWER_FRAME_HEAD = struct.Struct(">IBQIIdddd")
+_ANSWER_FRAME_HEAD = struct.Struct(">IBQIIBdddd")
 assert _STEP_FRAME_HEAD.size == frames.HEADER.size + STEP_HEAD.size  # (the struct's byte order only: no padding)
 assert _ANSWER_FRAME_HEAD.size == frames.HEADER.size + ANSWER_HEAD.size
 
@@ -171,26 +172,33 @@ def float32_bytes(tensor) -> bytes:
 
 
 class AnswerFrame(bytes):
-    """A whole ANSWER frame, ready to write: the stream's loop sends it as it is (`pushed`: never)."""
+    """A whole ANSWER frame, ready to write: the stream's loop sends it as it is. An answer to a step with push
+    targets (`pushed`) also keeps `output`: its values' float32 bytes and [B, T, H], which the server pushes on."""
 
-    __slots__ = ()
     pushed = False
+    output: tuple[bytes, tuple[int, int, int]] | None = None
 
 
 def answer_frame(key: bytes, session_id: str, step_id: int, position: int, values: bytes, queued_s: float,
-                 compute_s: float, parse_s: float, encode_s: float, batched_steps: int) -> AnswerFrame:
-    """The ANSWER to a STEP: `values` its output's float32 bytes (the STEP's dims)."""
+                 compute_s: float, parse_s: float, encode_s: float, batched_steps: int,
+                 pushed_dims: tuple[int, int, int] | None = None) -> AnswerFrame:
+    """The ANSWER to a STEP (or to a plain decode step, pushed or pushing): `values` its output's float32 bytes
+    (the step's dims). `pushed_dims`: the step's [B, T, H] when the server pushes its output on (flag PUSHED; the
+    frame keeps `output` for the push)."""
     head = _ANSWER_FRAME_HEAD.pack(ANSWER_HEAD.size + len(values) + MAC_BYTES, Kind.ANSWER, step_id, position,
-                                   batched_steps, queued_s, compute_s, parse_s, encode_s)
-    return AnswerFrame(b"".join((head, values, _tag(key, _ANSWER_PERSON, session_id, head[frames.HEADER.size:],
-                                                    values))))
+                                   batched_steps, PUSHED if pushed_dims else 0, queued_s, compute_s, parse_s, encode_s)
+    frame = AnswerFrame(b"".join((head, values, _tag(key, _ANSWER_PERSON, session_id, head[frames.HEADER.size:],
+                                                     values))))
+    if pushed_dims:
+        frame.pushed, frame.output = True, (values, pushed_dims)
+    return frame
 
 
 class Answer:
     """An ANSWER frame's body as the client reads it (`opened` checks it)."""
 
-    __slots__ = ("body", "step_id", "position", "batched_steps", "queued_s", "compute_s", "parse_s", "encode_s")
-    pushed = False  # (a STEP is never pushed on)
+    __slots__ = ("body", "step_id", "position", "batched_steps", "pushed", "queued_s", "compute_s", "parse_s",
+                 "encode_s")
 
     def __init__(self, body: bytes) -> None:
         self.body = body
@@ -207,8 +215,9 @@ class Answer:
             raise Tampered()
         if size != ANSWER_HEAD.size + count * 4:
             raise InvalidRequest(f"ANSWER: {size - ANSWER_HEAD.size} value bytes, the step has {count * 4}")
-        (self.step_id, self.position, self.batched_steps, self.queued_s, self.compute_s, self.parse_s,
+        (self.step_id, self.position, self.batched_steps, flags, self.queued_s, self.compute_s, self.parse_s,
          self.encode_s) = ANSWER_HEAD.unpack_from(body)
+        self.pushed = bool(flags & PUSHED)
         return self
 
     def data(self) -> memoryview:
