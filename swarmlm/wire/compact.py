@@ -18,7 +18,8 @@ message's, nor one kind's for another's.
 
 Only a decode step (T = 1) with no mask (no padding), no push targets, no cache op, float32 on the link goes compact
 (client/streams.py `SpanStream._compact`); everything else (opens, prefills, replays, speculation's passes, pushed
-routes, saves) stays protobuf. A refused STEP is answered by the usual protobuf REPLY with its error.
+routes, saves) stays protobuf. A refused STEP is answered by the usual protobuf REPLY with its error. Such a decode
+step with push targets (a pushed route's) is a REQUEST, but answered by an ANSWER flagged PUSHED.
 
 A server pushes a PUSH_STEP (server/push.py `Pusher`) for the same kind of step when the push carries no onward targets
 (the route's last server: a middle one's push carries the rest of the route, and stays a PushRequest) into a keyed
