@@ -40,8 +40,8 @@ def test_no_other_frames_mac_passes_for_a_push_steps_nor_a_push_steps_for_theirs
     PUSH_STEP's, and a PUSH_STEP's is none of theirs (each its own BLAKE2b personalisation)."""
     frame = compact.push_frame(KEY, SID, SECRET, 7, 1, 1, HIDDEN, _values())
     body = frame[HEADER.size:-MAC_BYTES]
-    for mac in (compact._tag(KEY, compact._STEP_PERSON, SID, body), compact._tag(KEY, compact._ANSWER_PERSON, SID, body),
-                session_keys._mac_of(KEY, SID, body)):
+    for mac in (compact._tag(KEY, compact._STEP_PERSON, SID, body),
+                compact._tag(KEY, compact._ANSWER_PERSON, SID, body), session_keys._mac_of(KEY, SID, body)):
         assert not compact.PushStep(body + mac).verified(KEY)
     assert compact.PushStep(frame[HEADER.size:]).verified(KEY)
     # the other way: a PUSH_STEP's STEP part with the PUSH_STEP's MAC is no STEP of that session under that key

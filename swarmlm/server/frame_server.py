@@ -224,9 +224,10 @@ class FrameServer:
         return requests.ended and not conn.transport.is_closing()
 
     async def _pushes(self, conn: FrameConnection) -> None:
-        """PUSH (and compact PUSH_STEP: wire/compact.py) frames, each answered by one STATUS (the service's Push handler decides), until the pusher closes.
-        While nothing waits here, each push is taken as its frame is cut (`_push_now`, in data_received: no task
-        between the socket and the session's inbox); one that would wait (a full inbox, a full write buffer), and
+        """PUSH frames, each answered by one STATUS, and compact PUSH_STEP frames (wire/compact.py), answered only if
+        refused (`_answer_push`; the service's Push handler decides), until the pusher closes. While nothing waits
+        here, each push is taken as its frame is cut (`_push_now`, in data_received: no task between the socket and
+        the session's inbox); one that would wait (a full inbox, a full write buffer), and
         every frame after it, go through this task in order."""
         peer = _peer_of(conn.transport)
         take_now = functools.partial(self._push_now, conn, peer)

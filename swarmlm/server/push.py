@@ -300,8 +300,9 @@ class Pusher:
             done.set_result(accepted)
 
     async def _framed(self, link, kind: StepKind, address: str, port: int, data: bytes) -> bool | None:
-        """A push (`data`: a whole PUSH or PUSH_STEP frame, `_frame`) on the framed port: whether the target accepted it, or
-        None when the port does not take the connection (then forgotten: this push and later ones go by gRPC).
+        """A push (`data`: a whole PUSH or PUSH_STEP frame, `_frame`) on the framed port: whether the target accepted
+        it (a PUSH_STEP: True once written), or None when the port does not take the connection (then forgotten:
+        this push and later ones go by gRPC).
         Held on the link like a gRPC push: its turn until written, in flight until answered."""
         done = asyncio.get_running_loop().create_future()
         async with link.turn(kind):
