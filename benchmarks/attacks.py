@@ -401,12 +401,13 @@ def training_flood(ctx, calls: int = 32, rows: int = 64, tokens: int = 128) -> t
     return calls, ", ".join(f"{n} x {c}" for c, n in sorted(codes.items()))
 
 
-FRAME_ROUND_S = 1.5  # hostile_frames' rounds take at least this long
+FRAME_ROUND_S = 2.0  # hostile_frames' rounds take at least this long
 
 
 def hostile_frames(ctx, rounds: int = 20, random_count: int = 1000) -> tuple[int, str]:
     """The framed step port (wire/frames.py): every hostile case (garbage, wrong magic, oversized, truncated,
-    interleaved, unparsable; compact STEPs tampered, cut, out of bounds, not finite, out of place) `rounds` times,
+    interleaved, unparsable; compact STEPs tampered, cut, out of bounds, not finite, out of place; compact pushes
+    tampered, cut, in another MAC domain, unknown, replayed, interleaved, out of place) `rounds` times,
     then `random_count` connections of random frames."""
     from swarmlm.bench import frame_attacks as fa
     from tests.test_fuzz_rpc import fuzz_frames
@@ -418,11 +419,14 @@ def hostile_frames(ctx, rounds: int = 20, random_count: int = 1000) -> tuple[int
         wrong += sum(not fa.expected(name, got) for name, got in answers.items())
         answers = fa.run_compact_cases(ctx.address, ctx.hidden, ctx.blocks)  # compact STEPs (wire/compact.py)
         wrong += sum(not fa.compact_expected(name, got) for name, got in answers.items())
-        # a round's broken streams leave 7 sessions detached for the server's resume grace (5 s): at most 4 rounds'
+        answers = fa.run_push_cases(ctx.address, ctx.hidden, ctx.blocks)  # compact pushes (PUSH_STEP)
+        wrong += sum(not fa.push_expected(name, *got) for name, got in answers.items())
+        # a round's broken streams leave 8 sessions detached for the server's resume grace (5 s): at most 3 rounds'
         # worth at once stays under the per-peer session limit (32), whose refusal is not what is tested here
         time.sleep(max(0.0, FRAME_ROUND_S - (time.monotonic() - started)))
     ends = fuzz_frames(ctx.address, random_count, 0, ctx.hidden, ctx.blocks)
-    cases = rounds * (len(fa.cases(ctx.hidden, ctx.blocks, 64 * MB)) + len(fa.compact_cases(ctx.hidden)))
+    cases = rounds * (len(fa.cases(ctx.hidden, ctx.blocks, 64 * MB)) + len(fa.compact_cases(ctx.hidden))
+                      + len(fa.push_cases(ctx.hidden)))
     return cases + random_count, (f"{cases - wrong}/{cases} cases refused as expected; random: "
                                   + ", ".join(f"{n} x {c}" for c, n in sorted(ends.items())))
 

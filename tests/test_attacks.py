@@ -185,6 +185,21 @@ def test_the_framed_port_refuses_hostile_compact_steps(attack_server, honest):
     assert honest.poll_correct()
 
 
+def test_the_framed_port_refuses_hostile_compact_pushes(attack_server, honest):
+    """Compact pushes (wire/compact.py PUSH_STEP): one cut, without its MAC or with a changed byte, MACed in another
+    domain (a STEP's, a protobuf message's) or under another key, with the wrong secret, into an unknown session or
+    with step id 0 is refused by its STATUS and the session takes nothing; an oversized one breaks its connection,
+    one on a session's own stream breaks that stream; a replayed one runs once; interleaved with a protobuf PUSH each
+    runs in order; one of the wrong length or not finite is taken, then refused by a REPLY on the session's stream."""
+    from swarmlm.bench import frame_attacks as fa
+
+    address, hidden, blocks = attack_server
+    results = fa.run_push_cases(address, hidden, blocks)
+    bad = {name: got for name, got in results.items() if not fa.push_expected(name, *got)}
+    assert not bad, bad
+    assert honest.poll_correct()
+
+
 def test_a_stream_on_a_kept_framed_connection_inherits_nothing_from_the_stream_before(attack_server, honest):
     """A framed connection carries one stream after another (client/channels.py keeps it between sessions): a
     stream on a connection an earlier stream used gets no session and no standing from it, cannot take another

@@ -246,6 +246,53 @@ def test_fuzzing_compact_steps_closes_or_refuses_each_and_the_server_serves_on(a
     assert honest.poll_correct()
 
 
+def fuzz_pushes(address: str, count: int, seed: int, hidden: int, blocks: int) -> tuple[Counter, Counter]:
+    """`count` keyed sessions, each pushed a compact PUSH_STEP (wire/compact.py) with random bytes changed, cut or
+    added (its session id, secret, header, values or MAC) on a push connection: what each push was answered
+    ("REFUSED CODE", or "taken": no answer), and what each session's stream ended with after its END ("STATUS CODE"
+    or "closed")."""
+    from swarmlm.bench import frame_attacks as fa
+    from swarmlm.wire import compact, frames
+
+    rng = random.Random(seed)
+    pushes: Counter = Counter()
+    streams: Counter = Counter()
+    host, port = address.rsplit(":", 1)[0], fa.frame_port(address)
+    for _ in range(count):
+        with fa.KeyedStream(address, blocks) as stream:
+            values = fa._values(1, 1, hidden)
+            frame = compact.push_frame(stream.keys.push, stream.session_id, stream.secret, 1, 1, 1, hidden,
+                                       values.tobytes())
+            body = bytearray(frame[frames.HEADER.size:])
+            pick = rng.random()
+            if pick < 0.5:
+                for _ in range(rng.randint(1, 4)):
+                    body[rng.randrange(len(body))] = rng.randrange(256)
+            elif pick < 0.75:
+                del body[rng.randrange(len(body)):]
+            else:
+                body += rng.randbytes(rng.randint(1, 64))
+            with fa.KeyedStream.plain(host, port) as pusher:
+                answers = pusher.exchange(fa.PUSH_HELLO + frames.frame(frames.Kind.PUSH_STEP, bytes(body)))
+            # "REFUSED CODE" for a refusal, "taken" for a push taken (not answered), else how the connection ended
+            first = answers[0].split() if answers else ["closed"]
+            pushes["taken" if first == ["closed"] else " ".join(first[:1] + first[2:3])] += 1
+            streams[" ".join(stream.exchange(fa.END)[-1].split()[:2])] += 1
+    return pushes, streams
+
+
+def test_fuzzing_compact_pushes_refuses_each_and_the_server_serves_on(attack_server, honest):
+    address, hidden, blocks = attack_server
+    pushes, streams = fuzz_pushes(address, count=40, seed=23, hidden=hidden, blocks=blocks)
+    assert sum(pushes.values()) == 40 and sum(streams.values()) == 40
+    # a changed push is refused by a REFUSED (its MAC, its secret, its session) or, if only its values' length no
+    # longer matches, taken and refused by the session's step; never INTERNAL or UNKNOWN; every session ends cleanly
+    assert set(pushes) <= {"REFUSED PERMISSION_DENIED", "REFUSED NOT_FOUND", "taken"}, pushes
+    assert pushes["REFUSED PERMISSION_DENIED"] > 0, pushes
+    assert set(streams) == {"STATUS OK"}, streams
+    assert honest.poll_correct()
+
+
 @pytest.mark.slow
 def test_fuzzing_the_relay_leaves_it_relaying(relay_bed):
     """Random bytes and malformed headers into every relay protocol (swarm/relay.py): each stream gets an ERR or

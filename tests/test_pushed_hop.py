@@ -98,7 +98,7 @@ class _Stream:
         self.blocking_ok = True
         self.call = name
 
-    def expect(self, n_tokens: int) -> None:
+    def expect(self, shape) -> None:
         self.next_step_id += 1
 
     def takes_float32(self, shape) -> bool:

@@ -2,7 +2,8 @@
 tests/test_fuzz_rpc.py, heavy in benchmarks/attacks.py. Each case opens its own connection with a blocking socket
 and returns what the server answered: "STATUS <CODE> <details>", "REPLY ..." or "closed" (it closed without a
 word: a connection cut inside a frame cannot be answered). Compact decode frames (wire/compact.py): hostile STEPs
-in a keyed session of their own (`KeyedStream`, `compact_cases`)."""
+in a keyed session of their own (`KeyedStream`, `compact_cases`), and hostile compact pushes (PUSH_STEP) into one
+(`push_cases`)."""
 from __future__ import annotations
 
 import random
@@ -216,6 +217,7 @@ class KeyedStream:
         if not session_keys.verified(self.keys.server, reply.session_id, reply):
             raise RuntimeError(f"the open's reply does not carry the server key's MAC: {reply}")
         self.session_id = reply.session_id
+        self.secret = reply.session_secret  # (a push into this session carries it)
 
     @classmethod
     def plain(cls, host: str, port: int) -> "KeyedStream":
@@ -300,6 +302,9 @@ class KeyedStream:
             if kind == Kind.STATUS:
                 code, details = frames.parse_status(body)
                 answers.append(f"STATUS {code.name} {details}")
+            elif kind == Kind.REFUSED:
+                step_id, code, details = frames.parse_refused(body)
+                answers.append(f"REFUSED {step_id} {code.name} {details}")
             elif kind == Kind.REPLY:
                 error = pb.InferenceReply.FromString(body).error.message
                 answers.append(f"REPLY {error}" if error else "REPLY")
@@ -399,4 +404,120 @@ def run_compact_cases(address: str, hidden: int, blocks: int, max_batch: int = 6
             continue
         with KeyedStream(address, blocks) as stream:
             results[name] = stream.exchange(case(stream) + END)
+    return results
+
+
+# ---- compact pushes (wire/compact.py PUSH_STEP): hostile pushes into a keyed session ----------------------------
+
+def push_cases(hidden: int) -> dict[str, object]:
+    """Name -> a function of a `KeyedStream` (its session open) giving the frames a push connection sends after its
+    HELLO; the connection then half-closes and reads every STATUS, and the session's stream is ended and read
+    (`run_push_cases`)."""
+    from swarmlm.wire import compact
+    from swarmlm.wire.session_keys import MAC_BYTES, _mac_of
+
+    def push(s: KeyedStream, step_id: int = 1, values=None, key: bytes | None = None, secret: bytes | None = None,
+             session_id: str | None = None, dims: tuple[int, int, int] | None = None) -> bytes:
+        values = _values(1, 1, hidden) if values is None else values
+        b, t, h = dims or values.shape
+        return compact.push_frame(s.keys.push if key is None else key, s.session_id if session_id is None else
+                                  session_id, s.secret if secret is None else secret, step_id, b, t, h,
+                                  values.tobytes())
+
+    def remaced(frame: bytes, session_id: str, mac) -> bytes:  # the frame's MAC replaced by mac(body before it)
+        body = frame[HEADER.size:-MAC_BYTES]
+        return frame[:-MAC_BYTES] + mac(body)
+
+    def recut(frame: bytes, body_bytes: int) -> bytes:
+        return HEADER.pack(body_bytes, Kind.PUSH_STEP) + frame[HEADER.size:HEADER.size + body_bytes]
+
+    def flipped(frame: bytes, at: int) -> bytes:
+        changed = bytearray(frame)
+        changed[at] ^= 1
+        return bytes(changed)
+
+    def protobuf_push(s: KeyedStream, step_id: int) -> bytes:
+        from swarmlm.wire import session_keys
+        request = pb.PushRequest(session_id=s.session_id, secret=s.secret, step=pb.InferenceStep(
+            hidden=codec.encode(torch.from_numpy(_values(1, 1, hidden))), step_id=step_id))
+        return frames.frame(Kind.PUSH, session_keys.signed_bytes(s.keys.push, s.session_id, request))
+
+    def step_domain(s: KeyedStream) -> bytes:  # the push key, a STEP's personalisation
+        return remaced(push(s), s.session_id, lambda body: compact._tag(s.keys.push, compact._STEP_PERSON,
+                                                                        s.session_id, body))
+
+    return {
+        "PUSH_STEP honest": lambda s: push(s),
+        "PUSH_STEP truncated (header only)": lambda s: recut(push(s), 10),
+        "PUSH_STEP without its MAC": lambda s: recut(push(s), len(push(s)) - HEADER.size - MAC_BYTES),
+        "PUSH_STEP oversized": lambda s: HEADER.pack((1 << 32) - 1, Kind.PUSH_STEP) + b"x" * 64,
+        "PUSH_STEP with a changed MAC": lambda s: flipped(push(s), -1),
+        "PUSH_STEP with a changed value": lambda s: flipped(push(s), -MAC_BYTES - 1),
+        "PUSH_STEP MACed as a STEP": step_domain,
+        "PUSH_STEP MACed as a protobuf message": lambda s: remaced(
+            push(s), s.session_id, lambda body: _mac_of(s.keys.push, s.session_id, body)),
+        "PUSH_STEP under the client key": lambda s: push(s, key=s.keys.client),
+        "PUSH_STEP with the wrong secret": lambda s: push(s, secret=b"w" * 16),
+        "PUSH_STEP into an unknown session": lambda s: push(s, session_id="f" * 32),
+        "PUSH_STEP replayed": lambda s: push(s) * 2,
+        "PUSH_STEP interleaved with a PUSH": lambda s: push(s, 1) + protobuf_push(s, 2) + push(s, 3),
+        "PUSH_STEP with NaN": lambda s: push(s, values=_values(1, 1, hidden, float("nan"))),
+        "PUSH_STEP of the wrong length for its dims": lambda s: push(s, dims=(1, 2, hidden)),
+        "PUSH_STEP of another hidden size": lambda s: push(s, values=_values(1, 1, hidden + 1)),
+        "PUSH_STEP of step id 0": lambda s: push(s, 0),
+        "PUSH_STEP inside a stream": "stream",
+    }
+
+
+def push_expected(name: str, answers: list[str], stream: list[str]) -> bool:
+    """Is this the clear answer the push case should get? `answers`: the push connection's, `stream`: the session's
+    stream's after its END."""
+    # an accepted PUSH_STEP is not answered; a refused one gets a REFUSED naming its step (the cases push step 1)
+    denied = "REFUSED 1 PERMISSION_DENIED a PUSH_STEP must carry its keyed session's push key MAC (missing or wrong)"
+    untouched = stream == ["STATUS OK "]  # the session took nothing from it and ended cleanly
+    if name == "PUSH_STEP honest":
+        return answers == [] and stream == ["ANSWER", "STATUS OK "]
+    if name == "PUSH_STEP replayed":  # both taken, the copy dropped by the session's step order: one answer
+        return answers == [] and stream == ["ANSWER", "STATUS OK "]
+    if name == "PUSH_STEP interleaved with a PUSH":  # (the PUSH's STATUS, always)
+        return answers == ["STATUS OK "] and stream == ["ANSWER", "REPLY", "ANSWER", "STATUS OK "]
+    if name in ("PUSH_STEP without its MAC", "PUSH_STEP with a changed MAC", "PUSH_STEP with a changed value",
+                "PUSH_STEP MACed as a STEP", "PUSH_STEP MACed as a protobuf message", "PUSH_STEP under the client key"):
+        return answers == [denied] and untouched
+    if name == "PUSH_STEP with the wrong secret":
+        return answers == ["REFUSED 1 PERMISSION_DENIED a push must carry the session's secret"] and untouched
+    if name == "PUSH_STEP into an unknown session":
+        return len(answers) == 1 and answers[0].startswith("REFUSED 1 NOT_FOUND no stream holds session") \
+            and untouched
+    if name == "PUSH_STEP truncated (header only)":  # too short for its step id too: it names step 0
+        return len(answers) == 1 and answers[0].startswith("REFUSED 0 NOT_FOUND no stream holds session") \
+            and untouched
+    if name == "PUSH_STEP of step id 0":
+        return answers == ["REFUSED 0 INVALID_ARGUMENT a pushed step needs a nonzero step id"] and untouched
+    if name == "PUSH_STEP oversized":
+        return answers[-1].startswith("STATUS INVALID_ARGUMENT oversized frame") and untouched
+    if name == "PUSH_STEP inside a stream":  # on the session's own stream: the stream breaks
+        return answers == [] and stream[-1].startswith("STATUS INVALID_ARGUMENT a PUSH_STEP frame inside a stream")
+    refusals = {"PUSH_STEP with NaN": "contains NaN or infinite values",
+                "PUSH_STEP of the wrong length for its dims": "do not match its dims",
+                "PUSH_STEP of another hidden size": "does not match the model's"}
+    # taken (the pusher cannot know), then refused by the session's step: a REPLY with the error, the session goes on
+    return answers == [] and len(stream) == 2 and stream[0].startswith("REPLY ") \
+        and refusals[name] in stream[0] and stream[1] == "STATUS OK "
+
+
+def run_push_cases(address: str, hidden: int, blocks: int) -> dict[str, tuple[list[str], list[str]]]:
+    """Each push case into a keyed session of its own: (the push connection's answers, the session stream's)."""
+    host, port = address.rsplit(":", 1)[0], frame_port(address)
+    results = {}
+    for name, case in push_cases(hidden).items():
+        with KeyedStream(address, blocks) as stream:
+            if case == "stream":
+                results[name] = ([], stream.exchange(push_cases(hidden)["PUSH_STEP honest"](stream)))
+                continue
+            with KeyedStream.plain(host, port) as pusher:
+                answers = pusher.exchange(PUSH_HELLO + case(stream))
+            if answers and answers[-1] == "closed":  # a push connection ends without a word of its own
+                answers = answers[:-1]
+            results[name] = (answers, stream.exchange(END))
     return results

@@ -394,7 +394,7 @@ class StepPipeline:
                 break
             if k == 0 and hop.op != self.hops[i].op:  # a pushed step carries its sender's cache op on
                 break
-            hop.stream.expect(self.chunks[k][0].shape[1])
+            hop.stream.expect(self.chunks[k][0].shape)
             hop.written = k + 1
             target = hop.stream
             targets.append(pb.PushTarget(address=hop.span.address, session_id=target.session_id,

@@ -92,7 +92,9 @@ class _Sent:
     written_s: float = 0.0  # perf_counter when its write began (0 before its turn on the link)
     on_link: bool = True  # False: pushed here by the previous server, not written by this client
     step_id: int = 0
-    shape: tuple[int, ...] | None = None  # a compact STEP's [B, T, H] (its ANSWER has as many values); None: protobuf
+    # a compact STEP's [B, T, H], or a pushed decode step's (its pusher may push it compact): its ANSWER has as many
+    # values; None: answered by a REPLY only
+    shape: tuple[int, ...] | None = None
 
 
 def _raise_if_cancelling() -> None:
@@ -144,12 +146,14 @@ class SpanStream:
         """Every step of this stream takes the next id, written here or pushed here by another server."""
         return self._step_id + 1
 
-    def expect(self, n_tokens: int) -> None:
-        """Await the reply to a step the previous server pushed to this session (it takes the next id)."""
+    def expect(self, shape: torch.Size) -> None:
+        """Await the reply to a step of `shape` [B, T, H] the previous server pushed to this session (it takes the
+        next id). A decode step's may be an ANSWER: its pusher pushes it as a compact PUSH_STEP when it can."""
         self._step_id += 1
-        kind = StepKind.of(n_tokens)
-        self._pending.append(_Sent(kind, n_tokens, 0, 0.0, clean=False, written_s=time.perf_counter(), on_link=False,
-                                   step_id=self._step_id))
+        n_tokens = shape[1]
+        self._pending.append(_Sent(StepKind.of(n_tokens), n_tokens, 0, 0.0, clean=False, written_s=time.perf_counter(),
+                                   on_link=False, step_id=self._step_id,
+                                   shape=tuple(shape) if self._compact(shape) else None))
 
     async def open(self, batch: int, max_length: int, prefix_scope: bytes = b"",
                    prefix_keys: Sequence[bytes] = (), prompts: torch.Tensor | None = None,
@@ -234,6 +238,9 @@ class SpanStream:
             request = compact.step_frame(self.keys.client, self.session_id, self._step_id, b, t, h, values)
             nbytes, compact_shape = len(values), (b, t, h)
         else:
+            # a plain decode step with push targets is answered by an ANSWER (server/service.py `_answers_compact`)
+            compact_shape = tuple(shape) if unmasked and push and op is None and wire_dtype == "float32" and \
+                self._compact(shape) else None
             request = pb.InferenceRequest(step=pb.InferenceStep(
                 hidden=encoded.as_sent() if encoded is not None and wire_dtype == "float32" else
                 compress.encode_hidden(hidden, wire_dtype),
@@ -241,7 +248,7 @@ class SpanStream:
                 # (no padding: no mask on the wire, the server reads an absent mask as all ones)
                 attention_mask=_NO_MASK if unmasked else codec.encode(mask)))
             session_keys.sign(self.keys.client, self.session_id, request)
-            nbytes, compact_shape = len(request.step.hidden.data), None
+            nbytes = len(request.step.hidden.data)
         sent = _Sent(StepKind.of(shape[1]), n_tokens=shape[1], request_bytes=nbytes,
                      encode_s=time.perf_counter() - t0, clean=False, on_link=False, step_id=self._step_id,
                      shape=compact_shape)

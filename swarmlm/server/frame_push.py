@@ -1,5 +1,6 @@
-"""Pushes over the next server's framed step port (wire/frames.py): a PUSH frame per step, answered by one STATUS,
-on connections kept per target (a few idle ones each, so concurrent sessions' pushes do not wait for each other).
+"""Pushes over the next server's framed step port (wire/frames.py): a PUSH frame per step, answered by one STATUS, or
+a compact PUSH_STEP (wire/compact.py), answered only if refused (a REFUSED naming its step), on connections kept per
+target (a few idle ones each, so concurrent sessions' pushes do not wait for each other).
 
 A connection is a `PushConnection` (an asyncio Protocol): `write` puts a push on the wire from the caller's own
 path (no task, no await: server/push.py writes a decode step's push this way right after the forward) and its
@@ -34,12 +35,17 @@ InfoCall = Callable[[str, bytes], Awaitable["pb.InfoReply | None"]]  # (address,
 Answered = Callable[["PushConnection", "grpc.StatusCode | None", str], None]  # code None: no answer (broken, late)
 
 
-class PushConnection(asyncio.Protocol):
-    """One connection to a target's framed port: one push at a time, its STATUS read as it arrives."""
+Refused = Callable[[int, grpc.StatusCode, str], None]  # (step id, code, details): a PUSH_STEP refused (REFUSED)
 
-    def __init__(self) -> None:
+
+class PushConnection(asyncio.Protocol):
+    """One connection to a target's framed port: one push at a time, its STATUS read as it arrives; a PUSH_STEP is
+    not answered unless refused (its REFUSED goes to `refused`, whenever it comes)."""
+
+    def __init__(self, refused: Refused | None = None) -> None:
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
+        self.refused = refused
         self._answered: Answered | None = None  # the push in flight's callback
         self._timer: asyncio.TimerHandle | None = None  # its deadline
         self.broken = False  # lost, timed out or answered with something else than one STATUS: not used again
@@ -47,12 +53,17 @@ class PushConnection(asyncio.Protocol):
     def usable(self) -> bool:
         return not self.broken and self._answered is None and not self.transport.is_closing()
 
-    def write(self, data: bytes, timeout_s: float, answered: Answered) -> None:
-        """Write one push (a PushRequest serialized); `answered(self, code, details)` once its STATUS comes (code
-        None: none within `timeout_s`, or the connection broke: then it is closed)."""
+    def write(self, frame: bytes, timeout_s: float, answered: Answered) -> None:
+        """Write one push (a whole PUSH or PUSH_STEP frame); `answered(self, code, details)` once its STATUS comes
+        (code None: none within `timeout_s`, or the connection broke: then it is closed)."""
         self._answered = answered
         self._timer = asyncio.get_running_loop().call_later(timeout_s, self._fail, "no answer in time")
-        self.transport.write(frames.frame(Kind.PUSH, data))
+        self.transport.write(frame)
+
+    def write_unanswered(self, frame: bytes) -> None:
+        """Write one PUSH_STEP frame: nothing to wait for (a refusal comes as a REFUSED, to `refused`); the
+        connection is free for the next push at once."""
+        self.transport.write(frame)
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -61,16 +72,21 @@ class PushConnection(asyncio.Protocol):
         if data == frames.OK_STATUS and not self.buf and self._answered is not None:  # the usual answer, whole
             return self._done(grpc.StatusCode.OK, "")
         self.buf += data
-        try:
-            got = frames.parse_frame(self.buf, frames.MAX_STATUS_BYTES)
-        except FrameError as exc:
-            return self._fail(str(exc))
-        if got is None:
-            return
-        if got[0] != Kind.STATUS or self.buf or self._answered is None:
-            return self._fail("the target did not answer a push with one STATUS")
-        code, details = frames.parse_status(got[1])
-        self._done(code, details)
+        while self.buf:
+            try:
+                got = frames.parse_frame(self.buf, frames.MAX_STATUS_BYTES)
+                if got is not None and got[0] == Kind.REFUSED:  # an earlier PUSH_STEP's refusal
+                    if self.refused is not None:
+                        self.refused(*frames.parse_refused(got[1]))
+                    continue
+            except FrameError as exc:
+                return self._fail(str(exc))
+            if got is None:
+                return
+            if got[0] != Kind.STATUS or self.buf or self._answered is None:
+                return self._fail("the target did not answer a push with one STATUS")
+            code, details = frames.parse_status(got[1])
+            self._done(code, details)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail("the connection was lost")
@@ -92,8 +108,9 @@ class PushConnection(asyncio.Protocol):
 
 class FramePushes:
     def __init__(self, info: InfoCall, swarm_key: bytes | None, max_message_bytes: int,
-                 port_ttl_s: float = 30.0) -> None:
+                 port_ttl_s: float = 30.0, refused: Refused | None = None) -> None:
         self.info = info  # the target's Info over gRPC, with a nonce to sign (Pusher.info)
+        self.refused = refused  # told of every refused PUSH_STEP (Pusher: counted, logged)
         self.swarm_key = swarm_key
         self.max_message_bytes = max_message_bytes
         self.port_ttl_s = port_ttl_s
@@ -149,7 +166,8 @@ class FramePushes:
         host, port = frames.frame_target(address, port)
         token = make_token(self.swarm_key, PUSH_METHOD) if self.swarm_key is not None else None
         async with asyncio.timeout(timeout_s):
-            _, conn = await asyncio.get_running_loop().create_connection(PushConnection, host, port)
+            _, conn = await asyncio.get_running_loop().create_connection(
+                lambda: PushConnection(self.refused), host, port)
         conn.transport.write(frames.hello(Purpose.PUSH, token))
         return conn
 

@@ -25,7 +25,7 @@ from swarmlm.server.frame_conn import FrameConnection, FramedRequests
 from swarmlm.server.inbound import request_of
 from swarmlm.swarm.private import HINT, TokenChecker
 from swarmlm.wire import frames
-from swarmlm.wire.compact import AnswerFrame
+from swarmlm.wire.compact import AnswerFrame, PushStep
 from swarmlm.wire.frames import INFERENCE_METHOD, PUSH_METHOD, FrameError, Kind, Purpose
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,22 @@ log = logging.getLogger(__name__)
 # enough for a request that crossed a refusal (a bigger one is cut: its client still reads the STATUS)
 LINGER_S = 2.0
 LINGER_BYTES = 1 << 20
+
+
+def _push_of(kind: Kind, body: bytes):
+    """A push frame's request: a PUSH's PushRequest (UNPARSABLE if it does not parse), a PUSH_STEP's `PushStep`."""
+    return PushStep(body) if kind == Kind.PUSH_STEP else request_of("Push", body)
+
+
+def _answer_push(conn: FrameConnection, request, context: "FrameContext") -> None:
+    """A push's answer: a PUSH's STATUS, always; a PUSH_STEP's only if it was refused (REFUSED, naming its step:
+    its pusher does not wait for an answer, docs/PROTOCOL.md "Compact pushes")."""
+    ok = context.code is grpc.StatusCode.OK
+    if type(request) is PushStep:
+        if not ok:
+            conn.write(frames.refused(request.step_id, context.code, context.details))
+    else:
+        conn.write(frames.OK_STATUS if ok else frames.status(context.code, context.details))
 
 
 class Aborted(Exception):
@@ -208,9 +224,10 @@ class FrameServer:
         return requests.ended and not conn.transport.is_closing()
 
     async def _pushes(self, conn: FrameConnection) -> None:
-        """PUSH frames, each answered by one STATUS (the service's Push handler decides), until the pusher closes.
-        While nothing waits here, each push is taken as its frame is cut (`_push_now`, in data_received: no task
-        between the socket and the session's inbox); one that would wait (a full inbox, a full write buffer), and
+        """PUSH frames, each answered by one STATUS, and compact PUSH_STEP frames (wire/compact.py), answered only if
+        refused (`_answer_push`; the service's Push handler decides), until the pusher closes. While nothing waits
+        here, each push is taken as its frame is cut (`_push_now`, in data_received: no task between the socket and
+        the session's inbox); one that would wait (a full inbox, a full write buffer), and
         every frame after it, go through this task in order."""
         peer = _peer_of(conn.transport)
         take_now = functools.partial(self._push_now, conn, peer)
@@ -224,11 +241,12 @@ class FrameServer:
                 if isinstance(got, FrameError):
                     raise got
                 kind, body = got
-                if kind != Kind.PUSH:
-                    raise FrameError(f"a {kind.name} frame on a push connection (expected PUSH)")
+                if kind != Kind.PUSH and kind != Kind.PUSH_STEP:
+                    raise FrameError(f"a {kind.name} frame on a push connection (expected PUSH or PUSH_STEP)")
                 context = FrameContext(peer)
-                await self.service.Push(request_of("Push", body), context, body)
-                conn.write(frames.status(context.code, context.details))
+                request = _push_of(kind, body)
+                await self.service.Push(request, context, None if type(request) is PushStep else body)
+                _answer_push(conn, request, context)
                 await conn.drain()
         finally:
             conn.sink = None
@@ -236,11 +254,11 @@ class FrameServer:
     def _push_now(self, conn: FrameConnection, peer: str, item) -> None:
         """A frame of a push connection as it is cut: a push the service takes now is answered now; anything else
         (another frame, the end, a push that would wait) goes to `_pushes`, with every frame after it."""
-        if isinstance(item, tuple) and item[0] == Kind.PUSH and conn.writable():
+        if isinstance(item, tuple) and (item[0] == Kind.PUSH_STEP or item[0] == Kind.PUSH) and conn.writable():
             context = FrameContext(peer)
-            if self.service.push_now(item[1], context) is not None:
-                ok = context.code is grpc.StatusCode.OK
-                conn.write(frames.OK_STATUS if ok else frames.status(context.code, context.details))
+            request = _push_of(*item)
+            if self.service.push_now(request, None if type(request) is PushStep else item[1], context) is not None:
+                _answer_push(conn, request, context)
                 return
         conn.queue(item)
 

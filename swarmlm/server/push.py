@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import re
 import time
 from collections import OrderedDict
@@ -37,13 +38,17 @@ from swarmlm.errors import InvalidRequest
 from swarmlm.types import StepKind
 from swarmlm.server.frame_push import FramePushes
 from swarmlm.server.sessions import SECRET_BYTES
-from swarmlm.wire import session_keys
+from swarmlm.wire import compact, session_keys
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
 from swarmlm.wire.channel import aio_channel
+from swarmlm.wire.frames import HEADER, Kind, frame
 from swarmlm.wire.links import Links, TransmissionPolicy
 
+log = logging.getLogger(__name__)
+
 MAX_PUSH_TARGETS = 64  # the rest of a route: more servers than any route has
+_KIND_AT = HEADER.size - 1  # a frame's kind byte
 _ADDRESS = re.compile(r"^[A-Za-z0-9.\-]{1,253}:[0-9]{1,5}$|^\[[0-9A-Fa-f:.]{2,45}\]:[0-9]{1,5}$")
 _P2P_ADDRESS = re.compile(r"^p2p/[1-9A-HJ-NP-Za-km-z]{40,60}$")  # a server behind NAT (swarm/records.py)
 _SESSION_ID = re.compile(r"^[0-9a-f]{1,64}$")
@@ -177,9 +182,10 @@ class Pusher:
         self.links = Links(TransmissionPolicy(prefill_window=None))
         self._channels: OrderedDict[str, tuple[grpc.aio.Channel, pb_grpc.SwarmStub]] = OrderedDict()
         # pushes on the target's framed port when it has one (server/frame_push.py); None = gRPC only
-        self.framed = FramePushes(self.info, swarm_key, max_message_bytes) if frames else None
+        self.framed = FramePushes(self.info, swarm_key, max_message_bytes, refused=self._refused) if frames else None
         self.pushed = 0
         self.failed = 0
+        self.compact_frames = 0  # pushes written as PUSH_STEP frames (wire/compact.py)
 
     def _stub(self, address: str) -> pb_grpc.SwarmStub:
         if address in self._channels:
@@ -194,10 +200,11 @@ class Pusher:
         return stub
 
     def push_now(self, target: pb.PushTarget, hidden: pb.Tensor, mask: pb.Tensor, rest: list[pb.PushTarget],
-                 op: pb.CacheOp | None = None, push_key: bytes = b"") -> asyncio.Future | None:
+                 op: pb.CacheOp | None = None, push_key: bytes = b"") -> asyncio.Future | bool | None:
         """`push`, written now from the caller's path when nothing has to be awaited first: the target's framed
         port known, a kept connection free, no message waiting for its turn on the link (so decode-first has
-        nothing to order). The future: whether the target accepted it. None: nothing done, use `push`."""
+        nothing to order). The future: whether the target accepted it; True: a PUSH_STEP, written and not
+        answered unless refused (`_refused`). None: nothing done, use `push`."""
         framed = self.framed
         if framed is None:
             return None
@@ -207,10 +214,13 @@ class Pusher:
         conn = framed.idle(target.address)
         if conn is None:
             return None
-        done = asyncio.get_running_loop().create_future()
-        data = self._request_bytes(target, hidden, mask, rest, op, push_key)
-        conn.write(data, self.timeout_s, functools.partial(self._answered, target.address, done))
+        data = self._frame(target, hidden, mask, rest, op, push_key)
         link.written_outside(StepKind.of(hidden.shape[1] if len(hidden.shape) == 3 else 0))
+        if data[_KIND_AT] == Kind.PUSH_STEP:
+            self._unanswered(target.address, conn, data)
+            return True
+        done = asyncio.get_running_loop().create_future()
+        conn.write(data, self.timeout_s, functools.partial(self._answered, target.address, done))
         return done
 
     async def push(self, target: pb.PushTarget, hidden: pb.Tensor, mask: pb.Tensor,
@@ -224,7 +234,7 @@ class Pusher:
         try:
             port = await self.framed.port(target.address) if self.framed is not None else 0
             if port:
-                data = self._request_bytes(target, hidden, mask, rest, op, push_key)
+                data = self._frame(target, hidden, mask, rest, op, push_key)
                 accepted = await self._framed(link, kind, target.address, port, data)
                 if accepted is not None:
                     return accepted
@@ -250,12 +260,34 @@ class Pusher:
         return pb.PushRequest(session_id=target.session_id, secret=target.secret, step=pb.InferenceStep(
             hidden=hidden, attention_mask=mask, step_id=target.step_id, push=rest, cache_op=op))
 
-    def _request_bytes(self, target: pb.PushTarget, hidden: pb.Tensor, mask: pb.Tensor, rest: list[pb.PushTarget],
-                       op: pb.CacheOp | None, push_key: bytes) -> bytes:
-        """The push serialized once, MACed with `push_key` if given (`signed_bytes`)."""
+    def _frame(self, target: pb.PushTarget, hidden: pb.Tensor, mask: pb.Tensor, rest: list[pb.PushTarget],
+               op: pb.CacheOp | None, push_key: bytes) -> bytes:
+        """The push as a whole frame for the target's framed port: a PUSH_STEP (wire/compact.py: the output's bytes
+        as they are, no protobuf) for a plain decode step into a keyed session with nothing to push on, else a PUSH
+        (the PushRequest serialized once, MACed with `push_key` if given: `signed_bytes`)."""
+        shape = hidden.shape
+        if push_key and not rest and op is None and not mask.dtype and hidden.dtype == "float32" and \
+                len(shape) == 3 and shape[1] == 1 and compact.eligible_dims(shape[0], 1):
+            self.compact_frames += 1
+            return compact.push_frame(push_key, target.session_id, target.secret, target.step_id, shape[0], 1,
+                                      shape[2], hidden.data)
         request = self._request(target, hidden, mask, rest, op)
-        return session_keys.signed_bytes(push_key, target.session_id, request) if push_key else \
-            request.SerializeToString()
+        return frame(Kind.PUSH, session_keys.signed_bytes(push_key, target.session_id, request) if push_key
+                            else request.SerializeToString())
+
+    def _unanswered(self, address: str, conn, data: bytes) -> None:
+        """A PUSH_STEP written on `conn`: counted as pushed (a refusal comes later, to `_refused`), `conn` kept."""
+        conn.write_unanswered(data)
+        self.pushed += 1
+        self.framed.keep(address, conn)
+
+    def _refused(self, step_id: int, code: grpc.StatusCode, details: str) -> None:
+        """A PUSH_STEP refused by its target (a REFUSED, whenever it comes): counted, logged. The client's stream to
+        that server gets no reply for the step, and its hang timeout and failover take it from there, as for a
+        push refused by a STATUS."""
+        self.pushed -= 1
+        self.failed += 1
+        log.warning("a compact push of step %d was refused: %s %s", step_id, code.name, details[:200])
 
     def _answered(self, address: str, done: asyncio.Future, conn, code: grpc.StatusCode | None, _: str) -> None:
         """A framed push's answer (code None: none came): counted, its connection kept if OK, `done` resolved."""
@@ -268,8 +300,9 @@ class Pusher:
             done.set_result(accepted)
 
     async def _framed(self, link, kind: StepKind, address: str, port: int, data: bytes) -> bool | None:
-        """A push (`data`: a PushRequest serialized, MACed) on the framed port: whether the target accepted it, or
-        None when the port does not take the connection (then forgotten: this push and later ones go by gRPC).
+        """A push (`data`: a whole PUSH or PUSH_STEP frame, `_frame`) on the framed port: whether the target accepted
+        it (a PUSH_STEP: True once written), or None when the port does not take the connection (then forgotten:
+        this push and later ones go by gRPC).
         Held on the link like a gRPC push: its turn until written, in flight until answered."""
         done = asyncio.get_running_loop().create_future()
         async with link.turn(kind):
@@ -281,6 +314,10 @@ class Pusher:
                     self.framed.forget(address)
                     link.answered(kind)
                     return None
+            if data[_KIND_AT] == Kind.PUSH_STEP:
+                self._unanswered(address, conn, data)
+                link.answered(kind)
+                return True
             conn.write(data, self.timeout_s, functools.partial(self._answered, address, done))
         try:
             return await done

@@ -25,7 +25,6 @@ from swarmlm.model.fingerprint import range_fingerprint
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.server import deep_prompt, prefix_cache
 from swarmlm.server.checks import StepChecks, check_cache_op, decode_step
-from swarmlm.server.inbound import request_of
 from swarmlm.server.prefix_cache import PrefixCache
 from swarmlm.server.push import Pusher, TargetCheck, check_targets
 from swarmlm.server.scheduler import JobTiming, Scheduler
@@ -41,7 +40,7 @@ from swarmlm.types import CacheOp
 from swarmlm.wire import cache_op, codec, compact, compress
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire import swarm_pb2_grpc as pb_grpc
-from swarmlm.wire.compact import AnswerFrame, CompactStep
+from swarmlm.wire.compact import AnswerFrame, CompactStep, PushStep
 from swarmlm.wire.protocol import PROTOCOL_VERSION
 from swarmlm.wire.session_keys import ServerKey
 
@@ -72,6 +71,16 @@ def measured_speeds(profile: ComputeProfile) -> dict[str, float]:
     return {"decode_s_per_block": profile.decode_s, "prefill_a_s": profile.prefill_a_s,
             "prefill_b_s": profile.prefill_b_s, "decode_4rows_s_per_block": profile.decode_4rows_s,
             "decode_16rows_s_per_block": profile.decode_16rows_s}
+
+
+def _answers_compact(session: Session, step: pb.InferenceStep, op) -> bool:
+    """Is a protobuf step with push targets answered by an ANSWER? A plain decode step (T = 1, no mask, no cache op,
+    float32, B within u16) of a keyed session: the rule the client's `SpanStream._request` applies to such a step."""
+    if not step.push or session.keys is None or op is not None or step.attention_mask.dtype:
+        return False
+    hidden = step.hidden
+    return hidden.dtype == "float32" and len(hidden.shape) == 3 and hidden.shape[1] == 1 and \
+        compact.eligible_dims(hidden.shape[0], 1)
 
 
 class SwarmService(pb_grpc.SwarmServicer):
@@ -197,8 +206,9 @@ class SwarmService(pb_grpc.SwarmServicer):
 
     async def _step(self, session: Session, request: pb.InferenceRequest | CompactStep,
                     context) -> pb.InferenceReply | AnswerFrame:
-        """One step of a session: an InferenceRequest's, answered by an InferenceReply, or a compact STEP's
-        (wire/compact.py: no cache op, no mask, no push), answered by an ANSWER frame (a refusal by a reply)."""
+        """One step of a session: an InferenceRequest's, answered by an InferenceReply, or a compact STEP's (or a
+        PUSH_STEP's; wire/compact.py: no cache op, no mask, no push), answered by an ANSWER frame (a refusal by a
+        reply; on a gRPC stream, which only a pushed one reaches, by a reply too)."""
         sid = session.session_id
         compact_step = type(request) is CompactStep
         step = request.step
@@ -261,16 +271,21 @@ class SwarmService(pb_grpc.SwarmServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"step failed, session closed: {error}")
         session.last_used_s = time.monotonic()  # idle from the step's end: a long step is no idle time
         encode_start = time.perf_counter()
-        if compact_step:
+        # a STEP's, a PUSH_STEP's (in a session held by a gRPC stream: a REPLY) or a pushing plain decode step's answer
+        # is an ANSWER, the latter flagged and keeping its output for the push (the client takes an ANSWER for such a
+        # step: client/streams.py `_request`, `expect`)
+        pushing = not compact_step and session.framed and _answers_compact(session, step, op)
+        if (compact_step and session.framed) or pushing:
             return compact.answer_frame(
                 session.keys.server, sid, step_id, session.state.position, compact.float32_bytes(out),
                 timing.queued_s, timing.compute_s, parsed - started, time.perf_counter() - encode_start,
-                timing.batched_steps)
-        reply_hidden = compress.encode_like(out, step.hidden.dtype)  # in the request's wire format (wire/compress.py)
+                timing.batched_steps, pushed_dims=tuple(out.shape) if pushing else None)
+        # in the request's wire format (wire/compress.py); a compact step's is float32
+        reply_hidden = compress.encode_like(out, "float32" if compact_step else step.hidden.dtype)
         encode_s = time.perf_counter() - encode_start
         return pb.InferenceReply(
             session_id=sid, step_id=step_id, hidden=reply_hidden, position=session.state.position,
-            pushed=len(request.step.push) > 0,
+            pushed=len(step.push) > 0,
             timing=pb.Timing(
                 queued_s=timing.queued_s, compute_s=timing.compute_s, parse_s=parsed - started, encode_s=encode_s,
                 batched_steps=timing.batched_steps,
@@ -284,15 +299,17 @@ class SwarmService(pb_grpc.SwarmServicer):
         gRPC's handler registration expects."""
         return self.streams.serve
 
-    async def Push(self, request: pb.PushRequest, context, data: bytes | None = None) -> pb.PushReply:
-        """`data`: the bytes `request` was parsed from (the framed port has them: its MAC is checked on them)."""
+    async def Push(self, request: pb.PushRequest | PushStep, context, data: bytes | None = None) -> pb.PushReply:
+        """`data`: the bytes `request` was parsed from (the framed port has them: its MAC is checked on them). A
+        framed port's compact PUSH_STEP (wire/compact.py) comes as a `PushStep`."""
         handle = self.streams.push if data is None else functools.partial(self.streams.push, data=data)
         return await self.gate.serve(request, context, pb.PushReply(), "push", handle)
 
-    def push_now(self, data: bytes, context) -> pb.PushReply | None:
-        """`Push` of a framed push's bytes if it is answered without waiting (its status on `context`, refusals
-        included); None when it would wait for room (nothing done: then `Push` it)."""
-        return self.gate.serve_now(request_of("Push", data), context, pb.PushReply(), "push",
+    def push_now(self, request: pb.PushRequest | PushStep, data: bytes | None, context) -> pb.PushReply | None:
+        """`Push` of a framed push (a PUSH's request and the bytes it was parsed from, or a PUSH_STEP's `PushStep`)
+        if it is taken without waiting (its status on `context`, refusals included); None when it would wait for
+        room (nothing done: then `Push` it)."""
+        return self.gate.serve_now(request, context, pb.PushReply(), "push",
                                    functools.partial(self.streams.push_now, data=data))
 
     async def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardReply:

@@ -31,7 +31,7 @@ from swarmlm.server.sessions import PeerBytes, Session, SessionTable
 from swarmlm.server.unary import Admission, message_of, status_of
 from swarmlm.wire import session_keys
 from swarmlm.wire import swarm_pb2 as pb
-from swarmlm.wire.compact import AnswerFrame, CompactStep
+from swarmlm.wire.compact import AnswerFrame, CompactStep, PushStep
 
 log = logging.getLogger(__name__)
 _END = object()  # the client half-closed its stream
@@ -110,6 +110,7 @@ class SessionStreams:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     "a compact STEP before a session is open: the first message must open or resume")
             session = await self._attach(first, peer, context)
+            session.framed = framed
             sid = session.session_id
             inbox = Inbox(self.config.inbox_steps)
             self.inboxes[sid] = inbox
@@ -262,7 +263,8 @@ class SessionStreams:
             raise CapacityExceeded("the session has too many steps waiting") from None
         return pb.PushReply()
 
-    def push_now(self, request: pb.PushRequest, admission: Admission, data: bytes) -> pb.PushReply | None:
+    def push_now(self, request: pb.PushRequest | PushStep, admission: Admission,
+                 data: bytes | None) -> pb.PushReply | None:
         """`push` if its session's inbox has room now; None (nothing checked, nothing queued) if it would have to
         wait: `push` then checks it once, where it waits."""
         inbox = self.inboxes.get(request.session_id)
@@ -272,27 +274,36 @@ class SessionStreams:
         inbox.put_nowait(step)
         return pb.PushReply()
 
-    def _pushed_step(self, request: pb.PushRequest, admission: Admission,
-                     data: bytes | None) -> tuple[Inbox, pb.InferenceRequest]:
+    def _pushed_step(self, request: pb.PushRequest | PushStep, admission: Admission,
+                     data: bytes | None) -> tuple[Inbox, pb.InferenceRequest | CompactStep]:
         """A pushed step's session inbox and the step, or the refusal: accepted only into a session a client's
         stream holds (its reply has to go somewhere), only with that session's secret (and its push key's MAC if
         keyed: on `data`, the bytes it was parsed from, when given: `verified_bytes`, no re-serialization). Its
         bytes are charged to the pusher (`admission`) while it waits for room; once queued, the inbox bound
-        (ServerConfig.inbox_steps) holds it. Validated like any step when its turn comes."""
+        (ServerConfig.inbox_steps) holds it. Validated like any step when its turn comes. A compact PUSH_STEP
+        (wire/compact.py: keyed sessions only) goes in as its `CompactStep`, a PushRequest as an InferenceRequest."""
+        compact_push = type(request) is PushStep
         session = self.sessions.sessions.get(request.session_id)
         inbox = self.inboxes.get(request.session_id)
         if session is None or inbox is None:
             raise UnknownSession(f"no stream holds session {request.session_id[:80]!r} here")
         if not session.owned_by(request.secret):
             raise NotPermitted("a push must carry the session's secret")
-        if session.keys is not None and not (
-                session_keys.verified(session.keys.push, session.session_id, request) if data is None else
-                session_keys.verified_bytes(session.keys.push, session.session_id, request, data)):
-            raise NotPermitted("a push into a keyed session must carry its push key's MAC (missing or wrong)")
-        if request.step.step_id == 0:
+        keys = session.keys
+        if compact_push:
+            if keys is None or not request.verified(keys.push):
+                raise NotPermitted("a PUSH_STEP must carry its keyed session's push key MAC (missing or wrong)")
+            step = request.step
+        else:
+            if keys is not None and not (
+                    session_keys.verified(keys.push, session.session_id, request) if data is None else
+                    session_keys.verified_bytes(keys.push, session.session_id, request, data)):
+                raise NotPermitted("a push into a keyed session must carry its push key's MAC (missing or wrong)")
+            step = request.step
+        if step.step_id == 0:
             raise InvalidRequest("a pushed step needs a nonzero step id")
-        admission.charge(payload_bytes(request.step))
-        return inbox, pb.InferenceRequest(session_id=request.session_id, step=request.step)
+        admission.charge(payload_bytes(step))
+        return inbox, step if compact_push else pb.InferenceRequest(session_id=request.session_id, step=step)
 
     async def _next(self, request_iterator) -> pb.InferenceRequest | None:
         try:
@@ -357,10 +368,18 @@ class SessionStreams:
                 log.warning("step %d of session %s: the push key for %s is not sealed for us; not pushed",
                             step.step_id, sid, targets[0].address)
                 return True
-        args = (targets[0], reply.hidden, step.attention_mask, targets[1:],
+        if type(reply) is AnswerFrame:  # a plain decode step's ANSWER keeps its output's float32 bytes (compact.py)
+            values, dims = reply.output
+            hidden = pb.Tensor(data=values, dtype="float32", shape=dims)
+        else:
+            hidden = reply.hidden
+        args = (targets[0], hidden, step.attention_mask, targets[1:],
                 step.cache_op if step.HasField("cache_op") else None, push_key)
         previous = self._pushes.get(sid)
         now = self.pusher.push_now(*args) if previous is None or previous.done() else None
+        if now is True:  # a PUSH_STEP, written: not answered unless refused (then logged by the pusher)
+            self._pushes.pop(sid, None)
+            return True
         if now is not None:
             self._pushes[sid] = now
             now.add_done_callback(functools.partial(self._pushed, sid, step.step_id, targets[0].address))

@@ -19,9 +19,9 @@ from swarmlm.errors import CapacityExceeded, UnknownSession
 from swarmlm.server.prefix_cache import PrefixCache
 from swarmlm.server.stage import SpanState
 from swarmlm.wire import session_keys
+from swarmlm.wire.compact import SECRET_BYTES  # 128 bits (a PUSH_STEP carries it: wire/compact.py)
 from swarmlm.wire.session_keys import SessionKeys
 
-SECRET_BYTES = 16  # 128 bits
 
 
 @dataclass
@@ -41,6 +41,9 @@ class Session:
     detached_s: float | None = None  # when its stream broke; None while a stream holds it (or before)
     prefix_digest: bytes | None = None  # the prefix-cache scope named at open (server/prefix_cache.py)
     keys: SessionKeys | None = None  # end-to-end keys (wire/session_keys.py); None: an unkeyed session, no MACs
+    # held by a framed stream (server/frame_server.py): a compact step pushed here (PUSH_STEP) is answered by an
+    # ANSWER frame; on a gRPC stream by a REPLY (gRPC carries only protobuf messages)
+    framed: bool = False
     # the push key opened last: (sealed, the next server's session, key); a client seals one per route, not per step
     _opened_push_key: tuple[bytes, str, bytes] | None = field(default=None, repr=False)
 

@@ -6,16 +6,25 @@ key), with fewer Python calls: no protobuf message is built, serialized or parse
 bytes as they are.
 
     STEP body:   step id (u64), B (u16), T (u16), H (u32) | B*T*H float32 | MAC (16)
-    ANSWER body: step id (u64), position (u32), batched steps (u32), queued_s, compute_s, parse_s, encode_s (f64 each)
-                 | B*T*H float32 (the STEP's B, T, H) | MAC (16)
+    ANSWER body: step id (u64), position (u32), batched steps (u32), flags (u8: 1 = pushed on), queued_s, compute_s,
+                 parse_s, encode_s (f64 each) | B*T*H float32 (the step's B, T, H) | MAC (16)
+    PUSH_STEP body (server -> server, on a push connection): session id length (u8), the target session's id (ASCII),
+                 its secret (16) | a STEP body's header and values (step id, B, T, H | B*T*H float32) | MAC (16)
 
 The MAC is keyed BLAKE2b (RFC 7693) of session id + "\\n" + every body byte before it, personalised "swarmlm-step" /
-"swarmlm-answer": a different BLAKE2b parameter block from the protobuf messages' MAC (no personalisation), so no
-compact frame's MAC can ever be taken for a protobuf message's, nor a STEP's for an ANSWER's.
+"swarmlm-answer" / "swarmlm-push" (a PUSH_STEP's, under the target session's push key): a different BLAKE2b parameter
+block from the protobuf messages' MAC (no personalisation), so no compact frame's MAC can ever be taken for a protobuf
+message's, nor one kind's for another's.
 
 Only a decode step (T = 1) with no mask (no padding), no push targets, no cache op, float32 on the link goes compact
 (client/streams.py `SpanStream._compact`); everything else (opens, prefills, replays, speculation's passes, pushed
-routes, saves) stays protobuf. A refused STEP is answered by the usual protobuf REPLY with its error.
+routes, saves) stays protobuf. A refused STEP is answered by the usual protobuf REPLY with its error. Such a decode
+step with push targets (a pushed route's) is a REQUEST, but answered by an ANSWER flagged PUSHED.
+
+A server pushes a PUSH_STEP (server/push.py `Pusher`) for the same kind of step when the push carries no onward targets
+(the route's last server: a middle one's push carries the rest of the route, and stays a PushRequest) into a keyed
+session; the taker queues its STEP part as a `CompactStep` (the same checks from there, answered to the client by an
+ANSWER) once the session's secret and the MAC under its push key match (`PushStep`).
 """
 from __future__ import annotations
 
@@ -31,12 +40,15 @@ from swarmlm.wire import frames
 from swarmlm.wire.frames import Kind
 from swarmlm.wire.session_keys import MAC_BYTES
 
+SECRET_BYTES = 16  # a session's secret, 128 bits (server/sessions.py: a PUSH_STEP carries it)
+
 STEP_HEAD = struct.Struct(">QHHI")  # step id, B, T, H (network order, as the frame header: packed with it)
-ANSWER_HEAD = struct.Struct(">QIIdddd")  # step id, position, batched steps, queued, compute, parse, encode (s)
+ANSWER_HEAD = struct.Struct(">QIIBdddd")  # step id, position, batched steps, flags, queued, compute, parse, encode (s)
+PUSHED = 1  # an ANSWER's flag: the server pushed this step's output on (its step carried push targets)
 MAX_DIM = 0xFFFF  # B and T are u16 on the wire: a step larger than this goes protobuf
-_STEP_PERSON, _ANSWER_PERSON = b"swarmlm-step", b"swarmlm-answer"
+_STEP_PERSON, _ANSWER_PERSON, _PUSH_PERSON = b"swarmlm-step", b"swarmlm-answer", b"swarmlm-push"
 _STEP_FRAME_HEAD = struct.Struct(">IBQHHI")  # frames.HEADER + STEP_HEAD: one pack per frame
-_ANSWER_FRAME_HEAD = struct.Struct(">IBQIIdddd")
+_ANSWER_FRAME_HEAD = struct.Struct(">IBQIIBdddd")
 assert _STEP_FRAME_HEAD.size == frames.HEADER.size + STEP_HEAD.size  # (the struct's byte order only: no padding)
 assert _ANSWER_FRAME_HEAD.size == frames.HEADER.size + ANSWER_HEAD.size
 
@@ -57,6 +69,56 @@ def step_frame(key: bytes, session_id: str, step_id: int, b: int, t: int, h: int
 def eligible_dims(b: int, t: int) -> bool:
     """Do B and T fit a STEP's header?"""
     return 0 < b <= MAX_DIM and 0 < t <= MAX_DIM
+
+
+def push_frame(key: bytes, session_id: str, secret: bytes, step_id: int, b: int, t: int, h: int,
+               values: bytes | memoryview) -> bytes:
+    """A whole PUSH_STEP frame into session `session_id` (its `secret`), MACed with its push `key`: `values` the
+    B*T*H float32 in C order."""
+    sid = session_id.encode("ascii")
+    head = b"".join((frames.HEADER.pack(1 + len(sid) + len(secret) + STEP_HEAD.size + len(values) + MAC_BYTES,
+                                      Kind.PUSH_STEP), bytes((len(sid),)), sid, secret,
+                     STEP_HEAD.pack(step_id, b, t, h)))
+    return b"".join((head, values, _tag(key, _PUSH_PERSON, session_id, head[frames.HEADER.size:], values)))
+
+
+class PushStep:
+    """A PUSH_STEP frame's body as the taker reads it: `session_id` and `secret` to find and own the session,
+    `verified` its MAC under the session's push key, `step` its STEP part (a `CompactStep` over the same bytes).
+    A body too short for its own header reads as session "" (no session has that id: refused as unknown)."""
+
+    __slots__ = ("body", "session_id", "secret", "step_id", "_at")
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        n = body[0] if body else 0
+        self._at = at = 1 + n + SECRET_BYTES  # where its STEP part starts
+        if len(body) < at + STEP_HEAD.size + MAC_BYTES:
+            self.session_id, self.secret, self.step_id = "", b"", 0
+            return
+        self.step_id = STEP_HEAD.unpack_from(body, at)[0]  # (a refusal names it)
+        try:
+            self.session_id = body[1:1 + n].decode("ascii")
+        except UnicodeDecodeError:
+            self.session_id = ""
+        self.secret = body[1 + n:at]
+
+    def ByteSize(self) -> int:  # (what a refusal weighs: UnaryGate trims after a large one, as for a PushRequest)
+        return len(self.body)
+
+    def verified(self, key: bytes) -> bool:
+        """Does the frame end with the MAC of all its bytes before it under the push key `key`?"""
+        body = self.body
+        size = len(body) - MAC_BYTES
+        if not self.session_id:
+            return False
+        view = memoryview(body)
+        return hmac.compare_digest(view[size:], _tag(key, _PUSH_PERSON, self.session_id, view[:size]))
+
+    @property
+    def step(self) -> "CompactStep":
+        """Its STEP part (header, values, MAC): checked from here as a STEP is (dims, length, finiteness)."""
+        return CompactStep(memoryview(self.body)[self._at:])
 
 
 class CompactStep:
@@ -111,26 +173,33 @@ def float32_bytes(tensor) -> bytes:
 
 
 class AnswerFrame(bytes):
-    """A whole ANSWER frame, ready to write: the stream's loop sends it as it is (`pushed`: never)."""
+    """A whole ANSWER frame, ready to write: the stream's loop sends it as it is. An answer to a step with push
+    targets (`pushed`) also keeps `output`: its values' float32 bytes and [B, T, H], which the server pushes on."""
 
-    __slots__ = ()
     pushed = False
+    output: tuple[bytes, tuple[int, int, int]] | None = None
 
 
 def answer_frame(key: bytes, session_id: str, step_id: int, position: int, values: bytes, queued_s: float,
-                 compute_s: float, parse_s: float, encode_s: float, batched_steps: int) -> AnswerFrame:
-    """The ANSWER to a STEP: `values` its output's float32 bytes (the STEP's dims)."""
+                 compute_s: float, parse_s: float, encode_s: float, batched_steps: int,
+                 pushed_dims: tuple[int, int, int] | None = None) -> AnswerFrame:
+    """The ANSWER to a STEP (or to a plain decode step, pushed or pushing): `values` its output's float32 bytes
+    (the step's dims). `pushed_dims`: the step's [B, T, H] when the server pushes its output on (flag PUSHED; the
+    frame keeps `output` for the push)."""
     head = _ANSWER_FRAME_HEAD.pack(ANSWER_HEAD.size + len(values) + MAC_BYTES, Kind.ANSWER, step_id, position,
-                                   batched_steps, queued_s, compute_s, parse_s, encode_s)
-    return AnswerFrame(b"".join((head, values, _tag(key, _ANSWER_PERSON, session_id, head[frames.HEADER.size:],
-                                                    values))))
+                                   batched_steps, PUSHED if pushed_dims else 0, queued_s, compute_s, parse_s, encode_s)
+    frame = AnswerFrame(b"".join((head, values, _tag(key, _ANSWER_PERSON, session_id, head[frames.HEADER.size:],
+                                                     values))))
+    if pushed_dims:
+        frame.pushed, frame.output = True, (values, pushed_dims)
+    return frame
 
 
 class Answer:
     """An ANSWER frame's body as the client reads it (`opened` checks it)."""
 
-    __slots__ = ("body", "step_id", "position", "batched_steps", "queued_s", "compute_s", "parse_s", "encode_s")
-    pushed = False  # (a STEP is never pushed on)
+    __slots__ = ("body", "step_id", "position", "batched_steps", "pushed", "queued_s", "compute_s", "parse_s",
+                 "encode_s")
 
     def __init__(self, body: bytes) -> None:
         self.body = body
@@ -147,8 +216,9 @@ class Answer:
             raise Tampered()
         if size != ANSWER_HEAD.size + count * 4:
             raise InvalidRequest(f"ANSWER: {size - ANSWER_HEAD.size} value bytes, the step has {count * 4}")
-        (self.step_id, self.position, self.batched_steps, self.queued_s, self.compute_s, self.parse_s,
+        (self.step_id, self.position, self.batched_steps, flags, self.queued_s, self.compute_s, self.parse_s,
          self.encode_s) = ANSWER_HEAD.unpack_from(body)
+        self.pushed = bool(flags & PUSHED)
         return self
 
     def data(self) -> memoryview:

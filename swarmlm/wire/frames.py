@@ -35,9 +35,12 @@ class Kind(IntEnum):
     END = 3  # client -> server: no more requests (gRPC's half-close); empty body
     REPLY = 4  # server -> client: an InferenceReply
     STATUS = 5  # server -> client: the stream's end (or a push's answer): status code name, "\n", details
-    PUSH = 6  # server -> server: a PushRequest; answered by one STATUS (OK or the refusal), then the next PUSH
+    PUSH = 6  # server -> server: a PushRequest; answered by one STATUS (OK or the refusal), then the next push
     STEP = 7  # client -> server: a plain decode step of a keyed session, compact (wire/compact.py)
     ANSWER = 8  # server -> client: the answer to a STEP, compact (a refused STEP is answered by a REPLY)
+    PUSH_STEP = 9  # server -> server: a plain decode step pushed to a route's last server, compact (wire/compact.py);
+    # answered only if refused, by a REFUSED
+    REFUSED = 10  # server -> server: a PUSH_STEP refused: its step id (u64), then a STATUS body (code name, details)
 
 
 _KINDS: dict[int, Kind] = dict(Kind._value2member_map_)
@@ -45,7 +48,8 @@ _KINDS: dict[int, Kind] = dict(Kind._value2member_map_)
 
 class Purpose(IntEnum):
     STREAM = 1  # one Inference stream: REQUEST or STEP... END from the client; REPLY or ANSWER... STATUS from server
-    PUSH = 2  # a sequence of pushes: PUSH from the pusher, STATUS for each
+    PUSH = 2  # a sequence of pushes: PUSH or PUSH_STEP from the pusher; STATUS for each PUSH, REFUSED for a refused
+    # PUSH_STEP (an accepted one is not answered)
 
 
 class FrameError(Exception):
@@ -87,6 +91,20 @@ def status(code: grpc.StatusCode, details: str = "") -> bytes:
 
 
 OK_STATUS = status(grpc.StatusCode.OK)  # the frame of the usual answer (a push's): built once, compared whole
+REFUSED_STEP = struct.Struct(">Q")  # a REFUSED body's head: the refused PUSH_STEP's step id
+
+
+def refused(step_id: int, code: grpc.StatusCode, details: str) -> bytes:
+    """The answer to a refused PUSH_STEP: its step id, then the refusal as a STATUS body."""
+    text = f"{code.name}\n{details}".encode("utf-8", "replace")[:MAX_STATUS_BYTES - REFUSED_STEP.size]
+    return frame(Kind.REFUSED, REFUSED_STEP.pack(step_id) + text)
+
+
+def parse_refused(body: bytes) -> tuple[int, grpc.StatusCode, str]:
+    """A REFUSED body from a peer: (step id, code, details); FrameError if it is too short for its step id."""
+    if len(body) < REFUSED_STEP.size:
+        raise FrameError(f"REFUSED: {len(body)} bytes, shorter than its step id")
+    return (REFUSED_STEP.unpack_from(body)[0], *parse_status(body[REFUSED_STEP.size:]))
 
 
 def parse_status(body: bytes) -> tuple[grpc.StatusCode, str]:
