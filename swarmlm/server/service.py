@@ -263,7 +263,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         encode_start = time.perf_counter()
         if compact_step:
             return compact.answer_frame(
-                session.keys.server, sid, step_id, session.state.position, compact.float32_bytes(out),
+                session.keys.server, sid, step_id, session.state.position, compact.float32_values(out),
                 timing.queued_s, timing.compute_s, parsed - started, time.perf_counter() - encode_start,
                 timing.batched_steps)
         reply_hidden = compress.encode_like(out, step.hidden.dtype)  # in the request's wire format (wire/compress.py)
