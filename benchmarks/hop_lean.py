@@ -158,7 +158,7 @@ class CompactWire:
     @staticmethod
     def request(hidden: torch.Tensor, step_id: int) -> bytes:
         b, t, h = hidden.shape
-        return compact.step_frame(KEY, SESSION, step_id, b, t, h, compact.float32_bytes(hidden))
+        return compact.step_frame(KEY, SESSION, step_id, b, t, h, compact.float32_values(hidden))
 
     @staticmethod
     def parse_request(body: bytes) -> tuple[int, torch.Tensor]:
@@ -170,7 +170,7 @@ class CompactWire:
 
     @staticmethod
     def reply(hidden: torch.Tensor, step_id: int, compute_s: float) -> bytes:
-        return compact.answer_frame(KEY, SESSION, step_id, 1, compact.float32_bytes(hidden * 1.0), 0.0, compute_s,
+        return compact.answer_frame(KEY, SESSION, step_id, 1, compact.float32_values(hidden * 1.0), 0.0, compute_s,
                                     0.0, 0.0, 1)
 
     @staticmethod

@@ -141,3 +141,25 @@ def test_an_answer_that_was_changed_is_the_servers_failure():
     # a STEP's MAC is not a protobuf message's over the same bytes (BLAKE2b personalised: wire/compact.py)
     from swarmlm.wire.session_keys import _mac_of
     assert step[-MAC_BYTES:] != _mac_of(key, sid, step[:-MAC_BYTES])
+
+
+def test_a_tensors_values_go_into_a_frame_without_a_bytes_copy_first():
+    """`float32_values`: a float32 C-ordered tensor's own memory (no copy made before the frame copies it); any other
+    tensor (another dtype, not contiguous, wanting gradients) as C-ordered float32 of the same values. Frames built
+    from it equal frames built from the values' bytes, and their declared length counts bytes, not rows."""
+    key, sid = b"k" * 32, "s" * 32
+    plain = torch.randn(1, 1, HIDDEN)
+    values = compact.float32_values(plain)
+    assert np.shares_memory(values, plain.numpy()) and values.nbytes == 4 * HIDDEN
+    raw = plain.numpy().tobytes()
+    assert compact.answer_frame(key, sid, 3, 7, values, 0.0, 0.001, 0.0, 0.0, 1) == \
+        compact.answer_frame(key, sid, 3, 7, raw, 0.0, 0.001, 0.0, 0.0, 1)
+    assert compact.step_frame(key, sid, 3, 1, 1, HIDDEN, values) == compact.step_frame(key, sid, 3, 1, 1, HIDDEN, raw)
+    answer = compact.answer_frame(key, sid, 3, 7, values, 0.0, 0.001, 0.0, 0.0, 1)[HEADER.size:]
+    assert bytes(compact.Answer(answer).opened(key, sid, HIDDEN).data()) == raw
+    others = (torch.randn(1, HIDDEN, 2).transpose(1, 2)[:, :1],  # a view, not contiguous
+              torch.randn(1, 1, HIDDEN, dtype=torch.bfloat16), torch.randn(1, 1, HIDDEN, requires_grad=True))
+    for tensor in others:
+        got = compact.float32_values(tensor)
+        assert got.dtype == np.float32 and got.flags.c_contiguous
+        assert got.tobytes() == tensor.detach().float().contiguous().numpy().tobytes()

@@ -49,8 +49,8 @@ def test_decode_steps_keep_one_mask_and_their_hang_bounds_until_the_record_chang
     encoded = []
     encode_hidden = streams.compress.encode_hidden
     monkeypatch.setattr(streams.compress, "encode_hidden", lambda h, w: encoded.append(w) or encode_hidden(h, w))
-    float32_bytes = streams.compact.float32_bytes  # (a compact STEP's encode: wire/compact.py)
-    monkeypatch.setattr(streams.compact, "float32_bytes", lambda h: encoded.append("float32") or float32_bytes(h))
+    float32_values = streams.compact.float32_values  # (a compact STEP's encode: wire/compact.py)
+    monkeypatch.setattr(streams.compact, "float32_values", lambda h: encoded.append("float32") or float32_values(h))
     with server_processes(tiny_llama, [BlockRange(0, 3), BlockRange(3, 6)], dht=False) as swarm:
         client = client_of(swarm, frames=True, push=False)
         try:

@@ -234,9 +234,9 @@ class SpanStream:
         unmasked = mask is None or all_set(mask)
         if unmasked and not push and op is None and wire_dtype == "float32" and self._compact(shape):
             b, t, h = shape
-            values = encoded.data if encoded is not None else compact.float32_bytes(hidden)
+            values = encoded.data if encoded is not None else compact.float32_values(hidden)
             request = compact.step_frame(self.keys.client, self.session_id, self._step_id, b, t, h, values)
-            nbytes, compact_shape = len(values), (b, t, h)
+            nbytes, compact_shape = 4 * b * t * h, (b, t, h)
         else:
             # a plain decode step with push targets is answered by an ANSWER (server/service.py `_answers_compact`)
             compact_shape = tuple(shape) if unmasked and push and op is None and wire_dtype == "float32" and \

@@ -277,7 +277,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         pushing = not compact_step and session.framed and _answers_compact(session, step, op)
         if (compact_step and session.framed) or pushing:
             return compact.answer_frame(
-                session.keys.server, sid, step_id, session.state.position, compact.float32_bytes(out),
+                session.keys.server, sid, step_id, session.state.position, compact.float32_values(out),
                 timing.queued_s, timing.compute_s, parsed - started, time.perf_counter() - encode_start,
                 timing.batched_steps, pushed_dims=tuple(out.shape) if pushing else None)
         # in the request's wire format (wire/compress.py); a compact step's is float32

@@ -60,9 +60,14 @@ def _tag(key: bytes, person: bytes, session_id: str, *parts) -> bytes:
     return digest.digest()
 
 
-def step_frame(key: bytes, session_id: str, step_id: int, b: int, t: int, h: int, values: bytes | memoryview) -> bytes:
-    """A whole STEP frame (frame header included): `values` the B*T*H float32 in C order (bytes, or a byte view)."""
-    head = _STEP_FRAME_HEAD.pack(STEP_HEAD.size + len(values) + MAC_BYTES, Kind.STEP, step_id, b, t, h)
+Values = bytes | memoryview | np.ndarray  # float32 in C order: bytes, a byte view, or `float32_values`' array
+
+
+def step_frame(key: bytes, session_id: str, step_id: int, b: int, t: int, h: int, values: Values) -> bytes:
+    """A whole STEP frame (frame header included): `values` the B*T*H float32 in C order."""
+    # (an array's len is its first dim's; inline, not a helper: one Python call less per frame)
+    nbytes = values.nbytes if type(values) is np.ndarray else len(values)
+    head = _STEP_FRAME_HEAD.pack(STEP_HEAD.size + nbytes + MAC_BYTES, Kind.STEP, step_id, b, t, h)
     return b"".join((head, values, _tag(key, _STEP_PERSON, session_id, head[frames.HEADER.size:], values)))
 
 
@@ -163,13 +168,16 @@ class CompactStep:
         return np.frombuffer(self.body, dtype=np.float32, count=self.b * self.t * self.h, offset=STEP_HEAD.size)
 
 
-def float32_bytes(tensor) -> bytes:
-    """A server's output as an ANSWER's values: float32, C order."""
+def float32_values(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor's values for a STEP or an ANSWER (a client's first hop's input, a server's output): float32 in C
+    order, an array over the tensor's own memory when it is that already (the frame copies them as it is built: no
+    bytes object made first; right after a forward each call and copy costs ~10x, docs/RESULTS-hop.md round 18)."""
     if tensor.requires_grad:
         tensor = tensor.detach()
     if tensor.dtype != torch.float32:
         tensor = tensor.float()
-    return tensor.numpy().tobytes()
+    values = tensor.numpy()
+    return values if values.flags.c_contiguous else np.ascontiguousarray(values)
 
 
 class AnswerFrame(bytes):
@@ -180,18 +188,19 @@ class AnswerFrame(bytes):
     output: tuple[bytes, tuple[int, int, int]] | None = None
 
 
-def answer_frame(key: bytes, session_id: str, step_id: int, position: int, values: bytes, queued_s: float,
+def answer_frame(key: bytes, session_id: str, step_id: int, position: int, values: Values, queued_s: float,
                  compute_s: float, parse_s: float, encode_s: float, batched_steps: int,
                  pushed_dims: tuple[int, int, int] | None = None) -> AnswerFrame:
-    """The ANSWER to a STEP (or to a plain decode step, pushed or pushing): `values` its output's float32 bytes
-    (the step's dims). `pushed_dims`: the step's [B, T, H] when the server pushes its output on (flag PUSHED; the
-    frame keeps `output` for the push)."""
-    head = _ANSWER_FRAME_HEAD.pack(ANSWER_HEAD.size + len(values) + MAC_BYTES, Kind.ANSWER, step_id, position,
+    """The ANSWER to a STEP (or to a plain decode step, pushed or pushing): `values` its output's float32 (the
+    step's dims). `pushed_dims`: the step's [B, T, H] when the server pushes its output on (flag PUSHED; the frame
+    keeps `output`, the values as bytes, for the push)."""
+    nbytes = values.nbytes if type(values) is np.ndarray else len(values)  # (as in step_frame)
+    head = _ANSWER_FRAME_HEAD.pack(ANSWER_HEAD.size + nbytes + MAC_BYTES, Kind.ANSWER, step_id, position,
                                    batched_steps, PUSHED if pushed_dims else 0, queued_s, compute_s, parse_s, encode_s)
     frame = AnswerFrame(b"".join((head, values, _tag(key, _ANSWER_PERSON, session_id, head[frames.HEADER.size:],
                                                      values))))
     if pushed_dims:
-        frame.pushed, frame.output = True, (values, pushed_dims)
+        frame.pushed, frame.output = True, (bytes(values), pushed_dims)
     return frame
 
 
