@@ -23,53 +23,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#define BIG_BYTES ((size_t)256 << 20)
-#define LINE 64
+#include "floor_io.h"
+
 #define MAX_SERVERS 8
-
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
-}
-
-static void die(const char *what) {
-    perror(what);
-    exit(2);
-}
-
-static void read_all(int fd, char *buf, size_t n) {  /* all n bytes; the peer gone ends the process quietly */
-    for (size_t got = 0; got < n;) {
-        ssize_t r = read(fd, buf + got, n - got);
-        if (r <= 0) exit(0);
-        got += (size_t)r;
-    }
-}
-
-static void write_all(int fd, const char *buf, size_t n) {
-    for (size_t put = 0; put < n;) {
-        ssize_t w = write(fd, buf + put, n - put);
-        if (w <= 0) die("write");
-        put += (size_t)w;
-    }
-}
-
-static volatile uint8_t *big_buffer(void) {
-    uint8_t *big = malloc(BIG_BYTES);
-    if (!big) die("malloc");
-    memset(big, 1, BIG_BYTES);
-    return big;
-}
-
-static void stream_for(volatile uint8_t *big, size_t *cursor, int64_t ns) {  /* one byte per line, for ns */
-    int64_t end = now_ns() + ns;
-    unsigned sum = 0;
-    while (now_ns() < end) {
-        for (size_t i = 0; i < (64 << 10); i += LINE) sum += big[(*cursor + i) % BIG_BYTES];
-        *cursor = (*cursor + (64 << 10)) % BIG_BYTES;
-    }
-    big[0] = (uint8_t)sum;
-}
 
 static int listener_on(uint16_t *port) {
     struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = 0, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};

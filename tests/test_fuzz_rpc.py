@@ -211,6 +211,18 @@ def test_fuzzing_the_framed_port_leaves_the_server_serving_exactly(attack_server
     assert honest.poll_correct()
 
 
+def _mutate(body: bytearray, rng: random.Random) -> None:
+    """A frame body with 1-4 random bytes changed (half the time), cut short, or grown by 1-64 random bytes."""
+    pick = rng.random()
+    if pick < 0.5:
+        for _ in range(rng.randint(1, 4)):
+            body[rng.randrange(len(body))] = rng.randrange(256)
+    elif pick < 0.75:
+        del body[rng.randrange(len(body)):]
+    else:
+        body += rng.randbytes(rng.randint(1, 64))
+
+
 def fuzz_compact(address: str, count: int, seed: int, hidden: int, blocks: int) -> Counter:
     """`count` keyed sessions, each sent a compact STEP (wire/compact.py) with random bytes changed, cut or added
     (its header, values or MAC), then END: what each ended with ("STATUS CODE" or "closed")."""
@@ -223,14 +235,7 @@ def fuzz_compact(address: str, count: int, seed: int, hidden: int, blocks: int) 
         with fa.KeyedStream(address, blocks) as stream:
             frame = bytearray(stream.step_frame(fa._values(1, 1, hidden), 1))
             body = frame[frames.HEADER.size:]
-            pick = rng.random()
-            if pick < 0.5:
-                for _ in range(rng.randint(1, 4)):
-                    body[rng.randrange(len(body))] = rng.randrange(256)
-            elif pick < 0.75:
-                del body[rng.randrange(len(body)):]
-            else:
-                body += rng.randbytes(rng.randint(1, 64))
+            _mutate(body, rng)
             answers = stream.exchange(frames.frame(frames.Kind.STEP, bytes(body)) + fa.END)
         ends[" ".join(answers[-1].split()[:2])] += 1
     return ends
@@ -264,14 +269,7 @@ def fuzz_pushes(address: str, count: int, seed: int, hidden: int, blocks: int) -
             frame = compact.push_frame(stream.keys.push, stream.session_id, stream.secret, 1, 1, 1, hidden,
                                        values.tobytes())
             body = bytearray(frame[frames.HEADER.size:])
-            pick = rng.random()
-            if pick < 0.5:
-                for _ in range(rng.randint(1, 4)):
-                    body[rng.randrange(len(body))] = rng.randrange(256)
-            elif pick < 0.75:
-                del body[rng.randrange(len(body)):]
-            else:
-                body += rng.randbytes(rng.randint(1, 64))
+            _mutate(body, rng)
             with fa.KeyedStream.plain(host, port) as pusher:
                 answers = pusher.exchange(fa.PUSH_HELLO + frames.frame(frames.Kind.PUSH_STEP, bytes(body)))
             # "REFUSED CODE" for a refusal, "taken" for a push taken (not answered), else how the connection ended

@@ -1,6 +1,6 @@
-"""The references a hop is measured against (docs/RESULTS-hop.md round 14): the bare C floor
-(benchmarks/hop_floor.py) runs and reports a median per setting; llama.cpp's side (benchmarks/llamacpp_hop.py)
-refuses a converter that is not there with one clear error. No time is asserted."""
+"""The references a hop is measured against (docs/RESULTS-hop.md rounds 14, 18): the bare C floors
+(benchmarks/hop_floor.py, chain_floor.py) run and report a median or a ratio per setting; llama.cpp's side
+(benchmarks/llamacpp_hop.py) refuses a converter that is not there with one clear error. No time is asserted."""
 from __future__ import annotations
 
 import importlib.util
@@ -34,6 +34,17 @@ def test_hop_floor_reports_a_median_per_setting():
         assert row, out
         median, p90 = float(row[1]), float(row[2])
         assert 0 < median <= p90  # microseconds of a real round trip, past the server's compute
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build chain_floor.c")
+def test_chain_floor_reports_each_setting_against_one_server():
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "chain_floor.py"), "--compute-ms", "0.3", "--head-ms",
+                          "0.1", "--tokens", "5", "--rounds", "1"],
+                         check=True, capture_output=True, text=True, timeout=120).stdout
+    rows = dict(re.findall(r"^\| (1 server|3 relayed|3 pushed \+ middle replies|3 pushed) \| [0-9.]+ \| [0-9.]+ \| "
+                           r"([0-9.]+)x \|$", out, re.M))
+    assert set(rows) == {"1 server", "3 relayed", "3 pushed + middle replies", "3 pushed"}, out
+    assert rows["1 server"] == "1.000" and all(float(ratio) > 0 for ratio in rows.values())
 
 
 def test_hop_floor_refuses_an_unknown_compute_setting():
