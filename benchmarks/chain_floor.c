@@ -40,7 +40,8 @@ static int listener_on(uint16_t *port) {
 
 /* A connection to a server, which learns who dialled it from the first byte: 'c' the client, 'p' its predecessor. */
 static int connect_to(uint16_t port, char who) {
-    struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = htons(port),
+                               .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     int one = 1, fd = socket(AF_INET, SOCK_STREAM, 0);
     if (connect(fd, (struct sockaddr *)&addr, sizeof addr)) die("connect");
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
