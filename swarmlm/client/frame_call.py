@@ -160,7 +160,10 @@ class FrameCall:
                 continue
             except OSError as exc:
                 raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"connection lost: {exc}") from None
-            self._received(data)
+            if data:  # (`_received`'s common case, inline: one call fewer per reply)
+                self._buf += data
+            else:
+                self._received(data)
 
     def has_frame(self) -> bool:
         """A whole frame (or the stream's end) is read already: `read_blocking` returns without waiting."""
