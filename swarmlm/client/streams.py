@@ -89,7 +89,7 @@ class _Sent:
     request_bytes: int
     encode_s: float
     clean: bool  # nothing else of this client was in flight on the link: its timing measures the link
-    written_s: float = 0.0  # perf_counter when its write began (0 before its turn on the link)
+    written_s: float = 0.0  # perf_counter when its write began (`send`: set again at its turn on the link)
     on_link: bool = True  # False: pushed here by the previous server, not written by this client
     step_id: int = 0
     # a compact STEP's [B, T, H], or a pushed decode step's (its pusher may push it compact): its ANSWER has as many
@@ -244,9 +244,9 @@ class SpanStream:
                 attention_mask=_NO_MASK if unmasked else codec.encode(mask)))
             session_keys.sign(self.keys.client, self.session_id, request)
             nbytes = len(request.step.hidden.data)
-        sent = _Sent(StepKind.of(shape[1]), n_tokens=shape[1], request_bytes=nbytes,
-                     encode_s=time.perf_counter() - t0, clean=False, on_link=False, step_id=self._step_id,
-                     shape=compact_shape)
+        t1 = time.perf_counter()  # (also the blocking write's start: `send_blocking` writes it at once)
+        sent = _Sent(StepKind.of(shape[1]), n_tokens=shape[1], request_bytes=nbytes, encode_s=t1 - t0, clean=False,
+                     written_s=t1, on_link=False, step_id=self._step_id, shape=compact_shape)
         self._pending.append(sent)
         return request, sent
 
@@ -291,7 +291,6 @@ class SpanStream:
         request, sent = self._request(source, mask, push, op)
         link = self.link
         sent.clean = link.in_flight == 0 and len(self._pending) == 1  # (a read from another thread: a hint)
-        sent.written_s = time.perf_counter()
         link.written_outside(sent.kind)
         try:
             self.call.write_blocking(request, timeout_s)
