@@ -16,6 +16,9 @@ class StepKind(enum.Enum):
 
     DECODE = "decode"  # one new token per sequence: small, latency-critical
     PREFILL = "prefill"  # several tokens: a prompt, a chunk of one, or a failover replay
+    # a member is its one object (Enum compares by identity): the C identity hash, not Enum's Python `__hash__`
+    # (hash of its name: two Python-level calls per dict lookup, e.g. the link's written counts on every step)
+    __hash__ = object.__hash__
 
     @classmethod
     def of(cls, n_tokens: int) -> "StepKind":

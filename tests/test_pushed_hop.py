@@ -101,10 +101,7 @@ class _Stream:
     def expect(self, shape) -> None:
         self.next_step_id += 1
 
-    def takes_float32(self, shape) -> bool:
-        return True
-
-    def send_blocking(self, hidden, mask, timeout_s, push=(), op=None, encoded=None, shape=None) -> None:
+    def send_blocking(self, source, mask, timeout_s, push=(), op=None) -> None:
         self.log.append(("send", self.name, len(push)))
         self.next_step_id += 1
 

@@ -130,7 +130,8 @@ class FrameCall:
     def write_blocking(self, request: pb.InferenceRequest | bytes, timeout_s: float) -> None:
         """As `write`, in this thread; TimeoutError if the socket takes nothing for `timeout_s`."""
         self._check_writable()
-        view = memoryview(_frame_of(request))
+        # (a compact STEP is a whole frame already: `_frame_of`'s first case, without the call)
+        view = memoryview(request if type(request) is bytes else _frame_of(request))
         try:
             while view:
                 try:
@@ -160,7 +161,10 @@ class FrameCall:
                 continue
             except OSError as exc:
                 raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"connection lost: {exc}") from None
-            self._received(data)
+            if data:  # (`_received`'s common case, inline: one call fewer per reply)
+                self._buf += data
+            else:
+                self._received(data)
 
     def has_frame(self) -> bool:
         """A whole frame (or the stream's end) is read already: `read_blocking` returns without waiting."""

@@ -156,17 +156,13 @@ class Hop:
     written: int = 0  # chunks written (or awaited from a push by the previous server) whose reply may be read
     base_id: int = 0  # the step id chunk 0 takes on this hop's stream (chunk k: base_id + k)
     op: CacheOp | None = None  # the step's cache edit, sent with chunk 0 (a replacement's replay holds it already)
+    # its open span's (fixed for the hop: a failover makes new hops), kept as attributes: read several times a hop
+    span: Span = field(init=False, repr=False)
+    stream: SpanStream = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.span, self.stream = self.open_span.span, self.open_span.stream
         self.base_id = self.stream.next_step_id - self.written
-
-    @property
-    def span(self) -> Span:
-        return self.open_span.span
-
-    @property
-    def stream(self) -> SpanStream:
-        return self.open_span.stream
 
     @property
     def answered(self) -> int:
@@ -291,31 +287,35 @@ class StepPipeline:
         by its hang timeout as in `_receive`. Pushed, the first hop's step is written with the rest of the route
         and the caller sleeps until the last hop's reply (the middle ones are read after it: one wake-up a step).
         Raises what is not a server's failure, as `run`."""
-        x = self.chunks[0][0]
-        bounds = [self.hang_timeout(h.span, x.shape[0], x.shape[1], h.open_span.cached) for h in self.hops]
+        x, mask = self.chunks[0]
+        wire_mask = mask if self.padded else None  # (`_wire_mask`: chunk 0's)
+        hops, n = self.hops, len(self.hops)
+        bounds = [self.hang_timeout(h.span, x.shape[0], x.shape[1], h.open_span.cached) for h in hops]
         i = 0
-        while i < len(self.hops):
-            hop = self.hops[i]
+        while i < n:
+            hop = hops[i]
             try:
-                targets = self._push_targets(i, 0)  # (the hops it pushes on to await their step: `written`)
-                source = self._source(i, 0)
-                if isinstance(source, Undecoded) and not hop.stream.takes_float32(x.shape):
-                    source = self.hops[i - 1].outputs[0] = source.tensor()  # (another wire format: encoded here)
-                if isinstance(source, Undecoded):  # relayed: the previous reply's bytes go on as they came
-                    hop.stream.send_blocking(None, self._wire_mask(0), bounds[i], targets, hop.op, source, x.shape)
-                else:
-                    hop.stream.send_blocking(source, self._wire_mask(0), bounds[i], targets, hop.op)
+                # the hops it pushes on to await their step (`written`)
+                targets = self._push_targets(i, 0) if self.push else ()
+                # its input: the chunk, or the previous reply (relayed: kept `Undecoded`, its bytes go on as they
+                # came when the link takes float32; `_request` encodes its tensor for another wire format)
+                source = x if i == 0 else hops[i - 1].outputs[0]
+                hop.stream.send_blocking(source, wire_mask, bounds[i], targets, hop.op)
                 hop.written = 1
                 end = i + 1 + len(targets)
                 if targets:
-                    FrameCall.wait_last([h.stream.call for h in self.hops[i:end]], sum(bounds[i:end]))
+                    FrameCall.wait_last([h.stream.call for h in hops[i:end]], sum(bounds[i:end]))
                 for j in range(i, end):
                     i = j
                     # a middle hop's float32 reply is checked but not made a tensor: relayed, only its bytes go on;
                     # pushed, the next server has it already (the history keeps it as it came: a failover's replay
                     # makes it one)
-                    middle = j + 1 < len(self.hops)
-                    self._answered(j, self.hops[j].stream.receive_blocking(bounds[j], keep_undecoded=middle))
+                    answering = hops[j]
+                    out, timing = answering.stream.receive_blocking(bounds[j], keep_undecoded=j + 1 < n)
+                    answering.open_span.answered(source, mask)  # (its input joins the history with its output)
+                    answering.outputs.append(out)
+                    self.timings.append(timing)
+                    source = out  # (the next pushed hop's input)
             except (ServerFailed, PushRefused) as exc:
                 self._decode_outputs()
                 return self._outcome({i: exc})
@@ -326,12 +326,6 @@ class StepPipeline:
         """Outputs kept undecoded made tensors: an attempt that goes on in the event loop sends them from there."""
         for hop in self.hops:
             hop.outputs = [out.tensor() if isinstance(out, Undecoded) else out for out in hop.outputs]
-
-    def _answered(self, i: int, reply: tuple[torch.Tensor, HopTiming]) -> None:
-        hop = self.hops[i]
-        hop.open_span.answered(self._source(i, 0), self.chunks[0][1])
-        hop.outputs.append(reply[0])
-        self.timings.append(reply[1])
 
     # ---- the two ways to run the hops ---------------------------------------------------------------------
     async def _hop_by_hop(self) -> tuple[dict[int, BaseException], bool]:

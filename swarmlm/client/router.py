@@ -180,7 +180,7 @@ class LiveRouter:
         """Whether server-to-server push saves time on `spans`, from the measured RTTs (PerfModel.push_pays). Its
         answer depends on the servers' links only, which change in `_sync` alone: kept per chain of servers until
         then (a session asks before every step, ~50 calls of the performance model each time)."""
-        key = tuple(s.server_id for s in spans)
+        key = tuple([s.server_id for s in spans])  # (a list, not a generator: one frame a step, not one per span)
         with self._lock:
             pays = self._push_pays.get(key)
             if pays is None:

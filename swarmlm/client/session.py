@@ -273,8 +273,11 @@ class InferenceSession:
         loop thread instead, concurrent sessions' prompts each waited for that one thread's turn at the GIL: 8
         sessions started together reached the server one per ~20 ms, and each of their first steps ran in a round
         of its own (docs/RESULTS-packed.md round 10)."""
-        if len(chunks) != 1 or not hops or not all(h.stream.blocking_ok for h in hops):
+        if len(chunks) != 1 or not hops:
             return False
+        for h in hops:  # (a loop, not all() of a generator: no generator frame per step)
+            if not h.stream.blocking_ok:
+                return False
         return chunks[0][0].shape[1] == 1 or not self._pushes(hops)
 
     def _step_blocking(self, record: StepRecord, chunks: list[Chunk], hops: list[Hop], t0: float,
@@ -329,7 +332,8 @@ class InferenceSession:
         return self._finish(record, hops, chunks, t0)
 
     def _finish(self, record: StepRecord, hops: list[Hop], chunks: list[Chunk], t0: float) -> torch.Tensor:
-        assert all(h.answered == len(chunks) for h in hops)
+        for h in hops:  # every hop answered every chunk (a loop: no generator frame per step)
+            assert len(h.outputs) == len(chunks)
         record.wall_s = time.perf_counter() - t0
         self.steps.append(record)
         return hops[-1].outputs[0] if len(chunks) == 1 else torch.cat(hops[-1].outputs, dim=1)

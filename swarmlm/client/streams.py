@@ -89,7 +89,7 @@ class _Sent:
     request_bytes: int
     encode_s: float
     clean: bool  # nothing else of this client was in flight on the link: its timing measures the link
-    written_s: float = 0.0  # perf_counter when its write began (0 before its turn on the link)
+    written_s: float = 0.0  # perf_counter when its write began (`send`: set again at its turn on the link)
     on_link: bool = True  # False: pushed here by the previous server, not written by this client
     step_id: int = 0
     # a compact STEP's [B, T, H], or a pushed decode step's (its pusher may push it compact): its ANSWER has as many
@@ -127,15 +127,10 @@ class SpanStream:
         self._step_id = 0
         self._pending: deque[_Sent] = deque()  # written (or being written), reply not read yet; in order
         self._last_reply_s = 0.0
-        self._link: LinkScheduler | None = None
+        # the link scheduler of this span's address (the client's one for it: Links never replaces one), kept as an
+        # attribute: read on every step
+        self.link: LinkScheduler = channels.link(span.address)
         self._bandwidth: BandwidthEstimate | None = None
-
-    @property
-    def link(self) -> LinkScheduler:
-        """The link scheduler of this span's address (the client's one for it: Links never replaces one)."""
-        if self._link is None:
-            self._link = self.channels.link(self.span.address)
-        return self._link
 
     @property
     def unanswered(self) -> int:
@@ -215,22 +210,23 @@ class SpanStream:
         except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
             raise _failed(self.span, exc) from exc
 
-    def _request(self, hidden: torch.Tensor | None, mask: torch.Tensor | None, push: list[pb.PushTarget],
-                 op: CacheOp | None, encoded: Undecoded | None = None,
-                 shape: torch.Size | None = None) -> tuple[pb.InferenceRequest | bytes, _Sent]:
-        """The next step's message, and its place among the replies (taken now, with its id). `encoded`: `hidden`
-        as float32 bytes already (a relayed reply kept `Undecoded`), used when this link's format is float32;
-        without `hidden` (only where `takes_float32`), `shape` is the step's [B, T, H]. A plain decode step on a
-        framed stream (`_compact`) is a whole STEP frame (wire/compact.py), anything else an InferenceRequest."""
+    def _request(self, source: torch.Tensor | Undecoded, mask: torch.Tensor | None, push: list[pb.PushTarget],
+                 op: CacheOp | None) -> tuple[pb.InferenceRequest | bytes, _Sent]:
+        """The next step's message, and its place among the replies (taken now, with its id). `source`: the hidden
+        states [B, T, H], a tensor or a relayed reply kept `Undecoded` (its float32 bytes go on as they came when
+        this link's format is float32; another format encodes its tensor). A plain decode step on a framed stream
+        (`_compact`) is a whole STEP frame (wire/compact.py), anything else an InferenceRequest."""
         t0 = time.perf_counter()
         self._step_id += 1
-        if hidden is None:
-            if encoded is None or not self.takes_float32(shape):
-                raise ValueError("a step without its tensor goes only as float32 bytes")
-            wire_dtype = "float32"
+        # the link's wire format, asked once per step (for a relayed reply its float32 bytes are its size already)
+        if type(source) is Undecoded:
+            encoded, hidden, shape = source, None, source.shape
+            wire_dtype = self.channels.wire_dtype_for(self.span.address, len(source.data))
+            if wire_dtype != "float32":  # (another wire format: encoded here from its tensor)
+                encoded, hidden = None, source.tensor()
         else:
-            shape = hidden.shape
-            wire_dtype = self.channels.wire_dtype_for(self.span.address, 4 * hidden.numel())
+            encoded, hidden, shape = None, source, source.shape
+            wire_dtype = self.channels.wire_dtype_for(self.span.address, 4 * source.numel())
         unmasked = mask is None or all_set(mask)
         if unmasked and not push and op is None and wire_dtype == "float32" and self._compact(shape):
             b, t, h = shape
@@ -242,16 +238,15 @@ class SpanStream:
             compact_shape = tuple(shape) if unmasked and push and op is None and wire_dtype == "float32" and \
                 self._compact(shape) else None
             request = pb.InferenceRequest(step=pb.InferenceStep(
-                hidden=encoded.as_sent() if encoded is not None and wire_dtype == "float32" else
-                compress.encode_hidden(hidden, wire_dtype),
+                hidden=encoded.as_sent() if encoded is not None else compress.encode_hidden(hidden, wire_dtype),
                 step_id=self._step_id, push=push, cache_op=cache_op.to_wire(op) if op is not None else None,
                 # (no padding: no mask on the wire, the server reads an absent mask as all ones)
                 attention_mask=_NO_MASK if unmasked else codec.encode(mask)))
             session_keys.sign(self.keys.client, self.session_id, request)
             nbytes = len(request.step.hidden.data)
-        sent = _Sent(StepKind.of(shape[1]), n_tokens=shape[1], request_bytes=nbytes,
-                     encode_s=time.perf_counter() - t0, clean=False, on_link=False, step_id=self._step_id,
-                     shape=compact_shape)
+        t1 = time.perf_counter()  # (also the blocking write's start: `send_blocking` writes it at once)
+        sent = _Sent(StepKind.of(shape[1]), n_tokens=shape[1], request_bytes=nbytes, encode_s=t1 - t0, clean=False,
+                     written_s=t1, on_link=False, step_id=self._step_id, shape=compact_shape)
         self._pending.append(sent)
         return request, sent
 
@@ -288,20 +283,14 @@ class SpanStream:
         framed stream with nothing in flight."""
         return isinstance(self.call, FrameCall) and self.call.blocking_ok and not self._pending
 
-    def takes_float32(self, shape: torch.Size) -> bool:
-        """Does a step of hidden states of `shape` go to this span's server as float32 (the link's wire format)?"""
-        return self.channels.wire_dtype_for(self.span.address, 4 * shape.numel()) == "float32"
-
-    def send_blocking(self, hidden: torch.Tensor | None, mask: torch.Tensor | None, timeout_s: float,
-                      push: list[pb.PushTarget] = (), op: CacheOp | None = None,
-                      encoded: Undecoded | None = None, shape: torch.Size | None = None) -> None:
+    def send_blocking(self, source: torch.Tensor | Undecoded, mask: torch.Tensor | None, timeout_s: float,
+                      push: list[pb.PushTarget] = (), op: CacheOp | None = None) -> None:
         """`send` from the caller's thread (`blocking_ok` streams only): no hand-off to the client's loop thread. It
         does not ask the link scheduler for a turn (that lives on the loop thread): a decode step goes first there
-        anyway. `encoded`, `shape`: see `_request`."""
-        request, sent = self._request(hidden, mask, push, op, encoded, shape)
+        anyway. `source`: see `_request`."""
+        request, sent = self._request(source, mask, push, op)
         link = self.link
         sent.clean = link.in_flight == 0 and len(self._pending) == 1  # (a read from another thread: a hint)
-        sent.written_s = time.perf_counter()
         link.written_outside(sent.kind)
         try:
             self.call.write_blocking(request, timeout_s)
@@ -400,7 +389,7 @@ class SpanStream:
             raise ServerTampered(self.span.server_id, session_keys.REPLY_TAMPERED) from None
         except InvalidRequest as exc:
             raise ServerFailed(self.span.server_id, str(exc)) from None
-        data = answer.data()
+        data = answer.values
         if keep_undecoded:
             return Undecoded(data, sent.shape), len(data)
         return codec.tensor_of(np.frombuffer(data, dtype=np.float32), sent.shape, "reply hidden"), len(data)

@@ -208,15 +208,15 @@ class Answer:
     """An ANSWER frame's body as the client reads it (`opened` checks it)."""
 
     __slots__ = ("body", "step_id", "position", "batched_steps", "pushed", "queued_s", "compute_s", "parse_s",
-                 "encode_s")
+                 "encode_s", "values")
 
     def __init__(self, body: bytes) -> None:
         self.body = body
 
     def opened(self, key: bytes, session_id: str, count: int) -> "Answer":
         """Checked: its MAC under the server key `key` first, then its length for `count` values. Returns self with
-        its fields set; `Tampered` if its MAC does not match (or it has none), InvalidRequest if its length is not
-        the step's."""
+        its fields set (`values`: the output's float32 bytes, a view of the body, as `data()`); `Tampered` if its MAC
+        does not match (or it has none), InvalidRequest if its length is not the step's."""
         body = self.body
         size = len(body) - MAC_BYTES
         view = memoryview(body)
@@ -228,6 +228,7 @@ class Answer:
         (self.step_id, self.position, self.batched_steps, flags, self.queued_s, self.compute_s, self.parse_s,
          self.encode_s) = ANSWER_HEAD.unpack_from(body)
         self.pushed = bool(flags & PUSHED)
+        self.values = view[ANSWER_HEAD.size:size]  # (kept: the client reads it without one more call)
         return self
 
     def data(self) -> memoryview:
