@@ -293,13 +293,11 @@ class SessionStreams:
         if compact_push:
             if keys is None or not request.verified(keys.push):
                 raise NotPermitted("a PUSH_STEP must carry its keyed session's push key MAC (missing or wrong)")
-            step = request.step
-        else:
-            if keys is not None and not (
-                    session_keys.verified(keys.push, session.session_id, request) if data is None else
-                    session_keys.verified_bytes(keys.push, session.session_id, request, data)):
-                raise NotPermitted("a push into a keyed session must carry its push key's MAC (missing or wrong)")
-            step = request.step
+        elif keys is not None and not (
+                session_keys.verified(keys.push, session.session_id, request) if data is None else
+                session_keys.verified_bytes(keys.push, session.session_id, request, data)):
+            raise NotPermitted("a push into a keyed session must carry its push key's MAC (missing or wrong)")
+        step = request.step  # (a PUSH_STEP's: its STEP part, a `CompactStep`)
         if step.step_id == 0:
             raise InvalidRequest("a pushed step needs a nonzero step id")
         admission.charge(payload_bytes(step))
