@@ -228,15 +228,16 @@ class SpanStream:
             encoded, hidden, shape = None, source, source.shape
             wire_dtype = self.channels.wire_dtype_for(self.span.address, 4 * source.numel())
         unmasked = mask is None or all_set(mask)
-        if unmasked and not push and op is None and wire_dtype == "float32" and self._compact(shape):
+        # a plain decode step goes as a STEP, or, with push targets, as a REQUEST answered by an ANSWER
+        # (server/service.py `_answers_compact`): either way its answer may be compact, of its dims
+        plain = unmasked and op is None and wire_dtype == "float32" and self._compact(shape)
+        compact_shape = tuple(shape) if plain else None
+        if plain and not push:
             b, t, h = shape
             values = encoded.data if encoded is not None else compact.float32_values(hidden)
             request = compact.step_frame(self.keys.client, self.session_id, self._step_id, b, t, h, values)
-            nbytes, compact_shape = 4 * b * t * h, (b, t, h)
+            nbytes = 4 * b * t * h
         else:
-            # a plain decode step with push targets is answered by an ANSWER (server/service.py `_answers_compact`)
-            compact_shape = tuple(shape) if unmasked and push and op is None and wire_dtype == "float32" and \
-                self._compact(shape) else None
             request = pb.InferenceRequest(step=pb.InferenceStep(
                 hidden=encoded.as_sent() if encoded is not None else compress.encode_hidden(hidden, wire_dtype),
                 step_id=self._step_id, push=push, cache_op=cache_op.to_wire(op) if op is not None else None,

@@ -265,10 +265,9 @@ class Pusher:
         """The push as a whole frame for the target's framed port: a PUSH_STEP (wire/compact.py: the output's bytes
         as they are, no protobuf) for a plain decode step into a keyed session with nothing to push on, else a PUSH
         (the PushRequest serialized once, MACed with `push_key` if given: `signed_bytes`)."""
-        shape = hidden.shape
-        if push_key and not rest and op is None and not mask.dtype and hidden.dtype == "float32" and \
-                len(shape) == 3 and shape[1] == 1 and compact.eligible_dims(shape[0], 1):
+        if push_key and not rest and op is None and compact.plain_decode(hidden, mask):
             self.compact_frames += 1
+            shape = hidden.shape
             return compact.push_frame(push_key, target.session_id, target.secret, target.step_id, shape[0], 1,
                                       shape[2], hidden.data)
         request = self._request(target, hidden, mask, rest, op)

@@ -76,11 +76,8 @@ def measured_speeds(profile: ComputeProfile) -> dict[str, float]:
 def _answers_compact(session: Session, step: pb.InferenceStep, op) -> bool:
     """Is a protobuf step with push targets answered by an ANSWER? A plain decode step (T = 1, no mask, no cache op,
     float32, B within u16) of a keyed session: the rule the client's `SpanStream._request` applies to such a step."""
-    if not step.push or session.keys is None or op is not None or step.attention_mask.dtype:
-        return False
-    hidden = step.hidden
-    return hidden.dtype == "float32" and len(hidden.shape) == 3 and hidden.shape[1] == 1 and \
-        compact.eligible_dims(hidden.shape[0], 1)
+    return bool(step.push) and session.keys is not None and op is None and \
+        compact.plain_decode(step.hidden, step.attention_mask)
 
 
 class SwarmService(pb_grpc.SwarmServicer):

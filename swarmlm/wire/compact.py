@@ -76,6 +76,15 @@ def eligible_dims(b: int, t: int) -> bool:
     return 0 < b <= MAX_DIM and 0 < t <= MAX_DIM
 
 
+def plain_decode(hidden, mask) -> bool:
+    """Do a protobuf step's hidden state and mask (pb.Tensor) make a plain decode step, the kind that goes compact:
+    float32 [B, 1, H] with B within the header's u16, no padding mask? (The client's rule, `SpanStream._compact`,
+    on the wire's tensors: a server answers or pushes on such a step compact.)"""
+    shape = hidden.shape
+    return not mask.dtype and hidden.dtype == "float32" and len(shape) == 3 and shape[1] == 1 and \
+        eligible_dims(shape[0], 1)
+
+
 def push_frame(key: bytes, session_id: str, secret: bytes, step_id: int, b: int, t: int, h: int,
                values: bytes | memoryview) -> bytes:
     """A whole PUSH_STEP frame into session `session_id` (its `secret`), MACed with its push `key`: `values` the
@@ -232,8 +241,8 @@ class Answer:
         return self
 
     def data(self) -> memoryview:
-        """The output's float32 bytes (a view of the body)."""
-        return memoryview(self.body)[ANSWER_HEAD.size:len(self.body) - MAC_BYTES]
+        """The output's float32 bytes (a view of the body; once `opened`)."""
+        return self.values
 
 
 class Tampered(Exception):

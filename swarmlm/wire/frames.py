@@ -85,9 +85,13 @@ def _wrong_magic(body: bytes) -> str:
     return "not a swarmlm frame connection (wrong magic in HELLO)"
 
 
+def _status_body(code: grpc.StatusCode, details: str, limit: int) -> bytes:
+    """A STATUS body (code name, "\\n", details), cut to `limit` bytes."""
+    return f"{code.name}\n{details}".encode("utf-8", "replace")[:limit]
+
+
 def status(code: grpc.StatusCode, details: str = "") -> bytes:
-    text = f"{code.name}\n{details}".encode("utf-8", "replace")[:MAX_STATUS_BYTES]
-    return frame(Kind.STATUS, text)
+    return frame(Kind.STATUS, _status_body(code, details, MAX_STATUS_BYTES))
 
 
 OK_STATUS = status(grpc.StatusCode.OK)  # the frame of the usual answer (a push's): built once, compared whole
@@ -96,8 +100,8 @@ REFUSED_STEP = struct.Struct(">Q")  # a REFUSED body's head: the refused PUSH_ST
 
 def refused(step_id: int, code: grpc.StatusCode, details: str) -> bytes:
     """The answer to a refused PUSH_STEP: its step id, then the refusal as a STATUS body."""
-    text = f"{code.name}\n{details}".encode("utf-8", "replace")[:MAX_STATUS_BYTES - REFUSED_STEP.size]
-    return frame(Kind.REFUSED, REFUSED_STEP.pack(step_id) + text)
+    return frame(Kind.REFUSED,
+                 REFUSED_STEP.pack(step_id) + _status_body(code, details, MAX_STATUS_BYTES - REFUSED_STEP.size))
 
 
 def parse_refused(body: bytes) -> tuple[int, grpc.StatusCode, str]:
