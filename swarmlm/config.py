@@ -343,6 +343,9 @@ class ClientConfig:
     # (client/channels.py). Faster than gRPC and less CPU per step on a free machine (docs/RESULTS-hop.md, round 6
     # and 7); False = gRPC's Inference call
     frames: bool = True
+    # a relayed decode step's hops on framed streams in one C call (client/relay.py, kernels/chain.c); False: in
+    # Python (the same checks and outcome, ~N x 0.1 ms more per token: docs/RESULTS-hop.md round 19; for A/B runs)
+    relay_in_c: bool = True
     # start sessions from prefixes the servers keep from earlier sessions and keep each finished session's prefix
     # (client/prefix.py); False = every session prefills its whole prompt
     prefix_cache: bool = True

@@ -19,15 +19,18 @@ left mid-step) and the session (session.py) re-routes, reopens and replays, then
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
+import grpc
 import torch
 
-from swarmlm.client.frame_call import FrameCall
-from swarmlm.client.streams import HopTiming, SpanStream, Undecoded
+from swarmlm.client import relay
+from swarmlm.client.frame_call import FrameCall, rpc_error
+from swarmlm.client.streams import HopTiming, SpanStream, Undecoded, server_failure
 from swarmlm.config import ClientConfig
-from swarmlm.errors import PushRefused, ServerFailed
+from swarmlm.errors import PushRefused, ServerFailed, ServerHung
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.types import CacheOp, Span
 from swarmlm.wire import session_keys
@@ -229,12 +232,13 @@ class StepPipeline:
 
     def __init__(self, hops: list[Hop], chunks: list[Chunk], config: ClientConfig,
                  hang_timeout: Callable[[Span, int, int, bool], float], push: bool = False,
-                 padded: bool = True) -> None:
+                 padded: bool = True, relay_chain: relay.RelayChain | None = None) -> None:
         self.hops = hops
         self.chunks = chunks
         self.push = push
         # False: no chunk's mask has padding (the session knows it already): none is looked at again, none is sent
         self.padded = padded
+        self.relay = relay_chain  # the route's C chain (run_blocking takes it for a plain relayed decode step)
         self.watchdog_s = watchdog_s(config)
         self.hang_timeout = hang_timeout
         self._progress: _Progress | None = None  # (made by the event loop's attempt only: run_blocking needs none)
@@ -291,7 +295,9 @@ class StepPipeline:
         wire_mask = mask if self.padded else None  # (`_wire_mask`: chunk 0's)
         hops, n = self.hops, len(self.hops)
         bounds = [self.hang_timeout(h.span, x.shape[0], x.shape[1], h.open_span.cached) for h in hops]
-        i = 0
+        i, stopped, left_s = 0, None, None
+        if self.relay is not None and self._relayable(x):
+            i, stopped = self._run_relayed(x, mask, bounds)
         while i < n:
             hop = hops[i]
             try:
@@ -300,7 +306,10 @@ class StepPipeline:
                 # its input: the chunk, or the previous reply (relayed: kept `Undecoded`, its bytes go on as they
                 # came when the link takes float32; `_request` encodes its tensor for another wire format)
                 source = x if i == 0 else hops[i - 1].outputs[0]
-                hop.stream.send_blocking(source, wire_mask, bounds[i], targets, hop.op)
+                if stopped is None:
+                    hop.stream.send_blocking(source, wire_mask, bounds[i], targets, hop.op)
+                else:  # the C chain stopped here: its STEP went (or failed) there, its reply is read from here
+                    stopped, left_s = None, self._resume(hop, stopped, x, bounds[i])
                 hop.written = 1
                 end = i + 1 + len(targets)
                 if targets:
@@ -311,7 +320,9 @@ class StepPipeline:
                     # pushed, the next server has it already (the history keeps it as it came: a failover's replay
                     # makes it one)
                     answering = hops[j]
-                    out, timing = answering.stream.receive_blocking(bounds[j], keep_undecoded=j + 1 < n)
+                    out, timing = answering.stream.receive_blocking(
+                        bounds[j] if left_s is None else left_s, keep_undecoded=j + 1 < n, bound_s=bounds[j])
+                    left_s = None
                     answering.open_span.answered(source, mask)  # (its input joins the history with its output)
                     answering.outputs.append(out)
                     self.timings.append(timing)
@@ -321,6 +332,57 @@ class StepPipeline:
                 return self._outcome({i: exc})
             i += 1
         return AttemptOutcome(self.timings, {}, [])
+
+    # ---- the C chain (client/relay.py) ----------------------------------------------------------------------
+    def _relayable(self, x: torch.Tensor) -> bool:
+        """May this step's hops run in the C chain? A plain relayed decode step: no push, no padding, no cache op,
+        float32 x [B, 1, H] in C order, and every hop a compact STEP on a framed keyed stream with nothing read
+        ahead (its FrameCall's buffer empty: the chain reads the socket itself)."""
+        if self.push or self.padded or x.dtype is not torch.float32 or x.shape[1] != 1 or not x.is_contiguous():
+            return False
+        nbytes = 4 * x.numel()
+        shape = x.shape
+        for hop in self.hops:
+            stream = hop.stream
+            if hop.op is not None or not stream._compact(shape) or stream.call._buf or \
+                    stream.channels.wire_dtype_for(hop.span.address, nbytes) != "float32":
+                return False
+        return self.relay.fits([h.stream for h in self.hops])
+
+    def _run_relayed(self, x: torch.Tensor, mask: torch.Tensor,
+                     bounds: list[float]) -> tuple[int, relay.Stopped | None]:
+        """The hops in the C chain: those it answered recorded as `run_blocking` records them (history, outputs,
+        timings). Returns the hop it stopped at (n: none) and why (its reply is read on from there)."""
+        done, outs, stopped = self.relay.run(x, bounds)
+        ints, times = self.relay.ints, self.relay.times
+        nbytes, n_tokens = 4 * x.numel(), x.shape[1]
+        source = x
+        for j in range(done):
+            hop = self.hops[j]
+            self.timings.append(hop.stream.relayed(ints[relay.INTS * j:relay.INTS * (j + 1)],
+                                                   times[relay.TIMES * j:relay.TIMES * (j + 1)], nbytes, n_tokens))
+            hop.written = 1
+            hop.open_span.answered(source, mask)
+            hop.outputs.append(outs[j])
+            source = outs[j]
+        return done, stopped
+
+    @staticmethod
+    def _resume(hop: Hop, stopped: relay.Stopped, x: torch.Tensor, bound_s: float) -> float:
+        """The hop the C chain stopped at, as if Python had written its STEP: its place among the replies taken, the
+        bytes of its reply read so far handed to its FrameCall, and a failure of its write or read raised as
+        `send_blocking` / `receive_blocking` raise it. Returns the time left of its reply's bound."""
+        stream, call = hop.stream, hop.stream.call
+        stream.relayed_step(4 * x.numel(), x.shape[1], tuple(x.shape), stopped.built_s, stopped.written_s)
+        if stopped.state == relay.WRITE_TIMEOUT:
+            raise ServerHung(hop.span.server_id, bound_s)
+        lost = OSError(stopped.errno, os.strerror(stopped.errno))
+        if stopped.state == relay.WRITE_ERROR:
+            raise server_failure(hop.span, call._lost(lost))  # (the server's STATUS, if it sent one before it closed)
+        call._buf += stopped.got
+        if stopped.errno:  # (as FrameCall.read_blocking names a failed recv)
+            raise server_failure(hop.span, rpc_error(grpc.StatusCode.UNAVAILABLE, f"connection lost: {lost}"))
+        return max(stopped.left_s, 0.0)
 
     def _decode_outputs(self) -> None:
         """Outputs kept undecoded made tensors: an attempt that goes on in the event loop sends them from there."""

@@ -23,6 +23,8 @@ from swarmlm.client.failover import replace_hop
 from swarmlm.client import prefix as prefix_keys
 from swarmlm.client.pipeline import AttemptOutcome, Chunk, Hop, OpenSpan, StepPipeline, hang_timeout_s, watchdog_s
 from swarmlm.client.remote import RemoteSequence, report_failure
+from swarmlm.client.frame_call import FrameCall
+from swarmlm.client.relay import RelayChain, chain_library
 from swarmlm.client.router import profile_of
 from swarmlm.client.streams import HopTiming, SpanStream
 from swarmlm.errors import InvalidRequest, ServerFailed, ServerHung, ServerTampered
@@ -94,6 +96,7 @@ class InferenceSession:
         # (server id, rows, cached) -> (span, its server's record, the bound): a decode step's hang timeouts, worked
         # out again only when the span or the record (its announced profile) changes
         self._decode_bounds: dict[tuple[str, int, bool], tuple[Span, ServerRecord | None, float]] = {}
+        self._relay: RelayChain | None = None  # the route's C chain (client/relay.py), while its streams stay
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def open(self, prompt_ids: Sequence[int] | None = None) -> "InferenceSession":
@@ -286,12 +289,26 @@ class InferenceSession:
         the event loop."""
         record.blocking = True
         record.pushed = self._pushes(hops)
+        relay = self._relay_chain(hops) if chunks[0][0].shape[1] == 1 and not record.pushed else None
         outcome = StepPipeline(hops, chunks, self.remote.config, self.hang_timeout_s, record.pushed,
-                               padded).run_blocking()
+                               padded, relay).run_blocking()
         if outcome.complete:
             record.hops.extend(outcome.timings)
             return self._finish(record, hops, chunks, t0)
         return self.remote.loop.run(self._attempts(record, chunks, hops, t0, outcome, padded))
+
+    def _relay_chain(self, hops: list[Hop]) -> RelayChain | None:
+        """The C chain of this route's streams for a relayed decode step (kept while they stay); None without the
+        kernels, with ClientConfig.relay_in_c off, or on a stream that cannot take compact frames."""
+        streams = [h.stream for h in hops]
+        if self._relay is not None and self._relay.fits(streams):
+            return self._relay
+        self._relay = None
+        lib = chain_library() if self.remote.config.relay_in_c else None
+        if lib is None or not all(type(s.call) is FrameCall and s.keys is not None for s in streams):
+            return None
+        self._relay = RelayChain(lib, streams)
+        return self._relay
 
     def _begin(self, hidden: torch.Tensor, mask: torch.Tensor,
                op: CacheOp | None) -> tuple[StepRecord, list[Chunk], list[Hop]]:

@@ -72,7 +72,8 @@ class Undecoded:
         return pb.Tensor(data=bytes(self.data), dtype="float32", shape=self.shape)
 
 
-def _failed(span: Span, exc: BaseException) -> ServerFailed:
+def server_failure(span: Span, exc: BaseException) -> ServerFailed:
+    """What a stream's error (gRPC's, a framed call's, an OSError) says of its server."""
     if isinstance(exc, grpc.aio.AioRpcError) and session_keys.TAMPERED in (exc.details() or ""):
         return ServerTampered(span.server_id, f"{exc.code().name}: {exc.details()}")  # (our message was changed)
     if isinstance(exc, grpc.aio.AioRpcError):
@@ -178,7 +179,7 @@ class SpanStream:
                 reply = await self._first_reply(signed, fresh=True)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, OSError) as exc:
             await self.close()
-            raise _failed(self.span, exc) from exc
+            raise server_failure(self.span, exc) from exc
         if reply is grpc.aio.EOF:
             raise ServerFailed(self.span.server_id, "stream closed while opening a session")
         if not session_keys.verified(self.keys.server, reply.session_id, reply):
@@ -208,7 +209,7 @@ class SpanStream:
             await self.call.write(session_keys.sign(self.keys.client, self.session_id,
                                                     pb.InferenceRequest(save=pb.PrefixSave(keys=list(keys)))))
         except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
-            raise _failed(self.span, exc) from exc
+            raise server_failure(self.span, exc) from exc
 
     def _request(self, source: torch.Tensor | Undecoded, mask: torch.Tensor | None, push: list[pb.PushTarget],
                  op: CacheOp | None) -> tuple[pb.InferenceRequest | bytes, _Sent]:
@@ -273,7 +274,7 @@ class SpanStream:
             try:
                 await self.call.write(request)
             except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
-                raise _failed(self.span, exc) from exc
+                raise server_failure(self.span, exc) from exc
             except asyncio.CancelledError as exc:
                 _raise_if_cancelling()
                 raise ServerFailed(self.span.server_id, "stream cancelled") from exc
@@ -298,19 +299,53 @@ class SpanStream:
         except TimeoutError as exc:
             raise ServerHung(self.span.server_id, timeout_s) from exc
         except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
-            raise _failed(self.span, exc) from exc
+            raise server_failure(self.span, exc) from exc
 
-    def receive_blocking(self, timeout_s: float,
-                         keep_undecoded: bool = False) -> tuple[torch.Tensor | Undecoded, HopTiming]:
+    def receive_blocking(self, timeout_s: float, keep_undecoded: bool = False,
+                         bound_s: float | None = None) -> tuple[torch.Tensor | Undecoded, HopTiming]:
         """`receive` in the caller's thread: it sleeps on the socket itself until the reply comes. `keep_undecoded`:
-        a float32 output is checked as ever but given as `Undecoded` (a relayed hop's: its bytes go on)."""
+        a float32 output is checked as ever but given as `Undecoded` (a relayed hop's: its bytes go on). `bound_s`:
+        the reply's whole hang bound, when `timeout_s` is what is left of it (the C chain waited the rest)."""
         try:
             reply = self.call.read_blocking(timeout_s)
         except TimeoutError as exc:
-            raise ServerHung(self.span.server_id, timeout_s) from exc
+            raise ServerHung(self.span.server_id, timeout_s if bound_s is None else bound_s) from exc
         except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
-            raise _failed(self.span, exc) from exc
+            raise server_failure(self.span, exc) from exc
         return self._answer(reply, time.perf_counter(), keep_undecoded)
+
+    # ---- a hop of the C chain (client/relay.py) ------------------------------------------------------------
+    def relayed_step(self, nbytes: int, n_tokens: int, shape: tuple[int, ...], built_s: float,
+                     written_s: float) -> None:
+        """A compact STEP the C chain wrote (or began to write) on this stream: its id taken and its place among the
+        replies, as `send_blocking`'s `_request` would (its reply is then read here, `receive_blocking`)."""
+        self._step_id += 1
+        kind = StepKind.of(n_tokens)
+        self._pending.append(_Sent(kind, n_tokens, nbytes, written_s - built_s, clean=self.link.in_flight == 0,
+                                   written_s=written_s, on_link=False, step_id=self._step_id, shape=shape))
+        self.link.written_outside(kind)
+
+    def relayed(self, ints: list[int], times: list[float], nbytes: int, n_tokens: int) -> HopTiming:
+        """A hop the C chain wrote and took the ANSWER of (its kind, length, MAC and step id checked there): the
+        step's id, the stream's position, its timing and the link's bandwidth as `_request` and `_answer` keep them.
+        ints: the ANSWER's step id, position, batched steps, flags; times: its queued, compute, parse, encode, then
+        the client's clock when the STEP's build began, its write began, the reply was whole, it was checked."""
+        self._step_id += 1
+        assert ints[0] == self._step_id  # (the id the chain was given, and checked)
+        self.link.written_outside(StepKind.of(n_tokens))
+        self.position = ints[1]
+        queued, compute, parse, encode, t0, t1, t2, t3 = times
+        started = t1 if t1 > self._last_reply_s else self._last_reply_s
+        self._last_reply_s = t2
+        timing = HopTiming(self.span.server_id, wall_s=t2 - started, queued_s=queued, compute_s=compute,
+                           server_io_s=parse + encode, client_io_s=(t1 - t0) + (t3 - t2), n_tokens=n_tokens,
+                           pushed=bool(ints[3] & compact.PUSHED),
+                           batched_steps=max(1, min(ints[2], MAX_REPORTED_BATCH)))
+        if self.link.in_flight == 0:  # (`_Sent.clean`: nothing else of this client on the link)
+            if self._bandwidth is None:
+                self._bandwidth = self.channels.bandwidth(self.span.address)
+            self._bandwidth.observe(2 * nbytes, timing.network_s)
+        return timing
 
     async def receive(self, timeout_s: float | None = None) -> tuple[torch.Tensor, HopTiming]:
         """The reply to the oldest unanswered step. No reply within `timeout_s` (default: the stream's) is a failure
@@ -326,7 +361,7 @@ class SpanStream:
         except asyncio.TimeoutError as exc:
             raise ServerHung(self.span.server_id, timeout_s) from exc
         except (grpc.aio.AioRpcError, OSError, asyncio.InvalidStateError) as exc:
-            raise _failed(self.span, exc) from exc
+            raise server_failure(self.span, exc) from exc
         except asyncio.CancelledError as exc:
             _raise_if_cancelling()
             raise ServerFailed(self.span.server_id, "stream cancelled") from exc

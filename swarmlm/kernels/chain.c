@@ -1,0 +1,166 @@
+/* A client's relayed decode step in one call (client/relay.py is its Python side, docs/ARCHITECTURE.md "The client's
+   relayed step in C"): for each hop of the route, the STEP frame built from the step's input (hop 0: the caller's
+   values; hop j > 0: hop j-1's checked output), written on the hop's framed stream (blocking, poll() bounded by the
+   hop's hang timeout), its reply read until the whole frame is there, and taken only if it is the ANSWER expected:
+   kind ANSWER, the step's length, the MAC under the server key, the step's id. Its values go to the caller's
+   outs[j] and on to hop j+1.
+
+   Anything else stops the chain at that hop and leaves it to the Python reader (client/frame_call.py), which then
+   does exactly what it does without this call: the bytes read of that hop's reply are handed back (they go into
+   its FrameCall's buffer), and no byte past the expected ANSWER's size is ever read (a recv asks for no more), so a
+   REPLY refusal, a STATUS, a tampered or short frame, a closed connection are read and judged there. The caller's
+   Python does each hop's bookkeeping (step ids, pending replies, timing, history) from what this call records. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <poll.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#include "frame.h"
+
+struct chain_hop {              /* one hop's stream (set once per stream), its step id and bound (set per step) */
+    int64_t fd;                 /* the FrameCall's non-blocking socket */
+    struct frame_key client;    /* the session's client key (STEP MAC) and id */
+    struct frame_key server;    /* the session's server key (ANSWER MAC) and id */
+    int64_t max_body;           /* the stream's max message bytes: a larger frame is the Python reader's to refuse */
+    uint64_t step_id;           /* this step's id on the stream */
+    double bound_s;             /* its hang timeout: no reply within it (or a write that takes nothing) stops */
+};
+
+/* stop[]: where and why a chain stopped (what its Python side reads) */
+#define CHAIN_STOP_HOP 0    /* hops answered (== n: all of them) */
+#define CHAIN_STOP_STATE 1  /* CHAIN_* below */
+#define CHAIN_STOP_ERRNO 2  /* a failed send's or recv's errno (0: none) */
+#define CHAIN_STOP_GOT 3    /* bytes of the stopped hop's reply read (in `reply`, for its FrameCall's buffer) */
+#define CHAIN_STOP_SLOTS 4
+
+#define CHAIN_DONE 0          /* every hop answered */
+#define CHAIN_WRITE_TIMEOUT 1 /* the socket took nothing for the bound: the STEP is not (wholly) written */
+#define CHAIN_WRITE_ERROR 2   /* a send failed (errno): the STEP is not (wholly) written */
+#define CHAIN_READ 3          /* the STEP written; its reply not taken here (timed out, broken, not the ANSWER) */
+
+/* per hop j: ints[4j..]: the ANSWER's step id, position, batched steps, flags; times[8j..]: its queued, compute,
+   parse, encode (s, the server's), then the client's perf_counter times: STEP build began, write began, reply
+   whole, reply checked */
+#define CHAIN_INTS 4
+#define CHAIN_TIMES 8
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* (time.perf_counter's clock on Linux) */
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Sleep until fd is ready for `events` or `timeout_s` passes: 1 ready (or broken: the next call says how), 0 timed
+   out, -1 interrupted by a signal (the caller's Python handles it). */
+static int wait_ready(int fd, short events, double timeout_s) {
+    if (timeout_s < 0) timeout_s = 0;
+    struct pollfd p = {.fd = fd, .events = events};
+    struct timespec ts = {.tv_sec = (time_t)timeout_s, .tv_nsec = (long)((timeout_s - (double)(time_t)timeout_s) * 1e9)};
+    int r = ppoll(&p, 1, &ts, NULL);
+    if (r < 0) return errno == EINTR ? -1 : 1; /* (another error: the send / recv reports it) */
+    return r > 0;
+}
+
+/* The whole frame written (as FrameCall.write_blocking: each wait for room bounded by the hop's bound). */
+static int write_all(int fd, const uint8_t *data, int64_t len, double bound_s, int *err) {
+    int64_t at = 0;
+    while (at < len) {
+        ssize_t sent = send(fd, data + at, (size_t)(len - at), MSG_NOSIGNAL);
+        if (sent >= 0) {
+            at += sent;
+            continue;
+        }
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            *err = errno;
+            return CHAIN_WRITE_ERROR;
+        }
+        int ready;
+        while ((ready = wait_ready(fd, POLLOUT, bound_s)) < 0) {} /* (a signal mid-frame: the frame first) */
+        if (!ready) return CHAIN_WRITE_TIMEOUT;
+    }
+    return CHAIN_DONE;
+}
+
+static uint32_t be32(const uint8_t *p) {
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
+/* Read hop's reply into `reply` until it is the whole expected ANSWER (`frame` bytes) or it cannot be one: CHAIN_DONE
+   with *got == frame, or CHAIN_READ (*got bytes read, *err a recv's errno). Never reads past `frame` bytes. */
+static int read_answer(const struct chain_hop *hop, uint8_t *reply, int64_t frame, int64_t *got, int *err) {
+    double deadline = now_s() + hop->bound_s;
+    int fd = (int)hop->fd;
+    *got = 0;
+    while (*got < frame) {
+        /* poll first: a decode step's reply is never there as soon as its STEP is written */
+        int ready = wait_ready(fd, POLLIN, deadline - now_s());
+        if (ready <= 0) return CHAIN_READ; /* timed out, or a signal */
+        ssize_t n = recv(fd, reply + *got, (size_t)(frame - *got), 0);
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
+            *err = errno;
+            return CHAIN_READ;
+        }
+        if (n == 0) return CHAIN_READ; /* closed: the Python reader's recv sees the end again and names it */
+        *got += n;
+        if (*got >= FRAME_HEADER && (reply[4] != FRAME_KIND_ANSWER || be32(reply) != frame - FRAME_HEADER ||
+                                     be32(reply) > hop->max_body))
+            return CHAIN_READ; /* not the ANSWER of this step's length: a refusal, a status, garbage */
+    }
+    return CHAIN_DONE;
+}
+
+/* The step's n hops, relayed: x holds b*t*h float32 (hop 0's input), outs n*b*t*h (hop j's output at j*b*t*h);
+   `step` and `reply` hold a STEP and an ANSWER frame of b*t*h values. Returns the hops answered; stop[] says where
+   and why it stopped, ints[] and times[] what each hop's answer and the client's clock said. */
+int64_t chain_relay(const struct chain_hop *hops, int64_t n, int64_t b, int64_t t, int64_t h, const float *x,
+                    float *outs, uint8_t *step, uint8_t *reply, int64_t *ints, double *times, int64_t *stop) {
+    int64_t count = b * t * h;
+    int64_t frame = FRAME_HEADER + FRAME_ANSWER_HEAD + 4 * count + FRAME_MAC;
+    memset(stop, 0, CHAIN_STOP_SLOTS * sizeof *stop);
+    for (int64_t j = 0; j < n; j++) {
+        const struct chain_hop *hop = &hops[j];
+        double *tm = &times[CHAIN_TIMES * j];
+        int err = 0;
+        stop[CHAIN_STOP_HOP] = j;
+        tm[4] = now_s();
+        struct frame_step_head head = {.step_id = hop->step_id, .b = b, .t = t, .h = h};
+        int64_t size = frame_step(&hop->client, &head, j ? outs + (j - 1) * count : x, step);
+        if (size < 0) { /* (dims checked by the caller: never) */
+            stop[CHAIN_STOP_STATE] = CHAIN_WRITE_ERROR;
+            stop[CHAIN_STOP_ERRNO] = EINVAL;
+            return j;
+        }
+        tm[5] = now_s();
+        int state = write_all((int)hop->fd, step, size, hop->bound_s, &err);
+        int64_t got = 0;
+        if (state == CHAIN_DONE) state = read_answer(hop, reply, frame, &got, &err);
+        tm[6] = now_s();
+        struct frame_answer_head answer;
+        if (state == CHAIN_DONE && (frame_open_answer(&hop->server, reply + FRAME_HEADER, frame - FRAME_HEADER, count,
+                                                      &answer) != FRAME_OK || answer.step_id != hop->step_id))
+            state = CHAIN_READ; /* tampered, or another step's: the Python reader names it */
+        if (state != CHAIN_DONE) {
+            stop[CHAIN_STOP_STATE] = state;
+            stop[CHAIN_STOP_ERRNO] = err;
+            stop[CHAIN_STOP_GOT] = got;
+            return j;
+        }
+        memcpy(outs + j * count, reply + FRAME_HEADER + FRAME_ANSWER_HEAD, 4 * (size_t)count);
+        int64_t *in = &ints[CHAIN_INTS * j];
+        in[0] = (int64_t)answer.step_id;
+        in[1] = answer.position;
+        in[2] = answer.batched;
+        in[3] = answer.flags;
+        tm[0] = answer.queued_s;
+        tm[1] = answer.compute_s;
+        tm[2] = answer.parse_s;
+        tm[3] = answer.encode_s;
+        tm[7] = now_s();
+    }
+    stop[CHAIN_STOP_HOP] = n;
+    return n;
+}
