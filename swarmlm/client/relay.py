@@ -19,6 +19,7 @@ import torch
 
 from swarmlm.client.streams import SpanStream
 from swarmlm.kernels import KernelUnavailable, library
+from swarmlm.kernels.frame_types import FrameKey
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +38,6 @@ def chain_library() -> ctypes.CDLL | None:
     except KernelUnavailable as exc:
         log.info("%s; relayed decode steps run their hops in Python", exc)
         return None
-
-
-class FrameKey(ctypes.Structure):
-    _fields_ = [("key", ctypes.c_char_p), ("key_len", _i64), ("sid", ctypes.c_char_p), ("sid_len", _i64)]
 
 
 class ChainHop(ctypes.Structure):
@@ -73,11 +70,12 @@ class RelayChain:
         self.calls = [s.call for s in streams]
         n = len(streams)
         self.hops = (ChainHop * n)()
+        self._keys = []  # the FrameKeys whose bytes the hops' structs point into (a struct field holds a copy)
         for hop, stream in zip(self.hops, streams):
-            sid = stream.session_id.encode("ascii")
-            hop.fd = stream.call._sock.fileno()
-            hop.client = FrameKey(stream.keys.client, len(stream.keys.client), sid, len(sid))
-            hop.server = FrameKey(stream.keys.server, len(stream.keys.server), sid, len(sid))
+            client = FrameKey.of(stream.keys.client, stream.session_id)
+            server = FrameKey.of(stream.keys.server, stream.session_id)
+            self._keys += (client, server)
+            hop.fd, hop.client, hop.server = stream.call._sock.fileno(), client, server
             hop.max_body = stream.call._max
         self.ints = (_i64 * (INTS * n))()
         self.times = (_f64 * (TIMES * n))()
