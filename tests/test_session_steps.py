@@ -52,7 +52,8 @@ def test_decode_steps_keep_one_mask_and_their_hang_bounds_until_the_record_chang
     float32_values = streams.compact.float32_values  # (a compact STEP's encode: wire/compact.py)
     monkeypatch.setattr(streams.compact, "float32_values", lambda h: encoded.append("float32") or float32_values(h))
     with server_processes(tiny_llama, [BlockRange(0, 3), BlockRange(3, 6)], dht=False) as swarm:
-        client = client_of(swarm, frames=True, push=False)
+        # (the hops in Python: the C chain, client/relay.py, builds its STEPs without a Python encode)
+        client = client_of(swarm, frames=True, push=False, relay_in_c=False)
         try:
             with torch.no_grad(), client.inference_session(max_length=16) as session:
                 client.step_logits(session, torch.tensor([[5, 6, 7]]))

@@ -295,9 +295,11 @@ class StepPipeline:
         wire_mask = mask if self.padded else None  # (`_wire_mask`: chunk 0's)
         hops, n = self.hops, len(self.hops)
         bounds = [self.hang_timeout(h.span, x.shape[0], x.shape[1], h.open_span.cached) for h in hops]
-        i, stopped, left_s = 0, None, None
+        i = 0
         if self.relay is not None and self._relayable(x):
-            i, stopped = self._run_relayed(x, mask, bounds)
+            i, failed = self._run_relayed(x, mask, bounds)
+            if failed is not None:
+                return failed
         while i < n:
             hop = hops[i]
             try:
@@ -306,10 +308,7 @@ class StepPipeline:
                 # its input: the chunk, or the previous reply (relayed: kept `Undecoded`, its bytes go on as they
                 # came when the link takes float32; `_request` encodes its tensor for another wire format)
                 source = x if i == 0 else hops[i - 1].outputs[0]
-                if stopped is None:
-                    hop.stream.send_blocking(source, wire_mask, bounds[i], targets, hop.op)
-                else:  # the C chain stopped here: its STEP went (or failed) there, its reply is read from here
-                    stopped, left_s = None, self._resume(hop, stopped, x, bounds[i])
+                hop.stream.send_blocking(source, wire_mask, bounds[i], targets, hop.op)
                 hop.written = 1
                 end = i + 1 + len(targets)
                 if targets:
@@ -320,9 +319,7 @@ class StepPipeline:
                     # pushed, the next server has it already (the history keeps it as it came: a failover's replay
                     # makes it one)
                     answering = hops[j]
-                    out, timing = answering.stream.receive_blocking(
-                        bounds[j] if left_s is None else left_s, keep_undecoded=j + 1 < n, bound_s=bounds[j])
-                    left_s = None
+                    out, timing = answering.stream.receive_blocking(bounds[j], keep_undecoded=j + 1 < n)
                     answering.open_span.answered(source, mask)  # (its input joins the history with its output)
                     answering.outputs.append(out)
                     self.timings.append(timing)
@@ -347,12 +344,13 @@ class StepPipeline:
             if hop.op is not None or not stream._compact(shape) or stream.call._buf or \
                     stream.channels.wire_dtype_for(hop.span.address, nbytes) != "float32":
                 return False
-        return self.relay.fits([h.stream for h in self.hops])
+        return True  # (the chain is these streams': the session gives one only if it `fits`)
 
     def _run_relayed(self, x: torch.Tensor, mask: torch.Tensor,
-                     bounds: list[float]) -> tuple[int, relay.Stopped | None]:
-        """The hops in the C chain: those it answered recorded as `run_blocking` records them (history, outputs,
-        timings). Returns the hop it stopped at (n: none) and why (its reply is read on from there)."""
+                     bounds: list[float]) -> tuple[int, AttemptOutcome | None]:
+        """The hops in the C chain, recorded as `run_blocking` records them (history, outputs, timings). Where it
+        stopped short, that hop's reply is read here as `run_blocking` reads it (its failure the attempt's outcome,
+        or raised). Returns the first hop still to run (n: none), or the attempt's outcome if one failed."""
         done, outs, stopped = self.relay.run(x, bounds)
         ints, times = self.relay.ints, self.relay.times
         nbytes, n_tokens = 4 * x.numel(), x.shape[1]
@@ -365,13 +363,25 @@ class StepPipeline:
             hop.open_span.answered(source, mask)
             hop.outputs.append(outs[j])
             source = outs[j]
-        return done, stopped
+        if stopped is None:
+            return done, None
+        hop = self.hops[done]
+        try:
+            out, timing = self._resume(hop, stopped, x, bounds[done], keep_undecoded=done + 1 < len(self.hops))
+        except (ServerFailed, PushRefused) as exc:
+            return done, self._outcome({done: exc})
+        hop.written = 1
+        hop.open_span.answered(source, mask)
+        hop.outputs.append(out)
+        self.timings.append(timing)
+        return done + 1, None
 
     @staticmethod
-    def _resume(hop: Hop, stopped: relay.Stopped, x: torch.Tensor, bound_s: float) -> float:
+    def _resume(hop: Hop, stopped: relay.Stopped, x: torch.Tensor, bound_s: float,
+                keep_undecoded: bool) -> tuple[torch.Tensor | Undecoded, HopTiming]:
         """The hop the C chain stopped at, as if Python had written its STEP: its place among the replies taken, the
-        bytes of its reply read so far handed to its FrameCall, and a failure of its write or read raised as
-        `send_blocking` / `receive_blocking` raise it. Returns the time left of its reply's bound."""
+        bytes of its reply read so far handed to its FrameCall, and its reply read on from there (or the failure of
+        its write or read raised as `send_blocking` / `receive_blocking` raise it)."""
         stream, call = hop.stream, hop.stream.call
         stream.relayed_step(4 * x.numel(), x.shape[1], tuple(x.shape), stopped.built_s, stopped.written_s)
         if stopped.state == relay.WRITE_TIMEOUT:
@@ -382,7 +392,7 @@ class StepPipeline:
         call._buf += stopped.got
         if stopped.errno:  # (as FrameCall.read_blocking names a failed recv)
             raise server_failure(hop.span, rpc_error(grpc.StatusCode.UNAVAILABLE, f"connection lost: {lost}"))
-        return max(stopped.left_s, 0.0)
+        return stream.receive_blocking(max(stopped.left_s, 0.0), keep_undecoded, bound_s=bound_s)
 
     def _decode_outputs(self) -> None:
         """Outputs kept undecoded made tensors: an attempt that goes on in the event loop sends them from there."""
