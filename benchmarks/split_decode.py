@@ -11,7 +11,8 @@ median over a round of `step_logits` for one token (embed, every hop, LM head); 
 time over N servers'. llama.cpp: `llama-bench -p 0 -n T -t 1 -ngl 99 --rpc ...` against 1 and N
 `ggml-rpc-server -t 1`, alternating too (tokens per second, its own average). --push-frames / --no-push-frames: the
 servers push on frames / on gRPC. --push on|off|auto: the N-server client's push setting; --push-ab: two N-server
-clients, relayed and pushed, alternating with the one-server client.
+clients, relayed and pushed, alternating with the one-server client. --relay-ab: each client twice, a relayed decode
+step's hops in one C call (client/relay.py) and in Python (ClientConfig.relay_in_c), all alternating.
 """
 from __future__ import annotations
 
@@ -33,26 +34,29 @@ DEFAULT_MODEL = Path.home() / ".cache/swarmlm/gguf/SmolLM2-135M-Instruct.Q4_1.gg
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2]  # any ids: the tokens decoded do not matter
 
 
-def per_token_ms(client: DistributedModelForCausalLM, tokens: int) -> tuple[float, float]:
-    """Median ms per greedy token (embed + every hop + LM head) over one session of `tokens` tokens, and the median
-    of its servers' compute (summed over the hops, as they report it: their forward alone)."""
-    times, computes = [], []
+def per_token_ms(client: DistributedModelForCausalLM, tokens: int) -> tuple[float, float, float]:
+    """Median ms per greedy token (embed + every hop + LM head) over one session of `tokens` tokens, the median
+    of its servers' compute (summed over the hops, as they report it: their forward alone), and the median CPU time
+    of the caller's thread per token (a decode step runs its hops there: less at the mercy of the load)."""
+    times, computes, cpus = [], [], []
     with client.inference_session(max_length=len(PROMPT) + tokens + 1) as session:
         logits = client.step_logits(session, torch.tensor([PROMPT]), last_only=True)
         for _ in range(tokens):
             nxt = logits[:, -1].argmax(-1, keepdim=True)
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             logits = client.step_logits(session, nxt, last_only=True)
             times.append(time.perf_counter() - t0)
+            cpus.append(time.thread_time() - c0)
             computes.append(sum(h.compute_s for h in session.steps[-1].hops))
-    return statistics.median(times) * 1000, statistics.median(computes) * 1000
+    return statistics.median(times) * 1000, statistics.median(computes) * 1000, statistics.median(cpus) * 1000
 
 
 def swarmlm_ratio(model: str, servers: int, rounds: int, tokens: int, transports: list[bool | None],
-                  server_args: list[str], pushes: dict[str, str | bool] | None = None) -> None:
-    """`transports`: the clients' ClientConfig.frames (None: the default), each a set of clients (1 server, then N
-    servers with each of `pushes`: name -> ClientConfig.push; default: the client's default) on the same servers,
-    all alternating."""
+                  server_args: list[str], pushes: dict[str, str | bool] | None = None,
+                  relays: list[bool | None] = (None,)) -> None:
+    """`transports`: the clients' ClientConfig.frames (None: the default), `relays`: their ClientConfig.relay_in_c
+    (None: the default), each pair a set of clients (1 server, then N servers with each of `pushes`: name ->
+    ClientConfig.push; default: the client's default) on the same servers, all alternating."""
     pushes = pushes or {"": None}
     blocks = int(load_config(model).num_hidden_layers)
     with LocalSwarm(model, threads=1, with_dht=False, server_args=["--quant", "auto", *server_args]) as swarm:
@@ -60,30 +64,41 @@ def swarmlm_ratio(model: str, servers: int, rounds: int, tokens: int, transports
         one, split = swarm.addresses[:1], swarm.addresses[1:]
         setups = [("1 server", one, None)] + [(f"{servers} servers{' ' + p if p else ''}", split, push)
                                                for p, push in pushes.items()]
-        clients = {(frames, name): DistributedModelForCausalLM.from_pretrained(
-                       model, servers=addrs, quant="auto", **({} if frames is None else {"frames": frames}),
+        kinds = [(frames, relay) for frames in transports for relay in relays]
+        clients = {(kind, name): DistributedModelForCausalLM.from_pretrained(
+                       model, servers=addrs, quant="auto", **({} if kind[0] is None else {"frames": kind[0]}),
+                       **({} if kind[1] is None else {"relay_in_c": kind[1]}),
                        **({} if push is None else {"push": push}))
-                   for frames in transports for name, addrs, push in setups}
+                   for kind in kinds for name, addrs, push in setups}
         for client in clients.values():
             per_token_ms(client, 8)  # warm-up (connections, caches)
         print("load average at start: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
         runs: dict[tuple, list[float]] = {key: [] for key in clients}
         computes: dict[tuple, list[float]] = {key: [] for key in clients}
+        cpus: dict[tuple, list[float]] = {key: [] for key in clients}
         for r in range(rounds):
             for key in (list(clients) if r % 2 == 0 else list(clients)[::-1]):
-                wall_ms, compute_ms = per_token_ms(clients[key], tokens)
+                wall_ms, compute_ms, cpu_ms = per_token_ms(clients[key], tokens)
                 runs[key].append(wall_ms)
                 computes[key].append(compute_ms)
+                cpus[key].append(cpu_ms)
         print("load average at end: %.2f %.2f %.2f" % os.getloadavg())
         for key, values in computes.items():  # (where an extra server's cost goes: its forward, or the hop)
-            transport = "default" if key[0] is None else "framed" if key[0] else "gRPC"
-            print(f"  {key[1]} ({transport}): servers' compute per token {statistics.median(values):.2f} ms; the "
-                  f"rest (hops, client): {statistics.median(runs[key]) - statistics.median(values):.2f} ms")
-        framed = {frames: bool(clients[frames, "1 server"].remote.channels.frame_ports) for frames in transports}
-    for frames in transports:
+            print(f"  {key[1]} ({_kind_name(key[0])}): servers' compute per token {statistics.median(values):.2f} "
+                  f"ms; the rest (hops, client): {statistics.median(runs[key]) - statistics.median(values):.2f} ms; "
+                  f"the caller's thread CPU per token {statistics.median(cpus[key]):.3f} ms")
+        framed = {kind: bool(clients[kind, "1 server"].remote.channels.frame_ports) for kind in kinds}
+    for kind in kinds:
         for name, _, _ in setups[1:]:
-            pair = {n: runs[frames, n] for n in ("1 server", name)}
-            report("swarmlm", pair, f"transport: {'framed' if framed[frames] else 'gRPC'}")
+            pair = {n: runs[kind, n] for n in ("1 server", name)}
+            relay = "" if kind[1] is None else ", hops in C" if kind[1] else ", hops in Python"
+            report("swarmlm", pair, f"transport: {'framed' if framed[kind] else 'gRPC'}{relay}")
+
+
+def _kind_name(kind: tuple[bool | None, bool | None]) -> str:
+    frames, relay = kind
+    transport = "default" if frames is None else "framed" if frames else "gRPC"
+    return transport if relay is None else f"{transport}, hops in {'C' if relay else 'Python'}"
 
 
 def llamacpp_ratio(bin_dir: Path, model: str, servers: int, rounds: int, tokens: int) -> None:
@@ -123,6 +138,9 @@ def main() -> None:
                     help="the servers push on frames, or on gRPC (default: the servers' default)")
     ap.add_argument("--push", choices=("auto", "on", "off"), help="the N-server client's push (default: its default)")
     ap.add_argument("--push-ab", action="store_true", help="N servers relayed and pushed, alternating")
+    ap.add_argument("--relay-ab", action="store_true",
+                    help="every client twice, a relayed step's hops in C and in Python (ClientConfig.relay_in_c), "
+                         "alternating")
     args = ap.parse_args()
     if args.push and args.push_ab:
         ap.error("--push or --push-ab, not both")
@@ -134,7 +152,7 @@ def main() -> None:
         swarmlm_ratio(args.model, args.servers, args.rounds, args.tokens,
                       [False, True] if args.transports else [None],
                       [] if args.push_frames is None else ["--push-frames" if args.push_frames else "--no-push-frames"],
-                      pushes)
+                      pushes, [True, False] if args.relay_ab else [None])
     if args.llamacpp is not None and args.only != "swarmlm":
         llamacpp_ratio(args.llamacpp, args.model, args.servers, args.rounds, args.tokens)
 
