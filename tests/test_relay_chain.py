@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(chain_library() is None, reason="no C compiler: 
 HIDDEN, ROWS = 16, 2
 CLIENT_KEY, SERVER_KEY, SID = b"c" * 32, b"s" * 32, "session-1"
 BOUND_S = 0.3  # each reply's hang timeout here (a silent server is noticed after it)
-MAX_BODY = 1 << 16
+MAX_BODY = 64 << 20  # (a frame call's limit: ClientConfig.max_message_bytes' default)
 
 
 # ---- a live swarm ------------------------------------------------------------------------------------------------
@@ -162,7 +162,9 @@ def _route(behaviours: list) -> tuple[list[Hop], list[socket.socket]]:
         stream.call = FrameCall(mine, MAX_BODY)
         stream.keys = SimpleNamespace(client=CLIENT_KEY, server=SERVER_KEY)
         stream.session_id = SID
-        if isinstance(behaviour, bytes):  # (gone before the step)
+        if behaviour == "deaf":  # (reads nothing: a large STEP's write finds no room)
+            pass
+        elif isinstance(behaviour, bytes):  # (gone before the step)
             theirs.sendall(behaviour)
             theirs.close()
         else:
@@ -172,11 +174,11 @@ def _route(behaviours: list) -> tuple[list[Hop], list[socket.socket]]:
     return hops, ends
 
 
-def _step(behaviours: list, in_c: bool) -> dict:
+def _step(behaviours: list, in_c: bool, hidden: int = HIDDEN) -> dict:
     """One decode step over a route whose servers behave so: what it ended with, and each hop's state after it."""
     hops, ends = _route(behaviours)
     chain = RelayChain(chain_library(), [h.stream for h in hops]) if in_c else None
-    x = torch.arange(ROWS * HIDDEN, dtype=torch.float32).reshape(ROWS, 1, HIDDEN)
+    x = torch.arange(ROWS * hidden, dtype=torch.float32).reshape(ROWS, 1, hidden)
     mask = torch.ones(ROWS, 1, dtype=torch.long)
     pipeline = StepPipeline(hops, [(x, mask)], ClientConfig(), lambda *_: BOUND_S, push=False, padded=False,
                             relay_chain=chain)
@@ -185,7 +187,7 @@ def _step(behaviours: list, in_c: bool) -> dict:
         ended = ("failed", {i: (type(e), str(e)) for i, e in outcome.failed.items()}, outcome.unsettled)
     except InvalidRequest as exc:
         ended = ("raised", type(exc), str(exc))
-    state = [(len(h.outputs), [bytes(o.numpy()) if isinstance(o, torch.Tensor) else bytes(o.data)
+    state = [(h.written, len(h.outputs), [bytes(o.numpy()) if isinstance(o, torch.Tensor) else bytes(o.data)
                                for o in h.outputs], h.open_span.position, h.stream._step_id, h.stream.unanswered,
               h.stream.position, bytes(h.stream.call._buf)) for h in hops]
     for h, end in zip(hops, ends):
@@ -211,7 +213,7 @@ def test_a_hostile_or_broken_server_ends_the_step_as_the_python_path_ends_it(nam
     else:
         assert ended[0] == "failed" and list(ended[1]) == [at] and issubclass(ended[1][at][0], expected)
         assert ended[1][at][0] is not ServerHung or str(BOUND_S) in ended[1][at][1]
-    assert [h[0] for h in in_c["hops"]] == [1] * at + [0] * (3 - at), "the hops before it answered, none after"
+    assert [h[1] for h in in_c["hops"]] == [1] * at + [0] * (3 - at), "the hops before it answered, none after"
 
 
 def test_an_honest_route_answers_every_hop_in_the_chain_as_in_python():
@@ -220,7 +222,7 @@ def test_an_honest_route_answers_every_hop_in_the_chain_as_in_python():
     python.pop("answered_in_c")
     assert in_c == python and in_c["ended"] == ("failed", {}, [])
     x = torch.arange(ROWS * HIDDEN, dtype=torch.float32)
-    assert in_c["hops"][2][1] == [bytes((x + 3).numpy())], "each hop's output the next one's input"
+    assert in_c["hops"][2][2] == [bytes((x + 3).numpy())], "each hop's output the next one's input"
 
 
 @pytest.mark.parametrize("in_c", [True, False])
@@ -259,3 +261,19 @@ def test_a_tampered_answer_at_hop_2_of_3_bans_its_server_and_the_step_fails_over
         finally:
             client.close()
     assert tokens == want
+
+
+@pytest.mark.parametrize("at", [0, 2])
+def test_a_server_that_takes_no_step_is_hung_after_its_bound_as_in_python(at):
+    """A STEP larger than the socket's buffers to a server that reads nothing: the write waits for room at most the
+    hop's bound, then the server is hung (the Python path's ServerHung, its STEP never wholly written)."""
+    behaviours = [BEHAVIOURS["honest"]] * 3
+    behaviours[at] = "deaf"
+    hidden = 1 << 20  # (8 MB a STEP: more than a socket pair's buffers hold)
+    in_c, python = _step(behaviours, True, hidden), _step(behaviours, False, hidden)
+    assert in_c.pop("answered_in_c") == at
+    python.pop("answered_in_c")
+    assert in_c == python
+    ended = in_c["ended"]
+    assert list(ended[1]) == [at] and ended[1][at][0] is ServerHung and str(BOUND_S) in ended[1][at][1]
+    assert in_c["hops"][at][0] == 0, "its STEP not written"

@@ -370,7 +370,6 @@ class StepPipeline:
             out, timing = self._resume(hop, stopped, x, bounds[done], keep_undecoded=done + 1 < len(self.hops))
         except (ServerFailed, PushRefused) as exc:
             return done, self._outcome({done: exc})
-        hop.written = 1
         hop.open_span.answered(source, mask)
         hop.outputs.append(out)
         self.timings.append(timing)
@@ -389,6 +388,7 @@ class StepPipeline:
         lost = OSError(stopped.errno, os.strerror(stopped.errno))
         if stopped.state == relay.WRITE_ERROR:
             raise server_failure(hop.span, call._lost(lost))  # (the server's STATUS, if it sent one before it closed)
+        hop.written = 1  # (its STEP went whole: as `run_blocking` marks it before the read)
         call._buf += stopped.got
         if stopped.errno:  # (as FrameCall.read_blocking names a failed recv)
             raise server_failure(hop.span, rpc_error(grpc.StatusCode.UNAVAILABLE, f"connection lost: {lost}"))
