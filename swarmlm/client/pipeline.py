@@ -6,7 +6,8 @@ the answers in order and hands them on, so chunk k is on server 2 while chunk k+
 several chunks (or push) they run as two tasks per hop (`pipelined`); a step of one chunk that is not pushed (every
 decode step) runs the same sender and receiver hop after hop in the caller's task (`hop_by_hop`), which saves the
 tasks and their wake-ups (benchmarks/hop_breakdown.py). On framed streams (client/frame_call.py) such a step runs
-from the caller's own thread (`run_blocking`): no hand-off to the client's loop thread and back.
+from the caller's own thread (`run_blocking`): no hand-off to the client's loop thread and back; a plain relayed
+decode step's hops there in one C call (`_run_relayed`, client/relay.py), the Python hops taking over where it stops.
 
 Timers. A server that is alive but does not answer (hung) is detected per reply: no reply within its hang timeout
 (`hang_timeout_s`) is a failure of that server, named as any other. Behind it, a watchdog catches an attempt that

@@ -73,6 +73,7 @@ class Undecoded:
 
 
 def server_failure(span: Span, exc: BaseException) -> ServerFailed:
+    """What a stream's error (gRPC's, a framed call's, an OSError) says of the span's server."""
     """What a stream's error (gRPC's, a framed call's, an OSError) says of its server."""
     if isinstance(exc, grpc.aio.AioRpcError) and session_keys.TAMPERED in (exc.details() or ""):
         return ServerTampered(span.server_id, f"{exc.code().name}: {exc.details()}")  # (our message was changed)
