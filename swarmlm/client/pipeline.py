@@ -353,7 +353,8 @@ class StepPipeline:
         stopped short, that hop's reply is read here as `run_blocking` reads it (its failure the attempt's outcome,
         or raised). Returns the first hop still to run (n: none), or the attempt's outcome if one failed."""
         done, outs, stopped = self.relay.run(x, bounds)
-        ints, times = self.relay.ints, self.relay.times
+        # (each read whole once, as lists: a slice of a list is no call, a slice of a ctypes array is one)
+        ints, times = self.relay.ints[:relay.INTS * done], self.relay.times[:relay.TIMES * done]
         nbytes, n_tokens = 4 * x.numel(), x.shape[1]
         source = x
         for j in range(done):

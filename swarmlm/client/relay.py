@@ -80,6 +80,7 @@ class RelayChain:
         self.ints = (_i64 * (INTS * n))()
         self.times = (_f64 * (TIMES * n))()
         self.stop = (_i64 * 4)()
+        self._hops_at = ctypes.addressof(self.hops)
         self.answered = 0  # hops the chain took the ANSWER of, over its steps (what the tests count)
         self._count = -1  # the values per step the frame buffers hold
         self._step = self._reply = None
@@ -103,13 +104,17 @@ class RelayChain:
             self._count = count
             self._step = ctypes.create_string_buffer(FRAME_HEADER + STEP_HEAD + 4 * count + MAC)
             self._reply = ctypes.create_string_buffer(FRAME_HEADER + ANSWER_HEAD + 4 * count + MAC)
+            self._addresses = tuple(map(ctypes.addressof, (self._step, self._reply, self.ints, self.times,
+                                                           self.stop)))
         n = len(self.streams)
         for hop, stream, bound in zip(self.hops, self.streams, bounds):
             hop.step_id = stream._step_id + 1
             hop.bound_s = bound
         outs = torch.empty((n, b, t, h))
-        done = self.lib.chain_relay(self.hops, n, b, t, h, x.data_ptr(), outs.data_ptr(), self._step, self._reply,
-                                    self.ints, self.times, self.stop)
+        # (the buffers' addresses as ints: ctypes converts an int at once, an array through its from_param)
+        step, reply, ints, times, stop = self._addresses
+        done = self.lib.chain_relay(self._hops_at, n, b, t, h, x.data_ptr(), outs.data_ptr(), step, reply, ints,
+                                    times, stop)
         self.answered += done
         if done == n:
             return done, outs.unbind(0), None
