@@ -22,8 +22,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("packed.c", "act16.c", "amx.c", "decode.c")]
-HEADERS = [Path(__file__).with_name("ahead.h")]  # included by the sources: part of the build's name, not compiled alone
+SOURCES = [Path(__file__).with_name(name) for name in ("packed.c", "act16.c", "amx.c", "decode.c", "frame.c",
+                                                                "lane.c")]
+HEADERS = [Path(__file__).with_name(name) for name in ("ahead.h", "frame.h")]  # included by the sources: part of the build's name, not compiled alone
 CACHE = Path.home() / ".cache" / "swarmlm" / "kernels"
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno", "-fopenmp-simd", "-pthread"]
 
@@ -99,6 +100,10 @@ def library(march: str = "native") -> ctypes.CDLL:
     lib.packed_amx.restype = ctypes.c_int
     lib.decode_span.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64]
     lib.decode_span.restype = ctypes.c_int
+    # (decode_span's arguments after the work rows, then the session's frame key, the ANSWER's header, the frame)
+    lib.lane_decode_answer.argtypes = [ptr, ptr, i64, i64, ctypes.c_char_p, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr,
+                                       ptr, ptr, i64, i64, ptr, ptr, ptr]
+    lib.lane_decode_answer.restype = i64
     # what the worker pool was last told (model/packed.py threaded_library), an attribute of this build from the start:
     # a missing one is a failed symbol lookup and an AttributeError each time it is read (cold, ~30 us a decode step)
     lib.pool_threads = lib.packed_threads()

@@ -221,7 +221,7 @@ class Scheduler:
             if self._stopped:
                 raise RuntimeError("scheduler is stopped")
             job.enqueued_s = time.perf_counter()
-            inline = self._lone_decode(job)
+            inline = self._lone_decode(job.priority, job.member)
             if inline:
                 self._running = True  # the worker starts no round meanwhile
             else:
@@ -239,23 +239,43 @@ class Scheduler:
             result = job.work.run_batch([job.work.item])[0]
         finally:
             compute_s = time.perf_counter() - started
-            with self._lock:
-                self.inline_runs += 1
-                self._round_done({job.member}, compute_s)
-                if self._queue:  # work came meanwhile: the worker starts it (else it sleeps on: no wake-up to pay)
-                    self._cv.notify()
+            self.inline_done(job.member, compute_s)
         return result, JobTiming(started - job.enqueued_s, compute_s)
+
+    def inline_slot(self, member: Hashable) -> bool:
+        """Take the caller's thread for a decode step of `member` computed outside `submit_step` (server/service.py's
+        one-call answer: kernels/lane.c) when the rule for running a step inline holds (`_lone_decode`): True if
+        taken (then call `inline_done` after it, whatever happens), False if the step must go through `submit_step`
+        (it would queue or batch with other sessions' steps)."""
+        with self._lock:
+            if self._stopped or not self._lone_decode(DECODE, member):
+                return False
+            self._running = True  # the worker starts no round meanwhile
+            return True
+
+    def inline_done(self, member: Hashable, compute_s: float | None) -> None:
+        """An inline step of `member` ended: counted with its forward's `compute_s` (the decode rounds' record the
+        inline rule and the straggler waits read), or, None, refused before any compute (not counted)."""
+        with self._lock:
+            if compute_s is None:
+                self._running = False
+            else:
+                self.inline_runs += 1
+                self._round_done({member}, compute_s)
+            if self._queue:  # work came meanwhile: the worker starts it (else it sleeps on: no wake-up to pay)
+                self._cv.notify()
 
     def _drop(self, job: Job) -> None:
         with self._lock:
             if job in self._queue:  # (identity: jobs compare by it)
                 self._queue.remove(job)
 
-    def _lone_decode(self, job: Job) -> bool:
-        """(Holding the lock.) Does `job` run on the caller's thread? See the module's docstring."""
-        return (job.priority == DECODE and not self._queue and not self._running
+    def _lone_decode(self, priority: StepKind, member: Hashable) -> bool:
+        """(Holding the lock.) Does a job of `priority` for `member` run on the caller's thread? See the module's
+        docstring."""
+        return (priority == DECODE and not self._queue and not self._running
                 and len(self._recent_decode_s) > 0 and max(self._recent_decode_s) <= self.config.inline_decode_max_s
-                and set().union(*self._recent) <= {job.member})
+                and set().union(*self._recent) <= {member})
 
     def _run(self) -> None:
         torch.set_num_threads(self.threads)  # this thread does all compute: set its threads explicitly

@@ -21,6 +21,7 @@ import torch
 from swarmlm import __version__
 from swarmlm.config import ServerConfig
 from swarmlm.errors import CapacityExceeded, InvalidRequest, PushRefused, UnknownSession
+from swarmlm.kernels.lane import AnswerHead, FrameKey
 from swarmlm.model.fingerprint import range_fingerprint
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.server import deep_prompt, prefix_cache
@@ -231,6 +232,13 @@ class SwarmService(pb_grpc.SwarmServicer):
             hidden_size = self.checks.hidden_size
             nbytes = b * t * hidden_size
             if compact_step:
+                if t == 1 and session.framed and session.stepped and self.config.one_call_steps:
+                    step.check_length()
+                    answer = self._answer_in_one_call(session, step, b, started)  # None: it goes as below
+                    if answer is not None:
+                        if type(answer) is AnswerFrame:
+                            return answer
+                        await self._step_failed(sid, answer, context)
                 hidden = codec.tensor_of(step.values(), (b, t, hidden_size), "hidden", finite=True)
                 mask = no_padding_mask(b, t)
             else:
@@ -264,8 +272,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             log.exception("step failed")
             error = exc
         if error is not None:
-            self.sessions.close(sid)
-            await context.abort(grpc.StatusCode.INTERNAL, f"step failed, session closed: {error}")
+            await self._step_failed(sid, error, context)
         session.last_used_s = time.monotonic()  # idle from the step's end: a long step is no idle time
         encode_start = time.perf_counter()
         # a STEP's, a PUSH_STEP's (in a session held by a gRPC stream: a REPLY) or a pushing plain decode step's answer
@@ -288,6 +295,47 @@ class SwarmService(pb_grpc.SwarmServicer):
                 batched_steps=timing.batched_steps,
             ),
         )
+
+    async def _step_failed(self, sid: str, error: Exception, context) -> None:
+        """A step's compute failed unexpectedly (a bug or an OOM; logged): its session is closed rather than
+        trusted, and the stream ends with the error."""
+        self.sessions.close(sid)
+        await context.abort(grpc.StatusCode.INTERNAL, f"step failed, session closed: {error}")
+
+    def _answer_in_one_call(self, session: Session, step: CompactStep, b: int,
+                            started: float) -> AnswerFrame | Exception | None:
+        """A compact STEP of a framed session (T = 1, its dims and length checked) answered in one kernel call
+        (kernels/lane.c: values checked finite, the span, the whole ANSWER frame) when that computes exactly what
+        `_compute` and `answer_frame` would: a span the one-call decoder runs (Stage.plain_decoder) and a step the
+        scheduler would run inline on this thread (Scheduler.inline_slot: no other session's step to batch with).
+        Returns the ANSWER, None when the step must go the usual way (nothing done), or the exception of a failed
+        compute (logged); raises InvalidRequest (nothing computed, nothing committed) for a NaN or infinite value."""
+        state = session.state
+        decoder = self._stage.plain_decoder(state, b)
+        if decoder is None:
+            return None
+        member = id(state)  # (the scheduler's member for this session's steps: Scheduler.submit_step)
+        if not self.scheduler.inline_slot(member):
+            return None
+        key = session.answer_key
+        if key is None:
+            key = session.answer_key = FrameKey.of(session.keys.server, session.session_id)
+        head = AnswerHead(step.step_id, state.position + 1, 1, 0, 0.0, 0.0, time.perf_counter() - started, 0.0)
+        body = step.body if type(step.body) is bytes else bytes(step.body)  # (a PUSH_STEP's is a view of its frame)
+        frame, ran = None, True
+        try:
+            frame = self._stage.answer_step(decoder, state, body, b, key, head)
+            ran = frame is not None  # (None: refused before any compute, not counted)
+        except Exception as exc:  # unexpected (a bug or an OOM): as `_step`'s compute failure
+            log.exception("step failed")
+            return exc
+        finally:
+            self.scheduler.inline_done(member, head.compute_s if ran else None)
+        if frame is None:
+            raise codec.not_finite("hidden")
+        self.tokens_computed += b
+        session.last_used_s = time.monotonic()  # idle from the step's end
+        return AnswerFrame(frame)
 
     # ---- RPCs -------------------------------------------------------------------------------------------
     @property

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from swarmlm.errors import CapacityExceeded, UnknownSession
+from swarmlm.kernels.lane import FrameKey
 from swarmlm.server.prefix_cache import PrefixCache
 from swarmlm.server.stage import SpanState
 from swarmlm.wire import session_keys
@@ -44,6 +45,8 @@ class Session:
     # held by a framed stream (server/frame_server.py): a compact step pushed here (PUSH_STEP) is answered by an
     # ANSWER frame; on a gRPC stream by a REPLY (gRPC carries only protobuf messages)
     framed: bool = False
+    # its server key as the one-call answer takes it (kernels/lane.py), made at its first such answer
+    answer_key: FrameKey | None = field(default=None, repr=False)
     # the push key opened last: (sealed, the next server's session, key); a client seals one per route, not per step
     _opened_push_key: tuple[bytes, str, bytes] | None = field(default=None, repr=False)
 
