@@ -1,7 +1,7 @@
-"""swarmlm's compiled kernels: packed.c (products from GGUF blocks), act16.c (Q4_0 / Q4_1 / Q8_0 / Q4_K products in integers over
-activations rounded to int16 blocks), amx.c (Q4_0 / Q4_1 products of 8+ such rows on AMX tiles) and decode.c (a
-decode step of a span of Llama-shaped blocks in one call), built once per machine with the system C compiler and
-loaded with ctypes.
+"""swarmlm's compiled kernels: packed.c (products from GGUF blocks), act16.c (Q4_0 / Q4_1 / Q8_0 / Q4_K products in
+integers over activations rounded to int16 blocks), amx.c (Q4_0 / Q4_1 products of 8+ such rows on AMX tiles),
+decode.c (a decode step of a span of Llama-shaped blocks in one call) and frame.c (compact frames and their keyed MAC,
+frame.h), built once per machine with the system C compiler and loaded with ctypes.
 
 Built with `-O3 -march=native` (the CPU's own vector units: AVX-512 where it has them, else AVX2, else scalar C) into
 ~/.cache/swarmlm/kernels, named by a hash of the source, the compiler and the flags, so a new CPU or a changed source
@@ -20,11 +20,14 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from swarmlm.kernels import frame_types, lane
+
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("packed.c", "act16.c", "amx.c", "decode.c", "frame.c",
                                                                 "lane.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("ahead.h", "frame.h")]  # included by the sources: part of the build's name, not compiled alone
+# included by the sources: part of the build's name, not compiled alone
+HEADERS = [Path(__file__).with_name(name) for name in ("ahead.h", "frame.h")]
 CACHE = Path.home() / ".cache" / "swarmlm" / "kernels"
 FLAGS = ["-O3", "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno", "-fopenmp-simd", "-pthread"]
 
@@ -100,10 +103,8 @@ def library(march: str = "native") -> ctypes.CDLL:
     lib.packed_amx.restype = ctypes.c_int
     lib.decode_span.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64]
     lib.decode_span.restype = ctypes.c_int
-    # (decode_span's arguments after the work rows, then the session's frame key, the ANSWER's header, the frame)
-    lib.lane_decode_answer.argtypes = [ptr, ptr, i64, i64, ctypes.c_char_p, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr,
-                                       ptr, ptr, i64, i64, ptr, ptr, ptr]
-    lib.lane_decode_answer.restype = i64
+    frame_types.declare(lib)
+    lane.declare(lib)
     # what the worker pool was last told (model/packed.py threaded_library), an attribute of this build from the start:
     # a missing one is a failed symbol lookup and an AttributeError each time it is read (cold, ~30 us a decode step)
     lib.pool_threads = lib.packed_threads()

@@ -1,32 +1,21 @@
-"""What a server's one-call decode step (kernels/lane.c `lane_decode_answer`) takes besides the decoder's arrays:
-frame.h's session key and ANSWER header as ctypes structures, and the code for a refused value."""
+"""The ctypes side of kernels/lane.c (a server's plain decode step of a packed span answered in one call): its
+function's signature, declared on the loaded library by `declare`, and what it returns besides a frame's size. Its
+session key and ANSWER header are kernels/frame_types.py's structs."""
 from __future__ import annotations
 
 import ctypes
 
+from swarmlm.kernels.frame_types import AnswerHead, FrameKey
+
 NOT_FINITE = -100  # lane.c LANE_NOT_FINITE: a value is NaN or infinite (nothing computed)
-FRAME_HEADER, ANSWER_HEAD, MAC = 5, 49, 16  # frame.h FRAME_HEADER, FRAME_ANSWER_HEAD, FRAME_MAC
-ANSWER_OVERHEAD = FRAME_HEADER + ANSWER_HEAD + MAC  # an ANSWER frame's bytes besides its values
+ANSWER_OVERHEAD = 5 + 49 + 16  # an ANSWER frame's bytes besides its values (frame.h FRAME_HEADER, _ANSWER_HEAD, _MAC)
 
 
-class FrameKey(ctypes.Structure):
-    """frame.h `struct frame_key`: a session's MAC key and id. Keeps the bytes it points into alive."""
-
-    _fields_ = [("key", ctypes.c_char_p), ("key_len", ctypes.c_int64), ("sid", ctypes.c_char_p),
-                ("sid_len", ctypes.c_int64)]
-
-    @classmethod
-    def of(cls, key: bytes, session_id: str) -> "FrameKey":
-        sid = session_id.encode("ascii")
-        made = cls(key, len(key), sid, len(sid))
-        made._held = (key, sid)  # (c_char_p fields point into these)
-        return made
-
-
-class AnswerHead(ctypes.Structure):
-    """frame.h `struct frame_answer_head`: step id, position, batched steps, flags, queued / compute / parse /
-    encode seconds."""
-
-    _fields_ = [("step_id", ctypes.c_uint64), ("position", ctypes.c_int64), ("batched", ctypes.c_int64),
-                ("flags", ctypes.c_int64), ("queued_s", ctypes.c_double), ("compute_s", ctypes.c_double),
-                ("parse_s", ctypes.c_double), ("encode_s", ctypes.c_double)]
+def declare(lib: ctypes.CDLL) -> None:
+    """lane.c's function on `lib` (the kernels' build): decode_span's arguments (the dims, blocks and block count, the
+    hidden size, then the STEP's body and where its values start, the work rows, and decode_span's per-row arrays and
+    rotary table), the session's key, the ANSWER's header and where the frame goes."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.lane_decode_answer.argtypes = [ptr, ptr, i64, i64, ctypes.c_char_p, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr,
+                                       ptr, ptr, i64, i64, ctypes.POINTER(FrameKey), ctypes.POINTER(AnswerHead), ptr]
+    lib.lane_decode_answer.restype = i64

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from swarmlm.kernels import library
-from swarmlm.kernels.lane import ANSWER_OVERHEAD, NOT_FINITE, AnswerHead, FrameKey
+from swarmlm.kernels.frame_types import AnswerHead, FrameKey
+from swarmlm.kernels.lane import ANSWER_OVERHEAD, NOT_FINITE
 from swarmlm.model.families.base import SLIDING
 from swarmlm.model.packed import DIRECT_ROWS, THREADED_MIN_WEIGHTS, PackedLinear, PackedError, threaded_library
 
@@ -154,7 +155,7 @@ class SpanDecoder:
         prepared, keep = self._prepare(x, members, masks, 1)
         size = threaded_library().lane_decode_answer(
             self._dims, self.blocks, len(self.blocks), self.dims.hidden, body, STEP_HEAD_BYTES, x.data_ptr(),
-            *prepared, ctypes.byref(key), ctypes.byref(head), self._frame_at)
+            *prepared, key, head, self._frame_at)
         if size == NOT_FINITE:
             return None
         if size < 0:

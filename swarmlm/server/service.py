@@ -21,7 +21,7 @@ import torch
 from swarmlm import __version__
 from swarmlm.config import ServerConfig
 from swarmlm.errors import CapacityExceeded, InvalidRequest, PushRefused, UnknownSession
-from swarmlm.kernels.lane import AnswerHead, FrameKey
+from swarmlm.kernels.frame_types import AnswerHead, FrameKey
 from swarmlm.model.fingerprint import range_fingerprint
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.server import deep_prompt, prefix_cache

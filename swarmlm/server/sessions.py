@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from swarmlm.errors import CapacityExceeded, UnknownSession
-from swarmlm.kernels.lane import FrameKey
+from swarmlm.kernels.frame_types import FrameKey
 from swarmlm.server.prefix_cache import PrefixCache
 from swarmlm.server.stage import SpanState
 from swarmlm.wire import session_keys

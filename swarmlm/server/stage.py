@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from swarmlm.model.checkpoint import load_blocks, parse_dtype
-from swarmlm.kernels.lane import AnswerHead, FrameKey
+from swarmlm.kernels.frame_types import AnswerHead, FrameKey
 from swarmlm.model.decode_span import SpanDecoder
 from swarmlm.model.packed import DIRECT_ROWS, packed_types
 from swarmlm.model.quant import announced_quant, check_quant, weight_bytes
