@@ -11,11 +11,14 @@ median over a round of `step_logits` for one token (embed, every hop, LM head); 
 time over N servers'. llama.cpp: `llama-bench -p 0 -n T -t 1 -ngl 99 --rpc ...` against 1 and N
 `ggml-rpc-server -t 1`, alternating too (tokens per second, its own average). --push-frames / --no-push-frames: the
 servers push on frames / on gRPC. --push on|off|auto: the N-server client's push setting; --push-ab: two N-server
-clients, relayed and pushed, alternating with the one-server client.
+clients, relayed and pushed, alternating with the one-server client. --one-call-ab: two sets of servers, with and
+without the one-call answer of a decode step (--one-call-steps / --no-one-call-steps), all four clients alternating,
+with the servers' process CPU per token.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -86,6 +89,52 @@ def swarmlm_ratio(model: str, servers: int, rounds: int, tokens: int, transports
             report("swarmlm", pair, f"transport: {'framed' if framed[frames] else 'gRPC'}")
 
 
+def process_cpu_s(pid: int) -> float:
+    """A process's user + system CPU seconds so far (/proc: clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_call_ab(model: str, servers: int, rounds: int, tokens: int) -> None:
+    """The servers' one-call answer of a compact decode step (ServerConfig.one_call_steps) on and off: two sets of
+    servers (1 of every block, N of an even split) of this tree, one started with each setting, their four clients
+    (framed, the client's default push) alternating in rounds. Per setting: the N / 1 speed ratio, and the servers'
+    process CPU per token (all N summed, and the one server), over every round."""
+    blocks = int(load_config(model).num_hidden_layers)
+    settings = {"one call": "--one-call-steps", "usual": "--no-one-call-steps"}
+    with contextlib.ExitStack() as stack:
+        swarms = {}
+        for name, flag in settings.items():
+            swarm = stack.enter_context(LocalSwarm(model, threads=1, with_dht=False,
+                                                   server_args=["--quant", "auto", flag]))
+            swarm.start([BlockRange(0, blocks), *even_split(blocks, servers)])
+            swarms[name] = swarm
+        clients, pids = {}, {}
+        for name, swarm in swarms.items():
+            for part, addrs, procs in (("1 server", swarm.addresses[:1], swarm.servers[:1]),
+                                       (f"{servers} servers", swarm.addresses[1:], swarm.servers[1:])):
+                clients[name, part] = stack.enter_context(contextlib.closing(
+                    DistributedModelForCausalLM.from_pretrained(model, servers=addrs, quant="auto")))
+                pids[name, part] = [p.proc.pid for p in procs]
+        for client in clients.values():
+            per_token_ms(client, 8)  # warm-up (connections, caches)
+        print("load average at start: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
+        runs = {key: [] for key in clients}
+        cpu = {key: 0.0 for key in clients}
+        for r in range(rounds):
+            for key in (list(clients) if r % 2 == 0 else list(clients)[::-1]):
+                before = sum(map(process_cpu_s, pids[key]))
+                runs[key].append(per_token_ms(clients[key], tokens)[0])
+                cpu[key] += sum(map(process_cpu_s, pids[key])) - before
+        print("load average at end: %.2f %.2f %.2f" % os.getloadavg())
+    for name in settings:
+        pair = {part: runs[name, part] for part in ("1 server", f"{servers} servers")}
+        report("swarmlm", pair, f"servers' {name} path")
+        per = {part: 1000 * cpu[name, part] / (rounds * (tokens + 1)) for part in pair}
+        print(f"  servers' process CPU per token ({name}): " + ", ".join(f"{part} {ms:.3f} ms" for part, ms in
+                                                                       per.items()), flush=True)
+
+
 def llamacpp_ratio(bin_dir: Path, model: str, servers: int, rounds: int, tokens: int) -> None:
     from llamacpp_hop import bench_ms, rpc_servers  # (benchmarks/: this script's directory)
 
@@ -123,6 +172,8 @@ def main() -> None:
                     help="the servers push on frames, or on gRPC (default: the servers' default)")
     ap.add_argument("--push", choices=("auto", "on", "off"), help="the N-server client's push (default: its default)")
     ap.add_argument("--push-ab", action="store_true", help="N servers relayed and pushed, alternating")
+    ap.add_argument("--one-call-ab", action="store_true",
+                    help="servers with and without the one-call answer of a decode step (--one-call-steps), alternating")
     args = ap.parse_args()
     if args.push and args.push_ab:
         ap.error("--push or --push-ab, not both")
@@ -130,7 +181,9 @@ def main() -> None:
     pushes = {"relayed": False, "pushed": True} if args.push_ab else {"": setting[args.push]} if args.push else None
     print("machine:", machine_line(), flush=True)
     torch.set_num_threads(1)
-    if args.only != "llamacpp":
+    if args.one_call_ab:
+        one_call_ab(args.model, args.servers, args.rounds, args.tokens)
+    elif args.only != "llamacpp":
         swarmlm_ratio(args.model, args.servers, args.rounds, args.tokens,
                       [False, True] if args.transports else [None],
                       [] if args.push_frames is None else ["--push-frames" if args.push_frames else "--no-push-frames"],
