@@ -155,7 +155,8 @@ def test_greedy_tokens_through_two_servers_are_transformers_own(packed_llama, on
     assert len(one_call) == (NEW_TOKENS - 2) * (1 if push else 2)
 
 
-def test_the_stage_answers_what_its_step_computes_and_commits_alike(packed_llama):
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_stage_answers_what_its_step_computes_and_commits_alike(packed_llama, rows):
     """Stage level: one session stepped by `step` and its twin by `answer_step` from the same values: the frame's
     values are `step`'s output bit for bit, its MAC and header are wire/compact.py's `answer_frame`'s for the same
     fields, and both caches and masks commit alike; a NaN changes nothing."""
@@ -163,29 +164,29 @@ def test_the_stage_answers_what_its_step_computes_and_commits_alike(packed_llama
     stage = Stage(packed_llama, BlockRange(0, blocks))
     hidden = stage.hidden_size
     key, sid = b"k" * 32, "s" * 32
-    states = [stage.new_state(stage.blocks, 1, 16) for _ in range(2)]
-    prefill = torch.from_numpy(_values(hidden, 0, t=3))
+    states = [stage.new_state(stage.blocks, rows, 16) for _ in range(2)]
+    prefill = torch.randn(rows, 3, hidden)
     for state in states:
-        stage.step(state, prefill, no_padding_mask(1, 3))
-    decoder = stage.plain_decoder(states[1], 1)
-    assert decoder is not None and stage.plain_decoder(states[1], 2) is None
+        stage.step(state, prefill, no_padding_mask(rows, 3))
+    decoder = stage.plain_decoder(states[1], rows)
+    assert decoder is not None and stage.plain_decoder(states[1], rows + 1) is None
     for i in range(3):
-        values = _values(hidden, 10 + i)
-        want = stage.step(states[0], torch.from_numpy(values), no_padding_mask(1, 1))
-        body = compact.step_frame(key, sid, 5 + i, 1, 1, hidden, values.tobytes())[HEADER.size:]
+        values = np.random.default_rng(10 + i).standard_normal((rows, 1, hidden), dtype=np.float32)
+        want = stage.step(states[0], torch.from_numpy(values), no_padding_mask(rows, 1))
+        body = compact.step_frame(key, sid, 5 + i, rows, 1, hidden, values.tobytes())[HEADER.size:]
         head = AnswerHead(5 + i, states[1].position + 1, 1, 0, 0.0, 0.0, 0.001, 0.0)
-        frame = bytes(stage.answer_step(decoder, states[1], body, 1, FrameKey.of(key, sid), head))
+        frame = bytes(stage.answer_step(decoder, states[1], body, rows, FrameKey.of(key, sid), head))
         assert frame == compact.answer_frame(key, sid, 5 + i, states[1].position, want.numpy().tobytes(), 0.0,
                                              head.compute_s, head.parse_s, head.encode_s, 1)
         assert head.compute_s > 0 and head.parse_s >= 0.001
         assert torch.equal(states[0].mask, states[1].mask) and states[0].cache.length == states[1].cache.length
         n = states[0].cache.length
         assert torch.equal(states[0].cache.keys[..., :n, :], states[1].cache.keys[..., :n, :])
-    bad = _values(hidden, 3)
-    bad[0, 0, 0] = np.inf
-    body = compact.step_frame(key, sid, 9, 1, 1, hidden, bad.tobytes())[HEADER.size:]
+    bad = np.ones((rows, 1, hidden), dtype=np.float32)
+    bad[rows - 1, 0, 0] = np.inf
+    body = compact.step_frame(key, sid, 9, rows, 1, hidden, bad.tobytes())[HEADER.size:]
     position, length = states[1].position, states[1].cache.length
-    assert stage.answer_step(decoder, states[1], body, 1, FrameKey.of(key, sid),
+    assert stage.answer_step(decoder, states[1], body, rows, FrameKey.of(key, sid),
                              AnswerHead(9, position + 1, 1, 0, 0.0, 0.0, 0.0, 0.0)) is None
     assert states[1].position == position and states[1].cache.length == length
-    assert stage.plain_decoder(stage.new_state(stage.blocks, 1, 16), 1) is None  # a first step: `step`'s
+    assert stage.plain_decoder(stage.new_state(stage.blocks, rows, 16), rows) is None  # a first step: `step`'s

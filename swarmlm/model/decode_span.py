@@ -116,7 +116,12 @@ class SpanDecoder:
         no gradients wanted for them. (A step with a padding query is refused by `step` itself: the kernel reads the
         masks anyway.)"""
         wanted = hidden.requires_grad and torch.is_grad_enabled()
-        return hidden.shape[0] * hidden.shape[1] <= DIRECT_ROWS and not wanted
+        return self.fits(hidden.shape[0] * hidden.shape[1]) and not wanted
+
+    @staticmethod
+    def fits(tokens: int) -> bool:
+        """Does a step of `tokens` new tokens in all (rows x tokens) fit one call?"""
+        return tokens <= DIRECT_ROWS
 
     def step(self, hidden: torch.Tensor, members, masks: list[torch.Tensor]) -> torch.Tensor | None:
         """hidden [B, T, H]; members: (SpanCache, rows slice) per session, each cache's committed length + T equal to

@@ -14,7 +14,7 @@ import torch
 from swarmlm.model.checkpoint import load_blocks, parse_dtype
 from swarmlm.kernels.frame_types import AnswerHead, FrameKey
 from swarmlm.model.decode_span import SpanDecoder
-from swarmlm.model.packed import DIRECT_ROWS, packed_types
+from swarmlm.model.packed import packed_types
 from swarmlm.model.quant import announced_quant, check_quant, weight_bytes
 from swarmlm.model.source import resolve
 from swarmlm.server import deep_prompt
@@ -212,10 +212,11 @@ class Stage:
         cache op) of session `state` exactly as `step` would (the rule `step_batch` applies), for `answer_step`; None
         when `step` must run it (its blocks, adapters or deep prompt need transformers, too many rows, or a first
         step: its state starts then)."""
-        if not state.position or rows != state.rows or rows > DIRECT_ROWS:
+        if not state.position or rows != state.rows:
             return None
         local = slice(state.blocks.start - self.blocks.start, state.blocks.end - self.blocks.start)
-        return self._decoder_of(state, deep_prompt.touches(state.prompts, state.position), local)
+        decoder = self._decoder_of(state, deep_prompt.touches(state.prompts, state.position), local)
+        return decoder if decoder is not None and decoder.fits(rows) else None
 
     def answer_step(self, decoder: SpanDecoder, state: SpanState, body: bytes, rows: int, key: FrameKey,
                     head: AnswerHead) -> memoryview | None:
