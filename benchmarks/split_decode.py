@@ -95,10 +95,10 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def one_call_ab(model: str, servers: int, rounds: int, tokens: int) -> None:
+def one_call_ab(model: str, servers: int, rounds: int, tokens: int, push: str | bool | None) -> None:
     """The servers' one-call answer of a compact decode step (ServerConfig.one_call_steps) on and off: two sets of
     servers (1 of every block, N of an even split) of this tree, one started with each setting, their four clients
-    (framed, the client's default push) alternating in rounds. Per setting: the N / 1 speed ratio, and the servers'
+    (framed; `push`: the N-server clients' ClientConfig.push, None: the default) alternating in rounds. Per setting: the N / 1 speed ratio, and the servers'
     process CPU per token (all N summed, and the one server), over every round."""
     blocks = int(load_config(model).num_hidden_layers)
     settings = {"one call": "--one-call-steps", "usual": "--no-one-call-steps"}
@@ -113,8 +113,9 @@ def one_call_ab(model: str, servers: int, rounds: int, tokens: int) -> None:
         for name, swarm in swarms.items():
             for part, addrs, procs in (("1 server", swarm.addresses[:1], swarm.servers[:1]),
                                        (f"{servers} servers", swarm.addresses[1:], swarm.servers[1:])):
+                pushing = {} if push is None or part == "1 server" else {"push": push}
                 clients[name, part] = stack.enter_context(contextlib.closing(
-                    DistributedModelForCausalLM.from_pretrained(model, servers=addrs, quant="auto")))
+                    DistributedModelForCausalLM.from_pretrained(model, servers=addrs, quant="auto", **pushing)))
                 pids[name, part] = [p.proc.pid for p in procs]
         for client in clients.values():
             per_token_ms(client, 8)  # warm-up (connections, caches)
@@ -182,7 +183,7 @@ def main() -> None:
     print("machine:", machine_line(), flush=True)
     torch.set_num_threads(1)
     if args.one_call_ab:
-        one_call_ab(args.model, args.servers, args.rounds, args.tokens)
+        one_call_ab(args.model, args.servers, args.rounds, args.tokens, setting[args.push] if args.push else None)
     elif args.only != "llamacpp":
         swarmlm_ratio(args.model, args.servers, args.rounds, args.tokens,
                       [False, True] if args.transports else [None],

@@ -155,13 +155,13 @@ def test_greedy_tokens_through_two_servers_are_transformers_own(packed_llama, on
     assert len(one_call) == (NEW_TOKENS - 2) * (1 if push else 2)
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_the_stage_answers_what_its_step_computes_and_commits_alike(packed_llama, rows):
+@pytest.mark.parametrize("rows, kv_dtype", [(1, "float32"), (3, "float32"), (2, "float16")])
+def test_the_stage_answers_what_its_step_computes_and_commits_alike(packed_llama, rows, kv_dtype):
     """Stage level: one session stepped by `step` and its twin by `answer_step` from the same values: the frame's
     values are `step`'s output bit for bit, its MAC and header are wire/compact.py's `answer_frame`'s for the same
-    fields, and both caches and masks commit alike; a NaN changes nothing."""
+    fields, and both caches (float32 or float16) and masks commit alike; a NaN changes nothing."""
     blocks = reference_model(packed_llama).config.num_hidden_layers
-    stage = Stage(packed_llama, BlockRange(0, blocks))
+    stage = Stage(packed_llama, BlockRange(0, blocks), kv_dtype=kv_dtype)
     hidden = stage.hidden_size
     key, sid = b"k" * 32, "s" * 32
     states = [stage.new_state(stage.blocks, rows, 16) for _ in range(2)]

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from swarmlm.model.checkpoint import load_blocks, parse_dtype
 from swarmlm.kernels.frame_types import AnswerHead, FrameKey
+from swarmlm.model.checkpoint import load_blocks, parse_dtype
 from swarmlm.model.decode_span import SpanDecoder
 from swarmlm.model.packed import packed_types
 from swarmlm.model.quant import announced_quant, check_quant, weight_bytes
