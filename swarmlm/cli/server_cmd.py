@@ -43,6 +43,9 @@ def add_parser(sub) -> None:
     p.add_argument("--push-frames", action=argparse.BooleanOptionalAction, default=SERVER.push_frames,
                    help="push to the next server on its framed step port when it announces one, else on gRPC "
                         "(default: %(default)s)")
+    p.add_argument("--step-lane", action=argparse.BooleanOptionalAction, default=SERVER.step_lane,
+                   help="take a lone session's plain decode steps on packed blocks in one C call as they arrive on "
+                        "the framed port (server/lane.py; default: %(default)s)")
     p.add_argument("--quant", default=SERVER.quant, choices=QUANT_NAMES,
                    help="auto: a GGUF's quantized blocks kept as the file has them; none: dequantized; int8 / int4: a "
                         "float checkpoint's linear layers quantized weight-only in blocks of 32 (announced to "
@@ -122,7 +125,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         model_dir=model_ref(args), blocks=args.blocks,
         initial_peers=tuple(args.initial_peers), host=args.host, port=args.port, announce_host=args.announce_host,
-        reachability=args.reachability, frames=args.frames, push_frames=args.push_frames,
+        reachability=args.reachability, frames=args.frames, push_frames=args.push_frames, step_lane=args.step_lane,
         threads=args.threads, dtype=args.dtype, num_blocks=args.num_blocks, placement=args.placement,
         memory_bytes=args.memory_mb * MIB if args.memory_mb else None, cache_bytes=args.cache_mb * MIB,
         prefix_cache_bytes=args.prefix_cache_mb * MIB, publish_counters=args.publish_counters,

@@ -1,7 +1,7 @@
 """swarmlm's compiled kernels: packed.c (products from GGUF blocks), act16.c (Q4_0 / Q4_1 / Q8_0 / Q4_K products in
 integers over activations rounded to int16 blocks), amx.c (Q4_0 / Q4_1 products of 8+ such rows on AMX tiles),
-decode.c (a decode step of a span of Llama-shaped blocks in one call) and frame.c (compact frames and their keyed MAC,
-frame.h), built once per machine with the system C compiler and loaded with ctypes.
+decode.c (a decode step of a span of Llama-shaped blocks in one call), frame.c (compact frames and their keyed MAC,
+frame.h) and lane.c (a server's decode step from its frame to its answer: server/lane.py), built once per machine with the system C compiler and loaded with ctypes.
 
 Built with `-O3 -march=native` (the CPU's own vector units: AVX-512 where it has them, else AVX2, else scalar C) into
 ~/.cache/swarmlm/kernels, named by a hash of the source, the compiler and the flags, so a new CPU or a changed source
@@ -24,7 +24,7 @@ from swarmlm.kernels import frame_types
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("packed.c", "act16.c", "amx.c", "decode.c", "frame.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("packed.c", "act16.c", "amx.c", "decode.c", "frame.c", "lane.c")]
 # included by the sources: part of the build's name, not compiled alone
 HEADERS = [Path(__file__).with_name(name) for name in ("ahead.h", "frame.h")]
 CACHE = Path.home() / ".cache" / "swarmlm" / "kernels"
@@ -103,6 +103,8 @@ def library(march: str = "native") -> ctypes.CDLL:
     lib.decode_span.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64]
     lib.decode_span.restype = ctypes.c_int
     frame_types.declare(lib)
+    lib.lane_take.argtypes = [ptr, ctypes.c_char_p, i64, ptr]  # (server/lane.py)
+    lib.lane_take.restype = i64
     # what the worker pool was last told (model/packed.py threaded_library), an attribute of this build from the start:
     # a missing one is a failed symbol lookup and an AttributeError each time it is read (cold, ~30 us a decode step)
     lib.pool_threads = lib.packed_threads()

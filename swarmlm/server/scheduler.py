@@ -182,6 +182,7 @@ class Scheduler:
         self.threads = threads
         self.config = config
         self.inline_runs = 0  # lone decode steps run on the caller's thread (see the module's docstring)
+        self.lane_steps = 0  # decode steps a step lane took (server/lane.py): the scheduler was idle for each
         self._recent: deque[set[Hashable]] = deque(maxlen=2)  # members of the last two rounds' decode forwards
         self._recent_decode_s: deque[float] = deque(maxlen=2)  # the last two decode rounds' compute times
         self.gate = StragglerGate(config.batch_wait)  # waits for stragglers before a round (or not)

@@ -206,6 +206,10 @@ class Stage:
         with lora_hooks(self.modules, self.blocks.start, deltas), prompt:
             return self.adapter.forward_span(self.config, self.modules[local], hidden, cache, mask)
 
+    def span_decoder(self, blocks: BlockRange) -> SpanDecoder | None:
+        """The one-call decoder of these blocks (a sub-range of this stage's), or None: server/lane.py."""
+        return self._span_decoder(slice(blocks.start - self.blocks.start, blocks.end - self.blocks.start))
+
     def _span_decoder(self, local: slice) -> SpanDecoder | None:
         key = (local.start, local.stop)
         if key not in self._decoders:
