@@ -53,7 +53,7 @@ class FrameConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         lane = self.lane
         if lane is not None:
-            if lane.armed and not self.buf and self._can_write is None:
+            if lane.armed and not self.buf and self._can_write is None and not self.transport.is_closing():
                 answer = lane.take(data)
                 if answer is not None:
                     self.transport.write(answer)

@@ -85,10 +85,7 @@ class StepLane:
     def take(self, data: bytes) -> bytes | None:
         """The ANSWER to `data` if it is this session's next plain decode step (taken: computed, committed), else
         None (nothing changed). Declines while the scheduler computes anything (its kernels' threads are one pool)."""
-        scheduler = self.scheduler
-        if scheduler._running or scheduler._queue:
-            return None
-        if self._take(self._ref, data, len(data), self._out) <= 0:
+        if not self.scheduler.idle or self._take(self._ref, data, len(data), self._out) <= 0:
             return None
         self.session.last_used_s = time.monotonic()  # (the expiry loop reads it)
         return self._out.raw

@@ -197,6 +197,12 @@ class Scheduler:
         self._worker.start()
 
     @property
+    def idle(self) -> bool:
+        """Nothing computing or queued. (Read on the loop's thread, which alone submits work: it stays true until that
+        thread submits some.)"""
+        return not self._running and not self._queue
+
+    @property
     def queue_length(self) -> int:
         return len(self._queue)
 

@@ -299,8 +299,8 @@ class SwarmService(pb_grpc.SwarmServicer):
         table, its rows within the kernel's and the session's, its dims within every limit up to its max_length."""
         state = session.state
         rows, max_length = state.rows, session.max_length
-        if len(self.sessions.sessions) != 1 or not 0 < state.position < max_length:
-            return None  # (for now)
+        if len(self.sessions.sessions) != 1 or not 0 < state.position < max_length or not self.scheduler.idle:
+            return None  # (for now: a lane armed beside other compute would only be disarmed by its next step)
         decoder = self.stage.span_decoder(state.blocks)
         if (session.keys is None or decoder is None or not decoder.has_rope_table or state.lora_adapter
                 or state.client_lora or state.prompts is not None or not 0 < rows <= min(session.batch, DIRECT_ROWS)
