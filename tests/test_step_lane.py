@@ -20,8 +20,11 @@ from tests.swarm_helpers import client_of, in_process_server, in_process_swarm, 
 pytestmark = pytest.mark.skipif(not available(), reason="no C compiler: no packed kernels")
 
 
-@pytest.fixture(scope="module")
-def packed_llama(tmp_path_factory) -> str:
+@pytest.fixture(scope="module", params=["packed llama", "tiny-bloom"])
+def packed_llama(request, tmp_path_factory) -> str:
+    """A tiny Llama GGUF in Q4_0 (the whole step in C), and tiny-bloom (transformers computes: C checks and answers)."""
+    if request.param == "tiny-bloom":
+        return request.getfixturevalue("tiny_bloom")
     root = tmp_path_factory.mktemp("lane")
     checkpoint = init_checkpoint("tiny-llama", root / "checkpoint", seed=7)
     return str(write_tiny_gguf(checkpoint, root / "tiny-q4_0.gguf", matrix_type="Q4_0"))

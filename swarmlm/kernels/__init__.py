@@ -105,6 +105,10 @@ def library(march: str = "native") -> ctypes.CDLL:
     frame_types.declare(lib)
     lib.lane_take.argtypes = [ptr, ctypes.c_char_p, i64, ptr]  # (server/lane.py)
     lib.lane_take.restype = i64
+    lib.lane_open.argtypes = [ptr, ctypes.c_char_p, i64, ptr]
+    lib.lane_open.restype = ctypes.c_int
+    lib.lane_answer.argtypes = [ptr, ptr, ctypes.c_double, ctypes.c_double, ptr]
+    lib.lane_answer.restype = i64
     # what the worker pool was last told (model/packed.py threaded_library), an attribute of this build from the start:
     # a missing one is a failed symbol lookup and an AttributeError each time it is read (cold, ~30 us a decode step)
     lib.pool_threads = lib.packed_threads()

@@ -43,24 +43,40 @@ static double now(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* `data` (n bytes, as read from the socket): if it is exactly one STEP frame of this session's next step, its ANSWER
-   frame is written at `out` (FRAME_HEADER + FRAME_ANSWER_HEAD + 4 * rows * hidden + FRAME_MAC bytes) and its size
-   returned; -1 if it is anything else (nothing changed); -2 if the kernel refused the step (nothing committed: the
-   caller disarms and the step goes the usual way, which refuses it or runs it through transformers). */
+/* Is `data` (n bytes, as read from the socket) exactly one STEP frame of this session's next step: its MAC under the
+   client key, its id, its rows and hidden size, room for it, finite values? 1 (its header in `h`; its values at
+   data + FRAME_HEADER + FRAME_STEP_HEAD) or 0. Nothing changes either way. */
+int lane_open(const struct lane *L, const uint8_t *data, int64_t n, struct frame_step_head *h) {
+    if (n < FRAME_HEADER || data[4] != FRAME_KIND_STEP) return 0;
+    int64_t body = (int64_t)data[0] << 24 | (int64_t)data[1] << 16 | (int64_t)data[2] << 8 | (int64_t)data[3];
+    if (body != n - FRAME_HEADER) return 0;
+    if (frame_open_step(&L->client, data + FRAME_HEADER, body, h) != FRAME_OK) return 0;
+    if (h->step_id != (uint64_t)L->next_id || h->b != L->rows || h->t != 1 || h->h != L->hidden) return 0;
+    if (L->position >= L->positions || L->position >= L->rope_rows) return 0;
+    return frame_finite((const float *)(data + FRAME_HEADER + FRAME_STEP_HEAD), L->rows * L->hidden);
+}
+
+/* The ANSWER to the step `lane_open` took, its output `values` (rows x hidden float32) computed (and committed) by
+   the caller, at `out`; the lane moves on to the next step. Returns the frame's size. */
+int64_t lane_answer(struct lane *L, const float *values, double compute_s, double parse_s, uint8_t *out) {
+    struct frame_answer_head a = {(uint64_t)L->next_id, L->position + 1, 1, 0, 0.0, compute_s, parse_s, 0.0};
+    L->position += 1;
+    L->next_id += 1;
+    L->steps += 1;
+    L->compute_s += compute_s;
+    return frame_answer(&L->server, &a, values, L->rows * L->hidden, out);
+}
+
+/* `lane_open`, then the span's decode on the session's caches and its `lane_answer` (a packed span's lane): the
+   ANSWER's size at `out`; -1 if `lane_open` refused the bytes, -2 if the kernel refused the step (nothing committed
+   either way: the caller disarms and the bytes go the usual way, which refuses the step or runs it through
+   transformers). */
 int64_t lane_take(struct lane *L, const uint8_t *data, int64_t n, uint8_t *out) {
     double t0 = now();
-    if (n < FRAME_HEADER || data[4] != FRAME_KIND_STEP) return -1;
-    int64_t body = (int64_t)data[0] << 24 | (int64_t)data[1] << 16 | (int64_t)data[2] << 8 | (int64_t)data[3];
-    if (body != n - FRAME_HEADER) return -1;
     struct frame_step_head h;
-    if (frame_open_step(&L->client, data + FRAME_HEADER, body, &h) != FRAME_OK) return -1;
-    if (h.step_id != (uint64_t)L->next_id || h.b != L->rows || h.t != 1 || h.h != L->hidden) return -1;
+    if (!lane_open(L, data, n, &h)) return -1;
     int64_t pos = L->position;
-    if (pos >= L->positions || pos >= L->rope_rows) return -1;
-    const float *values = (const float *)(data + FRAME_HEADER + FRAME_STEP_HEAD);
-    int64_t count = L->rows * L->hidden;
-    if (!frame_finite(values, count)) return -1;
-    memcpy(L->x, values, (size_t)count * 4);
+    memcpy(L->x, data + FRAME_HEADER + FRAME_STEP_HEAD, (size_t)(L->rows * L->hidden) * 4);
     for (int64_t r = 0; r < L->rows; r++) {
         L->len[r] = pos;
         L->mask_rows[r] = L->mask + r * L->positions;
@@ -74,11 +90,5 @@ int64_t lane_take(struct lane *L, const uint8_t *data, int64_t n, uint8_t *out) 
         for (int64_t r = 0; r < L->rows; r++) L->mask_rows[r][pos] = 0;
         return -2;
     }
-    L->position = pos + 1;
-    L->next_id += 1;
-    L->steps += 1;
-    L->compute_s += t2 - t1;
-    struct frame_answer_head a = {h.step_id, pos + 1, 1, 0, 0.0, t2 - t1, t1 - t0, 0.0};
-    int64_t size = frame_answer(&L->server, &a, L->x, count, out);
-    return size;
+    return lane_answer(L, L->x, t2 - t1, t1 - t0, out);
 }

@@ -23,15 +23,17 @@ from __future__ import annotations
 import ctypes
 import time
 
+import numpy as np
 import torch
 
 from swarmlm.kernels import library
-from swarmlm.kernels.frame_types import FrameKey
-from swarmlm.wire import frames
+from swarmlm.kernels.frame_types import FrameKey, StepHead
+from swarmlm.wire import compact, frames
 from swarmlm.wire.compact import ANSWER_HEAD
 from swarmlm.wire.session_keys import MAC_BYTES
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_VALUES_AT = frames.HEADER.size + compact.STEP_HEAD.size  # a STEP frame's values
 
 
 class _LaneState(ctypes.Structure):
@@ -50,32 +52,45 @@ def _address(array) -> int:
 
 class StepLane:
     """One armed session's lane. `take(data)`: its ANSWER frame, or None (the bytes go the usual way: `disarm`
-    first). `synced`: what `disarm` wrote back, for the session's stream (its step order) and the scheduler."""
+    first). With a `decoder` (a packed span) the whole step is one C call; without one (blocks transformers runs) C
+    checks the frame and writes the ANSWER, and the stage's own `step` computes in between (one Python call where
+    the usual path makes ~the inbox, the stream loop, the service's checks, the scheduler)."""
 
-    def __init__(self, session, decoder, order, scheduler) -> None:
+    def __init__(self, session, order, scheduler, stage, decoder=None, max_forward_s: float = 0.0) -> None:
         state = session.state
         cache = state.cache
         rows, position, positions = state.rows, state.position, int(session.max_length)
-        if cache.capacity < positions:  # (grown once, to the session's reservation: the lane never grows it)
-            cache._grow(positions, torch.empty(rows, decoder.kv_heads, 1, decoder.head_dim))
         self.session, self.order, self.scheduler = session, order, scheduler
-        self._cache, self._state = cache, state
-        self._x = torch.empty(rows, decoder.dims.hidden, dtype=torch.float32)
-        keys, values, strides, caps, lengths, mask_rows = decoder._cache_rows([(cache, slice(0, rows))], 1)
-        self._mask = torch.zeros(rows, positions, dtype=torch.int64)
-        self._mask[:, :position] = state.mask
-        table = decoder.rope_table(self._x, positions)
-        # the kernel reads through these pointers: everything they point into stays alive with the lane
-        self._held = (decoder, keys, values, strides, caps, lengths, mask_rows, table)
+        self._cache, self._state, self._stage, self._decoder = cache, state, stage, decoder
+        self._start = position
+        hidden = int(stage.hidden_size)
+        self._x = torch.empty(rows, hidden, dtype=torch.float32)
+        self._max_forward_s = max_forward_s  # a forward of transformers' longer than this: the usual path's turn
+        if decoder is not None:
+            if cache.capacity < positions:  # (grown once, to the session's reservation: the lane never grows it)
+                cache._grow(positions, torch.empty(rows, decoder.kv_heads, 1, decoder.head_dim))
+            keys, values, strides, caps, lengths, mask_rows = decoder._cache_rows([(cache, slice(0, rows))], 1)
+            self._mask = torch.zeros(rows, positions, dtype=torch.int64)
+            self._mask[:, :position] = state.mask
+            table = decoder.rope_table(self._x, positions)
+            # the kernel reads through these pointers: everything they point into stays alive with the lane
+            self._held = (decoder, keys, values, strides, caps, lengths, mask_rows, table)
+            kernel = (ctypes.cast(ctypes.byref(decoder.dims), _ptr), ctypes.cast(decoder.blocks, _ptr),
+                      len(decoder.blocks), self._x.data_ptr(), rows, hidden, _address(keys), _address(values),
+                      _address(strides), _address(caps), _address(lengths), _address(mask_rows),
+                      self._mask.data_ptr(), positions, table.data_ptr(), int(table.shape[1]))
+        else:
+            self._ones = torch.ones(rows, 1, dtype=torch.int64)  # (the step's padding mask: none)
+            kernel = (None, None, 0, self._x.data_ptr(), rows, hidden, None, None, None, None, None, None, None,
+                      positions, None, positions)
         self._state_c = _LaneState(
             FrameKey.of(session.keys.client, session.session_id), FrameKey.of(session.keys.server, session.session_id),
-            ctypes.cast(ctypes.byref(decoder.dims), _ptr), ctypes.cast(decoder.blocks, _ptr), len(decoder.blocks),
-            self._x.data_ptr(), rows, decoder.dims.hidden, _address(keys), _address(values), _address(strides),
-            _address(caps), _address(lengths), _address(mask_rows), self._mask.data_ptr(), positions,
-            table.data_ptr(), int(table.shape[1]), order.last_id + 1, position, 0, 0.0)
-        self._out = ctypes.create_string_buffer(frames.HEADER.size + ANSWER_HEAD.size + 4 * self._x.numel() + MAC_BYTES)
+            *kernel, order.last_id + 1, position, 0, 0.0)
+        self._out = ctypes.create_string_buffer(frames.HEADER.size + ANSWER_HEAD.size + 4 * rows * hidden + MAC_BYTES)
         self._ref = ctypes.byref(self._state_c)
-        self._take = library().lane_take
+        self._step_head = ctypes.byref(StepHead())
+        lib = library()
+        self._take, self._open, self._answer = lib.lane_take, lib.lane_open, lib.lane_answer
         self.armed = True
 
     @property
@@ -85,10 +100,29 @@ class StepLane:
     def take(self, data: bytes) -> bytes | None:
         """The ANSWER to `data` if it is this session's next plain decode step (taken: computed, committed), else
         None (nothing changed). Declines while the scheduler computes anything (its kernels' threads are one pool)."""
-        if not self.scheduler.idle or self._take(self._ref, data, len(data), self._out) <= 0:
+        if not self.scheduler.idle:
+            return None
+        if self._decoder is not None:
+            if self._take(self._ref, data, len(data), self._out) <= 0:
+                return None
+        elif not self._forward(data):
             return None
         self.session.last_used_s = time.monotonic()  # (the expiry loop reads it)
         return self._out.raw
+
+    def _forward(self, data: bytes) -> bool:
+        """A step of blocks transformers runs: C checks the frame, the stage computes (and commits), C answers."""
+        if self._max_forward_s <= 0 or not self._open(self._ref, data, len(data), self._step_head):
+            return False
+        t0 = time.perf_counter()
+        x = self._x
+        x.numpy()[:] = np.frombuffer(data, np.float32, x.numel(), _VALUES_AT).reshape(x.shape)
+        out = self._stage.step(self._state, x.view(x.shape[0], 1, -1), self._ones)
+        compute_s = time.perf_counter() - t0
+        if compute_s > self._max_forward_s:  # (the next steps go to the compute thread: the usual path's rule)
+            self._max_forward_s = 0.0
+        self._answer(self._ref, compact.float32_values(out).ctypes.data, compute_s, 0.0, self._out)
+        return True
 
     def disarm(self) -> None:
         """Back to the usual path: the session's cache length, mask, step order and last use as the lane left them
@@ -97,10 +131,10 @@ class StepLane:
             return
         self.armed = False
         c = self._state_c
-        taken = c.position - self._cache.length
-        if taken:
-            self._cache.commit(taken)
-            self._state.mask = self._mask[:, :c.position].clone()
+        if c.steps:
+            if self._decoder is not None:  # (the stage's own step commits as it goes)
+                self._cache.commit(c.position - self._start)
+                self._state.mask = self._mask[:, :c.position].clone()
             self.order.last_id = c.next_id - 1
             self.session.last_used_s = time.monotonic()
         self.scheduler.lane_steps += c.steps

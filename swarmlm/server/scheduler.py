@@ -203,6 +203,11 @@ class Scheduler:
         return not self._running and not self._queue
 
     @property
+    def decodes_inline(self) -> bool:
+        """Were the last decode forwards short enough to run on the loop's thread (`_lone_decode`'s time rule)?"""
+        return len(self._recent_decode_s) > 0 and max(self._recent_decode_s) <= self.config.inline_decode_max_s
+
+    @property
     def queue_length(self) -> int:
         return len(self._queue)
 

@@ -295,16 +295,20 @@ class SwarmService(pb_grpc.SwarmServicer):
     def lane_for(self, session: Session, order: StepOrder) -> StepLane | None:
         """A step lane for the session's next plain decode steps (server/lane.py), or None unless every rule `_step`
         applies to them holds whatever they carry, until something disarms the lane: a keyed session alone on this
-        server (a second open disarms it), no adapter or deep prompt, its span a one-call decoder's with a rotary
-        table, its rows within the kernel's and the session's, its dims within every limit up to its max_length."""
+        server (a second open disarms it), no adapter or deep prompt, its rows within the session's, its dims within
+        every limit up to its max_length; its span a one-call decoder's with a rotary table (the whole step in C), or
+        else blocks whose decode forwards run inline on the loop (`Scheduler.decodes_inline`: the same thread)."""
         state = session.state
         rows, max_length = state.rows, session.max_length
-        if len(self.sessions.sessions) != 1 or not 0 < state.position < max_length or not self.scheduler.idle:
+        scheduler = self.scheduler
+        if len(self.sessions.sessions) != 1 or not 0 < state.position < max_length or not scheduler.idle:
             return None  # (for now: a lane armed beside other compute would only be disarmed by its next step)
         decoder = self.stage.span_decoder(state.blocks)
-        if (session.keys is None or decoder is None or not decoder.has_rope_table or state.lora_adapter
-                or state.client_lora or state.prompts is not None or not 0 < rows <= min(session.batch, DIRECT_ROWS)
-                or state.cache.dtype != decoder.kv_dtype):
+        if decoder is not None and (not decoder.has_rope_table or rows > DIRECT_ROWS
+                                    or state.cache.dtype != decoder.kv_dtype):
+            decoder = None  # (transformers' forward, as the usual path would run it)
+        if (session.keys is None or state.lora_adapter or state.client_lora or state.prompts is not None
+                or not 0 < rows <= session.batch):
             session.lane_never = True  # (for good: none of these changes during a session; rows only with a cache op)
             return None
         try:  # (the costs grow with the position: what holds at the last one holds at every one before it)
@@ -312,7 +316,9 @@ class SwarmService(pb_grpc.SwarmServicer):
         except InvalidRequest:
             session.lane_never = True
             return None
-        return StepLane(session, decoder, order, self.scheduler)
+        if decoder is None and not scheduler.decodes_inline:
+            return None  # (for now: its forwards go to the compute thread)
+        return StepLane(session, order, scheduler, self.stage, decoder, scheduler.config.inline_decode_max_s)
 
     # ---- RPCs -------------------------------------------------------------------------------------------
     @property
