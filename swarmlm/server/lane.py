@@ -56,16 +56,18 @@ class StepLane:
     checks the frame and writes the ANSWER, and the stage's own `step` computes in between (one Python call where
     the usual path makes ~the inbox, the stream loop, the service's checks, the scheduler)."""
 
-    def __init__(self, session, order, scheduler, stage, decoder=None, max_forward_s: float = 0.0) -> None:
+    def __init__(self, service, session, order, decoder=None) -> None:
         state = session.state
         cache = state.cache
         rows, position, positions = state.rows, state.position, int(session.max_length)
-        self.session, self.order, self.scheduler = session, order, scheduler
+        stage, self.scheduler = service.stage, service.scheduler
+        self.session, self.order, self._service, self._rows = session, order, service, rows
         self._cache, self._state, self._stage, self._decoder = cache, state, stage, decoder
         self._start = position
         hidden = int(stage.hidden_size)
         self._x = torch.empty(rows, hidden, dtype=torch.float32)
-        self._max_forward_s = max_forward_s  # a forward of transformers' longer than this: the usual path's turn
+        # a forward of transformers' longer than this: the usual path's turn (its inline rule: the compute thread)
+        self._max_forward_s = service.config.scheduler.inline_decode_max_s
         if decoder is not None:
             if cache.capacity < positions:  # (grown once, to the session's reservation: the lane never grows it)
                 cache._grow(positions, torch.empty(rows, decoder.kv_heads, 1, decoder.head_dim))
@@ -108,6 +110,7 @@ class StepLane:
         elif not self._forward(data):
             return None
         self.session.last_used_s = time.monotonic()  # (the expiry loop reads it)
+        self._service.tokens_computed += self._rows  # (Info's counter)
         return self._out.raw
 
     def _forward(self, data: bytes) -> bool:

@@ -318,7 +318,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             return None
         if decoder is None and not scheduler.decodes_inline:
             return None  # (for now: its forwards go to the compute thread)
-        return StepLane(session, order, scheduler, self.stage, decoder, scheduler.config.inline_decode_max_s)
+        return StepLane(self, session, order, decoder)
 
     # ---- RPCs -------------------------------------------------------------------------------------------
     @property
