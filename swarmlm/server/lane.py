@@ -111,6 +111,7 @@ class StepLane:
             return None
         self.session.last_used_s = time.monotonic()  # (the expiry loop reads it)
         self._service.tokens_computed += self._rows  # (Info's counter)
+        self.scheduler.lane_steps += 1
         return self._out.raw
 
     def _forward(self, data: bytes) -> bool:
@@ -140,5 +141,4 @@ class StepLane:
                 self._state.mask = self._mask[:, :c.position].clone()
             self.order.last_id = c.next_id - 1
             self.session.last_used_s = time.monotonic()
-        self.scheduler.lane_steps += c.steps
         c.steps = 0
