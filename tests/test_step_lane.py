@@ -73,9 +73,9 @@ def test_a_lone_sessions_decode_steps_take_the_lane_and_are_transformers_own(pac
 
 
 def test_a_second_session_and_a_protobuf_step_go_on_from_where_the_lane_left(packed_llama):
-    """Session A decodes on the lane; session B opens (A's lane is disarmed: A is no longer alone) and decodes; A
-    goes on the usual way, then a protobuf step of A (a REQUEST: never the lane's) sees A's position as the lane
-    left it. Every token is transformers'."""
+    """Session A decodes on the lane; session B opens (A's lane is disarmed: A is no longer alone) and decodes the
+    usual way; once B is closed, A goes on from where its lane left it, and arms one again. Every token is
+    transformers'."""
     a, b, new = [1, 5, 6, 7], [1, 40, 41], 6
     with in_process_server(packed_llama, BlockRange(0, _blocks(packed_llama))) as server:
         swarm_client = client_of(_Single(server, packed_llama), frames=True, push=False)
@@ -86,12 +86,14 @@ def test_a_second_session_and_a_protobuf_step_go_on_from_where_the_lane_left(pac
                 for _ in range(3):
                     logits = swarm_client.step_logits(first, torch.tensor([[tokens_a[-1]]]))
                     tokens_a.append(int(logits[0, -1].argmax()))
-                taken = server.service.scheduler.lane_steps  # (counted when disarmed: by the next open)
+                lane = server.service.scheduler
+                assert lane.lane_steps == 2  # (A's first decode step arms it)
                 assert _greedy(swarm_client, b, new) == _want(packed_llama, b, new)
-                assert server.service.scheduler.lane_steps >= taken + 2  # A's lane, then B's own
+                assert lane.lane_steps == 2  # (B is never alone: A is open)
                 for _ in range(new - 4):
                     logits = swarm_client.step_logits(first, torch.tensor([[tokens_a[-1]]]))
                     tokens_a.append(int(logits[0, -1].argmax()))
+                assert lane.lane_steps == 2 + (new - 4) - 1  # (A alone again: armed after its next step)
             assert tokens_a == _want(packed_llama, a, new)
         finally:
             swarm_client.close()
