@@ -1,7 +1,9 @@
 """swarmlm's compiled kernels: packed.c (products from GGUF blocks), act16.c (Q4_0 / Q4_1 / Q8_0 / Q4_K products in
 integers over activations rounded to int16 blocks), amx.c (Q4_0 / Q4_1 products of 8+ such rows on AMX tiles),
 decode.c (a decode step of a span of Llama-shaped blocks in one call), frame.c (compact frames and their keyed MAC,
-frame.h) and lane.c (a server's compact decode step answered in one call: values, span, ANSWER frame), built once per machine with the system C compiler and loaded with ctypes.
+frame.h) and lane.c (a server's compact decode step answered in one call: values, span, ANSWER frame; the step
+lane's step from its frame's bytes to its answer: server/lane.py), built once per machine with the system C compiler
+and loaded with ctypes.
 
 Built with `-O3 -march=native` (the CPU's own vector units: AVX-512 where it has them, else AVX2, else scalar C) into
 ~/.cache/swarmlm/kernels, named by a hash of the source, the compiler and the flags, so a new CPU or a changed source

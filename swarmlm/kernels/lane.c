@@ -55,3 +55,85 @@ int64_t lane_decode_answer(const void *D, const void *blocks, int64_t n_blocks, 
     head->encode_s = now_s() - computed;
     return frame_answer(key, head, x, count, out);
 }
+
+/* ---- the step lane (server/lane.py) --------------------------------------------------------------------------
+   The plain decode steps of a lone keyed session taken as their frame arrives, with no Python between the socket and
+   the kernel: the frame and its MAC (frame.h), the step's order, dims, room and finiteness (`lane_open`), then for a
+   packed span `lane_decode_answer` above (`lane_take`), or for blocks transformers runs the caller's forward and
+   `lane_answer`. It takes a step only when that step is exactly one whole STEP frame the usual path would take and
+   answer the same way (server/lane.py arms a lane only while every other rule holds); anything else changes nothing,
+   and the bytes go the usual way. */
+
+/* what server/lane.py's StepLane fills in (its ctypes twin, _LaneState: the same fields in the same order) */
+struct lane {
+    struct frame_key client, server;  /* the session's client key (STEPs) and server key (ANSWERs), and its id */
+    const void *dims, *blocks;        /* the span's SpanDecoder: its dims and blocks */
+    int64_t n_blocks;
+    float *x;                         /* [rows, hidden]: the step's input, the kernel's output in place */
+    int64_t rows, hidden;
+    void **kbase, **vbase;            /* per row: its cache's K / V for the span's first block ... */
+    int64_t *layer_stride, *cap, *len;
+    int64_t **mask_rows;              /* ... its length this step, and its mask row */
+    int64_t *mask;                    /* [rows, positions]: the session's padding mask, 1 = token */
+    int64_t positions;                /* how far the mask, the caches and the rotary table reach: the lane's end */
+    const float *rope;                /* the rotary table, rope_rows positions */
+    int64_t rope_rows;
+    int64_t next_id;                  /* the step id it takes next */
+    int64_t position;                 /* the session's position (its tokens so far) */
+    int64_t steps;                    /* steps taken since armed */
+    double compute_s;                 /* their kernel time */
+};
+
+/* Is `data` (n bytes, as read from the socket) exactly one STEP frame of this session's next step: its MAC under the
+   client key, its id, its rows and hidden size, room for it, finite values? 1 (its header in `h`; its values at
+   data + FRAME_HEADER + FRAME_STEP_HEAD) or 0. Nothing changes either way. */
+int lane_open(const struct lane *L, const uint8_t *data, int64_t n, struct frame_step_head *h) {
+    if (n < FRAME_HEADER || data[4] != FRAME_KIND_STEP) return 0;
+    int64_t body = (int64_t)data[0] << 24 | (int64_t)data[1] << 16 | (int64_t)data[2] << 8 | (int64_t)data[3];
+    if (body != n - FRAME_HEADER) return 0;
+    if (frame_open_step(&L->client, data + FRAME_HEADER, body, h) != FRAME_OK) return 0;
+    if (h->step_id != (uint64_t)L->next_id || h->b != L->rows || h->t != 1 || h->h != L->hidden) return 0;
+    if (L->position >= L->positions || L->position >= L->rope_rows) return 0;
+    return frame_finite((const float *)(data + FRAME_HEADER + FRAME_STEP_HEAD), L->rows * L->hidden);
+}
+
+/* The ANSWER to the step `lane_open` took, its output `values` (rows x hidden float32) computed (and committed) by
+   the caller, at `out`; the lane moves on to the next step. Returns the frame's size. */
+int64_t lane_answer(struct lane *L, const float *values, double compute_s, double parse_s, uint8_t *out) {
+    struct frame_answer_head a = {(uint64_t)L->next_id, L->position + 1, 1, 0, 0.0, compute_s, parse_s, 0.0};
+    L->position += 1;
+    L->next_id += 1;
+    L->steps += 1;
+    L->compute_s += compute_s;
+    return frame_answer(&L->server, &a, values, L->rows * L->hidden, out);
+}
+
+/* `lane_open`, then the span's decode on the session's caches and its `lane_answer` (a packed span's lane): the
+   ANSWER's size at `out`; -1 if `lane_open` refused the bytes, -2 if the kernel refused the step (nothing committed
+   either way: the caller disarms and the bytes go the usual way, which refuses the step or runs it through
+   transformers). */
+int64_t lane_take(struct lane *L, const uint8_t *data, int64_t n, uint8_t *out) {
+    double t0 = now_s();
+    struct frame_step_head h;
+    if (!lane_open(L, data, n, &h)) return -1;
+    int64_t pos = L->position;
+    for (int64_t r = 0; r < L->rows; r++) {
+        L->len[r] = pos;
+        L->mask_rows[r] = L->mask + r * L->positions;
+        L->mask_rows[r][pos] = 1;
+    }
+    struct frame_answer_head a = {h.step_id, pos + 1, 1, 0, 0.0, 0.0, now_s() - t0, 0.0};
+    int64_t size = lane_decode_answer(L->dims, L->blocks, L->n_blocks, L->hidden, data + FRAME_HEADER,
+                                      FRAME_STEP_HEAD, L->x, L->rows, L->kbase, L->vbase, L->layer_stride, L->cap,
+                                      L->len, (const int64_t *const *)L->mask_rows, L->rope, L->rope_rows, 0,
+                                      &L->server, &a, out);
+    if (size < 0) {
+        for (int64_t r = 0; r < L->rows; r++) L->mask_rows[r][pos] = 0;
+        return -2;
+    }
+    L->position = pos + 1;
+    L->next_id += 1;
+    L->steps += 1;
+    L->compute_s += a.compute_s;
+    return size;
+}

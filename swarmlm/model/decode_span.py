@@ -195,6 +195,17 @@ class SpanDecoder:
         keep.append(rope)  # (a table made for this step only: alive until the kernel returns)
         return (q, keys, values, strides, caps, lengths, mask_rows, rope.data_ptr(), rope.shape[1], by_row), keep
 
+    @property
+    def has_rope_table(self) -> bool:
+        """Are this rotary's values a table of positions (not dynamic, not longrope)?"""
+        return self._table_ok
+
+    def rope_table(self, x: torch.Tensor, positions: int) -> torch.Tensor:
+        """The rotary table [2, L >= positions, head_dim] the kernel reads (`_rope`'s; `has_rope_table` only). `x`:
+        any float32 [B, H] (the rotary's dtype)."""
+        assert self._table_ok
+        return self._rope(x.view(x.shape[0], 1, -1), [], 1, positions)[0]
+
     def _cache_rows(self, members, n_tokens: int) -> tuple:
         """Per query row: its cache's K and V pointers for the span's first block, layer stride and capacity, and
         two arrays for the step to fill (its length and mask row: `step`), all ctypes int64 arrays. The first four

@@ -182,6 +182,7 @@ class Scheduler:
         self.threads = threads
         self.config = config
         self.inline_runs = 0  # lone decode steps run on the caller's thread (see the module's docstring)
+        self.lane_steps = 0  # decode steps a step lane took (server/lane.py): the scheduler was idle for each
         self._recent: deque[set[Hashable]] = deque(maxlen=2)  # members of the last two rounds' decode forwards
         self._recent_decode_s: deque[float] = deque(maxlen=2)  # the last two decode rounds' compute times
         self.gate = StragglerGate(config.batch_wait)  # waits for stragglers before a round (or not)
@@ -194,6 +195,17 @@ class Scheduler:
         self._stopped = False
         self._worker = threading.Thread(target=self._run, name="swarmlm-compute", daemon=True)
         self._worker.start()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing computing or queued. (Read on the loop's thread, which alone submits work: it stays true until that
+        thread submits some.)"""
+        return not self._running and not self._queue
+
+    @property
+    def decodes_inline(self) -> bool:
+        """Were the last decode forwards short enough to run on the loop's thread (`_lone_decode`'s time rule)?"""
+        return len(self._recent_decode_s) > 0 and max(self._recent_decode_s) <= self.config.inline_decode_max_s
 
     @property
     def queue_length(self) -> int:

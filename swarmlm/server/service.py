@@ -26,8 +26,9 @@ from swarmlm.model.fingerprint import range_fingerprint
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.server import deep_prompt, prefix_cache
 from swarmlm.server.checks import StepChecks, check_cache_op, decode_step
+from swarmlm.server.lane import StepLane
 from swarmlm.server.prefix_cache import PrefixCache
-from swarmlm.server.push import Pusher, TargetCheck, check_targets
+from swarmlm.server.push import Pusher, StepOrder, TargetCheck, check_targets
 from swarmlm.server.scheduler import JobTiming, Scheduler
 from swarmlm.server.session_stream import SessionStreams, refused_reply
 from swarmlm.server.sessions import PeerBytes, Session, SessionTable
@@ -105,7 +106,8 @@ class SwarmService(pb_grpc.SwarmServicer):
         self.session_key = ServerKey()  # its share is in our signed Info: sessions keyed end to end with it
         self.streams = SessionStreams(config, self.sessions, self.load, self.pusher, self.prefixes, self._open,
                                       self._step, lambda: self.accepting, self._refused_large,
-                                      self.session_key)  # (session_stream.py)
+                                      self.session_key,
+                                      self.lane_for if config.step_lane else None)  # (session_stream.py)
         self.num_model_blocks = int(stage.config.num_hidden_layers)
         self.gate = UnaryGate(self.load, config.trim_refused_bytes)  # every unary RPC's admission (server/unary.py)
         # Forward with prompts / LoRA, and Backward (server/train_service.py)
@@ -336,6 +338,33 @@ class SwarmService(pb_grpc.SwarmServicer):
         self.tokens_computed += b
         session.last_used_s = time.monotonic()  # idle from the step's end
         return AnswerFrame(frame)
+
+    def lane_for(self, session: Session, order: StepOrder) -> StepLane | None:
+        """A step lane for the session's next plain decode steps (server/lane.py), or None unless every rule `_step`
+        applies to them holds whatever they carry, until something disarms the lane: a keyed session alone on this
+        server (a second open disarms it), no adapter or deep prompt, its rows within the session's, its dims within
+        every limit up to its max_length; its span a one-call decoder's with a rotary table (the whole step in C), or
+        else blocks whose decode forwards run inline on the loop (`Scheduler.decodes_inline`: the same thread)."""
+        state = session.state
+        rows, max_length = state.rows, session.max_length
+        scheduler = self.scheduler
+        if len(self.sessions.sessions) != 1 or not 0 < state.position < max_length or not scheduler.idle:
+            return None  # (for now: a lane armed beside other compute would only be disarmed by its next step)
+        decoder = self._stage.plain_decoder(state, rows)
+        if decoder is not None and (not decoder.has_rope_table or state.cache.dtype != decoder.kv_dtype):
+            decoder = None  # (transformers' forward, as the usual path would run it)
+        if (session.keys is None or state.lora_adapter or state.client_lora or state.prompts is not None
+                or not 0 < rows <= session.batch):
+            session.lane_never = True  # (for good: none of these changes during a session; rows only with a cache op)
+            return None
+        try:  # (the costs grow with the position: what holds at the last one holds at every one before it)
+            self.checks.dims(rows, 1, self.checks.hidden_size, rows, max_length - 1, max_length)
+        except InvalidRequest:
+            session.lane_never = True
+            return None
+        if decoder is None and not scheduler.decodes_inline:
+            return None  # (for now: its forwards go to the compute thread)
+        return StepLane(self, session, order, decoder)
 
     # ---- RPCs -------------------------------------------------------------------------------------------
     @property
