@@ -11,9 +11,9 @@ median over a round of `step_logits` for one token (embed, every hop, LM head); 
 time over N servers'. llama.cpp: `llama-bench -p 0 -n T -t 1 -ngl 99 --rpc ...` against 1 and N
 `ggml-rpc-server -t 1`, alternating too (tokens per second, its own average). --push-frames / --no-push-frames: the
 servers push on frames / on gRPC. --push on|off|auto: the N-server client's push setting; --push-ab: two N-server
-clients, relayed and pushed, alternating with the one-server client. --one-call-ab: two sets of servers, with and
-without the one-call answer of a decode step (--one-call-steps / --no-one-call-steps), all four clients alternating,
-with the servers' process CPU per token.
+clients, relayed and pushed, alternating with the one-server client. --server-ab FLAG: two sets of servers, started
+with --FLAG and --no-FLAG (a boolean server option: one-call-steps, step-lane), all four clients alternating, with
+the servers' process CPU per token.
 """
 from __future__ import annotations
 
@@ -95,13 +95,13 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def one_call_ab(model: str, servers: int, rounds: int, tokens: int, push: str | bool | None) -> None:
-    """The servers' one-call answer of a compact decode step (ServerConfig.one_call_steps) on and off: two sets of
-    servers (1 of every block, N of an even split) of this tree, one started with each setting, their four clients
+def server_ab(flag: str, model: str, servers: int, rounds: int, tokens: int, push: str | bool | None) -> None:
+    """A boolean server option on and off (`flag`: e.g. "step-lane", ServerConfig.step_lane): two sets of servers (1
+    of every block, N of an even split) of this tree, one started with --FLAG, one with --no-FLAG, their four clients
     (framed; `push`: the N-server clients' ClientConfig.push, None: the default) alternating in rounds. Per setting: the N / 1 speed ratio, and the servers'
     process CPU per token (all N summed, and the one server), over every round."""
     blocks = int(load_config(model).num_hidden_layers)
-    settings = {"one call": "--one-call-steps", "usual": "--no-one-call-steps"}
+    settings = {f"--{flag}": f"--{flag}", f"--no-{flag}": f"--no-{flag}"}
     with contextlib.ExitStack() as stack:
         swarms = {}
         for name, flag in settings.items():
@@ -173,8 +173,8 @@ def main() -> None:
                     help="the servers push on frames, or on gRPC (default: the servers' default)")
     ap.add_argument("--push", choices=("auto", "on", "off"), help="the N-server client's push (default: its default)")
     ap.add_argument("--push-ab", action="store_true", help="N servers relayed and pushed, alternating")
-    ap.add_argument("--one-call-ab", action="store_true",
-                    help="servers with and without the one-call answer of a decode step (--one-call-steps), alternating")
+    ap.add_argument("--server-ab", metavar="FLAG",
+                    help="servers started with --FLAG and --no-FLAG (e.g. step-lane, one-call-steps), alternating")
     args = ap.parse_args()
     if args.push and args.push_ab:
         ap.error("--push or --push-ab, not both")
@@ -182,8 +182,9 @@ def main() -> None:
     pushes = {"relayed": False, "pushed": True} if args.push_ab else {"": setting[args.push]} if args.push else None
     print("machine:", machine_line(), flush=True)
     torch.set_num_threads(1)
-    if args.one_call_ab:
-        one_call_ab(args.model, args.servers, args.rounds, args.tokens, setting[args.push] if args.push else None)
+    if args.server_ab:
+        server_ab(args.server_ab, args.model, args.servers, args.rounds, args.tokens,
+                  setting[args.push] if args.push else None)
     elif args.only != "llamacpp":
         swarmlm_ratio(args.model, args.servers, args.rounds, args.tokens,
                       [False, True] if args.transports else [None],

@@ -23,6 +23,9 @@ from tests.gguf_fixtures import write_tiny_gguf
 from tests.swarm_helpers import client_of, in_process_server, in_process_swarm, reference_model
 
 NEW_TOKENS = 8
+# the one-call answer is the usual path's: servers here have no step lane, which would take the later steps before
+# the usual path sees them (server/lane.py; tests/test_step_lane.py)
+NO_LANE = {"step_lane": False}
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +85,7 @@ def test_a_lone_sessions_steps_are_answered_in_one_call_as_the_usual_path_answer
     hidden, blocks = _hidden(packed_llama), reference_model(packed_llama).config.num_hidden_layers
     got = {}
     for on in (True, False):
-        with in_process_server(packed_llama, BlockRange(0, blocks), one_call_steps=on) as server:
+        with in_process_server(packed_llama, BlockRange(0, blocks), one_call_steps=on, **NO_LANE) as server:
             before = len(one_call)
             got[on] = _stepped(server.address, blocks, hidden)
             got[on, "calls"] = len(one_call) - before
@@ -102,11 +105,11 @@ def test_a_nan_is_refused_as_before_and_the_next_step_is_right(packed_llama, one
     (nothing computed: not counted, the position unchanged), and the session's next STEPs answer exactly what a
     session that never saw it answers."""
     hidden, blocks = _hidden(packed_llama), reference_model(packed_llama).config.num_hidden_layers
-    with in_process_server(packed_llama, BlockRange(0, blocks)) as server:
+    with in_process_server(packed_llama, BlockRange(0, blocks), **NO_LANE) as server:
         with_nan = _stepped(server.address, blocks, hidden, nan_at=3)
         counted_with_nan = len(one_call)
         inline_with_nan = server.service.scheduler.inline_runs
-    with in_process_server(packed_llama, BlockRange(0, blocks), one_call_steps=False) as server:
+    with in_process_server(packed_llama, BlockRange(0, blocks), one_call_steps=False, **NO_LANE) as server:
         usual = _stepped(server.address, blocks, hidden, nan_at=3)
     refusal, refused = with_nan.pop(3), usual.pop(3)
     assert isinstance(refusal, pb.InferenceReply) and refusal.error.code == "INVALID_ARGUMENT"
@@ -121,7 +124,7 @@ def test_two_sessions_that_batch_go_the_usual_way(packed_llama, one_call):
     """Two sessions stepping in turn on one server: their steps are not a lone session's (the scheduler would batch
     them), so none is answered in one call; their answers still check and advance."""
     hidden, blocks = _hidden(packed_llama), reference_model(packed_llama).config.num_hidden_layers
-    with in_process_server(packed_llama, BlockRange(0, blocks)) as server, \
+    with in_process_server(packed_llama, BlockRange(0, blocks), **NO_LANE) as server, \
             fa.KeyedStream(server.address, blocks=blocks) as first, \
             fa.KeyedStream(server.address, blocks=blocks) as second:
         for stream in (first, second):
@@ -143,7 +146,7 @@ def test_greedy_tokens_through_two_servers_are_transformers_own(packed_llama, on
     with torch.no_grad():
         want = reference_model(packed_llama).generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
                                                       min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):]
-    with in_process_swarm(packed_llama, [BlockRange(0, blocks // 2), BlockRange(blocks // 2, blocks)]) as swarm:
+    with in_process_swarm(packed_llama, [BlockRange(0, blocks // 2), BlockRange(blocks // 2, blocks)], **NO_LANE) as swarm:
         client = client_of(swarm, frames=True, push=push)
         try:
             got = client.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
