@@ -23,6 +23,9 @@ clients' push setting.
 as a float32 GGUF (llama.cpp's converter, once, into the checkpoint's directory) through llama.cpp locally and over
 1..N `ggml-rpc-server`s (benchmarks/llamacpp_hop.py), its per hop beside swarmlm's in one table.
 
+--server-ab FLAG: two swarms of this tree, servers started with --FLAG and --no-FLAG (a boolean server option:
+step-lane, one-call-steps, push-frames), their framed clients alternating: the option's effect side by side.
+
 --ab: this tree against git revision REV (exported with `git archive`, client and servers both), rounds alternating
 in one run, each round a fresh swarm (medians, and the median of per-round ratios of the caller's step); with
 --frames, both on the framed step port.
@@ -30,6 +33,7 @@ in one run, each round a fresh swarm (medians, and the median of per-round ratio
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -133,6 +137,8 @@ def main() -> None:
     ap.add_argument("--push-ab", action="store_true", help="relayed vs pushed steps (framed), rounds alternating")
     ap.add_argument("--push", choices=("auto", "on", "off"), default="auto", help="the client's push setting")
     ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS", help="this tree vs --base, alternating")
+    ap.add_argument("--server-ab", metavar="FLAG", help="two swarms of this tree, servers started with --FLAG and "
+                    "--no-FLAG (a boolean server option, e.g. step-lane), their framed clients alternating")
     ap.add_argument("--base", default="HEAD", help="git revision to compare with (--ab)")
     ap.add_argument("--frames", action="store_true", help="the client on the framed step port (with --ab, --json)")
     ap.add_argument("--push-frames", action=argparse.BooleanOptionalAction, default=None,
@@ -154,6 +160,8 @@ def main() -> None:
     if args.ab:
         return compare(args)
     torch.set_num_threads(1)
+    if args.server_ab:
+        return server_ab(args)
     swarm_hops = run_swarm(args)
     if args.llamacpp is not None:
         beside_llamacpp(args, swarm_hops)
@@ -221,6 +229,23 @@ def run_swarm(args: argparse.Namespace) -> dict[str, float]:
         print(f"{'token through the swarm (embed+step+head)':36s} {swarm:7.3f} ms")
         print(f"{'token in one process (embed+blocks+head)':36s} {local:7.3f} ms   swarm/local {swarm / local:.3f}x")
         return {}
+
+
+def server_ab(args: argparse.Namespace) -> None:
+    """A boolean server option on and off: two swarms of this tree (servers started with --FLAG, and with --no-FLAG),
+    their framed clients alternating round by round: each one's parts and per-hop overhead side by side."""
+    model_dir = str(default_checkpoint(args.preset))
+    ranges = even_split(int(load_config(model_dir).num_hidden_layers), args.servers)
+    push = {"auto": "auto", "on": True, "off": False}[args.push]
+    with contextlib.ExitStack() as stack:
+        clients, pids = {}, []
+        for flag in (f"--{args.server_ab}", f"--no-{args.server_ab}"):
+            swarm = stack.enter_context(LocalSwarm(model_dir, threads=1, with_dht=False, server_args=[flag]))
+            swarm.start(ranges)
+            pids += [s.proc.pid for s in swarm.servers]  # (the idle swarm's CPU: ~0 while the other one steps)
+            clients[flag] = DistributedModelForCausalLM.from_pretrained(model_dir, servers=swarm.addresses,
+                                                                        push=push, frames=True)
+        alternating(clients, args.rounds, args.servers, args.head_between, pids)
 
 
 def beside_llamacpp(args: argparse.Namespace, swarm_hops: dict[str, float]) -> None:

@@ -12,7 +12,9 @@ written (the open, the prompt and the session's end are not in it). The forward 
 reply's encode, MAC and write, pushes, and the event loop's and threads' own work between them.
 
 `--ab REV`: alternate this tree with git revision REV (exported with `git archive`), each run a fresh process and
-fresh servers, `--rounds` runs each; medians. Every figure is per decode step and per server (all servers summed
+fresh servers, `--rounds` runs each; medians. `--one-call-ab`: the same, this tree's servers with and without the
+one-call answer of a decode step (`--one-call on|off`, ServerConfig.one_call_steps; its `Stage.answer_step` counts
+as the forward). `--model`: a model directory or GGUF file (e.g. SmolLM2's Q4_1) instead of a preset. Every figure is per decode step and per server (all servers summed
 over N servers / N).
 """
 from __future__ import annotations
@@ -39,12 +41,11 @@ def run_client(args: argparse.Namespace) -> None:
     import torch
 
     from swarmlm.client.model import DistributedModelForCausalLM
-    from swarmlm.model.random_checkpoint import default_checkpoint
 
     torch.set_num_threads(1)
     push = {"auto": "auto", "on": True, "off": False}[args.push]
-    client = DistributedModelForCausalLM.from_pretrained(str(default_checkpoint(args.preset)),
-                                                         servers=args.client.split(","), frames=True, push=push)
+    client = DistributedModelForCausalLM.from_pretrained(model_of(args), servers=args.client.split(","), frames=True,
+                                                         push=push, quant="auto")
     x = client.embed(torch.tensor([[5]]))
     for _ in range(2):  # the first session warms connections and the servers' caches; the second is measured
         with client.inference_session(max_length=len(PROMPT) + WARM_STEPS + args.steps + 1) as session:
@@ -78,22 +79,26 @@ class Meter:
         self._profiled: set[int] = set()
 
     def wrap_forward(self, stage_cls) -> None:
-        inner = stage_cls.step_batch
+        """The forward: `Stage.step_batch`, or `Stage.answer_step` (the one-call answer: the span and the frame)."""
+        for name in ("step_batch", "answer_step"):
+            setattr(stage_cls, name, self._timed(getattr(stage_cls, name)))
+
+    def _timed(self, inner):
         meter = self
 
-        def step_batch(self, requests):
+        def forward(self, *args):
             if not meter.on:
-                return inner(self, requests)
+                return inner(self, *args)
             meter.profile_this_thread()
             meter._local.inside = True
             started = time.thread_time()
             try:
-                return inner(self, requests)
+                return inner(self, *args)
             finally:
                 meter.forward_cpu_s += time.thread_time() - started
                 meter._local.inside = False
 
-        stage_cls.step_batch = step_batch
+        return forward
 
     def profile_this_thread(self) -> None:
         if self.count and threading.get_ident() not in self._profiled:
@@ -127,7 +132,6 @@ def measure(args: argparse.Namespace) -> dict:
     from swarmlm import event_loop
     from swarmlm.config import ServerConfig
     from swarmlm.model.checkpoint import load_config
-    from swarmlm.model.random_checkpoint import default_checkpoint
     from swarmlm.server.server import Server
     from swarmlm.server.stage import Stage
     from swarmlm.swarm.local import even_split
@@ -135,11 +139,12 @@ def measure(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     meter = Meter(args.count)
     meter.wrap_forward(Stage)
-    model_dir = str(default_checkpoint(args.preset))
+    model_dir = model_of(args)
     ranges = even_split(int(load_config(model_dir).num_hidden_layers), args.servers)
     servers, loops = [], []
     for blocks in ranges:
-        server = Server(ServerConfig(model_dir=model_dir, blocks=blocks, drain_timeout_s=0.0, threads=1))
+        server = Server(ServerConfig(model_dir=model_dir, blocks=blocks, drain_timeout_s=0.0, threads=1,
+                                     one_call_steps=args.one_call == "on"))
         loop = event_loop.new_loop()
         threading.Thread(target=loop.run_forever, name=f"loop {blocks}", daemon=True).start()
         asyncio.run_coroutine_threadsafe(server.start(), loop).result(timeout=300)
@@ -151,7 +156,7 @@ def measure(args: argparse.Namespace) -> dict:
             asyncio.run_coroutine_threadsafe(_call(fn), loop).result(timeout=30)
 
     client = subprocess.Popen([sys.executable, __file__, "--client", ",".join(s.address for s in servers),
-                               "--preset", args.preset, "--steps", str(args.steps), "--push", args.push],
+                               *model_args(args), "--steps", str(args.steps), "--push", args.push],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ)
     result = {}
     try:
@@ -176,6 +181,7 @@ def measure(args: argparse.Namespace) -> dict:
                 "client step (ms)": got["step_ms"],
                 "server CPU outside the forward (ms)": (cpu - meter.forward_cpu_s) / per_step * 1000,
                 "forward CPU (ms)": meter.forward_cpu_s / per_step * 1000,
+                "server CPU in all (ms)": cpu / per_step * 1000,
             }
             if args.count:
                 result["Python calls"] = sum(meter.calls.values()) / per_step
@@ -197,33 +203,55 @@ async def _call(fn) -> None:
     fn()
 
 
+def model_of(args: argparse.Namespace) -> str:
+    from swarmlm.model.random_checkpoint import default_checkpoint
+
+    return args.model or str(default_checkpoint(args.preset))
+
+
+def model_args(args: argparse.Namespace) -> list[str]:
+    return ["--model", args.model] if args.model else ["--preset", args.preset]
+
+
 def compare(args: argparse.Namespace) -> None:
-    """Runs alternating between this tree and `--ab` REV, each a fresh process; medians."""
+    """Runs alternating between this tree and `--ab` REV (or, `--one-call-ab`, this tree's servers with and without
+    the one-call answer), each a fresh process; medians."""
     repo = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as base:
-        archive = subprocess.run(["git", "archive", args.ab], cwd=repo, check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", base], input=archive, check=True)
-        trees = {"this tree": str(repo), args.ab: base}
-        runs: dict[str, list[dict]] = {name: [] for name in trees}
+        if args.ab:
+            archive = subprocess.run(["git", "archive", args.ab], cwd=repo, check=True, capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", base], input=archive, check=True)
+            variants = {"this tree": (str(repo), "on"), args.ab: (base, "on")}
+        else:
+            variants = {"one call": (str(repo), "on"), "usual": (str(repo), "off")}
+        runs: dict[str, list[dict]] = {name: [] for name in variants}
         print("load average at start: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
         for r in range(args.rounds):
-            for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-                cmd = [sys.executable, __file__, "--json", "--preset", args.preset, "--servers", str(args.servers),
-                       "--steps", str(args.steps), "--push", args.push, *(["--count"] if args.count else [])]
-                out = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=trees[name]), cwd=trees[name], check=True,
+            for name in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+                tree, one_call = variants[name]
+                cmd = [sys.executable, __file__, "--json", *model_args(args), "--servers", str(args.servers),
+                       "--steps", str(args.steps), "--push", args.push, *(["--count"] if args.count else []),
+                       *(["--one-call", one_call] if not args.ab else [])]
+                out = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=tree), cwd=tree, check=True,
                                      capture_output=True, text=True).stdout
                 runs[name].append(json.loads(out.strip().splitlines()[-1]))
                 print(name, {k: round(v, 4) for k, v in runs[name][-1].items() if isinstance(v, float)}, flush=True)
-    for key, value in runs["this tree"][0].items():
+    names = list(variants)
+    for key, value in runs[names[0]][0].items():
         if isinstance(value, float):
-            a, b = (statistics.median(run[key] for run in runs[n]) for n in trees)
-            print(f"{key:40s} this tree {a:9.4f}   {args.ab} {b:9.4f}")
+            a, b = (statistics.median(run[key] for run in runs[n]) for n in names)
+            print(f"{key:40s} {names[0]} {a:9.4f}   {names[1]} {b:9.4f}")
     print("load average at end: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny-bloom")
+    ap.add_argument("--model", help="a model directory or GGUF file instead of --preset (served with --quant auto)")
+    ap.add_argument("--one-call", choices=("on", "off"), default="on",
+                    help="the servers' one-call answer of a decode step (ServerConfig.one_call_steps)")
+    ap.add_argument("--one-call-ab", action="store_true", help="this tree's servers with and without the one-call "
+                    "answer, runs alternating")
     ap.add_argument("--servers", type=int, default=1)
     ap.add_argument("--steps", type=int, default=100, help="measured decode steps")
     ap.add_argument("--push", choices=("auto", "on", "off"), default="auto", help="the client's push setting")
@@ -236,7 +264,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.client:
         return run_client(args)
-    if args.ab:
+    if args.ab or args.one_call_ab:
         return compare(args)
     result = measure(args)
     if args.json:

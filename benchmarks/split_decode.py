@@ -11,12 +11,15 @@ median over a round of `step_logits` for one token (embed, every hop, LM head); 
 time over N servers'. llama.cpp: `llama-bench -p 0 -n T -t 1 -ngl 99 --rpc ...` against 1 and N
 `ggml-rpc-server -t 1`, alternating too (tokens per second, its own average). --push-frames / --no-push-frames: the
 servers push on frames / on gRPC. --push on|off|auto: the N-server client's push setting; --push-ab: two N-server
-clients, relayed and pushed, alternating with the one-server client. --relay-ab: each client twice, a relayed decode
-step's hops in one C call (client/relay.py) and in Python (ClientConfig.relay_in_c), all alternating.
+clients, relayed and pushed, alternating with the one-server client. --server-ab FLAG: two sets of servers, started
+with --FLAG and --no-FLAG (a boolean server option: one-call-steps, step-lane), all four clients alternating, with
+the servers' process CPU per token. --relay-ab: each client twice, a relayed decode step's hops in one C call
+(client/relay.py) and in Python (ClientConfig.relay_in_c), all alternating.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -101,6 +104,53 @@ def _kind_name(kind: tuple[bool | None, bool | None]) -> str:
     return transport if relay is None else f"{transport}, hops in {'C' if relay else 'Python'}"
 
 
+def process_cpu_s(pid: int) -> float:
+    """A process's user + system CPU seconds so far (/proc: clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_ab(flag: str, model: str, servers: int, rounds: int, tokens: int, push: str | bool | None) -> None:
+    """A boolean server option on and off (`flag`: e.g. "step-lane", ServerConfig.step_lane): two sets of servers (1
+    of every block, N of an even split) of this tree, one started with --FLAG, one with --no-FLAG, their four clients
+    (framed; `push`: the N-server clients' ClientConfig.push, None: the default) alternating in rounds. Per setting: the N / 1 speed ratio, and the servers'
+    process CPU per token (all N summed, and the one server), over every round."""
+    blocks = int(load_config(model).num_hidden_layers)
+    settings = {f"--{flag}": f"--{flag}", f"--no-{flag}": f"--no-{flag}"}
+    with contextlib.ExitStack() as stack:
+        swarms = {}
+        for name, flag in settings.items():
+            swarm = stack.enter_context(LocalSwarm(model, threads=1, with_dht=False,
+                                                   server_args=["--quant", "auto", flag]))
+            swarm.start([BlockRange(0, blocks), *even_split(blocks, servers)])
+            swarms[name] = swarm
+        clients, pids = {}, {}
+        for name, swarm in swarms.items():
+            for part, addrs, procs in (("1 server", swarm.addresses[:1], swarm.servers[:1]),
+                                       (f"{servers} servers", swarm.addresses[1:], swarm.servers[1:])):
+                pushing = {} if push is None or part == "1 server" else {"push": push}
+                clients[name, part] = stack.enter_context(contextlib.closing(
+                    DistributedModelForCausalLM.from_pretrained(model, servers=addrs, quant="auto", **pushing)))
+                pids[name, part] = [p.proc.pid for p in procs]
+        for client in clients.values():
+            per_token_ms(client, 8)  # warm-up (connections, caches)
+        print("load average at start: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
+        runs = {key: [] for key in clients}
+        cpu = {key: 0.0 for key in clients}
+        for r in range(rounds):
+            for key in (list(clients) if r % 2 == 0 else list(clients)[::-1]):
+                before = sum(map(process_cpu_s, pids[key]))
+                runs[key].append(per_token_ms(clients[key], tokens)[0])
+                cpu[key] += sum(map(process_cpu_s, pids[key])) - before
+        print("load average at end: %.2f %.2f %.2f" % os.getloadavg())
+    for name in settings:
+        pair = {part: runs[name, part] for part in ("1 server", f"{servers} servers")}
+        report("swarmlm", pair, f"servers' {name} path")
+        per = {part: 1000 * cpu[name, part] / (rounds * (tokens + 1)) for part in pair}
+        print(f"  servers' process CPU per token ({name}): " + ", ".join(f"{part} {ms:.3f} ms" for part, ms in
+                                                                       per.items()), flush=True)
+
+
 def llamacpp_ratio(bin_dir: Path, model: str, servers: int, rounds: int, tokens: int) -> None:
     from llamacpp_hop import bench_ms, rpc_servers  # (benchmarks/: this script's directory)
 
@@ -141,6 +191,8 @@ def main() -> None:
     ap.add_argument("--relay-ab", action="store_true",
                     help="every client twice, a relayed step's hops in C and in Python (ClientConfig.relay_in_c), "
                          "alternating")
+    ap.add_argument("--server-ab", metavar="FLAG",
+                    help="servers started with --FLAG and --no-FLAG (e.g. step-lane, one-call-steps), alternating")
     args = ap.parse_args()
     if args.push and args.push_ab:
         ap.error("--push or --push-ab, not both")
@@ -148,7 +200,10 @@ def main() -> None:
     pushes = {"relayed": False, "pushed": True} if args.push_ab else {"": setting[args.push]} if args.push else None
     print("machine:", machine_line(), flush=True)
     torch.set_num_threads(1)
-    if args.only != "llamacpp":
+    if args.server_ab:
+        server_ab(args.server_ab, args.model, args.servers, args.rounds, args.tokens,
+                  setting[args.push] if args.push else None)
+    elif args.only != "llamacpp":
         swarmlm_ratio(args.model, args.servers, args.rounds, args.tokens,
                       [False, True] if args.transports else [None],
                       [] if args.push_frames is None else ["--push-frames" if args.push_frames else "--no-push-frames"],

@@ -181,6 +181,12 @@ class ServerConfig:
     # push to the next server on its framed port when it announces one (server/frame_push.py); False = gRPC's Push
     # (framed: 0.77 vs 1.09 ms per pushed hop, docs/RESULTS-hop.md round 7)
     push_frames: bool = True
+    # a lone session's compact decode step (T = 1) of a span the one-call decoder runs is answered in one kernel call:
+    # values checked, the span, the whole ANSWER frame (kernels/lane.c); False = Python around the decoder
+    one_call_steps: bool = True
+    # a lone keyed session's plain decode steps on a packed span are taken in one C call as their frame arrives
+    # (server/lane.py: no Python between the socket and the kernel); False = every step the usual way
+    step_lane: bool = True
     # a framed connection whose stream ended cleanly waits this long for the client's next stream (its next
     # session: clients keep such connections), then it is closed
     frame_idle_timeout_s: float = 60.0

@@ -223,9 +223,9 @@ def _mutate(body: bytearray, rng: random.Random) -> None:
         body += rng.randbytes(rng.randint(1, 64))
 
 
-def fuzz_compact(address: str, count: int, seed: int, hidden: int, blocks: int) -> Counter:
-    """`count` keyed sessions, each sent a compact STEP (wire/compact.py) with random bytes changed, cut or added
-    (its header, values or MAC), then END: what each ended with ("STATUS CODE" or "closed")."""
+def fuzz_compact(address: str, count: int, seed: int, hidden: int, blocks: int, good: int = 0) -> Counter:
+    """`count` keyed sessions, each sent `good` good STEPs, then a compact STEP (wire/compact.py) with random bytes
+    changed, cut or added (its header, values or MAC), then END: what each ended with ("STATUS CODE" or "closed")."""
     from swarmlm.bench import frame_attacks as fa
     from swarmlm.wire import frames
 
@@ -233,7 +233,9 @@ def fuzz_compact(address: str, count: int, seed: int, hidden: int, blocks: int) 
     ends: Counter = Counter()
     for _ in range(count):
         with fa.KeyedStream(address, blocks) as stream:
-            frame = bytearray(stream.step_frame(fa._values(1, 1, hidden), 1))
+            for step_id in range(1, good + 1):
+                stream.step(fa._values(1, 1, hidden), step_id)
+            frame = bytearray(stream.step_frame(fa._values(1, 1, hidden), good + 1))
             body = frame[frames.HEADER.size:]
             _mutate(body, rng)
             answers = stream.exchange(frames.frame(frames.Kind.STEP, bytes(body)) + fa.END)
@@ -241,9 +243,11 @@ def fuzz_compact(address: str, count: int, seed: int, hidden: int, blocks: int) 
     return ends
 
 
-def test_fuzzing_compact_steps_closes_or_refuses_each_and_the_server_serves_on(attack_server, honest):
+@pytest.mark.parametrize("good", [0, 2], ids=["first step", "on an armed step lane"])
+def test_fuzzing_compact_steps_closes_or_refuses_each_and_the_server_serves_on(attack_server, honest, good):
+    """(After 2 good steps a lone session's step lane is armed, server/lane.py: the changed STEP meets it first.)"""
     address, hidden, blocks = attack_server
-    ends = fuzz_compact(address, count=40, seed=17, hidden=hidden, blocks=blocks)
+    ends = fuzz_compact(address, count=40, seed=17, hidden=hidden, blocks=blocks, good=good)
     assert sum(ends.values()) == 40
     # a changed STEP is a tampered one (its MAC): the session closed; never INTERNAL or UNKNOWN
     assert set(ends) <= {"STATUS PERMISSION_DENIED", "STATUS INVALID_ARGUMENT", "STATUS OK"}, ends

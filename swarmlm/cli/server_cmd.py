@@ -43,6 +43,12 @@ def add_parser(sub) -> None:
     p.add_argument("--push-frames", action=argparse.BooleanOptionalAction, default=SERVER.push_frames,
                    help="push to the next server on its framed step port when it announces one, else on gRPC "
                         "(default: %(default)s)")
+    p.add_argument("--one-call-steps", action=argparse.BooleanOptionalAction, default=SERVER.one_call_steps,
+                   help="answer a lone session's compact decode step of a packed span in one kernel call (values "
+                        "checked, the span, the ANSWER frame: kernels/lane.c) (default: %(default)s)")
+    p.add_argument("--step-lane", action=argparse.BooleanOptionalAction, default=SERVER.step_lane,
+                   help="take a lone session's plain decode steps in one C call as they arrive on the framed port, "
+                        "no Python between the socket and the kernel (server/lane.py; default: %(default)s)")
     p.add_argument("--quant", default=SERVER.quant, choices=QUANT_NAMES,
                    help="auto: a GGUF's quantized blocks kept as the file has them; none: dequantized; int8 / int4: a "
                         "float checkpoint's linear layers quantized weight-only in blocks of 32 (announced to "
@@ -123,6 +129,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         model_dir=model_ref(args), blocks=args.blocks,
         initial_peers=tuple(args.initial_peers), host=args.host, port=args.port, announce_host=args.announce_host,
         reachability=args.reachability, frames=args.frames, push_frames=args.push_frames,
+        one_call_steps=args.one_call_steps, step_lane=args.step_lane,
         threads=args.threads, dtype=args.dtype, num_blocks=args.num_blocks, placement=args.placement,
         memory_bytes=args.memory_mb * MIB if args.memory_mb else None, cache_bytes=args.cache_mb * MIB,
         prefix_cache_bytes=args.prefix_cache_mb * MIB, publish_counters=args.publish_counters,

@@ -1,8 +1,10 @@
 """swarmlm's compiled kernels: packed.c (products from GGUF blocks), act16.c (Q4_0 / Q4_1 / Q8_0 / Q4_K products in
 integers over activations rounded to int16 blocks), amx.c (Q4_0 / Q4_1 products of 8+ such rows on AMX tiles),
 decode.c (a decode step of a span of Llama-shaped blocks in one call), frame.c (compact frames and their keyed MAC,
-frame.h) and chain.c (a client's relayed decode step: every hop's STEP written and ANSWER read in one call), built
-once per machine with the system C compiler and loaded with ctypes.
+frame.h), lane.c (a server's compact decode step answered in one call: values, span, ANSWER frame; the step
+lane's step from its frame's bytes to its answer: server/lane.py) and chain.c (a client's relayed decode step: every
+hop's STEP written and ANSWER read in one call: client/relay.py), built once per machine with the system C compiler
+and loaded with ctypes.
 
 Built with `-O3 -march=native` (the CPU's own vector units: AVX-512 where it has them, else AVX2, else scalar C) into
 ~/.cache/swarmlm/kernels, named by a hash of the source, the compiler and the flags, so a new CPU or a changed source
@@ -21,12 +23,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from swarmlm.kernels import frame_types
+from swarmlm.kernels import frame_types, lane
 
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("packed.c", "act16.c", "amx.c", "decode.c", "frame.c",
-                                                                  "chain.c")]
+                                                                  "lane.c", "chain.c")]
 # included by the sources: part of the build's name, not compiled alone
 HEADERS = [Path(__file__).with_name(name) for name in ("ahead.h", "frame.h")]
 CACHE = Path.home() / ".cache" / "swarmlm" / "kernels"
@@ -105,6 +107,7 @@ def library(march: str = "native") -> ctypes.CDLL:
     lib.decode_span.argtypes = [ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64]
     lib.decode_span.restype = ctypes.c_int
     frame_types.declare(lib)
+    lane.declare(lib)
     # (client/relay.py: the hops' structs, the step's dims, x, the outputs, the frame buffers, what each hop said)
     lib.chain_relay.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.chain_relay.restype = i64

@@ -26,12 +26,17 @@ import torch
 from torch import nn
 
 from swarmlm.kernels import library
+from swarmlm.kernels.frame_types import AnswerHead, FrameKey
+from swarmlm.kernels.lane import ANSWER_OVERHEAD, NOT_FINITE
 from swarmlm.model.families.base import SLIDING
 from swarmlm.model.packed import DIRECT_ROWS, THREADED_MIN_WEIGHTS, PackedLinear, PackedError, threaded_library
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 PRODUCTS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
             ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+STEP_HEAD_BYTES = 16  # a STEP body's header before its values (wire/compact.py STEP_HEAD, frame.h FRAME_STEP_HEAD)
 
 
 class _Linear(ctypes.Structure):
@@ -73,6 +78,11 @@ class SpanDecoder:
         self._table = torch.empty(2, 0, self.head_dim)  # [cos, sin] x positions x head_dim, float32
         self._last_rows = None  # (key, arrays): the last step's per-row cache pointers (_cache_rows)
         self._dims = ctypes.byref(self.dims)
+        # a plain decode step's rows and its ANSWER frame (`answer`), made once: the kernel works in them
+        self._work = torch.empty(DIRECT_ROWS, 1, self.dims.hidden)
+        self._frame = bytearray(ANSWER_OVERHEAD + 4 * DIRECT_ROWS * self.dims.hidden)
+        self._frame_view = memoryview(self._frame)
+        self._frame_at = ctypes.addressof((ctypes.c_char * len(self._frame)).from_buffer(self._frame))
 
     @classmethod
     def of(cls, config, adapter, blocks: nn.ModuleList, dtype: torch.dtype,
@@ -106,7 +116,12 @@ class SpanDecoder:
         no gradients wanted for them. (A step with a padding query is refused by `step` itself: the kernel reads the
         masks anyway.)"""
         wanted = hidden.requires_grad and torch.is_grad_enabled()
-        return hidden.shape[0] * hidden.shape[1] <= DIRECT_ROWS and not wanted
+        return self.fits(hidden.shape[0] * hidden.shape[1]) and not wanted
+
+    @staticmethod
+    def fits(tokens: int) -> bool:
+        """Does a step of `tokens` new tokens in all (rows x tokens) fit one call?"""
+        return tokens <= DIRECT_ROWS
 
     def step(self, hidden: torch.Tensor, members, masks: list[torch.Tensor]) -> torch.Tensor | None:
         """hidden [B, T, H]; members: (SpanCache, rows slice) per session, each cache's committed length + T equal to
@@ -123,6 +138,40 @@ class SpanDecoder:
         # copies the input into measured no cheaper cold: docs/RESULTS-hop.md round 16.)
         x = hidden.clone(memory_format=torch.contiguous_format) if hidden.dtype == torch.float32 else \
             hidden.to(torch.float32, memory_format=torch.contiguous_format)
+        rows, keep = self._prepare(x, members, masks, n_tokens)
+        code = threaded_library().decode_span(self._dims, self.blocks, len(self.blocks), x.data_ptr(), *rows)
+        if code == -3:
+            return None
+        if code != 0:
+            raise PackedError(f"the decode kernel refused the step (code {code})")
+        return x
+
+    def answer(self, body: bytes, rows: int, members, masks: list[torch.Tensor], key: FrameKey,
+               head: AnswerHead) -> memoryview | None:
+        """A plain decode step (one new token per row, `rows` rows) of a compact STEP, answered in one call
+        (kernels/lane.c): `body` the STEP's body (its rows x H float32 after its header, length checked), its values
+        checked finite, copied into the decoder's work rows and run as `step` runs them (the same caches, lengths,
+        masks and rotary rows: `_prepare`); then the whole ANSWER frame under `key`, its header `head` (the kernel
+        sets compute_s and encode_s, adds its own parse time to parse_s). Returns the frame (a view of the decoder's
+        frame buffer, until its next `answer`), or None if a value is NaN or infinite (nothing computed, no cache
+        written; a cache may have grown). The caller commits; one `answer` at a time (the scheduler's inline slot)."""
+        assert rows <= DIRECT_ROWS
+        x = self._work[:rows]  # [rows, 1, H]: the kernel's rows, then the answer's values
+        prepared, keep = self._prepare(x, members, masks, 1)
+        size = threaded_library().lane_decode_answer(
+            self._dims, self.blocks, len(self.blocks), self.dims.hidden, body, STEP_HEAD_BYTES, x.data_ptr(),
+            *prepared, key, head, self._frame_at)
+        if size == NOT_FINITE:
+            return None
+        if size < 0:
+            raise PackedError(f"the decode kernel refused the step (code {size})")
+        return self._frame_view[:size]
+
+    def _prepare(self, x: torch.Tensor, members, masks: list[torch.Tensor], n_tokens: int) -> tuple[tuple, list]:
+        """What the kernel takes after the work rows `x` [B, T, H]: the query rows, their cache pointers, layer
+        strides, capacities, lengths and mask rows, the rotary table and its kind (decode.c `decode_span`); and the
+        int64 masks those rows point into (alive until the kernel returns). Caches that are too short grow first
+        (the rows' pointers follow them)."""
         widest = 0
         for (cache, span), mask in zip(members, masks):  # growth first: the rows' cache pointers follow it
             end = cache.length + n_tokens
@@ -143,14 +192,19 @@ class SpanDecoder:
                     q += 1
                 row += row_bytes
         rope, by_row = self._rope(x, keep, n_tokens, widest)
-        code = threaded_library().decode_span(
-            self._dims, self.blocks, len(self.blocks), x.data_ptr(), q, keys, values, strides, caps, lengths,
-            mask_rows, rope.data_ptr(), rope.shape[1], by_row)
-        if code == -3:
-            return None
-        if code != 0:
-            raise PackedError(f"the decode kernel refused the step (code {code})")
-        return x
+        keep.append(rope)  # (a table made for this step only: alive until the kernel returns)
+        return (q, keys, values, strides, caps, lengths, mask_rows, rope.data_ptr(), rope.shape[1], by_row), keep
+
+    @property
+    def has_rope_table(self) -> bool:
+        """Are this rotary's values a table of positions (not dynamic, not longrope)?"""
+        return self._table_ok
+
+    def rope_table(self, x: torch.Tensor, positions: int) -> torch.Tensor:
+        """The rotary table [2, L >= positions, head_dim] the kernel reads (`_rope`'s; `has_rope_table` only). `x`:
+        any float32 [B, H] (the rotary's dtype)."""
+        assert self._table_ok
+        return self._rope(x.view(x.shape[0], 1, -1), [], 1, positions)[0]
 
     def _cache_rows(self, members, n_tokens: int) -> tuple:
         """Per query row: its cache's K and V pointers for the span's first block, layer stride and capacity, and

@@ -11,6 +11,7 @@ from collections import deque
 from typing import Awaitable, Callable
 
 from swarmlm.server.inbound import request_of
+from swarmlm.server.lane import StepLane
 from swarmlm.wire import frames
 from swarmlm.wire.compact import CompactStep
 from swarmlm.wire.frames import FrameError, Kind
@@ -42,12 +43,26 @@ class FrameConnection(asyncio.Protocol):
         self._discard_bytes: int | None = None  # closing by `close_gently`: bytes it still discards (None: not)
         self._linger: asyncio.TimerHandle | None = None  # close_gently's bound in time
 
+    lane: StepLane | None = None  # an armed step lane of the stream's session (server/lane.py): it sees bytes first
+
     # ---- bytes in -------------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
         self.server.open(self)
 
     def data_received(self, data: bytes) -> None:
+        lane = self.lane
+        if lane is not None:
+            if lane.armed and not self.buf and self._can_write is None and not self.transport.is_closing():
+                try:
+                    answer = lane.take(data)
+                except Exception:  # (a bug: the usual path takes the bytes, as if the lane had declined them)
+                    log.exception("the step lane failed; its session goes on the usual way")
+                    answer = None
+                if answer is not None:
+                    self.transport.write(answer)
+                    return
+            self.drop_lane()
         if self._discard_bytes is not None:
             self._discard_bytes -= len(data)
             if self._discard_bytes < 0:  # a peer that keeps sending after the last word: cut off
@@ -69,7 +84,14 @@ class FrameConnection(asyncio.Protocol):
             self._stall.cancel()
             self._stall = None
 
+    def drop_lane(self) -> None:
+        """Back to the usual path for every byte (the lane's state written back first)."""
+        lane, self.lane = self.lane, None
+        if lane is not None:
+            lane.disarm()
+
     def eof_received(self) -> bool:
+        self.drop_lane()
         self.peer_ended = True
         if self._discard_bytes is not None:
             return False  # closing gently: the peer is done too, the transport closes
@@ -78,6 +100,7 @@ class FrameConnection(asyncio.Protocol):
         return True  # keep the transport open to write the STATUS
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.drop_lane()
         if self._linger is not None:
             self._linger.cancel()
             self._linger = None

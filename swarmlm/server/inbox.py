@@ -18,6 +18,9 @@ class Inbox:
         self._reader: asyncio.Future | None = None  # the reader's, while it waits for an item
         self._room: deque[asyncio.Future] = deque()  # puts waiting for room, oldest first
 
+    def empty(self) -> bool:
+        return not self._items
+
     def full(self) -> bool:
         return len(self._items) >= self.maxsize
 

@@ -145,6 +145,11 @@ class StepOrder:
         self.last_id = last_id
         self._ahead: dict[int, pb.InferenceRequest] = {}
 
+    @property
+    def idle(self) -> bool:
+        """Nothing held for an earlier id."""
+        return not self._ahead
+
     def holds(self, request: pb.InferenceRequest) -> bool:
         """Is `request` waiting here for an earlier id?"""
         return any(held is request for held in self._ahead.values())

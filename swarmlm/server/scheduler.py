@@ -182,6 +182,7 @@ class Scheduler:
         self.threads = threads
         self.config = config
         self.inline_runs = 0  # lone decode steps run on the caller's thread (see the module's docstring)
+        self.lane_steps = 0  # decode steps a step lane took (server/lane.py): the scheduler was idle for each
         self._recent: deque[set[Hashable]] = deque(maxlen=2)  # members of the last two rounds' decode forwards
         self._recent_decode_s: deque[float] = deque(maxlen=2)  # the last two decode rounds' compute times
         self.gate = StragglerGate(config.batch_wait)  # waits for stragglers before a round (or not)
@@ -194,6 +195,17 @@ class Scheduler:
         self._stopped = False
         self._worker = threading.Thread(target=self._run, name="swarmlm-compute", daemon=True)
         self._worker.start()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing computing or queued. (Read on the loop's thread, which alone submits work: it stays true until that
+        thread submits some.)"""
+        return not self._running and not self._queue
+
+    @property
+    def decodes_inline(self) -> bool:
+        """Were the last decode forwards short enough to run on the loop's thread (`_lone_decode`'s time rule)?"""
+        return len(self._recent_decode_s) > 0 and max(self._recent_decode_s) <= self.config.inline_decode_max_s
 
     @property
     def queue_length(self) -> int:
@@ -221,7 +233,7 @@ class Scheduler:
             if self._stopped:
                 raise RuntimeError("scheduler is stopped")
             job.enqueued_s = time.perf_counter()
-            inline = self._lone_decode(job)
+            inline = self._lone_decode(job.priority, job.member)
             if inline:
                 self._running = True  # the worker starts no round meanwhile
             else:
@@ -239,23 +251,43 @@ class Scheduler:
             result = job.work.run_batch([job.work.item])[0]
         finally:
             compute_s = time.perf_counter() - started
-            with self._lock:
-                self.inline_runs += 1
-                self._round_done({job.member}, compute_s)
-                if self._queue:  # work came meanwhile: the worker starts it (else it sleeps on: no wake-up to pay)
-                    self._cv.notify()
+            self.inline_done(job.member, compute_s)
         return result, JobTiming(started - job.enqueued_s, compute_s)
+
+    def inline_slot(self, member: Hashable) -> bool:
+        """Take the caller's thread for a decode step of `member` computed outside `submit_step` (server/service.py's
+        one-call answer: kernels/lane.c) when the rule for running a step inline holds (`_lone_decode`): True if
+        taken (then call `inline_done` after it, whatever happens), False if the step must go through `submit_step`
+        (it would queue or batch with other sessions' steps)."""
+        with self._lock:
+            if self._stopped or not self._lone_decode(DECODE, member):
+                return False
+            self._running = True  # the worker starts no round meanwhile
+            return True
+
+    def inline_done(self, member: Hashable, compute_s: float | None) -> None:
+        """An inline step of `member` ended: counted with its forward's `compute_s` (the decode rounds' record the
+        inline rule and the straggler waits read), or, None, refused before any compute (not counted)."""
+        with self._lock:
+            if compute_s is None:
+                self._running = False
+            else:
+                self.inline_runs += 1
+                self._round_done({member}, compute_s)
+            if self._queue:  # work came meanwhile: the worker starts it (else it sleeps on: no wake-up to pay)
+                self._cv.notify()
 
     def _drop(self, job: Job) -> None:
         with self._lock:
             if job in self._queue:  # (identity: jobs compare by it)
                 self._queue.remove(job)
 
-    def _lone_decode(self, job: Job) -> bool:
-        """(Holding the lock.) Does `job` run on the caller's thread? See the module's docstring."""
-        return (job.priority == DECODE and not self._queue and not self._running
+    def _lone_decode(self, priority: StepKind, member: Hashable) -> bool:
+        """(Holding the lock.) Does a job of `priority` for `member` run on the caller's thread? See the module's
+        docstring."""
+        return (priority == DECODE and not self._queue and not self._running
                 and len(self._recent_decode_s) > 0 and max(self._recent_decode_s) <= self.config.inline_decode_max_s
-                and set().union(*self._recent) <= {job.member})
+                and set().union(*self._recent) <= {member})
 
     def _run(self) -> None:
         torch.set_num_threads(self.threads)  # this thread does all compute: set its threads explicitly

@@ -21,12 +21,14 @@ import torch
 from swarmlm import __version__
 from swarmlm.config import ServerConfig
 from swarmlm.errors import CapacityExceeded, InvalidRequest, PushRefused, UnknownSession
+from swarmlm.kernels.frame_types import AnswerHead, FrameKey
 from swarmlm.model.fingerprint import range_fingerprint
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.server import deep_prompt, prefix_cache
 from swarmlm.server.checks import StepChecks, check_cache_op, decode_step
+from swarmlm.server.lane import StepLane
 from swarmlm.server.prefix_cache import PrefixCache
-from swarmlm.server.push import Pusher, TargetCheck, check_targets
+from swarmlm.server.push import Pusher, StepOrder, TargetCheck, check_targets
 from swarmlm.server.scheduler import JobTiming, Scheduler
 from swarmlm.server.session_stream import SessionStreams, refused_reply
 from swarmlm.server.sessions import PeerBytes, Session, SessionTable
@@ -104,7 +106,8 @@ class SwarmService(pb_grpc.SwarmServicer):
         self.session_key = ServerKey()  # its share is in our signed Info: sessions keyed end to end with it
         self.streams = SessionStreams(config, self.sessions, self.load, self.pusher, self.prefixes, self._open,
                                       self._step, lambda: self.accepting, self._refused_large,
-                                      self.session_key)  # (session_stream.py)
+                                      self.session_key,
+                                      self.lane_for if config.step_lane else None)  # (session_stream.py)
         self.num_model_blocks = int(stage.config.num_hidden_layers)
         self.gate = UnaryGate(self.load, config.trim_refused_bytes)  # every unary RPC's admission (server/unary.py)
         # Forward with prompts / LoRA, and Backward (server/train_service.py)
@@ -231,6 +234,13 @@ class SwarmService(pb_grpc.SwarmServicer):
             hidden_size = self.checks.hidden_size
             nbytes = b * t * hidden_size
             if compact_step:
+                if t == 1 and session.framed and session.stepped and self.config.one_call_steps:
+                    step.check_length()
+                    answer = self._answer_in_one_call(session, step, b, started)  # None: it goes as below
+                    if answer is not None:
+                        if type(answer) is AnswerFrame:
+                            return answer
+                        await self._step_failed(sid, answer, context)
                 hidden = codec.tensor_of(step.values(), (b, t, hidden_size), "hidden", finite=True)
                 mask = no_padding_mask(b, t)
             else:
@@ -264,8 +274,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             log.exception("step failed")
             error = exc
         if error is not None:
-            self.sessions.close(sid)
-            await context.abort(grpc.StatusCode.INTERNAL, f"step failed, session closed: {error}")
+            await self._step_failed(sid, error, context)
         session.last_used_s = time.monotonic()  # idle from the step's end: a long step is no idle time
         encode_start = time.perf_counter()
         # a STEP's, a PUSH_STEP's (in a session held by a gRPC stream: a REPLY) or a pushing plain decode step's answer
@@ -288,6 +297,74 @@ class SwarmService(pb_grpc.SwarmServicer):
                 batched_steps=timing.batched_steps,
             ),
         )
+
+    async def _step_failed(self, sid: str, error: Exception, context) -> None:
+        """A step's compute failed unexpectedly (a bug or an OOM; logged): its session is closed rather than
+        trusted, and the stream ends with the error."""
+        self.sessions.close(sid)
+        await context.abort(grpc.StatusCode.INTERNAL, f"step failed, session closed: {error}")
+
+    def _answer_in_one_call(self, session: Session, step: CompactStep, b: int,
+                            started: float) -> AnswerFrame | Exception | None:
+        """A compact STEP of a framed session (T = 1, its dims and length checked) answered in one kernel call
+        (kernels/lane.c: values checked finite, the span, the whole ANSWER frame) when that computes exactly what
+        `_compute` and `answer_frame` would: a span the one-call decoder runs (Stage.plain_decoder) and a step the
+        scheduler would run inline on this thread (Scheduler.inline_slot: no other session's step to batch with).
+        Returns the ANSWER, None when the step must go the usual way (nothing done), or the exception of a failed
+        compute (logged); raises InvalidRequest (nothing computed, nothing committed) for a NaN or infinite value."""
+        state = session.state
+        decoder = self._stage.plain_decoder(state, b)
+        if decoder is None:
+            return None
+        member = id(state)  # (the scheduler's member for this session's steps: Scheduler.submit_step)
+        if not self.scheduler.inline_slot(member):
+            return None
+        key = session.answer_key
+        if key is None:
+            key = session.answer_key = FrameKey.of(session.keys.server, session.session_id)
+        head = AnswerHead(step.step_id, state.position + 1, 1, 0, 0.0, 0.0, time.perf_counter() - started, 0.0)
+        body = step.body if type(step.body) is bytes else bytes(step.body)  # (a PUSH_STEP's is a view of its frame)
+        frame, ran = None, True
+        try:
+            frame = self._stage.answer_step(decoder, state, body, b, key, head)
+            ran = frame is not None  # (None: refused before any compute, not counted)
+        except Exception as exc:  # unexpected (a bug or an OOM): as `_step`'s compute failure
+            log.exception("step failed")
+            return exc
+        finally:
+            self.scheduler.inline_done(member, head.compute_s if ran else None)
+        if frame is None:
+            raise codec.not_finite("hidden")
+        self.tokens_computed += b
+        session.last_used_s = time.monotonic()  # idle from the step's end
+        return AnswerFrame(frame)
+
+    def lane_for(self, session: Session, order: StepOrder) -> StepLane | None:
+        """A step lane for the session's next plain decode steps (server/lane.py), or None unless every rule `_step`
+        applies to them holds whatever they carry, until something disarms the lane: a keyed session alone on this
+        server (a second open disarms it), no adapter or deep prompt, its rows within the session's, its dims within
+        every limit up to its max_length; its span a one-call decoder's with a rotary table (the whole step in C), or
+        else blocks whose decode forwards run inline on the loop (`Scheduler.decodes_inline`: the same thread)."""
+        state = session.state
+        rows, max_length = state.rows, session.max_length
+        scheduler = self.scheduler
+        if len(self.sessions.sessions) != 1 or not 0 < state.position < max_length or not scheduler.idle:
+            return None  # (for now: a lane armed beside other compute would only be disarmed by its next step)
+        decoder = self._stage.plain_decoder(state, rows)
+        if decoder is not None and (not decoder.has_rope_table or state.cache.dtype != decoder.kv_dtype):
+            decoder = None  # (transformers' forward, as the usual path would run it)
+        if (session.keys is None or state.lora_adapter or state.client_lora or state.prompts is not None
+                or not 0 < rows <= session.batch):
+            session.lane_never = True  # (for good: none of these changes during a session; rows only with a cache op)
+            return None
+        try:  # (the costs grow with the position: what holds at the last one holds at every one before it)
+            self.checks.dims(rows, 1, self.checks.hidden_size, rows, max_length - 1, max_length)
+        except InvalidRequest:
+            session.lane_never = True
+            return None
+        if decoder is None and not scheduler.decodes_inline:
+            return None  # (for now: its forwards go to the compute thread)
+        return StepLane(self, session, order, decoder)
 
     # ---- RPCs -------------------------------------------------------------------------------------------
     @property

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from typing import Awaitable, Callable
 
 import grpc
@@ -25,6 +26,7 @@ from swarmlm.server import prefix_cache
 from swarmlm.server.checks import payload_bytes, peer_host
 from swarmlm.server.inbound import UNPARSABLE
 from swarmlm.server.inbox import Inbox
+from swarmlm.server.lane import StepLane
 from swarmlm.server.prefix_cache import PrefixCache
 from swarmlm.server.push import Pusher, StepOrder
 from swarmlm.server.sessions import PeerBytes, Session, SessionTable
@@ -41,6 +43,7 @@ _TAMPERED = object()  # a message of a keyed session whose MAC does not match
 
 OpenSession = Callable[[pb.OpenSession, str], Session]  # (the open message, its peer) -> the new session
 RunStep = Callable[[Session, pb.InferenceRequest, object], Awaitable[pb.InferenceReply]]  # (..., grpc context)
+LaneFor = Callable[[Session, StepOrder], "StepLane | None"]  # (the session, its step order) -> a lane or None
 
 
 def refused_reply(session: Session, step_id: int, exc: Exception) -> pb.InferenceReply:
@@ -81,7 +84,7 @@ class SessionStreams:
     def __init__(self, config: ServerConfig, sessions: SessionTable, load: PeerBytes, pusher: Pusher,
                  prefixes: PrefixCache | None, open_session: OpenSession, run_step: RunStep,
                  accepting: Callable[[], bool], refused_open: Callable[[int], None],
-                 server_key: session_keys.ServerKey) -> None:
+                 server_key: session_keys.ServerKey, lane_for: LaneFor | None = None) -> None:
         self.config, self.sessions, self.load, self.pusher, self.prefixes = config, sessions, load, pusher, prefixes
         self.open_session, self.run_step, self.accepting = open_session, run_step, accepting
         self.refused_open = refused_open  # (its message's bytes): a refused open of many MB gives its memory back
@@ -89,6 +92,9 @@ class SessionStreams:
         self.attached: set[str] = set()  # sessions held by a live stream
         self.inboxes: dict[str, Inbox] = {}  # per attached session: its steps, from the stream and pushes
         self._pushes: dict[str, asyncio.Task] = {}  # per session: its latest push (pushes of a session go in order)
+        self.lane_for = lane_for  # a session's step lane, if the usual path's rules allow one (server/lane.py)
+        self.lanes: dict[str, StepLane] = {}  # armed lanes by session (a lane disarmed by its connection may linger)
+        sessions.changing = self._sessions_changing
 
     async def serve(self, request_iterator, context: grpc.aio.ServicerContext):
         """One session. Its steps come from this stream and from pushes (an inbox merges them); `StepOrder` runs
@@ -126,7 +132,7 @@ class SessionStreams:
                     prefix_tokens=session.state.position))
             reader = asyncio.ensure_future(self._read(request_iterator, inbox, ended, peer, charges, session))
             while True:
-                request = await inbox.get(self.config.session_idle_timeout_s)
+                request = await self._next_in(inbox, session)
                 if request is _END or request is _BROKEN:
                     clean_end = request is _END
                     return
@@ -174,6 +180,8 @@ class SessionStreams:
                         # not this middle one (a push not written at once is a task: yielding once lets it write)
                         await asyncio.sleep(0)
                     yield _sealed(session, reply)
+                    if type(reply) is AnswerFrame and framed:  # (the next steps may take the lane)
+                        self._arm(session, order, inbox, charges, request_iterator.conn)
         except asyncio.TimeoutError:
             if session is not None:
                 self.sessions.close(session.session_id)
@@ -184,11 +192,47 @@ class SessionStreams:
         finally:
             self._end_stream(session, reader, charges, clean_end or ended.is_set())
 
+    async def _next_in(self, inbox: Inbox, session: Session):
+        """The session's next message; asyncio.TimeoutError after session_idle_timeout_s without one, unless its
+        step lane took steps meanwhile (they never pass the inbox)."""
+        timeout_s = self.config.session_idle_timeout_s
+        while True:
+            try:
+                return await inbox.get(timeout_s)
+            except asyncio.TimeoutError:
+                lane = self.lanes.get(session.session_id)
+                if lane is None or not lane.armed or time.monotonic() - session.last_used_s >= timeout_s:
+                    raise
+
+    def _arm(self, session: Session, order: StepOrder, inbox: Inbox, charges: dict, conn) -> None:
+        """A step lane on the session's connection for its next plain decode steps, when nothing is waiting anywhere
+        for the session (inbox, step order, bytes in flight, a push on its way out, the connection's bytes) and the
+        service allows one (server/lane.py)."""
+        sid = session.session_id
+        if (self.lane_for is None or session.lane_never or conn.lane is not None or conn.buf or not conn.writable()
+                or not inbox.empty() or not order.idle or charges or sid in self._pushes):
+            return
+        lane = self.lane_for(session, order)
+        if lane is not None:
+            self.lanes[sid] = conn.lane = lane
+
+    def disarm(self, session_id: str | None = None) -> None:
+        """The step lane of `session_id` (None: every lane) back to the usual path, its state written back."""
+        for sid in [session_id] if session_id is not None else list(self.lanes):
+            lane = self.lanes.pop(sid, None)
+            if lane is not None:
+                lane.disarm()
+
+    def _sessions_changing(self, session_id: str | None) -> None:
+        self.disarm(session_id)  # (an open: every lane, its session no longer alone; a close or detach: its own)
+
     def _end_stream(self, session: Session | None, reader: asyncio.Task | None, charges: dict, clean: bool) -> None:
         """A stream ended: its reader stops, its bytes in flight are released, and its session closes (a clean end)
         or waits for its owner to resume it (a broken stream: closed after the resume grace)."""
         if reader is not None:
             reader.cancel()
+        if session is not None:
+            self.disarm(session.session_id)
         for request, owner, nbytes in charges.values():
             self.load.release(owner, nbytes)
         charges.clear()
@@ -297,6 +341,7 @@ class SessionStreams:
                 session_keys.verified(keys.push, session.session_id, request) if data is None else
                 session_keys.verified_bytes(keys.push, session.session_id, request, data)):
             raise NotPermitted("a push into a keyed session must carry its push key's MAC (missing or wrong)")
+        self.disarm(session.session_id)  # (a push: the session's steps come another way now)
         step = request.step  # (a PUSH_STEP's: its STEP part, a `CompactStep`)
         if step.step_id == 0:
             raise InvalidRequest("a pushed step needs a nonzero step id")

@@ -14,8 +14,10 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 from swarmlm.errors import CapacityExceeded, UnknownSession
+from swarmlm.kernels.frame_types import FrameKey
 from swarmlm.server.prefix_cache import PrefixCache
 from swarmlm.server.stage import SpanState
 from swarmlm.wire import session_keys
@@ -44,6 +46,11 @@ class Session:
     # held by a framed stream (server/frame_server.py): a compact step pushed here (PUSH_STEP) is answered by an
     # ANSWER frame; on a gRPC stream by a REPLY (gRPC carries only protobuf messages)
     framed: bool = False
+    # its server key as the one-call answer takes it (kernels/lane.py), made at its first such answer
+    answer_key: FrameKey | None = field(default=None, repr=False)
+    # no step lane can ever serve it (unkeyed, an adapter or a deep prompt, blocks without a one-call decoder, limits
+    # that refuse its last positions: server/lane.py): not asked again at every step
+    lane_never: bool = False
     # the push key opened last: (sealed, the next server's session, key); a client seals one per route, not per step
     _opened_push_key: tuple[bytes, str, bytes] | None = field(default=None, repr=False)
 
@@ -63,6 +70,10 @@ class Session:
         return key
 
 
+def _nothing(session_id: str | None) -> None:
+    pass
+
+
 class SessionTable:
     """Sessions by id; cache bytes are reserved for a session's max length when its first step runs."""
 
@@ -74,6 +85,9 @@ class SessionTable:
         self.max_sessions_per_peer = max_sessions_per_peer or max_sessions
         self.max_peer_cache_bytes = max_peer_cache_bytes or cache_bytes  # what one host's sessions may reserve
         self.sessions: dict[str, Session] = {}
+        # told of every open (None) and every close or detach (its id) before it happens: a step lane (server/lane.py)
+        # holds a session's caches and runs only while its session is alone here
+        self.changing: Callable[[str | None], None] = _nothing
 
     @property
     def reserved_bytes(self) -> int:
@@ -101,6 +115,7 @@ class SessionTable:
         if nbytes > self.max_peer_cache_bytes:
             raise CapacityExceeded(f"session needs {nbytes} bytes of attention cache, over the per-peer limit of "
                                    f"{self.max_peer_cache_bytes} (the server has {self.cache_bytes})")
+        self.changing(None)
         session = Session(uuid.uuid4().hex, secrets.token_bytes(SECRET_BYTES), owner, state, batch, max_length, nbytes,
                           open_idle_s=open_idle_s)
         self.sessions[session.session_id] = session
@@ -134,10 +149,12 @@ class SessionTable:
         return session
 
     def close(self, session_id: str) -> None:
+        self.changing(session_id)
         self.sessions.pop(session_id, None)  # frees its cache tensors and its reservation
 
     def detach(self, session_id: str) -> None:
         """Its stream broke: it is closed after the resume grace unless a stream resumes it."""
+        self.changing(session_id)
         session = self.sessions.get(session_id)
         if session is not None:
             session.detached_s = time.monotonic()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from swarmlm.kernels.frame_types import AnswerHead, FrameKey
 from swarmlm.model.checkpoint import load_blocks, parse_dtype
 from swarmlm.model.decode_span import SpanDecoder
 from swarmlm.model.packed import packed_types
@@ -21,6 +22,7 @@ from swarmlm.server.adapters import MAX_ADAPTERS, adapter_fingerprint, load_adap
 from swarmlm.server.kv_cache import Member, SpanCache, StepCache, left_pad
 from swarmlm.server.kv_dtype import bytes_per_token, cache_dtype
 from swarmlm.server.lora import LoraDelta, lora_hooks
+from swarmlm.small_reads import no_padding_mask
 from swarmlm.types import BlockRange, CacheOp
 
 
@@ -179,8 +181,7 @@ class Stage:
         # (one session: its own tensor, not a copy: the decoder copies it, transformers' blocks do not write into it)
         hidden = first.hidden if len(requests) == 1 else torch.cat([r.hidden for r in requests], dim=0)  # [sum B, T, H]
         local = slice(first.state.blocks.start - self.blocks.start, first.state.blocks.end - self.blocks.start)
-        plain = not (first.state.lora_adapter or first.state.client_lora or first.prompted)
-        decoder = self._span_decoder(local) if plain else None
+        decoder = self._decoder_of(first.state, first.prompted, local)
         out = None
         if decoder is not None and decoder.usable(hidden):  # one kernel call (model/decode_span.py), or None
             out = decoder.step(hidden, members, masks)
@@ -205,6 +206,37 @@ class Stage:
         deltas = (*self.lora_adapters.get(first.state.lora_adapter, ()), *first.state.client_lora)
         with lora_hooks(self.modules, self.blocks.start, deltas), prompt:
             return self.adapter.forward_span(self.config, self.modules[local], hidden, cache, mask)
+
+    def plain_decoder(self, state: SpanState, rows: int) -> SpanDecoder | None:
+        """The one-call decoder that computes a plain decode step (`rows` rows, one new token each, no padding, no
+        cache op) of session `state` exactly as `step` would (the rule `step_batch` applies), for `answer_step`; None
+        when `step` must run it (its blocks, adapters or deep prompt need transformers, too many rows, or a first
+        step: its state starts then)."""
+        if not state.position or rows != state.rows:
+            return None
+        local = slice(state.blocks.start - self.blocks.start, state.blocks.end - self.blocks.start)
+        decoder = self._decoder_of(state, deep_prompt.touches(state.prompts, state.position), local)
+        return decoder if decoder is not None and decoder.fits(rows) else None
+
+    def answer_step(self, decoder: SpanDecoder, state: SpanState, body: bytes, rows: int, key: FrameKey,
+                    head: AnswerHead) -> memoryview | None:
+        """`step` of a plain decode step whose `plain_decoder` is `decoder`, from a compact STEP's `body` straight to
+        its whole ANSWER frame (SpanDecoder.answer: values checked finite, the span, the frame under `key` with header
+        `head`); the session's cache and mask commit as `step`'s do. None (nothing committed) if a value is NaN or
+        infinite."""
+        mask = torch.cat([state.mask, no_padding_mask(rows, 1)], dim=1)  # (as step_batch's)
+        frame = decoder.answer(body, rows, [(state.cache, slice(0, rows))], [mask], key, head)
+        if frame is not None:  # only after success, as in step_batch
+            state.cache.commit(1)
+            state.mask = mask
+        return frame
+
+    def _decoder_of(self, state: SpanState, prompted: bool, local: slice) -> SpanDecoder | None:
+        """The one-call decoder for a step of `state` on the local blocks `local` (`prompted`: it writes positions of
+        the session's deep prompt), or None when its adapters or prompt need transformers' forward."""
+        if state.lora_adapter or state.client_lora or prompted:
+            return None
+        return self._span_decoder(local)
 
     def _span_decoder(self, local: slice) -> SpanDecoder | None:
         key = (local.start, local.stop)

@@ -111,7 +111,7 @@ def tensor_of(array: np.ndarray, shape: tuple[int, ...], what: str = "tensor", f
     # times zero is 0, so the values' dot product with zeros is NaN exactly when one is not finite (a decode step's
     # checks run right after the server slept or computed, when every call costs ~10x: benchmarks/idle_cost.py)
     if finite and array.dtype.kind == "f" and count and math.isnan(array.dot(_zeros(array.dtype.str, count))):
-        raise InvalidRequest(f"{what}: contains NaN or infinite values")
+        raise not_finite(what)
     # copy: frombuffer views the immutable message bytes, and torch wants writable memory (shaped by numpy: a torch
     # call saved)
     return torch.from_numpy(array.reshape(shape).copy())
@@ -119,10 +119,15 @@ def tensor_of(array: np.ndarray, shape: tuple[int, ...], what: str = "tensor", f
 
 
 
+def not_finite(what: str) -> InvalidRequest:
+    """The refusal of a peer's tensor `what` holding a NaN or an infinity (every path that checks one says this)."""
+    return InvalidRequest(f"{what}: contains NaN or infinite values")
+
+
 def _finite(values: torch.Tensor, what: str, check: bool) -> torch.Tensor:
     """`values`, or InvalidRequest if `check` and any is NaN or infinite."""
     if check and not torch.isfinite(values).all():
-        raise InvalidRequest(f"{what}: contains NaN or infinite values")
+        raise not_finite(what)
     return values
 
 

@@ -170,11 +170,15 @@ class CompactStep:
 
     def values(self) -> np.ndarray:
         """The values as a flat read-only float32 array over the body, once its length matches its dims."""
+        self.check_length()
+        return np.frombuffer(self.body, dtype=np.float32, count=self.b * self.t * self.h, offset=STEP_HEAD.size)
+
+    def check_length(self) -> None:
+        """InvalidRequest unless the body's length is its dims' (header, B*T*H float32, MAC)."""
         expected = STEP_HEAD.size + self.b * self.t * self.h * 4 + MAC_BYTES
         if len(self.body) != expected:
             raise InvalidRequest(f"STEP: {len(self.body)} bytes do not match its dims [{self.b}, {self.t}, {self.h}] "
                                  f"({expected} bytes with header and MAC)")
-        return np.frombuffer(self.body, dtype=np.float32, count=self.b * self.t * self.h, offset=STEP_HEAD.size)
 
 
 def float32_values(tensor: torch.Tensor) -> np.ndarray:

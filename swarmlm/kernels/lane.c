@@ -1,0 +1,139 @@
+/* A server's plain decode step of a packed span in one call (swarmlm's own code): a compact STEP's values checked
+ * finite and copied into the decoder's work rows, `decode_span` (decode.c) through the span, and the whole ANSWER
+ * frame (header with the step's timings, the output values, the session's MAC: frame.h) written where the server
+ * sends it from as it is. What Python did around the kernel for such a step (a tensor made from the values, a
+ * finiteness check in numpy, the output viewed as an array, the frame's header, join and MAC) cost ~10-30x its warm
+ * time, as every call right after the server's wait does (docs/RESULTS-hop.md rounds 11-18); here it is C.
+ *
+ * The caller (model/decode_span.py `SpanDecoder.answer`) prepares the rows' cache pointers, lengths, mask rows and
+ * rotary table exactly as for `decode_span` alone (one truth: `SpanDecoder._prepare`), and commits the caches only
+ * when this returns a frame. */
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#include "frame.h"
+
+/* decode.c's (its dims and blocks are decode.c's structures: passed through as they come) */
+int decode_span(const void *D, const void *blocks, int64_t n_blocks, float *x, int64_t rows, void *const *kbase,
+                void *const *vbase, const int64_t *layer_stride, const int64_t *cap, const int64_t *len,
+                const int64_t *const *mask, const float *rotary, int64_t rope_rows, int64_t rope_by_row);
+
+#define LANE_NOT_FINITE (-100) /* a value is NaN or infinite: nothing computed, nothing written */
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* `body`: a STEP's body, its rows x hidden float32 values from byte `at` (unaligned as they come; their count is the
+ * caller's, checked against the body's length); `x`: the work rows the kernel
+ * runs in place, then the ANSWER's values. `head`: the ANSWER's header as the caller knows it (step id, position,
+ * batched, flags, queued_s, parse_s so far); its compute_s is set to the kernel's time, parse_s grows by the check
+ * and the copy, encode_s is the time from the kernel's end to the frame's start (the frame's own writing and MAC,
+ * like the Python frame's, are counted nowhere: they come after the header is fixed). Returns the frame's size at
+ * `out` (FRAME_HEADER + FRAME_ANSWER_HEAD + 4 * rows * hidden + FRAME_MAC), LANE_NOT_FINITE, or decode_span's
+ * negative code (nothing written to the caches unless the code is -1 or -2: a product refused, out of memory). */
+int64_t lane_decode_answer(const void *D, const void *blocks, int64_t n_blocks, int64_t hidden, const uint8_t *body,
+                           int64_t at, float *x, int64_t rows, void *const *kbase, void *const *vbase, const int64_t *layer_stride,
+                           const int64_t *cap, const int64_t *len, const int64_t *const *mask, const float *rotary,
+                           int64_t rope_rows, int64_t rope_by_row, const struct frame_key *key,
+                           struct frame_answer_head *head, uint8_t *out) {
+    const double started = now_s();
+    const int64_t count = rows * hidden;
+    const float *values = (const float *)(body + at);
+    if (!frame_finite(values, count)) return LANE_NOT_FINITE;
+    memcpy(x, values, sizeof(float) * count);
+    const double copied = now_s();
+    const int code = decode_span(D, blocks, n_blocks, x, rows, kbase, vbase, layer_stride, cap, len, mask, rotary,
+                                 rope_rows, rope_by_row);
+    if (code != 0) return code;
+    const double computed = now_s();
+    head->parse_s += copied - started;
+    head->compute_s = computed - copied;
+    head->encode_s = now_s() - computed;
+    return frame_answer(key, head, x, count, out);
+}
+
+/* ---- the step lane (server/lane.py) --------------------------------------------------------------------------
+   The plain decode steps of a lone keyed session taken as their frame arrives, with no Python between the socket and
+   the kernel: the frame and its MAC (frame.h), the step's order, dims, room and finiteness (`lane_open`), then for a
+   packed span `lane_decode_answer` above (`lane_take`), or for blocks transformers runs the caller's forward and
+   `lane_answer`. It takes a step only when that step is exactly one whole STEP frame the usual path would take and
+   answer the same way (server/lane.py arms a lane only while every other rule holds); anything else changes nothing,
+   and the bytes go the usual way. */
+
+/* what server/lane.py's StepLane fills in (its ctypes twin, _LaneState: the same fields in the same order) */
+struct lane {
+    struct frame_key client, server;  /* the session's client key (STEPs) and server key (ANSWERs), and its id */
+    const void *dims, *blocks;        /* the span's SpanDecoder: its dims and blocks */
+    int64_t n_blocks;
+    float *x;                         /* [rows, hidden]: the step's input, the kernel's output in place */
+    int64_t rows, hidden;
+    void **kbase, **vbase;            /* per row: its cache's K / V for the span's first block ... */
+    int64_t *layer_stride, *cap, *len;
+    int64_t **mask_rows;              /* ... its length this step, and its mask row */
+    int64_t *mask;                    /* [rows, positions]: the session's padding mask, 1 = token */
+    int64_t positions;                /* how far the mask, the caches and the rotary table reach: the lane's end */
+    const float *rope;                /* the rotary table, rope_rows positions */
+    int64_t rope_rows;
+    int64_t next_id;                  /* the step id it takes next */
+    int64_t position;                 /* the session's position (its tokens so far) */
+    int64_t steps;                    /* steps taken since armed */
+    double compute_s;                 /* their kernel time */
+};
+
+/* Is `data` (n bytes, as read from the socket) exactly one STEP frame of this session's next step: its MAC under the
+   client key, its id, its rows and hidden size, room for it, finite values? 1 (its header in `h`; its values at
+   data + FRAME_HEADER + FRAME_STEP_HEAD) or 0. Nothing changes either way. */
+int lane_open(const struct lane *L, const uint8_t *data, int64_t n, struct frame_step_head *h) {
+    if (n < FRAME_HEADER || data[4] != FRAME_KIND_STEP) return 0;
+    int64_t body = (int64_t)data[0] << 24 | (int64_t)data[1] << 16 | (int64_t)data[2] << 8 | (int64_t)data[3];
+    if (body != n - FRAME_HEADER) return 0;
+    if (frame_open_step(&L->client, data + FRAME_HEADER, body, h) != FRAME_OK) return 0;
+    if (h->step_id != (uint64_t)L->next_id || h->b != L->rows || h->t != 1 || h->h != L->hidden) return 0;
+    if (L->position >= L->positions || L->position >= L->rope_rows) return 0;
+    return frame_finite((const float *)(data + FRAME_HEADER + FRAME_STEP_HEAD), L->rows * L->hidden);
+}
+
+/* The ANSWER to the step `lane_open` took, its output `values` (rows x hidden float32) computed (and committed) by
+   the caller, at `out`; the lane moves on to the next step. Returns the frame's size. */
+int64_t lane_answer(struct lane *L, const float *values, double compute_s, double parse_s, uint8_t *out) {
+    struct frame_answer_head a = {(uint64_t)L->next_id, L->position + 1, 1, 0, 0.0, compute_s, parse_s, 0.0};
+    L->position += 1;
+    L->next_id += 1;
+    L->steps += 1;
+    L->compute_s += compute_s;
+    return frame_answer(&L->server, &a, values, L->rows * L->hidden, out);
+}
+
+/* `lane_open`, then the span's decode on the session's caches and its `lane_answer` (a packed span's lane): the
+   ANSWER's size at `out`; -1 if `lane_open` refused the bytes, -2 if the kernel refused the step (nothing committed
+   either way: the caller disarms and the bytes go the usual way, which refuses the step or runs it through
+   transformers). */
+int64_t lane_take(struct lane *L, const uint8_t *data, int64_t n, uint8_t *out) {
+    double t0 = now_s();
+    struct frame_step_head h;
+    if (!lane_open(L, data, n, &h)) return -1;
+    int64_t pos = L->position;
+    for (int64_t r = 0; r < L->rows; r++) {
+        L->len[r] = pos;
+        L->mask_rows[r] = L->mask + r * L->positions;
+        L->mask_rows[r][pos] = 1;
+    }
+    struct frame_answer_head a = {h.step_id, pos + 1, 1, 0, 0.0, 0.0, now_s() - t0, 0.0};
+    int64_t size = lane_decode_answer(L->dims, L->blocks, L->n_blocks, L->hidden, data + FRAME_HEADER,
+                                      FRAME_STEP_HEAD, L->x, L->rows, L->kbase, L->vbase, L->layer_stride, L->cap,
+                                      L->len, (const int64_t *const *)L->mask_rows, L->rope, L->rope_rows, 0,
+                                      &L->server, &a, out);
+    if (size < 0) {
+        for (int64_t r = 0; r < L->rows; r++) L->mask_rows[r][pos] = 0;
+        return -2;
+    }
+    L->position = pos + 1;
+    L->next_id += 1;
+    L->steps += 1;
+    L->compute_s += a.compute_s;
+    return size;
+}
