@@ -190,3 +190,11 @@ def test_mutated_frames_get_the_python_twins_verdict():
             count = rng.choice([n, n - 1, n + 1, 0])
             assert lib.frame_open_answer(k, buf, len(b), count, answer_head) == \
                 _python_verdict_answer(key, sid, b, count)
+
+
+def test_a_step_frame_refuses_dims_whose_values_overflow_its_length():
+    """4 * B * T * H past the body's u32 length (and past 64 bits: 4 * 2^16 * 2^16 * 2^32) is refused, not wrapped."""
+    k = FrameKey.of(b"k" * 32, "s")
+    out = ctypes.create_string_buffer(64)
+    for b, t, h in ((0xFFFF, 0xFFFF, 0xFFFFFFFF), (1, 1, 1 << 30), (0xFFFF, 0xFFFF, 1 << 16)):
+        assert library().frame_step(k, StepHead(1, b, t, h), None, out) == -1

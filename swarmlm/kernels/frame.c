@@ -156,15 +156,21 @@ static inline double get_double(const uint8_t *p) {
 
 /* ---- STEP and ANSWER --------------------------------------------------------------------------------------- */
 
+/* A frame's header (its body's length, its kind) at `out`; where its body goes. */
+static uint8_t *frame_header(uint8_t *out, uint8_t kind, int64_t body) {
+    put32(out, (uint64_t)body);
+    out[4] = kind;
+    return out + FRAME_HEADER;
+}
+
 int64_t frame_step(const struct frame_key *k, const struct frame_step_head *head, const float *values, uint8_t *out) {
     if (head->b <= 0 || head->b > 0xFFFF || head->t <= 0 || head->t > 0xFFFF || head->h <= 0 || head->h > 0xFFFFFFFFLL)
         return -1;
-    int64_t nbytes = 4 * head->b * head->t * head->h;
+    unsigned __int128 values_bytes = (unsigned __int128)4 * (uint64_t)head->b * (uint64_t)head->t * (uint64_t)head->h;
+    if (values_bytes > 0xFFFFFFFFULL - FRAME_STEP_HEAD - FRAME_MAC) return -1;  /* (its body's length is a u32) */
+    int64_t nbytes = (int64_t)values_bytes;
     int64_t body = FRAME_STEP_HEAD + nbytes + FRAME_MAC;
-    if (body > 0xFFFFFFFFLL) return -1;
-    put32(out, (uint64_t)body);
-    out[4] = FRAME_KIND_STEP;
-    uint8_t *p = out + FRAME_HEADER;
+    uint8_t *p = frame_header(out, FRAME_KIND_STEP, body);
     put64(p, head->step_id);
     put16(p + 8, (uint64_t)head->b);
     put16(p + 10, (uint64_t)head->t);
@@ -181,7 +187,7 @@ int frame_open_step(const struct frame_key *k, const uint8_t *body, int64_t len,
     head->b = (int64_t)get16(body + 8);
     head->t = (int64_t)get16(body + 10);
     head->h = (int64_t)get32(body + 12);
-    /* (b, t < 2^16 and h < 2^32: the product fits 64 bits) */
+    /* (b, t < 2^16 and h < 2^32: 4 b t h fits 128 bits, not 64) */
     unsigned __int128 expected = (unsigned __int128)4 * (uint64_t)head->b * (uint64_t)head->t * (uint64_t)head->h;
     if (expected != (unsigned __int128)(size - FRAME_STEP_HEAD)) return FRAME_LENGTH;
     return FRAME_OK;
@@ -191,9 +197,7 @@ int64_t frame_answer(const struct frame_key *k, const struct frame_answer_head *
                      int64_t count, uint8_t *out) {
     int64_t nbytes = 4 * count;
     int64_t body = FRAME_ANSWER_HEAD + nbytes + FRAME_MAC;
-    put32(out, (uint64_t)body);
-    out[4] = FRAME_KIND_ANSWER;
-    uint8_t *p = out + FRAME_HEADER;
+    uint8_t *p = frame_header(out, FRAME_KIND_ANSWER, body);
     put64(p, head->step_id);
     put32(p + 8, (uint64_t)head->position);
     put32(p + 12, (uint64_t)head->batched);
