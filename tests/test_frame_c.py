@@ -10,10 +10,11 @@ import random
 import numpy as np
 import pytest
 
-from swarmlm.kernels import available, library
+from swarmlm.kernels import available, frame_types, library
 from swarmlm.kernels.frame_types import AnswerHead, FrameKey, StepHead
 from swarmlm.wire import compact, frames
 from swarmlm.wire.frames import Kind
+from swarmlm.wire.session_keys import MAC_BYTES
 
 pytestmark = pytest.mark.skipif(not available(), reason="no C compiler")
 
@@ -120,6 +121,11 @@ def test_opening_an_answer_refuses_what_compact_refuses():
     # an ANSWER's MAC is not a STEP's: the personalisation separates them
     step = compact.step_frame(key, sid, 1, 1, 1, 16, values)[frames.HEADER.size:]
     assert library().frame_open_answer(k, step, len(step), 0, head) == TAMPERED
+
+
+def test_the_frame_sizes_kernels_know_are_the_wires():
+    assert (frame_types.FRAME_HEADER, frame_types.STEP_HEAD, frame_types.ANSWER_HEAD, frame_types.MAC) == \
+        (frames.HEADER.size, compact.STEP_HEAD.size, compact.ANSWER_HEAD.size, MAC_BYTES)
 
 
 def test_finiteness():

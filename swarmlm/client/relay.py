@@ -19,12 +19,11 @@ import torch
 
 from swarmlm.client.streams import SpanStream
 from swarmlm.kernels import KernelUnavailable, library
-from swarmlm.kernels.frame_types import FrameKey
+from swarmlm.kernels.frame_types import ANSWER_OVERHEAD, FRAME_HEADER, MAC, STEP_HEAD, FrameKey
 
 log = logging.getLogger(__name__)
 
 _i64, _f64 = ctypes.c_int64, ctypes.c_double
-FRAME_HEADER, STEP_HEAD, ANSWER_HEAD, MAC = 5, 16, 49, 16  # kernels/frame.h (wire/frames.py, wire/compact.py)
 INTS, TIMES = 4, 8  # per hop: chain.c's CHAIN_INTS, CHAIN_TIMES
 WRITE_TIMEOUT, WRITE_ERROR, READ = 1, 2, 3  # chain.c's stop states (0: every hop answered)
 
@@ -103,7 +102,7 @@ class RelayChain:
         if count != self._count:
             self._count = count
             self._step = ctypes.create_string_buffer(FRAME_HEADER + STEP_HEAD + 4 * count + MAC)
-            self._reply = ctypes.create_string_buffer(FRAME_HEADER + ANSWER_HEAD + 4 * count + MAC)
+            self._reply = ctypes.create_string_buffer(ANSWER_OVERHEAD + 4 * count)
             self._addresses = tuple(map(ctypes.addressof, (self._step, self._reply, self.ints, self.times,
                                                            self.stop)))
         n = len(self.streams)

@@ -5,6 +5,10 @@ from __future__ import annotations
 import ctypes
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+# frame.h's sizes (FRAME_HEADER, FRAME_STEP_HEAD, FRAME_ANSWER_HEAD, FRAME_MAC): wire/frames.py's and wire/compact.py's
+# struct sizes, which tests/test_frame_c.py holds them to (kernels sit below wire: they cannot import them)
+FRAME_HEADER, STEP_HEAD, ANSWER_HEAD, MAC = 5, 16, 49, 16
+ANSWER_OVERHEAD = FRAME_HEADER + ANSWER_HEAD + MAC  # an ANSWER frame's bytes besides its values
 
 
 class FrameKey(ctypes.Structure):

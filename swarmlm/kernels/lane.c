@@ -81,41 +81,49 @@ struct lane {
     int64_t next_id;                  /* the step id it takes next */
     int64_t position;                 /* the session's position (its tokens so far) */
     int64_t steps;                    /* steps taken since armed */
-    double compute_s;                 /* their kernel time */
 };
 
 /* Is `data` (n bytes, as read from the socket) exactly one STEP frame of this session's next step: its MAC under the
-   client key, its id, its rows and hidden size, room for it, finite values? 1 (its header in `h`; its values at
+   client key, its id, its rows and hidden size, room for it? 1 (its header in `h`; its values at
    data + FRAME_HEADER + FRAME_STEP_HEAD) or 0. Nothing changes either way. */
-int lane_open(const struct lane *L, const uint8_t *data, int64_t n, struct frame_step_head *h) {
+static int lane_frame(const struct lane *L, const uint8_t *data, int64_t n, struct frame_step_head *h) {
     if (n < FRAME_HEADER || data[4] != FRAME_KIND_STEP) return 0;
     int64_t body = (int64_t)data[0] << 24 | (int64_t)data[1] << 16 | (int64_t)data[2] << 8 | (int64_t)data[3];
     if (body != n - FRAME_HEADER) return 0;
     if (frame_open_step(&L->client, data + FRAME_HEADER, body, h) != FRAME_OK) return 0;
     if (h->step_id != (uint64_t)L->next_id || h->b != L->rows || h->t != 1 || h->h != L->hidden) return 0;
-    if (L->position >= L->positions || L->position >= L->rope_rows) return 0;
-    return frame_finite((const float *)(data + FRAME_HEADER + FRAME_STEP_HEAD), L->rows * L->hidden);
+    return L->position < L->positions && L->position < L->rope_rows;
+}
+
+/* `lane_frame`, and its values finite: the step a caller may compute (then `lane_answer`). */
+int lane_open(const struct lane *L, const uint8_t *data, int64_t n, struct frame_step_head *h) {
+    return lane_frame(L, data, n, h) &&
+           frame_finite((const float *)(data + FRAME_HEADER + FRAME_STEP_HEAD), L->rows * L->hidden);
+}
+
+/* The lane past a step it answered. */
+static void lane_advance(struct lane *L) {
+    L->position += 1;
+    L->next_id += 1;
+    L->steps += 1;
 }
 
 /* The ANSWER to the step `lane_open` took, its output `values` (rows x hidden float32) computed (and committed) by
    the caller, at `out`; the lane moves on to the next step. Returns the frame's size. */
 int64_t lane_answer(struct lane *L, const float *values, double compute_s, double parse_s, uint8_t *out) {
     struct frame_answer_head a = {(uint64_t)L->next_id, L->position + 1, 1, 0, 0.0, compute_s, parse_s, 0.0};
-    L->position += 1;
-    L->next_id += 1;
-    L->steps += 1;
-    L->compute_s += compute_s;
+    lane_advance(L);
     return frame_answer(&L->server, &a, values, L->rows * L->hidden, out);
 }
 
-/* `lane_open`, then the span's decode on the session's caches and its `lane_answer` (a packed span's lane): the
-   ANSWER's size at `out`; -1 if `lane_open` refused the bytes, -2 if the kernel refused the step (nothing committed
-   either way: the caller disarms and the bytes go the usual way, which refuses the step or runs it through
-   transformers). */
+/* `lane_frame`, then the span's decode on the session's caches and its ANSWER (`lane_decode_answer`, which checks the
+   values finite first): the ANSWER's size at `out`; -1 if the bytes are not the lane's (or a value is not finite:
+   nothing computed), -2 if the kernel refused the step (nothing committed either way: the caller disarms and the
+   bytes go the usual way, which refuses the step or runs it through transformers). */
 int64_t lane_take(struct lane *L, const uint8_t *data, int64_t n, uint8_t *out) {
     double t0 = now_s();
     struct frame_step_head h;
-    if (!lane_open(L, data, n, &h)) return -1;
+    if (!lane_frame(L, data, n, &h)) return -1;
     int64_t pos = L->position;
     for (int64_t r = 0; r < L->rows; r++) {
         L->len[r] = pos;
@@ -129,11 +137,8 @@ int64_t lane_take(struct lane *L, const uint8_t *data, int64_t n, uint8_t *out) 
                                       &L->server, &a, out);
     if (size < 0) {
         for (int64_t r = 0; r < L->rows; r++) L->mask_rows[r][pos] = 0;
-        return -2;
+        return size == LANE_NOT_FINITE ? -1 : -2;
     }
-    L->position = pos + 1;
-    L->next_id += 1;
-    L->steps += 1;
-    L->compute_s += a.compute_s;
+    lane_advance(L);
     return size;
 }

@@ -8,7 +8,6 @@ import ctypes
 from swarmlm.kernels.frame_types import AnswerHead, FrameKey
 
 NOT_FINITE = -100  # lane.c LANE_NOT_FINITE: a value is NaN or infinite (nothing computed)
-ANSWER_OVERHEAD = 5 + 49 + 16  # an ANSWER frame's bytes besides its values (frame.h FRAME_HEADER, _ANSWER_HEAD, _MAC)
 
 
 def declare(lib: ctypes.CDLL) -> None:

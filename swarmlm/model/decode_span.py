@@ -27,7 +27,8 @@ from torch import nn
 
 from swarmlm.kernels import library
 from swarmlm.kernels.frame_types import AnswerHead, FrameKey
-from swarmlm.kernels.lane import ANSWER_OVERHEAD, NOT_FINITE
+from swarmlm.kernels.frame_types import ANSWER_OVERHEAD, STEP_HEAD
+from swarmlm.kernels.lane import NOT_FINITE
 from swarmlm.model.families.base import SLIDING
 from swarmlm.model.packed import DIRECT_ROWS, THREADED_MIN_WEIGHTS, PackedLinear, PackedError, threaded_library
 
@@ -36,7 +37,6 @@ PRODUCTS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_p
             ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 
 
-STEP_HEAD_BYTES = 16  # a STEP body's header before its values (wire/compact.py STEP_HEAD, frame.h FRAME_STEP_HEAD)
 
 
 class _Linear(ctypes.Structure):
@@ -159,7 +159,7 @@ class SpanDecoder:
         x = self._work[:rows]  # [rows, 1, H]: the kernel's rows, then the answer's values
         prepared, keep = self._prepare(x, members, masks, 1)
         size = threaded_library().lane_decode_answer(
-            self._dims, self.blocks, len(self.blocks), self.dims.hidden, body, STEP_HEAD_BYTES, x.data_ptr(),
+            self._dims, self.blocks, len(self.blocks), self.dims.hidden, body, STEP_HEAD, x.data_ptr(),
             *prepared, key, head, self._frame_at)
         if size == NOT_FINITE:
             return None

@@ -1,5 +1,6 @@
-"""A step lane: the plain decode steps of a lone keyed session on a packed span, taken in one C call as their frame
-arrives (kernels/lane.c), with no Python between the socket and the kernel (docs/ARCHITECTURE.md, "The step lane").
+"""A step lane: the plain decode steps of a lone keyed session taken as their frame arrives (kernels/lane.c): on a
+packed span in one C call, with no Python between the socket and the kernel; on blocks transformers runs, the
+stage's forward between two C calls (docs/ARCHITECTURE.md, "The step lane").
 
 Why: a SmolLM2 decode step costs a server ~1 ms in the kernel and ~0.3 ms of CPU in Python around it (cold caches
 after the kernel; docs/RESULTS-hop.md round 19): the frame's cut, MAC, inbox, stream loop, checks, scheduler, stage,
@@ -27,13 +28,11 @@ import numpy as np
 import torch
 
 from swarmlm.kernels import library
-from swarmlm.kernels.frame_types import FrameKey, StepHead
-from swarmlm.wire import compact, frames
-from swarmlm.wire.compact import ANSWER_HEAD
-from swarmlm.wire.session_keys import MAC_BYTES
+from swarmlm.kernels.frame_types import ANSWER_OVERHEAD, FRAME_HEADER, STEP_HEAD, FrameKey, StepHead
+from swarmlm.wire import compact
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-_VALUES_AT = frames.HEADER.size + compact.STEP_HEAD.size  # a STEP frame's values
+_VALUES_AT = FRAME_HEADER + STEP_HEAD  # a STEP frame's values
 
 
 class _LaneState(ctypes.Structure):
@@ -43,7 +42,7 @@ class _LaneState(ctypes.Structure):
                 ("x", _ptr), ("rows", _i64), ("hidden", _i64), ("kbase", _ptr), ("vbase", _ptr),
                 ("layer_stride", _ptr), ("cap", _ptr), ("len", _ptr), ("mask_rows", _ptr), ("mask", _ptr),
                 ("positions", _i64), ("rope", _ptr), ("rope_rows", _i64), ("next_id", _i64), ("position", _i64),
-                ("steps", _i64), ("compute_s", ctypes.c_double)]
+                ("steps", _i64)]
 
 
 def _address(array) -> int:
@@ -87,17 +86,13 @@ class StepLane:
                       positions, None, positions)
         self._state_c = _LaneState(
             FrameKey.of(session.keys.client, session.session_id), FrameKey.of(session.keys.server, session.session_id),
-            *kernel, order.last_id + 1, position, 0, 0.0)
-        self._out = ctypes.create_string_buffer(frames.HEADER.size + ANSWER_HEAD.size + 4 * rows * hidden + MAC_BYTES)
+            *kernel, order.last_id + 1, position, 0)
+        self._out = ctypes.create_string_buffer(ANSWER_OVERHEAD + 4 * rows * hidden)
         self._ref = ctypes.byref(self._state_c)
         self._step_head = ctypes.byref(StepHead())
         lib = library()
         self._take, self._open, self._answer = lib.lane_take, lib.lane_open, lib.lane_answer
         self.armed = True
-
-    @property
-    def steps(self) -> int:
-        return self._state_c.steps
 
     def take(self, data: bytes) -> bytes | None:
         """The ANSWER to `data` if it is this session's next plain decode step (taken: computed, committed), else

@@ -285,9 +285,7 @@ class Scheduler:
     def _lone_decode(self, priority: StepKind, member: Hashable) -> bool:
         """(Holding the lock.) Does a job of `priority` for `member` run on the caller's thread? See the module's
         docstring."""
-        return (priority == DECODE and not self._queue and not self._running
-                and len(self._recent_decode_s) > 0 and max(self._recent_decode_s) <= self.config.inline_decode_max_s
-                and set().union(*self._recent) <= {member})
+        return priority == DECODE and self.idle and self.decodes_inline and set().union(*self._recent) <= {member}
 
     def _run(self) -> None:
         torch.set_num_threads(self.threads)  # this thread does all compute: set its threads explicitly
