@@ -244,6 +244,7 @@ class StepPipeline:
         self.hang_timeout = hang_timeout
         self._progress: _Progress | None = None  # (made by the event loop's attempt only: run_blocking needs none)
         self.timings: list[HopTiming] = []
+        self.chained = False  # run_blocking's hops all went through the C chain (a relay lane may take the next)
 
     @property
     def progress(self) -> _Progress:
@@ -286,19 +287,20 @@ class StepPipeline:
         """One chunk, nothing of it written yet, every hop on a framed stream: `run_blocking` can."""
         return len(self.chunks) == 1 and all(h.written == 0 and h.stream.blocking_ok for h in self.hops)
 
-    def run_blocking(self) -> AttemptOutcome:
+    def run_blocking(self, relayed: tuple | None = None) -> AttemptOutcome:
         """The attempt from the caller's thread (`blocking_ok` only), no event loop involved: each hop's step written
         and its reply awaited on the socket itself (SpanStream.send_blocking, receive_blocking), each reply bounded
         by its hang timeout as in `_receive`. Pushed, the first hop's step is written with the rest of the route
         and the caller sleeps until the last hop's reply (the middle ones are read after it: one wake-up a step).
-        Raises what is not a server's failure, as `run`."""
+        Raises what is not a server's failure, as `run`. `relayed`: what `self.relay` did of this step already
+        (RelayLane.step stopped short: RelayChain.run's result), taken and gone on from here."""
         x, mask = self.chunks[0]
         wire_mask = mask if self.padded else None  # (`_wire_mask`: chunk 0's)
         hops, n = self.hops, len(self.hops)
         bounds = [self.hang_timeout(h.span, x.shape[0], x.shape[1], h.open_span.cached) for h in hops]
         i = 0
-        if self.relay is not None and self._relayable(x):
-            i, failed = self._run_relayed(x, mask, bounds)
+        if relayed is not None or self.relay is not None and self._relayable(x):
+            i, failed = self._run_relayed(x, mask, bounds, relayed)
             if failed is not None:
                 return failed
         while i < n:
@@ -347,32 +349,29 @@ class StepPipeline:
                 return False
         return True  # (the chain is these streams': the session gives one only if it `fits`)
 
-    def _run_relayed(self, x: torch.Tensor, mask: torch.Tensor,
-                     bounds: list[float]) -> tuple[int, AttemptOutcome | None]:
-        """The hops in the C chain, recorded as `run_blocking` records them (history, outputs, timings). Where it
-        stopped short, that hop's reply is read here as `run_blocking` reads it (its failure the attempt's outcome,
-        or raised). Returns the first hop still to run (n: none), or the attempt's outcome if one failed."""
-        done, outs, stopped = self.relay.run(x, bounds)
+    def _run_relayed(self, x: torch.Tensor, mask: torch.Tensor, bounds: list[float],
+                     relayed: tuple | None = None) -> tuple[int, AttemptOutcome | None]:
+        """The hops in the C chain (`relayed`: its result, if it ran already), recorded as `run_blocking` records them
+        (history, outputs, timings). Where it stopped short, that hop's reply is read here as `run_blocking` reads it
+        (its failure the attempt's outcome, or raised). Returns the first hop still to run (n: none), or the
+        attempt's outcome if one failed."""
+        done, outs, stopped = relayed if relayed is not None else self.relay.run(x, bounds)
         # (each read whole once, as lists: a slice of a list is no call, a slice of a ctypes array is one)
         ints, times = self.relay.ints[:relay.INTS * done], self.relay.times[:relay.TIMES * done]
-        nbytes, n_tokens = 4 * x.numel(), x.shape[1]
-        source = x
+        self.timings += relay.take_answered([h.open_span for h in self.hops], x, mask, outs, ints, times)
         for j in range(done):
             hop = self.hops[j]
-            self.timings.append(hop.stream.relayed(ints[relay.INTS * j:relay.INTS * (j + 1)],
-                                                   times[relay.TIMES * j:relay.TIMES * (j + 1)], nbytes, n_tokens))
             hop.written = 1
-            hop.open_span.answered(source, mask)
             hop.outputs.append(outs[j])
-            source = outs[j]
         if stopped is None:
+            self.chained = True
             return done, None
         hop = self.hops[done]
         try:
             out, timing = self._resume(hop, stopped, x, bounds[done], keep_undecoded=done + 1 < len(self.hops))
         except (ServerFailed, PushRefused) as exc:
             return done, self._outcome({done: exc})
-        hop.open_span.answered(source, mask)
+        hop.open_span.answered(outs[done - 1] if done else x, mask)
         hop.outputs.append(out)
         self.timings.append(timing)
         return done + 1, None

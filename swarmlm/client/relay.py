@@ -7,19 +7,30 @@ round 18): the Python the hops cost is what kept a 3-server route's decode below
 the session while the route's streams stay; `run` is one step. Only a plain decode step on framed keyed streams goes
 here (`StepPipeline.run_blocking` decides, `relayable`); whatever the chain does not take as the expected ANSWER
 stops it at that hop, and the Python reader takes over from there, the bytes read so far handed back to it
-(`Stopped`). The caller does each hop's bookkeeping from what `run` returns (SpanStream.relayed)."""
+(`Stopped`). The caller does each hop's bookkeeping from what `run` returns (`take_answered`).
+
+`RelayLane` is a session's relayed decode steps while nothing the usual path decides about them changes: armed by
+the session after a decode step the chain answered whole, a step is then the chain's one call and each hop's
+bookkeeping, none of the usual step's per-hop checks and objects (after a wait every Python call is cold: docs/
+RESULTS-hop.md round 20)."""
 from __future__ import annotations
 
 import ctypes
 import functools
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from swarmlm.client.streams import SpanStream
+from swarmlm.client.streams import HopTiming, SpanStream
 from swarmlm.kernels import KernelUnavailable, library
 from swarmlm.kernels.frame_types import ANSWER_OVERHEAD, FRAME_HEADER, MAC, STEP_HEAD, FrameKey
+from swarmlm.small_reads import no_padding_mask
+
+if TYPE_CHECKING:
+    from swarmlm.client.pipeline import OpenSpan
+    from swarmlm.client.session import InferenceSession
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +104,12 @@ class RelayChain:
                 return False
         return True
 
-    def run(self, x: torch.Tensor, bounds: list[float]) -> tuple[int, tuple[torch.Tensor, ...], Stopped | None]:
-        """One step: x [B, T, H] float32, contiguous; bounds: each hop's hang timeout. Returns the hops answered, every
-        hop's output [B, T, H] (valid for those answered), and where it stopped (None: every hop answered). Each hop's
-        step id is its stream's next (the caller's bookkeeping takes it)."""
+    def run(self, x: torch.Tensor,
+            bounds: list[float] | None = None) -> tuple[int, tuple[torch.Tensor, ...], Stopped | None]:
+        """One step: x [B, T, H] float32, contiguous; bounds: each hop's hang timeout (None: the last step's, its
+        step ids advanced by the chain: a relay lane's step, right after a whole one). Returns the hops answered,
+        every hop's output [B, T, H] (valid for those answered), and where it stopped (None: every hop answered).
+        Each hop's step id is its stream's next (the caller's bookkeeping takes it)."""
         b, t, h = x.shape
         count = b * t * h
         if count != self._count:
@@ -106,19 +119,92 @@ class RelayChain:
             self._addresses = tuple(map(ctypes.addressof, (self._step, self._reply, self.ints, self.times,
                                                            self.stop)))
         n = len(self.streams)
-        for hop, stream, bound in zip(self.hops, self.streams, bounds):
-            hop.step_id = stream._step_id + 1
-            hop.bound_s = bound
-        outs = torch.empty((n, b, t, h))
+        if bounds is not None:
+            for hop, stream, bound in zip(self.hops, self.streams, bounds):
+                hop.step_id = stream._step_id + 1
+                hop.bound_s = bound
+        # every hop's output in one block ([n, B, T, H]; one hop's: [B, T, H] itself, no view to make after the wait,
+        # when each torch call costs ~10x: docs/RESULTS-hop.md round 20)
+        outs = torch.empty((n, b, t, h) if n > 1 else (b, t, h))
         # (the buffers' addresses as ints: ctypes converts an int at once, an array through its from_param)
         step, reply, ints, times, stop = self._addresses
         done = self.lib.chain_relay(self._hops_at, n, b, t, h, x.data_ptr(), outs.data_ptr(), step, reply, ints,
                                     times, stop)
         self.answered += done
+        hop_outs = outs.unbind(0) if n > 1 else (outs,)
         if done == n:
-            return done, outs.unbind(0), None
+            return done, hop_outs, None
         _, state, errno, got = self.stop[:]
         times = self.times[TIMES * done:TIMES * done + 8]
         # (READ: the reply's deadline began when the STEP was written, its time read went until the chain stopped)
-        left = bounds[done] - (times[6] - times[5])
-        return done, outs.unbind(0), Stopped(done, state, errno, self._reply.raw[:got], times[4], times[5], left)
+        left = self.hops[done].bound_s - (times[6] - times[5])
+        return done, hop_outs, Stopped(done, state, errno, self._reply.raw[:got], times[4], times[5], left)
+
+
+def take_answered(open_spans: list[OpenSpan], x: torch.Tensor, mask: torch.Tensor, outs: tuple[torch.Tensor, ...],
+                  ints: list[int], times: list[float]) -> list[HopTiming]:
+    """The bookkeeping of the hops a chain answered (as many as `ints` holds records of: ints and times read whole
+    from the chain): each stream's step id, position and timing (SpanStream.relayed), each span's history (its
+    input, then the next hop's, is the previous hop's output). Returns their timings in order."""
+    nbytes, n_tokens = 4 * x.numel(), x.shape[1]
+    timings = []
+    source = x
+    for j in range(len(ints) // INTS):
+        open_span = open_spans[j]
+        timings.append(open_span.stream.relayed(ints[INTS * j:INTS * (j + 1)], times[TIMES * j:TIMES * (j + 1)], nbytes,
+                                                n_tokens))
+        open_span.answered(source, mask)
+        source = outs[j]
+    return timings
+
+
+class RelayLane:
+    """A session's relayed decode steps while the usual path would decide each of them as it decided the one that
+    armed it: the same spans and streams (no failover, nothing in flight or read ahead on any), the same view of the
+    servers (the hang bounds come from their records) and of the links (push, RemoteSequence.push: decided anew only
+    when the router syncs), a fixed wire format, the same [B, 1, H] float32 input. `takes` checks exactly that; then
+    `step` is the chain's call and `take_answered`. Where the chain stops short, the caller goes on the usual way
+    from there (its result in hand): a failure is handled as ever, and the lane is gone until a whole step arms it."""
+
+    def __init__(self, session: InferenceSession, chain: RelayChain, shape: torch.Size) -> None:
+        self.session = session
+        self.chain = chain
+        self.spans = session.spans  # (the list itself: a failover or reopen makes a new one)
+        self.view, self.router = session.remote.view, session.remote.router
+        self.records, self.syncs = self.view.records, self.router.syncs  # (the view replaces its dict on a read)
+        self.shape = shape
+        self.mask = no_padding_mask(shape[0], shape[1])  # (the one a decode step's history keeps)
+        self.calls = list(zip(chain.streams, chain.calls))
+
+    @classmethod
+    def arm(cls, session: InferenceSession, chain: RelayChain, x: torch.Tensor) -> RelayLane | None:
+        """After `x`'s decode step went whole through `chain` (its hang bounds set there, its step ids advanced): a
+        lane for the next ones, or None where a link's wire format is chosen per message (auto-lossy: by its
+        measured bandwidth)."""
+        if session.remote.channels.wire_dtype == "auto-lossy":
+            return None
+        return cls(session, chain, x.shape)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Would the usual path relay this step ([B, 1, H], no mask or cache op: the caller's) in this chain, with
+        these bounds?"""
+        if x.shape != self.shape or x.dtype is not torch.float32 or not x.is_contiguous():
+            return False
+        session = self.session
+        if session.spans is not self.spans or self.view.records is not self.records or self.router.syncs != self.syncs:
+            return False
+        for stream, call in self.calls:  # (a loop, not all(): no generator frame per step)
+            if stream.call is not call or stream._pending or call._buf or not call.blocking_ok:
+                return False
+        return True
+
+    def step(self, x: torch.Tensor) -> tuple[list[HopTiming], tuple[torch.Tensor, ...], tuple | None]:
+        """One step through the chain: the answered hops' timings (their bookkeeping done), every hop's output, and
+        None, or where it stopped (the chain's result: the caller goes on the usual way from it, nothing of it
+        taken here)."""
+        result = self.chain.run(x)  # (the bounds and step ids the arming step left in it)
+        done, outs, stopped = result
+        if stopped is not None:
+            return [], outs, result
+        ints, times = self.chain.ints[:], self.chain.times[:]  # (whole, once: every hop answered)
+        return take_answered(self.spans, x, self.mask, outs, ints, times), outs, None

@@ -127,6 +127,7 @@ class LiveRouter:
         self._synced: dict[str, tuple] = {}  # server id -> what the router was last told about it
         self._admitted = 0
         self._push_pays: dict[tuple[str, ...], bool] = {}  # chain of server ids -> push_pays, until the next _sync
+        self.syncs = 0  # _sync calls so far: what a session decided from the links holds while this stays
         # sessions open on the client's I/O thread, routes are chosen on the callers' threads: one at a time
         self._lock = threading.Lock()
 
@@ -134,6 +135,7 @@ class LiveRouter:
         """Tell the router what changed: servers gone or new, profiles, RTTs, slots and load."""
         records = self.view.records
         self._push_pays.clear()  # (the links may change below)
+        self.syncs += 1
         for sid in [s for s in self._synced if s not in records]:
             self.router.remove_server(sid)
             del self._synced[sid]

@@ -24,7 +24,7 @@ from swarmlm.client import prefix as prefix_keys
 from swarmlm.client.pipeline import AttemptOutcome, Chunk, Hop, OpenSpan, StepPipeline, hang_timeout_s, watchdog_s
 from swarmlm.client.remote import RemoteSequence, report_failure
 from swarmlm.client.frame_call import FrameCall
-from swarmlm.client.relay import RelayChain, chain_library
+from swarmlm.client.relay import RelayChain, RelayLane, chain_library
 from swarmlm.client.router import profile_of
 from swarmlm.client.streams import HopTiming, SpanStream
 from swarmlm.errors import InvalidRequest, ServerFailed, ServerHung, ServerTampered
@@ -38,7 +38,7 @@ from swarmlm.wire import swarm_pb2 as pb
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class StepRecord:
     """One step through the whole chain: what each hop cost, and failovers."""
 
@@ -97,6 +97,7 @@ class InferenceSession:
         # out again only when the span or the record (its announced profile) changes
         self._decode_bounds: dict[tuple[str, int, bool], tuple[Span, ServerRecord | None, float]] = {}
         self._relay: RelayChain | None = None  # the route's C chain (client/relay.py), while its streams stay
+        self._lane: RelayLane | None = None  # decode steps straight into that chain, while nothing else changes
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def open(self, prompt_ids: Sequence[int] | None = None) -> "InferenceSession":
@@ -213,6 +214,9 @@ class InferenceSession:
         """hidden: [B, T, H] after the embeddings; mask: [B, T] of these tokens; op: a cache edit the servers apply
         before them (types.CacheOp; B then follows its rows); token_ids [B, T]: the tokens (for the prefix cache;
         without them the session keeps no prefix). Returns the last block's output."""
+        lane, self._lane = self._lane, None  # (taken back by a step it relays whole)
+        if lane is not None and mask is None and op is None and self.position < self.max_length and lane.takes(hidden):
+            return self._lane_step(lane, hidden, token_ids)
         if self._align is not None:  # the open's cached prefixes, cut to the one every span holds
             op, self._align = (self._align if op is None else self._align.then(op)), None
         past, rows = (self.position, self.rows or None) if op is None else op.check(self.position, self.rows,
@@ -234,6 +238,21 @@ class InferenceSession:
         else:
             out = self.remote.loop.run(self._attempts(record, chunks, hops, t0, padded=padded))
         self._track(token_ids, padded, op)
+        return out
+
+    def _lane_step(self, lane: RelayLane, hidden: torch.Tensor, token_ids: torch.Tensor | None) -> torch.Tensor:
+        """A decode step the relay lane takes (RelayLane.takes): the chain's call; where it stopped short, the usual
+        blocking step goes on from there."""
+        t0 = time.perf_counter()
+        timings, outs, unfinished = lane.step(hidden)
+        if unfinished is None:
+            self._lane = lane
+            self.steps.append(StepRecord(n_tokens=1, wall_s=time.perf_counter() - t0, hops=timings, blocking=True))
+            out = outs[-1]
+        else:
+            record, chunks, hops = self._begin(hidden, lane.mask, None)
+            out = self._step_blocking(record, chunks, hops, t0, False, relayed=unfinished)
+        self._track(token_ids, False, None)
         return out
 
     def _track(self, token_ids: torch.Tensor | None, padded: bool, op: CacheOp | None) -> None:
@@ -284,16 +303,19 @@ class InferenceSession:
         return chunks[0][0].shape[1] == 1 or not self._pushes(hops)
 
     def _step_blocking(self, record: StepRecord, chunks: list[Chunk], hops: list[Hop], t0: float,
-                       padded: bool) -> torch.Tensor:
-        """The step from the caller's thread (StepPipeline.run_blocking); a failover, if it needs one, goes on in
-        the event loop."""
+                       padded: bool, relayed: tuple | None = None) -> torch.Tensor:
+        """The step from the caller's thread (StepPipeline.run_blocking; `relayed`: what the relay lane's chain did
+        of it already); a failover, if it needs one, goes on in the event loop. A step whose hops all went through
+        the C chain arms the relay lane for the next."""
         record.blocking = True
         record.pushed = self._pushes(hops)
         relay = self._relay_chain(hops) if chunks[0][0].shape[1] == 1 and not record.pushed else None
-        outcome = StepPipeline(hops, chunks, self.remote.config, self.hang_timeout_s, record.pushed,
-                               padded, relay).run_blocking()
+        pipeline = StepPipeline(hops, chunks, self.remote.config, self.hang_timeout_s, record.pushed, padded, relay)
+        outcome = pipeline.run_blocking(relayed)
         if outcome.complete:
             record.hops.extend(outcome.timings)
+            if pipeline.chained:
+                self._lane = RelayLane.arm(self, relay, chunks[0][0])
             return self._finish(record, hops, chunks, t0)
         return self.remote.loop.run(self._attempts(record, chunks, hops, t0, outcome, padded))
 

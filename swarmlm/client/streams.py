@@ -29,7 +29,7 @@ MAX_REPORTED_BATCH = 1 << 16  # a server's batch size is only reported; a larger
 _NO_MASK = pb.Tensor()  # a step without padding: an empty mask (copied into each request, never changed)
 
 
-@dataclass
+@dataclass(slots=True)
 class HopTiming:
     """One step through one span, seen from both ends."""
 

@@ -24,7 +24,7 @@ struct chain_hop {              /* one hop's stream (set once per stream), its s
     struct frame_key client;    /* the session's client key (STEP MAC) and id */
     struct frame_key server;    /* the session's server key (ANSWER MAC) and id */
     int64_t max_body;           /* the stream's max message bytes: a larger frame is the Python reader's to refuse */
-    uint64_t step_id;           /* this step's id on the stream */
+    uint64_t step_id;           /* this step's id on the stream (advanced once its hop is answered: the next's) */
     double bound_s;             /* its hang timeout: no reply within it (or a write that takes nothing) stops */
 };
 
@@ -116,13 +116,13 @@ static int read_answer(const struct chain_hop *hop, uint8_t *reply, int64_t fram
 /* The step's n hops, relayed: x holds b*t*h float32 (hop 0's input), outs n*b*t*h (hop j's output at j*b*t*h);
    `step` and `reply` hold a STEP and an ANSWER frame of b*t*h values. Returns the hops answered; stop[] says where
    and why it stopped, ints[] and times[] what each hop's answer and the client's clock said. */
-int64_t chain_relay(const struct chain_hop *hops, int64_t n, int64_t b, int64_t t, int64_t h, const float *x,
+int64_t chain_relay(struct chain_hop *hops, int64_t n, int64_t b, int64_t t, int64_t h, const float *x,
                     float *outs, uint8_t *step, uint8_t *reply, int64_t *ints, double *times, int64_t *stop) {
     int64_t count = b * t * h;
     int64_t frame = FRAME_HEADER + FRAME_ANSWER_HEAD + 4 * count + FRAME_MAC;
     memset(stop, 0, CHAIN_STOP_SLOTS * sizeof *stop);
     for (int64_t j = 0; j < n; j++) {
-        const struct chain_hop *hop = &hops[j];
+        struct chain_hop *hop = &hops[j];
         double *tm = &times[CHAIN_TIMES * j];
         int err = 0;
         stop[CHAIN_STOP_HOP] = j;
@@ -160,6 +160,7 @@ int64_t chain_relay(const struct chain_hop *hops, int64_t n, int64_t b, int64_t 
         tm[2] = answer.parse_s;
         tm[3] = answer.encode_s;
         tm[7] = now_s();
+        hop->step_id++; /* (the stream's next: a relay lane's next step sets none) */
     }
     stop[CHAIN_STOP_HOP] = n;
     return n;

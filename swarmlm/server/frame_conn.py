@@ -61,6 +61,7 @@ class FrameConnection(asyncio.Protocol):
                     answer = None
                 if answer is not None:
                     self.transport.write(answer)
+                    lane.taken()
                     return
             self.drop_lane()
         if self._discard_bytes is not None:

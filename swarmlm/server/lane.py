@@ -95,8 +95,9 @@ class StepLane:
         self.armed = True
 
     def take(self, data: bytes) -> bytes | None:
-        """The ANSWER to `data` if it is this session's next plain decode step (taken: computed, committed), else
-        None (nothing changed). Declines while the scheduler computes anything (its kernels' threads are one pool)."""
+        """The ANSWER to `data` if it is this session's next plain decode step (taken: computed, committed; the
+        caller writes it, then calls `taken`), else None (nothing changed). Declines while the scheduler computes
+        anything (its kernels' threads are one pool)."""
         if not self.scheduler.idle:
             return None
         if self._decoder is not None:
@@ -104,10 +105,13 @@ class StepLane:
                 return None
         elif not self._forward(data):
             return None
+        return self._out.raw
+
+    def taken(self) -> None:
+        """A taken step's bookkeeping, once its ANSWER is on its way (none of it is the client's wait)."""
         self.session.last_used_s = time.monotonic()  # (the expiry loop reads it)
         self._service.tokens_computed += self._rows  # (Info's counter)
         self.scheduler.lane_steps += 1
-        return self._out.raw
 
     def _forward(self, data: bytes) -> bool:
         """A step of blocks transformers runs: C checks the frame, the stage computes (and commits), C answers."""
@@ -120,7 +124,10 @@ class StepLane:
         compute_s = time.perf_counter() - t0
         if compute_s > self._max_forward_s:  # (the next steps go to the compute thread: the usual path's rule)
             self._max_forward_s = 0.0
-        self._answer(self._ref, compact.float32_values(out).ctypes.data, compute_s, 0.0, self._out)
+        # (the output's own memory when it is float32 in C order already: no array object made, right after a forward)
+        ready = out.dtype is torch.float32 and not out.requires_grad and out.is_contiguous()
+        self._answer(self._ref, out.data_ptr() if ready else compact.float32_values(out).ctypes.data, compute_s, 0.0,
+                     self._out)
         return True
 
     def disarm(self) -> None:
