@@ -16,7 +16,7 @@ import torch
 from swarmlm.client.chunking import BandwidthEstimate
 from swarmlm.client.frame_call import FrameCall
 from swarmlm.client.pipeline import Hop, OpenSpan, StepPipeline
-from swarmlm.client.relay import RelayChain, chain_library
+from swarmlm.client.relay import RelayChain, RelayLane, chain_library
 from swarmlm.client.streams import SpanStream
 from swarmlm.config import ClientConfig
 from swarmlm.errors import InvalidRequest, ServerFailed, ServerHung, ServerTampered
@@ -36,14 +36,15 @@ MAX_BODY = 64 << 20  # (a frame call's limit: ClientConfig.max_message_bytes' de
 
 
 # ---- a live swarm ------------------------------------------------------------------------------------------------
-def _greedy(client, ids: torch.Tensor, steps: int):
+def greedy_session(client, ids: torch.Tensor, steps: int):
+    """`steps` greedy tokens after `ids` in one session: the tokens and the (closed) session."""
     with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + steps + 2) as session:
         logits = client.step_logits(session, ids)
         tokens = [int(logits[0, -1].argmax())]
         for _ in range(steps - 1):
             logits = client.step_logits(session, torch.tensor([[tokens[-1]]]))
             tokens.append(int(logits[0, -1].argmax()))
-        return tokens, session._relay, session.steps
+        return tokens, session
 
 
 def test_a_relayed_decode_step_runs_in_the_c_chain_and_keeps_transformers_tokens(tiny_bloom):
@@ -52,8 +53,10 @@ def test_a_relayed_decode_step_runs_in_the_c_chain_and_keeps_transformers_tokens
         client = client_of(swarm, frames=True, push=False)
         python = client_of(swarm, frames=True, push=False, relay_in_c=False)
         try:
-            tokens, chain, steps = _greedy(client, ids, 6)
-            python_tokens, no_chain, python_steps = _greedy(python, ids, 6)
+            tokens, session = greedy_session(client, ids, 6)
+            python_tokens, python_session = greedy_session(python, ids, 6)
+            chain, steps, no_chain, python_steps = session._relay, session.steps, python_session._relay, \
+                python_session.steps
         finally:
             client.close()
             python.close()
@@ -225,25 +228,35 @@ def test_an_honest_route_answers_every_hop_in_the_chain_as_in_python():
     assert in_c["hops"][2][2] == [bytes((x + 3).numpy())], "each hop's output the next one's input"
 
 
-@pytest.mark.parametrize("in_c", [True, False])
-def test_a_tampered_answer_at_hop_2_of_3_bans_its_server_and_the_step_fails_over(tiny_bloom, monkeypatch, in_c):
-    """A live route of 3 (a spare for the middle span): the middle server's ANSWER changed once on its way. The
-    client bans that server as tampered (the longest ban) and replays onto the spare; the tokens stay
-    transformers'. The same with the C chain as without it."""
-    ids, want = greedy_reference(tiny_bloom, "a changed answer", 5)
-    changed = {}
+@pytest.mark.parametrize("in_c, nth", [(True, 1), (False, 1), (True, 3)])
+def test_a_tampered_answer_at_hop_2_of_3_bans_its_server_and_the_step_fails_over(tiny_bloom, monkeypatch, in_c, nth):
+    """A live route of 3 (a spare for the middle span): the middle server's `nth` decode ANSWER changed on its way.
+    The client bans that server as tampered (the longest ban) and replays onto the spare; the tokens stay
+    transformers'. The same with the C chain as without it; the third answer is a relay lane's step (client/relay.py
+    RelayLane: its chain stops at that hop and the usual path goes on from there; the servers answer in Python here,
+    where the change is made)."""
+    ids, want = greedy_reference(tiny_bloom, "a changed answer", 6)
+    changed = {"n": 0}
     real = compact.answer_frame
+    laned = []
+    real_lane_step = RelayLane.step
 
     def answer_frame(key, session_id, *args, **kwargs):
         frame = real(key, session_id, *args, **kwargs)
-        if session_id == changed.get("sid") and not changed.get("done"):
-            changed["done"] = True
-            frame = compact.AnswerFrame(frame[:60] + bytes([frame[60] ^ 1]) + frame[61:])
+        if session_id == changed.get("sid"):
+            changed["n"] += 1
+            if changed["n"] == nth:
+                frame = compact.AnswerFrame(frame[:60] + bytes([frame[60] ^ 1]) + frame[61:])
         return frame
 
+    def lane_step(lane, x):
+        laned.append(lane.session.position)
+        return real_lane_step(lane, x)
+
     monkeypatch.setattr(compact, "answer_frame", answer_frame)
-    with in_process_swarm(tiny_bloom, [BlockRange(0, 2), BlockRange(2, 4), BlockRange(2, 4),
-                                       BlockRange(4, 6)]) as swarm:
+    monkeypatch.setattr(RelayLane, "step", lane_step)
+    with in_process_swarm(tiny_bloom, [BlockRange(0, 2), BlockRange(2, 4), BlockRange(2, 4), BlockRange(4, 6)],
+                          step_lane=nth == 1) as swarm:
         client = client_of(swarm, frames=True, push=False, relay_in_c=in_c)
         try:
             with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + 8) as session:
@@ -251,13 +264,16 @@ def test_a_tampered_answer_at_hop_2_of_3_bans_its_server_and_the_step_fails_over
                 tokens = [int(logits[0, -1].argmax())]
                 middle = session.spans[1].span.server_id
                 changed["sid"] = session.spans[1].stream.session_id
-                for _ in range(4):
+                for _ in range(5):
                     logits = client.step_logits(session, torch.tensor([[tokens[-1]]]))
                     tokens.append(int(logits[0, -1].argmax()))
-                assert changed.get("done") and session.spans[1].span.server_id != middle
+                assert changed["n"] >= nth and session.spans[1].span.server_id != middle
                 ban = client.remote.view.bans[middle]
                 assert ban.tampered and ban.failures == 1
                 assert (session._relay is not None and session._relay.answered > 0) is in_c
+                # each failover's step goes the usual way and arms the lane again; the step after it takes the lane
+                p = ids.shape[1]
+                assert laned == ([] if not in_c else [p + 2, p + 3, p + 4] if nth == 1 else [p + 1, p + 2, p + 4])
         finally:
             client.close()
     assert tokens == want

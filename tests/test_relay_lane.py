@@ -1,7 +1,7 @@
 """The client's relay lane (client/relay.py `RelayLane`): after a decode step whose hops all went through the C chain,
 the session's next decode steps go straight into that chain while nothing the usual path decides about them has
 changed. Whatever changes (a mask, a cache op, the view's records, the router's links, another shape) gives that
-step back to the usual path, which arms the lane again; a server's failure on a lane step ends as on the usual path.
+step back to the usual path, which arms the lane again (a server's failure on a lane step: tests/test_relay_chain.py).
 Every output is the one a client without the chain (its hops in Python) gets from the same servers."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 
 from swarmlm.client.relay import RelayLane, chain_library
 from swarmlm.types import BlockRange, CacheOp
-from swarmlm.wire import compact
 from tests.swarm_helpers import client_of, greedy_reference, in_process_swarm
+from tests.test_relay_chain import greedy_session
 
 pytestmark = pytest.mark.skipif(chain_library() is None, reason="no C compiler: the chain is not built")
 
@@ -32,34 +32,25 @@ def lane_steps(monkeypatch) -> list:
     return taken
 
 
-def _greedy(client, ids: torch.Tensor, steps: int):
-    with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + steps + 2) as session:
-        logits = client.step_logits(session, ids)
-        tokens = [int(logits[0, -1].argmax())]
-        for _ in range(steps - 1):
-            logits = client.step_logits(session, torch.tensor([[tokens[-1]]]))
-            tokens.append(int(logits[0, -1].argmax()))
-        return tokens, session.steps, [len(s.history) for s in session.spans]
-
-
 def test_decode_steps_after_the_first_go_through_the_lane_with_transformers_tokens(tiny_bloom, lane_steps):
     ids, want = greedy_reference(tiny_bloom, "a lane for the steps", 7)
     with in_process_swarm(tiny_bloom, THREE) as swarm:
         client = client_of(swarm, frames=True, push=False)
         python = client_of(swarm, frames=True, push=False, relay_in_c=False)
         try:
-            tokens, steps, history = _greedy(client, ids, 7)
+            tokens, session = greedy_session(client, ids, 7)
             lane = list(lane_steps)
-            python_tokens, python_steps, python_history = _greedy(python, ids, 7)
+            python_tokens, python_session = greedy_session(python, ids, 7)
         finally:
             client.close()
             python.close()
     assert tokens == python_tokens == want
     # the prompt, then 6 decode steps: the first through the usual path (it arms the lane), 5 in the lane
     assert lane == [ids.shape[1] + k for k in range(1, 6)]
-    assert history == python_history == [1 + 6] * 3, "each span keeps every input for a failover's replay"
-    assert [len(s.hops) for s in steps] == [len(s.hops) for s in python_steps]
-    for step in steps[1:]:  # each hop's timing recorded as the usual path records it
+    history = [len(s.history) for s in session.spans]
+    assert history == [len(s.history) for s in python_session.spans] == [1 + 6] * 3, "every input, for a replay"
+    assert [len(s.hops) for s in session.steps] == [len(s.hops) for s in python_session.steps]
+    for step in session.steps[1:]:  # each hop's timing recorded as the usual path records it
         assert step.blocking and not step.pushed and len(step.hops) == 3
         assert all(h.wall_s > 0 and h.compute_s > 0 and h.n_tokens == 1 for h in step.hops)
 
@@ -110,43 +101,3 @@ def test_whatever_changes_gives_the_step_back_to_the_usual_path(tiny_bloom, lane
     assert laned == [False, True, False, True, False, True, False, True, False, False, True, True]
     for mine, theirs in zip(outs, python_outs):
         assert torch.allclose(mine, theirs, atol=1e-5)
-
-
-def test_a_tampered_answer_on_a_lane_step_bans_its_server_and_the_step_fails_over(tiny_bloom, monkeypatch,
-                                                                                  lane_steps):
-    """The middle server's third decode ANSWER changed on its way (the servers answer in Python, so the change can be
-    made there; the client's lane is its own): the lane's chain stops at that hop, the usual path names the server
-    tampered, bans it and replays onto the spare; the tokens stay transformers'."""
-    ids, want = greedy_reference(tiny_bloom, "a changed answer in the lane", 6)
-    answers = {"n": 0}
-    real = compact.answer_frame
-
-    def answer_frame(key, session_id, *args, **kwargs):
-        frame = real(key, session_id, *args, **kwargs)
-        if session_id == answers.get("sid"):
-            answers["n"] += 1
-            if answers["n"] == 3:
-                frame = compact.AnswerFrame(frame[:60] + bytes([frame[60] ^ 1]) + frame[61:])
-        return frame
-
-    monkeypatch.setattr(compact, "answer_frame", answer_frame)
-    with in_process_swarm(tiny_bloom, [BlockRange(0, 2), BlockRange(2, 4), BlockRange(2, 4), BlockRange(4, 6)],
-                          step_lane=False) as swarm:
-        client = client_of(swarm, frames=True, push=False)
-        try:
-            with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + 8) as session:
-                logits = client.step_logits(session, ids)
-                tokens = [int(logits[0, -1].argmax())]
-                middle = session.spans[1].span.server_id
-                answers["sid"] = session.spans[1].stream.session_id
-                for _ in range(5):
-                    logits = client.step_logits(session, torch.tensor([[tokens[-1]]]))
-                    tokens.append(int(logits[0, -1].argmax()))
-                assert answers["n"] >= 3 and session.spans[1].span.server_id != middle
-                assert client.remote.view.bans[middle].tampered
-                # decode steps 2 and 3 went into the lane (3: the tampered one); after the failover the lane is
-                # armed again by step 4, and step 5 takes it
-                assert lane_steps == [ids.shape[1] + 1, ids.shape[1] + 2, ids.shape[1] + 4]
-        finally:
-            client.close()
-    assert tokens == want
