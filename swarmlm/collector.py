@@ -3,14 +3,16 @@
 Why freeze: a process that has loaded a model holds hundreds of thousands of container objects (torch's and
 transformers' modules, their dicts, the imported modules; 410k in a SmolLM2 client) that live as long as it does.
 Every full (generation 2) collection walks all of them, and one comes whenever the objects that survived younger
-collections grow past a quarter of the old ones: the client of a 3-server SmolLM2 swarm stalled 236 ms on one
-token that way (session 52, docs/RESULTS-hop.md Round 20), a server likewise. `gc.freeze()` moves every object
+collections grow past a quarter of the old ones: a SmolLM2 client stalled ~0.21 s on one token in each 8000 that
+way (docs/RESULTS-hop.md Round 20); a server's full collection (the trimmer's, docs/FAILURES.md) took 0.2-0.37 s
+on its event loop. `gc.freeze()` moves every object
 alive into a permanent generation that collections never walk, so a full collection costs what has been made since
 start-up, not the model. Reference counting still frees frozen objects whose count drops to 0; only a cycle among
 frozen objects is never collected, so a process that replaces its start-up heap (a server moving to other blocks)
 thaws it first (`thawed`).
 
-Only processes we own freeze (the server, `swarmlm dht`, the gateway, `generate` and `chat`): a library object
+Only long-running processes we own freeze (the server, `swarmlm dht`, the gateway, `chat`; not `generate`: one
+prompt, then exit, where the collection before freezing costs more than the pause it might spare): a library object
 freezing its host's heap would decide for a program it does not know. A program that loads a
 `DistributedModelForCausalLM` calls `freeze_start_up()` itself once its own start-up is done.
 
