@@ -10,7 +10,7 @@ import swarmlm
 ROOT = Path(swarmlm.__file__).parent
 # lowest first; packages on one floor may import each other
 FLOORS: list[set[str]] = [
-    {"", "types", "errors", "config", "machine", "kernels", "stats", "small_reads", "event_loop"},  # "" = the package root (its version, lazy names)
+    {"", "types", "errors", "config", "machine", "kernels", "stats", "small_reads", "event_loop", "collector"},  # "" = the package root (its version, lazy names)
     {"wire"},
     {"model"},
     {"perf"},

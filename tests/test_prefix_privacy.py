@@ -25,6 +25,7 @@ def test_a_public_servers_info_tells_strangers_no_per_request_counters(tiny_bloo
         infos = [stub(a).Info(pb.InfoRequest()) for a in swarm.addresses]
     assert all(i.prefix_cache.entries > 0 for i in infos)  # (the cache works)
     assert [(i.tokens_computed, i.prefix_cache.hits, i.prefix_cache.hit_tokens) for i in infos] == [(0, 0, 0)] * 2
+    assert not any(i.HasField("gc") for i in infos)  # (collections and their pauses follow the requests served)
 
 
 @pytest.mark.slow

@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from swarmlm.api.app import create_app
     from swarmlm.client.model import DistributedModelForCausalLM
     from swarmlm.client.tuning import find_tuned
+    from swarmlm.collector import freeze_start_up
     from swarmlm.model.checkpoint import load_tokenizer
     from swarmlm.errors import SwarmAccessDenied
 
@@ -126,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:  # an empty or unreachable swarm is reported per request (503), not fatal
         print(f"swarm not readable yet: {exc}", file=sys.stderr)
     app = create_app(model, tokenizer, config, adapters)
+    freeze_start_up()  # a process that runs for days: start-up's heap out of every collection (swarmlm/collector.py)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

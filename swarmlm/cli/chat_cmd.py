@@ -182,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
     model_name = model_ref(args)  # a bad path fails before the slow imports
     piped = sys.stdin is not None and not sys.stdin.isatty()
     prompt = stdin_prompt("chat") if piped else None
+    from swarmlm.collector import freeze_start_up
     from swarmlm.model.checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(model_name)
@@ -189,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
         "a plain User:/Assistant: template (the model has no chat template)"
     conversation = Conversation(args.system)
     model = connect(args, model_name)
+    freeze_start_up()  # a conversation may last hours: start-up's heap out of every collection (swarmlm/collector.py)
     try:
         with CtrlC().installed() as ctrl_c:
             if prompt is not None:

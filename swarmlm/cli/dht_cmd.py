@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     # with a swarm key this node stores and serves only records that carry its MAC (swarm/private.py)
     dht = start_dht(args.initial_peers, host=args.host, port=args.port, swarm_key=swarm_key,
                     identity_path=args.identity)
+    from swarmlm.collector import freeze_start_up
     from swarmlm.swarm.relay import start_relay
 
     relay, _ = start_relay(dht, swarm_key, relaying=not args.no_relay)  # on the DHT's daemon: same address
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         tmp = Path(args.addr_file + ".tmp")
         tmp.write_text("\n".join(addrs) + "\n")
         tmp.replace(args.addr_file)  # atomic: readers never see half an address
+    freeze_start_up()  # a node runs for days: start-up's heap out of every collection (swarmlm/collector.py)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # before the address is out: whoever reads it may stop us at once
         signal.signal(sig, lambda *_: stop.set())

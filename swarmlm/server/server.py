@@ -19,6 +19,7 @@ import grpc
 import torch
 
 from swarmlm import event_loop
+from swarmlm.collector import collection_times, freeze_start_up, thawed
 from swarmlm.config import ServerConfig
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.perf.profile import cached_profile
@@ -129,7 +130,7 @@ class Server:
 
     async def serve(self) -> None:
         """Serve until SIGTERM or SIGINT, then withdraw, drain and stop."""
-        await self.start()
+        await self.start(owns_process=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -137,8 +138,9 @@ class Server:
         await stop.wait()
         await self.stop()
 
-    async def start(self) -> None:
-        """Join the swarm (if any), load and measure the blocks, listen, announce: serving when it returns."""
+    async def start(self, owns_process: bool = False) -> None:
+        """Join the swarm (if any), load and measure the blocks, listen, announce: serving when it returns.
+        `owns_process`: this server is the process (`swarmlm server`), whose start-up heap it freezes."""
         from swarmlm.server.placement import check_memory
 
         from swarmlm.server.adapters import check_adapters
@@ -175,6 +177,9 @@ class Server:
             self._frames = FrameServer(self.service, cfg, gate[0].checker if gate else None)
             self.service.frame_port = await self._frames.start(cfg.host)
         self._tasks = [asyncio.create_task(self.service.streams.expire_loop())]
+        if owns_process:  # start-up's objects (torch, the blocks' modules, imports) out of every later collection's
+            freeze_start_up()  # walk (swarmlm/collector.py); not a host's heap (a test's in-process server)
+        collection_times()  # (counted from here, serving: Info reports them)
         if self.dht is not None:
             self._announcer = threading.Thread(target=self._announce_loop, name="swarmlm-announce", daemon=True)
             self._announcer.start()
@@ -320,13 +325,14 @@ class Server:
         if self.service.prefixes is not None:
             self.service.prefixes.shrink_to(0)  # (kept for the old blocks only)
         old = self.stage.blocks
-        self.stage.release()
-        gc.collect()
-        try:
-            stage = await loop.run_in_executor(None, self._load_stage, blocks)
-        except Exception:  # (a file gone, memory refused): serve the old blocks again
-            log.exception("loading %s failed: reloading %s", blocks, old)
-            stage, blocks = await loop.run_in_executor(None, self._load_stage, old), old
+        with thawed():  # the old blocks' objects were frozen with start-up's: collectable again, the new ones frozen
+            self.stage.release()
+            gc.collect()
+            try:
+                stage = await loop.run_in_executor(None, self._load_stage, blocks)
+            except Exception:  # (a file gone, memory refused): serve the old blocks again
+                log.exception("loading %s failed: reloading %s", blocks, old)
+                stage, blocks = await loop.run_in_executor(None, self._load_stage, old), old
         profile = await loop.run_in_executor(None, cached_profile, stage, cfg.threads, cfg.profile_cache_dir)
         self.stage = self.service.stage = stage
         self.service.stats = dataclasses.replace(self.service.stats, **measured_speeds(profile))

@@ -10,6 +10,7 @@ are returned, not raised, so no traceback keeps a refused request's buffers aliv
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import grpc
 import torch
 
 from swarmlm import __version__
+from swarmlm.collector import collection_times
 from swarmlm.config import ServerConfig
 from swarmlm.errors import CapacityExceeded, InvalidRequest, PushRefused, UnknownSession
 from swarmlm.kernels.frame_types import AnswerHead, FrameKey
@@ -73,6 +75,13 @@ def measured_speeds(profile: ComputeProfile) -> dict[str, float]:
     return {"decode_s_per_block": profile.decode_s, "prefill_a_s": profile.prefill_a_s,
             "prefill_b_s": profile.prefill_b_s, "decode_4rows_s_per_block": profile.decode_4rows_s,
             "decode_16rows_s_per_block": profile.decode_16rows_s}
+
+
+def gc_info() -> pb.GcInfo:
+    """This process's garbage collector as Info reports it (swarmlm/collector.py)."""
+    times = collection_times()
+    return pb.GcInfo(collections=times.collections, seconds=times.seconds, longest_s=times.longest_s,
+                     frozen_objects=gc.get_freeze_count())
 
 
 def _answers_compact(session: Session, step: pb.InferenceStep, op) -> bool:
@@ -444,6 +453,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             adapters=self.announced_adapters,
             prefix_cache=prefix_cache.info(self.prefixes, self.counters_public),
             tokens_computed=self.tokens_computed if self.counters_public else 0,
+            gc=gc_info() if self.counters_public else None,  # (its pauses time the requests it served)
             frame_port=self.frame_port,
         )
 

@@ -235,7 +235,7 @@ class InfoRequest(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("server_id", "model", "start_block", "end_block", "num_blocks", "hidden_size", "dtype", "cache_bytes_total", "cache_bytes_free", "active_sessions", "queue_length", "max_length", "max_batch", "max_message_bytes", "decode_s_per_block", "prefill_a_s", "prefill_b_s", "version", "protocol", "session_bytes_per_block_token", "fingerprint", "quant", "weight_bytes", "adapters", "kv_dtype", "decode_4rows_s_per_block", "decode_16rows_s_per_block", "prefix_cache", "tokens_computed", "public_key", "signature", "signed_address", "key_share", "frame_port")
+    __slots__ = ("server_id", "model", "start_block", "end_block", "num_blocks", "hidden_size", "dtype", "cache_bytes_total", "cache_bytes_free", "active_sessions", "queue_length", "max_length", "max_batch", "max_message_bytes", "decode_s_per_block", "prefill_a_s", "prefill_b_s", "version", "protocol", "session_bytes_per_block_token", "fingerprint", "quant", "weight_bytes", "adapters", "kv_dtype", "decode_4rows_s_per_block", "decode_16rows_s_per_block", "prefix_cache", "tokens_computed", "gc", "public_key", "signature", "signed_address", "key_share", "frame_port")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +265,7 @@ class InfoReply(_message.Message):
     DECODE_16ROWS_S_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    GC_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     SIGNED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -299,12 +300,13 @@ class InfoReply(_message.Message):
     decode_16rows_s_per_block: float
     prefix_cache: PrefixCacheInfo
     tokens_computed: int
+    gc: GcInfo
     public_key: bytes
     signature: bytes
     signed_address: str
     key_share: bytes
     frame_port: int
-    def __init__(self, server_id: _Optional[str] = ..., model: _Optional[str] = ..., start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., cache_bytes_total: _Optional[int] = ..., cache_bytes_free: _Optional[int] = ..., active_sessions: _Optional[int] = ..., queue_length: _Optional[int] = ..., max_length: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., decode_s_per_block: _Optional[float] = ..., prefill_a_s: _Optional[float] = ..., prefill_b_s: _Optional[float] = ..., version: _Optional[str] = ..., protocol: _Optional[int] = ..., session_bytes_per_block_token: _Optional[int] = ..., fingerprint: _Optional[str] = ..., quant: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., kv_dtype: _Optional[str] = ..., decode_4rows_s_per_block: _Optional[float] = ..., decode_16rows_s_per_block: _Optional[float] = ..., prefix_cache: _Optional[_Union[PrefixCacheInfo, _Mapping]] = ..., tokens_computed: _Optional[int] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., signed_address: _Optional[str] = ..., key_share: _Optional[bytes] = ..., frame_port: _Optional[int] = ...) -> None: ...
+    def __init__(self, server_id: _Optional[str] = ..., model: _Optional[str] = ..., start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., cache_bytes_total: _Optional[int] = ..., cache_bytes_free: _Optional[int] = ..., active_sessions: _Optional[int] = ..., queue_length: _Optional[int] = ..., max_length: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., decode_s_per_block: _Optional[float] = ..., prefill_a_s: _Optional[float] = ..., prefill_b_s: _Optional[float] = ..., version: _Optional[str] = ..., protocol: _Optional[int] = ..., session_bytes_per_block_token: _Optional[int] = ..., fingerprint: _Optional[str] = ..., quant: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., kv_dtype: _Optional[str] = ..., decode_4rows_s_per_block: _Optional[float] = ..., decode_16rows_s_per_block: _Optional[float] = ..., prefix_cache: _Optional[_Union[PrefixCacheInfo, _Mapping]] = ..., tokens_computed: _Optional[int] = ..., gc: _Optional[_Union[GcInfo, _Mapping]] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., signed_address: _Optional[str] = ..., key_share: _Optional[bytes] = ..., frame_port: _Optional[int] = ...) -> None: ...
 
 class PrefixCacheInfo(_message.Message):
     __slots__ = ("limit_bytes", "bytes", "entries", "hits", "hit_tokens", "evictions", "tags")
@@ -323,3 +325,15 @@ class PrefixCacheInfo(_message.Message):
     evictions: int
     tags: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, limit_bytes: _Optional[int] = ..., bytes: _Optional[int] = ..., entries: _Optional[int] = ..., hits: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GcInfo(_message.Message):
+    __slots__ = ("collections", "seconds", "longest_s", "frozen_objects")
+    COLLECTIONS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LONGEST_S_FIELD_NUMBER: _ClassVar[int]
+    FROZEN_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    collections: _containers.RepeatedScalarFieldContainer[int]
+    seconds: _containers.RepeatedScalarFieldContainer[float]
+    longest_s: _containers.RepeatedScalarFieldContainer[float]
+    frozen_objects: int
+    def __init__(self, collections: _Optional[_Iterable[int]] = ..., seconds: _Optional[_Iterable[float]] = ..., longest_s: _Optional[_Iterable[float]] = ..., frozen_objects: _Optional[int] = ...) -> None: ...
