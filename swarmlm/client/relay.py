@@ -19,7 +19,6 @@ import ctypes
 import functools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,10 +26,6 @@ from swarmlm.client.streams import HopTiming, SpanStream
 from swarmlm.kernels import KernelUnavailable, library
 from swarmlm.kernels.frame_types import ANSWER_OVERHEAD, FRAME_HEADER, MAC, STEP_HEAD, FrameKey
 from swarmlm.small_reads import no_padding_mask
-
-if TYPE_CHECKING:
-    from swarmlm.client.pipeline import OpenSpan
-    from swarmlm.client.session import InferenceSession
 
 log = logging.getLogger(__name__)
 
@@ -141,11 +136,12 @@ class RelayChain:
         return done, hop_outs, Stopped(done, state, errno, self._reply.raw[:got], times[4], times[5], left)
 
 
-def take_answered(open_spans: list[OpenSpan], x: torch.Tensor, mask: torch.Tensor, outs: tuple[torch.Tensor, ...],
+def take_answered(open_spans: list, x: torch.Tensor, mask: torch.Tensor, outs: tuple[torch.Tensor, ...],
                   ints: list[int], times: list[float]) -> list[HopTiming]:
     """The bookkeeping of the hops a chain answered (as many as `ints` holds records of: ints and times read whole
     from the chain): each stream's step id, position and timing (SpanStream.relayed), each span's history (its
-    input, then the next hop's, is the previous hop's output). Returns their timings in order."""
+    input, then the next hop's, is the previous hop's output). `open_spans`: the route's (client/pipeline.py
+    OpenSpan, which sits above this module). Returns their timings in order."""
     nbytes, n_tokens = 4 * x.numel(), x.shape[1]
     timings = []
     source = x
@@ -166,7 +162,8 @@ class RelayLane:
     `step` is the chain's call and `take_answered`. Where the chain stops short, the caller goes on the usual way
     from there (its result in hand): a failure is handled as ever, and the lane is gone until a whole step arms it."""
 
-    def __init__(self, session: InferenceSession, chain: RelayChain, shape: torch.Size) -> None:
+    def __init__(self, session, chain: RelayChain, shape: torch.Size) -> None:
+        # (session: the client/session.py InferenceSession that arms it, above this module)
         self.session = session
         self.chain = chain
         self.spans = session.spans  # (the list itself: a failover or reopen makes a new one)
@@ -177,7 +174,7 @@ class RelayLane:
         self.calls = list(zip(chain.streams, chain.calls))
 
     @classmethod
-    def arm(cls, session: InferenceSession, chain: RelayChain, x: torch.Tensor) -> RelayLane | None:
+    def arm(cls, session, chain: RelayChain, x: torch.Tensor) -> RelayLane | None:
         """After `x`'s decode step went whole through `chain` (its hang bounds set there, its step ids advanced): a
         lane for the next ones, or None where a link's wire format is chosen per message (auto-lossy: by its
         measured bandwidth)."""
