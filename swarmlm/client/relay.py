@@ -191,7 +191,7 @@ class RelayLane:
         if session.spans is not self.spans or self.view.records is not self.records or self.router.syncs != self.syncs:
             return False
         for stream, call in self.calls:  # (a loop, not all(): no generator frame per step)
-            if stream.call is not call or stream._pending or call._buf or not call.blocking_ok:
+            if stream.call is not call or call._buf or not stream.blocking_ok:  # (the usual path's own rules)
                 return False
         return True
 
