@@ -4,6 +4,8 @@ session, a protobuf step, a hostile STEP, the end) goes the usual way from where
 as a server without the lane answers it."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -222,3 +224,83 @@ def test_mutated_steps_on_an_armed_lane_are_answered_as_without_it(packed_llama)
             assert server.service.load.held == {}
     for seed in seeds:
         assert results[True, seed] == results[False, seed], seed
+
+
+def _pieces(address: str, blocks: int, hidden: int, pause_s: float) -> tuple[list, list[str], int]:
+    """Three good steps (the lane armed from the second on), then step 4 sent in two pieces `pause_s` apart, steps
+    5 and 6 whole, END: every answer's (position, values) and the stream's end."""
+    with fa.KeyedStream(address, blocks, max_length=8) as stream:
+        stream.request(_values(hidden, 0).repeat(2, axis=1), step_id=0)
+        seen = [stream.step(_values(hidden, step), step) for step in (1, 2, 3)]
+        frame = stream.step_frame(_values(hidden, 4), 4)
+        stream.send(frame[:len(frame) // 2])
+        time.sleep(pause_s)
+        stream.send(frame[len(frame) // 2:])
+        seen.append(stream.answer())
+        seen += [stream.step(_values(hidden, step), step) for step in (5, 6)]
+        ends = stream.exchange(fa.END)
+    return [(a.position, bytes(a.data())) for a in seen], ends
+
+
+def test_a_step_in_pieces_is_answered_as_without_the_lane(packed_llama, monkeypatch):
+    """A STEP whose bytes come in two reads: the lane's thread waits for the rest (a short pause), or, past its
+    bound for a begun frame, hands what it read to the usual path, which waits for the rest itself. Either way the
+    answers and the stream's end are a server's without the lane, and the lane takes the steps after it."""
+    from swarmlm.server import lane as lane_module
+
+    monkeypatch.setattr(lane_module, "_BEGUN_FRAME_S", 0.2)
+    blocks, hidden = _blocks(packed_llama), _hidden(packed_llama)
+    results = {}
+    for lane in (True, False):
+        with in_process_server(packed_llama, BlockRange(0, blocks), step_lane=lane, session_idle_timeout_s=20.0,
+                               open_idle_timeout_s=20.0) as server:
+            for pause_s in (0.02, 0.6):
+                results[lane, pause_s] = _pieces(server.address, blocks, hidden, pause_s)
+            results[lane, "steps"] = server.service.scheduler.lane_steps
+    for pause_s in (0.02, 0.6):
+        (seen_lane, ends_lane), (seen_plain, ends_plain) = results[True, pause_s], results[False, pause_s]
+        assert [p for p, _ in seen_lane] == [p for p, _ in seen_plain] == [3, 4, 5, 6, 7, 8]
+        for (_, got), (_, want) in zip(seen_lane, seen_plain):
+            assert np.allclose(np.frombuffer(got, np.float32), np.frombuffer(want, np.float32), atol=1e-5)
+        assert ends_lane == ends_plain == ["STATUS OK "]
+    # steps 2, 3 and 6 of each stream at least (step 4 too when its pieces came within the bound)
+    assert results[True, "steps"] >= 6 and results[False, "steps"] == 0
+
+
+def test_a_forward_disarms_the_lane_and_the_session_goes_on(packed_llama):
+    """Another client's Forward while a session's lane is armed: the scheduler disarms the lane before computing it
+    (their kernels never run at once), the session's next steps go the usual way from where the lane left them and
+    arm it again; every token is transformers'."""
+    import grpc
+
+    from swarmlm.wire import codec
+    from swarmlm.wire import swarm_pb2_grpc as pb_grpc
+
+    prompt, new = [1, 5, 6, 7], 8
+    blocks, hidden = _blocks(packed_llama), _hidden(packed_llama)
+    with in_process_server(packed_llama, BlockRange(0, blocks)) as server:
+        client = client_of(_Single(server, packed_llama), frames=True, push=False)
+        scheduler = server.service.scheduler
+        try:
+            with torch.no_grad(), client.inference_session(max_length=32) as session:
+                logits = client.step_logits(session, torch.tensor([prompt]))
+                tokens = [int(logits[0, -1].argmax())]
+                for step in range(new - 1):
+                    if step == 3:
+                        assert scheduler.lane is not None and scheduler.lane_steps == 2
+                        with grpc.insecure_channel(server.address) as channel:
+                            reply = pb_grpc.SwarmStub(channel).Forward(pb.ForwardRequest(
+                                start_block=0, end_block=blocks, hidden=codec.encode(torch.randn(1, 3, hidden))),
+                                timeout=30)
+                        assert list(reply.hidden.shape) == [1, 3, hidden]
+                        assert scheduler.lane is None and scheduler.lane_steps == 2
+                    before = time.monotonic()
+                    logits = client.step_logits(session, torch.tensor([[tokens[-1]]]))
+                    tokens.append(int(logits[0, -1].argmax()))
+                    if step == 2:  # a lane step's end is the session's last use (its expiry reads it)
+                        (held,) = server.service.sessions.sessions.values()
+                        assert held.lane is scheduler.lane is not None and held.last_active_s() >= before
+            assert tokens == _want(packed_llama, prompt, new)
+            assert scheduler.lane_steps == new - 3  # (all but the first decode step and the one after the Forward)
+        finally:
+            client.close()

@@ -8,8 +8,12 @@
  * The caller (model/decode_span.py `SpanDecoder.answer`) prepares the rows' cache pointers, lengths, mask rows and
  * rotary table exactly as for `decode_span` alone (one truth: `SpanDecoder._prepare`), and commits the caches only
  * when this returns a frame. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <poll.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 
 #include "frame.h"
@@ -80,7 +84,8 @@ struct lane {
     int64_t rope_rows;
     int64_t next_id;                  /* the step id it takes next */
     int64_t position;                 /* the session's position (its tokens so far) */
-    int64_t steps;                    /* steps taken since armed */
+    int64_t steps;                    /* steps taken since armed (counted before each ANSWER is sent) */
+    double last_s;                    /* when the last step taken ended (CLOCK_MONOTONIC: Python's time.monotonic) */
 };
 
 /* Is `data` (n bytes, as read from the socket) exactly one STEP frame of this session's next step: its MAC under the
@@ -106,6 +111,7 @@ static void lane_advance(struct lane *L) {
     L->position += 1;
     L->next_id += 1;
     L->steps += 1;
+    L->last_s = now_s();
 }
 
 /* The ANSWER to the step `lane_open` took, its output `values` (rows x hidden float32) computed (and committed) by
@@ -141,4 +147,124 @@ int64_t lane_take(struct lane *L, const uint8_t *data, int64_t n, uint8_t *out) 
     }
     lane_advance(L);
     return size;
+}
+
+/* ---- the lane's own thread (server/lane.py `StepLane`'s thread) ---------------------------------------------
+   While a lane is armed its connection's reads are the lane's: the event loop stops reading the socket, and the
+   lane's thread blocks on it here (on a duplicate of its descriptor), so a step's frame wakes the thread that computes
+   it and its ANSWER is sent from there, with no event loop and no Python between the socket and the kernel. It reads
+   no byte past the lane's STEP frame; whatever is not such a frame stops it, and what it read (`got` bytes at `in`)
+   goes to the usual path as if the connection had just received it. An ANSWER the socket does not take whole (a
+   client that does not read) stops it too, the rest (`out[sent:size]`) for the event loop's transport to write. */
+
+/* what the thread's Python side (server/lane.py `_LaneIO`) fills in and reads back */
+struct lane_io {
+    int64_t fd;       /* the connection's socket (a duplicate: the thread's own; non-blocking, as the loop's) */
+    int64_t wake_fd;  /* readable when the lane is to stop (the loop's `disarm`) */
+    double stall_s;   /* how long the rest of a begun frame may take before the usual path takes it */
+    int64_t got;      /* after a stop: the bytes read at `in` and not taken */
+    int64_t sent;     /* after LANE_UNSENT: the ANSWER's bytes sent ... */
+    int64_t size;     /* ... of its size at `out` */
+    int64_t err;      /* a failed recv's or send's errno (0: none) */
+};
+
+#define LANE_STOPPED 1   /* wake_fd: the loop disarms the lane */
+#define LANE_DECLINED 2  /* the bytes are not the lane's STEP (another frame, a bad MAC, a wrong id, a NaN, no room, a
+                            begun frame stalled, the kernel refused): the usual path takes them */
+#define LANE_ENDED 3     /* the peer ended the connection (EOF) or it failed (err): the usual path sees it */
+#define LANE_UNSENT 4    /* an ANSWER not wholly sent: the loop's transport writes the rest */
+#define LANE_FRAME 5     /* (lane_next) the lane's STEP is at `in`, checked: the caller computes, then lane_reply */
+
+static int64_t lane_step_bytes(const struct lane *L) {
+    return FRAME_HEADER + FRAME_STEP_HEAD + 4 * L->rows * L->hidden + FRAME_MAC;
+}
+
+/* Wait for the lane's next whole STEP frame at `in` (never reading past it): LANE_FRAME (io->got its size), or why
+   not (io->got the bytes read). The first byte may take forever; the rest of a begun frame at most io->stall_s. */
+static int lane_read(const struct lane *L, struct lane_io *io, uint8_t *in) {
+    const int64_t want = lane_step_bytes(L);
+    double deadline = 0;
+    io->got = 0;
+    for (;;) {
+        struct pollfd p[2] = {{.fd = (int)io->fd, .events = POLLIN}, {.fd = (int)io->wake_fd, .events = POLLIN}};
+        int timeout_ms = -1;
+        if (io->got > 0) {
+            double left = deadline - now_s();
+            if (left <= 0) return LANE_DECLINED;
+            timeout_ms = (int)(left * 1000) + 1;
+        }
+        int r = poll(p, 2, timeout_ms);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            io->err = errno;
+            return LANE_ENDED;
+        }
+        if (p[1].revents) return LANE_STOPPED;
+        if (r == 0) continue; /* (the deadline: checked above) */
+        ssize_t n = recv((int)io->fd, in + io->got, (size_t)(want - io->got), 0);
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
+            io->err = errno;
+            return LANE_ENDED;
+        }
+        if (n == 0) return LANE_ENDED;
+        if (io->got == 0) deadline = now_s() + io->stall_s;
+        io->got += n;
+        if (io->got >= FRAME_HEADER && (in[4] != FRAME_KIND_STEP ||
+                                        ((int64_t)in[0] << 24 | (int64_t)in[1] << 16 | (int64_t)in[2] << 8 |
+                                         (int64_t)in[3]) != want - FRAME_HEADER))
+            return LANE_DECLINED; /* not a STEP of the lane's size: the usual path reads and judges it */
+        if (io->got == want) return LANE_FRAME;
+    }
+}
+
+/* `size` bytes at `out` to the socket, as far as it takes them without waiting: 0, or LANE_UNSENT (io->sent, io->size
+   say what is left) or LANE_ENDED (err). */
+static int lane_send(struct lane_io *io, const uint8_t *out, int64_t size) {
+    io->sent = 0;
+    io->size = size;
+    while (io->sent < size) {
+        ssize_t n = send((int)io->fd, out + io->sent, (size_t)(size - io->sent), MSG_NOSIGNAL);
+        if (n >= 0) {
+            io->sent += n;
+            continue;
+        }
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return LANE_UNSENT;
+        io->err = errno;
+        return LANE_ENDED;
+    }
+    return 0;
+}
+
+/* A packed span's lane: each STEP read, taken (`lane_take`: checked, computed, committed, answered) and its ANSWER
+   sent, until something else comes. Returns why it stopped (never LANE_FRAME). */
+int64_t lane_serve(struct lane *L, struct lane_io *io, uint8_t *in, uint8_t *out) {
+    io->err = 0;
+    for (;;) {
+        int state = lane_read(L, io, in);
+        if (state != LANE_FRAME) return state;
+        int64_t size = lane_take(L, in, io->got, out);
+        if (size < 0) return LANE_DECLINED; /* (nothing computed or committed: the usual path answers or refuses) */
+        io->got = 0;
+        state = lane_send(io, out, size);
+        if (state) return state;
+    }
+}
+
+/* Blocks transformers runs: the next STEP read and checked (`lane_open`: its MAC, id, dims, room, finite values) for
+   the caller to compute; LANE_FRAME or why not. */
+int64_t lane_next(struct lane *L, struct lane_io *io, uint8_t *in, struct frame_step_head *h) {
+    io->err = 0;
+    int state = lane_read(L, io, in);
+    if (state != LANE_FRAME) return state;
+    return lane_open(L, in, io->got, h) ? LANE_FRAME : LANE_DECLINED;
+}
+
+/* ... and its ANSWER (`lane_answer`: the lane moves on) sent: 0, LANE_UNSENT or LANE_ENDED. */
+int64_t lane_reply(struct lane *L, struct lane_io *io, const float *values, double compute_s, double parse_s,
+                   uint8_t *out) {
+    int64_t size = lane_answer(L, values, compute_s, parse_s, out);
+    io->got = 0;
+    return lane_send(io, out, size);
 }

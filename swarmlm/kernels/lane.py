@@ -8,6 +8,17 @@ import ctypes
 from swarmlm.kernels.frame_types import AnswerHead, FrameKey
 
 NOT_FINITE = -100  # lane.c LANE_NOT_FINITE: a value is NaN or infinite (nothing computed)
+# why the lane's thread stopped (lane.c's LANE_*): the loop disarmed it; bytes not its STEP; the peer's end or a
+# failure; an ANSWER not wholly sent; (lane_next) its STEP, checked, to compute
+STOPPED, DECLINED, ENDED, UNSENT, FRAME = 1, 2, 3, 4, 5
+
+
+class LaneIO(ctypes.Structure):
+    """lane.c's `struct lane_io`: the socket the lane's thread reads and writes, the descriptor that stops it, how
+    long a begun frame may take; after a stop, what it read and did not take, and what it did not send."""
+
+    _fields_ = [("fd", ctypes.c_int64), ("wake_fd", ctypes.c_int64), ("stall_s", ctypes.c_double),
+                ("got", ctypes.c_int64), ("sent", ctypes.c_int64), ("size", ctypes.c_int64), ("err", ctypes.c_int64)]
 
 
 def declare(lib: ctypes.CDLL) -> None:
@@ -25,3 +36,11 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.lane_open.restype = ctypes.c_int
     lib.lane_answer.argtypes = [ptr, ptr, ctypes.c_double, ctypes.c_double, ptr]
     lib.lane_answer.restype = i64
+    # the lane's thread: its state, its LaneIO, the read buffer, (lane_next) the STEP's head, (lane_serve, lane_reply)
+    # the ANSWER's buffer
+    lib.lane_serve.argtypes = [ptr, ptr, ptr, ptr]
+    lib.lane_serve.restype = i64
+    lib.lane_next.argtypes = [ptr, ptr, ptr, ptr]
+    lib.lane_next.restype = i64
+    lib.lane_reply.argtypes = [ptr, ptr, ptr, ctypes.c_double, ctypes.c_double, ptr]
+    lib.lane_reply.restype = i64

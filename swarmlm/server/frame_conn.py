@@ -43,7 +43,9 @@ class FrameConnection(asyncio.Protocol):
         self._discard_bytes: int | None = None  # closing by `close_gently`: bytes it still discards (None: not)
         self._linger: asyncio.TimerHandle | None = None  # close_gently's bound in time
 
-    lane: StepLane | None = None  # an armed step lane of the stream's session (server/lane.py): it sees bytes first
+    # an armed step lane of the stream's session (server/lane.py): its thread reads the socket while this is set
+    # (the loop reads nothing: `arm`), until `lane_stopped` hands back what it read and did not take
+    lane: StepLane | None = None
 
     # ---- bytes in -------------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:
@@ -51,19 +53,6 @@ class FrameConnection(asyncio.Protocol):
         self.server.open(self)
 
     def data_received(self, data: bytes) -> None:
-        lane = self.lane
-        if lane is not None:
-            if lane.armed and not self.buf and self._can_write is None and not self.transport.is_closing():
-                try:
-                    answer = lane.take(data)
-                except Exception:  # (a bug: the usual path takes the bytes, as if the lane had declined them)
-                    log.exception("the step lane failed; its session goes on the usual way")
-                    answer = None
-                if answer is not None:
-                    self.transport.write(answer)
-                    lane.taken()
-                    return
-            self.drop_lane()
         if self._discard_bytes is not None:
             self._discard_bytes -= len(data)
             if self._discard_bytes < 0:  # a peer that keeps sending after the last word: cut off
@@ -85,11 +74,42 @@ class FrameConnection(asyncio.Protocol):
             self._stall.cancel()
             self._stall = None
 
+    # ---- the step lane -----------------------------------------------------------------------------------------
+    def may_arm(self) -> bool:
+        """May a step lane take this connection's reads now: none armed, nothing read and not yet taken, nothing
+        queued or unsent, reading not paused?"""
+        transport = self.transport
+        return (self.lane is None and not self.buf and not self.queued and not self.done and self.writable()
+                and transport.get_write_buffer_size() == 0 and transport.is_reading())
+
+    def arm(self, lane: StepLane) -> None:
+        """The socket's reads are `lane`'s thread's from now (`may_arm` held)."""
+        self.transport.pause_reading()
+        self.lane = lane
+        lane.start(self, self.transport.get_extra_info("socket").fileno())
+
     def drop_lane(self) -> None:
         """Back to the usual path for every byte (the lane's state written back first)."""
-        lane, self.lane = self.lane, None
-        if lane is not None:
-            lane.disarm()
+        if self.lane is not None:
+            self.lane.disarm()
+
+    def lane_stopped(self, lane: StepLane, read: bytes, unsent: bytes) -> None:
+        """`lane`'s thread stopped (its `disarm`): the part of an ANSWER it did not send is written now (before
+        anything else can be); the bytes it `read` and did not take are the usual path's, as if just received, and
+        reading goes on, both once the caller is done (no frame is handled inside whatever disarmed the lane)."""
+        if unsent and not self.transport.is_closing():
+            self.transport.write(unsent)
+        asyncio.get_running_loop().call_soon(self._after_lane, lane, read)
+
+    def _after_lane(self, lane: StepLane, read: bytes) -> None:
+        if self.lane is not lane:
+            return
+        self.lane = None
+        if self.transport.is_closing():
+            return
+        self.resume()
+        if read:
+            self.data_received(read)
 
     def eof_received(self) -> bool:
         self.drop_lane()
@@ -167,7 +187,7 @@ class FrameConnection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def resume(self) -> None:
-        if self.transport is not None and not self.done and not self.transport.is_closing():
+        if self.transport is not None and self.lane is None and not self.done and not self.transport.is_closing():
             self.transport.resume_reading()
 
     # ---- the end ------------------------------------------------------------------------------------------

@@ -1,38 +1,52 @@
-"""A step lane: the plain decode steps of a lone keyed session taken as their frame arrives (kernels/lane.c): on a
-packed span in one C call, with no Python between the socket and the kernel; on blocks transformers runs, the
-stage's forward between two C calls (docs/ARCHITECTURE.md, "The step lane").
+"""A step lane: the plain decode steps of a lone keyed session taken by a thread that blocks on the session's socket
+(kernels/lane.c): on a packed span, read, computed and answered in one C call per step, with no event loop and no
+Python between the socket and the kernel; on blocks transformers runs, the stage's forward between two C calls
+(docs/ARCHITECTURE.md, "The step lane").
 
 Why: a SmolLM2 decode step costs a server ~1 ms in the kernel and ~0.3 ms of CPU in Python around it (cold caches
 after the kernel; docs/RESULTS-hop.md round 19): the frame's cut, MAC, inbox, stream loop, checks, scheduler, stage,
-decoder, ANSWER. A 3-server token pays that 3 times, a 1-server token once.
+decoder, ANSWER. Round 20's lane, called from the event loop's `data_received`, still paid the loop's wake-up and
+~70 us of cold Python around its C call per hop (docs/RESULTS-hop.md round 21): the thread that computes now also
+waits on the socket that feeds it.
 
 How: after a compact step of its session was answered the usual way, the session's stream arms a lane on its framed
 connection when every rule the usual path applies to the next steps is known to hold until something changes
-(`SessionStreams._arm`, `SwarmService.lane_for`): a keyed framed session, alone on this server, nothing queued or
-held, its span a `SpanDecoder`'s with a rotary table, its caches grown to its max_length, its dims within every
-limit at max_length. The connection's `data_received` then hands each read to the lane first (`take`): C checks
-that the bytes are exactly one STEP frame of the session's next step id with the MAC of the session's client key,
-its dims, room and finite values, runs the span's decode on the session's caches and writes the ANSWER with the
-server key; anything else (another frame kind, a partial or double frame, a bad MAC, a wrong id, a NaN, the end of
-the lane's room) changes nothing and disarms the lane, and the bytes go the usual way, which answers or refuses them
-exactly as before. Whatever else may touch the session (another session's open, a push into it, its close or
-detach, the connection's end, a compute of any other work) disarms the lane first (`disarm`): its state (position,
-cache length, mask, step order, last use) is written back, so the usual path goes on from where the lane left it.
+(`SessionStreams._arm`, `SwarmService.lane_for`): a keyed framed session, alone on this server, nothing queued,
+held or unsent, its span a `SpanDecoder`'s with a rotary table, its caches grown to its max_length, its dims within
+every limit at max_length. The connection stops reading (`FrameConnection.arm`) and the lane's thread reads the
+socket: C checks that the bytes are exactly one STEP frame of the session's next step id with the MAC of the
+session's client key, its dims, room and finite values, runs the span's decode on the session's caches and sends
+the ANSWER with the server key. Anything else (another frame kind or size, a bad MAC, a wrong id, a NaN, the end of
+the lane's room, a stalled frame, the peer's end) stops the thread having changed nothing, and the bytes it read go
+the usual way, which answers or refuses them exactly as before. Whatever else may touch the session (another
+session's open, a push into it, its close or detach, the connection's end, a compute of any other work: the
+scheduler's `yield_lane`) disarms the lane first (`disarm`): the thread stops (a step it computes ends first), its
+state (position, cache length, mask, step order, last use, counts) is written back, so the usual path goes on from
+where the lane left it.
 """
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import logging
+import os
+import threading
 import time
 
 import numpy as np
 import torch
 
 from swarmlm.kernels import library
-from swarmlm.kernels.frame_types import ANSWER_OVERHEAD, FRAME_HEADER, STEP_HEAD, FrameKey, StepHead
+from swarmlm.kernels.frame_types import ANSWER_OVERHEAD, FRAME_HEADER, MAC, STEP_HEAD, FrameKey, StepHead
+from swarmlm.kernels.lane import DECLINED, FRAME, STOPPED, UNSENT, LaneIO
 from swarmlm.wire import compact
+
+log = logging.getLogger(__name__)
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _VALUES_AT = FRAME_HEADER + STEP_HEAD  # a STEP frame's values
+# a begun frame's rest comes within a round trip or two; one slower than this is the usual path's (its stall timer)
+_BEGUN_FRAME_S = 1.0
 
 
 class _LaneState(ctypes.Structure):
@@ -42,7 +56,7 @@ class _LaneState(ctypes.Structure):
                 ("x", _ptr), ("rows", _i64), ("hidden", _i64), ("kbase", _ptr), ("vbase", _ptr),
                 ("layer_stride", _ptr), ("cap", _ptr), ("len", _ptr), ("mask_rows", _ptr), ("mask", _ptr),
                 ("positions", _i64), ("rope", _ptr), ("rope_rows", _i64), ("next_id", _i64), ("position", _i64),
-                ("steps", _i64)]
+                ("steps", _i64), ("last_s", ctypes.c_double)]
 
 
 def _address(array) -> int:
@@ -50,17 +64,18 @@ def _address(array) -> int:
 
 
 class StepLane:
-    """One armed session's lane. `take(data)`: its ANSWER frame, or None (the bytes go the usual way: `disarm`
-    first). With a `decoder` (a packed span) the whole step is one C call; without one (blocks transformers runs) C
-    checks the frame and writes the ANSWER, and the stage's own `step` computes in between (one Python call where
-    the usual path makes ~the inbox, the stream loop, the service's checks, the scheduler)."""
+    """One armed session's lane. `start(conn)` hands it its connection's reads: a thread of its own blocks on the
+    socket and takes each plain decode step (`lane_serve`: the whole step in one C call with a `decoder`, a packed
+    span; else `lane_next`, the stage's own `step`, `lane_reply`) until something else comes or `disarm` stops it.
+    Either way `disarm` writes its state back and the connection goes on the usual way from the bytes the lane read
+    and did not take (`FrameConnection.lane_stopped`)."""
 
     def __init__(self, service, session, order, decoder=None) -> None:
         state = session.state
         cache = state.cache
         rows, position, positions = state.rows, state.position, int(session.max_length)
         stage, self.scheduler = service.stage, service.scheduler
-        self.session, self.order, self._service, self._rows = session, order, service, rows
+        self.session, self.order, self._service, self.rows = session, order, service, rows
         self._cache, self._state, self._stage, self._decoder = cache, state, stage, decoder
         self._start = position
         hidden = int(stage.hidden_size)
@@ -86,61 +101,110 @@ class StepLane:
                       positions, None, positions)
         self._state_c = _LaneState(
             FrameKey.of(session.keys.client, session.session_id), FrameKey.of(session.keys.server, session.session_id),
-            *kernel, order.last_id + 1, position, 0)
+            *kernel, order.last_id + 1, position, 0, session.last_used_s)
+        self._in = ctypes.create_string_buffer(_VALUES_AT + 4 * rows * hidden + MAC)  # one STEP frame
         self._out = ctypes.create_string_buffer(ANSWER_OVERHEAD + 4 * rows * hidden)
         self._ref = ctypes.byref(self._state_c)
-        self._step_head = ctypes.byref(StepHead())
+        self._io = LaneIO(-1, -1, _BEGUN_FRAME_S, 0, 0, 0, 0)
+        self._io_ref = ctypes.byref(self._io)
         lib = library()
-        self._take, self._open, self._answer = lib.lane_take, lib.lane_open, lib.lane_answer
+        self._serve, self._next, self._reply = lib.lane_serve, lib.lane_next, lib.lane_reply
         self.armed = True
+        self._conn = None
+        self._thread: threading.Thread | None = None
+        self._wake_w = -1  # written to stop the thread (its read end is the thread's io.wake_fd)
+        self._ended = 0  # why the thread stopped (kernels/lane.py STOPPED, DECLINED, ...): set by the thread
 
-    def take(self, data: bytes) -> bytes | None:
-        """The ANSWER to `data` if it is this session's next plain decode step (taken: computed, committed; the
-        caller writes it, then calls `taken`), else None (nothing changed). Declines while the scheduler computes
-        anything (its kernels' threads are one pool)."""
-        if not self.scheduler.idle:
-            return None
-        if self._decoder is not None:
-            if self._take(self._ref, data, len(data), self._out) <= 0:
-                return None
-        elif not self._forward(data):
-            return None
-        return self._out.raw
+    # ---- the loop's side ----------------------------------------------------------------------------------------
+    def start(self, conn, sock_fd: int) -> None:
+        """The connection's reads are the lane's from now (its event loop reads none until `lane_stopped`): the
+        thread starts on a duplicate of `sock_fd` (the loop's transport may close its own meanwhile: no descriptor
+        the thread holds is ever another socket's)."""
+        self._conn = conn
+        self._loop = asyncio.get_running_loop()
+        wake_r, self._wake_w = os.pipe()
+        self._io.fd, self._io.wake_fd = os.dup(sock_fd), wake_r
+        self.scheduler.lane = self
+        self.session.lane = self
+        self._thread = threading.Thread(target=self._run, name="swarmlm-step-lane", daemon=True)
+        self._thread.start()
 
-    def taken(self) -> None:
-        """A taken step's bookkeeping, once its ANSWER is on its way (none of it is the client's wait)."""
-        self.session.last_used_s = time.monotonic()  # (the expiry loop reads it)
-        self._service.tokens_computed += self._rows  # (Info's counter)
-        self.scheduler.lane_steps += 1
+    @property
+    def steps(self) -> int:
+        """Steps taken since armed (each counted before its ANSWER is sent)."""
+        return self._state_c.steps
 
-    def _forward(self, data: bytes) -> bool:
-        """A step of blocks transformers runs: C checks the frame, the stage computes (and commits), C answers."""
-        if self._max_forward_s <= 0 or not self._open(self._ref, data, len(data), self._step_head):
-            return False
-        t0 = time.perf_counter()
-        x = self._x
-        x.numpy()[:] = np.frombuffer(data, np.float32, x.numel(), _VALUES_AT).reshape(x.shape)
-        out = self._stage.step(self._state, x.view(x.shape[0], 1, -1), self._ones)
-        compute_s = time.perf_counter() - t0
-        if compute_s > self._max_forward_s:  # (the next steps go to the compute thread: the usual path's rule)
-            self._max_forward_s = 0.0
-        # (the output's own memory when it is float32 in C order already: no array object made, right after a forward)
-        ready = out.dtype is torch.float32 and not out.requires_grad and out.is_contiguous()
-        self._answer(self._ref, out.data_ptr() if ready else compact.float32_values(out).ctypes.data, compute_s, 0.0,
-                     self._out)
-        return True
+    @property
+    def last_step_s(self) -> float:
+        """When its last step ended (time.monotonic; its arming's session.last_used_s before any)."""
+        return self._state_c.last_s
 
     def disarm(self) -> None:
-        """Back to the usual path: the session's cache length, mask, step order and last use as the lane left them
-        (idempotent)."""
+        """Back to the usual path (idempotent; on the loop's thread): the thread stopped (a step it is computing ends
+        first), the session's cache length, mask, step order and last use written back as the lane left them, its
+        counts added to the service's, and the connection told what the thread read and did not take, or did not
+        send."""
         if not self.armed:
             return
         self.armed = False
+        thread = self._thread
+        if thread is not None:
+            os.write(self._wake_w, b"x")
+            thread.join()
+            os.close(self._wake_w)
+            os.close(self._io.wake_fd)
+            os.close(self._io.fd)
         c = self._state_c
         if c.steps:
             if self._decoder is not None:  # (the stage's own step commits as it goes)
                 self._cache.commit(c.position - self._start)
                 self._state.mask = self._mask[:, :c.position].clone()
             self.order.last_id = c.next_id - 1
-            self.session.last_used_s = time.monotonic()
-        c.steps = 0
+            self.session.last_used_s = c.last_s
+            self._service.tokens_computed += self.rows * c.steps  # (Info's counter)
+            self.scheduler.lane_steps_done += c.steps
+        if self.scheduler.lane is self:
+            self.scheduler.lane = None
+        if self.session.lane is self:
+            self.session.lane = None
+        if self._conn is not None:
+            io = self._io
+            unsent = self._out.raw[io.sent:io.size] if self._ended == UNSENT else b""
+            self._conn.lane_stopped(self, self._in.raw[:io.got], unsent)
+
+    # ---- the lane's thread --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            if self._decoder is not None:
+                self._ended = self._serve(self._ref, self._io_ref, self._in, self._out)
+            else:
+                self._ended = self._serve_forward()
+        except Exception:  # (a bug: the usual path takes what the lane read, as if it had declined it)
+            log.exception("the step lane failed; its session goes on the usual way")
+            self._ended = DECLINED
+        if self._ended != STOPPED:  # (stopped: the loop is in `disarm`, waiting for this thread)
+            self._loop.call_soon_threadsafe(self.disarm)
+
+    def _serve_forward(self) -> int:
+        """Blocks transformers runs: C reads and checks each STEP, the stage computes (and commits), C answers."""
+        step_head = ctypes.byref(StepHead())
+        x, ones, state = self._x, self._ones, self._state
+        values = x.numpy()
+        while True:
+            ended = self._next(self._ref, self._io_ref, self._in, step_head)
+            if ended != FRAME:
+                return ended
+            t0 = time.perf_counter()
+            values[:] = np.frombuffer(self._in, np.float32, x.numel(), _VALUES_AT).reshape(x.shape)
+            out = self._stage.step(state, x.view(x.shape[0], 1, -1), ones)
+            compute_s = time.perf_counter() - t0
+            if compute_s > self._max_forward_s:  # (the next steps go to the compute thread: the usual path's rule)
+                self._max_forward_s = 0.0
+            # (the output's own memory when it is float32 in C order already: no array object made, after a forward)
+            ready = out.dtype is torch.float32 and not out.requires_grad and out.is_contiguous()
+            ended = self._reply(self._ref, self._io_ref, out.data_ptr() if ready else
+                                compact.float32_values(out).ctypes.data, compute_s, 0.0, self._out)
+            if ended:
+                return ended
+            if self._max_forward_s <= 0:  # (that forward was too long for the lane: the usual path's rule)
+                return DECLINED

@@ -182,7 +182,10 @@ class Scheduler:
         self.threads = threads
         self.config = config
         self.inline_runs = 0  # lone decode steps run on the caller's thread (see the module's docstring)
-        self.lane_steps = 0  # decode steps a step lane took (server/lane.py): the scheduler was idle for each
+        # the armed step lane (server/lane.py), whose thread computes while the scheduler is idle: disarmed before
+        # the scheduler computes anything (`yield_lane`); and the steps lanes took before the armed one's
+        self.lane = None
+        self.lane_steps_done = 0
         self._recent: deque[set[Hashable]] = deque(maxlen=2)  # members of the last two rounds' decode forwards
         self._recent_decode_s: deque[float] = deque(maxlen=2)  # the last two decode rounds' compute times
         self.gate = StragglerGate(config.batch_wait)  # waits for stragglers before a round (or not)
@@ -195,6 +198,17 @@ class Scheduler:
         self._stopped = False
         self._worker = threading.Thread(target=self._run, name="swarmlm-compute", daemon=True)
         self._worker.start()
+
+    @property
+    def lane_steps(self) -> int:
+        """Decode steps step lanes took (server/lane.py): the scheduler was idle for each."""
+        return self.lane_steps_done + (self.lane.steps if self.lane is not None else 0)
+
+    def yield_lane(self) -> None:
+        """The armed step lane disarmed (its step in flight ends first): the scheduler's compute is next. (On the
+        loop's thread, as every submission.)"""
+        if self.lane is not None:
+            self.lane.disarm()
 
     @property
     def idle(self) -> bool:
@@ -229,6 +243,7 @@ class Scheduler:
         return self._submit(Job(StepKind.of(hidden.shape[1]), request.batch_tokens, 0.0, work))
 
     async def _submit(self, job: Job) -> tuple[Any, JobTiming]:
+        self.yield_lane()
         with self._lock:
             if self._stopped:
                 raise RuntimeError("scheduler is stopped")
@@ -259,6 +274,7 @@ class Scheduler:
         one-call answer: kernels/lane.c) when the rule for running a step inline holds (`_lone_decode`): True if
         taken (then call `inline_done` after it, whatever happens), False if the step must go through `submit_step`
         (it would queue or batch with other sessions' steps)."""
+        self.yield_lane()
         with self._lock:
             if self._stopped or not self._lone_decode(DECODE, member):
                 return False

@@ -348,6 +348,11 @@ class SwarmService(pb_grpc.SwarmServicer):
         session.last_used_s = time.monotonic()  # idle from the step's end
         return AnswerFrame(frame)
 
+    def lane_tokens(self) -> int:
+        """Rows x tokens the armed step lane computed so far (added to `tokens_computed` when it is disarmed)."""
+        lane = self.scheduler.lane
+        return lane.rows * lane.steps if lane is not None else 0
+
     def lane_for(self, session: Session, order: StepOrder) -> StepLane | None:
         """A step lane for the session's next plain decode steps (server/lane.py), or None unless every rule `_step`
         applies to them holds whatever they carry, until something disarms the lane: a keyed session alone on this
@@ -452,7 +457,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             quant=self.stage.announced_quant, weight_bytes=self.stage.weight_bytes,  # int8/int4: announced; bytes held
             adapters=self.announced_adapters,
             prefix_cache=prefix_cache.info(self.prefixes, self.counters_public),
-            tokens_computed=self.tokens_computed if self.counters_public else 0,
+            tokens_computed=self.tokens_computed + self.lane_tokens() if self.counters_public else 0,
             gc=gc_info() if self.counters_public else None,  # (its pauses time the requests it served)
             frame_port=self.frame_port,
         )

@@ -201,7 +201,7 @@ class SessionStreams:
                 return await inbox.get(timeout_s)
             except asyncio.TimeoutError:
                 lane = self.lanes.get(session.session_id)
-                if lane is None or not lane.armed or time.monotonic() - session.last_used_s >= timeout_s:
+                if lane is None or not lane.armed or time.monotonic() - session.last_active_s() >= timeout_s:
                     raise
 
     def _arm(self, session: Session, order: StepOrder, inbox: Inbox, charges: dict, conn) -> None:
@@ -209,12 +209,13 @@ class SessionStreams:
         for the session (inbox, step order, bytes in flight, a push on its way out, the connection's bytes) and the
         service allows one (server/lane.py)."""
         sid = session.session_id
-        if (self.lane_for is None or session.lane_never or conn.lane is not None or conn.buf or not conn.writable()
-                or not inbox.empty() or not order.idle or charges or sid in self._pushes):
+        if (self.lane_for is None or session.lane_never or not conn.may_arm() or not inbox.empty() or not order.idle
+                or charges or sid in self._pushes):
             return
         lane = self.lane_for(session, order)
         if lane is not None:
-            self.lanes[sid] = conn.lane = lane
+            self.lanes[sid] = lane
+            conn.arm(lane)
 
     def disarm(self, session_id: str | None = None) -> None:
         """The step lane of `session_id` (None: every lane) back to the usual path, its state written back."""

@@ -51,8 +51,14 @@ class Session:
     # no step lane can ever serve it (unkeyed, an adapter or a deep prompt, blocks without a one-call decoder, limits
     # that refuse its last positions: server/lane.py): not asked again at every step
     lane_never: bool = False
+    # its armed step lane (server/lane.py): its steps pass no Python, so their time is the lane's (`last_active_s`)
+    lane: object = field(default=None, repr=False)
     # the push key opened last: (sealed, the next server's session, key); a client seals one per route, not per step
     _opened_push_key: tuple[bytes, str, bytes] | None = field(default=None, repr=False)
+
+    def last_active_s(self) -> float:
+        """When its last step ended (or arrived, or it was opened): time.monotonic."""
+        return self.last_used_s if self.lane is None else self.lane.last_step_s
 
     def owned_by(self, secret: bytes) -> bool:
         return hmac.compare_digest(self.secret, bytes(secret))
@@ -165,7 +171,7 @@ class SessionTable:
         now = time.monotonic()
 
         def stale(s: Session) -> bool:
-            return (now - s.last_used_s > idle_timeout_s
+            return (now - s.last_active_s() > idle_timeout_s
                     or (not s.stepped and now - s.opened_s > s.open_idle_s)
                     or (s.detached_s is not None and now - s.detached_s > resume_grace_s))
 
