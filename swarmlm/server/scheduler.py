@@ -402,6 +402,7 @@ class Scheduler:
         job.outcome = (result, JobTiming(started - job.enqueued_s, time.perf_counter() - started))
 
     def stop(self) -> None:
+        self.yield_lane()
         with self._lock:
             self._stopped = True
             self._cv.notify_all()
