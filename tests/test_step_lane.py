@@ -304,3 +304,23 @@ def test_a_forward_disarms_the_lane_and_the_session_goes_on(packed_llama):
             assert scheduler.lane_steps == new - 3  # (all but the first decode step and the one after the Forward)
         finally:
             client.close()
+
+
+def test_the_attack_suites_hostile_steps_on_an_armed_lane(packed_llama):
+    """The attack suite's hostile STEPs (swarmlm/bench/frame_attacks.py `compact_cases`), each sent by a lone session
+    after a few decode steps (its lane armed): the clear answer each case expects, the same as a server without the
+    lane gives, and the server serves the next session."""
+    blocks, hidden = _blocks(packed_llama), _hidden(packed_llama)
+    results = {}
+    for lane in (True, False):
+        with in_process_server(packed_llama, BlockRange(0, blocks), step_lane=lane, session_idle_timeout_s=20.0,
+                               open_idle_timeout_s=20.0) as server:
+            results[lane] = fa.run_compact_cases(server.address, hidden, blocks, warm=True)
+            results[lane, "steps"] = server.service.scheduler.lane_steps
+            assert _answers(server.address, blocks, hidden, lambda s: b"")[1] == ["STATUS OK "]
+            assert server.service.load.held == {}
+    bad = {name: got for name, got in results[True].items() if not fa.compact_expected(name, got)}
+    assert not bad, bad
+    assert results[True] == results[False]
+    keyed = sum(not isinstance(case, bytes) for case in fa.compact_cases(hidden).values())
+    assert results[True, "steps"] >= 2 * keyed and results[False, "steps"] == 0
