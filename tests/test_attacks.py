@@ -690,7 +690,8 @@ def test_hostile_deep_prompts_and_loras_are_refused_at_open_and_a_good_prompt_co
         # (RESOURCE_EXHAUSTED: an open over --max-message-mb, refused by gRPC before the service sees it)
         assert err.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), what
         stream.drop()
-    assert _poll(lambda: _info(address).active_sessions == before)
+    # nothing left by the refused opens (an earlier test's detached session may end meanwhile)
+    assert _poll(lambda: _info(address).active_sessions <= before)
     x, prompts = torch.randn(1, 6, hidden), torch.randn(blocks, 3, hidden)
     outputs = []
     for deep, pieces in ((None, (6,)), (prompts, (6,)), (prompts, (2, 4))):  # (2, 4): the prompt split over steps
