@@ -86,7 +86,13 @@ class FrameConnection(asyncio.Protocol):
         """The socket's reads are `lane`'s thread's from now (`may_arm` held)."""
         self.transport.pause_reading()
         self.lane = lane
-        lane.start(self, self.transport.get_extra_info("socket").fileno())
+        try:
+            lane.start(self, self.transport.get_extra_info("socket").fileno())
+        except OSError as exc:  # (out of descriptors: the usual path goes on, nothing changed)
+            log.warning("no step lane: %s", exc)
+            self.lane = None
+            lane.disarm()
+            self.resume()
 
     def drop_lane(self) -> None:
         """Back to the usual path for every byte (the lane's state written back first)."""

@@ -120,10 +120,16 @@ class StepLane:
         """The connection's reads are the lane's from now (its event loop reads none until `lane_stopped`): the
         thread starts on a duplicate of `sock_fd` (the loop's transport may close its own meanwhile: no descriptor
         the thread holds is ever another socket's)."""
+        wake_r, wake_w = os.pipe()  # (OSError, out of descriptors: nothing started, the caller goes on without)
+        try:
+            fd = os.dup(sock_fd)
+        except OSError:
+            os.close(wake_r)
+            os.close(wake_w)
+            raise
+        self._io.fd, self._io.wake_fd, self._wake_w = fd, wake_r, wake_w
         self._conn = conn
         self._loop = asyncio.get_running_loop()
-        wake_r, self._wake_w = os.pipe()
-        self._io.fd, self._io.wake_fd = os.dup(sock_fd), wake_r
         self.scheduler.lane = self
         self.session.lane = self
         self._thread = threading.Thread(target=self._run, name="swarmlm-step-lane", daemon=True)
@@ -183,7 +189,10 @@ class StepLane:
             log.exception("the step lane failed; its session goes on the usual way")
             self._ended = DECLINED
         if self._ended != STOPPED:  # (stopped: the loop is in `disarm`, waiting for this thread)
-            self._loop.call_soon_threadsafe(self.disarm)
+            try:
+                self._loop.call_soon_threadsafe(self.disarm)
+            except RuntimeError:  # (the loop is closed: the server is gone)
+                pass
 
     def _serve_forward(self) -> int:
         """Blocks transformers runs: C reads and checks each STEP, the stage computes (and commits), C answers."""
