@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarmlm.client.relay import RelayLane, chain_library
+from swarmlm.client.relay import OutputBlock, RelayLane, chain_library
+from swarmlm.errors import InvalidRequest
 from swarmlm.types import BlockRange, CacheOp
 from tests.swarm_helpers import client_of, greedy_reference, in_process_swarm
 from tests.test_relay_chain import greedy_session
@@ -101,3 +102,37 @@ def test_whatever_changes_gives_the_step_back_to_the_usual_path(tiny_bloom, lane
     assert laned == [False, True, False, True, False, True, False, True, False, False, True, True]
     for mine, theirs in zip(outs, python_outs):
         assert torch.allclose(mine, theirs, atol=1e-5)
+
+
+def test_kept_outputs_and_history_stay_across_output_blocks_and_the_lane_stops_at_max_length(tiny_bloom, lane_steps,
+                                                                                             monkeypatch):
+    """The chain's outputs come from blocks made ahead (OutputBlock): with blocks of two steps, every output the
+    caller kept and every span's history (a middle hop's input is the previous hop's output) is still what a client
+    without the chain got, after many blocks; and the lane's room ends where the session's max_length does."""
+    hidden_bytes = 4 * 64  # tiny-bloom's hidden size, float32, one row and token
+    monkeypatch.setattr(OutputBlock, "BLOCK_BYTES", 2 * 3 * hidden_bytes)  # two steps of three hops
+    with in_process_swarm(tiny_bloom, THREE) as swarm:
+        client = client_of(swarm, frames=True, push=False)
+        python = client_of(swarm, frames=True, push=False, relay_in_c=False)
+        assert client.config.hidden_size * 4 == hidden_bytes
+        torch.manual_seed(1)
+        xs = [torch.randn(1, 3, 64)] + [torch.randn(1, 1, 64) for _ in range(9)]
+        outs, histories = {}, {}
+        try:
+            for name, c in (("chain", client), ("python", python)):
+                with torch.no_grad(), c.inference_session(max_length=12) as session:
+                    outs[name] = [session.step(x) for x in xs]  # 3 + 9 tokens: the session is full
+                    with pytest.raises(InvalidRequest, match="max_length 12 reached"):
+                        session.step(xs[-1])
+                    histories[name] = [span.history for span in session.spans]
+        finally:
+            client.close()
+            python.close()
+    assert len(lane_steps) == 8, "the first decode step arms the lane, the other 8 go through it"
+    assert session._lane is None or not session._lane.takes(xs[-1])
+    for mine, theirs in zip(outs["chain"], outs["python"], strict=True):
+        assert torch.allclose(mine, theirs, atol=1e-5)
+    for mine, theirs in zip(histories["chain"], histories["python"], strict=True):
+        assert len(mine) == len(theirs) == 10
+        for (h, m), (h2, m2) in zip(mine, theirs):
+            assert torch.allclose(h, h2, atol=1e-5) and torch.equal(m, m2)

@@ -215,7 +215,7 @@ class InferenceSession:
         before them (types.CacheOp; B then follows its rows); token_ids [B, T]: the tokens (for the prefix cache;
         without them the session keeps no prefix). Returns the last block's output."""
         lane, self._lane = self._lane, None  # (taken back by a step it relays whole)
-        if lane is not None and mask is None and op is None and self.position < self.max_length and lane.takes(hidden):
+        if lane is not None and mask is None and op is None and lane.takes(hidden):
             return self._lane_step(lane, hidden, token_ids)
         if self._align is not None:  # the open's cached prefixes, cut to the one every span holds
             op, self._align = (self._align if op is None else self._align.then(op)), None
