@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarmlm.client.streams import HopTiming, SpanStream
+from swarmlm.client.streams import RelayedHop, SpanStream
 from swarmlm.kernels import KernelUnavailable, library
 from swarmlm.kernels.frame_types import ANSWER_OVERHEAD, FRAME_HEADER, MAC, STEP_HEAD, FrameKey
 from swarmlm.small_reads import no_padding_mask
@@ -165,12 +165,13 @@ class OutputBlock:
 
 
 def take_answered(open_spans: list, x: torch.Tensor, mask: torch.Tensor, outs: tuple[torch.Tensor, ...],
-                  ints: list[int], times: list[float], nbytes: int, n_tokens: int) -> list[HopTiming]:
+                  ints: list[int], times: list[float], nbytes: int, n_tokens: int) -> list[RelayedHop]:
     """The bookkeeping of the hops a chain answered (as many as `ints` holds records of: ints and times read whole
     from the chain): each stream's step id, position and timing (SpanStream.relayed), each span's history (its
     input, then the next hop's, is the previous hop's output). `open_spans`: the route's (client/pipeline.py
     OpenSpan, which sits above this module); `nbytes`, `n_tokens`: x's float32 bytes and tokens (the caller's: a
-    lane's are fixed, no torch call to ask x). Returns their timings in order."""
+    lane's are fixed, no torch call to ask x). Returns their timings in order, not made yet (streams.py
+    `relayed_timing` makes them)."""
     timings = []
     source = x
     for j in range(len(ints) // INTS):
@@ -227,10 +228,10 @@ class RelayLane:
                 return False
         return True
 
-    def step(self, x: torch.Tensor) -> tuple[list[HopTiming], tuple[torch.Tensor, ...], tuple | None]:
-        """One step through the chain: the answered hops' timings (their bookkeeping done), every hop's output, and
-        None, or where it stopped (the chain's result: the caller goes on the usual way from it, nothing of it
-        taken here)."""
+    def step(self, x: torch.Tensor) -> tuple[list[RelayedHop], tuple[torch.Tensor, ...], tuple | None]:
+        """One step through the chain: the answered hops' timings not made yet (their bookkeeping done: the step's
+        record makes them when read, session.py LaneStepRecord), every hop's output, and None, or where it stopped
+        (the chain's result: the caller goes on the usual way from it, nothing of it taken here)."""
         result = self.chain.run(x)  # (the bounds and step ids the arming step left in it)
         done, outs, stopped = result
         if stopped is not None:
