@@ -50,6 +50,12 @@ class ChainHop(ctypes.Structure):
                 ("step_id", ctypes.c_uint64), ("bound_s", _f64)]
 
 
+class ChainStep(ctypes.Structure):
+    _fields_ = [("n", _i64), ("b", _i64), ("t", _i64), ("h", _i64), ("step", ctypes.c_void_p),
+                ("reply", ctypes.c_void_p), ("ints", ctypes.c_void_p), ("times", ctypes.c_void_p),
+                ("stop", ctypes.c_void_p)]
+
+
 @dataclass
 class Stopped:
     """Where the chain stopped short of the last hop: hop `hop` (the hops before it answered), its STEP `state`
@@ -108,14 +114,15 @@ class RelayChain:
         where it stopped (None: every hop answered). Each hop's step id is its stream's next (the caller's
         bookkeeping takes it)."""
         shape = x.shape
-        b, t, h = shape
         if shape != self._shape:
             self._shape = shape
+            b, t, h = shape
             count = b * t * h
             self._step = ctypes.create_string_buffer(FRAME_HEADER + STEP_HEAD + 4 * count + MAC)
             self._reply = ctypes.create_string_buffer(ANSWER_OVERHEAD + 4 * count)
-            self._addresses = tuple(map(ctypes.addressof, (self._step, self._reply, self.ints, self.times,
-                                                           self.stop)))
+            self._call = ChainStep(len(self.streams), b, t, h,
+                                   *map(ctypes.addressof, (self._step, self._reply, self.ints, self.times, self.stop)))
+            self._call_at = ctypes.addressof(self._call)
             self._outputs = OutputBlock(shape, len(self.streams))
         n = len(self.streams)
         if bounds is not None:
@@ -123,9 +130,8 @@ class RelayChain:
                 hop.step_id = stream._step_id + 1
                 hop.bound_s = bound
         hop_outs, outs_at = self._outputs.take()
-        # (the buffers' addresses as ints: ctypes converts an int at once, an array through its from_param)
-        step, reply, ints, times, stop = self._addresses
-        done = self.lib.chain_relay(self._hops_at, n, b, t, h, x.data_ptr(), outs_at, step, reply, ints, times, stop)
+        # (addresses as ints: ctypes converts an int at once, an array through its from_param)
+        done = self.lib.chain_relay(self._hops_at, self._call_at, x.data_ptr(), outs_at)
         self.answered += done
         if done == n:
             return done, hop_outs, None
