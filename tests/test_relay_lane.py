@@ -8,8 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarmlm.client.relay import RelayLane, chain_library
+from swarmlm.client.chunking import BandwidthEstimate
+from swarmlm.client.relay import OutputBlock, RelayLane, chain_library
+from swarmlm.client.session import LaneStepRecord
+from swarmlm.client.streams import MAX_REPORTED_BATCH, HopTiming, SpanStream
+from swarmlm.errors import InvalidRequest
 from swarmlm.types import BlockRange, CacheOp
+from swarmlm.wire import compact
 from tests.swarm_helpers import client_of, greedy_reference, in_process_swarm
 from tests.test_relay_chain import greedy_session
 
@@ -101,3 +106,78 @@ def test_whatever_changes_gives_the_step_back_to_the_usual_path(tiny_bloom, lane
     assert laned == [False, True, False, True, False, True, False, True, False, False, True, True]
     for mine, theirs in zip(outs, python_outs):
         assert torch.allclose(mine, theirs, atol=1e-5)
+
+
+def test_kept_outputs_and_history_stay_across_output_blocks_and_the_lane_stops_at_max_length(tiny_bloom, lane_steps,
+                                                                                             monkeypatch):
+    """The chain's outputs come from blocks made ahead (OutputBlock): with blocks of two steps, every output the
+    caller kept and every span's history (a middle hop's input is the previous hop's output) is still what a client
+    without the chain got, after many blocks; and the lane's room ends where the session's max_length does."""
+    hidden_bytes = 4 * 64  # tiny-bloom's hidden size, float32, one row and token
+    monkeypatch.setattr(OutputBlock, "BLOCK_BYTES", 2 * 3 * hidden_bytes)  # two steps of three hops
+    with in_process_swarm(tiny_bloom, THREE) as swarm:
+        client = client_of(swarm, frames=True, push=False)
+        python = client_of(swarm, frames=True, push=False, relay_in_c=False)
+        assert client.config.hidden_size * 4 == hidden_bytes
+        torch.manual_seed(1)
+        xs = [torch.randn(1, 3, 64)] + [torch.randn(1, 1, 64) for _ in range(9)]
+        outs, histories = {}, {}
+        try:
+            for name, c in (("chain", client), ("python", python)):
+                with torch.no_grad(), c.inference_session(max_length=12) as session:
+                    outs[name] = [session.step(x) for x in xs]  # 3 + 9 tokens: the session is full
+                    with pytest.raises(InvalidRequest, match="max_length 12 reached"):
+                        session.step(xs[-1])
+                    histories[name] = [span.history for span in session.spans]
+        finally:
+            client.close()
+            python.close()
+    assert len(lane_steps) == 8, "the first decode step arms the lane, the other 8 go through it"
+    assert session._lane is None or not session._lane.takes(xs[-1])
+    for mine, theirs in zip(outs["chain"], outs["python"], strict=True):
+        assert torch.allclose(mine, theirs, atol=1e-5)
+    for mine, theirs in zip(histories["chain"], histories["python"], strict=True):
+        assert len(mine) == len(theirs) == 10
+        for (h, m), (h2, m2) in zip(mine, theirs):
+            assert torch.allclose(h, h2, atol=1e-5) and torch.equal(m, m2)
+
+
+def test_a_lane_steps_hop_timings_made_when_read_are_those_of_its_step(tiny_bloom, lane_steps, monkeypatch):
+    """A lane step's record makes its hops' timings only when they are read (LaneStepRecord): read after many more
+    steps, they are what the chain's records said at each step (a hop's wall time from its write, or from its
+    stream's previous reply if that came later), and each is the one its link's bandwidth estimate observed then."""
+    at_the_time, observed = [], []
+    relayed, observe = SpanStream.relayed, BandwidthEstimate.observe
+
+    def relayed_now(stream, ints, times, nbytes, n_tokens):
+        queued, compute, parse, encode, built, written, whole, checked = times
+        started = max(written, stream._last_reply_s)
+        at_the_time.append(HopTiming(stream.span.server_id, whole - started, queued, compute, parse + encode,
+                                     (written - built) + (checked - whole), n_tokens, bool(ints[3] & compact.PUSHED),
+                                     max(1, min(ints[2], MAX_REPORTED_BATCH))))
+        return relayed(stream, ints, times, nbytes, n_tokens)
+
+    def observed_now(estimate, bytes_total, network):
+        observed.append((bytes_total, network))
+        return observe(estimate, bytes_total, network)
+
+    monkeypatch.setattr(SpanStream, "relayed", relayed_now)
+    monkeypatch.setattr(BandwidthEstimate, "observe", observed_now)
+    with in_process_swarm(tiny_bloom, THREE) as swarm:
+        client = client_of(swarm, frames=True, push=False)
+        try:
+            with torch.no_grad(), client.inference_session(max_length=16) as session:
+                session.step(torch.randn(1, 3, 64))
+                observed.clear()  # (the prompt's, read in Python)
+                for _ in range(8):
+                    session.step(torch.randn(1, 1, 64))
+                records = session.steps[1:]
+        finally:
+            client.close()
+    assert len(lane_steps) == 7 and all(isinstance(r, LaneStepRecord) for r in records[1:])
+    assert [r._unmade is not None for r in records[1:]] == [True] * 7, "nothing made before it was read"
+    hops = [h for r in records for h in r.hops]
+    assert hops == at_the_time and len(hops) == 8 * 3
+    assert all(r.hops is r.hops for r in records), "made once"
+    assert observed == [(2 * 4 * 64, h.network_s) for h in hops]
+    assert all(r.n_tokens == 1 and r.blocking and not r.pushed and r.wall_s > 0 for r in records)

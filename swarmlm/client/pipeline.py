@@ -29,7 +29,7 @@ import torch
 
 from swarmlm.client import relay
 from swarmlm.client.frame_call import FrameCall, rpc_error
-from swarmlm.client.streams import HopTiming, SpanStream, Undecoded, server_failure
+from swarmlm.client.streams import HopTiming, SpanStream, Undecoded, relayed_timing, server_failure
 from swarmlm.config import ClientConfig
 from swarmlm.errors import PushRefused, ServerFailed, ServerHung
 from swarmlm.perf.model import ComputeProfile
@@ -108,10 +108,11 @@ class OpenSpan:
         """Its server holds tokens of this session's steps (a step's bound is then past a cache)."""
         return bool(self._history)
 
-    def answered(self, hidden: torch.Tensor | Undecoded, mask: torch.Tensor) -> None:
-        """A chunk sent and answered joins the history."""
+    def answered(self, hidden: torch.Tensor | Undecoded, mask: torch.Tensor, n_tokens: int | None = None) -> None:
+        """A chunk sent and answered joins the history (`n_tokens`: its tokens, hidden.shape[1], where the caller
+        knows them: no torch call right after the wait)."""
         self._history.append((hidden, mask))
-        self._history_tokens += hidden.shape[1]
+        self._history_tokens += hidden.shape[1] if n_tokens is None else n_tokens
 
     @property
     def rows(self) -> int:
@@ -358,7 +359,9 @@ class StepPipeline:
         done, outs, stopped = relayed if relayed is not None else self.relay.run(x, bounds)
         # (each read whole once, as lists: a slice of a list is no call, a slice of a ctypes array is one)
         ints, times = self.relay.ints[:relay.INTS * done], self.relay.times[:relay.TIMES * done]
-        self.timings += relay.take_answered([h.open_span for h in self.hops], x, mask, outs, ints, times)
+        answered = relay.take_answered([h.open_span for h in self.hops], x, mask, outs, ints, times, 4 * x.numel(),
+                                       x.shape[1])
+        self.timings += map(relayed_timing, answered)
         for j in range(done):
             hop = self.hops[j]
             hop.written = 1

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarmlm.client.streams import HopTiming, SpanStream
+from swarmlm.client.streams import RelayedHop, SpanStream
 from swarmlm.kernels import KernelUnavailable, library
 from swarmlm.kernels.frame_types import ANSWER_OVERHEAD, FRAME_HEADER, MAC, STEP_HEAD, FrameKey
 from swarmlm.small_reads import no_padding_mask
@@ -48,6 +48,12 @@ def chain_library() -> ctypes.CDLL | None:
 class ChainHop(ctypes.Structure):
     _fields_ = [("fd", _i64), ("client", FrameKey), ("server", FrameKey), ("max_body", _i64),
                 ("step_id", ctypes.c_uint64), ("bound_s", _f64)]
+
+
+class ChainStep(ctypes.Structure):
+    _fields_ = [("n", _i64), ("b", _i64), ("t", _i64), ("h", _i64), ("step", ctypes.c_void_p),
+                ("reply", ctypes.c_void_p), ("ints", ctypes.c_void_p), ("times", ctypes.c_void_p),
+                ("stop", ctypes.c_void_p)]
 
 
 @dataclass
@@ -87,8 +93,9 @@ class RelayChain:
         self.stop = (_i64 * 4)()
         self._hops_at = ctypes.addressof(self.hops)
         self.answered = 0  # hops the chain took the ANSWER of, over its steps (what the tests count)
-        self._count = -1  # the values per step the frame buffers hold
+        self._shape: torch.Size | None = None  # the step shape the frame buffers and output block are for
         self._step = self._reply = None
+        self._outputs: OutputBlock | None = None
 
     def fits(self, streams: list[SpanStream]) -> bool:
         """Is this the chain of these streams, on the same calls still?"""
@@ -103,30 +110,29 @@ class RelayChain:
             bounds: list[float] | None = None) -> tuple[int, tuple[torch.Tensor, ...], Stopped | None]:
         """One step: x [B, T, H] float32, contiguous; bounds: each hop's hang timeout (None: the last step's, its
         step ids advanced by the chain: a relay lane's step, right after a whole one). Returns the hops answered,
-        every hop's output [B, T, H] (valid for those answered), and where it stopped (None: every hop answered).
-        Each hop's step id is its stream's next (the caller's bookkeeping takes it)."""
-        b, t, h = x.shape
-        count = b * t * h
-        if count != self._count:
-            self._count = count
+        every hop's output [B, T, H] (valid for those answered: tensors of their own, written by no later step), and
+        where it stopped (None: every hop answered). Each hop's step id is its stream's next (the caller's
+        bookkeeping takes it)."""
+        shape = x.shape
+        if shape != self._shape:
+            self._shape = shape
+            b, t, h = shape
+            count = b * t * h
             self._step = ctypes.create_string_buffer(FRAME_HEADER + STEP_HEAD + 4 * count + MAC)
             self._reply = ctypes.create_string_buffer(ANSWER_OVERHEAD + 4 * count)
-            self._addresses = tuple(map(ctypes.addressof, (self._step, self._reply, self.ints, self.times,
-                                                           self.stop)))
+            self._call = ChainStep(len(self.streams), b, t, h,
+                                   *map(ctypes.addressof, (self._step, self._reply, self.ints, self.times, self.stop)))
+            self._call_at = ctypes.addressof(self._call)
+            self._outputs = OutputBlock(shape, len(self.streams))
         n = len(self.streams)
         if bounds is not None:
             for hop, stream, bound in zip(self.hops, self.streams, bounds):
                 hop.step_id = stream._step_id + 1
                 hop.bound_s = bound
-        # every hop's output in one block ([n, B, T, H]; one hop's: [B, T, H] itself, no view to make after the wait,
-        # when each torch call costs ~10x: docs/RESULTS-hop.md round 20)
-        outs = torch.empty((n, b, t, h) if n > 1 else (b, t, h))
-        # (the buffers' addresses as ints: ctypes converts an int at once, an array through its from_param)
-        step, reply, ints, times, stop = self._addresses
-        done = self.lib.chain_relay(self._hops_at, n, b, t, h, x.data_ptr(), outs.data_ptr(), step, reply, ints,
-                                    times, stop)
+        hop_outs, outs_at = self._outputs.take()
+        # (addresses as ints: ctypes converts an int at once, an array through its from_param)
+        done = self.lib.chain_relay(self._hops_at, self._call_at, x.data_ptr(), outs_at)
         self.answered += done
-        hop_outs = outs.unbind(0) if n > 1 else (outs,)
         if done == n:
             return done, hop_outs, None
         _, state, errno, got = self.stop[:]
@@ -136,20 +142,49 @@ class RelayChain:
         return done, hop_outs, Stopped(done, state, errno, self._reply.raw[:got], times[4], times[5], left)
 
 
+class OutputBlock:
+    """The chain's output tensors, made ahead in blocks: each step takes the next n (one per hop, [B, T, H] each,
+    adjacent in memory: chain_relay writes hop j's at the address + j * B*T*H floats), no torch call of its own.
+    Right after the wait every torch call costs ~10x a warm one (tens of us: docs/RESULTS-hop.md round 20), and
+    a step's `torch.empty` and `unbind` were two of them; a block's are one `empty` and one `unbind` per
+    BLOCK_BYTES of outputs. A tensor handed out is never written again; a kept one keeps its block's memory."""
+
+    BLOCK_BYTES = 1 << 18  # 256 KiB: 64 decode steps of a 1024-wide model through one server
+
+    def __init__(self, shape: torch.Size, n: int) -> None:
+        self.shape, self.n = shape, n
+        self.step_bytes = 4 * n * shape[0] * shape[1] * shape[2]
+        self.steps = max(1, self.BLOCK_BYTES // self.step_bytes)  # steps a block holds
+        self._outs: tuple[torch.Tensor, ...] = ()
+        self._next = 0  # the next step's first tensor in _outs
+        self._at = 0  # its address
+
+    def take(self) -> tuple[tuple[torch.Tensor, ...], int]:
+        """The next step's n output tensors, and the address of the first."""
+        k, n = self._next, self.n
+        if k == len(self._outs):
+            block = torch.empty((self.steps * n, *self.shape), dtype=torch.float32)
+            self._outs, k, self._at = block.unbind(0), 0, block.data_ptr()
+        self._next = k + n
+        at, self._at = self._at, self._at + self.step_bytes
+        return self._outs[k:k + n], at
+
+
 def take_answered(open_spans: list, x: torch.Tensor, mask: torch.Tensor, outs: tuple[torch.Tensor, ...],
-                  ints: list[int], times: list[float]) -> list[HopTiming]:
+                  ints: list[int], times: list[float], nbytes: int, n_tokens: int) -> list[RelayedHop]:
     """The bookkeeping of the hops a chain answered (as many as `ints` holds records of: ints and times read whole
     from the chain): each stream's step id, position and timing (SpanStream.relayed), each span's history (its
     input, then the next hop's, is the previous hop's output). `open_spans`: the route's (client/pipeline.py
-    OpenSpan, which sits above this module). Returns their timings in order."""
-    nbytes, n_tokens = 4 * x.numel(), x.shape[1]
+    OpenSpan, which sits above this module); `nbytes`, `n_tokens`: x's float32 bytes and tokens (the caller's: a
+    lane's are fixed, no torch call to ask x). Returns their timings in order, not made yet (streams.py
+    `relayed_timing` makes them)."""
     timings = []
     source = x
     for j in range(len(ints) // INTS):
         open_span = open_spans[j]
         timings.append(open_span.stream.relayed(ints[INTS * j:INTS * (j + 1)], times[TIMES * j:TIMES * (j + 1)], nbytes,
                                                 n_tokens))
-        open_span.answered(source, mask)
+        open_span.answered(source, mask, n_tokens)
         source = outs[j]
     return timings
 
@@ -171,6 +206,10 @@ class RelayLane:
         self.records, self.syncs = self.view.records, self.router.syncs  # (the view replaces its dict on a read)
         self.shape = shape
         self.mask = no_padding_mask(shape[0], shape[1])  # (the one a decode step's history keeps)
+        self.nbytes, self.n_tokens = 4 * shape.numel(), shape[1]
+        # steps left before the session's max_length (the usual path's check; only a lane step moves the position
+        # while the lane lasts, one token each)
+        self.left = session.max_length - session.position
         self.calls = list(zip(chain.streams, chain.calls))
 
     @classmethod
@@ -184,8 +223,8 @@ class RelayLane:
 
     def takes(self, x: torch.Tensor) -> bool:
         """Would the usual path relay this step ([B, 1, H], no mask or cache op: the caller's) in this chain, with
-        these bounds?"""
-        if x.shape != self.shape or x.dtype is not torch.float32 or not x.is_contiguous():
+        these bounds (and not refuse it: room left in the session)?"""
+        if self.left <= 0 or x.shape != self.shape or x.dtype is not torch.float32 or not x.is_contiguous():
             return False
         session = self.session
         if session.spans is not self.spans or self.view.records is not self.records or self.router.syncs != self.syncs:
@@ -195,13 +234,14 @@ class RelayLane:
                 return False
         return True
 
-    def step(self, x: torch.Tensor) -> tuple[list[HopTiming], tuple[torch.Tensor, ...], tuple | None]:
-        """One step through the chain: the answered hops' timings (their bookkeeping done), every hop's output, and
-        None, or where it stopped (the chain's result: the caller goes on the usual way from it, nothing of it
-        taken here)."""
+    def step(self, x: torch.Tensor) -> tuple[list[RelayedHop], tuple[torch.Tensor, ...], tuple | None]:
+        """One step through the chain: the answered hops' timings not made yet (their bookkeeping done: the step's
+        record makes them when read, session.py LaneStepRecord), every hop's output, and None, or where it stopped
+        (the chain's result: the caller goes on the usual way from it, nothing of it taken here)."""
         result = self.chain.run(x)  # (the bounds and step ids the arming step left in it)
         done, outs, stopped = result
         if stopped is not None:
             return [], outs, result
+        self.left -= 1
         ints, times = self.chain.ints[:], self.chain.times[:]  # (whole, once: every hop answered)
-        return take_answered(self.spans, x, self.mask, outs, ints, times), outs, None
+        return take_answered(self.spans, x, self.mask, outs, ints, times, self.nbytes, self.n_tokens), outs, None

@@ -26,7 +26,7 @@ from swarmlm.client.remote import RemoteSequence, report_failure
 from swarmlm.client.frame_call import FrameCall
 from swarmlm.client.relay import RelayChain, RelayLane, chain_library
 from swarmlm.client.router import profile_of
-from swarmlm.client.streams import HopTiming, SpanStream
+from swarmlm.client.streams import HopTiming, RelayedHop, SpanStream, relayed_timing
 from swarmlm.errors import InvalidRequest, ServerFailed, ServerHung, ServerTampered
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.small_reads import all_set, no_padding_mask
@@ -54,6 +54,34 @@ class StepRecord:
     pushed: bool = False  # server-to-server push on this step's route (ClientConfig.push, PerfModel.push_pays)
     push_refused: bool = False  # a server refused to push on: the step was sent again without push
     blocking: bool = False  # its first attempt ran from the caller's thread on framed streams (run_blocking)
+
+
+_HOPS = StepRecord.hops  # (the slot StepRecord keeps its hops in: LaneStepRecord's property stands in front of it)
+
+
+class LaneStepRecord(StepRecord):
+    """A relay lane's step (client/relay.py RelayLane) recorded as the usual path records a blocking decode step,
+    its hops' timings made when they are first read, from the chain's records of them (streams.py `relayed_timing`,
+    what the usual path makes at once): right after the wait every object made costs ~10x a warm one, and nothing
+    reads them before the next step (docs/RESULTS-hop.md round 21)."""
+
+    __slots__ = ("_unmade",)
+
+    def __init__(self, wall_s: float, unmade: list[RelayedHop]) -> None:
+        StepRecord.__init__(self, n_tokens=1, wall_s=wall_s, hops=None, blocking=True)
+        self._unmade = unmade
+
+    @property
+    def hops(self) -> list[HopTiming]:
+        if self._unmade is not None:
+            _HOPS.__set__(self, [relayed_timing(hop) for hop in self._unmade])
+            self._unmade = None
+        return _HOPS.__get__(self)
+
+    @hops.setter
+    def hops(self, hops: list[HopTiming]) -> None:
+        _HOPS.__set__(self, hops)
+        self._unmade = None
 
 
 @dataclass(frozen=True)
@@ -215,7 +243,7 @@ class InferenceSession:
         before them (types.CacheOp; B then follows its rows); token_ids [B, T]: the tokens (for the prefix cache;
         without them the session keeps no prefix). Returns the last block's output."""
         lane, self._lane = self._lane, None  # (taken back by a step it relays whole)
-        if lane is not None and mask is None and op is None and self.position < self.max_length and lane.takes(hidden):
+        if lane is not None and mask is None and op is None and lane.takes(hidden):
             return self._lane_step(lane, hidden, token_ids)
         if self._align is not None:  # the open's cached prefixes, cut to the one every span holds
             op, self._align = (self._align if op is None else self._align.then(op)), None
@@ -244,10 +272,10 @@ class InferenceSession:
         """A decode step the relay lane takes (RelayLane.takes): the chain's call; where it stopped short, the usual
         blocking step goes on from there."""
         t0 = time.perf_counter()
-        timings, outs, unfinished = lane.step(hidden)
+        unmade, outs, unfinished = lane.step(hidden)
         if unfinished is None:
             self._lane = lane
-            self.steps.append(StepRecord(n_tokens=1, wall_s=time.perf_counter() - t0, hops=timings, blocking=True))
+            self.steps.append(LaneStepRecord(time.perf_counter() - t0, unmade))
             out = outs[-1]
         else:
             record, chunks, hops = self._begin(hidden, lane.mask, None)

@@ -46,7 +46,26 @@ class HopTiming:
     @property
     def network_s(self) -> float:
         """What is left of the wall time: transfer, gRPC and event-loop overheads."""
-        return max(self.wall_s - self.queued_s - self.compute_s - self.server_io_s, 0.0)
+        return network_s(self.wall_s, self.queued_s, self.compute_s, self.server_io_s)
+
+
+def network_s(wall_s: float, queued_s: float, compute_s: float, server_io_s: float) -> float:
+    """HopTiming.network_s of these times (also where a hop's timing is not made yet: SpanStream.relayed)."""
+    return max(wall_s - queued_s - compute_s - server_io_s, 0.0)
+
+
+# A hop the C chain answered, its timing not made yet (SpanStream.relayed; `relayed_timing` makes it): the server id,
+# when the hop's wall time starts (its write, or the stream's previous reply if later), its tokens, then chain.c's
+# ints and times of it (client/relay.py INTS, TIMES). Of atomic values only: the collector untracks such a tuple.
+RelayedHop = tuple
+
+
+def relayed_timing(hop: RelayedHop) -> HopTiming:
+    """The HopTiming of a hop the C chain answered, as `_answer` makes a Python reader's."""
+    server_id, started, n_tokens, _, _, batched, flags, queued, compute, parse, encode, t0, t1, t2, t3 = hop
+    return HopTiming(server_id, wall_s=t2 - started, queued_s=queued, compute_s=compute, server_io_s=parse + encode,
+                     client_io_s=(t1 - t0) + (t3 - t2), n_tokens=n_tokens, pushed=bool(flags & compact.PUSHED),
+                     batched_steps=max(1, min(batched, MAX_REPORTED_BATCH)))
 
 
 class Undecoded:
@@ -326,27 +345,24 @@ class SpanStream:
                                    written_s=written_s, on_link=False, step_id=self._step_id, shape=shape))
         self.link.written_outside(kind)
 
-    def relayed(self, ints: list[int], times: list[float], nbytes: int, n_tokens: int) -> HopTiming:
+    def relayed(self, ints: list[int], times: list[float], nbytes: int, n_tokens: int) -> RelayedHop:
         """A hop the C chain wrote and took the ANSWER of (its kind, length, MAC and step id checked there): the
-        step's id, the stream's position, its timing and the link's bandwidth as `_request` and `_answer` keep them.
-        ints: the ANSWER's step id, position, batched steps, flags; times: its queued, compute, parse, encode, then
-        the client's clock when the STEP's build began, its write began, the reply was whole, it was checked."""
+        step's id, the stream's position and the link's bandwidth as `_request` and `_answer` keep them. ints: the
+        ANSWER's step id, position, batched steps, flags; times: its queued, compute, parse, encode, then the
+        client's clock when the STEP's build began, its write began, the reply was whole, it was checked. Returns
+        its timing not made yet (`relayed_timing` makes it: a relay lane's step record when it is first read)."""
         self._step_id += 1
         assert ints[0] == self._step_id  # (the id the chain was given, and checked)
         self.link.written_outside(StepKind.of(n_tokens))
         self.position = ints[1]
-        queued, compute, parse, encode, t0, t1, t2, t3 = times
+        queued, compute, parse, encode, _, t1, t2, _ = times
         started = t1 if t1 > self._last_reply_s else self._last_reply_s
         self._last_reply_s = t2
-        timing = HopTiming(self.span.server_id, wall_s=t2 - started, queued_s=queued, compute_s=compute,
-                           server_io_s=parse + encode, client_io_s=(t1 - t0) + (t3 - t2), n_tokens=n_tokens,
-                           pushed=bool(ints[3] & compact.PUSHED),
-                           batched_steps=max(1, min(ints[2], MAX_REPORTED_BATCH)))
         if self.link.in_flight == 0:  # (`_Sent.clean`: nothing else of this client on the link)
             if self._bandwidth is None:
                 self._bandwidth = self.channels.bandwidth(self.span.address)
-            self._bandwidth.observe(2 * nbytes, timing.network_s)
-        return timing
+            self._bandwidth.observe(2 * nbytes, network_s(t2 - started, queued, compute, parse + encode))
+        return (self.span.server_id, started, n_tokens, *ints, *times)
 
     async def receive(self, timeout_s: float | None = None) -> tuple[torch.Tensor, HopTiming]:
         """The reply to the oldest unanswered step. No reply within `timeout_s` (default: the stream's) is a failure

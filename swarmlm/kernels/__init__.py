@@ -108,8 +108,8 @@ def library(march: str = "native") -> ctypes.CDLL:
     lib.decode_span.restype = ctypes.c_int
     frame_types.declare(lib)
     lane.declare(lib)
-    # (client/relay.py: the hops' structs, the step's dims, x, the outputs, the frame buffers, what each hop said)
-    lib.chain_relay.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    # (client/relay.py: the hops' structs, the step's dims and buffers (ChainStep), x, the outputs)
+    lib.chain_relay.argtypes = [ptr, ptr, ptr, ptr]
     lib.chain_relay.restype = i64
     # what the worker pool was last told (model/packed.py threaded_library), an attribute of this build from the start:
     # a missing one is a failed symbol lookup and an AttributeError each time it is read (cold, ~30 us a decode step)

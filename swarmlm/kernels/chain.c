@@ -28,6 +28,15 @@ struct chain_hop {              /* one hop's stream (set once per stream), its s
     double bound_s;             /* its hang timeout: no reply within it (or a write that takes nothing) stops */
 };
 
+struct chain_step {             /* a step's dims and buffers (set once per step shape: one argument, not nine) */
+    int64_t n, b, t, h;         /* hops; the step's [B, T, H] */
+    uint8_t *step;              /* a STEP frame of b*t*h values */
+    uint8_t *reply;             /* an ANSWER frame of b*t*h values */
+    int64_t *ints;              /* CHAIN_INTS per hop */
+    double *times;              /* CHAIN_TIMES per hop */
+    int64_t *stop;              /* CHAIN_STOP_SLOTS */
+};
+
 /* stop[]: where and why a chain stopped (what its Python side reads) */
 #define CHAIN_STOP_HOP 0    /* hops answered (== n: all of them) */
 #define CHAIN_STOP_STATE 1  /* CHAIN_* below */
@@ -114,10 +123,13 @@ static int read_answer(const struct chain_hop *hop, uint8_t *reply, int64_t fram
 }
 
 /* The step's n hops, relayed: x holds b*t*h float32 (hop 0's input), outs n*b*t*h (hop j's output at j*b*t*h);
-   `step` and `reply` hold a STEP and an ANSWER frame of b*t*h values. Returns the hops answered; stop[] says where
-   and why it stopped, ints[] and times[] what each hop's answer and the client's clock said. */
-int64_t chain_relay(struct chain_hop *hops, int64_t n, int64_t b, int64_t t, int64_t h, const float *x,
-                    float *outs, uint8_t *step, uint8_t *reply, int64_t *ints, double *times, int64_t *stop) {
+   s->step and s->reply hold a STEP and an ANSWER frame of b*t*h values. Returns the hops answered; s->stop[] says
+   where and why it stopped, s->ints[] and s->times[] what each hop's answer and the client's clock said. */
+int64_t chain_relay(struct chain_hop *hops, const struct chain_step *s, const float *x, float *outs) {
+    int64_t n = s->n, b = s->b, t = s->t, h = s->h;
+    uint8_t *step = s->step, *reply = s->reply;
+    int64_t *ints = s->ints, *stop = s->stop;
+    double *times = s->times;
     int64_t count = b * t * h;
     int64_t frame = FRAME_HEADER + FRAME_ANSWER_HEAD + 4 * count + FRAME_MAC;
     memset(stop, 0, CHAIN_STOP_SLOTS * sizeof *stop);
