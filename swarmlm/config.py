@@ -107,7 +107,9 @@ class SchedulerConfig:
 # steps, wire/frames.py): serialising, parsing, the wire stack's wake-ups and thread hand-offs on both ends. Measured:
 # `benchmarks/hop_breakdown.py --transports` step minus server compute per hop, tiny-bloom on loopback, medians
 # (docs/RESULTS-hop.md rounds 14-15, calm: framed 0.23-0.34 ms at 1-3 servers; gRPC's Inference streams 0.58-0.78
-# ms; a hop after a long forward costs more: bloomz-560m framed 1.0-1.4 ms, its caches cold). A prefill
+# ms; a hop after a long forward costs more: bloomz-560m framed 1.0-1.4 ms, its caches cold). Round 21's step lanes
+# (calm): tiny-bloom 0.10-0.13 ms, a SmolLM2 server added ~0.14 ms, bloomz-560m 0.31-0.41 ms; 0.3 ms stays one
+# constant for every shape inside that range (lowering it moves the MoLink chunk split: ChunkRule). A prefill
 # chunk's fixed cost (ChunkRule), and the performance model's per-hop message cost (PerfModel.message_overhead_s:
 # planner, router, simulator), on top of a link's RTT. (A live client's RTT comes from Info probes, whose own unary
 # call already carries part of such a cost: it is counted twice there, alike for every route, so it changes no
