@@ -101,7 +101,7 @@ static int lane_frame(const struct lane *L, const uint8_t *data, int64_t n, stru
 }
 
 /* `lane_frame`, and its values finite: the step a caller may compute (then `lane_answer`). */
-int lane_open(const struct lane *L, const uint8_t *data, int64_t n, struct frame_step_head *h) {
+static int lane_open(const struct lane *L, const uint8_t *data, int64_t n, struct frame_step_head *h) {
     return lane_frame(L, data, n, h) &&
            frame_finite((const float *)(data + FRAME_HEADER + FRAME_STEP_HEAD), L->rows * L->hidden);
 }
@@ -116,7 +116,7 @@ static void lane_advance(struct lane *L) {
 
 /* The ANSWER to the step `lane_open` took, its output `values` (rows x hidden float32) computed (and committed) by
    the caller, at `out`; the lane moves on to the next step. Returns the frame's size. */
-int64_t lane_answer(struct lane *L, const float *values, double compute_s, double parse_s, uint8_t *out) {
+static int64_t lane_answer(struct lane *L, const float *values, double compute_s, double parse_s, uint8_t *out) {
     struct frame_answer_head a = {(uint64_t)L->next_id, L->position + 1, 1, 0, 0.0, compute_s, parse_s, 0.0};
     lane_advance(L);
     return frame_answer(&L->server, &a, values, L->rows * L->hidden, out);
@@ -126,7 +126,7 @@ int64_t lane_answer(struct lane *L, const float *values, double compute_s, doubl
    values finite first): the ANSWER's size at `out`; -1 if the bytes are not the lane's (or a value is not finite:
    nothing computed), -2 if the kernel refused the step (nothing committed either way: the caller disarms and the
    bytes go the usual way, which refuses the step or runs it through transformers). */
-int64_t lane_take(struct lane *L, const uint8_t *data, int64_t n, uint8_t *out) {
+static int64_t lane_take(struct lane *L, const uint8_t *data, int64_t n, uint8_t *out) {
     double t0 = now_s();
     struct frame_step_head h;
     if (!lane_frame(L, data, n, &h)) return -1;
