@@ -13,7 +13,8 @@ time over N servers'. llama.cpp: `llama-bench -p 0 -n T -t 1 -ngl 99 --rpc ...` 
 servers push on frames / on gRPC. --push on|off|auto: the N-server client's push setting; --push-ab: two N-server
 clients, relayed and pushed, alternating with the one-server client. --server-ab FLAG: two sets of servers, started
 with --FLAG and --no-FLAG (a boolean server option: one-call-steps, step-lane), all four clients alternating, with
-the servers' process CPU per token. --relay-ab: each client twice, a relayed decode step's hops in one C call
+the servers' process CPU per token. --server-base REV: the same with servers of git revision REV and of this tree
+(a change to the servers, measured side by side). --relay-ab: each client twice, a relayed decode step's hops in one C call
 (client/relay.py) and in Python (ClientConfig.relay_in_c), all alternating.
 """
 from __future__ import annotations
@@ -22,6 +23,8 @@ import argparse
 import contextlib
 import os
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -110,19 +113,21 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def server_ab(flag: str, model: str, servers: int, rounds: int, tokens: int, push: str | bool | None) -> None:
-    """A boolean server option on and off (`flag`: e.g. "step-lane", ServerConfig.step_lane): two sets of servers (1
-    of every block, N of an even split) of this tree, one started with --FLAG, one with --no-FLAG, their four clients
-    (framed; `push`: the N-server clients' ClientConfig.push, None: the default) alternating in rounds. Per setting: the N / 1 speed ratio, and the servers'
-    process CPU per token (all N summed, and the one server), over every round."""
+def server_ab(settings: dict[str, tuple[list[str], str | None]], model: str, servers: int, rounds: int, tokens: int,
+              push: str | bool | None) -> None:
+    """Two sets of servers (1 of every block, N of an even split), one per setting: name -> (the servers' extra
+    options, the source tree they run: None for this one), their four clients (this tree's, framed; `push`: the
+    N-server clients' ClientConfig.push, None: the default) alternating in rounds. Per setting: the N / 1 speed ratio,
+    and the servers' process CPU per token (all N summed, and the one server), over every round; per setup, the
+    second setting's speed over the first's."""
     blocks = int(load_config(model).num_hidden_layers)
-    settings = {f"--{flag}": f"--{flag}", f"--no-{flag}": f"--no-{flag}"}
     with contextlib.ExitStack() as stack:
         swarms = {}
-        for name, flag in settings.items():
+        for name, (options, tree) in settings.items():
             swarm = stack.enter_context(LocalSwarm(model, threads=1, with_dht=False,
-                                                   server_args=["--quant", "auto", flag]))
-            swarm.start([BlockRange(0, blocks), *even_split(blocks, servers)])
+                                                   server_args=["--quant", "auto", *options]))
+            with _python_path(tree):  # (the servers' processes take this process's environment when started)
+                swarm.start([BlockRange(0, blocks), *even_split(blocks, servers)])
             swarms[name] = swarm
         clients, pids = {}, {}
         for name, swarm in swarms.items():
@@ -143,12 +148,42 @@ def server_ab(flag: str, model: str, servers: int, rounds: int, tokens: int, pus
                 runs[key].append(per_token_ms(clients[key], tokens)[0])
                 cpu[key] += sum(map(process_cpu_s, pids[key])) - before
         print("load average at end: %.2f %.2f %.2f" % os.getloadavg())
+    parts = ("1 server", f"{servers} servers")
     for name in settings:
-        pair = {part: runs[name, part] for part in ("1 server", f"{servers} servers")}
-        report("swarmlm", pair, f"servers' {name} path")
+        pair = {part: runs[name, part] for part in parts}
+        report("swarmlm", pair, f"servers: {name}")
         per = {part: 1000 * cpu[name, part] / (rounds * (tokens + 1)) for part in pair}
         print(f"  servers' process CPU per token ({name}): " + ", ".join(f"{part} {ms:.3f} ms" for part, ms in
                                                                        per.items()), flush=True)
+    for part in parts:
+        report(f"swarmlm, {part}", {name: runs[name, part] for name in settings}, "the two settings")
+
+
+@contextlib.contextmanager
+def _python_path(tree: str | None):
+    """PYTHONPATH set to `tree` meanwhile (None: left as it is)."""
+    if tree is None:
+        yield
+        return
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = tree
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
+@contextlib.contextmanager
+def source_tree(revision: str):
+    """A temporary directory holding this repository's files at `revision` (git archive)."""
+    repo = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory(prefix="swarmlm-base-") as tree:
+        archive = subprocess.run(["git", "archive", revision], cwd=repo, check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
+        yield tree
 
 
 def llamacpp_ratio(bin_dir: Path, model: str, servers: int, rounds: int, tokens: int) -> None:
@@ -193,6 +228,8 @@ def main() -> None:
                          "alternating")
     ap.add_argument("--server-ab", metavar="FLAG",
                     help="servers started with --FLAG and --no-FLAG (e.g. step-lane, one-call-steps), alternating")
+    ap.add_argument("--server-base", metavar="REV",
+                    help="servers of git revision REV and of this tree (the clients this tree's), alternating")
     args = ap.parse_args()
     if args.push and args.push_ab:
         ap.error("--push or --push-ab, not both")
@@ -200,9 +237,15 @@ def main() -> None:
     pushes = {"relayed": False, "pushed": True} if args.push_ab else {"": setting[args.push]} if args.push else None
     print("machine:", machine_line(), flush=True)
     torch.set_num_threads(1)
+    push = setting[args.push] if args.push else None
     if args.server_ab:
-        server_ab(args.server_ab, args.model, args.servers, args.rounds, args.tokens,
-                  setting[args.push] if args.push else None)
+        flags = {f"--{args.server_ab}": ([f"--{args.server_ab}"], None),
+                 f"--no-{args.server_ab}": ([f"--no-{args.server_ab}"], None)}
+        server_ab(flags, args.model, args.servers, args.rounds, args.tokens, push)
+    elif args.server_base:
+        with source_tree(args.server_base) as base:
+            server_ab({args.server_base: ([], base), "this tree": ([], None)}, args.model, args.servers, args.rounds,
+                      args.tokens, push)
     elif args.only != "llamacpp":
         swarmlm_ratio(args.model, args.servers, args.rounds, args.tokens,
                       [False, True] if args.transports else [None],

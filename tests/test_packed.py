@@ -9,8 +9,8 @@ from gguf import GGMLQuantizationType, dequantize, quantize
 
 from swarmlm.model.checkpoint import load_blocks, load_client_modules
 from swarmlm.model.gguf import open_gguf
-from swarmlm.model.packed import (DIRECT_ROWS, PACKED_TYPES, PackedEmbedding, PackedError, PackedLinear, PackedTensor,
-                                  file_row_bytes, packed_from_numpy)
+from swarmlm.model.packed import (DIRECT_ROWS, HUGE_PAGE_BYTES, PACKED_TYPES, PackedEmbedding, PackedError,
+                                  PackedLinear, PackedTensor, WeightArena, held_buffer, packed_from_numpy)
 from swarmlm.model.quant import weight_bytes
 from swarmlm.model.random_checkpoint import init_checkpoint
 from swarmlm.server.stage import Stage
@@ -232,6 +232,24 @@ def tiny_checkpoint(tmp_path_factory) -> str:
 def tiny_gguf(request, tiny_checkpoint, tmp_path_factory) -> tuple[str, str]:
     out = tmp_path_factory.mktemp("packed-gguf") / f"tiny-{request.param}.gguf"
     return request.param, str(write_tiny_gguf(tiny_checkpoint, out, matrix_type=request.param))
+
+
+def test_small_weights_share_huge_page_regions_each_in_bytes_of_its_own():
+    arena = WeightArena(chunk_bytes=1 << 20)
+    sizes = [300_000, 1, 500_000, 300_000, 64, 999_999]
+    held = [arena.take(n) for n in sizes]
+    for n, t in zip(sizes, held):
+        t.fill_(n % 251)
+    assert [t.numel() for t in held] == sizes and all(t.data_ptr() % WeightArena.ALIGN == 0 for t in held)
+    assert [int(t[0]) for t in held] == [n % 251 for n in sizes]  # nothing written over another's bytes
+    regions = [t.untyped_storage().data_ptr() for t in held]
+    assert regions[0] == regions[1] == regions[2] != regions[3]  # 800_064 + 300_000 > 1 MiB: a new region
+    assert regions[3] == regions[4] != regions[5]
+    ends = sorted((t.data_ptr(), t.data_ptr() + t.numel()) for t in held)
+    assert all(end <= start for (_, end), (start, _) in zip(ends, ends[1:]))
+    whole = held_buffer(2, HUGE_PAGE_BYTES // 2 + 64)  # a huge page or more: its own region, from a page's start
+    assert whole.shape == (2, HUGE_PAGE_BYTES // 2 + 64) and whole.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert held_buffer(0, 40).shape == (0, 40)
 
 
 def test_packed_blocks_and_client_compute_what_the_dequantized_file_computes(tiny_gguf):

@@ -19,6 +19,7 @@ Gradients (training through the swarm) flow to the input through the dequantized
 from __future__ import annotations
 
 import mmap
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +40,9 @@ THREADED_MIN_WEIGHTS = 1 << 20
 # reads its weight rows as one stream, and with 4 KiB pages every page costs a TLB walk and stops the hardware
 # prefetcher; Llama-3.2-1B's Q4_0 blocks read ~1.15x faster from 2 MiB pages (docs/RESULTS-packed.md, round 4)
 HUGE_PAGE_BYTES = 2 << 20
+# ... and a weight smaller than a huge page shares them with others (WeightArena): SmolLM2-135M's are all 0.2-0.6 MiB,
+# and on small pages its decode token took ~1.06x as long (docs/RESULTS-packed.md, round 14)
+ARENA_CHUNK_BYTES = 32 << 20
 
 # GGMLQuantizationType numbers this module keeps packed (the kernels in packed.c): name -> (number, weights per
 # block, bytes per block)
@@ -158,17 +162,52 @@ def held_row_bytes(type_name: str, cols: int) -> int:
 
 
 def held_buffer(rows: int, row_bytes: int) -> torch.Tensor:
-    """uint8 [rows, row_bytes] for packed weights: from a private mapping asked to be backed by huge pages (its
-    2 MiB-aligned part; the tail takes small pages, so memory is the bytes asked for), or torch's allocator for
-    less than a huge page or where the OS has no such advice."""
+    """uint8 [rows, row_bytes] for packed weights, on huge pages where the OS has such advice (else torch's allocator):
+    a weight of a huge page or more in a mapping of its own (its 2 MiB-aligned part; the tail takes small pages, so
+    memory is the bytes asked for), a smaller one beside others in the process's `WeightArena`."""
     size = rows * row_bytes
-    if size < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if size == 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(rows, row_bytes, dtype=torch.uint8)
+    if size >= HUGE_PAGE_BYTES:
+        return huge_page_region(size).view(rows, row_bytes)
+    return SMALL_WEIGHTS.take(size).view(rows, row_bytes)
+
+
+def huge_page_region(size: int) -> torch.Tensor:
+    """uint8 [size] from 2 MiB-aligned memory of a private mapping asked to be backed by huge pages (the untouched
+    pages before it and after it cost no memory)."""
     region = mmap.mmap(-1, size + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive; unmapped with its last view
-    start = -whole.data_ptr() % HUGE_PAGE_BYTES  # untouched pages before it cost no memory
-    return whole[start:start + size].view(rows, row_bytes)
+    start = -whole.data_ptr() % HUGE_PAGE_BYTES
+    return whole[start:start + size]
+
+
+class WeightArena:
+    """Packed weights smaller than a huge page, side by side in regions of `chunk_bytes` on huge pages (each weight at
+    a multiple of ALIGN bytes; a weight that does not fit the region's rest begins the next one). A region is unmapped
+    when its last weight is gone and the arena has moved on: it keeps at most its current region beyond its weights.
+    Memory is the bytes handed out, plus at most part of a huge page per region (where the last weight ends)."""
+
+    ALIGN = 64  # (what torch's allocator gives: the kernels' vector loads)
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._region: torch.Tensor | None = None
+        self._at = 0
+        self._lock = threading.Lock()  # (weights may be packed from more than one thread)
+
+    def take(self, size: int) -> torch.Tensor:
+        """uint8 [size], size < chunk_bytes, written by nothing else."""
+        with self._lock:
+            if self._region is None or self._at + size > self.chunk_bytes:
+                self._region, self._at = huge_page_region(self.chunk_bytes), 0
+            held = self._region[self._at:self._at + size]
+            self._at += -(-size // self.ALIGN) * self.ALIGN
+            return held
+
+
+SMALL_WEIGHTS = WeightArena(ARENA_CHUNK_BYTES)
 
 
 def packed_from_numpy(type_name: str, raw: np.ndarray, cols: int, name: str = "tensor") -> PackedTensor:

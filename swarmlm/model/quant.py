@@ -142,12 +142,12 @@ def loaded_bytes(shape: list[int] | tuple[int, ...], itemsize: int, quant: str, 
 
 
 def weight_bytes(module: nn.Module) -> int:
-    """Bytes of a module's weights in memory: parameters and buffers (packed blocks are buffers), each storage
-    once."""
+    """Bytes of a module's weights in memory: parameters and buffers (packed blocks are buffers), each tensor's own
+    bytes (not its storage's: packed weights share regions, model/packed.py WeightArena), a tied one once."""
     seen, total = set(), 0
     for t in list(module.parameters()) + list(module.buffers()):
-        key = t.untyped_storage().data_ptr()
+        key = (t.data_ptr(), t.nbytes)
         if key not in seen:
             seen.add(key)
-            total += t.untyped_storage().nbytes()
+            total += t.nbytes
     return total
