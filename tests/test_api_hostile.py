@@ -285,6 +285,73 @@ def test_a_client_that_goes_away_stops_its_non_streaming_request(main, swarm, ti
     assert tokens() - before < 2000
 
 
+def test_a_client_that_goes_away_stops_its_request_while_tokens_wait_for_the_event_loop(swarm, tiny_bloom):
+    """The load behind the test above, made on purpose: the gateway's event loop runs behind the worker thread that
+    generates, so tokens wait in the request's queue when the disconnect comes. A gateway (the real app under
+    uvicorn and its h11 protocol, here in this process) has its loop held while the worker generates 8 more tokens
+    and the client closes its socket; released, the loop meets the disconnect with those tokens waiting, and the
+    request must stop all the same. (Engine.merged's asyncio.wait_for swallowed the cancellation then, on 3.11:
+    the request ran on to its 2000th token.)"""
+    import uvicorn
+
+    from swarmlm import event_loop
+    from swarmlm.api.app import create_app
+    from swarmlm.api.config import GatewayConfig
+    from swarmlm.api.guard import header_deadline_protocol
+    from swarmlm.client.model import DistributedModelForCausalLM
+    from swarmlm.model.checkpoint import load_tokenizer
+
+    def wait_until(done, what: str) -> None:
+        deadline = time.monotonic() + 120
+        while not done():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.01)
+
+    _wait_sessions(swarm)
+    model = DistributedModelForCausalLM.from_pretrained(tiny_bloom, initial_peers=swarm.initial_peers)
+    config = GatewayConfig(model_name="tiny")
+    app = create_app(model, load_tokenizer(tiny_bloom), config)
+    metrics = app.state.metrics
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", loop=event_loop.kind(),
+                                           http=header_deadline_protocol(config.header_timeout_s)))
+    loops = []
+
+    async def serve() -> None:
+        loops.append(asyncio.get_running_loop())
+        await server.serve(sockets=[listener])
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # on the gateway's loop: nothing else runs there until the test releases it
+        held.set()
+        release.wait(120)
+
+    thread = threading.Thread(target=event_loop.run, args=(serve(),), daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, "the gateway did not start")
+        body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 2000, "temperature": 0}).encode()
+        try:
+            with socket.create_connection(listener.getsockname()) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                wait_until(lambda: metrics.total_tokens > 0, "no token generated")
+                loops[0].call_soon_threadsafe(hold)
+                assert held.wait(60)
+                start = metrics.total_tokens
+                wait_until(lambda: metrics.total_tokens >= start + 8, "the worker stopped generating")
+        finally:  # the client is gone (its socket closed) before the gateway's loop runs again
+            release.set()
+        _wait_sessions(swarm, deadline_s=600)
+        wait_until(lambda: metrics.active_requests == 0, "the request is still open")
+        assert metrics.total_tokens < 2000
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        model.close()
+
+
 # ---- lesser items ---------------------------------------------------------------------------------------------
 def test_bad_text_and_sampling_values_are_400(main, tiny_bloom):
     surrogate = b'{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 2}' % tiny_bloom.encode()

@@ -215,7 +215,7 @@ class Engine:
                 emit(future.exception())
 
         self.metrics.request_started()
-        deadline = time.monotonic() + timeout_s
+        deadline = loop.time() + timeout_s
         try:
             remaining = 0
             for i, ids in enumerate(prompts):  # one prefill per prompt, its cache copied to n rows
@@ -223,10 +223,7 @@ class Engine:
                                  context_tokens).add_done_callback(lost)
                 remaining += n
             while remaining:
-                try:
-                    event = await asyncio.wait_for(queue.get(), max(deadline - time.monotonic(), 0.0))
-                except asyncio.TimeoutError:
-                    raise RequestTimeout(f"the request did not finish within {timeout_s:g} s") from None
+                event = await next_event(queue, deadline, timeout_s)
                 if isinstance(event, BaseException):
                     raise event
                 if isinstance(event, Finish):
@@ -239,3 +236,17 @@ class Engine:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.long_text_pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def next_event(queue: asyncio.Queue, deadline: float, timeout_s: float):
+    """The request's next event; RequestTimeout once the loop's clock is past `deadline`, even with events waiting.
+    asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation that comes as its get completes (an
+    event already waiting, as when the event loop runs behind the worker threads under load), and a request whose
+    client went away would then run on to its last token."""
+    try:
+        if asyncio.get_running_loop().time() >= deadline:
+            raise TimeoutError
+        async with asyncio.timeout_at(deadline):
+            return await queue.get()
+    except TimeoutError:
+        raise RequestTimeout(f"the request did not finish within {timeout_s:g} s") from None
