@@ -12,6 +12,7 @@ llama.cpp on the same file.
     python benchmarks/packed_bench.py batching --llama-batched-bench PATH/llama-batched-bench  # + llama.cpp's own
     python benchmarks/packed_bench.py span [--model FILE.gguf]         # a server's step: one kernel call vs transformers
     python benchmarks/packed_bench.py amx --rows 1,5,8,16             # a step's products, AMX tiles vs act16
+    python benchmarks/packed_bench.py pages [--model FILE.gguf]        # a step, small weights on huge pages or not
 
 `kernels`: median time of y = x W^T for 1 and 8 rows of x, per kernel: torch float32, torch's dynamic int8
 (`quantized::linear_dynamic`, activations quantized per call), weight-only int8 (`aten._weight_int8pack_mm`, bf16
@@ -386,6 +387,47 @@ def span(args) -> None:
         print(f"| {rows} | {one:.2f} | {other:.2f} | {other / one:.2f}x |", flush=True)
 
 
+def pages(args) -> None:
+    """A server's decode step in process (the one-call decoder), its packed weights smaller than a huge page held in
+    the huge-page arena (model/packed.py WeightArena, as a server holds them) or from torch's allocator on small pages
+    (as before the arena), steps alternated one by one; spans of every block and of a third of them; ms per step,
+    medians."""
+    import swarmlm.model.packed as packed
+    from swarmlm.model.checkpoint import load_config
+    from swarmlm.server.stage import Stage
+    from swarmlm.types import BlockRange
+
+    torch.set_num_threads(args.threads)
+    model = model_file(args.model)
+    total = int(load_config(model).num_hidden_layers)
+    print(f"{model}: one decode step (1 row) after a 64-token prompt, {args.threads} thread(s), median of "
+          f"{args.steps} steps each, alternated; {machine_line()}\n")
+    print("| blocks | huge pages (ms) | small pages (ms) | speed, huge / small |")
+    print("|---|---|---|---|")
+    for n in (total, max(1, total // 3)):
+        blocks = BlockRange(0, n)
+        huge = Stage(model, blocks)
+        take = packed.SMALL_WEIGHTS.take
+        packed.SMALL_WEIGHTS.take = lambda size: torch.empty(size, dtype=torch.uint8)  # (the allocator's pages)
+        try:
+            small = Stage(model, blocks)
+        finally:
+            packed.SMALL_WEIGHTS.take = take
+        states = {s: s.new_state(blocks, 1, 64 + args.steps + 1) for s in (huge, small)}
+        times = {huge: [], small: []}
+        for stage, state in states.items():
+            stage.step(state, torch.randn(1, 64, huge.hidden_size), torch.ones(1, 64))
+        for i in range(args.steps):
+            for stage in (huge, small) if i % 2 == 0 else (small, huge):
+                x = torch.randn(1, 1, huge.hidden_size)
+                t0 = time.perf_counter()
+                stage.step(states[stage], x, torch.ones(1, 1))
+                times[stage].append(time.perf_counter() - t0)
+        a, b = (statistics.median(times[s]) * 1e3 for s in (huge, small))
+        print(f"| {n} | {a:.3f} | {b:.3f} | {b / a:.3f}x |", flush=True)
+        del huge, small, states
+
+
 # ---- batching ---------------------------------------------------------------------------------------------------
 TOPICS = ["a lighthouse", "the moon", "a river", "bread", "a violin", "winter", "a robot", "the sea", "a garden",
           "trains", "a library", "rain", "mountains", "a cat", "coffee", "a bridge"]
@@ -559,13 +601,17 @@ def main() -> None:
     sp.add_argument("--threads", type=int, default=1)
     sp.add_argument("--steps", type=int, default=10)
     sp.add_argument("--rounds", type=int, default=3)
+    pg = sub.add_parser("pages")
+    pg.add_argument("--model", default="smollm2-135m-instruct")
+    pg.add_argument("--threads", type=int, default=1)
+    pg.add_argument("--steps", type=int, default=400)
     a = sub.add_parser("amx")
     a.add_argument("--model", default="smollm2-135m-instruct")
     a.add_argument("--rows", default="1,5,8,16")
     a.add_argument("--rounds", type=int, default=9)
     args = p.parse_args()
     {"kernels": kernels, "decode": decode, "memory": memory, "batching": batching, "span": span,
-     "amx": amx, "session-memory": session_memory, "prefill": prefill, "kv-step": kv_step}[args.what](args)
+     "amx": amx, "pages": pages, "session-memory": session_memory, "prefill": prefill, "kv-step": kv_step}[args.what](args)
 
 
 if __name__ == "__main__":
