@@ -37,6 +37,24 @@ def test_the_budget_admits_what_fits_and_refuses_the_rest_after_its_wait():
     assert asyncio.run(run()) == [True, False, 60, True, 60, 60, False, True, 50]
 
 
+def test_a_request_cancelled_as_room_frees_up_reserves_nothing():
+    """A waiting request cancelled (its client gone) just after a release woke it, before it ran again: it ends
+    cancelled, holding nothing. (3.11's asyncio.wait_for returned the finished wait and dropped the cancellation
+    there: the request was admitted and ran on, holding its bytes, for a client that had gone.)"""
+    async def run() -> tuple[str, int]:
+        budget = TrainBudget(total=100, wait_s=60.0)
+        await budget.acquire(100)
+        waiting = asyncio.ensure_future(budget.acquire(50))
+        for _ in range(5):  # (it takes the lock, finds no room, waits on the condition: two turns of the loop)
+            await asyncio.sleep(0)
+        await budget.release(100)  # wakes it (nothing here suspends: it has not run again yet)
+        waiting.cancel()
+        outcome = (await asyncio.gather(waiting, return_exceptions=True))[0]
+        return type(outcome).__name__, budget.used
+
+    assert asyncio.run(run()) == ("CancelledError", 0)
+
+
 def test_a_request_larger_than_the_total_is_a_config_error():
     with pytest.raises(ValueError, match="max_train_request_bytes .* max_train_total_bytes"):
         ServerConfig(model_dir="m", blocks=BlockRange(0, 1), max_train_request_bytes=2 << 20,

@@ -170,6 +170,14 @@ async def exhaust_circuits(bed: RelayBed, node: P2PNode, extra: int = 4) -> list
     return answers
 
 
+async def _read_to_end(reader: asyncio.StreamReader, idle_s: float) -> None:
+    """Reads (and drops) what comes until the stream ends; TimeoutError if nothing comes for `idle_s`."""
+    while True:
+        async with asyncio.timeout(idle_s):
+            if not await reader.read(1 << 16):
+                return
+
+
 async def listen_flood(bed: RelayBed, node: P2PNode, size: int = 1 << 20) -> tuple[str, str]:
     """LISTEN (as itself), then `size` bytes a server never sends there: the relay must end that stream at the
     first one, not buffer them until EOF. (the relay's answer to LISTEN, "closed" or "held open")."""
@@ -182,11 +190,10 @@ async def listen_flood(bed: RelayBed, node: P2PNode, size: int = 1 << 20) -> tup
             for _ in range(max(1, size // len(chunk))):
                 writer.write(chunk)
                 await writer.drain()
-            while await asyncio.wait_for(reader.read(1 << 16), 30.0):  # (its ERR line), then the end
-                pass
+            await _read_to_end(reader, 30.0)  # (its ERR line), then the end
         except (ConnectionError, LinkError):
             pass
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return answer, "held open"
         return answer, "closed"
     finally:
@@ -200,10 +207,9 @@ async def idle_circuit(bed: RelayBed, node: P2PNode) -> tuple[str, str]:
     if writer is None:
         return answer, "closed"
     try:
-        while await asyncio.wait_for(reader.read(1 << 16), bed.limits.circuit_idle_s + 30.0):
-            pass
+        await _read_to_end(reader, bed.limits.circuit_idle_s + 30.0)
         return answer, "closed"
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return answer, "held open"
     except ConnectionError:
         return answer, "closed"

@@ -72,9 +72,9 @@ class TrainBudget:
         async with self._freed:
             if self.used + nbytes > self.total:
                 try:
-                    await asyncio.wait_for(self._freed.wait_for(lambda: self.used + nbytes <= self.total),
-                                           self.wait_s)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(self.wait_s):
+                        await self._freed.wait_for(lambda: self.used + nbytes <= self.total)
+                except TimeoutError:
                     return False
             self.used += nbytes
             self.peak = max(self.peak, self.used)

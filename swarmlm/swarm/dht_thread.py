@@ -89,8 +89,9 @@ class ThreadDHT:
             try:
                 answered = await asyncio.gather(*(node.protocol.call_ping(p) for p in self.initial_peers))
                 if any(a is not None for a in answered):  # then find our neighbours through them, as at start
-                    await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), timeout=period_s * 6)
-            except Exception as exc:  # (asyncio.TimeoutError included) the next period tries again
+                    async with asyncio.timeout(period_s * 6):
+                        await node.find_nearest_nodes([node.node_id])
+            except Exception as exc:  # (TimeoutError included) the next period tries again
                 log.debug("rejoining the DHT: %s", exc)
 
     def _call(self, coro: Any) -> Future:

@@ -78,11 +78,13 @@ def header(*words: str) -> bytes:
     return line
 
 
-async def read_header(reader: asyncio.StreamReader, timeout_s: float = HEADER_TIMEOUT_S) -> list[str]:
-    """The peer's header words; LinkError if it is late, too long, not ASCII words, or the stream ended."""
+async def read_header(reader: asyncio.StreamReader, timeout_s: float | None = HEADER_TIMEOUT_S) -> list[str]:
+    """The peer's header words (None: waits as long as it takes); LinkError if it is late, too long, not ASCII
+    words, or the stream ended."""
     try:
-        line = await asyncio.wait_for(reader.readuntil(b"\n"), timeout_s)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeout_s):
+            line = await reader.readuntil(b"\n")
+    except TimeoutError:
         raise LinkError("no header in time") from None
     except asyncio.LimitOverrunError:
         raise LinkError("header too long") from None
@@ -169,9 +171,11 @@ async def open_stream(p2p: P2P, addr: str, protocol: str) -> tuple[Any, asyncio.
     except ValueError as exc:
         raise LinkError(str(exc)) from None
     try:
-        await asyncio.wait_for(p2p._client.connect(peer, [maddr]), HEADER_TIMEOUT_S)
-        return await asyncio.wait_for(p2p.call_binary_stream_handler(peer, protocol), HEADER_TIMEOUT_S)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(HEADER_TIMEOUT_S):
+            await p2p._client.connect(peer, [maddr])
+        async with asyncio.timeout(HEADER_TIMEOUT_S):
+            return await p2p.call_binary_stream_handler(peer, protocol)
+    except TimeoutError:
         raise LinkError(f"{addr}: no answer in {HEADER_TIMEOUT_S:.0f} s") from None
     except Exception as exc:
         raise LinkError(f"{addr}: {type(exc).__name__}: {exc}") from None

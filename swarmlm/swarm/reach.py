@@ -42,9 +42,11 @@ async def check_reach(node: P2PNode, relays: list[str], sock: socket.socket, hos
 
     async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            if await asyncio.wait_for(reader.readexactly(16), 2.0) == nonce:
+            async with asyncio.timeout(2.0):
+                got = await reader.readexactly(16)
+            if got == nonce:
                 arrived.set()
-        except (asyncio.IncompleteReadError, asyncio.TimeoutError, OSError):
+        except (asyncio.IncompleteReadError, TimeoutError, OSError):
             pass
         finally:
             close(writer)
@@ -62,8 +64,9 @@ async def check_reach(node: P2PNode, relays: list[str], sock: socket.socket, hos
                 log.info("no dial-back from %s: %s", relay, exc)
                 continue
             try:
-                await asyncio.wait_for(arrived.wait(), wait_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(wait_s):
+                    await arrived.wait()
+            except TimeoutError:
                 return Reach(False, "", f"{seen_ip}:{port} is not reachable from outside (dial-back by {relay})")
             return Reach(True, seen_ip, f"reachable at {seen_ip}:{port} (dial-back by {relay})")
         return Reach(True, host, "no relay answered a dial-back: assuming this server is reachable")

@@ -127,11 +127,12 @@ class RelayService:
         try:
             control.write(header("CONNECT", cookie, dialer))
             await control.drain()
-            theirs = await asyncio.wait_for(accepted, self.limits.accept_timeout_s)
+            async with asyncio.timeout(self.limits.accept_timeout_s):
+                theirs = await accepted
             writer.write(header("OK"))
             await writer.drain()
             await self.splice((reader, writer), theirs, self.limits.circuit_idle_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             _refuse(writer, "server did not take the connection")
         finally:
             over.set()
@@ -163,11 +164,12 @@ class RelayService:
             return _refuse(writer, "no direct connection to dial back")
         async with self.dialbacks:
             try:
-                _, out = await asyncio.wait_for(asyncio.open_connection(ip, port), self.limits.dialback_timeout_s)
+                async with asyncio.timeout(self.limits.dialback_timeout_s):
+                    _, out = await asyncio.open_connection(ip, port)
                 out.write(bytes.fromhex(words[2]))
                 await out.drain()
                 close(out)
-            except (OSError, asyncio.TimeoutError) as exc:
+            except (OSError, TimeoutError) as exc:
                 log.debug("dial-back of %s:%d failed: %s", ip, port, exc)
         writer.write(header("OK", ip))
         await writer.drain()
