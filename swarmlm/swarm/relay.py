@@ -166,9 +166,11 @@ class RelayService:
             try:
                 async with asyncio.timeout(self.limits.dialback_timeout_s):
                     _, out = await asyncio.open_connection(ip, port)
-                out.write(bytes.fromhex(words[2]))
-                await out.drain()
-                close(out)
+                try:
+                    out.write(bytes.fromhex(words[2]))
+                    await out.drain()
+                finally:  # (a failed or cancelled drain too: the socket is not left to the collector)
+                    close(out)
             except (OSError, TimeoutError) as exc:
                 log.debug("dial-back of %s:%d failed: %s", ip, port, exc)
         writer.write(header("OK", ip))
