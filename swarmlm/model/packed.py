@@ -41,7 +41,7 @@ THREADED_MIN_WEIGHTS = 1 << 20
 # prefetcher; Llama-3.2-1B's Q4_0 blocks read ~1.15x faster from 2 MiB pages (docs/RESULTS-packed.md, round 4)
 HUGE_PAGE_BYTES = 2 << 20
 # ... and a weight smaller than a huge page shares them with others (WeightArena): SmolLM2-135M's are all 0.2-0.6 MiB,
-# and on small pages its decode token took ~1.06x as long (docs/RESULTS-packed.md, round 14)
+# and on small pages a server's decode step took ~1.07x as long (docs/RESULTS-packed.md, round 14)
 ARENA_CHUNK_BYTES = 32 << 20
 
 # GGMLQuantizationType numbers this module keeps packed (the kernels in packed.c): name -> (number, weights per
