@@ -39,7 +39,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -50,6 +49,8 @@ from swarmlm.machine import machine_line
 from swarmlm.model.checkpoint import load_config
 from swarmlm.model.random_checkpoint import default_checkpoint
 from swarmlm.swarm.local import LocalSwarm, even_split
+
+from source_tree import source_tree  # (benchmarks/: this script's directory)
 
 PROMPT = list(range(10, 26))
 
@@ -294,9 +295,7 @@ def alternating(clients: dict[str, DistributedModelForCausalLM], rounds: int, se
 def compare(args: argparse.Namespace) -> None:
     """Rounds alternating between this tree and the base revision, each a subprocess with its own swarm."""
     repo = Path(__file__).resolve().parent.parent
-    with tempfile.TemporaryDirectory() as base:
-        archive = subprocess.run(["git", "archive", args.base], cwd=repo, check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", base], input=archive, check=True)
+    with source_tree(args.base) as base:
         print("load average (1, 5, 15 min) at start: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
         trees = {"this tree": str(repo), args.base: base}
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}

@@ -611,7 +611,8 @@ def main() -> None:
     a.add_argument("--rounds", type=int, default=9)
     args = p.parse_args()
     {"kernels": kernels, "decode": decode, "memory": memory, "batching": batching, "span": span,
-     "amx": amx, "pages": pages, "session-memory": session_memory, "prefill": prefill, "kv-step": kv_step}[args.what](args)
+     "amx": amx, "pages": pages, "session-memory": session_memory, "prefill": prefill,
+     "kv-step": kv_step}[args.what](args)
 
 
 if __name__ == "__main__":

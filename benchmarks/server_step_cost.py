@@ -21,16 +21,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
 from pathlib import Path
+
+from source_tree import source_tree  # (benchmarks/: this script's directory)
 
 PROMPT = list(range(10, 26))
 WARM_STEPS = 5
@@ -217,10 +219,8 @@ def compare(args: argparse.Namespace) -> None:
     """Runs alternating between this tree and `--ab` REV (or, `--one-call-ab`, this tree's servers with and without
     the one-call answer), each a fresh process; medians."""
     repo = Path(__file__).resolve().parent.parent
-    with tempfile.TemporaryDirectory() as base:
+    with source_tree(args.ab) if args.ab else contextlib.nullcontext() as base:
         if args.ab:
-            archive = subprocess.run(["git", "archive", args.ab], cwd=repo, check=True, capture_output=True).stdout
-            subprocess.run(["tar", "-x", "-C", base], input=archive, check=True)
             variants = {"this tree": (str(repo), "on"), args.ab: (base, "on")}
         else:
             variants = {"one call": (str(repo), "on"), "usual": (str(repo), "off")}

@@ -14,8 +14,8 @@ servers push on frames / on gRPC. --push on|off|auto: the N-server client's push
 clients, relayed and pushed, alternating with the one-server client. --server-ab FLAG: two sets of servers, started
 with --FLAG and --no-FLAG (a boolean server option: one-call-steps, step-lane), all four clients alternating, with
 the servers' process CPU per token. --server-base REV: the same with servers of git revision REV and of this tree
-(a change to the servers, measured side by side). --relay-ab: each client twice, a relayed decode step's hops in one C call
-(client/relay.py) and in Python (ClientConfig.relay_in_c), all alternating.
+(a change to the servers, measured side by side). --relay-ab: each client twice, a relayed decode step's hops in one
+C call (client/relay.py) and in Python (ClientConfig.relay_in_c), all alternating.
 """
 from __future__ import annotations
 
@@ -23,8 +23,6 @@ import argparse
 import contextlib
 import os
 import statistics
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +33,8 @@ from swarmlm.machine import machine_line
 from swarmlm.model.checkpoint import load_config
 from swarmlm.swarm.local import LocalSwarm, even_split
 from swarmlm.types import BlockRange
+
+from source_tree import source_tree  # (benchmarks/: this script's directory)
 
 DEFAULT_MODEL = Path.home() / ".cache/swarmlm/gguf/SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 2]  # any ids: the tokens decoded do not matter
@@ -174,16 +174,6 @@ def _python_path(tree: str | None):
             del os.environ["PYTHONPATH"]
         else:
             os.environ["PYTHONPATH"] = before
-
-
-@contextlib.contextmanager
-def source_tree(revision: str):
-    """A temporary directory holding this repository's files at `revision` (git archive)."""
-    repo = Path(__file__).resolve().parent.parent
-    with tempfile.TemporaryDirectory(prefix="swarmlm-base-") as tree:
-        archive = subprocess.run(["git", "archive", revision], cwd=repo, check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
-        yield tree
 
 
 def llamacpp_ratio(bin_dir: Path, model: str, servers: int, rounds: int, tokens: int) -> None:

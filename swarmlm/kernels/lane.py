@@ -29,8 +29,8 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.lane_decode_answer.argtypes = [ptr, ptr, i64, i64, ctypes.c_char_p, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr,
                                        ptr, ptr, i64, i64, ctypes.POINTER(FrameKey), ctypes.POINTER(AnswerHead), ptr]
     lib.lane_decode_answer.restype = i64
-    # the step lane's thread (server/lane.py): its state (`struct lane`), its LaneIO, the read buffer, (lane_next) the STEP's head, (lane_serve, lane_reply)
-    # the ANSWER's buffer
+    # the step lane's thread (server/lane.py): its state (`struct lane`), its LaneIO, the read buffer, (lane_next) the
+    # STEP's head, (lane_serve, lane_reply) the ANSWER's buffer
     lib.lane_serve.argtypes = [ptr, ptr, ptr, ptr]
     lib.lane_serve.restype = i64
     lib.lane_next.argtypes = [ptr, ptr, ptr, ptr]
