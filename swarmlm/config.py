@@ -345,6 +345,10 @@ class ClientConfig:
     # routes where the performance model predicts it saves time from the measured RTTs (PerfModel.push_pays);
     # True / False are taken as "on" / "off"
     push: PushMode = "auto"
+    # a pushed route's plain decode steps: the servers keep the route, so the client writes a STEP to its first
+    # server and nothing else per token (protocol 4, docs/PROTOCOL.md "Kept routes"); False = every pushed step names
+    # the whole route again (a REQUEST with its targets)
+    keep_routes: bool = True
     swarm_key: bytes | None = field(default=None, repr=False)  # a private swarm's shared secret (swarm/private.py)
     # Inference streams on a server's framed step port when its Info announces one (wire/frames.py); decode steps
     # then run from the caller's thread, and a connection whose stream ended cleanly is kept for the next session

@@ -71,13 +71,15 @@ def _tokens(client, ids: torch.Tensor, new: int, pushed: bool) -> list[int]:
     return tokens
 
 
-@pytest.mark.parametrize("client_frames", [True, False])
+@pytest.mark.parametrize("client_frames, keep_routes", [(True, False), (False, False), (False, True)])
 def test_decode_pushes_to_the_last_server_go_compact_and_give_the_same_tokens(tiny_bloom, client_frames,
-                                                                              monkeypatch):
-    """3 servers, pushed: every decode step's push from the middle server to the last is a PUSH_STEP (the first
-    server's push carries the rest of the route: a PushRequest), and the greedy tokens equal transformers' and a
-    relayed client's. On framed streams every decode step's three replies are ANSWERs, the two pushing servers'
-    flagged pushed; on gRPC streams they are REPLYs (gRPC carries protobuf only)."""
+                                                                              keep_routes, monkeypatch):
+    """3 servers, pushed, every step naming its whole route (no kept routes: on a gRPC stream the client keeps
+    none, it writes no STEP there): every decode step's push from the middle server to the last is a PUSH_STEP (the
+    first server's push carries the rest of the route: a PushRequest), and the greedy tokens equal transformers'
+    and a relayed client's. On framed streams every decode step's three replies are ANSWERs, the two pushing
+    servers' flagged pushed; on gRPC streams they are REPLYs (gRPC carries protobuf only). (Kept routes on framed
+    streams: tests/test_kept_routes.py.)"""
     new = 6
     ids, want = greedy_reference(tiny_bloom, "compact pushes on the last hop", new)
     pushing_answers = []
@@ -88,7 +90,7 @@ def test_decode_pushes_to_the_last_server_go_compact_and_give_the_same_tokens(ti
         pushers = [s.service.pusher for s in swarm.servers]
         got = {}
         for push in (True, False):
-            client = client_of(swarm, frames=client_frames, push=push)
+            client = client_of(swarm, frames=client_frames, push=push, keep_routes=keep_routes)
             try:
                 before = [p.compact_frames for p in pushers]
                 pushing_answers.clear()

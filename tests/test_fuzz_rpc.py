@@ -75,7 +75,7 @@ def _step(rng: random.Random, hidden: int, address: str) -> pb.InferenceStep:
     return pb.InferenceStep(hidden=_tensor(rng, hidden), attention_mask=_tensor(rng, hidden) if rng.random() < 0.3
                             else None, step_id=rng.choice([0, 1, 2, 5, 1 << 63]),
                             push=[_target(rng, address) for _ in range(rng.choice([0, 0, 1, 2, 70]))],
-                            cache_op=_cache_op(rng))
+                            cache_op=_cache_op(rng), keep_route=rng.random() < 0.3)
 
 
 def _inference_request(rng: random.Random, hidden: int, blocks: int, address: str) -> pb.InferenceRequest:

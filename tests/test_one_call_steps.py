@@ -153,9 +153,9 @@ def test_greedy_tokens_through_two_servers_are_transformers_own(packed_llama, on
         finally:
             client.close()
     assert got[0, len(prompt):].tolist() == want.tolist()
-    # relayed: both servers, every decode step but the first; pushed: the last server's PUSH_STEPs alone (the first
-    # server's steps carry push targets: protobuf)
-    assert len(one_call) == (NEW_TOKENS - 2) * (1 if push else 2)
+    # both servers, every decode step but the first: relayed, their STEPs; pushed, the first server's STEPs on the
+    # route it keeps (its first decode step keeps it: a REQUEST) and the last server's PUSH_STEPs
+    assert len(one_call) == (NEW_TOKENS - 2) * 2
 
 
 @pytest.mark.parametrize("rows, kv_dtype", [(1, "float32"), (3, "float32"), (2, "float16")])

@@ -101,7 +101,7 @@ class _Stream:
     def expect(self, shape) -> None:
         self.next_step_id += 1
 
-    def send_blocking(self, source, mask, timeout_s, push=(), op=None) -> None:
+    def send_blocking(self, source, mask, timeout_s, push=(), op=None, keep=False) -> None:
         self.log.append(("send", self.name, len(push)))
         self.next_step_id += 1
 

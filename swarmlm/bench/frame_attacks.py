@@ -192,11 +192,11 @@ def random_frames(rng: random.Random, hidden: int, blocks: int) -> bytes:
 # ---- compact decode frames (wire/compact.py): hostile STEPs in a keyed session ----------------------------------
 
 class KeyedStream:
-    """A keyed session opened on a server's framed port with a blocking socket, as a client would (its key share
-    from the server's Info), for hostile STEP frames: `step` and `request` write one and read the answer,
-    `exchange` writes bytes, half-closes and reads every frame until the server closes."""
+    """A keyed session of blocks [start, blocks) opened on a server's framed port with a blocking socket, as a
+    client would (its key share from the server's Info), for hostile STEP frames: `step` and `request` write one and
+    read the answer, `exchange` writes bytes, half-closes and reads every frame until the server closes."""
 
-    def __init__(self, address: str, blocks: int, batch: int = 1, max_length: int = 16) -> None:
+    def __init__(self, address: str, blocks: int, batch: int = 1, max_length: int = 16, start: int = 0) -> None:
         import grpc
 
         from swarmlm.wire import session_keys
@@ -208,7 +208,7 @@ class KeyedStream:
         self.sock = socket.create_connection((address.rsplit(":", 1)[0], info.frame_port), timeout=TIMEOUT_S)
         self._buf = bytearray()
         opened = session_keys.sign(self.keys.client, "", pb.InferenceRequest(open=pb.OpenSession(
-            start_block=0, end_block=blocks, batch_size=batch, max_length=max_length, key_share=share)))
+            start_block=start, end_block=blocks, batch_size=batch, max_length=max_length, key_share=share)))
         self.send(HELLO + frames.frame(Kind.REQUEST, opened.SerializeToString()))
         kind, body = self.frame() or (None, b"")
         if kind != Kind.REPLY:
@@ -456,10 +456,10 @@ def push_cases(hidden: int) -> dict[str, object]:
         changed[at] ^= 1
         return bytes(changed)
 
-    def protobuf_push(s: KeyedStream, step_id: int) -> bytes:
+    def protobuf_push(s: KeyedStream, step_id: int, keep_route: bool = False) -> bytes:
         from swarmlm.wire import session_keys
         request = pb.PushRequest(session_id=s.session_id, secret=s.secret, step=pb.InferenceStep(
-            hidden=codec.encode(torch.from_numpy(_values(1, 1, hidden))), step_id=step_id))
+            hidden=codec.encode(torch.from_numpy(_values(1, 1, hidden))), step_id=step_id, keep_route=keep_route))
         return frames.frame(Kind.PUSH, session_keys.signed_bytes(s.keys.push, s.session_id, request))
 
     def step_domain(s: KeyedStream) -> bytes:  # the push key, a STEP's personalisation
@@ -486,6 +486,8 @@ def push_cases(hidden: int) -> dict[str, object]:
         "PUSH_STEP of another hidden size": lambda s: push(s, values=_values(1, 1, hidden + 1)),
         "PUSH_STEP of step id 0": lambda s: push(s, 0),
         "PUSH_STEP inside a stream": "stream",
+        # (protocol 4: a push on a route its taker keeps, into a session that keeps none)
+        "PUSH on a route not kept": lambda s: protobuf_push(s, 1, keep_route=True),
     }
 
 
@@ -518,6 +520,10 @@ def push_expected(name: str, answers: list[str], stream: list[str]) -> bool:
         return answers[-1].startswith("STATUS INVALID_ARGUMENT oversized frame") and untouched
     if name == "PUSH_STEP inside a stream":  # on the session's own stream: the stream breaks
         return answers == [] and stream[-1].startswith("STATUS INVALID_ARGUMENT a PUSH_STEP frame inside a stream")
+    if name == "PUSH on a route not kept":  # taken (a PUSH's STATUS), refused by its step: the session goes on
+        return answers == ["STATUS OK "] and len(stream) == 2 and stream[1] == "STATUS OK " and \
+            stream[0] == "REPLY keep_route without push targets: no route is kept for this session's steps from its " \
+            "pushes"
     refusals = {"PUSH_STEP with NaN": "contains NaN or infinite values",
                 "PUSH_STEP of the wrong length for its dims": "do not match its dims",
                 "PUSH_STEP of another hidden size": "does not match the model's"}

@@ -238,6 +238,7 @@ class StepPipeline:
         self.hops = hops
         self.chunks = chunks
         self.push = push
+        self.keep_routes = push and config.keep_routes  # (the servers keep a pushed route: SpanStream._request)
         # False: no chunk's mask has padding (the session knows it already): none is looked at again, none is sent
         self.padded = padded
         self.relay = relay_chain  # the route's C chain (run_blocking takes it for a plain relayed decode step)
@@ -312,7 +313,7 @@ class StepPipeline:
                 # its input: the chunk, or the previous reply (relayed: kept `Undecoded`, its bytes go on as they
                 # came when the link takes float32; `_request` encodes its tensor for another wire format)
                 source = x if i == 0 else hops[i - 1].outputs[0]
-                hop.stream.send_blocking(source, wire_mask, bounds[i], targets, hop.op)
+                hop.stream.send_blocking(source, wire_mask, bounds[i], targets, hop.op, self.keep_routes)
                 hop.written = 1
                 end = i + 1 + len(targets)
                 if targets:
@@ -338,14 +339,15 @@ class StepPipeline:
     def _relayable(self, x: torch.Tensor) -> bool:
         """May this step's hops run in the C chain? A plain relayed decode step: no push, no padding, no cache op,
         float32 x [B, 1, H] in C order, and every hop a compact STEP on a framed keyed stream with nothing read
-        ahead (its FrameCall's buffer empty: the chain reads the socket itself)."""
+        ahead (its FrameCall's buffer empty: the chain reads the socket itself) whose server keeps no route (a
+        STEP would be pushed on: the Python path's REQUEST drops it first)."""
         if self.push or self.padded or x.dtype is not torch.float32 or x.shape[1] != 1 or not x.is_contiguous():
             return False
         nbytes = 4 * x.numel()
         shape = x.shape
         for hop in self.hops:
             stream = hop.stream
-            if hop.op is not None or not stream._compact(shape) or stream.call._buf or \
+            if hop.op is not None or not stream._compact(shape) or stream.call._buf or stream.keeps_route or \
                     stream.channels.wire_dtype_for(hop.span.address, nbytes) != "float32":
                 return False
         return True  # (the chain is these streams': the session gives one only if it `fits`)
@@ -483,7 +485,8 @@ class StepPipeline:
                 hop.written = max(hop.written, k + 1)
                 continue
             targets = self._push_targets(i, k)
-            await hop.stream.send(self._source(i, k), self._wire_mask(k), targets, hop.op if k == 0 else None)
+            await hop.stream.send(self._source(i, k), self._wire_mask(k), targets, hop.op if k == 0 else None,
+                                  self.keep_routes)
             hop.written = max(hop.written, k + 1)
             self.progress.notify()
 

@@ -118,6 +118,9 @@ class _Sent:
     shape: tuple[int, ...] | None = None
 
 
+_ROUTE_UNKNOWN: tuple = ()  # (SpanStream._route: matches no route, and is not None)
+
+
 def _raise_if_cancelling() -> None:
     """grpc.aio raises CancelledError on every operation of a call cancelled elsewhere (an interrupted read):
     that is a broken stream. Only a cancellation of the running task itself is passed on as one."""
@@ -146,6 +149,10 @@ class SpanStream:
         self.keys: session_keys.SessionKeys | None = None  # set by open()
         self.position = 0
         self._step_id = 0
+        # the route the server keeps for this stream's steps (protocol 4, docs/PROTOCOL.md "Kept routes"): its
+        # targets' (session, step id) as the last step named them; None: it keeps none (a STEP is answered alone);
+        # _ROUTE_UNKNOWN: not known (after a refusal)
+        self._route: tuple[tuple[str, int], ...] | None = None
         self._pending: deque[_Sent] = deque()  # written (or being written), reply not read yet; in order
         self._last_reply_s = 0.0
         # the link scheduler of this span's address (the client's one for it: Links never replaces one), kept as an
@@ -232,11 +239,16 @@ class SpanStream:
             raise server_failure(self.span, exc) from exc
 
     def _request(self, source: torch.Tensor | Undecoded, mask: torch.Tensor | None, push: list[pb.PushTarget],
-                 op: CacheOp | None) -> tuple[pb.InferenceRequest | bytes, _Sent]:
+                 op: CacheOp | None, keep: bool = False) -> tuple[pb.InferenceRequest | bytes, _Sent]:
         """The next step's message, and its place among the replies (taken now, with its id). `source`: the hidden
         states [B, T, H], a tensor or a relayed reply kept `Undecoded` (its float32 bytes go on as they came when
         this link's format is float32; another format encodes its tensor). A plain decode step on a framed stream
-        (`_compact`) is a whole STEP frame (wire/compact.py), anything else an InferenceRequest."""
+        (`_compact`) is a whole STEP frame (wire/compact.py), anything else an InferenceRequest.
+
+        `keep`: a plain decode step pushed on to `push` may have the server keep that route (protocol 4, "Kept
+        routes"): the first such step is a REQUEST with keep_route, the next ones, while `push` names the same
+        sessions each one step id on, go as a STEP (the server pushes it on its route). Any other step of this
+        stream is a REQUEST without keep_route (the server drops its route) until a route is kept again."""
         t0 = time.perf_counter()
         self._step_id += 1
         # the link's wire format, asked once per step (for a relayed reply its float32 bytes are its size already)
@@ -253,7 +265,16 @@ class SpanStream:
         # (server/service.py `_answers_compact`): either way its answer may be compact, of its dims
         plain = unmasked and op is None and wire_dtype == "float32" and self._compact(shape)
         compact_shape = tuple(shape) if plain else None
-        if plain and not push:
+        route = None  # (the route this step keeps, or goes on)
+        if keep and plain and push:
+            route = tuple((target.session_id, target.step_id) for target in push)
+            last = self._route
+            on_route = last is not None and route == tuple((sid, step_id + 1) for sid, step_id in last)
+        else:
+            on_route = False
+        # a STEP goes on the route the server keeps, if it keeps one: so only a step on that route, or any plain
+        # step of a stream whose server keeps none
+        if plain and (on_route or not push and self._route is None):
             b, t, h = shape
             values = encoded.data if encoded is not None else compact.float32_values(hidden)
             request = compact.step_frame(self.keys.client, self.session_id, self._step_id, b, t, h, values)
@@ -263,14 +284,20 @@ class SpanStream:
                 hidden=encoded.as_sent() if encoded is not None else compress.encode_hidden(hidden, wire_dtype),
                 step_id=self._step_id, push=push, cache_op=cache_op.to_wire(op) if op is not None else None,
                 # (no padding: no mask on the wire, the server reads an absent mask as all ones)
-                attention_mask=_NO_MASK if unmasked else codec.encode(mask)))
+                attention_mask=_NO_MASK if unmasked else codec.encode(mask), keep_route=route is not None))
             session_keys.sign(self.keys.client, self.session_id, request)
             nbytes = len(request.step.hidden.data)
+        self._route = route  # (kept, gone on, or dropped by the server as it takes this step)
         t1 = time.perf_counter()  # (also the blocking write's start: `send_blocking` writes it at once)
         sent = _Sent(StepKind.of(shape[1]), n_tokens=shape[1], request_bytes=nbytes, encode_s=t1 - t0, clean=False,
                      written_s=t1, on_link=False, step_id=self._step_id, shape=compact_shape)
         self._pending.append(sent)
         return request, sent
+
+    @property
+    def keeps_route(self) -> bool:
+        """Does the server keep a route for this stream's steps (a STEP written here would be pushed on)?"""
+        return self._route is not None
 
     def _compact(self, shape: torch.Size) -> bool:
         """May a plain (no mask, push or cache op; float32) step of `shape` go as a compact STEP? A decode step of a
@@ -279,11 +306,12 @@ class SpanStream:
             compact.eligible_dims(shape[0], shape[1])
 
     async def send(self, hidden: torch.Tensor, mask: torch.Tensor | None, push: list[pb.PushTarget] = (),
-                   op: CacheOp | None = None) -> None:
+                   op: CacheOp | None = None, keep: bool = False) -> None:
         """Write one step (hidden [B, T, H], mask [B, T]) when the link scheduler gives it its turn; `push`: the
         rest of the route, for the server to push its output on (server/push.py); `op`: the cache edit the server
-        applies before the step's tokens (docs/PROTOCOL.md), pushed on with it."""
-        request, sent = self._request(hidden, mask, push, op)
+        applies before the step's tokens (docs/PROTOCOL.md), pushed on with it; `keep`: the server may keep the
+        route (`_request`)."""
+        request, sent = self._request(hidden, mask, push, op, keep)
         link = self.link
         async with link.turn(sent.kind):
             sent.on_link = True  # from here the link counts it until its reply or close()
@@ -306,11 +334,11 @@ class SpanStream:
         return isinstance(self.call, FrameCall) and self.call.blocking_ok and not self._pending
 
     def send_blocking(self, source: torch.Tensor | Undecoded, mask: torch.Tensor | None, timeout_s: float,
-                      push: list[pb.PushTarget] = (), op: CacheOp | None = None) -> None:
+                      push: list[pb.PushTarget] = (), op: CacheOp | None = None, keep: bool = False) -> None:
         """`send` from the caller's thread (`blocking_ok` streams only): no hand-off to the client's loop thread. It
         does not ask the link scheduler for a turn (that lives on the loop thread): a decode step goes first there
-        anyway. `source`: see `_request`."""
-        request, sent = self._request(source, mask, push, op)
+        anyway. `source`, `keep`: see `_request`."""
+        request, sent = self._request(source, mask, push, op, keep)
         link = self.link
         sent.clean = link.in_flight == 0 and len(self._pending) == 1  # (a read from another thread: a hint)
         link.written_outside(sent.kind)
@@ -421,6 +449,9 @@ class SpanStream:
                       keep_undecoded: bool) -> tuple[torch.Tensor | Undecoded, int]:
         """A REPLY's output (its MAC checked already) and its bytes; a refusal raised (a refused STEP's too)."""
         if reply.HasField("error"):
+            # (a refused step changes nothing at the server: whatever route it kept before, it keeps; the next step
+            # here is a REQUEST, which says whether to keep one)
+            self._route = _ROUTE_UNKNOWN
             refusal = PushRefused if reply.error.code == "PUSH_REFUSED" else InvalidRequest
             raise refusal(f"{self.span.server_id}: {reply.error.message}")
         hidden = reply.hidden

@@ -137,6 +137,74 @@ class TargetCheck:
         return info is not None and self.serves(info, block)
 
 
+class KeptRoute:
+    """Where a session's later plain decode steps from one source go (protocol 4, docs/PROTOCOL.md "Kept routes"):
+    the next server's session as a step's first push target named it (address, session, secret, sealed push key),
+    checked once, when the route was kept; each step pushed on takes the next step id there. `onward`: that server
+    keeps the rest of the route itself (the set-up push handed it on with keep_route), so a push to it that cannot be
+    a PUSH_STEP (gRPC) says keep_route too."""
+
+    __slots__ = ("target", "onward")
+
+    def __init__(self, target: pb.PushTarget, onward: bool) -> None:
+        self.target = pb.PushTarget()
+        self.target.CopyFrom(target)
+        self.target.step_id += 1  # (the set-up step took its own id there)
+        self.onward = onward
+
+    def take(self) -> pb.PushTarget:
+        """The next step's target (its step id), the route one step on."""
+        target = pb.PushTarget()
+        target.CopyFrom(self.target)
+        self.target.step_id += 1
+        return target
+
+
+class PushedStep:
+    """A PushRequest's step in its session's inbox: an InferenceRequest's duck (a step of the session, as
+    `CompactStep` is one) that says it came by a push, the source whose kept route it may go on."""
+
+    __slots__ = ("session_id", "step")
+    WhichOneof = {"kind": "step"}.get
+    pushed_in = True
+
+    def __init__(self, session_id: str, step: pb.InferenceStep) -> None:
+        self.session_id, self.step = session_id, step
+
+
+def pushed_in(request) -> bool:
+    """Did this step of a session come by a push (a PUSH's `PushedStep`, a PUSH_STEP's `CompactStep`), not from the
+    session's own stream?"""
+    return type(request) is not pb.InferenceRequest and request.pushed_in
+
+
+def kept_route(session, from_push: bool) -> "KeptRoute | None":
+    """The route a session's steps from that source go on (None: none kept)."""
+    return session.push_route if from_push else session.stream_route
+
+
+def route_rule(session, step: pb.InferenceStep, op, from_push: bool) -> tuple[bool, "KeptRoute | None"]:
+    """A protobuf step's kept-route rule (protocol 4, docs/PROTOCOL.md "Kept routes"), checked before any compute:
+    whether its output is pushed on, and its source's route once it is taken. keep_route with push targets keeps
+    push[0] (replacing the route kept before); keep_route alone goes on the route kept; a step without keep_route
+    drops it. Raises InvalidRequest (nothing changes) for keep_route on anything but a plain decode step (T = 1, no
+    padding mask, no cache op, float32) of a keyed session into a keyed one, or keep_route alone with no route."""
+    if not step.keep_route:
+        return bool(step.push), None
+    if session.keys is None or op is not None or not compact.plain_decode(step.hidden, step.attention_mask):
+        raise InvalidRequest("keep_route: only on a plain decode step (one token, no padding mask, no cache op, "
+                             "float32) of a keyed session")
+    if step.push:
+        if not step.push[0].push_key:
+            raise InvalidRequest("keep_route: the next server's session is not keyed (its target has no push key)")
+        return True, KeptRoute(step.push[0], onward=len(step.push) > 1)
+    route = kept_route(session, from_push)
+    if route is None:
+        raise InvalidRequest("keep_route without push targets: no route is kept for this session's steps from its "
+                             + ("pushes" if from_push else "stream"))
+    return True, route
+
+
 class StepOrder:
     """One session's steps, from its client and from pushes: each nonzero id once, in increasing order."""
 
@@ -205,7 +273,8 @@ class Pusher:
         return stub
 
     def push_now(self, target: pb.PushTarget, hidden: pb.Tensor, mask: pb.Tensor, rest: list[pb.PushTarget],
-                 op: pb.CacheOp | None = None, push_key: bytes = b"") -> asyncio.Future | bool | None:
+                 op: pb.CacheOp | None = None, push_key: bytes = b"",
+                 keep_route: bool = False) -> asyncio.Future | bool | None:
         """`push`, written now from the caller's path when nothing has to be awaited first: the target's framed
         port known, a kept connection free, no message waiting for its turn on the link (so decode-first has
         nothing to order). The future: whether the target accepted it; True: a PUSH_STEP, written and not
@@ -219,7 +288,7 @@ class Pusher:
         conn = framed.idle(target.address)
         if conn is None:
             return None
-        data = self._frame(target, hidden, mask, rest, op, push_key)
+        data = self._frame(target, hidden, mask, rest, op, push_key, keep_route)
         link.written_outside(StepKind.of(hidden.shape[1] if len(hidden.shape) == 3 else 0))
         if data[_KIND_AT] == Kind.PUSH_STEP:
             self._unanswered(target.address, conn, data)
@@ -229,21 +298,23 @@ class Pusher:
         return done
 
     async def push(self, target: pb.PushTarget, hidden: pb.Tensor, mask: pb.Tensor,
-                   rest: list[pb.PushTarget], op: pb.CacheOp | None = None, push_key: bytes = b"") -> bool:
+                   rest: list[pb.PushTarget], op: pb.CacheOp | None = None, push_key: bytes = b"",
+                   keep_route: bool = False) -> bool:
         """Deliver one output to `target` (which pushes it on to `rest`), with the step's cache op: every span of a
         session holds the same tokens and rows, so the op is the same there; MACed with the target session's
-        `push_key` when it is keyed (wire/session_keys.py). True when the target accepted it."""
+        `push_key` when it is keyed (wire/session_keys.py). `keep_route`: the step's, for the target (it keeps
+        `rest`, or pushes on the route it kept: `KeptRoute`). True when the target accepted it."""
         kind = StepKind.of(hidden.shape[1] if len(hidden.shape) == 3 else 0)
         link = self.links.get(target.address)
         call = None
         try:
             port = await self.framed.port(target.address) if self.framed is not None else 0
             if port:
-                data = self._frame(target, hidden, mask, rest, op, push_key)
+                data = self._frame(target, hidden, mask, rest, op, push_key, keep_route)
                 accepted = await self._framed(link, kind, target.address, port, data)
                 if accepted is not None:
                     return accepted
-            request = self._request(target, hidden, mask, rest, op)
+            request = self._request(target, hidden, mask, rest, op, keep_route)
             if push_key:
                 session_keys.sign(push_key, target.session_id, request)
             async with link.turn(kind):
@@ -261,21 +332,23 @@ class Pusher:
 
     @staticmethod
     def _request(target: pb.PushTarget, hidden: pb.Tensor, mask: pb.Tensor, rest: list[pb.PushTarget],
-                 op: pb.CacheOp | None) -> pb.PushRequest:
+                 op: pb.CacheOp | None, keep_route: bool = False) -> pb.PushRequest:
         return pb.PushRequest(session_id=target.session_id, secret=target.secret, step=pb.InferenceStep(
-            hidden=hidden, attention_mask=mask, step_id=target.step_id, push=rest, cache_op=op))
+            hidden=hidden, attention_mask=mask, step_id=target.step_id, push=rest, cache_op=op,
+            keep_route=keep_route))
 
     def _frame(self, target: pb.PushTarget, hidden: pb.Tensor, mask: pb.Tensor, rest: list[pb.PushTarget],
-               op: pb.CacheOp | None, push_key: bytes) -> bytes:
+               op: pb.CacheOp | None, push_key: bytes, keep_route: bool = False) -> bytes:
         """The push as a whole frame for the target's framed port: a PUSH_STEP (wire/compact.py: the output's bytes
-        as they are, no protobuf) for a plain decode step into a keyed session with nothing to push on, else a PUSH
-        (the PushRequest serialized once, MACed with `push_key` if given: `signed_bytes`)."""
+        as they are, no protobuf) for a plain decode step into a keyed session with no targets to hand on (the
+        route's last server, or one that pushes on the route it kept), else a PUSH (the PushRequest serialized once,
+        MACed with `push_key` if given: `signed_bytes`)."""
         if push_key and not rest and op is None and compact.plain_decode(hidden, mask):
             self.compact_frames += 1
             shape = hidden.shape
             return compact.push_frame(push_key, target.session_id, target.secret, target.step_id, shape[0], 1,
                                       shape[2], hidden.data)
-        request = self._request(target, hidden, mask, rest, op)
+        request = self._request(target, hidden, mask, rest, op, keep_route)
         return frame(Kind.PUSH, session_keys.signed_bytes(push_key, target.session_id, request) if push_key
                             else request.SerializeToString())
 

@@ -30,7 +30,7 @@ from swarmlm.server import deep_prompt, prefix_cache
 from swarmlm.server.checks import StepChecks, check_cache_op, decode_step
 from swarmlm.server.lane import StepLane
 from swarmlm.server.prefix_cache import PrefixCache
-from swarmlm.server.push import Pusher, StepOrder, TargetCheck, check_targets
+from swarmlm.server.push import Pusher, StepOrder, TargetCheck, check_targets, kept_route, pushed_in, route_rule
 from swarmlm.server.scheduler import JobTiming, Scheduler
 from swarmlm.server.session_stream import SessionStreams, refused_reply
 from swarmlm.server.sessions import PeerBytes, Session, SessionTable
@@ -85,10 +85,10 @@ def gc_info() -> pb.GcInfo:
 
 
 def _answers_compact(session: Session, step: pb.InferenceStep, op) -> bool:
-    """Is a protobuf step with push targets answered by an ANSWER? A plain decode step (T = 1, no mask, no cache op,
-    float32, B within u16) of a keyed session: the rule the client's `SpanStream._request` applies to such a step."""
-    return bool(step.push) and session.keys is not None and op is None and \
-        compact.plain_decode(step.hidden, step.attention_mask)
+    """Is a protobuf step that pushes its output on (its own targets, or its source's kept route) answered by an
+    ANSWER? A plain decode step (T = 1, no mask, no cache op, float32, B within u16) of a keyed session: the rule the
+    client's `SpanStream._request` applies to such a step."""
+    return session.keys is not None and op is None and compact.plain_decode(step.hidden, step.attention_mask)
 
 
 class SwarmService(pb_grpc.SwarmServicer):
@@ -224,6 +224,10 @@ class SwarmService(pb_grpc.SwarmServicer):
         step_id = step.step_id
         started = time.perf_counter()
         error, nbytes = None, 0
+        from_push = pushed_in(request)
+        # pushed on (its own targets, or a route its source kept: server/push.py) and its source's route after it
+        route = kept_route(session, from_push)
+        pushes_on = compact_step and route is not None
         try:
             if request.session_id and request.session_id != sid:
                 raise InvalidRequest(f"this stream holds session {sid}, not {request.session_id[:80]}")
@@ -245,7 +249,7 @@ class SwarmService(pb_grpc.SwarmServicer):
             if compact_step:
                 if t == 1 and session.framed and session.stepped and self.config.one_call_steps:
                     step.check_length()
-                    answer = self._answer_in_one_call(session, step, b, started)  # None: it goes as below
+                    answer = self._answer_in_one_call(session, step, b, started, pushes_on)  # None: as below
                     if answer is not None:
                         if type(answer) is AnswerFrame:
                             return answer
@@ -259,6 +263,7 @@ class SwarmService(pb_grpc.SwarmServicer):
                     if not await self.targets.allowed(step.push[0].address, nxt):
                         raise PushRefused(f"push: {step.push[0].address[:80]!r} is not a server of this swarm "
                                           f"serving block {nxt}")
+                pushes_on, route = route_rule(session, step, op, from_push)
                 hidden, mask = decode_step(step.hidden, step.attention_mask, b, t, hidden_size)
         except InvalidRequest as exc:
             error = exc
@@ -267,6 +272,10 @@ class SwarmService(pb_grpc.SwarmServicer):
         if error is not None:
             self._refused_large(nbytes)
             return refused_reply(session, step_id, error)
+        if from_push:  # (taken: its source's route is the rule's, kept, replaced or dropped)
+            session.push_route = route
+        else:
+            session.stream_route = route
         parsed = time.perf_counter()
         if not session.stepped:  # the cache is reserved at the first step, not at open
             try:
@@ -289,18 +298,17 @@ class SwarmService(pb_grpc.SwarmServicer):
         # a STEP's, a PUSH_STEP's (in a session held by a gRPC stream: a REPLY) or a pushing plain decode step's answer
         # is an ANSWER, the latter flagged and keeping its output for the push (the client takes an ANSWER for such a
         # step: client/streams.py `_request`, `expect`)
-        pushing = not compact_step and session.framed and _answers_compact(session, step, op)
-        if (compact_step and session.framed) or pushing:
+        if session.framed and (compact_step or pushes_on and _answers_compact(session, step, op)):
             return compact.answer_frame(
                 session.keys.server, sid, step_id, session.state.position, compact.float32_values(out),
                 timing.queued_s, timing.compute_s, parsed - started, time.perf_counter() - encode_start,
-                timing.batched_steps, pushed_dims=tuple(out.shape) if pushing else None)
+                timing.batched_steps, pushed_dims=tuple(out.shape) if pushes_on else None)
         # in the request's wire format (wire/compress.py); a compact step's is float32
         reply_hidden = compress.encode_like(out, "float32" if compact_step else step.hidden.dtype)
         encode_s = time.perf_counter() - encode_start
         return pb.InferenceReply(
             session_id=sid, step_id=step_id, hidden=reply_hidden, position=session.state.position,
-            pushed=len(step.push) > 0,
+            pushed=pushes_on,
             timing=pb.Timing(
                 queued_s=timing.queued_s, compute_s=timing.compute_s, parse_s=parsed - started, encode_s=encode_s,
                 batched_steps=timing.batched_steps,
@@ -313,14 +321,15 @@ class SwarmService(pb_grpc.SwarmServicer):
         self.sessions.close(sid)
         await context.abort(grpc.StatusCode.INTERNAL, f"step failed, session closed: {error}")
 
-    def _answer_in_one_call(self, session: Session, step: CompactStep, b: int,
-                            started: float) -> AnswerFrame | Exception | None:
+    def _answer_in_one_call(self, session: Session, step: CompactStep, b: int, started: float,
+                            pushes_on: bool = False) -> AnswerFrame | Exception | None:
         """A compact STEP of a framed session (T = 1, its dims and length checked) answered in one kernel call
         (kernels/lane.c: values checked finite, the span, the whole ANSWER frame) when that computes exactly what
         `_compute` and `answer_frame` would: a span the one-call decoder runs (Stage.plain_decoder) and a step the
         scheduler would run inline on this thread (Scheduler.inline_slot: no other session's step to batch with).
         Returns the ANSWER, None when the step must go the usual way (nothing done), or the exception of a failed
-        compute (logged); raises InvalidRequest (nothing computed, nothing committed) for a NaN or infinite value."""
+        compute (logged); raises InvalidRequest (nothing computed, nothing committed) for a NaN or infinite value.
+        `pushes_on`: the step goes on its source's kept route (the ANSWER flagged, its output kept for the push)."""
         state = session.state
         decoder = self._stage.plain_decoder(state, b)
         if decoder is None:
@@ -331,7 +340,8 @@ class SwarmService(pb_grpc.SwarmServicer):
         key = session.answer_key
         if key is None:
             key = session.answer_key = FrameKey.of(session.keys.server, session.session_id)
-        head = AnswerHead(step.step_id, state.position + 1, 1, 0, 0.0, 0.0, time.perf_counter() - started, 0.0)
+        head = AnswerHead(step.step_id, state.position + 1, 1, compact.PUSHED if pushes_on else 0, 0.0, 0.0,
+                          time.perf_counter() - started, 0.0)
         body = step.body if type(step.body) is bytes else bytes(step.body)  # (a PUSH_STEP's is a view of its frame)
         frame, ran = None, True
         try:
@@ -346,7 +356,10 @@ class SwarmService(pb_grpc.SwarmServicer):
             raise codec.not_finite("hidden")
         self.tokens_computed += b
         session.last_used_s = time.monotonic()  # idle from the step's end
-        return AnswerFrame(frame)
+        answer = AnswerFrame(frame)
+        if pushes_on:
+            answer.pushed, answer.output = True, (compact.answer_values(answer), (b, 1, self.checks.hidden_size))
+        return answer
 
     def lane_tokens(self) -> int:
         """Rows x tokens the armed step lane computed so far (added to `tokens_computed` when it is disarmed)."""
@@ -364,6 +377,9 @@ class SwarmService(pb_grpc.SwarmServicer):
         scheduler = self.scheduler
         if len(self.sessions.sessions) != 1 or not 0 < state.position < max_length or not scheduler.idle:
             return None  # (for now: a lane armed beside other compute would only be disarmed by its next step)
+        if session.stream_route is not None:
+            return None  # (for now: its STEPs are pushed on, which a lane does not do; a step without keep_route
+            # from its stream drops the route, and the lane may come at the next)
         decoder = self._stage.plain_decoder(state, rows)
         if decoder is not None and (not decoder.has_rope_table or state.cache.dtype != decoder.kv_dtype):
             decoder = None  # (transformers' forward, as the usual path would run it)

@@ -28,7 +28,7 @@ from swarmlm.server.inbound import UNPARSABLE
 from swarmlm.server.inbox import Inbox
 from swarmlm.server.lane import StepLane
 from swarmlm.server.prefix_cache import PrefixCache
-from swarmlm.server.push import Pusher, StepOrder
+from swarmlm.server.push import Pusher, PushedStep, StepOrder, kept_route, pushed_in
 from swarmlm.server.sessions import PeerBytes, Session, SessionTable
 from swarmlm.server.unary import Admission, message_of, status_of
 from swarmlm.wire import session_keys
@@ -36,6 +36,8 @@ from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire.compact import AnswerFrame, CompactStep, PushStep
 
 log = logging.getLogger(__name__)
+
+_NO_MASK = pb.Tensor()  # (a pushed step's mask when it has none: all ones)
 _END = object()  # the client half-closed its stream
 _BROKEN = object()  # the client's stream broke
 _EXPIRED = object()  # the expiry loop closed the session
@@ -320,13 +322,14 @@ class SessionStreams:
         return pb.PushReply()
 
     def _pushed_step(self, request: pb.PushRequest | PushStep, admission: Admission,
-                     data: bytes | None) -> tuple[Inbox, pb.InferenceRequest | CompactStep]:
+                     data: bytes | None) -> tuple[Inbox, PushedStep | CompactStep]:
         """A pushed step's session inbox and the step, or the refusal: accepted only into a session a client's
         stream holds (its reply has to go somewhere), only with that session's secret (and its push key's MAC if
         keyed: on `data`, the bytes it was parsed from, when given: `verified_bytes`, no re-serialization). Its
         bytes are charged to the pusher (`admission`) while it waits for room; once queued, the inbox bound
         (ServerConfig.inbox_steps) holds it. Validated like any step when its turn comes. A compact PUSH_STEP
-        (wire/compact.py: keyed sessions only) goes in as its `CompactStep`, a PushRequest as an InferenceRequest."""
+        (wire/compact.py: keyed sessions only) goes in as its `CompactStep`, a PushRequest as a `PushedStep` (both say
+        they were pushed: the source of a kept route)."""
         compact_push = type(request) is PushStep
         session = self.sessions.sessions.get(request.session_id)
         inbox = self.inboxes.get(request.session_id)
@@ -347,7 +350,7 @@ class SessionStreams:
         if step.step_id == 0:
             raise InvalidRequest("a pushed step needs a nonzero step id")
         admission.charge(payload_bytes(step))
-        return inbox, step if compact_push else pb.InferenceRequest(session_id=request.session_id, step=step)
+        return inbox, step if compact_push else PushedStep(request.session_id, step)
 
     async def _next(self, request_iterator) -> pb.InferenceRequest | None:
         try:
@@ -404,7 +407,12 @@ class SessionStreams:
         with the next session's push key (sealed for us in the target). True when nothing is left to write (written
         already: `Pusher.push_now`; or not pushed at all, logged), False when a task writes it. A push that fails is logged: the client's stream to
         that server then breaks or times out, and its failover re-sends the step."""
-        sid, step, targets = session.session_id, request.step, request.step.push
+        sid, step = session.session_id, request.step
+        if step.push:  # (its own targets: the push hands the rest on, kept there too if it keeps its route)
+            targets, keep = step.push, step.keep_route and len(step.push) > 1
+        else:  # (a step on the route its source kept: `_step` pushes on only then)
+            route = kept_route(session, pushed_in(request))
+            targets, keep = [route.take()], route.onward
         push_key = b""
         if session.keys is not None and targets[0].push_key:
             push_key = session.push_key(targets[0].session_id, targets[0].push_key)
@@ -417,8 +425,11 @@ class SessionStreams:
             hidden = pb.Tensor(data=values, dtype="float32", shape=dims)
         else:
             hidden = reply.hidden
-        args = (targets[0], hidden, step.attention_mask, targets[1:],
-                step.cache_op if step.HasField("cache_op") else None, push_key)
+        if type(step) is pb.InferenceStep:
+            mask, op = step.attention_mask, step.cache_op if step.HasField("cache_op") else None
+        else:  # (a compact step's: no mask, no cache op)
+            mask, op = _NO_MASK, None
+        args = (targets[0], hidden, mask, targets[1:], op, push_key, keep)
         previous = self._pushes.get(sid)
         now = self.pusher.push_now(*args) if previous is None or previous.done() else None
         if now is True:  # a PUSH_STEP, written: not answered unless refused (then logged by the pusher)

@@ -53,6 +53,10 @@ class Session:
     lane_never: bool = False
     # its armed step lane (server/lane.py): its steps pass no Python, so their time is the lane's (`last_active_s`)
     lane: object = field(default=None, repr=False)
+    # its kept routes (server/push.py KeptRoute, protocol 4): where its plain decode steps from its stream (compact
+    # STEPs) and from pushes (PUSH_STEPs) go on; None: not pushed on
+    stream_route: object = field(default=None, repr=False)
+    push_route: object = field(default=None, repr=False)
     # the push key opened last: (sealed, the next server's session, key); a client seals one per route, not per step
     _opened_push_key: tuple[bytes, str, bytes] | None = field(default=None, repr=False)
 

@@ -132,21 +132,23 @@ class PushStep:
     @property
     def step(self) -> "CompactStep":
         """Its STEP part (header, values, MAC): checked from here as a STEP is (dims, length, finiteness)."""
-        return CompactStep(memoryview(self.body)[self._at:])
+        return CompactStep(memoryview(self.body)[self._at:], pushed_in=True)
 
 
 class CompactStep:
     """A STEP frame's body as the server's step path takes it: duck-typed where it meets an InferenceRequest (a
     step of the stream's session, its `step.step_id`), its MAC checked by `verified`, its values by `values`."""
 
-    __slots__ = ("body", "step_id", "b", "t", "h", "nbytes")
+    __slots__ = ("body", "step_id", "b", "t", "h", "nbytes", "pushed_in")
     session_id = ""  # (the stream's session: a STEP names none)
-    push = ()  # (never pushed on)
+    push = ()  # (no targets of its own: pushed on only on a route its source kept, server/push.py KeptRoute)
+    keep_route = False  # (a source's route: kept, not dropped, by its compact steps)
     # a step (StepOrder, the stream's loop and `_step` ask): a C method, not a Python function, called ~4 times a step
     WhichOneof = {"kind": "step"}.get
 
-    def __init__(self, body: bytes) -> None:
+    def __init__(self, body: bytes, pushed_in: bool = False) -> None:
         self.body = body
+        self.pushed_in = pushed_in  # a PUSH_STEP's (`PushStep.step`), not a STEP of the session's stream
         size = len(body)
         self.nbytes = max(size - STEP_HEAD.size - MAC_BYTES, 0)  # its values' bytes (its charge while it waits)
         if size >= STEP_HEAD.size:
@@ -215,6 +217,11 @@ def answer_frame(key: bytes, session_id: str, step_id: int, position: int, value
     if pushed_dims:
         frame.pushed, frame.output = True, (bytes(values), pushed_dims)
     return frame
+
+
+def answer_values(frame: bytes) -> bytes:
+    """A whole ANSWER frame's output values (float32 bytes, between its header and its MAC)."""
+    return frame[frames.HEADER.size + ANSWER_HEAD.size:len(frame) - MAC_BYTES]
 
 
 class Answer:

@@ -10,8 +10,10 @@ from __future__ import annotations
 # encoding (a tensor format, a MAC's input, what a signature signs), the frame layout, a message a peer must now
 # send or understand, a record field's type. A new optional field that older peers ignore and newer ones read as
 # "absent" does not need a bump.
-# 2: compact STEP / ANSWER frames (wire/compact.py), which a protocol-1 peer cannot read; 3: compact PUSH_STEP frames
-PROTOCOL_VERSION = 3
+# 2: compact STEP / ANSWER frames (wire/compact.py), which a protocol-1 peer cannot read; 3: compact PUSH_STEP frames;
+# 4: kept routes (InferenceStep.keep_route: a STEP or PUSH_STEP into a session with a route kept is pushed on, which a
+# protocol-3 server would answer without pushing)
+PROTOCOL_VERSION = 4
 MAX_PROTOCOL = 1 << 16  # what a record may announce at most: a sane bound on a peer's number (0 = announced none)
 
 

@@ -91,18 +91,20 @@ class CacheOp(_message.Message):
     def __init__(self, truncate_to: _Optional[int] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InferenceStep(_message.Message):
-    __slots__ = ("hidden", "attention_mask", "step_id", "push", "cache_op")
+    __slots__ = ("hidden", "attention_mask", "step_id", "push", "cache_op", "keep_route")
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     CACHE_OP_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ROUTE_FIELD_NUMBER: _ClassVar[int]
     hidden: Tensor
     attention_mask: Tensor
     step_id: int
     push: _containers.RepeatedCompositeFieldContainer[PushTarget]
     cache_op: CacheOp
-    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., step_id: _Optional[int] = ..., push: _Optional[_Iterable[_Union[PushTarget, _Mapping]]] = ..., cache_op: _Optional[_Union[CacheOp, _Mapping]] = ...) -> None: ...
+    keep_route: bool
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., step_id: _Optional[int] = ..., push: _Optional[_Iterable[_Union[PushTarget, _Mapping]]] = ..., cache_op: _Optional[_Union[CacheOp, _Mapping]] = ..., keep_route: _Optional[bool] = ...) -> None: ...
 
 class InferenceRequest(_message.Message):
     __slots__ = ("session_id", "open", "step", "save", "secret", "mac")

@@ -1,0 +1,145 @@
+"""Kept routes (protocol 4, docs/PROTOCOL.md "Kept routes"): a pushed route's first plain decode step has its servers
+keep the route (InferenceStep.keep_route), and the next ones go as one STEP frame to the first server, each pushed on
+as a PUSH_STEP, with the same tokens as transformers; a step without keep_route drops the route; keep_route where it
+cannot hold is refused and changes nothing."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from swarmlm.bench import frame_attacks as fa
+from swarmlm.types import BlockRange
+from swarmlm.wire import codec, compact, frames, session_keys
+from swarmlm.wire import swarm_pb2 as pb
+from swarmlm.wire.frames import Kind
+from tests.swarm_helpers import client_of, greedy_reference, in_process_swarm
+
+HIDDEN = 64  # tiny-bloom's
+RANGES = [BlockRange(0, 2), BlockRange(2, 4), BlockRange(4, 6)]
+
+
+def _decode(client, ids: torch.Tensor, new: int, session_hook=None) -> list[int]:
+    with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + new + 2) as session:
+        logits = client.step_logits(session, ids)
+        tokens = [int(logits[0, -1].argmax())]
+        for i in range(new - 1):
+            if session_hook is not None:
+                session_hook(i)
+            logits = client.step_logits(session, torch.tensor([[tokens[-1]]]))
+            tokens.append(int(logits[0, -1].argmax()))
+        records = list(session.steps)
+    return tokens, records
+
+
+def test_a_kept_route_writes_one_step_frame_a_token_and_gives_the_same_tokens(tiny_bloom, monkeypatch):
+    """3 servers, pushed, framed: the first decode step keeps the route (a REQUEST naming it, its pushes PushRequests
+    handing the rest on), every later one is one STEP to the first server, pushed on as a PUSH_STEP by the first and
+    the middle server; the greedy tokens equal transformers'."""
+    new = 6
+    ids, want = greedy_reference(tiny_bloom, "kept routes through three servers", new)
+    steps_written = []
+    real = compact.step_frame
+    monkeypatch.setattr(compact, "step_frame", lambda *a: (steps_written.append(a[1]), real(*a))[1])
+    with in_process_swarm(tiny_bloom, RANGES) as swarm:
+        pushers = [s.service.pusher for s in swarm.servers]
+        client = client_of(swarm, frames=True, push=True)
+        try:
+            got, records = _decode(client, ids, new)
+        finally:
+            client.close()
+        assert got == want
+        assert [p.compact_frames for p in pushers] == [new - 2, new - 1, 0]
+        assert [p.failed for p in pushers] == [0, 0, 0]
+        assert len(steps_written) == new - 2 and len(set(steps_written)) == 1  # all to one session: the first hop's
+    for record in records[1:]:  # (every decode step: pushed on by the first two servers)
+        assert [h.pushed for h in record.hops] == [True, True, False]
+
+
+def test_a_step_without_keep_route_drops_the_route_and_relaying_goes_on(tiny_bloom, monkeypatch):
+    """Pushed with a kept route for a few tokens, then relayed (the client's push rule turns): the first relayed step
+    is a REQUEST, which drops the first server's route (a STEP there would be pushed on), and the tokens stay
+    transformers'."""
+    new = 7
+    ids, want = greedy_reference(tiny_bloom, "a route kept, then dropped", new)
+    with in_process_swarm(tiny_bloom, RANGES) as swarm:
+        client = client_of(swarm, frames=True, push=True)
+        routes = []
+
+        def turn(i: int) -> None:
+            sessions = list(swarm.servers[0].service.sessions.sessions.values())
+            routes.append(sessions[0].stream_route is not None)
+            if i == 3:
+                monkeypatch.setattr(client.remote, "push", lambda spans: False)
+
+        try:
+            got, records = _decode(client, ids, new, turn)
+        finally:
+            client.close()
+        assert got == want
+    assert routes == [False, True, True, True, False, False]  # (seen before each decode step: kept at the first)
+    assert [h.pushed for h in records[-1].hops] == [False, False, False]
+
+
+def _route_target(pusher: fa.KeyedStream, target: fa.KeyedStream, address: str, sealed: bool = True):
+    """The push target naming `target`'s session, its push key sealed for `pusher`'s server (or none)."""
+    return pb.PushTarget(address=address, session_id=target.session_id, step_id=target.next_id, secret=target.secret,
+                         push_key=session_keys.seal_push_key(pusher.keys.seal, target.session_id, target.keys.push)
+                         if sealed else b"")
+
+
+def _request(stream: fa.KeyedStream, values: np.ndarray, step_id: int, push=(), keep_route: bool = False):
+    request = session_keys.sign(stream.keys.client, stream.session_id, pb.InferenceRequest(step=pb.InferenceStep(
+        hidden=codec.encode(torch.from_numpy(values)), step_id=step_id, push=push, keep_route=keep_route)))
+    stream.send(frames.frame(Kind.REQUEST, request.SerializeToString()))
+    return stream.answer()
+
+
+def test_keep_route_where_it_cannot_hold_is_refused_and_changes_nothing(tiny_bloom):
+    """keep_route on a prompt step, keep_route without targets and no route kept, keep_route to a target without a
+    push key: each refused by a REPLY naming why, before any compute (the session's position unchanged), and the
+    session goes on: an honest decode step after them is answered. (Steps without ids: a refused step's id is
+    taken all the same, by the session's step order.)"""
+    rng = np.random.default_rng(5)
+    with in_process_swarm(tiny_bloom, RANGES[:2]) as swarm:
+        first, second = swarm.addresses
+        with fa.KeyedStream(first, 2, max_length=32) as s1, fa.KeyedStream(second, 4, max_length=32, start=2) as s2:
+            prompt = rng.standard_normal((1, 2, HIDDEN), dtype=np.float32)
+            reply = _request(s1, prompt, 0, [_route_target(s1, s2, second)], keep_route=True)
+            assert "keep_route: only on a plain decode step" in reply.error.message
+            reply = _request(s1, prompt, 0)  # (the prompt, honest: nothing was taken)
+            assert not reply.HasField("error") and reply.position == 2
+            token = rng.standard_normal((1, 1, HIDDEN), dtype=np.float32)
+            reply = _request(s1, token, 0, keep_route=True)
+            assert "no route is kept for this session's steps from its stream" in reply.error.message
+            reply = _request(s1, token, 0, [_route_target(s1, s2, second, sealed=False)], keep_route=True)
+            assert "the next server's session is not keyed" in reply.error.message
+            session = swarm.servers[0].service.sessions.sessions[s1.session_id]
+            assert session.stream_route is None and session.state.position == 2
+            answer = s1.step(token, 0)  # (a STEP: answered alone, no route kept)
+            assert type(answer) is compact.Answer and answer.position == 3 and not answer.pushed
+
+
+def test_a_kept_route_is_the_sources_own(tiny_bloom):
+    """A route kept by the session's stream pushes its STEPs on, not its pushed steps; a route kept by a push pushes
+    PUSH_STEPs on, not its stream's STEPs (a client relaying to a middle server after pushing gets its answer alone)."""
+    rng = np.random.default_rng(6)
+    with in_process_swarm(tiny_bloom, RANGES) as swarm:
+        first, second, third = swarm.addresses
+        with fa.KeyedStream(first, 2, max_length=32) as s1, fa.KeyedStream(second, 4, max_length=32, start=2) as s2, \
+                fa.KeyedStream(third, 6, max_length=32, start=4) as s3:
+            for stream in (s1, s2, s3):  # (the same prompt everywhere: each server's session holds 2 positions)
+                assert _request(stream, rng.standard_normal((1, 2, HIDDEN), dtype=np.float32), 0).position == 2
+            token = rng.standard_normal((1, 1, HIDDEN), dtype=np.float32)
+            targets = [_route_target(s1, s2, second), _route_target(s2, s3, third)]
+            answer = _request(s1, token, 1, targets, keep_route=True)
+            assert type(answer) is compact.Answer and answer.pushed
+            for stream in (s2, s3):  # (pushed: each answers its own stream)
+                assert stream.answer().position == 3
+            services = [s.service for s in swarm.servers]
+            kept = [services[0].sessions.sessions[s1.session_id].stream_route,
+                    services[1].sessions.sessions[s2.session_id].push_route]
+            assert [r.target.session_id for r in kept] == [s2.session_id, s3.session_id]
+            assert services[1].sessions.sessions[s2.session_id].stream_route is None
+            # the middle server's own stream: its STEP is answered alone (its route is its pushes')
+            answer = s2.step(rng.standard_normal((1, 1, HIDDEN), dtype=np.float32), 2)
+            assert type(answer) is compact.Answer and not answer.pushed and answer.position == 4
