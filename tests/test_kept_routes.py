@@ -143,3 +143,37 @@ def test_a_kept_route_is_the_sources_own(tiny_bloom):
             # the middle server's own stream: its STEP is answered alone (its route is its pushes')
             answer = s2.step(rng.standard_normal((1, 1, HIDDEN), dtype=np.float32), 2)
             assert type(answer) is compact.Answer and not answer.pushed and answer.position == 4
+
+
+def test_a_kept_routes_steps_take_every_servers_step_lane_and_are_transformers_own(tmp_path):
+    """A packed model through 3 servers, pushed: once the route is kept, the first server's lane takes the client's
+    STEPs and pushes each output on, the middle one's takes those PUSH_STEPs from its push connection and pushes on,
+    the last one's takes its PUSH_STEPs; every answer goes to the client's stream. The tokens are transformers' and
+    a relayed client's; without lanes (the usual path) the same."""
+    from swarmlm.kernels import available
+    from swarmlm.model.random_checkpoint import init_checkpoint
+    from tests.gguf_fixtures import write_tiny_gguf
+    from tests.swarm_helpers import reference_generate, reference_model
+
+    if not available():
+        import pytest
+        pytest.skip("no C compiler: no packed kernels")
+    checkpoint = init_checkpoint("tiny-llama", tmp_path / "checkpoint", seed=7)
+    path = str(write_tiny_gguf(checkpoint, tmp_path / "tiny-q4_0.gguf", matrix_type="Q4_0"))
+    prompt, new = [1, 17, 88, 3, 9, 250], 12
+    want = reference_generate(path, torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new)[0, len(prompt):]
+    blocks = int(reference_model(path).config.num_hidden_layers)
+    ranges = [BlockRange(0, 2), BlockRange(2, 4), BlockRange(4, blocks)]
+    got = {}
+    for lane in (True, False):
+        with in_process_swarm(path, ranges, step_lane=lane) as swarm:
+            client = client_of(swarm, frames=True, push=True)
+            try:
+                got[lane], _ = _decode(client, torch.tensor([prompt]), new)
+            finally:
+                client.close()
+            got[lane, "lane steps"] = [s.service.scheduler.lane_steps for s in swarm.servers]
+            got[lane, "failed pushes"] = [s.service.pusher.failed for s in swarm.servers]
+    assert got[True] == got[False] == want.tolist()
+    assert all(steps > 0 for steps in got[True, "lane steps"]), got
+    assert got[False, "lane steps"] == [0, 0, 0] and got[True, "failed pushes"] == [0, 0, 0]

@@ -227,6 +227,53 @@ int frame_open_answer(const struct frame_key *k, const uint8_t *body, int64_t le
     return FRAME_OK;
 }
 
+/* ---- PUSH_STEP (wire/compact.py push_frame, PushStep) ----------------------------------------------------- */
+
+int64_t frame_push_step(const struct frame_key *k, const uint8_t *secret, const struct frame_step_head *head,
+                        const float *values, uint8_t *out) {
+    if (k->sid_len > 255 || head->b <= 0 || head->b > 0xFFFF || head->t <= 0 || head->t > 0xFFFF || head->h <= 0 ||
+        head->h > 0xFFFFFFFFLL)
+        return -1;
+    const int64_t at = 1 + k->sid_len + FRAME_SECRET;  /* where its STEP part starts */
+    unsigned __int128 values_bytes = (unsigned __int128)4 * (uint64_t)head->b * (uint64_t)head->t * (uint64_t)head->h;
+    if (values_bytes > 0xFFFFFFFFULL - (uint64_t)at - FRAME_STEP_HEAD - FRAME_MAC) return -1;
+    int64_t nbytes = (int64_t)values_bytes;
+    int64_t body = at + FRAME_STEP_HEAD + nbytes + FRAME_MAC;
+    uint8_t *p = frame_header(out, FRAME_KIND_PUSH_STEP, body);
+    p[0] = (uint8_t)k->sid_len;
+    memcpy(p + 1, k->sid, (size_t)k->sid_len);
+    memcpy(p + 1 + k->sid_len, secret, FRAME_SECRET);
+    uint8_t *step = p + at;
+    put64(step, head->step_id);
+    put16(step + 8, (uint64_t)head->b);
+    put16(step + 10, (uint64_t)head->t);
+    put32(step + 12, (uint64_t)head->h);
+    memcpy(step + FRAME_STEP_HEAD, values, (size_t)nbytes);
+    frame_mac(k, "swarmlm-push", p, body - FRAME_MAC, p + body - FRAME_MAC);
+    return FRAME_HEADER + body;
+}
+
+int frame_open_push_step(const struct frame_key *k, const uint8_t *secret, const uint8_t *body, int64_t len,
+                         struct frame_step_head *head, int64_t *values_at) {
+    const int64_t at = 1 + k->sid_len + FRAME_SECRET;
+    if (len < at + FRAME_STEP_HEAD + FRAME_MAC || body[0] != k->sid_len) return FRAME_OTHER;
+    uint8_t diff = 0;  /* (the id and the secret in constant time: the secret is the session's password) */
+    for (int64_t i = 0; i < k->sid_len; i++) diff |= (uint8_t)(body[1 + i] ^ k->sid[i]);
+    for (int i = 0; i < FRAME_SECRET; i++) diff |= (uint8_t)(body[1 + k->sid_len + i] ^ secret[i]);
+    if (diff) return FRAME_OTHER;
+    int64_t size = len - FRAME_MAC;
+    if (!mac_matches(k, "swarmlm-push", body, size)) return FRAME_TAMPERED;
+    const uint8_t *step = body + at;
+    head->step_id = get64(step);
+    head->b = (int64_t)get16(step + 8);
+    head->t = (int64_t)get16(step + 10);
+    head->h = (int64_t)get32(step + 12);
+    unsigned __int128 expected = (unsigned __int128)4 * (uint64_t)head->b * (uint64_t)head->t * (uint64_t)head->h;
+    if (expected != (unsigned __int128)(size - at - FRAME_STEP_HEAD)) return FRAME_LENGTH;
+    *values_at = at + FRAME_STEP_HEAD;
+    return FRAME_OK;
+}
+
 int frame_finite(const float *values, int64_t n) {
     uint32_t bad = 0;
     for (int64_t i = 0; i < n; i++) {

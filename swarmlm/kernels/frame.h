@@ -65,6 +65,22 @@ int64_t frame_answer(const struct frame_key *k, const struct frame_answer_head *
 int frame_open_answer(const struct frame_key *k, const uint8_t *body, int64_t len, int64_t count,
                       struct frame_answer_head *head);
 
+#define FRAME_SECRET 16   /* a session's secret (sessions.SECRET_BYTES), carried by a PUSH_STEP */
+#define FRAME_OTHER 3      /* (frame_open_push_step) a PUSH_STEP into another session, or of too short a body */
+
+/* A whole PUSH_STEP frame into the session k names (k: its push key and id; `secret`: its 16-byte secret) at `out`,
+   which holds FRAME_HEADER + 1 + sid_len + FRAME_SECRET + FRAME_STEP_HEAD + 4*b*t*h + FRAME_MAC bytes. Returns that
+   size, or -1 if a dim is out of its field or the id is longer than 255 bytes. */
+int64_t frame_push_step(const struct frame_key *k, const uint8_t *secret, const struct frame_step_head *head,
+                        const float *values, uint8_t *out);
+
+/* A PUSH_STEP body into the session k names (`secret` its secret): the session id and secret (FRAME_OTHER if either
+   is not this session's: compared in constant time), its MAC under k ("swarmlm-push"), its STEP header into `head`,
+   its length against the header's dims. FRAME_OK (the values at body + *values_at), FRAME_OTHER, FRAME_TAMPERED or
+   FRAME_LENGTH. */
+int frame_open_push_step(const struct frame_key *k, const uint8_t *secret, const uint8_t *body, int64_t len,
+                         struct frame_step_head *head, int64_t *values_at);
+
 /* Are all n values finite (no NaN, no infinity)? 1 or 0. */
 int frame_finite(const float *values, int64_t n);
 

@@ -7,8 +7,15 @@ import ctypes
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 # frame.h's sizes (FRAME_HEADER, FRAME_STEP_HEAD, FRAME_ANSWER_HEAD, FRAME_MAC): wire/frames.py's and wire/compact.py's
 # struct sizes, which tests/test_frame_c.py holds them to (kernels sit below wire: they cannot import them)
-FRAME_HEADER, STEP_HEAD, ANSWER_HEAD, MAC = 5, 16, 49, 16
+FRAME_HEADER, STEP_HEAD, ANSWER_HEAD, MAC, SECRET = 5, 16, 49, 16, 16
 ANSWER_OVERHEAD = FRAME_HEADER + ANSWER_HEAD + MAC  # an ANSWER frame's bytes besides its values
+# frame.h's FRAME_OK, FRAME_TAMPERED, FRAME_LENGTH, FRAME_OTHER (what frame_open_* return)
+OPENED, TAMPERED, LENGTH, OTHER = 0, 1, 2, 3
+
+
+def push_step_overhead(session_id: str) -> int:
+    """A PUSH_STEP frame's bytes into that session besides its values (wire/compact.py push_frame)."""
+    return FRAME_HEADER + 1 + len(session_id) + SECRET + STEP_HEAD + MAC
 
 
 class FrameKey(ctypes.Structure):
@@ -50,3 +57,7 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.frame_open_answer.restype = ctypes.c_int
     lib.frame_finite.argtypes = [_ptr, _i64]
     lib.frame_finite.restype = ctypes.c_int
+    lib.frame_push_step.argtypes = [key, _ptr, step, _ptr, _ptr]
+    lib.frame_push_step.restype = _i64
+    lib.frame_open_push_step.argtypes = [key, _ptr, _ptr, _i64, step, ctypes.POINTER(_i64)]
+    lib.frame_open_push_step.restype = ctypes.c_int

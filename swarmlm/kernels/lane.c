@@ -86,24 +86,45 @@ struct lane {
     int64_t position;                 /* the session's position (its tokens so far) */
     int64_t steps;                    /* steps taken since armed (counted before each ANSWER is sent) */
     double last_s;                    /* when the last step taken ended (CLOCK_MONOTONIC: Python's time.monotonic) */
+    /* kept routes (protocol 4; server/lane.py): the frames it takes, and where their outputs go on */
+    int64_t from_push;                /* 1: a push connection's PUSH_STEPs (under push_in); 0: the stream's STEPs */
+    struct frame_key push_in;         /* (from_push) the session's push key and id */
+    const uint8_t *secret;            /* (from_push) the session's secret */
+    struct frame_key push_out;        /* a route kept: the next session's push key and id (key_len 0: none) */
+    const uint8_t *out_secret;        /* its secret */
+    int64_t out_next_id;              /* the step id the next push takes there */
+    uint8_t *push_frame;              /* where each push is built */
 };
 
-/* Is `data` (n bytes, as read from the socket) exactly one STEP frame of this session's next step: its MAC under the
-   client key, its id, its rows and hidden size, room for it? 1 (its header in `h`; its values at
-   data + FRAME_HEADER + FRAME_STEP_HEAD) or 0. Nothing changes either way. */
-static int lane_frame(const struct lane *L, const uint8_t *data, int64_t n, struct frame_step_head *h) {
-    if (n < FRAME_HEADER || data[4] != FRAME_KIND_STEP) return 0;
+/* The frame kind the lane takes: a push connection's PUSH_STEP, or the stream's STEP. */
+static int lane_kind(const struct lane *L) { return L->from_push ? FRAME_KIND_PUSH_STEP : FRAME_KIND_STEP; }
+
+/* Is `data` (n bytes, as read from the socket) exactly one frame of this session's next step: a STEP with its MAC
+   under the client key, or (from_push) a PUSH_STEP into this session with its secret and its MAC under the push
+   key; its id, its rows and hidden size, room for it? 1 (its header in `h`; its values at data + *values_at) or 0.
+   Nothing changes either way. */
+static int lane_frame(const struct lane *L, const uint8_t *data, int64_t n, struct frame_step_head *h,
+                      int64_t *values_at) {
+    if (n < FRAME_HEADER || data[4] != lane_kind(L)) return 0;
     int64_t body = (int64_t)data[0] << 24 | (int64_t)data[1] << 16 | (int64_t)data[2] << 8 | (int64_t)data[3];
     if (body != n - FRAME_HEADER) return 0;
-    if (frame_open_step(&L->client, data + FRAME_HEADER, body, h) != FRAME_OK) return 0;
+    if (L->from_push) {
+        int64_t at = 0;
+        if (frame_open_push_step(&L->push_in, L->secret, data + FRAME_HEADER, body, h, &at) != FRAME_OK) return 0;
+        *values_at = FRAME_HEADER + at;
+    } else {
+        if (frame_open_step(&L->client, data + FRAME_HEADER, body, h) != FRAME_OK) return 0;
+        *values_at = FRAME_HEADER + FRAME_STEP_HEAD;
+    }
     if (h->step_id != (uint64_t)L->next_id || h->b != L->rows || h->t != 1 || h->h != L->hidden) return 0;
     return L->position < L->positions && L->position < L->rope_rows;
 }
 
 /* `lane_frame`, and its values finite: the step a caller may compute (then `lane_answer`). */
 static int lane_open(const struct lane *L, const uint8_t *data, int64_t n, struct frame_step_head *h) {
-    return lane_frame(L, data, n, h) &&
-           frame_finite((const float *)(data + FRAME_HEADER + FRAME_STEP_HEAD), L->rows * L->hidden);
+    int64_t values_at = 0;
+    return lane_frame(L, data, n, h, &values_at) &&
+           frame_finite((const float *)(data + values_at), L->rows * L->hidden);
 }
 
 /* The lane past a step it answered. */
@@ -118,6 +139,7 @@ static void lane_advance(struct lane *L) {
    the caller, at `out`; the lane moves on to the next step. Returns the frame's size. */
 static int64_t lane_answer(struct lane *L, const float *values, double compute_s, double parse_s, uint8_t *out) {
     struct frame_answer_head a = {(uint64_t)L->next_id, L->position + 1, 1, 0, 0.0, compute_s, parse_s, 0.0};
+    /* (a lane of transformers' blocks never pushes on: server/lane.py arms a pushing lane on a packed span only) */
     lane_advance(L);
     return frame_answer(&L->server, &a, values, L->rows * L->hidden, out);
 }
@@ -129,23 +151,35 @@ static int64_t lane_answer(struct lane *L, const float *values, double compute_s
 static int64_t lane_take(struct lane *L, const uint8_t *data, int64_t n, uint8_t *out) {
     double t0 = now_s();
     struct frame_step_head h;
-    if (!lane_frame(L, data, n, &h)) return -1;
+    int64_t values_at = 0;
+    if (!lane_frame(L, data, n, &h, &values_at)) return -1;
     int64_t pos = L->position;
     for (int64_t r = 0; r < L->rows; r++) {
         L->len[r] = pos;
         L->mask_rows[r] = L->mask + r * L->positions;
         L->mask_rows[r][pos] = 1;
     }
-    struct frame_answer_head a = {h.step_id, pos + 1, 1, 0, 0.0, 0.0, now_s() - t0, 0.0};
+    const int64_t flags = L->push_out.key_len ? FRAME_ANSWER_PUSHED : 0;
+    struct frame_answer_head a = {h.step_id, pos + 1, 1, flags, 0.0, 0.0, now_s() - t0, 0.0};
     int64_t size = lane_decode_answer(L->dims, L->blocks, L->n_blocks, L->hidden, data + FRAME_HEADER,
-                                      FRAME_STEP_HEAD, L->x, L->rows, L->kbase, L->vbase, L->layer_stride, L->cap,
-                                      L->len, (const int64_t *const *)L->mask_rows, L->rope, L->rope_rows, 0,
+                                      values_at - FRAME_HEADER, L->x, L->rows, L->kbase, L->vbase, L->layer_stride,
+                                      L->cap, L->len, (const int64_t *const *)L->mask_rows, L->rope, L->rope_rows, 0,
                                       &L->server, &a, out);
     if (size < 0) {
         for (int64_t r = 0; r < L->rows; r++) L->mask_rows[r][pos] = 0;
         return size == LANE_NOT_FINITE ? -1 : -2;
     }
     lane_advance(L);
+    return size;
+}
+
+/* The step just taken pushed on along the kept route: its output (the work rows) as a PUSH_STEP into the next
+   session, with the next step id there, at L->push_frame. Returns its size (0: no route kept). */
+static int64_t lane_push(struct lane *L) {
+    if (!L->push_out.key_len) return 0;
+    struct frame_step_head h = {(uint64_t)L->out_next_id, L->rows, 1, L->hidden};
+    int64_t size = frame_push_step(&L->push_out, L->out_secret, &h, L->x, L->push_frame);
+    L->out_next_id += 1;  /* (taken: the step is committed, whether its push gets out or not) */
     return size;
 }
 
@@ -166,6 +200,10 @@ struct lane_io {
     int64_t sent;     /* after LANE_UNSENT: the ANSWER's bytes sent ... */
     int64_t size;     /* ... of its size at `out` */
     int64_t err;      /* a failed recv's or send's errno (0: none) */
+    int64_t answer_fd;   /* where ANSWERs go: the session's stream (fd itself, unless the lane reads pushes) */
+    int64_t push_fd;     /* (a route kept) the push connection to the next server; -1: none */
+    int64_t push_sent;   /* after LANE_UNSENT: the push's bytes sent ... */
+    int64_t push_size;   /* ... of its size at L->push_frame (0: no push this step); its ANSWER not sent at all */
 };
 
 #define LANE_STOPPED 1   /* wake_fd: the loop disarms the lane */
@@ -176,7 +214,8 @@ struct lane_io {
 #define LANE_FRAME 5     /* (lane_next) the lane's STEP is at `in`, checked: the caller computes, then lane_reply */
 
 static int64_t lane_step_bytes(const struct lane *L) {
-    return FRAME_HEADER + FRAME_STEP_HEAD + 4 * L->rows * L->hidden + FRAME_MAC;
+    const int64_t route = L->from_push ? 1 + L->push_in.sid_len + FRAME_SECRET : 0;  /* a PUSH_STEP's session part */
+    return FRAME_HEADER + route + FRAME_STEP_HEAD + 4 * L->rows * L->hidden + FRAME_MAC;
 }
 
 /* Wait for the lane's next whole STEP frame at `in` (never reading past it): LANE_FRAME (io->got its size), or why
@@ -210,23 +249,22 @@ static int lane_read(const struct lane *L, struct lane_io *io, uint8_t *in) {
         if (n == 0) return LANE_ENDED;
         if (io->got == 0) deadline = now_s() + io->stall_s;
         io->got += n;
-        if (io->got >= FRAME_HEADER && (in[4] != FRAME_KIND_STEP ||
+        if (io->got >= FRAME_HEADER && (in[4] != lane_kind(L) ||
                                         ((int64_t)in[0] << 24 | (int64_t)in[1] << 16 | (int64_t)in[2] << 8 |
                                          (int64_t)in[3]) != want - FRAME_HEADER))
-            return LANE_DECLINED; /* not a STEP of the lane's size: the usual path reads and judges it */
+            return LANE_DECLINED; /* not a frame of the lane's kind and size: the usual path reads and judges it */
         if (io->got == want) return LANE_FRAME;
     }
 }
 
-/* `size` bytes at `out` to the socket, as far as it takes them without waiting: 0, or LANE_UNSENT (io->sent, io->size
-   say what is left) or LANE_ENDED (err). */
-static int lane_send(struct lane_io *io, const uint8_t *out, int64_t size) {
-    io->sent = 0;
-    io->size = size;
-    while (io->sent < size) {
-        ssize_t n = send((int)io->fd, out + io->sent, (size_t)(size - io->sent), MSG_NOSIGNAL);
+/* `size` bytes at `out` to socket `fd`, as far as it takes them without waiting (`*sent` counts them): 0, or
+   LANE_UNSENT (the rest for the loop's transport) or LANE_ENDED (io->err). */
+static int send_frame(struct lane_io *io, int64_t fd, const uint8_t *out, int64_t size, int64_t *sent) {
+    *sent = 0;
+    while (*sent < size) {
+        ssize_t n = send((int)fd, out + *sent, (size_t)(size - *sent), MSG_NOSIGNAL);
         if (n >= 0) {
-            io->sent += n;
+            *sent += n;
             continue;
         }
         if (errno == EINTR) continue;
@@ -235,6 +273,13 @@ static int lane_send(struct lane_io *io, const uint8_t *out, int64_t size) {
         return LANE_ENDED;
     }
     return 0;
+}
+
+/* The ANSWER of `size` bytes at `out` to the stream: 0, or LANE_UNSENT (io->sent, io->size say what is left) or
+   LANE_ENDED (err). */
+static int lane_send(struct lane_io *io, const uint8_t *out, int64_t size) {
+    io->size = size;
+    return send_frame(io, io->answer_fd, out, size, &io->sent);
 }
 
 /* A packed span's lane: each STEP read, taken (`lane_take`: checked, computed, committed, answered) and its ANSWER
@@ -247,6 +292,18 @@ int64_t lane_serve(struct lane *L, struct lane_io *io, uint8_t *in, uint8_t *out
         int64_t size = lane_take(L, in, io->got, out);
         if (size < 0) return LANE_DECLINED; /* (nothing computed or committed: the usual path answers or refuses) */
         io->got = 0;
+        /* a route kept: the push first (the next server waits for it; the client reads this ANSWER only after the
+           route's last one), then the ANSWER; a push not wholly written leaves its ANSWER unsent too */
+        io->push_size = lane_push(L);
+        if (io->push_size) {
+            state = send_frame(io, io->push_fd, L->push_frame, io->push_size, &io->push_sent);
+            if (state) {
+                io->sent = 0;
+                io->size = size;
+                return state;
+            }
+            io->push_size = 0;
+        }
         state = lane_send(io, out, size);
         if (state) return state;
     }

@@ -14,11 +14,14 @@ STOPPED, DECLINED, ENDED, UNSENT, FRAME = 1, 2, 3, 4, 5
 
 
 class LaneIO(ctypes.Structure):
-    """lane.c's `struct lane_io`: the socket the lane's thread reads and writes, the descriptor that stops it, how
-    long a begun frame may take; after a stop, what it read and did not take, and what it did not send."""
+    """lane.c's `struct lane_io`: the socket the lane's thread reads (and writes ANSWERs to, unless `answer_fd`
+    is another: a lane that reads pushes), the descriptor that stops it, how long a begun frame may take, the push
+    connection it pushes on (-1: none); after a stop, what it read and did not take, and what it did not send."""
 
     _fields_ = [("fd", ctypes.c_int64), ("wake_fd", ctypes.c_int64), ("stall_s", ctypes.c_double),
-                ("got", ctypes.c_int64), ("sent", ctypes.c_int64), ("size", ctypes.c_int64), ("err", ctypes.c_int64)]
+                ("got", ctypes.c_int64), ("sent", ctypes.c_int64), ("size", ctypes.c_int64), ("err", ctypes.c_int64),
+                ("answer_fd", ctypes.c_int64), ("push_fd", ctypes.c_int64), ("push_sent", ctypes.c_int64),
+                ("push_size", ctypes.c_int64)]
 
 
 def declare(lib: ctypes.CDLL) -> None:

@@ -82,12 +82,19 @@ class FrameConnection(asyncio.Protocol):
         return (self.lane is None and not self.buf and not self.queued and not self.done and self.writable()
                 and transport.get_write_buffer_size() == 0 and transport.is_reading())
 
-    def arm(self, lane: StepLane) -> None:
-        """The socket's reads are `lane`'s thread's from now (`may_arm` held)."""
+    def may_answer(self) -> bool:
+        """May a step lane that reads another connection write its ANSWERs here now: none armed here, nothing
+        unsent?"""
+        return self.lane is None and not self.done and self.writable() and \
+            self.transport.get_write_buffer_size() == 0
+
+    def arm(self, lane: StepLane, answer_conn: "FrameConnection | None" = None) -> None:
+        """The socket's reads are `lane`'s thread's from now (`may_arm` held); its ANSWERs go to `answer_conn` if
+        given (`may_answer` held: a lane that reads pushes answers on the session's stream)."""
         self.transport.pause_reading()
         self.lane = lane
         try:
-            lane.start(self, self.transport.get_extra_info("socket").fileno())
+            lane.start(self, self.transport.get_extra_info("socket").fileno(), answer_conn)
         except OSError as exc:  # (out of descriptors: the usual path goes on, nothing changed)
             log.warning("no step lane: %s", exc)
             self.lane = None

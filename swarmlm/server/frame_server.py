@@ -36,9 +36,10 @@ LINGER_S = 2.0
 LINGER_BYTES = 1 << 20
 
 
-def _push_of(kind: Kind, body: bytes):
-    """A push frame's request: a PUSH's PushRequest (UNPARSABLE if it does not parse), a PUSH_STEP's `PushStep`."""
-    return PushStep(body) if kind == Kind.PUSH_STEP else request_of("Push", body)
+def _push_of(kind: Kind, body: bytes, conn: FrameConnection | None = None):
+    """A push frame's request: a PUSH's PushRequest (UNPARSABLE if it does not parse), a PUSH_STEP's `PushStep`
+    (`via` its connection: a step lane may take the next ones there)."""
+    return PushStep(body, conn) if kind == Kind.PUSH_STEP else request_of("Push", body)
 
 
 def _answer_push(conn: FrameConnection, request, context: "FrameContext") -> None:
@@ -244,7 +245,7 @@ class FrameServer:
                 if kind != Kind.PUSH and kind != Kind.PUSH_STEP:
                     raise FrameError(f"a {kind.name} frame on a push connection (expected PUSH or PUSH_STEP)")
                 context = FrameContext(peer)
-                request = _push_of(kind, body)
+                request = _push_of(kind, body, conn)
                 await self.service.Push(request, context, None if type(request) is PushStep else body)
                 _answer_push(conn, request, context)
                 await conn.drain()
@@ -256,7 +257,7 @@ class FrameServer:
         (another frame, the end, a push that would wait) goes to `_pushes`, with every frame after it."""
         if isinstance(item, tuple) and (item[0] == Kind.PUSH_STEP or item[0] == Kind.PUSH) and conn.writable():
             context = FrameContext(peer)
-            request = _push_of(*item)
+            request = _push_of(*item, conn)
             if self.service.push_now(request, None if type(request) is PushStep else item[1], context) is not None:
                 _answer_push(conn, request, context)
                 return

@@ -37,8 +37,9 @@ import numpy as np
 import torch
 
 from swarmlm.kernels import library
-from swarmlm.kernels.frame_types import ANSWER_OVERHEAD, FRAME_HEADER, MAC, STEP_HEAD, FrameKey, StepHead
-from swarmlm.kernels.lane import DECLINED, FRAME, STOPPED, UNSENT, LaneIO
+from swarmlm.kernels.frame_types import (ANSWER_OVERHEAD, FRAME_HEADER, MAC, STEP_HEAD, FrameKey, StepHead,
+                                         push_step_overhead)
+from swarmlm.kernels.lane import DECLINED, ENDED, FRAME, STOPPED, UNSENT, LaneIO
 from swarmlm.wire import compact
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,27 @@ class _LaneState(ctypes.Structure):
                 ("x", _ptr), ("rows", _i64), ("hidden", _i64), ("kbase", _ptr), ("vbase", _ptr),
                 ("layer_stride", _ptr), ("cap", _ptr), ("len", _ptr), ("mask_rows", _ptr), ("mask", _ptr),
                 ("positions", _i64), ("rope", _ptr), ("rope_rows", _i64), ("next_id", _i64), ("position", _i64),
-                ("steps", _i64), ("last_s", ctypes.c_double)]
+                ("steps", _i64), ("last_s", ctypes.c_double), ("from_push", _i64), ("push_in", FrameKey),
+                ("secret", ctypes.c_char_p), ("push_out", FrameKey), ("out_secret", ctypes.c_char_p),
+                ("out_next_id", _i64), ("push_frame", _ptr)]
+
+
+class PushOn:
+    """Where a lane pushes each step's output (a kept route, server/push.py KeptRoute): the route, the next
+    session's push key (opened), and the push connection to its server, the lane's alone while it is armed."""
+
+    __slots__ = ("route", "key", "conn")
+
+    def __init__(self, route, key: bytes, conn) -> None:
+        self.route, self.key, self.conn = route, key, conn
 
 
 def _address(array) -> int:
     return ctypes.cast(array, _ptr).value
+
+
+def _socket_of(transport) -> int:
+    return transport.get_extra_info("socket").fileno()
 
 
 class StepLane:
@@ -70,7 +87,11 @@ class StepLane:
     Either way `disarm` writes its state back and the connection goes on the usual way from the bytes the lane read
     and did not take (`FrameConnection.lane_stopped`)."""
 
-    def __init__(self, service, session, order, decoder=None) -> None:
+    def __init__(self, service, session, order, decoder=None, push_on: PushOn | None = None,
+                 reads_pushes: bool = False) -> None:
+        """`push_on`: each step's output also goes on as a PUSH_STEP (a route the session keeps; a packed span's lane
+        only). `reads_pushes`: the lane takes the PUSH_STEPs of a push connection into the session (`start`'s
+        `conn`), not the STEPs of its stream, whose connection it writes the ANSWERs to."""
         state = session.state
         cache = state.cache
         rows, position, positions = state.rows, state.position, int(session.max_length)
@@ -99,36 +120,64 @@ class StepLane:
             self._ones = torch.ones(rows, 1, dtype=torch.int64)  # (the step's padding mask: none)
             kernel = (None, None, 0, self._x.data_ptr(), rows, hidden, None, None, None, None, None, None, None,
                       positions, None, positions)
+        sid = session.session_id
+        self.push_on, self.reads_pushes = push_on, reads_pushes
+        push_in = FrameKey.of(session.keys.push, sid) if reads_pushes else FrameKey()
+        if push_on is not None:
+            target = push_on.route.target
+            push_out = FrameKey.of(push_on.key, target.session_id)
+            self._push_frame = ctypes.create_string_buffer(push_step_overhead(target.session_id) + 4 * rows * hidden)
+            pushing = (push_out, target.secret, target.step_id, ctypes.addressof(self._push_frame))
+        else:
+            self._push_frame = None
+            pushing = (FrameKey(), None, 0, None)
         self._state_c = _LaneState(
-            FrameKey.of(session.keys.client, session.session_id), FrameKey.of(session.keys.server, session.session_id),
-            *kernel, order.last_id + 1, position, 0, session.last_used_s)
-        self._in = ctypes.create_string_buffer(_VALUES_AT + 4 * rows * hidden + MAC)  # one STEP frame
+            FrameKey.of(session.keys.client, sid), FrameKey.of(session.keys.server, sid),
+            *kernel, order.last_id + 1, position, 0, session.last_used_s, int(reads_pushes), push_in,
+            session.secret if reads_pushes else None, *pushing)
+        self._held_keys = (push_in, pushing[0])  # (the structs' copies point into these)
+        frame_in = push_step_overhead(sid) if reads_pushes else _VALUES_AT + MAC  # one STEP or PUSH_STEP frame
+        self._in = ctypes.create_string_buffer(frame_in + 4 * rows * hidden)
         self._out = ctypes.create_string_buffer(ANSWER_OVERHEAD + 4 * rows * hidden)
         self._ref = ctypes.byref(self._state_c)
-        self._io = LaneIO(-1, -1, _BEGUN_FRAME_S, 0, 0, 0, 0)
+        self._io = LaneIO(-1, -1, _BEGUN_FRAME_S, 0, 0, 0, 0, -1, -1, 0, 0)
         self._io_ref = ctypes.byref(self._io)
         lib = library()
         self._serve, self._next, self._reply = lib.lane_serve, lib.lane_next, lib.lane_reply
         self.armed = True
         self._conn = None
+        self._answer_conn = None  # (reads_pushes) the session's stream's connection, where ANSWERs go
+        self._fds: list[int] = []  # the thread's own duplicates of the sockets (closed after it stops)
         self._thread: threading.Thread | None = None
         self._wake_w = -1  # written to stop the thread (its read end is the thread's io.wake_fd)
         self._ended = 0  # why the thread stopped (kernels/lane.py STOPPED, DECLINED, ...): set by the thread
 
     # ---- the loop's side ----------------------------------------------------------------------------------------
-    def start(self, conn, sock_fd: int) -> None:
+    def start(self, conn, sock_fd: int, answer_conn=None) -> None:
         """The connection's reads are the lane's from now (its event loop reads none until `lane_stopped`): the
         thread starts on a duplicate of `sock_fd` (the loop's transport may close its own meanwhile: no descriptor
-        the thread holds is ever another socket's)."""
+        the thread holds is ever another socket's). `answer_conn`: where ANSWERs go when that is another connection
+        (a lane that reads pushes writes to the session's stream); its push connection's socket is duplicated too."""
+        sockets = [sock_fd]
+        if answer_conn is not None:
+            sockets.append(_socket_of(answer_conn.transport))
+        if self.push_on is not None:
+            sockets.append(_socket_of(self.push_on.conn.transport))
         wake_r, wake_w = os.pipe()  # (OSError, out of descriptors: nothing started, the caller goes on without)
+        fds: list[int] = []
         try:
-            fd = os.dup(sock_fd)
+            for fd in sockets:
+                fds.append(os.dup(fd))
         except OSError:
-            os.close(wake_r)
-            os.close(wake_w)
+            for fd in [wake_r, wake_w, *fds]:
+                os.close(fd)
             raise
-        self._io.fd, self._io.wake_fd, self._wake_w = fd, wake_r, wake_w
-        self._conn = conn
+        self._fds = fds
+        io = self._io
+        io.fd, io.wake_fd, self._wake_w = fds[0], wake_r, wake_w
+        io.answer_fd = fds[1] if answer_conn is not None else fds[0]
+        io.push_fd = fds[-1] if self.push_on is not None else -1
+        self._conn, self._answer_conn = conn, answer_conn
         self._loop = asyncio.get_running_loop()
         self.scheduler.lane = self
         self.session.lane = self
@@ -159,7 +208,8 @@ class StepLane:
             thread.join()
             os.close(self._wake_w)
             os.close(self._io.wake_fd)
-            os.close(self._io.fd)
+            for fd in self._fds:
+                os.close(fd)
         c = self._state_c
         if c.steps:
             if self._decoder is not None:  # (the stage's own step commits as it goes)
@@ -173,10 +223,22 @@ class StepLane:
             self.scheduler.lane = None
         if self.session.lane is self:
             self.session.lane = None
+        push_on = self.push_on
+        if push_on is not None:
+            push_on.route.target.step_id = c.out_next_id  # (the route's next id, as its pushes left it)
         if self._conn is not None:
             io = self._io
-            unsent = self._out.raw[io.sent:io.size] if self._ended == UNSENT else b""
+            # a push not wholly written (its ANSWER not begun): its rest first, on its own connection, then the ANSWER
+            if io.push_size and push_on is not None and not push_on.conn.transport.is_closing():
+                push_on.conn.transport.write(self._push_frame.raw[io.push_sent:io.push_size])
+            unsent = self._out.raw[io.sent:io.size] if self._ended in (UNSENT, ENDED) and io.size else b""
+            if self._answer_conn is not None:  # (the stream's connection: written now, before anything else)
+                if unsent and not self._answer_conn.transport.is_closing():
+                    self._answer_conn.transport.write(unsent)
+                unsent = b""
             self._conn.lane_stopped(self, self._in.raw[:io.got], unsent)
+        if push_on is not None:  # (its push connection back to the pusher's, for the usual path's pushes)
+            self._service.pusher.framed.keep(push_on.route.target.address, push_on.conn)
 
     # ---- the lane's thread --------------------------------------------------------------------------------------
     def _run(self) -> None:

@@ -28,7 +28,7 @@ from swarmlm.model.fingerprint import range_fingerprint
 from swarmlm.perf.model import ComputeProfile
 from swarmlm.server import deep_prompt, prefix_cache
 from swarmlm.server.checks import StepChecks, check_cache_op, decode_step
-from swarmlm.server.lane import StepLane
+from swarmlm.server.lane import PushOn, StepLane
 from swarmlm.server.prefix_cache import PrefixCache
 from swarmlm.server.push import Pusher, StepOrder, TargetCheck, check_targets, kept_route, pushed_in, route_rule
 from swarmlm.server.scheduler import JobTiming, Scheduler
@@ -366,7 +366,7 @@ class SwarmService(pb_grpc.SwarmServicer):
         lane = self.scheduler.lane
         return lane.rows * lane.steps if lane is not None else 0
 
-    def lane_for(self, session: Session, order: StepOrder) -> StepLane | None:
+    def lane_for(self, session: Session, order: StepOrder, reads_pushes: bool = False) -> StepLane | None:
         """A step lane for the session's next plain decode steps (server/lane.py), or None unless every rule `_step`
         applies to them holds whatever they carry, until something disarms the lane: a keyed session alone on this
         server (a second open disarms it), no adapter or deep prompt, its rows within the session's, its dims within
@@ -377,9 +377,6 @@ class SwarmService(pb_grpc.SwarmServicer):
         scheduler = self.scheduler
         if len(self.sessions.sessions) != 1 or not 0 < state.position < max_length or not scheduler.idle:
             return None  # (for now: a lane armed beside other compute would only be disarmed by its next step)
-        if session.stream_route is not None:
-            return None  # (for now: its STEPs are pushed on, which a lane does not do; a step without keep_route
-            # from its stream drops the route, and the lane may come at the next)
         decoder = self._stage.plain_decoder(state, rows)
         if decoder is not None and (not decoder.has_rope_table or state.cache.dtype != decoder.kv_dtype):
             decoder = None  # (transformers' forward, as the usual path would run it)
@@ -392,9 +389,23 @@ class SwarmService(pb_grpc.SwarmServicer):
         except InvalidRequest:
             session.lane_never = True
             return None
+        route = kept_route(session, reads_pushes)
+        if (route is not None or reads_pushes) and decoder is None:
+            return None  # (a lane that pushes on, or reads pushes, is a packed span's: the whole step in C)
         if decoder is None and not scheduler.decodes_inline:
             return None  # (for now: its forwards go to the compute thread)
-        return StepLane(self, session, order, decoder)
+        push_on = None
+        if route is not None:  # (its steps go on: the next session's push key, and a push connection of its own)
+            target = route.target
+            key = session.push_key(target.session_id, target.push_key)
+            framed = self.pusher.framed
+            if key is None or framed is None or not framed.known_port(target.address):
+                return None
+            conn = framed.idle(target.address)
+            if conn is None:
+                return None
+            push_on = PushOn(route, key, conn)
+        return StepLane(self, session, order, decoder, push_on, reads_pushes)
 
     # ---- RPCs -------------------------------------------------------------------------------------------
     @property

@@ -48,6 +48,11 @@ RunStep = Callable[[Session, pb.InferenceRequest, object], Awaitable[pb.Inferenc
 LaneFor = Callable[[Session, StepOrder], "StepLane | None"]  # (the session, its step order) -> a lane or None
 
 
+def _via(step):
+    """The push connection a step came by (a PUSH_STEP's, on the framed port), or None (the stream's own)."""
+    return step.via if type(step) is CompactStep else None
+
+
 def refused_reply(session: Session, step_id: int, exc: Exception) -> pb.InferenceReply:
     """A refused step's reply: the session is unchanged and stays usable."""
     return pb.InferenceReply(
@@ -174,7 +179,8 @@ class SessionStreams:
                         # before it writes anything more, and the client needs this reply to end the step
                         # (docs/RESULTS-hop.md round 17). A client not reading its replies holds its own pushes back
                         yield _sealed(session, reply)
-                        self._push_after(session, reply, step)
+                        if self._push_after(session, reply, step) and type(reply) is AnswerFrame:
+                            self._arm(session, order, inbox, charges, request_iterator.conn, _via(step))
                         continue
                     if reply.pushed and not self._push_after(session, reply, step):
                         # gRPC: the push before the reply (a reply yielded may wait in gRPC's writer for a while):
@@ -183,7 +189,7 @@ class SessionStreams:
                         await asyncio.sleep(0)
                     yield _sealed(session, reply)
                     if type(reply) is AnswerFrame and framed:  # (the next steps may take the lane)
-                        self._arm(session, order, inbox, charges, request_iterator.conn)
+                        self._arm(session, order, inbox, charges, request_iterator.conn, _via(step))
         except asyncio.TimeoutError:
             if session is not None:
                 self.sessions.close(session.session_id)
@@ -206,18 +212,20 @@ class SessionStreams:
                 if lane is None or not lane.armed or time.monotonic() - session.last_active_s() >= timeout_s:
                     raise
 
-    def _arm(self, session: Session, order: StepOrder, inbox: Inbox, charges: dict, conn) -> None:
-        """A step lane on the session's connection for its next plain decode steps, when nothing is waiting anywhere
-        for the session (inbox, step order, bytes in flight, a push on its way out, the connection's bytes) and the
-        service allows one (server/lane.py)."""
+    def _arm(self, session: Session, order: StepOrder, inbox: Inbox, charges: dict, conn, via=None) -> None:
+        """A step lane on the session's connection for its next plain decode steps (`via`: on the push connection
+        its last step came by, answering on `conn`), when nothing is waiting anywhere for the session (inbox, step
+        order, bytes in flight, a push on its way out, the connections' bytes) and the service allows one
+        (server/lane.py)."""
         sid = session.session_id
-        if (self.lane_for is None or session.lane_never or not conn.may_arm() or not inbox.empty() or not order.idle
-                or charges or sid in self._pushes):
+        reads = conn if via is None else via
+        if (self.lane_for is None or session.lane_never or not reads.may_arm() or not inbox.empty() or not order.idle
+                or charges or sid in self._pushes or via is not None and not conn.may_answer()):
             return
-        lane = self.lane_for(session, order)
+        lane = self.lane_for(session, order, reads_pushes=via is not None)
         if lane is not None:
             self.lanes[sid] = lane
-            conn.arm(lane)
+            reads.arm(lane, None if via is None else conn)
 
     def disarm(self, session_id: str | None = None) -> None:
         """The step lane of `session_id` (None: every lane) back to the usual path, its state written back."""
@@ -277,6 +285,7 @@ class SessionStreams:
 
     async def _take(self, inbox: Inbox, peer: str, charges: dict, request) -> None:
         """One message of the client into its session's inbox, waiting for room (its step's bytes, then the inbox)."""
+        self._stream_speaks(inbox)
         if request is not UNPARSABLE and request is not _TAMPERED and request.WhichOneof("kind") == "step":
             await self._charge(charges, request, peer, payload_bytes(request.step))
         await inbox.put(request)
@@ -286,6 +295,7 @@ class SessionStreams:
         would have to wait."""
         if inbox.full():
             return False
+        self._stream_speaks(inbox)
         request = _checked(session, request, data)
         if request is not UNPARSABLE and request is not _TAMPERED and request.WhichOneof("kind") == "step":
             nbytes = payload_bytes(request.step)
@@ -294,6 +304,13 @@ class SessionStreams:
             charges[id(request)] = (request, peer, nbytes)
         inbox.put_nowait(request)
         return True
+
+    def _stream_speaks(self, inbox: Inbox) -> None:
+        """A message on a session's stream: a lane that reads its pushes (not this stream) is disarmed first, as a
+        push disarms one that reads the stream."""
+        for sid, lane in list(self.lanes.items()):
+            if lane.reads_pushes and self.inboxes.get(sid) is inbox:
+                self.disarm(sid)
 
     async def push(self, request: pb.PushRequest, admission: Admission, data: bytes | None = None) -> pb.PushReply:
         """A step pushed by the previous server of a route (`_pushed_step` checks it), into its session's inbox; a

@@ -101,10 +101,11 @@ class PushStep:
     `verified` its MAC under the session's push key, `step` its STEP part (a `CompactStep` over the same bytes).
     A body too short for its own header reads as session "" (no session has that id: refused as unknown)."""
 
-    __slots__ = ("body", "session_id", "secret", "step_id", "_at")
+    __slots__ = ("body", "session_id", "secret", "step_id", "_at", "via")
 
-    def __init__(self, body: bytes) -> None:
+    def __init__(self, body: bytes, via=None) -> None:
         self.body = body
+        self.via = via  # the connection it came on (the framed port's; None: unknown), where a step lane may read
         n = body[0] if body else 0
         self._at = at = 1 + n + SECRET_BYTES  # where its STEP part starts
         if len(body) < at + STEP_HEAD.size + MAC_BYTES:
@@ -132,23 +133,24 @@ class PushStep:
     @property
     def step(self) -> "CompactStep":
         """Its STEP part (header, values, MAC): checked from here as a STEP is (dims, length, finiteness)."""
-        return CompactStep(memoryview(self.body)[self._at:], pushed_in=True)
+        return CompactStep(memoryview(self.body)[self._at:], pushed_in=True, via=self.via)
 
 
 class CompactStep:
     """A STEP frame's body as the server's step path takes it: duck-typed where it meets an InferenceRequest (a
     step of the stream's session, its `step.step_id`), its MAC checked by `verified`, its values by `values`."""
 
-    __slots__ = ("body", "step_id", "b", "t", "h", "nbytes", "pushed_in")
+    __slots__ = ("body", "step_id", "b", "t", "h", "nbytes", "pushed_in", "via")
     session_id = ""  # (the stream's session: a STEP names none)
     push = ()  # (no targets of its own: pushed on only on a route its source kept, server/push.py KeptRoute)
     keep_route = False  # (a source's route: kept, not dropped, by its compact steps)
     # a step (StepOrder, the stream's loop and `_step` ask): a C method, not a Python function, called ~4 times a step
     WhichOneof = {"kind": "step"}.get
 
-    def __init__(self, body: bytes, pushed_in: bool = False) -> None:
+    def __init__(self, body: bytes, pushed_in: bool = False, via=None) -> None:
         self.body = body
         self.pushed_in = pushed_in  # a PUSH_STEP's (`PushStep.step`), not a STEP of the session's stream
+        self.via = via  # (a PUSH_STEP's) the push connection it came on, if known
         size = len(body)
         self.nbytes = max(size - STEP_HEAD.size - MAC_BYTES, 0)  # its values' bytes (its charge while it waits)
         if size >= STEP_HEAD.size:
