@@ -177,3 +177,79 @@ def test_a_kept_routes_steps_take_every_servers_step_lane_and_are_transformers_o
     assert got[True] == got[False] == want.tolist()
     assert all(steps > 0 for steps in got[True, "lane steps"]), got
     assert got[False, "lane steps"] == [0, 0, 0] and got[True, "failed pushes"] == [0, 0, 0]
+
+
+def _tiny_packed(tmp_path) -> str:
+    from tests.gguf_fixtures import write_tiny_gguf
+    from swarmlm.model.random_checkpoint import init_checkpoint
+
+    checkpoint = init_checkpoint("tiny-llama", tmp_path / "checkpoint", seed=7)
+    return str(write_tiny_gguf(checkpoint, tmp_path / "tiny-q4_0.gguf", matrix_type="Q4_0"))
+
+
+def _pushed_session(address: str, blocks: int, hidden: int, hostile) -> tuple[list, list[str], list[str]]:
+    """A keyed session fed by a push connection: a prompt on its stream, two honest PUSH_STEPs (each answered on
+    the stream: a lane that reads pushes arms after them), then `hostile(stream)`'s frames and a third honest one on
+    the same push connection. Returns the stream's answers (kind, position, values), the push connection's answers,
+    and the stream's end."""
+    rng = np.random.default_rng(9)
+    host, port = address.rsplit(":", 1)[0], fa.frame_port(address)
+    with fa.KeyedStream(address, blocks, max_length=16) as stream, fa.KeyedStream.plain(host, port) as pusher:
+        stream.request(rng.standard_normal((1, 2, hidden), dtype=np.float32), step_id=0)
+
+        def push(step_id: int) -> bytes:
+            values = rng.standard_normal((1, 1, hidden), dtype=np.float32)
+            return compact.push_frame(stream.keys.push, stream.session_id, stream.secret, step_id, 1, 1, hidden,
+                                      values.tobytes())
+
+        seen = []
+        pusher.send(fa.PUSH_HELLO)
+        for step_id in (1, 2):
+            pusher.send(push(step_id))
+            answer = stream.answer()
+            seen.append(("ANSWER", answer.position, bytes(answer.data())))
+        pusher.send(hostile(stream, push) + push(3))
+        answer = stream.answer()
+        seen.append((type(answer).__name__, answer.position))
+        pushes = pusher.exchange(b"")
+        if pushes and pushes[-1] == "closed":  # (a push connection ends without a word of its own)
+            pushes = pushes[:-1]
+        ends = stream.exchange(fa.END)
+    return seen, pushes, ends
+
+
+def test_hostile_pushes_on_a_lane_that_reads_pushes_are_answered_as_without_it(tmp_path):
+    """A lone session fed by pushes (its lane reads the push connection once armed): PUSH_STEPs with the wrong
+    secret, a changed MAC, into another session, of a step id already taken, then an honest one: the same answers
+    (REFUSED naming the step, a replay dropped), frame for frame, as a server without lanes gives, and the session
+    goes on."""
+    from swarmlm.wire.session_keys import MAC_BYTES
+
+    path = _tiny_packed(tmp_path)
+    from tests.swarm_helpers import in_process_server, reference_model
+    config = reference_model(path).config
+    blocks, hidden = int(config.num_hidden_layers), int(config.hidden_size)
+
+    def hostile(stream, push) -> bytes:
+        wrong_secret = compact.push_frame(stream.keys.push, stream.session_id, b"w" * 16, 3, 1, 1, hidden,
+                                          b"\0" * 4 * hidden)
+        changed = bytearray(push(3))
+        changed[-MAC_BYTES - 1] ^= 1
+        other = compact.push_frame(stream.keys.push, "f" * 32, stream.secret, 3, 1, 1, hidden, b"\0" * 4 * hidden)
+        return wrong_secret + bytes(changed) + other + push(2)  # (2: taken already, a duplicate: dropped)
+
+    results = {}
+    for lane in (True, False):
+        with in_process_server(path, BlockRange(0, blocks), step_lane=lane, session_idle_timeout_s=20.0,
+                               open_idle_timeout_s=20.0) as server:
+            results[lane] = _pushed_session(server.address, blocks, hidden, hostile)
+            results[lane, "steps"] = server.service.scheduler.lane_steps
+    seen, pushes, ends = results[True]
+    assert results[True][1:] == results[False][1:] and [s[:2] for s in seen] == [s[:2] for s in results[False][0]]
+    assert seen[:2] == results[False][0][:2]
+    assert [s[:2] for s in seen] == [("ANSWER", 3), ("ANSWER", 4), ("Answer", 5)]
+    assert len(pushes) == 3 and pushes[0] == "REFUSED 3 PERMISSION_DENIED a push must carry the session's secret"
+    assert pushes[1].startswith("REFUSED 3 PERMISSION_DENIED a PUSH_STEP must carry")
+    assert pushes[2].startswith("REFUSED 3 NOT_FOUND no stream holds session")
+    assert ends == ["STATUS OK "]
+    assert results[True, "steps"] > 0 and results[False, "steps"] == 0
