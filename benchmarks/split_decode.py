@@ -10,8 +10,9 @@ the client's defaults: transport, push; --transports: gRPC and framed clients, a
 median over a round of `step_logits` for one token (embed, every hop, LM head); the ratio is one server's per-token
 time over N servers'. llama.cpp: `llama-bench -p 0 -n T -t 1 -ngl 99 --rpc ...` against 1 and N
 `ggml-rpc-server -t 1`, alternating too (tokens per second, its own average). --push-frames / --no-push-frames: the
-servers push on frames / on gRPC. --push on|off|auto: the N-server client's push setting; --push-ab: two N-server
-clients, relayed and pushed, alternating with the one-server client. --server-ab FLAG: two sets of servers, started
+servers push on frames / on gRPC. --push on|off|auto: the N-server client's push setting; --push-ab: three N-server
+clients, relayed, pushed (the servers keep the route: protocol 4) and pushed naming the route at every step
+(ClientConfig.keep_routes off), alternating with the one-server client. --server-ab FLAG: two sets of servers, started
 with --FLAG and --no-FLAG (a boolean server option: one-call-steps, step-lane), all four clients alternating, with
 the servers' process CPU per token. --server-base REV: the same with servers of git revision REV and of this tree
 (a change to the servers, measured side by side). --relay-ab: each client twice, a relayed decode step's hops in one
@@ -58,11 +59,12 @@ def per_token_ms(client: DistributedModelForCausalLM, tokens: int) -> tuple[floa
 
 
 def swarmlm_ratio(model: str, servers: int, rounds: int, tokens: int, transports: list[bool | None],
-                  server_args: list[str], pushes: dict[str, str | bool] | None = None,
+                  server_args: list[str], pushes: dict[str, dict] | None = None,
                   relays: list[bool | None] = (None,)) -> None:
     """`transports`: the clients' ClientConfig.frames (None: the default), `relays`: their ClientConfig.relay_in_c
-    (None: the default), each pair a set of clients (1 server, then N servers with each of `pushes`: name ->
-    ClientConfig.push; default: the client's default) on the same servers, all alternating."""
+    (None: the default), each pair a set of clients (1 server, then N servers with each of `pushes`: name -> the
+    N-server client's push settings, ClientConfig fields; default: the client's defaults) on the same servers, all
+    alternating."""
     pushes = pushes or {"": None}
     blocks = int(load_config(model).num_hidden_layers)
     with LocalSwarm(model, threads=1, with_dht=False, server_args=["--quant", "auto", *server_args]) as swarm:
@@ -74,7 +76,7 @@ def swarmlm_ratio(model: str, servers: int, rounds: int, tokens: int, transports
         clients = {(kind, name): DistributedModelForCausalLM.from_pretrained(
                        model, servers=addrs, quant="auto", **({} if kind[0] is None else {"frames": kind[0]}),
                        **({} if kind[1] is None else {"relay_in_c": kind[1]}),
-                       **({} if push is None else {"push": push}))
+                       **(push or {}))
                    for kind in kinds for name, addrs, push in setups}
         for client in clients.values():
             per_token_ms(client, 8)  # warm-up (connections, caches)
@@ -224,7 +226,10 @@ def main() -> None:
     if args.push and args.push_ab:
         ap.error("--push or --push-ab, not both")
     setting = {"auto": "auto", "on": True, "off": False}
-    pushes = {"relayed": False, "pushed": True} if args.push_ab else {"": setting[args.push]} if args.push else None
+    # (--push-ab: a pushed route kept by its servers, the default, and one named again at every step)
+    pushes = {"relayed": {"push": False}, "pushed": {"push": True},
+              "pushed, route per step": {"push": True, "keep_routes": False}} if args.push_ab else \
+        {"": {"push": setting[args.push]}} if args.push else None
     print("machine:", machine_line(), flush=True)
     torch.set_num_threads(1)
     push = setting[args.push] if args.push else None
