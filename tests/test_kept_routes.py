@@ -253,3 +253,29 @@ def test_hostile_pushes_on_a_lane_that_reads_pushes_are_answered_as_without_it(t
     assert pushes[2].startswith("REFUSED 3 NOT_FOUND no stream holds session")
     assert ends == ["STATUS OK "]
     assert results[True, "steps"] > 0 and results[False, "steps"] == 0
+
+
+def test_a_session_fed_by_protobuf_pushes_arms_no_lane_on_its_stream(tmp_path):
+    """Pushed, each step naming its route (keep_routes off): the middle server's steps come as PUSHes (protobuf: the
+    rest of the route), so no lane is armed on its stream after each answer (the next push would disarm it at once,
+    a thread started and joined per step: what the route's last server did before lanes read push connections); the
+    last server's PUSH_STEPs take a lane on their push connection. The tokens are transformers'."""
+    import time
+
+    from tests.swarm_helpers import reference_generate, reference_model
+
+    path = _tiny_packed(tmp_path)
+    blocks = int(reference_model(path).config.num_hidden_layers)
+    prompt, new = [1, 17, 88, 3, 9, 250], 8
+    want = reference_generate(path, torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new)[0, len(prompt):]
+    with in_process_swarm(path, [BlockRange(0, 2), BlockRange(2, 4), BlockRange(4, blocks)]) as swarm:
+        client = client_of(swarm, frames=True, push=True, keep_routes=False)
+        middle, last = (s.service for s in swarm.servers[1:])
+        try:
+            got, records = _decode(client, torch.tensor([prompt]), new)
+            time.sleep(0.2)  # (an answer's lane is armed right after it is written)
+            assert not middle.streams.lanes and middle.scheduler.lane is None
+        finally:
+            client.close()
+    assert got == want.tolist() and records[-1].pushed
+    assert middle.scheduler.lane_steps == 0 and last.scheduler.lane_steps > 0

@@ -180,7 +180,7 @@ class SessionStreams:
                         # (docs/RESULTS-hop.md round 17). A client not reading its replies holds its own pushes back
                         yield _sealed(session, reply)
                         if self._push_after(session, reply, step) and type(reply) is AnswerFrame:
-                            self._arm(session, order, inbox, charges, request_iterator.conn, _via(step))
+                            self._arm(session, order, inbox, charges, request_iterator.conn, step)
                         continue
                     if reply.pushed and not self._push_after(session, reply, step):
                         # gRPC: the push before the reply (a reply yielded may wait in gRPC's writer for a while):
@@ -189,7 +189,7 @@ class SessionStreams:
                         await asyncio.sleep(0)
                     yield _sealed(session, reply)
                     if type(reply) is AnswerFrame and framed:  # (the next steps may take the lane)
-                        self._arm(session, order, inbox, charges, request_iterator.conn, _via(step))
+                        self._arm(session, order, inbox, charges, request_iterator.conn, step)
         except asyncio.TimeoutError:
             if session is not None:
                 self.sessions.close(session.session_id)
@@ -212,12 +212,17 @@ class SessionStreams:
                 if lane is None or not lane.armed or time.monotonic() - session.last_active_s() >= timeout_s:
                     raise
 
-    def _arm(self, session: Session, order: StepOrder, inbox: Inbox, charges: dict, conn, via=None) -> None:
-        """A step lane on the session's connection for its next plain decode steps (`via`: on the push connection
-        its last step came by, answering on `conn`), when nothing is waiting anywhere for the session (inbox, step
-        order, bytes in flight, a push on its way out, the connections' bytes) and the service allows one
-        (server/lane.py)."""
+    def _arm(self, session: Session, order: StepOrder, inbox: Inbox, charges: dict, conn, step) -> None:
+        """A step lane for the session's next plain decode steps, after `step` was answered: on the session's
+        connection `conn` for a step of its stream, on the push connection a PUSH_STEP came by (answering on `conn`)
+        for one of a push; none after a push that came otherwise (a PUSH, gRPC: the next step comes by push again,
+        and would disarm a lane on the stream at once, a thread started and joined per step). When nothing is
+        waiting anywhere for the session (inbox, step order, bytes in flight, a push on its way out, the
+        connections' bytes) and the service allows one (server/lane.py)."""
         sid = session.session_id
+        via = _via(step)
+        if via is None and pushed_in(step):
+            return
         reads = conn if via is None else via
         if (self.lane_for is None or session.lane_never or not reads.may_arm() or not inbox.empty() or not order.idle
                 or charges or sid in self._pushes or via is not None and not conn.may_answer()):
