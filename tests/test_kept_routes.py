@@ -5,6 +5,7 @@ cannot hold is refused and changes nothing."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from swarmlm.bench import frame_attacks as fa
@@ -34,13 +35,14 @@ def _decode(client, ids: torch.Tensor, new: int, session_hook=None) -> list[int]
 def test_a_kept_route_writes_one_step_frame_a_token_and_gives_the_same_tokens(tiny_bloom, monkeypatch):
     """3 servers, pushed, framed: the first decode step keeps the route (a REQUEST naming it, its pushes PushRequests
     handing the rest on), every later one is one STEP to the first server, pushed on as a PUSH_STEP by the first and
-    the middle server; the greedy tokens equal transformers'."""
+    the middle server; the greedy tokens equal transformers'. (The usual path's frames, counted by the pushers: no
+    step lanes here; lanes on kept routes are the next tests'.)"""
     new = 6
     ids, want = greedy_reference(tiny_bloom, "kept routes through three servers", new)
     steps_written = []
     real = compact.step_frame
     monkeypatch.setattr(compact, "step_frame", lambda *a: (steps_written.append(a[1]), real(*a))[1])
-    with in_process_swarm(tiny_bloom, RANGES) as swarm:
+    with in_process_swarm(tiny_bloom, RANGES, step_lane=False) as swarm:
         pushers = [s.service.pusher for s in swarm.servers]
         client = client_of(swarm, frames=True, push=True)
         try:
@@ -145,21 +147,16 @@ def test_a_kept_route_is_the_sources_own(tiny_bloom):
             assert type(answer) is compact.Answer and not answer.pushed and answer.position == 4
 
 
-def test_a_kept_routes_steps_take_every_servers_step_lane_and_are_transformers_own(tmp_path):
-    """A packed model through 3 servers, pushed: once the route is kept, the first server's lane takes the client's
-    STEPs and pushes each output on, the middle one's takes those PUSH_STEPs from its push connection and pushes on,
-    the last one's takes its PUSH_STEPs; every answer goes to the client's stream. The tokens are transformers' and
-    a relayed client's; without lanes (the usual path) the same."""
-    from swarmlm.kernels import available
-    from swarmlm.model.random_checkpoint import init_checkpoint
-    from tests.gguf_fixtures import write_tiny_gguf
+@pytest.mark.parametrize("model", ["packed llama", "tiny-bloom"])
+def test_a_kept_routes_steps_take_every_servers_step_lane_and_are_transformers_own(model, tmp_path, request):
+    """A model through 3 servers, pushed: once the route is kept, the first server's lane takes the client's STEPs
+    and pushes each output on, the middle one's takes those PUSH_STEPs from its push connection and pushes on, the
+    last one's takes its PUSH_STEPs; every answer goes to the client's stream. A packed model's lanes are each one C
+    call a step; tiny-bloom's run transformers' forward between C's read and C's answer and push. The tokens are
+    transformers'; without lanes (the usual path) the same."""
     from tests.swarm_helpers import reference_generate, reference_model
 
-    if not available():
-        import pytest
-        pytest.skip("no C compiler: no packed kernels")
-    checkpoint = init_checkpoint("tiny-llama", tmp_path / "checkpoint", seed=7)
-    path = str(write_tiny_gguf(checkpoint, tmp_path / "tiny-q4_0.gguf", matrix_type="Q4_0"))
+    path = _tiny_packed(tmp_path) if model == "packed llama" else request.getfixturevalue("tiny_bloom")
     prompt, new = [1, 17, 88, 3, 9, 250], 12
     want = reference_generate(path, torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new)[0, len(prompt):]
     blocks = int(reference_model(path).config.num_hidden_layers)

@@ -138,8 +138,8 @@ static void lane_advance(struct lane *L) {
 /* The ANSWER to the step `lane_open` took, its output `values` (rows x hidden float32) computed (and committed) by
    the caller, at `out`; the lane moves on to the next step. Returns the frame's size. */
 static int64_t lane_answer(struct lane *L, const float *values, double compute_s, double parse_s, uint8_t *out) {
-    struct frame_answer_head a = {(uint64_t)L->next_id, L->position + 1, 1, 0, 0.0, compute_s, parse_s, 0.0};
-    /* (a lane of transformers' blocks never pushes on: server/lane.py arms a pushing lane on a packed span only) */
+    const int64_t flags = L->push_out.key_len ? FRAME_ANSWER_PUSHED : 0;
+    struct frame_answer_head a = {(uint64_t)L->next_id, L->position + 1, 1, flags, 0.0, compute_s, parse_s, 0.0};
     lane_advance(L);
     return frame_answer(&L->server, &a, values, L->rows * L->hidden, out);
 }
@@ -173,12 +173,12 @@ static int64_t lane_take(struct lane *L, const uint8_t *data, int64_t n, uint8_t
     return size;
 }
 
-/* The step just taken pushed on along the kept route: its output (the work rows) as a PUSH_STEP into the next
-   session, with the next step id there, at L->push_frame. Returns its size (0: no route kept). */
-static int64_t lane_push(struct lane *L) {
+/* The step just taken pushed on along the kept route: its output `values` (rows x hidden) as a PUSH_STEP into the
+   next session, with the next step id there, at L->push_frame. Returns its size (0: no route kept). */
+static int64_t lane_push(struct lane *L, const float *values) {
     if (!L->push_out.key_len) return 0;
     struct frame_step_head h = {(uint64_t)L->out_next_id, L->rows, 1, L->hidden};
-    int64_t size = frame_push_step(&L->push_out, L->out_secret, &h, L->x, L->push_frame);
+    int64_t size = frame_push_step(&L->push_out, L->out_secret, &h, values, L->push_frame);
     L->out_next_id += 1;  /* (taken: the step is committed, whether its push gets out or not) */
     return size;
 }
@@ -282,6 +282,23 @@ static int lane_send(struct lane_io *io, const uint8_t *out, int64_t size) {
     return send_frame(io, io->answer_fd, out, size, &io->sent);
 }
 
+/* A step's output `values` on: a route kept, the push first (the next server waits for it; the client reads this
+   ANSWER only after the route's last one), then the ANSWER (`size` bytes at `out`); a push not wholly written leaves
+   its ANSWER unsent too. 0, LANE_UNSENT or LANE_ENDED (io says what is left). */
+static int lane_deliver(struct lane *L, struct lane_io *io, const float *values, uint8_t *out, int64_t size) {
+    io->push_size = lane_push(L, values);
+    if (io->push_size) {
+        int state = send_frame(io, io->push_fd, L->push_frame, io->push_size, &io->push_sent);
+        if (state) {
+            io->sent = 0;
+            io->size = size;
+            return state;
+        }
+        io->push_size = 0;
+    }
+    return lane_send(io, out, size);
+}
+
 /* A packed span's lane: each STEP read, taken (`lane_take`: checked, computed, committed, answered) and its ANSWER
    sent, until something else comes. Returns why it stopped (never LANE_FRAME). */
 int64_t lane_serve(struct lane *L, struct lane_io *io, uint8_t *in, uint8_t *out) {
@@ -292,19 +309,7 @@ int64_t lane_serve(struct lane *L, struct lane_io *io, uint8_t *in, uint8_t *out
         int64_t size = lane_take(L, in, io->got, out);
         if (size < 0) return LANE_DECLINED; /* (nothing computed or committed: the usual path answers or refuses) */
         io->got = 0;
-        /* a route kept: the push first (the next server waits for it; the client reads this ANSWER only after the
-           route's last one), then the ANSWER; a push not wholly written leaves its ANSWER unsent too */
-        io->push_size = lane_push(L);
-        if (io->push_size) {
-            state = send_frame(io, io->push_fd, L->push_frame, io->push_size, &io->push_sent);
-            if (state) {
-                io->sent = 0;
-                io->size = size;
-                return state;
-            }
-            io->push_size = 0;
-        }
-        state = lane_send(io, out, size);
+        state = lane_deliver(L, io, L->x, out, size);
         if (state) return state;
     }
 }
@@ -323,5 +328,5 @@ int64_t lane_reply(struct lane *L, struct lane_io *io, const float *values, doub
                    uint8_t *out) {
     int64_t size = lane_answer(L, values, compute_s, parse_s, out);
     io->got = 0;
-    return lane_send(io, out, size);
+    return lane_deliver(L, io, values, out, size);
 }

@@ -137,6 +137,7 @@ class StepLane:
             session.secret if reads_pushes else None, *pushing)
         self._held_keys = (push_in, pushing[0])  # (the structs' copies point into these)
         frame_in = push_step_overhead(sid) if reads_pushes else _VALUES_AT + MAC  # one STEP or PUSH_STEP frame
+        self._values_at = frame_in - MAC  # where its values start
         self._in = ctypes.create_string_buffer(frame_in + 4 * rows * hidden)
         self._out = ctypes.create_string_buffer(ANSWER_OVERHEAD + 4 * rows * hidden)
         self._ref = ctypes.byref(self._state_c)
@@ -257,16 +258,18 @@ class StepLane:
                 pass
 
     def _serve_forward(self) -> int:
-        """Blocks transformers runs: C reads and checks each STEP, the stage computes (and commits), C answers."""
+        """Blocks transformers runs: C reads and checks each STEP (or PUSH_STEP), the stage computes (and commits), C
+        answers (and pushes on)."""
         step_head = ctypes.byref(StepHead())
         x, ones, state = self._x, self._ones, self._state
         values = x.numpy()
+        values_at = self._values_at
         while True:
             ended = self._next(self._ref, self._io_ref, self._in, step_head)
             if ended != FRAME:
                 return ended
             t0 = time.perf_counter()
-            values[:] = np.frombuffer(self._in, np.float32, x.numel(), _VALUES_AT).reshape(x.shape)
+            values[:] = np.frombuffer(self._in, np.float32, x.numel(), values_at).reshape(x.shape)
             out = self._stage.step(state, x.view(x.shape[0], 1, -1), ones)
             compute_s = time.perf_counter() - t0
             if compute_s > self._max_forward_s:  # (the next steps go to the compute thread: the usual path's rule)

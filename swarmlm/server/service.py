@@ -390,8 +390,6 @@ class SwarmService(pb_grpc.SwarmServicer):
             session.lane_never = True
             return None
         route = kept_route(session, reads_pushes)
-        if (route is not None or reads_pushes) and decoder is None:
-            return None  # (a lane that pushes on, or reads pushes, is a packed span's: the whole step in C)
         if decoder is None and not scheduler.decodes_inline:
             return None  # (for now: its forwards go to the compute thread)
         push_on = None
@@ -403,6 +401,9 @@ class SwarmService(pb_grpc.SwarmServicer):
                 return None
             conn = framed.idle(target.address)
             if conn is None:
+                return None
+            if conn.transport.get_write_buffer_size():  # (the thread writes the socket itself: nothing may be queued)
+                framed.keep(target.address, conn)
                 return None
             push_on = PushOn(route, key, conn)
         return StepLane(self, session, order, decoder, push_on, reads_pushes)
