@@ -86,7 +86,9 @@ def test_decode_pushes_to_the_last_server_go_compact_and_give_the_same_tokens(ti
     real = compact.answer_frame
     monkeypatch.setattr(compact, "answer_frame", lambda *a, **k: (pushing_answers.append(k.get("pushed_dims")),
                                                                   real(*a, **k))[1])
-    with in_process_swarm(tiny_bloom, [BlockRange(0, 2), BlockRange(2, 4), BlockRange(4, 6)]) as swarm:
+    # (the usual path's frames, which the pushers and answer_frame count: no step lanes, which take the last
+    # server's PUSH_STEPs on their push connection once armed: tests/test_kept_routes.py)
+    with in_process_swarm(tiny_bloom, [BlockRange(0, 2), BlockRange(2, 4), BlockRange(4, 6)], step_lane=False) as swarm:
         pushers = [s.service.pusher for s in swarm.servers]
         got = {}
         for push in (True, False):
