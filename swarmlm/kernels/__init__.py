@@ -109,8 +109,9 @@ def library(march: str = "native") -> ctypes.CDLL:
     frame_types.declare(lib)
     lane.declare(lib)
     # (client/relay.py: the hops' structs, the step's dims and buffers (ChainStep), x, the outputs)
-    lib.chain_relay.argtypes = [ptr, ptr, ptr, ptr]
-    lib.chain_relay.restype = i64
+    for chain in (lib.chain_relay, lib.chain_pushed):
+        chain.argtypes = [ptr, ptr, ptr, ptr]
+        chain.restype = i64
     # what the worker pool was last told (model/packed.py threaded_library), an attribute of this build from the start:
     # a missing one is a failed symbol lookup and an AttributeError each time it is read (cold, ~30 us a decode step)
     lib.pool_threads = lib.packed_threads()

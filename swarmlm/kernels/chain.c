@@ -9,7 +9,11 @@
    does exactly what it does without this call: the bytes read of that hop's reply are handed back (they go into
    its FrameCall's buffer), and no byte past the expected ANSWER's size is ever read (a recv asks for no more), so a
    REPLY refusal, a STATUS, a tampered or short frame, a closed connection are read and judged there. The caller's
-   Python does each hop's bookkeeping (step ids, pending replies, timing, history) from what this call records. */
+   Python does each hop's bookkeeping (step ids, pending replies, timing, history) from what this call records.
+
+   A pushed decode step on a kept route (`chain_pushed`, docs/PROTOCOL.md "Kept routes") is the same call's other
+   shape: hop 0's STEP written, the servers push it on among themselves, one sleep until the last hop's answer, then
+   every hop's ANSWER read and taken the same way. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <poll.h>
@@ -51,9 +55,10 @@ struct chain_step {             /* a step's dims and buffers (set once per step 
 
 /* per hop j: ints[4j..]: the ANSWER's step id, position, batched steps, flags; times[8j..]: its queued, compute,
    parse, encode (s, the server's), then the client's perf_counter times: STEP build began, write began, reply
-   whole, reply checked */
+   whole, reply checked (a hop stopped in its read: when it stopped, and when its read and so its bound began) */
 #define CHAIN_INTS 4
 #define CHAIN_TIMES 8
+#define CHAIN_MAX_PUSHED 65 /* a pushed route's hops: a step's 64 push targets (docs/PROTOCOL.md) and its first */
 
 static double now_s(void) {
     struct timespec ts;
@@ -61,12 +66,18 @@ static double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* ppoll's timeout of `s` seconds (at least 0) */
+static struct timespec timespec_of(double s) {
+    if (s < 0) s = 0;
+    time_t whole = (time_t)s;
+    return (struct timespec){.tv_sec = whole, .tv_nsec = (long)((s - (double)whole) * 1e9)};
+}
+
 /* Sleep until fd is ready for `events` or `timeout_s` passes: 1 ready (or broken: the next call says how), 0 timed
    out, -1 interrupted by a signal (the caller's Python handles it). */
 static int wait_ready(int fd, short events, double timeout_s) {
-    if (timeout_s < 0) timeout_s = 0;
     struct pollfd p = {.fd = fd, .events = events};
-    struct timespec ts = {.tv_sec = (time_t)timeout_s, .tv_nsec = (long)((timeout_s - (double)(time_t)timeout_s) * 1e9)};
+    struct timespec ts = timespec_of(timeout_s);
     int r = ppoll(&p, 1, &ts, NULL);
     if (r < 0) return errno == EINTR ? -1 : 1; /* (another error: the send / recv reports it) */
     return r > 0;
@@ -122,58 +133,109 @@ static int read_answer(const struct chain_hop *hop, uint8_t *reply, int64_t fram
     return CHAIN_DONE;
 }
 
+/* Record where and why the chain stopped (hop j, not taken: its reply's `got` bytes are in s->reply); returns j. */
+static int64_t stopped(const struct chain_step *s, int64_t j, int state, int err, int64_t got) {
+    s->stop[CHAIN_STOP_HOP] = j;
+    s->stop[CHAIN_STOP_STATE] = state;
+    s->stop[CHAIN_STOP_ERRNO] = err;
+    s->stop[CHAIN_STOP_GOT] = got;
+    return j;
+}
+
+/* Hop j's STEP built from `values` (its client key, its step id) and written: CHAIN_DONE or a write's stop state. */
+static int write_step(struct chain_hop *hop, const struct chain_step *s, int64_t j, const float *values, int *err) {
+    double *tm = &s->times[CHAIN_TIMES * j];
+    tm[4] = now_s();
+    struct frame_step_head head = {.step_id = hop->step_id, .b = s->b, .t = s->t, .h = s->h};
+    int64_t size = frame_step(&hop->client, &head, values, s->step);
+    if (size < 0) { /* (dims checked by the caller: never) */
+        *err = EINVAL;
+        return CHAIN_WRITE_ERROR;
+    }
+    tm[5] = now_s();
+    return write_all((int)hop->fd, s->step, size, hop->bound_s, err);
+}
+
+/* Hop j's reply read (within its bound from now) and taken only if it is this step's ANSWER: kind, length, MAC under
+   the server key, step id. Its values to outs[j], its header fields and the client's times recorded, the hop's step
+   id advanced (the stream's next: a lane's next step sets none). CHAIN_DONE, or CHAIN_READ with *got bytes read (a
+   stopped hop's times[7]: when its read began, the start of its bound). */
+static int take_answer(struct chain_hop *hop, const struct chain_step *s, int64_t j, float *outs, int64_t *got,
+                       int *err) {
+    int64_t count = s->b * s->t * s->h;
+    int64_t frame = FRAME_HEADER + FRAME_ANSWER_HEAD + 4 * count + FRAME_MAC;
+    double *tm = &s->times[CHAIN_TIMES * j];
+    tm[7] = now_s();
+    int state = read_answer(hop, s->reply, frame, got, err);
+    tm[6] = now_s();
+    struct frame_answer_head answer;
+    if (state != CHAIN_DONE || frame_open_answer(&hop->server, s->reply + FRAME_HEADER, frame - FRAME_HEADER, count,
+                                                 &answer) != FRAME_OK || answer.step_id != hop->step_id)
+        return CHAIN_READ; /* tampered, or another step's: the Python reader names it */
+    memcpy(outs + j * count, s->reply + FRAME_HEADER + FRAME_ANSWER_HEAD, 4 * (size_t)count);
+    int64_t *in = &s->ints[CHAIN_INTS * j];
+    in[0] = (int64_t)answer.step_id;
+    in[1] = answer.position;
+    in[2] = answer.batched;
+    in[3] = answer.flags;
+    tm[0] = answer.queued_s;
+    tm[1] = answer.compute_s;
+    tm[2] = answer.parse_s;
+    tm[3] = answer.encode_s;
+    tm[7] = now_s();
+    hop->step_id++;
+    return CHAIN_DONE;
+}
+
 /* The step's n hops, relayed: x holds b*t*h float32 (hop 0's input), outs n*b*t*h (hop j's output at j*b*t*h);
    s->step and s->reply hold a STEP and an ANSWER frame of b*t*h values. Returns the hops answered; s->stop[] says
    where and why it stopped, s->ints[] and s->times[] what each hop's answer and the client's clock said. */
 int64_t chain_relay(struct chain_hop *hops, const struct chain_step *s, const float *x, float *outs) {
-    int64_t n = s->n, b = s->b, t = s->t, h = s->h;
-    uint8_t *step = s->step, *reply = s->reply;
-    int64_t *ints = s->ints, *stop = s->stop;
-    double *times = s->times;
-    int64_t count = b * t * h;
-    int64_t frame = FRAME_HEADER + FRAME_ANSWER_HEAD + 4 * count + FRAME_MAC;
-    memset(stop, 0, CHAIN_STOP_SLOTS * sizeof *stop);
+    int64_t n = s->n, count = s->b * s->t * s->h;
+    memset(s->stop, 0, CHAIN_STOP_SLOTS * sizeof *s->stop);
     for (int64_t j = 0; j < n; j++) {
-        struct chain_hop *hop = &hops[j];
-        double *tm = &times[CHAIN_TIMES * j];
         int err = 0;
-        stop[CHAIN_STOP_HOP] = j;
-        tm[4] = now_s();
-        struct frame_step_head head = {.step_id = hop->step_id, .b = b, .t = t, .h = h};
-        int64_t size = frame_step(&hop->client, &head, j ? outs + (j - 1) * count : x, step);
-        if (size < 0) { /* (dims checked by the caller: never) */
-            stop[CHAIN_STOP_STATE] = CHAIN_WRITE_ERROR;
-            stop[CHAIN_STOP_ERRNO] = EINVAL;
-            return j;
-        }
-        tm[5] = now_s();
-        int state = write_all((int)hop->fd, step, size, hop->bound_s, &err);
         int64_t got = 0;
-        if (state == CHAIN_DONE) state = read_answer(hop, reply, frame, &got, &err);
-        tm[6] = now_s();
-        struct frame_answer_head answer;
-        if (state == CHAIN_DONE && (frame_open_answer(&hop->server, reply + FRAME_HEADER, frame - FRAME_HEADER, count,
-                                                      &answer) != FRAME_OK || answer.step_id != hop->step_id))
-            state = CHAIN_READ; /* tampered, or another step's: the Python reader names it */
-        if (state != CHAIN_DONE) {
-            stop[CHAIN_STOP_STATE] = state;
-            stop[CHAIN_STOP_ERRNO] = err;
-            stop[CHAIN_STOP_GOT] = got;
-            return j;
-        }
-        memcpy(outs + j * count, reply + FRAME_HEADER + FRAME_ANSWER_HEAD, 4 * (size_t)count);
-        int64_t *in = &ints[CHAIN_INTS * j];
-        in[0] = (int64_t)answer.step_id;
-        in[1] = answer.position;
-        in[2] = answer.batched;
-        in[3] = answer.flags;
-        tm[0] = answer.queued_s;
-        tm[1] = answer.compute_s;
-        tm[2] = answer.parse_s;
-        tm[3] = answer.encode_s;
-        tm[7] = now_s();
-        hop->step_id++; /* (the stream's next: a relay lane's next step sets none) */
+        int state = write_step(&hops[j], s, j, j ? outs + (j - 1) * count : x, &err);
+        if (state == CHAIN_DONE) state = take_answer(&hops[j], s, j, outs, &got, &err);
+        if (state != CHAIN_DONE) return stopped(s, j, state, err, got);
     }
-    stop[CHAIN_STOP_HOP] = n;
+    s->stop[CHAIN_STOP_HOP] = n;
+    return n;
+}
+
+/* Sleep until the last hop's socket has bytes to read or another hop's connection ends (a middle server that broke),
+   at most timeout_s; reads nothing (FrameCall.wait_last's rule: the middle hops' answers, coming meanwhile, do not
+   wake the caller). Timed out or interrupted, the reads after it say what came. */
+static void wait_last(const struct chain_hop *hops, int64_t n, double timeout_s) {
+    struct pollfd p[CHAIN_MAX_PUSHED];
+    for (int64_t j = 0; j < n; j++)
+        p[j] = (struct pollfd){.fd = (int)hops[j].fd, .events = POLLRDHUP | (j == n - 1 ? POLLIN : 0)};
+    struct timespec ts = timespec_of(timeout_s);
+    ppoll(p, (nfds_t)n, &ts, NULL);
+}
+
+/* The step's n hops, pushed on a kept route (docs/PROTOCOL.md "Kept routes"): hop 0's STEP built from x and written
+   (as chain_relay's), which its server pushes on to hop 1 and so on; then one sleep until the last hop's answer
+   (bounded by the hops' bounds summed), then every hop's reply read in order, each within its own bound, and taken
+   as chain_relay takes it (a hop j > 0 answers the step id its stream awaits: hops[j].step_id). Buffers, outs and
+   records as chain_relay's; a hop j > 0 has no STEP of its own: its times[4..5] are hop 0's write's. Stopped at a
+   hop j > 0, its state is CHAIN_READ (its STEP was pushed, not written here). n is at most CHAIN_MAX_PUSHED. */
+int64_t chain_pushed(struct chain_hop *hops, const struct chain_step *s, const float *x, float *outs) {
+    int64_t n = s->n;
+    memset(s->stop, 0, CHAIN_STOP_SLOTS * sizeof *s->stop);
+    if (n > CHAIN_MAX_PUSHED) return stopped(s, 0, CHAIN_WRITE_ERROR, EINVAL, 0); /* (the caller's check: never) */
+    int err = 0;
+    int state = write_step(&hops[0], s, 0, x, &err);
+    if (state != CHAIN_DONE) return stopped(s, 0, state, err, 0);
+    double bound_s = 0, written = s->times[5];
+    for (int64_t j = 0; j < n; j++) bound_s += hops[j].bound_s;
+    wait_last(hops, n, bound_s);
+    for (int64_t j = 0; j < n; j++) {
+        int64_t got = 0;
+        if (j) s->times[CHAIN_TIMES * j + 4] = s->times[CHAIN_TIMES * j + 5] = written;
+        if (take_answer(&hops[j], s, j, outs, &got, &err) != CHAIN_DONE) return stopped(s, j, CHAIN_READ, err, got);
+    }
+    s->stop[CHAIN_STOP_HOP] = n;
     return n;
 }
