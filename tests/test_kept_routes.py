@@ -44,7 +44,8 @@ def test_a_kept_route_writes_one_step_frame_a_token_and_gives_the_same_tokens(ti
     monkeypatch.setattr(compact, "step_frame", lambda *a: (steps_written.append(a[1]), real(*a))[1])
     with in_process_swarm(tiny_bloom, RANGES, step_lane=False) as swarm:
         pushers = [s.service.pusher for s in swarm.servers]
-        client = client_of(swarm, frames=True, push=True)
+        # (the Python path's STEPs: the C chain builds its own, tests/test_pushed_chain.py)
+        client = client_of(swarm, frames=True, push=True, relay_in_c=False)
         try:
             got, records = _decode(client, ids, new)
         finally:
@@ -72,6 +73,7 @@ def test_a_step_without_keep_route_drops_the_route_and_relaying_goes_on(tiny_blo
             routes.append(sessions[0].stream_route is not None)
             if i == 3:
                 monkeypatch.setattr(client.remote, "push", lambda spans: False)
+                client.remote.router.syncs += 1  # (as a sync that turns push does: a relay lane is decided anew)
 
         try:
             got, records = _decode(client, ids, new, turn)

@@ -149,13 +149,13 @@ def test_a_lane_steps_hop_timings_made_when_read_are_those_of_its_step(tiny_bloo
     at_the_time, observed = [], []
     relayed, observe = SpanStream.relayed, BandwidthEstimate.observe
 
-    def relayed_now(stream, ints, times, nbytes, n_tokens):
+    def relayed_now(stream, ints, times, nbytes, n_tokens, pushed_here=False):
         queued, compute, parse, encode, built, written, whole, checked = times
         started = max(written, stream._last_reply_s)
         at_the_time.append(HopTiming(stream.span.server_id, whole - started, queued, compute, parse + encode,
                                      (written - built) + (checked - whole), n_tokens, bool(ints[3] & compact.PUSHED),
                                      max(1, min(ints[2], MAX_REPORTED_BATCH))))
-        return relayed(stream, ints, times, nbytes, n_tokens)
+        return relayed(stream, ints, times, nbytes, n_tokens, pushed_here=pushed_here)
 
     def observed_now(estimate, bytes_total, network):
         observed.append((bytes_total, network))

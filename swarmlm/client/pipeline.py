@@ -307,62 +307,94 @@ class StepPipeline:
                 return failed
         while i < n:
             hop = hops[i]
+            # its input: the chunk, or the previous reply (relayed: kept `Undecoded`, its bytes go on as they came
+            # when the link takes float32; `_request` encodes its tensor for another wire format)
+            source = x if i == 0 else hops[i - 1].outputs[0]
             try:
                 # the hops it pushes on to await their step (`written`)
                 targets = self._push_targets(i, 0) if self.push else ()
-                # its input: the chunk, or the previous reply (relayed: kept `Undecoded`, its bytes go on as they
-                # came when the link takes float32; `_request` encodes its tensor for another wire format)
-                source = x if i == 0 else hops[i - 1].outputs[0]
                 hop.stream.send_blocking(source, wire_mask, bounds[i], targets, hop.op, self.keep_routes)
-                hop.written = 1
-                end = i + 1 + len(targets)
-                if targets:
-                    FrameCall.wait_last([h.stream.call for h in hops[i:end]], sum(bounds[i:end]))
-                for j in range(i, end):
-                    i = j
-                    # a middle hop's float32 reply is checked but not made a tensor: relayed, only its bytes go on;
-                    # pushed, the next server has it already (the history keeps it as it came: a failover's replay
-                    # makes it one)
-                    answering = hops[j]
-                    out, timing = answering.stream.receive_blocking(bounds[j], keep_undecoded=j + 1 < n)
-                    answering.open_span.answered(source, mask)  # (its input joins the history with its output)
-                    answering.outputs.append(out)
-                    self.timings.append(timing)
-                    source = out  # (the next pushed hop's input)
             except (ServerFailed, PushRefused) as exc:
                 self._decode_outputs()
                 return self._outcome({i: exc})
-            i += 1
+            hop.written = 1
+            end = i + 1 + len(targets)
+            if targets:
+                FrameCall.wait_last([h.stream.call for h in hops[i:end]], sum(bounds[i:end]))
+            i, failed = self._read_replies(i, end, source, mask, bounds)
+            if failed is not None:
+                self._decode_outputs()
+                return self._outcome({i: failed})
         return AttemptOutcome(self.timings, {}, [])
+
+    def _read_replies(self, i: int, end: int, source: torch.Tensor | Undecoded, mask: torch.Tensor,
+                      bounds: list[float]) -> tuple[int, ServerFailed | PushRefused | None]:
+        """Hops i..end-1's replies read in order, each within its bound (`source`: hop i's input; pushed, each next
+        hop's is the previous one's output). Returns `end` and None, or the hop that failed and its failure."""
+        n = len(self.hops)
+        for j in range(i, end):
+            # a middle hop's float32 reply is checked but not made a tensor: relayed, only its bytes go on; pushed,
+            # the next server has it already (the history keeps it as it came: a failover's replay makes it one)
+            answering = self.hops[j]
+            try:
+                out, timing = answering.stream.receive_blocking(bounds[j], keep_undecoded=j + 1 < n)
+            except (ServerFailed, PushRefused) as exc:
+                return j, exc
+            answering.open_span.answered(source, mask)  # (its input joins the history with its output)
+            answering.outputs.append(out)
+            self.timings.append(timing)
+            source = out  # (the next pushed hop's input)
+        return end, None
 
     # ---- the C chain (client/relay.py) ----------------------------------------------------------------------
     def _relayable(self, x: torch.Tensor) -> bool:
-        """May this step's hops run in the C chain? A plain relayed decode step: no push, no padding, no cache op,
-        float32 x [B, 1, H] in C order, and every hop a compact STEP on a framed keyed stream with nothing read
-        ahead (its FrameCall's buffer empty: the chain reads the socket itself) whose server keeps no route (a
-        STEP would be pushed on: the Python path's REQUEST drops it first)."""
-        if self.push or self.padded or x.dtype is not torch.float32 or x.shape[1] != 1 or not x.is_contiguous():
+        """May this step's hops run in the C chain? A plain decode step: no padding, no cache op, float32 x [B, 1, H]
+        in C order, every hop's reply a compact ANSWER on a framed keyed stream with nothing read ahead (its
+        FrameCall's buffer empty: the chain reads the socket itself), and either relayed: every hop a compact STEP
+        (float32 on its link) whose server keeps no route (a STEP would be pushed on: the Python path's REQUEST
+        drops it first); or pushed on a kept route: hop 0's step a STEP on the route its server keeps
+        (`SpanStream.on_kept_route`, what `_request` asks), the others awaited from their pushes."""
+        if self.padded or x.dtype is not torch.float32 or x.shape[1] != 1 or not x.is_contiguous():
+            return False
+        if self.push and not (self.keep_routes and len(self.hops) <= relay.MAX_PUSHED):
             return False
         nbytes = 4 * x.numel()
         shape = x.shape
         for hop in self.hops:
             stream = hop.stream
-            if hop.op is not None or not stream._compact(shape) or stream.call._buf or stream.keeps_route or \
-                    stream.channels.wire_dtype_for(hop.span.address, nbytes) != "float32":
+            if hop.op is not None or not stream._compact(shape) or stream.call._buf:
                 return False
+            if self.push:  # (the link's format and a kept route matter for hop 0's STEP only: below)
+                continue
+            if stream.keeps_route or stream.channels.wire_dtype_for(hop.span.address, nbytes) != "float32":
+                return False
+        if self.push:
+            first = self.hops[0]
+            return first.stream.channels.wire_dtype_for(first.span.address, nbytes) == "float32" and \
+                first.stream.on_kept_route(self._kept_route())
         return True  # (the chain is these streams': the session gives one only if it `fits`)
+
+    def _kept_route(self) -> tuple[tuple[str, int], ...]:
+        """The route a pushed step names from hop 0 (each later hop's session and the step id it awaits next: what
+        `_push_targets` puts in its targets when nothing of the step is written yet)."""
+        return tuple((hop.stream.session_id, hop.stream.next_step_id) for hop in self.hops[1:])
 
     def _run_relayed(self, x: torch.Tensor, mask: torch.Tensor, bounds: list[float],
                      relayed: tuple | None = None) -> tuple[int, AttemptOutcome | None]:
-        """The hops in the C chain (`relayed`: its result, if it ran already), recorded as `run_blocking` records them
-        (history, outputs, timings). Where it stopped short, that hop's reply is read here as `run_blocking` reads it
-        (its failure the attempt's outcome, or raised). Returns the first hop still to run (n: none), or the
-        attempt's outcome if one failed."""
-        done, outs, stopped = relayed if relayed is not None else self.relay.run(x, bounds)
+        """The hops in the C chain (`relayed`: its result, if it ran already), relayed or pushed (`self.push`: on the
+        kept route, `_relayable`), recorded as `run_blocking` records them (history, outputs, timings; pushed, hop
+        0's STEP and the route it went on as `_request` records them, the other hops' steps awaited as
+        `_push_targets` records them). Where it stopped short, that hop's reply is read here as `run_blocking` reads
+        it (its failure the attempt's outcome, or raised), and pushed, the rest of the route's replies after it.
+        Returns the first hop still to run (n: none), or the attempt's outcome if one failed."""
+        pushed = self.push
+        done, outs, stopped = relayed if relayed is not None else self.relay.run(x, bounds, pushed)
+        if pushed:
+            self.hops[0].stream.went_on_route()  # (its STEP was built: `_request` records the route there)
         # (each read whole once, as lists: a slice of a list is no call, a slice of a ctypes array is one)
         ints, times = self.relay.ints[:relay.INTS * done], self.relay.times[:relay.TIMES * done]
         answered = relay.take_answered([h.open_span for h in self.hops], x, mask, outs, ints, times, 4 * x.numel(),
-                                       x.shape[1])
+                                       x.shape[1], pushed)
         self.timings += map(relayed_timing, answered)
         for j in range(done):
             hop = self.hops[j]
@@ -371,29 +403,43 @@ class StepPipeline:
         if stopped is None:
             self.chained = True
             return done, None
+        for hop in self.hops[max(done, 1):] if pushed else ():  # (awaited from the pushes: `_push_targets`)
+            hop.stream.expect(x.shape)
+            hop.written = 1
+        n = len(self.hops)
         hop = self.hops[done]
+        source = outs[done - 1] if done else x
         try:
-            out, timing = self._resume(hop, stopped, x, bounds[done], keep_undecoded=done + 1 < len(self.hops))
+            out, timing = self._resume(hop, stopped, x, bounds[done], keep_undecoded=done + 1 < n,
+                                       written=done == 0 or not pushed)
         except (ServerFailed, PushRefused) as exc:
             return done, self._outcome({done: exc})
-        hop.open_span.answered(outs[done - 1] if done else x, mask)
+        hop.open_span.answered(source, mask)
         hop.outputs.append(out)
         self.timings.append(timing)
-        return done + 1, None
+        if not pushed:
+            return done + 1, None
+        i, failed = self._read_replies(done + 1, n, out, mask, bounds)  # (the rest of the route's, as `run_blocking`)
+        if failed is not None:
+            self._decode_outputs()
+            return i, self._outcome({i: failed})
+        return n, None
 
     @staticmethod
-    def _resume(hop: Hop, stopped: relay.Stopped, x: torch.Tensor, bound_s: float,
-                keep_undecoded: bool) -> tuple[torch.Tensor | Undecoded, HopTiming]:
-        """The hop the C chain stopped at, as if Python had written its STEP: its place among the replies taken, the
-        bytes of its reply read so far handed to its FrameCall, and its reply read on from there (or the failure of
-        its write or read raised as `send_blocking` / `receive_blocking` raise it)."""
+    def _resume(hop: Hop, stopped: relay.Stopped, x: torch.Tensor, bound_s: float, keep_undecoded: bool,
+                written: bool = True) -> tuple[torch.Tensor | Undecoded, HopTiming]:
+        """The hop the C chain stopped at, as if Python had written its STEP (`written`; else its step was pushed
+        there and is awaited already, `expect`): its place among the replies taken, the bytes of its reply read so far
+        handed to its FrameCall, and its reply read on from there (or the failure of its write or read raised as
+        `send_blocking` / `receive_blocking` raise it)."""
         stream, call = hop.stream, hop.stream.call
-        stream.relayed_step(4 * x.numel(), x.shape[1], tuple(x.shape), stopped.built_s, stopped.written_s)
-        if stopped.state == relay.WRITE_TIMEOUT:
-            raise ServerHung(hop.span.server_id, bound_s)
         lost = OSError(stopped.errno, os.strerror(stopped.errno))
-        if stopped.state == relay.WRITE_ERROR:
-            raise server_failure(hop.span, call._lost(lost))  # (the server's STATUS, if it sent one before it closed)
+        if written:
+            stream.relayed_step(4 * x.numel(), x.shape[1], tuple(x.shape), stopped.built_s, stopped.written_s)
+            if stopped.state == relay.WRITE_TIMEOUT:
+                raise ServerHung(hop.span.server_id, bound_s)
+            if stopped.state == relay.WRITE_ERROR:  # (the server's STATUS, if it sent one before it closed)
+                raise server_failure(hop.span, call._lost(lost))
         hop.written = 1  # (its STEP went whole: as `run_blocking` marks it before the read)
         call._buf += stopped.got
         if stopped.errno:  # (as FrameCall.read_blocking names a failed recv)

@@ -9,10 +9,15 @@ here (`StepPipeline.run_blocking` decides, `relayable`); whatever the chain does
 stops it at that hop, and the Python reader takes over from there, the bytes read so far handed back to it
 (`Stopped`). The caller does each hop's bookkeeping from what `run` returns (`take_answered`).
 
-`RelayLane` is a session's relayed decode steps while nothing the usual path decides about them changes: armed by
-the session after a decode step the chain answered whole, a step is then the chain's one call and each hop's
-bookkeeping, none of the usual step's per-hop checks and objects (after a wait every Python call is cold: docs/
-RESULTS-hop.md round 20)."""
+A pushed decode step on a kept route (docs/PROTOCOL.md "Kept routes": one STEP to the first server, each server
+pushing on to the next) runs the same way (`run(..., pushed=True)`, kernels/chain.c `chain_pushed`): hop 0's STEP
+written, one sleep until the last hop's answer, every hop's ANSWER taken as a relayed one is; the Python reader takes
+over where it stops. Without it the pushed step's hops cost the client more Python than a relayed step's.
+
+`RelayLane` is a session's relayed (or kept-route pushed) decode steps while nothing the usual path decides about
+them changes: armed by the session after a decode step the chain answered whole, a step is then the chain's one call
+and each hop's bookkeeping, none of the usual step's per-hop checks and objects (after a wait every Python call is
+cold: docs/RESULTS-hop.md round 20)."""
 from __future__ import annotations
 
 import ctypes
@@ -31,13 +36,14 @@ log = logging.getLogger(__name__)
 
 _i64, _f64 = ctypes.c_int64, ctypes.c_double
 INTS, TIMES = 4, 8  # per hop: chain.c's CHAIN_INTS, CHAIN_TIMES
+MAX_PUSHED = 65  # chain.c's CHAIN_MAX_PUSHED: the hops chain_pushed takes (a step's 64 push targets and its first)
 WRITE_TIMEOUT, WRITE_ERROR, READ = 1, 2, 3  # chain.c's stop states (0: every hop answered)
 
 
 @functools.lru_cache(maxsize=1)
 def chain_library() -> ctypes.CDLL | None:
-    """The kernels with chain_relay, or None if this process cannot build them (decode steps then run their hops
-    in Python, as fast as before this chain)."""
+    """The kernels with chain_relay and chain_pushed, or None if this process cannot build them (decode steps then
+    run their hops in Python, as fast as before this chain)."""
     try:
         return library()
     except KernelUnavailable as exc:
@@ -61,7 +67,7 @@ class Stopped:
     """Where the chain stopped short of the last hop: hop `hop` (the hops before it answered), its STEP `state`
     (WRITE_TIMEOUT, WRITE_ERROR: not wholly written; READ: written, its reply the Python reader's, `got` its bytes
     read so far), `errno` of a failed send / recv (0: none), when its STEP's build and write began (`built_s`,
-    `written_s`: perf_counter) and the reply's time left of its bound (`left_s`)."""
+    `written_s`: perf_counter; a pushed hop j > 0: hop 0's write) and the reply's time left of its bound (`left_s`)."""
 
     hop: int
     state: int
@@ -73,7 +79,7 @@ class Stopped:
 
 
 class RelayChain:
-    """A route's streams for chain_relay (sockets, keys, session ids: fixed while the streams are)."""
+    """A route's streams for chain_relay and chain_pushed (sockets, keys, session ids: fixed while the streams are)."""
 
     def __init__(self, lib: ctypes.CDLL, streams: list[SpanStream]) -> None:
         self.lib = lib
@@ -106,13 +112,13 @@ class RelayChain:
                 return False
         return True
 
-    def run(self, x: torch.Tensor,
-            bounds: list[float] | None = None) -> tuple[int, tuple[torch.Tensor, ...], Stopped | None]:
+    def run(self, x: torch.Tensor, bounds: list[float] | None = None,
+            pushed: bool = False) -> tuple[int, tuple[torch.Tensor, ...], Stopped | None]:
         """One step: x [B, T, H] float32, contiguous; bounds: each hop's hang timeout (None: the last step's, its
-        step ids advanced by the chain: a relay lane's step, right after a whole one). Returns the hops answered,
-        every hop's output [B, T, H] (valid for those answered: tensors of their own, written by no later step), and
-        where it stopped (None: every hop answered). Each hop's step id is its stream's next (the caller's
-        bookkeeping takes it)."""
+        step ids advanced by the chain: a relay lane's step, right after a whole one); pushed: on the route hop 0's
+        server keeps (chain_pushed), else relayed. Returns the hops answered, every hop's output [B, T, H] (valid for
+        those answered: tensors of their own, written by no later step), and where it stopped (None: every hop
+        answered). Each hop's step id is its stream's next (the caller's bookkeeping takes it)."""
         shape = x.shape
         if shape != self._shape:
             self._shape = shape
@@ -131,14 +137,15 @@ class RelayChain:
                 hop.bound_s = bound
         hop_outs, outs_at = self._outputs.take()
         # (addresses as ints: ctypes converts an int at once, an array through its from_param)
-        done = self.lib.chain_relay(self._hops_at, self._call_at, x.data_ptr(), outs_at)
+        chain = self.lib.chain_pushed if pushed else self.lib.chain_relay
+        done = chain(self._hops_at, self._call_at, x.data_ptr(), outs_at)
         self.answered += done
         if done == n:
             return done, hop_outs, None
         _, state, errno, got = self.stop[:]
         times = self.times[TIMES * done:TIMES * done + 8]
-        # (READ: the reply's deadline began when the STEP was written, its time read went until the chain stopped)
-        left = self.hops[done].bound_s - (times[6] - times[5])
+        # (READ: the reply's bound began with its read, times[7], and went until the chain stopped, times[6])
+        left = self.hops[done].bound_s - (times[6] - times[7])
         return done, hop_outs, Stopped(done, state, errno, self._reply.raw[:got], times[4], times[5], left)
 
 
@@ -171,19 +178,20 @@ class OutputBlock:
 
 
 def take_answered(open_spans: list, x: torch.Tensor, mask: torch.Tensor, outs: tuple[torch.Tensor, ...],
-                  ints: list[int], times: list[float], nbytes: int, n_tokens: int) -> list[RelayedHop]:
+                  ints: list[int], times: list[float], nbytes: int, n_tokens: int,
+                  pushed: bool = False) -> list[RelayedHop]:
     """The bookkeeping of the hops a chain answered (as many as `ints` holds records of: ints and times read whole
     from the chain): each stream's step id, position and timing (SpanStream.relayed), each span's history (its
     input, then the next hop's, is the previous hop's output). `open_spans`: the route's (client/pipeline.py
     OpenSpan, which sits above this module); `nbytes`, `n_tokens`: x's float32 bytes and tokens (the caller's: a
-    lane's are fixed, no torch call to ask x). Returns their timings in order, not made yet (streams.py
-    `relayed_timing` makes them)."""
+    lane's are fixed, no torch call to ask x); `pushed`: the hops after the first had their step pushed there
+    (chain_pushed). Returns their timings in order, not made yet (streams.py `relayed_timing` makes them)."""
     timings = []
     source = x
     for j in range(len(ints) // INTS):
         open_span = open_spans[j]
         timings.append(open_span.stream.relayed(ints[INTS * j:INTS * (j + 1)], times[TIMES * j:TIMES * (j + 1)], nbytes,
-                                                n_tokens))
+                                                n_tokens, pushed_here=pushed and j > 0))
         open_span.answered(source, mask, n_tokens)
         source = outs[j]
     return timings
@@ -195,9 +203,12 @@ class RelayLane:
     servers (the hang bounds come from their records) and of the links (push, RemoteSequence.push: decided anew only
     when the router syncs), a fixed wire format, the same [B, 1, H] float32 input. `takes` checks exactly that; then
     `step` is the chain's call and `take_answered`. Where the chain stops short, the caller goes on the usual way
-    from there (its result in hand): a failure is handled as ever, and the lane is gone until a whole step arms it."""
+    from there (its result in hand): a failure is handled as ever, and the lane is gone until a whole step arms it.
+    `pushed`: the steps go on the route the first server keeps (chain_pushed); each whole one takes that route one
+    step on (`SpanStream.went_on_route`, as the usual path's would): nothing else writes to a stream while its
+    session's lane lasts, so the route stays the one the next STEP goes on."""
 
-    def __init__(self, session, chain: RelayChain, shape: torch.Size) -> None:
+    def __init__(self, session, chain: RelayChain, shape: torch.Size, pushed: bool = False) -> None:
         # (session: the client/session.py InferenceSession that arms it, above this module)
         self.session = session
         self.chain = chain
@@ -211,15 +222,17 @@ class RelayLane:
         # while the lane lasts, one token each)
         self.left = session.max_length - session.position
         self.calls = list(zip(chain.streams, chain.calls))
+        self.pushed = pushed
+        self.first = chain.streams[0]
 
     @classmethod
-    def arm(cls, session, chain: RelayChain, x: torch.Tensor) -> RelayLane | None:
-        """After `x`'s decode step went whole through `chain` (its hang bounds set there, its step ids advanced): a
-        lane for the next ones, or None where a link's wire format is chosen per message (auto-lossy: by its
-        measured bandwidth)."""
+    def arm(cls, session, chain: RelayChain, x: torch.Tensor, pushed: bool = False) -> RelayLane | None:
+        """After `x`'s decode step went whole through `chain` (its hang bounds set there, its step ids advanced;
+        `pushed`: on a kept route): a lane for the next ones, or None where a link's wire format is chosen per
+        message (auto-lossy: by its measured bandwidth)."""
         if session.remote.channels.wire_dtype == "auto-lossy":
             return None
-        return cls(session, chain, x.shape)
+        return cls(session, chain, x.shape, pushed)
 
     def takes(self, x: torch.Tensor) -> bool:
         """Would the usual path relay this step ([B, 1, H], no mask or cache op: the caller's) in this chain, with
@@ -238,10 +251,14 @@ class RelayLane:
         """One step through the chain: the answered hops' timings not made yet (their bookkeeping done: the step's
         record makes them when read, session.py LaneStepRecord), every hop's output, and None, or where it stopped
         (the chain's result: the caller goes on the usual way from it, nothing of it taken here)."""
-        result = self.chain.run(x)  # (the bounds and step ids the arming step left in it)
+        pushed = self.pushed
+        result = self.chain.run(x, None, pushed)  # (the bounds and step ids the arming step left in it)
         done, outs, stopped = result
         if stopped is not None:
             return [], outs, result
         self.left -= 1
+        if pushed:
+            self.first.went_on_route()
         ints, times = self.chain.ints[:], self.chain.times[:]  # (whole, once: every hop answered)
-        return take_answered(self.spans, x, self.mask, outs, ints, times, self.nbytes, self.n_tokens), outs, None
+        return take_answered(self.spans, x, self.mask, outs, ints, times, self.nbytes, self.n_tokens, pushed), outs, \
+            None

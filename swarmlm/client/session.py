@@ -67,8 +67,8 @@ class LaneStepRecord(StepRecord):
 
     __slots__ = ("_unmade",)
 
-    def __init__(self, wall_s: float, unmade: list[RelayedHop]) -> None:
-        StepRecord.__init__(self, n_tokens=1, wall_s=wall_s, hops=None, blocking=True)
+    def __init__(self, wall_s: float, unmade: list[RelayedHop], pushed: bool = False) -> None:
+        StepRecord.__init__(self, n_tokens=1, wall_s=wall_s, hops=None, pushed=pushed, blocking=True)
         self._unmade = unmade
 
     @property
@@ -275,7 +275,7 @@ class InferenceSession:
         unmade, outs, unfinished = lane.step(hidden)
         if unfinished is None:
             self._lane = lane
-            self.steps.append(LaneStepRecord(time.perf_counter() - t0, unmade))
+            self.steps.append(LaneStepRecord(time.perf_counter() - t0, unmade, lane.pushed))
             out = outs[-1]
         else:
             record, chunks, hops = self._begin(hidden, lane.mask, None)
@@ -334,16 +334,17 @@ class InferenceSession:
                        padded: bool, relayed: tuple | None = None) -> torch.Tensor:
         """The step from the caller's thread (StepPipeline.run_blocking; `relayed`: what the relay lane's chain did
         of it already); a failover, if it needs one, goes on in the event loop. A step whose hops all went through
-        the C chain arms the relay lane for the next."""
+        the C chain (relayed, or pushed on a kept route) arms the relay lane for the next."""
         record.blocking = True
         record.pushed = self._pushes(hops)
-        relay = self._relay_chain(hops) if chunks[0][0].shape[1] == 1 and not record.pushed else None
+        chainable = not record.pushed or self.remote.config.keep_routes  # (pushed: on a kept route only)
+        relay = self._relay_chain(hops) if chunks[0][0].shape[1] == 1 and chainable else None
         pipeline = StepPipeline(hops, chunks, self.remote.config, self.hang_timeout_s, record.pushed, padded, relay)
         outcome = pipeline.run_blocking(relayed)
         if outcome.complete:
             record.hops.extend(outcome.timings)
             if pipeline.chained:
-                self._lane = RelayLane.arm(self, relay, chunks[0][0])
+                self._lane = RelayLane.arm(self, relay, chunks[0][0], record.pushed)
             return self._finish(record, hops, chunks, t0)
         return self.remote.loop.run(self._attempts(record, chunks, hops, t0, outcome, padded))
 

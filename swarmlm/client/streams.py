@@ -268,8 +268,7 @@ class SpanStream:
         route = None  # (the route this step keeps, or goes on)
         if keep and plain and push:
             route = tuple((target.session_id, target.step_id) for target in push)
-            last = self._route
-            on_route = last is not None and route == tuple((sid, step_id + 1) for sid, step_id in last)
+            on_route = self.on_kept_route(route)
         else:
             on_route = False
         # a STEP goes on the route the server keeps, if it keeps one: so only a step on that route, or any plain
@@ -293,6 +292,22 @@ class SpanStream:
                      written_s=t1, on_link=False, step_id=self._step_id, shape=compact_shape)
         self._pending.append(sent)
         return request, sent
+
+    def on_kept_route(self, route: tuple[tuple[str, int], ...]) -> bool:
+        """Is `route` (a pushed plain decode step's targets: session id, step id) the route the server keeps for this
+        stream, each target one step on? Such a step goes as a STEP, which the server pushes on (`_request`; the C
+        chain's pushed step, pipeline.py `_relayable`, asks the same)."""
+        return route == self._route_on()
+
+    def went_on_route(self) -> None:
+        """A STEP went on the kept route (the C chain wrote it): the route one step on, as `_request` records the
+        route its step goes on."""
+        self._route = self._route_on()
+
+    def _route_on(self) -> tuple[tuple[str, int], ...] | None:
+        """The kept route one step on (each target's next step id: what the next step on it names); None: none kept
+        (or not known)."""
+        return tuple((sid, step_id + 1) for sid, step_id in self._route) if self._route else None
 
     @property
     def keeps_route(self) -> bool:
@@ -373,20 +388,24 @@ class SpanStream:
                                    written_s=written_s, on_link=False, step_id=self._step_id, shape=shape))
         self.link.written_outside(kind)
 
-    def relayed(self, ints: list[int], times: list[float], nbytes: int, n_tokens: int) -> RelayedHop:
+    def relayed(self, ints: list[int], times: list[float], nbytes: int, n_tokens: int,
+                pushed_here: bool = False) -> RelayedHop:
         """A hop the C chain wrote and took the ANSWER of (its kind, length, MAC and step id checked there): the
-        step's id, the stream's position and the link's bandwidth as `_request` and `_answer` keep them. ints: the
+        step's id, the stream's position and the link's bandwidth as `_request` and `_answer` keep them;
+        `pushed_here`: its step was pushed here by the previous server, not written by this client (as `expect`
+        awaits one: no message on the link, no bandwidth sample, its wall time from hop 0's write). ints: the
         ANSWER's step id, position, batched steps, flags; times: its queued, compute, parse, encode, then the
         client's clock when the STEP's build began, its write began, the reply was whole, it was checked. Returns
         its timing not made yet (`relayed_timing` makes it: a relay lane's step record when it is first read)."""
         self._step_id += 1
         assert ints[0] == self._step_id  # (the id the chain was given, and checked)
-        self.link.written_outside(StepKind.of(n_tokens))
+        if not pushed_here:
+            self.link.written_outside(StepKind.of(n_tokens))
         self.position = ints[1]
         queued, compute, parse, encode, _, t1, t2, _ = times
         started = t1 if t1 > self._last_reply_s else self._last_reply_s
         self._last_reply_s = t2
-        if self.link.in_flight == 0:  # (`_Sent.clean`: nothing else of this client on the link)
+        if not pushed_here and self.link.in_flight == 0:  # (`_Sent.clean`: nothing else of this client on the link)
             if self._bandwidth is None:
                 self._bandwidth = self.channels.bandwidth(self.span.address)
             self._bandwidth.observe(2 * nbytes, network_s(t2 - started, queued, compute, parse + encode))
