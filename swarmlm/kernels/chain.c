@@ -109,15 +109,19 @@ static uint32_t be32(const uint8_t *p) {
 }
 
 /* Read hop's reply into `reply` until it is the whole expected ANSWER (`frame` bytes) or it cannot be one: CHAIN_DONE
-   with *got == frame, or CHAIN_READ (*got bytes read, *err a recv's errno). Never reads past `frame` bytes. */
-static int read_answer(const struct chain_hop *hop, uint8_t *reply, int64_t frame, int64_t *got, int *err) {
+   with *got == frame, or CHAIN_READ (*got bytes read, *err a recv's errno). Never reads past `frame` bytes. `there`:
+   the reply is likely there already (a pushed step's, read after the sleep until the last hop's answer): recv first. */
+static int read_answer(const struct chain_hop *hop, uint8_t *reply, int64_t frame, int64_t *got, int *err, int there) {
     double deadline = now_s() + hop->bound_s;
     int fd = (int)hop->fd;
     *got = 0;
     while (*got < frame) {
-        /* poll first: a decode step's reply is never there as soon as its STEP is written */
-        int ready = wait_ready(fd, POLLIN, deadline - now_s());
-        if (ready <= 0) return CHAIN_READ; /* timed out, or a signal */
+        /* poll first (a decode step's reply is never there as soon as its STEP is written), unless it is there */
+        if (!there) {
+            int ready = wait_ready(fd, POLLIN, deadline - now_s());
+            if (ready <= 0) return CHAIN_READ; /* timed out, or a signal */
+        }
+        there = 0; /* (not all of it, or not at all: poll before the next recv) */
         ssize_t n = recv(fd, reply + *got, (size_t)(frame - *got), 0);
         if (n < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
@@ -159,14 +163,14 @@ static int write_step(struct chain_hop *hop, const struct chain_step *s, int64_t
 /* Hop j's reply read (within its bound from now) and taken only if it is this step's ANSWER: kind, length, MAC under
    the server key, step id. Its values to outs[j], its header fields and the client's times recorded, the hop's step
    id advanced (the stream's next: a lane's next step sets none). CHAIN_DONE, or CHAIN_READ with *got bytes read (a
-   stopped hop's times[7]: when its read began, the start of its bound). */
+   stopped hop's times[7]: when its read began, the start of its bound). `there`: as read_answer's. */
 static int take_answer(struct chain_hop *hop, const struct chain_step *s, int64_t j, float *outs, int64_t *got,
-                       int *err) {
+                       int *err, int there) {
     int64_t count = s->b * s->t * s->h;
     int64_t frame = FRAME_HEADER + FRAME_ANSWER_HEAD + 4 * count + FRAME_MAC;
     double *tm = &s->times[CHAIN_TIMES * j];
     tm[7] = now_s();
-    int state = read_answer(hop, s->reply, frame, got, err);
+    int state = read_answer(hop, s->reply, frame, got, err, there);
     tm[6] = now_s();
     struct frame_answer_head answer;
     if (state != CHAIN_DONE || frame_open_answer(&hop->server, s->reply + FRAME_HEADER, frame - FRAME_HEADER, count,
@@ -197,7 +201,7 @@ int64_t chain_relay(struct chain_hop *hops, const struct chain_step *s, const fl
         int err = 0;
         int64_t got = 0;
         int state = write_step(&hops[j], s, j, j ? outs + (j - 1) * count : x, &err);
-        if (state == CHAIN_DONE) state = take_answer(&hops[j], s, j, outs, &got, &err);
+        if (state == CHAIN_DONE) state = take_answer(&hops[j], s, j, outs, &got, &err, 0);
         if (state != CHAIN_DONE) return stopped(s, j, state, err, got);
     }
     s->stop[CHAIN_STOP_HOP] = n;
@@ -234,7 +238,7 @@ int64_t chain_pushed(struct chain_hop *hops, const struct chain_step *s, const f
     for (int64_t j = 0; j < n; j++) {
         int64_t got = 0;
         if (j) s->times[CHAIN_TIMES * j + 4] = s->times[CHAIN_TIMES * j + 5] = written;
-        if (take_answer(&hops[j], s, j, outs, &got, &err) != CHAIN_DONE) return stopped(s, j, CHAIN_READ, err, got);
+        if (take_answer(&hops[j], s, j, outs, &got, &err, 1) != CHAIN_DONE) return stopped(s, j, CHAIN_READ, err, got);
     }
     s->stop[CHAIN_STOP_HOP] = n;
     return n;
