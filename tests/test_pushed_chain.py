@@ -63,7 +63,8 @@ def test_a_kept_routes_decode_steps_run_in_the_chain_with_transformers_tokens(ti
     The tokens, the records and the histories are those of a client without the chain."""
     new = 7
     ids, want = greedy_reference(tiny_bloom, "a pushed chain in C", new)
-    with in_process_swarm(tiny_bloom, THREE) as swarm:
+    # (the servers' usual path, whose pushers count the PUSH_STEPs: step lanes push on from their own connections)
+    with in_process_swarm(tiny_bloom, THREE, step_lane=False) as swarm:
         pushers = [s.service.pusher for s in swarm.servers]
         client = client_of(swarm, frames=True, push=True)
         python = client_of(swarm, frames=True, push=True, relay_in_c=False)
