@@ -33,11 +33,15 @@ from swarmlm.types import Span
 __all__ = ["CONTENTION_ROWS", "PUSH_HOP_S", "ClientSpec", "ComputeProfile", "ModelSpec", "Network", "PerfModel",
            "ServerSpec", "Workload"]
 
-# What one server-to-server push costs beyond the relayed message it replaces (its own unary RPC, handed to the
-# next server's session stream). Measured on loopback, where the links save nothing: 4 servers pushed 170.9 vs
-# 169.2 ms per token relayed (docs/RESULTS-perf.md), ~0.6 ms per push; rounded up so that push is chosen only
-# where the links clearly pay for it.
-PUSH_HOP_S = 0.001
+# What one server-to-server push costs beyond the relayed message it replaces. Measured on loopback, where the links
+# save nothing (docs/RESULTS-hop.md round 23): since kept routes (protocol 4) a pushed decode step is one compact frame
+# per hop, taken by the servers' step lanes and the client's C chain: per push -0.05 to 0.0 ms beside the relayed
+# path's (tiny-bloom, bloomz-560m: step minus compute), up to +0.15 ms on SmolLM2 at 2 vCPUs (each server wakes on
+# the other vCPU, not warm behind the client), ~0.15 ms where no lane runs (a server with other sessions); 0.3 ms,
+# rounded up, so that push is chosen where the links clearly pay for it (RTT > 0.6 ms; the client's probes measure
+# 0.05-0.5 ms on loopback). It was 1 ms while pushes went through the event loop and named the route at every step
+# (~0.6-1.6 ms).
+PUSH_HOP_S = 0.0003
 
 
 class PerfModel:
