@@ -107,6 +107,23 @@ def reference_generate(model_dir: str, ids, **kwargs):
         return reference_model(model_dir).generate(ids, **{"do_sample": False, **kwargs})
 
 
+def greedy_session(client, ids, steps: int, before_step=None):
+    """`steps` greedy tokens after `ids` [1, T] in one inference session of `client`, one step a token
+    (`before_step(i)`, if given, before decode step i): the tokens and the (closed) session, whose step records and
+    spans' histories stay readable."""
+    import torch
+
+    with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + steps + 2) as session:
+        logits = client.step_logits(session, ids)
+        tokens = [int(logits[0, -1].argmax())]
+        for i in range(steps - 1):
+            if before_step is not None:
+                before_step(i)
+            logits = client.step_logits(session, torch.tensor([[tokens[-1]]]))
+            tokens.append(int(logits[0, -1].argmax()))
+        return tokens, session
+
+
 def greedy_reference(model_dir: str, text: str, new_tokens: int):
     """What a distributed run must reproduce: the prompt's ids [1, T] and plain transformers' greedy continuation
     (`new_tokens` token ids; min_new_tokens too, so eos never ends it early: a manual step loop never stops there)."""

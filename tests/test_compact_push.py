@@ -12,7 +12,7 @@ from swarmlm.wire import compact, session_keys
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire.frames import HEADER, Kind
 from swarmlm.wire.session_keys import MAC_BYTES
-from tests.swarm_helpers import client_of, greedy_reference, in_process_swarm
+from tests.swarm_helpers import client_of, greedy_reference, greedy_session, in_process_swarm
 
 HIDDEN = 64  # tiny-bloom's
 KEY, OTHER_KEY = b"p" * 32, b"q" * 32
@@ -60,14 +60,9 @@ def test_a_short_or_undecodable_push_step_names_no_session():
 
 
 def _tokens(client, ids: torch.Tensor, new: int, pushed: bool) -> list[int]:
-    with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + new + 2) as session:
-        logits = client.step_logits(session, ids)
-        tokens = [int(logits[0, -1].argmax())]
-        for _ in range(new - 1):
-            logits = client.step_logits(session, torch.tensor([[tokens[-1]]]))
-            tokens.append(int(logits[0, -1].argmax()))
-        for record in session.steps:  # (an ANSWER says it was pushed on as a REPLY does)
-            assert [h.pushed for h in record.hops] == ([True, True, False] if pushed else [False] * 3)
+    tokens, session = greedy_session(client, ids, new)
+    for record in session.steps:  # (an ANSWER says it was pushed on as a REPLY does)
+        assert [h.pushed for h in record.hops] == ([True, True, False] if pushed else [False] * 3)
     return tokens
 
 

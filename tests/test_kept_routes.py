@@ -13,23 +13,16 @@ from swarmlm.types import BlockRange
 from swarmlm.wire import codec, compact, frames, session_keys
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire.frames import Kind
-from tests.swarm_helpers import client_of, greedy_reference, in_process_swarm
+from tests.swarm_helpers import client_of, greedy_reference, greedy_session, in_process_swarm
 
 HIDDEN = 64  # tiny-bloom's
 RANGES = [BlockRange(0, 2), BlockRange(2, 4), BlockRange(4, 6)]
 
 
-def _decode(client, ids: torch.Tensor, new: int, session_hook=None) -> list[int]:
-    with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + new + 2) as session:
-        logits = client.step_logits(session, ids)
-        tokens = [int(logits[0, -1].argmax())]
-        for i in range(new - 1):
-            if session_hook is not None:
-                session_hook(i)
-            logits = client.step_logits(session, torch.tensor([[tokens[-1]]]))
-            tokens.append(int(logits[0, -1].argmax()))
-        records = list(session.steps)
-    return tokens, records
+def _decode(client, ids: torch.Tensor, new: int, before_step=None) -> tuple[list[int], list]:
+    """`new` greedy tokens after `ids`: the tokens and the session's step records."""
+    tokens, session = greedy_session(client, ids, new, before_step)
+    return tokens, list(session.steps)
 
 
 def test_a_kept_route_writes_one_step_frame_a_token_and_gives_the_same_tokens(tiny_bloom, monkeypatch):

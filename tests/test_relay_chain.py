@@ -25,7 +25,7 @@ from swarmlm.wire import compact, frames, session_keys
 from swarmlm.wire import swarm_pb2 as pb
 from swarmlm.wire.frames import HEADER, Kind
 from swarmlm.wire.links import LinkScheduler, TransmissionPolicy
-from tests.swarm_helpers import client_of, greedy_reference, in_process_swarm
+from tests.swarm_helpers import client_of, greedy_reference, greedy_session, in_process_swarm
 
 pytestmark = pytest.mark.skipif(chain_library() is None, reason="no C compiler: the chain is not built")
 
@@ -36,17 +36,6 @@ MAX_BODY = 64 << 20  # (a frame call's limit: ClientConfig.max_message_bytes' de
 
 
 # ---- a live swarm ------------------------------------------------------------------------------------------------
-def greedy_session(client, ids: torch.Tensor, steps: int):
-    """`steps` greedy tokens after `ids` in one session: the tokens and the (closed) session."""
-    with torch.no_grad(), client.inference_session(max_length=ids.shape[1] + steps + 2) as session:
-        logits = client.step_logits(session, ids)
-        tokens = [int(logits[0, -1].argmax())]
-        for _ in range(steps - 1):
-            logits = client.step_logits(session, torch.tensor([[tokens[-1]]]))
-            tokens.append(int(logits[0, -1].argmax()))
-        return tokens, session
-
-
 def test_a_relayed_decode_step_runs_in_the_c_chain_and_keeps_transformers_tokens(tiny_bloom):
     ids, want = greedy_reference(tiny_bloom, "the chain in C", 6)
     with in_process_swarm(tiny_bloom, [BlockRange(0, 2), BlockRange(2, 4), BlockRange(4, 6)]) as swarm:
@@ -177,13 +166,15 @@ def _route(behaviours: list) -> tuple[list[Hop], list[socket.socket]]:
     return hops, ends
 
 
-def _step(behaviours: list, in_c: bool, hidden: int = HIDDEN) -> dict:
-    """One decode step over a route whose servers behave so: what it ended with, and each hop's state after it."""
-    hops, ends = _route(behaviours)
+def route_step(hops: list, ends: list, in_c: bool, push: bool, hidden: int = HIDDEN) -> tuple:
+    """One decode step of x = 0, 1, 2 ... [ROWS, 1, hidden] through `hops` (fake servers at `ends`, closed after
+    it), in the C chain or in Python, relayed or pushed: how it ended, the pipeline, the chain (None: Python), and
+    each hop's state (written, outputs' count, outputs' bytes, span position, step id, unanswered, stream
+    position, bytes read ahead, history length)."""
     chain = RelayChain(chain_library(), [h.stream for h in hops]) if in_c else None
     x = torch.arange(ROWS * hidden, dtype=torch.float32).reshape(ROWS, 1, hidden)
     mask = torch.ones(ROWS, 1, dtype=torch.long)
-    pipeline = StepPipeline(hops, [(x, mask)], ClientConfig(), lambda *_: BOUND_S, push=False, padded=False,
+    pipeline = StepPipeline(hops, [(x, mask)], ClientConfig(), lambda *_: BOUND_S, push=push, padded=False,
                             relay_chain=chain)
     try:
         outcome = pipeline.run_blocking()
@@ -192,10 +183,17 @@ def _step(behaviours: list, in_c: bool, hidden: int = HIDDEN) -> dict:
         ended = ("raised", type(exc), str(exc))
     state = [(h.written, len(h.outputs), [bytes(o.numpy()) if isinstance(o, torch.Tensor) else bytes(o.data)
                                for o in h.outputs], h.open_span.position, h.stream._step_id, h.stream.unanswered,
-              h.stream.position, bytes(h.stream.call._buf)) for h in hops]
+              h.stream.position, bytes(h.stream.call._buf), len(h.open_span.history)) for h in hops]
     for h, end in zip(hops, ends):
         h.stream.call.cancel()
         end.close()
+    return ended, pipeline, chain, state
+
+
+def _step(behaviours: list, in_c: bool, hidden: int = HIDDEN) -> dict:
+    """One decode step over a route whose servers behave so: what it ended with, and each hop's state after it."""
+    hops, ends = _route(behaviours)
+    ended, pipeline, chain, state = route_step(hops, ends, in_c, False, hidden)
     return {"ended": ended, "hops": state, "timings": len(pipeline.timings),
             "answered_in_c": chain.answered if chain is not None else None}
 

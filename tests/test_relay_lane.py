@@ -15,8 +15,7 @@ from swarmlm.client.streams import MAX_REPORTED_BATCH, HopTiming, SpanStream
 from swarmlm.errors import InvalidRequest
 from swarmlm.types import BlockRange, CacheOp
 from swarmlm.wire import compact
-from tests.swarm_helpers import client_of, greedy_reference, in_process_swarm
-from tests.test_relay_chain import greedy_session
+from tests.swarm_helpers import client_of, greedy_reference, greedy_session, in_process_swarm
 
 pytestmark = pytest.mark.skipif(chain_library() is None, reason="no C compiler: the chain is not built")
 

@@ -17,7 +17,8 @@ from swarmlm.types import BlockRange
 from swarmlm.wire import compact
 from swarmlm.wire import swarm_pb2 as pb
 from tests.gguf_fixtures import write_tiny_gguf
-from tests.swarm_helpers import client_of, in_process_server, in_process_swarm, reference_generate, reference_model
+from tests.swarm_helpers import (client_of, greedy_session, in_process_server, in_process_swarm, reference_generate,
+                                 reference_model)
 
 pytestmark = pytest.mark.skipif(not available(), reason="no C compiler: no packed kernels")
 
@@ -41,13 +42,7 @@ def _hidden(path: str) -> int:
 
 
 def _greedy(client, prompt: list[int], new: int) -> list[int]:
-    with torch.no_grad(), client.inference_session(max_length=len(prompt) + new + 1) as session:
-        logits = client.step_logits(session, torch.tensor([prompt]))
-        tokens = [int(logits[0, -1].argmax())]
-        for _ in range(new - 1):
-            logits = client.step_logits(session, torch.tensor([[tokens[-1]]]))
-            tokens.append(int(logits[0, -1].argmax()))
-    return tokens
+    return greedy_session(client, torch.tensor([prompt]), new)[0]
 
 
 def _want(path: str, prompt: list[int], new: int) -> list[int]:
