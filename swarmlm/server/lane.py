@@ -23,6 +23,11 @@ session's open, a push into it, its close or detach, the connection's end, a com
 scheduler's `yield_lane`) disarms the lane first (`disarm`): the thread stops (a step it computes ends first), its
 state (position, cache length, mask, step order, last use, counts) is written back, so the usual path goes on from
 where the lane left it.
+
+On a kept route (protocol 4, docs/PROTOCOL.md "Kept routes"): a session whose stream keeps a route has a lane that
+pushes each output on as a PUSH_STEP from its thread, first, on a push connection of its own while armed (`PushOn`);
+a session fed by pushes has its lane on the push connection its last PUSH_STEP came by (`reads_pushes`: C checks the
+session's id, secret and push key's MAC), answering on the session's stream, which a message of its own disarms.
 """
 from __future__ import annotations
 
@@ -89,9 +94,9 @@ class StepLane:
 
     def __init__(self, service, session, order, decoder=None, push_on: PushOn | None = None,
                  reads_pushes: bool = False) -> None:
-        """`push_on`: each step's output also goes on as a PUSH_STEP (a route the session keeps; a packed span's lane
-        only). `reads_pushes`: the lane takes the PUSH_STEPs of a push connection into the session (`start`'s
-        `conn`), not the STEPs of its stream, whose connection it writes the ANSWERs to."""
+        """`push_on`: each step's output also goes on as a PUSH_STEP (a route the session keeps). `reads_pushes`: the
+        lane takes the PUSH_STEPs of a push connection into the session (`start`'s `conn`), not the STEPs of its
+        stream, whose connection it writes the ANSWERs to."""
         state = session.state
         cache = state.cache
         rows, position, positions = state.rows, state.position, int(session.max_length)
