@@ -204,3 +204,30 @@ def test_a_step_frame_refuses_dims_whose_values_overflow_its_length():
     out = ctypes.create_string_buffer(64)
     for b, t, h in ((0xFFFF, 0xFFFF, 0xFFFFFFFF), (1, 1, 1 << 30), (0xFFFF, 0xFFFF, 1 << 16)):
         assert library().frame_step(k, StepHead(1, b, t, h), None, out) == -1
+
+
+def test_a_push_step_is_compact_pys_and_opens_only_for_its_session_secret_and_key():
+    """frame_push_step writes wire/compact.py's push_frame byte for byte; frame_open_push_step takes it back (its
+    header, where its values start) only for its session id and secret (else OTHER) under its push key (else
+    TAMPERED), and a body of the wrong length for its dims is LENGTH."""
+    lib = library()
+    key, sid, secret = b"k" * 32, "ab" * 16, b"s" * 16
+    values = np.random.default_rng(0).standard_normal((2, 1, 8), dtype=np.float32)
+    want = compact.push_frame(key, sid, secret, 7, 2, 1, 8, values.tobytes())
+    out = ctypes.create_string_buffer(frame_types.push_step_overhead(sid) + values.nbytes)
+    size = lib.frame_push_step(FrameKey.of(key, sid), secret, StepHead(7, 2, 1, 8), values.ctypes.data, out)
+    assert out.raw[:size] == want
+    body = want[frames.HEADER.size:]
+
+    def opened(k: bytes, s: str, sec: bytes, data: bytes = body) -> tuple[int, tuple, int]:
+        head, at = StepHead(), ctypes.c_int64()
+        code = lib.frame_open_push_step(FrameKey.of(k, s), sec, data, len(data), ctypes.byref(head), ctypes.byref(at))
+        return code, (head.step_id, head.b, head.t, head.h), at.value
+
+    code, dims, at = opened(key, sid, secret)
+    assert code == frame_types.OPENED and dims == (7, 2, 1, 8) and body[at:at + values.nbytes] == values.tobytes()
+    assert opened(key, sid, b"w" * 16)[0] == frame_types.OTHER
+    assert opened(key, "cd" * 16, secret)[0] == frame_types.OTHER
+    assert opened(b"q" * 32, sid, secret)[0] == frame_types.TAMPERED
+    longer = compact.push_frame(key, sid, secret, 7, 2, 1, 8, values.tobytes() + b"\0" * 4)[frames.HEADER.size:]
+    assert opened(key, sid, secret, longer)[0] == frame_types.LENGTH

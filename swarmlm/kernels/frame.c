@@ -163,19 +163,43 @@ static uint8_t *frame_header(uint8_t *out, uint8_t kind, int64_t body) {
     return out + FRAME_HEADER;
 }
 
-int64_t frame_step(const struct frame_key *k, const struct frame_step_head *head, const float *values, uint8_t *out) {
+/* A STEP part's values' bytes for `head`'s dims, or -1 if a dim is out of its field or the body (`before` bytes
+   ahead of the STEP part) would pass a u32 length. */
+static int64_t step_values_bytes(const struct frame_step_head *head, int64_t before) {
     if (head->b <= 0 || head->b > 0xFFFF || head->t <= 0 || head->t > 0xFFFF || head->h <= 0 || head->h > 0xFFFFFFFFLL)
         return -1;
     unsigned __int128 values_bytes = (unsigned __int128)4 * (uint64_t)head->b * (uint64_t)head->t * (uint64_t)head->h;
-    if (values_bytes > 0xFFFFFFFFULL - FRAME_STEP_HEAD - FRAME_MAC) return -1;  /* (its body's length is a u32) */
-    int64_t nbytes = (int64_t)values_bytes;
-    int64_t body = FRAME_STEP_HEAD + nbytes + FRAME_MAC;
-    uint8_t *p = frame_header(out, FRAME_KIND_STEP, body);
+    if (values_bytes > 0xFFFFFFFFULL - (uint64_t)before - FRAME_STEP_HEAD - FRAME_MAC) return -1;
+    return (int64_t)values_bytes;
+}
+
+/* A STEP part (its header, then `nbytes` of values) at `p`: a STEP's body, or a PUSH_STEP's after its session part. */
+static void write_step_part(uint8_t *p, const struct frame_step_head *head, const float *values, int64_t nbytes) {
     put64(p, head->step_id);
     put16(p + 8, (uint64_t)head->b);
     put16(p + 10, (uint64_t)head->t);
     put32(p + 12, (uint64_t)head->h);
     memcpy(p + FRAME_STEP_HEAD, values, (size_t)nbytes);
+}
+
+/* A STEP part's header into `head` and its length (`size` bytes up to the MAC) against the header's dims:
+   FRAME_OK or FRAME_LENGTH. */
+static int read_step_part(const uint8_t *p, int64_t size, struct frame_step_head *head) {
+    head->step_id = get64(p);
+    head->b = (int64_t)get16(p + 8);
+    head->t = (int64_t)get16(p + 10);
+    head->h = (int64_t)get32(p + 12);
+    /* (b, t < 2^16 and h < 2^32: 4 b t h fits 128 bits, not 64) */
+    unsigned __int128 expected = (unsigned __int128)4 * (uint64_t)head->b * (uint64_t)head->t * (uint64_t)head->h;
+    return expected == (unsigned __int128)(size - FRAME_STEP_HEAD) ? FRAME_OK : FRAME_LENGTH;
+}
+
+int64_t frame_step(const struct frame_key *k, const struct frame_step_head *head, const float *values, uint8_t *out) {
+    int64_t nbytes = step_values_bytes(head, 0);
+    if (nbytes < 0) return -1;
+    int64_t body = FRAME_STEP_HEAD + nbytes + FRAME_MAC;
+    uint8_t *p = frame_header(out, FRAME_KIND_STEP, body);
+    write_step_part(p, head, values, nbytes);
     frame_mac(k, "swarmlm-step", p, FRAME_STEP_HEAD + nbytes, p + FRAME_STEP_HEAD + nbytes);
     return FRAME_HEADER + body;
 }
@@ -183,14 +207,7 @@ int64_t frame_step(const struct frame_key *k, const struct frame_step_head *head
 int frame_open_step(const struct frame_key *k, const uint8_t *body, int64_t len, struct frame_step_head *head) {
     int64_t size = len - FRAME_MAC;
     if (size < FRAME_STEP_HEAD || !mac_matches(k, "swarmlm-step", body, size)) return FRAME_TAMPERED;
-    head->step_id = get64(body);
-    head->b = (int64_t)get16(body + 8);
-    head->t = (int64_t)get16(body + 10);
-    head->h = (int64_t)get32(body + 12);
-    /* (b, t < 2^16 and h < 2^32: 4 b t h fits 128 bits, not 64) */
-    unsigned __int128 expected = (unsigned __int128)4 * (uint64_t)head->b * (uint64_t)head->t * (uint64_t)head->h;
-    if (expected != (unsigned __int128)(size - FRAME_STEP_HEAD)) return FRAME_LENGTH;
-    return FRAME_OK;
+    return read_step_part(body, size, head);
 }
 
 int64_t frame_answer(const struct frame_key *k, const struct frame_answer_head *head, const float *values,
@@ -231,24 +248,15 @@ int frame_open_answer(const struct frame_key *k, const uint8_t *body, int64_t le
 
 int64_t frame_push_step(const struct frame_key *k, const uint8_t *secret, const struct frame_step_head *head,
                         const float *values, uint8_t *out) {
-    if (k->sid_len > 255 || head->b <= 0 || head->b > 0xFFFF || head->t <= 0 || head->t > 0xFFFF || head->h <= 0 ||
-        head->h > 0xFFFFFFFFLL)
-        return -1;
     const int64_t at = 1 + k->sid_len + FRAME_SECRET;  /* where its STEP part starts */
-    unsigned __int128 values_bytes = (unsigned __int128)4 * (uint64_t)head->b * (uint64_t)head->t * (uint64_t)head->h;
-    if (values_bytes > 0xFFFFFFFFULL - (uint64_t)at - FRAME_STEP_HEAD - FRAME_MAC) return -1;
-    int64_t nbytes = (int64_t)values_bytes;
+    int64_t nbytes = k->sid_len > 255 ? -1 : step_values_bytes(head, at);
+    if (nbytes < 0) return -1;
     int64_t body = at + FRAME_STEP_HEAD + nbytes + FRAME_MAC;
     uint8_t *p = frame_header(out, FRAME_KIND_PUSH_STEP, body);
     p[0] = (uint8_t)k->sid_len;
     memcpy(p + 1, k->sid, (size_t)k->sid_len);
     memcpy(p + 1 + k->sid_len, secret, FRAME_SECRET);
-    uint8_t *step = p + at;
-    put64(step, head->step_id);
-    put16(step + 8, (uint64_t)head->b);
-    put16(step + 10, (uint64_t)head->t);
-    put32(step + 12, (uint64_t)head->h);
-    memcpy(step + FRAME_STEP_HEAD, values, (size_t)nbytes);
+    write_step_part(p + at, head, values, nbytes);
     frame_mac(k, "swarmlm-push", p, body - FRAME_MAC, p + body - FRAME_MAC);
     return FRAME_HEADER + body;
 }
@@ -263,15 +271,8 @@ int frame_open_push_step(const struct frame_key *k, const uint8_t *secret, const
     if (diff) return FRAME_OTHER;
     int64_t size = len - FRAME_MAC;
     if (!mac_matches(k, "swarmlm-push", body, size)) return FRAME_TAMPERED;
-    const uint8_t *step = body + at;
-    head->step_id = get64(step);
-    head->b = (int64_t)get16(step + 8);
-    head->t = (int64_t)get16(step + 10);
-    head->h = (int64_t)get32(step + 12);
-    unsigned __int128 expected = (unsigned __int128)4 * (uint64_t)head->b * (uint64_t)head->t * (uint64_t)head->h;
-    if (expected != (unsigned __int128)(size - at - FRAME_STEP_HEAD)) return FRAME_LENGTH;
     *values_at = at + FRAME_STEP_HEAD;
-    return FRAME_OK;
+    return read_step_part(body + at, size - at, head);
 }
 
 int frame_finite(const float *values, int64_t n) {

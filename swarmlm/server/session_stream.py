@@ -278,19 +278,20 @@ class SessionStreams:
             feed = getattr(request_iterator, "feed", None)
             if feed is not None:
                 await feed(functools.partial(self._take_now, inbox, peer, charges, session),
-                           lambda request, data: self._take(inbox, peer, charges, _checked(session, request, data)))
+                           lambda request, data: self._take(inbox, peer, charges, session,
+                                                            _checked(session, request, data)))
             else:
                 async for request in request_iterator:
-                    await self._take(inbox, peer, charges, _checked(session, request))
+                    await self._take(inbox, peer, charges, session, _checked(session, request))
         except Exception:  # a broken stream: the session waits for a resume, for the grace only
             await inbox.put(_BROKEN)
             return
         ended.set()  # a clean end, even if the call is cancelled before the handler reads it
         await inbox.put(_END)
 
-    async def _take(self, inbox: Inbox, peer: str, charges: dict, request) -> None:
+    async def _take(self, inbox: Inbox, peer: str, charges: dict, session: Session, request) -> None:
         """One message of the client into its session's inbox, waiting for room (its step's bytes, then the inbox)."""
-        self._stream_speaks(inbox)
+        self._stream_speaks(session)
         if request is not UNPARSABLE and request is not _TAMPERED and request.WhichOneof("kind") == "step":
             await self._charge(charges, request, peer, payload_bytes(request.step))
         await inbox.put(request)
@@ -300,7 +301,7 @@ class SessionStreams:
         would have to wait."""
         if inbox.full():
             return False
-        self._stream_speaks(inbox)
+        self._stream_speaks(session)
         request = _checked(session, request, data)
         if request is not UNPARSABLE and request is not _TAMPERED and request.WhichOneof("kind") == "step":
             nbytes = payload_bytes(request.step)
@@ -310,12 +311,12 @@ class SessionStreams:
         inbox.put_nowait(request)
         return True
 
-    def _stream_speaks(self, inbox: Inbox) -> None:
+    def _stream_speaks(self, session: Session) -> None:
         """A message on a session's stream: a lane that reads its pushes (not this stream) is disarmed first, as a
         push disarms one that reads the stream."""
-        for sid, lane in list(self.lanes.items()):
-            if lane.reads_pushes and self.inboxes.get(sid) is inbox:
-                self.disarm(sid)
+        lane = self.lanes.get(session.session_id)
+        if lane is not None and lane.reads_pushes:
+            self.disarm(session.session_id)
 
     async def push(self, request: pb.PushRequest, admission: Admission, data: bytes | None = None) -> pb.PushReply:
         """A step pushed by the previous server of a route (`_pushed_step` checks it), into its session's inbox; a
